@@ -1,0 +1,1 @@
+"""Engines behind one small protocol: simulated (profiles), OpenVINO (CPU), vLLM (GPU)."""

@@ -1,0 +1,112 @@
+"""The engine protocol: what a node runtime needs from an inference engine.
+
+One engine object is one model instance on one node. The node runtime (mesh.runtime.node)
+drives it one iteration at a time, by the compute subsystem's choice (LLM-Mesh 5.1):
+`step()` runs exactly one iteration (prefill-only or decode-only, never mixed) and returns
+the tokens it produced. Memory operations (load, unload, KV resize) are awaited by the
+runtime when the reservation station starts them (LLM-Mesh 6.3).
+
+Every engine follows the same batching rule, so the compute subsystem can predict it:
+if requests wait for prefill, the next iteration prefills them in arrival order while
+their prompt tokens fit `prefill_token_budget` (at least one); otherwise it decodes one
+token for every running request.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol, Sequence, runtime_checkable
+
+
+class IterationKind(str, Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # end-of-sequence token or a stop string
+    LENGTH = "length"  # max_tokens reached
+    ABORT = "abort"  # aborted by the runtime or the client
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """Sampling parameters, passed through to the engine (OpenAI request fields)."""
+
+    max_tokens: int = 256
+    temperature: float = 0.0  # 0 means greedy
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class EngineRequest:
+    """A request as an engine sees it.
+
+    `prompt_token_ids` is the tokenized prompt (chat template already applied) for real
+    engines; the simulated engine needs only `prompt_len` and `output_len`, the number of
+    tokens the simulated model will produce (taken from a trace; real engines ignore it).
+    """
+
+    request_id: str
+    prompt_len: int
+    sampling: Sampling = field(default_factory=Sampling)
+    prompt_token_ids: Sequence[int] | None = None
+    output_len: int | None = None
+
+
+@dataclass(slots=True)
+class StepResult:
+    """What one iteration produced.
+
+    `request_ids` are the requests that received one new token each, in batch order;
+    `token_ids` and `texts` run parallel to it (None where an engine has no token ids or
+    text, as the simulated engine). `finished` maps the requests that ended in this
+    iteration to their reason; their last token is in `request_ids` too.
+    """
+
+    kind: IterationKind
+    request_ids: Sequence[str]
+    token_ids: Sequence[int] | None = None
+    texts: Sequence[str] | None = None
+    finished: dict[str, FinishReason] = field(default_factory=dict)
+
+
+class EngineError(RuntimeError):
+    """An engine refused or failed an operation; the message says what and what to do."""
+
+
+@runtime_checkable
+class Engine(Protocol):
+    """One model instance on one node."""
+
+    model_name: str
+    kv_bytes_per_token: int  # C in LLM-Mesh Eq. 2
+    weight_bytes: int  # memory the weights hold from load to unload
+    context_window: int  # longest prompt + output the instance accepts
+    prefill_token_budget: int  # max prompt tokens one prefill iteration takes
+
+    async def load(self) -> None:
+        """Bring weights into the node's memory (a memory operation; takes time)."""
+
+    async def unload(self) -> None:
+        """Release weights and KV cache (a memory operation)."""
+
+    async def resize_kv(self, capacity_bytes: int) -> None:
+        """Set the KV cache bound to `capacity_bytes` (a memory operation; takes time)."""
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request for prefill. Raises EngineError if it cannot fit the context window."""
+
+    async def step(self) -> StepResult:
+        """Run exactly one iteration. Only called when `has_work()` is true."""
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request; it produces nothing more. Unknown ids are ignored."""
+
+    def has_work(self) -> bool:
+        """True while any request waits for prefill or is decoding."""
+
+    def kv_bytes_in_use(self) -> int:
+        """KV cache bytes the running requests hold now."""

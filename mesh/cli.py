@@ -1,0 +1,33 @@
+"""The `mesh` command line. Each subcommand lives in mesh.commands.<name>."""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# Subcommand modules, in the order `mesh --help` lists them.
+COMMANDS = ["replay", "bench", "info", "calibrate", "models"]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mesh", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"mesh.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"mesh.commands.{name}":
+                raise
+            continue  # not built yet
+        module.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

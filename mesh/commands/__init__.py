@@ -1,0 +1,1 @@
+"""`mesh` subcommands, one module each; every module has `register(subparsers)`."""
