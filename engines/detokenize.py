@@ -1,0 +1,78 @@
+"""Incremental detokenization and stop strings, one token at a time.
+
+Byte-level BPE splits multi-byte characters across tokens; decoding one token alone gives
+nothing (OpenVINO drops the partial bytes) or U+FFFD (other tokenizers). `Detokenizer`
+decodes a short window of recent tokens and emits only text that is complete, so the
+deltas concatenate to the decoded output. `StopMatcher` cuts the text at the first stop
+string and holds back a tail that could still become one, so no stop string leaks into a
+delta that was already streamed. Both are pure Python around a `decode` callable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+Decode = Callable[[Sequence[int]], str]
+
+
+@dataclass(slots=True)
+class Detokenizer:
+    """Turns a growing token list into text deltas (the prefix/read offset scheme of vLLM)."""
+
+    decode: Decode
+    ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0  # start of the window decoded for context
+    read_offset: int = 0  # tokens before this are already emitted
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes (often "", for a partial character)."""
+        self.ids.append(token_id)
+        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.decode(self.ids[self.prefix_offset:])
+        if len(text) <= len(prefix) or text.endswith("\ufffd") or not text.startswith(prefix):
+            return ""  # incomplete character: wait for the next token
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return text[len(prefix):]
+
+    def flush(self) -> str:
+        """Text still held back at the end of the output (an incomplete tail, usually "")."""
+        prefix = self.decode(self.ids[self.prefix_offset:self.read_offset])
+        text = self.decode(self.ids[self.prefix_offset:]).rstrip("\ufffd")
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return text[len(prefix):] if text.startswith(prefix) else ""
+
+
+@dataclass(slots=True)
+class StopMatcher:
+    """Finds stop strings in streamed text; the stop string itself is never emitted."""
+
+    stops: tuple[str, ...]
+    held: str = ""  # text that may be the start of a stop string
+    stopped: bool = False
+
+    def feed(self, delta: str) -> str:
+        """Return the part of `held + delta` that is safe to emit; sets `stopped` on a match."""
+        if self.stopped:
+            return ""
+        text = self.held + delta
+        cut = min((i for i in (text.find(s) for s in self.stops if s) if i >= 0), default=-1)
+        if cut >= 0:
+            self.stopped, self.held = True, ""
+            return text[:cut]
+        keep = self._partial_tail(text)
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out
+
+    def _partial_tail(self, text: str) -> int:
+        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        best = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(text)), best, -1):
+                if stop.startswith(text[-n:]):
+                    best = n
+                    break
+        return best

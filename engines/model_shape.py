@@ -1,0 +1,99 @@
+"""The shape of a decoder-only model as far as KV memory is concerned, and its KV bytes per token.
+
+Read from GGUF metadata (`<arch>.block_count`, `<arch>.attention.head_count_kv`, ...) or an
+HF-style `config.json` (which optimum-intel copies into OpenVINO IR folders).
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engines.gguf_meta import read_gguf_metadata
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    layers: int
+    attention_heads: int
+    kv_heads: int
+    head_dim: int
+    context_length: int  # the window the model was trained for
+    architecture: str = ""
+    chat_template: str | None = None
+
+
+def shape_from_gguf(path: str | Path) -> ModelShape:
+    meta = read_gguf_metadata(path)
+    arch = str(meta.get("general.architecture", "llama"))
+
+    def get(key: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{key}", default)
+        if value is None:
+            raise ValueError(f"{path}: GGUF metadata lacks '{arch}.{key}'")
+        return value
+
+    heads = int(get("attention.head_count"))
+    head_dim = meta.get(f"{arch}.attention.key_length") or int(get("embedding_length")) // heads
+    return ModelShape(
+        layers=int(get("block_count")),
+        attention_heads=heads,
+        kv_heads=int(get("attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        context_length=int(get("context_length")),
+        architecture=arch,
+        chat_template=meta.get("tokenizer.chat_template"),
+    )
+
+
+def shape_from_config(config_json: str | Path) -> ModelShape:
+    cfg = json.loads(Path(config_json).read_text())
+    cfg = cfg.get("text_config", cfg)  # multimodal configs nest the language model
+    heads = int(cfg["num_attention_heads"])
+    return ModelShape(
+        layers=int(cfg["num_hidden_layers"]),
+        attention_heads=heads,
+        kv_heads=int(cfg.get("num_key_value_heads") or heads),
+        head_dim=int(cfg.get("head_dim") or int(cfg["hidden_size"]) // heads),
+        context_length=int(cfg.get("max_position_embeddings") or 2048),
+        architecture=str(cfg.get("model_type", "")),
+    )
+
+
+def kv_bytes_per_token(
+    shape: ModelShape,
+    key_precision: str = "u8",
+    value_precision: str = "u8",
+    block_size: int = 32,
+) -> int:
+    """KV bytes one token holds across all layers, as OpenVINO's CPU plugin stores them.
+
+    Float caches hold 2 x layers x kv_heads x head_dim x element size. The u8 caches (the
+    CPU default) add quantization parameters, measured on OpenVINO 2026.4: keys are
+    quantized per channel with an f32 scale and zero point per channel per block, values
+    per token with an f32 scale and zero point per token. Per head and token that is
+    head_dim + 8*head_dim/block_size bytes of key and head_dim + 8 bytes of value.
+    """
+    per_head = _key_bytes(shape.head_dim, key_precision, block_size)
+    per_head += _value_bytes(shape.head_dim, value_precision)
+    return int(round(shape.layers * shape.kv_heads * per_head))
+
+
+_FLOAT_SIZES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def _key_bytes(head_dim: int, precision: str, block_size: int) -> float:
+    if precision in _FLOAT_SIZES:
+        return head_dim * _FLOAT_SIZES[precision]
+    if precision == "u8":
+        return head_dim + 8 * head_dim / block_size
+    raise ValueError(f"unsupported key cache precision {precision!r} (use u8, bf16, f16, f32)")
+
+
+def _value_bytes(head_dim: int, precision: str) -> float:
+    if precision in _FLOAT_SIZES:
+        return head_dim * _FLOAT_SIZES[precision]
+    if precision == "u8":
+        return head_dim + 8
+    raise ValueError(f"unsupported value cache precision {precision!r} (use u8, bf16, f16, f32)")
