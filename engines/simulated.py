@@ -1,0 +1,131 @@
+"""A simulated engine: iteration times from a performance model, optional seeded noise.
+
+It follows the batching rule of engines.protocol exactly, and produces `output_len` tokens
+per request (from a trace), capped by max_tokens and the context window. Memory operations
+take modeled time: a load `load_s`; a KV resize proportional to the bytes it changes
+(defaults from LLM-Mesh Figure 8 on an A100: 32 -> 64 GB in 1.9 s, 32 -> 16 GB in 0.3 s).
+"""
+from __future__ import annotations
+
+import asyncio
+import random
+from collections import defaultdict
+
+from engines.protocol import EngineError, EngineRequest, FinishReason, IterationKind, StepResult
+from mesh.policy.compute import IterationTimes
+
+GIB = 2**30
+RESIZE_UP_S_PER_GIB = 1.9 / 32  # Figure 8: +32 GB in 1.9 s
+RESIZE_DOWN_S_PER_GIB = 0.3 / 16  # Figure 8: -16 GB in 0.3 s
+
+
+class SimulatedEngine:
+    def __init__(
+        self,
+        model_name: str,
+        times: IterationTimes,
+        *,
+        kv_bytes_per_token: int,
+        weight_bytes: int,
+        context_window: int,
+        prefill_token_budget: int | None = None,
+        load_s: float = 0.0,
+        noise: float = 0.0,
+        seed: int = 0,
+    ) -> None:
+        self.model_name = model_name
+        self.times = times
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.weight_bytes = weight_bytes
+        self.context_window = context_window
+        self.prefill_token_budget = prefill_token_budget or context_window
+        self.load_s = load_s
+        self.noise = noise  # relative std-dev of a lognormal factor on every iteration
+        self._rng = random.Random(seed)
+        self._kv_capacity = 0
+        self._pending: dict[str, tuple[int, int, FinishReason]] = {}  # id -> (prompt, target, reason)
+        self._running: dict[str, tuple[int, int, int, FinishReason]] = {}  # id -> (prompt, target, first round, reason)
+        self._finish_at: dict[int, list[str]] = defaultdict(list)  # decode round -> ids
+        self._rounds = 0
+        self._context = 0  # tokens held by running requests
+        self.iterations = 0
+
+    # -- memory operations ---------------------------------------------------------
+    async def load(self) -> None:
+        await asyncio.sleep(self.load_s)
+
+    async def unload(self) -> None:
+        self._kv_capacity = 0
+
+    async def resize_kv(self, capacity_bytes: int) -> None:
+        delta = capacity_bytes - self._kv_capacity
+        per_gib = RESIZE_UP_S_PER_GIB if delta > 0 else RESIZE_DOWN_S_PER_GIB
+        self._kv_capacity = capacity_bytes
+        await asyncio.sleep(abs(delta) / GIB * per_gib)
+
+    # -- requests ------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        if request.prompt_len < 1 or request.prompt_len + 1 > self.context_window:
+            raise EngineError(
+                f"request {request.request_id}: prompt of {request.prompt_len} tokens does not fit "
+                f"the context window of {self.context_window}; shorten the prompt"
+            )
+        cap = min(request.sampling.max_tokens, self.context_window - request.prompt_len)
+        wanted = request.output_len if request.output_len is not None else cap
+        target = max(1, min(wanted, cap))
+        reason = FinishReason.STOP if wanted <= cap else FinishReason.LENGTH
+        self._pending[request.request_id] = (request.prompt_len, target, reason)
+
+    def abort(self, request_id: str) -> None:
+        if self._pending.pop(request_id, None) is None:
+            entry = self._running.pop(request_id, None)
+            if entry is not None:
+                self._context -= entry[0] + self._rounds - entry[2] + 1
+
+    def has_work(self) -> bool:
+        return bool(self._pending or self._running)
+
+    def kv_bytes_in_use(self) -> int:
+        return self._context * self.kv_bytes_per_token
+
+    def _jitter(self) -> float:
+        return self._rng.lognormvariate(0.0, self.noise) if self.noise else 1.0
+
+    async def step(self) -> StepResult:
+        self.iterations += 1
+        if self._pending:
+            return await self._prefill()
+        return await self._decode()
+
+    async def _prefill(self) -> StepResult:
+        batch, tokens = [], 0
+        for rid, (prompt, _, _) in self._pending.items():
+            if batch and tokens + prompt > self.prefill_token_budget:
+                break
+            batch.append(rid)
+            tokens += prompt
+        await asyncio.sleep(self.times.prefill_s(tokens) * self._jitter())
+        finished = {}
+        for rid in batch:
+            prompt, target, reason = self._pending.pop(rid)
+            if target <= 1:
+                finished[rid] = reason
+                continue
+            self._running[rid] = (prompt, target, self._rounds, reason)
+            self._finish_at[self._rounds + target - 1].append(rid)
+            self._context += prompt + 1
+        return StepResult(IterationKind.PREFILL, batch, finished=finished)
+
+    async def _decode(self) -> StepResult:
+        n = len(self._running)
+        await asyncio.sleep(self.times.decode_s(n, self._context / n) * self._jitter())
+        served = list(self._running)
+        self._rounds += 1
+        self._context += n
+        finished = {}
+        for rid in self._finish_at.pop(self._rounds, ()):
+            entry = self._running.pop(rid, None)
+            if entry is not None:  # not aborted meanwhile
+                self._context -= entry[0] + entry[1]
+                finished[rid] = entry[3]
+        return StepResult(IterationKind.DECODE, served, finished=finished)

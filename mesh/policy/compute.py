@@ -1,0 +1,268 @@
+"""Compute subsystem of one node (LLM-Mesh 5): headroom and token-level scheduling.
+
+A node runs one iteration of one instance at a time (5.1). Every running request has a
+headroom (Eq. 1):
+
+    headroom = ST + TTFT_SLO + TPOT_SLO * O - CT
+
+i.e. the time left before its next token is late. Each cycle picks the instance whose most
+urgent request has the smallest headroom. Since CT is common to all requests, ordering by
+headroom is ordering by the absolute deadline ST + TTFT_SLO + TPOT_SLO * O.
+
+Bookkeeping trick: a decode iteration gives every running request of the instance one
+token, so all their deadlines move by the same TPOT_SLO. We keep, per instance, a count of
+decode rounds k and store for each running request the constant key
+ST + TTFT_SLO - TPOT_SLO * k_join; its deadline is key + TPOT_SLO * k. The order inside an
+instance then never changes on decode, and a scheduling decision costs O(log n).
+
+Iterations follow the engines' batching rule (engines.protocol): requests waiting for
+prefill are prefilled first, in arrival order, as many as fit the prefill token budget;
+otherwise one decode iteration for all running requests. Prefill and decode never mix.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Iterable, Protocol, Sequence
+
+from sortedcontainers import SortedKeyList, SortedList
+
+from engines.protocol import IterationKind
+from mesh.policy.slo import SLO
+
+
+class IterationTimes(Protocol):
+    """Predicted iteration times (a calibration.perf_model.PerformanceModel)."""
+
+    def prefill_s(self, prompt_len: int) -> float: ...
+
+    def decode_s(self, batch: int, avg_context: float) -> float: ...
+
+
+@dataclass(slots=True)
+class RequestState:
+    request_id: str
+    instance_id: str
+    prompt_len: int
+    start_s: float  # ST: when the request arrived
+    ttft_deadline_s: float  # ST + TTFT_SLO(prompt_len)
+    running: bool = False  # prefilled and decoding
+    key: float = 0.0  # running only: deadline = key + tpot * decode_rounds
+    join_round: int = 0  # running only: decode_rounds when its first token came, minus 1
+
+    def tokens_out(self, decode_rounds: int) -> int:
+        """O: tokens produced so far (0 while waiting for prefill)."""
+        return decode_rounds - self.join_round if self.running else 0
+
+
+@dataclass(eq=False, slots=True)
+class InstanceState:
+    instance_id: str
+    times: IterationTimes
+    slo: SLO
+    prefill_token_budget: int
+    ready_at: float = 0.0  # when it can run: predicted while loading (cold start, LLM-Mesh 4)
+    loaded: bool = True  # weights in place; only loaded instances are scheduled
+    pending: dict[str, RequestState] = field(default_factory=dict)  # arrival order
+    pending_by_deadline: SortedKeyList = field(
+        default_factory=lambda: SortedKeyList(key=lambda r: (r.ttft_deadline_s, r.request_id))
+    )
+    running: SortedKeyList = field(
+        default_factory=lambda: SortedKeyList(key=lambda r: (r.key, r.request_id))
+    )
+    decode_rounds: int = 0
+    context_sum: int = 0  # sum over running requests of prompt_len + O
+    order_entry: tuple | None = None  # this instance's entry in the node's order, if any
+
+    @property
+    def tpot(self) -> float:
+        return self.slo.tpot_s
+
+    def next_deadline(self) -> float:
+        """Deadline of the instance's most urgent request (inf if it has none)."""
+        best = math.inf
+        if self.pending_by_deadline:
+            best = self.pending_by_deadline[0].ttft_deadline_s
+        if self.running:
+            best = min(best, self.running[0].key + self.tpot * self.decode_rounds)
+        return best
+
+    def running_deadline(self, r: RequestState) -> float:
+        return r.key + self.tpot * self.decode_rounds
+
+    def prefill_batch(self) -> list[RequestState]:
+        """The requests the next prefill iteration takes (arrival order, within the budget)."""
+        batch: list[RequestState] = []
+        tokens = 0
+        for r in self.pending.values():
+            if batch and tokens + r.prompt_len > self.prefill_token_budget:
+                break
+            batch.append(r)
+            tokens += r.prompt_len
+        return batch
+
+    def n_requests(self) -> int:
+        return len(self.pending) + len(self.running)
+
+
+@dataclass(frozen=True, slots=True)
+class Iteration:
+    """A scheduling decision: run one iteration of one instance."""
+
+    instance_id: str
+    kind: IterationKind
+    batch_size: int
+    tokens: int  # prompt tokens (prefill) or average context (decode)
+    predicted_s: float
+
+
+class ComputeSubsystem:
+    """Per-node compute state: instances, their requests, and the token-level order."""
+
+    def __init__(self) -> None:
+        self.instances: dict[str, InstanceState] = {}
+        self.requests: dict[str, RequestState] = {}
+        # (next deadline, instance id) for instances that have work; smallest first.
+        self._order: SortedList = SortedList()
+        self.busy_until: float = -math.inf  # end of the iteration in flight, as predicted
+
+    # -- instances -------------------------------------------------------------------
+    def add_instance(
+        self,
+        instance_id: str,
+        times: IterationTimes,
+        slo: SLO,
+        prefill_token_budget: int,
+        ready_at: float = 0.0,
+        loaded: bool = True,
+    ) -> InstanceState:
+        if instance_id in self.instances:
+            raise ValueError(f"instance {instance_id!r} already on this node")
+        inst = InstanceState(instance_id, times, slo, prefill_token_budget, ready_at, loaded)
+        self.instances[instance_id] = inst
+        return inst
+
+    def set_loaded(self, instance_id: str, now: float) -> None:
+        inst = self.instances[instance_id]
+        inst.loaded, inst.ready_at = True, now
+
+    def remove_instance(self, instance_id: str) -> None:
+        inst = self.instances[instance_id]
+        if inst.n_requests():
+            raise ValueError(f"instance {instance_id!r} still has {inst.n_requests()} requests")
+        self._unorder(inst)
+        del self.instances[instance_id]
+
+    # -- requests --------------------------------------------------------------------
+    def add_request(self, instance_id: str, request_id: str, prompt_len: int, start_s: float) -> RequestState:
+        inst = self.instances[instance_id]
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} already on this node")
+        r = RequestState(request_id, instance_id, prompt_len, start_s, start_s + inst.slo.ttft_s(prompt_len))
+        self.requests[request_id] = r
+        self._unorder(inst)
+        inst.pending[request_id] = r
+        inst.pending_by_deadline.add(r)
+        self._reorder(inst)
+        return r
+
+    def remove_request(self, request_id: str) -> RequestState:
+        """Forget a request (finished, aborted or evicted)."""
+        r = self.requests.pop(request_id)
+        inst = self.instances[r.instance_id]
+        self._unorder(inst)
+        self._drop(inst, r)
+        self._reorder(inst)
+        return r
+
+    def headroom(self, request_id: str, now: float) -> float:
+        """Eq. 1 for one request."""
+        r = self.requests[request_id]
+        inst = self.instances[r.instance_id]
+        deadline = inst.running_deadline(r) if r.running else r.ttft_deadline_s
+        return deadline - now
+
+    def tokens_out(self, request_id: str) -> int:
+        r = self.requests[request_id]
+        return r.tokens_out(self.instances[r.instance_id].decode_rounds)
+
+    # -- token-level scheduling (5.1) --------------------------------------------------
+    def next_iteration(self, now: float) -> Iteration | None:
+        """The instance with the most urgent request, and what its next iteration is.
+
+        Instances still loading are skipped.
+        """
+        for _, instance_id in self._order:
+            inst = self.instances[instance_id]
+            if inst.loaded:
+                return predict_iteration(inst)
+        return None
+
+    def complete_iteration(
+        self,
+        instance_id: str,
+        kind: IterationKind,
+        served: Sequence[str],
+        finished: Iterable[str] = (),
+    ) -> None:
+        """Apply what an iteration did: `served` got one token each; `finished` ended."""
+        inst = self.instances[instance_id]
+        self._unorder(inst)
+        if kind is IterationKind.PREFILL:
+            for rid in served:
+                r = inst.pending.pop(rid)
+                inst.pending_by_deadline.remove(r)
+                # First token produced: O = 1, so the next deadline is ttft_deadline + tpot.
+                r.join_round = inst.decode_rounds - 1
+                r.key = r.ttft_deadline_s - inst.tpot * r.join_round
+                r.running = True
+                inst.running.add(r)
+                inst.context_sum += r.prompt_len + 1
+        else:
+            inst.decode_rounds += 1
+            inst.context_sum += len(served)
+            if len(served) != len(inst.running):
+                # Some running requests got no token (an engine preempted them): their
+                # deadline stays, so their key moves back by one TPOT.
+                got = set(served)
+                for r in [r for r in inst.running if r.request_id not in got]:
+                    inst.running.remove(r)
+                    r.key -= inst.tpot
+                    r.join_round += 1
+                    inst.running.add(r)
+        for rid in finished:
+            r = self.requests.pop(rid, None)
+            if r is not None:
+                self._drop(inst, r)
+        self._reorder(inst)
+
+    # -- internals -------------------------------------------------------------------
+    def _drop(self, inst: InstanceState, r: RequestState) -> None:
+        if r.request_id in inst.pending:
+            del inst.pending[r.request_id]
+            inst.pending_by_deadline.remove(r)
+        else:
+            inst.running.remove(r)
+            inst.context_sum -= r.prompt_len + r.tokens_out(inst.decode_rounds)
+
+    def _unorder(self, inst: InstanceState) -> None:
+        if inst.order_entry is not None:
+            self._order.remove(inst.order_entry)
+            inst.order_entry = None
+
+    def _reorder(self, inst: InstanceState) -> None:
+        self._unorder(inst)
+        if inst.pending or inst.running:
+            inst.order_entry = (inst.next_deadline(), inst.instance_id)
+            self._order.add(inst.order_entry)
+
+
+def predict_iteration(inst: InstanceState) -> Iteration:
+    """The next iteration of `inst` under the engines' batching rule, with its predicted time."""
+    if inst.pending:
+        batch = inst.prefill_batch()
+        tokens = sum(r.prompt_len for r in batch)
+        return Iteration(inst.instance_id, IterationKind.PREFILL, len(batch), tokens, inst.times.prefill_s(tokens))
+    n = len(inst.running)
+    avg = inst.context_sum / n
+    return Iteration(inst.instance_id, IterationKind.DECODE, n, round(avg), inst.times.decode_s(n, avg))

@@ -1,0 +1,224 @@
+"""Shadow validation (LLM-Mesh 5.3): may a candidate request join an instance on this node?
+
+We copy the node's compute state, add the candidate, and simulate token-level scheduling
+forward with every iteration overestimated by a margin (10% in the paper, for runtime
+fluctuation and growing contexts). The candidate is rejected if
+
+1. its own prefill ends after its TTFT deadline (OWN_PREFILL_LATE),
+2. a request already on the node, on time without the candidate, turns late with it
+   (EXISTING_REQUEST_LATE), or
+3. one round of decode iterations across the node's instances, with the candidate in its
+   instance, takes longer than the TPOT SLO (DECODE_ROUND_OVER_TPOT).
+
+The simulation runs until the candidate's prefill is done and every instance that was
+decoding then has decoded once more. Output lengths are unknown to the scheduler, so no
+request is assumed to finish inside the horizon (conservative).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+
+from mesh.policy.compute import ComputeSubsystem, IterationTimes
+
+DEFAULT_MARGIN = 0.10
+
+
+class FailureCase(str, Enum):
+    OWN_PREFILL_LATE = "own_prefill_late"
+    EXISTING_REQUEST_LATE = "existing_request_late"
+    DECODE_ROUND_OVER_TPOT = "decode_round_over_tpot"
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    case: FailureCase
+    by_s: float  # how late, or how far over the TPOT SLO
+    request_id: str | None = None  # the late request (cases 1 and 2)
+    instance_id: str | None = None
+
+    def __str__(self) -> str:
+        who = f" request {self.request_id}" if self.request_id else ""
+        where = f" on instance {self.instance_id}" if self.instance_id else ""
+        return f"{self.case.value}:{who}{where} by {self.by_s * 1000:.1f} ms"
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    failures: tuple[Failure, ...] = ()
+    candidate_first_token_s: float = math.nan  # predicted, with the margin
+    decode_round_s: float = 0.0  # predicted, with the margin
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def failed(self, case: FailureCase) -> Failure | None:
+        return next((f for f in self.failures if f.case is case), None)
+
+    def reason(self) -> str:
+        return "ok" if self.ok else "; ".join(str(f) for f in self.failures)
+
+
+@dataclass(slots=True)
+class _Sim:
+    """One instance, reduced to what the simulation needs."""
+
+    instance_id: str
+    times: IterationTimes
+    tpot: float
+    budget: int
+    ready_at: float
+    pending: list[tuple[str, int, float]]  # (request id, prompt len, TTFT deadline), arrival order
+    n: int  # running requests
+    ctx: int  # their summed context
+    rounds: int
+    min_key: float  # most urgent running request: deadline = min_key + tpot * rounds
+    min_rid: str | None
+    head: int = 0  # pending[head:] still wait for prefill
+
+    def next_deadline(self) -> float:
+        best = self.min_key + self.tpot * self.rounds if self.n else math.inf
+        for _, _, deadline in self.pending[self.head :]:
+            best = min(best, deadline)
+        return best
+
+    def has_work(self) -> bool:
+        return self.n > 0 or self.head < len(self.pending)
+
+
+@dataclass(slots=True)
+class _Outcome:
+    late: dict[str, tuple[float, str]] = field(default_factory=dict)  # request -> (by_s, instance)
+    candidate_first_token_s: float = math.nan
+    candidate_late_s: float = -math.inf  # first token time minus TTFT deadline
+    end_s: float = 0.0
+
+
+def _snapshot(compute: ComputeSubsystem, candidate: tuple[str, str, int, float] | None) -> list[_Sim]:
+    sims = []
+    for inst in compute.instances.values():
+        pending = [(r.request_id, r.prompt_len, r.ttft_deadline_s) for r in inst.pending.values()]
+        if candidate is not None and candidate[0] == inst.instance_id:
+            _, rid, prompt_len, deadline = candidate
+            pending.append((rid, prompt_len, deadline))
+        first = inst.running[0] if inst.running else None
+        sims.append(
+            _Sim(
+                inst.instance_id, inst.times, inst.tpot, inst.prefill_token_budget, inst.ready_at,
+                pending, len(inst.running), inst.context_sum, inst.decode_rounds,
+                first.key if first else math.inf, first.request_id if first else None,
+            )
+        )
+    return sims
+
+
+def _simulate(
+    sims: list[_Sim], t: float, margin: float, candidate_id: str | None, until_s: float, max_iterations: int
+) -> _Outcome:
+    """Token-level scheduling forward from `t`. Stops at the horizon described above, or,
+    without a candidate, once simulated time reaches `until_s`."""
+    out = _Outcome()
+    scale = 1.0 + margin
+    waiting_decode: set[str] | None = None  # instances owed one decode after the candidate's prefill
+    for _ in range(max_iterations):
+        ready = [s for s in sims if s.has_work() and s.ready_at <= t]
+        if not ready:
+            later = [s.ready_at for s in sims if s.has_work()]
+            if not later:
+                break
+            t = min(later)
+            continue
+        s = min(ready, key=_Sim.next_deadline)
+        if s.head < len(s.pending):  # prefill iteration
+            batch, tokens = [], 0
+            for entry in s.pending[s.head :]:
+                if batch and tokens + entry[1] > s.budget:
+                    break
+                batch.append(entry)
+                tokens += entry[1]
+            t += s.times.prefill_s(tokens) * scale
+            s.head += len(batch)
+            for rid, prompt_len, deadline in batch:
+                if rid == candidate_id:
+                    out.candidate_late_s = t - deadline
+                elif t > deadline:
+                    out.late[rid] = (t - deadline, s.instance_id)
+                key = deadline - s.tpot * (s.rounds - 1)
+                if key < s.min_key:
+                    s.min_key, s.min_rid = key, rid
+                s.n += 1
+                s.ctx += prompt_len + 1
+                if rid == candidate_id:
+                    out.candidate_first_token_s = t
+                    waiting_decode = {x.instance_id for x in sims if x.n}
+        else:  # decode iteration: every running request gets a token
+            t += s.times.decode_s(s.n, s.ctx / s.n) * scale
+            deadline = s.min_key + s.tpot * s.rounds
+            if t > deadline and s.min_rid is not None and s.min_rid != candidate_id:
+                late = out.late.get(s.min_rid, (0.0, ""))[0]
+                out.late[s.min_rid] = (max(late, t - deadline), s.instance_id)
+            s.rounds += 1
+            s.ctx += s.n
+            if waiting_decode is not None:
+                waiting_decode.discard(s.instance_id)
+        if waiting_decode is not None and not waiting_decode:
+            break
+        if candidate_id is None and t >= until_s:
+            break
+    out.end_s = t
+    return out
+
+
+def decode_round_s(compute: ComputeSubsystem, instance_id: str, prompt_len: int, margin: float) -> tuple[float, float]:
+    """Case 3: (one decode iteration of every instance, the tightest TPOT SLO), with the
+    candidate in `instance_id` and every waiting request counted as decoding."""
+    total, tpot = 0.0, math.inf
+    for inst in compute.instances.values():
+        n = len(inst.running) + len(inst.pending)
+        ctx = inst.context_sum + sum(r.prompt_len + 1 for r in inst.pending.values())
+        if inst.instance_id == instance_id:
+            n += 1
+            ctx += prompt_len + 1
+        if n:
+            total += inst.times.decode_s(n, ctx / n) * (1.0 + margin)
+            tpot = min(tpot, inst.tpot)
+    return total, tpot
+
+
+def shadow_validate(
+    compute: ComputeSubsystem,
+    instance_id: str,
+    request_id: str,
+    prompt_len: int,
+    start_s: float,
+    now: float,
+    margin: float = DEFAULT_MARGIN,
+) -> Verdict:
+    """Would adding this request to `instance_id` keep every SLO on the node? (5.3)"""
+    inst = compute.instances[instance_id]
+    deadline = start_s + inst.slo.ttft_s(prompt_len)
+    t0 = max(now, compute.busy_until)
+    n_pending = sum(len(i.pending) for i in compute.instances.values())
+    max_iterations = 64 + 4 * len(compute.instances) + n_pending
+    sims = _snapshot(compute, (instance_id, request_id, prompt_len, deadline))
+    with_cand = _simulate(sims, t0, margin, request_id, math.inf, max_iterations)
+
+    failures: list[Failure] = []
+    if with_cand.candidate_late_s > 0:
+        failures.append(Failure(FailureCase.OWN_PREFILL_LATE, with_cand.candidate_late_s, request_id, instance_id))
+    elif math.isnan(with_cand.candidate_first_token_s):
+        # The horizon ran out before the candidate's prefill: it cannot be served in time.
+        failures.append(Failure(FailureCase.OWN_PREFILL_LATE, math.inf, request_id, instance_id))
+    if with_cand.late:
+        # Only requests that are on time without the candidate count against it.
+        base = _simulate(_snapshot(compute, None), t0, margin, None, with_cand.end_s, max_iterations)
+        newly_late = {rid: v for rid, v in with_cand.late.items() if rid not in base.late}
+        if newly_late:
+            rid, (by_s, where) = max(newly_late.items(), key=lambda kv: kv[1][0])
+            failures.append(Failure(FailureCase.EXISTING_REQUEST_LATE, by_s, rid, where))
+    round_s, tpot = decode_round_s(compute, instance_id, prompt_len, margin)
+    if round_s > tpot:
+        failures.append(Failure(FailureCase.DECODE_ROUND_OVER_TPOT, round_s - tpot, None, instance_id))
+    return Verdict(tuple(failures), with_cand.candidate_first_token_s, round_s)

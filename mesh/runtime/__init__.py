@@ -1,0 +1,1 @@
+"""The asyncio runtime around the policy core. It reads time only from the event loop."""

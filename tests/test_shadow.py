@@ -1,0 +1,111 @@
+"""Shadow validation (LLM-Mesh 5.3): each of Figure 6's three rejection cases, with
+explicit times and hand-checkable iteration times (10% overestimate)."""
+import pytest
+
+from doubles import LinearTimes
+from engines.protocol import IterationKind
+from mesh.policy.compute import ComputeSubsystem
+from mesh.policy.shadow import FailureCase, shadow_validate
+from mesh.policy.slo import SLO
+
+
+def running(c: ComputeSubsystem, instance_id: str, request_id: str, prompt_len: int, start_s: float) -> None:
+    c.add_request(instance_id, request_id, prompt_len, start_s)
+    c.complete_iteration(instance_id, IterationKind.PREFILL, [request_id])
+
+
+def test_accepts_when_everything_fits():
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(prefill_per_token=0.001, decode_base=0.05), SLO(), 4096)
+    running(c, "i", "r1", 100, 0.0)
+    v = shadow_validate(c, "i", "new", 200, start_s=0.0, now=0.0)
+    assert v.ok, v.reason()
+    assert v.candidate_first_token_s == pytest.approx(0.2 * 1.1)
+    assert v.decode_round_s == pytest.approx(0.05 * 1.1)
+
+
+def test_case1_own_prefill_late():
+    """R5-P ends after R5's TTFT deadline: 3000 tokens at 3 ms/token = 9 s x 1.1 > 5.86 s."""
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(prefill_per_token=0.003), SLO(), 4096)
+    v = shadow_validate(c, "i", "r5", 3000, start_s=0.0, now=0.0)
+    f = v.failed(FailureCase.OWN_PREFILL_LATE)
+    assert f is not None and f.request_id == "r5"
+    assert f.by_s == pytest.approx(9.0 * 1.1 - 3000 / 512)
+    assert v.failed(FailureCase.EXISTING_REQUEST_LATE) is None
+
+
+def test_case1_counts_the_iteration_in_flight():
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(prefill_per_token=0.001), SLO(), 4096)
+    c.busy_until = 1.9  # another instance's iteration runs until then
+    v = shadow_validate(c, "i", "r5", 100, start_s=0.0, now=0.0)
+    assert v.failed(FailureCase.OWN_PREFILL_LATE).by_s == pytest.approx(1.9 + 0.11 - 2.0)
+
+
+def test_case2_existing_request_pushed_late():
+    """R5 (waited in a queue, due first) prefills before R1's next decode, which then
+    ends past R1's deadline; without R5, R1 is on time."""
+    c = ComputeSubsystem()
+    times = LinearTimes(prefill_base=0.15, prefill_per_token=0.0, decode_base=0.2)
+    c.add_instance("i", times, SLO(), 4096)
+    running(c, "i", "r1", 10, start_s=-1.95)  # next token due at -1.95 + 2 + 0.25 = 0.3
+    # R5 arrived 1.8 s ago: first token due at 0.2, before R1's 0.3 -> scheduled first.
+    v = shadow_validate(c, "i", "r5", 10, start_s=-1.8, now=0.0)
+    assert v.failed(FailureCase.OWN_PREFILL_LATE) is None  # 0.165 <= 0.2
+    f = v.failed(FailureCase.EXISTING_REQUEST_LATE)
+    assert f is not None and f.request_id == "r1" and f.instance_id == "i"
+    assert f.by_s == pytest.approx(0.165 + 0.22 - 0.3)
+    assert v.failed(FailureCase.DECODE_ROUND_OVER_TPOT) is None  # 0.2 x 1.1 <= 0.25
+
+
+def test_case2_ignores_requests_late_anyway():
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(prefill_per_token=0.0, prefill_base=0.01, decode_base=0.2), SLO(), 4096)
+    running(c, "i", "r1", 10, start_s=-2.2)  # due at 0.05: late whatever happens
+    v = shadow_validate(c, "i", "r5", 10, start_s=0.0, now=0.0)
+    assert v.failed(FailureCase.EXISTING_REQUEST_LATE) is None
+
+
+def test_case3_decode_round_over_tpot():
+    """Two instances decode 0.1 s per request each: adding R5 to instance a makes one
+    round (0.2 + 0.1) x 1.1 = 0.33 s > 0.25 s."""
+    c = ComputeSubsystem()
+    times = LinearTimes(prefill_per_token=0.0001, decode_base=0.0, decode_per_request=0.1)
+    for name in ("a", "b"):
+        c.add_instance(name, times, SLO(), 4096)
+        running(c, name, f"r-{name}", 10, start_s=0.0)
+    v = shadow_validate(c, "a", "r5", 10, start_s=0.0, now=0.0)
+    f = v.failed(FailureCase.DECODE_ROUND_OVER_TPOT)
+    assert f is not None and f.instance_id == "a"
+    assert f.by_s == pytest.approx(0.33 - 0.25)
+    assert v.failed(FailureCase.OWN_PREFILL_LATE) is None
+    assert v.failed(FailureCase.EXISTING_REQUEST_LATE) is None
+    assert "decode_round_over_tpot" in v.reason()
+
+
+def test_margin_is_configurable():
+    """A 1.9 s prefill against a 2 s TTFT SLO: on time as predicted, late with 10% more."""
+    c2 = ComputeSubsystem()
+    c2.add_instance("i", LinearTimes(prefill_base=1.9, prefill_per_token=0.0), SLO(), 4096)
+    assert shadow_validate(c2, "i", "x", 10, 0.0, 0.0, margin=0.0).ok  # 1.9 <= 2.0
+    assert not shadow_validate(c2, "i", "x", 10, 0.0, 0.0, margin=0.10).ok  # 2.09 > 2.0
+
+
+def test_loading_instance_delays_first_token():
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(prefill_per_token=0.001), SLO(), 4096, ready_at=1.5, loaded=False)
+    v = shadow_validate(c, "i", "r", 100, 0.0, 0.0)
+    assert v.ok and v.candidate_first_token_s == pytest.approx(1.5 + 0.11)
+    c.instances["i"].ready_at = 1.95
+    assert shadow_validate(c, "i", "r", 100, 0.0, 0.0).failed(FailureCase.OWN_PREFILL_LATE) is not None
+
+
+def test_validation_changes_nothing():
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(), SLO(), 4096)
+    running(c, "i", "r1", 10, 0.0)
+    before = (dict(c.requests), c.instances["i"].context_sum, c.instances["i"].decode_rounds)
+    shadow_validate(c, "i", "r5", 10, 0.0, 0.0)
+    assert (dict(c.requests), c.instances["i"].context_sum, c.instances["i"].decode_rounds) == before
+    assert "r5" not in c.instances["i"].pending
