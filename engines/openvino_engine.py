@@ -1,0 +1,478 @@
+"""The real CPU engine: OpenVINO GenAI's ContinuousBatchingPipeline in "vLLM mode".
+
+One `OpenVINOEngine` is one model instance. The pipeline runs with
+`SchedulerConfig.dynamic_split_fuse=False`, so every `pipe.step()` is either prefill-only or
+decode-only, as the engine protocol requires; `step()` is exactly one `pipe.step()`.
+`max_num_batched_tokens` is the protocol's `prefill_token_budget` and is never below the
+context window, because a prompt longer than it breaks the pipeline for good (it is
+refused before it gets there).
+
+Blocking: `pipe.step()` holds the Python GIL for the whole iteration, and `step()` calls it
+directly even though it is `async def`. That is deliberate: engines live in a node agent
+process whose event loop does nothing else while an iteration runs (the node computes one
+iteration at a time). `load()` builds the pipeline in a worker thread: OpenVINO releases
+the GIL while it reads and compiles the model, so the agent keeps serving its other
+instances meanwhile.
+
+KV memory (what can and cannot be resized): OpenVINO cannot resize a KV cache after the
+pipeline is built. The pipeline is built with `cache_size=0, num_kv_blocks=0`, so its cache
+grows on demand (in 32-token blocks, copying) and never shrinks. `resize_kv(capacity)`
+records the bound that Mesh's memory subsystem enforces at admission (it is Mesh, not the
+engine, that keeps the running requests' KV demand under the bound); it costs
+microseconds. Memory the cache already took is returned only when the pipeline is
+rebuilt: on `unload()`, or in `resize_kv` when `release_on_shrink=True`, the engine is
+idle and the new bound is below what the cache holds (a rebuild costs a full load, about
+4-5 s for the demo model on 2 cores). `kv_bytes_allocated()` reports the cache's real size,
+so the runtime can count max(bound, allocated) for this instance.
+
+KV accounting: `kv_bytes_in_use()` counts the blocks the live requests hold: a request
+with P prompt tokens and G generated tokens has K/V for P + G - 1 tokens (the newest token
+is computed at the next step), rounded up to whole 32-token blocks. This equals the
+pipeline's own metrics (`cache_usage` x `cache_size_in_bytes`) after every step, but is
+exact at once after an abort, whereas the metrics lag a step and are percentages.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from engines.chat import PromptEncoder
+from engines.detokenize import Detokenizer, StopMatcher
+from engines.model_shape import ModelShape, kv_bytes_per_token, shape_from_config, shape_from_gguf
+from engines.protocol import (
+    EngineError,
+    EngineRequest,
+    FinishReason,
+    IterationKind,
+    Sampling,
+    StepResult,
+)
+
+log = logging.getLogger(__name__)
+
+CPU_KV_BLOCK_SIZE = 32  # tokens per KV block in OpenVINO's CPU plugin (2026.4)
+DEFAULT_CONTEXT_CAP = 4096  # default window when the model allows more (see __init__)
+EXPORT_HINT = (
+    "Export it to OpenVINO IR first: `pip install -e .[export]`, then "
+    "`optimum-cli export openvino --model {path} --task text-generation-with-past OUT_DIR`, "
+    "and register OUT_DIR (or pass a GGUF file)."
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ModelSource:
+    """A model the pipeline can load: a GGUF file or an OpenVINO IR folder."""
+
+    path: Path
+    kind: str  # "gguf" or "ir"
+    shape: ModelShape
+    vocab_size: int | None
+    weight_bytes: int
+
+
+def resolve_model(path: str | Path) -> ModelSource:
+    """Identify a model path, read its shape; EngineError says what to do with anything else."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise EngineError(f"model path {p} does not exist; pass a GGUF file or an OpenVINO IR folder")
+    if p.is_file():
+        with open(p, "rb") as f:
+            if f.read(4) != b"GGUF":
+                raise EngineError(f"{p} is not a GGUF file; pass a GGUF file or an OpenVINO IR folder")
+        try:
+            shape = shape_from_gguf(p)
+        except ValueError as exc:
+            raise EngineError(f"cannot read the model shape from {p}: {exc}") from exc
+        from engines.gguf_meta import read_gguf_metadata  # cheap: the header only
+
+        meta = read_gguf_metadata(p)
+        tokens = meta.get("tokenizer.ggml.tokens")
+        vocab = meta.get(f"{shape.architecture}.vocab_size") or (tokens.count if tokens else None)
+        return ModelSource(p, "gguf", shape, int(vocab) if vocab else None, p.stat().st_size)
+    if (p / "openvino_model.xml").is_file():
+        missing = [n for n in ("openvino_model.bin", "openvino_tokenizer.xml", "openvino_detokenizer.xml",
+                               "config.json") if not (p / n).is_file()]
+        if missing:
+            raise EngineError(f"OpenVINO IR folder {p} lacks {', '.join(missing)}; export it again with "
+                              "optimum-cli (it writes the tokenizer and config.json too)")
+        shape = shape_from_config(p / "config.json")
+        import json
+
+        vocab = json.loads((p / "config.json").read_text()).get("vocab_size")
+        return ModelSource(p, "ir", shape, vocab, (p / "openvino_model.bin").stat().st_size)
+    if (p / "config.json").is_file():
+        raise EngineError(f"{p} is a Hugging Face model folder, which OpenVINO cannot run directly. "
+                          + EXPORT_HINT.format(path=p))
+    raise EngineError(f"{p} is neither a GGUF file nor an OpenVINO IR folder (no openvino_model.xml)")
+
+
+@dataclass(slots=True)
+class _Live:
+    """A request the pipeline holds. The handle must stay referenced: dropping it cancels."""
+
+    request_id: str
+    handle: Any  # openvino_genai GenerationHandle
+    prompt_len: int
+    detok: Detokenizer
+    stop: StopMatcher | None
+    generated: int = 0
+
+    @property
+    def kv_tokens(self) -> int:
+        return self.prompt_len + self.generated - 1 if self.generated else 0
+
+
+class OpenVINOEngine:
+    """One model instance on OpenVINO GenAI (CPU), implementing engines.protocol.Engine."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        model_name: str | None = None,
+        context_window: int | None = None,
+        prefill_token_budget: int | None = None,
+        max_num_seqs: int = 64,
+        device: str = "CPU",
+        properties: Mapping[str, Any] | None = None,
+        kv_capacity_bytes: int | None = None,
+        release_on_shrink: bool = False,
+    ) -> None:
+        """Describe an instance; nothing is loaded until `load()`.
+
+        context_window: longest prompt + output; defaults to the model's trained window,
+            capped at 4096 (a long window makes Mesh's minimum KV demand L_min and the
+            prefill budget large; pass a larger value to use more).
+        prefill_token_budget: `max_num_batched_tokens`; defaults to, and must be at least,
+            the context window (a longer prompt would break the pipeline).
+        max_num_seqs: most requests one iteration batches.
+        kv_capacity_bytes: the KV bound recorded at start (see `resize_kv`).
+        """
+        self.source = resolve_model(model_path)
+        shape = self.source.shape
+        self.model_name = model_name or self.source.path.stem
+        self.context_window = int(context_window or min(shape.context_length, DEFAULT_CONTEXT_CAP))
+        if self.context_window < 2:
+            raise EngineError(f"context_window must be at least 2 tokens, got {self.context_window}")
+        if self.context_window > shape.context_length:
+            log.warning("%s: context_window %d exceeds the model's trained window %d",
+                        self.model_name, self.context_window, shape.context_length)
+        self.prefill_token_budget = int(prefill_token_budget or self.context_window)
+        if self.prefill_token_budget < self.context_window:
+            raise EngineError(
+                f"prefill_token_budget {self.prefill_token_budget} is below context_window "
+                f"{self.context_window}; OpenVINO in vLLM mode breaks on a prompt longer than its "
+                "budget, so raise the budget or lower the context window")
+        if max_num_seqs < 1:
+            raise EngineError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        self.max_num_seqs = max_num_seqs
+        self.device = device
+        self.properties = dict(properties or {})
+        self.block_size = CPU_KV_BLOCK_SIZE
+        self.key_precision, self.value_precision = _kv_precisions(device, self.properties)
+        self.kv_bytes_per_token = kv_bytes_per_token(shape, self.key_precision, self.value_precision,
+                                                     self.block_size)
+        self.weight_bytes = self.source.weight_bytes
+        self.kv_capacity_bytes = kv_capacity_bytes
+        self.release_on_shrink = release_on_shrink
+        self._pipe: Any = None
+        self._encoder: PromptEncoder | None = None
+        self._standalone_encoder: PromptEncoder | None = None
+        self._live: dict[str, _Live] = {}  # insertion order = arrival order
+        self._ids = itertools.count()
+
+    # ---- memory operations -------------------------------------------------------------
+
+    @property
+    def loaded(self) -> bool:
+        return self._pipe is not None
+
+    async def load(self) -> None:
+        """Build the pipeline (reads and compiles the model) and run one warm-up token.
+
+        The build runs in a worker thread (OpenVINO releases the GIL there). The warm-up
+        moves the first inference's one-time cost out of the first request's TTFT and
+        checks kv_bytes_per_token against the cache's real block size.
+        """
+        if self._pipe is not None:
+            return
+        self._pipe = await asyncio.to_thread(self._build)
+        self._encoder = PromptEncoder(self._pipe.get_tokenizer())
+        self._warm_up()
+
+    async def unload(self) -> None:
+        """Release the pipeline, its weights and KV cache. Running requests are aborted."""
+        for request_id in list(self._live):
+            self.abort(request_id)
+        self._pipe = None
+        self._encoder = None
+
+    async def resize_kv(self, capacity_bytes: int) -> None:
+        """Record the KV bound Mesh enforces for this instance (see the module docstring).
+
+        The cache grows on demand and cannot shrink in place: this records the bound
+        (microseconds). With `release_on_shrink`, an idle engine whose cache holds more
+        than the new bound is rebuilt to return the memory (costs a load).
+        """
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise EngineError(f"KV capacity must be a non-negative number of bytes, got {capacity_bytes!r}")
+        self.kv_capacity_bytes = capacity_bytes
+        if (self.release_on_shrink and self._pipe is not None and not self._live
+                and self.kv_bytes_allocated() > capacity_bytes):
+            await self.unload()
+            await self.load()
+
+    def _build(self) -> Any:
+        import openvino_genai as ov_genai
+
+        config = ov_genai.SchedulerConfig()
+        config.dynamic_split_fuse = False  # vLLM mode: a step is prefill-only or decode-only
+        config.max_num_batched_tokens = self.prefill_token_budget
+        config.max_num_seqs = self.max_num_seqs
+        config.cache_size = 0  # 0 and 0: the KV cache grows on demand
+        config.num_kv_blocks = 0
+        config.enable_prefix_caching = False  # finished requests free their blocks at once
+        try:
+            return ov_genai.ContinuousBatchingPipeline(str(self.source.path), config, self.device,
+                                                       self.properties)
+        except RuntimeError as exc:
+            raise EngineError(f"OpenVINO could not load {self.source.path} on {self.device}: {exc}") from exc
+
+    def _warm_up(self) -> None:
+        import openvino as ov
+        import numpy as np
+
+        config = self._generation_config(Sampling(max_tokens=1), 1, seed=0)
+        handle = self._pipe.add_request(next(self._ids), ov.Tensor(np.array([[0]], dtype=np.int64)), config)
+        while self._pipe.has_non_finished_requests():
+            self._pipe.step()
+        del handle
+        metrics = self._pipe.get_metrics()
+        block_bytes = round(metrics.cache_size_in_bytes * metrics.cache_usage / 100)  # one block in use
+        expected = self.kv_bytes_per_token * self.block_size
+        if block_bytes and block_bytes != expected:
+            log.warning("%s: KV block holds %d bytes, the shape formula gave %d; using the measured size",
+                        self.model_name, block_bytes, expected)
+            self.kv_bytes_per_token = math.ceil(block_bytes / self.block_size)
+        self._pipe.step()  # lets the pipeline free the warm-up's block
+
+    # ---- requests ------------------------------------------------------------------------
+
+    def encode_prompt(self, prompt: str) -> list[int]:
+        """Token ids of a plain prompt (no chat template)."""
+        return self._prompt_encoder().encode_prompt(prompt)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        """Token ids of chat messages with the model's template and the assistant prompt."""
+        return self._prompt_encoder().encode_chat(messages)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self._prompt_encoder().decode(token_ids)
+
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request for prefill; it starts at the next step.
+
+        Needs `prompt_token_ids` (use encode_prompt / encode_chat). Refuses (EngineError)
+        a prompt that leaves no room for one output token in the context window, and clamps
+        `max_tokens` so that prompt + max_tokens <= context_window; a request cut there
+        finishes with reason `length`. Stop strings are matched on the decoded text by the
+        engine, so each step still yields exactly one token per running request.
+        """
+        if self._pipe is None:
+            raise EngineError(f"{self.model_name} is not loaded; await load() before adding requests")
+        rid = request.request_id
+        if rid in self._live:
+            raise EngineError(f"request id {rid!r} is already running on {self.model_name}; use unique ids")
+        ids = self._checked_ids(request)
+        sampling = request.sampling
+        max_tokens = min(sampling.max_tokens, self.context_window - len(ids))
+        if sampling.max_tokens < 1:
+            raise EngineError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
+        pipe_id = next(self._ids)
+        config = self._generation_config(sampling, max_tokens, seed=pipe_id)
+        import numpy as np
+        import openvino as ov
+
+        handle = self._pipe.add_request(pipe_id, ov.Tensor(np.asarray([ids], dtype=np.int64)), config)
+        stops = tuple(s for s in sampling.stop if s)
+        self._live[rid] = _Live(rid, handle, len(ids), Detokenizer(self._encoder.decode),
+                                StopMatcher(stops) if stops else None)
+
+    def _checked_ids(self, request: EngineRequest) -> list[int]:
+        ids = request.prompt_token_ids
+        if ids is None:
+            raise EngineError(f"request {request.request_id!r} has no prompt_token_ids; tokenize it "
+                              "with encode_prompt() or encode_chat() first")
+        ids = [int(t) for t in ids]
+        if not ids:
+            raise EngineError(f"request {request.request_id!r} has an empty prompt; send at least one token")
+        if request.prompt_len != len(ids):
+            raise EngineError(f"request {request.request_id!r} says prompt_len={request.prompt_len} but "
+                              f"carries {len(ids)} token ids; set prompt_len to len(prompt_token_ids)")
+        if len(ids) + 1 > self.context_window:
+            raise EngineError(
+                f"prompt of {len(ids)} tokens leaves no room for output in {self.model_name}'s "
+                f"context window of {self.context_window} tokens; shorten the prompt to at most "
+                f"{self.context_window - 1} tokens or use an instance with a larger window")
+        vocab = self.source.vocab_size
+        if vocab and not all(0 <= t < vocab for t in ids):
+            bad = next(t for t in ids if not 0 <= t < vocab)
+            raise EngineError(f"token id {bad} is outside {self.model_name}'s vocabulary of {vocab}; "
+                              "tokenize with this model's tokenizer")
+        return ids
+
+    def _generation_config(self, sampling: Sampling, max_tokens: int, seed: int) -> Any:
+        import openvino_genai as ov_genai
+
+        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+            raise EngineError(f"need temperature >= 0 and 0 < top_p <= 1, got temperature="
+                              f"{sampling.temperature}, top_p={sampling.top_p}")
+        config = ov_genai.GenerationConfig()
+        config.max_new_tokens = max_tokens
+        config.num_return_sequences = 1
+        if sampling.temperature == 0:
+            config.do_sample = False  # greedy
+        else:
+            config.do_sample = True
+            config.temperature = sampling.temperature
+            config.top_p = sampling.top_p
+            config.top_k = 0  # OpenAI semantics: no top-k cut
+            config.rng_seed = sampling.seed if sampling.seed is not None else seed
+        return config
+
+    # ---- iterations -----------------------------------------------------------------------
+
+    async def step(self) -> StepResult:
+        """Run exactly one pipeline iteration. Blocks (and holds the GIL) while it runs."""
+        return self.step_blocking()
+
+    def step_blocking(self) -> StepResult:
+        """`step()` without the coroutine wrapper, for benchmarks and synchronous callers."""
+        if self._pipe is None:
+            raise EngineError(f"{self.model_name} is not loaded; await load() first")
+        if not self._live:
+            raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
+        waiting = {rid for rid, r in self._live.items() if r.generated == 0}
+        self._pipe.step()
+        request_ids: list[str] = []
+        token_ids: list[int] = []
+        texts: list[str] = []
+        finished: dict[str, FinishReason] = {}
+        prefilled = False
+        for rid, live in list(self._live.items()):
+            token, text, reason = self._collect(live)
+            if token is not None:
+                request_ids.append(rid)
+                token_ids.append(token)
+                texts.append(text)
+                prefilled |= rid in waiting
+            if reason is not None:
+                finished[rid] = reason
+                prefilled |= rid in waiting
+                self._finish(rid, cancel=reason is FinishReason.STOP and token is not None)
+        kind = IterationKind.PREFILL if prefilled else IterationKind.DECODE
+        return StepResult(kind, request_ids, token_ids, texts, finished)
+
+    def _collect(self, live: _Live) -> tuple[int | None, str, FinishReason | None]:
+        """Read what one request got this step: (token, text delta, finish reason)."""
+        import openvino_genai as ov_genai
+
+        handle = live.handle
+        if not handle.can_read():
+            status = handle.get_status()
+            if status in (ov_genai.GenerationStatus.IGNORED, ov_genai.GenerationStatus.CANCEL):
+                return None, "", FinishReason.ABORT  # the pipeline gave up on it (no cache)
+            return None, "", None
+        token, text, reason = None, "", None
+        for output in handle.read().values():  # one sequence: num_return_sequences=1
+            for token in output.generated_ids:
+                live.generated += 1
+                delta = live.detok.push(token)
+                text += live.stop.feed(delta) if live.stop else delta
+            if output.finish_reason == ov_genai.GenerationFinishReason.STOP:
+                reason = FinishReason.STOP
+            elif output.finish_reason == ov_genai.GenerationFinishReason.LENGTH:
+                reason = FinishReason.LENGTH
+        if live.stop and live.stop.stopped:
+            return token, text, FinishReason.STOP  # our stop string: the pipeline is cancelled
+        if reason is None and handle.get_status() == ov_genai.GenerationStatus.FINISHED:
+            reason = FinishReason.STOP
+        if reason is not None:
+            tail = live.detok.flush()
+            text += (live.stop.feed(tail) + live.stop.flush()) if live.stop else tail
+        return token, text, reason
+
+    def _finish(self, request_id: str, cancel: bool) -> None:
+        live = self._live.pop(request_id)
+        if cancel:
+            live.handle.cancel()
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request: it produces nothing more and its KV blocks go back to the cache.
+
+        The pipeline frees a cancelled request's blocks at its next step; if no other
+        request runs, that (empty, sub-millisecond) step is taken here.
+        """
+        live = self._live.pop(request_id, None)
+        if live is None:
+            return
+        live.handle.cancel()
+        del live
+        if not self._live and self._pipe is not None:
+            self._pipe.step()
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    # ---- memory reports -------------------------------------------------------------------
+
+    def kv_bytes_in_use(self) -> int:
+        """KV bytes the live requests hold now, in whole blocks (see the module docstring)."""
+        blocks = sum(math.ceil(r.kv_tokens / self.block_size) for r in self._live.values())
+        return blocks * self.block_size * self.kv_bytes_per_token
+
+    def kv_bytes_allocated(self) -> int:
+        """Bytes the pipeline's KV cache holds (grows on demand, never shrinks; 0 if unloaded)."""
+        return int(self._pipe.get_metrics().cache_size_in_bytes) if self._pipe is not None else 0
+
+    def pipeline_metrics(self) -> Any:
+        """OpenVINO's PipelineMetrics of the last step (requests, cache usage, cache bytes)."""
+        if self._pipe is None:
+            raise EngineError(f"{self.model_name} is not loaded")
+        return self._pipe.get_metrics()
+
+    def _prompt_encoder(self) -> PromptEncoder:
+        if self._encoder is not None:
+            return self._encoder
+        if self._standalone_encoder is None:  # tokenizing before load: build the tokenizer alone
+            import openvino_genai as ov_genai
+
+            self._standalone_encoder = PromptEncoder(ov_genai.Tokenizer(str(self.source.path)))
+        return self._standalone_encoder
+
+
+def _kv_precisions(device: str, properties: Mapping[str, Any]) -> tuple[str, str]:
+    """Key and value cache element types the plugin will use: the properties', else its defaults."""
+    both = properties.get("KV_CACHE_PRECISION")
+    key = properties.get("KEY_CACHE_PRECISION", both)
+    value = properties.get("VALUE_CACHE_PRECISION", both)
+    if key is None or value is None:
+        try:
+            import openvino as ov
+
+            core = ov.Core()
+            key = key or core.get_property(device, "KEY_CACHE_PRECISION")
+            value = value or core.get_property(device, "VALUE_CACHE_PRECISION")
+        except Exception:  # noqa: BLE001 - a device without these properties: assume u8
+            key, value = key or "u8", value or "u8"
+    return _type_name(key), _type_name(value)
+
+
+def _type_name(value: Any) -> str:
+    name = value.get_type_name() if hasattr(value, "get_type_name") else str(value)
+    return {"uint8_t": "u8", "u8": "u8", "bfloat16": "bf16", "float16": "f16", "float32": "f32"}.get(name, name)
