@@ -363,7 +363,7 @@ class OpenVINOEngine:
         token_ids: list[int] = []
         texts: list[str] = []
         finished: dict[str, FinishReason] = {}
-        prefilled = False
+        prefilled = cancelled = False
         for rid, live in list(self._live.items()):
             token, text, reason = self._collect(live)
             if token is not None:
@@ -374,7 +374,9 @@ class OpenVINOEngine:
             if reason is not None:
                 finished[rid] = reason
                 prefilled |= rid in waiting
-                self._finish(rid, cancel=reason is FinishReason.STOP and token is not None)
+                cancelled |= self._finish(rid)
+        if cancelled and not self._live:
+            self._pipe.step()  # empty step: the pipeline frees cancelled requests' blocks now
         kind = IterationKind.PREFILL if prefilled else IterationKind.DECODE
         return StepResult(kind, request_ids, token_ids, texts, finished)
 
@@ -407,10 +409,16 @@ class OpenVINOEngine:
             text += (live.stop.feed(tail) + live.stop.flush()) if live.stop else tail
         return token, text, reason
 
-    def _finish(self, request_id: str, cancel: bool) -> None:
+    def _finish(self, request_id: str) -> bool:
+        """Forget a finished request; cancel it in the pipeline if only Mesh saw it end
+        (a stop string). Returns whether it was cancelled."""
+        import openvino_genai as ov_genai
+
         live = self._live.pop(request_id)
-        if cancel:
-            live.handle.cancel()
+        if live.handle.get_status() != ov_genai.GenerationStatus.RUNNING:
+            return False
+        live.handle.cancel()
+        return True
 
     def abort(self, request_id: str) -> None:
         """Drop a request: it produces nothing more and its KV blocks go back to the cache.
