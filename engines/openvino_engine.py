@@ -16,20 +16,25 @@ instances meanwhile.
 
 KV memory (what can and cannot be resized): OpenVINO cannot resize a KV cache after the
 pipeline is built. The pipeline is built with `cache_size=0, num_kv_blocks=0`, so its cache
-grows on demand (in 32-token blocks, copying) and never shrinks. `resize_kv(capacity)`
-records the bound that Mesh's memory subsystem enforces at admission (it is Mesh, not the
-engine, that keeps the running requests' KV demand under the bound); it costs
-microseconds. Memory the cache already took is returned only when the pipeline is
-rebuilt: on `unload()`, or in `resize_kv` when `release_on_shrink=True`, the engine is
-idle and the new bound is below what the cache holds (a rebuild costs a full load, about
-4-5 s for the demo model on 2 cores). `kv_bytes_allocated()` reports the cache's real size,
-so the runtime can count max(bound, allocated) for this instance.
+grows on demand (copying into a larger buffer) and never shrinks. `resize_kv(capacity)`
+records the bound that Mesh's memory subsystem enforces at admission (Mesh, not the
+engine, keeps the running requests' KV demand under the bound); it costs microseconds.
+Memory the cache already took is returned only when the pipeline is rebuilt: on
+`unload()`, or in `resize_kv` when `release_on_shrink=True`, the engine is idle and the new
+bound is below what the cache holds (a rebuild costs a full load, about 4.5 s for the demo
+model on 2 cores). `kv_bytes_allocated()` reports the cache's real size, so the runtime
+can count max(bound, allocated) for this instance.
 
 KV accounting: `kv_bytes_in_use()` counts the blocks the live requests hold: a request
 with P prompt tokens and G generated tokens has K/V for P + G - 1 tokens (the newest token
-is computed at the next step), rounded up to whole 32-token blocks. This equals the
-pipeline's own metrics (`cache_usage` x `cache_size_in_bytes`) after every step, but is
-exact at once after an abort, whereas the metrics lag a step and are percentages.
+is computed at the next step), rounded up to whole 32-token blocks. This matches the
+pipeline's metrics (`cache_usage` x `cache_size_in_bytes`) after a step, but is exact at
+once: the metrics are percentages taken while the step is scheduled, so they still count
+a request cancelled (aborted, or ended by a stop string) just before the step. The pipeline
+frees a cancelled request's blocks at its next step; an idle engine takes that step at once.
+`kv_bytes_per_token` comes from the model shape and the cache precision (u8 keys per
+channel and u8 values per token on CPU, see engines.model_shape): 13,680 bytes for the demo
+model; `load()` checks it against the size of a real block.
 """
 from __future__ import annotations
 
@@ -201,7 +206,9 @@ class OpenVINOEngine:
         """
         if self._pipe is not None:
             return
-        self._pipe = await asyncio.to_thread(self._build)
+        built: list[Any] = []  # not the thread's return value: asyncio's future would keep
+        await asyncio.to_thread(lambda: built.append(self._build()))  # it alive past unload()
+        self._pipe = built.pop()
         self._encoder = PromptEncoder(self._pipe.get_tokenizer())
         self._warm_up()
 

@@ -374,10 +374,17 @@ def test_resize_kv_records_bound_and_can_release_by_rebuild(idle_engine: OpenVIN
     allocated = eng.kv_bytes_allocated()
     assert allocated > eng.block_size * eng.kv_bytes_per_token  # grew with those requests
     eng.release_on_shrink = True
+    rss_before = _rss_bytes()
     try:
         asyncio.run(eng.resize_kv(eng.block_size * eng.kv_bytes_per_token))
     finally:
         eng.release_on_shrink = False
     assert eng.loaded and eng.kv_bytes_allocated() < allocated  # rebuilt: memory returned
+    assert _rss_bytes() < rss_before + 100 * 2**20  # the old pipeline (~300 MB) was freed
     add(eng, "after", FRANCE, max_tokens=2)
     assert len(drain(eng).tokens["after"]) == 2
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
