@@ -297,9 +297,9 @@ class OpenVINOEngine:
             raise EngineError(f"request id {rid!r} is already running on {self.model_name}; use unique ids")
         ids = self._checked_ids(request)
         sampling = request.sampling
-        max_tokens = min(sampling.max_tokens, self.context_window - len(ids))
         if sampling.max_tokens < 1:
             raise EngineError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
+        max_tokens = min(sampling.max_tokens, self.context_window - len(ids))  # fits the window
         pipe_id = next(self._ids)
         config = self._generation_config(sampling, max_tokens, seed=pipe_id)
         import numpy as np

@@ -298,6 +298,29 @@ def test_abort_stops_tokens_and_releases_kv(idle_engine: OpenVINOEngine) -> None
 
 
 @pytest.mark.slow
+def test_abort_before_prefill(idle_engine: OpenVINOEngine) -> None:
+    eng = idle_engine
+    add(eng, "early", STORY, max_tokens=4)
+    eng.abort("early")
+    assert not eng.has_work() and not eng._pipe.has_non_finished_requests()
+    add(eng, "later", COLORS, max_tokens=2)
+    run = drain(eng)
+    assert list(run.tokens) == ["later"] and run.steps[0].kind is IterationKind.PREFILL
+
+
+@pytest.mark.slow
+def test_seeded_sampling_is_reproducible(idle_engine: OpenVINOEngine) -> None:
+    eng = idle_engine
+    outputs = []
+    for rid in ("s1", "s2"):
+        add(eng, rid, STORY, max_tokens=8, temperature=1.0, top_p=0.9, seed=7)
+        outputs.append(drain(eng).tokens[rid])
+    assert outputs[0] == outputs[1]
+    with pytest.raises(EngineError, match="temperature"):
+        add(eng, "bad", STORY, temperature=-1.0)
+
+
+@pytest.mark.slow
 def test_overlong_prompt_refused_before_the_engine(idle_engine: OpenVINOEngine) -> None:
     eng = idle_engine
     token = eng.encode_prompt("Hello")[0]
