@@ -84,9 +84,6 @@ class _Sim:
             best = min(best, deadline)
         return best
 
-    def has_work(self) -> bool:
-        return self.n > 0 or self.head < len(self.pending)
-
 
 @dataclass(slots=True)
 class _Outcome:
@@ -122,15 +119,23 @@ def _simulate(
     out = _Outcome()
     scale = 1.0 + margin
     waiting_decode: set[str] | None = None  # instances owed one decode after the candidate's prefill
+    deadlines = [x.next_deadline() for x in sims]  # inf: no work
     for _ in range(max_iterations):
-        ready = [s for s in sims if s.has_work() and s.ready_at <= t]
-        if not ready:
-            later = [s.ready_at for s in sims if s.has_work()]
-            if not later:
+        pick, best, next_ready = -1, math.inf, math.inf
+        for k, x in enumerate(sims):
+            d = deadlines[k]
+            if d == math.inf:
+                continue
+            if x.ready_at > t:
+                next_ready = min(next_ready, x.ready_at)
+            elif d < best:
+                pick, best = k, d
+        if pick < 0:
+            if next_ready == math.inf:
                 break
-            t = min(later)
+            t = next_ready
             continue
-        s = min(ready, key=_Sim.next_deadline)
+        s = sims[pick]
         if s.head < len(s.pending):  # prefill iteration
             batch, tokens = [], 0
             for entry in s.pending[s.head :]:
@@ -163,6 +168,7 @@ def _simulate(
             s.ctx += s.n
             if waiting_decode is not None:
                 waiting_decode.discard(s.instance_id)
+        deadlines[pick] = s.next_deadline()
         if waiting_decode is not None and not waiting_decode:
             break
         if candidate_id is None and t >= until_s:

@@ -1,0 +1,1 @@
+"""Benchmarks behind `mesh bench ...`: each prints a table and can write JSON."""

@@ -1,0 +1,21 @@
+"""`mesh bench <name>`: benchmarks that print their figures (and write JSON with --json)."""
+from __future__ import annotations
+
+import argparse
+import importlib
+
+# Benchmark modules in mesh.bench, each with `register(subparsers)`.
+BENCHES = ["core", "fidelity", "engine", "multicast", "replay"]
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    parser = sub.add_parser("bench", help="run a benchmark and print its figures")
+    benches = parser.add_subparsers(dest="bench", required=True)
+    for name in BENCHES:
+        try:
+            module = importlib.import_module(f"mesh.bench.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"mesh.bench.{name}":
+                raise
+            continue
+        module.register(benches)
