@@ -5,4 +5,5 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 python3 -m pip install --quiet --upgrade pip
 python3 -m pip install --quiet -e ".[test]"
-mesh models fetch-demo
+command -v pyenv >/dev/null && pyenv rehash || true  # expose the `mesh` entry point on pyenv shims
+python3 -m mesh models fetch-demo
