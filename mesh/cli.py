@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
+
+from mesh.commands import register_all
 
 # Subcommand modules, in the order `mesh --help` lists them.
 COMMANDS = ["replay", "bench", "info", "calibrate", "models"]
@@ -12,14 +13,7 @@ COMMANDS = ["replay", "bench", "info", "calibrate", "models"]
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mesh", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
-    for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"mesh.commands.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"mesh.commands.{name}":
-                raise
-            continue  # not built yet
-        module.register(sub)
+    register_all(sub, "mesh.commands", COMMANDS)
     return parser
 
 

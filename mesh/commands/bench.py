@@ -2,7 +2,8 @@
 from __future__ import annotations
 
 import argparse
-import importlib
+
+from mesh.commands import register_all
 
 # Benchmark modules in mesh.bench, each with `register(subparsers)`.
 BENCHES = ["core", "fidelity", "engine", "multicast", "replay"]
@@ -11,11 +12,4 @@ BENCHES = ["core", "fidelity", "engine", "multicast", "replay"]
 def register(sub: argparse._SubParsersAction) -> None:
     parser = sub.add_parser("bench", help="run a benchmark and print its figures")
     benches = parser.add_subparsers(dest="bench", required=True)
-    for name in BENCHES:
-        try:
-            module = importlib.import_module(f"mesh.bench.{name}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"mesh.bench.{name}":
-                raise
-            continue
-        module.register(benches)
+    register_all(benches, "mesh.bench", BENCHES)
