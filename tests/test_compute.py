@@ -1,5 +1,6 @@
 """Compute subsystem: headroom (Eq. 1) and token-level selection (LLM-Mesh 5.1)."""
 import pytest
+from hypothesis import given, settings, strategies as st
 
 from doubles import LinearTimes
 from engines.protocol import IterationKind
@@ -109,3 +110,60 @@ def test_headroom_of_waiting_request_is_ttft_deadline():
     c.add_instance("i", LinearTimes(), SLO_PAPER, 8192)
     c.add_request("i", "long", 4096, 1.0)  # TTFT SLO = 4096/512 = 8 s
     assert c.headroom("long", 1.0) == pytest.approx(8.0)
+
+
+# -- property: the choice is always the instance holding the globally most urgent request --
+ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add"), st.integers(0, 3), st.integers(1, 3000), st.floats(-5.0, 5.0)),
+        st.tuples(st.just("step"), st.integers(0, 3), st.just(0), st.just(0.0)),
+        st.tuples(st.just("finish"), st.integers(0, 3), st.integers(0, 50), st.just(0.0)),
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops)
+def test_choice_matches_brute_force_headroom(sequence):
+    c = ComputeSubsystem()
+    tpots = [0.25, 0.1, 0.5, 0.05]
+    for k, tpot in enumerate(tpots):
+        c.add_instance(f"i{k}", LinearTimes(), SLO(tpot_s=tpot), 4096)
+    produced: dict[str, int] = {}  # what we expect tokens_out to be
+    for n, (op, k, x, t) in enumerate(sequence):
+        iid = f"i{k}"
+        if op == "add":
+            c.add_request(iid, f"r{n}", x, t)
+            produced[f"r{n}"] = 0
+        elif op == "step":
+            it = c.next_iteration(0.0)
+            if it is None:
+                continue
+            inst = c.instances[it.instance_id]
+            served = [r.request_id for r in inst.prefill_batch()] if it.kind is IterationKind.PREFILL else [r.request_id for r in inst.running]
+            c.complete_iteration(it.instance_id, it.kind, served)
+            for rid in served:
+                produced[rid] += 1
+        elif c.requests:
+            rid = sorted(c.requests)[x % len(c.requests)]
+            c.remove_request(rid)
+            del produced[rid]
+        # brute force: Eq. 1 for every request, straight from its definition
+        def headroom(rid: str) -> float:
+            r = c.requests[rid]
+            slo = c.instances[r.instance_id].slo
+            return r.start_s + slo.ttft_s(r.prompt_len) + slo.tpot_s * produced[rid] - 0.0
+
+        for rid in c.requests:
+            assert c.tokens_out(rid) == produced[rid]
+            assert c.headroom(rid, 0.0) == pytest.approx(headroom(rid))
+        it = c.next_iteration(0.0)
+        if not c.requests:
+            assert it is None
+        else:
+            best = min(headroom(rid) for rid in c.requests)
+            chosen = [rid for rid in c.requests if c.requests[rid].instance_id == it.instance_id]
+            assert min(headroom(rid) for rid in chosen) == pytest.approx(best)
+            state = c.instances[it.instance_id]
+            assert state.context_sum == sum(r.prompt_len + produced[r.request_id] for r in state.running)
