@@ -10,9 +10,12 @@ refused before it gets there).
 Blocking: `pipe.step()` holds the Python GIL for the whole iteration, and `step()` calls it
 directly even though it is `async def`. That is deliberate: engines live in a node agent
 process whose event loop does nothing else while an iteration runs (the node computes one
-iteration at a time). `load()` builds the pipeline in a worker thread: OpenVINO releases
-the GIL while it reads and compiles the model, so the agent keeps serving its other
-instances meanwhile.
+iteration at a time). After the iteration `step()` yields to the event loop once
+(`asyncio.sleep(0)`): without it a busy node never let its loop run, so requests arriving
+while it had work waited until it went idle. Like the simulated engine (which sleeps
+through its iteration), requests that arrive during an iteration join the next one.
+`load()` builds the pipeline in a worker thread: OpenVINO releases the GIL while it reads
+and compiles the model, so the agent keeps serving its other instances meanwhile.
 
 KV memory (what can and cannot be resized): OpenVINO cannot resize a KV cache after the
 pipeline is built. The pipeline is built with `cache_size=0, num_kv_blocks=0`, so its cache
@@ -147,6 +150,7 @@ class OpenVINOEngine:
         properties: Mapping[str, Any] | None = None,
         kv_capacity_bytes: int | None = None,
         release_on_shrink: bool = False,
+        ignore_eos: bool = False,
     ) -> None:
         """Describe an instance; nothing is loaded until `load()`.
 
@@ -157,6 +161,8 @@ class OpenVINOEngine:
             the context window (a longer prompt would break the pipeline).
         max_num_seqs: most requests one iteration batches.
         kv_capacity_bytes: the KV bound recorded at start (see `resize_kv`).
+        ignore_eos: generate exactly max_tokens (stop strings still apply), for calibration
+            and benchmarks that need known output lengths; never for serving.
         """
         self.source = resolve_model(model_path)
         shape = self.source.shape
@@ -176,6 +182,7 @@ class OpenVINOEngine:
         if max_num_seqs < 1:
             raise EngineError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
         self.max_num_seqs = max_num_seqs
+        self.max_batch = max_num_seqs  # engines.protocol name
         self.device = device
         self.properties = dict(properties or {})
         self.block_size = CPU_KV_BLOCK_SIZE
@@ -185,6 +192,7 @@ class OpenVINOEngine:
         self.weight_bytes = self.source.weight_bytes
         self.kv_capacity_bytes = kv_capacity_bytes
         self.release_on_shrink = release_on_shrink
+        self.ignore_eos = ignore_eos
         self._pipe: Any = None
         self._encoder: PromptEncoder | None = None
         self._standalone_encoder: PromptEncoder | None = None
@@ -342,6 +350,7 @@ class OpenVINOEngine:
         config = ov_genai.GenerationConfig()
         config.max_new_tokens = max_tokens
         config.num_return_sequences = 1
+        config.ignore_eos = self.ignore_eos
         if sampling.temperature == 0:
             config.do_sample = False  # greedy
         else:
@@ -355,8 +364,12 @@ class OpenVINOEngine:
     # ---- iterations -----------------------------------------------------------------------
 
     async def step(self) -> StepResult:
-        """Run exactly one pipeline iteration. Blocks (and holds the GIL) while it runs."""
-        return self.step_blocking()
+        """Run exactly one pipeline iteration. Blocks (and holds the GIL) while it runs,
+        then yields to the event loop once, so that what arrived meanwhile (new requests,
+        aborts) is handled before the node picks its next iteration."""
+        result = self.step_blocking()
+        await asyncio.sleep(0)
+        return result
 
     def step_blocking(self) -> StepResult:
         """`step()` without the coroutine wrapper, for benchmarks and synchronous callers."""

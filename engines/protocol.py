@@ -86,6 +86,7 @@ class Engine(Protocol):
     weight_bytes: int  # memory the weights hold from load to unload
     context_window: int  # longest prompt + output the instance accepts
     prefill_token_budget: int  # max prompt tokens one prefill iteration takes
+    max_batch: int  # most requests the instance holds at once (more would break the batching rule)
 
     async def load(self) -> None:
         """Bring weights into the node's memory (a memory operation; takes time)."""

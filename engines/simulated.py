@@ -29,6 +29,7 @@ class SimulatedEngine:
         weight_bytes: int,
         context_window: int,
         prefill_token_budget: int | None = None,
+        max_batch: int = 256,
         load_s: float = 0.0,
         noise: float = 0.0,
         seed: int = 0,
@@ -39,6 +40,7 @@ class SimulatedEngine:
         self.weight_bytes = weight_bytes
         self.context_window = context_window
         self.prefill_token_budget = prefill_token_budget or context_window
+        self.max_batch = max_batch
         self.load_s = load_s
         self.noise = noise  # relative std-dev of a lognormal factor on every iteration
         self._rng = random.Random(seed)

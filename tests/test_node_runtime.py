@@ -180,3 +180,24 @@ def test_simulated_engine_batching_and_kv_bytes():
         (IterationKind.DECODE, ["b"], {"b": FinishReason.STOP}),
     ]
     assert kv == 2 * 301 * KV_PER_TOKEN and e.kv_bytes_in_use() == 0
+
+
+def test_admission_refuses_beyond_max_batch_and_context_window():
+    async def main():
+        node = NodeRuntime(NodeSpec("n", "gpu", 10**9))
+        node.start()
+        times = LinearTimes(decode_base=0.001)
+        eng = SimulatedEngine("m", times, kv_bytes_per_token=KV_PER_TOKEN, weight_bytes=WEIGHTS,
+                              context_window=512, max_batch=2)
+        node.start_instance("i", "m", eng, times, SLO(), RunningMean(10), 0.0)
+        await asyncio.sleep(0.01)
+        done = []
+        results = [node.try_admit("i", request(f"r{k}", "m", 10, 50, 0.0, done)) for k in range(3)]
+        too_long = node.try_admit("i", request("long", "m", 512, 5, 0.0, done))
+        await node.stop()
+        return results, too_long
+
+    results, too_long = run_virtual(main())
+    assert [a.ok for a in results] == [True, True, False]
+    assert "maximum batch of 2" in results[2].reason()
+    assert not too_long.ok and "context window of 512" in too_long.reason()

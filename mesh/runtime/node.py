@@ -196,6 +196,8 @@ class NodeRuntime:
         inst = self.instances[instance_id]
         if req.prompt_len + 1 > inst.engine.context_window:
             return Admission(False, refusal=f"prompt of {req.prompt_len} tokens exceeds the context window of {inst.engine.context_window}")
+        if inst.batch_size >= inst.engine.max_batch:
+            return Admission(False, refusal=f"instance {instance_id} holds its maximum batch of {inst.engine.max_batch}")
         plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), (req.prompt_len, 0)])
         if not plan.ok:
             return Admission(False, memory=plan)
