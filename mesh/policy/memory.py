@@ -73,20 +73,22 @@ class MemorySubsystem:
         del self.instances[instance_id]
         return self.station.issue(instance_id, 0)
 
-    def plan_admission(self, instance_id: str, demand: Sequence[tuple[int, int]]) -> MemoryPlan:
+    def plan_admission(self, instance_id: str, demand: Sequence[tuple[int, int]], freed_bytes: int = 0) -> MemoryPlan:
         """Can the instance hold `demand` (its requests plus the candidate)? Scale up to
-        M_recommend if the budget allows, else compromise to M_require (6.4)."""
+        M_recommend if the budget allows, else compromise to M_require (6.4).
+        `freed_bytes`: as if neighbours had first released that much (preemption, 7.1)."""
         inst = self.instances[instance_id]
         current = self.kv_bytes(instance_id)
         require = inst.require(demand)
         if current >= require:
             return MemoryPlan(True)
         recommend = recommend_bytes(require, self.watermark)
-        if self.station.can_resize(instance_id, inst.weight_bytes + recommend):
+        if self.station.can_resize(instance_id, inst.weight_bytes + recommend, freed_bytes):
             return MemoryPlan(True, recommend)
-        if self.station.can_resize(instance_id, inst.weight_bytes + require):
+        if self.station.can_resize(instance_id, inst.weight_bytes + require, freed_bytes):
             return MemoryPlan(True, require, compromised=True)
-        return MemoryPlan(False, shortfall_bytes=inst.weight_bytes + require - self.station.size(instance_id) - self.station.free())
+        free = self.station.free() + freed_bytes
+        return MemoryPlan(False, shortfall_bytes=inst.weight_bytes + require - self.station.size(instance_id) - free)
 
     def resize_kv(self, instance_id: str, kv_bytes: int) -> Issued:
         return self.station.issue(instance_id, self.instances[instance_id].weight_bytes + kv_bytes)

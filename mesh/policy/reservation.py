@@ -100,9 +100,10 @@ class ReservationStation:
         """Room left in the optimistic budget."""
         return self.capacity - self.budget
 
-    def can_resize(self, holder: str, new_bytes: int) -> bool:
-        """Shadow check (6.4): would resizing `holder` to `new_bytes` be admitted now?"""
-        return self.budget + new_bytes - self.size(holder) <= self.capacity
+    def can_resize(self, holder: str, new_bytes: int, freed_bytes: int = 0) -> bool:
+        """Shadow check (6.4): would resizing `holder` to `new_bytes` be admitted now?
+        `freed_bytes`: as if other holders had first released that much (preemption, 7.1)."""
+        return self.budget - freed_bytes + new_bytes - self.size(holder) <= self.capacity
 
     def running(self) -> list[MemoryOp]:
         return list(self._running.values())

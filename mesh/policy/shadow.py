@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from typing import Collection
 
 from mesh.policy.compute import ComputeSubsystem, IterationTimes
 
@@ -93,9 +94,13 @@ class _Outcome:
     end_s: float = 0.0
 
 
-def _snapshot(compute: ComputeSubsystem, candidate: tuple[str, str, int, float] | None) -> list[_Sim]:
+def _snapshot(
+    compute: ComputeSubsystem, candidate: tuple[str, str, int, float] | None, exclude: Collection[str] = ()
+) -> list[_Sim]:
     sims = []
     for inst in compute.instances.values():
+        if inst.instance_id in exclude:
+            continue
         pending = [(r.request_id, r.prompt_len, r.ttft_deadline_s) for r in inst.pending.values()]
         if candidate is not None and candidate[0] == inst.instance_id:
             _, rid, prompt_len, deadline = candidate
@@ -177,11 +182,16 @@ def _simulate(
     return out
 
 
-def decode_round_s(compute: ComputeSubsystem, instance_id: str, prompt_len: int, margin: float) -> tuple[float, float]:
+def decode_round_s(
+    compute: ComputeSubsystem, instance_id: str, prompt_len: int, margin: float, exclude: Collection[str] = ()
+) -> tuple[float, float]:
     """Case 3: (one decode iteration of every instance, the tightest TPOT SLO), with the
-    candidate in `instance_id` and every waiting request counted as decoding."""
+    candidate in `instance_id` and every waiting request counted as decoding. Instances in
+    `exclude` are left out (as if preempted, LLM-Mesh 7.1)."""
     total, tpot = 0.0, math.inf
     for inst in compute.instances.values():
+        if inst.instance_id in exclude:
+            continue
         n = len(inst.running) + len(inst.pending)
         ctx = inst.context_sum + sum(r.prompt_len + 1 for r in inst.pending.values())
         if inst.instance_id == instance_id:
@@ -201,14 +211,20 @@ def shadow_validate(
     start_s: float,
     now: float,
     margin: float = DEFAULT_MARGIN,
+    exclude: Collection[str] = (),
 ) -> Verdict:
-    """Would adding this request to `instance_id` keep every SLO on the node? (5.3)"""
+    """Would adding this request to `instance_id` keep every SLO on the node? (5.3)
+
+    `exclude`: instances simulated as gone, i.e. preempted first (proactive
+    defragmentation, 7.1); their requests count neither for nor against the candidate."""
     inst = compute.instances[instance_id]
+    if instance_id in exclude:
+        raise ValueError(f"instance {instance_id!r} cannot both take the request and be excluded")
     deadline = start_s + inst.slo.ttft_s(prompt_len)
     t0 = max(now, compute.busy_until)
     n_pending = sum(len(i.pending) for i in compute.instances.values())
     max_iterations = 64 + 4 * len(compute.instances) + n_pending
-    sims = _snapshot(compute, (instance_id, request_id, prompt_len, deadline))
+    sims = _snapshot(compute, (instance_id, request_id, prompt_len, deadline), exclude)
     with_cand = _simulate(sims, t0, margin, request_id, math.inf, max_iterations)
 
     failures: list[Failure] = []
@@ -219,12 +235,12 @@ def shadow_validate(
         failures.append(Failure(FailureCase.OWN_PREFILL_LATE, math.inf, request_id, instance_id))
     if with_cand.late:
         # Only requests that are on time without the candidate count against it.
-        base = _simulate(_snapshot(compute, None), t0, margin, None, with_cand.end_s, max_iterations)
+        base = _simulate(_snapshot(compute, None, exclude), t0, margin, None, with_cand.end_s, max_iterations)
         newly_late = {rid: v for rid, v in with_cand.late.items() if rid not in base.late}
         if newly_late:
             rid, (by_s, where) = max(newly_late.items(), key=lambda kv: kv[1][0])
             failures.append(Failure(FailureCase.EXISTING_REQUEST_LATE, by_s, rid, where))
-    round_s, tpot = decode_round_s(compute, instance_id, prompt_len, margin)
+    round_s, tpot = decode_round_s(compute, instance_id, prompt_len, margin, exclude)
     if round_s > tpot:
         failures.append(Failure(FailureCase.DECODE_ROUND_OVER_TPOT, round_s - tpot, None, instance_id))
     return Verdict(tuple(failures), with_cand.candidate_first_token_s, round_s)

@@ -9,13 +9,14 @@ runs live and, on mesh.runtime.virtual_loop, in virtual time.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Collection, Sequence
 
-from engines.protocol import Engine, EngineError, IterationKind, StepResult
+from engines.protocol import Engine, EngineError, EngineRequest, IterationKind, StepResult
 from mesh.policy.compute import ComputeSubsystem, IterationTimes
-from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean
+from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, recommend_bytes
 from mesh.policy.memory import InstanceMemory, MemoryPlan, MemorySubsystem
 from mesh.policy.reservation import Issued, MemoryOp, OpKind
 from mesh.policy.shadow import DEFAULT_MARGIN, Verdict, shadow_validate
@@ -44,6 +45,25 @@ class NodeInstance:
     @property
     def batch_size(self) -> int:
         return len(self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class InstancePlan:
+    """An instance that is not started yet, for validating requests on it (LLM-Mesh 4: a
+    new instance is created on a node that validates). `expected_load_s` is the predicted
+    cold start (weights in place plus the initial KV cache)."""
+
+    instance_id: str
+    model: str
+    times: IterationTimes
+    slo: SLO
+    kv_bytes_per_token: int
+    weight_bytes: int
+    context_window: int
+    prefill_token_budget: int
+    max_batch: int
+    mean_output: RunningMean
+    expected_load_s: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +114,11 @@ class NodeRuntime:
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
         self.iteration_count = 0
         self.busy_s = 0.0
+        self.decode_tokens = 0  # tokens produced by decode iterations (throughput per node)
+        self.prefill_tokens = 0  # prompt tokens prefilled
+        # Tokens a request produced before this node took it (preempted or evicted
+        # elsewhere and rescheduled here, LLM-Mesh 6.4, 7.1); absent for fresh requests.
+        self._carried: dict[str, int] = {}
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
@@ -188,36 +213,149 @@ class NodeRuntime:
 
     # -- admission -----------------------------------------------------------------
     def demand(self, instance_id: str) -> list[tuple[int, int]]:
-        """(I_r, O_r) of every request on the instance (Eq. 2)."""
-        return [(r.prompt_len, self.compute.tokens_out(rid)) for rid, r in self.instances[instance_id].requests.items()]
+        """(I_r, O_r) of every request on the instance (Eq. 2); a resumed request's input
+        includes the tokens it produced before it came here (they are prefilled again)."""
+        carried = self._carried
+        return [
+            (r.prompt_len + carried.get(rid, 0), self.compute.tokens_out(rid))
+            for rid, r in self.instances[instance_id].requests.items()
+        ]
 
-    def validate(self, instance_id: str, req: ServedRequest) -> Admission:
-        """Shadow validation on both subsystems (5.3, 6.4); changes nothing."""
+    @staticmethod
+    def effective(req: ServedRequest, done: int) -> tuple[int, float]:
+        """(prompt length, ST) under which a request that already produced `done` tokens
+        elsewhere is scheduled here: its prompt plus those tokens is prefilled again, and
+        that prefill must end by the deadline of its next token, ST + TTFT + TPOT * O
+        (Eq. 1). For a fresh request: its own prompt and arrival."""
+        if done <= 0:
+            return req.prompt_len, req.arrival_s
+        slo = req.slo
+        deadline = req.arrival_s + slo.ttft_s(req.prompt_len) + slo.tpot_s * done
+        prompt = req.prompt_len + done
+        return prompt, deadline - slo.ttft_s(prompt)
+
+    def progress(self, request_id: str) -> int:
+        """Tokens the request has produced so far (on this node and before)."""
+        return self._carried.get(request_id, 0) + self.compute.tokens_out(request_id)
+
+    def validate(
+        self,
+        instance_id: str,
+        req: ServedRequest,
+        *,
+        compute: bool = True,
+        exclude: Collection[str] = (),
+        done: int | None = None,
+    ) -> Admission:
+        """Shadow validation on both subsystems (5.3, 6.4); changes nothing.
+
+        compute=False checks memory only (the baselines, which queue rather than validate).
+        exclude: instances on this node validated as gone (preempted first, 7.1).
+        done: tokens the request already produced (default: req.tokens_out)."""
         inst = self.instances[instance_id]
-        if req.prompt_len + 1 > inst.engine.context_window:
-            return Admission(False, refusal=f"prompt of {req.prompt_len} tokens exceeds the context window of {inst.engine.context_window}")
+        prompt, start = self.effective(req, req.tokens_out if done is None else done)
+        if prompt + 1 > inst.engine.context_window:
+            return Admission(False, refusal=f"prompt of {prompt} tokens exceeds the context window of {inst.engine.context_window}")
         if inst.batch_size >= inst.engine.max_batch:
             return Admission(False, refusal=f"instance {instance_id} holds its maximum batch of {inst.engine.max_batch}")
-        plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), (req.prompt_len, 0)])
-        if not plan.ok:
-            return Admission(False, memory=plan)
-        verdict = shadow_validate(self.compute, instance_id, req.request_id, req.prompt_len, req.arrival_s, self._now(), self.margin)
+        freed = sum(self.memory.station.size(i) for i in exclude)
+        plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), (prompt, 0)], freed)
+        if not plan.ok or not compute:
+            return Admission(plan.ok, memory=plan)
+        verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, self._now(), self.margin, exclude)
         return Admission(verdict.ok, verdict, plan)
 
-    def admit(self, instance_id: str, req: ServedRequest, admission: Admission) -> None:
-        """Add a validated request to the instance (engine, compute and memory state)."""
+    def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
+        """Would all of `reqs` (having produced `done` tokens each) fit this instance, added
+        one after another? Used to check where preempted requests go (7.1). Changes nothing."""
+        pairs = [self.effective(r, d) for r, d in zip(reqs, done, strict=True)]
         inst = self.instances[instance_id]
-        inst.engine.add_request(req.engine_request)  # raises EngineError before any state changes
+        window = inst.engine.context_window
+        if any(p + 1 > window for p, _ in pairs):
+            return Admission(False, refusal=f"a prompt exceeds the context window of {window}")
+        if inst.batch_size + len(reqs) > inst.engine.max_batch:
+            return Admission(False, refusal=f"instance {instance_id} would exceed its maximum batch of {inst.engine.max_batch}")
+        plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), *((p, 0) for p, _ in pairs)])
+        if not plan.ok:
+            return Admission(False, memory=plan)
+        verdict = self._validate_sequence(instance_id, reqs, pairs)
+        return Admission(verdict.ok, verdict, plan)
+
+    def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int] | None = None) -> Admission:
+        """Would a new instance started now (cold start `plan.expected_load_s`) serve all of
+        `reqs` within SLO, and does the node have the memory for it? Changes nothing."""
+        done = [r.tokens_out for r in reqs] if done is None else done
+        pairs = [self.effective(r, d) for r, d in zip(reqs, done, strict=True)]
+        if any(p + 1 > plan.context_window for p, _ in pairs):
+            return Admission(False, refusal=f"a prompt exceeds the context window of {plan.context_window}")
+        if len(reqs) > plan.max_batch:
+            return Admission(False, refusal=f"{len(reqs)} requests exceed the maximum batch of {plan.max_batch}")
+        mem = InstanceMemory(plan.instance_id, plan.kv_bytes_per_token, plan.weight_bytes, plan.context_window, plan.mean_output)
+        need = plan.weight_bytes + max(
+            recommend_bytes(mem.require(()), self.memory.watermark), mem.require([(p, 0) for p, _ in pairs])
+        )
+        station = self.memory.station
+        if not station.can_resize(plan.instance_id, need):
+            short = need - station.size(plan.instance_id) - station.free()
+            return Admission(False, memory=MemoryPlan(False, shortfall_bytes=short))
+        self.compute.add_instance(
+            plan.instance_id, plan.times, plan.slo, plan.prefill_token_budget,
+            ready_at=self._now() + plan.expected_load_s, loaded=False,
+        )
+        try:
+            verdict = self._validate_sequence(plan.instance_id, reqs, pairs)
+        finally:
+            self.compute.remove_instance(plan.instance_id)
+        return Admission(verdict.ok, verdict, MemoryPlan(True))
+
+    def _validate_sequence(self, instance_id: str, reqs: Sequence[ServedRequest], pairs: list[tuple[int, float]]) -> Verdict:
+        """Shadow-validate each request with the ones before it tentatively added."""
+        added: list[str] = []
+        now = self._now()
+        try:
+            verdict = Verdict()
+            for req, (prompt, start) in zip(reqs, pairs):
+                verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin)
+                if not verdict.ok:
+                    break
+                self.compute.add_request(instance_id, req.request_id, prompt, start)
+                added.append(req.request_id)
+        finally:
+            for rid in added:
+                self.compute.remove_request(rid)
+        return verdict
+
+    def _engine_request(self, req: ServedRequest, done: int) -> EngineRequest:
+        """What the engine is given: the request itself, or, for a resumed request, its
+        prompt plus the tokens already produced (recomputed) and the rest to produce.
+        Simulated engines need only the lengths; the token ids of a resumed request are not
+        kept, so a real engine gets prompt_token_ids=None."""
+        er = req.engine_request
+        if done <= 0:
+            return er
+        sampling = dataclasses.replace(er.sampling, max_tokens=max(1, er.sampling.max_tokens - done))
+        out = None if er.output_len is None else max(1, er.output_len - done)
+        return EngineRequest(er.request_id, er.prompt_len + done, sampling, None, out)
+
+    def admit(self, instance_id: str, req: ServedRequest, admission: Admission) -> None:
+        """Add a validated request to the instance (engine, compute and memory state). A
+        request that already produced `req.tokens_out` tokens elsewhere resumes here."""
+        inst = self.instances[instance_id]
+        done = req.tokens_out
+        prompt, start = self.effective(req, done)
+        inst.engine.add_request(self._engine_request(req, done))  # raises EngineError before any state changes
         if admission.memory is not None and admission.memory.kv_bytes is not None:
             issued = self.memory.resize_kv(instance_id, admission.memory.kv_bytes)
             self._launch(issued.started)
-        self.compute.add_request(instance_id, req.request_id, req.prompt_len, req.arrival_s)
+        self.compute.add_request(instance_id, req.request_id, prompt, start)
+        if done > 0:
+            self._carried[req.request_id] = done
         inst.requests[req.request_id] = req
         req.node_id, req.instance_id = self.node_id, instance_id
         self._wake.set()
 
-    def try_admit(self, instance_id: str, req: ServedRequest) -> Admission:
-        admission = self.validate(instance_id, req)
+    def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True) -> Admission:
+        admission = self.validate(instance_id, req, compute=compute)
         if admission.ok:
             self.admit(instance_id, req, admission)
         return admission
@@ -236,19 +374,32 @@ class NodeRuntime:
         inst = self.instances[r.instance_id]
         inst.engine.abort(request_id)
         self.compute.remove_request(request_id)
+        self._carried.pop(request_id, None)
         req = inst.requests.pop(request_id)
         if not inst.requests:
             inst.idle_since = self._now()
         return req
 
-    def evict(self, request_id: str, why: str) -> None:
-        """Evict and reschedule (6.4); without a dispatcher to take it, the request fails."""
+    def take_back(self, request_id: str, why: str) -> ServedRequest | None:
+        """Take a request off this node to be rescheduled elsewhere (preemption 7.1,
+        eviction 6.4), keeping its progress: `tokens_out` becomes the tokens it produced so
+        far, and its first-token time stays. It is not ended; the caller places it."""
+        if request_id not in self.compute.requests:
+            return None
+        done = self.progress(request_id)
         req = self._detach(request_id)
+        req.tokens_out = done
+        req.attempts.append(f"taken from {self.node_id}/{req.instance_id} after {done} tokens: {why}")
+        req.node_id = req.instance_id = None
+        return req
+
+    def evict(self, request_id: str, why: str) -> None:
+        """Evict and reschedule (6.4); without a dispatcher to take it, the request fails.
+        The request keeps its progress (see take_back)."""
+        req = self.take_back(request_id, f"evicted: {why}")
         if req is None:
             return
         req.evictions += 1
-        req.attempts.append(f"evicted from {self.node_id}/{req.instance_id}: {why}")
-        req.node_id = req.instance_id = req.first_token_s = None
         if self.on_evict is not None:
             self.on_evict(req)
         else:
@@ -279,6 +430,10 @@ class NodeRuntime:
             now = loop.time()
             self.busy_s += now - start
             self.iteration_count += 1
+            if result.kind is IterationKind.DECODE:
+                self.decode_tokens += len(result.request_ids)
+            else:
+                self.prefill_tokens += it.tokens
             if self.iterations is not None:
                 self.iterations.append(IterationRecord(it.instance_id, result.kind, len(result.request_ids), start, now - start, it.predicted_s))
             self._apply(inst, result, now)
@@ -296,7 +451,7 @@ class NodeRuntime:
         for rid, reason in result.finished.items():
             req = requests.pop(rid, None)
             if req is not None:
-                req.tokens_out = self.compute.tokens_out(rid) + 1
+                req.tokens_out = self._carried.pop(rid, 0) + self.compute.tokens_out(rid) + 1
                 done.append((req, reason))
         self.compute.complete_iteration(inst.instance_id, result.kind, result.request_ids, result.finished)
         if done:
