@@ -1,0 +1,174 @@
+"""The control service's side of one agent connection: calls with replies, events, liveness.
+
+`AgentClient.connect()` opens the connection and says hello. `call(message)` sends a
+request and awaits its reply (AgentCallError when the agent says ok=false); `send()` sends
+without waiting (abort). Events (tokens, done, instance) go to `on_event`. When the
+connection ends - EOF, a reset, a protocol error, or no reply to a ping within
+`heartbeat_timeout_s` - every pending call fails with AgentDown and `on_close(reason)` runs
+once. A killed agent process closes its socket, so that is noticed at once; the heartbeat
+catches an agent that hangs or a peer that vanished from the network.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from typing import Any, Callable
+
+from mesh.agent.protocol import PROTOCOL_VERSION, Code, ProtocolError, encode_frame, read_frame
+
+log = logging.getLogger("mesh.agent.client")
+
+EventCallback = Callable[[dict[str, Any]], None]
+CloseCallback = Callable[[str], None]
+
+
+class AgentDown(ConnectionError):
+    """The agent connection is gone (or was never there); the message says why."""
+
+
+class AgentCallError(RuntimeError):
+    """The agent answered ok=false."""
+
+    def __init__(self, code: str, message: str, reply: dict[str, Any]) -> None:
+        super().__init__(message)
+        self.code, self.reply = code, reply
+
+    @property
+    def retryable(self) -> bool:
+        try:
+            return Code(self.code).retryable
+        except ValueError:
+            return False
+
+
+class AgentClient:
+    def __init__(
+        self,
+        name: str,
+        on_event: EventCallback,
+        on_close: CloseCallback,
+        heartbeat_s: float = 0.5,
+        heartbeat_timeout_s: float = 10.0,
+    ) -> None:
+        self.name = name
+        self.on_event = on_event
+        self.on_close = on_close
+        self.heartbeat_s = heartbeat_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self.info: dict[str, Any] = {}
+        self.closed_reason: str | None = None
+        self._reader: asyncio.StreamReader | None = None
+        self._writer: asyncio.StreamWriter | None = None
+        self._pending: dict[int, asyncio.Future] = {}
+        self._ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+
+    @property
+    def up(self) -> bool:
+        return self._writer is not None and self.closed_reason is None
+
+    async def connect(self, address: str, token: str | None, timeout_s: float = 10.0) -> dict[str, Any]:
+        """Connect to "host:port" or "unix:path" and say hello; return the agent's info."""
+        if address.startswith("unix:"):
+            opening = asyncio.open_unix_connection(address[len("unix:"):], limit=2**20)
+        else:
+            host, _, port = address.rpartition(":")
+            opening = asyncio.open_connection(host, int(port), limit=2**20)
+        try:
+            self._reader, self._writer = await asyncio.wait_for(opening, timeout_s)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise AgentDown(f"cannot connect to agent {self.name} at {address}: {exc}") from exc
+        loop = asyncio.get_running_loop()
+        self._tasks.append(loop.create_task(self._read_loop(), name=f"agent {self.name} reader"))
+        self.info = await self.call({"t": "hello", "token": token, "protocol": PROTOCOL_VERSION}, timeout_s)
+        self._tasks.append(loop.create_task(self._heartbeat(), name=f"agent {self.name} heartbeat"))
+        return self.info
+
+    async def call(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """Send a request and await its reply (the reply's fields, without t/re/ok)."""
+        if not self.up:
+            raise AgentDown(f"agent {self.name} is down: {self.closed_reason or 'not connected'}")
+        mid = next(self._ids)
+        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        self._pending[mid] = future
+        try:
+            self._write({**message, "id": mid})
+            reply = await (asyncio.wait_for(future, timeout_s) if timeout_s else future)
+        except asyncio.TimeoutError as exc:
+            raise AgentDown(f"agent {self.name} did not answer {message.get('t')} within {timeout_s:.1f} s") from exc
+        finally:
+            self._pending.pop(mid, None)
+        if not reply.get("ok"):
+            raise AgentCallError(str(reply.get("code")), str(reply.get("error", "failed")), reply)
+        return {k: v for k, v in reply.items() if k not in ("t", "re", "ok")}
+
+    def send(self, message: dict[str, Any]) -> None:
+        """Send without waiting for a reply (ignored when the connection is down)."""
+        if self.up:
+            self._write(message)
+
+    def _write(self, message: dict[str, Any]) -> None:
+        try:
+            self._writer.write(encode_frame(message))
+        except (ConnectionError, RuntimeError) as exc:
+            self._close(f"write failed: {exc}")
+            raise AgentDown(f"agent {self.name} is down: {exc}") from exc
+
+    async def _read_loop(self) -> None:
+        reason = "connection closed by the agent"
+        try:
+            while True:
+                message = await read_frame(self._reader)
+                if message is None:
+                    break
+                if message["t"] == "reply":
+                    future = self._pending.get(message.get("re"))
+                    if future is not None and not future.done():
+                        future.set_result(message)
+                    continue
+                try:
+                    self.on_event(message)
+                except Exception:  # noqa: BLE001 - a bad event handler must not kill the connection
+                    log.exception("agent %s: event handler failed on %s", self.name, message.get("t"))
+        except (ProtocolError, ConnectionError) as exc:
+            reason = f"connection failed: {exc}"
+        except asyncio.CancelledError:
+            reason = "connection closed by the control service"
+            raise
+        finally:
+            self._close(reason)
+
+    async def _heartbeat(self) -> None:
+        while self.up:
+            await asyncio.sleep(self.heartbeat_s)
+            try:
+                await self.call({"t": "ping"}, self.heartbeat_timeout_s)
+            except AgentDown as exc:
+                self._close(f"heartbeat failed: {exc}")
+                return
+            except AgentCallError:
+                continue
+
+    def _close(self, reason: str) -> None:
+        if self.closed_reason is not None:
+            return
+        self.closed_reason = reason
+        for future in self._pending.values():
+            if not future.done():
+                future.set_exception(AgentDown(f"agent {self.name} is down: {reason}"))
+        self._pending.clear()
+        if self._writer is not None:
+            self._writer.close()
+        current = asyncio.current_task()
+        for task in self._tasks:
+            if task is not current:
+                task.cancel()
+        try:
+            self.on_close(reason)
+        except Exception:  # noqa: BLE001
+            log.exception("agent %s: close handler failed", self.name)
+
+    async def close(self) -> None:
+        self._close("closed by the control service")
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,193 @@
+"""The node agent protocol: length-prefixed JSON frames over a byte stream.
+
+Transport: any reliable byte stream (TCP on loopback for the embedded agent, TCP across
+machines, or a Unix socket). Each frame is a 4-byte big-endian unsigned length followed by
+that many bytes of UTF-8 JSON holding one object (a message). Frames longer than
+MAX_FRAME_BYTES are a protocol error and close the connection.
+
+Every message has a type `t`. The control service sends requests; a request that carries
+an integer `id` gets exactly one reply `{"t": "reply", "re": id, "ok": true, ...}` or
+`{"t": "reply", "re": id, "ok": false, "code": ..., "error": ...}`; a request without `id`
+(abort) gets none. The agent also sends events on its own (tokens, done, instance).
+
+Control -> agent (see docs/service.md for every field):
+    hello      {token, protocol}             -> {node_id, kind, memory_bytes, cpu, pid, instances}
+    ping       {}                            -> {}
+    load       {instance_id, model, path, context_window, slo, max_num_seqs, profile}
+                                             -> {} (issued; an `instance` event follows)
+    unload     {instance_id}                 -> {}
+    tokenize   {instance_id, prompt | messages} -> {ids}
+    admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s}]}
+                                             -> {results: [{ok, code, reason}]}
+    abort      {request_id}                  (no reply)
+    stats      {}                            -> {instances, memory, queue_length, busy_s, ...}
+    shutdown   {}                            -> {} (then the agent exits)
+
+Agent -> control (events):
+    tokens     {items: [[request_id, [token ids], text], ...]}   one frame per iteration
+    done       {request_id, outcome, reason, detail, tokens_out, ttft_s, tpot_s}
+    instance   {instance_id, state: "ready" | "failed", error}
+
+Reply codes when `ok` is false: see Code. Admission results use the same codes.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any, Mapping
+
+from engines.protocol import Sampling
+from mesh.policy.slo import SLO
+
+PROTOCOL_VERSION = 1
+MAX_FRAME_BYTES = 16 * 2**20
+_HEADER = struct.Struct(">I")
+READY_PREFIX = "MESH_AGENT_LISTENING "  # the agent prints this + "host:port" once it listens
+
+
+class Code(str, Enum):
+    """Why a request to the agent failed (the `code` of a reply with ok=false)."""
+
+    BAD_REQUEST = "bad_request"  # the input is wrong (tokenizer, context window): not retryable
+    NO_INSTANCE = "no_instance"  # the instance is not on the node (unloaded or never loaded)
+    NOT_READY = "not_ready"  # the instance is still loading
+    BATCH_FULL = "batch_full"  # the instance runs max_num_seqs requests: retry later
+    REFUSED = "refused"  # shadow validation or memory said no: retry later
+    MEMORY = "memory"  # a load does not fit the node's memory budget
+    BUSY = "busy"  # unload of an instance that still serves requests
+    UNAUTHORIZED = "unauthorized"  # hello with a wrong token
+    PROTOCOL = "protocol"  # malformed or unknown message
+    FAILED = "failed"  # the agent failed to do it (engine error)
+
+    @property
+    def retryable(self) -> bool:
+        return self in (Code.BATCH_FULL, Code.REFUSED, Code.NOT_READY)
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent something that is not a valid frame or message."""
+
+
+def encode_frame(message: Mapping[str, Any]) -> bytes:
+    """One message as a frame: length prefix + compact JSON."""
+    body = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    if len(body) > MAX_FRAME_BYTES:
+        raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
+    return _HEADER.pack(len(body)) + body
+
+
+def decode_body(body: bytes) -> dict[str, Any]:
+    """The message in a frame body; ProtocolError unless it is a JSON object with a type."""
+    try:
+        message = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"frame is not valid UTF-8 JSON: {exc}") from exc
+    if not isinstance(message, dict) or not isinstance(message.get("t"), str):
+        raise ProtocolError("frame must hold a JSON object with a string type 't'")
+    return message
+
+
+async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    """The next message, or None at a clean end of stream (EOF between frames)."""
+    try:
+        header = await reader.readexactly(_HEADER.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise ProtocolError("stream ended inside a frame header") from exc
+    (length,) = _HEADER.unpack(header)
+    if length > MAX_FRAME_BYTES:
+        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+    try:
+        body = await reader.readexactly(length)
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError(f"stream ended inside a frame ({len(exc.partial)} of {length} bytes)") from exc
+    return decode_body(body)
+
+
+class FrameDecoder:
+    """Incremental decoder for callers that get bytes in arbitrary pieces (tests, tools)."""
+
+    def __init__(self) -> None:
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        self._buf += data
+        out = []
+        while len(self._buf) >= _HEADER.size:
+            (length,) = _HEADER.unpack_from(self._buf)
+            if length > MAX_FRAME_BYTES:
+                raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
+            end = _HEADER.size + length
+            if len(self._buf) < end:
+                break
+            out.append(decode_body(bytes(self._buf[_HEADER.size:end])))
+            del self._buf[:end]
+        return out
+
+
+# ---- payloads shared by both sides ---------------------------------------------------------
+
+def sampling_to_dict(s: Sampling) -> dict[str, Any]:
+    return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
+            "stop": list(s.stop), "seed": s.seed}
+
+
+def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
+    """ProtocolError on a malformed sampling object (the control service validated it)."""
+    try:
+        return Sampling(
+            max_tokens=int(d["max_tokens"]),
+            temperature=float(d.get("temperature", 0.0)),
+            top_p=float(d.get("top_p", 1.0)),
+            stop=tuple(str(x) for x in d.get("stop") or ()),
+            seed=None if d.get("seed") is None else int(d["seed"]),
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"bad sampling object {dict(d)!r}: {exc}") from exc
+
+
+def slo_to_dict(slo: SLO) -> dict[str, float]:
+    return {"ttft_min_s": slo.ttft_min_s, "ttft_s_per_prompt_token": slo.ttft_s_per_prompt_token,
+            "tpot_s": slo.tpot_s}
+
+
+def slo_from_dict(d: Mapping[str, Any]) -> SLO:
+    try:
+        return SLO(float(d["ttft_min_s"]), float(d["ttft_s_per_prompt_token"]), float(d["tpot_s"]))
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ProtocolError(f"bad SLO object {dict(d)!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec:
+    """What an agent needs to start one model instance (the `load` message)."""
+
+    instance_id: str
+    model: str  # the model's global id (registry uid); also the engine's model_name
+    path: str  # GGUF file or OpenVINO IR folder, as the agent's machine sees it
+    context_window: int | None = None  # None: the engine's default
+    slo: dict[str, float] = field(default_factory=lambda: slo_to_dict(SLO()))
+    max_num_seqs: int = 64
+    profile: str | None = None  # a calibration profile file for the iteration times
+    engine: str = "openvino"  # "openvino" (CPU); "vllm" comes with GPU agents (issue 6)
+
+    def to_message(self) -> dict[str, Any]:
+        return {"t": "load", **asdict(self)}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "InstanceSpec":
+        try:
+            spec = cls(
+                instance_id=str(m["instance_id"]), model=str(m["model"]), path=str(m["path"]),
+                context_window=None if m.get("context_window") is None else int(m["context_window"]),
+                slo=dict(m.get("slo") or slo_to_dict(SLO())), max_num_seqs=int(m.get("max_num_seqs", 64)),
+                profile=m.get("profile"), engine=str(m.get("engine", "openvino")),
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad load message: {exc}") from exc
+        slo_from_dict(spec.slo)
+        return spec

@@ -1,0 +1,467 @@
+"""The node agent process: one node's NodeRuntime and engine instances behind a connection.
+
+`python -m mesh.agent --listen HOST:PORT --node-id ID --kind cpu --memory-bytes N` listens
+(TCP; `--listen unix:/path` for a Unix socket), prints `MESH_AGENT_LISTENING host:port`
+on stdout, and serves one control connection at a time (a new connection replaces the old
+one, whose requests are aborted). The first message must be `hello` with the token from
+$MESH_AGENT_TOKEN when that is set. Messages are in mesh.agent.protocol.
+
+Everything runs on one asyncio loop: the node's token-level loop (one engine iteration at a
+time, LLM-Mesh 5.1) and the connection. Engines yield after each iteration, so admissions,
+aborts and pings are handled between iterations; an iteration itself holds the GIL.
+Admission (`admit`) is validate + admit in one step of the loop, so it is atomic with
+respect to the node's state. Token outputs of one iteration go out as one `tokens` frame.
+
+`--exit-with-parent`: exit when stdin closes (the embedded agent dies with `mesh serve`).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hmac
+import logging
+import os
+import signal
+import sys
+from typing import Any, Callable
+
+from engines.protocol import EngineError, EngineRequest
+from mesh.agent.engines import AdaptiveTimes, iteration_times, make_engine
+from mesh.agent.protocol import (
+    PROTOCOL_VERSION,
+    READY_PREFIX,
+    Code,
+    InstanceSpec,
+    ProtocolError,
+    encode_frame,
+    read_frame,
+    sampling_from_dict,
+    slo_from_dict,
+)
+from mesh.policy.kv_demand import RunningMean
+from mesh.runtime.node import NodeRuntime, NodeSpec
+from mesh.runtime.request import Outcome, ServedRequest
+
+log = logging.getLogger("mesh.agent")
+
+MEAN_OUTPUT_PRIOR = 128  # O_avg before an instance has finished any request (LLM-Mesh 6.1)
+EXPECTED_LOAD_S = 5.0  # what shadow validation assumes while an instance loads
+
+
+class Reply(Exception):
+    """Raised by a handler to answer ok=false with a code."""
+
+    def __init__(self, code: Code, message: str, **extra: Any) -> None:
+        super().__init__(message)
+        self.code, self.extra = code, extra
+
+
+class AgentServer:
+    """Serves one node: its runtime, instances, and one control connection."""
+
+    def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None) -> None:
+        self.spec = spec
+        self.token = token
+        self.cpu = cpu or {}
+        self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True)
+        self.times: dict[str, AdaptiveTimes] = {}  # instance id -> its iteration times
+        self.specs: dict[str, InstanceSpec] = {}
+        self.requests: dict[str, ServedRequest] = {}
+        self.started_at = 0.0
+        self._writer: asyncio.StreamWriter | None = None
+        self._outbox: list[dict[str, Any]] = []
+        self._flush_scheduled = False
+        self._stopped = asyncio.Event()
+        self._handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
+            "ping": self._ping, "hello": self._hello, "load": self._load, "unload": self._unload,
+            "tokenize": self._tokenize, "admit": self._admit, "abort": self._abort,
+            "stats": self._stats, "shutdown": self._shutdown,
+        }
+
+    # ---- lifecycle ---------------------------------------------------------------------
+    async def serve(self, listen: str) -> str:
+        """Start listening; return the address actually bound ("host:port" or "unix:path")."""
+        loop = asyncio.get_running_loop()
+        self.started_at = loop.time()
+        self.node.start()
+        if listen.startswith("unix:"):
+            path = listen[len("unix:"):]
+            self._server = await asyncio.start_unix_server(self._connection, path, limit=2**20)
+            return listen
+        host, _, port = listen.rpartition(":")
+        self._server = await asyncio.start_server(self._connection, host or "127.0.0.1", int(port), limit=2**20)
+        bound = self._server.sockets[0].getsockname()
+        return f"{bound[0]}:{bound[1]}"
+
+    async def wait_stopped(self) -> None:
+        await self._stopped.wait()
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+    async def close(self) -> None:
+        self._server.close()
+        self._abort_all("the node agent is shutting down")
+        self._flush()
+        await self.node.stop()
+        for iid in list(self.node.instances):
+            inst = self.node.instances[iid]
+            try:
+                await inst.engine.unload()
+            except Exception:  # noqa: BLE001 - best effort at exit
+                pass
+
+    # ---- the connection ------------------------------------------------------------------
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peer = writer.get_extra_info("peername")
+        try:
+            first = await asyncio.wait_for(read_frame(reader), timeout=10.0)
+        except (asyncio.TimeoutError, ProtocolError, ConnectionError):
+            writer.close()
+            return
+        if first is None or first.get("t") != "hello" or not self._token_ok(first.get("token")):
+            if first is not None and "id" in first:
+                writer.write(encode_frame({"t": "reply", "re": first["id"], "ok": False, "code": Code.UNAUTHORIZED.value,
+                                           "error": "hello first, with the agent token ($MESH_AGENT_TOKEN)"}))
+            writer.close()
+            return
+        if self._writer is not None:  # a new control connection replaces the old one
+            log.warning("a new control connection from %s replaces the current one", peer)
+            self._abort_all("the control connection was replaced")
+            self._flush()
+            self._writer.close()
+        self._writer = writer
+        self._dispatch(first)
+        try:
+            while True:
+                message = await read_frame(reader)
+                if message is None:
+                    break
+                self._dispatch(message)
+                if writer.transport.get_write_buffer_size() > 2**20:
+                    await writer.drain()
+        except (ProtocolError, ConnectionError) as exc:
+            log.warning("control connection from %s failed: %s", peer, exc)
+        finally:
+            if self._writer is writer:
+                self._writer = None
+                self._abort_all("the control connection was lost")
+            writer.close()
+
+    def _token_ok(self, token: Any) -> bool:
+        if not self.token:
+            return True
+        return isinstance(token, str) and hmac.compare_digest(token.encode(), self.token.encode())
+
+    def _dispatch(self, message: dict[str, Any]) -> None:
+        kind = message.get("t")
+        mid = message.get("id")
+        handler = self._handlers.get(kind)
+        try:
+            if handler is None:
+                raise Reply(Code.PROTOCOL, f"unknown message type {kind!r}")
+            result = handler(message)
+        except Reply as exc:
+            if mid is not None:
+                self._send({"t": "reply", "re": mid, "ok": False, "code": exc.code.value, "error": str(exc), **exc.extra})
+            return
+        except ProtocolError as exc:
+            if mid is not None:
+                self._send({"t": "reply", "re": mid, "ok": False, "code": Code.PROTOCOL.value, "error": str(exc)})
+            return
+        if asyncio.iscoroutine(result):
+            asyncio.get_running_loop().create_task(self._finish_async(mid, result))
+        elif mid is not None:
+            self._send({"t": "reply", "re": mid, "ok": True, **(result or {})})
+
+    async def _finish_async(self, mid: Any, coro: Any) -> None:
+        try:
+            result = await coro
+        except Reply as exc:
+            if mid is not None:
+                self._send({"t": "reply", "re": mid, "ok": False, "code": exc.code.value, "error": str(exc), **exc.extra})
+            return
+        except ProtocolError as exc:
+            if mid is not None:
+                self._send({"t": "reply", "re": mid, "ok": False, "code": Code.PROTOCOL.value, "error": str(exc)})
+            return
+        except Exception as exc:  # noqa: BLE001 - any failure is answered, never lost
+            log.exception("handler failed")
+            if mid is not None:
+                self._send({"t": "reply", "re": mid, "ok": False, "code": Code.FAILED.value, "error": f"{type(exc).__name__}: {exc}"})
+            return
+        if mid is not None:
+            self._send({"t": "reply", "re": mid, "ok": True, **(result or {})})
+
+    def _send(self, message: dict[str, Any]) -> None:
+        """Queue a message; everything queued in one loop turn goes out together."""
+        if message.get("t") == "tokens" and self._outbox and self._outbox[-1].get("t") == "tokens":
+            self._outbox[-1]["items"].extend(message["items"])
+        else:
+            self._outbox.append(message)
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        self._learn_times()
+        outbox, self._outbox = self._outbox, []
+        if self._writer is None or not outbox:
+            return
+        try:
+            self._writer.write(b"".join(encode_frame(m) for m in outbox))
+        except (ConnectionError, RuntimeError) as exc:
+            log.warning("cannot write to the control connection: %s", exc)
+
+    def _learn_times(self) -> None:
+        records = self.node.iterations
+        if not records:
+            return
+        for rec in records:
+            times = self.times.get(rec.instance_id)
+            if times is not None:
+                times.observe(rec.kind, rec.predicted_s, rec.duration_s)
+        records.clear()
+
+    # ---- handlers ------------------------------------------------------------------------
+    def _ping(self, m: dict[str, Any]) -> dict[str, Any]:
+        return {}
+
+    def _hello(self, m: dict[str, Any]) -> dict[str, Any]:
+        if m.get("protocol") not in (None, PROTOCOL_VERSION):
+            raise Reply(Code.PROTOCOL, f"protocol {m.get('protocol')} is not supported; this agent speaks {PROTOCOL_VERSION}")
+        return {"node_id": self.spec.node_id, "kind": self.spec.kind, "memory_bytes": self.spec.memory_bytes,
+                "cpu": self.cpu, "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
+                "instances": [self._instance_view(i) for i in self.node.instances.values()]}
+
+    async def _load(self, m: dict[str, Any]) -> dict[str, Any]:
+        spec = InstanceSpec.from_message(m)
+        if spec.instance_id in self.node.instances or spec.instance_id in self.specs:
+            raise Reply(Code.BAD_REQUEST, f"instance {spec.instance_id} already exists on {self.spec.node_id}")
+        slo = slo_from_dict(spec.slo)
+        self.specs[spec.instance_id] = spec  # reserve the id while the engine is built
+        try:
+            try:
+                engine = await asyncio.to_thread(make_engine, spec, lambda exc: self._loaded(spec.instance_id, exc))
+                times = iteration_times(spec, engine.weight_bytes)
+            except EngineError as exc:
+                raise Reply(Code.BAD_REQUEST, str(exc)) from exc
+            issued = self.node.start_instance(spec.instance_id, spec.model, engine, times, slo,
+                                              RunningMean(MEAN_OUTPUT_PRIOR), EXPECTED_LOAD_S)
+            if not issued.accepted:
+                raise Reply(Code.MEMORY, f"node {self.spec.node_id} memory budget is short by "
+                            f"{issued.shortfall_bytes / 2**20:.0f} MiB to load {spec.model}",
+                            shortfall_bytes=issued.shortfall_bytes)
+        except BaseException:
+            self.specs.pop(spec.instance_id, None)
+            raise
+        self.times[spec.instance_id] = times
+        return {"weight_bytes": engine.weight_bytes, "kv_bytes_per_token": engine.kv_bytes_per_token,
+                "context_window": engine.context_window}
+
+    def _loaded(self, instance_id: str, exc: BaseException | None) -> None:
+        if exc is None:
+            self._send({"t": "instance", "instance_id": instance_id, "state": "ready"})
+            return
+        log.error("loading instance %s failed: %s", instance_id, exc)
+        self._send({"t": "instance", "instance_id": instance_id, "state": "failed", "error": f"{exc}"})
+        asyncio.get_running_loop().call_soon(self._drop_instance, instance_id)
+
+    def _drop_instance(self, instance_id: str) -> None:
+        inst = self.node.instances.get(instance_id)
+        if inst is None:
+            return
+        for rid in list(inst.requests):
+            self.node.abort(rid, Outcome.FAILED, f"instance {instance_id} failed to load")
+        self.node.stop_instance(instance_id)
+        self.specs.pop(instance_id, None)
+        self.times.pop(instance_id, None)
+
+    def _unload(self, m: dict[str, Any]) -> dict[str, Any]:
+        iid = str(m.get("instance_id"))
+        inst = self.node.instances.get(iid)
+        if inst is None:
+            raise Reply(Code.NO_INSTANCE, f"no instance {iid} on {self.spec.node_id}")
+        if inst.requests:
+            raise Reply(Code.BUSY, f"instance {iid} still serves {len(inst.requests)} requests")
+        self.node.stop_instance(iid)
+        self.specs.pop(iid, None)
+        self.times.pop(iid, None)
+        return {}
+
+    def _ready_instance(self, iid: Any) -> Any:
+        inst = self.node.instances.get(str(iid))
+        if inst is None:
+            raise Reply(Code.NO_INSTANCE, f"no instance {iid} on {self.spec.node_id}")
+        if not inst.loaded:
+            raise Reply(Code.NOT_READY, f"instance {iid} is still loading")
+        return inst
+
+    def _tokenize(self, m: dict[str, Any]) -> dict[str, Any]:
+        inst = self._ready_instance(m.get("instance_id"))
+        try:
+            if m.get("messages") is not None:
+                ids = inst.engine.encode_chat(m["messages"])
+            else:
+                ids = inst.engine.encode_prompt(m.get("prompt"))
+        except EngineError as exc:
+            raise Reply(Code.BAD_REQUEST, str(exc)) from exc
+        return {"ids": ids}
+
+    def _admit(self, m: dict[str, Any]) -> dict[str, Any]:
+        batch = m.get("requests")
+        if not isinstance(batch, list):
+            raise ProtocolError("admit needs a list 'requests'")
+        refused: dict[str, str] = {}  # instance -> why an earlier request was refused this round
+        return {"results": [self._admit_one(r, refused) for r in batch]}
+
+    def _admit_one(self, r: dict[str, Any], refused: dict[str, str]) -> dict[str, Any]:
+        try:
+            rid, iid = str(r["request_id"]), str(r["instance_id"])
+            ids = [int(t) for t in r["prompt_token_ids"]]
+            sampling = sampling_from_dict(r["sampling"])
+            age_s = max(0.0, float(r.get("age_s", 0.0)))
+        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
+            return {"ok": False, "code": Code.PROTOCOL.value, "reason": f"bad admit entry: {exc}"}
+        inst = self.node.instances.get(iid)
+        if inst is None:
+            return {"ok": False, "code": Code.NO_INSTANCE.value, "reason": f"no instance {iid} on {self.spec.node_id}"}
+        if rid in self.requests:
+            return {"ok": False, "code": Code.BAD_REQUEST.value, "reason": f"request {rid} is already running"}
+        if iid in refused:  # an earlier request of this round was refused: keep arrival order
+            return {"ok": False, "code": Code.REFUSED.value, "reason": refused[iid]}
+        if inst.batch_size >= getattr(inst.engine, "max_batch", 1 << 30):
+            refused[iid] = f"instance {iid} runs its maximum batch of {inst.batch_size}"
+            return {"ok": False, "code": Code.BATCH_FULL.value, "reason": refused[iid]}
+        now = asyncio.get_running_loop().time()
+        req = ServedRequest(EngineRequest(rid, len(ids), sampling, ids), inst.model, now - age_s, inst.slo,
+                            on_output=self._on_output, on_done=self._on_done)
+        if len(ids) + 1 > inst.engine.context_window:
+            return {"ok": False, "code": Code.BAD_REQUEST.value,
+                    "reason": f"prompt of {len(ids)} tokens exceeds the context window of {inst.engine.context_window}"}
+        admission = self.node.validate(iid, req)
+        if not admission.ok:
+            refused[iid] = admission.reason()
+            return {"ok": False, "code": Code.REFUSED.value, "reason": refused[iid]}
+        try:
+            self.node.admit(iid, req, admission)
+        except EngineError as exc:
+            return {"ok": False, "code": Code.BAD_REQUEST.value, "reason": str(exc)}
+        self.requests[rid] = req
+        return {"ok": True}
+
+    def _abort(self, m: dict[str, Any]) -> None:
+        rid = str(m.get("request_id"))
+        if rid in self.requests:
+            self.node.abort(rid, Outcome.FAILED, "aborted by the control service")
+        return None
+
+    def _stats(self, m: dict[str, Any]) -> dict[str, Any]:
+        station = self.node.memory.station
+        now = asyncio.get_running_loop().time()
+        return {
+            "node_id": self.spec.node_id, "kind": self.spec.kind, "uptime_s": now - self.started_at,
+            "instances": [self._instance_view(i, now) for i in self.node.instances.values()],
+            "memory": {"capacity_bytes": station.capacity, "budget_bytes": station.budget,
+                       "pessimistic_bytes": station.pessimistic, "free_bytes": station.free(),
+                       "waiting_ops": len(station.waiting())},
+            "queue_length": self.node.queue_length(), "running": len(self.requests),
+            "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
+            "kv_bytes_in_use": self.node.kv_bytes_in_use(),
+        }
+
+    def _instance_view(self, inst: Any, now: float | None = None) -> dict[str, Any]:
+        engine = inst.engine
+        iid = inst.instance_id
+        state = self.node.compute.instances.get(iid)
+        kv_budget = self.node.memory.kv_bytes(iid) if iid in self.node.memory.instances else 0
+        times = self.times.get(iid)
+        return {
+            "instance_id": iid, "model": inst.model, "loaded": inst.loaded, "batch_size": inst.batch_size,
+            "pending": len(state.pending) if state else 0,
+            "idle_for_s": (now - inst.idle_since) if (now is not None and not inst.requests) else 0.0,
+            "weight_bytes": engine.weight_bytes, "kv_bytes_budget": kv_budget,
+            "kv_bytes_in_use": engine.kv_bytes_in_use(),
+            "kv_bytes_allocated": engine.kv_bytes_allocated() if hasattr(engine, "kv_bytes_allocated") and inst.loaded else 0,
+            "context_window": engine.context_window,
+            "time_factors": {"prefill": times.prefill_factor, "decode": times.decode_factor} if times else None,
+        }
+
+    def _shutdown(self, m: dict[str, Any]) -> dict[str, Any]:
+        asyncio.get_running_loop().call_later(0.05, self.stop)
+        return {}
+
+    # ---- request callbacks (called by the node runtime) ------------------------------------
+    def _on_output(self, req: ServedRequest, tokens: Any, texts: Any) -> None:
+        self._send({"t": "tokens", "items": [[req.request_id, list(tokens or ()), "".join(texts or ())]]})
+
+    def _on_done(self, req: ServedRequest) -> None:
+        self.requests.pop(req.request_id, None)
+        self._send({
+            "t": "done", "request_id": req.request_id, "outcome": req.outcome.value if req.outcome else "failed",
+            "reason": req.finish_reason.value if req.finish_reason else None, "detail": req.detail,
+            "tokens_out": req.tokens_out, "ttft_s": _finite(req.ttft_s), "tpot_s": _finite(req.tpot_s),
+        })
+
+    def _on_evict(self, req: ServedRequest) -> None:
+        # One node: nowhere to reschedule to. The control service could retry it elsewhere
+        # (the cluster dispatcher will); here it fails with the reason.
+        why = req.attempts[-1] if req.attempts else "evicted"
+        req.end(Outcome.FAILED, asyncio.get_running_loop().time(), why)
+
+    def _abort_all(self, why: str) -> None:
+        for rid in list(self.requests):
+            self.node.abort(rid, Outcome.FAILED, why)
+
+
+def _finite(x: float) -> float | None:
+    return x if x == x and x not in (float("inf"), float("-inf")) else None
+
+
+def _cpu_info() -> dict[str, Any]:
+    from mesh.hardware import read_cpuinfo
+
+    cpu = read_cpuinfo()
+    return {"model": cpu.model_name, "cores": cpu.cores, "amx": cpu.amx}
+
+
+async def _watch_stdin(server: AgentServer) -> None:
+    """--exit-with-parent: stdin reaching EOF means the parent is gone."""
+    loop = asyncio.get_running_loop()
+    reader = asyncio.StreamReader()
+    await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
+    while await reader.read(4096):
+        pass
+    log.warning("parent process gone (stdin closed): exiting")
+    server.stop()
+
+
+async def _amain(args: argparse.Namespace) -> int:
+    token = os.environ.get(args.token_env) or None
+    server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info())
+    address = await server.serve(args.listen)
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, server.stop)
+    watcher = loop.create_task(_watch_stdin(server)) if args.exit_with_parent else None  # keep a reference
+    print(f"{READY_PREFIX}{address}", flush=True)
+    await server.wait_stopped()
+    if watcher is not None:
+        watcher.cancel()
+    await server.close()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mesh.agent", description="Mesh node agent")
+    parser.add_argument("--listen", default="127.0.0.1:0", help="HOST:PORT (port 0: any free port) or unix:PATH")
+    parser.add_argument("--node-id", default="cpu-0")
+    parser.add_argument("--kind", default="cpu", choices=["cpu", "gpu"])
+    parser.add_argument("--memory-bytes", type=int, required=True, help="memory budget for weights and KV caches")
+    parser.add_argument("--token-env", default="MESH_AGENT_TOKEN", help="environment variable holding the hello token")
+    parser.add_argument("--exit-with-parent", action="store_true", help="exit when stdin closes")
+    parser.add_argument("--log-level", default="WARNING")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level, format=f"agent {args.node_id}: %(levelname)s %(message)s")
+    return asyncio.run(_amain(args))

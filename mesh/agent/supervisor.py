@@ -1,0 +1,219 @@
+"""Local node agents: spawn `python -m mesh.agent` for a node, connect, restart it when it dies.
+
+`LocalAgent` is one node of the embedded default. Its state goes starting -> up -> down ->
+starting ... until `stop()`. It notices a death by the connection ending (the kernel closes
+a killed process's socket at once), by the process exiting, or by the client's heartbeat,
+and then restarts the process with a backoff that grows only while it keeps dying young.
+
+`detect_local_nodes()` lists the nodes of this machine: one CPU node today. GPU nodes
+(vLLM, issue 6) plug in here: one `NodeSpec` of kind "gpu" per device, the agent started
+with `--kind gpu` registering the vLLM engine factory (mesh.agent.engines).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import secrets
+import signal
+import sys
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from mesh.agent.client import AgentClient, AgentDown
+from mesh.agent.protocol import READY_PREFIX
+from mesh.runtime.node import NodeSpec
+
+log = logging.getLogger("mesh.agent.supervisor")
+
+UpCallback = Callable[["LocalAgent"], None]
+DownCallback = Callable[["LocalAgent", str], None]
+EventCallback = Callable[["LocalAgent", dict[str, Any]], None]
+
+
+def total_memory_bytes() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def detect_local_nodes(cpu_memory_bytes: int | None = None) -> list[NodeSpec]:
+    """This machine's nodes: the CPU (half its memory unless told). GPU nodes: issue 6."""
+    memory = cpu_memory_bytes or total_memory_bytes() // 2
+    return [NodeSpec("cpu-0", "cpu", memory)]
+
+
+@dataclass
+class AgentSettings:
+    heartbeat_s: float = 0.5
+    heartbeat_timeout_s: float = 10.0  # an iteration holds the agent's GIL; long prefills take seconds
+    start_timeout_s: float = 60.0
+    restart_backoff_s: float = 0.2
+    restart_backoff_max_s: float = 5.0
+    log_level: str = "WARNING"
+
+
+class LocalAgent:
+    """One local agent process and its connection, kept alive."""
+
+    def __init__(self, spec: NodeSpec, on_up: UpCallback, on_down: DownCallback, on_event: EventCallback,
+                 settings: AgentSettings | None = None) -> None:
+        self.spec = spec
+        self.on_up, self.on_down, self.on_event = on_up, on_down, on_event
+        self.settings = settings or AgentSettings()
+        self.state = "stopped"
+        self.client: AgentClient | None = None
+        self.process: asyncio.subprocess.Process | None = None
+        self.restarts = 0
+        self.last_error = ""
+        self.generation = 0  # increments at every (re)start: instances belong to one generation
+        self._token = secrets.token_urlsafe(24)
+        self._task: asyncio.Task | None = None
+        self._stopping = False
+        self._up = asyncio.Event()
+        self._gone = asyncio.Event()  # set when the current connection or process ends
+        self._watchers: set[asyncio.Task] = set()
+
+    @property
+    def node_id(self) -> str:
+        return self.spec.node_id
+
+    @property
+    def up(self) -> bool:
+        return self.state == "up" and self.client is not None and self.client.up
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None and self.process.returncode is None else None
+
+    async def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._supervise(), name=f"agent {self.node_id}")
+
+    async def wait_up(self, timeout_s: float) -> bool:
+        try:
+            await asyncio.wait_for(self._up.wait(), timeout_s)
+            return True
+        except asyncio.TimeoutError:
+            return False
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        self._stopping = True
+        if self.client is not None and self.client.up:
+            try:
+                await self.client.call({"t": "shutdown"}, 2.0)
+            except (AgentDown, Exception):  # noqa: BLE001 - it is going away either way
+                pass
+        await self._reap(timeout_s)
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        if self.client is not None:
+            await self.client.close()
+        self.state = "stopped"
+
+    # ---- supervision -------------------------------------------------------------------
+    async def _supervise(self) -> None:
+        loop = asyncio.get_running_loop()
+        backoff = self.settings.restart_backoff_s
+        while not self._stopping:
+            self.state = "starting"
+            started = loop.time()
+            self._gone.clear()
+            try:
+                await self._spawn_and_connect()
+            except (AgentDown, OSError, asyncio.TimeoutError) as exc:
+                self.last_error = f"start failed: {exc}"
+                log.error("agent %s: %s", self.node_id, self.last_error)
+                await self._reap(2.0)
+            else:
+                self.state = "up"
+                self._up.set()
+                self.on_up(self)
+                await self._gone.wait()
+                reason = self.client.closed_reason if self.client and self.client.closed_reason else "process exited"
+                if self.process is not None and self.process.returncode is not None:
+                    reason = f"{reason} (exit status {self.process.returncode})"
+                self.last_error = reason
+                self.state = "down"
+                self._up.clear()
+                if self._stopping:
+                    return
+                log.error("agent %s is down: %s; restarting", self.node_id, reason)
+                self.on_down(self, reason)
+                await self._reap(2.0)
+            if self._stopping:
+                return
+            self.state = "down"
+            self.restarts += 1
+            backoff = self.settings.restart_backoff_s if loop.time() - started > 30 else min(
+                backoff * 2, self.settings.restart_backoff_max_s)
+            await asyncio.sleep(backoff)
+
+    async def _spawn_and_connect(self) -> None:
+        env = dict(os.environ, MESH_AGENT_TOKEN=self._token)
+        cmd = [sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", self.node_id,
+               "--kind", self.spec.kind, "--memory-bytes", str(self.spec.memory_bytes), "--exit-with-parent",
+               "--log-level", self.settings.log_level]
+        self.process = await asyncio.create_subprocess_exec(
+            *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
+            start_new_session=True)  # a Ctrl-C to `mesh serve` reaches the agent through us, in order
+        address = await asyncio.wait_for(self._read_address(), self.settings.start_timeout_s)
+        self.generation += 1
+        loop = asyncio.get_running_loop()
+        for coro in (self._watch_process(self.process), self._drain_stdout(self.process)):
+            task = loop.create_task(coro)
+            self._watchers.add(task)  # a reference, or the loop may drop the task
+            task.add_done_callback(self._watchers.discard)
+        client = AgentClient(self.node_id, lambda m: self.on_event(self, m), lambda reason: self._gone.set(),
+                             self.settings.heartbeat_s, self.settings.heartbeat_timeout_s)
+        self.client = client
+        await client.connect(address, self._token)
+
+    async def _read_address(self) -> str:
+        assert self.process is not None and self.process.stdout is not None
+        while True:
+            line = await self.process.stdout.readline()
+            if not line:
+                raise AgentDown(f"agent process exited before listening (exit status {await self.process.wait()})")
+            text = line.decode(errors="replace").strip()
+            if text.startswith(READY_PREFIX):
+                return text[len(READY_PREFIX):]
+            log.info("agent %s: %s", self.node_id, text)
+
+    async def _drain_stdout(self, process: asyncio.subprocess.Process) -> None:
+        while process.stdout is not None:
+            line = await process.stdout.readline()
+            if not line:
+                return
+            log.info("agent %s: %s", self.node_id, line.decode(errors="replace").rstrip())
+
+    async def _watch_process(self, process: asyncio.subprocess.Process) -> None:
+        await process.wait()
+        if process is self.process:
+            if self.client is not None:
+                self.client._close(f"agent process exited with status {process.returncode}")
+            self._gone.set()
+
+    async def _reap(self, timeout_s: float) -> None:
+        """Make sure the current process is gone: wait, then SIGTERM, then SIGKILL."""
+        process = self.process
+        if process is None or process.returncode is not None:
+            return
+        if process.stdin is not None:
+            process.stdin.close()  # --exit-with-parent: the agent exits on stdin EOF
+        for sig in (None, signal.SIGTERM, signal.SIGKILL):
+            if sig is not None:
+                try:
+                    process.send_signal(sig)
+                except ProcessLookupError:
+                    return
+            try:
+                await asyncio.wait_for(process.wait(), timeout_s if sig is None else 3.0)
+                return
+            except asyncio.TimeoutError:
+                continue

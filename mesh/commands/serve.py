@@ -1,0 +1,52 @@
+"""`mesh serve`: the control service and a node agent for the local CPU (docs/service.md)."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser("serve", help="serve tenants' models over REST and the OpenAI API")
+    parser.add_argument("--host", default=None, help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="port (default 8000; 0 picks a free one)")
+    parser.add_argument("--data-dir", default=None, help="registry and uploads (default: Mesh's data folder)")
+    parser.add_argument("--config", default=None, help="a TOML or JSON file of settings (docs/service.md)")
+    parser.add_argument("--demo", action="store_true", default=None,
+                        help="register the SmolLM2 demo model as demo/smollm2 for tenant demo; print a key")
+    parser.add_argument("--allowed-dir", default=None, help="folder under which models may be registered by path")
+    parser.add_argument("--max-body-mb", type=float, default=None, help="limit of JSON request bodies (default 8)")
+    parser.add_argument("--max-upload-mb", type=float, default=None, help="limit of model uploads (default 16384)")
+    parser.add_argument("--keep-alive", type=float, default=None, dest="keep_alive_s",
+                        help="seconds an idle instance stays loaded (default 60)")
+    parser.add_argument("--cpu-memory-gb", type=float, default=None,
+                        help="memory budget of the CPU node for weights and KV (default: half of RAM)")
+    parser.add_argument("--drain-timeout", type=float, default=None, dest="drain_timeout_s",
+                        help="seconds shutdown waits for open streams (default 30)")
+    parser.add_argument("--profile-dir", default=None, help="calibration profiles, <dir>/<model uid>.json")
+    parser.add_argument("--log-level", default=None, help="WARNING (default), INFO, DEBUG")
+    parser.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mesh.paths import data_dir
+    from mesh.service.app import run_service
+    from mesh.service.config import ConfigError, build_config, read_config_file
+
+    cli = {k: getattr(args, k) for k in ("host", "port", "data_dir", "demo", "allowed_dir", "max_body_mb",
+                                         "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "drain_timeout_s",
+                                         "profile_dir", "log_level")}
+    try:
+        file_values = read_config_file(args.config) if args.config else {}
+        config = build_config(file_values, cli)
+    except ConfigError as exc:
+        print(f"mesh serve: {exc}", file=sys.stderr)
+        return 2
+    if config.data_dir is None:
+        config.data_dir = data_dir()
+    logging.basicConfig(level=config.log_level, format="mesh serve: %(levelname)s %(name)s: %(message)s")
+    try:
+        return asyncio.run(run_service(config, ready=lambda line: print(line, flush=True)))
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,218 @@
+"""The control service: aiohttp app, its shared state, and `run_service` (what `mesh serve` runs).
+
+Routes: mesh.service.routes_openai (serving), routes_models (tenants' models), routes_admin
+(operators), plus /healthz and /metrics here. One middleware turns every error into the
+OpenAI format, refuses new work while draining, and counts responses.
+
+Time: the service reads only the event loop's clock. OpenAI's `created` fields need Unix
+time; the registry's database clock gives it once at start, and `Service.unix_now()`
+advances it with the loop clock.
+
+Shutdown (SIGINT or SIGTERM): new requests get 503 while open generations finish (up to
+`drain_timeout_s`), then the HTTP server closes and the node agents are stopped. A second
+signal skips the wait.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from aiohttp import web
+
+from mesh.service import errors
+from mesh.service.auth import admin_token_ok, bearer_token, hash_key
+from mesh.service.config import ServeConfig
+from mesh.service.errors import ApiError
+from mesh.service.metrics import CONTENT_TYPE, ServiceMetrics
+from mesh.service.placement import Placement
+from mesh.service.registry import Registry
+
+log = logging.getLogger("mesh.service")
+
+ARRIVAL = "mesh_arrival_s"
+UNGUARDED = ("/healthz", "/metrics")
+
+
+@dataclass
+class Service:
+    config: ServeConfig
+    registry: Registry
+    placement: Placement
+    metrics: ServiceMetrics
+    data_dir: Path
+    wall_offset: float = 0.0  # unix time = loop.time() + wall_offset
+    draining: bool = False
+    generating: int = 0  # open generation requests (what shutdown drains)
+    idle: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def unix_now(self) -> int:
+        return int(asyncio.get_running_loop().time() + self.wall_offset)
+
+    def tenant_of(self, request: web.Request) -> str:
+        """The caller's tenant from its API key; 401 otherwise."""
+        token = bearer_token(request.headers.get("Authorization"))
+        if token is None:
+            raise errors.unauthorized()
+        tenant = self.registry.tenant_for_key_hash(hash_key(token))
+        if tenant is None:
+            raise errors.unauthorized()
+        return tenant
+
+    def require_admin(self, request: web.Request) -> None:
+        if not admin_token_ok(bearer_token(request.headers.get("Authorization")), self.config.admin_token):
+            raise errors.admin_unauthorized()
+
+    def begin_generation(self) -> None:
+        self.generating += 1
+        self.idle.clear()
+
+    def end_generation(self) -> None:
+        self.generating -= 1
+        if self.generating == 0:
+            self.idle.set()
+
+
+SERVICE = web.AppKey("service", Service)
+
+
+def service_of(request: web.Request) -> Service:
+    return request.app[SERVICE]
+
+
+@web.middleware
+async def error_middleware(request: web.Request, handler: Any) -> web.StreamResponse:
+    svc = request.app[SERVICE]
+    request[ARRIVAL] = asyncio.get_running_loop().time()
+    resource = request.match_info.route.resource
+    route = resource.canonical if resource is not None else "unmatched"
+    status = 500
+    try:
+        if svc.draining and request.path not in UNGUARDED:
+            raise errors.shutting_down()
+        response = await handler(request)
+        status = response.status
+        return response
+    except ApiError as exc:
+        status = exc.status
+        return exc.response()
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            status = exc.status
+            raise
+        err = errors.from_http_exception(exc)
+        status = err.status
+        return err.response()
+    except asyncio.CancelledError:
+        status = 499  # the client went away
+        raise
+    except Exception:  # noqa: BLE001 - a bug: log it, answer in the OpenAI format
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        err = errors.internal_error()
+        return err.response()
+    finally:
+        svc.metrics.http.labels(route, str(status)).inc()
+
+
+async def healthz(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    nodes = {n["node_id"]: n["state"] for n in svc.placement.view()["nodes"]}
+    ok = svc.placement.healthy() and not svc.draining
+    status = "draining" if svc.draining else ("ok" if ok else "degraded")
+    return web.json_response({"status": status, "nodes": nodes}, status=200 if ok else 503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    return web.Response(body=svc.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+
+def build_app(service: Service) -> web.Application:
+    from mesh.service import routes_admin, routes_models, routes_openai
+
+    app = web.Application(middlewares=[error_middleware], client_max_size=service.config.max_body_bytes)
+    app[SERVICE] = service
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/metrics", metrics)
+    routes_openai.add_routes(app)
+    routes_models.add_routes(app)
+    routes_admin.add_routes(app)
+    return app
+
+
+# ---- running it ------------------------------------------------------------------------------
+
+async def run_service(config: ServeConfig, ready: Any = print) -> int:
+    """Start everything, print the ready line, serve until SIGINT/SIGTERM, drain, stop."""
+    from mesh.agent.supervisor import AgentSettings, detect_local_nodes
+    from mesh.service.demo import ensure_demo, ready_line
+    from mesh.service.placement import LocalPlacement, PlacementSettings
+
+    loop = asyncio.get_running_loop()
+    data_dir = config.data_dir
+    data_dir.mkdir(parents=True, exist_ok=True)
+    registry = Registry(data_dir / "registry.sqlite3")
+    memory = int(config.cpu_memory_gb * 2**30) if config.cpu_memory_gb else None
+    settings = PlacementSettings(
+        keep_alive_s=config.keep_alive_s,
+        profile_dir=str(config.profile_dir) if config.profile_dir else None,
+        agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level))
+    placement = LocalPlacement(detect_local_nodes(memory), settings)
+    service = Service(config, registry, placement, ServiceMetrics(placement.view), data_dir)
+    service.wall_offset = registry.now() - loop.time()
+    service.idle.set()
+    demo_key = demo_model = None
+    if config.demo:
+        demo_key, demo_model = await ensure_demo(registry, data_dir)
+    if not config.admin_token:
+        print("mesh serve: no admin token (set MESH_ADMIN_TOKEN or admin_token in --config): admin routes are off",
+              file=sys.stderr)
+    app = build_app(service)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    try:
+        await placement.start()
+        await runner.setup()
+        site = web.TCPSite(runner, config.host, config.port, shutdown_timeout=5.0)
+        await site.start()
+    except (OSError, RuntimeError) as exc:
+        print(f"mesh serve: cannot start: {exc}", file=sys.stderr)
+        await runner.cleanup()
+        await placement.stop()
+        registry.close()
+        return 1
+    host, port = runner.addresses[0][:2]
+    if demo_model is not None:
+        loop.create_task(placement.preload(demo_model))
+    ready(ready_line(f"http://{host}:{port}", demo_key, demo_model.name if demo_model else None))
+    sys.stdout.flush()
+
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        stop.set()
+        if signals > 1:
+            service.idle.set()  # a second signal: stop waiting for open streams
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, on_signal)
+    await stop.wait()
+    service.draining = True
+    if service.generating:
+        print(f"mesh serve: draining {service.generating} open requests (up to {config.drain_timeout_s:.0f} s)",
+              file=sys.stderr)
+        try:
+            await asyncio.wait_for(service.idle.wait(), config.drain_timeout_s)
+        except asyncio.TimeoutError:
+            print("mesh serve: drain timed out; closing the remaining requests", file=sys.stderr)
+    await runner.cleanup()
+    await placement.stop()
+    registry.close()
+    print("mesh serve: stopped", file=sys.stderr)
+    return 0

@@ -1,0 +1,99 @@
+"""`mesh serve` settings: defaults, then a config file (TOML or JSON), then the command line.
+
+The admin token comes from $MESH_ADMIN_TOKEN, else the config file's `admin_token`. Without
+one, the admin routes answer 401 and a warning says so.
+
+Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
+max_upload_mb, demo, keep_alive_s, cpu_memory_gb, drain_timeout_s, heartbeat_timeout_s,
+profile_dir, log_level.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+
+class ConfigError(ValueError):
+    """The config file or a setting is wrong; the message says which and why."""
+
+
+@dataclass
+class ServeConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    data_dir: Path | None = None  # None: mesh.paths.data_dir()
+    admin_token: str | None = None
+    allowed_dir: Path | None = None  # registration by path is off without it
+    max_body_mb: float = 8.0
+    max_upload_mb: float = 16384.0
+    demo: bool = False
+    keep_alive_s: float = 60.0
+    cpu_memory_gb: float | None = None  # None: half the machine's memory
+    drain_timeout_s: float = 30.0
+    heartbeat_timeout_s: float = 10.0
+    profile_dir: Path | None = None  # calibration profiles, <dir>/<model uid>.json
+    log_level: str = "WARNING"
+
+    @property
+    def max_body_bytes(self) -> int:
+        return int(self.max_body_mb * 2**20)
+
+    @property
+    def max_upload_bytes(self) -> int:
+        return int(self.max_upload_mb * 2**20)
+
+
+_PATHS = {"data_dir", "allowed_dir", "profile_dir"}
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {p}: {exc.strerror or exc}") from exc
+    try:
+        data = tomllib.loads(text) if p.suffix != ".json" else json.loads(text)
+    except (tomllib.TOMLDecodeError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"{p}: not valid {'JSON' if p.suffix == '.json' else 'TOML'}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: the config must be a table/object of settings")
+    known = {f.name for f in fields(ServeConfig)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ConfigError(f"{p}: unknown settings {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    return data
+
+
+def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> ServeConfig:
+    """Merge defaults < config file < command line (None on the command line: not given)."""
+    config = ServeConfig()
+    for source in (file_values, {k: v for k, v in cli_values.items() if v is not None}):
+        for key, value in source.items():
+            if key in _PATHS and value is not None:
+                value = Path(value).expanduser()
+            setattr(config, key, value)
+    env_token = os.environ.get("MESH_ADMIN_TOKEN")
+    if env_token:
+        config.admin_token = env_token
+    _check(config)
+    return config
+
+
+def _check(c: ServeConfig) -> None:
+    if not isinstance(c.port, int) or not 0 <= c.port <= 65535:
+        raise ConfigError(f"port must be 0-65535, got {c.port!r}")
+    for name in ("max_body_mb", "max_upload_mb", "keep_alive_s", "drain_timeout_s", "heartbeat_timeout_s"):
+        value = getattr(c, name)
+        if not isinstance(value, (int, float)) or value <= 0:
+            raise ConfigError(f"{name} must be a positive number, got {value!r}")
+    if c.cpu_memory_gb is not None and c.cpu_memory_gb <= 0:
+        raise ConfigError(f"cpu_memory_gb must be positive, got {c.cpu_memory_gb!r}")
+    if c.allowed_dir is not None and not c.allowed_dir.is_dir():
+        raise ConfigError(f"allowed_dir {c.allowed_dir} is not a folder")
+    if c.admin_token is not None and (not isinstance(c.admin_token, str) or len(c.admin_token) < 1):
+        raise ConfigError("admin_token must be a non-empty string")

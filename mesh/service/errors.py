@@ -1,0 +1,120 @@
+"""Errors in the OpenAI format: {"error": {"message", "type", "param", "code"}}.
+
+Every error the service answers is an ApiError (or an aiohttp HTTP error mapped by
+`from_http_exception`); the app's middleware turns them into JSON responses, and anything
+else into a logged 500 that says nothing about internals. Bad input is always an ApiError.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+
+@dataclass
+class ApiError(Exception):
+    status: int
+    message: str
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> web.Response:
+        return web.json_response(self.body(), status=self.status, headers=self.headers)
+
+    def sse(self) -> bytes:
+        """The error as one server-sent event (a stream that fails after it started)."""
+        return f"data: {json.dumps(self.body())}\n\n".encode()
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ApiError:
+    return ApiError(400, message, "invalid_request_error", param, code)
+
+
+def unauthorized(message: str = "Incorrect or missing API key. Pass it as 'Authorization: Bearer <key>'.") -> ApiError:
+    return ApiError(401, message, "invalid_request_error", None, "invalid_api_key")
+
+
+def admin_unauthorized() -> ApiError:
+    return ApiError(401, "Admin routes need the admin token: 'Authorization: Bearer <MESH_ADMIN_TOKEN>'.",
+                    "invalid_request_error", None, "invalid_admin_token")
+
+
+def model_not_found(name: str) -> ApiError:
+    # Same answer for a model that does not exist and for another tenant's: no hint.
+    return ApiError(404, f"The model '{name}' does not exist or you do not have access to it.",
+                    "invalid_request_error", "model", "model_not_found")
+
+
+def not_found(message: str, code: str = "not_found", param: str | None = None) -> ApiError:
+    return ApiError(404, message, "invalid_request_error", param, code)
+
+
+def conflict(message: str, param: str | None = None, code: str = "conflict") -> ApiError:
+    return ApiError(409, message, "invalid_request_error", param, code)
+
+
+def too_large(limit_bytes: int, what: str = "request body") -> ApiError:
+    return ApiError(413, f"The {what} exceeds the limit of {limit_bytes / 2**20:.0f} MiB.",
+                    "invalid_request_error", None, "request_too_large")
+
+
+def context_too_long(prompt_tokens: int, window: int, param: str) -> ApiError:
+    return ApiError(400, f"This model's maximum context length is {window} tokens; your prompt has "
+                    f"{prompt_tokens} tokens, which leaves no room for output. Shorten the prompt.",
+                    "invalid_request_error", param, "context_length_exceeded")
+
+
+def overloaded(reason: str) -> ApiError:
+    return ApiError(429, f"The service could not place this request in time for its SLO ({reason}). "
+                    "Retry later.", "rate_limit_error", None, "slo_unattainable", {"Retry-After": "1"})
+
+
+def node_unavailable(reason: str) -> ApiError:
+    return ApiError(503, f"No node can serve this request now: {reason}. Retry shortly.", "server_error",
+                    None, "node_unavailable", {"Retry-After": "1"})
+
+
+def shutting_down() -> ApiError:
+    return ApiError(503, "The server is shutting down.", "server_error", None, "shutting_down",
+                    {"Retry-After": "1"})
+
+
+def internal_error() -> ApiError:
+    return ApiError(500, "The server had an internal error; it is logged.", "server_error", None, "internal_error")
+
+
+_HTTP_CODES = {
+    400: ("invalid_request_error", "bad_request"),
+    401: ("invalid_request_error", "invalid_api_key"),
+    403: ("invalid_request_error", "forbidden"),
+    404: ("invalid_request_error", "not_found"),
+    405: ("invalid_request_error", "method_not_allowed"),
+    413: ("invalid_request_error", "request_too_large"),
+    415: ("invalid_request_error", "unsupported_media_type"),
+    431: ("invalid_request_error", "headers_too_large"),
+}
+
+
+def from_http_exception(exc: web.HTTPException) -> ApiError:
+    """aiohttp's own errors (no route, wrong method, body over client_max_size, ...)."""
+    status = exc.status
+    kind, code = _HTTP_CODES.get(status, ("server_error" if status >= 500 else "invalid_request_error", None))
+    if status == 404:
+        message = "Unknown route. The API is under /v1 (OpenAI) and /admin; see docs/service.md."
+    elif status == 405:
+        message = f"Method not allowed on this route. {exc.reason}."
+    elif status == 413:
+        message = f"The request body is too large. {exc.text or ''}".strip()
+    else:
+        message = exc.text or exc.reason
+    return ApiError(status, message, kind, None, code)

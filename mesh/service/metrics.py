@@ -1,0 +1,108 @@
+"""Prometheus metrics of the control service (`GET /metrics`).
+
+Per model (labels tenant, model): requests by outcome, TTFT and TPOT histograms as the
+client sees them (from the HTTP request's arrival to the first token event; mean time per
+later token), SLO attainment (requests that completed within the model's TTFT and TPOT
+SLOs over all requests that reached a node's queue), prompt and generated tokens.
+Per node (label node), read from the placement's view at scrape time: agent up, restarts,
+instances, queue length, running requests, KV bytes in use, memory budget and use, busy
+fraction. HTTP responses by route and status.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
+TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _ClusterCollector(Collector):
+    def __init__(self, view: Callable[[], dict[str, Any]], attainment: Callable[[], dict[tuple[str, str], float]]) -> None:
+        self.view = view
+        self.attainment = attainment
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        nodes = self.view().get("nodes", [])
+
+        def family(name: str, doc: str, value: Callable[[dict], float]) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=["node"])
+            for n in nodes:
+                g.add_metric([n["node_id"]], float(value(n)))
+            return g
+
+        yield family("mesh_node_up", "1 while the node agent is connected", lambda n: n["state"] == "up")
+        yield family("mesh_node_restarts", "times the node agent was restarted", lambda n: n["restarts"])
+        yield family("mesh_node_instances", "model instances on the node", lambda n: len(n["instances"]))
+        yield family("mesh_node_queue_length", "requests waiting for admission or prefill on the node",
+                     lambda n: n["queue_length"])
+        yield family("mesh_node_running_requests", "requests admitted on the node", lambda n: n["running"])
+        yield family("mesh_node_kv_bytes_in_use", "KV cache bytes held by running requests",
+                     lambda n: n["kv_bytes_in_use"])
+        yield family("mesh_node_kv_bytes_budget", "KV cache bytes the memory subsystem granted the instances",
+                     lambda n: sum(i["kv_bytes_budget"] for i in n["instances"]))
+        yield family("mesh_node_memory_capacity_bytes", "the node's memory budget for weights and KV",
+                     lambda n: n["memory"].get("capacity_bytes", 0))
+        yield family("mesh_node_memory_used_bytes", "memory the node's instances hold (optimistic budget)",
+                     lambda n: n["memory"].get("budget_bytes", 0))
+        yield family("mesh_node_busy_fraction", "fraction of the last second the node spent in iterations",
+                     lambda n: n["busy_fraction"])
+        att = GaugeMetricFamily("mesh_slo_attainment", "fraction of placed requests that met their SLO",
+                                labels=["tenant", "model"])
+        for (tenant, model), value in sorted(self.attainment().items()):
+            att.add_metric([tenant, model], value)
+        yield att
+
+
+class ServiceMetrics:
+    def __init__(self, view: Callable[[], dict[str, Any]]) -> None:
+        self.registry = CollectorRegistry()
+        labels = ["tenant", "model"]
+        self.requests = Counter("mesh_requests", "generation requests by outcome "
+                                "(completed, rejected, failed, aborted, invalid)", labels + ["outcome"],
+                                registry=self.registry)
+        self.ttft = Histogram("mesh_ttft_seconds", "time to first token, from request arrival", labels,
+                              buckets=TTFT_BUCKETS, registry=self.registry)
+        self.tpot = Histogram("mesh_tpot_seconds", "mean time per output token after the first", labels,
+                              buckets=TPOT_BUCKETS, registry=self.registry)
+        self.slo_met = Counter("mesh_slo_met", "requests completed within their TTFT and TPOT SLOs", labels,
+                               registry=self.registry)
+        self.prompt_tokens = Counter("mesh_prompt_tokens", "prompt tokens of placed requests", labels,
+                                     registry=self.registry)
+        self.generated_tokens = Counter("mesh_generated_tokens", "tokens generated", labels, registry=self.registry)
+        self.http = Counter("mesh_http_responses", "HTTP responses by route and status", ["route", "status"],
+                            registry=self.registry)
+        self._slo: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])  # (met, placed)
+        self.registry.register(_ClusterCollector(view, self._attainment))
+
+    def _attainment(self) -> dict[tuple[str, str], float]:
+        return {k: met / placed for k, (met, placed) in self._slo.items() if placed}
+
+    def request_done(self, tenant: str, model: str, outcome: str, *, prompt_tokens: int = 0, tokens_out: int = 0,
+                     ttft_s: float | None = None, tpot_s: float | None = None, slo_met: bool = False,
+                     placed: bool = False) -> None:
+        """Record one generation request's end. `placed`: it reached a node's admission queue
+        (rejections with 429 count against SLO attainment; invalid requests do not)."""
+        self.requests.labels(tenant, model, outcome).inc()
+        if prompt_tokens:
+            self.prompt_tokens.labels(tenant, model).inc(prompt_tokens)
+        if tokens_out:
+            self.generated_tokens.labels(tenant, model).inc(tokens_out)
+        if ttft_s is not None:
+            self.ttft.labels(tenant, model).observe(ttft_s)
+        if tpot_s is not None:
+            self.tpot.labels(tenant, model).observe(tpot_s)
+        if placed:
+            entry = self._slo[(tenant, model)]
+            entry[1] += 1
+            if slo_met:
+                entry[0] += 1
+                self.slo_met.labels(tenant, model).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,516 @@
+"""Placement: where a request runs. The control service's one interface to the nodes.
+
+`Placement` is what the HTTP layer uses: `submit(job) -> RequestStream`, `abort`,
+`forget_model`, `view`, `healthy`, `start`/`stop`. The cluster dispatcher (issue 3) can
+replace `LocalPlacement` behind it.
+
+`LocalPlacement` is the embedded default: the local node agents (one CPU agent today),
+one instance per model per node, started on the first request for it (cold start) and
+recycled after `keep_alive_s` idle. A request is
+
+1. given an instance (loaded if none; if the node's memory budget refuses the load, idle
+   instances are recycled, least recently used first);
+2. tokenized on the agent, so its prompt length is known: over the context window is a 400;
+3. queued for admission on its node. A per-node worker sends the queue, most urgent TTFT
+   deadline first, to the agent in one `admit` batch; the agent validates and admits each
+   atomically (shadow validation on both subsystems, LLM-Mesh 5.3/6.4) and refuses the
+   rest of an instance's batch after its first refusal, keeping arrival order. Refused
+   requests wait for capacity (a request finishing, an instance ready, or a 100 ms tick)
+   until their TTFT deadline, then get a 429 with the reason. The deadline of a request
+   that waited for a cold start counts from when its instance became ready: the load is
+   not the request's fault, and TTFT metrics still show it.
+
+A node agent that dies fails its requests (503, or an error event on a stream that
+started) and its instances; the supervisor restarts it and the next request loads again.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import math
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from mesh.agent.client import AgentCallError, AgentDown
+from mesh.agent.protocol import Code, InstanceSpec, sampling_to_dict, slo_to_dict
+from mesh.agent.supervisor import AgentSettings, LocalAgent
+from mesh.runtime.node import NodeSpec
+from mesh.service.errors import ApiError, bad_request, context_too_long, node_unavailable, overloaded
+from mesh.service.registry import ModelRecord
+from mesh.service.streams import Finished, Job, RequestStream, Tokens
+
+log = logging.getLogger("mesh.service.placement")
+
+ADMIT_BATCH = 64
+RETRY_TICK_S = 0.1
+CALL_TIMEOUT_S = 30.0
+
+
+class Placement(Protocol):
+    """What the control service needs from whatever places requests on nodes."""
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+    async def submit(self, job: Job) -> RequestStream:
+        """Place a request; raises ApiError (400 prompt too long, 429 no capacity in time,
+        503 no node) or returns its stream of tokens."""
+
+    def abort(self, request_id: str) -> None: ...
+
+    async def forget_model(self, model_uid: str) -> None:
+        """The model was deleted: unload its idle instances."""
+
+    def view(self) -> dict[str, Any]:
+        """Nodes, instances, memory budget and use, queue lengths (for /admin/cluster, /metrics)."""
+
+    def healthy(self) -> bool: ...
+
+
+@dataclass(frozen=True, slots=True)
+class PlacementSettings:
+    keep_alive_s: float = 60.0
+    start_timeout_s: float = 60.0
+    max_num_seqs: int = 64
+    profile_dir: str | None = None  # calibration profiles: <dir>/<model uid>.json (issue 4)
+    agent: AgentSettings = field(default_factory=AgentSettings)
+
+
+@dataclass(eq=False)
+class Instance:
+    instance_id: str
+    node_id: str
+    generation: int
+    model: ModelRecord
+    ready: asyncio.Future
+    state: str = "loading"  # loading, ready, failed
+    ready_at: float = math.inf
+    active: int = 0  # admitted and not done
+    pinned: int = 0  # requests being placed on it (tokenizing, queued)
+    idle_since: float = 0.0
+
+
+@dataclass(eq=False)
+class _Waiter:
+    job: Job
+    ids: list[int]
+    instance: Instance
+    slo_start: float
+    deadline: float
+    stream: RequestStream
+    done: asyncio.Future
+    reason: str = "the node has no capacity"
+
+
+class _Retry(Exception):
+    """The instance disappeared under the request: place it again."""
+
+
+class LocalPlacement:
+    def __init__(self, nodes: list[NodeSpec], settings: PlacementSettings | None = None) -> None:
+        self.settings = settings or PlacementSettings()
+        self.agents: dict[str, LocalAgent] = {
+            n.node_id: LocalAgent(n, self._agent_up, self._agent_down, self._agent_event, self.settings.agent)
+            for n in nodes}
+        self.instances: dict[str, Instance] = {}
+        self._by_model: dict[tuple[str, str], Instance] = {}
+        self._streams: dict[str, tuple[RequestStream, Instance]] = {}
+        self._queues: dict[str, list[_Waiter]] = {n: [] for n in self.agents}
+        self._kicks: dict[str, asyncio.Event] = {}
+        self._stats: dict[str, dict[str, Any]] = {}
+        self._busy: dict[str, float] = {}
+        self._ids = itertools.count(1)
+        self._tasks: list[asyncio.Task] = []
+        self._loads: set[asyncio.Task] = set()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for node_id, agent in self.agents.items():
+            self._kicks[node_id] = asyncio.Event()
+            await agent.start()
+            self._tasks.append(loop.create_task(self._admission_worker(node_id), name=f"admission {node_id}"))
+        self._tasks.append(loop.create_task(self._housekeeping(), name="placement housekeeping"))
+        for agent in self.agents.values():
+            if not await agent.wait_up(self.settings.start_timeout_s):
+                raise RuntimeError(f"node agent {agent.node_id} did not start: {agent.last_error or 'timeout'}")
+
+    async def stop(self) -> None:
+        for task in [*self._tasks, *self._loads]:
+            task.cancel()
+        await asyncio.gather(*self._tasks, *self._loads, return_exceptions=True)
+        await asyncio.gather(*(a.stop() for a in self.agents.values()), return_exceptions=True)
+
+    def healthy(self) -> bool:
+        return all(a.up for a in self.agents.values())
+
+    # ---- requests ----------------------------------------------------------------------------
+    async def submit(self, job: Job) -> RequestStream:
+        for attempt in range(3):
+            try:
+                return await self._submit_once(job)
+            except _Retry:
+                continue
+        raise node_unavailable("the model's instance kept disappearing while the request was placed")
+
+    async def _submit_once(self, job: Job) -> RequestStream:
+        agent = self._pick_agent(job.model)
+        inst = await self._ensure_instance(agent, job.model)
+        inst.pinned += 1  # not recycled while this request is being placed
+        try:
+            return await self._place(agent, inst, job)
+        finally:
+            inst.pinned -= 1
+            if inst.active == 0 and inst.pinned == 0:
+                inst.idle_since = asyncio.get_running_loop().time()
+
+    async def _place(self, agent: LocalAgent, inst: Instance, job: Job) -> RequestStream:
+        ids = job.prompt_token_ids
+        if ids is None:
+            ids = await self._tokenize(agent, inst, job)
+        window = job.model.context_length
+        if len(ids) + 1 > window:
+            raise context_too_long(len(ids), window, "messages" if job.messages is not None else "prompt")
+        if job.sampling.max_tokens <= 0:  # not given: up to the context window
+            job = replace(job, sampling=replace(job.sampling, max_tokens=window - len(ids)))
+        loop = asyncio.get_running_loop()
+        slo_start = max(job.arrival_s, inst.ready_at)
+        deadline = slo_start + job.model.slo.ttft_s(len(ids))
+        stream = RequestStream(job.request_id, len(ids), agent.node_id, inst.instance_id, on_abort=self.abort)
+        waiter = _Waiter(job, ids, inst, slo_start, deadline, stream, loop.create_future())
+        self._streams[job.request_id] = (stream, inst)
+        self._queues[agent.node_id].append(waiter)
+        self._kicks[agent.node_id].set()
+        try:
+            await waiter.done
+        except BaseException:
+            if waiter in self._queues[agent.node_id]:
+                self._queues[agent.node_id].remove(waiter)
+            if waiter.done.done() and not waiter.done.cancelled() and waiter.done.exception() is None:
+                stream.abort()  # admitted, then cancelled: its done event ends the bookkeeping
+            else:
+                self._streams.pop(job.request_id, None)
+            raise
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        entry = self._streams.get(request_id)
+        if entry is None:
+            return
+        agent = self.agents.get(entry[1].node_id)
+        if agent is not None and agent.client is not None:
+            agent.client.send({"t": "abort", "request_id": request_id})
+
+    def _pick_agent(self, model: ModelRecord) -> LocalAgent:
+        if model.kind == "hf":
+            raise bad_request("Hugging Face folders need a GPU node (vLLM), and this server has none; export the "
+                              "model to OpenVINO IR or GGUF and register that.", "model")
+        for agent in self.agents.values():
+            if agent.spec.kind == "cpu" and agent.up:
+                return agent
+        states = ", ".join(f"{a.node_id} {a.state}" for a in self.agents.values())
+        raise node_unavailable(f"the CPU node agent is not up ({states})")
+
+    async def _ensure_instance(self, agent: LocalAgent, model: ModelRecord) -> Instance:
+        key = (agent.node_id, model.uid)
+        inst = self._by_model.get(key)
+        if inst is None or inst.generation != agent.generation or inst.state == "failed":
+            inst = Instance(f"{model.uid}-{agent.node_id}-{next(self._ids)}", agent.node_id, agent.generation, model,
+                            asyncio.get_running_loop().create_future())
+            inst.ready.add_done_callback(lambda f: f.exception() if not f.cancelled() else None)
+            self._by_model[key] = inst
+            self.instances[inst.instance_id] = inst
+            task = asyncio.get_running_loop().create_task(self._load(agent, inst), name=f"load {inst.instance_id}")
+            self._loads.add(task)
+            task.add_done_callback(self._loads.discard)
+        await asyncio.shield(inst.ready)
+        return inst
+
+    async def _load(self, agent: LocalAgent, inst: Instance) -> None:
+        model = inst.model
+        profile = None
+        if self.settings.profile_dir:
+            from pathlib import Path
+
+            candidate = Path(self.settings.profile_dir) / f"{model.uid}.json"
+            profile = str(candidate) if candidate.is_file() else None
+        spec = InstanceSpec(inst.instance_id, model.uid, model.path, model.context_length, slo_to_dict(model.slo),
+                            self.settings.max_num_seqs, profile)
+        try:
+            for _ in range(len(self.instances) + 1):
+                try:
+                    await agent.client.call(spec.to_message(), CALL_TIMEOUT_S)
+                    return  # the agent answers `instance` ready/failed when the load ends
+                except AgentCallError as exc:
+                    if exc.code != Code.MEMORY.value or not await self._recycle_one(agent, exclude=inst):
+                        raise
+            raise AgentCallError(Code.MEMORY.value, "node memory stays full", {})
+        except AgentCallError as exc:
+            if exc.code == Code.MEMORY.value:
+                error = overloaded(f"node {agent.node_id} has no memory for this model while its instances are busy: {exc}")
+            else:
+                error = ApiError(503, f"The model failed to load: {exc}", "server_error", "model", "model_load_failed")
+            self._instance_failed(inst, error)
+        except AgentDown as exc:
+            self._instance_failed(inst, node_unavailable(str(exc)))
+        except Exception as exc:  # noqa: BLE001 - must not leave waiters hanging
+            log.exception("loading %s failed", inst.instance_id)
+            self._instance_failed(inst, node_unavailable(f"loading failed: {exc}"))
+
+    def _instance_failed(self, inst: Instance, error: ApiError) -> None:
+        inst.state = "failed"
+        if not inst.ready.done():
+            inst.ready.set_exception(error)
+        self._forget_instance(inst)
+
+    def _forget_instance(self, inst: Instance) -> None:
+        self.instances.pop(inst.instance_id, None)
+        key = (inst.node_id, inst.model.uid)
+        if self._by_model.get(key) is inst:
+            del self._by_model[key]
+
+    async def _recycle_one(self, agent: LocalAgent, exclude: Instance) -> bool:
+        """Unload the least recently used idle instance on the agent; False if none is idle."""
+        waiting = {w.instance.instance_id for w in self._queues[agent.node_id]}
+        idle = [i for i in self.instances.values() if i.node_id == agent.node_id and i is not exclude
+                and i.state == "ready" and i.active == 0 and i.pinned == 0 and i.instance_id not in waiting]
+        for inst in sorted(idle, key=lambda i: i.idle_since):
+            if await self._unload(agent, inst):
+                return True
+        return False
+
+    async def _unload(self, agent: LocalAgent, inst: Instance) -> bool:
+        self._forget_instance(inst)
+        try:
+            await agent.client.call({"t": "unload", "instance_id": inst.instance_id}, CALL_TIMEOUT_S)
+            return True
+        except AgentCallError as exc:
+            if exc.code == Code.BUSY.value:  # a request got in: keep it
+                self.instances[inst.instance_id] = inst
+                self._by_model.setdefault((inst.node_id, inst.model.uid), inst)
+            return exc.code == Code.NO_INSTANCE.value
+        except AgentDown:
+            return False
+
+    async def _tokenize(self, agent: LocalAgent, inst: Instance, job: Job) -> list[int]:
+        message: dict[str, Any] = {"t": "tokenize", "instance_id": inst.instance_id}
+        if job.messages is not None:
+            message["messages"] = job.messages
+        else:
+            message["prompt"] = job.prompt
+        try:
+            reply = await agent.client.call(message, CALL_TIMEOUT_S)
+        except AgentCallError as exc:
+            if exc.code in (Code.NO_INSTANCE.value, Code.NOT_READY.value):
+                raise _Retry() from exc
+            raise bad_request(str(exc), "messages" if job.messages is not None else "prompt") from exc
+        except AgentDown as exc:
+            raise node_unavailable(str(exc)) from exc
+        return [int(t) for t in reply["ids"]]
+
+    # ---- admission -----------------------------------------------------------------------------
+    async def _admission_worker(self, node_id: str) -> None:
+        kick = self._kicks[node_id]
+        queue = self._queues[node_id]
+        loop = asyncio.get_running_loop()
+        while True:
+            if queue:
+                timeout = RETRY_TICK_S
+                try:
+                    await asyncio.wait_for(kick.wait(), timeout)
+                except asyncio.TimeoutError:
+                    pass
+            else:
+                await kick.wait()
+            kick.clear()
+            if not queue:
+                continue
+            now = loop.time()
+            for w in [w for w in queue if w.deadline <= now]:
+                queue.remove(w)
+                if not w.done.done():
+                    w.done.set_exception(overloaded(w.reason))
+            queue.sort(key=lambda w: w.deadline)
+            batch = [w for w in queue if not w.done.done()][:ADMIT_BATCH]
+            if not batch:
+                queue[:] = [w for w in queue if not w.done.done()]
+                continue
+            try:
+                await self._admit_batch(node_id, batch)
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # noqa: BLE001 - the worker must survive anything
+                log.exception("admission round on %s failed", node_id)
+
+    async def _admit_batch(self, node_id: str, batch: list[_Waiter]) -> None:
+        agent = self.agents[node_id]
+        queue = self._queues[node_id]
+        now = asyncio.get_running_loop().time()
+        entries = [{"request_id": w.job.request_id, "instance_id": w.instance.instance_id,
+                    "prompt_token_ids": w.ids, "sampling": sampling_to_dict(w.job.sampling),
+                    "age_s": max(0.0, now - w.slo_start)} for w in batch]
+        try:
+            if agent.client is None:
+                raise AgentDown(f"agent {node_id} is not connected")
+            reply = await agent.client.call({"t": "admit", "requests": entries}, CALL_TIMEOUT_S)
+        except AgentDown as exc:
+            for w in batch:
+                self._settle(queue, w, node_unavailable(str(exc)))
+            return
+        for w, result in zip(batch, reply.get("results", [])):
+            if w.done.done():  # the client went away while we asked: undo
+                if result.get("ok"):  # its stream is forgotten, so its done event is ignored
+                    agent.client.send({"t": "abort", "request_id": w.job.request_id})
+                if w in queue:
+                    queue.remove(w)
+                continue
+            code = result.get("code")
+            if result.get("ok"):
+                w.instance.active += 1
+                self._settle(queue, w, None)
+            elif code in (Code.REFUSED.value, Code.BATCH_FULL.value, Code.NOT_READY.value):
+                w.reason = result.get("reason") or w.reason
+            elif code == Code.NO_INSTANCE.value:
+                self._streams.pop(w.job.request_id, None)
+                self._settle(queue, w, _Retry())
+            else:
+                self._settle(queue, w, bad_request(result.get("reason") or "the node refused the request"))
+
+    @staticmethod
+    def _settle(queue: list[_Waiter], w: _Waiter, error: BaseException | None) -> None:
+        if w in queue:
+            queue.remove(w)
+        if w.done.done():
+            return
+        if error is None:
+            w.done.set_result(True)
+        else:
+            w.done.set_exception(error)
+
+    # ---- agent events --------------------------------------------------------------------------
+    def _agent_event(self, agent: LocalAgent, m: dict[str, Any]) -> None:
+        kind = m.get("t")
+        if kind == "tokens":
+            for rid, token_ids, text in m.get("items", ()):
+                entry = self._streams.get(rid)
+                if entry is not None:
+                    entry[0].push(Tokens(text, token_ids))
+        elif kind == "done":
+            rid = m.get("request_id")
+            entry = self._streams.pop(rid, None)
+            if entry is None:
+                return
+            stream, inst = entry
+            inst.active = max(0, inst.active - 1)
+            if inst.active == 0 and inst.pinned == 0:
+                inst.idle_since = asyncio.get_running_loop().time()
+            if m.get("outcome") == "completed":
+                stream.push(Finished(m.get("reason") or "stop", int(m.get("tokens_out") or 0)))
+            else:
+                stream.push(node_unavailable(f"the request failed on node {agent.node_id}: {m.get('detail') or 'failed'}"))
+            self._kicks[agent.node_id].set()
+        elif kind == "instance":
+            inst = self.instances.get(m.get("instance_id"))
+            if inst is None:
+                return
+            if m.get("state") == "ready":
+                inst.state = "ready"
+                inst.ready_at = inst.idle_since = asyncio.get_running_loop().time()
+                if not inst.ready.done():
+                    inst.ready.set_result(True)
+                self._kicks[agent.node_id].set()
+            else:
+                self._instance_failed(inst, ApiError(503, f"The model failed to load: {m.get('error')}",
+                                                     "server_error", "model", "model_load_failed"))
+
+    def _agent_up(self, agent: LocalAgent) -> None:
+        log.warning("node agent %s is up (pid %s, generation %d)", agent.node_id, agent.pid, agent.generation)
+
+    def _agent_down(self, agent: LocalAgent, reason: str) -> None:
+        error = node_unavailable(f"node agent {agent.node_id} died ({reason}); it is being restarted")
+        for rid, (stream, inst) in list(self._streams.items()):
+            if inst.node_id == agent.node_id:
+                del self._streams[rid]
+                stream.push(error)
+        queue = self._queues[agent.node_id]
+        for w in list(queue):
+            self._settle(queue, w, error)
+        for inst in [i for i in self.instances.values() if i.node_id == agent.node_id]:
+            self._instance_failed(inst, error)
+        self._stats.pop(agent.node_id, None)
+
+    # ---- housekeeping: stats, busy fraction, keep-alive ----------------------------------------------
+    async def _housekeeping(self) -> None:
+        while True:
+            await asyncio.sleep(1.0)
+            for node_id, agent in self.agents.items():
+                if not agent.up:
+                    continue
+                try:
+                    stats = await agent.client.call({"t": "stats"}, CALL_TIMEOUT_S)
+                except (AgentDown, AgentCallError):
+                    continue
+                previous = self._stats.get(node_id)
+                if previous is not None and stats["uptime_s"] > previous["uptime_s"]:
+                    self._busy[node_id] = min(1.0, (stats["busy_s"] - previous["busy_s"]) /
+                                              (stats["uptime_s"] - previous["uptime_s"]))
+                self._stats[node_id] = stats
+                await self._recycle_idle(agent)
+
+    async def _recycle_idle(self, agent: LocalAgent) -> None:
+        now = asyncio.get_running_loop().time()
+        waiting = {w.instance.instance_id for w in self._queues[agent.node_id]}
+        for inst in list(self.instances.values()):
+            if (inst.node_id == agent.node_id and inst.state == "ready" and inst.active == 0 and inst.pinned == 0
+                    and inst.instance_id not in waiting and now - inst.idle_since > self.settings.keep_alive_s):
+                log.info("recycling idle instance %s (%s/%s)", inst.instance_id, inst.model.tenant, inst.model.name)
+                await self._unload(agent, inst)
+
+    async def forget_model(self, model_uid: str) -> None:
+        for inst in [i for i in self.instances.values() if i.model.uid == model_uid]:
+            agent = self.agents.get(inst.node_id)
+            if inst.state == "ready" and inst.active == 0 and inst.pinned == 0 and agent is not None and agent.up:
+                await self._unload(agent, inst)
+            else:  # loading or busy: forget it; it is recycled when idle
+                self._forget_instance(inst)
+
+    async def preload(self, model: ModelRecord) -> None:
+        """Start an instance of `model` now (a warm start for the first request)."""
+        try:
+            await self._ensure_instance(self._pick_agent(model), model)
+        except ApiError as exc:
+            log.warning("preloading %s/%s failed: %s", model.tenant, model.name, exc.message)
+
+    # ---- views ------------------------------------------------------------------------------------
+    def view(self) -> dict[str, Any]:
+        nodes = []
+        for node_id, agent in self.agents.items():
+            stats = self._stats.get(node_id, {})
+            by_id = {i["instance_id"]: i for i in stats.get("instances", [])}
+            instances = []
+            for inst in self.instances.values():
+                if inst.node_id != node_id:
+                    continue
+                s = by_id.get(inst.instance_id, {})
+                instances.append({
+                    "instance_id": inst.instance_id, "tenant": inst.model.tenant, "model": inst.model.name,
+                    "state": inst.state, "active": inst.active, "batch_size": s.get("batch_size", 0),
+                    "pending": s.get("pending", 0), "kv_bytes_budget": s.get("kv_bytes_budget", 0),
+                    "kv_bytes_in_use": s.get("kv_bytes_in_use", 0),
+                    "kv_bytes_allocated": s.get("kv_bytes_allocated", 0), "weight_bytes": s.get("weight_bytes", 0),
+                    "context_window": inst.model.context_length, "time_factors": s.get("time_factors"),
+                })
+            queued = len(self._queues[node_id])
+            nodes.append({
+                "node_id": node_id, "kind": agent.spec.kind, "state": agent.state, "pid": agent.pid,
+                "restarts": agent.restarts, "last_error": agent.last_error,
+                "memory": stats.get("memory", {"capacity_bytes": agent.spec.memory_bytes}),
+                "busy_fraction": self._busy.get(node_id, 0.0),
+                "queue_length": queued + int(stats.get("queue_length", 0)),
+                "admission_queue": queued, "running": stats.get("running", 0),
+                "kv_bytes_in_use": stats.get("kv_bytes_in_use", 0),
+                "iterations": stats.get("iterations", 0), "instances": instances,
+            })
+        return {"nodes": nodes}

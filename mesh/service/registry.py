@@ -1,0 +1,224 @@
+"""The registry: tenants, their API keys (hashes only) and their models, in SQLite.
+
+One file, `<data dir>/registry.sqlite3`, opened by the control service's event-loop thread
+only. Timestamps are the database's own clock (`strftime('%s','now')`), so the service
+reads no wall clock for them. Deleting a tenant deletes its keys and models (foreign keys
+with ON DELETE CASCADE).
+"""
+from __future__ import annotations
+
+import re
+import secrets
+import sqlite3
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+from mesh.policy.slo import SLO
+
+SCHEMA_VERSION = 1
+TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
+CREATE TABLE IF NOT EXISTS tenants (
+    name TEXT PRIMARY KEY,
+    created_at INTEGER NOT NULL DEFAULT (CAST(strftime('%s','now') AS INTEGER))
+);
+CREATE TABLE IF NOT EXISTS api_keys (
+    id TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+    key_hash TEXT NOT NULL UNIQUE,
+    display TEXT NOT NULL,
+    label TEXT NOT NULL DEFAULT '',
+    created_at INTEGER NOT NULL DEFAULT (CAST(strftime('%s','now') AS INTEGER)),
+    revoked_at INTEGER
+);
+CREATE TABLE IF NOT EXISTS models (
+    uid TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    path TEXT NOT NULL,
+    owned_file INTEGER NOT NULL DEFAULT 0,
+    sha256 TEXT,
+    weight_bytes INTEGER NOT NULL DEFAULT 0,
+    context_length INTEGER NOT NULL,
+    ttft_min_s REAL NOT NULL,
+    ttft_s_per_prompt_token REAL NOT NULL,
+    tpot_s REAL NOT NULL,
+    created_at INTEGER NOT NULL DEFAULT (CAST(strftime('%s','now') AS INTEGER)),
+    UNIQUE (tenant, name)
+);
+"""
+
+
+class RegistryError(ValueError):
+    """A registry operation was refused (bad name, duplicate, unknown tenant)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Tenant:
+    name: str
+    created_at: int
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    id: str
+    tenant: str
+    display: str
+    label: str
+    created_at: int
+    revoked_at: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class ModelRecord:
+    uid: str
+    tenant: str
+    name: str
+    kind: str  # "gguf", "ir" or "hf"
+    path: str
+    context_length: int
+    slo: SLO
+    weight_bytes: int = 0
+    sha256: str | None = None
+    owned_file: bool = False  # an upload kept in the data folder: deleted with the model
+    created_at: int = 0
+
+
+class Registry:
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(self.path, isolation_level=None)  # autocommit; explicit transactions
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA foreign_keys = ON")
+        self._db.execute("PRAGMA journal_mode = WAL")
+        self._db.executescript(_SCHEMA)
+        self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+
+    def close(self) -> None:
+        self._db.close()
+
+    # ---- tenants -------------------------------------------------------------------------
+    def create_tenant(self, name: str) -> Tenant:
+        if not isinstance(name, str) or not TENANT_NAME.match(name):
+            raise RegistryError("tenant names are 1-63 characters: lowercase letters, digits, '_', '.', '-', "
+                                "starting with a letter or digit")
+        try:
+            self._db.execute("INSERT INTO tenants (name) VALUES (?)", (name,))
+        except sqlite3.IntegrityError as exc:
+            raise RegistryError(f"tenant {name!r} already exists") from exc
+        return self.tenant(name)
+
+    def tenant(self, name: str) -> Tenant | None:
+        row = self._db.execute("SELECT name, created_at FROM tenants WHERE name = ?", (name,)).fetchone()
+        return Tenant(row["name"], row["created_at"]) if row else None
+
+    def tenants(self) -> list[Tenant]:
+        return [Tenant(r["name"], r["created_at"]) for r in self._db.execute("SELECT * FROM tenants ORDER BY name")]
+
+    def delete_tenant(self, name: str) -> list[ModelRecord]:
+        """Delete a tenant with its keys and models; returns the models that were deleted."""
+        models = self.models(name)
+        cur = self._db.execute("DELETE FROM tenants WHERE name = ?", (name,))
+        if cur.rowcount == 0:
+            raise RegistryError(f"no tenant {name!r}")
+        return models
+
+    # ---- keys ----------------------------------------------------------------------------
+    def add_key(self, tenant: str, key_hash: str, display: str, label: str = "") -> KeyInfo:
+        if self.tenant(tenant) is None:
+            raise RegistryError(f"no tenant {tenant!r}")
+        key_id = "key_" + secrets.token_hex(8)
+        self._db.execute("INSERT INTO api_keys (id, tenant, key_hash, display, label) VALUES (?, ?, ?, ?, ?)",
+                         (key_id, tenant, key_hash, display, label))
+        return self.key(key_id)
+
+    def key(self, key_id: str) -> KeyInfo | None:
+        row = self._db.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+        return _key(row) if row else None
+
+    def keys(self, tenant: str) -> list[KeyInfo]:
+        rows = self._db.execute("SELECT * FROM api_keys WHERE tenant = ? ORDER BY created_at, id", (tenant,))
+        return [_key(r) for r in rows]
+
+    def revoke_key(self, key_id: str) -> KeyInfo:
+        cur = self._db.execute(
+            "UPDATE api_keys SET revoked_at = CAST(strftime('%s','now') AS INTEGER) "
+            "WHERE id = ? AND revoked_at IS NULL", (key_id,))
+        info = self.key(key_id)
+        if info is None:
+            raise RegistryError(f"no API key {key_id!r}")
+        if cur.rowcount == 0 and info.revoked_at is None:
+            raise RegistryError(f"API key {key_id!r} could not be revoked")
+        return info
+
+    def tenant_for_key_hash(self, key_hash: str) -> str | None:
+        row = self._db.execute("SELECT tenant FROM api_keys WHERE key_hash = ? AND revoked_at IS NULL",
+                               (key_hash,)).fetchone()
+        return row["tenant"] if row else None
+
+    # ---- models --------------------------------------------------------------------------
+    def add_model(self, record: ModelRecord) -> ModelRecord:
+        if not MODEL_NAME.match(record.name) or ".." in record.name or "//" in record.name:
+            raise RegistryError("model names are 1-128 characters: letters, digits, '_', '.', ':', '/', '-', "
+                                "starting with a letter or digit, without '..' or '//'")
+        if self.tenant(record.tenant) is None:
+            raise RegistryError(f"no tenant {record.tenant!r}")
+        slo = record.slo
+        try:
+            self._db.execute(
+                "INSERT INTO models (uid, tenant, name, kind, path, owned_file, sha256, weight_bytes, context_length, "
+                "ttft_min_s, ttft_s_per_prompt_token, tpot_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                (record.uid, record.tenant, record.name, record.kind, record.path, int(record.owned_file),
+                 record.sha256, record.weight_bytes, record.context_length, slo.ttft_min_s,
+                 slo.ttft_s_per_prompt_token, slo.tpot_s))
+        except sqlite3.IntegrityError as exc:
+            raise RegistryError(f"model {record.name!r} already exists for tenant {record.tenant!r}") from exc
+        return self.model(record.tenant, record.name)
+
+    def model(self, tenant: str, name: str) -> ModelRecord | None:
+        row = self._db.execute("SELECT * FROM models WHERE tenant = ? AND name = ?", (tenant, name)).fetchone()
+        return _model(row) if row else None
+
+    def models(self, tenant: str | None = None) -> list[ModelRecord]:
+        if tenant is None:
+            rows = self._db.execute("SELECT * FROM models ORDER BY tenant, name")
+        else:
+            rows = self._db.execute("SELECT * FROM models WHERE tenant = ? ORDER BY name", (tenant,))
+        return [_model(r) for r in rows]
+
+    def delete_model(self, tenant: str, name: str) -> ModelRecord | None:
+        record = self.model(tenant, name)
+        if record is not None:
+            self._db.execute("DELETE FROM models WHERE uid = ?", (record.uid,))
+        return record
+
+    def now(self) -> int:
+        """The database's clock, in Unix seconds (for fields like OpenAI's `created`)."""
+        return int(self._db.execute("SELECT CAST(strftime('%s','now') AS INTEGER)").fetchone()[0])
+
+    def __iter__(self) -> Iterator[ModelRecord]:
+        return iter(self.models())
+
+
+def new_model_uid() -> str:
+    return "m_" + secrets.token_hex(8)
+
+
+def _key(row: sqlite3.Row) -> KeyInfo:
+    return KeyInfo(row["id"], row["tenant"], row["display"], row["label"], row["created_at"], row["revoked_at"])
+
+
+def _model(row: sqlite3.Row) -> ModelRecord:
+    return ModelRecord(
+        uid=row["uid"], tenant=row["tenant"], name=row["name"], kind=row["kind"], path=row["path"],
+        context_length=row["context_length"],
+        slo=SLO(row["ttft_min_s"], row["ttft_s_per_prompt_token"], row["tpot_s"]),
+        weight_bytes=row["weight_bytes"], sha256=row["sha256"], owned_file=bool(row["owned_file"]),
+        created_at=row["created_at"],
+    )

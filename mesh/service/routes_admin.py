@@ -1,0 +1,127 @@
+"""Operator routes, all behind the admin token (`Authorization: Bearer <MESH_ADMIN_TOKEN>`).
+
+    POST   /admin/tenants                 {"name": "acme"}           create a tenant
+    GET    /admin/tenants                                            list tenants
+    DELETE /admin/tenants/{tenant}                                   delete it, its keys and models
+    POST   /admin/tenants/{tenant}/keys   {"label": "ci"} (optional)  issue an API key (shown once)
+    GET    /admin/tenants/{tenant}/keys                              list its keys (no secrets)
+    DELETE /admin/keys/{key_id}                                      revoke a key
+    GET    /admin/models                                             every tenant's models
+    GET    /admin/cluster                                            nodes, instances, memory, queues
+"""
+from __future__ import annotations
+
+from dataclasses import asdict
+from typing import Any
+
+from aiohttp import web
+
+from mesh.service import errors
+from mesh.service.app import service_of
+from mesh.service.auth import new_api_key
+from mesh.service.registry import RegistryError
+from mesh.service.routes_models import forget_files, model_object
+from mesh.service.schema import parse_json
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/admin/tenants", create_tenant)
+    app.router.add_get("/admin/tenants", list_tenants)
+    app.router.add_delete("/admin/tenants/{tenant}", delete_tenant)
+    app.router.add_post("/admin/tenants/{tenant}/keys", issue_key)
+    app.router.add_get("/admin/tenants/{tenant}/keys", list_keys)
+    app.router.add_delete("/admin/keys/{key_id}", revoke_key)
+    app.router.add_get("/admin/models", list_all_models)
+    app.router.add_get("/admin/cluster", cluster)
+
+
+async def create_tenant(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    svc.require_admin(request)
+    data = parse_json(await request.read())
+    try:
+        tenant = svc.registry.create_tenant(data.get("name"))
+    except RegistryError as exc:
+        if "already exists" in str(exc):
+            raise errors.conflict(str(exc), "name", "tenant_exists") from exc
+        raise errors.bad_request(str(exc), "name") from exc
+    return web.json_response(asdict(tenant), status=201)
+
+
+async def list_tenants(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    svc.require_admin(request)
+    out = []
+    for t in svc.registry.tenants():
+        keys = svc.registry.keys(t.name)
+        out.append({**asdict(t), "models": len(svc.registry.models(t.name)),
+                    "active_keys": sum(1 for k in keys if k.revoked_at is None)})
+    return web.json_response({"object": "list", "data": out})
+
+
+def _tenant(request: web.Request) -> str:
+    svc = service_of(request)
+    name = request.match_info["tenant"]
+    if svc.registry.tenant(name) is None:
+        raise errors.not_found(f"No tenant '{name}'.", "tenant_not_found", "tenant")
+    return name
+
+
+async def delete_tenant(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    svc.require_admin(request)
+    name = _tenant(request)
+    models = svc.registry.delete_tenant(name)
+    await forget_files(svc, models)
+    return web.json_response({"name": name, "deleted": True, "models_deleted": len(models)})
+
+
+async def issue_key(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    svc.require_admin(request)
+    name = _tenant(request)
+    label = ""
+    if request.can_read_body:
+        body = await request.read()
+        if body.strip():
+            data = parse_json(body)
+            label = data.get("label", "")
+            if not isinstance(label, str) or len(label) > 200:
+                raise errors.bad_request("'label' must be a string of at most 200 characters.", "label")
+    key = new_api_key()
+    info = svc.registry.add_key(name, key.key_hash, key.display, label)
+    return web.json_response({**asdict(info), "key": key.key}, status=201)
+
+
+async def list_keys(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    svc.require_admin(request)
+    name = _tenant(request)
+    return web.json_response({"object": "list", "data": [asdict(k) for k in svc.registry.keys(name)]})
+
+
+async def revoke_key(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    svc.require_admin(request)
+    key_id = request.match_info["key_id"]
+    try:
+        info = svc.registry.revoke_key(key_id)
+    except RegistryError as exc:
+        raise errors.not_found(str(exc), "key_not_found", "key_id") from exc
+    return web.json_response({**asdict(info), "revoked": True})
+
+
+async def list_all_models(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    svc.require_admin(request)
+    return web.json_response({"object": "list", "data": [model_object(m) for m in svc.registry.models()]})
+
+
+async def cluster(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    svc.require_admin(request)
+    view: dict[str, Any] = svc.placement.view()
+    view["models"] = len(svc.registry.models())
+    view["tenants"] = len(svc.registry.tenants())
+    view["open_requests"] = svc.generating
+    return web.json_response(view)

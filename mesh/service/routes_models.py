@@ -1,0 +1,211 @@
+"""Tenants' models: register (by path or upload), list, get, delete. All scoped to the caller.
+
+POST /v1/models with a JSON body registers a model on the server's disk:
+    {"name": "my-model", "path": "sub/dir/model.gguf",       # relative to --allowed-dir
+     "context_length": 2048,                                 # optional, <= the trained window
+     "slo": {"ttft_s": 2.0, "ttft_s_per_prompt_token": 0.002, "tpot_s": 0.25}}   # optional
+POST /v1/models with `Content-Type: application/octet-stream` uploads a GGUF file as the body;
+the settings go in the query: name, sha256 (required), context_length, ttft_s,
+ttft_s_per_prompt_token, tpot_s. The upload is streamed to the data folder under a size
+limit and kept only if its SHA-256 matches.
+Another tenant's model answers exactly like a model that does not exist.
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+from pathlib import Path
+from typing import Any, Mapping
+
+from aiohttp import web
+
+from mesh.policy.slo import SLO
+from mesh.service import errors
+from mesh.service.app import Service, service_of
+from mesh.service.registry import MODEL_NAME, ModelRecord, RegistryError, new_model_uid
+from mesh.service.schema import parse_json
+from mesh.service.sources import SourceError, SourceInfo, inspect_source, receive_upload, resolve_allowed
+
+DEFAULT_CONTEXT_CAP = 4096  # as the OpenVINO engine: a long window makes L_min and prefill budgets huge
+MIN_CONTEXT = 16
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/models", list_models)
+    app.router.add_post("/v1/models", register_model)
+    app.router.add_get("/v1/models/{name:.+}", get_model)
+    app.router.add_delete("/v1/models/{name:.+}", delete_model)
+
+
+def model_object(m: ModelRecord) -> dict[str, Any]:
+    return {"id": m.name, "object": "model", "created": m.created_at, "owned_by": m.tenant,
+            "mesh": {"kind": m.kind, "source": "upload" if m.owned_file else "path",
+                     "context_length": m.context_length, "weight_bytes": m.weight_bytes, "sha256": m.sha256,
+                     "slo": {"ttft_s": m.slo.ttft_min_s, "ttft_s_per_prompt_token": m.slo.ttft_s_per_prompt_token,
+                             "tpot_s": m.slo.tpot_s}}}
+
+
+async def list_models(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    tenant = svc.tenant_of(request)
+    return web.json_response({"object": "list", "data": [model_object(m) for m in svc.registry.models(tenant)]})
+
+
+async def get_model(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    tenant = svc.tenant_of(request)
+    name = request.match_info["name"]
+    record = svc.registry.model(tenant, name)
+    if record is None:
+        raise errors.model_not_found(name)
+    return web.json_response(model_object(record))
+
+
+async def delete_model(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    tenant = svc.tenant_of(request)
+    name = request.match_info["name"]
+    record = svc.registry.delete_model(tenant, name)
+    if record is None:
+        raise errors.model_not_found(name)
+    await forget_files(svc, [record])
+    return web.json_response({"id": name, "object": "model", "deleted": True})
+
+
+async def forget_files(svc: Service, records: list[ModelRecord]) -> None:
+    """Unload deleted models' instances and delete their uploaded files."""
+    for record in records:
+        await svc.placement.forget_model(record.uid)
+        if record.owned_file:
+            Path(record.path).unlink(missing_ok=True)
+
+
+async def register_model(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    tenant = svc.tenant_of(request)
+    if request.content_type == "application/octet-stream":
+        return await _register_upload(svc, request, tenant)
+    data = parse_json(await request.read())
+    name = _name(data.get("name"))
+    if svc.registry.model(tenant, name) is not None:
+        raise errors.conflict(f"You already have a model named '{name}'; delete it first or pick another name.",
+                              "name", "model_exists")
+    given = data.get("path", data.get("source"))
+    if not isinstance(given, str):
+        raise errors.bad_request("'path' is required: a GGUF file, OpenVINO IR folder or Hugging Face folder under "
+                                 "the server's allowed folder (or upload a GGUF file with Content-Type: "
+                                 "application/octet-stream).", "path")
+    try:
+        path = resolve_allowed(svc.config.allowed_dir, given)
+        info = await asyncio.to_thread(inspect_source, path)
+    except SourceError as exc:
+        raise errors.bad_request(str(exc), "path", "invalid_model_source") from exc
+    record = _record(tenant, name, info, data, owned=False)
+    return _created(svc, record)
+
+
+async def _register_upload(svc: Service, request: web.Request, tenant: str) -> web.Response:
+    q = request.query
+    name = _name(q.get("name"))
+    if svc.registry.model(tenant, name) is not None:
+        raise errors.conflict(f"You already have a model named '{name}'.", "name", "model_exists")
+    sha256 = q.get("sha256")
+    if not sha256:
+        raise errors.bad_request("Uploads need '?sha256=<hex digest of the file>' so the server can verify them.",
+                                 "sha256")
+    limit = svc.config.max_upload_bytes
+    if request.content_length is not None and request.content_length > limit:
+        raise errors.too_large(limit, "upload")
+    settings = _query_settings(q)
+    uid = new_model_uid()
+    target = svc.data_dir / "uploads" / f"{uid}.gguf"
+    await receive_upload(request.content.iter_chunked(1 << 20), target, limit, sha256)
+    try:
+        info = await asyncio.to_thread(inspect_source, target)
+        record = _record(tenant, name, info, settings, owned=True, uid=uid, sha256=sha256.lower())
+        return _created(svc, record)
+    except BaseException as exc:
+        target.unlink(missing_ok=True)
+        if isinstance(exc, SourceError):
+            raise errors.bad_request(str(exc), "body", "invalid_model_source") from exc
+        raise
+
+
+def _created(svc: Service, record: ModelRecord) -> web.Response:
+    if record.kind == "hf" and not any(n["kind"] == "gpu" for n in svc.placement.view()["nodes"]):
+        raise errors.bad_request(
+            "This is a Hugging Face folder, which needs a GPU node (vLLM), and this server has none. Export it to "
+            "OpenVINO IR (`optimum-cli export openvino --model DIR --task text-generation-with-past OUT`) under the "
+            "allowed folder and register OUT.", "path", "unsupported_model_format")
+    try:
+        stored = svc.registry.add_model(record)
+    except RegistryError as exc:
+        if "already exists" in str(exc):
+            raise errors.conflict(str(exc), "name", "model_exists") from exc
+        raise errors.bad_request(str(exc), "name") from exc
+    return web.json_response(model_object(stored), status=201)
+
+
+def _name(value: Any) -> str:
+    if not isinstance(value, str) or not MODEL_NAME.match(value) or ".." in value or "//" in value:
+        raise errors.bad_request("'name' is required: 1-128 characters of letters, digits, '_', '.', ':', '/', '-', "
+                                 "starting with a letter or digit.", "name")
+    return value
+
+
+def _query_settings(q: Mapping[str, str]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    if "context_length" in q:
+        try:
+            out["context_length"] = int(q["context_length"])
+        except ValueError as exc:
+            raise errors.bad_request("'context_length' must be an integer.", "context_length") from exc
+    slo = {}
+    for key in ("ttft_s", "ttft_s_per_prompt_token", "tpot_s"):
+        if key in q:
+            try:
+                slo[key] = float(q[key])
+            except ValueError as exc:
+                raise errors.bad_request(f"'{key}' must be a number.", key) from exc
+    if slo:
+        out["slo"] = slo
+    return out
+
+
+def _record(tenant: str, name: str, info: SourceInfo, data: Mapping[str, Any], owned: bool,
+            uid: str | None = None, sha256: str | None = None) -> ModelRecord:
+    trained = info.context_length
+    window = data.get("context_length")
+    if window is None:
+        window = min(trained, DEFAULT_CONTEXT_CAP) if trained else 2048
+    elif isinstance(window, bool) or not isinstance(window, int) or window < MIN_CONTEXT:
+        raise errors.bad_request(f"'context_length' must be an integer of at least {MIN_CONTEXT}.", "context_length")
+    elif trained and window > trained:
+        raise errors.bad_request(f"'context_length' {window} exceeds the model's trained window of {trained}.",
+                                 "context_length")
+    return ModelRecord(uid or new_model_uid(), tenant, name, info.kind, str(info.path), int(window),
+                       _slo(data.get("slo")), info.weight_bytes, sha256, owned)
+
+
+def _slo(value: Any) -> SLO:
+    if value is None:
+        return SLO()
+    if not isinstance(value, dict):
+        raise errors.bad_request("'slo' must be an object: {\"ttft_s\": ..., \"tpot_s\": ...}.", "slo")
+    unknown = set(value) - {"ttft_s", "ttft_s_per_prompt_token", "tpot_s"}
+    if unknown:
+        raise errors.bad_request(f"'slo' has unknown fields {sorted(unknown)}; use ttft_s, ttft_s_per_prompt_token, "
+                                 "tpot_s.", "slo")
+    default = SLO()
+    out = []
+    for key, fallback, high in (("ttft_s", default.ttft_min_s, 3600.0),
+                                ("ttft_s_per_prompt_token", default.ttft_s_per_prompt_token, 10.0),
+                                ("tpot_s", default.tpot_s, 60.0)):
+        x = value.get(key, fallback)
+        ok = isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+        low_ok = ok and (x >= 0 if key == "ttft_s_per_prompt_token" else x > 0)
+        if not (low_ok and x <= high):
+            raise errors.bad_request(f"'slo.{key}' must be a number in {'[0' if key.endswith('token') else '(0'}, "
+                                     f"{high:g}] seconds.", f"slo.{key}")
+        out.append(float(x))
+    return SLO(out[0], out[1], out[2])

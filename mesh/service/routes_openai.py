@@ -1,0 +1,197 @@
+"""OpenAI-compatible serving: POST /v1/chat/completions and POST /v1/completions.
+
+Streaming answers are server-sent events: `data: {chunk}` per token, `data: [DONE]` at the
+end. A request that fails after its stream started (its node agent died) gets one
+`data: {"error": {...}}` event and the stream ends without [DONE], which the official
+clients raise as an error. A client that goes away aborts its request on the node.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import math
+import secrets
+from typing import Any, Callable
+
+from aiohttp import web
+
+from engines.protocol import Sampling
+from mesh.service import errors
+from mesh.service.app import ARRIVAL, Service, service_of
+from mesh.service.errors import ApiError
+from mesh.service.registry import ModelRecord
+from mesh.service.schema import GenerationRequest, parse_chat, parse_completion, parse_json
+from mesh.service.streams import Finished, Job, RequestStream, Tokens
+
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_post("/v1/chat/completions", chat_completions)
+    app.router.add_post("/v1/completions", completions)
+
+
+async def chat_completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_chat)
+
+
+async def completions(request: web.Request) -> web.StreamResponse:
+    return await _generate(request, parse_completion)
+
+
+async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], GenerationRequest]) -> web.StreamResponse:
+    svc = service_of(request)
+    tenant = svc.tenant_of(request)
+    req = parse(parse_json(await request.read()))
+    model = svc.registry.model(tenant, req.model)
+    if model is None:
+        raise errors.model_not_found(req.model)
+    prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
+    job = Job(
+        request_id=prefix + secrets.token_hex(12), model=model, arrival_s=request[ARRIVAL],
+        sampling=Sampling(max_tokens=req.max_tokens or 0, temperature=req.temperature, top_p=req.top_p,
+                          stop=req.stop, seed=req.seed),
+        messages=req.messages, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids)
+    svc.begin_generation()
+    try:
+        try:
+            stream = await svc.placement.submit(job)
+        except ApiError as exc:
+            outcome = "rejected" if exc.status == 429 else ("failed" if exc.status >= 500 else "invalid")
+            svc.metrics.request_done(tenant, model.name, outcome, placed=exc.status == 429)
+            raise
+        except asyncio.CancelledError:
+            svc.metrics.request_done(tenant, model.name, "aborted")
+            raise
+        answer = _Answer(svc, request, req, model, job, stream)
+        try:
+            if req.stream:
+                return await answer.sse()
+            return await answer.whole()
+        finally:
+            stream.abort()  # no-op once finished; stops generation if the client went away
+            answer.record()
+    finally:
+        svc.end_generation()
+
+
+class _Answer:
+    """One placed request's response, and its metrics once it ends."""
+
+    def __init__(self, svc: Service, request: web.Request, req: GenerationRequest, model: ModelRecord, job: Job,
+                 stream: RequestStream) -> None:
+        self.svc, self.request, self.req, self.model, self.job, self.stream = svc, request, req, model, job, stream
+        self.created = svc.unix_now()
+        self.tokens_out = 0
+        self.finish: Finished | None = None
+        self.outcome = "aborted"
+        self.end_s: float | None = None
+
+    # ---- whole response ---------------------------------------------------------------------
+    async def whole(self) -> web.Response:
+        parts = []
+        try:
+            async for event in self.stream.events():
+                if isinstance(event, Tokens):
+                    parts.append(event.text)
+                    self.tokens_out += max(1, len(event.token_ids))
+                else:
+                    self._finished(event)
+        except ApiError:
+            self.outcome = "failed"
+            raise
+        text = "".join(parts)
+        usage = self._usage()
+        if self.req.kind == "chat":
+            body = {"id": self.job.request_id, "object": "chat.completion", "created": self.created,
+                    "model": self.req.model, "system_fingerprint": None,
+                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                                 "logprobs": None, "finish_reason": self.finish.reason}],
+                    "usage": usage}
+        else:
+            body = {"id": self.job.request_id, "object": "text_completion", "created": self.created,
+                    "model": self.req.model, "system_fingerprint": None,
+                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish.reason}],
+                    "usage": usage}
+        return web.json_response(body)
+
+    # ---- streaming --------------------------------------------------------------------------
+    async def sse(self) -> web.StreamResponse:
+        response = web.StreamResponse(headers=SSE_HEADERS)
+        await response.prepare(self.request)
+        first = True
+        try:
+            async for event in self.stream.events():
+                if isinstance(event, Tokens):
+                    self.tokens_out += max(1, len(event.token_ids))
+                    if event.text or first:
+                        await response.write(self._chunk(event.text, None, first))
+                        first = False
+                else:
+                    self._finished(event)
+                    await response.write(self._chunk("", event.reason, first))
+                    if self.req.include_usage:
+                        await response.write(self._usage_chunk())
+                    await response.write(b"data: [DONE]\n\n")
+        except ApiError as exc:
+            self.outcome = "failed"
+            try:
+                await response.write(exc.sse())
+            except (ConnectionError, RuntimeError):
+                pass
+        except (ConnectionError, RuntimeError):  # the client went away mid-stream
+            self.outcome = "aborted"
+            return response
+        try:
+            await response.write_eof()
+        except (ConnectionError, RuntimeError):
+            pass
+        return response
+
+    def _chunk(self, text: str, finish_reason: str | None, first: bool) -> bytes:
+        if self.req.kind == "chat":
+            delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+            if finish_reason is not None and not first:
+                delta = {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            obj = "chat.completion.chunk"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            obj = "text_completion"
+        chunk: dict[str, Any] = {"id": self.job.request_id, "object": obj, "created": self.created,
+                                 "model": self.req.model, "system_fingerprint": None, "choices": [choice]}
+        if self.req.include_usage:
+            chunk["usage"] = None
+        return f"data: {json.dumps(chunk, ensure_ascii=False)}\n\n".encode()
+
+    def _usage_chunk(self) -> bytes:
+        obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
+        chunk = {"id": self.job.request_id, "object": obj, "created": self.created, "model": self.req.model,
+                 "system_fingerprint": None, "choices": [], "usage": self._usage()}
+        return f"data: {json.dumps(chunk)}\n\n".encode()
+
+    def _usage(self) -> dict[str, int]:
+        prompt = self.stream.prompt_tokens
+        done = self.finish.tokens_out if self.finish is not None and self.finish.tokens_out else self.tokens_out
+        return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
+
+    def _finished(self, event: Finished) -> None:
+        self.finish = event
+        self.outcome = "completed"
+        self.end_s = asyncio.get_running_loop().time()
+
+    # ---- metrics ----------------------------------------------------------------------------------
+    def record(self) -> None:
+        first = self.stream.first_token_s
+        ttft = first - self.job.arrival_s if first is not None else None
+        out = self.finish.tokens_out if self.finish is not None and self.finish.tokens_out else self.tokens_out
+        tpot = None
+        if self.end_s is not None and first is not None and out >= 2:
+            tpot = (self.end_s - first) / (out - 1)
+        slo = self.model.slo
+        met = (self.outcome == "completed" and ttft is not None and ttft <= slo.ttft_s(self.stream.prompt_tokens)
+               and (tpot is None or tpot <= slo.tpot_s))
+        self.svc.metrics.request_done(
+            self.model.tenant, self.model.name, self.outcome, prompt_tokens=self.stream.prompt_tokens,
+            tokens_out=out, ttft_s=ttft, tpot_s=tpot if tpot is not None and math.isfinite(tpot) else None,
+            slo_met=met, placed=True)

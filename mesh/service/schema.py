@@ -1,0 +1,199 @@
+"""OpenAI request bodies -> checked dataclasses. Every problem is a 400 naming the field.
+
+Supported: `model`, `messages` (chat; content as a string or a list of text parts) or
+`prompt` (completions; a string, a one-element list of strings, token ids, or a
+one-element list of token id lists), `max_tokens` (or `max_completion_tokens`),
+`temperature` [0, 2], `top_p` (0, 1], `stop` (a string or up to 4), `seed`, `n` = 1,
+`stream`, `stream_options.include_usage`. Fields that would change the output in ways Mesh
+does not implement (logprobs, echo, penalties, tools, n > 1, ...) are refused with a 400
+instead of being silently ignored; unknown fields are ignored, as OpenAI clients send extras.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from engines.chat import ROLES
+from mesh.service.errors import ApiError, bad_request
+
+MAX_STOP = 4
+MAX_TOKENS_CAP = 1_000_000
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    kind: str  # "chat" or "completion"
+    model: str
+    messages: list[dict[str, str]] | None = None
+    prompt: str | None = None
+    prompt_token_ids: list[int] | None = None
+    max_tokens: int | None = None  # None: up to the context window
+    temperature: float = 1.0
+    top_p: float = 1.0
+    stop: tuple[str, ...] = ()
+    seed: int | None = None
+    stream: bool = False
+    include_usage: bool = False
+
+
+def parse_json(body: bytes) -> dict[str, Any]:
+    """A JSON object from a request body; 400 otherwise."""
+    if not body:
+        raise bad_request("The request body is empty; send a JSON object.", None, "invalid_json")
+    try:
+        data = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}.", None, "invalid_json") from exc
+    if not isinstance(data, dict):
+        raise bad_request("The request body must be a JSON object.", None, "invalid_json")
+    return data
+
+
+def parse_chat(data: Mapping[str, Any]) -> GenerationRequest:
+    messages = _messages(data.get("messages"))
+    return _common("chat", data, messages=messages)
+
+
+def parse_completion(data: Mapping[str, Any]) -> GenerationRequest:
+    prompt, ids = _prompt(data.get("prompt"))
+    if data.get("echo"):
+        raise _unsupported("echo")
+    best_of = data.get("best_of")
+    if best_of not in (None, 1):
+        raise _unsupported("best_of")
+    if data.get("suffix"):
+        raise _unsupported("suffix")
+    return _common("completion", data, prompt=prompt, prompt_token_ids=ids)
+
+
+def _common(kind: str, d: Mapping[str, Any], **fields: Any) -> GenerationRequest:
+    model = d.get("model")
+    if not isinstance(model, str) or not model:
+        raise bad_request("'model' is required: the name of one of your models (GET /v1/models).", "model")
+    max_tokens = d.get("max_completion_tokens") if d.get("max_completion_tokens") is not None else d.get("max_tokens")
+    param = "max_completion_tokens" if d.get("max_completion_tokens") is not None else "max_tokens"
+    if max_tokens is not None:
+        max_tokens = _int(max_tokens, param, 1, MAX_TOKENS_CAP)
+    temperature = _number(d.get("temperature"), "temperature", 0.0, 2.0, 1.0)
+    top_p = _number(d.get("top_p"), "top_p", 0.0, 1.0, 1.0)
+    if top_p == 0.0:
+        raise bad_request("'top_p' must be greater than 0 and at most 1.", "top_p")
+    seed = d.get("seed")
+    if seed is not None:
+        seed = _int(seed, "seed", 0, 2**63 - 1)
+    n = d.get("n")
+    if n is not None and (_int(n, "n", 1, 128) != 1):
+        raise bad_request("Only n=1 is supported; send separate requests for more choices.", "n")
+    stream = d.get("stream", False)
+    if stream is None:
+        stream = False
+    if not isinstance(stream, bool):
+        raise bad_request("'stream' must be true or false.", "stream")
+    include_usage = False
+    options = d.get("stream_options")
+    if options is not None:
+        if not isinstance(options, dict):
+            raise bad_request("'stream_options' must be an object.", "stream_options")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise bad_request("'stream_options.include_usage' must be true or false.", "stream_options")
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = _number(d.get(name), name, -2.0, 2.0, 0.0)
+        if value != 0.0:
+            raise _unsupported(name)
+    if d.get("logprobs") not in (None, False) or d.get("top_logprobs") not in (None, 0):
+        raise _unsupported("logprobs")
+    if d.get("logit_bias"):
+        raise _unsupported("logit_bias")
+    if d.get("tools") or d.get("functions") or d.get("tool_choice") not in (None, "none", "auto"):
+        raise _unsupported("tools")
+    fmt = d.get("response_format")
+    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
+        raise _unsupported("response_format")
+    return GenerationRequest(kind, model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
+                             stop=_stop(d.get("stop")), seed=seed, stream=stream, include_usage=include_usage,
+                             **fields)
+
+
+def _unsupported(param: str) -> ApiError:
+    return bad_request(f"'{param}' is not supported by this server.", param, "unsupported_parameter")
+
+
+def _int(value: Any, param: str, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or (
+            isinstance(value, float) and not value.is_integer()):
+        raise bad_request(f"'{param}' must be an integer.", param)
+    value = int(value)
+    if not low <= value <= high:
+        raise bad_request(f"'{param}' must be between {low} and {high}, got {value}.", param)
+    return value
+
+
+def _number(value: Any, param: str, low: float, high: float, default: float) -> float:
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad_request(f"'{param}' must be a number.", param)
+    if not low <= value <= high:
+        raise bad_request(f"'{param}' must be between {low:g} and {high:g}, got {value}.", param)
+    return float(value)
+
+
+def _stop(value: Any) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        value = [value]
+    if not isinstance(value, list) or not all(isinstance(s, str) for s in value):
+        raise bad_request("'stop' must be a string or a list of strings.", "stop")
+    if len(value) > MAX_STOP:
+        raise bad_request(f"'stop' takes at most {MAX_STOP} strings.", "stop")
+    return tuple(s for s in value if s)
+
+
+def _messages(value: Any) -> list[dict[str, str]]:
+    if not isinstance(value, list) or not value:
+        raise bad_request("'messages' must be a non-empty list of {role, content} objects.", "messages")
+    out = []
+    for i, msg in enumerate(value):
+        if not isinstance(msg, dict):
+            raise bad_request(f"'messages[{i}]' must be an object with 'role' and 'content'.", f"messages[{i}]")
+        role = msg.get("role")
+        if role not in ROLES:
+            raise bad_request(f"'messages[{i}].role' must be one of {', '.join(ROLES)}.", f"messages[{i}].role")
+        out.append({"role": role, "content": _content(msg.get("content"), f"messages[{i}].content")})
+    return out
+
+
+def _content(value: Any, param: str) -> str:
+    if isinstance(value, str):
+        return value
+    if value is None:
+        return ""
+    if isinstance(value, list):
+        parts = []
+        for part in value:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise bad_request(f"'{param}' parts must be text parts ({{\"type\": \"text\", \"text\": ...}}); "
+                                  "images and audio are not supported.", param)
+            parts.append(part["text"])
+        return "".join(parts)
+    raise bad_request(f"'{param}' must be a string or a list of text parts.", param)
+
+
+def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], (str, list)):
+        value = value[0]  # a batch of one
+    if isinstance(value, str):
+        if not value:
+            raise bad_request("'prompt' must not be empty.", "prompt")
+        return value, None
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        if any(t < 0 for t in value):
+            raise bad_request("'prompt' token ids must be non-negative.", "prompt")
+        return None, list(value)
+    if isinstance(value, list) and len(value) > 1:
+        raise bad_request("Only one prompt per request is supported; send separate requests.", "prompt")
+    raise bad_request("'prompt' must be a non-empty string or a list of token ids.", "prompt")

@@ -1,0 +1,142 @@
+"""Model sources: paths under the allowed folder, and uploads streamed to disk.
+
+`resolve_allowed(allowed_dir, given)` accepts a path only if it stays inside the allowed
+folder: no `..` component, no absolute path elsewhere, and after following every symlink
+(of the path and, for a folder, of each file in it) the real path is still inside.
+`inspect_source(path)` tells a GGUF file, an OpenVINO IR folder and a Hugging Face folder
+apart and reads the model's trained context window and weight size without loading it.
+`receive_upload()` streams a request body to a temporary file in the data folder, counting
+bytes against a limit and hashing with SHA-256; only a complete, verified GGUF file is
+renamed into place.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import AsyncIterator
+
+from mesh.service.errors import bad_request, too_large
+
+GGUF_MAGIC = b"GGUF"
+
+
+class SourceError(ValueError):
+    """A model source path or file was refused; the message says why (safe to show)."""
+
+
+def resolve_allowed(allowed_dir: str | Path | None, given: str) -> Path:
+    """The real path of `given` (relative to the allowed folder, or absolute inside it)."""
+    if allowed_dir is None:
+        raise SourceError("this server registers no paths (start it with --allowed-dir DIR); upload the file instead")
+    if not isinstance(given, str) or not given.strip() or "\x00" in given:
+        raise SourceError("'path' must be a non-empty string")
+    root = Path(os.path.realpath(allowed_dir))
+    raw = Path(given)
+    if ".." in raw.parts:
+        raise SourceError("'path' may not contain '..'")
+    candidate = raw if raw.is_absolute() else root / raw
+    real = Path(os.path.realpath(candidate))
+    if not _inside(real, root):
+        raise SourceError("'path' must be inside the server's allowed folder (symlinks included)")
+    if not real.exists():
+        raise SourceError(f"'{given}' does not exist in the allowed folder")
+    if real.is_dir():
+        for entry in real.rglob("*"):
+            if not _inside(Path(os.path.realpath(entry)), root):
+                raise SourceError(f"'{given}' holds a link that leaves the allowed folder ({entry.relative_to(real)})")
+    return real
+
+
+def _inside(path: Path, root: Path) -> bool:
+    return path == root or root in path.parents
+
+
+@dataclass(frozen=True, slots=True)
+class SourceInfo:
+    kind: str  # "gguf", "ir", "hf"
+    path: Path
+    context_length: int  # the model's trained window (0 when unknown)
+    weight_bytes: int
+
+
+def inspect_source(path: Path) -> SourceInfo:
+    """What model `path` holds; SourceError for anything that is not a model Mesh can read."""
+    from engines.model_shape import shape_from_gguf
+
+    if path.is_file():
+        with open(path, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise SourceError("the file is not a GGUF model (no GGUF magic); pass a GGUF file, an OpenVINO IR "
+                                  "folder or a Hugging Face folder")
+        try:
+            shape = shape_from_gguf(path)
+        except Exception as exc:  # noqa: BLE001 - any parse failure is the file's fault
+            raise SourceError(f"cannot read the GGUF header: {exc}") from exc
+        return SourceInfo("gguf", path, int(shape.context_length or 0), path.stat().st_size)
+    if not path.is_dir():
+        raise SourceError("the path is neither a file nor a folder")
+    config = path / "config.json"
+    if (path / "openvino_model.xml").is_file():
+        missing = [n for n in ("openvino_model.bin", "openvino_tokenizer.xml", "openvino_detokenizer.xml",
+                               "config.json") if not (path / n).is_file()]
+        if missing:
+            raise SourceError(f"the OpenVINO IR folder lacks {', '.join(missing)}; export it again with optimum-cli")
+        return SourceInfo("ir", path, _config_window(config), (path / "openvino_model.bin").stat().st_size)
+    if config.is_file():
+        weights = sum(p.stat().st_size for p in path.glob("*.safetensors")) or sum(
+            p.stat().st_size for p in path.glob("*.bin"))
+        if not weights:
+            raise SourceError("the Hugging Face folder holds no weights (*.safetensors or *.bin)")
+        return SourceInfo("hf", path, _config_window(config), weights)
+    raise SourceError("the folder is neither an OpenVINO IR folder (openvino_model.xml) nor a Hugging Face "
+                      "folder (config.json)")
+
+
+def _config_window(config: Path) -> int:
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise SourceError(f"config.json is unreadable: {exc}") from exc
+    text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
+    value = text.get("max_position_embeddings") or text.get("n_positions") or 0
+    return int(value) if isinstance(value, int) else 0
+
+
+async def receive_upload(chunks: AsyncIterator[bytes], target: Path, limit_bytes: int, sha256: str) -> int:
+    """Stream `chunks` to `target` (via a temporary file beside it); return the size.
+
+    ApiError 413 past `limit_bytes`, 400 when the SHA-256 differs from `sha256` (hex) or the
+    file is not GGUF. Nothing is left behind on failure.
+    """
+    expected = sha256.strip().lower()
+    if len(expected) != 64 or any(c not in "0123456789abcdef" for c in expected):
+        raise bad_request("'sha256' must be the 64-character hex SHA-256 of the file", "sha256")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{target.name}.part")
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with open(partial, "wb") as f:
+            async for chunk in chunks:
+                size += len(chunk)
+                if size > limit_bytes:
+                    raise too_large(limit_bytes, "upload")
+                digest.update(chunk)
+                f.write(chunk)
+        if size == 0:
+            raise bad_request("the upload is empty; send the GGUF file as the request body", "body")
+        if digest.hexdigest() != expected:
+            raise bad_request(f"checksum mismatch: the upload's SHA-256 is {digest.hexdigest()}, not {expected}",
+                              "sha256", "checksum_mismatch")
+        with open(partial, "rb") as f:
+            if f.read(4) != GGUF_MAGIC:
+                raise bad_request("uploads must be GGUF files (no GGUF magic); register OpenVINO IR or Hugging "
+                                  "Face folders by path", "body")
+        os.replace(partial, target)
+    except BaseException:  # including a client that went away mid-upload
+        partial.unlink(missing_ok=True)
+        raise
+    return size
