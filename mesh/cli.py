@@ -7,7 +7,7 @@ import sys
 from mesh.commands import register_all
 
 # Subcommand modules, in the order `mesh --help` lists them.
-COMMANDS = ["replay", "bench", "info", "calibrate", "models"]
+COMMANDS = ["replay", "bench", "info", "calibrate", "models", "serve"]
 
 
 def build_parser() -> argparse.ArgumentParser:
