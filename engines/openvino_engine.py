@@ -196,6 +196,8 @@ class OpenVINOEngine:
         self._pipe: Any = None
         self._encoder: PromptEncoder | None = None
         self._standalone_encoder: PromptEncoder | None = None
+        self._tokenizer: Any = None
+        self._decoded: dict[tuple[int, ...], str] = {}  # this step's batch-decoded windows
         self._live: dict[str, _Live] = {}  # insertion order = arrival order
         self._ids = itertools.count()
 
@@ -217,7 +219,8 @@ class OpenVINOEngine:
         built: list[Any] = []  # not the thread's return value: asyncio's future would keep
         await asyncio.to_thread(lambda: built.append(self._build()))  # it alive past unload()
         self._pipe = built.pop()
-        self._encoder = PromptEncoder(self._pipe.get_tokenizer())
+        self._tokenizer = self._pipe.get_tokenizer()
+        self._encoder = PromptEncoder(self._tokenizer)
         self._warm_up()
 
     async def unload(self) -> None:
@@ -226,6 +229,7 @@ class OpenVINOEngine:
             self.abort(request_id)
         self._pipe = None
         self._encoder = None
+        self._tokenizer = None
 
     async def resize_kv(self, capacity_bytes: int) -> None:
         """Record the KV bound Mesh enforces for this instance (see the module docstring).
@@ -315,7 +319,7 @@ class OpenVINOEngine:
 
         handle = self._pipe.add_request(pipe_id, ov.Tensor(np.asarray([ids], dtype=np.int64)), config)
         stops = tuple(s for s in sampling.stop if s)
-        self._live[rid] = _Live(rid, handle, len(ids), Detokenizer(self._encoder.decode),
+        self._live[rid] = _Live(rid, handle, len(ids), Detokenizer(self._stream_decode),
                                 StopMatcher(stops) if stops else None)
 
     def _checked_ids(self, request: EngineRequest) -> list[int]:
@@ -384,8 +388,10 @@ class OpenVINOEngine:
         texts: list[str] = []
         finished: dict[str, FinishReason] = {}
         prefilled = cancelled = False
+        reads = {rid: self._read(live) for rid, live in self._live.items()}
+        self._predecode(reads)
         for rid, live in list(self._live.items()):
-            token, text, reason = self._collect(live)
+            token, text, reason = self._collect(live, reads[rid])
             if token is not None:
                 request_ids.append(rid)
                 token_ids.append(token)
@@ -400,18 +406,55 @@ class OpenVINOEngine:
         kind = IterationKind.PREFILL if prefilled else IterationKind.DECODE
         return StepResult(kind, request_ids, token_ids, texts, finished)
 
-    def _collect(self, live: _Live) -> tuple[int | None, str, FinishReason | None]:
-        """Read what one request got this step: (token, text delta, finish reason)."""
+    @staticmethod
+    def _read(live: _Live) -> list[Any] | None:
+        """The request's new outputs this step (None if it has nothing to read)."""
+        handle = live.handle
+        return list(handle.read().values()) if handle.can_read() else None
+
+    def _predecode(self, reads: Mapping[str, list[Any] | None]) -> None:
+        """Decode, in one tokenizer call, the token windows every Detokenizer.push of this
+        step will ask for (its prefix window and its window with the new token). A decode
+        call costs about 0.1 ms whatever the batch, and push makes two per token, which
+        was about 5% of a step's time at batch 16; push then finds its text here."""
+        decoded = self._decoded
+        decoded.clear()
+        windows: list[list[int]] = []
+        for rid, outputs in reads.items():
+            new = [t for out in outputs or () for t in out.generated_ids]
+            if not new:
+                continue
+            token = new[0]  # one per step; push decodes any further ones itself
+            d = self._live[rid].detok
+            for window in (d.ids[d.prefix_offset:d.read_offset], d.ids[d.prefix_offset:] + [token]):
+                key = tuple(window)
+                if key not in decoded:
+                    decoded[key] = ""
+                    if window:
+                        windows.append(window)
+        if len(windows) > 1:
+            for window, text in zip(windows, self._tokenizer.decode(windows, skip_special_tokens=True)):
+                decoded[tuple(window)] = text
+        elif windows:
+            decoded[tuple(windows[0])] = self._encoder.decode(windows[0])
+
+    def _stream_decode(self, token_ids: Sequence[int]) -> str:
+        """The Detokenizers' decode: this step's batch-decoded text, else one decode call."""
+        text = self._decoded.get(tuple(token_ids))
+        return text if text is not None else self._encoder.decode(token_ids)
+
+    def _collect(self, live: _Live, outputs: list[Any] | None) -> tuple[int | None, str, FinishReason | None]:
+        """What one request got this step: (token, text delta, finish reason)."""
         import openvino_genai as ov_genai
 
         handle = live.handle
-        if not handle.can_read():
+        if outputs is None:
             status = handle.get_status()
             if status in (ov_genai.GenerationStatus.IGNORED, ov_genai.GenerationStatus.CANCEL):
                 return None, "", FinishReason.ABORT  # the pipeline gave up on it (no cache)
             return None, "", None
         token, text, reason = None, "", None
-        for output in handle.read().values():  # one sequence: num_return_sequences=1
+        for output in outputs:  # one sequence: num_return_sequences=1
             for token in output.generated_ids:
                 live.generated += 1
                 delta = live.detok.push(token)
