@@ -61,15 +61,16 @@ class AdaptiveTimes:
     """Iteration times from a base model, times a correction learnt from real iterations.
 
     `observe(kind, predicted, actual)` moves the prefill or decode factor toward
-    actual/predicted with weight `alpha` (geometric, clamped to [min_factor, max_factor]),
+    actual/predicted with weight `prefill_alpha` or `alpha` (geometric, clamped to [min_factor, max_factor]),
     so a machine busier or faster than the profile's stays predicted within a few
     iterations while one slow outlier moves it little.
     """
 
-    def __init__(self, base: IterationTimes, alpha: float = 0.1, min_factor: float = 0.25,
-                 max_factor: float = 8.0) -> None:
+    def __init__(self, base: IterationTimes, alpha: float = 0.2, prefill_alpha: float = 0.4,
+                 min_factor: float = 0.25, max_factor: float = 8.0) -> None:
         self.base = base
         self.alpha = alpha
+        self.prefill_alpha = prefill_alpha  # prefills are rarer than decodes: learn faster
         self.min_factor, self.max_factor = min_factor, max_factor
         self.prefill_factor = 1.0
         self.decode_factor = 1.0
@@ -83,11 +84,11 @@ class AdaptiveTimes:
     def observe(self, kind: IterationKind, predicted_s: float, actual_s: float) -> None:
         if not (predicted_s > 0 and actual_s > 0 and math.isfinite(actual_s)):
             return
-        ratio = (actual_s / predicted_s) ** self.alpha
+        ratio = actual_s / predicted_s
         if kind is IterationKind.PREFILL:
-            self.prefill_factor = self._clamp(self.prefill_factor * ratio)
+            self.prefill_factor = self._clamp(self.prefill_factor * ratio ** self.prefill_alpha)
         else:
-            self.decode_factor = self._clamp(self.decode_factor * ratio)
+            self.decode_factor = self._clamp(self.decode_factor * ratio ** self.alpha)
 
     def _clamp(self, x: float) -> float:
         return min(self.max_factor, max(self.min_factor, x))

@@ -142,6 +142,8 @@ class AgentServer:
                     await writer.drain()
         except (ProtocolError, ConnectionError) as exc:
             log.warning("control connection from %s failed: %s", peer, exc)
+        except asyncio.CancelledError:  # the agent is shutting down
+            pass
         finally:
             if self._writer is writer:
                 self._writer = None

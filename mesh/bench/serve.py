@@ -1,0 +1,221 @@
+"""`mesh bench serve`: load on a running `mesh serve` from a second process, over loopback.
+
+`--clients` concurrent clients send `--requests` streaming chat completions in all (each
+client sends its next request when its previous one ends) with small `max_tokens`, and the
+benchmark prints throughput, TTFT p50/p99 (to the first content chunk, as the client sees
+it) and counts: completed, rejected with 429 (answered: the scheduler could not place the
+request within its SLO), errors (any other status, an error event, a broken stream), and
+lost (a stream that ended without [DONE] and without an error: the target is zero).
+
+Without `--url` it starts its own server (`mesh serve --demo --port 0`, temporary data
+folder) and stops it afterwards. `--ttft-slo S` registers a copy of the demo model with a
+TTFT SLO of S seconds and loads that one instead, to see the service queue rather than
+reject.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from mesh.bench.report import emit
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="load benchmark of mesh serve: concurrent streaming clients on loopback")
+    p.add_argument("--url", help="a running server (default: start one with --demo)")
+    p.add_argument("--api-key", help="tenant key for --url")
+    p.add_argument("--model", default="demo/smollm2")
+    p.add_argument("--clients", type=int, default=200, help="concurrent clients (default 200)")
+    p.add_argument("--requests", type=int, default=200, help="requests in all (default 200)")
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--ttft-slo", type=float, default=None,
+                   help="register the demo model again with this TTFT SLO (seconds) and use it (own server only)")
+    p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    p.add_argument("--json", help="write the figures as JSON here")
+    p.set_defaults(func=run)
+
+
+@dataclass
+class Result:
+    status: str  # ok, rejected, error, lost
+    ttft_s: float | None = None
+    total_s: float = 0.0
+    tokens: int = 0
+    detail: str = ""
+
+
+async def one_request(session: Any, url: str, key: str, model: str, i: int, max_tokens: int, timeout: float) -> Result:
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    body = {"model": model, "max_tokens": max_tokens, "stream": True, "temperature": 0.7, "seed": i,
+            "stream_options": {"include_usage": True},
+            "messages": [{"role": "user", "content": f"Write one short sentence about the number {i}."}]}
+    start = loop.time()
+    ttft = None
+    tokens = 0
+    try:
+        async with session.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            if resp.status == 429:
+                await resp.read()
+                return Result("rejected", total_s=loop.time() - start)
+            if resp.status != 200:
+                return Result("error", total_s=loop.time() - start, detail=f"HTTP {resp.status}: {(await resp.text())[:200]}")
+            done = False
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: "):
+                    continue
+                data = line[6:]
+                if data == "[DONE]":
+                    done = True
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    return Result("error", ttft, loop.time() - start, tokens, f"stream error: {chunk['error']['message'][:200]}")
+                if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") and ttft is None:
+                    ttft = loop.time() - start
+                if chunk.get("usage"):
+                    tokens = chunk["usage"]["completion_tokens"]
+            if not done:
+                return Result("lost", ttft, loop.time() - start, tokens, "stream ended without [DONE] or an error")
+            return Result("ok", ttft, loop.time() - start, tokens)
+    except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+        return Result("error", ttft, loop.time() - start, tokens, f"{type(exc).__name__}: {exc}")
+
+
+async def load(url: str, key: str, model: str, clients: int, requests: int, max_tokens: int,
+               timeout: float) -> tuple[list[Result], float]:
+    import aiohttp
+
+    loop = asyncio.get_running_loop()
+    counter = iter(range(requests))
+    results: list[Result] = []
+
+    async def client(session: aiohttp.ClientSession) -> None:
+        for i in counter:
+            results.append(await one_request(session, url, key, model, i, max_tokens, timeout))
+
+    connector = aiohttp.TCPConnector(limit=clients + 8)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        start = loop.time()
+        await asyncio.gather(*(client(session) for _ in range(clients)))
+        wall = loop.time() - start
+    return results, wall
+
+
+def summarize(results: list[Result], wall: float, sent: int) -> dict[str, Any]:
+    ok = [r for r in results if r.status == "ok"]
+    ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    tokens = sum(r.tokens for r in ok)
+
+    def pct(q: float) -> float:
+        return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
+
+    figures = {
+        "requests": sent,
+        "answered": len(results),
+        "completed": len(ok),
+        "rejected_429": sum(r.status == "rejected" for r in results),
+        "errors": sum(r.status == "error" for r in results),
+        "lost": sum(r.status == "lost" for r in results) + (sent - len(results)),
+        "wall_s": wall,
+        "throughput_req_per_s": len(ok) / wall if wall else 0.0,
+        "throughput_tokens_per_s": tokens / wall if wall else 0.0,
+        "ttft_p50_s": pct(0.50),
+        "ttft_p99_s": pct(0.99),
+        "ttft_mean_s": statistics.fmean(ttfts) if ttfts else float("nan"),
+        "latency_p50_s": statistics.median(r.total_s for r in ok) if ok else float("nan"),
+    }
+    errors = [r.detail for r in results if r.status in ("error", "lost")]
+    if errors:
+        figures["first_error"] = errors[0]
+    return figures
+
+
+def _admin(url: str, token: str, method: str, path: str, body: Any = None, key: str | None = None) -> Any:
+    import urllib.request
+
+    req = urllib.request.Request(f"{url}{path}", method=method, data=json.dumps(body).encode() if body else None,
+                                 headers={"Authorization": f"Bearer {key or token}", "Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=60) as resp:
+        return json.loads(resp.read())
+
+
+def start_server(data_dir: Path, allowed: Path | None) -> tuple[subprocess.Popen, str, str, str]:
+    token = hashlib.sha256(os.urandom(16)).hexdigest()
+    cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--demo",
+           "--data-dir", str(data_dir)]
+    if allowed is not None:
+        cmd += ["--allowed-dir", str(allowed)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, MESH_ADMIN_TOKEN=token))
+    for line in proc.stdout:
+        m = re.search(r"ready url=(\S+) api_key=(\S+)", line)
+        if m:
+            return proc, m.group(1), m.group(2), token
+    raise RuntimeError(f"mesh serve exited ({proc.wait()}) before its ready line")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+def _wait_warm(url: str, key: str, model: str) -> None:
+    """One request first, so the figures measure serving, not the cold start."""
+    body = {"model": model, "max_tokens": 2, "messages": [{"role": "user", "content": "Hi"}]}
+    _admin(url, "", "POST", "/v1/chat/completions", body, key=key)
+
+
+def run(args: argparse.Namespace) -> int:
+    from mesh.models import demo_gguf_path
+
+    proc = None
+    tmp = None
+    model = args.model
+    try:
+        if args.url:
+            if not args.api_key:
+                print("mesh bench serve: --url needs --api-key", file=sys.stderr)
+                return 2
+            url, key = args.url.rstrip("/"), args.api_key
+        else:
+            tmp = tempfile.TemporaryDirectory(prefix="mesh-bench-serve-")
+            demo = demo_gguf_path()
+            proc, url, key, token = start_server(Path(tmp.name), demo.parent if args.ttft_slo else None)
+            if args.ttft_slo:
+                model = "bench/smollm2-relaxed"
+                _admin(url, token, "POST", "/v1/models", {"name": model, "path": demo.name,
+                                                           "slo": {"ttft_s": args.ttft_slo}}, key=key)
+        _wait_warm(url, key, model)
+        results, wall = asyncio.run(load(url, key, model, args.clients, args.requests, args.max_tokens, args.timeout))
+        figures = summarize(results, wall, args.requests)
+        figures["clients"] = args.clients
+        figures["max_tokens"] = args.max_tokens
+        figures["model"] = model
+        emit(f"mesh bench serve: {args.clients} concurrent streaming clients, {args.requests} requests, "
+             f"max_tokens {args.max_tokens}, model {model}", figures, args.json,
+             {"wall_s": "s", "ttft_p50_s": "s", "ttft_p99_s": "s", "ttft_mean_s": "s", "latency_p50_s": "s",
+              "throughput_req_per_s": "req/s", "throughput_tokens_per_s": "tokens/s"})
+        return 0 if figures["errors"] == 0 and figures["lost"] == 0 else 1
+    finally:
+        if proc is not None:
+            stop_server(proc)
+        if tmp is not None:
+            tmp.cleanup()

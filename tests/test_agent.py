@@ -1,0 +1,161 @@
+"""The node agent and its client over a real loopback connection, in one process, with a
+simulated engine (fast): hello and its token, load -> instance ready, tokenize refusals,
+batched admission keeping arrival order, done events, abort, stats, unload, and what
+happens when the connection goes away."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from doubles import LinearTimes
+from engines.simulated import SimulatedEngine
+from mesh.agent import engines as agent_engines
+from mesh.agent.client import AgentCallError, AgentClient, AgentDown
+from mesh.agent.protocol import Code, InstanceSpec, sampling_to_dict
+from mesh.agent.server import AgentServer
+from engines.protocol import Sampling
+from mesh.runtime.node import NodeSpec
+
+TOKEN = "secret"
+
+
+class _Engine(SimulatedEngine):
+    on_loaded = None
+
+    async def load(self) -> None:
+        await super().load()
+        self.on_loaded(None)
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    def factory(spec: InstanceSpec, on_loaded):
+        times = LinearTimes(prefill_per_token=0.0001, decode_base=0.01)
+        e = _Engine(spec.model, times, kv_bytes_per_token=1000, weight_bytes=10**6,
+                    context_window=spec.context_window or 256, load_s=0.05, max_batch=spec.max_num_seqs)
+        e.on_loaded = on_loaded
+        return e
+
+    monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, "simulated", factory)
+    monkeypatch.setattr(agent_engines, "iteration_times",
+                        lambda spec, w: agent_engines.AdaptiveTimes(LinearTimes(prefill_per_token=0.0001, decode_base=0.01)))
+    import mesh.agent.server as server_module
+
+    monkeypatch.setattr(server_module, "iteration_times", agent_engines.iteration_times)
+
+
+async def _start(memory: int = 10**9) -> tuple[AgentServer, str]:
+    server = AgentServer(NodeSpec("n0", "cpu", memory), TOKEN, {"cores": 2})
+    address = await server.serve("127.0.0.1:0")
+    return server, address
+
+
+def _entry(rid: str, iid: str, prompt: int = 20, max_tokens: int = 5) -> dict:
+    return {"request_id": rid, "instance_id": iid, "prompt_token_ids": list(range(1, prompt + 1)),
+            "sampling": sampling_to_dict(Sampling(max_tokens=max_tokens)), "age_s": 0.0}
+
+
+def test_agent_serves_requests_over_the_protocol(simulated):
+    async def main():
+        server, address = await _start()
+        events: list[dict] = []
+        closed: list[str] = []
+        client = AgentClient("n0", events.append, closed.append)
+        info = await client.connect(address, TOKEN)
+        assert info["node_id"] == "n0" and info["memory_bytes"] == 10**9 and info["instances"] == []
+
+        spec = InstanceSpec("i1", "m", "/nowhere", 256, engine="simulated", max_num_seqs=2)
+        reply = await client.call(spec.to_message())
+        assert reply["context_window"] == 256
+        with pytest.raises(AgentCallError) as e:
+            await client.call({"t": "tokenize", "instance_id": "i1", "prompt": "x"})
+        assert e.value.code == Code.NOT_READY.value and e.value.retryable
+        for _ in range(100):
+            if any(ev["t"] == "instance" for ev in events):
+                break
+            await asyncio.sleep(0.01)
+        assert {"t": "instance", "instance_id": "i1", "state": "ready"} in events
+
+        # three requests, max batch 2: the third is refused (retryable), order kept
+        reply = await client.call({"t": "admit", "requests": [_entry("a", "i1"), _entry("b", "i1", max_tokens=10**4),
+                                                               _entry("c", "i1"), _entry("d", "nope")]})
+        codes = [r.get("code") if not r["ok"] else "ok" for r in reply["results"]]
+        assert codes == ["ok", "ok", Code.BATCH_FULL.value, Code.NO_INSTANCE.value]
+        with pytest.raises(AgentCallError) as e:
+            await client.call({"t": "unload", "instance_id": "i1"})
+        assert e.value.code == Code.BUSY.value
+        await asyncio.sleep(0.1)  # b decodes (the simulated engine cannot abort inside a prefill)
+        client.send({"t": "abort", "request_id": "b"})
+        for _ in range(200):
+            if sum(ev["t"] == "done" for ev in events) == 2:
+                break
+            await asyncio.sleep(0.01)
+        done = {ev["request_id"]: ev for ev in events if ev["t"] == "done"}
+        assert done["a"]["outcome"] == "completed" and done["a"]["tokens_out"] == 5
+        assert done["b"]["outcome"] == "failed" and "aborted" in done["b"]["detail"]
+        stats = await client.call({"t": "stats"})
+        assert stats["running"] == 0 and stats["iterations"] > 0 and stats["instances"][0]["loaded"]
+        assert stats["memory"]["capacity_bytes"] == 10**9 and stats["memory"]["budget_bytes"] > 10**6
+        await client.call({"t": "unload", "instance_id": "i1"})
+        assert (await client.call({"t": "stats"}))["instances"] == []
+        with pytest.raises(AgentCallError) as e:
+            await client.call({"t": "bogus"})
+        assert e.value.code == Code.PROTOCOL.value
+        await client.close()
+        assert closed
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_agent_refuses_a_wrong_token_and_a_load_over_memory(simulated):
+    async def main():
+        server, address = await _start(memory=10**6 + 1000)
+        bad = AgentClient("n0", lambda m: None, lambda r: None)
+        with pytest.raises((AgentDown, AgentCallError)):
+            await bad.connect(address, "wrong")
+        client = AgentClient("n0", lambda m: None, lambda r: None)
+        await client.connect(address, TOKEN)
+        with pytest.raises(AgentCallError) as e:
+            await client.call(InstanceSpec("i1", "m", "/x", 256, engine="simulated").to_message())
+        assert e.value.code == Code.MEMORY.value and e.value.reply["shortfall_bytes"] > 0
+        with pytest.raises(AgentCallError) as e:
+            await client.call(InstanceSpec("i2", "m", "/x", 256, engine="unknown").to_message())
+        assert e.value.code == Code.BAD_REQUEST.value
+        await client.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_lost_connection_aborts_requests_and_fails_calls(simulated):
+    async def main():
+        server, address = await _start()
+        events: list[dict] = []
+        closed: list[str] = []
+        client = AgentClient("n0", events.append, closed.append)
+        await client.connect(address, TOKEN)
+        await client.call(InstanceSpec("i1", "m", "/x", 256, engine="simulated").to_message())
+        await asyncio.sleep(0.2)
+        reply = await client.call({"t": "admit", "requests": [_entry("a", "i1", max_tokens=10_000)]})
+        assert reply["results"][0]["ok"]
+        await asyncio.sleep(0.05)
+        assert server.requests  # running
+        await client.close()
+        await asyncio.sleep(0.1)
+        assert not server.requests  # the agent aborted it when the control connection went away
+        with pytest.raises(AgentDown):
+            await client.call({"t": "ping"})
+        # the server side closing: the client notices at once
+        client2 = AgentClient("n0", lambda m: None, closed.append)
+        await client2.connect(address, TOKEN)
+        await server.close()
+        server._writer.close() if server._writer else None
+        for _ in range(100):
+            if not client2.up:
+                break
+            await asyncio.sleep(0.01)
+        assert not client2.up and len(closed) == 2
+
+    asyncio.run(main())

@@ -1,0 +1,359 @@
+"""`mesh serve` end to end: the real server in a subprocess, the official `openai` client, the
+real SmolLM2 model on the CPU node agent. One server is shared by the module's tests (each
+model load costs seconds); the last test stops it mid-stream (drain) and restarts it on the
+same data folder (persistence)."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+openai = pytest.importorskip("openai")
+
+pytestmark = pytest.mark.slow
+
+ADMIN = "test-admin-token"
+
+
+class Server:
+    def __init__(self, data_dir: Path, allowed: Path, log: Path) -> None:
+        self.data_dir, self.allowed, self.log = data_dir, allowed, log
+        self.proc: subprocess.Popen | None = None
+        self.url = self.key = ""
+
+    def start(self, timeout: float = 180.0) -> None:
+        cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--demo",
+               "--data-dir", str(self.data_dir), "--allowed-dir", str(self.allowed), "--max-body-mb", "1",
+               "--log-level", "INFO"]
+        env = dict(os.environ, MESH_ADMIN_TOKEN=ADMIN)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.log, "a"), text=True, env=env)
+        found: list[str] = []
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                if "ready url=" in line:
+                    found.append(line)
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(timeout)
+        if not found:
+            self.proc.kill()
+            raise RuntimeError(f"mesh serve did not get ready; log:\n{self.log.read_text()[-3000:]}")
+        m = re.search(r"ready url=(\S+) api_key=(\S+)", found[0])
+        self.url, self.key = m.group(1), m.group(2)
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc is None or self.proc.poll() is not None:
+            return self.proc.returncode if self.proc else 0
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            return -9
+
+    def client(self, key: str | None = None, **kw: Any) -> Any:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or self.key, max_retries=0, timeout=180, **kw)
+
+    def http(self, method: str, path: str, body: Any = None, token: str | None = None,
+             raw: bytes | None = None, headers: dict | None = None) -> tuple[int, Any]:
+        data = raw if raw is not None else (json.dumps(body).encode() if body is not None else None)
+        h = {"Content-Type": "application/json", **(headers or {})}
+        if token is not None:
+            h["Authorization"] = f"Bearer {token}"
+        req = urllib.request.Request(f"{self.url}{path}", data=data, method=method, headers=h)
+        try:
+            with urllib.request.urlopen(req, timeout=180) as resp:
+                return resp.status, _json(resp.read())
+        except urllib.error.HTTPError as exc:
+            return exc.code, _json(exc.read())
+
+    def admin(self, method: str, path: str, body: Any = None) -> Any:
+        status, data = self.http(method, path, body, token=ADMIN)
+        assert status in (200, 201), (status, data)
+        return data
+
+    def agent_pid(self) -> int:
+        return self.admin("GET", "/admin/cluster")["nodes"][0]["pid"]
+
+    def wait_healthy(self, timeout: float = 60.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.http("GET", "/healthz")[0] == 200:
+                return
+            time.sleep(0.1)
+        raise AssertionError("the server did not become healthy")
+
+
+def _json(raw: bytes) -> Any:
+    try:
+        return json.loads(raw)
+    except ValueError:
+        return raw.decode(errors="replace")
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, demo_gguf) -> Server:
+    root = tmp_path_factory.mktemp("serve")
+    allowed = root / "allowed"
+    allowed.mkdir()
+    try:
+        os.link(demo_gguf, allowed / "smollm2.gguf")
+    except OSError:
+        shutil.copy(demo_gguf, allowed / "smollm2.gguf")
+    os.symlink(demo_gguf, allowed / "outside-link.gguf")  # points outside the allowed folder
+    s = Server(root / "data", allowed, root / "server.log")
+    s.start()
+    yield s
+    s.stop()
+
+
+def _tenant(server: Server, name: str) -> str:
+    server.admin("POST", "/admin/tenants", {"name": name})
+    return server.admin("POST", f"/admin/tenants/{name}/keys", {"label": "test"})["key"]
+
+
+# ---- serving --------------------------------------------------------------------------------------
+
+
+def test_chat_and_completions(server):
+    c = server.client()
+    chat = c.chat.completions.create(model="demo/smollm2", messages=[{"role": "user", "content": "What is 2+2?"}],
+                                     max_tokens=8, temperature=0)
+    assert chat.object == "chat.completion" and chat.choices[0].message.role == "assistant"
+    assert chat.choices[0].message.content and chat.choices[0].finish_reason in ("stop", "length")
+    assert chat.usage.prompt_tokens > 10 and 0 < chat.usage.completion_tokens <= 8
+    assert chat.usage.total_tokens == chat.usage.prompt_tokens + chat.usage.completion_tokens
+    comp = c.completions.create(model="demo/smollm2", prompt="The capital of France is", max_tokens=4, temperature=0)
+    assert comp.object == "text_completion" and "Paris" in comp.choices[0].text
+    assert comp.usage.completion_tokens == 4 and comp.choices[0].finish_reason == "length"
+    assert [m.id for m in c.models.list()] == ["demo/smollm2"]
+    assert c.models.retrieve("demo/smollm2").owned_by == "demo"
+
+
+def test_streaming_matches_whole_answers(server):
+    c = server.client()
+    messages = [{"role": "user", "content": "Name three colors."}]
+    whole = c.chat.completions.create(model="demo/smollm2", messages=messages, max_tokens=12, temperature=0)
+    chunks = list(c.chat.completions.create(model="demo/smollm2", messages=messages, max_tokens=12, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert text == whole.choices[0].message.content
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    comp = list(c.completions.create(model="demo/smollm2", prompt="One, two, three,", max_tokens=6, temperature=0,
+                                     stream=True))
+    assert len(comp) >= 2 and "".join(ch.choices[0].text for ch in comp).strip()
+    assert comp[-1].choices[0].finish_reason == "length"
+
+
+def test_stop_seed_and_token_prompts(server):
+    c = server.client()
+    r = c.completions.create(model="demo/smollm2", prompt="Count: 1, 2, 3, 4,", max_tokens=16, temperature=0,
+                             stop=[" 6"])
+    assert r.choices[0].finish_reason == "stop" and " 6" not in r.choices[0].text and "5" in r.choices[0].text
+    a, b = (c.completions.create(model="demo/smollm2", prompt="A random word:", max_tokens=8, temperature=1.0,
+                                 top_p=0.9, seed=42).choices[0].text for _ in range(2))
+    assert a == b
+    ids = c.completions.create(model="demo/smollm2", prompt=[504, 3575, 282, 4649, 314], max_tokens=3, temperature=0)
+    assert ids.usage.prompt_tokens == 5
+
+
+# ---- tenants and models -------------------------------------------------------------------------------
+
+
+def test_tenant_isolation_and_model_registration(server):
+    alice, bob = _tenant(server, "alice"), _tenant(server, "bob")
+    ca, cb = server.client(alice), server.client(bob)
+    status, body = server.http("POST", "/v1/models", {"name": "team/small", "path": "smollm2.gguf",
+                                                      "context_length": 1024, "slo": {"ttft_s": 5}}, token=alice)
+    assert status == 201 and body["id"] == "team/small" and body["mesh"]["context_length"] == 1024
+    assert server.http("POST", "/v1/models", {"name": "team/small", "path": "smollm2.gguf"}, token=alice)[0] == 409
+    assert [m.id for m in ca.models.list()] == ["team/small"]
+    assert [m.id for m in cb.models.list()] == []
+    # Bob cannot see or use it, and the answers are the same as for a model that does not exist.
+    with pytest.raises(openai.NotFoundError) as theirs:
+        cb.chat.completions.create(model="team/small", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    with pytest.raises(openai.NotFoundError) as missing:
+        cb.chat.completions.create(model="team/none", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    assert theirs.value.body["code"] == missing.value.body["code"] == "model_not_found"
+    assert theirs.value.body["message"].replace("team/small", "X") == missing.value.body["message"].replace("team/none", "X")
+    assert server.http("GET", "/v1/models/team/small", token=bob)[0] == 404
+    assert server.http("DELETE", "/v1/models/team/small", token=bob)[0] == 404
+    with pytest.raises(openai.NotFoundError):
+        cb.chat.completions.create(model="demo/smollm2", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
+    # Alice's own model serves her.
+    r = ca.chat.completions.create(model="team/small", messages=[{"role": "user", "content": "hi"}], max_tokens=3)
+    assert r.usage.completion_tokens >= 1
+    # Bob may use the same name for his own model.
+    assert server.http("POST", "/v1/models", {"name": "team/small", "path": "smollm2.gguf"}, token=bob)[0] == 201
+    assert server.http("DELETE", "/v1/models/team/small", token=bob)[1]["deleted"] is True
+    assert [m.id for m in ca.models.list()] == ["team/small"]  # Alice's is untouched
+
+
+def test_registration_refuses_path_escapes(server):
+    key = _tenant(server, "carol")
+    for path in ("../allowed/smollm2.gguf", "outside-link.gguf", str(server.data_dir / "registry.sqlite3"),
+                 "/etc/passwd", "missing.gguf"):
+        status, body = server.http("POST", "/v1/models", {"name": "x", "path": path}, token=key)
+        assert status == 400 and body["error"]["param"] == "path", (path, body)
+    status, body = server.http("POST", "/v1/models", {"name": "../x", "path": "smollm2.gguf"}, token=key)
+    assert status == 400 and body["error"]["param"] == "name"
+    status, body = server.http("POST", "/v1/models", {"name": "x", "path": "smollm2.gguf", "context_length": 10**6},
+                               token=key)
+    assert status == 400 and body["error"]["param"] == "context_length"
+    status, body = server.http("POST", "/v1/models", {"name": "x", "path": "smollm2.gguf", "slo": {"tpot_s": -1}},
+                               token=key)
+    assert status == 400 and body["error"]["param"] == "slo.tpot_s"
+
+
+def test_upload_with_checksum(server, demo_gguf):
+    key = _tenant(server, "dave")
+    data = Path(demo_gguf).read_bytes()
+    digest = hashlib.sha256(data).hexdigest()
+    octet = {"Content-Type": "application/octet-stream"}
+    status, body = server.http("POST", "/v1/models?name=up&sha256=" + "0" * 64, raw=data, token=key, headers=octet)
+    assert status == 400 and body["error"]["code"] == "checksum_mismatch"
+    status, body = server.http("POST", "/v1/models?name=up", raw=data, token=key, headers=octet)
+    assert status == 400 and body["error"]["param"] == "sha256"
+    status, body = server.http("POST", f"/v1/models?name=up&sha256={digest}&context_length=512", raw=data, token=key,
+                               headers=octet)
+    assert status == 201 and body["mesh"]["source"] == "upload" and body["mesh"]["sha256"] == digest
+    uploads = list((server.data_dir / "uploads").iterdir())
+    assert len(uploads) == 1 and uploads[0].stat().st_size == len(data)
+    r = server.client(key).completions.create(model="up", prompt="Hello", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+    assert server.http("DELETE", "/v1/models/up", token=key)[0] == 200
+    assert list((server.data_dir / "uploads").iterdir()) == []
+
+
+# ---- errors -----------------------------------------------------------------------------------------------
+
+
+def test_error_statuses(server):
+    chat = {"model": "demo/smollm2", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    # 401: no key, a wrong key, a revoked key, admin routes without the admin token
+    assert server.http("POST", "/v1/chat/completions", chat)[0] == 401
+    status, body = server.http("POST", "/v1/chat/completions", chat, token="mesh-wrong")
+    assert status == 401 and body["error"]["code"] == "invalid_api_key"
+    server.admin("POST", "/admin/tenants", {"name": "erin"})
+    issued = server.admin("POST", "/admin/tenants/erin/keys")
+    assert server.http("GET", "/v1/models", token=issued["key"])[0] == 200
+    server.admin("DELETE", f"/admin/keys/{issued['id']}")
+    assert server.http("GET", "/v1/models", token=issued["key"])[0] == 401
+    assert server.http("GET", "/admin/cluster", token=server.key)[0] == 401
+    assert server.http("GET", "/admin/cluster")[0] == 401
+    # 400: malformed JSON and bad fields, in the OpenAI format
+    status, body = server.http("POST", "/v1/chat/completions", raw=b"{not json", token=server.key)
+    assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
+    for bad, param in (({**chat, "temperature": "hot"}, "temperature"), ({**chat, "messages": "hi"}, "messages"),
+                       ({**chat, "max_tokens": -3}, "max_tokens"), ({k: v for k, v in chat.items() if k != "model"}, "model")):
+        status, body = server.http("POST", "/v1/chat/completions", bad, token=server.key)
+        assert status == 400 and body["error"]["param"] == param, body
+    # 404: unknown model, unknown route
+    with pytest.raises(openai.NotFoundError):
+        server.client().chat.completions.create(model="nope", messages=chat["messages"], max_tokens=2)
+    assert server.http("GET", "/v2/whatever", token=server.key)[0] == 404
+    # 413: a body over --max-body-mb 1
+    status, body = server.http("POST", "/v1/chat/completions", raw=b'{"x": "' + b"a" * (2 * 2**20) + b'"}',
+                               token=server.key)
+    assert status == 413 and body["error"]["code"] == "request_too_large"
+
+
+def test_prompt_over_the_context_window_and_unplaceable_requests(server):
+    key = _tenant(server, "frank")
+    status, _ = server.http("POST", "/v1/models", {"name": "strict", "path": "smollm2.gguf", "context_length": 64,
+                                                   "slo": {"ttft_s": 0.001, "ttft_s_per_prompt_token": 0}}, token=key)
+    assert status == 201
+    c = server.client(key)
+    with pytest.raises(openai.BadRequestError) as e:
+        c.completions.create(model="strict", prompt="word " * 200, max_tokens=2)
+    assert e.value.body["code"] == "context_length_exceeded" and "64" in e.value.body["message"]
+    # A 1 ms TTFT SLO cannot be met: the scheduler refuses to place it (429), it is not queued forever.
+    with pytest.raises(openai.RateLimitError) as e:
+        c.completions.create(model="strict", prompt="Hello", max_tokens=2)
+    assert e.value.body["code"] == "slo_unattainable"
+    metrics = urllib.request.urlopen(f"{server.url}/metrics").read().decode()
+    assert 'mesh_requests_total{model="strict",outcome="rejected",tenant="frank"} 1.0' in metrics
+
+
+def test_metrics_and_cluster_view(server):
+    metrics = urllib.request.urlopen(f"{server.url}/metrics").read().decode()
+    for name in ("mesh_ttft_seconds_bucket", "mesh_tpot_seconds_bucket", "mesh_slo_attainment", "mesh_node_queue_length",
+                 "mesh_node_instances", "mesh_node_kv_bytes_in_use", "mesh_node_busy_fraction", "mesh_node_up"):
+        assert name in metrics, name
+    assert 'mesh_ttft_seconds_count{model="demo/smollm2",tenant="demo"}' in metrics
+    view = server.admin("GET", "/admin/cluster")
+    node = view["nodes"][0]
+    assert node["kind"] == "cpu" and node["state"] == "up" and node["memory"]["capacity_bytes"] > 0
+    inst = [i for i in node["instances"] if i["model"] == "demo/smollm2"]
+    assert inst and inst[0]["state"] == "ready" and inst[0]["weight_bytes"] > 0
+    assert server.http("GET", "/healthz")[1]["status"] == "ok"
+
+
+# ---- faults ---------------------------------------------------------------------------------------------------
+
+
+def test_killing_the_node_agent_mid_stream(server):
+    c = server.client()
+    pid = server.agent_pid()
+    stream = c.chat.completions.create(model="demo/smollm2", messages=[{"role": "user", "content": "Tell a long story."}],
+                                       max_tokens=400, temperature=0, stream=True)
+    got = 0
+    killed_at = None
+    with pytest.raises(openai.APIError, match="node agent cpu-0 died"):
+        for _ in stream:
+            got += 1
+            if got == 3:
+                os.kill(pid, signal.SIGKILL)
+                killed_at = time.monotonic()
+    assert time.monotonic() - killed_at < 2.0  # noticed, and the stream ended with an error, within 2 s
+    # While the agent restarts, requests get 503.
+    with pytest.raises(openai.InternalServerError) as e:
+        c.completions.create(model="demo/smollm2", prompt="Hi", max_tokens=2)
+    assert e.value.status_code == 503
+    server.wait_healthy()
+    assert server.agent_pid() != pid
+    r = c.completions.create(model="demo/smollm2", prompt="The capital of France is", max_tokens=3, temperature=0)
+    assert "Paris" in r.choices[0].text  # reloaded on demand and placed again
+    assert server.admin("GET", "/admin/cluster")["nodes"][0]["restarts"] == 1
+
+
+def test_shutdown_drains_streams_and_restart_keeps_everything(server):
+    key = _tenant(server, "grace")
+    assert server.http("POST", "/v1/models", {"name": "keep", "path": "smollm2.gguf"}, token=key)[0] == 201
+    old_demo_key = server.key
+    c = server.client()
+    stream = c.chat.completions.create(model="demo/smollm2", messages=[{"role": "user", "content": "Count to ten."}],
+                                       max_tokens=40, temperature=0, stream=True)
+    first = next(iter(stream))
+    server.proc.send_signal(signal.SIGTERM)  # the open stream finishes before the server exits
+    rest = list(stream)
+    assert rest and rest[-1].choices[0].finish_reason in ("stop", "length")
+    assert first.choices[0].delta.role == "assistant"
+    assert server.proc.wait(60) == 0
+
+    server.start()
+    assert server.key != old_demo_key  # a fresh demo key each start; the old one still works
+    assert [m.id for m in server.client(old_demo_key).models.list()] == ["demo/smollm2"]
+    assert [m.id for m in server.client(key).models.list()] == ["keep"]
+    tenants = {t["name"] for t in server.admin("GET", "/admin/tenants")["data"]}
+    assert {"demo", "alice", "bob", "grace"} <= tenants and "erin" in tenants
+    r = server.client(key).completions.create(model="keep", prompt="Hello", max_tokens=2)
+    assert r.usage.completion_tokens == 2

@@ -1,0 +1,352 @@
+"""Fast unit tests of the service's parts: registry, key hashing, path checks, error format,
+request parsing, config, agent protocol framing, adaptive iteration times."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import struct
+
+import pytest
+
+from engines.protocol import IterationKind, Sampling
+from mesh.agent.engines import AdaptiveTimes, DefaultCpuTimes
+from mesh.agent.protocol import (
+    MAX_FRAME_BYTES,
+    Code,
+    FrameDecoder,
+    InstanceSpec,
+    ProtocolError,
+    encode_frame,
+    read_frame,
+    sampling_from_dict,
+    sampling_to_dict,
+)
+from mesh.policy.slo import SLO
+from mesh.service import errors
+from mesh.service.auth import admin_token_ok, bearer_token, hash_key, new_api_key
+from mesh.service.config import ConfigError, build_config, read_config_file
+from mesh.service.registry import ModelRecord, Registry, RegistryError, new_model_uid
+from mesh.service.schema import parse_chat, parse_completion, parse_json
+from mesh.service.sources import SourceError, inspect_source, receive_upload, resolve_allowed
+
+# ---- registry -------------------------------------------------------------------------------
+
+
+def _model(tenant: str, name: str = "m") -> ModelRecord:
+    return ModelRecord(new_model_uid(), tenant, name, "gguf", "/x/m.gguf", 2048, SLO(3.0, 0.001, 0.5), 123)
+
+
+def test_registry_tenants_keys_models_and_persistence(tmp_path):
+    reg = Registry(tmp_path / "r.sqlite3")
+    reg.create_tenant("acme")
+    with pytest.raises(RegistryError, match="already exists"):
+        reg.create_tenant("acme")
+    with pytest.raises(RegistryError):
+        reg.create_tenant("Bad Name")
+    key = new_api_key()
+    info = reg.add_key("acme", key.key_hash, key.display, "ci")
+    assert reg.tenant_for_key_hash(hash_key(key.key)) == "acme"
+    stored = reg.add_model(_model("acme", "team/llama"))
+    assert stored.slo == SLO(3.0, 0.001, 0.5) and stored.created_at > 1_600_000_000
+    with pytest.raises(RegistryError, match="already exists"):
+        reg.add_model(_model("acme", "team/llama"))
+    reg.close()
+
+    reg = Registry(tmp_path / "r.sqlite3")  # a restart keeps everything
+    assert [t.name for t in reg.tenants()] == ["acme"]
+    assert reg.model("acme", "team/llama").uid == stored.uid
+    assert reg.tenant_for_key_hash(hash_key(key.key)) == "acme"
+    reg.revoke_key(info.id)
+    assert reg.tenant_for_key_hash(hash_key(key.key)) is None
+    assert reg.keys("acme")[0].revoked_at is not None
+    # the raw key is nowhere in the database file
+    reg.close()
+    assert key.key.encode() not in (tmp_path / "r.sqlite3").read_bytes()
+
+
+def test_registry_isolation_and_cascade(tmp_path):
+    reg = Registry(tmp_path / "r.sqlite3")
+    for t in ("a", "b"):
+        reg.create_tenant(t)
+    reg.add_model(_model("a", "same"))
+    reg.add_model(_model("b", "same"))  # the same name in two tenants is fine
+    assert reg.model("a", "same").uid != reg.model("b", "same").uid
+    assert reg.model("a", "only-b") is None
+    key = new_api_key()
+    reg.add_key("a", key.key_hash, key.display)
+    deleted = reg.delete_tenant("a")
+    assert [m.name for m in deleted] == ["same"]
+    assert reg.models("a") == [] and reg.tenant_for_key_hash(key.key_hash) is None
+    assert reg.model("b", "same") is not None
+    with pytest.raises(RegistryError):
+        reg.add_model(_model("a", "x"))  # tenant gone
+    with pytest.raises(RegistryError):
+        reg.add_model(_model("b", "../escape"))
+
+
+# ---- auth -------------------------------------------------------------------------------------
+
+
+def test_api_keys_are_random_and_hashed():
+    a, b = new_api_key(), new_api_key()
+    assert a.key != b.key and a.key.startswith("mesh-") and len(a.key) == 5 + 43
+    assert a.key_hash == hashlib.sha256(a.key.encode()).hexdigest()
+    assert a.display == a.key[:12] and a.key_hash != b.key_hash
+
+
+def test_bearer_and_admin_token():
+    assert bearer_token("Bearer abc") == "abc"
+    assert bearer_token("bearer   abc ") == "abc"
+    assert bearer_token("Basic abc") is None and bearer_token("Bearer ") is None and bearer_token(None) is None
+    assert admin_token_ok("T", "T") and not admin_token_ok("T", "U")
+    assert not admin_token_ok("T", None) and not admin_token_ok(None, "T") and not admin_token_ok("", "")
+
+
+# ---- model sources --------------------------------------------------------------------------------
+
+
+def test_paths_must_stay_in_the_allowed_folder(tmp_path):
+    root = tmp_path / "allowed"
+    (root / "sub").mkdir(parents=True)
+    (root / "sub" / "m.gguf").write_bytes(b"GGUF....")
+    outside = tmp_path / "secret.gguf"
+    outside.write_bytes(b"GGUF....")
+    assert resolve_allowed(root, "sub/m.gguf") == (root / "sub" / "m.gguf").resolve()
+    assert resolve_allowed(root, str(root / "sub" / "m.gguf")) == (root / "sub" / "m.gguf").resolve()
+    for bad in ("../secret.gguf", "sub/../../secret.gguf", str(outside), "/etc/passwd", "", "sub/\x00"):
+        with pytest.raises(SourceError):
+            resolve_allowed(root, bad)
+    os.symlink(outside, root / "link.gguf")
+    with pytest.raises(SourceError, match="inside"):
+        resolve_allowed(root, "link.gguf")
+    os.symlink(tmp_path, root / "sub" / "up")
+    with pytest.raises(SourceError, match="link"):
+        resolve_allowed(root, "sub")  # a folder holding a link out
+    with pytest.raises(SourceError, match="no paths"):
+        resolve_allowed(None, "sub/m.gguf")
+    with pytest.raises(SourceError, match="does not exist"):
+        resolve_allowed(root, "nope.gguf")
+
+
+def test_inspect_source_kinds(tmp_path):
+    bad = tmp_path / "x.bin"
+    bad.write_bytes(b"NOTGGUF")
+    with pytest.raises(SourceError, match="GGUF"):
+        inspect_source(bad)
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"max_position_embeddings": 2048}))
+    with pytest.raises(SourceError, match="no weights"):
+        inspect_source(hf)
+    (hf / "model.safetensors").write_bytes(b"x" * 10)
+    info = inspect_source(hf)
+    assert (info.kind, info.context_length, info.weight_bytes) == ("hf", 2048, 10)
+    ir = tmp_path / "ir"
+    ir.mkdir()
+    (ir / "openvino_model.xml").write_text("<xml/>")
+    with pytest.raises(SourceError, match="lacks"):
+        inspect_source(ir)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SourceError, match="neither"):
+        inspect_source(empty)
+
+
+async def _chunks(*parts: bytes):
+    for p in parts:
+        yield p
+
+
+def test_upload_limit_checksum_and_format(tmp_path):
+    data = b"GGUF" + b"x" * 100
+    digest = hashlib.sha256(data).hexdigest()
+    target = tmp_path / "up" / "m.gguf"
+    assert asyncio.run(receive_upload(_chunks(data[:50], data[50:]), target, 1000, digest)) == len(data)
+    assert target.read_bytes() == data
+    with pytest.raises(errors.ApiError) as e:
+        asyncio.run(receive_upload(_chunks(data), tmp_path / "a.gguf", 50, digest))
+    assert e.value.status == 413
+    with pytest.raises(errors.ApiError) as e:
+        asyncio.run(receive_upload(_chunks(data), tmp_path / "b.gguf", 1000, "0" * 64))
+    assert e.value.status == 400 and e.value.code == "checksum_mismatch"
+    other = b"ZZZZ" + b"x" * 10
+    with pytest.raises(errors.ApiError, match="GGUF"):
+        asyncio.run(receive_upload(_chunks(other), tmp_path / "c.gguf", 1000, hashlib.sha256(other).hexdigest()))
+    with pytest.raises(errors.ApiError, match="sha256"):
+        asyncio.run(receive_upload(_chunks(data), tmp_path / "d.gguf", 1000, "nothex"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["up"]  # nothing left behind
+    assert [p.name for p in (tmp_path / "up").iterdir()] == ["m.gguf"]
+
+
+# ---- errors -------------------------------------------------------------------------------------
+
+
+def test_error_format_and_statuses():
+    e = errors.model_not_found("x")
+    assert e.status == 404 and set(e.body()["error"]) == {"message", "type", "param", "code"}
+    assert "does not exist or you do not have access" in e.message
+    assert errors.overloaded("r").status == 429 and errors.overloaded("r").headers["Retry-After"] == "1"
+    assert errors.node_unavailable("x").status == 503
+    assert errors.context_too_long(10, 8, "prompt").code == "context_length_exceeded"
+    assert errors.too_large(2**20).status == 413
+    assert json.loads(e.sse()[len(b"data: "):])["error"]["code"] == "model_not_found"
+    from aiohttp import web
+
+    assert errors.from_http_exception(web.HTTPRequestEntityTooLarge(max_size=1, actual_size=2)).status == 413
+    assert errors.from_http_exception(web.HTTPNotFound()).code == "not_found"
+    assert errors.from_http_exception(web.HTTPMethodNotAllowed("GET", ["POST"])).status == 405
+
+
+# ---- request parsing ----------------------------------------------------------------------------
+
+
+def _status(fn, *args) -> tuple[int, str | None]:
+    try:
+        fn(*args)
+    except errors.ApiError as e:
+        return e.status, e.param
+    return 200, None
+
+
+def test_parse_chat_and_completion():
+    r = parse_chat({"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}],
+                    "max_tokens": 5, "temperature": 0, "top_p": 0.5, "stop": "x", "seed": 3, "stream": True,
+                    "stream_options": {"include_usage": True}, "user": "ignored"})
+    assert r.messages == [{"role": "user", "content": "hi"}] and r.max_tokens == 5 and r.stop == ("x",)
+    assert r.temperature == 0.0 and r.seed == 3 and r.stream and r.include_usage
+    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 7}).max_tokens == 7
+    c = parse_completion({"model": "m", "prompt": ["once"]})
+    assert c.prompt == "once" and c.max_tokens is None and c.temperature == 1.0
+    assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
+    assert parse_completion({"model": "m", "prompt": [[4, 5]]}).prompt_token_ids == [4, 5]
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"messages": [{"role": "user", "content": "a"}]}, "model"),
+    ({"model": "m"}, "messages"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "a"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": "5"}, "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": True}, "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 3}, "temperature"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": "hot"}, "temperature"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_p": 0}, "top_p"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "stop": [1]}, "stop"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "seed": -1}, "seed"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 2}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "stream": "yes"}, "stream"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": True}, "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "presence_penalty": 1}, "presence_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools"),
+])
+def test_parse_chat_rejects_bad_fields(body, param):
+    assert _status(parse_chat, body) == (400, param)
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"model": "m", "prompt": ""}, "prompt"),
+    ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
+    ({"model": "m", "prompt": [-1]}, "prompt"),
+    ({"model": "m", "prompt": {"x": 1}}, "prompt"),
+    ({"model": "m", "prompt": "a", "echo": True}, "echo"),
+    ({"model": "m", "prompt": "a", "best_of": 3}, "best_of"),
+])
+def test_parse_completion_rejects_bad_fields(body, param):
+    assert _status(parse_completion, body) == (400, param)
+
+
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1, 2]", b"\xff\xfe", b"null", b'"text"'])
+def test_parse_json_rejects_non_objects(raw):
+    with pytest.raises(errors.ApiError) as e:
+        parse_json(raw)
+    assert e.value.status == 400 and e.value.code == "invalid_json"
+
+
+# ---- config -------------------------------------------------------------------------------------
+
+
+def test_config_file_env_and_cli(tmp_path, monkeypatch):
+    monkeypatch.delenv("MESH_ADMIN_TOKEN", raising=False)
+    f = tmp_path / "mesh.toml"
+    f.write_text('admin_token = "from-file"\nport = 9000\nkeep_alive_s = 5\n')
+    c = build_config(read_config_file(f), {"port": 9100, "host": None})
+    assert (c.admin_token, c.port, c.keep_alive_s, c.host) == ("from-file", 9100, 5, "127.0.0.1")
+    monkeypatch.setenv("MESH_ADMIN_TOKEN", "from-env")
+    assert build_config(read_config_file(f), {}).admin_token == "from-env"
+    (tmp_path / "bad.toml").write_text("nonsense = 1\n")
+    with pytest.raises(ConfigError, match="unknown settings"):
+        read_config_file(tmp_path / "bad.toml")
+    (tmp_path / "c.json").write_text("{oops")
+    with pytest.raises(ConfigError, match="JSON"):
+        read_config_file(tmp_path / "c.json")
+    with pytest.raises(ConfigError, match="max_body_mb"):
+        build_config({}, {"max_body_mb": -1})
+    with pytest.raises(ConfigError, match="allowed_dir"):
+        build_config({}, {"allowed_dir": str(tmp_path / "missing")})
+
+
+# ---- agent protocol framing --------------------------------------------------------------------------
+
+
+def test_frames_roundtrip_in_arbitrary_pieces():
+    messages = [{"t": "tokens", "items": [["r1", [1, 2], "héllo"]]}, {"t": "ping", "id": 7}]
+    data = b"".join(encode_frame(m) for m in messages)
+    assert struct.unpack(">I", data[:4])[0] == len(json.dumps(messages[0], separators=(",", ":"), ensure_ascii=False).encode())
+    dec = FrameDecoder()
+    out = []
+    for i in range(0, len(data), 3):
+        out += dec.feed(data[i:i + 3])
+    assert out == messages
+
+
+def test_frame_errors():
+    with pytest.raises(ProtocolError):
+        FrameDecoder().feed(struct.pack(">I", MAX_FRAME_BYTES + 1))
+    with pytest.raises(ProtocolError):
+        FrameDecoder().feed(struct.pack(">I", 2) + b"[]")  # not an object with a type
+    with pytest.raises(ProtocolError):
+        FrameDecoder().feed(struct.pack(">I", 3) + b"{x}")
+
+    async def read(data: bytes):
+        reader = asyncio.StreamReader()
+        reader.feed_data(data)
+        reader.feed_eof()
+        return await read_frame(reader)
+
+    assert asyncio.run(read(b"")) is None  # clean EOF
+    assert asyncio.run(read(encode_frame({"t": "ping"}))) == {"t": "ping"}
+    with pytest.raises(ProtocolError, match="inside a frame"):
+        asyncio.run(read(encode_frame({"t": "ping"})[:-1]))
+    with pytest.raises(ProtocolError, match="header"):
+        asyncio.run(read(b"\x00\x00"))
+
+
+def test_payload_helpers():
+    s = Sampling(max_tokens=5, temperature=0.5, top_p=0.9, stop=("a",), seed=4)
+    assert sampling_from_dict(sampling_to_dict(s)) == s
+    with pytest.raises(ProtocolError):
+        sampling_from_dict({"temperature": 1})
+    spec = InstanceSpec("i1", "m_1", "/p.gguf", 1024)
+    assert InstanceSpec.from_message(spec.to_message()) == spec
+    with pytest.raises(ProtocolError):
+        InstanceSpec.from_message({"t": "load", "instance_id": "x"})
+    assert Code.REFUSED.retryable and Code.BATCH_FULL.retryable and not Code.BAD_REQUEST.retryable
+
+
+def test_adaptive_times_learn_and_clamp():
+    t = AdaptiveTimes(DefaultCpuTimes(), alpha=0.5, prefill_alpha=0.5)
+    base = DefaultCpuTimes().decode_s(8, 100)
+    for _ in range(30):
+        t.observe(IterationKind.DECODE, t.decode_s(8, 100), 2 * base)
+    assert t.decode_s(8, 100) == pytest.approx(2 * base, rel=1e-3)
+    assert t.prefill_factor == 1.0
+    for _ in range(100):
+        t.observe(IterationKind.PREFILL, 1.0, 1000.0)
+    assert t.prefill_factor == t.max_factor
+    t.observe(IterationKind.PREFILL, 0.0, 1.0)  # ignored
+    assert DefaultCpuTimes.for_weights(10 * 98_362_432).scale == pytest.approx(10)
