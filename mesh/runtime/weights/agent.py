@@ -1,0 +1,326 @@
+"""The node agent's weight transport: receives, verifies, forwards and sends model blocks.
+
+    python -m mesh.runtime.weights.agent --port P [--host H] [--link-mbps L]
+
+prints `READY <host> <port>` once it listens. A coordinator opens one control connection
+per multicast ("transfer") and sends `start` (the manifest, the plan, the peers' addresses,
+a source file or an output path); the agent answers `ready` once it holds its blocks (a
+source reads and verifies its file into host memory), and starts sending on `go`.
+
+- Sends follow the plan: the node's transfers in round order, one at a time (the one-port
+  model), each as soon as the block is here: a forwarder passes a block on when it has it,
+  never waiting for the whole model (BlitzScale 5.1; the plan's rounds are not synchronised
+  across nodes, they only order each node's sends).
+- Every received block is checked against the manifest's sha256 before it is kept or
+  forwarded; a mismatch is reported as a `corrupt` event naming the block and the sender.
+- Events go back on the control connection: `have` per block, `complete`, `saved` (the file
+  written atomically), `peer_failed` (a send failed: the peer is dropped from this
+  transfer), `corrupt`.
+- `replan` replaces the node's remaining sends (the coordinator re-planned around a failed
+  node); a send in progress finishes first. A block that arrives twice is ignored.
+- `--link-mbps` paces the node's uplink (all transfers share it) to emulate a per-node NIC
+  of that many megabits per second on loopback.
+
+Several transfers can run at once; each has its own id, state and connections. Time comes
+only from the event loop.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from mesh.policy.multicast import Plan
+from mesh.runtime.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
+from mesh.runtime.weights.protocol import STREAM_LIMIT, ProtocolError, frame, read_message, send
+
+CHUNK = 1 << 20  # paced sends go out in chunks of this size
+
+
+class Pacer:
+    """The node's uplink: every send of every transfer takes its bytes from one budget of
+    `rate` bytes per second: a token bucket holding at most `burst_s` of link time, so that time lost
+    when the process is scheduled late is made up (a NIC keeps sending while its CPU is
+    busy), but an idle link does not save up more than that."""
+
+    def __init__(self, rate_bytes_per_s: float | None, burst_s: float = 0.02) -> None:
+        if rate_bytes_per_s is not None and not rate_bytes_per_s > 0:
+            raise ValueError(f"link rate must be > 0, got {rate_bytes_per_s}")
+        self.rate = rate_bytes_per_s
+        self.burst_s = burst_s
+        self._next = 0.0
+
+    async def take(self, nbytes: int) -> None:
+        if self.rate is None:
+            return
+        now = asyncio.get_running_loop().time()
+        self._next = max(self._next, now - self.burst_s) + nbytes / self.rate
+        if self._next > now:  # the bytes leave when the link would have carried them
+            await asyncio.sleep(self._next - now)
+
+
+@dataclass(eq=False)
+class _Transfer:
+    id: str
+    node: str
+    manifest: Manifest
+    peers: dict[str, tuple[str, int]]
+    control: asyncio.StreamWriter
+    output: str | None
+    blocks: dict[int, bytes] = field(default_factory=dict)
+    sends: list[tuple[int, str] | None] = field(default_factory=list)  # None: done
+    pos: int = 0  # sends before this index are done
+    lookahead: int = 0
+    epoch: int = 0
+    wake: asyncio.Event = field(default_factory=asyncio.Event)
+    dead: set[str] = field(default_factory=set)
+    conns: dict[str, asyncio.StreamWriter] = field(default_factory=dict)
+    verifying: set[int] = field(default_factory=set)
+    corrupt_once: set[int] = field(default_factory=set)  # test hook: flip a byte when sending
+    tasks: set[asyncio.Task] = field(default_factory=set)
+    sender: asyncio.Task | None = None
+    complete: bool = False
+
+
+def _sends(plan: Plan, node: str) -> list[tuple[int, str]]:
+    return [(t.block, t.receiver) for t in plan.sends(node)]
+
+
+class WeightAgent:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, link_bytes_per_s: float | None = None) -> None:
+        self.host, self.port = host, port
+        self.pacer = Pacer(link_bytes_per_s)
+        self.transfers: dict[str, _Transfer] = {}
+        self._server: asyncio.Server | None = None
+
+    async def start(self) -> int:
+        self._server = await asyncio.start_server(self._on_connection, self.host, self.port, limit=STREAM_LIMIT)
+        self.port = self._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def serve_forever(self) -> None:
+        assert self._server is not None, "start() first"
+        async with self._server:
+            await self._server.serve_forever()
+
+    async def close(self) -> None:
+        for st in list(self.transfers.values()):
+            await self._forget(st)
+        if self._server is not None:
+            self._server.close()
+            await self._server.wait_closed()
+
+    # --- connections -------------------------------------------------------------------
+    async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            first = await read_message(reader)
+            if first is None:
+                return
+            if first[0]["type"] == "block":
+                await self._data(reader, first)
+            else:
+                await self._control(reader, writer, first[0])
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass  # the peer went away; a partial block is dropped
+        except ProtocolError as exc:
+            print(f"weights agent {self.port}: {exc}", file=sys.stderr)
+        finally:
+            writer.close()
+
+    async def _control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, header: dict[str, Any]) -> None:
+        st: _Transfer | None = None
+        try:
+            while True:
+                kind = header["type"]
+                if kind == "hello":
+                    await send(writer, {"type": "hello", "port": self.port})
+                elif kind == "start":
+                    if st is not None:
+                        raise ProtocolError("one transfer per control connection")
+                    st = await self._start(header, writer)
+                elif st is None:
+                    raise ProtocolError(f"{kind!r} before start")
+                elif kind == "go":
+                    st.sender = asyncio.create_task(self._send_loop(st))
+                elif kind == "replan":
+                    st.sends = _sends(Plan.from_dict(header["plan"]), st.node)
+                    st.pos, st.epoch = 0, int(header["epoch"])
+                    st.dead |= set(header.get("dead", ()))
+                    st.wake.set()
+                elif kind == "end":
+                    return
+                else:
+                    raise ProtocolError(f"unknown control message {kind!r}")
+                msg = await read_message(reader)
+                if msg is None:
+                    return
+                header = msg[0]
+        finally:
+            if st is not None:
+                await self._forget(st)
+
+    async def _start(self, h: dict[str, Any], control: asyncio.StreamWriter) -> _Transfer | None:
+        tid, node = str(h["transfer"]), str(h["node"])
+        try:
+            if tid in self.transfers:
+                raise ProtocolError(f"transfer {tid!r} is already running here")
+            manifest = Manifest.from_dict(h["manifest"])
+            plan = Plan.from_dict(h["plan"])
+            if plan.blocks != manifest.count:
+                raise ProtocolError(f"plan has {plan.blocks} blocks, manifest {manifest.count}")
+            st = _Transfer(tid, node, manifest, {n: (a[0], int(a[1])) for n, a in h["peers"].items()},
+                           control, h.get("output_path"))
+            st.sends = _sends(plan, node)
+            st.lookahead = max(0, int(h.get("lookahead", 0)))
+            st.corrupt_once = set(h.get("faults", {}).get("corrupt_blocks", ()))
+            if h.get("source_path"):
+                st.blocks = dict(enumerate(await asyncio.to_thread(load_blocks, h["source_path"], manifest)))
+        except (CorruptBlock, ProtocolError, OSError, KeyError, ValueError) as exc:
+            await send(control, {"type": "error", "transfer": tid, "node": node, "reason": str(exc)})
+            raise ProtocolError(f"transfer {tid!r}: {exc}") from exc
+        self.transfers[tid] = st
+        await send(control, {"type": "ready", "transfer": tid, "node": node, "holds": len(st.blocks)})
+        return st
+
+    async def _forget(self, st: _Transfer) -> None:
+        if self.transfers.get(st.id) is st:
+            del self.transfers[st.id]
+        tasks = [t for t in (st.sender, *st.tasks) if t is not None]
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for w in st.conns.values():
+            w.close()
+        st.conns.clear()
+        st.blocks.clear()
+
+    async def _event(self, st: _Transfer, header: dict[str, Any]) -> None:
+        with contextlib.suppress(ConnectionError):
+            await send(st.control, {**header, "transfer": st.id, "node": st.node})
+
+    # --- receiving -----------------------------------------------------------------------
+    async def _data(self, reader: asyncio.StreamReader, msg: tuple[dict[str, Any], bytes] | None) -> None:
+        while msg is not None:
+            header, payload = msg
+            if header["type"] != "block":
+                raise ProtocolError(f"unexpected {header['type']!r} on a data connection")
+            st = self.transfers.get(str(header["transfer"]))
+            if st is not None:  # else the transfer ended here: drop the block
+                task = asyncio.create_task(self._accept(st, int(header["block"]), str(header.get("sender")), payload))
+                st.tasks.add(task)
+                task.add_done_callback(st.tasks.discard)
+            msg = await read_message(reader)
+
+    async def _accept(self, st: _Transfer, k: int, sender: str, payload: bytes) -> None:
+        if k in st.blocks or k in st.verifying:
+            return  # a duplicate (plans overlapped around a re-plan)
+        st.verifying.add(k)
+        try:
+            await asyncio.to_thread(verify, st.manifest, k, payload)
+        except CorruptBlock as exc:
+            await self._event(st, {"type": "corrupt", "block": k, "sender": sender, "reason": str(exc)})
+            return
+        finally:
+            st.verifying.discard(k)
+        st.blocks[k] = payload
+        st.wake.set()
+        await self._event(st, {"type": "have", "block": k, "sender": sender})
+        if len(st.blocks) == st.manifest.count and not st.complete:
+            st.complete = True
+            await self._event(st, {"type": "complete"})
+            if st.output:
+                try:
+                    path = await asyncio.to_thread(write_atomic, st.output, st.manifest, st.blocks)
+                except OSError as exc:
+                    await self._event(st, {"type": "error", "reason": f"writing {st.output}: {exc}"})
+                else:
+                    await self._event(st, {"type": "saved", "path": str(path)})
+
+    # --- sending -------------------------------------------------------------------------
+    def _next_send(self, st: _Transfer) -> int | None:
+        """Index of the next send to make: the first pending one, or, when its block is not
+        here yet, the first of the next `lookahead` pending sends whose block is."""
+        while st.pos < len(st.sends) and (st.sends[st.pos] is None or st.sends[st.pos][1] in st.dead):
+            st.pos += 1
+        seen = 0
+        for i in range(st.pos, len(st.sends)):
+            item = st.sends[i]
+            if item is None or item[1] in st.dead:
+                continue
+            if item[0] in st.blocks:
+                return i
+            seen += 1
+            if seen > st.lookahead:
+                break
+        return None
+
+    async def _send_loop(self, st: _Transfer) -> None:
+        while True:
+            st.wake.clear()
+            i = self._next_send(st)
+            if i is None:
+                await st.wake.wait()  # a block arrives, or a re-plan gives more work
+                continue
+            block, peer = st.sends[i]
+            epoch = st.epoch
+            try:
+                await self._send_block(st, peer, block)
+            except (OSError, asyncio.IncompleteReadError) as exc:
+                st.dead.add(peer)
+                bad = st.conns.pop(peer, None)
+                if bad is not None:
+                    bad.close()
+                await self._event(st, {"type": "peer_failed", "peer": peer, "block": block, "reason": repr(exc)})
+            if st.epoch == epoch:
+                st.sends[i] = None
+
+    async def _send_block(self, st: _Transfer, peer: str, block: int) -> None:
+        w = st.conns.get(peer)
+        if w is None or w.is_closing():
+            host, port = st.peers[peer]
+            _, w = await asyncio.open_connection(host, port, limit=STREAM_LIMIT)
+            w.transport.set_write_buffer_limits(high=STREAM_LIMIT)
+            st.conns[peer] = w
+        data = st.blocks[block]
+        if block in st.corrupt_once:
+            st.corrupt_once.discard(block)
+            data = bytes([data[0] ^ 0xFF]) + data[1:]
+        w.write(frame({"type": "block", "transfer": st.id, "block": block, "sender": st.node, "nbytes": len(data)}))
+        if self.pacer.rate is None:
+            w.write(data)
+            await w.drain()
+            return
+        view = memoryview(data)
+        for off in range(0, len(data), CHUNK):
+            chunk = view[off:off + CHUNK]
+            await self.pacer.take(len(chunk))
+            w.write(chunk)
+            await w.drain()
+
+
+async def _serve(host: str, port: int, link_bytes_per_s: float | None) -> None:
+    agent = WeightAgent(host, port, link_bytes_per_s)
+    await agent.start()
+    print(f"READY {host} {agent.port}", flush=True)
+    await agent.serve_forever()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mesh.runtime.weights.agent", description=__doc__.split("\n\n")[0])
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=0, help="0: any free port (printed on the READY line)")
+    p.add_argument("--link-mbps", type=float, default=None, help="pace this node's uplink to this many Mbit/s")
+    a = p.parse_args(argv)
+    if a.link_mbps is not None and not a.link_mbps > 0:
+        p.error("--link-mbps must be > 0")
+    rate = a.link_mbps * 1e6 / 8 if a.link_mbps else None
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(_serve(a.host, a.port, rate))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
