@@ -32,6 +32,28 @@ PASSAGE = (
 )
 
 
+class TokenPrompts:
+    """Prompts of any length cut from the passage's token ids (tiled), at varying offsets."""
+
+    def __init__(self, corpus: list[int]) -> None:
+        if not corpus:
+            raise ValueError("the passage tokenized to nothing")
+        self.corpus = corpus
+
+    @classmethod
+    def for_engine(cls, engine: OpenVINOEngine) -> "TokenPrompts":
+        return cls(engine.encode_prompt(PASSAGE * 4))
+
+    def ids(self, length: int, variant: int) -> list[int]:
+        corpus = self.corpus
+        start = (variant * 97) % len(corpus)
+        out: list[int] = []
+        while len(out) < length:
+            out.extend(corpus[start:])
+            start = 0
+        return out[:length]
+
+
 def cpu_slug(model_name: str, cores: int) -> str:
     """'Intel(R) Xeon(R) Gold 6462C' with 32 cores -> 'intel-xeon-gold-6462c-32c'."""
     name = re.sub(r"\((R|TM|tm|r)\)", "", model_name)
@@ -86,18 +108,12 @@ class OpenVINOTarget:
         self.cpu = read_cpuinfo()
         self.cores = cores_used()
         self.device = cpu_slug(self.cpu.model_name, self.cores)
-        self._corpus: list[int] | None = None
+        self._prompts: TokenPrompts | None = None
 
     def prompt_ids(self, length: int, variant: int) -> list[int]:
-        if self._corpus is None:
-            self._corpus = self.engine.encode_prompt(PASSAGE * 4)
-        corpus = self._corpus
-        start = (variant * 97) % len(corpus)
-        out: list[int] = []
-        while len(out) < length:
-            out.extend(corpus[start:])
-            start = 0
-        return out[:length]
+        if self._prompts is None:
+            self._prompts = TokenPrompts.for_engine(self.engine)
+        return self._prompts.ids(length, variant)
 
     def _weights_file(self) -> Path:
         src = self.engine.source

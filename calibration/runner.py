@@ -268,6 +268,21 @@ class CpuMeter:
         return round(min(1.0, others / self.hz / ((b[0] - a[0]) * self.cpus)), 3)
 
 
+def wait_for_quiet(max_wait_s: float = 120.0, limit: float = 0.1, window_s: float = 2.0) -> float | None:
+    """Wait (up to `max_wait_s`) until other processes use at most `limit` of the CPUs over
+    `window_s`; return the last share seen (None where it cannot be measured)."""
+    meter = CpuMeter()
+    if not meter.available:
+        return None
+    deadline = time.perf_counter() + max_wait_s
+    while True:
+        before = meter.snapshot()
+        time.sleep(window_s)
+        share = meter.foreign_share(before, meter.snapshot())
+        if share is None or share <= limit or time.perf_counter() >= deadline:
+            return share
+
+
 # ---- measuring -------------------------------------------------------------------------------
 
 class _Measurer:

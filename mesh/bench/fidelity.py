@@ -1,0 +1,334 @@
+"""`mesh bench fidelity`: does the simulator tell the truth about this machine?
+
+One small workload runs twice through the same node runtime (mesh.runtime.node):
+- live: real OpenVINO engines on the real clock (asyncio.run);
+- simulated: SimulatedEngine on the virtual clock (run_virtual), its iteration times from
+  the profile calibrated on this machine (`--profile`, else the quick grid is calibrated
+  once and kept in the data folder).
+Two models: the demo GGUF served as two instances under two model names (one node, so
+the token-level scheduler interleaves them). A few dozen requests whose prompt and output
+lengths come from the Azure LLM conversation trace, divided by `--scale` to suit a small
+CPU, arriving as a seeded Poisson process over `--duration` seconds. Every request is
+admitted (shadow validation runs, and its verdicts are counted, but does not refuse), so
+both runs serve the same requests; the live engines ignore end-of-sequence, so outputs
+have the trace's lengths in both runs.
+
+Reported: TTFT and TPOT p50/p99 live and simulated, their relative errors
+(|sim - live| / live; 0.1 = 10%), and over_margin_fraction: the share of live iterations
+that took longer than the profile's prediction for the same batch and tokens plus the
+10% margin shadow validation assumes (IterationRecord.duration_s vs predicted_s).
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import os
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+
+from mesh.bench.report import emit
+
+DEFAULT_TRACE = Path(os.environ.get("MESH_SHARED_DATA", "/work/shared/data")) / \
+    "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
+MODELS = ("smollm2-a", "smollm2-b")
+NODE_MEMORY = 64 * 2**30  # memory is not what is measured here
+WINDOW = 1024  # context window of both instances (and of the quick calibration)
+MAX_BATCH = 32
+
+
+@dataclass(frozen=True, slots=True)
+class Item:
+    request_id: str
+    model: str
+    arrival_s: float  # seconds after the workload starts
+    prompt_len: int
+    output_len: int
+
+
+def build_workload(n: int, duration_s: float, scale: float, seed: int, trace_path: str | Path = DEFAULT_TRACE,
+                   max_prompt: int = 512, max_output: int = 128, models: tuple[str, ...] = MODELS) -> list[Item]:
+    """`n` requests: trace lengths / `scale` (prompt >= 4, output >= 2, capped), Poisson
+    arrivals at rate n / duration, models drawn uniformly. Seeded."""
+    from workloads.azure_llm import load_lengths
+
+    rng = np.random.default_rng(seed)
+    sample = load_lengths(trace_path).sample(n, rng)
+    prompts = np.clip(np.rint(sample.prompt_tokens / scale), 4, max_prompt).astype(int)
+    outputs = np.clip(np.rint(sample.output_tokens / scale), 2, max_output).astype(int)
+    gaps = rng.exponential(duration_s / n, size=n)
+    arrivals = np.cumsum(gaps) - gaps[0]
+    which = rng.integers(0, len(models), size=n)
+    return [Item(f"r{i:03d}", models[which[i]], float(arrivals[i]), int(prompts[i]), int(outputs[i]))
+            for i in range(n)]
+
+
+# ---- one run through the node runtime -------------------------------------------------------
+
+@dataclass
+class RunResult:
+    ttft_s: list[float]
+    tpot_s: list[float]
+    iterations: list[Any]  # IterationRecord
+    completed: int
+    would_reject: int  # shadow validation would have refused (admitted anyway)
+    wall_s: float
+    others_cpu_share: float | None = None
+
+
+async def run_node(work: list[Item], make_engine: Callable[[str], Any], times: Any,
+                   prompt_ids: Callable[[Item], list[int] | None], warm_up: Callable[[Any, int], Any] | None = None,
+                   mean_output_prior: float = 16.0) -> RunResult:
+    """Serve `work` on one NodeRuntime with one instance per model; same code live and virtual."""
+    from calibration.runner import CpuMeter
+    from engines.protocol import EngineRequest, Sampling
+    from mesh.policy.kv_demand import RunningMean
+    from mesh.policy.slo import SLO
+    from mesh.runtime.node import NodeRuntime, NodeSpec
+    from mesh.runtime.request import Outcome, ServedRequest
+
+    loop = asyncio.get_running_loop()
+    node = NodeRuntime(NodeSpec("fidelity", "cpu", NODE_MEMORY), record_iterations=True)
+    node.start()
+    slo = SLO()
+    models = sorted({w.model for w in work})
+    engines = {}
+    for m in models:
+        engines[m] = make_engine(m)
+        issued = node.start_instance(m, m, engines[m], times, slo, RunningMean(mean_output_prior), 5.0)
+        if not issued.accepted:
+            raise RuntimeError(f"node memory refused instance {m}")
+    while not all(node.instances[m].loaded for m in models):
+        await asyncio.sleep(0.05)
+    if warm_up is not None:
+        for m in models:
+            await warm_up(engines[m], sum(w.prompt_len + w.output_len for w in work if w.model == m))
+    ids = {w.request_id: prompt_ids(w) for w in work}
+    done = asyncio.Event()
+    left = len(work)
+    served: list[ServedRequest] = []
+    would_reject = 0
+
+    def finished(_: ServedRequest) -> None:
+        nonlocal left
+        left -= 1
+        if left == 0:
+            done.set()
+
+    def arrive(w: Item, at: float) -> None:
+        nonlocal would_reject
+        er = EngineRequest(w.request_id, w.prompt_len, Sampling(max_tokens=w.output_len),
+                           ids[w.request_id], output_len=w.output_len)
+        req = ServedRequest(er, w.model, at, slo, on_done=finished)
+        admission = node.validate(w.model, req)
+        would_reject += not admission.ok
+        node.admit(w.model, req, admission)
+        served.append(req)
+
+    node.iterations.clear()
+    meter = CpuMeter()
+    before = meter.snapshot()
+    t0 = loop.time() + 0.05
+    for w in work:
+        loop.call_at(t0 + w.arrival_s, arrive, w, t0 + w.arrival_s)
+    await done.wait()
+    wall = loop.time() - t0
+    share = meter.foreign_share(before, meter.snapshot())
+    await node.stop()
+    for e in engines.values():
+        await e.unload()
+    ok = [r for r in served if r.outcome is Outcome.COMPLETED]
+    return RunResult([r.ttft_s for r in ok], [r.tpot_s for r in ok if not math.isnan(r.tpot_s)],
+                     list(node.iterations), len(ok), would_reject, wall, share)
+
+
+# ---- the two runs ---------------------------------------------------------------------------
+
+def live_run(work: list[Item], model_path: Path, perf: Any) -> RunResult:
+    from calibration.openvino_calibration import TokenPrompts
+    from engines.openvino_engine import OpenVINOEngine
+
+    prompts: dict[str, TokenPrompts] = {}
+    engines: dict[str, OpenVINOEngine] = {}
+
+    def make(name: str) -> OpenVINOEngine:
+        engines[name] = OpenVINOEngine(model_path, model_name=name, context_window=WINDOW,
+                                       max_num_seqs=MAX_BATCH, ignore_eos=True)
+        return engines[name]
+
+    def ids(w: Item) -> list[int]:
+        tp = prompts.get(w.model) or prompts.setdefault(w.model, TokenPrompts.for_engine(engines[w.model]))
+        return tp.ids(w.prompt_len, int(w.request_id[1:]))
+
+    return asyncio.run(run_node(work, make, perf, ids, warm_up=_warm_up))
+
+
+async def _warm_up(engine: Any, tokens: int) -> None:
+    """Grow the engine's KV cache (it grows on demand, copying) to what the workload may
+    hold at once (at most all its tokens), so the measured run sees a warm instance, as a
+    serving instance would be."""
+    from calibration.openvino_calibration import TokenPrompts
+    from engines.protocol import EngineRequest, Sampling
+
+    tp = TokenPrompts.for_engine(engine)
+    k = 0
+    while tokens > 0:
+        n = max(1, min(WINDOW // 2 - 1, tokens))
+        ids = tp.ids(n, k)
+        engine.add_request(EngineRequest(f"warm-{k}", n, Sampling(max_tokens=2), ids, output_len=2))
+        tokens -= n + 2
+        k += 1
+    while engine.has_work():
+        await engine.step()
+
+
+def simulated_run(work: list[Item], profile: Any, perf: Any) -> RunResult:
+    from engines.simulated import SimulatedEngine
+    from mesh.runtime.virtual_loop import run_virtual
+
+    def make(name: str) -> SimulatedEngine:
+        return SimulatedEngine(name, perf, kv_bytes_per_token=profile.kv_bytes_per_token,
+                               weight_bytes=profile.weight_bytes, context_window=WINDOW,
+                               prefill_token_budget=WINDOW, max_batch=MAX_BATCH)
+
+    return run_virtual(run_node(work, make, perf, lambda w: None))
+
+
+# ---- figures ----------------------------------------------------------------------------------
+
+def _pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else math.nan
+
+
+def _err(sim: float, live: float) -> float:
+    return abs(sim - live) / live if live else math.nan
+
+
+def over_margin(iterations: list[Any], margin: float) -> dict[str, Any]:
+    """How often a live iteration took longer than predicted * (1 + margin), by kind."""
+    out: dict[str, Any] = {}
+    kinds = {"all": iterations,
+             "prefill": [it for it in iterations if it.kind.value == "prefill"],
+             "decode": [it for it in iterations if it.kind.value == "decode"]}
+    for name, its in kinds.items():
+        over = sum(1 for it in its if it.duration_s > it.predicted_s * (1 + margin))
+        ratios = [it.duration_s / it.predicted_s for it in its if it.predicted_s > 0]
+        out[name] = (over / len(its) if its else math.nan, statistics.median(ratios) if ratios else math.nan, len(its))
+    return out
+
+
+def ensure_profile(profile_path: str | None, model_path: Path, recalibrate: bool) -> Path:
+    """The profile to simulate with: --profile, else DATA/profiles/<demo>__<cpu>.quick.json,
+    calibrated with the quick grid if missing (or if --recalibrate)."""
+    if profile_path:
+        return Path(profile_path)
+    from calibration.openvino_calibration import cores_used, cpu_slug
+    from calibration.runner import QUICK, calibrate, format_heldout
+    from calibration.targets import make_target
+    from mesh.hardware import read_cpuinfo
+    from mesh.paths import data_dir
+
+    device = cpu_slug(read_cpuinfo().model_name, cores_used())
+    out = data_dir() / "profiles" / f"smollm2-135m__{device}.quick.json"
+    if out.exists() and not recalibrate:
+        print(f"using the profile calibrated earlier: {out} (--recalibrate to measure again)", file=sys.stderr)
+        return out
+    print(f"no profile given: calibrating the quick grid into {out}", file=sys.stderr)
+    target = make_target("openvino", model_path, context_window=WINDOW, max_batch=QUICK.max_batch,
+                         model_name="smollm2-135m")
+    report = calibrate(target, QUICK, out, restart=recalibrate, progress=sys.stderr.isatty(),
+                       command="mesh bench fidelity (quick calibration)")
+    print(format_heldout(report.heldout), file=sys.stderr)
+    return out
+
+
+def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0, profile: str | None = None,
+        model: str | None = None, recalibrate: bool = False, trace: str | Path = DEFAULT_TRACE,
+        max_prompt: int = 512, max_output: int = 128, wait_quiet_s: float = 60.0) -> dict[str, Any]:
+    from calibration import PerformanceModel, load_profile
+    from calibration.runner import wait_for_quiet
+    from mesh.models import demo_gguf_path
+    from mesh.policy.shadow import DEFAULT_MARGIN
+
+    model_path = Path(model) if model else demo_gguf_path(fetch=True)
+    prof_path = ensure_profile(profile, model_path, recalibrate)
+    prof = load_profile(prof_path)
+    perf = PerformanceModel(prof)
+    work = build_workload(n, duration_s, scale, seed, trace, max_prompt, max_output)
+    quiet = wait_for_quiet(wait_quiet_s) if wait_quiet_s > 0 else None
+    load_start = os.getloadavg()
+    live = live_run(work, model_path, perf)
+    load_end = os.getloadavg()
+    sim = simulated_run(work, prof, perf)
+    figures: dict[str, Any] = {}
+    for metric, lv, sv in (("ttft", live.ttft_s, sim.ttft_s), ("tpot", live.tpot_s, sim.tpot_s)):
+        for q in (50, 99):
+            live_q, sim_q = _pct(lv, q), _pct(sv, q)
+            figures[f"{metric}_p{q}_live_s"] = live_q
+            figures[f"{metric}_p{q}_sim_s"] = sim_q
+            figures[f"{metric}_p{q}_err"] = _err(sim_q, live_q)
+            figures[f"{metric}_p{q}_signed_err"] = (sim_q - live_q) / live_q if live_q else math.nan
+    om = over_margin(live.iterations, DEFAULT_MARGIN)
+    figures["over_margin_fraction"] = om["all"][0]
+    figures["over_margin_fraction_prefill"] = om["prefill"][0]
+    figures["over_margin_fraction_decode"] = om["decode"][0]
+    figures["live_over_predicted_median_prefill"] = om["prefill"][1]
+    figures["live_over_predicted_median_decode"] = om["decode"][1]
+    figures["margin"] = DEFAULT_MARGIN
+    figures["target_p50_err"] = 0.15
+    figures["within_target"] = bool(figures["ttft_p50_err"] <= 0.15 and figures["tpot_p50_err"] <= 0.15)
+    figures["relative"] = "errors are |sim - live| / live (0.1 = 10%); signed_err is (sim - live) / live"
+    figures["requests"] = n
+    figures["completed_live"] = live.completed
+    figures["completed_sim"] = sim.completed
+    figures["iterations_live"] = len(live.iterations)
+    figures["iterations_sim"] = len(sim.iterations)
+    figures["would_reject_live"] = live.would_reject
+    figures["would_reject_sim"] = sim.would_reject
+    figures["live_wall_s"] = live.wall_s
+    figures["sim_virtual_s"] = sim.wall_s
+    figures["live_busy_fraction"] = sum(it.duration_s for it in live.iterations) / live.wall_s
+    figures["others_cpu_share_live"] = live.others_cpu_share
+    figures["others_cpu_share_before"] = quiet
+    figures["load_average_start"] = [round(x, 2) for x in load_start]
+    figures["load_average_end"] = [round(x, 2) for x in load_end]
+    figures["profile"] = str(prof_path)
+    figures["profile_heldout_mape_pct"] = prof.provenance.get("heldout", {}).get("mape_pct")
+    figures["workload"] = (f"{n} requests, 2 models ({', '.join(MODELS)}: the demo GGUF twice) on one node, "
+                           f"Azure conv trace lengths / {scale:g} (prompt <= {max_prompt}, output <= {max_output}), "
+                           f"Poisson arrivals over {duration_s:g} s, seed {seed}; mean prompt "
+                           f"{statistics.fmean(w.prompt_len for w in work):.0f}, mean output "
+                           f"{statistics.fmean(w.output_len for w in work):.0f} tokens")
+    return figures
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fidelity", help="live OpenVINO vs simulated node on the same workload: TTFT/TPOT errors")
+    p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    p.add_argument("--profile", help="profile to simulate with (default: calibrate the quick grid once)")
+    p.add_argument("--recalibrate", action="store_true", help="calibrate the default profile again")
+    p.add_argument("--model", help="GGUF or IR to serve (default: the demo model)")
+    p.add_argument("--requests", type=int, default=32, help="requests in the workload (default 32)")
+    p.add_argument("--duration", type=float, default=20.0, help="seconds over which they arrive (default 20)")
+    p.add_argument("--scale", type=float, default=8.0, help="divide the trace's lengths by this (default 8)")
+    p.add_argument("--max-prompt", type=int, default=512, help="cap on prompt length after scaling")
+    p.add_argument("--max-output", type=int, default=128, help="cap on output length after scaling")
+    p.add_argument("--trace", default=str(DEFAULT_TRACE), help="Azure LLM trace CSV (conversation)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--wait-quiet", type=float, default=60.0, metavar="S",
+                   help="wait up to S seconds for other processes to leave the CPUs before the live run "
+                        "(0: do not wait; default 60)")
+    p.set_defaults(func=lambda a: emit(
+        "mesh bench fidelity",
+        run(a.requests, a.duration, a.scale, a.seed, a.profile, a.model, a.recalibrate, a.trace,
+            a.max_prompt, a.max_output, a.wait_quiet),
+        a.json,
+        {k: "s" for k in ("ttft_p50_live_s", "ttft_p50_sim_s", "ttft_p99_live_s", "ttft_p99_sim_s",
+                          "tpot_p50_live_s", "tpot_p50_sim_s", "tpot_p99_live_s", "tpot_p99_sim_s",
+                          "live_wall_s", "sim_virtual_s")},
+    ))
