@@ -276,6 +276,32 @@ def test_error_statuses(server):
     assert status == 413 and body["error"]["code"] == "request_too_large"
 
 
+JUNK = [
+    ("POST", "/v1/chat/completions", b'{"model": 5, "messages": 3}'),
+    ("POST", "/v1/chat/completions", b'{"model": "demo/smollm2", "messages": [{"role": "user", "content": "hi"}], '
+                                     b'"max_tokens": 1e400}'),
+    ("POST", "/v1/completions", b'{"model": "demo/smollm2", "prompt": "\\ud800", "max_tokens": 2}'),
+    ("POST", "/v1/completions", b'{"model": "demo/smollm2", "prompt": [99999999], "max_tokens": 2}'),
+    ("POST", "/v1/completions", b'{"model": "demo/smollm2", "prompt": [[1, 2], [3]]}'),
+    ("POST", "/v1/completions", b'\xff\xfe\x00'),
+    ("GET", "/v1/models/%ED%A0%80", None),
+    ("GET", "/v1/models/..%2f..%2fetc", None),
+    ("POST", "/v1/models", b'{"name": 5, "path": []}'),
+    ("POST", "/v1/models?name=x&sha256=abc&context_length=zz", b"GGUF"),
+    ("PUT", "/v1/chat/completions", b"{}"),
+]
+
+
+def test_bad_input_never_gets_a_500(server):
+    for method, path, raw in JUNK:
+        headers = {"Content-Type": "application/octet-stream"} if "sha256" in path else None
+        status, body = server.http(method, path, raw=raw, token=server.key, headers=headers)
+        assert 400 <= status < 500, (method, path, status, body)
+        assert set(body["error"]) == {"message", "type", "param", "code"}
+    for raw in (b'{"name": 123}', b"[]"):
+        assert server.http("POST", "/admin/tenants", raw=raw, token=ADMIN)[0] == 400
+
+
 def test_prompt_over_the_context_window_and_unplaceable_requests(server):
     key = _tenant(server, "frank")
     status, _ = server.http("POST", "/v1/models", {"name": "strict", "path": "smollm2.gguf", "context_length": 64,

@@ -260,7 +260,7 @@ def test_parse_completion_rejects_bad_fields(body, param):
     assert _status(parse_completion, body) == (400, param)
 
 
-@pytest.mark.parametrize("raw", [b"", b"{", b"[1, 2]", b"\xff\xfe", b"null", b'"text"'])
+@pytest.mark.parametrize("raw", [b"", b"{", b"[1, 2]", b"\xff\xfe", b"null", b'"text"', b'{"prompt": "\\ud800"}'])
 def test_parse_json_rejects_non_objects(raw):
     with pytest.raises(errors.ApiError) as e:
         parse_json(raw)

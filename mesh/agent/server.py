@@ -435,7 +435,7 @@ async def _watch_stdin(server: AgentServer) -> None:
     await loop.connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), sys.stdin)
     while await reader.read(4096):
         pass
-    log.warning("parent process gone (stdin closed): exiting")
+    log.info("stdin closed (the parent is done or gone): exiting")
     server.stop()
 
 

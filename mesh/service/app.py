@@ -107,6 +107,10 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
         err = errors.from_http_exception(exc)
         status = err.status
         return err.response()
+    except UnicodeError:  # undecodable text in a path or query: the input's fault
+        err = errors.bad_request("The request holds invalid Unicode.", None, "invalid_encoding")
+        status = err.status
+        return err.response()
     except asyncio.CancelledError:
         status = 499  # the client went away
         raise

@@ -112,7 +112,9 @@ def from_http_exception(exc: web.HTTPException) -> ApiError:
     if status == 404:
         message = "Unknown route. The API is under /v1 (OpenAI) and /admin; see docs/service.md."
     elif status == 405:
-        message = f"Method not allowed on this route. {exc.reason}."
+        allowed = ", ".join(sorted(getattr(exc, "allowed_methods", ()) or ()))
+        message = f"Method {getattr(exc, 'method', '')} is not allowed on this route" + (
+            f"; use {allowed}." if allowed else ".")
     elif status == 413:
         message = f"The request body is too large. {exc.text or ''}".strip()
     else:

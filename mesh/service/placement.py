@@ -305,7 +305,8 @@ class LocalPlacement:
         except AgentCallError as exc:
             if exc.code in (Code.NO_INSTANCE.value, Code.NOT_READY.value):
                 raise _Retry() from exc
-            raise bad_request(str(exc), "messages" if job.messages is not None else "prompt") from exc
+            raise bad_request(str(exc).replace(job.model.uid, job.model.name),
+                              "messages" if job.messages is not None else "prompt") from exc
         except AgentDown as exc:
             raise node_unavailable(str(exc)) from exc
         return [int(t) for t in reply["ids"]]
@@ -376,7 +377,9 @@ class LocalPlacement:
                 self._streams.pop(w.job.request_id, None)
                 self._settle(queue, w, _Retry())
             else:
-                self._settle(queue, w, bad_request(result.get("reason") or "the node refused the request"))
+                reason = (result.get("reason") or "the node refused the request").replace(
+                    w.job.model.uid, w.job.model.name)
+                self._settle(queue, w, bad_request(reason, "messages" if w.job.messages is not None else "prompt"))
 
     @staticmethod
     def _settle(queue: list[_Waiter], w: _Waiter, error: BaseException | None) -> None:

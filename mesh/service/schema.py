@@ -48,6 +48,11 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise bad_request(f"The request body is not valid JSON: {exc}.", None, "invalid_json") from exc
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_json")
+    try:  # JSON may escape lone surrogates (\ud800), which are not text: refuse them here
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise bad_request("The request body holds invalid Unicode (a lone surrogate escape).", None,
+                          "invalid_json") from exc
     return data
 
 
