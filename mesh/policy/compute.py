@@ -125,6 +125,7 @@ class ComputeSubsystem:
         # (next deadline, instance id) for instances that have work; smallest first.
         self._order: SortedList = SortedList()
         self.busy_until: float = -math.inf  # end of the iteration in flight, as predicted
+        self.in_flight: Iteration | None = None  # the iteration running now, if any
 
     # -- instances -------------------------------------------------------------------
     def add_instance(

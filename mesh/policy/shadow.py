@@ -5,14 +5,17 @@ forward with every iteration overestimated by a margin (10% in the paper, for ru
 fluctuation and growing contexts). The candidate is rejected if
 
 1. its own prefill ends after its TTFT deadline (OWN_PREFILL_LATE),
-2. a request already on the node, on time without the candidate, turns late with it
+2. a request already on the node turns late with it, or, if late anyway, later
    (EXISTING_REQUEST_LATE), or
 3. one round of decode iterations across the node's instances, with the candidate in its
    instance, takes longer than the TPOT SLO (DECODE_ROUND_OVER_TPOT).
 
-The simulation runs until the candidate's prefill is done and every instance that was
-decoding then has decoded once more. Output lengths are unknown to the scheduler, so no
-request is assumed to finish inside the horizon (conservative).
+The simulation runs until the candidate's prefill is done, every request waiting for
+prefill when it starts (on any instance of the node) has been prefilled, and every instance
+that was decoding then has decoded once more: a candidate that jumps ahead of requests
+waiting on a neighbour instance must not push their prefill past their TTFT deadline.
+Output lengths are unknown to the scheduler, so no request is assumed to finish inside the
+horizon (conservative).
 """
 from __future__ import annotations
 
@@ -21,9 +24,11 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Collection
 
+from engines.protocol import IterationKind
 from mesh.policy.compute import ComputeSubsystem, IterationTimes
 
 DEFAULT_MARGIN = 0.10
+_LATER_EPS_S = 1e-6  # "later with the candidate" beyond float noise
 
 
 class FailureCase(str, Enum):
@@ -98,6 +103,7 @@ def _snapshot(
     compute: ComputeSubsystem, candidate: tuple[str, str, int, float] | None, exclude: Collection[str] = ()
 ) -> list[_Sim]:
     sims = []
+    flight = compute.in_flight
     for inst in compute.instances.values():
         if inst.instance_id in exclude:
             continue
@@ -106,14 +112,32 @@ def _snapshot(
             _, rid, prompt_len, deadline = candidate
             pending.append((rid, prompt_len, deadline))
         first = inst.running[0] if inst.running else None
-        sims.append(
-            _Sim(
-                inst.instance_id, inst.times, inst.tpot, inst.prefill_token_budget, inst.ready_at,
-                pending, len(inst.running), inst.context_sum, inst.decode_rounds,
-                first.key if first else math.inf, first.request_id if first else None,
-            )
+        sim = _Sim(
+            inst.instance_id, inst.times, inst.tpot, inst.prefill_token_budget, inst.ready_at,
+            pending, len(inst.running), inst.context_sum, inst.decode_rounds,
+            first.key if first else math.inf, first.request_id if first else None,
         )
+        if flight is not None and flight.instance_id == inst.instance_id:
+            _finish_in_flight(sim, flight.kind, flight.batch_size)
+        sims.append(sim)
     return sims
+
+
+def _finish_in_flight(s: _Sim, kind: IterationKind, batch_size: int) -> None:
+    """The iteration in flight (ending at busy_until, where the simulation starts) counts as
+    done: its prefilled requests are decoding, or its decode round has happened. Without
+    this the simulation would run it a second time and see requests late that are not."""
+    if kind is IterationKind.PREFILL:
+        for rid, prompt_len, deadline in s.pending[s.head : s.head + batch_size]:
+            key = deadline - s.tpot * (s.rounds - 1)
+            if key < s.min_key:
+                s.min_key, s.min_rid = key, rid
+            s.n += 1
+            s.ctx += prompt_len + 1
+        s.head += batch_size
+    elif s.n:
+        s.rounds += 1
+        s.ctx += s.n
 
 
 def _simulate(
@@ -123,7 +147,8 @@ def _simulate(
     without a candidate, once simulated time reaches `until_s`."""
     out = _Outcome()
     scale = 1.0 + margin
-    waiting_decode: set[str] | None = None  # instances owed one decode after the candidate's prefill
+    waiting_decode: set[str] | None = None  # instances owed one decode after the last prefill
+    prefills_left = sum(len(x.pending) - x.head for x in sims)  # the candidate's included
     deadlines = [x.next_deadline() for x in sims]  # inf: no work
     for _ in range(max_iterations):
         pick, best, next_ready = -1, math.inf, math.inf
@@ -162,7 +187,9 @@ def _simulate(
                 s.ctx += prompt_len + 1
                 if rid == candidate_id:
                     out.candidate_first_token_s = t
-                    waiting_decode = {x.instance_id for x in sims if x.n}
+            prefills_left -= len(batch)
+            if candidate_id is not None and prefills_left <= 0 and waiting_decode is None:
+                waiting_decode = {x.instance_id for x in sims if x.n}
         else:  # decode iteration: every running request gets a token
             t += s.times.decode_s(s.n, s.ctx / s.n) * scale
             deadline = s.min_key + s.tpot * s.rounds
@@ -223,7 +250,7 @@ def shadow_validate(
     deadline = start_s + inst.slo.ttft_s(prompt_len)
     t0 = max(now, compute.busy_until)
     n_pending = sum(len(i.pending) for i in compute.instances.values())
-    max_iterations = 64 + 4 * len(compute.instances) + n_pending
+    max_iterations = 256 + 8 * len(compute.instances) + 4 * n_pending
     sims = _snapshot(compute, (instance_id, request_id, prompt_len, deadline), exclude)
     with_cand = _simulate(sims, t0, margin, request_id, math.inf, max_iterations)
 
@@ -234,7 +261,9 @@ def shadow_validate(
         # The horizon ran out before the candidate's prefill: it cannot be served in time.
         failures.append(Failure(FailureCase.OWN_PREFILL_LATE, math.inf, request_id, instance_id))
     if with_cand.late:
-        # Only requests that are on time without the candidate count against it.
+        # Requests on time without the candidate, or late anyway but later with it, count
+        # against it: a node whose prediction already shows a late request must not take
+        # load that makes it later (else lateness cascades).
         base = _simulate(_snapshot(compute, None, exclude), t0, margin, None, with_cand.end_s, max_iterations)
         newly_late = {rid: v for rid, v in with_cand.late.items() if rid not in base.late}
         if newly_late:

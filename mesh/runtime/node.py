@@ -119,6 +119,10 @@ class NodeRuntime:
         # Tokens a request produced before this node took it (preempted or evicted
         # elsewhere and rescheduled here, LLM-Mesh 6.4, 7.1); absent for fresh requests.
         self._carried: dict[str, int] = {}
+        # Token ids produced here by requests that carry prompt token ids (real engines), so
+        # a request taken back can resume elsewhere with prompt + produced ids (recompute).
+        self._produced: dict[str, list[int]] = {}
+        self.stepping: str | None = None  # the instance whose iteration is in flight
         self._wake = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
@@ -328,14 +332,16 @@ class NodeRuntime:
     def _engine_request(self, req: ServedRequest, done: int) -> EngineRequest:
         """What the engine is given: the request itself, or, for a resumed request, its
         prompt plus the tokens already produced (recomputed) and the rest to produce.
-        Simulated engines need only the lengths; the token ids of a resumed request are not
-        kept, so a real engine gets prompt_token_ids=None."""
+        Simulated engines need only the lengths; a real engine gets the prompt's token ids
+        followed by those the request produced (kept by take_back)."""
         er = req.engine_request
         if done <= 0:
             return er
         sampling = dataclasses.replace(er.sampling, max_tokens=max(1, er.sampling.max_tokens - done))
         out = None if er.output_len is None else max(1, er.output_len - done)
-        return EngineRequest(er.request_id, er.prompt_len + done, sampling, None, out)
+        ids = er.prompt_token_ids  # after take_back: the prompt's ids then the produced ones
+        ids = list(ids[: er.prompt_len + done]) if ids is not None and len(ids) >= er.prompt_len + done else None
+        return EngineRequest(er.request_id, er.prompt_len + done, sampling, ids, out)
 
     def admit(self, instance_id: str, req: ServedRequest, admission: Admission) -> None:
         """Add a validated request to the instance (engine, compute and memory state). A
@@ -375,6 +381,7 @@ class NodeRuntime:
         inst.engine.abort(request_id)
         self.compute.remove_request(request_id)
         self._carried.pop(request_id, None)
+        self._produced.pop(request_id, None)
         req = inst.requests.pop(request_id)
         if not inst.requests:
             inst.idle_since = self._now()
@@ -384,10 +391,19 @@ class NodeRuntime:
         """Take a request off this node to be rescheduled elsewhere (preemption 7.1,
         eviction 6.4), keeping its progress: `tokens_out` becomes the tokens it produced so
         far, and its first-token time stays. It is not ended; the caller places it."""
-        if request_id not in self.compute.requests:
+        r = self.compute.requests.get(request_id)
+        if r is None:
             return None
+        if r.instance_id == self.stepping:
+            raise ValueError(f"request {request_id!r}: its instance {r.instance_id} is in the middle of an iteration")
         done = self.progress(request_id)
+        produced = self._produced.get(request_id)
+        carried = self._carried.get(request_id, 0)
         req = self._detach(request_id)
+        er = req.engine_request
+        if produced is not None and er.prompt_token_ids is not None:
+            kept = list(er.prompt_token_ids[: er.prompt_len + carried]) + produced
+            req.engine_request = dataclasses.replace(er, prompt_token_ids=kept)
         req.tokens_out = done
         req.attempts.append(f"taken from {self.node_id}/{req.instance_id} after {done} tokens: {why}")
         req.node_id = req.instance_id = None
@@ -422,11 +438,15 @@ class NodeRuntime:
             inst = self.instances[it.instance_id]
             start = loop.time()
             compute.busy_until = start + it.predicted_s
+            compute.in_flight = it
+            self.stepping = it.instance_id
             try:
                 result = await inst.engine.step()
             except EngineError as exc:
+                self.stepping = compute.in_flight = None
                 self._fail_instance(inst, f"engine step failed on node {self.node_id}: {exc}")
                 continue
+            self.stepping = compute.in_flight = None
             now = loop.time()
             self.busy_s += now - start
             self.iteration_count += 1
@@ -437,6 +457,10 @@ class NodeRuntime:
             if self.iterations is not None:
                 self.iterations.append(IterationRecord(it.instance_id, result.kind, len(result.request_ids), start, now - start, it.predicted_s))
             self._apply(inst, result, now)
+            if getattr(inst.engine, "blocks_event_loop", False):
+                # The iteration held the loop (a real engine computes in step() itself):
+                # let arrivals, aborts and agent messages in before the next decision.
+                await asyncio.sleep(0)
 
     def _apply(self, inst: NodeInstance, result: StepResult, now: float) -> None:
         requests = inst.requests
@@ -452,6 +476,7 @@ class NodeRuntime:
             req = requests.pop(rid, None)
             if req is not None:
                 req.tokens_out = self._carried.pop(rid, 0) + self.compute.tokens_out(rid) + 1
+                self._produced.pop(rid, None)
                 done.append((req, reason))
         self.compute.complete_iteration(inst.instance_id, result.kind, result.request_ids, result.finished)
         if done:
@@ -470,6 +495,8 @@ class NodeRuntime:
     def _stream(self, requests: dict[str, ServedRequest], result: StepResult) -> None:
         for i, rid in enumerate(result.request_ids):
             req = requests.get(rid)
+            if req is not None and result.token_ids is not None and req.engine_request.prompt_token_ids is not None:
+                self._produced.setdefault(rid, []).append(result.token_ids[i])
             if req is not None and req.on_output is not None:
                 tokens = None if result.token_ids is None else result.token_ids[i : i + 1]
                 texts = None if result.texts is None else result.texts[i : i + 1]
