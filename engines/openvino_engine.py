@@ -10,10 +10,11 @@ refused before it gets there).
 Blocking: `pipe.step()` holds the Python GIL for the whole iteration, and `step()` calls it
 directly even though it is `async def`. That is deliberate: engines live in a node agent
 process whose event loop does nothing else while an iteration runs (the node computes one
-iteration at a time). After the iteration `step()` yields to the event loop once
-(`asyncio.sleep(0)`): without it a busy node never let its loop run, so requests arriving
-while it had work waited until it went idle. Like the simulated engine (which sleeps
-through its iteration), requests that arrive during an iteration join the next one.
+iteration at a time). Because `step()` never yields, the engine says so
+(`blocks_event_loop = True`) and the node runtime yields to its event loop after each of
+its iterations; otherwise a busy node never let its loop run, and requests arriving while
+it had work waited until it went idle. As with the simulated engine (which sleeps through
+its iteration), requests that arrive during an iteration join a later one.
 `load()` builds the pipeline in a worker thread: OpenVINO releases the GIL while it reads
 and compiles the model, so the agent keeps serving its other instances meanwhile.
 
@@ -137,6 +138,8 @@ class _Live:
 
 class OpenVINOEngine:
     """One model instance on OpenVINO GenAI (CPU), implementing engines.protocol.Engine."""
+
+    blocks_event_loop = True  # step() computes in place: the node yields after each one
 
     def __init__(
         self,
@@ -368,12 +371,8 @@ class OpenVINOEngine:
     # ---- iterations -----------------------------------------------------------------------
 
     async def step(self) -> StepResult:
-        """Run exactly one pipeline iteration. Blocks (and holds the GIL) while it runs,
-        then yields to the event loop once, so that what arrived meanwhile (new requests,
-        aborts) is handled before the node picks its next iteration."""
-        result = self.step_blocking()
-        await asyncio.sleep(0)
-        return result
+        """Run exactly one pipeline iteration. Blocks (and holds the GIL) while it runs."""
+        return self.step_blocking()
 
     def step_blocking(self) -> StepResult:
         """`step()` without the coroutine wrapper, for benchmarks and synchronous callers."""
