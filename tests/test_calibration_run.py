@@ -293,3 +293,18 @@ def test_interrupted_cli_calibration_resumes(demo_gguf: Path, tmp_path: Path, mo
     assert f"({total - 2} measured now, 2 resumed)" in printed
     assert load_profile(out).provenance["calibration"]["points"] == total
     assert not state_path_for(out).exists()
+
+
+def test_vllm_calibration_without_vllm_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:
+    import types
+
+    def calibration_target(*args, **kwargs):
+        raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
+
+    monkeypatch.setitem(sys.modules, "engines.vllm_engine",
+                        types.SimpleNamespace(calibration_target=calibration_target))
+    model = tmp_path / "m.gguf"
+    model.write_bytes(b"GGUF")
+    assert main(["calibrate", "--engine", "vllm", "--model", str(model), "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "needs the vllm package, which is not installed" in err and "Traceback" not in err
