@@ -390,6 +390,7 @@ class VLLMEngine:
             raise EngineError(f"max_num_seqs {max_num_seqs} exceeds the token budget {self.prefill_token_budget}: "
                               "a decode step of a full batch would not fit it")
         self.max_num_seqs = max_num_seqs
+        self.max_batch = max_num_seqs  # engines.protocol name
         base, _, index = device.partition(":")
         if base not in ("cpu", "cuda"):
             raise EngineError(f"device must be 'cpu', 'cuda' or 'cuda:N', got {device!r}")
@@ -511,11 +512,7 @@ class VLLMEngine:
             raise
 
     async def _build(self, capacity_bytes: int) -> None:
-        floor = self.min_kv_bytes()
-        if capacity_bytes < floor:
-            raise EngineError(f"a KV cache of {capacity_bytes} bytes cannot hold one request of {self.model_name}'s "
-                              f"{self.context_window}-token context window; give it at least {floor} bytes")
-        facts = await _wait(self._connection().call("build", kv_bytes=int(capacity_bytes)))
+        facts = await _wait(self._connection().call("build", kv_bytes=self._kv_size(capacity_bytes)))
         self._apply_facts(facts)
         self._built = True
         self._notify(None)
@@ -533,6 +530,16 @@ class VLLMEngine:
         callback, self.on_loaded = self.on_loaded, None
         if callback is not None:
             callback(exc)
+
+    def _kv_size(self, capacity_bytes: int) -> int:
+        """The asked size, raised to vLLM's minimum (one request of the whole context window
+        plus vLLM's null block) when below: vLLM cannot run with less. The KV cache is then
+        larger than the bound; `kv_bytes_allocated()` says by how much."""
+        floor = self.min_kv_bytes()
+        if capacity_bytes < floor:
+            log.info("%s: KV size %d raised to vLLM's minimum %d", self.model_name, capacity_bytes, floor)
+            return floor
+        return int(capacity_bytes)
 
     def min_kv_bytes(self) -> int:
         """The smallest KV cache vLLM accepts: one request of the whole context window."""
@@ -560,8 +567,9 @@ class VLLMEngine:
     async def resize_kv(self, capacity_bytes: int) -> None:
         """Make the KV cache `capacity_bytes` (whole blocks; a memory operation).
 
-        Before the build this builds the engine with that size. Afterwards, the same number
-        of blocks costs nothing; another number re-initialises the cache (weights stay)
+        Sizes round down to whole blocks, and up to vLLM's minimum (`min_kv_bytes()`: one
+        request of the whole context window plus vLLM's null block). Before the build this
+        builds the engine with that size. Afterwards, the same number of blocks costs nothing; another number re-initialises the cache (weights stay)
         and re-runs the live requests (engines.vllm_core), which takes real time: see
         docs/vllm.md. The running requests continue where they were.
         """
@@ -577,13 +585,11 @@ class VLLMEngine:
                 self._notify(exc)
                 raise
             return
+        capacity_bytes = self._kv_size(capacity_bytes)
         if capacity_bytes // (self.block_size * self.kv_bytes_per_token) == self.num_blocks:
             self.last_resize = {"mode": "none", "blocks": self.num_blocks, "reran": 0, "seconds": 0.0}
             return
-        if capacity_bytes < self.min_kv_bytes():
-            raise EngineError(f"cannot shrink {self.model_name}'s KV cache to {capacity_bytes} bytes: vLLM needs at "
-                              f"least {self.min_kv_bytes()} bytes for its {self.context_window}-token context window")
-        done = await _wait(self._connection().call("resize", kv_bytes=int(capacity_bytes), mode=self.resize_mode))
+        done = await _wait(self._connection().call("resize", kv_bytes=capacity_bytes, mode=self.resize_mode))
         self.last_resize = {k: done[k] for k in ("mode", "blocks", "reran", "seconds") if k in done}
         self._apply_facts(done)
 
