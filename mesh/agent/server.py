@@ -39,6 +39,7 @@ from mesh.agent.protocol import (
     slo_from_dict,
 )
 from mesh.policy.kv_demand import RunningMean
+from mesh.policy.shadow import FailureCase
 from mesh.runtime.node import NodeRuntime, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
 
@@ -344,8 +345,13 @@ class AgentServer:
                     "reason": f"prompt of {len(ids)} tokens exceeds the context window of {inst.engine.context_window}"}
         admission = self.node.validate(iid, req)
         if not admission.ok:
-            refused[iid] = admission.reason()
-            return {"ok": False, "code": Code.REFUSED.value, "reason": refused[iid]}
+            reason = admission.reason()
+            if not _only_own_prefill_late(admission):
+                # The node is full for this instance: later requests wait behind this one.
+                # A request refused only because its own first token would be late does not
+                # block the rest: one with more slack may still fit.
+                refused[iid] = reason
+            return {"ok": False, "code": Code.REFUSED.value, "reason": reason}
         try:
             self.node.admit(iid, req, admission)
         except EngineError as exc:
@@ -415,6 +421,13 @@ class AgentServer:
     def _abort_all(self, why: str) -> None:
         for rid in list(self.requests):
             self.node.abort(rid, Outcome.FAILED, why)
+
+
+def _only_own_prefill_late(admission: Any) -> bool:
+    verdict = admission.compute
+    if verdict is None or admission.memory is None or not admission.memory.ok or not verdict.failures:
+        return False
+    return all(f.case is FailureCase.OWN_PREFILL_LATE for f in verdict.failures)
 
 
 def _finite(x: float) -> float | None:

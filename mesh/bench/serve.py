@@ -70,8 +70,8 @@ async def one_request(session: Any, url: str, key: str, model: str, i: int, max_
         async with session.post(f"{url}/v1/chat/completions", json=body, headers={"Authorization": f"Bearer {key}"},
                                 timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
             if resp.status == 429:
-                await resp.read()
-                return Result("rejected", total_s=loop.time() - start)
+                message = (await resp.json()).get("error", {}).get("message", "")
+                return Result("rejected", total_s=loop.time() - start, detail=_reason_kind(message))
             if resp.status != 200:
                 return Result("error", total_s=loop.time() - start, detail=f"HTTP {resp.status}: {(await resp.text())[:200]}")
             done = False
@@ -117,6 +117,17 @@ async def load(url: str, key: str, model: str, clients: int, requests: int, max_
     return results, wall
 
 
+def _reason_kind(message: str) -> str:
+    """The kind of a 429's reason: the shadow-validation case, batch or memory limits."""
+    m = re.search(r"SLO \((.*)\)\. Retry", message)
+    text = m.group(1) if m else message
+    for kind in ("own_prefill_late", "existing_request_late", "decode_round_over_tpot", "maximum batch", "memory",
+                 "queued"):
+        if kind in text:
+            return kind.replace(" ", "_")
+    return text[:60]
+
+
 def summarize(results: list[Result], wall: float, sent: int) -> dict[str, Any]:
     ok = [r for r in results if r.status == "ok"]
     ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
@@ -140,6 +151,12 @@ def summarize(results: list[Result], wall: float, sent: int) -> dict[str, Any]:
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else float("nan"),
         "latency_p50_s": statistics.median(r.total_s for r in ok) if ok else float("nan"),
     }
+    reasons: dict[str, int] = {}
+    for r in results:
+        if r.status == "rejected":
+            reasons[r.detail] = reasons.get(r.detail, 0) + 1
+    for kind, n in sorted(reasons.items(), key=lambda kv: -kv[1]):
+        figures[f"rejected_because_{kind}"] = n
     errors = [r.detail for r in results if r.status in ("error", "lost")]
     if errors:
         figures["first_error"] = errors[0]

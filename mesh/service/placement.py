@@ -101,7 +101,7 @@ class _Waiter:
     deadline: float
     stream: RequestStream
     done: asyncio.Future
-    reason: str = "the node has no capacity"
+    reason: str = "queued: the node's earlier requests took its capacity until the deadline"
 
 
 class _Retry(Exception):
