@@ -37,7 +37,7 @@ from mesh.policy.multicast import Plan
 from mesh.runtime.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
 from mesh.runtime.weights.protocol import STREAM_LIMIT, ProtocolError, frame, read_message, send
 
-CHUNK = 1 << 20  # paced sends go out in chunks of this size
+CHUNK = 1 << 20  # sends go out in chunks of this size (paced per chunk)
 
 
 class Pacer:
@@ -282,19 +282,15 @@ class WeightAgent:
         if w is None or w.is_closing():
             host, port = st.peers[peer]
             _, w = await asyncio.open_connection(host, port, limit=STREAM_LIMIT)
-            w.transport.set_write_buffer_limits(high=STREAM_LIMIT)
+            w.transport.set_write_buffer_limits(high=CHUNK)
             st.conns[peer] = w
         data = st.blocks[block]
         if block in st.corrupt_once:
             st.corrupt_once.discard(block)
             data = bytes([data[0] ^ 0xFF]) + data[1:]
         w.write(frame({"type": "block", "transfer": st.id, "block": block, "sender": st.node, "nbytes": len(data)}))
-        if self.pacer.rate is None:
-            w.write(data)
-            await w.drain()
-            return
         view = memoryview(data)
-        for off in range(0, len(data), CHUNK):
+        for off in range(0, len(data), CHUNK):  # chunks keep the transport's buffer small
             chunk = view[off:off + CHUNK]
             await self.pacer.take(len(chunk))
             w.write(chunk)
