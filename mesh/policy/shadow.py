@@ -230,6 +230,30 @@ def decode_round_s(
     return total, tpot
 
 
+def quick_reject(
+    compute: ComputeSubsystem,
+    instance_id: str,
+    prompt_len: int,
+    start_s: float,
+    now: float,
+    margin: float = DEFAULT_MARGIN,
+    exclude: Collection[str] = (),
+) -> Failure | None:
+    """Cheap checks that fail exactly when shadow_validate would also fail, without the
+    simulation: case 3 (the same computation), and case 1 against a lower bound (the
+    candidate's prefill alone, started as early as the node and its instance allow). The
+    dispatcher calls it first; None means "run the full validation"."""
+    inst = compute.instances[instance_id]
+    deadline = start_s + inst.slo.ttft_s(prompt_len)
+    earliest = max(now, compute.busy_until, inst.ready_at) + inst.times.prefill_s(prompt_len) * (1.0 + margin)
+    if earliest > deadline:
+        return Failure(FailureCase.OWN_PREFILL_LATE, earliest - deadline, None, instance_id)
+    round_s, tpot = decode_round_s(compute, instance_id, prompt_len, margin, exclude)
+    if round_s > tpot:
+        return Failure(FailureCase.DECODE_ROUND_OVER_TPOT, round_s - tpot, None, instance_id)
+    return None
+
+
 def shadow_validate(
     compute: ComputeSubsystem,
     instance_id: str,

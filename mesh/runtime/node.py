@@ -19,7 +19,7 @@ from mesh.policy.compute import ComputeSubsystem, IterationTimes
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, recommend_bytes
 from mesh.policy.memory import InstanceMemory, MemoryPlan, MemorySubsystem
 from mesh.policy.reservation import Issued, MemoryOp, OpKind
-from mesh.policy.shadow import DEFAULT_MARGIN, Verdict, shadow_validate
+from mesh.policy.shadow import DEFAULT_MARGIN, Verdict, quick_reject, shadow_validate
 from mesh.policy.slo import SLO
 from mesh.runtime.request import Outcome, ServedRequest
 
@@ -266,7 +266,11 @@ class NodeRuntime:
         plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), (prompt, 0)], freed)
         if not plan.ok or not compute:
             return Admission(plan.ok, memory=plan)
-        verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, self._now(), self.margin, exclude)
+        now = self._now()
+        quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin, exclude)
+        if quick is not None:
+            return Admission(False, Verdict((quick,)), plan)
+        verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin, exclude)
         return Admission(verdict.ok, verdict, plan)
 
     def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
@@ -319,6 +323,10 @@ class NodeRuntime:
         try:
             verdict = Verdict()
             for req, (prompt, start) in zip(reqs, pairs):
+                quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin)
+                if quick is not None:
+                    verdict = Verdict((quick,))
+                    break
                 verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin)
                 if not verdict.ok:
                     break

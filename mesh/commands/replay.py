@@ -1,0 +1,262 @@
+"""`mesh replay`: replay Azure traces against a simulated cluster under several policies and
+compare them (LLM-Mesh 8): a table, JSON with --json, PNG figures with --plot."""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+from calibration.profile import ProfileError
+from mesh.policy.placement import ColdStart
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY
+from mesh.replay.driver import (
+    DEFAULT_CPU_DEVICE,
+    DEFAULT_GPU_DEVICE,
+    PolicyRun,
+    ReplayConfig,
+    build_catalog,
+    known_models,
+    run_policy,
+    trace_mean_output,
+)
+from mesh.replay.metrics import summarize, table
+from mesh.runtime.cluster import ClusterConfig, ClusterError, check_cluster
+from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S
+from mesh.runtime.policies import POLICIES, UnknownPolicy, policy_spec
+from workloads.azure_functions import load_function_trace
+from workloads.azure_llm import load_lengths
+from workloads.workload import build_workload
+
+GIB = 2**30
+TRACE_FILE = "azure-functions-2019/invocations_per_function_md.anon.sample500.min480-719.csv"
+LENGTHS_FILE = "azure-llm-2023/AzureLLMInferenceTrace_conv.csv"
+MIX_MODELS = ("llama-3.2-3b", "llama-2-7b", "llama-2-13b")  # --mix A:B:C is 3B:7B:13B
+DEFAULT_POLICIES = "mesh,sllm,sllm+cpu"
+DEFAULT_NOISE = 0.05
+
+
+class ReplayInputError(ValueError):
+    pass
+
+
+def default_data_dir() -> Path | None:
+    """The shared Azure traces: ../shared/data next to the repository, else /work/shared/data."""
+    repo = Path(__file__).resolve().parents[2]
+    for candidate in (repo.parent / "shared" / "data", Path("/work/shared/data")):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "replay",
+        help="replay Azure traces against the scheduler in virtual time and compare policies",
+        description=__doc__,
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    data = p.add_argument_group("workload")
+    data.add_argument("--data", metavar="DIR", help="folder with the Azure traces (default: ../shared/data or /work/shared/data)")
+    data.add_argument("--trace", metavar="FILE", help=f"Azure Functions per-minute trace (default: DATA/{TRACE_FILE})")
+    data.add_argument("--lengths", metavar="FILE", help=f"Azure LLM trace TIMESTAMP,ContextTokens,GeneratedTokens (default: DATA/{LENGTHS_FILE})")
+    data.add_argument("--functions", type=int, default=32, help="functions sampled (one model replica each)")
+    data.add_argument("--minutes", type=int, default=30, help="trace minutes replayed")
+    data.add_argument("--start-minute", type=int, default=None, help="first trace minute (default: the file's first)")
+    data.add_argument("--model", default="llama-2-7b", help="base model of every replica")
+    data.add_argument("--mix", metavar="A:B:C", help="3B:7B:13B replica mix instead of --model, e.g. 4:1:1")
+    data.add_argument("--seed", type=int, default=0)
+    data.add_argument("--rate-scale", default="auto", help="'auto' (0.1 rps per function, docs/workloads.md) or a factor")
+    data.add_argument("--target-rps", type=float, default=None, help="aggregate mean rate for --rate-scale auto")
+    data.add_argument("--arrivals", default="poisson", choices=("poisson", "uniform"))
+    cl = p.add_argument_group("cluster")
+    cl.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated, from: {', '.join(POLICIES)}")
+    cl.add_argument("--cpu-nodes", type=int, default=4)
+    cl.add_argument("--gpu-nodes", type=int, default=4)
+    cl.add_argument("--cpu-memory-gib", type=float, default=256.0, help="memory of a CPU node for instances")
+    cl.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of a GPU")
+    cl.add_argument("--cpu-device", default=DEFAULT_CPU_DEVICE)
+    cl.add_argument("--gpu-device", default=DEFAULT_GPU_DEVICE)
+    cl.add_argument("--profiles", metavar="DIR", help="profiles <model>__<device>.json overriding the packaged ones")
+    cl.add_argument("--pcie-gbps", type=float, default=25.0, help="host-to-GPU weight load bandwidth, GB/s")
+    cl.add_argument("--cpu-load-gbps", type=float, default=50.0, help="CPU instance start-up pass over cached weights, GB/s")
+    cl.add_argument("--keep-alive", type=float, default=1.0, help="seconds an idle instance is kept")
+    cl.add_argument("--noise", type=float, default=DEFAULT_NOISE, help="relative std-dev of simulated iteration times")
+    cl.add_argument("--queue-capacity", type=int, default=DEFAULT_QUEUE_CAPACITY)
+    cl.add_argument("--queue-timeout", default="slo", help="when a waiting request is turned away: 'slo' (once it can no "
+                    "longer meet its SLO) or seconds of waiting (a client timeout); the same for every policy")
+    cl.add_argument("--retry-interval", type=float, default=DEFAULT_RETRY_INTERVAL_S, help="seconds between retries of waiting requests")
+    out = p.add_argument_group("output")
+    out.add_argument("--json", metavar="PATH", help="write the full results as JSON")
+    out.add_argument("--plot", metavar="DIR", help="write PNG figures (TTFT CDF, node usage) into DIR")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=run)
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    parts = text.split(":")
+    try:
+        weights = [float(x) for x in parts]
+    except ValueError:
+        weights = []
+    if len(weights) != 3 or any(not math.isfinite(w) or w < 0 for w in weights) or sum(weights) <= 0:
+        raise ReplayInputError(f"--mix must be three non-negative weights 3B:7B:13B such as 4:1:1, got {text!r}")
+    return {m: w for m, w in zip(MIX_MODELS, weights) if w > 0}
+
+
+def _inputs(args: argparse.Namespace) -> tuple[Path, Path]:
+    if args.trace and args.lengths:
+        return Path(args.trace), Path(args.lengths)
+    data = Path(args.data) if args.data else default_data_dir()
+    if data is None:
+        raise ReplayInputError(
+            "no data folder: /work/shared/data (or ../shared/data) is absent; pass --trace FILE and --lengths FILE "
+            "(or --data DIR holding the Azure traces)"
+        )
+    if not data.is_dir():
+        raise ReplayInputError(f"--data {data}: not a folder; pass --trace FILE and --lengths FILE instead")
+    return Path(args.trace or data / TRACE_FILE), Path(args.lengths or data / LENGTHS_FILE)
+
+
+def _check_file(path: Path, flag: str) -> None:
+    if not path.is_file():
+        raise ReplayInputError(f"{flag} {path}: no such file")
+
+
+def configure(args: argparse.Namespace) -> dict[str, Any]:
+    """Everything a run needs, checked before anything runs."""
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if not policies:
+        raise UnknownPolicy(f"--policies is empty; valid policies: {', '.join(POLICIES)}")
+    for name in policies:
+        policy_spec(name)
+    if len(set(policies)) != len(policies):
+        raise ReplayInputError(f"--policies lists a policy twice: {args.policies}")
+    mix = parse_mix(args.mix) if args.mix else {args.model: 1.0}
+    for name in mix:
+        if name not in known_models() and not args.profiles:
+            raise ProfileError(f"unknown model {name!r}; valid models: {', '.join(known_models())}")
+    for flag, value in (("--functions", args.functions), ("--minutes", args.minutes)):
+        if value < 1:
+            raise ReplayInputError(f"{flag} must be at least 1, got {value}")
+    if args.noise < 0 or args.retry_interval <= 0 or args.queue_capacity < 1:
+        raise ReplayInputError("--noise must be >= 0, --retry-interval > 0 and --queue-capacity >= 1")
+    catalog = build_catalog(list(mix), cpu_device=args.cpu_device, gpu_device=args.gpu_device, profile_dir=args.profiles)
+    cluster = ClusterConfig(
+        cpu_nodes=args.cpu_nodes, gpu_nodes=args.gpu_nodes,
+        cpu_memory_bytes=int(args.cpu_memory_gib * GIB), gpu_memory_bytes=int(args.gpu_memory_gib * GIB),
+        cold_start=ColdStart(args.pcie_gbps * 1e9, args.cpu_load_gbps * 1e9),
+        keep_alive_s=args.keep_alive, noise=args.noise, seed=args.seed,
+    )
+    for name in policies:
+        check_cluster(cluster, catalog, policy_spec(name).kinds, name)
+    trace_path, lengths_path = _inputs(args)
+    _check_file(trace_path, "--trace")
+    _check_file(lengths_path, "--lengths")
+    trace = load_function_trace(trace_path)
+    lengths = load_lengths(lengths_path)
+    rate: float | str = args.rate_scale
+    if rate != "auto":
+        try:
+            rate = float(rate)
+        except ValueError:
+            raise ReplayInputError(f"--rate-scale must be 'auto' or a positive number, got {args.rate_scale!r}") from None
+    max_total = {b: spec.profiles["gpu"].max_context for b, spec in catalog.items()}
+    workload = build_workload(
+        trace, lengths, functions=args.functions, minutes=args.minutes, start_minute=args.start_minute,
+        models=mix, seed=args.seed, rate_scale=rate, target_rps=args.target_rps, arrivals=args.arrivals,
+        max_total=max_total,
+    )
+    prior = {b: trace_mean_output(lengths, m) for b, m in max_total.items()}
+    timeout = None
+    if args.queue_timeout != "slo":
+        try:
+            timeout = float(args.queue_timeout)
+        except ValueError:
+            timeout = -1.0
+        if not timeout >= 0:
+            raise ReplayInputError(f"--queue-timeout must be 'slo' or a number of seconds >= 0, got {args.queue_timeout!r}")
+    config = ReplayConfig(
+        cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
+        queue_timeout_s=timeout, progress=not args.no_progress,
+    )
+    return {"policies": policies, "catalog": catalog, "workload": workload, "prior": prior, "config": config, "mix": mix}
+
+
+def describe(args: argparse.Namespace, setup: dict[str, Any]) -> dict[str, Any]:
+    w = setup["workload"]
+    d = w.description
+    c: ClusterConfig = setup["config"].cluster
+    return {
+        "command": "mesh replay " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["replay"] else None,
+        "trace": d["function_trace"],
+        "lengths": d["length_trace"],
+        "functions": d["functions"],
+        "minutes": d["window"]["minutes"],
+        "start_minute": d["window"]["start_minute"],
+        "models": setup["mix"],
+        "seed": d["seed"],
+        "requests": d["requests"],
+        "mean_rps": d["mean_rps"],
+        "rate_scale": d["rate_scale"],
+        "arrivals": d["arrivals"],
+        "cluster": {
+            "cpu_nodes": c.cpu_nodes, "gpu_nodes": c.gpu_nodes,
+            "cpu_memory_gib": c.cpu_memory_bytes / GIB, "gpu_memory_gib": c.gpu_memory_bytes / GIB,
+            "cpu_device": args.cpu_device, "gpu_device": args.gpu_device,
+            "pcie_gbps": c.cold_start.pcie_bytes_per_s / 1e9, "cpu_load_gbps": c.cold_start.cpu_load_bytes_per_s / 1e9,
+            "keep_alive_s": c.keep_alive_s, "margin": c.margin, "watermark": c.watermark, "noise": c.noise,
+            "slo": {"ttft": "max(2, L/512) s", "tpot_s": c.slo.tpot_s},
+        },
+        "queue_capacity": setup["config"].queue_capacity,
+        "queue_timeout": "slo" if setup["config"].queue_timeout_s is None else setup["config"].queue_timeout_s,
+        "retry_interval_s": setup["config"].retry_interval_s,
+        "mean_output_prior": setup["prior"],
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        setup = configure(args)
+    except (ValueError, OSError) as exc:  # TraceFormatError, ProfileError, ClusterError, UnknownPolicy, ...
+        print(f"mesh replay: error: {exc}", file=sys.stderr)
+        return 2
+    w = setup["workload"]
+    d = w.description
+    print(
+        f"workload: {d['functions']} functions x {d['window']['minutes']} min, models "
+        f"{', '.join(f'{m}:{int(c)}' for m, c in d['model_counts'].items() if c)}, {d['requests']} requests "
+        f"({d['mean_rps']:.2f} rps; rate scale {d['rate_scale']['value']:.3g}, {d['rate_scale']['mode']}), seed {d['seed']}",
+        file=sys.stderr,
+    )
+    meta = describe(args, setup)
+    runs: dict[str, PolicyRun] = {}
+    results: dict[str, dict[str, Any]] = {}
+    for name in setup["policies"]:
+        run_ = run_policy(w, name, setup["config"], setup["catalog"], setup["prior"])
+        runs[name] = run_
+        results[name] = summarize(run_)
+    shown = {k: v for k, v in results.items()}
+    print(table(shown))
+    if len(results) > 1 and "mesh" in results:
+        base = results["mesh"]["slo_compliant"]
+        for other in results:
+            if other != "mesh" and results[other]["slo_compliant"]:
+                print(f"mesh / {other}: {base / results[other]['slo_compliant']:.2f}x SLO-compliant requests")
+    if args.json:
+        out = {name: {**m, "replay": meta} for name, m in results.items()}
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1, allow_nan=False) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+    if args.plot:
+        from mesh.replay.plots import node_usage, ttft_cdf
+
+        folder = Path(args.plot)
+        folder.mkdir(parents=True, exist_ok=True)
+        label = f"{d['functions']} functions, " + "/".join(setup["mix"]) + (f" ({args.mix})" if args.mix else "")
+        for p in (ttft_cdf(runs, folder / "ttft_cdf.png", label), node_usage(runs, folder / "node_usage.png", label)):
+            print(f"wrote {p}", file=sys.stderr)
+    return 0

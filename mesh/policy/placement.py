@@ -1,0 +1,173 @@
+"""Placement rules of the cluster dispatcher: pure choices on views of the cluster.
+
+Mesh (LLM-Mesh 4, 7):
+- candidate instances of a request's model: CPU nodes first (4), and among a model's
+  instances the one with the highest batch size first (reactive defragmentation by
+  bin-packing, 7.2); without defragmentation, the lowest batch first (the spread order of
+  existing systems, 7.2 last paragraph);
+- proactive defragmentation (7.1): an instance may preempt neighbour instances on its node
+  only if their batch size is lower than its own, the lowest first;
+- a new instance: CPU nodes first, and within a kind the nodes already in use first (so
+  idle nodes stay idle), the fullest first; without sharing, only empty nodes.
+
+ServerlessLLM baselines (8.1): a whole node per instance, first-fit (CPU nodes first when
+they may be used), scale out when in-flight requests exceed the concurrency target.
+
+Common to every policy: keep-alive recycling, the cold-start time of a new instance, and
+the deadline after which a queued request can no longer meet its SLO.
+
+No I/O and no clock: times are arguments.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Collection, Iterable, Sequence
+
+CPU, GPU = "cpu", "gpu"
+NODE_KINDS = (CPU, GPU)
+DEFAULT_KEEP_ALIVE_S = 1.0  # LLM-Mesh 8.1
+
+# ServerlessLLM concurrency targets tailored by the paper (8.1): in-flight requests per
+# instance before scaling out, for Llama-3.2-3B, Llama-2-7B, Llama-2-13B.
+CONCURRENCY_TARGETS: dict[str, dict[str, int]] = {
+    CPU: {"llama-3.2-3b": 59, "llama-2-7b": 15, "llama-2-13b": 6},
+    GPU: {"llama-3.2-3b": 160, "llama-2-7b": 32, "llama-2-13b": 16},
+}
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceView:
+    """What placement needs to know of one instance."""
+
+    instance_id: str
+    node_id: str
+    node_kind: str  # "cpu" | "gpu"
+    model: str
+    batch_size: int  # requests it holds (waiting for prefill or decoding)
+    seq: int = 0  # creation order (first-fit)
+
+
+@dataclass(frozen=True, slots=True)
+class NodeView:
+    node_id: str
+    kind: str
+    instances: int  # instances it hosts (loading ones included)
+    used_bytes: int  # memory budget in use (reservation station, 6.3)
+    capacity_bytes: int
+    seq: int = 0  # position in the cluster (first-fit)
+
+
+def kind_rank(kind: str) -> int:
+    """CPU nodes first (LLM-Mesh 4; the baselines too, 8.1 "all systems prioritize the CPU")."""
+    return 0 if kind == CPU else 1
+
+
+def candidate_order(instances: Iterable[InstanceView], *, defrag: bool = True) -> list[InstanceView]:
+    """Order in which a request tries its model's instances: CPU first; then the highest
+    batch first (7.2), or the lowest first without defragmentation (spread)."""
+    sign = -1 if defrag else 1
+    return sorted(instances, key=lambda v: (kind_rank(v.node_kind), sign * v.batch_size, v.seq))
+
+
+def victim_order(target: InstanceView, neighbours: Iterable[InstanceView]) -> list[InstanceView]:
+    """Neighbours `target` may preempt (7.1): same node, lower batch size, lowest first."""
+    lower = [
+        v for v in neighbours
+        if v.node_id == target.node_id and v.instance_id != target.instance_id and v.batch_size < target.batch_size
+    ]
+    return sorted(lower, key=lambda v: (v.batch_size, v.seq))
+
+
+def new_instance_order(
+    nodes: Iterable[NodeView], kinds: Collection[str], *, exclusive: bool = False, exclude: Collection[str] = ()
+) -> list[NodeView]:
+    """Nodes to try for a new instance: only of `kinds`; CPU first; nodes in use before
+    empty ones and the fullest first (bin-packing, so whole nodes stay free); with
+    `exclusive` (no sharing, the baselines) only empty nodes, in cluster order."""
+    out = [n for n in nodes if n.kind in kinds and n.node_id not in exclude and (not exclusive or n.instances == 0)]
+    if exclusive:
+        return sorted(out, key=lambda n: (kind_rank(n.kind), n.seq))
+    return sorted(out, key=lambda n: (kind_rank(n.kind), n.instances == 0, -n.used_bytes, n.seq))
+
+
+def first_fit_free_node(nodes: Iterable[NodeView], kinds: Collection[str]) -> NodeView | None:
+    """ServerlessLLM: the first node of `kinds` with no instance (CPU first)."""
+    order = new_instance_order(nodes, kinds, exclusive=True)
+    return order[0] if order else None
+
+
+def concurrency_target(base_model: str, kind: str) -> int:
+    """In-flight requests per ServerlessLLM instance before scaling out (8.1)."""
+    table = CONCURRENCY_TARGETS.get(kind)
+    if table is None:
+        raise ValueError(f"unknown node kind {kind!r}; valid: {', '.join(NODE_KINDS)}")
+    if base_model not in table:
+        raise ValueError(
+            f"no ServerlessLLM concurrency target for model {base_model!r} on {kind}; "
+            f"the paper gives them for {', '.join(table)}"
+        )
+    return table[base_model]
+
+
+def sllm_pick(instances: Sequence[InstanceView], targets: dict[str, int]) -> InstanceView | None:
+    """ServerlessLLM routing: the first instance (CPU first, then creation order) whose
+    in-flight requests are below its concurrency target (`targets` by node kind); None
+    means every instance is at its target: scale out (or wait)."""
+    for v in sorted(instances, key=lambda v: (kind_rank(v.node_kind), v.seq)):
+        if v.batch_size < targets[v.node_kind]:
+            return v
+    return None
+
+
+def keep_alive_expired(idle_since: float, now: float, keep_alive_s: float) -> bool:
+    """LLM-Mesh 4: an instance idle (no requests) for keep-alive is recycled."""
+    return now - idle_since >= keep_alive_s - 1e-9
+
+
+@dataclass(frozen=True, slots=True)
+class ColdStart:
+    """Cold-start model (LLM-Mesh 4, 8.1: every model is cached in host memory).
+
+    - GPU node: weights copied host -> GPU over PCIe. Default 25 GB/s: PCIe 4.0 x16 is
+      32 GB/s raw per direction, about 25 GB/s effective with pinned memory (the A100's host
+      link; ServerlessLLM's loader reaches close to this bandwidth).
+    - CPU node: weights already in that node's memory; the OpenVINO instance still maps and
+      lays them out, modelled as one pass over the weights at 50 GB/s (a quarter of the
+      node's ~200 GB/s effective DDR5 bandwidth, docs/roofline.md): 0.27 s for Llama-2-7B.
+    - plus a fixed engine start-up per instance (default 0).
+    The initial KV cache allocation is added by the engine (resize time, LLM-Mesh Figure 8).
+    """
+
+    pcie_bytes_per_s: float = 25e9
+    cpu_load_bytes_per_s: float = 50e9
+    fixed_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.pcie_bytes_per_s > 0 and self.cpu_load_bytes_per_s > 0 and self.fixed_s >= 0):
+            raise ValueError(f"cold-start bandwidths must be positive and the fixed time >= 0, got {self}")
+
+    def load_s(self, weight_bytes: int, node_kind: str) -> float:
+        bandwidth = self.pcie_bytes_per_s if node_kind == GPU else self.cpu_load_bytes_per_s
+        return self.fixed_s + weight_bytes / bandwidth
+
+
+def wait_expiry_s(now: float, slo_expiry_s: float, timeout_s: float | None) -> float:
+    """When a request that starts waiting now is turned away: when it can no longer meet
+    its SLO (timeout None, the default), or after a fixed wait `timeout_s` whatever its
+    SLO (a client timeout; sensitivity runs). The same rule for every policy."""
+    if timeout_s is None:
+        return slo_expiry_s
+    if not timeout_s >= 0:
+        raise ValueError(f"queue timeout must be >= 0 s, got {timeout_s}")
+    return now + timeout_s
+
+
+def queue_expiry_s(deadline_s: float, fastest_first_token_s: float) -> float:
+    """When a waiting request can no longer meet its SLO: its next-token deadline (the
+    TTFT deadline for a fresh request, Eq. 1) minus the fastest its prefill could run
+    anywhere it may go. Past this time it is rejected (or, if it was already running,
+    failed)."""
+    if not math.isfinite(deadline_s):
+        raise ValueError(f"deadline must be finite, got {deadline_s}")
+    return deadline_s - max(0.0, fastest_first_token_s)

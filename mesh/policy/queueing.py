@@ -1,0 +1,91 @@
+"""The bounded waiting queue of the dispatcher (LLM-Mesh 4; the same rule for every policy).
+
+A request no instance can take waits here, in arrival order, and is retried as capacity
+frees. It leaves the queue placed, or rejected with a reason: the queue is full, or it can
+no longer meet its SLO (its expiry, mesh.policy.placement.queue_expiry_s). Requests of one
+model are retried in order (FIFO per model): a later request never overtakes an earlier
+one of the same model.
+
+No clock: times are arguments.
+"""
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+DEFAULT_QUEUE_CAPACITY = 1024
+
+
+@dataclass(slots=True)
+class QueueEntry:
+    request_id: str
+    model: str
+    enqueued_s: float
+    expires_s: float
+    seq: int = 0
+
+
+@dataclass(slots=True)
+class WaitingQueue:
+    capacity: int = DEFAULT_QUEUE_CAPACITY
+    _entries: dict[str, QueueEntry] = field(default_factory=dict)  # insertion (arrival) order
+    _by_model: dict[str, int] = field(default_factory=dict)
+    _expiry: list[tuple[float, int, str]] = field(default_factory=list)  # heap
+    _seq: int = 0
+    peak: int = 0  # most entries held at once
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"queue capacity must be at least 1, got {self.capacity}")
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, request_id: str) -> bool:
+        return request_id in self._entries
+
+    def full(self) -> bool:
+        return len(self._entries) >= self.capacity
+
+    def has_model(self, model: str) -> bool:
+        return self._by_model.get(model, 0) > 0
+
+    def push(self, request_id: str, model: str, now: float, expires_s: float) -> bool:
+        """Enqueue; False if the queue is full (the caller rejects the request)."""
+        if request_id in self._entries:
+            raise ValueError(f"request {request_id!r} is already waiting")
+        if self.full():
+            return False
+        self._seq += 1
+        entry = QueueEntry(request_id, model, now, expires_s, self._seq)
+        self._entries[request_id] = entry
+        self._by_model[model] = self._by_model.get(model, 0) + 1
+        heapq.heappush(self._expiry, (expires_s, entry.seq, request_id))
+        self.peak = max(self.peak, len(self._entries))
+        return True
+
+    def remove(self, request_id: str) -> QueueEntry:
+        entry = self._entries.pop(request_id)
+        self._by_model[entry.model] -= 1
+        return entry
+
+    def in_order(self) -> list[QueueEntry]:
+        """Entries in arrival order (a copy: the caller may remove while iterating)."""
+        return list(self._entries.values())
+
+    def next_expiry(self) -> float | None:
+        """Earliest expiry among waiting entries (lazily drops removed ones)."""
+        heap = self._expiry
+        while heap and (heap[0][2] not in self._entries or self._entries[heap[0][2]].seq != heap[0][1]):
+            heapq.heappop(heap)
+        return heap[0][0] if heap else None
+
+    def pop_expired(self, now: float) -> list[QueueEntry]:
+        """Remove and return the entries whose expiry is at or before `now`."""
+        out = []
+        while True:
+            t = self.next_expiry()
+            if t is None or t > now:
+                return out
+            _, _, rid = heapq.heappop(self._expiry)
+            out.append(self.remove(rid))

@@ -1,0 +1,208 @@
+"""Run a workload under one policy on a simulated cluster, in virtual time (LLM-Mesh 8.1).
+
+The cluster is the real runtime (NodeRuntime per node, the dispatcher, the policy) with a
+SimulatedEngine per instance whose iteration times come from the calibrated profiles, on
+mesh.runtime.virtual_loop: the waiting is skipped, the decisions are the ones a live
+cluster would make. Wall time is measured with time.perf_counter (only here).
+"""
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from tqdm import tqdm
+
+from calibration.profile import ProfileError, load_profile, reference_profile, reference_profiles
+from engines.protocol import EngineRequest, Sampling
+from mesh.policy.placement import CPU, GPU
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY
+from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec, check_cluster
+from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S, DispatchStats, Dispatcher
+from mesh.runtime.policies import PolicyStats, make_policy, policy_spec
+from mesh.runtime.request import ServedRequest
+from mesh.runtime.virtual_loop import run_virtual
+from workloads.workload import Workload
+
+DEFAULT_CPU_DEVICE = "xeon-6462c"
+DEFAULT_GPU_DEVICE = "a100-80gb"
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    queue_capacity: int = DEFAULT_QUEUE_CAPACITY
+    retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S
+    queue_timeout_s: float | None = None  # None: turned away when it can no longer meet its SLO
+    drain_limit_s: float = 600.0  # virtual time after the window for in-flight requests to end
+    progress: bool = True
+
+
+@dataclass
+class NodeStats:
+    node_id: str
+    kind: str
+    iterations: int
+    busy_s: float
+    decode_tokens: int
+    prefill_tokens: int
+
+
+@dataclass
+class PolicyRun:
+    """Everything a replay of one policy produced."""
+
+    policy: str
+    duration_s: float  # the workload window
+    end_s: float  # virtual time when the last request ended
+    wall_s: float
+    requests: list[ServedRequest]
+    usage: list[tuple[float, int, int]]  # (time, CPU nodes in use, GPU nodes in use), change points
+    nodes: list[NodeStats]
+    dispatch: DispatchStats
+    policy_stats: PolicyStats
+    instances_started: int
+    instances_recycled: int
+    queue_peak: int
+    accounting: dict[str, int]
+
+
+def known_models() -> list[str]:
+    """Models with a packaged reference profile on both the CPU and the GPU device."""
+    pairs = set(reference_profiles())
+    return sorted({m for m, d in pairs if d == DEFAULT_CPU_DEVICE and (m, DEFAULT_GPU_DEVICE) in pairs})
+
+
+def build_catalog(
+    bases: list[str],
+    *,
+    cpu_device: str = DEFAULT_CPU_DEVICE,
+    gpu_device: str = DEFAULT_GPU_DEVICE,
+    profile_dir: str | Path | None = None,
+) -> dict[str, ModelSpec]:
+    """A ModelSpec per base model: `profile_dir/<model>__<device>.json` if that file exists,
+    else the packaged reference profile. Errors name the file (and the line for bad JSON)
+    or list the models that have profiles."""
+    catalog = {}
+    for base in bases:
+        profiles = {}
+        for kind, device in ((CPU, cpu_device), (GPU, gpu_device)):
+            path = Path(profile_dir) / f"{base}__{device}.json" if profile_dir is not None else None
+            if path is not None and path.exists():
+                profiles[kind] = load_profile(path)
+            else:
+                try:
+                    profiles[kind] = reference_profile(base, device)
+                except ProfileError:
+                    valid = ", ".join(known_models())
+                    where = f" and no {path}" if path is not None else ""
+                    raise ProfileError(
+                        f"unknown model {base!r}: no profile for it on {device}{where}; "
+                        f"valid models: {valid}"
+                    ) from None
+            if profiles[kind].model != base:
+                raise ProfileError(f"{path}: model: the file is for {profiles[kind].model!r}, expected {base!r}")
+        catalog[base] = ModelSpec(base, profiles)
+    return catalog
+
+
+def _served(workload: Workload, slo) -> list[ServedRequest]:
+    return [
+        ServedRequest(
+            EngineRequest(a.request_id, a.prompt_len, Sampling(max_tokens=max(1, a.output_len)), output_len=a.output_len),
+            a.model, a.time_s, slo,
+        )
+        for a in workload.arrivals
+    ]
+
+
+async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: dict[str, ModelSpec],
+               prior: dict[str, float]) -> PolicyRun:
+    loop = asyncio.get_running_loop()
+    dispatcher_box: list[Dispatcher] = []
+    cluster = Cluster(
+        config.cluster, catalog, workload.models, prior,
+        on_evict=lambda req, node: dispatcher_box[0].on_evict(req, node),
+    )
+    dispatcher = Dispatcher(
+        cluster, queue_capacity=config.queue_capacity, retry_interval_s=config.retry_interval_s,
+        queue_timeout_s=config.queue_timeout_s,
+    )
+    dispatcher_box.append(dispatcher)
+    pol = make_policy(policy, cluster, dispatcher.reschedule)
+    dispatcher.attach(pol)
+    cluster.start()
+    requests = _served(workload, config.cluster.slo)
+    duration = workload.duration_s
+    bar = tqdm(total=round(duration), unit="s", desc=f"{policy:>14}", disable=not config.progress,
+               leave=True, dynamic_ncols=True, mininterval=0.5)
+
+    async def progress() -> None:
+        step = max(1.0, duration / 200)
+        shown = 0
+        while True:
+            await asyncio.sleep(step)
+            now = min(round(loop.time()), round(duration))
+            bar.update(now - shown)
+            shown = now
+            bar.set_postfix(done=sum(1 for r in requests if r.outcome is not None), refresh=False)
+
+    ticker = loop.create_task(progress())
+    start = loop.time()
+    try:
+        for req in requests:
+            delay = start + req.arrival_s - loop.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            dispatcher.submit(req)
+        dispatcher.close()
+        remaining = max(0.0, start + duration - loop.time()) + config.drain_limit_s
+        try:
+            await asyncio.wait_for(dispatcher.all_done.wait(), remaining)
+        except asyncio.TimeoutError:
+            dispatcher.abort_all(f"still in flight {config.drain_limit_s:g} s after the window ended")
+    finally:
+        ticker.cancel()
+        bar.update(round(duration) - bar.n)
+        bar.close()
+    end = loop.time()
+    await cluster.stop()
+    nodes = [NodeStats(n.node_id, n.spec.kind, n.iteration_count, n.busy_s, n.decode_tokens, n.prefill_tokens) for n in cluster.nodes]
+    return PolicyRun(
+        policy, duration, end - start, 0.0, requests, list(cluster.usage), nodes, dispatcher.stats, pol.stats,
+        cluster.instances_started, cluster.instances_recycled, dispatcher.queue.peak, dispatcher.accounting(),
+    )
+
+
+def mean_output_prior(workload: Workload) -> dict[str, float]:
+    """O_avg's starting value per base model (6.1): the mean output length of the length
+    trace's rows eligible for that model, i.e. the historical mean (not the replayed one)."""
+    out = {}
+    for base, info in workload.description.get("per_model", {}).items():
+        out[base] = float(info.get("trace_mean_output_len") or info.get("mean_output_len") or 256.0)
+    return out
+
+
+def run_policy(
+    workload: Workload,
+    policy: str,
+    config: ReplayConfig,
+    catalog: dict[str, ModelSpec],
+    prior: dict[str, float] | None = None,
+) -> PolicyRun:
+    """Replay `workload` under `policy`; raises ClusterError/UnknownPolicy before running."""
+    spec = policy_spec(policy)
+    check_cluster(config.cluster, catalog, spec.kinds, policy)
+    prior = prior if prior is not None else mean_output_prior(workload)
+    t0 = time.perf_counter()
+    run = run_virtual(_run(workload, policy, config, catalog, prior))
+    run.wall_s = time.perf_counter() - t0
+    return run
+
+
+def trace_mean_output(lengths, max_total: int | None) -> float:
+    """Mean output length of the length trace's rows that fit `max_total` (O_avg prior)."""
+    mask = lengths.eligible_mask(max_total)
+    return float(np.asarray(lengths.generated_tokens)[mask].mean())

@@ -1,0 +1,323 @@
+"""A cluster of nodes and the model instances on them (LLM-Mesh 4, 8.1).
+
+The cluster owns one NodeRuntime per node, knows which instances of which model run where,
+starts instances with a modelled cold start (mesh.policy.placement.ColdStart: weights from
+host memory over PCIe to a GPU, or already in a CPU node's memory), recycles instances
+idle past keep-alive, and records how many nodes of each kind are in use over time. It
+decides nothing about placement: the policies (mesh.runtime.policies) do.
+
+Time comes only from the event loop: the same code runs live and in a virtual-time replay.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import zlib
+from dataclasses import dataclass, field
+from typing import Callable
+
+from calibration.perf_model import PerformanceModel
+from calibration.profile import Profile
+from engines.protocol import Engine
+from engines.simulated import GIB, RESIZE_UP_S_PER_GIB, SimulatedEngine
+from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
+from mesh.policy.placement import CPU, DEFAULT_KEEP_ALIVE_S, GPU, ColdStart, InstanceView, NodeView, keep_alive_expired
+from mesh.policy.shadow import DEFAULT_MARGIN
+from mesh.policy.slo import SLO
+from mesh.runtime.node import InstancePlan, NodeInstance, NodeRuntime, NodeSpec
+from mesh.runtime.request import ServedRequest
+
+# Node memory (LLM-Mesh 8.1 testbed). GPU: the A100's 80 GB. CPU: 256 GB of DDR5 for
+# instances (8 channels x 32 GB DIMMs, the usual 8 GB per core of a 32-core cloud node);
+# the host copy of every model (8.1: all models cached in CPU memory) is not counted in it.
+DEFAULT_GPU_MEMORY_BYTES = 80 * GIB
+DEFAULT_CPU_MEMORY_BYTES = 256 * GIB
+DEFAULT_MAX_BATCH = 256  # B_max of the profiles (LLM-Mesh 5.2)
+
+
+class ClusterError(ValueError):
+    """The cluster cannot run: no nodes, or a model that fits no node. Raised before a run."""
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A base model on each kind of node: its profile and performance model (5.2)."""
+
+    name: str
+    profiles: dict[str, Profile]  # by node kind
+    times: dict[str, PerformanceModel] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for kind, profile in self.profiles.items():
+            if profile.device_kind != kind:
+                raise ClusterError(
+                    f"model {self.name}: the profile for {kind} nodes is a {profile.device_kind} profile "
+                    f"({profile.model} on {profile.device})"
+                )
+            self.times.setdefault(kind, PerformanceModel(profile))
+
+    def min_bytes(self, kind: str, watermark: float) -> int:
+        """Memory an idle instance takes: weights and the initial KV cache (Eq. 2 at L_min)."""
+        p = self.profiles[kind]
+        return p.weight_bytes + recommend_bytes(kv_require_bytes(p.kv_bytes_per_token, (), 0, p.max_context), watermark)
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    cpu_nodes: int = 4
+    gpu_nodes: int = 4
+    cpu_memory_bytes: int = DEFAULT_CPU_MEMORY_BYTES
+    gpu_memory_bytes: int = DEFAULT_GPU_MEMORY_BYTES
+    cold_start: ColdStart = ColdStart()
+    keep_alive_s: float = DEFAULT_KEEP_ALIVE_S
+    margin: float = DEFAULT_MARGIN
+    watermark: float = DEFAULT_WATERMARK
+    slo: SLO = SLO()
+    noise: float = 0.0  # relative std-dev of simulated iteration times
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_nodes", "gpu_nodes"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ClusterError(f"{name.replace('_', ' ')} must be a non-negative integer, got {value!r}")
+        if self.cpu_nodes + self.gpu_nodes == 0:
+            raise ClusterError("the cluster has no nodes: give at least one CPU or GPU node (--cpu-nodes, --gpu-nodes)")
+        if self.cpu_memory_bytes <= 0 or self.gpu_memory_bytes <= 0:
+            raise ClusterError("node memory must be positive")
+        if self.keep_alive_s < 0:
+            raise ClusterError(f"keep-alive must be >= 0 s, got {self.keep_alive_s}")
+
+    def node_specs(self) -> list[NodeSpec]:
+        cpus = [NodeSpec(f"cpu{i}", CPU, self.cpu_memory_bytes) for i in range(self.cpu_nodes)]
+        gpus = [NodeSpec(f"gpu{i}", GPU, self.gpu_memory_bytes) for i in range(self.gpu_nodes)]
+        return cpus + gpus
+
+
+def check_cluster(config: ClusterConfig, catalog: dict[str, ModelSpec], kinds: tuple[str, ...], policy: str) -> None:
+    """Refuse, before a run, a cluster the policy cannot use: no node of a kind it uses, or
+    a model that fits no node it may place it on."""
+    counts = {CPU: config.cpu_nodes, GPU: config.gpu_nodes}
+    usable = [k for k in kinds if counts[k] > 0]
+    if not usable:
+        raise ClusterError(
+            f"policy {policy} uses only {' and '.join(kinds).upper()} nodes and the cluster has none "
+            f"(--cpu-nodes {config.cpu_nodes}, --gpu-nodes {config.gpu_nodes})"
+        )
+    memory = {CPU: config.cpu_memory_bytes, GPU: config.gpu_memory_bytes}
+    for name, spec in catalog.items():
+        fits = [k for k in usable if k in spec.profiles and spec.min_bytes(k, config.watermark) <= memory[k]]
+        if not fits:
+            needs = ", ".join(
+                f"{k}: {spec.min_bytes(k, config.watermark) / GIB:.1f} GiB of {memory[k] / GIB:.0f} GiB"
+                for k in usable if k in spec.profiles
+            ) or f"no profile for {'/'.join(usable)} nodes"
+            raise ClusterError(f"model {name} fits no node policy {policy} may use ({needs})")
+
+
+@dataclass(eq=False)
+class InstanceRef:
+    """One instance in the cluster."""
+
+    instance_id: str
+    model: str  # the replica ("llama-2-7b/f017")
+    base: str  # its base model ("llama-2-7b")
+    node: NodeRuntime
+    seq: int
+    recycle: asyncio.TimerHandle | None = None
+
+    @property
+    def inst(self) -> NodeInstance:
+        return self.node.instances[self.instance_id]
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.node.instances[self.instance_id].requests)
+
+    def view(self) -> InstanceView:
+        n = self.node
+        return InstanceView(self.instance_id, n.node_id, n.spec.kind, self.model, len(n.instances[self.instance_id].requests), self.seq)
+
+
+EngineFactory = Callable[[InstancePlan, str, float, int], Engine]
+
+
+class Cluster:
+    def __init__(
+        self,
+        config: ClusterConfig,
+        catalog: dict[str, ModelSpec],
+        models: dict[str, str],
+        mean_output_prior: dict[str, float],
+        *,
+        on_evict: Callable[[ServedRequest, NodeRuntime], None] | None = None,
+        on_capacity: Callable[[], None] | None = None,
+        engine_factory: EngineFactory | None = None,
+    ) -> None:
+        """`models` maps each model (replica) to its base model in `catalog`;
+        `mean_output_prior` gives O_avg's starting value per base model (6.1)."""
+        unknown = sorted({b for b in models.values() if b not in catalog})
+        if unknown:
+            raise ClusterError(f"no model spec for {', '.join(unknown)}; known: {', '.join(sorted(catalog))}")
+        self.config = config
+        self.catalog = catalog
+        self.models = models
+        self.nodes: list[NodeRuntime] = []
+        for spec in config.node_specs():
+            node = NodeRuntime(spec, margin=config.margin, watermark=config.watermark)
+            node.on_evict = (lambda req, n=node: on_evict(req, n)) if on_evict is not None else None
+            self.nodes.append(node)
+        self.node_seq = {n.node_id: k for k, n in enumerate(self.nodes)}
+        self.on_capacity = on_capacity
+        self.engine_factory = engine_factory or self._simulated_engine
+        self._mean_output = {m: RunningMean(mean_output_prior.get(b, 256.0)) for m, b in models.items()}
+        self._by_model: dict[str, list[InstanceRef]] = {}
+        self._by_id: dict[str, InstanceRef] = {}
+        self._ids = itertools.count()
+        self._in_use = {CPU: 0, GPU: 0}
+        self.usage: list[tuple[float, int, int]] = [(0.0, 0, 0)]  # (time, CPU nodes in use, GPU nodes in use)
+        self.instances_started = 0
+        self.instances_recycled = 0
+        self.cold_start_s = 0.0  # summed predicted cold starts
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self.usage = [(self._now(), 0, 0)]
+        for node in self.nodes:
+            node.start()
+
+    async def stop(self) -> None:
+        for ref in self._by_id.values():
+            if ref.recycle is not None:
+                ref.recycle.cancel()
+        await asyncio.gather(*(n.stop() for n in self.nodes))
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
+
+    # -- views -----------------------------------------------------------------------
+    def instances_of(self, model: str) -> list[InstanceRef]:
+        return self._by_model.get(model, [])
+
+    def instance(self, instance_id: str) -> InstanceRef | None:
+        return self._by_id.get(instance_id)
+
+    def instances_on(self, node: NodeRuntime) -> list[InstanceRef]:
+        return [self._by_id[i] for i in node.instances]
+
+    def node_views(self) -> list[NodeView]:
+        return [
+            NodeView(n.node_id, n.spec.kind, len(n.instances), n.memory.station.budget, n.spec.memory_bytes, k)
+            for k, n in enumerate(self.nodes)
+        ]
+
+    def node(self, node_id: str) -> NodeRuntime:
+        return self.nodes[self.node_seq[node_id]]
+
+    def hosts(self, model: str) -> set[str]:
+        """Nodes with an instance of `model`."""
+        return {ref.node.node_id for ref in self.instances_of(model)}
+
+    def fastest_prefill_s(self, model: str, prompt_len: int, kinds: tuple[str, ...]) -> float:
+        """The quickest a prompt could be prefilled on any node kind the policy uses."""
+        spec = self.catalog[self.models[model]]
+        return min(spec.times[k].prefill_s(prompt_len) for k in kinds if k in spec.times)
+
+    def in_use(self) -> tuple[int, int]:
+        return self._in_use[CPU], self._in_use[GPU]
+
+    # -- instances -------------------------------------------------------------------
+    def plan(self, model: str, node: NodeRuntime) -> InstancePlan:
+        """A new instance of `model` on `node`, with its predicted cold start (4, 8.1)."""
+        kind = node.spec.kind
+        spec = self.catalog[self.models[model]]
+        p = spec.profiles[kind]
+        kv0 = spec.min_bytes(kind, self.config.watermark) - p.weight_bytes
+        expected = self.config.cold_start.load_s(p.weight_bytes, kind) + kv0 / GIB * RESIZE_UP_S_PER_GIB
+        return InstancePlan(
+            f"{model}@{node.node_id}#{next(self._ids)}", model, spec.times[kind], self.config.slo,
+            p.kv_bytes_per_token, p.weight_bytes, p.max_context, p.max_context, DEFAULT_MAX_BATCH,
+            self._mean_output[model], expected,
+        )
+
+    def can_host(self, model: str, node: NodeRuntime) -> bool:
+        spec = self.catalog[self.models[model]]
+        kind = node.spec.kind
+        return kind in spec.profiles and node.memory.station.can_resize(
+            "", spec.min_bytes(kind, self.config.watermark)
+        )
+
+    def _simulated_engine(self, plan: InstancePlan, kind: str, load_s: float, seed: int) -> Engine:
+        return SimulatedEngine(
+            plan.model, plan.times, kv_bytes_per_token=plan.kv_bytes_per_token, weight_bytes=plan.weight_bytes,
+            context_window=plan.context_window, prefill_token_budget=plan.prefill_token_budget,
+            max_batch=plan.max_batch, load_s=load_s, noise=self.config.noise, seed=seed,
+        )
+
+    def start_instance(self, plan: InstancePlan, node: NodeRuntime) -> InstanceRef | None:
+        """Start the planned instance (issue its load); None if the node's memory refuses."""
+        kind = node.spec.kind
+        load_s = self.config.cold_start.load_s(plan.weight_bytes, kind)
+        seed = zlib.crc32(f"{self.config.seed}:{plan.instance_id}".encode())
+        engine = self.engine_factory(plan, kind, load_s, seed)
+        issued = node.start_instance(plan.instance_id, plan.model, engine, plan.times, plan.slo, plan.mean_output, plan.expected_load_s)
+        if not issued.accepted:
+            return None
+        ref = InstanceRef(plan.instance_id, plan.model, self.models[plan.model], node, self.instances_started)
+        self.instances_started += 1
+        self.cold_start_s += plan.expected_load_s
+        self._by_model.setdefault(plan.model, []).append(ref)
+        self._by_id[plan.instance_id] = ref
+        if len(node.instances) == 1:
+            self._usage_changed(kind, +1)
+        return ref
+
+    def stop_instance(self, ref: InstanceRef) -> None:
+        """Unload an instance that holds no requests."""
+        if ref.recycle is not None:
+            ref.recycle.cancel()
+            ref.recycle = None
+        ref.node.stop_instance(ref.instance_id)
+        self._by_model[ref.model].remove(ref)
+        if not self._by_model[ref.model]:
+            del self._by_model[ref.model]
+        del self._by_id[ref.instance_id]
+        if not ref.node.instances:
+            self._usage_changed(ref.node.spec.kind, -1)
+
+    def _usage_changed(self, kind: str, delta: int) -> None:
+        self._in_use[kind] += delta
+        now = self._now()
+        entry = (now, self._in_use[CPU], self._in_use[GPU])
+        if self.usage and self.usage[-1][0] == now:
+            self.usage[-1] = entry
+        else:
+            self.usage.append(entry)
+
+    # -- keep-alive (LLM-Mesh 4) -------------------------------------------------------
+    def note_idle(self, node: NodeRuntime) -> None:
+        """Arm the keep-alive timer of every instance on `node` that holds no requests."""
+        loop = asyncio.get_running_loop()
+        for instance_id, inst in node.instances.items():
+            if inst.requests:
+                continue
+            ref = self._by_id[instance_id]
+            if ref.recycle is None:
+                ref.recycle = loop.call_at(inst.idle_since + self.config.keep_alive_s, self._recycle, ref)
+
+    def _recycle(self, ref: InstanceRef) -> None:
+        ref.recycle = None
+        if self._by_id.get(ref.instance_id) is not ref:
+            return
+        inst = ref.inst
+        if inst.requests:
+            return
+        now = self._now()
+        if not keep_alive_expired(inst.idle_since, now, self.config.keep_alive_s):
+            ref.recycle = asyncio.get_running_loop().call_at(inst.idle_since + self.config.keep_alive_s, self._recycle, ref)
+            return
+        self.stop_instance(ref)
+        self.instances_recycled += 1
+        if self.on_capacity is not None:
+            self.on_capacity()

@@ -1,0 +1,280 @@
+"""The cluster dispatcher (LLM-Mesh 4): every request is placed, waits, or is turned away,
+and is always accounted for.
+
+For each arriving request the policy (mesh.runtime.policies) tries to place it. If it
+cannot, the request waits in the bounded queue (mesh.policy.queueing) and is retried, in
+order, whenever capacity frees (a request ends, an instance is recycled); once it can no
+longer meet its SLO it is rejected with the reason. Requests handed back by a node
+(evicted when its KV cache outgrew the estimate, 6.4) are rescheduled the same way with
+their progress kept; one that cannot be placed again in time fails.
+
+Invariant: every submitted request ends exactly once, completed, rejected or failed; the
+dispatcher counts each (`accounting()`), and `all_done` is set when nothing is in flight.
+The same rule applies to every policy, so comparisons are fair.
+
+Work triggered from inside a node's loop (a request completes) is deferred with the event
+loop, never done re-entrantly inside the node.
+"""
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mesh.policy.placement import queue_expiry_s, wait_expiry_s
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, WaitingQueue
+from mesh.runtime.cluster import Cluster
+from mesh.runtime.node import NodeRuntime
+from mesh.runtime.request import Outcome, ServedRequest
+
+DEFAULT_RETRY_INTERVAL_S = 0.05  # waiting requests are retried at most this often
+
+# Reasons a request is turned away.
+SLO_UNREACHABLE = "cannot meet its SLO"
+QUEUE_TIMEOUT = "queue timeout"
+QUEUE_FULL = "queue full"
+REPLAY_ENDED = "replay ended"
+
+
+def slo_met(req: ServedRequest) -> bool:
+    """Completed within the SLO as the scheduler reads it (LLM-Mesh 5.1, Eq. 1): the first
+    token by ST + TTFT_SLO, and the last (the n-th) by ST + TTFT_SLO + TPOT_SLO * (n - 1).
+    A request whose first token came early may use that slack later, as headroom scheduling
+    does. `ServedRequest.slo_met` is the stricter reading (mean TPOT measured from the first
+    token); replays report both."""
+    if req.outcome is not Outcome.COMPLETED or req.first_token_s is None or req.finish_s is None:
+        return False
+    ttft_deadline = req.arrival_s + req.slo.ttft_s(req.prompt_len)
+    if req.first_token_s > ttft_deadline + 1e-9:
+        return False
+    return req.finish_s <= ttft_deadline + req.slo.tpot_s * max(0, req.tokens_out - 1) + 1e-9
+
+
+class PlacementPolicy(Protocol):
+    """How a policy places one request (mesh.runtime.policies)."""
+
+    name: str
+    kinds: tuple[str, ...]  # node kinds it uses
+    validates: bool  # admits only requests shadow validation shows on time (Mesh)
+
+    def place(self, req: ServedRequest) -> bool:
+        """Place `req` on some instance now (starting one if the policy wants); False if it
+        cannot be placed at the moment."""
+
+
+@dataclass
+class DispatchStats:
+    placed_at_arrival: int = 0
+    queued: int = 0  # requests that waited at least once
+    placed_from_queue: int = 0
+    rescheduled: int = 0  # handed back by a node (eviction) and placed again
+    rejected: Counter = field(default_factory=Counter)  # reason -> count
+    failed: Counter = field(default_factory=Counter)
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        cluster: Cluster,
+        *,
+        queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
+        retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+        queue_timeout_s: float | None = None,
+    ) -> None:
+        self.cluster = cluster
+        self.policy: PlacementPolicy | None = None
+        self.queue = WaitingQueue(queue_capacity)
+        self.retry_interval_s = retry_interval_s
+        self.queue_timeout_s = queue_timeout_s
+        self._slo_expiry: dict[str, float] = {}  # waiting request -> when it can no longer meet its SLO
+        self.stats = DispatchStats()
+        self.requests: list[ServedRequest] = []
+        self._waiting: dict[str, ServedRequest] = {}
+        self._in_flight = 0
+        self._closed = False  # no more submissions
+        self.all_done = asyncio.Event()
+        self._drain_handle: asyncio.Handle | None = None
+        self._last_drain = -1e18
+        self._expiry_handle: asyncio.TimerHandle | None = None
+        self._expiry_at: float | None = None
+        cluster.on_capacity = self.capacity_freed
+
+    def attach(self, policy: PlacementPolicy) -> None:
+        self.policy = policy
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
+
+    # -- requests in ---------------------------------------------------------------
+    def submit(self, req: ServedRequest) -> None:
+        """A request arrives (its arrival_s is now)."""
+        if self._closed:
+            raise RuntimeError("the dispatcher is closed; no more requests")
+        self.requests.append(req)
+        self._in_flight += 1
+        user_done = req.on_done
+        req.on_done = lambda r, cb=user_done: self._ended(r, cb)
+        self.all_done.clear()
+        if self.queue.has_model(req.model):  # FIFO per model: wait behind earlier ones
+            self._enqueue(req)
+            self._schedule_drain()
+        elif self.policy.place(req):
+            self.stats.placed_at_arrival += 1
+        else:
+            self._enqueue(req)
+
+    def close(self) -> None:
+        """No more submissions; all_done is set once the last request ends."""
+        self._closed = True
+        if self._in_flight == 0:
+            self.all_done.set()
+
+    def reschedule(self, req: ServedRequest) -> None:
+        """Place again a request taken off a node (progress kept), or let it wait."""
+        if req.outcome is not None:
+            return
+        if self.policy.place(req):
+            self.stats.rescheduled += 1
+        else:
+            self._enqueue(req)
+
+    def on_evict(self, req: ServedRequest, node: NodeRuntime) -> None:
+        """A node evicted a request (6.4); called inside the node's loop, so deferred."""
+        loop = asyncio.get_running_loop()
+        loop.call_soon(self.reschedule, req)
+        loop.call_soon(self.cluster.note_idle, node)
+
+    def capacity_freed(self) -> None:
+        self._schedule_drain()
+
+    # -- the queue -------------------------------------------------------------------
+    def _deadline(self, req: ServedRequest) -> tuple[float, int]:
+        """(next-token deadline, prompt to prefill) of a request with its progress (Eq. 1)."""
+        prompt, start = NodeRuntime.effective(req, req.tokens_out)
+        return start + req.slo.ttft_s(prompt), prompt
+
+    def _enqueue(self, req: ServedRequest) -> None:
+        now = self._now()
+        deadline, prompt = self._deadline(req)
+        slo_expiry = queue_expiry_s(deadline, self.cluster.fastest_prefill_s(req.model, prompt, self.policy.kinds))
+        expiry = wait_expiry_s(now, slo_expiry, self.queue_timeout_s)
+        if now >= expiry:
+            why = "no instance could take it in time" if self.queue_timeout_s is None else "queue timeout of 0 s"
+            self._turn_away(req, SLO_UNREACHABLE if self.queue_timeout_s is None else QUEUE_TIMEOUT, why)
+            return
+        if req.request_id in self._waiting:
+            return
+        if not self.queue.push(req.request_id, req.model, now, expiry):
+            self._turn_away(req, QUEUE_FULL, f"{self.queue.capacity} requests were waiting")
+            return
+        if req.tokens_out == 0 and not any(a.startswith("waited") for a in req.attempts):
+            self.stats.queued += 1
+            req.attempts.append(f"waited from {now:.3f}")
+        self._waiting[req.request_id] = req
+        self._slo_expiry[req.request_id] = slo_expiry
+        self._arm_expiry()
+
+    def _turn_away(self, req: ServedRequest, reason: str, detail: str) -> None:
+        """Reject a request never served; fail one that had started (it lost its place)."""
+        if req.first_token_s is None and req.tokens_out == 0:
+            self.stats.rejected[reason] += 1
+            req.end(Outcome.REJECTED, self._now(), f"rejected: {reason}: {detail}")
+        else:
+            self.stats.failed[reason] += 1
+            req.end(Outcome.FAILED, self._now(), f"failed after {req.tokens_out} tokens: {reason}: {detail}")
+
+    def _arm_expiry(self) -> None:
+        t = self.queue.next_expiry()
+        if t is None or (self._expiry_at is not None and self._expiry_at <= t):
+            return
+        if self._expiry_handle is not None:
+            self._expiry_handle.cancel()
+        self._expiry_at = t
+        self._expiry_handle = asyncio.get_running_loop().call_at(t, self._expire)
+
+    def _expire(self) -> None:
+        self._expiry_handle = self._expiry_at = None
+        for entry in self.queue.pop_expired(self._now()):
+            req = self._waiting.pop(entry.request_id)
+            self._slo_expiry.pop(entry.request_id, None)
+            if self.queue_timeout_s is None:
+                self._turn_away(req, SLO_UNREACHABLE, "waited until it could no longer meet its SLO")
+            else:
+                self._turn_away(req, QUEUE_TIMEOUT, f"waited {self.queue_timeout_s:g} s")
+        self._arm_expiry()
+
+    def _schedule_drain(self) -> None:
+        if self._drain_handle is not None or not self._waiting:
+            return
+        loop = asyncio.get_running_loop()
+        delay = max(0.0, self._last_drain + self.retry_interval_s - loop.time())
+        self._drain_handle = loop.call_later(delay, self._drain)
+
+    def _drain(self) -> None:
+        """Retry waiting requests in order; a model whose head cannot be placed is skipped
+        for the rest of this pass (FIFO per model)."""
+        self._drain_handle = None
+        self._last_drain = self._now()
+        blocked: set[str] = set()
+        now = self._last_drain
+        for entry in self.queue.in_order():
+            if entry.model in blocked or entry.request_id not in self.queue:
+                continue
+            if self.policy.validates and now >= self._slo_expiry[entry.request_id]:
+                continue  # validation can only fail now; it waits out its timeout
+            req = self._waiting[entry.request_id]
+            if self.policy.place(req):
+                self.queue.remove(entry.request_id)
+                del self._waiting[entry.request_id]
+                del self._slo_expiry[entry.request_id]
+                self.stats.placed_from_queue += 1
+            else:
+                blocked.add(entry.model)
+
+    # -- requests out ----------------------------------------------------------------
+    def _ended(self, req: ServedRequest, user_done) -> None:
+        self._in_flight -= 1
+        if req.request_id in self._waiting:  # ended while waiting (aborted)
+            self.queue.remove(req.request_id)
+            del self._waiting[req.request_id]
+            self._slo_expiry.pop(req.request_id, None)
+        if req.node_id is not None:
+            node = self.cluster.node(req.node_id)
+            loop = asyncio.get_running_loop()
+            loop.call_soon(self.cluster.note_idle, node)
+            self._schedule_drain()
+        if user_done is not None:
+            user_done(req)
+        if self._closed and self._in_flight == 0:
+            self.all_done.set()
+
+    def abort_all(self, why: str) -> None:
+        """End every request still in flight (the replay's time limit)."""
+        now = self._now()
+        for req in list(self._waiting.values()):
+            self._turn_away(req, REPLAY_ENDED, why)
+        for node in self.cluster.nodes:
+            for rid in list(node.compute.requests):
+                node.abort(rid, Outcome.FAILED, why)
+        for req in self.requests:
+            if req.outcome is None:
+                req.end(Outcome.FAILED, now, why)
+
+    def accounting(self) -> dict[str, int]:
+        """Counts by outcome; raises AssertionError if any request is unaccounted for."""
+        counts = Counter(r.outcome.value if r.outcome is not None else "none" for r in self.requests)
+        slo = sum(1 for r in self.requests if slo_met(r))
+        out = {
+            "requests": len(self.requests),
+            "completed": counts[Outcome.COMPLETED.value],
+            "slo_compliant": slo,
+            "slo_violating": counts[Outcome.COMPLETED.value] - slo,
+            "rejected": counts[Outcome.REJECTED.value],
+            "failed": counts[Outcome.FAILED.value],
+            "slo_compliant_strict": sum(1 for r in self.requests if r.slo_met),
+        }
+        assert counts["none"] == 0, f"{counts['none']} requests never ended"
+        assert out["requests"] == out["slo_compliant"] + out["slo_violating"] + out["rejected"] + out["failed"], out
+        return out

@@ -1,0 +1,266 @@
+"""Placement policies behind one interface, chosen by name.
+
+- `mesh`: LLM-Mesh (4, 7): candidate instances CPU first and highest batch first (7.2),
+  validated on both subsystems (5.3, 6.4); if all fail, proactive defragmentation (7.1);
+  then a new instance on a node that validates, with its cold start. Instances share nodes.
+- `mesh-no-share`, `mesh-no-cpu`, `mesh-no-defrag`: the ablations of 8.3 (one instance per
+  node; GPU nodes only; no preemption and spread instead of bin-packing).
+- `sllm`, `sllm+cpu`: ServerlessLLM as the paper ran it (8.1): a whole node per instance,
+  first-fit, scale out when an instance's in-flight requests reach its concurrency target;
+  requests are not validated, they wait. `sllm` uses GPU nodes only.
+
+Keep-alive recycling and the bounded waiting queue are common (mesh.runtime.dispatcher,
+mesh.runtime.cluster).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from mesh.policy.placement import (
+    CPU,
+    GPU,
+    candidate_order,
+    concurrency_target,
+    new_instance_order,
+    sllm_pick,
+    victim_order,
+)
+from mesh.runtime.cluster import Cluster, InstanceRef
+from mesh.runtime.node import InstancePlan, NodeRuntime
+from mesh.runtime.request import ServedRequest
+
+
+class UnknownPolicy(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class PolicySpec:
+    name: str
+    family: str  # "mesh" | "sllm"
+    kinds: tuple[str, ...]  # node kinds it uses, in preference order
+    share: bool = True  # several instances per node
+    defrag: bool = True  # proactive (7.1) and reactive (7.2) defragmentation
+    description: str = ""
+
+
+POLICIES: dict[str, PolicySpec] = {
+    p.name: p
+    for p in (
+        PolicySpec("mesh", "mesh", (CPU, GPU), description="LLM-Mesh: shared CPU and GPU nodes, shadow validation, defragmentation"),
+        PolicySpec("sllm", "sllm", (GPU,), share=False, defrag=False,
+                   description="ServerlessLLM: GPU nodes only, a whole node per instance, concurrency-target scale-out"),
+        PolicySpec("sllm+cpu", "sllm", (CPU, GPU), share=False, defrag=False,
+                   description="ServerlessLLM also using CPU nodes"),
+        PolicySpec("mesh-no-share", "mesh", (CPU, GPU), share=False, description="Mesh with one instance per node"),
+        PolicySpec("mesh-no-cpu", "mesh", (GPU,), description="Mesh on GPU nodes only"),
+        PolicySpec("mesh-no-defrag", "mesh", (CPU, GPU), defrag=False,
+                   description="Mesh without preemption, spreading requests over a model's instances"),
+    )
+}
+
+
+def policy_spec(name: str) -> PolicySpec:
+    if name not in POLICIES:
+        raise UnknownPolicy(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)}")
+    return POLICIES[name]
+
+
+@dataclass
+class PolicyStats:
+    new_instances: int = 0
+    preemptions: int = 0  # instances preempted (7.1)
+    preempted_requests: int = 0  # requests moved by preemption
+    validations: int = 0  # candidate checks made
+
+
+@dataclass
+class _Home:
+    """Where a preempted instance's requests go: an existing instance or a new one."""
+
+    node: NodeRuntime
+    ref: InstanceRef | None = None
+    plan: InstancePlan | None = None
+
+
+@dataclass
+class MeshPolicy:
+    spec: PolicySpec
+    cluster: Cluster
+    reschedule: Callable[[ServedRequest], None]
+    stats: PolicyStats = field(default_factory=PolicyStats)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.spec.kinds
+
+    validates = True
+
+    def place(self, req: ServedRequest) -> bool:
+        refs = self.cluster.instances_of(req.model)
+        by_id = {r.instance_id: r for r in refs}
+        views = [r.view() for r in refs]
+        for v in candidate_order(views, defrag=self.spec.defrag):
+            self.stats.validations += 1
+            ref = by_id[v.instance_id]
+            if ref.node.try_admit(v.instance_id, req).ok:
+                return True
+        if self.spec.defrag and self.spec.share and views and self._preempt_for(req, views, by_id):
+            return True
+        return self._scale_out(req)
+
+    # -- a new instance (4) -------------------------------------------------------------
+    def _scale_out(self, req: ServedRequest) -> bool:
+        home = self._new_instance_home(req.model, [req], [req.tokens_out], self.cluster.hosts(req.model))
+        if home is None:
+            return False
+        return self._start_and_admit(home, [req]) == []
+
+    def _new_instance_home(
+        self, model: str, reqs: list[ServedRequest], done: list[int], exclude: set[str]
+    ) -> _Home | None:
+        """The first node (placement.new_instance_order) where a new instance of `model`
+        would serve all of `reqs` within SLO, counting its cold start."""
+        views = self.cluster.node_views()
+        for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share, exclude=exclude):
+            node = self.cluster.node(nv.node_id)
+            if not self.cluster.can_host(model, node):
+                continue
+            plan = self.cluster.plan(model, node)
+            self.stats.validations += 1
+            if node.validate_new(plan, reqs, done).ok:
+                return _Home(node, plan=plan)
+        return None
+
+    def _start_and_admit(self, home: _Home, reqs: list[ServedRequest]) -> list[ServedRequest]:
+        """Start the home's instance if new and admit `reqs`; returns those not admitted."""
+        ref = home.ref
+        if ref is None:
+            ref = self.cluster.start_instance(home.plan, home.node)
+            if ref is None:
+                return list(reqs)
+            self.stats.new_instances += 1
+        left = [q for q in reqs if not home.node.try_admit(ref.instance_id, q).ok]
+        if not ref.inst.requests:
+            self.cluster.stop_instance(ref)
+        return left
+
+    # -- proactive defragmentation (7.1) --------------------------------------------------
+    def _preempt_for(self, req: ServedRequest, views, by_id: dict[str, InstanceRef]) -> bool:
+        """Fit `req` into one of its model's instances by preempting lower-batch neighbours
+        (lowest first), only if the preempted requests validate where they would go."""
+        for x in candidate_order(views):
+            node = by_id[x.instance_id].node
+            neighbours = [r.view() for r in self.cluster.instances_on(node)]
+            victims = [v for v in victim_order(x, neighbours) if v.instance_id != node.stepping]
+            if not victims:
+                continue
+            self.stats.validations += 1
+            if not node.validate(x.instance_id, req, exclude=[v.instance_id for v in victims]).ok:
+                continue  # even preempting every candidate would not make room
+            chosen: list[tuple[InstanceRef, list[ServedRequest], list[int], _Home]] = []
+            used = {node.node_id}
+            for y in victims:
+                yref = self.cluster.instance(y.instance_id)
+                group = list(yref.inst.requests.values())
+                done = [node.progress(q.request_id) for q in group]
+                home = self._home_for(y.model, group, done, used)
+                if home is None:
+                    continue
+                chosen.append((yref, group, done, home))
+                used.add(home.node.node_id)
+                self.stats.validations += 1
+                if node.validate(x.instance_id, req, exclude=[c[0].instance_id for c in chosen]).ok:
+                    return self._commit(req, by_id[x.instance_id], chosen)
+        return False
+
+    def _home_for(self, model: str, group: list[ServedRequest], done: list[int], used: set[str]) -> _Home | None:
+        """An instance of `model` on another node where all of `group` validate: an
+        existing one (highest batch first), else a new one."""
+        refs = {r.instance_id: r for r in self.cluster.instances_of(model) if r.node.node_id not in used}
+        for v in candidate_order([r.view() for r in refs.values()]):
+            ref = refs[v.instance_id]
+            self.stats.validations += 1
+            if ref.node.validate_group(v.instance_id, group, done).ok:
+                return _Home(ref.node, ref=ref)
+        return self._new_instance_home(model, group, done, used | self.cluster.hosts(model))
+
+    def _commit(self, req: ServedRequest, target: InstanceRef, chosen) -> bool:
+        node = target.node
+        for yref, group, _, _ in chosen:
+            for q in group:
+                node.take_back(q.request_id, f"preempted by {target.instance_id} (7.1)")
+            self.cluster.stop_instance(yref)
+            self.stats.preemptions += 1
+            self.stats.preempted_requests += len(group)
+        placed = node.try_admit(target.instance_id, req).ok
+        for _, group, _, home in chosen:
+            for q in self._start_and_admit(home, group):
+                self.reschedule(q)
+        if not placed:
+            return self._scale_out(req)
+        return True
+
+
+@dataclass
+class SllmPolicy:
+    """ServerlessLLM (8.1): whole node per instance, first-fit, concurrency targets."""
+
+    spec: PolicySpec
+    cluster: Cluster
+    reschedule: Callable[[ServedRequest], None]
+    stats: PolicyStats = field(default_factory=PolicyStats)
+
+    def __post_init__(self) -> None:
+        self._targets = {
+            base: {k: concurrency_target(base, k) for k in self.spec.kinds}
+            for base in set(self.cluster.models.values())
+        }
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.spec.kinds
+
+    validates = False
+
+    def place(self, req: ServedRequest) -> bool:
+        refs = self.cluster.instances_of(req.model)
+        targets = self._targets[self.cluster.models[req.model]]
+        by_id = {r.instance_id: r for r in refs}
+        views = [r.view() for r in refs]
+        while views:
+            v = sllm_pick(views, targets)
+            if v is None:
+                break
+            self.stats.validations += 1
+            if by_id[v.instance_id].node.try_admit(v.instance_id, req, compute=False).ok:
+                return True
+            views = [w for w in views if w.instance_id != v.instance_id]  # memory full: next
+        # Scale out: the first free node (first-fit, CPU first) that can hold the model.
+        for nv in new_instance_order(self.cluster.node_views(), self.kinds, exclusive=True):
+            node = self.cluster.node(nv.node_id)
+            if not self.cluster.can_host(req.model, node):
+                continue
+            ref = self.cluster.start_instance(self.cluster.plan(req.model, node), node)
+            if ref is None:
+                continue
+            self.stats.new_instances += 1
+            if node.try_admit(ref.instance_id, req, compute=False).ok:
+                return True
+            self.cluster.stop_instance(ref)
+        return False
+
+
+def make_policy(name: str, cluster: Cluster, reschedule: Callable[[ServedRequest], None]) -> MeshPolicy | SllmPolicy:
+    spec = policy_spec(name)
+    cls = MeshPolicy if spec.family == "mesh" else SllmPolicy
+    return cls(spec, cluster, reschedule)
