@@ -759,6 +759,11 @@ def create(model_path: str | Path, *, model_name: str | None = None, context_win
 def calibration_target(model: str | Path, *, context_window: int, max_batch: int, model_name: str | None = None,
                        **options: Any) -> Any:
     """The CalibrationTarget `mesh calibrate --engine vllm` measures (calibration.vllm_calibration)."""
+    from calibration.runner import CalibrationError
     from calibration.vllm_calibration import VLLMTarget
 
-    return VLLMTarget(model, context_window=context_window, max_batch=max_batch, model_name=model_name, **options)
+    try:
+        return VLLMTarget(model, context_window=context_window, max_batch=max_batch, model_name=model_name,
+                          **options)
+    except EngineError as exc:
+        raise CalibrationError(str(exc)) from exc
