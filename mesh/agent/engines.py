@@ -133,8 +133,14 @@ def _make_openvino(spec: InstanceSpec, on_loaded: LoadCallback) -> Any:
 
 
 def _make_vllm(spec: InstanceSpec, on_loaded: LoadCallback) -> Any:
-    raise EngineError("GPU instances (vLLM) are not served yet: GPU node agents arrive with issue 6; "
-                      "register a GGUF file or OpenVINO IR folder for CPU nodes")
+    """A vLLM instance (engines.vllm_engine): its own worker process, stepped by this agent's
+    node runtime; the device comes from the installed vLLM build ($MESH_VLLM_DEVICE wins;
+    a GPU agent's CUDA_VISIBLE_DEVICES pins its GPU). `on_loaded` fires once the engine is
+    built, which happens in the KV resize the node runtime issues right after the load."""
+    from engines.vllm_engine import create
+
+    return create(spec.path, model_name=spec.model, context_window=spec.context_window,
+                  max_num_seqs=spec.max_num_seqs, on_loaded=on_loaded)
 
 
 # Engine name -> factory(spec, on_loaded) -> an engines.protocol.Engine. GPU agents add "vllm".
