@@ -43,9 +43,12 @@ def total_memory_bytes() -> int:
 
 
 def detect_local_nodes(cpu_memory_bytes: int | None = None) -> list[NodeSpec]:
-    """This machine's nodes: the CPU (half its memory unless told). GPU nodes: issue 6."""
+    """This machine's nodes: the CPU (half its memory unless told), plus vLLM nodes: one per
+    GPU with vLLM's CUDA build, a vLLM-on-CPU one if MESH_VLLM_CPU_NODE=1 (mesh.agent.vllm_nodes)."""
+    from mesh.agent.vllm_nodes import vllm_node_specs
+
     memory = cpu_memory_bytes or total_memory_bytes() // 2
-    return [NodeSpec("cpu-0", "cpu", memory)]
+    return [NodeSpec("cpu-0", "cpu", memory), *vllm_node_specs()]
 
 
 @dataclass
@@ -155,7 +158,9 @@ class LocalAgent:
             await asyncio.sleep(backoff)
 
     async def _spawn_and_connect(self) -> None:
-        env = dict(os.environ, MESH_AGENT_TOKEN=self._token)
+        from mesh.agent.vllm_nodes import agent_env
+
+        env = dict(os.environ, MESH_AGENT_TOKEN=self._token, **agent_env(self.spec))  # GPU agents: their device
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", self.node_id,
                "--kind", self.spec.kind, "--memory-bytes", str(self.spec.memory_bytes), "--exit-with-parent",
                "--log-level", self.settings.log_level]
