@@ -243,7 +243,10 @@ class CpuMeter:
     more than BUSY_LIMIT of the CPUs is measured again (up to BUSY_ATTEMPTS times, keeping
     the least disturbed measurement)."""
 
-    def __init__(self) -> None:
+    def __init__(self, own_pids: Callable[[], Sequence[int]] | None = None) -> None:
+        # own_pids: helper processes whose CPU time counts as the calibration's own (a
+        # target's `own_pids()`, e.g. the vLLM engine's worker process)
+        self.own_pids = own_pids
         self.available = Path("/proc/stat").exists() and Path("/proc/self/stat").exists()
         self.hz = os.sysconf("SC_CLK_TCK") if self.available else 100
         self.cpus = os.cpu_count() or 1
@@ -254,8 +257,10 @@ class CpuMeter:
         try:
             fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
             user, nice, system, _idle, _iowait, irq, softirq, steal = (int(x) for x in fields[:8])
-            own = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
-            mine = int(own[11]) + int(own[12])  # utime, stime (all threads)
+            mine = 0
+            for pid in ["self", *(self.own_pids() if self.own_pids else ())]:
+                own = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                mine += int(own[11]) + int(own[12])  # utime, stime (all threads)
         except (OSError, ValueError, IndexError):
             return None
         return time.perf_counter(), user + nice + system + irq + softirq + steal, mine
@@ -292,7 +297,7 @@ class _Measurer:
         self.s = settings
         self._ids = 0
         self._variant = 0
-        self.meter = CpuMeter()
+        self.meter = CpuMeter(getattr(target, "own_pids", None))
 
     def _request(self, prompt_len: int, max_tokens: int) -> str:
         self._ids += 1

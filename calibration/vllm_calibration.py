@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import platform
 import re
 import subprocess
@@ -96,6 +97,11 @@ class VLLMTarget:
         self.gpu = gpu_name() if self.device_kind == "gpu" else None
         self.device = gpu_slug(self.gpu) if self.gpu else cpu_slug(self.cpu.model_name, self.cores)
         self._corpus: list[int] | None = None
+
+    def own_pids(self) -> list[int]:
+        """The worker process computes the iterations: its CPU time is the calibration's own."""
+        pid = self.engine.worker_pid
+        return [pid] if pid is not None and pid != os.getpid() else []
 
     def prompt_ids(self, length: int, variant: int) -> list[int]:
         if self._corpus is None:
