@@ -8,41 +8,17 @@ import asyncio
 
 import pytest
 
-from doubles import LinearTimes
-from engines.simulated import SimulatedEngine
-from mesh.agent import engines as agent_engines
+from agent_doubles import TOKEN, use_simulated_engines
+from engines.protocol import Sampling
 from mesh.agent.client import AgentCallError, AgentClient, AgentDown
 from mesh.agent.protocol import Code, InstanceSpec, sampling_to_dict
 from mesh.agent.server import AgentServer
-from engines.protocol import Sampling
 from mesh.runtime.node import NodeSpec
-
-TOKEN = "secret"
-
-
-class _Engine(SimulatedEngine):
-    on_loaded = None
-
-    async def load(self) -> None:
-        await super().load()
-        self.on_loaded(None)
 
 
 @pytest.fixture
 def simulated(monkeypatch):
-    def factory(spec: InstanceSpec, on_loaded):
-        times = LinearTimes(prefill_per_token=0.0001, decode_base=0.01)
-        e = _Engine(spec.model, times, kv_bytes_per_token=1000, weight_bytes=10**6,
-                    context_window=spec.context_window or 256, load_s=0.05, max_batch=spec.max_num_seqs)
-        e.on_loaded = on_loaded
-        return e
-
-    monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, "simulated", factory)
-    monkeypatch.setattr(agent_engines, "iteration_times",
-                        lambda spec, w: agent_engines.AdaptiveTimes(LinearTimes(prefill_per_token=0.0001, decode_base=0.01)))
-    import mesh.agent.server as server_module
-
-    monkeypatch.setattr(server_module, "iteration_times", agent_engines.iteration_times)
+    use_simulated_engines(monkeypatch)
 
 
 async def _start(memory: int = 10**9) -> tuple[AgentServer, str]:

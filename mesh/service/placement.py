@@ -30,7 +30,7 @@ import itertools
 import logging
 import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 from mesh.agent.client import AgentCallError, AgentDown
 from mesh.agent.protocol import Code, InstanceSpec, sampling_to_dict, slo_to_dict
@@ -45,6 +45,7 @@ log = logging.getLogger("mesh.service.placement")
 ADMIT_BATCH = 64
 RETRY_TICK_S = 0.1
 CALL_TIMEOUT_S = 30.0
+HOUSEKEEPING_S = 1.0  # stats poll and keep-alive check
 
 
 class Placement(Protocol):
@@ -109,10 +110,13 @@ class _Retry(Exception):
 
 
 class LocalPlacement:
-    def __init__(self, nodes: list[NodeSpec], settings: PlacementSettings | None = None) -> None:
+    def __init__(self, nodes: list[NodeSpec], settings: PlacementSettings | None = None,
+                 agent_factory: Callable[..., LocalAgent] = LocalAgent) -> None:
+        """`agent_factory(spec, on_up, on_down, on_event, settings)` makes each node's agent
+        handle (tests pass one that runs the agent in-process)."""
         self.settings = settings or PlacementSettings()
         self.agents: dict[str, LocalAgent] = {
-            n.node_id: LocalAgent(n, self._agent_up, self._agent_down, self._agent_event, self.settings.agent)
+            n.node_id: agent_factory(n, self._agent_up, self._agent_down, self._agent_event, self.settings.agent)
             for n in nodes}
         self.instances: dict[str, Instance] = {}
         self._by_model: dict[tuple[str, str], Instance] = {}
@@ -447,7 +451,7 @@ class LocalPlacement:
     # ---- housekeeping: stats, busy fraction, keep-alive ----------------------------------------------
     async def _housekeeping(self) -> None:
         while True:
-            await asyncio.sleep(1.0)
+            await asyncio.sleep(HOUSEKEEPING_S)
             for node_id, agent in self.agents.items():
                 if not agent.up:
                     continue

@@ -1,0 +1,101 @@
+"""Test doubles for the node agent: a simulated engine that reports its load like the real
+agent engine does, and an agent handle that runs `AgentServer` in this process (instead of
+spawning `python -m mesh.agent`) behind a real loopback connection."""
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from doubles import LinearTimes
+from engines.simulated import SimulatedEngine
+from mesh.agent import engines as agent_engines
+from mesh.agent.client import AgentClient
+from mesh.agent.protocol import InstanceSpec
+from mesh.agent.server import AgentServer
+from mesh.runtime.node import NodeSpec
+
+TOKEN = "secret"
+TIMES = LinearTimes(prefill_per_token=0.0001, decode_base=0.01)
+
+
+class LoadReportingEngine(SimulatedEngine):
+    on_loaded = None
+
+    async def load(self) -> None:
+        await super().load()
+        self.on_loaded(None)
+
+
+def simulated_factory(spec: InstanceSpec, on_loaded: Any) -> LoadReportingEngine:
+    e = LoadReportingEngine(spec.model, TIMES, kv_bytes_per_token=1000, weight_bytes=10**6,
+                            context_window=spec.context_window or 256, load_s=0.05, max_batch=spec.max_num_seqs)
+    e.on_loaded = on_loaded
+    return e
+
+
+def use_simulated_engines(monkeypatch: Any) -> None:
+    """Every engine an in-process agent builds is simulated, with LinearTimes as its times."""
+    import mesh.agent.server as server_module
+
+    for name in ("simulated", "openvino"):
+        monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, name, simulated_factory)
+    monkeypatch.setattr(server_module, "iteration_times", lambda spec, w: agent_engines.AdaptiveTimes(TIMES))
+
+
+class InProcessAgent:
+    """The LocalAgent interface, with the agent in this process. `kill()` drops the
+    connection the way a dead process does; `start()` again brings a fresh agent."""
+
+    def __init__(self, spec: NodeSpec, on_up: Any, on_down: Any, on_event: Any, settings: Any = None) -> None:
+        self.spec = spec
+        self.on_up, self.on_down, self.on_event = on_up, on_down, on_event
+        self.state = "stopped"
+        self.client: AgentClient | None = None
+        self.server: AgentServer | None = None
+        self.generation = 0
+        self.restarts = 0
+        self.last_error = ""
+        self.pid = None
+
+    @property
+    def node_id(self) -> str:
+        return self.spec.node_id
+
+    @property
+    def up(self) -> bool:
+        return self.state == "up" and self.client is not None and self.client.up
+
+    async def start(self) -> None:
+        self.server = AgentServer(self.spec, TOKEN)
+        address = await self.server.serve("127.0.0.1:0")
+        self.generation += 1
+        self.client = AgentClient(self.node_id, lambda m: self.on_event(self, m), self._closed)
+        await self.client.connect(address, TOKEN)
+        self.state = "up"
+        self.on_up(self)
+
+    def _closed(self, reason: str) -> None:
+        if self.state == "up":
+            self.state = "down"
+            self.last_error = reason
+            self.on_down(self, reason)
+
+    async def wait_up(self, timeout_s: float) -> bool:
+        return self.up
+
+    async def kill(self) -> None:
+        server = self.server
+        if server is not None and server._writer is not None:
+            server._writer.transport.abort()
+        await server.close()
+        for _ in range(100):
+            if self.state != "up":
+                return
+            await asyncio.sleep(0.01)
+
+    async def stop(self) -> None:
+        self.state = "stopped"
+        if self.client is not None:
+            await self.client.close()
+        if self.server is not None:
+            await self.server.close()
