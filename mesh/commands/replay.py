@@ -11,7 +11,7 @@ from typing import Any
 
 from calibration.profile import ProfileError
 from mesh.policy.placement import ColdStart
-from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import (
     DEFAULT_CPU_DEVICE,
     DEFAULT_GPU_DEVICE,
@@ -85,8 +85,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--keep-alive", type=float, default=1.0, help="seconds an idle instance is kept")
     cl.add_argument("--noise", type=float, default=DEFAULT_NOISE, help="relative std-dev of simulated iteration times")
     cl.add_argument("--queue-capacity", type=int, default=DEFAULT_QUEUE_CAPACITY)
-    cl.add_argument("--queue-timeout", default="slo", help="when a waiting request is turned away: 'slo' (once it can no "
-                    "longer meet its SLO) or seconds of waiting (a client timeout); the same for every policy")
+    cl.add_argument("--queue-timeout", default=f"{DEFAULT_QUEUE_TIMEOUT_S:g}",
+                    help="seconds a request may wait for capacity (a client timeout, the same for every policy; Mesh "
+                    "also turns away at once a request that can no longer meet its SLO), or 'slo': every policy "
+                    "turns requests away once they can no longer meet their SLO")
     cl.add_argument("--retry-interval", type=float, default=DEFAULT_RETRY_INTERVAL_S, help="seconds between retries of waiting requests")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the full results as JSON")

@@ -152,15 +152,21 @@ class ColdStart:
         return self.fixed_s + weight_bytes / bandwidth
 
 
-def wait_expiry_s(now: float, slo_expiry_s: float, timeout_s: float | None) -> float:
-    """When a request that starts waiting now is turned away: when it can no longer meet
-    its SLO (timeout None, the default), or after a fixed wait `timeout_s` whatever its
-    SLO (a client timeout; sensitivity runs). The same rule for every policy."""
-    if timeout_s is None:
-        return slo_expiry_s
-    if not timeout_s >= 0:
+def wait_expiry_s(now: float, slo_expiry_s: float, timeout_s: float | None, validates: bool) -> tuple[float, str]:
+    """When a request that starts waiting now is turned away, and why ("slo" or "timeout").
+
+    The queue's rule, the same for every policy: a waiting request is dropped after
+    `timeout_s` seconds (a client timeout; the default of `mesh replay`), or, with
+    timeout_s None, once it can no longer meet its SLO. A policy that validates (Mesh,
+    5.3) also turns a request away as soon as it can no longer meet its SLO, since no
+    validation can pass after that; the baselines do not know and keep it waiting, as
+    ServerlessLLM queues (LLM-Mesh 8.2: "long queuing under high load")."""
+    if timeout_s is not None and not timeout_s >= 0:
         raise ValueError(f"queue timeout must be >= 0 s, got {timeout_s}")
-    return now + timeout_s
+    timeout_at = math.inf if timeout_s is None else now + timeout_s
+    if (validates or timeout_s is None) and slo_expiry_s <= timeout_at:
+        return slo_expiry_s, "slo"
+    return timeout_at, "timeout"
 
 
 def queue_expiry_s(deadline_s: float, fastest_first_token_s: float) -> float:

@@ -18,7 +18,7 @@ from tqdm import tqdm
 from calibration.profile import ProfileError, load_profile, reference_profile, reference_profiles
 from engines.protocol import EngineRequest, Sampling
 from mesh.policy.placement import CPU, GPU
-from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S, DispatchStats, Dispatcher
 from mesh.runtime.policies import PolicyStats, make_policy, policy_spec
@@ -35,7 +35,7 @@ class ReplayConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
     retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S
-    queue_timeout_s: float | None = None  # None: turned away when it can no longer meet its SLO
+    queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S  # None: turned away once it cannot meet its SLO
     drain_limit_s: float = 600.0  # virtual time after the window for in-flight requests to end
     progress: bool = True
 

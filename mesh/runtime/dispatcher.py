@@ -3,8 +3,10 @@ and is always accounted for.
 
 For each arriving request the policy (mesh.runtime.policies) tries to place it. If it
 cannot, the request waits in the bounded queue (mesh.policy.queueing) and is retried, in
-order, whenever capacity frees (a request ends, an instance is recycled); once it can no
-longer meet its SLO it is rejected with the reason. Requests handed back by a node
+order, whenever capacity frees (a request ends, an instance is recycled). It is rejected,
+with the reason, when the queue is full, after the queue timeout (30 s, the same for every
+policy), or, under Mesh, as soon as it can no longer meet its SLO (no validation can pass
+then; the baselines cannot tell and keep it waiting, LLM-Mesh 8.2). Requests handed back by a node
 (evicted when its KV cache outgrew the estimate, 6.4) are rescheduled the same way with
 their progress kept; one that cannot be placed again in time fails.
 
@@ -23,7 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from mesh.policy.placement import queue_expiry_s, wait_expiry_s
-from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, WaitingQueue
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.runtime.cluster import Cluster
 from mesh.runtime.node import NodeRuntime
 from mesh.runtime.request import Outcome, ServedRequest
@@ -80,7 +82,7 @@ class Dispatcher:
         *,
         queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
-        queue_timeout_s: float | None = None,
+        queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S,
     ) -> None:
         self.cluster = cluster
         self.policy: PlacementPolicy | None = None
@@ -88,6 +90,7 @@ class Dispatcher:
         self.retry_interval_s = retry_interval_s
         self.queue_timeout_s = queue_timeout_s
         self._slo_expiry: dict[str, float] = {}  # waiting request -> when it can no longer meet its SLO
+        self._why: dict[str, str] = {}  # waiting request -> what its expiry is ("slo", "timeout")
         self.stats = DispatchStats()
         self.requests: list[ServedRequest] = []
         self._waiting: dict[str, ServedRequest] = {}
@@ -159,10 +162,12 @@ class Dispatcher:
         now = self._now()
         deadline, prompt = self._deadline(req)
         slo_expiry = queue_expiry_s(deadline, self.cluster.fastest_prefill_s(req.model, prompt, self.policy.kinds))
-        expiry = wait_expiry_s(now, slo_expiry, self.queue_timeout_s)
+        expiry, why = wait_expiry_s(now, slo_expiry, self.queue_timeout_s, self.policy.validates)
         if now >= expiry:
-            why = "no instance could take it in time" if self.queue_timeout_s is None else "queue timeout of 0 s"
-            self._turn_away(req, SLO_UNREACHABLE if self.queue_timeout_s is None else QUEUE_TIMEOUT, why)
+            if why == "slo":
+                self._turn_away(req, SLO_UNREACHABLE, "no instance could take it in time")
+            else:
+                self._turn_away(req, QUEUE_TIMEOUT, f"queue timeout of {self.queue_timeout_s:g} s")
             return
         if req.request_id in self._waiting:
             return
@@ -174,6 +179,7 @@ class Dispatcher:
             req.attempts.append(f"waited from {now:.3f}")
         self._waiting[req.request_id] = req
         self._slo_expiry[req.request_id] = slo_expiry
+        self._why[req.request_id] = why
         self._arm_expiry()
 
     def _turn_away(self, req: ServedRequest, reason: str, detail: str) -> None:
@@ -199,7 +205,7 @@ class Dispatcher:
         for entry in self.queue.pop_expired(self._now()):
             req = self._waiting.pop(entry.request_id)
             self._slo_expiry.pop(entry.request_id, None)
-            if self.queue_timeout_s is None:
+            if self._why.pop(entry.request_id) == "slo":
                 self._turn_away(req, SLO_UNREACHABLE, "waited until it could no longer meet its SLO")
             else:
                 self._turn_away(req, QUEUE_TIMEOUT, f"waited {self.queue_timeout_s:g} s")
@@ -228,7 +234,7 @@ class Dispatcher:
             if self.policy.place(req):
                 self.queue.remove(entry.request_id)
                 del self._waiting[entry.request_id]
-                del self._slo_expiry[entry.request_id]
+                del self._slo_expiry[entry.request_id], self._why[entry.request_id]
                 self.stats.placed_from_queue += 1
             else:
                 blocked.add(entry.model)
@@ -240,6 +246,7 @@ class Dispatcher:
             self.queue.remove(req.request_id)
             del self._waiting[req.request_id]
             self._slo_expiry.pop(req.request_id, None)
+            self._why.pop(req.request_id, None)
         if req.node_id is not None:
             node = self.cluster.node(req.node_id)
             loop = asyncio.get_running_loop()

@@ -1,0 +1,109 @@
+"""Pure placement rules of the cluster dispatcher (mesh.policy.placement) and its waiting
+queue (mesh.policy.queueing)."""
+import pytest
+
+from mesh.policy.placement import (
+    ColdStart,
+    InstanceView,
+    NodeView,
+    candidate_order,
+    concurrency_target,
+    first_fit_free_node,
+    keep_alive_expired,
+    new_instance_order,
+    queue_expiry_s,
+    sllm_pick,
+    victim_order,
+    wait_expiry_s,
+)
+from mesh.policy.queueing import WaitingQueue
+
+
+def iv(iid: str, node: str, kind: str, batch: int, seq: int = 0, model: str = "m") -> InstanceView:
+    return InstanceView(iid, node, kind, model, batch, seq)
+
+
+def test_candidates_cpu_first_then_highest_batch():
+    views = [iv("g5", "g", "gpu", 5, 0), iv("c1", "c1", "cpu", 1, 1), iv("c3", "c2", "cpu", 3, 2)]
+    assert [v.instance_id for v in candidate_order(views)] == ["c3", "c1", "g5"]
+
+
+def test_candidates_without_defrag_spread_lowest_batch_first():
+    views = [iv("c3", "c2", "cpu", 3, 0), iv("c1", "c1", "cpu", 1, 1), iv("g5", "g", "gpu", 5, 2)]
+    assert [v.instance_id for v in candidate_order(views, defrag=False)] == ["c1", "c3", "g5"]
+
+
+def test_victims_only_lower_batch_neighbours_lowest_first():
+    target = iv("x", "n", "cpu", 3)
+    neighbours = [target, iv("a", "n", "cpu", 2, 1), iv("b", "n", "cpu", 1, 2), iv("c", "n", "cpu", 3, 3),
+                  iv("d", "other", "cpu", 0, 4)]
+    assert [v.instance_id for v in victim_order(target, neighbours)] == ["b", "a"]
+    assert victim_order(iv("x", "n", "cpu", 0), neighbours) == []
+
+
+def test_new_instance_order_packs_used_nodes_cpu_first():
+    nodes = [NodeView("g0", "gpu", 2, 50, 100, 0), NodeView("c0", "cpu", 0, 0, 100, 1),
+             NodeView("c1", "cpu", 1, 10, 100, 2), NodeView("c2", "cpu", 2, 60, 100, 3)]
+    assert [n.node_id for n in new_instance_order(nodes, ("cpu", "gpu"))] == ["c2", "c1", "c0", "g0"]
+    assert [n.node_id for n in new_instance_order(nodes, ("gpu",))] == ["g0"]
+    assert [n.node_id for n in new_instance_order(nodes, ("cpu", "gpu"), exclusive=True)] == ["c0"]
+    assert [n.node_id for n in new_instance_order(nodes, ("cpu",), exclude={"c2"})] == ["c1", "c0"]
+
+
+def test_first_fit_free_node():
+    nodes = [NodeView("c0", "cpu", 1, 1, 9, 0), NodeView("g0", "gpu", 0, 0, 9, 1), NodeView("c1", "cpu", 0, 0, 9, 2)]
+    assert first_fit_free_node(nodes, ("cpu", "gpu")).node_id == "c1"
+    assert first_fit_free_node(nodes, ("gpu",)).node_id == "g0"
+    assert first_fit_free_node(nodes[:1], ("cpu",)) is None
+
+
+def test_sllm_concurrency_targets_and_pick():
+    assert [concurrency_target(m, "cpu") for m in ("llama-3.2-3b", "llama-2-7b", "llama-2-13b")] == [59, 15, 6]
+    assert [concurrency_target(m, "gpu") for m in ("llama-3.2-3b", "llama-2-7b", "llama-2-13b")] == [160, 32, 16]
+    with pytest.raises(ValueError, match="llama-3.2-3b, llama-2-7b, llama-2-13b"):
+        concurrency_target("gpt-9", "gpu")
+    with pytest.raises(ValueError, match="valid: cpu, gpu"):
+        concurrency_target("llama-2-7b", "tpu")
+    targets = {"cpu": 15, "gpu": 32}
+    full_cpu, gpu = iv("c", "c", "cpu", 15, 0), iv("g", "g", "gpu", 31, 1)
+    assert sllm_pick([gpu, full_cpu], targets).instance_id == "g"
+    assert sllm_pick([full_cpu, iv("g", "g", "gpu", 32, 1)], targets) is None  # scale out
+
+
+def test_keep_alive():
+    assert not keep_alive_expired(10.0, 10.9, 1.0)
+    assert keep_alive_expired(10.0, 11.0, 1.0)
+
+
+def test_cold_start_from_host_memory():
+    cs = ColdStart()  # PCIe 4.0 x16 ~25 GB/s to the GPU; CPU pass at 50 GB/s
+    assert cs.load_s(13_476_831_232, "gpu") == pytest.approx(0.539, abs=1e-3)
+    assert cs.load_s(13_476_831_232, "cpu") == pytest.approx(0.270, abs=1e-3)
+    assert ColdStart(fixed_s=1.0).load_s(25 * 10**9, "gpu") == pytest.approx(2.0)
+    with pytest.raises(ValueError):
+        ColdStart(pcie_bytes_per_s=0)
+
+
+def test_queue_expiry_rules():
+    assert queue_expiry_s(deadline_s=12.0, fastest_first_token_s=0.5) == 11.5
+    # no timeout: every policy turns a request away once it cannot meet its SLO
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=None, validates=False) == (11.5, "slo")
+    # a client timeout: the baselines keep it waiting; Mesh knows sooner
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=False) == (33.0, "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True) == (11.5, "slo")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=5.0, validates=True) == (8.0, "timeout")
+    with pytest.raises(ValueError):
+        wait_expiry_s(0.0, 1.0, -1.0, False)
+
+
+def test_waiting_queue_fifo_capacity_and_expiry():
+    q = WaitingQueue(capacity=2)
+    assert q.push("a", "m1", 0.0, 5.0) and q.push("b", "m2", 0.0, 3.0)
+    assert not q.push("c", "m1", 0.0, 9.0)  # full
+    assert [e.request_id for e in q.in_order()] == ["a", "b"] and q.has_model("m1")
+    assert q.next_expiry() == 3.0
+    assert [e.request_id for e in q.pop_expired(4.0)] == ["b"]
+    q.remove("a")
+    assert len(q) == 0 and q.next_expiry() is None and not q.has_model("m1") and q.peak == 2
+    with pytest.raises(ValueError):
+        WaitingQueue(capacity=0)

@@ -1,0 +1,318 @@
+"""The cluster dispatcher, rule by rule, on small clusters with hand-checkable profiles
+(tests/cluster_doubles.py): CPU first, highest batch first, proactive preemption, cold
+start, keep-alive, the bounded queue, ServerlessLLM scale-out, and the accounting."""
+import asyncio
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from cluster_doubles import GB, build, config, request, run_until, spec
+from engines.simulated import GIB, RESIZE_UP_S_PER_GIB
+from mesh.policy.slo import SLO
+from mesh.runtime.policies import POLICIES, UnknownPolicy, policy_spec
+from mesh.runtime.request import Outcome
+from mesh.runtime.virtual_loop import run_virtual
+
+KV0_S = 100_000 * 1024 * 1.2 / GIB * RESIZE_UP_S_PER_GIB  # initial KV cache (L_min = 1024 tokens, w = 0.2)
+
+
+async def instances(cluster, model: str, batches: dict[str, int], slo: SLO = SLO(), out: int = 500) -> dict:
+    """Start an instance of `model` on each node with that many running requests."""
+    refs = {}
+    for node_id, b in batches.items():
+        node = cluster.node(node_id)
+        ref = cluster.start_instance(cluster.plan(model, node), node)
+        for k in range(b):
+            assert node.try_admit(ref.instance_id, request(f"{model}-{node_id}-{k}", model, out=out, slo=slo)).ok
+        refs[node_id] = ref
+    await asyncio.sleep(1.0)  # loaded, prefilled, decoding
+    return refs
+
+
+def test_new_instance_on_a_cpu_node_first_with_its_cold_start():
+    async def main():
+        cluster, d = build("mesh", {"m": "llama-2-7b"}, config(cpu=1, gpu=1))
+        r = request("r", "m", prompt=100, out=3)
+        d.submit(r)
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return r, cluster
+
+    r, cluster = run_virtual(main())
+    assert r.outcome is Outcome.COMPLETED and r.node_id == "cpu0"
+    # weights already in the CPU node's memory: one pass at 40 GB/s, plus the KV cache, then a 100-token prefill
+    assert r.ttft_s == pytest.approx(2 * GB / (40 * GB) + KV0_S + 0.01 + 0.05, abs=1e-6)
+    assert cluster.instances_started == 1
+
+
+def test_gpu_cold_start_over_pcie():
+    async def main():
+        cluster, d = build("mesh-no-cpu", {"m": "llama-2-7b"}, config(cpu=1, gpu=1))
+        r = request("r", "m", prompt=100, out=3)
+        d.submit(r)
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return r
+
+    r = run_virtual(main())
+    assert r.node_id == "gpu0"
+    assert r.ttft_s == pytest.approx(2 * GB / (20 * GB) + KV0_S + 0.06, abs=1e-6)  # host -> GPU at 20 GB/s
+
+
+@pytest.mark.parametrize("policy, expected", [("mesh", "cpu0"), ("mesh-no-defrag", "cpu1")])
+def test_highest_batch_first_among_a_models_instances(policy, expected):
+    async def main():
+        cluster, d = build(policy, {"m": "llama-2-7b"}, config(cpu=2, gpu=1))
+        refs = await instances(cluster, "m", {"cpu0": 2, "cpu1": 1, "gpu0": 3})
+        r = request("r", "m")
+        assert d.policy.place(r)
+        await cluster.stop()
+        return r, refs
+
+    r, refs = run_virtual(main())
+    assert r.instance_id == refs[expected].instance_id  # CPU before the GPU's batch of 3
+
+
+# Decode c + d B on the CPU: 0.05 + 0.02 B; one decode round of the node must stay within
+# the TPOT SLO with the 10% margin.
+SHARED = {"cpu_decode_per_request": 0.02}
+
+
+def test_proactive_preemption_of_a_lower_batch_neighbour():
+    """X (model m, batch 2) and Y (model n, batch 1) share cpu0: (0.09 + 0.07) x 1.1 =
+    0.176 s <= TPOT 0.19. A third request for m makes the round (0.11 + 0.07) x 1.1 = 0.198 s:
+    X fails validation. Y's request validates on a new instance on gpu0, so Y is preempted,
+    the request joins X, and Y's request resumes on gpu0 with its tokens kept (7.1)."""
+    slo = SLO(tpot_s=0.19)
+
+    async def main():
+        models = {"m": "llama-2-7b", "n": "llama-2-7b"}
+        cluster, d = build("mesh", models, config(cpu=1, gpu=1, slo=slo), {"llama-2-7b": spec(**SHARED)})
+        x = (await instances(cluster, "m", {"cpu0": 2}, slo))["cpu0"]
+        node = cluster.node("cpu0")
+        y = cluster.start_instance(cluster.plan("n", node), node)
+        moved = request("n-0", "n", out=60, slo=slo)
+        assert node.try_admit(y.instance_id, moved).ok
+        await asyncio.sleep(1.0)
+        done_before = node.progress("n-0")
+        r = request("r", "m", slo=slo)
+        assert not node.validate(x.instance_id, r).ok
+        assert d.policy.place(r)
+        state = (r.instance_id, moved.node_id, moved.tokens_out, y.instance_id in node.instances, d.policy.stats.preemptions)
+        await run_until(lambda: moved.outcome is not None)
+        await cluster.stop()
+        return x, state, done_before, moved
+
+    x, (r_instance, moved_node, carried, y_alive, preemptions), done_before, moved = run_virtual(main())
+    assert r_instance == x.instance_id and not y_alive and preemptions == 1
+    assert moved_node == "gpu0" and carried == done_before > 0
+    assert moved.outcome is Outcome.COMPLETED and moved.tokens_out == 60  # nothing lost, nothing repeated
+    assert any("preempted by" in a for a in moved.attempts)
+
+
+def test_no_preemption_when_the_preempted_requests_cannot_go_elsewhere():
+    slo = SLO(tpot_s=0.19)
+
+    async def main():
+        models = {"m": "llama-2-7b", "n": "llama-2-7b"}
+        cluster, d = build("mesh", models, config(cpu=1, gpu=0, slo=slo), {"llama-2-7b": spec(**SHARED)})
+        await instances(cluster, "m", {"cpu0": 2}, slo)
+        await instances(cluster, "n", {"cpu0": 1}, slo)
+        placed = d.policy.place(request("r", "m", slo=slo))
+        left = sorted(i.model for i in cluster.node("cpu0").instances.values())
+        await cluster.stop()
+        return placed, left, d.policy.stats.preemptions
+
+    placed, left, preemptions = run_virtual(main())
+    assert not placed and left == ["m", "n"] and preemptions == 0
+
+
+def test_preemption_takes_the_lowest_batch_neighbour_first():
+    """X batch 3, Y2 batch 2, Y1 batch 1; TPOT 0.3: (0.11 + 0.09 + 0.07) x 1.1 = 0.297 fits, one
+    more request on X does not (0.319); preempting Y1 alone is enough (0.242)."""
+    slo = SLO(tpot_s=0.3)
+
+    async def main():
+        models = {"x": "llama-2-7b", "y2": "llama-2-7b", "y1": "llama-2-7b"}
+        cluster, d = build("mesh", models, config(cpu=1, gpu=1, slo=slo), {"llama-2-7b": spec(**SHARED)})
+        await instances(cluster, "x", {"cpu0": 3}, slo)
+        await instances(cluster, "y2", {"cpu0": 2}, slo)
+        await instances(cluster, "y1", {"cpu0": 1}, slo)
+        assert d.policy.place(request("r", "x", slo=slo))
+        on_cpu = sorted(i.model for i in cluster.node("cpu0").instances.values())
+        on_gpu = sorted(i.model for i in cluster.node("gpu0").instances.values())
+        await cluster.stop()
+        return on_cpu, on_gpu
+
+    on_cpu, on_gpu = run_virtual(main())
+    assert on_cpu == ["x", "y2"] and on_gpu == ["y1"]
+
+
+def test_idle_instances_are_recycled_after_keep_alive():
+    async def main():
+        cluster, d = build("mesh", {"m": "llama-2-7b"}, config(cpu=1, gpu=0, keep_alive_s=1.0))
+        r = request("r", "m", out=5)
+        d.submit(r)
+        await run_until(lambda: r.outcome is not None, step_s=0.001)
+        loop = asyncio.get_running_loop()
+        t_done = loop.time()
+        await asyncio.sleep(0.9)
+        kept = len(cluster.node("cpu0").instances)
+        await asyncio.sleep(0.2)
+        gone = len(cluster.node("cpu0").instances)
+        d.close()
+        await cluster.stop()
+        return t_done, kept, gone, cluster
+
+    t_done, kept, gone, cluster = run_virtual(main())
+    assert (kept, gone) == (1, 0) and cluster.instances_recycled == 1
+    assert cluster.usage[-1][1:] == (0, 0) and cluster.usage[-1][0] == pytest.approx(t_done + 1.0, abs=0.01)
+
+
+def test_waiting_request_is_rejected_with_a_reason_once_it_cannot_meet_its_slo():
+    async def main():
+        cluster, d = build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1), queue_capacity=1,
+                           queue_timeout_s=None)
+        hog = request("hog", "a", out=2000)  # holds the only GPU for 100 s
+        d.submit(hog)
+        waiting = request("b1", "b", prompt=100)
+        d.submit(waiting)
+        behind = request("b2", "b", prompt=100)
+        d.submit(behind)  # model b already waits: queued behind it, and the queue holds one
+        await run_until(lambda: waiting.outcome is not None)
+        t = asyncio.get_running_loop().time()
+        d.close()
+        await d.all_done.wait()
+        acc = d.accounting()
+        await cluster.stop()
+        return waiting, behind, t, acc, d
+
+    waiting, behind, t, acc, d = run_virtual(main())
+    assert waiting.outcome is Outcome.REJECTED and "cannot meet its SLO" in waiting.detail
+    assert t == pytest.approx(2.0 - 0.06, abs=0.06)  # TTFT SLO 2 s minus the fastest prefill, retried every 50 ms
+    assert behind.outcome is Outcome.REJECTED and "queue full" in behind.detail
+    assert acc == {"requests": 3, "completed": 1, "slo_compliant": 1, "slo_violating": 0, "rejected": 2,
+                   "failed": 0, "slo_compliant_strict": 1}
+    assert d.stats.rejected == {"cannot meet its SLO": 1, "queue full": 1}
+
+
+@pytest.mark.parametrize("policy", ["sllm", "mesh-no-share"])
+def test_queue_timeout_baselines_serve_late_mesh_turns_away_at_once(policy):
+    """Under the default client timeout (30 s) a baseline keeps a hopeless request waiting
+    and serves it late; Mesh rejects it once it can no longer meet its SLO."""
+
+    async def main():
+        cluster, d = build(policy, {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1))
+        d.submit(request("hog", "a", out=100))  # 5 s of decoding on the only node
+        late = request("b1", "b")
+        d.submit(late)
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return late, d.accounting()
+
+    late, acc = run_virtual(main())
+    if policy == "sllm":
+        assert late.outcome is Outcome.COMPLETED and late.ttft_s > 5.0 and acc["slo_violating"] == 1
+    else:
+        assert late.outcome is Outcome.REJECTED and "cannot meet its SLO" in late.detail
+        assert late.finish_s - late.arrival_s == pytest.approx(2.0 - 0.06, abs=0.06)
+
+
+def test_queue_timeout_rejects_after_waiting():
+    async def main():
+        cluster, d = build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1), queue_timeout_s=3.0)
+        d.submit(request("hog", "a", out=200))  # 10 s
+        late = request("b1", "b")
+        d.submit(late)
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return late, d.stats
+
+    late, stats = run_virtual(main())
+    assert late.outcome is Outcome.REJECTED and "queue timeout" in late.detail
+    assert late.finish_s - late.arrival_s == pytest.approx(3.0) and stats.rejected == {"queue timeout": 1}
+
+
+@pytest.mark.parametrize("policy, first, second", [("sllm", "gpu0", "gpu1"), ("sllm+cpu", "cpu0", "gpu0")])
+def test_sllm_scales_out_past_the_concurrency_target(policy, first, second):
+    target = 32 if first == "gpu0" else 15  # Llama-2-7B on a GPU / on a CPU (8.1)
+
+    async def main():
+        cluster, d = build(policy, {"m": "llama-2-7b"}, config(cpu=1, gpu=2))
+        reqs = [request(f"r{k}", "m", out=50) for k in range(target + 1)]
+        for r in reqs:
+            d.submit(r)
+        nodes = [r.node_id for r in reqs]
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return nodes, d.accounting()
+
+    nodes, acc = run_virtual(main())
+    assert nodes[:target] == [first] * target and nodes[target] == second
+    assert acc["completed"] == target + 1
+
+
+def test_sllm_gives_each_instance_a_whole_node():
+    async def main():
+        cluster, d = build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=1, gpu=2))
+        ra, rb = request("ra", "a", out=50), request("rb", "b", out=50)
+        d.submit(ra)
+        d.submit(rb)
+        nodes = (ra.node_id, rb.node_id)
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return nodes
+
+    assert run_virtual(main()) == ("gpu0", "gpu1")  # GPU only; one instance per node
+
+
+def test_unknown_policy_lists_the_valid_ones():
+    with pytest.raises(UnknownPolicy, match="mesh, sllm, sllm\\+cpu, mesh-no-share, mesh-no-cpu, mesh-no-defrag"):
+        policy_spec("vllm")
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    policy=st.sampled_from(sorted(POLICIES)),
+    reqs=st.lists(
+        st.tuples(st.floats(0, 8), st.integers(0, 3), st.integers(1, 900), st.integers(1, 80)),
+        min_size=1, max_size=14,
+    ),
+    timeout=st.sampled_from([None, 0.5, 20.0]),
+)
+def test_no_request_is_ever_lost(policy, reqs, timeout):
+    """Whatever arrives, every request ends completed, rejected or failed, and is counted."""
+    models = {f"m{k}": "llama-2-7b" if k % 2 else "llama-3.2-3b" for k in range(4)}
+    catalog = {"llama-2-7b": spec("llama-2-7b", **SHARED), "llama-3.2-3b": spec("llama-3.2-3b")}
+
+    async def main():
+        cluster, d = build(policy, models, config(cpu=1, gpu=1, slo=SLO(tpot_s=0.2)), catalog,
+                           queue_capacity=6, queue_timeout_s=timeout)
+        loop = asyncio.get_running_loop()
+        served = []
+        for k, (at, m, prompt, out) in enumerate(sorted(reqs)):
+            await asyncio.sleep(max(0.0, at - loop.time()))
+            r = request(f"r{k}", f"m{m}", prompt=prompt, out=out, slo=SLO(tpot_s=0.2))
+            served.append(r)
+            d.submit(r)
+        d.close()
+        await asyncio.wait_for(d.all_done.wait(), 3600)
+        acc = d.accounting()
+        await cluster.stop()
+        return served, acc
+
+    served, acc = run_virtual(main())
+    assert all(r.outcome is not None for r in served)
+    assert acc["requests"] == len(reqs) == acc["slo_compliant"] + acc["slo_violating"] + acc["rejected"] + acc["failed"]
+    for r in served:
+        if r.outcome is Outcome.COMPLETED:
+            assert r.tokens_out == r.engine_request.output_len
+        else:
+            assert r.detail
