@@ -395,6 +395,12 @@ class NodeRuntime:
             inst.idle_since = self._now()
         return req
 
+    def can_take_back(self, instance_id: str) -> bool:
+        """Requests can leave an instance at any time but during its prefill iteration (the
+        engine has taken them into a batch whose result is still to be applied)."""
+        flight = self.compute.in_flight
+        return not (flight is not None and flight.instance_id == instance_id and flight.kind is IterationKind.PREFILL)
+
     def take_back(self, request_id: str, why: str) -> ServedRequest | None:
         """Take a request off this node to be rescheduled elsewhere (preemption 7.1,
         eviction 6.4), keeping its progress: `tokens_out` becomes the tokens it produced so
@@ -402,8 +408,8 @@ class NodeRuntime:
         r = self.compute.requests.get(request_id)
         if r is None:
             return None
-        if r.instance_id == self.stepping:
-            raise ValueError(f"request {request_id!r}: its instance {r.instance_id} is in the middle of an iteration")
+        if not self.can_take_back(r.instance_id):
+            raise ValueError(f"request {request_id!r}: its instance {r.instance_id} is in the middle of a prefill")
         done = self.progress(request_id)
         produced = self._produced.get(request_id)
         carried = self._carried.get(request_id, 0)

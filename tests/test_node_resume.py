@@ -1,0 +1,215 @@
+"""What the dispatcher needs from the node core: validation with preempted neighbours left
+out, of groups and of instances not started yet; taking a request back with its progress and
+resuming it elsewhere; and the two shadow-validation horizon rules (in-flight iteration,
+prefills waiting on neighbour instances)."""
+import asyncio
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from doubles import LinearTimes
+from engines.protocol import EngineRequest, IterationKind
+from engines.protocol import Sampling
+from engines.simulated import SimulatedEngine
+from mesh.policy.compute import ComputeSubsystem, Iteration
+from mesh.policy.kv_demand import RunningMean
+from mesh.policy.shadow import FailureCase, quick_reject, shadow_validate
+from mesh.policy.slo import SLO
+from mesh.runtime.node import InstancePlan, NodeRuntime, NodeSpec
+from mesh.runtime.request import Outcome, ServedRequest
+from mesh.runtime.virtual_loop import run_virtual
+
+KV = 1000
+W = 10**6
+
+
+def engine(times: LinearTimes, window: int = 2048) -> SimulatedEngine:
+    return SimulatedEngine("m", times, kv_bytes_per_token=KV, weight_bytes=W, context_window=window)
+
+
+def req(rid: str, prompt: int, out: int, at: float, slo: SLO = SLO()) -> ServedRequest:
+    return ServedRequest(EngineRequest(rid, prompt, Sampling(max_tokens=out), output_len=out), "m", at, slo)
+
+
+def plan(iid: str, times: LinearTimes, load_s: float = 0.5, slo: SLO = SLO()) -> InstancePlan:
+    return InstancePlan(iid, "m", times, slo, KV, W, 2048, 2048, 256, RunningMean(10), load_s)
+
+
+def test_take_back_keeps_progress_and_the_request_resumes_elsewhere():
+    """A request taken off one node after k tokens resumes on another: its prompt plus
+    the k tokens are prefilled again, its deadline is its next token's (Eq. 1), and it
+    ends with exactly its output length and its original first-token time."""
+    times = LinearTimes(prefill_per_token=0.001, decode_base=0.02)
+
+    async def main():
+        a, b = NodeRuntime(NodeSpec("a", "gpu", 10**9)), NodeRuntime(NodeSpec("b", "gpu", 10**9))
+        a.start()
+        b.start()
+        for node in (a, b):
+            node.start_instance("i", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
+        await asyncio.sleep(0.01)
+        r = req("r", 100, 30, asyncio.get_running_loop().time())
+        assert a.try_admit("i", r).ok
+        await asyncio.sleep(0.1 + 0.02 * 5 + 0.001)  # prefill, then 5 decodes
+        done = a.progress("r")
+        first = r.first_token_s
+        prompt, start = NodeRuntime.effective(r, done)
+        assert b.validate("i", r, done=done).ok
+        back = a.take_back("r", "test")
+        assert back is r and r.tokens_out == done and r.node_id is None and r.outcome is None
+        assert "r" not in a.compute.requests and not a.instances["i"].requests
+        assert b.try_admit("i", r).ok
+        assert b.compute.requests["r"].prompt_len == 100 + done
+        assert b.compute.requests["r"].ttft_deadline_s == pytest.approx(r.arrival_s + 2.0 + 0.25 * done)
+        await asyncio.sleep(5)
+        await a.stop()
+        await b.stop()
+        return r, done, first, prompt, start
+
+    r, done, first, prompt, start = run_virtual(main())
+    assert done == 6 and prompt == 106 and start + SLO().ttft_s(106) == pytest.approx(r.arrival_s + 2.0 + 0.25 * 6)
+    assert r.outcome is Outcome.COMPLETED and r.tokens_out == 30 and r.first_token_s == first
+    assert r.node_id == "b" and r.slo_met
+
+
+def test_take_back_refuses_an_instance_in_the_middle_of_a_prefill():
+    times = LinearTimes(prefill_per_token=0.01)
+
+    async def main():
+        node = NodeRuntime(NodeSpec("a", "cpu", 10**9))
+        node.start()
+        node.start_instance("i", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
+        await asyncio.sleep(0.01)
+        assert node.try_admit("i", req("r", 100, 5, 0.0)).ok
+        await asyncio.sleep(0.5)  # the 1 s prefill is in flight
+        assert not node.can_take_back("i")
+        with pytest.raises(ValueError, match="middle of a prefill"):
+            node.take_back("r", "test")
+        await node.stop()
+
+    run_virtual(main())
+
+
+def test_validate_with_excluded_neighbours_frees_compute_and_memory():
+    """Two instances decode 0.1 s each against a TPOT of 0.25 s: a request for the first
+    fails case 3 ((0.2 + 0.1) x 1.1), and passes with the neighbour excluded (7.1). Memory:
+    the node holds both instances; with the neighbour's bytes freed the KV scale-up fits."""
+    times = LinearTimes(prefill_per_token=0.0001, decode_base=0.0, decode_per_request=0.1)
+
+    async def main():
+        # each instance loads W + 2000 tokens of KV (L_min, watermark 0); 500 tokens spare
+        node = NodeRuntime(NodeSpec("a", "cpu", 2 * (W + 2000 * KV) + 500 * KV), watermark=0.0)
+        node.start()
+        for iid in ("x", "y"):
+            node.start_instance(iid, "m", engine(times, window=2000), times, SLO(), RunningMean(10), 0.0)
+        await asyncio.sleep(0.01)
+        assert node.try_admit("x", req("x1", 1000, 500, 0.0)).ok and node.try_admit("y", req("y1", 10, 500, 0.0)).ok
+        await asyncio.sleep(0.5)
+        r = req("r", 10, 5, asyncio.get_running_loop().time())
+        plain, without_y = node.validate("x", r), node.validate("x", r, exclude=["y"])
+        big = req("big", 1900, 5, asyncio.get_running_loop().time())  # x then needs ~2920 tokens of KV
+        mem_plain, mem_without_y = node.validate("x", big), node.validate("x", big, exclude=["y"])
+        await node.stop()
+        return plain, without_y, mem_plain, mem_without_y
+
+    plain, without_y, mem_plain, mem_without_y = run_virtual(main())
+    assert plain.compute.failed(FailureCase.DECODE_ROUND_OVER_TPOT) is not None and without_y.ok
+    assert not mem_plain.memory.ok and mem_without_y.memory.ok
+
+
+def test_validate_new_counts_the_cold_start_and_changes_nothing():
+    times = LinearTimes(prefill_per_token=0.001, decode_base=0.02)
+
+    async def main():
+        node = NodeRuntime(NodeSpec("a", "gpu", 10**9))
+        node.start()
+        r = req("r", 1000, 5, 0.0)
+        quick = node.validate_new(plan("new", times, load_s=0.5), [r])
+        slow = node.validate_new(plan("new", times, load_s=1.0), [r])  # 1 + 1.1 > 2 s
+        group = node.validate_new(plan("new", times, load_s=0.5), [r, req("r2", 500, 5, 0.0)])
+        tiny = NodeRuntime(NodeSpec("t", "gpu", W + 100 * KV))
+        no_memory = tiny.validate_new(plan("new", times), [r])
+        left = (list(node.compute.instances), list(node.compute.requests))
+        await node.stop()
+        return quick, slow, group, no_memory, left
+
+    quick, slow, group, no_memory, left = run_virtual(main())
+    assert quick.ok and quick.compute.candidate_first_token_s == pytest.approx(0.5 + 1.1)
+    assert slow.compute.failed(FailureCase.OWN_PREFILL_LATE) is not None
+    assert not group.ok  # the second prompt's prefill follows the first: 0.5 + 1.1 + 0.55 > 2
+    assert not no_memory.ok and not no_memory.memory.ok
+    assert left == ([], [])
+
+
+def test_validate_group_adds_requests_one_after_another():
+    times = LinearTimes(prefill_per_token=0.001, decode_base=0.02)
+
+    async def main():
+        node = NodeRuntime(NodeSpec("a", "gpu", 10**9))
+        node.start()
+        node.start_instance("i", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
+        await asyncio.sleep(0.01)
+        now = asyncio.get_running_loop().time()
+        one = node.validate_group("i", [req("a", 950, 5, now)], [0])
+        two = node.validate_group("i", [req("a", 950, 5, now), req("b", 950, 5, now)], [0, 0])
+        await node.stop()
+        return one, two, list(node.compute.requests)
+
+    one, two, left = run_virtual(main())
+    assert one.ok and not two.ok and left == []  # one prefill of 1900 tokens: 2.09 s with the margin
+
+
+def test_shadow_counts_the_iteration_in_flight_as_done():
+    """A 1 s prefill of r1 is in flight until t = 1.0: the simulation starts there with r1
+    prefilled, instead of prefilling it a second time (which would show r2 late)."""
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(prefill_per_token=0.001, decode_base=0.05), SLO(), 4096)
+    c.add_instance("j", LinearTimes(prefill_per_token=0.001, decode_base=0.05), SLO(), 4096)
+    c.add_request("i", "r1", 1000, start_s=-0.9)  # TTFT deadline 1.1
+    c.add_request("j", "r2", 700, start_s=0.0)  # deadline 2.0: after r1's prefill, 1.0 + 0.77 = 1.77
+    c.busy_until = 1.0
+    c.in_flight = Iteration("i", IterationKind.PREFILL, 1, 1000, 1.0)
+    v = shadow_validate(c, "i", "r3", 10, start_s=0.0, now=0.1)
+    assert v.ok, v.reason()
+    c.in_flight = None  # the old reading: r1's prefill again from 1.0, r2 pushed past 2.0
+    assert not shadow_validate(c, "i", "r3", 10, start_s=0.0, now=0.1).ok
+
+
+def test_shadow_sees_a_neighbours_waiting_prefill_pushed_late():
+    """r2 waits on instance j (deadline 2.0); the candidate on i is due sooner, so it goes
+    first and r2's prefill ends past 2.0. The horizon must reach r2's prefill to see it."""
+    c = ComputeSubsystem()
+    times = LinearTimes(prefill_per_token=0.001, decode_base=0.05)
+    c.add_instance("i", times, SLO(), 4096)
+    c.add_instance("j", times, SLO(), 4096)
+    c.add_request("j", "r2", 1000, start_s=0.0)  # alone: 1.1 s, on time
+    # r3 is due at 1.5: prefill to 0.99, its decodes due 1.75 and 2.0 (ties go to i) to 1.1,
+    # then r2's prefill to 2.2: 0.2 s late.
+    v = shadow_validate(c, "i", "r3", 900, start_s=-0.5, now=0.0)
+    f = v.failed(FailureCase.EXISTING_REQUEST_LATE)
+    assert f is not None and f.request_id == "r2" and f.by_s == pytest.approx(0.2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    loads=st.lists(st.tuples(st.integers(0, 2), st.integers(1, 2000), st.floats(-2.0, 0.0), st.booleans()),
+                   min_size=0, max_size=8),
+    prompt=st.integers(1, 3000),
+    start=st.floats(-2.5, 0.0),
+    busy=st.floats(0.0, 1.0),
+)
+def test_quick_reject_only_rejects_what_full_validation_rejects(loads, prompt, start, busy):
+    c = ComputeSubsystem()
+    times = LinearTimes(prefill_per_token=0.0006, decode_base=0.03, decode_per_request=0.01)
+    for k in range(3):
+        c.add_instance(f"i{k}", times, SLO(), 4096)
+    for n, (k, p, st_, run) in enumerate(loads):
+        c.add_request(f"i{k}", f"r{n}", p, st_)
+        if run:
+            c.complete_iteration(f"i{k}", IterationKind.PREFILL, [f"r{n}"])
+    c.busy_until = busy
+    quick = quick_reject(c, "i0", prompt, start, 0.0)
+    full = shadow_validate(c, "i0", "cand", prompt, start, 0.0)
+    if quick is not None:
+        assert not full.ok and full.failed(quick.case) is not None
