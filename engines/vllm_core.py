@@ -186,14 +186,15 @@ class VLLMCore:
         self.kv_bytes_per_token = math.ceil(total / (self.num_blocks * self.block_size))
 
     def _measure_weight_bytes(self) -> int:
-        def count(worker: Any) -> int:
-            model = worker.model_runner.model
-            return sum(p.numel() * p.element_size() for p in model.parameters()) + \
-                sum(b.numel() * b.element_size() for b in model.buffers())
+        """Device memory the model load took, as vLLM's GPU model runner measures it; 0 where
+        it does not (the CPU runner: its repacked weights are not module parameters, so
+        counting parameters undercounts; the engine then keeps the checkpoint's size)."""
+        def usage(worker: Any) -> int:
+            return int(getattr(worker.model_runner, "model_memory_usage", 0) or 0)
 
         try:
-            return int(sum(self._core().collective_rpc(count)))
-        except Exception:  # noqa: BLE001 - a model runner without .model: unknown
+            return int(sum(self._core().collective_rpc(usage)))
+        except Exception:  # noqa: BLE001 - a model runner without it: unknown
             return 0
 
     def facts(self) -> dict[str, Any]:

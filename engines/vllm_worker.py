@@ -15,8 +15,8 @@ descriptors. Messages are pickled dicts with a 4-byte big-endian length in front
   with its own tokenizer, so the parent can tokenize while the main thread steps.
 
 Everything vLLM prints goes to this process's stdout/stderr, which the parent points at
-a log file. The process exits when told (shutdown), when the main socket closes (the
-parent died), or on a fatal error.
+a log file. The process exits when told (shutdown: at once, with os._exit, since the process ending
+frees all its memory), when the main socket closes (the parent died), or on a fatal error.
 """
 from __future__ import annotations
 
@@ -119,7 +119,11 @@ class Worker:
                 self._shutdown()
                 return 0
             if op == "shutdown":
-                return 0
+                # the process ending frees the weights and the KV cache (and a GPU's context)
+                # at once; vLLM's own clean-up and the interpreter's teardown take seconds
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
 
     def handle(self, op: str, msg: dict[str, Any]) -> Any:
         from engines.vllm_core import CoreSettings, VLLMCore
@@ -153,8 +157,7 @@ class Worker:
                     "kv_bytes_in_use_estimate": core.kv_bytes_in_use_estimate(),
                     "requests": core.request_lengths(), "has_work": core.has_work()}
         if op == "shutdown":
-            self._shutdown()
-            return None
+            return None  # run() exits the process after the reply
         raise ValueError(f"unknown command {op!r}")
 
     def _shutdown(self) -> None:
