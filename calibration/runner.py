@@ -273,10 +273,11 @@ class CpuMeter:
         return round(min(1.0, others / self.hz / ((b[0] - a[0]) * self.cpus)), 3)
 
 
-def wait_for_quiet(max_wait_s: float = 120.0, limit: float = 0.1, window_s: float = 2.0) -> float | None:
+def wait_for_quiet(max_wait_s: float = 120.0, limit: float = 0.1, window_s: float = 2.0,
+                   own_pids: Callable[[], Sequence[int]] | None = None) -> float | None:
     """Wait (up to `max_wait_s`) until other processes use at most `limit` of the CPUs over
     `window_s`; return the last share seen (None where it cannot be measured)."""
-    meter = CpuMeter()
+    meter = CpuMeter(own_pids)
     if not meter.available:
         return None
     deadline = time.perf_counter() + max_wait_s
@@ -298,6 +299,8 @@ class _Measurer:
         self._ids = 0
         self._variant = 0
         self.meter = CpuMeter(getattr(target, "own_pids", None))
+        self.wait_budget_s = 0.0  # seconds this session may still wait for a quiet machine
+        self.waited_s = 0.0
 
     def _request(self, prompt_len: int, max_tokens: int) -> str:
         self._ids += 1
@@ -380,6 +383,12 @@ class _Measurer:
                 best = result
             if busy is None or busy <= BUSY_LIMIT:
                 break
+            if attempt < BUSY_ATTEMPTS and self.wait_budget_s > 0:  # let the other jobs pass first
+                t0 = time.perf_counter()
+                wait_for_quiet(min(30.0, self.wait_budget_s), own_pids=self.meter.own_pids)
+                waited = time.perf_counter() - t0
+                self.wait_budget_s -= waited
+                self.waited_s += waited
         best["attempts"] = attempt
         return best
 
@@ -447,17 +456,21 @@ def calibrate(
     progress: bool = True,
     on_point: Callable[[Point, dict[str, Any]], None] | None = None,
     command: str | None = None,
+    max_wait_s: float = 0.0,
 ) -> Report:
     """Measure every point not measured yet, then write the profile to `out`.
 
     `on_point(point, result)` is called after each point is saved (tests interrupt here).
     KeyboardInterrupt (or any exception) leaves the state file for the next run.
+    `max_wait_s`: how long this session may wait in all for other processes to leave the
+    CPUs before re-measuring a disturbed point (0: re-measure at once).
     """
-    return asyncio.run(_calibrate(target, settings, Path(out), restart, progress, on_point, command))
+    return asyncio.run(_calibrate(target, settings, Path(out), restart, progress, on_point, command, max_wait_s))
 
 
 async def _calibrate(target: CalibrationTarget, settings: Settings, out: Path, restart: bool, progress: bool,
-                     on_point: Callable[[Point, dict[str, Any]], None] | None, command: str | None) -> Report:
+                     on_point: Callable[[Point, dict[str, Any]], None] | None, command: str | None,
+                     max_wait_s: float = 0.0) -> Report:
     grid = Grid.for_settings(settings)
     window = target.engine.context_window
     longest = max(settings.max_prompt, settings.max_context + 1)
@@ -489,6 +502,7 @@ async def _calibrate(target: CalibrationTarget, settings: Settings, out: Path, r
                   "weight_bytes": target.engine.weight_bytes, "context_window": window})
     state.save()
     measurer = _Measurer(target, settings)
+    measurer.wait_budget_s = max_wait_s
     bar = _progress(len(schedule), resumed, progress)
     try:
         for k, point in todo:
@@ -501,6 +515,7 @@ async def _calibrate(target: CalibrationTarget, settings: Settings, out: Path, r
     finally:
         bar.close()
         session["seconds"] = round(time.perf_counter() - t0, 3)
+        session["waited_for_quiet_s"] = round(measurer.waited_s, 1)
         session["load_average_end"] = [round(x, 2) for x in os.getloadavg()]
         state.data["sessions"].append(session)
         state.save()
@@ -547,8 +562,9 @@ def _interference(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
     shares = [r["others_cpu_share"] for r in results.values() if r.get("others_cpu_share") is not None]
     return {
         "rule": f"a point measured while other processes used more than {BUSY_LIMIT:.0%} of the CPUs "
-                f"(/proc/stat, steal included) is measured again, at most {BUSY_ATTEMPTS} times; the least "
-                "disturbed measurement is kept",
+                f"(/proc/stat, steal included) is measured again, at most {BUSY_ATTEMPTS} times, after waiting "
+                "(within the session's budget) for the machine to be quiet; the least disturbed measurement "
+                "is kept",
         "points_remeasured": sum(1 for r in results.values() if r.get("attempts", 1) > 1),
         "points_over_limit": sum(1 for x in shares if x > BUSY_LIMIT),
         "others_cpu_share_median": round(statistics.median(shares), 3) if shares else None,

@@ -238,7 +238,7 @@ def test_quick_calibration_of_the_demo_model(demo_gguf: Path, tmp_path: Path, ca
     """The CI grid, end to end through the CLI (about 40-60 s on 2 cores)."""
     out = tmp_path / "quick.json"
     code = main(["calibrate", "--engine", "openvino", "--model", str(demo_gguf), "--quick", "--out", str(out),
-                 "--name", "smollm2-135m", "--no-progress"])
+                 "--name", "smollm2-135m", "--no-progress", "--max-wait", "0"])
     printed = capsys.readouterr().out
     assert code == 0 and "held-out points: MAPE" in printed and str(out) in printed
     profile = load_profile(out)
@@ -272,7 +272,7 @@ def test_interrupted_cli_calibration_resumes(demo_gguf: Path, tmp_path: Path, mo
 
     out = tmp_path / "tiny.json"
     args = ["calibrate", "--model", str(demo_gguf), "--out", str(out), "--max-prompt", "32", "--max-batch", "2",
-            "--max-context", "32", "--reps", "1", "--warmup", "0", "--passes", "1", "--no-progress"]
+            "--max-context", "32", "--reps", "1", "--warmup", "0", "--passes", "1", "--no-progress", "--max-wait", "0"]
     real_measure = runner._Measurer.measure
     calls = {"n": 0}
 

@@ -40,6 +40,7 @@ MODELS = ("smollm2-a", "smollm2-b")
 NODE_MEMORY = 64 * 2**30  # memory is not what is measured here
 WINDOW = 1024  # context window of both instances (and of the quick calibration)
 MAX_BATCH = 32
+DISTURBED = 0.2  # other processes' CPU share above which a live run is run again
 
 
 @dataclass(frozen=True, slots=True)
@@ -222,7 +223,19 @@ def over_margin(iterations: list[Any], margin: float) -> dict[str, Any]:
     return out
 
 
-def ensure_profile(profile_path: str | None, model_path: Path, recalibrate: bool) -> Path:
+def _gaps(iterations: list[Any], busy_gap_s: float = 0.005) -> list[float]:
+    """Time between one iteration's end and the next one's start, when the node went on
+    at once (gaps under `busy_gap_s`): the runtime's own cost per iteration, which the
+    profile does not hold and the simulation does not charge."""
+    out = []
+    for a, b in zip(iterations, iterations[1:]):
+        gap = b.start_s - (a.start_s + a.duration_s)
+        if 0 <= gap < busy_gap_s:
+            out.append(gap)
+    return out
+
+
+def ensure_profile(profile_path: str | None, model_path: Path, recalibrate: bool, max_wait_s: float = 0.0) -> Path:
     """The profile to simulate with: --profile, else DATA/profiles/<demo>__<cpu>.quick.json,
     calibrated with the quick grid if missing (or if --recalibrate)."""
     if profile_path:
@@ -242,27 +255,34 @@ def ensure_profile(profile_path: str | None, model_path: Path, recalibrate: bool
     target = make_target("openvino", model_path, context_window=WINDOW, max_batch=QUICK.max_batch,
                          model_name="smollm2-135m")
     report = calibrate(target, QUICK, out, restart=recalibrate, progress=sys.stderr.isatty(),
-                       command="mesh bench fidelity (quick calibration)")
+                       command="mesh bench fidelity (quick calibration)", max_wait_s=max_wait_s)
     print(format_heldout(report.heldout), file=sys.stderr)
     return out
 
 
 def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0, profile: str | None = None,
         model: str | None = None, recalibrate: bool = False, trace: str | Path = DEFAULT_TRACE,
-        max_prompt: int = 512, max_output: int = 128, wait_quiet_s: float = 60.0) -> dict[str, Any]:
+        max_prompt: int = 512, max_output: int = 128, wait_quiet_s: float = 60.0, tries: int = 3) -> dict[str, Any]:
     from calibration import PerformanceModel, load_profile
     from calibration.runner import wait_for_quiet
     from mesh.models import demo_gguf_path
     from mesh.policy.shadow import DEFAULT_MARGIN
 
     model_path = Path(model) if model else demo_gguf_path(fetch=True)
-    prof_path = ensure_profile(profile, model_path, recalibrate)
+    prof_path = ensure_profile(profile, model_path, recalibrate, max_wait_s=2 * wait_quiet_s)
     prof = load_profile(prof_path)
     perf = PerformanceModel(prof)
     work = build_workload(n, duration_s, scale, seed, trace, max_prompt, max_output)
-    quiet = wait_for_quiet(wait_quiet_s) if wait_quiet_s > 0 else None
     load_start = os.getloadavg()
-    live = live_run(work, model_path, perf)
+    live, quiet, shares = None, None, []
+    for attempt in range(max(1, tries)):  # a live run disturbed by other jobs is run again
+        quiet = wait_for_quiet(wait_quiet_s) if wait_quiet_s > 0 else None
+        result = live_run(work, model_path, perf)
+        shares.append(result.others_cpu_share)
+        if live is None or (result.others_cpu_share or 0.0) < (live.others_cpu_share or 0.0):
+            live = result
+        if result.others_cpu_share is None or result.others_cpu_share <= DISTURBED:
+            break
     load_end = os.getloadavg()
     sim = simulated_run(work, prof, perf)
     figures: dict[str, Any] = {}
@@ -293,8 +313,12 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
     figures["live_wall_s"] = live.wall_s
     figures["sim_virtual_s"] = sim.wall_s
     figures["live_busy_fraction"] = sum(it.duration_s for it in live.iterations) / live.wall_s
+    gaps = _gaps(live.iterations)
+    figures["live_gap_between_iterations_median_ms"] = 1000 * statistics.median(gaps) if gaps else math.nan
+    figures["live_gap_share_of_busy_time"] = sum(gaps) / max(1e-9, sum(it.duration_s for it in live.iterations))
     figures["others_cpu_share_live"] = live.others_cpu_share
     figures["others_cpu_share_before"] = quiet
+    figures["others_cpu_share_live_tries"] = shares
     figures["load_average_start"] = [round(x, 2) for x in load_start]
     figures["load_average_end"] = [round(x, 2) for x in load_end]
     figures["profile"] = str(prof_path)
@@ -323,10 +347,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--wait-quiet", type=float, default=60.0, metavar="S",
                    help="wait up to S seconds for other processes to leave the CPUs before the live run "
                         "(0: do not wait; default 60)")
+    p.add_argument("--tries", type=int, default=3,
+                   help=f"run the live part again (up to this many times) while other processes used more "
+                        f"than {DISTURBED:.0%} of the CPUs during it; the least disturbed run is reported")
     p.set_defaults(func=lambda a: emit(
         "mesh bench fidelity",
         run(a.requests, a.duration, a.scale, a.seed, a.profile, a.model, a.recalibrate, a.trace,
-            a.max_prompt, a.max_output, a.wait_quiet),
+            a.max_prompt, a.max_output, a.wait_quiet, a.tries),
         a.json,
         {k: "s" for k in ("ttft_p50_live_s", "ttft_p50_sim_s", "ttft_p99_live_s", "ttft_p99_sim_s",
                           "tpot_p50_live_s", "tpot_p50_sim_s", "tpot_p99_live_s", "tpot_p99_sim_s",

@@ -36,6 +36,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="measure the whole grid this many times, samples pooled (full default 2, quick 1)")
     p.add_argument("--context-window", type=int,
                    help="engine context window (default: the next power of two above the limits)")
+    p.add_argument("--max-wait", type=float, default=120.0, metavar="S",
+                   help="on a shared machine: wait up to S seconds in all for other processes to leave the "
+                        "CPUs before re-measuring a disturbed point (default 120; 0: never wait)")
     p.add_argument("--restart", action="store_true", help="discard a saved state and measure everything again")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(func=run)
@@ -69,7 +72,8 @@ def run(args: argparse.Namespace) -> int:
               f"{settings.max_prompt}, batches up to {settings.max_batch}, contexts up to {settings.max_context}, "
               f"{settings.reps} reps after {settings.warmup} warm-up, {settings.passes} pass(es)", file=sys.stderr)
         report = calibrate(target, settings, out, restart=args.restart, progress=not args.no_progress,
-                           command=command or f"mesh calibrate --engine {args.engine} --model {args.model}")
+                           command=command or f"mesh calibrate --engine {args.engine} --model {args.model}",
+                           max_wait_s=args.max_wait)
     except (CalibrationError, ModelFetchError) as exc:
         print(f"mesh calibrate: {exc}", file=sys.stderr)
         return 2
