@@ -72,7 +72,12 @@ class CoreSettings:
     ignore_eos: bool = False  # calibration: every request produces exactly max_tokens
     enforce_eager: bool = True  # CPU: no torch.compile; GPU: False captures CUDA graphs
     seed: int = 0
-    gpu_memory_utilization: float = 0.9  # GPU: the share of the device vLLM may use at most
+    # GPU: the share of the device this instance may use. vLLM refuses to start unless that
+    # much is free, so with several instances per GPU each must ask only for its own share;
+    # 0 = automatic: (weights + KV cache + gpu_overhead_bytes) / the device's memory.
+    gpu_memory_utilization: float = 0.0
+    gpu_overhead_bytes: int = 2 * 2**30  # CUDA context, activations, CUDA graphs (a rough allowance)
+    weight_bytes_hint: int = 0  # the parent's estimate of the weights, for the automatic share
     extra_engine_args: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
@@ -158,7 +163,7 @@ class VLLMCore:
             seed=s.seed, disable_log_stats=True, scheduler_cls=PhasedScheduler,
         )
         if s.device == "cuda":
-            args["gpu_memory_utilization"] = s.gpu_memory_utilization
+            args["gpu_memory_utilization"] = self._gpu_share(int(kv_capacity_bytes))
         args.update(s.extra_engine_args)
         t0 = time.perf_counter()
         try:
@@ -171,6 +176,16 @@ class VLLMCore:
         self._read_cache_facts()
         self.weight_bytes = self._measure_weight_bytes()
         return self.facts()
+
+    def _gpu_share(self, kv_bytes: int) -> float:
+        """vLLM's gpu_memory_utilization for this instance (see CoreSettings)."""
+        if self.s.gpu_memory_utilization > 0:
+            return self.s.gpu_memory_utilization
+        import torch
+
+        total = torch.cuda.mem_get_info()[1]
+        need = self.s.weight_bytes_hint + kv_bytes + self.s.gpu_overhead_bytes
+        return round(min(0.95, max(0.05, need / total)), 4)
 
     def _core(self) -> Any:
         return self.engine.engine_core.engine_core  # InprocClient -> EngineCore

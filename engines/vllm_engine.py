@@ -34,8 +34,8 @@ imports vLLM. A resize to a different number of blocks re-initialises only the K
 (weights stay), and the running requests are re-run by recomputation so their streams
 continue (engines.vllm_core). `kv_bytes_in_use()` counts the blocks the live requests
 hold; `weight_bytes` is the checkpoint size (safetensors files), or the parameter bytes
-computed from the config for dummy weights, replaced by the loaded model's real size
-after the build.
+computed from the config for dummy weights; on a GPU, vLLM's own measurement of the
+memory the load took replaces it after the build.
 
 Models: a Hugging Face folder (config.json, tokenizer files, safetensors weights); a
 folder without weights runs with random weights (`load_format="dummy"`), which is how
@@ -348,7 +348,7 @@ class VLLMEngine:
         kv_capacity_bytes: int | None = None,
         ignore_eos: bool = False,
         enforce_eager: bool | None = None,
-        gpu_memory_utilization: float = 0.9,
+        gpu_memory_utilization: float = 0.0,
         in_process: bool = False,
         python: str | None = None,
         resize_mode: str = "reinit",
@@ -366,6 +366,9 @@ class VLLMEngine:
         kv_capacity_bytes: the KV cache size; given, `load()` builds the engine.
         ignore_eos: every request runs to max_tokens (calibration).
         enforce_eager: no torch.compile / CUDA graphs; default True on CPU, False on GPU.
+        gpu_memory_utilization: vLLM's share of the GPU for this instance; 0 (default) asks
+            for weights + KV cache + 2 GiB, so several instances fit one GPU (vLLM refuses
+            to start when less than its share is free).
         resize_mode: "reinit" (KV cache only, weights stay) or "rebuild" (whole engine).
         on_loaded: called once the engine is built (None) or failed (the exception).
         """
@@ -424,7 +427,8 @@ class VLLMEngine:
             prefill_token_budget=self.prefill_token_budget, max_num_seqs=max_num_seqs, device=self.device,
             dtype=self.dtype, load_format=self.load_format, ignore_eos=ignore_eos,
             enforce_eager=(self.device == "cpu") if enforce_eager is None else enforce_eager,
-            gpu_memory_utilization=gpu_memory_utilization, extra_engine_args=dict(extra_engine_args or {}))
+            gpu_memory_utilization=gpu_memory_utilization, weight_bytes_hint=self.weight_bytes,
+            extra_engine_args=dict(extra_engine_args or {}))
         self.on_loaded = on_loaded
         self.facts: dict[str, Any] = {}
         self.last_resize: dict[str, Any] = {}
