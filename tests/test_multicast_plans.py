@@ -177,7 +177,7 @@ def test_repair_refuses_when_a_block_has_no_holder():
 def test_self_timed_schedule_equals_rounds_with_equal_links():
     for name in ("naive", "chain", "binomial"):
         p = make_plan(name, ["s"], names("t", 6), 12)
-        s = schedule(p)
+        s = schedule(p, BLOCK_TIME)
         assert s.total_s == p.rounds
         assert s.completion_s == {t: float(r) for t, r in p.completion_rounds().items()}
 

@@ -217,3 +217,20 @@ def test_bad_multicast_requests_get_clear_errors(tmp_path):
         asyncio.run(go(naive(["s"], ["a"], 2), {"s": ("127.0.0.1", 1), "a": ("127.0.0.1", 1)}, {}))
     with pytest.raises(MulticastError, match="cannot reach the agent of"):
         asyncio.run(go(naive(["s"], ["a"], 2), {"s": ("127.0.0.1", 1), "a": ("127.0.0.1", 1)}, {"s": str(src)}))
+
+
+def test_bench_multicast_writes_the_interface_json(tmp_path, capsys):
+    """`mesh bench multicast --receivers N --size-mb M --json PATH`: per plan total_s, bound_s."""
+    import json
+
+    from mesh.cli import main
+
+    out = tmp_path / "mc.json"
+    assert main(["bench", "multicast", "--receivers", "2", "--size-mb", "2", "--block-mb", "0.25",
+                 "--bw-repeats", "1", "--json", str(out)]) == 0
+    fig = json.loads(out.read_text())
+    for name in ("naive", "chain", "binomial"):
+        assert fig[name]["total_s"] > 0 and fig[name]["bound_s"] > 0
+        assert set(fig[name]["completion_s"]) == {"r0", "r1"}
+    assert fig["blocks"] == 8 and fig["mode"] == "loopback" and len(fig["loadavg_before"]) == 3
+    assert "bound M/B" in capsys.readouterr().out

@@ -19,7 +19,7 @@ source reads and verifies its file into host memory), and starts sending on `go`
 - `replan` replaces the node's remaining sends (the coordinator re-planned around a failed
   node); a send in progress finishes first. A block that arrives twice is ignored.
 - `--link-mbps` paces the node's uplink (all transfers share it) to emulate a per-node NIC
-  of that many megabits per second on loopback.
+  of that many megabits per second on loopback (see Pacer).
 
 Several transfers can run at once; each has its own id, state and connections. Time comes
 only from the event loop.
@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import math
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,25 +42,26 @@ CHUNK = 1 << 20  # sends go out in chunks of this size (paced per chunk)
 
 
 class Pacer:
-    """The node's uplink: every send of every transfer takes its bytes from one budget of
-    `rate` bytes per second: a token bucket holding at most `burst_s` of link time, so that time lost
-    when the process is scheduled late is made up (a NIC keeps sending while its CPU is
-    busy), but an idle link does not save up more than that."""
+    """The node's uplink, a NIC of `rate` bytes per second shared by all its transfers.
 
-    def __init__(self, rate_bytes_per_s: float | None, burst_s: float = 0.02) -> None:
+    The link carries a chunk from when it is free and the chunk's block is here (`ready_at`),
+    so its bytes leave at `max(link free, ready_at) + size / rate`; the sender sleeps until
+    then. When the process was scheduled late, the chunks whose time has passed go at once:
+    the emulated NIC keeps its pace while the CPU is busy elsewhere, and is never faster."""
+
+    def __init__(self, rate_bytes_per_s: float | None) -> None:
         if rate_bytes_per_s is not None and not rate_bytes_per_s > 0:
             raise ValueError(f"link rate must be > 0, got {rate_bytes_per_s}")
         self.rate = rate_bytes_per_s
-        self.burst_s = burst_s
-        self._next = 0.0
+        self._free = -math.inf  # when the link finishes what it was given
 
-    async def take(self, nbytes: int) -> None:
+    async def take(self, nbytes: int, ready_at: float) -> None:
         if self.rate is None:
             return
-        now = asyncio.get_running_loop().time()
-        self._next = max(self._next, now - self.burst_s) + nbytes / self.rate
-        if self._next > now:  # the bytes leave when the link would have carried them
-            await asyncio.sleep(self._next - now)
+        self._free = max(self._free, ready_at) + nbytes / self.rate
+        delay = self._free - asyncio.get_running_loop().time()
+        if delay > 0:
+            await asyncio.sleep(delay)
 
 
 @dataclass(eq=False)
@@ -83,6 +85,8 @@ class _Transfer:
     tasks: set[asyncio.Task] = field(default_factory=set)
     sender: asyncio.Task | None = None
     complete: bool = False
+    go_at: float = 0.0  # loop time of `go`
+    arrived: dict[int, float] = field(default_factory=dict)  # block -> loop time it was kept
 
 
 def _sends(plan: Plan, node: str) -> list[tuple[int, str]]:
@@ -144,6 +148,7 @@ class WeightAgent:
                 elif st is None:
                     raise ProtocolError(f"{kind!r} before start")
                 elif kind == "go":
+                    st.go_at = asyncio.get_running_loop().time()
                     st.sender = asyncio.create_task(self._send_loop(st))
                 elif kind == "replan":
                     st.sends = _sends(Plan.from_dict(header["plan"]), st.node)
@@ -226,6 +231,7 @@ class WeightAgent:
         finally:
             st.verifying.discard(k)
         st.blocks[k] = payload
+        st.arrived[k] = asyncio.get_running_loop().time()
         st.wake.set()
         await self._event(st, {"type": "have", "block": k, "sender": sender})
         if len(st.blocks) == st.manifest.count and not st.complete:
@@ -290,9 +296,10 @@ class WeightAgent:
             data = bytes([data[0] ^ 0xFF]) + data[1:]
         w.write(frame({"type": "block", "transfer": st.id, "block": block, "sender": st.node, "nbytes": len(data)}))
         view = memoryview(data)
+        ready = max(st.go_at, st.arrived.get(block, st.go_at))
         for off in range(0, len(data), CHUNK):  # chunks keep the transport's buffer small
             chunk = view[off:off + CHUNK]
-            await self.pacer.take(len(chunk))
+            await self.pacer.take(len(chunk), ready)
             w.write(chunk)
             await w.drain()
 
