@@ -144,6 +144,7 @@ async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: d
         shown = 0
         while True:
             await asyncio.sleep(step)
+            cluster.check_nodes()
             now = min(round(loop.time()), round(duration))
             bar.update(now - shown)
             shown = now
@@ -159,10 +160,13 @@ async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: d
             dispatcher.submit(req)
         dispatcher.close()
         remaining = max(0.0, start + duration - loop.time()) + config.drain_limit_s
-        try:
-            await asyncio.wait_for(dispatcher.all_done.wait(), remaining)
-        except asyncio.TimeoutError:
+        done, _ = await asyncio.wait([loop.create_task(dispatcher.all_done.wait()), ticker], timeout=remaining,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        if ticker in done:
+            ticker.result()  # a node crashed: raise it
+        if not dispatcher.all_done.is_set():
             dispatcher.abort_all(f"still in flight {config.drain_limit_s:g} s after the window ended")
+        cluster.check_nodes()
     finally:
         ticker.cancel()
         bar.update(round(duration) - bar.n)

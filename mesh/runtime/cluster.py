@@ -186,6 +186,13 @@ class Cluster:
         for node in self.nodes:
             node.start()
 
+    def check_nodes(self) -> None:
+        """Raise if a node's token-level loop died (a bug: its requests would hang)."""
+        for node in self.nodes:
+            exc = node.failure()
+            if exc is not None:
+                raise RuntimeError(f"node {node.node_id}: its token-level loop crashed: {exc!r}") from exc
+
     async def stop(self) -> None:
         for ref in self._by_id.values():
             if ref.recycle is not None:

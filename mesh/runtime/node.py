@@ -145,6 +145,13 @@ class NodeRuntime:
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
 
+    def failure(self) -> BaseException | None:
+        """The exception that ended the token-level loop, if it ended by one."""
+        task = self._loop_task
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return task.exception()
+
     # -- instances -----------------------------------------------------------------
     def instance_memory(self, instance_id: str, engine: Engine, mean_output: RunningMean) -> InstanceMemory:
         return InstanceMemory(instance_id, engine.kv_bytes_per_token, engine.weight_bytes, engine.context_window, mean_output)
@@ -470,6 +477,8 @@ class NodeRuntime:
                 self.prefill_tokens += it.tokens
             if self.iterations is not None:
                 self.iterations.append(IterationRecord(it.instance_id, result.kind, len(result.request_ids), start, now - start, it.predicted_s))
+            if self.instances.get(it.instance_id) is not inst:
+                continue  # stopped during the iteration (its requests were taken elsewhere)
             self._apply(inst, result, now)
             if getattr(inst.engine, "blocks_event_loop", False):
                 # The iteration held the loop (a real engine computes in step() itself):

@@ -157,7 +157,8 @@ class MeshPolicy:
         for x in candidate_order(views):
             node = by_id[x.instance_id].node
             neighbours = [r.view() for r in self.cluster.instances_on(node)]
-            victims = [v for v in victim_order(x, neighbours) if node.can_take_back(v.instance_id)]
+            # An instance in the middle of an iteration is not preempted (it is stopped).
+            victims = [v for v in victim_order(x, neighbours) if v.instance_id != node.stepping]
             if not victims:
                 continue
             self.stats.validations += 1
