@@ -44,10 +44,13 @@ CHUNK = 1 << 20  # sends go out in chunks of this size (paced per chunk)
 class Pacer:
     """The node's uplink, a NIC of `rate` bytes per second shared by all its transfers.
 
-    The link carries a chunk from when it is free and the chunk's block is here (`ready_at`),
-    so its bytes leave at `max(link free, ready_at) + size / rate`; the sender sleeps until
-    then. When the process was scheduled late, the chunks whose time has passed go at once:
-    the emulated NIC keeps its pace while the CPU is busy elsewhere, and is never faster."""
+    A block takes the link from when the link is free and the block is here (`ready_at`) for
+    size / rate seconds; its chunks leave when the link would have carried them, and the
+    receiver is told when the last byte got there (`link_done_at`), which is when it holds
+    the block as far as its own link is concerned. So the emulated NICs keep their pace when
+    a process is scheduled late (late chunks go at once), and are never faster. The times
+    are CLOCK_MONOTONIC (loop.time()), common to all agents on one machine: pacing is a
+    loopback emulation."""
 
     def __init__(self, rate_bytes_per_s: float | None) -> None:
         if rate_bytes_per_s is not None and not rate_bytes_per_s > 0:
@@ -55,11 +58,15 @@ class Pacer:
         self.rate = rate_bytes_per_s
         self._free = -math.inf  # when the link finishes what it was given
 
-    async def take(self, nbytes: int, ready_at: float) -> None:
-        if self.rate is None:
-            return
-        self._free = max(self._free, ready_at) + nbytes / self.rate
-        delay = self._free - asyncio.get_running_loop().time()
+    def reserve(self, nbytes: int, ready_at: float) -> float:
+        """Book the link for `nbytes`; returns when they start going out."""
+        assert self.rate is not None
+        start = max(self._free, ready_at)
+        self._free = start + nbytes / self.rate
+        return start
+
+    async def until(self, t: float) -> None:
+        delay = t - asyncio.get_running_loop().time()
         if delay > 0:
             await asyncio.sleep(delay)
 
@@ -86,7 +93,7 @@ class _Transfer:
     sender: asyncio.Task | None = None
     complete: bool = False
     go_at: float = 0.0  # loop time of `go`
-    arrived: dict[int, float] = field(default_factory=dict)  # block -> loop time it was kept
+    arrived: dict[int, float] = field(default_factory=dict)  # block -> when it got here (paced: by the link)
 
 
 def _sends(plan: Plan, node: str) -> list[tuple[int, str]]:
@@ -214,12 +221,13 @@ class WeightAgent:
                 raise ProtocolError(f"unexpected {header['type']!r} on a data connection")
             st = self.transfers.get(str(header["transfer"]))
             if st is not None:  # else the transfer ended here: drop the block
-                task = asyncio.create_task(self._accept(st, int(header["block"]), str(header.get("sender")), payload))
+                task = asyncio.create_task(self._accept(st, int(header["block"]), str(header.get("sender")), payload,
+                                                        header.get("link_done_at")))
                 st.tasks.add(task)
                 task.add_done_callback(st.tasks.discard)
             msg = await read_message(reader)
 
-    async def _accept(self, st: _Transfer, k: int, sender: str, payload: bytes) -> None:
+    async def _accept(self, st: _Transfer, k: int, sender: str, payload: bytes, link_done_at: float | None) -> None:
         if k in st.blocks or k in st.verifying:
             return  # a duplicate (plans overlapped around a re-plan)
         st.verifying.add(k)
@@ -231,9 +239,10 @@ class WeightAgent:
         finally:
             st.verifying.discard(k)
         st.blocks[k] = payload
-        st.arrived[k] = asyncio.get_running_loop().time()
+        now = asyncio.get_running_loop().time()
+        st.arrived[k] = now if link_done_at is None else min(now, float(link_done_at))
         st.wake.set()
-        await self._event(st, {"type": "have", "block": k, "sender": sender})
+        await self._event(st, {"type": "have", "block": k, "sender": sender, "at": st.arrived[k] - st.go_at})
         if len(st.blocks) == st.manifest.count and not st.complete:
             st.complete = True
             await self._event(st, {"type": "complete"})
@@ -294,12 +303,20 @@ class WeightAgent:
         if block in st.corrupt_once:
             st.corrupt_once.discard(block)
             data = bytes([data[0] ^ 0xFF]) + data[1:]
-        w.write(frame({"type": "block", "transfer": st.id, "block": block, "sender": st.node, "nbytes": len(data)}))
+        header = {"type": "block", "transfer": st.id, "block": block, "sender": st.node, "nbytes": len(data)}
         view = memoryview(data)
-        ready = max(st.go_at, st.arrived.get(block, st.go_at))
-        for off in range(0, len(data), CHUNK):  # chunks keep the transport's buffer small
+        if self.pacer.rate is None:
+            w.write(frame(header))
+            for off in range(0, len(data), CHUNK):  # chunks keep the transport's buffer small
+                w.write(view[off:off + CHUNK])
+                await w.drain()
+            return
+        start = self.pacer.reserve(len(data), max(st.go_at, st.arrived.get(block, st.go_at)))
+        header["link_done_at"] = start + len(data) / self.pacer.rate
+        w.write(frame(header))
+        for off in range(0, len(data), CHUNK):
             chunk = view[off:off + CHUNK]
-            await self.pacer.take(len(chunk), ready)
+            await self.pacer.until(start + (off + len(chunk)) / self.pacer.rate)
             w.write(chunk)
             await w.drain()
 
