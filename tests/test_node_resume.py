@@ -213,3 +213,17 @@ def test_quick_reject_only_rejects_what_full_validation_rejects(loads, prompt, s
     full = shadow_validate(c, "i0", "cand", prompt, start, 0.0)
     if quick is not None:
         assert not full.ok and full.failed(quick.case) is not None
+
+
+def test_shadow_refuses_to_push_an_already_late_request_further_behind():
+    """r1 is late anyway (due at -0.3, decode 0.2 s): a candidate whose prefill goes first
+    (prefill before decode within an instance) delays it further. Up to one TPOT late that
+    is tolerated (tests/test_shadow.py::test_case2_ignores_requests_late_anyway); beyond,
+    the candidate is refused, or a node that fell behind would take ever more load."""
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(prefill_per_token=0.0, prefill_base=0.01, decode_base=0.2), SLO(), 4096)
+    c.add_request("i", "r1", 10, -2.55)
+    c.complete_iteration("i", IterationKind.PREFILL, ["r1"])  # next token due at -2.55 + 2 + 0.25 = -0.3
+    v = shadow_validate(c, "i", "r5", 10, start_s=0.0, now=0.0)
+    f = v.failed(FailureCase.EXISTING_REQUEST_LATE)
+    assert f is not None and f.request_id == "r1" and f.by_s == pytest.approx(0.011 + 0.22 + 0.3)

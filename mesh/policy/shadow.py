@@ -5,8 +5,8 @@ forward with every iteration overestimated by a margin (10% in the paper, for ru
 fluctuation and growing contexts). The candidate is rejected if
 
 1. its own prefill ends after its TTFT deadline (OWN_PREFILL_LATE),
-2. a request already on the node turns late with it, or, if late anyway, later
-   (EXISTING_REQUEST_LATE), or
+2. a request already on the node, on time without the candidate, turns late with it, or
+   one late anyway is pushed later still and over one TPOT late (EXISTING_REQUEST_LATE), or
 3. one round of decode iterations across the node's instances, with the candidate in its
    instance, takes longer than the TPOT SLO (DECODE_ROUND_OVER_TPOT).
 
@@ -285,11 +285,17 @@ def shadow_validate(
         # The horizon ran out before the candidate's prefill: it cannot be served in time.
         failures.append(Failure(FailureCase.OWN_PREFILL_LATE, math.inf, request_id, instance_id))
     if with_cand.late:
-        # Requests on time without the candidate, or late anyway but later with it, count
-        # against it: a node whose prediction already shows a late request must not take
-        # load that makes it later (else lateness cascades).
+        # A request on time without the candidate and late with it counts against it. One
+        # late anyway counts too if the candidate makes it later still and more than one
+        # TPOT late: a node already behind must not take load that pushes it further
+        # behind, or lateness cascades (each new request is "not newly late" for the
+        # requests already late, and their delays grow without bound).
         base = _simulate(_snapshot(compute, None, exclude), t0, margin, None, with_cand.end_s, max_iterations)
-        newly_late = {rid: v for rid, v in with_cand.late.items() if rid not in base.late}
+        newly_late = {
+            rid: v for rid, v in with_cand.late.items()
+            if rid not in base.late
+            or (v[0] > base.late[rid][0] + _LATER_EPS_S and v[0] > compute.instances[v[1]].tpot)
+        }
         if newly_late:
             rid, (by_s, where) = max(newly_late.items(), key=lambda kv: kv[1][0])
             failures.append(Failure(FailureCase.EXISTING_REQUEST_LATE, by_s, rid, where))
