@@ -135,6 +135,9 @@ class VLLMCore:
                               "core in another process step() would not be one iteration")
         t0 = time.perf_counter()
         import vllm
+        from vllm import EngineArgs, LLMEngine  # noqa: F401 - the heavy imports happen here, not in build()
+
+        import engines.vllm_scheduler  # noqa: F401
 
         self.import_s = time.perf_counter() - t0
         self.vllm_version = vllm.__version__
