@@ -103,6 +103,7 @@ class _Waiter:
     stream: RequestStream
     done: asyncio.Future
     reason: str = "queued: the node's earlier requests took its capacity until the deadline"
+    tried: bool = False  # sent to the agent at least once
 
 
 class _Retry(Exception):
@@ -333,7 +334,7 @@ class LocalPlacement:
             if not queue:
                 continue
             now = loop.time()
-            for w in [w for w in queue if w.deadline <= now]:
+            for w in [w for w in queue if w.deadline <= now and w.tried]:  # untried: ask once, for the reason
                 queue.remove(w)
                 if not w.done.done():
                     w.done.set_exception(overloaded(w.reason))
@@ -365,6 +366,7 @@ class LocalPlacement:
                 self._settle(queue, w, node_unavailable(str(exc)))
             return
         for w, result in zip(batch, reply.get("results", [])):
+            w.tried = True
             if w.done.done():  # the client went away while we asked: undo
                 if result.get("ok"):  # its stream is forgotten, so its done event is ignored
                     agent.client.send({"t": "abort", "request_id": w.job.request_id})
