@@ -143,3 +143,15 @@ def test_abort_frees_the_instance():
         await p.stop()
 
     asyncio.run(main())
+
+
+def test_hugging_face_folders_need_a_gpu_node():
+    async def main():
+        p = await started()
+        hf = ModelRecord("m_hf", "t", "hf", "hf", "/hf", 256, SLO(), 10**6)
+        with pytest.raises(ApiError) as e:
+            await p.submit(job("a", hf))
+        assert e.value.status == 400 and "GPU node" in e.value.message
+        await p.stop()
+
+    asyncio.run(main())

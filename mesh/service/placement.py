@@ -209,14 +209,18 @@ class LocalPlacement:
             agent.client.send({"t": "abort", "request_id": request_id})
 
     def _pick_agent(self, model: ModelRecord) -> LocalAgent:
-        if model.kind == "hf":
+        """GGUF and OpenVINO IR models run on CPU nodes (OpenVINO); Hugging Face folders on
+        GPU nodes (vLLM, issue 6). The first node of the kind that is up."""
+        kind = "gpu" if model.kind == "hf" else "cpu"
+        nodes = [a for a in self.agents.values() if a.spec.kind == kind]
+        if not nodes and kind == "gpu":
             raise bad_request("Hugging Face folders need a GPU node (vLLM), and this server has none; export the "
                               "model to OpenVINO IR or GGUF and register that.", "model")
-        for agent in self.agents.values():
-            if agent.spec.kind == "cpu" and agent.up:
+        for agent in nodes:
+            if agent.up:
                 return agent
-        states = ", ".join(f"{a.node_id} {a.state}" for a in self.agents.values())
-        raise node_unavailable(f"the CPU node agent is not up ({states})")
+        states = ", ".join(f"{a.node_id} {a.state}" for a in nodes) or "none configured"
+        raise node_unavailable(f"no {kind.upper()} node agent is up ({states})")
 
     async def _ensure_instance(self, agent: LocalAgent, model: ModelRecord) -> Instance:
         key = (agent.node_id, model.uid)
@@ -241,8 +245,9 @@ class LocalPlacement:
 
             candidate = Path(self.settings.profile_dir) / f"{model.uid}.json"
             profile = str(candidate) if candidate.is_file() else None
+        engine = "vllm" if agent.spec.kind == "gpu" else "openvino"
         spec = InstanceSpec(inst.instance_id, model.uid, model.path, model.context_length, slo_to_dict(model.slo),
-                            self.settings.max_num_seqs, profile)
+                            self.settings.max_num_seqs, profile, engine)
         try:
             for _ in range(len(self.instances) + 1):
                 try:
