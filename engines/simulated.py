@@ -107,6 +107,7 @@ class SimulatedEngine:
             batch.append(rid)
             tokens += prompt
         await asyncio.sleep(self.times.prefill_s(tokens) * self._jitter())
+        batch = [rid for rid in batch if rid in self._pending]  # aborted meanwhile: no token
         finished = {}
         for rid in batch:
             prompt, target, reason = self._pending.pop(rid)
@@ -121,9 +122,9 @@ class SimulatedEngine:
     async def _decode(self) -> StepResult:
         n = len(self._running)
         await asyncio.sleep(self.times.decode_s(n, self._context / n) * self._jitter())
-        served = list(self._running)
+        served = list(self._running)  # without any aborted meanwhile
         self._rounds += 1
-        self._context += n
+        self._context += len(served)
         finished = {}
         for rid in self._finish_at.pop(self._rounds, ()):
             entry = self._running.pop(rid, None)

@@ -201,3 +201,27 @@ def test_admission_refuses_beyond_max_batch_and_context_window():
     assert [a.ok for a in results] == [True, True, False]
     assert "maximum batch of 2" in results[2].reason()
     assert not too_long.ok and "context window of 512" in too_long.reason()
+
+
+def test_simulated_engine_abort_during_an_iteration():
+    """An abort that lands while an iteration runs: the request gets no token and the
+    engine's accounting stays exact."""
+
+    async def main():
+        e = engine("m", LinearTimes(prefill_per_token=0.01, decode_base=0.1), window=1000)
+        e.add_request(EngineRequest("a", 100, Sampling(max_tokens=100), output_len=5))
+        e.add_request(EngineRequest("b", 100, Sampling(max_tokens=100), output_len=5))
+        step = asyncio.ensure_future(e.step())
+        await asyncio.sleep(0.5)  # inside the 2 s prefill
+        e.abort("a")
+        prefill = await step
+        step = asyncio.ensure_future(e.step())
+        await asyncio.sleep(0.05)
+        e.add_request(EngineRequest("c", 10, Sampling(max_tokens=100), output_len=5))
+        e.abort("b")
+        decode = await step
+        return prefill, decode, e
+
+    prefill, decode, e = run_virtual(main())
+    assert list(prefill.request_ids) == ["b"]
+    assert list(decode.request_ids) == [] and e.kv_bytes_in_use() == 0
