@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Regenerates docs/evaluation.md's numbers and figures: the LLM-Mesh Figure 12 grid, the
+# Figure 13 ablations, the Figure 14 mixes, and a queue-rule sensitivity run.
+#   scripts/evaluation.sh            # everything (about 30-40 min on 2 cores)
+#   scripts/evaluation.sh fig13      # one part: fig12 | fig13 | fig14 | sensitivity | figures
+# JSON goes to docs/eval/, PNG figures to docs/figures/. Every run uses the shared Azure
+# traces (../shared/data), seed 0, 30 minutes, 4 CPU + 4 GPU nodes, the defaults of
+# `mesh replay` otherwise (0.1 rps per function, queue timeout 30 s, noise 5%).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EVAL=docs/eval
+FIG=docs/figures
+mkdir -p "$EVAL" "$FIG"
+PART="${1:-all}"
+MESH="python -m mesh replay --no-progress --seed 0 --minutes 30"
+
+run_fig12() {
+  for model in llama-3.2-3b llama-2-7b llama-2-13b; do
+    for n in 32 64 128; do
+      $MESH --model "$model" --functions "$n" --policies mesh,sllm,sllm+cpu \
+        --json "$EVAL/fig12_${model}_${n}.json" \
+        $( [ "$n" = 128 ] && echo --plot "$FIG/fig12_${model}_${n}" )
+    done
+  done
+}
+
+run_fig13() {
+  $MESH --model llama-2-7b --functions 64 --policies mesh,mesh-no-share,mesh-no-cpu,mesh-no-defrag \
+    --json "$EVAL/fig13_llama-2-7b_64.json" --plot "$FIG/fig13_llama-2-7b_64"
+}
+
+run_fig14() {
+  for mix in 4:1:1 1:1:4; do
+    $MESH --mix "$mix" --functions 64 --policies mesh,sllm,sllm+cpu \
+      --json "$EVAL/fig14_mix${mix//:/-}_64.json"
+  done
+}
+
+run_sensitivity() {
+  # The same 128 x 7B replay when every policy turns a waiting request away as soon as it
+  # can no longer meet its SLO (an SLO-aware queue the baselines do not have).
+  $MESH --model llama-2-7b --functions 128 --policies mesh,sllm,sllm+cpu --queue-timeout slo \
+    --json "$EVAL/sensitivity_queue-slo_llama-2-7b_128.json"
+  # ... and at twice the default load (0.2 rps per function).
+  $MESH --model llama-2-7b --functions 128 --policies mesh,sllm,sllm+cpu --target-rps 25.6 \
+    --json "$EVAL/sensitivity_load2x_llama-2-7b_128.json"
+}
+
+case "$PART" in
+  fig12) run_fig12 ;;
+  fig13) run_fig13 ;;
+  fig14) run_fig14 ;;
+  sensitivity) run_sensitivity ;;
+  figures) ;;
+  all) run_fig12; run_fig13; run_fig14; run_sensitivity ;;
+  *) echo "usage: $0 [all|fig12|fig13|fig14|sensitivity|figures]" >&2; exit 2 ;;
+esac
+python scripts/evaluation_figures.py "$EVAL" "$FIG"
