@@ -23,7 +23,7 @@ from mesh.replay.driver import (
     trace_mean_output,
 )
 from mesh.replay.metrics import summarize, table
-from mesh.runtime.cluster import ClusterConfig, ClusterError, check_cluster
+from mesh.runtime.cluster import ClusterConfig, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S
 from mesh.runtime.policies import POLICIES, UnknownPolicy, policy_spec
 from workloads.azure_functions import load_function_trace
