@@ -316,3 +316,57 @@ def test_no_request_is_ever_lost(policy, reqs, timeout):
             assert r.tokens_out == r.engine_request.output_len
         else:
             assert r.detail
+
+
+def test_an_evicted_request_is_rescheduled_on_another_node_with_its_progress():
+    """6.4: two long outputs outgrow cpu0's memory (weights + 1300 tokens of KV); the node
+    evicts the request with the longest headroom, and the dispatcher places it on cpu1,
+    where it resumes after the tokens it already produced."""
+    from cluster_doubles import KV_PER_TOKEN, WEIGHTS
+
+    async def main():
+        cfg = config(cpu=2, gpu=0, cpu_memory_bytes=WEIGHTS + 1300 * KV_PER_TOKEN)
+        cluster, d = build("mesh", {"m": "llama-2-7b"}, cfg)
+        reqs = [request(f"r{k}", "m", prompt=100, out=900) for k in range(2)]
+        for r in reqs:
+            d.submit(r)
+        first_nodes = [r.node_id for r in reqs]
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return reqs, first_nodes, d
+
+    reqs, first_nodes, d = run_virtual(main())
+    assert first_nodes == ["cpu0", "cpu0"]
+    moved = [r for r in reqs if r.evictions]
+    assert len(moved) == 1 and moved[0].node_id == "cpu1" and d.stats.rescheduled == 1
+    assert all(r.outcome is Outcome.COMPLETED and r.tokens_out == 900 for r in reqs)
+
+
+def test_a_crashed_node_loop_is_reported_not_hidden():
+    from mesh.runtime.cluster import Cluster
+
+    class Broken:
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+        async def step(self):
+            raise RuntimeError("boom")
+
+    async def main():
+        catalog = {"llama-2-7b": spec()}
+        cluster = Cluster(config(cpu=1, gpu=0), catalog, {"m": "llama-2-7b"}, {"llama-2-7b": 100.0})
+        cluster.engine_factory = lambda plan, kind, load_s, seed: Broken(cluster._simulated_engine(plan, kind, load_s, seed))
+        cluster.start()
+        node = cluster.node("cpu0")
+        ref = cluster.start_instance(cluster.plan("m", node), node)
+        node.try_admit(ref.instance_id, request("r", "m"))
+        await asyncio.sleep(1.0)
+        with pytest.raises(RuntimeError, match="node cpu0: its token-level loop crashed"):
+            cluster.check_nodes()
+        await cluster.stop()
+
+    run_virtual(main())

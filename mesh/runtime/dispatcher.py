@@ -60,9 +60,9 @@ class PlacementPolicy(Protocol):
     kinds: tuple[str, ...]  # node kinds it uses
     validates: bool  # admits only requests shadow validation shows on time (Mesh)
 
-    def place(self, req: ServedRequest) -> bool:
-        """Place `req` on some instance now (starting one if the policy wants); False if it
-        cannot be placed at the moment."""
+    def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+        """Place `req` on some instance now (starting one if the policy wants), not on the
+        nodes in `avoid`; False if it cannot be placed at the moment."""
 
 
 @dataclass
@@ -91,6 +91,7 @@ class Dispatcher:
         self.queue_timeout_s = queue_timeout_s
         self._slo_expiry: dict[str, float] = {}  # waiting request -> when it can no longer meet its SLO
         self._why: dict[str, str] = {}  # waiting request -> what its expiry is ("slo", "timeout")
+        self._avoid: dict[str, frozenset[str]] = {}  # evicted request -> nodes that evicted it
         self.stats = DispatchStats()
         self.requests: list[ServedRequest] = []
         self._waiting: dict[str, ServedRequest] = {}
@@ -138,13 +139,14 @@ class Dispatcher:
         """Place again a request taken off a node (progress kept), or let it wait."""
         if req.outcome is not None:
             return
-        if self.policy.place(req):
+        if self.policy.place(req, self._avoid.get(req.request_id, frozenset())):
             self.stats.rescheduled += 1
         else:
             self._enqueue(req)
 
     def on_evict(self, req: ServedRequest, node: NodeRuntime) -> None:
         """A node evicted a request (6.4); called inside the node's loop, so deferred."""
+        self._avoid[req.request_id] = self._avoid.get(req.request_id, frozenset()) | {node.node_id}
         loop = asyncio.get_running_loop()
         loop.call_soon(self.reschedule, req)
         loop.call_soon(self.cluster.note_idle, node)
@@ -231,7 +233,7 @@ class Dispatcher:
             if self.policy.validates and now >= self._slo_expiry[entry.request_id]:
                 continue  # validation can only fail now; it waits out its timeout
             req = self._waiting[entry.request_id]
-            if self.policy.place(req):
+            if self.policy.place(req, self._avoid.get(entry.request_id, frozenset())):
                 self.queue.remove(entry.request_id)
                 del self._waiting[entry.request_id]
                 del self._slo_expiry[entry.request_id], self._why[entry.request_id]
@@ -242,6 +244,7 @@ class Dispatcher:
     # -- requests out ----------------------------------------------------------------
     def _ended(self, req: ServedRequest, user_done) -> None:
         self._in_flight -= 1
+        self._avoid.pop(req.request_id, None)
         if req.request_id in self._waiting:  # ended while waiting (aborted)
             self.queue.remove(req.request_id)
             del self._waiting[req.request_id]

@@ -101,8 +101,10 @@ class MeshPolicy:
 
     validates = True
 
-    def place(self, req: ServedRequest) -> bool:
-        refs = self.cluster.instances_of(req.model)
+    def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+        """Candidates, then preemption, then a new instance (4); never on nodes in `avoid`
+        (one that just evicted the request for lack of memory, 6.4)."""
+        refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
         by_id = {r.instance_id: r for r in refs}
         views = [r.view() for r in refs]
         for v in candidate_order(views, defrag=self.spec.defrag):
@@ -112,11 +114,11 @@ class MeshPolicy:
                 return True
         if self.spec.defrag and self.spec.share and views and self._preempt_for(req, views, by_id):
             return True
-        return self._scale_out(req)
+        return self._scale_out(req, avoid)
 
     # -- a new instance (4) -------------------------------------------------------------
-    def _scale_out(self, req: ServedRequest) -> bool:
-        home = self._new_instance_home(req.model, [req], [req.tokens_out], self.cluster.hosts(req.model))
+    def _scale_out(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+        home = self._new_instance_home(req.model, [req], [req.tokens_out], self.cluster.hosts(req.model) | avoid)
         if home is None:
             return False
         return self._start_and_admit(home, [req]) == []
@@ -233,8 +235,8 @@ class SllmPolicy:
 
     validates = False
 
-    def place(self, req: ServedRequest) -> bool:
-        refs = self.cluster.instances_of(req.model)
+    def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+        refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
         targets = self._targets[self.cluster.models[req.model]]
         by_id = {r.instance_id: r for r in refs}
         views = [r.view() for r in refs]
@@ -247,7 +249,7 @@ class SllmPolicy:
                 return True
             views = [w for w in views if w.instance_id != v.instance_id]  # memory full: next
         # Scale out: the first free node (first-fit, CPU first) that can hold the model.
-        for nv in new_instance_order(self.cluster.node_views(), self.kinds, exclusive=True):
+        for nv in new_instance_order(self.cluster.node_views(), self.kinds, exclusive=True, exclude=avoid):
             node = self.cluster.node(nv.node_id)
             if not self.cluster.can_host(req.model, node):
                 continue
