@@ -20,6 +20,7 @@ from typing import Callable
 from mesh.policy.placement import (
     CPU,
     GPU,
+    InstanceView,
     candidate_order,
     concurrency_target,
     new_instance_order,
@@ -148,12 +149,12 @@ class MeshPolicy:
                 return list(reqs)
             self.stats.new_instances += 1
         left = [q for q in reqs if not home.node.try_admit(ref.instance_id, q).ok]
-        if not ref.inst.requests:
-            self.cluster.stop_instance(ref)
+        if home.ref is None and not ref.inst.requests:
+            self.cluster.stop_instance(ref)  # started for nothing
         return left
 
     # -- proactive defragmentation (7.1) --------------------------------------------------
-    def _preempt_for(self, req: ServedRequest, views, by_id: dict[str, InstanceRef]) -> bool:
+    def _preempt_for(self, req: ServedRequest, views: list[InstanceView], by_id: dict[str, InstanceRef]) -> bool:
         """Fit `req` into one of its model's instances by preempting lower-batch neighbours
         (lowest first), only if the preempted requests validate where they would go."""
         for x in candidate_order(views):
@@ -193,7 +194,9 @@ class MeshPolicy:
                 return _Home(ref.node, ref=ref)
         return self._new_instance_home(model, group, done, used | self.cluster.hosts(model))
 
-    def _commit(self, req: ServedRequest, target: InstanceRef, chosen) -> bool:
+    def _commit(self, req: ServedRequest, target: InstanceRef, chosen: list[tuple[InstanceRef, list[ServedRequest], list[int], _Home]]) -> bool:
+        """Preempt the chosen neighbours, admit `req`, and move their requests to their homes
+        (rescheduled through the dispatcher if a home no longer validates)."""
         node = target.node
         for yref, group, _, _ in chosen:
             for q in group:
