@@ -85,6 +85,18 @@ def test_framing_round_trip_and_errors():
     asyncio.run(go())
 
 
+def test_pacer_books_the_link_when_it_is_free_and_the_block_is_here():
+    from mesh.runtime.weights.agent import Pacer
+
+    p = Pacer(100.0)  # bytes per second
+    assert p.reserve(50, ready_at=0.0) == 0.0  # link free, block here: goes at once
+    assert p.reserve(50, ready_at=0.0) == 0.5  # waits for the link
+    assert p.reserve(10, ready_at=5.0) == 5.0  # waits for the block; an idle link saves nothing
+    assert p.reserve(10, ready_at=0.0) == 5.1
+    with pytest.raises(ValueError, match="link rate must be > 0"):
+        Pacer(0.0)
+
+
 # --- agents on loopback --------------------------------------------------------------------
 
 TARGETS = ["a", "b", "c", "d"]

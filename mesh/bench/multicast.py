@@ -27,7 +27,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mesh.policy.multicast import CostModel, make_plan, naive, schedule
+from mesh.policy.multicast import PLANS, CostModel, make_plan, naive, schedule
 from mesh.runtime.weights.blocks import Manifest, pack
 from mesh.runtime.weights.coordinator import multicast
 from mesh.runtime.weights.launch import spawn_agents, stop_agents
@@ -129,6 +129,9 @@ def run(receivers: int = 4, size_mb: float = 500, plans: Sequence[str] = ("naive
         raise ValueError("--size-mb and --block-mb must be > 0")
     if repeat < 1 or bw_repeats < 1:
         raise ValueError("--repeat and --bw-repeats must be >= 1")
+    unknown = [p for p in plans if p not in PLANS]
+    if unknown or not plans:
+        raise ValueError(f"--plans: unknown plan {unknown[0]!r}" if unknown else "--plans: none given")
     return asyncio.run(_bench(receivers, size_mb, plans, block_mb, link_mbps, bw_repeats, repeat, lookahead,
                               save, seed, workdir))
 
