@@ -22,8 +22,8 @@ A model is cut into `b` blocks. A plan is a list of block transfers, each in a r
 Round counts (the paper's N counts nodes *including* the source: "1 -> N ... takes
 b + ceil(log N) - 1 steps" for N - 1 destinations). With R receivers and one source we
 have n = R + 1 nodes, and b + ceil(log2 n) - 1 is also the lower bound for one-port
-broadcast (the holders of block 0 at most double each round; the source sends one block a
-round). The binomial plan reaches it exactly when n is a power of two (the hypercube) and
+broadcast (the source sends one block a round, so the last block leaves it in round b - 1
+at the earliest; its holders then at most double each round). The binomial plan reaches it exactly when n is a power of two (the hypercube) and
 when n = 2^d + 1 (a relay feeding a hypercube of 2^d); for other n the hypercube has holes
 that a greedy fill covers, a few rounds above the bound (measured in the tests).
 
