@@ -11,7 +11,8 @@ an integer `id` gets exactly one reply `{"t": "reply", "re": id, "ok": true, ...
 (abort) gets none. The agent also sends events on its own (tokens, done, instance).
 
 Control -> agent (see docs/service.md for every field):
-    hello      {token, protocol}             -> {node_id, kind, memory_bytes, cpu, pid, instances}
+    hello      {token, protocol}             -> {node_id, kind, memory_bytes, cpu, pid, instances,
+                                                 weights: {address, dir} | null}
     ping       {}                            -> {}
     load       {instance_id, model, path, context_window, slo, max_num_seqs, profile}
                                              -> {} (issued; an `instance` event follows)
@@ -22,6 +23,8 @@ Control -> agent (see docs/service.md for every field):
     abort      {request_id}                  (no reply)
     stats      {}                            -> {instances, memory, queue_length, busy_s, ...}
     shutdown   {}                            -> {} (then the agent exits)
+    weights_path {model, file}               -> {path} where a multicast to this node writes the
+                                                model's file (mesh.agent.weights); `load` it from there
 
 Agent -> control (events):
     tokens     {items: [[request_id, [token ids], text], ...]}   one frame per iteration

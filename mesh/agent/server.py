@@ -13,6 +13,8 @@ Admission (`admit`) is validate + admit in one step of the loop, so it is atomic
 respect to the node's state. Token outputs of one iteration go out as one `tokens` frame.
 
 `--exit-with-parent`: exit when stdin closes (the embedded agent dies with `mesh serve`).
+`--weights-listen HOST:PORT`: also receive models' weight blocks there, into `--weights-dir`
+(mesh.agent.weights), so `load` can start an engine from weights received over the network.
 """
 from __future__ import annotations
 
@@ -23,6 +25,7 @@ import logging
 import os
 import signal
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 from engines.protocol import EngineError, EngineRequest
@@ -38,6 +41,7 @@ from mesh.agent.protocol import (
     sampling_from_dict,
     slo_from_dict,
 )
+from mesh.agent.weights import NodeWeightsReceiver, parse_listen, received_path
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
 from mesh.runtime.node import NodeRuntime, NodeSpec
@@ -60,8 +64,10 @@ class Reply(Exception):
 class AgentServer:
     """Serves one node: its runtime, instances, and one control connection."""
 
-    def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None) -> None:
+    def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None,
+                 weights: NodeWeightsReceiver | None = None) -> None:
         self.spec = spec
+        self.weights = weights  # receives model blocks over the network (None: not hosted)
         self.token = token
         self.cpu = cpu or {}
         self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True)
@@ -76,7 +82,7 @@ class AgentServer:
         self._handlers: dict[str, Callable[[dict[str, Any]], Any]] = {
             "ping": self._ping, "hello": self._hello, "load": self._load, "unload": self._unload,
             "tokenize": self._tokenize, "admit": self._admit, "abort": self._abort,
-            "stats": self._stats, "shutdown": self._shutdown,
+            "stats": self._stats, "shutdown": self._shutdown, "weights_path": self._weights_path,
         }
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -85,6 +91,8 @@ class AgentServer:
         loop = asyncio.get_running_loop()
         self.started_at = loop.time()
         self.node.start()
+        if self.weights is not None:
+            await self.weights.start()
         if listen.startswith("unix:"):
             path = listen[len("unix:"):]
             self._server = await asyncio.start_unix_server(self._connection, path, limit=2**20)
@@ -102,6 +110,8 @@ class AgentServer:
 
     async def close(self) -> None:
         self._server.close()
+        if self.weights is not None:
+            await self.weights.close()
         self._abort_all("the node agent is shutting down")
         self._flush()
         await self.node.stop()
@@ -236,6 +246,7 @@ class AgentServer:
             raise Reply(Code.PROTOCOL, f"protocol {m.get('protocol')} is not supported; this agent speaks {PROTOCOL_VERSION}")
         return {"node_id": self.spec.node_id, "kind": self.spec.kind, "memory_bytes": self.spec.memory_bytes,
                 "cpu": self.cpu, "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
+                "weights": self.weights.info() if self.weights is not None else None,
                 "instances": [self._instance_view(i) for i in self.node.instances.values()]}
 
     async def _load(self, m: dict[str, Any]) -> dict[str, Any]:
@@ -396,6 +407,15 @@ class AgentServer:
             "time_factors": {"prefill": times.prefill_factor, "decode": times.decode_factor} if times else None,
         }
 
+    def _weights_path(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Where this node writes a received model file (the `output_path` of a multicast)."""
+        if self.weights is None:
+            raise Reply(Code.BAD_REQUEST, f"node {self.spec.node_id} receives no weights (start it with --weights-listen)")
+        try:
+            return {"path": str(received_path(self.weights.root, str(m["model"]), str(m["file"])))}
+        except (KeyError, ValueError) as exc:
+            raise Reply(Code.BAD_REQUEST, f"weights_path needs a model and a file name: {exc}") from exc
+
     def _shutdown(self, m: dict[str, Any]) -> dict[str, Any]:
         asyncio.get_running_loop().call_later(0.05, self.stop)
         return {}
@@ -454,7 +474,14 @@ async def _watch_stdin(server: AgentServer) -> None:
 
 async def _amain(args: argparse.Namespace) -> int:
     token = os.environ.get(args.token_env) or None
-    server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info())
+    weights = None
+    if args.weights_listen:
+        from mesh.paths import data_dir
+
+        host, port = parse_listen(args.weights_listen)
+        root = Path(args.weights_dir) if args.weights_dir else data_dir() / "received" / args.node_id
+        weights = NodeWeightsReceiver(root, host, port)
+    server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights)
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -476,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-bytes", type=int, required=True, help="memory budget for weights and KV caches")
     parser.add_argument("--token-env", default="MESH_AGENT_TOKEN", help="environment variable holding the hello token")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when stdin closes")
+    parser.add_argument("--weights-listen", metavar="HOST:PORT", help="receive model weight blocks here (port 0: any)")
+    parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"agent {args.node_id}: %(levelname)s %(message)s")

@@ -1,0 +1,90 @@
+"""A node agent's weights receiver (issue 7 item 4): engines start from received weights.
+
+With `--weights-listen HOST:PORT` the node agent hosts a weights agent
+(mesh.runtime.weights.agent) on its own event loop, on a second port. A coordinator
+(mesh.runtime.weights.coordinator.multicast) then sends the node a model's blocks, which it
+verifies, forwards as its plan says, and writes atomically into the node's data folder:
+`<weights dir>/<model>/<file name>`. The control service learns the address and the folder
+from `hello` (`weights: {address, dir}`) and asks the agent where a model's file goes with
+`weights_path {model, file}` -> `{path}`; the `load` that follows names that path, so the
+engine (OpenVINO: the received GGUF, or the IR folder's files) builds from the node's own
+copy and a scale-out to a node without the model needs no shared disk.
+
+What this node accepts: a transfer may write its output only inside the weights folder
+(a `start` whose `output_path` points elsewhere is answered with an `error`). Source paths
+are not restricted (a node sends what its control service tells it to send), and the
+weights port has no token yet: it is for a trusted network, like the paper systems'.
+
+The receiver shares the agent's loop: block reads happen between engine iterations, and
+checksums and the file write run in worker threads (sha256 releases the GIL).
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+from pathlib import Path
+from typing import Any
+
+from mesh.runtime.weights.agent import WeightAgent
+from mesh.runtime.weights.protocol import ProtocolError, send
+
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def safe_name(name: str) -> str:
+    """One path component from a model id or file name ('org/model:v1' -> 'org_model_v1')."""
+    cleaned = _UNSAFE.sub("_", name).strip("._")
+    if not cleaned:
+        raise ValueError(f"{name!r} gives an empty file name")
+    return cleaned[:200]
+
+
+def received_path(root: Path, model: str, file_name: str) -> Path:
+    """Where a node keeps a received model file: <root>/<model>/<file name>."""
+    return Path(root) / safe_name(model) / safe_name(Path(file_name).name)
+
+
+def inside(root: Path, path: str | Path) -> bool:
+    """Is `path` (resolved) inside `root` (resolved)?"""
+    try:
+        Path(path).resolve().relative_to(Path(root).resolve())
+    except ValueError:
+        return False
+    return True
+
+
+class NodeWeightsReceiver(WeightAgent):
+    """A weights agent that writes received models only under `root`."""
+
+    def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0) -> None:
+        super().__init__(host, port)
+        self.root = Path(root)
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    async def start(self) -> int:
+        self.root.mkdir(parents=True, exist_ok=True)
+        return await super().start()
+
+    async def _start(self, h: dict[str, Any], control: asyncio.StreamWriter) -> Any:
+        out = h.get("output_path")
+        if out and not inside(self.root, out):
+            reason = f"output path {out} is outside this node's weights folder {self.root}"
+            await send(control, {"type": "error", "transfer": str(h.get("transfer")), "node": str(h.get("node")),
+                                 "reason": reason})
+            raise ProtocolError(reason)
+        return await super()._start(h, control)
+
+    def info(self) -> dict[str, str]:
+        return {"address": self.address, "dir": str(self.root)}
+
+
+def parse_listen(listen: str) -> tuple[str, int]:
+    """'HOST:PORT' (port 0: any free port) -> (host, port)."""
+    host, _, port = listen.rpartition(":")
+    try:
+        return host or "127.0.0.1", int(port)
+    except ValueError:
+        raise ValueError(f"--weights-listen must be HOST:PORT, got {listen!r}") from None

@@ -1,0 +1,161 @@
+"""Engines start from received weights (issue 7 item 4): a node agent hosting a weights
+receiver gets a model's blocks by multicast into its own data folder, then loads an engine
+from the received file.
+
+Fast tests: in one process, a small random file, the receiver's rules (the folder, the
+`weights_path` message, a path outside the folder refused). Slow test: two real agent
+processes on loopback, the demo GGUF on one, multicast to the other, which builds an
+OpenVINO engine from the received file and answers a greedy request exactly as the first
+does from the original file."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+from agent_doubles import TOKEN
+from engines.protocol import Sampling
+from mesh.agent.client import AgentCallError, AgentClient
+from mesh.agent.protocol import READY_PREFIX, Code, InstanceSpec, sampling_to_dict
+from mesh.agent.server import AgentServer
+from mesh.agent.weights import NodeWeightsReceiver, inside, received_path, safe_name
+from mesh.policy.multicast import make_plan
+from mesh.runtime.node import NodeSpec
+from mesh.runtime.weights.agent import WeightAgent
+from mesh.runtime.weights.blocks import pack
+from mesh.runtime.weights.coordinator import MulticastError, multicast
+
+
+def _addr(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host, int(port)
+
+
+def test_received_paths_stay_in_the_folder(tmp_path: Path) -> None:
+    assert safe_name("org/model:v1") == "org_model_v1"
+    p = received_path(tmp_path, "../../etc", "../passwd")
+    assert inside(tmp_path, p) and p.name == "passwd"
+    assert not inside(tmp_path, tmp_path.parent / "x")
+    with pytest.raises(ValueError):
+        safe_name("..")
+
+
+def test_an_agent_receives_a_model_into_its_folder(tmp_path: Path) -> None:
+    model = tmp_path / "src" / "model.bin"
+    model.parent.mkdir()
+    data = os.urandom(3 * 2**20 + 12345)
+    model.write_bytes(data)
+    manifest = pack(model, 2**20, model="org/m")
+
+    async def main() -> None:
+        source = WeightAgent()
+        await source.start()
+        server = AgentServer(NodeSpec("n1", "cpu", 10**9), TOKEN, {}, NodeWeightsReceiver(tmp_path / "n1"))
+        address = await server.serve("127.0.0.1:0")
+        bare = AgentServer(NodeSpec("n2", "cpu", 10**9), TOKEN, {})
+        bare_address = await bare.serve("127.0.0.1:0")
+        client, other = AgentClient("n1", lambda m: None, lambda r: None), AgentClient("n2", lambda m: None, lambda r: None)
+        try:
+            info = await client.connect(address, TOKEN)
+            assert info["weights"]["dir"] == str(tmp_path / "n1")
+            assert (await other.connect(bare_address, TOKEN))["weights"] is None
+            with pytest.raises(AgentCallError) as e:
+                await other.call({"t": "weights_path", "model": "org/m", "file": "model.bin"})
+            assert e.value.code == Code.BAD_REQUEST.value
+            out = (await client.call({"t": "weights_path", "model": "org/m", "file": "model.bin"}))["path"]
+            assert out == str(tmp_path / "n1" / "org_m" / "model.bin")
+            agents = {"s": ("127.0.0.1", source.port), "n1": _addr(info["weights"]["address"])}
+            plan = make_plan("chain", ["s"], ["n1"], manifest.count)
+            result = await multicast(agents, manifest, plan, {"s": str(model)}, {"n1": out}, timeout_s=30)
+            assert result.outputs == {"n1": out} and Path(out).read_bytes() == data
+            assert len(result.arrivals) == manifest.count == 4
+
+            # a transfer may not write outside the node's folder
+            with pytest.raises(MulticastError, match="outside this node's weights folder"):
+                await multicast(agents, manifest, plan, {"s": str(model)}, {"n1": str(tmp_path / "elsewhere.bin")},
+                                timeout_s=30)
+            assert not (tmp_path / "elsewhere.bin").exists()
+        finally:
+            await client.close()
+            await other.close()
+            await server.close()
+            await bare.close()
+            await source.close()
+
+    asyncio.run(main())
+
+
+# ---- two real agent processes, the demo model -------------------------------------------
+
+async def _spawn(node: str, weights_dir: Path) -> tuple[asyncio.subprocess.Process, str]:
+    env = {**os.environ, "MESH_AGENT_TOKEN": TOKEN}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", node, "--memory-bytes", str(3 * 10**9),
+        "--weights-listen", "127.0.0.1:0", "--weights-dir", str(weights_dir), stdout=asyncio.subprocess.PIPE, env=env)
+    line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
+    assert line.startswith(READY_PREFIX), line
+    return proc, line[len(READY_PREFIX):]
+
+
+async def _greedy(client: AgentClient, events: list[dict], path: str, iid: str, prompt: str) -> list[int]:
+    await client.call(InstanceSpec(iid, "smollm2", path, 512, max_num_seqs=2).to_message())
+    for _ in range(1200):
+        states = [e for e in events if e["t"] == "instance" and e["instance_id"] == iid]
+        if states:
+            assert states[0]["state"] == "ready", states[0]
+            break
+        await asyncio.sleep(0.1)
+    else:
+        raise AssertionError(f"instance {iid} did not load")
+    ids = (await client.call({"t": "tokenize", "instance_id": iid, "prompt": prompt}))["ids"]
+    entry = {"request_id": f"r-{iid}", "instance_id": iid, "prompt_token_ids": ids,
+             "sampling": sampling_to_dict(Sampling(max_tokens=16, temperature=0.0)), "age_s": 0.0}
+    assert (await client.call({"t": "admit", "requests": [entry]}))["results"][0]["ok"]
+    for _ in range(1200):
+        if any(e["t"] == "done" and e["request_id"] == f"r-{iid}" for e in events):
+            break
+        await asyncio.sleep(0.1)
+    tokens = [t for e in events if e["t"] == "tokens" for rid, toks, _ in e["items"] if rid == f"r-{iid}" for t in toks]
+    done = next(e for e in events if e["t"] == "done" and e["request_id"] == f"r-{iid}")
+    assert done["outcome"] == "completed" and done["tokens_out"] == len(tokens) > 0
+    return tokens
+
+
+@pytest.mark.slow
+def test_a_scale_out_by_network_serves_from_the_received_file(demo_gguf: Path, tmp_path: Path) -> None:
+    manifest = pack(demo_gguf, 4 << 20, model="smollm2")
+
+    async def main() -> None:
+        procs, clients, events = {}, {}, {"a": [], "b": []}
+        try:
+            for node in ("a", "b"):
+                procs[node], address = await _spawn(node, tmp_path / node)
+                clients[node] = AgentClient(node, events[node].append, lambda r: None, heartbeat_timeout_s=60)
+                info = await clients[node].connect(address, TOKEN)
+                assert info["weights"]["dir"] == str(tmp_path / node)
+            weights = {n: _addr(c.info["weights"]["address"]) for n, c in clients.items()}
+            out = (await clients["b"].call({"t": "weights_path", "model": "smollm2", "file": demo_gguf.name}))["path"]
+            assert not Path(out).exists()
+            plan = make_plan("chain", ["a"], ["b"], manifest.count)
+            result = await multicast(weights, manifest, plan, {"a": str(demo_gguf)}, {"b": out}, timeout_s=120)
+            assert result.outputs == {"b": out}
+            digest = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731
+            assert digest(out) == digest(demo_gguf)
+
+            prompt = "The capital of France is"
+            original = await _greedy(clients["a"], events["a"], str(demo_gguf), "ia", prompt)
+            received = await _greedy(clients["b"], events["b"], out, "ib", prompt)
+            assert received == original and len(received) == 16
+        finally:
+            for c in clients.values():
+                await c.close()
+            for p in procs.values():
+                p.terminate()
+            for p in procs.values():
+                await p.wait()
+
+    asyncio.run(main())
