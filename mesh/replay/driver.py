@@ -11,6 +11,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from tqdm import tqdm
@@ -19,7 +20,7 @@ from calibration.profile import ProfileError, load_profile, reference_profile, r
 from engines.protocol import EngineRequest, Sampling
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
-from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec, check_cluster
+from mesh.runtime.cluster import Cluster, ClusterConfig, EngineFactory, ModelSpec, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S, DispatchStats, Dispatcher
 from mesh.runtime.policies import PolicyStats, make_policy, policy_spec
 from mesh.runtime.request import ServedRequest
@@ -38,6 +39,7 @@ class ReplayConfig:
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S  # None: turned away once it cannot meet its SLO
     drain_limit_s: float = 600.0  # virtual time after the window for in-flight requests to end
     progress: bool = True
+    engines: Callable[[Cluster], EngineFactory] | None = None  # per run: its engines (e.g. mesh.replay.weights.Engines)
 
 
 @dataclass
@@ -126,6 +128,8 @@ async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: d
         config.cluster, catalog, workload.models, prior,
         on_evict=lambda req, node: dispatcher_box[0].on_evict(req, node),
     )
+    if config.engines is not None:
+        cluster.engine_factory = config.engines(cluster)
     dispatcher = Dispatcher(
         cluster, queue_capacity=config.queue_capacity, retry_interval_s=config.retry_interval_s,
         queue_timeout_s=config.queue_timeout_s,
