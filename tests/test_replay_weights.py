@@ -1,0 +1,78 @@
+"""Cold starts by weights source in replays (issue 7 item 6): the pure live-scaling model,
+and the four modes on a small synthetic burst."""
+from __future__ import annotations
+
+import pytest
+
+from mesh.policy.multicast import CostModel, estimate
+from mesh.replay.driver import build_catalog
+from mesh.replay.weights import (
+    WeightsConfig,
+    live_capacity,
+    live_finish,
+    prefix_fractions,
+    stop_the_world_s,
+)
+from mesh.replay.weights_compare import compare, table
+from workloads.workload import Arrival, Workload
+
+
+def test_live_capacity_is_the_pairs_gain() -> None:
+    assert live_capacity(0.0) == 0.0
+    assert live_capacity(0.25) == pytest.approx(1 / 3)  # pair: 1/(1-f) = 4/3 of an instance
+    assert live_capacity(0.5) == 1.0  # half the layers: the pair serves two instances' worth
+    assert live_capacity(0.9) == 1.0 and live_capacity(1.0) == 1.0
+
+
+def test_live_finish_integrates_capacity_over_arrivals() -> None:
+    steps = [(0.0, 0.25), (10.0, 1.0)]
+    assert live_finish(0.0, 1.0, steps) == pytest.approx(3.0)  # at 1/3 speed
+    assert live_finish(0.0, 5.0, steps) == pytest.approx(10.0 + 5.0 - 10.0 / 3)  # crosses the arrival
+    assert live_finish(12.0, 2.0, steps) == pytest.approx(14.0)  # all layers in: full speed
+    assert live_finish(5.0, 0.0, steps) == 5.0
+    with pytest.raises(ValueError):
+        live_finish(0.0, 1.0, [(0.0, 0.0)])
+
+
+def test_prefix_fractions_need_blocks_in_order() -> None:
+    # block 1 before block 0: nothing runs until block 0 is in; sizes weigh the fraction
+    assert prefix_fractions([(1.0, 1), (2.0, 0), (3.0, 2)], [1, 1, 2]) == [(2.0, 0.5), (3.0, 1.0)]
+    assert prefix_fractions([(1.0, 2)], [1, 1, 2]) == []
+
+
+def test_stop_the_world_times() -> None:
+    cfg = WeightsConfig(ssd_bytes_per_s=2e9, pcie_bytes_per_s=20e9, fixed_s=0.5)
+    assert stop_the_world_s(cfg, 10**10, False) == pytest.approx(5.5)
+    assert stop_the_world_s(cfg, 10**10, True) == pytest.approx(1.0)
+    with pytest.raises(ValueError):
+        WeightsConfig(mode="disk")
+
+
+def _burst() -> Workload:
+    """A trickle, then a burst that needs several new instances at once."""
+    arrivals = [Arrival(f"a{i}", i * 2.0, "f000", "llama-2-7b/f000", 200, 50) for i in range(10)]
+    arrivals += [Arrival(f"b{i}", 30.0 + i * 0.01, "f000", "llama-2-7b/f000", 1500, 100) for i in range(300)]
+    return Workload(sorted(arrivals, key=lambda a: a.time_s), {"llama-2-7b/f000": "llama-2-7b"}, {"duration_s": 60.0})
+
+
+def test_the_four_modes_on_a_burst() -> None:
+    weight_bytes = build_catalog(["llama-2-7b"])["llama-2-7b"].profiles["gpu"].weight_bytes
+    cfg = WeightsConfig(ssd_bytes_per_s=3e9, pcie_bytes_per_s=25e9, net_bytes_per_s=25e9, block_bytes=256 * 2**20)
+    res = compare(_burst(), "llama-2-7b", ["ssd", "host", "multicast", "multicast-live"], cfg, gpu_nodes=6)
+    ssd, host, mc, live = (res[m] for m in ("ssd", "host", "multicast", "multicast-live"))
+    assert set(ssd["loads"]) == {"ssd"} and ssd["load_s_max"] == pytest.approx(weight_bytes / 3e9)
+    assert host["loads"].get("ssd", 0) >= 1  # each node's first load reads its SSD
+    # multicast: one host copy (the pool put it on a node), the others by network; a group of
+    # n targets from s sources finishes no later than the planner's estimate for 1 source
+    assert mc["loads"].get("multicast", 0) >= 2 and mc["multicasts"] >= 1
+    one = estimate("binomial", weight_bytes, 1, CostModel(cfg.block_bytes, 25e9, cfg.latency_s)).total_s
+    assert mc["load_s_max"] < weight_bytes / 3e9 and mc["load_s_max"] >= one * 0.99
+    # live: serving from the first block on, for the instances that had a partner
+    assert live["loads"].get("live", 0) >= 1
+    assert live["load_s_min"] == pytest.approx(cfg.block_bytes / 25e9 + cfg.latency_s)  # block 0 is in
+    assert mc["load_s_min"] == pytest.approx(min(weight_bytes / 25e9, one))
+    # the faster the weights, the shorter the tail
+    assert mc["ttft_p99_s"] < ssd["ttft_p99_s"]
+    assert live["ttft_p99_s"] <= mc["ttft_p99_s"] * 1.05
+    assert all(r["requests"] == 310 for r in res.values())
+    assert "multicast-live" in table(res)
