@@ -432,3 +432,23 @@ def test_two_models_on_one_node_stepped_alternately(tiny_models: tuple[Path, Pat
     separately = {**asyncio.run(alone(0)), **asyncio.run(alone(1))}
     assert together == separately
     assert together["m0-0"] != together["m1-0"][: len(together["m0-0"])]  # different models
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_mesh_calibrate_vllm_writes_a_profile(tmp_path: Path, tiny_models: tuple[Path, Path]) -> None:
+    """`mesh calibrate --engine vllm` on the smallest grid the runner allows."""
+    from calibration import load_profile
+    from mesh.cli import main
+
+    out = tmp_path / "tiny.json"
+    code = main(["calibrate", "--engine", "vllm", "--model", str(tiny_models[0]), "--name", "tiny", "--out", str(out),
+                 "--max-prompt", "32", "--max-batch", "2", "--max-context", "32", "--reps", "1", "--warmup", "0",
+                 "--max-wait", "0", "--no-progress"])
+    assert code == 0
+    profile = load_profile(out)
+    assert (profile.engine, profile.model, profile.device_kind) == ("vllm", "tiny", "cpu")
+    assert profile.kv_bytes_per_token == 1024 and profile.max_context == 64
+    assert profile.prefill_lengths == (16, 32) and profile.decode_batches == (1, 2)
+    assert all(t > 0 for t in profile.prefill_s) and all(t > 0 for row in profile.decode_s for t in row)
+    assert profile.provenance["engine"]["scheduler"].startswith("engines.vllm_scheduler.PhasedScheduler")
