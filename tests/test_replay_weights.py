@@ -76,3 +76,41 @@ def test_the_four_modes_on_a_burst() -> None:
     assert live["ttft_p99_s"] <= mc["ttft_p99_s"] * 1.05
     assert all(r["requests"] == 310 for r in res.values())
     assert "multicast-live" in table(res)
+
+
+def test_overlapping_multicasts_queue_on_the_source_uplink() -> None:
+    import asyncio
+    from types import SimpleNamespace
+
+    from mesh.replay.weights import WeightsModel
+
+    nodes = [SimpleNamespace(node_id=f"gpu{i}") for i in range(4)]
+    cluster = SimpleNamespace(nodes=nodes, config=SimpleNamespace(noise=0.0), instances_of=lambda model: [])
+    cfg = WeightsConfig(mode="multicast", net_bytes_per_s=1e9, block_bytes=10**8, latency_s=0.0)
+
+    def plan(i: int, node: str) -> SimpleNamespace:
+        return SimpleNamespace(model="m", instance_id=f"m@{node}#{i}", weight_bytes=10**9, times=None)
+
+    async def main() -> list[float]:
+        w = WeightsModel(cfg, cluster)
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        first = [plan(0, "gpu1"), plan(1, "gpu2")]  # one multicast of two targets, from gpu0's host copy
+        for p in first:
+            w._join(p, p.instance_id.split("@")[1].split("#")[0])
+        ready = [w.loading(p, p.instance_id.split("@")[1].split("#")[0])[0] - t0 for p in first]
+        await asyncio.sleep(0.5)
+        late = plan(2, "gpu3")  # while gpu0 still sends: it waits for gpu0's uplink
+        w._join(late, "gpu3")
+        ready.append(w.loading(late, "gpu3")[0] - t0)
+        assert w.pool.host_copies("m") == ["gpu0"] and w.stats.multicasts == 2
+        return ready
+
+    from mesh.runtime.virtual_loop import run_virtual
+
+    ready = run_virtual(main())
+    # 10 blocks of 0.1 s: binomial 1 -> 2 takes b + 1 = 11 rounds for both, and gpu0 sends in
+    # every round (its last send is round 10), so the second multicast (1 -> 1, 10 rounds) waits
+    # for gpu0's uplink until 1.1 s and ends at 2.1 s, not at 0.5 + 1.0
+    assert ready[:2] == pytest.approx([1.1, 1.1])
+    assert ready[2] == pytest.approx(2.1)

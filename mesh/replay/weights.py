@@ -14,7 +14,9 @@ Four modes (`WeightsConfig.mode`), all for GPU instances of one model:
   sources are the pool's host copies and the nodes with a fully loaded instance of the
   model; the plan (`binomial` or `chain`, mesh.policy.multicast) is timed by
   `schedule()` under `CostModel(block_bytes, net_bw, latency)`, GPUDirect (the blocks land in
-  GPU memory, no PCIe hop); a target's load time is its completion time.
+  GPU memory, no PCIe hop); a target's load time is its completion time. A node's uplink
+  carries one multicast at a time: a multicast uses the sources whose uplink is free, else
+  waits for the one that frees first (overlapping multicasts queue rather than share).
 - `multicast-live`: `multicast` plus live scaling after BlitzScale 5.2 (cooperative
   execution with an overloaded instance). What is modelled, exactly: a new instance whose
   multicast starts while a fully loaded instance of the model (its partner) is free to
@@ -29,8 +31,9 @@ Four modes (`WeightsConfig.mode`), all for GPU instances of one model:
   is the pair's gain, not the new instance's own speed). Without a free partner the new
   instance waits for all its blocks (stop-the-world), as in `multicast`.
 
-What this does not model (docs/multicast.md, "Weights by network"): network contention
-between overlapping multicasts of the same sources, or with serving traffic; the
+What this does not model (docs/multicast.md, "Weights by network"): contention on the
+receivers' downlinks or with serving traffic; bandwidth sharing (overlapping multicasts
+queue on a source's uplink instead); the
 activation transfers between partner and new instance; ZigZag's request reordering
 (ignored: the pair capacity used is its upper bound under the best split); lambdaScale's
 execution pipelines across several receivers (4.3) and KV recomputation at mode switch
@@ -226,6 +229,7 @@ class WeightsModel:
         self._live: set[str] = set()  # instances serving before their last layer
         self._partners: dict[str, str] = {}  # live instance -> its partner instance
         self._cached: set[tuple[str, str]] = set()  # (model, node) host copies (mode host)
+        self._uplink_free: dict[str, float] = {}  # node -> when its last planned send ends
 
     def factory(self) -> "EngineFactory":
         def make(plan: InstancePlan, kind: str, load_s: float, seed: int) -> Engine:
@@ -246,7 +250,7 @@ class WeightsModel:
             return
         now = self._now()
         g = self._group
-        if g is None or g.model != plan.model or g.started != now or g.result is not None:
+        if g is None or g.model != plan.model or g.result is not None:  # closed by its first load
             g = self._group = _Group(plan.model, now)
         g.targets.append((plan.instance_id, node_id, plan.weight_bytes))
         self._by_instance[plan.instance_id] = g
@@ -295,10 +299,20 @@ class WeightsModel:
         full = [r for r in self.cluster.instances_of(model) if r.inst.loaded and r.instance_id not in self._live]
         sources = [loc.node for loc in self.pool.sources(model, exclude=targets, use_instances=False)]
         sources += [n for n in dict.fromkeys(r.node.node_id for r in full) if n not in sources and n not in targets]
+        # A node's uplink carries one multicast at a time: use the sources that are free now,
+        # else wait for the one that frees first (overlapping multicasts queue, not share).
+        free = [n for n in sources if self._uplink_free.get(n, -math.inf) <= now]
+        if not free:
+            free = [min(sources, key=lambda n: (self._uplink_free[n], n))]
+        begin = max(now, *(self._uplink_free.get(n, -math.inf) for n in free))
         nblocks = -(-size // cfg.block_bytes)
         sizes = [cfg.block_bytes] * (nblocks - 1) + [size - cfg.block_bytes * (nblocks - 1)]
-        sched = schedule(make_plan(cfg.plan, sources, targets, nblocks),
+        sched = schedule(make_plan(cfg.plan, free, targets, nblocks),
                          CostModel(cfg.block_bytes, cfg.net_bytes_per_s, cfg.latency_s), sizes)
+        for tt in sched.transfers:
+            sender = tt.transfer.sender
+            self._uplink_free[sender] = max(self._uplink_free.get(sender, -math.inf), begin + tt.finish_s)
+        now = begin  # the plan's clock starts when its sources are free
         self.stats.multicasts += 1
         self.stats.multicast_targets += len(targets)
         arrivals: dict[str, list[tuple[float, int]]] = {t: [] for t in targets}
