@@ -121,6 +121,7 @@ class Worker:
             if op == "shutdown":
                 # the process ending frees the weights and the KV cache (and a GPU's context)
                 # at once; vLLM's own clean-up and the interpreter's teardown take seconds
+                _remove_dist_file()
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(0)
@@ -164,6 +165,19 @@ class Worker:
         if self.core is not None:
             self.core.shutdown()
             self.core = None
+
+
+def _remove_dist_file() -> None:
+    """vLLM's CPU worker rendezvous through a file in TMPDIR (named in VLLM_DIST_IDENT);
+    remove it, as vLLM's clean-up would have."""
+    import tempfile
+
+    ident = os.environ.get("VLLM_DIST_IDENT", "")
+    if ident.startswith("vllm_dist_") and os.sep not in ident:
+        try:
+            os.unlink(os.path.join(tempfile.gettempdir(), ident))
+        except OSError:
+            pass
 
 
 def _describe(exc: BaseException) -> str:
