@@ -26,10 +26,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="seconds shutdown waits for open streams (default 30)")
     parser.add_argument("--profile-dir", default=None, help="calibration profiles, <dir>/<model uid>.json")
     parser.add_argument("--log-level", default=None, help="WARNING (default), INFO, DEBUG")
+    parser.add_argument("--vllm-cpu", action="store_true",
+                        help="also start a vLLM-on-CPU node agent (tests the GPU path without a GPU; "
+                             "same as MESH_VLLM_CPU_NODE=1; needs .venv-vllm from scripts/setup.sh)")
     parser.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
+    import os
+
     from mesh.paths import data_dir
     from mesh.service.app import run_service
     from mesh.service.config import ConfigError, build_config, read_config_file
@@ -45,6 +50,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if config.data_dir is None:
         config.data_dir = data_dir()
+    if args.vllm_cpu:
+        os.environ["MESH_VLLM_CPU_NODE"] = "1"  # read by mesh.agent.vllm_nodes
     logging.basicConfig(level=config.log_level, format="mesh serve: %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(run_service(config, ready=lambda line: print(line, flush=True)))
