@@ -22,7 +22,7 @@ from engines.protocol import Sampling
 from mesh.agent.client import AgentCallError, AgentClient
 from mesh.agent.protocol import READY_PREFIX, Code, InstanceSpec, sampling_to_dict
 from mesh.agent.server import AgentServer
-from mesh.agent.weights import NodeWeightsReceiver, inside, received_path, safe_name
+from mesh.agent.weights import NodeWeightsReceiver, inside, received_path, safe_name, send_model
 from mesh.policy.multicast import make_plan
 from mesh.runtime.node import NodeSpec
 from mesh.runtime.weights.agent import WeightAgent
@@ -79,6 +79,8 @@ def test_an_agent_receives_a_model_into_its_folder(tmp_path: Path) -> None:
                 await multicast(agents, manifest, plan, {"s": str(model)}, {"n1": str(tmp_path / "elsewhere.bin")},
                                 timeout_s=30)
             assert not (tmp_path / "elsewhere.bin").exists()
+            with pytest.raises(ValueError, match="n2 receives no weights"):
+                await send_model(manifest, "model.bin", {"n1": (client, str(out))}, {"n2": other})
         finally:
             await client.close()
             await other.close()
@@ -137,11 +139,10 @@ def test_a_scale_out_by_network_serves_from_the_received_file(demo_gguf: Path, t
                 clients[node] = AgentClient(node, events[node].append, lambda r: None, heartbeat_timeout_s=60)
                 info = await clients[node].connect(address, TOKEN)
                 assert info["weights"]["dir"] == str(tmp_path / node)
-            weights = {n: _addr(c.info["weights"]["address"]) for n, c in clients.items()}
-            out = (await clients["b"].call({"t": "weights_path", "model": "smollm2", "file": demo_gguf.name}))["path"]
+            out = str(tmp_path / "b" / "smollm2" / demo_gguf.name)
             assert not Path(out).exists()
-            plan = make_plan("chain", ["a"], ["b"], manifest.count)
-            result = await multicast(weights, manifest, plan, {"a": str(demo_gguf)}, {"b": out}, timeout_s=120)
+            result = await send_model(manifest, demo_gguf.name, {"a": (clients["a"], str(demo_gguf))},
+                                      {"b": clients["b"]}, plan="chain", timeout_s=120)
             assert result.outputs == {"b": out}
             digest = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731
             assert digest(out) == digest(demo_gguf)

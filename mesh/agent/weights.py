@@ -8,7 +8,8 @@ verifies, forwards as its plan says, and writes atomically into the node's data 
 from `hello` (`weights: {address, dir}`) and asks the agent where a model's file goes with
 `weights_path {model, file}` -> `{path}`; the `load` that follows names that path, so the
 engine (OpenVINO: the received GGUF, or the IR folder's files) builds from the node's own
-copy and a scale-out to a node without the model needs no shared disk.
+copy and a scale-out to a node without the model needs no shared disk. `send_model` does
+those steps for connected agents (the control service's side).
 
 What this node accepts: a transfer may write its output only inside the weights folder
 (a `start` whose `output_path` points elsewhere is answered with an `error`). Source paths
@@ -23,9 +24,13 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
+from mesh.agent.client import AgentClient
+from mesh.policy.multicast import make_plan
 from mesh.runtime.weights.agent import WeightAgent
+from mesh.runtime.weights.blocks import Manifest
+from mesh.runtime.weights.coordinator import MulticastResult, multicast
 from mesh.runtime.weights.protocol import ProtocolError, send
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -88,3 +93,25 @@ def parse_listen(listen: str) -> tuple[str, int]:
         return host or "127.0.0.1", int(port)
     except ValueError:
         raise ValueError(f"--weights-listen must be HOST:PORT, got {listen!r}") from None
+
+
+def weights_address(client: AgentClient) -> tuple[str, int]:
+    """The weights receiver of a connected agent; ValueError if it hosts none."""
+    info = client.info.get("weights")
+    if not info:
+        raise ValueError(f"node {client.name} receives no weights (its agent runs without --weights-listen)")
+    return parse_listen(str(info["address"]))
+
+
+async def send_model(manifest: Manifest, file_name: str, sources: Mapping[str, tuple[AgentClient, str]],
+                     targets: Mapping[str, AgentClient], plan: str = "binomial",
+                     timeout_s: float = 300.0) -> MulticastResult:
+    """Multicast a model from `sources` (node -> (its agent, the model file there)) into each
+    target's weights folder; `result.outputs[node]` is the path to `load` on that node."""
+    agents = {n: weights_address(c) for n, (c, _) in sources.items()}
+    agents.update({n: weights_address(c) for n, c in targets.items()})
+    outputs = {n: str((await c.call({"t": "weights_path", "model": manifest.model, "file": file_name}))["path"])
+               for n, c in targets.items()}
+    chosen = make_plan(plan, list(sources), list(targets), manifest.count)
+    return await multicast(agents, manifest, chosen, {n: path for n, (_, path) in sources.items()}, outputs,
+                           timeout_s=timeout_s)
