@@ -2,7 +2,7 @@
 # Regenerates docs/evaluation.md's numbers and figures: the LLM-Mesh Figure 12 grid, the
 # Figure 13 ablations, the Figure 14 mixes, and a queue-rule sensitivity run.
 #   scripts/evaluation.sh            # everything (about 30-40 min on 2 cores)
-#   scripts/evaluation.sh fig13      # one part: fig12 | fig13 | fig14 | sensitivity | figures
+#   scripts/evaluation.sh fig13      # one part: fig12 | fig13 | fig14 | sensitivity | seeds | figures
 # JSON goes to docs/eval/, PNG figures to docs/figures/. Every run uses the shared Azure
 # traces (../shared/data), seed 0, 30 minutes, 4 CPU + 4 GPU nodes, the defaults of
 # `mesh replay` otherwise (0.1 rps per function, queue timeout 30 s, noise 5%).
@@ -46,13 +46,22 @@ run_sensitivity() {
     --json "$EVAL/sensitivity_load2x_llama-2-7b_128.json"
 }
 
+run_seeds() {
+  # The highest-load 7B point with two more seeds (other functions, other arrivals).
+  for seed in 1 2; do
+    python -m mesh replay --no-progress --seed "$seed" --minutes 30 --model llama-2-7b --functions 128 \
+      --policies mesh,sllm,sllm+cpu --json "$EVAL/seed${seed}_llama-2-7b_128.json"
+  done
+}
+
 case "$PART" in
   fig12) run_fig12 ;;
   fig13) run_fig13 ;;
   fig14) run_fig14 ;;
   sensitivity) run_sensitivity ;;
+  seeds) run_seeds ;;
   figures) ;;
-  all) run_fig12; run_fig13; run_fig14; run_sensitivity ;;
-  *) echo "usage: $0 [all|fig12|fig13|fig14|sensitivity|figures]" >&2; exit 2 ;;
+  all) run_fig12; run_fig13; run_fig14; run_sensitivity; run_seeds ;;
+  *) echo "usage: $0 [all|fig12|fig13|fig14|sensitivity|seeds|figures]" >&2; exit 2 ;;
 esac
 python scripts/evaluation_figures.py "$EVAL" "$FIG"

@@ -137,6 +137,10 @@ def sensitivity(eval_dir: Path, out: list[str]) -> None:
         data = load(eval_dir / path)
         if data:
             out += table(title, data)
+    for seed in (1, 2):
+        data = load(eval_dir / f"seed{seed}_llama-2-7b_128.json")
+        if data:
+            out += table(f"128 x 7B, seed {seed}", data)
 
 
 def main(argv: list[str]) -> int:
