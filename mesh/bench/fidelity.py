@@ -323,6 +323,8 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
     figures["load_average_end"] = [round(x, 2) for x in load_end]
     figures["profile"] = str(prof_path)
     figures["profile_heldout_mape_pct"] = prof.provenance.get("heldout", {}).get("mape_pct")
+    interference = prof.provenance.get("calibration", {}).get("interference", {})
+    figures["profile_others_cpu_share_median"] = interference.get("others_cpu_share_median")
     figures["workload"] = (f"{n} requests, 2 models ({', '.join(MODELS)}: the demo GGUF twice) on one node, "
                            f"Azure conv trace lengths / {scale:g} (prompt <= {max_prompt}, output <= {max_output}), "
                            f"Poisson arrivals over {duration_s:g} s, seed {seed}; mean prompt "
