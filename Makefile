@@ -6,9 +6,10 @@ setup: .setup-done
 	./scripts/setup.sh
 	touch .setup-done
 
-# The main job on its embedded default.
+# The main job on its embedded default: the service with the demo model, on one CPU node
+# agent (and a GPU agent per GPU where CUDA and vLLM are present). Ctrl-C drains and stops.
 demo: setup
-	mesh replay
+	MESH_ADMIN_TOKEN=$${MESH_ADMIN_TOKEN:-mesh-admin} mesh serve --demo --port $${PORT:-8000}
 
 # The whole test suite, slow real-engine tests included (as CI runs it).
 test: setup
