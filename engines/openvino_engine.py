@@ -54,6 +54,7 @@ from engines.chat import PromptEncoder
 from engines.detokenize import Detokenizer, StopMatcher
 from engines.model_shape import ModelShape, kv_bytes_per_token, shape_from_config, shape_from_gguf
 from engines.protocol import (
+    checked_prompt_ids,
     EngineError,
     EngineRequest,
     FinishReason,
@@ -310,7 +311,8 @@ class OpenVINOEngine:
         rid = request.request_id
         if rid in self._live:
             raise EngineError(f"request id {rid!r} is already running on {self.model_name}; use unique ids")
-        ids = self._checked_ids(request)
+        ids = checked_prompt_ids(request, model_name=self.model_name, context_window=self.context_window,
+                                 vocab_size=self.source.vocab_size)
         sampling = request.sampling
         if sampling.max_tokens < 1:
             raise EngineError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
@@ -324,29 +326,6 @@ class OpenVINOEngine:
         stops = tuple(s for s in sampling.stop if s)
         self._live[rid] = _Live(rid, handle, len(ids), Detokenizer(self._stream_decode),
                                 StopMatcher(stops) if stops else None)
-
-    def _checked_ids(self, request: EngineRequest) -> list[int]:
-        ids = request.prompt_token_ids
-        if ids is None:
-            raise EngineError(f"request {request.request_id!r} has no prompt_token_ids; tokenize it "
-                              "with encode_prompt() or encode_chat() first")
-        ids = [int(t) for t in ids]
-        if not ids:
-            raise EngineError(f"request {request.request_id!r} has an empty prompt; send at least one token")
-        if request.prompt_len != len(ids):
-            raise EngineError(f"request {request.request_id!r} says prompt_len={request.prompt_len} but "
-                              f"carries {len(ids)} token ids; set prompt_len to len(prompt_token_ids)")
-        if len(ids) + 1 > self.context_window:
-            raise EngineError(
-                f"prompt of {len(ids)} tokens leaves no room for output in {self.model_name}'s "
-                f"context window of {self.context_window} tokens; shorten the prompt to at most "
-                f"{self.context_window - 1} tokens or use an instance with a larger window")
-        vocab = self.source.vocab_size
-        if vocab and not all(0 <= t < vocab for t in ids):
-            bad = next(t for t in ids if not 0 <= t < vocab)
-            raise EngineError(f"token id {bad} is outside {self.model_name}'s vocabulary of {vocab}; "
-                              "tokenize with this model's tokenizer")
-        return ids
 
     def _generation_config(self, sampling: Sampling, max_tokens: int, seed: int) -> Any:
         import openvino_genai as ov_genai

@@ -77,6 +77,33 @@ class EngineError(RuntimeError):
     """An engine refused or failed an operation; the message says what and what to do."""
 
 
+def checked_prompt_ids(request: EngineRequest, *, model_name: str, context_window: int,
+                       vocab_size: int | None) -> list[int]:
+    """A real engine's prompt check, before anything reaches the engine: token ids present,
+    matching `prompt_len`, leaving room for one output token, inside the vocabulary."""
+    ids = request.prompt_token_ids
+    if ids is None:
+        raise EngineError(f"request {request.request_id!r} has no prompt_token_ids; tokenize it "
+                          "with encode_prompt() or encode_chat() first")
+    ids = [int(t) for t in ids]
+    if not ids:
+        raise EngineError(f"request {request.request_id!r} has an empty prompt; send at least one token")
+    if request.prompt_len != len(ids):
+        raise EngineError(f"request {request.request_id!r} says prompt_len={request.prompt_len} but "
+                          f"carries {len(ids)} token ids; set prompt_len to len(prompt_token_ids)")
+    if len(ids) + 1 > context_window:
+        raise EngineError(
+            f"prompt of {len(ids)} tokens leaves no room for output in {model_name}'s "
+            f"context window of {context_window} tokens; shorten the prompt to at most "
+            f"{context_window - 1} tokens or use an instance with a larger window")
+    if vocab_size:
+        bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+        if bad is not None:
+            raise EngineError(f"token id {bad} is outside {model_name}'s vocabulary of {vocab_size}; "
+                              "tokenize with this model's tokenizer")
+    return ids
+
+
 @runtime_checkable
 class Engine(Protocol):
     """One model instance on one node."""
