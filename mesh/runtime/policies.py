@@ -86,11 +86,14 @@ class _Home:
 
 
 @dataclass
-class MeshPolicy:
+class Policy:
+    """One placement policy over a cluster: `place` a request or report that it cannot."""
+
     spec: PolicySpec
     cluster: Cluster
     reschedule: Callable[[ServedRequest], None]
     stats: PolicyStats = field(default_factory=PolicyStats)
+    validates = True  # checks requests by shadow validation (else they queue, as sllm)
 
     @property
     def name(self) -> str:
@@ -100,7 +103,13 @@ class MeshPolicy:
     def kinds(self) -> tuple[str, ...]:
         return self.spec.kinds
 
-    validates = True
+    def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+        raise NotImplementedError
+
+
+@dataclass
+class MeshPolicy(Policy):
+    """LLM-Mesh and its ablations (4, 7, 8.3)."""
 
     def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
         """Candidates, then preemption, then a new instance (4); never on nodes in `avoid`
@@ -214,27 +223,14 @@ class MeshPolicy:
 
 
 @dataclass
-class SllmPolicy:
+class SllmPolicy(Policy):
     """ServerlessLLM (8.1): whole node per instance, first-fit, concurrency targets."""
-
-    spec: PolicySpec
-    cluster: Cluster
-    reschedule: Callable[[ServedRequest], None]
-    stats: PolicyStats = field(default_factory=PolicyStats)
 
     def __post_init__(self) -> None:
         self._targets = {
             base: {k: concurrency_target(base, k) for k in self.spec.kinds}
             for base in set(self.cluster.models.values())
         }
-
-    @property
-    def name(self) -> str:
-        return self.spec.name
-
-    @property
-    def kinds(self) -> tuple[str, ...]:
-        return self.spec.kinds
 
     validates = False
 
@@ -266,7 +262,7 @@ class SllmPolicy:
         return False
 
 
-def make_policy(name: str, cluster: Cluster, reschedule: Callable[[ServedRequest], None]) -> MeshPolicy | SllmPolicy:
+def make_policy(name: str, cluster: Cluster, reschedule: Callable[[ServedRequest], None]) -> Policy:
     spec = policy_spec(name)
     cls = MeshPolicy if spec.family == "mesh" else SllmPolicy
     return cls(spec, cluster, reschedule)
