@@ -174,29 +174,28 @@ class AgentServer:
             if handler is None:
                 raise Reply(Code.PROTOCOL, f"unknown message type {kind!r}")
             result = handler(message)
-        except Reply as exc:
-            if mid is not None:
-                self._send({"t": "reply", "re": mid, "ok": False, "code": exc.code.value, "error": str(exc), **exc.extra})
-            return
-        except ProtocolError as exc:
-            if mid is not None:
-                self._send({"t": "reply", "re": mid, "ok": False, "code": Code.PROTOCOL.value, "error": str(exc)})
+        except (Reply, ProtocolError) as exc:
+            self._refuse(mid, exc)
             return
         if asyncio.iscoroutine(result):
             asyncio.get_running_loop().create_task(self._finish_async(mid, result))
         elif mid is not None:
             self._send({"t": "reply", "re": mid, "ok": True, **(result or {})})
 
+    def _refuse(self, mid: Any, exc: Exception) -> None:
+        """Answer a message that was refused (Reply) or malformed (ProtocolError)."""
+        if mid is None:
+            return
+        if isinstance(exc, Reply):
+            self._send({"t": "reply", "re": mid, "ok": False, "code": exc.code.value, "error": str(exc), **exc.extra})
+        else:
+            self._send({"t": "reply", "re": mid, "ok": False, "code": Code.PROTOCOL.value, "error": str(exc)})
+
     async def _finish_async(self, mid: Any, coro: Any) -> None:
         try:
             result = await coro
-        except Reply as exc:
-            if mid is not None:
-                self._send({"t": "reply", "re": mid, "ok": False, "code": exc.code.value, "error": str(exc), **exc.extra})
-            return
-        except ProtocolError as exc:
-            if mid is not None:
-                self._send({"t": "reply", "re": mid, "ok": False, "code": Code.PROTOCOL.value, "error": str(exc)})
+        except (Reply, ProtocolError) as exc:
+            self._refuse(mid, exc)
             return
         except Exception as exc:  # noqa: BLE001 - any failure is answered, never lost
             log.exception("handler failed")
