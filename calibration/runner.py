@@ -558,6 +558,7 @@ async def _calibrate(target: CalibrationTarget, settings: Settings, out: Path, r
     profile = build_profile(target, grid, pooled, facts, provenance)
     held = heldout_errors(profile, grid, pooled)
     provenance["heldout"] = held
+    provenance["calibration"]["pass_to_pass"] = _repeatability(pooled)
     profile = build_profile(target, grid, pooled, facts, provenance)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out)
@@ -572,7 +573,24 @@ def _pass_key(point: Point, k: int) -> str:
 def _pool(results: list[dict[str, Any]]) -> dict[str, Any]:
     """One point's measurements over all passes: the median of all their timed samples."""
     samples = [x for r in results for x in r["samples_s"]]
-    return {**results[0], "median_s": statistics.median(samples), "samples_s": samples}
+    return {**results[0], "median_s": statistics.median(samples), "samples_s": samples,
+            "pass_medians_s": [r["median_s"] for r in results]}
+
+
+def _repeatability(pooled: dict[str, dict[str, Any]]) -> dict[str, Any] | None:
+    """How much the passes disagree about the same point: the noise floor a held-out MAPE
+    should be read against (mean and median over points of |max - min| / mean of the
+    passes' medians, in percent)."""
+    spreads = []
+    for r in pooled.values():
+        m = r.get("pass_medians_s", [])
+        if len(m) > 1:
+            spreads.append(100 * (max(m) - min(m)) / statistics.fmean(m))
+    if not spreads:
+        return None
+    return {"mean_pct": round(statistics.fmean(spreads), 2), "median_pct": round(statistics.median(spreads), 2),
+            "points": len(spreads),
+            "meaning": "spread between the passes' medians of the same point (|max - min| / mean)"}
 
 
 def _interference(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -596,10 +614,12 @@ def _progress(total: int, initial: int, enabled: bool) -> Any:
                 disable=not enabled, dynamic_ncols=True)
 
 
-def format_heldout(held: dict[str, Any]) -> str:
+def format_heldout(held: dict[str, Any], repeat: dict[str, Any] | None = None) -> str:
     """The held-out comparison as a small table."""
+    noise = (f"; the passes disagree by {repeat['mean_pct']}% on average about the same point"
+             if repeat else "")
     lines = [f"held-out points: MAPE {held['mape_pct']}% (prefill {held['prefill_mape_pct']}%, "
-             f"decode {held['decode_mape_pct']}%, worst {held['max_abs_pct_error']}%)",
+             f"decode {held['decode_mape_pct']}%, worst {held['max_abs_pct_error']}%){noise}",
              "  kind     batch  length  measured ms  predicted ms  error %"]
     for r in held["points"]:
         lines.append(f"  {r['kind']:<7} {r['batch']:>6} {r['length']:>7} {1000 * r['measured_s']:>12.2f} "

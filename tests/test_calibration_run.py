@@ -211,8 +211,9 @@ def test_passes_pool_samples_in_alternating_order(tmp_path: Path) -> None:
     calibrate(FakeTarget(), settings, tmp_path / "p.json", progress=False, on_point=lambda p, r: order.append(p.key))
     n = len(order) // 2
     assert order[n:] == order[:n][::-1]
-    held = load_profile(tmp_path / "p.json").provenance["heldout"]["points"]
-    assert held
+    prov = load_profile(tmp_path / "p.json").provenance
+    assert prov["heldout"]["points"]
+    assert prov["calibration"]["pass_to_pass"]["points"] == len(Grid.for_settings(settings).points())
 
 
 def test_vllm_engine_not_built_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:

@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"\nmesh calibrate: interrupted; measured points are kept in {where}. Run the same command "
               "again to resume.", file=sys.stderr)
         return 130
-    print(format_heldout(report.heldout))
+    print(format_heldout(report.heldout, report.profile.provenance["calibration"].get("pass_to_pass")))
     print(f"{len(report.profile.prefill_lengths)} prefill and "
           f"{len(report.profile.decode_batches) * len(report.profile.decode_contexts)} decode grid points "
           f"({report.measured_now} measured now, {report.resumed} resumed) in {report.seconds:.1f} s")
