@@ -116,7 +116,7 @@ def test_missing_data_folder_says_to_pass_the_files(monkeypatch, capsys):
     monkeypatch.setattr(replay_cmd, "default_data_dir", lambda: None)
     assert main(["replay", "--no-progress"]) == 2
     err = error_of(capsys)
-    assert "--trace" in err and "--lengths" in err and "/work/shared/data" in err
+    assert "--trace" in err and "--lengths" in err and "workloads/data" in err
 
 
 def test_node_usage_integral():

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from collections import Counter
 from pathlib import Path
 
@@ -13,6 +12,7 @@ from scipy import stats
 
 from workloads.azure_functions import FunctionTrace, TraceFormatError, load_function_trace
 from workloads.azure_llm import LengthTrace, load_lengths
+from workloads.datasets import CONVERSATION_TRACE, FUNCTIONS_TRACE
 from workloads.workload import (
     DEFAULT_TARGET_RPS_PER_FUNCTION,
     Workload,
@@ -25,24 +25,19 @@ from workloads.workload import (
     stochastic_round,
 )
 
-DATA = Path(os.environ.get("MESH_SHARED_DATA", "/work/shared/data"))
-FUNCTIONS_CSV = DATA / "azure-functions-2019/invocations_per_function_md.anon.sample500.min480-719.csv"
-CONV_CSV = DATA / "azure-llm-2023/AzureLLMInferenceTrace_conv.csv"
+FUNCTIONS_CSV = FUNCTIONS_TRACE
+CONV_CSV = CONVERSATION_TRACE
 MIX_411 = {"llama-3.2-3b": 4, "llama-2-7b": 1, "llama-2-13b": 1}
 MIX_114 = {"llama-3.2-3b": 1, "llama-2-7b": 1, "llama-2-13b": 4}
 
 
 @pytest.fixture(scope="module")
 def trace() -> FunctionTrace:
-    if not FUNCTIONS_CSV.exists():
-        pytest.skip(f"{FUNCTIONS_CSV} not present")
     return load_function_trace(FUNCTIONS_CSV)
 
 
 @pytest.fixture(scope="module")
 def lengths() -> LengthTrace:
-    if not CONV_CSV.exists():
-        pytest.skip(f"{CONV_CSV} not present")
     return load_lengths(CONV_CSV)
 
 

@@ -28,11 +28,12 @@ from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S
 from mesh.runtime.policies import POLICIES, UnknownPolicy, policy_spec
 from workloads.azure_functions import load_function_trace
 from workloads.azure_llm import load_lengths
+from workloads.datasets import CONVERSATION_FILE, DATA_DIR, FUNCTIONS_FILE
 from workloads.workload import build_workload
 
 GIB = 2**30
-TRACE_FILE = "azure-functions-2019/invocations_per_function_md.anon.sample500.min480-719.csv"
-LENGTHS_FILE = "azure-llm-2023/AzureLLMInferenceTrace_conv.csv"
+TRACE_FILE = FUNCTIONS_FILE
+LENGTHS_FILE = CONVERSATION_FILE
 MIX_MODELS = ("llama-3.2-3b", "llama-2-7b", "llama-2-13b")  # --mix A:B:C is 3B:7B:13B
 DEFAULT_POLICIES = "mesh,sllm,sllm+cpu"
 DEFAULT_NOISE = 0.05
@@ -43,12 +44,8 @@ class ReplayInputError(ValueError):
 
 
 def default_data_dir() -> Path | None:
-    """The shared Azure traces: ../shared/data next to the repository, else /work/shared/data."""
-    repo = Path(__file__).resolve().parents[2]
-    for candidate in (repo.parent / "shared" / "data", Path("/work/shared/data")):
-        if candidate.is_dir():
-            return candidate
-    return None
+    """The Azure traces shipped with Mesh (workloads/data, copies of ../shared/data)."""
+    return DATA_DIR if DATA_DIR.is_dir() else None
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -58,7 +55,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
     )
     data = p.add_argument_group("workload")
-    data.add_argument("--data", metavar="DIR", help="folder with the Azure traces (default: ../shared/data or /work/shared/data)")
+    data.add_argument("--data", metavar="DIR", help="folder with the Azure traces (default: the copies shipped in workloads/data)")
     data.add_argument("--trace", metavar="FILE", help=f"Azure Functions per-minute trace (default: DATA/{TRACE_FILE})")
     data.add_argument("--lengths", metavar="FILE", help=f"Azure LLM trace TIMESTAMP,ContextTokens,GeneratedTokens (default: DATA/{LENGTHS_FILE})")
     data.add_argument("--functions", type=int, default=32, help="functions sampled, one model replica each (default: %(default)s)")
@@ -113,7 +110,7 @@ def _inputs(args: argparse.Namespace) -> tuple[Path, Path]:
     data = Path(args.data) if args.data else default_data_dir()
     if data is None:
         raise ReplayInputError(
-            "no data folder: /work/shared/data (or ../shared/data) is absent; pass --trace FILE and --lengths FILE "
+            f"no data folder: {DATA_DIR} (the traces shipped with Mesh) is absent; pass --trace FILE and --lengths FILE "
             "(or --data DIR holding the Azure traces)"
         )
     if not data.is_dir():

@@ -24,9 +24,9 @@ from mesh.replay.metrics import node_seconds, summarize
 from mesh.replay.weights import MODES, Engines, WeightsConfig
 from mesh.runtime.cluster import ClusterConfig
 from workloads.azure_llm import load_lengths
+from workloads.datasets import CONVERSATION_FILE, DATA_DIR
 from workloads.workload import Workload, bursty_single_model
 
-LENGTHS = "azure-llm-2023/AzureLLMInferenceTrace_conv.csv"
 
 
 def compare(workload: Workload, base: str, modes: Sequence[str], weights: WeightsConfig, gpu_nodes: int,
@@ -72,7 +72,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mesh.replay.weights_compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default="/work/shared/data", help="folder with the Azure traces")
+    p.add_argument("--data", default=str(DATA_DIR), help="folder with the Azure traces (default: the copies in workloads/data)")
     p.add_argument("--model", default="llama-2-7b")
     p.add_argument("--gpu-nodes", type=int, default=8)
     p.add_argument("--minutes", type=float, default=5.0, help="window of the (rescaled) trace")
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> int:
                             net_bytes_per_s=a.net_gbit * 1e9 / 8, block_bytes=int(a.block_mb * 2**20), plan=a.plan)
     catalog = build_catalog([a.model])
     max_total = catalog[a.model].profiles["gpu"].max_context
-    lengths = load_lengths(Path(a.data) / LENGTHS)
+    lengths = load_lengths(Path(a.data) / CONVERSATION_FILE)
     workload = bursty_single_model(lengths, model=a.model, minutes=a.minutes, seed=a.seed, time_scale=a.time_scale,
                                    max_total=max_total)
     prior = {a.model: trace_mean_output(lengths, max_total)}
