@@ -23,6 +23,8 @@ from mesh.replay.driver import (
     trace_mean_output,
 )
 from mesh.replay.metrics import summarize, table
+from mesh.replay.weights import MODES as WEIGHT_MODES
+from mesh.replay.weights import Engines, WeightsConfig
 from mesh.runtime.cluster import ClusterConfig, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S
 from mesh.runtime.policies import POLICIES, UnknownPolicy, policy_spec
@@ -78,6 +80,15 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--profiles", metavar="DIR", help="profiles <model>__<device>.json overriding the packaged ones")
     cl.add_argument("--pcie-gbps", type=float, default=25.0, help="host-to-GPU weight load bandwidth, GB/s (default: %(default)s, PCIe 4.0 x16)")
     cl.add_argument("--cpu-load-gbps", type=float, default=50.0, help="CPU instance start-up pass over cached weights, GB/s (default: %(default)s)")
+    cl.add_argument("--weights", default="cached", choices=("cached", *WEIGHT_MODES),
+                    help="where a cold start gets its weights: 'cached' (the paper's setup: host memory over PCIe on GPU "
+                         "nodes, already in memory on CPU nodes), or, on every node, 'ssd', 'host' (a per-node host cache), "
+                         "'multicast' (the parameter pool's host copy and running instances over the network, "
+                         "planner-timed), 'multicast-live' (serving before the last layer arrives); docs/multicast.md "
+                         "(default: %(default)s)")
+    cl.add_argument("--net-gbit", type=float, default=200.0, help="per-node network bandwidth for --weights multicast*, Gbit/s (default: %(default)s)")
+    cl.add_argument("--ssd-gbps", type=float, default=3.0, help="SSD read bandwidth for --weights ssd/host, GB/s (default: %(default)s)")
+    cl.add_argument("--multicast-plan", default="binomial", choices=("binomial", "chain", "naive"), help="multicast plan (default: %(default)s)")
     cl.add_argument("--keep-alive", type=float, default=1.0, help="seconds an idle instance is kept (default: %(default)s)")
     cl.add_argument("--noise", type=float, default=DEFAULT_NOISE, help="relative std-dev of simulated iteration times (default: %(default)s)")
     cl.add_argument("--queue-capacity", type=int, default=DEFAULT_QUEUE_CAPACITY, help="waiting requests held at most (default: %(default)s)")
@@ -142,10 +153,20 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
     if args.noise < 0 or args.retry_interval <= 0 or args.queue_capacity < 1:
         raise ReplayInputError("--noise must be >= 0, --retry-interval > 0 and --queue-capacity >= 1")
     catalog = build_catalog(list(mix), cpu_device=args.cpu_device, gpu_device=args.gpu_device, profile_dir=args.profiles)
+    cold_start, engines = ColdStart(args.pcie_gbps * 1e9, args.cpu_load_gbps * 1e9), None
+    if args.weights != "cached":
+        try:
+            weights = WeightsConfig(args.weights, ssd_bytes_per_s=args.ssd_gbps * 1e9, pcie_bytes_per_s=args.pcie_gbps * 1e9,
+                                    net_bytes_per_s=args.net_gbit * 1e9 / 8, plan=args.multicast_plan)
+        except ValueError as exc:
+            raise ReplayInputError(f"--weights: {exc}") from None
+        # The policies expect an uncontended cold start; the weights model times each one.
+        nominal = weights.nominal_bytes_per_s()
+        cold_start, engines = ColdStart(nominal, nominal), Engines(weights)
     cluster = ClusterConfig(
         cpu_nodes=args.cpu_nodes, gpu_nodes=args.gpu_nodes,
         cpu_memory_bytes=int(args.cpu_memory_gib * GIB), gpu_memory_bytes=int(args.gpu_memory_gib * GIB),
-        cold_start=ColdStart(args.pcie_gbps * 1e9, args.cpu_load_gbps * 1e9),
+        cold_start=cold_start,
         keep_alive_s=args.keep_alive, noise=args.noise, seed=args.seed,
     )
     for name in policies:
@@ -178,7 +199,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             raise ReplayInputError(f"--queue-timeout must be 'slo' or a number of seconds >= 0, got {args.queue_timeout!r}")
     config = ReplayConfig(
         cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
-        queue_timeout_s=timeout, progress=not args.no_progress,
+        queue_timeout_s=timeout, progress=not args.no_progress, engines=engines,
     )
     return {"policies": policies, "catalog": catalog, "workload": workload, "prior": prior, "config": config, "mix": mix}
 
@@ -205,6 +226,7 @@ def describe(args: argparse.Namespace, setup: dict[str, Any]) -> dict[str, Any]:
             "cpu_memory_gib": c.cpu_memory_bytes / GIB, "gpu_memory_gib": c.gpu_memory_bytes / GIB,
             "cpu_device": args.cpu_device, "gpu_device": args.gpu_device,
             "pcie_gbps": c.cold_start.pcie_bytes_per_s / 1e9, "cpu_load_gbps": c.cold_start.cpu_load_bytes_per_s / 1e9,
+            "weights": args.weights,
             "keep_alive_s": c.keep_alive_s, "margin": c.margin, "watermark": c.watermark, "noise": c.noise,
             "slo": {"ttft": "max(2, L/512) s", "tpot_s": c.slo.tpot_s},
         },
