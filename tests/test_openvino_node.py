@@ -134,13 +134,14 @@ def test_fidelity_bench_end_to_end(demo_gguf: Path, tmp_path: Path) -> None:
     calibrate(OpenVINOTarget(demo_gguf, context_window=fidelity.WINDOW, max_batch=2), Settings(32, 2, 32, reps=1, warmup=0),
               profile, progress=False)
     figures = fidelity.run(n=6, duration_s=1.0, scale=32.0, seed=1, profile=str(profile), model=str(demo_gguf),
-                           max_prompt=48, max_output=6, wait_quiet_s=0, tries=1, live_repeats=1)
+                           max_prompt=48, max_output=6, wait_quiet_s=0, tries=1, live_repeats=2)
     for key in ("ttft_p50_err", "tpot_p50_err", "ttft_p99_err", "tpot_p99_err", "over_margin_fraction",
                 "ttft_p50_live_s", "ttft_p50_sim_s", "tpot_p50_live_s", "tpot_p50_sim_s"):
         assert math.isfinite(figures[key]) and figures[key] >= 0, key
     assert 0 <= figures["over_margin_fraction"] <= 1
     assert figures["completed_live"] == figures["completed_sim"] == 6
     assert figures["iterations_live"] > 0 and figures["iterations_sim"] > 0
+    assert len(figures["live_runs"]) == 2 and math.isfinite(figures["live_to_live_ttft_p50_diff"])
 
 
 @pytest.mark.slow

@@ -17,9 +17,11 @@ Reported: TTFT and TPOT p50/p99 live and simulated, their relative errors
 (|sim - live| / live; 0.1 = 10%), and over_margin_fraction: the share of live iterations
 that took longer than the profile's prediction for the same batch and tokens plus the
 10% margin shadow validation assumes (IterationRecord.duration_s vs predicted_s).
-With `--live-repeats 2` (the default) the workload is served live a second time, and the
-difference between the two live runs is reported next to the simulation's error: on a
-shared VM whose speed drifts, that is the floor the simulation's error is measured against.
+With `--live-repeats 2` (the default) the workload is served live twice: the live figures
+pool the requests (and iterations) of both runs, each run's own figures and the
+simulation's error against each are listed in `live_runs`, and `live_to_live_*_diff` says
+how much the two live runs differ: on a shared VM whose speed drifts, that is the floor the
+simulation's error is measured against.
 Before each live run the bench waits (bounded) for other processes to leave the CPUs, and
 a run during which they took more than 20% of them is run again (`--tries`).
 """
@@ -295,9 +297,14 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
             if result.others_cpu_share is None or result.others_cpu_share <= DISTURBED:
                 break
         lives.append(best)
-    live = lives[0]
     load_end = os.getloadavg()
     sim = simulated_run(work, prof, perf)
+    # The live reference pools the requests of every live run (one run is one sample of a
+    # machine whose speed drifts); each run's own figures are reported too.
+    live = RunResult([x for r in lives for x in r.ttft_s], [x for r in lives for x in r.tpot_s],
+                     [it for r in lives for it in r.iterations], sum(r.completed for r in lives),
+                     sum(r.would_reject for r in lives), sum(r.wall_s for r in lives),
+                     max((r.others_cpu_share for r in lives if r.others_cpu_share is not None), default=None))
     figures: dict[str, Any] = {}
     for metric, lv, sv in (("ttft", live.ttft_s, sim.ttft_s), ("tpot", live.tpot_s, sim.tpot_s)):
         for q in (50, 99):
@@ -306,13 +313,22 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
             figures[f"{metric}_p{q}_sim_s"] = sim_q
             figures[f"{metric}_p{q}_err"] = _err(sim_q, live_q)
             figures[f"{metric}_p{q}_signed_err"] = (sim_q - live_q) / live_q if live_q else math.nan
-    for k, again in enumerate(lives[1:], start=2):  # the same workload live again: the noise floor
-        for metric, first, other, sv in (("ttft", live.ttft_s, again.ttft_s, sim.ttft_s),
-                                         ("tpot", live.tpot_s, again.tpot_s, sim.tpot_s)):
+    runs = []
+    for r in lives:
+        row: dict[str, Any] = {}
+        for metric, lv, sv in (("ttft", r.ttft_s, sim.ttft_s), ("tpot", r.tpot_s, sim.tpot_s)):
             for q in (50, 99):
-                figures[f"live{k}_{metric}_p{q}_s"] = _pct(other, q)
-                figures[f"live{k}_vs_live1_{metric}_p{q}_diff"] = _err(_pct(other, q), _pct(first, q))
-                figures[f"sim_vs_live{k}_{metric}_p{q}_err"] = _err(_pct(sv, q), _pct(other, q))
+                row[f"{metric}_p{q}_s"] = round(_pct(lv, q), 5)
+                row[f"sim_{metric}_p{q}_err"] = round(_err(_pct(sv, q), _pct(lv, q)), 4)
+        row["over_margin_fraction"] = round(over_margin(r.iterations, DEFAULT_MARGIN)["all"][0], 4)
+        row["others_cpu_share"] = r.others_cpu_share
+        runs.append(row)
+    figures["live_runs"] = runs
+    if len(lives) > 1:  # the noise floor: how much two live runs of the same workload differ
+        for metric in ("ttft", "tpot"):
+            for q in (50, 99):
+                values = [row[f"{metric}_p{q}_s"] for row in runs]
+                figures[f"live_to_live_{metric}_p{q}_diff"] = (max(values) - min(values)) / min(values)
     om = over_margin(live.iterations, DEFAULT_MARGIN)
     figures["over_margin_fraction"] = om["all"][0]
     figures["over_margin_fraction_prefill"] = om["prefill"][0]
@@ -324,20 +340,20 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
     figures["within_target"] = bool(figures["ttft_p50_err"] <= 0.15 and figures["tpot_p50_err"] <= 0.15)
     figures["relative"] = "errors are |sim - live| / live (0.1 = 10%); signed_err is (sim - live) / live"
     figures["requests"] = n
-    figures["completed_live"] = live.completed
+    figures["live_repeats"] = len(lives)
+    figures["completed_live"] = lives[0].completed
     figures["completed_sim"] = sim.completed
-    figures["iterations_live"] = len(live.iterations)
+    figures["iterations_live"] = len(lives[0].iterations)
     figures["iterations_sim"] = len(sim.iterations)
-    figures["would_reject_live"] = live.would_reject
+    figures["would_reject_live"] = lives[0].would_reject
     figures["would_reject_sim"] = sim.would_reject
-    figures["live_wall_s"] = live.wall_s
+    figures["live_wall_s"] = lives[0].wall_s
     figures["sim_virtual_s"] = sim.wall_s
-    figures["live_busy_fraction"] = sum(it.duration_s for it in live.iterations) / live.wall_s
-    gaps = _gaps(live.iterations)
+    figures["live_busy_fraction"] = sum(it.duration_s for it in lives[0].iterations) / lives[0].wall_s
+    gaps = [g for r in lives for g in _gaps(r.iterations)]
     figures["live_gap_between_iterations_median_ms"] = 1000 * statistics.median(gaps) if gaps else math.nan
     figures["live_gap_share_of_busy_time"] = sum(gaps) / max(1e-9, sum(it.duration_s for it in live.iterations))
     figures["others_cpu_share_live"] = live.others_cpu_share
-    figures["others_cpu_share_live_runs"] = [x.others_cpu_share for x in lives]
     figures["others_cpu_share_before"] = quiet
     figures["others_cpu_share_live_tries"] = shares
     figures["load_average_start"] = [round(x, 2) for x in load_start]
