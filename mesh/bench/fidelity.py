@@ -21,7 +21,11 @@ With `--live-repeats 2` (the default) the workload is served live twice: the liv
 pool the requests (and iterations) of both runs, each run's own figures and the
 simulation's error against each are listed in `live_runs`, and `live_to_live_*_diff` says
 how much the two live runs differ: on a shared VM whose speed drifts, that is the floor the
-simulation's error is measured against.
+simulation's error is measured against. Just before each live run a probe times two grid
+points as calibration does (prefill 128; decode batch 4 at context 128) and divides them by
+the profile's values (`speed_vs_profile_*` per run); `probe_scaled_*_err` are the errors
+of a simulation whose profile is scaled by the mean probe factors (not the headline: it
+shows how much of the error is the machine's drift since calibration).
 Before each live run the bench waits (bounded) for other processes to leave the CPUs, and
 a run during which they took more than 20% of them is run again (`--tries`).
 """
@@ -88,11 +92,12 @@ class RunResult:
     would_reject: int  # shadow validation would have refused (admitted anyway)
     wall_s: float
     others_cpu_share: float | None = None
+    probe: dict[str, float] | None = None  # this machine's speed now vs the profile (live only)
 
 
 async def run_node(work: list[Item], make_engine: Callable[[str], Any], times: Any,
                    prompt_ids: Callable[[Item], list[int] | None], warm_up: Callable[[Any, int], Any] | None = None,
-                   mean_output_prior: float = 16.0) -> RunResult:
+                   mean_output_prior: float = 16.0, probe: Callable[[Any], Any] | None = None) -> RunResult:
     """Serve `work` on one NodeRuntime with one instance per model; same code live and virtual."""
     from calibration.runner import CpuMeter
     from engines.protocol import EngineRequest, Sampling
@@ -117,6 +122,7 @@ async def run_node(work: list[Item], make_engine: Callable[[str], Any], times: A
     if warm_up is not None:
         for m in models:
             await warm_up(engines[m], sum(w.prompt_len + w.output_len for w in work if w.model == m))
+    probed = await probe(engines[models[0]]) if probe is not None else None
     ids = {w.request_id: prompt_ids(w) for w in work}
     done = asyncio.Event()
     left = len(work)
@@ -153,7 +159,7 @@ async def run_node(work: list[Item], make_engine: Callable[[str], Any], times: A
         await e.unload()
     ok = [r for r in served if r.outcome is Outcome.COMPLETED]
     return RunResult([r.ttft_s for r in ok], [r.tpot_s for r in ok if not math.isnan(r.tpot_s)],
-                     list(node.iterations), len(ok), would_reject, wall, share)
+                     list(node.iterations), len(ok), would_reject, wall, share, probed)
 
 
 # ---- the two runs ---------------------------------------------------------------------------
@@ -174,7 +180,44 @@ def live_run(work: list[Item], model_path: Path, perf: Any) -> RunResult:
         tp = prompts.get(w.model) or prompts.setdefault(w.model, TokenPrompts.for_engine(engines[w.model]))
         return tp.ids(w.prompt_len, int(w.request_id[1:]))
 
-    return asyncio.run(run_node(work, make, perf, ids, warm_up=_warm_up))
+    return asyncio.run(run_node(work, make, perf, ids, warm_up=_warm_up, probe=lambda e: _probe(e, perf)))
+
+
+async def _probe(engine: Any, perf: Any) -> dict[str, float]:
+    """This machine's speed just before the live run, against the profile: two grid points
+    (a 128-token prefill; decode at batch 4, context 128) measured as calibration measures
+    them, divided by the profile's values. A shared VM drifts by 10-20% over tens of
+    seconds; this tells how far it drifted since the profile was taken."""
+    from calibration.openvino_calibration import TokenPrompts
+    from calibration.runner import Point, Settings, _Measurer
+
+    class _Target:
+        def __init__(self) -> None:
+            self.engine = engine
+            self._tp = TokenPrompts.for_engine(engine)
+
+        def prompt_ids(self, length: int, variant: int) -> list[int]:
+            return self._tp.ids(length, variant + 1000)
+
+    settings = Settings(max_prompt=128, max_batch=4, max_context=128, reps=5, warmup=1)
+    m = _Measurer(_Target(), settings)
+    pre = await m.prefill(Point("prefill", 128))
+    dec = await m.decode(Point("decode", 128, 4))
+    return {"prefill": pre["median_s"] / perf.prefill_s(128),
+            "decode": dec["median_s"] / perf.decode_s(4, dec["context"])}
+
+
+class _Scaled:
+    """A performance model with prefill and decode times scaled by the probe's factors."""
+
+    def __init__(self, perf: Any, prefill: float, decode: float) -> None:
+        self.perf, self.fp, self.fd = perf, prefill, decode
+
+    def prefill_s(self, prompt_len: int) -> float:
+        return self.perf.prefill_s(prompt_len) * self.fp
+
+    def decode_s(self, batch: int, avg_context: float) -> float:
+        return self.perf.decode_s(batch, avg_context) * self.fd
 
 
 async def _warm_up(engine: Any, tokens: int) -> None:
@@ -321,6 +364,9 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
                 row[f"{metric}_p{q}_s"] = round(_pct(lv, q), 5)
                 row[f"sim_{metric}_p{q}_err"] = round(_err(_pct(sv, q), _pct(lv, q)), 4)
         row["over_margin_fraction"] = round(over_margin(r.iterations, DEFAULT_MARGIN)["all"][0], 4)
+        if r.probe:
+            row["speed_vs_profile_prefill"] = round(r.probe["prefill"], 3)
+            row["speed_vs_profile_decode"] = round(r.probe["decode"], 3)
         row["others_cpu_share"] = r.others_cpu_share
         runs.append(row)
     figures["live_runs"] = runs
@@ -329,6 +375,16 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
             for q in (50, 99):
                 values = [row[f"{metric}_p{q}_s"] for row in runs]
                 figures[f"live_to_live_{metric}_p{q}_diff"] = (max(values) - min(values)) / min(values)
+    probes = [r.probe for r in lives if r.probe]
+    if probes:  # not the headline: what the simulation gives with the profile scaled to the probes
+        fp = statistics.fmean(p["prefill"] for p in probes)
+        fd = statistics.fmean(p["decode"] for p in probes)
+        scaled = simulated_run(work, prof, _Scaled(perf, fp, fd))
+        figures["probe_prefill_factor"] = fp
+        figures["probe_decode_factor"] = fd
+        for metric, lv, sv in (("ttft", live.ttft_s, scaled.ttft_s), ("tpot", live.tpot_s, scaled.tpot_s)):
+            for q in (50, 99):
+                figures[f"probe_scaled_{metric}_p{q}_err"] = _err(_pct(sv, q), _pct(lv, q))
     om = over_margin(live.iterations, DEFAULT_MARGIN)
     figures["over_margin_fraction"] = om["all"][0]
     figures["over_margin_fraction_prefill"] = om["prefill"][0]
