@@ -45,9 +45,7 @@ from typing import Any, Callable
 import numpy as np
 
 from mesh.bench.report import emit
-
-DEFAULT_TRACE = Path(os.environ.get("MESH_SHARED_DATA", "/work/shared/data")) / \
-    "azure-llm-2023" / "AzureLLMInferenceTrace_conv.csv"
+from workloads.datasets import CONVERSATION_TRACE as DEFAULT_TRACE  # shipped copy of the Azure trace
 MODELS = ("smollm2-a", "smollm2-b")
 NODE_MEMORY = 64 * 2**30  # memory is not what is measured here
 WINDOW = 1024  # context window of both instances (and of the quick calibration)
