@@ -27,7 +27,7 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from calibration.openvino_calibration import PASSAGE, _version, cores_used, cpu_slug, file_sha256, model_slug
+from calibration.openvino_calibration import PASSAGE, TokenPrompts, _version, cores_used, cpu_slug, file_sha256, model_slug
 from engines.vllm_engine import VLLMEngine, default_device, weight_files
 
 TINY = "tiny-llama"
@@ -96,7 +96,7 @@ class VLLMTarget:
         self.cores = cores_used()
         self.gpu = gpu_name() if self.device_kind == "gpu" else None
         self.device = gpu_slug(self.gpu) if self.gpu else cpu_slug(self.cpu.model_name, self.cores)
-        self._corpus: list[int] | None = None
+        self._prompts: TokenPrompts | None = None  # built on first use (needs the tokenizer)
 
     def own_pids(self) -> list[int]:
         """The worker process computes the iterations: its CPU time is the calibration's own."""
@@ -104,15 +104,9 @@ class VLLMTarget:
         return [pid] if pid is not None and pid != os.getpid() else []
 
     def prompt_ids(self, length: int, variant: int) -> list[int]:
-        if self._corpus is None:
-            self._corpus = self.engine.encode_prompt(PASSAGE * 4)
-        corpus = self._corpus
-        start = (variant * 97) % len(corpus)
-        out: list[int] = []
-        while len(out) < length:
-            out.extend(corpus[start:])
-            start = 0
-        return out[:length]
+        if self._prompts is None:
+            self._prompts = TokenPrompts(self.engine.encode_prompt(PASSAGE * 4))
+        return self._prompts.ids(length, variant)
 
     def _weights(self) -> dict[str, Any]:
         files = weight_files(self.model_path) if self.engine.load_format != "dummy" else []
