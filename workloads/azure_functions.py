@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 
@@ -128,6 +129,14 @@ def _parse_header(path: Path, header: list[str]) -> np.ndarray:
     return np.asarray(minutes, dtype=np.int64)
 
 
+def first_nonblank_row(reader: Iterator[list[str]]) -> list[str] | None:
+    """The first row of a CSV reader that is not blank (a trace's header), or None."""
+    for row in reader:
+        if any(c.strip() for c in row):
+            return row
+    return None
+
+
 def load_function_trace(path: str | Path) -> FunctionTrace:
     """Load an Azure Functions per-minute invocation-count CSV (format in the module doc).
 
@@ -138,9 +147,7 @@ def load_function_trace(path: str | Path) -> FunctionTrace:
     path = Path(path)
     with path.open(newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
-        header = next(reader, None)
-        while header is not None and not any(c.strip() for c in header):
-            header = next(reader, None)
+        header = first_nonblank_row(reader)
         if header is None:
             raise TraceFormatError(
                 path, 1, f"empty file, expected header {','.join(ID_COLUMNS)},<minute>,..."

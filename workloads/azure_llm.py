@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from workloads.azure_functions import TraceFormatError
+from workloads.azure_functions import TraceFormatError, first_nonblank_row
 
 LENGTH_COLUMNS: tuple[str, ...] = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
@@ -162,9 +162,7 @@ def load_lengths(path: str | Path) -> LengthTrace:
     expected_header = ",".join(LENGTH_COLUMNS)
     with path.open(newline="", encoding="utf-8") as f:
         reader = csv.reader(f)
-        header = next(reader, None)
-        while header is not None and not any(c.strip() for c in header):
-            header = next(reader, None)
+        header = first_nonblank_row(reader)
         if header is None:
             raise TraceFormatError(path, 1, f"empty file, expected header {expected_header}")
         header_line = reader.line_num
