@@ -3,7 +3,7 @@ receiver gets a model's blocks by multicast into its own data folder, then loads
 from the received file.
 
 Fast tests: in one process, a small random file, the receiver's rules (the folder, the
-`weights_path` message, a path outside the folder refused). Slow test: two real agent
+`weights_path` message, a path outside the folder refused, the weights token). Slow test: two real agent
 processes on loopback, the demo GGUF on one, multicast to the other, which builds an
 OpenVINO engine from the received file and answers a greedy request exactly as the first
 does from the original file."""
@@ -28,6 +28,9 @@ from mesh.runtime.node import NodeSpec
 from mesh.runtime.weights.agent import WeightAgent
 from mesh.runtime.weights.blocks import pack
 from mesh.runtime.weights.coordinator import MulticastError, multicast
+from mesh.runtime.weights.launch import new_token
+
+WEIGHTS_TOKEN = "weights-" + TOKEN
 
 
 def _addr(address: str) -> tuple[str, int]:
@@ -52,9 +55,10 @@ def test_an_agent_receives_a_model_into_its_folder(tmp_path: Path) -> None:
     manifest = pack(model, 2**20, model="org/m")
 
     async def main() -> None:
-        source = WeightAgent()
+        source = WeightAgent(token=WEIGHTS_TOKEN)
         await source.start()
-        server = AgentServer(NodeSpec("n1", "cpu", 10**9), TOKEN, {}, NodeWeightsReceiver(tmp_path / "n1"))
+        server = AgentServer(NodeSpec("n1", "cpu", 10**9), TOKEN, {},
+                             NodeWeightsReceiver(tmp_path / "n1", token=WEIGHTS_TOKEN))
         address = await server.serve("127.0.0.1:0")
         bare = AgentServer(NodeSpec("n2", "cpu", 10**9), TOKEN, {})
         bare_address = await bare.serve("127.0.0.1:0")
@@ -70,14 +74,20 @@ def test_an_agent_receives_a_model_into_its_folder(tmp_path: Path) -> None:
             assert out == str(tmp_path / "n1" / "org_m" / "model.bin")
             agents = {"s": ("127.0.0.1", source.port), "n1": _addr(info["weights"]["address"])}
             plan = make_plan("chain", ["s"], ["n1"], manifest.count)
-            result = await multicast(agents, manifest, plan, {"s": str(model)}, {"n1": out}, timeout_s=30)
+            # the weights port requires its token: none or a wrong one is refused, nothing written
+            for token, why in ((None, "weights token missing"), ("wrong", "weights token wrong")):
+                with pytest.raises(MulticastError, match=why):
+                    await multicast(agents, manifest, plan, {"s": str(model)}, {"n1": out}, timeout_s=30, token=token)
+                assert not Path(out).exists()
+            result = await multicast(agents, manifest, plan, {"s": str(model)}, {"n1": out}, timeout_s=30,
+                                     token=WEIGHTS_TOKEN)
             assert result.outputs == {"n1": out} and Path(out).read_bytes() == data
             assert len(result.arrivals) == manifest.count == 4
 
             # a transfer may not write outside the node's folder
             with pytest.raises(MulticastError, match="outside this node's weights folder"):
                 await multicast(agents, manifest, plan, {"s": str(model)}, {"n1": str(tmp_path / "elsewhere.bin")},
-                                timeout_s=30)
+                                timeout_s=30, token=WEIGHTS_TOKEN)
             assert not (tmp_path / "elsewhere.bin").exists()
             with pytest.raises(ValueError, match="n2 receives no weights"):
                 await send_model(manifest, "model.bin", {"n1": (client, str(out))}, {"n2": other})
@@ -93,8 +103,8 @@ def test_an_agent_receives_a_model_into_its_folder(tmp_path: Path) -> None:
 
 # ---- two real agent processes, the demo model -------------------------------------------
 
-async def _spawn(node: str, weights_dir: Path) -> tuple[asyncio.subprocess.Process, str]:
-    env = {**os.environ, "MESH_AGENT_TOKEN": TOKEN}
+async def _spawn(node: str, weights_dir: Path, weights_token: str) -> tuple[asyncio.subprocess.Process, str]:
+    env = {**os.environ, "MESH_AGENT_TOKEN": TOKEN, "MESH_WEIGHTS_TOKEN": weights_token}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", node, "--memory-bytes", str(3 * 10**9),
         "--weights-listen", "127.0.0.1:0", "--weights-dir", str(weights_dir), stdout=asyncio.subprocess.PIPE, env=env)
@@ -133,16 +143,21 @@ def test_a_scale_out_by_network_serves_from_the_received_file(demo_gguf: Path, t
 
     async def main() -> None:
         procs, clients, events = {}, {}, {"a": [], "b": []}
+        weights_token = new_token()  # in the agents' environment, not their argv
         try:
             for node in ("a", "b"):
-                procs[node], address = await _spawn(node, tmp_path / node)
+                procs[node], address = await _spawn(node, tmp_path / node, weights_token)
                 clients[node] = AgentClient(node, events[node].append, lambda r: None, heartbeat_timeout_s=60)
                 info = await clients[node].connect(address, TOKEN)
                 assert info["weights"]["dir"] == str(tmp_path / node)
             out = str(tmp_path / "b" / "smollm2" / demo_gguf.name)
             assert not Path(out).exists()
+            with pytest.raises(MulticastError, match="weights token missing"):
+                await send_model(manifest, demo_gguf.name, {"a": (clients["a"], str(demo_gguf))},
+                                 {"b": clients["b"]}, plan="chain", timeout_s=120)
+            assert not Path(out).exists()
             result = await send_model(manifest, demo_gguf.name, {"a": (clients["a"], str(demo_gguf))},
-                                      {"b": clients["b"]}, plan="chain", timeout_s=120)
+                                      {"b": clients["b"]}, plan="chain", timeout_s=120, token=weights_token)
             assert result.outputs == {"b": out}
             digest = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731
             assert digest(out) == digest(demo_gguf)

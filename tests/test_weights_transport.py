@@ -12,8 +12,9 @@ import pytest
 from mesh.policy.multicast import chain, make_plan, naive
 from mesh.runtime.weights.blocks import CorruptBlock, Manifest, cut, load_blocks, pack, verify, write_atomic
 from mesh.runtime.weights.coordinator import MulticastError, multicast
-from mesh.runtime.weights.launch import running_agents
-from mesh.runtime.weights.protocol import ProtocolError, frame, read_message
+from mesh.runtime.weights.agent import WeightAgent
+from mesh.runtime.weights.launch import running_agents, token_of
+from mesh.runtime.weights.protocol import ProtocolError, frame, read_message, send
 
 KB = 1 << 10
 
@@ -115,7 +116,8 @@ def test_every_target_receives_an_identical_file(tmp_path, name):
         async with running_agents(["s", *TARGETS]) as agents:
             plan = make_plan(name, ["s"], TARGETS, m.count)
             outs = {t: str(tmp_path / f"{t}.bin") for t in TARGETS}
-            return await multicast(addresses(agents), m, plan, {"s": str(src)}, outs, timeout_s=60)
+            return await multicast(addresses(agents), m, plan, {"s": str(src)}, outs, timeout_s=60,
+                                   token=token_of(agents))
 
     r = asyncio.run(go())
     assert set(r.completion_s) == set(TARGETS) and r.dropped == [] and r.replans == 0
@@ -133,7 +135,7 @@ def test_a_corrupt_block_is_detected_named_and_sent_again(tmp_path):
             plan = chain(["s"], ["a", "b"], m.count)
             return await multicast(addresses(agents), m, plan, {"s": str(src)},
                                    {t: str(tmp_path / f"{t}.bin") for t in ("a", "b")},
-                                   faults={"s": {"corrupt_blocks": [3]}}, timeout_s=60)
+                                   faults={"s": {"corrupt_blocks": [3]}}, timeout_s=60, token=token_of(agents))
 
     r = asyncio.run(go())
     assert [(e["node"], e["block"], e["sender"]) for e in r.corrupt] == [("a", 3, "s")]
@@ -152,7 +154,8 @@ def test_a_source_file_that_does_not_match_its_manifest_is_refused(tmp_path):
 
     async def go():
         async with running_agents(["s", "a"]) as agents:
-            await multicast(addresses(agents), m, naive(["s"], ["a"], m.count), {"s": str(src)}, timeout_s=30)
+            await multicast(addresses(agents), m, naive(["s"], ["a"], m.count), {"s": str(src)}, timeout_s=30,
+                            token=token_of(agents))
 
     with pytest.raises(MulticastError, match="agent 's'.*block 2 checksum mismatch"):
         asyncio.run(go())
@@ -178,7 +181,7 @@ def test_a_killed_target_is_dropped_and_the_rest_complete(tmp_path):
             assert [t.receiver for t in plan.sends("b")] == ["c"] * m.count
             return await multicast(addresses(agents), m, plan, {"s": str(src)},
                                    {t: str(tmp_path / f"{t}.bin") for t in TARGETS}, observer=observer,
-                                   timeout_s=60), got
+                                   timeout_s=60, token=token_of(agents)), got
 
     r, got = asyncio.run(go())
     assert r.dropped == ["b"] and r.replans >= 1
@@ -201,9 +204,11 @@ def test_two_multicasts_run_at_once(tmp_path):
             # s sends model one to a, b, c; t sends model two to b, c, d: b and c get both
             return await asyncio.gather(
                 multicast(addr, m1, chain(["s"], ["a", "b", "c"], m1.count), {"s": str(one)},
-                          {x: str(tmp_path / f"one-{x}.bin") for x in "abc"}, transfer_id="one", timeout_s=60),
+                          {x: str(tmp_path / f"one-{x}.bin") for x in "abc"}, transfer_id="one", timeout_s=60,
+                          token=token_of(agents)),
                 multicast(addr, m2, make_plan("binomial", ["t"], ["b", "c", "d"], m2.count), {"t": str(two)},
-                          {x: str(tmp_path / f"two-{x}.bin") for x in "bcd"}, transfer_id="two", timeout_s=60),
+                          {x: str(tmp_path / f"two-{x}.bin") for x in "bcd"}, transfer_id="two", timeout_s=60,
+                          token=token_of(agents)),
             )
 
     r1, r2 = asyncio.run(go())
@@ -212,6 +217,89 @@ def test_two_multicasts_run_at_once(tmp_path):
         assert (tmp_path / f"one-{x}.bin").read_bytes() == one.read_bytes()
     for x in "bcd":
         assert (tmp_path / f"two-{x}.bin").read_bytes() == two.read_bytes()
+
+
+def test_agents_without_the_token_are_refused(tmp_path):
+    """Agents spawned by the launcher require their random token: a multicast with none or
+    a wrong one fails naming the reason, and nothing is written."""
+    src = model_file(tmp_path / "model.bin", 256 * KB)
+    m = pack(src, 64 * KB)
+    out = tmp_path / "a.bin"
+
+    async def go(token):
+        async with running_agents(["s", "a"]) as agents:
+            assert token_of(agents) != token
+            await multicast(addresses(agents), m, chain(["s"], ["a"], m.count), {"s": str(src)}, {"a": str(out)},
+                            timeout_s=30, token=token)
+
+    with pytest.raises(MulticastError, match="weights token missing"):
+        asyncio.run(go(None))
+    with pytest.raises(MulticastError, match="weights token wrong"):
+        asyncio.run(go("not-the-token"))
+    assert not out.exists()
+
+
+def test_the_token_guards_control_and_data_connections(tmp_path):
+    """In one process: a target agent with a token. A `start` with no or a wrong token and a
+    data connection with no or a wrong token get an `error` frame and are closed; no block
+    is accepted. With the token, the transfer starts and a block is kept."""
+    src = model_file(tmp_path / "model.bin", 128 * KB)
+    m = pack(src, 64 * KB)
+    blocks = load_blocks(src, m)
+    secret = "s3cret-token"
+
+    async def first_reply(agent, header, payload=b""):
+        reader, writer = await asyncio.open_connection("127.0.0.1", agent.port)
+        try:
+            writer.write(frame(header) + payload)
+            await writer.drain()
+            reply = await read_message(reader)
+            closed = await read_message(reader) is None  # the agent closes after refusing
+            return (reply[0] if reply else None), closed
+        finally:
+            writer.close()
+
+    def block(k, **extra):
+        return {"type": "block", "transfer": "t1", "block": k, "sender": "s", "nbytes": len(blocks[k]), **extra}
+
+    async def go():
+        agent = WeightAgent(token=secret)
+        await agent.start()
+        try:
+            plan = naive(["s"], ["a"], m.count)
+            start = {"type": "start", "transfer": "t1", "node": "a", "manifest": m.to_dict(), "plan": plan.to_dict(),
+                     "peers": {"s": ["127.0.0.1", 1]}, "output_path": str(tmp_path / "a.bin")}
+            for token, why in ((None, "weights token missing"), ("wrong", "weights token wrong")):
+                h = dict(start) if token is None else {**start, "token": token}
+                reply, closed = await first_reply(agent, h)
+                assert reply["type"] == "error" and reply["reason"].startswith(why) and closed
+                assert "t1" not in agent.transfers
+            assert (await first_reply(agent, {"type": "hello"}))[0]["type"] == "error"
+
+            # the right token: the transfer starts
+            reader, control = await asyncio.open_connection("127.0.0.1", agent.port)
+            await send(control, {**start, "token": secret})
+            assert (await read_message(reader))[0]["type"] == "ready"
+            st = agent.transfers["t1"]
+            # data connections without the token, or with a wrong one, are refused
+            for extra, why in (({}, "weights token missing"), ({"token": "nope"}, "weights token wrong")):
+                reply, closed = await first_reply(agent, block(0, **extra), blocks[0])
+                assert reply["type"] == "error" and reply["reason"].startswith(why) and closed
+            await asyncio.sleep(0.05)
+            assert st.blocks == {} and not st.verifying
+            # with the token, the block is verified and kept
+            _, data = await asyncio.open_connection("127.0.0.1", agent.port)
+            data.write(frame(block(0, token=secret)) + blocks[0])
+            await data.drain()
+            have = (await asyncio.wait_for(read_message(reader), 10))[0]
+            assert (have["type"], have["block"]) == ("have", 0) and list(st.blocks) == [0]
+            data.close()
+            control.close()
+        finally:
+            await agent.close()
+        assert not (tmp_path / "a.bin").exists()
+
+    asyncio.run(go())
 
 
 def test_bad_multicast_requests_get_clear_errors(tmp_path):

@@ -14,7 +14,9 @@ respect to the node's state. Token outputs of one iteration go out as one `token
 
 `--exit-with-parent`: exit when stdin closes (the embedded agent dies with `mesh serve`).
 `--weights-listen HOST:PORT`: also receive models' weight blocks there, into `--weights-dir`
-(mesh.agent.weights), so `load` can start an engine from weights received over the network.
+(mesh.agent.weights), so `load` can start an engine from weights received over the network;
+the weights port requires the token in the environment variable MESH_WEIGHTS_TOKEN when it is
+set (never an argument: `ps` would show it).
 """
 from __future__ import annotations
 
@@ -42,6 +44,7 @@ from mesh.agent.protocol import (
     slo_from_dict,
 )
 from mesh.agent.weights import NodeWeightsReceiver, parse_listen, received_path
+from mesh.runtime.weights.agent import token_from_env
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
 from mesh.runtime.node import NodeRuntime, NodeSpec
@@ -479,7 +482,7 @@ async def _amain(args: argparse.Namespace) -> int:
 
         host, port = parse_listen(args.weights_listen)
         root = Path(args.weights_dir) if args.weights_dir else data_dir() / "received" / args.node_id
-        weights = NodeWeightsReceiver(root, host, port)
+        weights = NodeWeightsReceiver(root, host, port, token=token_from_env())  # MESH_WEIGHTS_TOKEN
     server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights)
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
@@ -502,7 +505,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--memory-bytes", type=int, required=True, help="memory budget for weights and KV caches")
     parser.add_argument("--token-env", default="MESH_AGENT_TOKEN", help="environment variable holding the hello token")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when stdin closes")
-    parser.add_argument("--weights-listen", metavar="HOST:PORT", help="receive model weight blocks here (port 0: any)")
+    parser.add_argument("--weights-listen", metavar="HOST:PORT",
+                        help="receive model weight blocks here (port 0: any); token: env MESH_WEIGHTS_TOKEN")
     parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)

@@ -11,10 +11,15 @@ engine (OpenVINO: the received GGUF, or the IR folder's files) builds from the n
 copy and a scale-out to a node without the model needs no shared disk. `send_model` does
 those steps for connected agents (the control service's side).
 
-What this node accepts: a transfer may write its output only inside the weights folder
-(a `start` whose `output_path` points elsewhere is answered with an `error`). Source paths
-are not restricted (a node sends what its control service tells it to send), and the
-weights port has no token yet: it is for a trusted network, like the paper systems'.
+What this node accepts: with a token (the node agent reads it from the environment variable
+MESH_WEIGHTS_TOKEN; unset: none, for a trusted network), every connection to the weights
+port, a coordinator's `start` or a peer's blocks, must carry it in its first frame, or it is
+answered with an `error` ("weights token missing/wrong") and closed before any block is
+accepted; the coordinator (`multicast(..., token=)`, `send_model(..., token=)`) and the
+agents forwarding to each other send it, so the nodes of a multicast share one token. A
+transfer may write its output only inside the weights folder (a `start` whose `output_path`
+points elsewhere is answered with an `error`). Source paths are not restricted (a node sends
+what its control service, which knows the token, tells it to send).
 
 The receiver shares the agent's loop: block reads happen between engine iterations, and
 checksums and the file write run in worker threads (sha256 releases the GIL).
@@ -61,8 +66,8 @@ def inside(root: Path, path: str | Path) -> bool:
 class NodeWeightsReceiver(WeightAgent):
     """A weights agent that writes received models only under `root`."""
 
-    def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0) -> None:
-        super().__init__(host, port)
+    def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
+        super().__init__(host, port, token=token)
         self.root = Path(root)
 
     @property
@@ -105,13 +110,14 @@ def weights_address(client: AgentClient) -> tuple[str, int]:
 
 async def send_model(manifest: Manifest, file_name: str, sources: Mapping[str, tuple[AgentClient, str]],
                      targets: Mapping[str, AgentClient], plan: str = "binomial",
-                     timeout_s: float = 300.0) -> MulticastResult:
+                     timeout_s: float = 300.0, token: str | None = None) -> MulticastResult:
     """Multicast a model from `sources` (node -> (its agent, the model file there)) into each
-    target's weights folder; `result.outputs[node]` is the path to `load` on that node."""
+    target's weights folder; `result.outputs[node]` is the path to `load` on that node.
+    token: the nodes' weights token (their MESH_WEIGHTS_TOKEN; None: they run without one)."""
     agents = {n: weights_address(c) for n, (c, _) in sources.items()}
     agents.update({n: weights_address(c) for n, c in targets.items()})
     outputs = {n: str((await c.call({"t": "weights_path", "model": manifest.model, "file": file_name}))["path"])
                for n, c in targets.items()}
     chosen = make_plan(plan, list(sources), list(targets), manifest.count)
     return await multicast(agents, manifest, chosen, {n: path for n, (_, path) in sources.items()}, outputs,
-                           timeout_s=timeout_s)
+                           timeout_s=timeout_s, token=token)

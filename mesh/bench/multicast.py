@@ -30,7 +30,7 @@ import numpy as np
 from mesh.policy.multicast import PLANS, CostModel, make_plan, naive, schedule
 from mesh.runtime.weights.blocks import Manifest, pack
 from mesh.runtime.weights.coordinator import multicast
-from mesh.runtime.weights.launch import spawn_agents, stop_agents
+from mesh.runtime.weights.launch import new_token, spawn_agents, stop_agents
 
 MB = 10**6
 TARGET_FACTOR = 1.15
@@ -65,14 +65,15 @@ async def _bench(receivers: int, size_mb: float, plans: Sequence[str], block_mb:
         manifest: Manifest = pack(model, int(block_mb * MB), model="random-model")
         block_bytes = manifest.blocks[0].size
         targets = [f"r{i}" for i in range(receivers)]
-        agents = await spawn_agents(["src", *targets], link_mbps)
+        token = new_token()  # the agents require it, as on a real network (MESH_WEIGHTS_TOKEN)
+        agents = await spawn_agents(["src", *targets], link_mbps, token=token)
         addresses = {n: a.address for n, a in agents.items()}
         try:
             # B: one agent to one agent, the same transport and checksums, best of a few
             singles = []
             for i in range(bw_repeats):
                 r = await multicast(addresses, manifest, naive(["src"], ["r0"], manifest.count), {"src": str(model)},
-                                    transfer_id=f"bw{i}")
+                                    transfer_id=f"bw{i}", token=token)
                 singles.append(r.total_s)
             bandwidth = manifest.total_bytes / min(singles)
             bound = manifest.total_bytes / bandwidth
@@ -92,7 +93,7 @@ async def _bench(receivers: int, size_mb: float, plans: Sequence[str], block_mb:
                     cpu0 = sum(process_cpu_s(a.pid) for a in agents.values())
                     t0 = time.perf_counter()
                     r = await multicast(addresses, manifest, plan, {"src": str(model)}, outputs,
-                                        transfer_id=f"{name}{i}", lookahead=lookahead)
+                                        transfer_id=f"{name}{i}", lookahead=lookahead, token=token)
                     runs.append((r, time.perf_counter() - t0,
                                   sum(process_cpu_s(a.pid) for a in agents.values()) - cpu0))
                     for path in (outputs or {}).values():  # free the disk early

@@ -1,11 +1,19 @@
 """The node agent's weight transport: receives, verifies, forwards and sends model blocks.
 
-    python -m mesh.runtime.weights.agent --port P [--host H] [--link-mbps L]
+    MESH_WEIGHTS_TOKEN=... python -m mesh.runtime.weights.agent --port P [--host H] [--link-mbps L]
 
-prints `READY <host> <port>` once it listens. A coordinator opens one control connection
-per multicast ("transfer") and sends `start` (the manifest, the plan, the peers' addresses,
-a source file or an output path); the agent answers `ready` once it holds its blocks (a
-source reads and verifies its file into host memory), and starts sending on `go`.
+prints `READY <host> <port>` once it listens. With a token (`WeightAgent(token=...)`; the
+command reads it from the environment variable MESH_WEIGHTS_TOKEN, never from argv, where
+`ps` would show it), the first frame of every connection, control or data, must carry
+`"token"` equal to it; anything else is answered with an `error` frame ("weights token
+missing" / "weights token wrong") and closed before any block is accepted. The agent puts
+its own token in the first frame of the data connections it opens to its peers, so all the
+agents of a multicast share one token. Unset: no token (a trusted network).
+
+A coordinator opens one control connection per multicast ("transfer") and sends `start`
+(the manifest, the plan, the peers' addresses, a source file or an output path); the agent
+answers `ready` once it holds its blocks (a source reads and verifies its file into host
+memory), and starts sending on `go`.
 
 - Sends follow the plan: the node's transfers in round order, one at a time (the one-port
   model), each as soon as the block is here: a forwarder passes a block on when it has it,
@@ -29,7 +37,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hmac
 import math
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +49,24 @@ from mesh.runtime.weights.blocks import CorruptBlock, Manifest, load_blocks, ver
 from mesh.runtime.weights.protocol import STREAM_LIMIT, ProtocolError, frame, read_message, send
 
 CHUNK = 1 << 20  # sends go out in chunks of this size (paced per chunk)
+TOKEN_ENV = "MESH_WEIGHTS_TOKEN"  # where the agent commands read the weights token
+
+
+def token_from_env() -> str | None:
+    """The weights token from MESH_WEIGHTS_TOKEN; None when unset or empty (no token)."""
+    return os.environ.get(TOKEN_ENV) or None
+
+
+def token_refusal(expected: str | None, header: dict[str, Any]) -> str | None:
+    """Why a connection whose first frame is `header` is refused (None: accepted)."""
+    if expected is None:
+        return None
+    given = header.get("token")
+    if given is None:
+        return "weights token missing: this agent requires a token in the first frame of every connection"
+    if not hmac.compare_digest(str(given).encode(), expected.encode()):
+        return "weights token wrong: the first frame's token does not match this agent's"
+    return None
 
 
 class Pacer:
@@ -101,8 +129,10 @@ def _sends(plan: Plan, node: str) -> list[tuple[int, str]]:
 
 
 class WeightAgent:
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, link_bytes_per_s: float | None = None) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, link_bytes_per_s: float | None = None,
+                 token: str | None = None) -> None:
         self.host, self.port = host, port
+        self.token = token or None  # required in the first frame of every connection (None: none)
         self.pacer = Pacer(link_bytes_per_s)
         self.transfers: dict[str, _Transfer] = {}
         self._server: asyncio.Server | None = None
@@ -129,6 +159,14 @@ class WeightAgent:
         try:
             first = await read_message(reader)
             if first is None:
+                return
+            refusal = token_refusal(self.token, first[0])
+            if refusal is not None:
+                with contextlib.suppress(ConnectionError):
+                    await send(writer, {"type": "error", "transfer": first[0].get("transfer"),
+                                        "node": first[0].get("node"), "reason": refusal})
+                print(f"weights agent {self.port}: refused a {first[0]['type']!r} connection: {refusal}",
+                      file=sys.stderr)
                 return
             if first[0]["type"] == "block":
                 await self._data(reader, first)
@@ -294,16 +332,19 @@ class WeightAgent:
 
     async def _send_block(self, st: _Transfer, peer: str, block: int) -> None:
         w = st.conns.get(peer)
+        header: dict[str, Any] = {"type": "block", "transfer": st.id, "block": block, "sender": st.node}
         if w is None or w.is_closing():
             host, port = st.peers[peer]
             _, w = await asyncio.open_connection(host, port, limit=STREAM_LIMIT)
             w.transport.set_write_buffer_limits(high=CHUNK)
             st.conns[peer] = w
+            if self.token is not None:
+                header["token"] = self.token  # the first frame of a data connection
         data = st.blocks[block]
         if block in st.corrupt_once:
             st.corrupt_once.discard(block)
             data = bytes([data[0] ^ 0xFF]) + data[1:]
-        header = {"type": "block", "transfer": st.id, "block": block, "sender": st.node, "nbytes": len(data)}
+        header["nbytes"] = len(data)
         view = memoryview(data)
         if self.pacer.rate is None:
             w.write(frame(header))
@@ -321,15 +362,16 @@ class WeightAgent:
             await w.drain()
 
 
-async def _serve(host: str, port: int, link_bytes_per_s: float | None) -> None:
-    agent = WeightAgent(host, port, link_bytes_per_s)
+async def _serve(host: str, port: int, link_bytes_per_s: float | None, token: str | None) -> None:
+    agent = WeightAgent(host, port, link_bytes_per_s, token=token)
     await agent.start()
     print(f"READY {host} {agent.port}", flush=True)
     await agent.serve_forever()
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mesh.runtime.weights.agent", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m mesh.runtime.weights.agent", description=__doc__.split("\n\n")[0],
+                                epilog=f"The token comes from the environment variable {TOKEN_ENV} (unset: none).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: any free port (printed on the READY line)")
     p.add_argument("--link-mbps", type=float, default=None, help="pace this node's uplink to this many Mbit/s")
@@ -338,7 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--link-mbps must be > 0")
     rate = a.link_mbps * 1e6 / 8 if a.link_mbps else None
     with contextlib.suppress(KeyboardInterrupt):
-        asyncio.run(_serve(a.host, a.port, rate))
+        asyncio.run(_serve(a.host, a.port, rate, token_from_env()))
     return 0
 
 

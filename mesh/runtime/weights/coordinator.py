@@ -63,6 +63,7 @@ async def multicast(
     observer: Observer | None = None,
     lookahead: int = 0,
     timeout_s: float = 300.0,
+    token: str | None = None,
 ) -> MulticastResult:
     """Run `plan` to deliver the model described by `manifest`.
 
@@ -73,6 +74,8 @@ async def multicast(
     observer: called with (node, event) for every agent event (tests kill nodes from it).
     lookahead: how many later sends a node may make first while the block of its next send
       has not arrived (0: the plan's order exactly).
+    token: the agents' weights token (MESH_WEIGHTS_TOKEN), sent in each `start`; None: the
+      agents run without one.
     """
     validate(plan)
     if plan.blocks != manifest.count:
@@ -86,7 +89,8 @@ async def multicast(
     run = _Run(transfer_id or f"mc{next(_ids)}", dict(agents), manifest, plan, dict(output_paths or {}),
                observer)
     try:
-        return await asyncio.wait_for(run.execute(dict(source_paths), dict(faults or {}), lookahead), timeout_s)
+        return await asyncio.wait_for(run.execute(dict(source_paths), dict(faults or {}), lookahead, token),
+                                      timeout_s)
     except asyncio.TimeoutError:
         left = sorted(set(run.live_targets()) - set(run.result.completion_s))
         raise MulticastError(f"transfer {run.id}: timed out after {timeout_s} s; incomplete: {left}") from None
@@ -114,12 +118,14 @@ class _Run:
         return [t for t in self.plan.targets if t not in self.dead]
 
     async def execute(self, source_paths: dict[str, str], faults: dict[str, Mapping[str, Any]],
-                      lookahead: int) -> MulticastResult:
+                      lookahead: int, token: str | None) -> MulticastResult:
         loop = asyncio.get_running_loop()
         await asyncio.gather(*(self._open(n) for n in self.nodes))
         peers = {n: list(a) for n, a in self.agents.items() if n in self.nodes}
         base = {"type": "start", "transfer": self.id, "manifest": self.manifest.to_dict(),
                 "plan": self.plan.to_dict(), "peers": peers, "lookahead": lookahead}
+        if token:
+            base["token"] = token  # the first frame of each control connection
         for n in self.nodes:
             await send(self.writers[n], {**base, "node": n, "source_path": source_paths.get(n),
                                          "output_path": self.outputs.get(n), "faults": dict(faults.get(n, {}))})

@@ -1,13 +1,21 @@
-"""Node agents as real processes on this machine (tests and `mesh bench multicast`)."""
+"""Node agents as real processes on this machine (tests and `mesh bench multicast`).
+
+Every launch runs its agents with a weights token: a fresh random one unless given, passed
+in the environment (MESH_WEIGHTS_TOKEN), and kept on each AgentProcess (`token`) for the
+coordinator's `multicast(..., token=)`. The agents spawned together share one token (they
+forward blocks to each other)."""
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import os
+import secrets
 import signal
 import sys
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Mapping, Sequence
+
+from mesh.runtime.weights.agent import TOKEN_ENV
 
 
 @dataclass
@@ -16,6 +24,7 @@ class AgentProcess:
     host: str
     port: int
     process: asyncio.subprocess.Process
+    token: str  # its weights token (MESH_WEIGHTS_TOKEN)
 
     @property
     def address(self) -> tuple[str, int]:
@@ -31,13 +40,29 @@ class AgentProcess:
             os.kill(self.process.pid, signal.SIGKILL)
 
 
+def new_token() -> str:
+    """A random weights token."""
+    return secrets.token_urlsafe(32)
+
+
+def token_of(agents: Mapping[str, AgentProcess] | Sequence[AgentProcess]) -> str:
+    """The token shared by agents spawned together."""
+    tokens = {a.token for a in (agents.values() if isinstance(agents, Mapping) else agents)}
+    if len(tokens) != 1:
+        raise ValueError(f"the agents have {len(tokens)} different tokens")
+    return tokens.pop()
+
+
 async def spawn_agent(node: str, link_mbps: float | None = None, host: str = "127.0.0.1",
-                      ready_timeout_s: float = 30.0) -> AgentProcess:
-    """Start `python -m mesh.runtime.weights.agent` and wait for its READY line."""
+                      ready_timeout_s: float = 30.0, token: str | None = None) -> AgentProcess:
+    """Start `python -m mesh.runtime.weights.agent` with `token` (None: a new random one) in
+    its environment and wait for its READY line."""
+    token = token or new_token()
     args = [sys.executable, "-m", "mesh.runtime.weights.agent", "--host", host, "--port", "0"]
     if link_mbps is not None:
         args += ["--link-mbps", str(link_mbps)]
-    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE,
+                                                env={**os.environ, TOKEN_ENV: token})
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), ready_timeout_s)
     except asyncio.TimeoutError:
@@ -47,12 +72,15 @@ async def spawn_agent(node: str, link_mbps: float | None = None, host: str = "12
     if len(parts) != 3 or parts[0] != "READY":
         proc.kill()
         raise RuntimeError(f"agent {node!r} did not start: {line!r}")
-    return AgentProcess(node, parts[1], int(parts[2]), proc)
+    return AgentProcess(node, parts[1], int(parts[2]), proc, token)
 
 
 async def spawn_agents(nodes: Sequence[str], link_mbps: float | None = None,
-                       host: str = "127.0.0.1") -> dict[str, AgentProcess]:
-    procs = await asyncio.gather(*(spawn_agent(n, link_mbps, host) for n in nodes), return_exceptions=True)
+                       host: str = "127.0.0.1", token: str | None = None) -> dict[str, AgentProcess]:
+    """One agent per node, all with `token` (None: one new random token for all of them)."""
+    token = token or new_token()
+    procs = await asyncio.gather(*(spawn_agent(n, link_mbps, host, token=token) for n in nodes),
+                                 return_exceptions=True)
     good = [p for p in procs if isinstance(p, AgentProcess)]
     bad = [p for p in procs if not isinstance(p, AgentProcess)]
     if bad:
@@ -76,9 +104,10 @@ async def stop_agents(agents: Sequence[AgentProcess] | dict[str, AgentProcess]) 
 
 
 @contextlib.asynccontextmanager
-async def running_agents(nodes: Sequence[str], link_mbps: float | None = None):
-    """async with running_agents(["s", "a", "b"]) as agents: ... (stopped on exit)."""
-    agents = await spawn_agents(nodes, link_mbps)
+async def running_agents(nodes: Sequence[str], link_mbps: float | None = None, token: str | None = None):
+    """async with running_agents(["s", "a", "b"]) as agents: ... (stopped on exit); their
+    token is token_of(agents)."""
+    agents = await spawn_agents(nodes, link_mbps, token=token)
     try:
         yield agents
     finally:
