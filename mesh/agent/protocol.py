@@ -25,6 +25,7 @@ Control -> agent (see docs/service.md for every field):
     shutdown   {}                            -> {} (then the agent exits)
     weights_path {model, file}               -> {path} where a multicast to this node writes the
                                                 model's file (mesh.agent.weights); `load` it from there
+    weights_drop {model}                     -> {dropped} delete the model's received files (it was deleted)
 
 Agent -> control (events):
     tokens     {items: [[request_id, [token ids], text], ...]}   one frame per iteration

@@ -26,6 +26,7 @@ import hmac
 import logging
 import os
 import signal
+import shutil
 import sys
 from pathlib import Path
 from typing import Any, Callable
@@ -86,6 +87,7 @@ class AgentServer:
             "ping": self._ping, "hello": self._hello, "load": self._load, "unload": self._unload,
             "tokenize": self._tokenize, "admit": self._admit, "abort": self._abort,
             "stats": self._stats, "shutdown": self._shutdown, "weights_path": self._weights_path,
+            "weights_drop": self._weights_drop,
         }
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -417,6 +419,18 @@ class AgentServer:
             return {"path": str(received_path(self.weights.root, str(m["model"]), str(m["file"])))}
         except (KeyError, ValueError) as exc:
             raise Reply(Code.BAD_REQUEST, f"weights_path needs a model and a file name: {exc}") from exc
+
+    def _weights_drop(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Delete a model's received files (the model was deleted); `dropped`: were there any."""
+        if self.weights is None:
+            raise Reply(Code.BAD_REQUEST, f"node {self.spec.node_id} receives no weights (start it with --weights-listen)")
+        try:
+            folder = received_path(self.weights.root, str(m["model"]), "file").parent
+        except (KeyError, ValueError) as exc:
+            raise Reply(Code.BAD_REQUEST, f"weights_drop needs a model: {exc}") from exc
+        existed = folder.is_dir()
+        shutil.rmtree(folder, ignore_errors=True)
+        return {"dropped": existed}
 
     def _shutdown(self, m: dict[str, Any]) -> dict[str, Any]:
         asyncio.get_running_loop().call_later(0.05, self.stop)
