@@ -15,6 +15,7 @@ from mesh.agent.server import AgentServer
 from mesh.runtime.node import NodeSpec
 
 TOKEN = "secret"
+WEIGHTS_TOKEN = "weights-secret"
 TIMES = LinearTimes(prefill_per_token=0.0001, decode_base=0.01)
 
 
@@ -65,8 +66,17 @@ class InProcessAgent:
     def up(self) -> bool:
         return self.state == "up" and self.client is not None and self.client.up
 
+    weights_root: str | None = None  # set: the agent hosts a weights receiver in <root>/<node id>
+
     async def start(self) -> None:
-        self.server = AgentServer(self.spec, TOKEN)
+        weights = None
+        if self.weights_root is not None:
+            from pathlib import Path
+
+            from mesh.agent.weights import NodeWeightsReceiver
+
+            weights = NodeWeightsReceiver(Path(self.weights_root) / self.node_id, token=WEIGHTS_TOKEN)
+        self.server = AgentServer(self.spec, TOKEN, weights=weights)
         address = await self.server.serve("127.0.0.1:0")
         self.generation += 1
         self.client = AgentClient(self.node_id, lambda m: self.on_event(self, m), self._closed)

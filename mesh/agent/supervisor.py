@@ -5,7 +5,9 @@ starting ... until `stop()`. It notices a death by the connection ending (the ke
 a killed process's socket at once), by the process exiting, or by the client's heartbeat,
 and then restarts the process with a backoff that grows only while it keeps dying young.
 
-`detect_local_nodes()` lists the nodes of this machine: one CPU node today. GPU nodes
+`detect_local_nodes()` lists the nodes of this machine: `cpu_nodes` CPU nodes sharing its
+memory budget (default one; more stand in for several machines, each with its own weights
+folder, so that models travel between them by multicast). GPU nodes
 (vLLM, issue 6) plug in here: one `NodeSpec` of kind "gpu" per device, the agent started
 with `--kind gpu` registering the vLLM engine factory (mesh.agent.engines).
 """
@@ -42,13 +44,14 @@ def total_memory_bytes() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def detect_local_nodes(cpu_memory_bytes: int | None = None) -> list[NodeSpec]:
-    """This machine's nodes: the CPU (half its memory unless told), plus vLLM nodes: one per
-    GPU with vLLM's CUDA build, a vLLM-on-CPU one if MESH_VLLM_CPU_NODE=1 (mesh.agent.vllm_nodes)."""
+def detect_local_nodes(cpu_memory_bytes: int | None = None, cpu_nodes: int = 1) -> list[NodeSpec]:
+    """This machine's nodes: `cpu_nodes` CPU nodes splitting the CPU budget (half the memory
+    unless told), plus vLLM nodes: one per GPU with vLLM's CUDA build, a vLLM-on-CPU one if
+    MESH_VLLM_CPU_NODE=1 (mesh.agent.vllm_nodes)."""
     from mesh.agent.vllm_nodes import vllm_node_specs
 
-    memory = cpu_memory_bytes or total_memory_bytes() // 2
-    return [NodeSpec("cpu-0", "cpu", memory), *vllm_node_specs()]
+    memory = (cpu_memory_bytes or total_memory_bytes() // 2) // cpu_nodes
+    return [*(NodeSpec(f"cpu-{i}", "cpu", memory) for i in range(cpu_nodes)), *vllm_node_specs()]
 
 
 @dataclass
@@ -59,6 +62,8 @@ class AgentSettings:
     restart_backoff_s: float = 0.2
     restart_backoff_max_s: float = 5.0
     log_level: str = "WARNING"
+    weights_root: str | None = None  # node agents receive weights into <root>/<node id> (None: no receiver)
+    weights_token: str | None = None  # MESH_WEIGHTS_TOKEN of their weights ports
 
 
 class LocalAgent:
@@ -164,6 +169,11 @@ class LocalAgent:
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", self.node_id,
                "--kind", self.spec.kind, "--memory-bytes", str(self.spec.memory_bytes), "--exit-with-parent",
                "--log-level", self.settings.log_level]
+        if self.settings.weights_root is not None:
+            cmd += ["--weights-listen", "127.0.0.1:0", "--weights-dir", os.path.join(self.settings.weights_root,
+                                                                                    self.node_id)]
+            if self.settings.weights_token:
+                env["MESH_WEIGHTS_TOKEN"] = self.settings.weights_token
         self.process = await asyncio.create_subprocess_exec(
             *cmd, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE, env=env,
             start_new_session=True)  # a Ctrl-C to `mesh serve` reaches the agent through us, in order

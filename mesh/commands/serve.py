@@ -1,4 +1,4 @@
-"""`mesh serve`: the control service and a node agent for the local CPU (docs/service.md)."""
+"""`mesh serve`: the control service and node agents for the local CPU (docs/service.md)."""
 from __future__ import annotations
 
 import argparse
@@ -22,6 +22,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="seconds an idle instance stays loaded (default 60)")
     parser.add_argument("--cpu-memory-gb", type=float, default=None,
                         help="memory budget of the CPU node for weights and KV (default: half of RAM)")
+    parser.add_argument("--cpu-nodes", type=int, default=None,
+                        help="CPU node agents to run on this machine (default 1); models reach them by multicast")
+    parser.add_argument("--weights-plan", choices=("naive", "chain", "binomial"), default=None,
+                        help="multicast plan that sends a model to the nodes that start it (default binomial)")
     parser.add_argument("--drain-timeout", type=float, default=None, dest="drain_timeout_s",
                         help="seconds shutdown waits for open streams (default 30)")
     parser.add_argument("--profile-dir", default=None, help="calibration profiles, <dir>/<model uid>.json")
@@ -40,7 +44,8 @@ def run(args: argparse.Namespace) -> int:
     from mesh.service.config import ConfigError, build_config, read_config_file
 
     cli = {k: getattr(args, k) for k in ("host", "port", "data_dir", "demo", "allowed_dir", "max_body_mb",
-                                         "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "drain_timeout_s",
+                                         "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "weights_plan",
+                                         "drain_timeout_s",
                                          "profile_dir", "log_level")}
     try:
         file_values = read_config_file(args.config) if args.config else {}

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import signal
 import sys
 from dataclasses import dataclass, field
@@ -155,17 +156,26 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     from mesh.agent.supervisor import AgentSettings, detect_local_nodes
     from mesh.service.demo import ensure_demo, ready_line
     from mesh.service.placement import LocalPlacement, PlacementSettings
+    from mesh.service.weights_plane import WeightsPlane, WeightsSettings
 
     loop = asyncio.get_running_loop()
     data_dir = config.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     registry = Registry(data_dir / "registry.sqlite3")
     memory = int(config.cpu_memory_gb * 2**30) if config.cpu_memory_gb else None
+    weights_token = secrets.token_urlsafe(24)
     settings = PlacementSettings(
         keep_alive_s=config.keep_alive_s,
         profile_dir=str(config.profile_dir) if config.profile_dir else None,
-        agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level))
-    placement = LocalPlacement(detect_local_nodes(memory), settings)
+        agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
+                            weights_root=str(data_dir / "nodes"), weights_token=weights_token))
+    nodes = detect_local_nodes(memory, config.cpu_nodes)
+    host_bytes = {n.node_id: n.memory_bytes for n in nodes}  # host copies: up to the node's budget on its disk
+
+    def weights(agents: dict) -> WeightsPlane:
+        return WeightsPlane(agents, host_bytes, WeightsSettings(plan=config.weights_plan, token=weights_token))
+
+    placement = LocalPlacement(nodes, settings, weights=weights)
     service = Service(config, registry, placement, ServiceMetrics(placement.view), data_dir)
     service.wall_offset = registry.now() - loop.time()
     service.idle.set()

@@ -4,8 +4,8 @@ The admin token comes from $MESH_ADMIN_TOKEN, else the config file's `admin_toke
 one, the admin routes answer 401 and a warning says so.
 
 Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
-max_upload_mb, demo, keep_alive_s, cpu_memory_gb, drain_timeout_s, heartbeat_timeout_s,
-profile_dir, log_level.
+max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, weights_plan, drain_timeout_s,
+heartbeat_timeout_s, profile_dir, log_level.
 """
 from __future__ import annotations
 
@@ -32,7 +32,9 @@ class ServeConfig:
     max_upload_mb: float = 16384.0
     demo: bool = False
     keep_alive_s: float = 60.0
-    cpu_memory_gb: float | None = None  # None: half the machine's memory
+    cpu_memory_gb: float | None = None  # None: half the machine's memory, split over the CPU nodes
+    cpu_nodes: int = 1  # CPU node agents on this machine (each a node of the weights plane)
+    weights_plan: str = "binomial"  # multicast plan for scale-outs: naive, chain, binomial
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 10.0
     profile_dir: Path | None = None  # calibration profiles, <dir>/<model uid>.json
@@ -91,6 +93,10 @@ def _check(c: ServeConfig) -> None:
         value = getattr(c, name)
         if not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{name} must be a positive number, got {value!r}")
+    if isinstance(c.cpu_nodes, bool) or not isinstance(c.cpu_nodes, int) or not 1 <= c.cpu_nodes <= 64:
+        raise ConfigError(f"cpu_nodes must be an integer from 1 to 64, got {c.cpu_nodes!r}")
+    if c.weights_plan not in ("naive", "chain", "binomial"):
+        raise ConfigError(f"weights_plan must be naive, chain or binomial, got {c.weights_plan!r}")
     if c.cpu_memory_gb is not None and c.cpu_memory_gb <= 0:
         raise ConfigError(f"cpu_memory_gb must be positive, got {c.cpu_memory_gb!r}")
     if c.allowed_dir is not None and not c.allowed_dir.is_dir():

@@ -4,12 +4,15 @@
 `forget_model`, `view`, `healthy`, `start`/`stop`. The cluster dispatcher (issue 3) can
 replace `LocalPlacement` behind it.
 
-`LocalPlacement` is the embedded default: the local node agents (one CPU agent today),
-one instance per model per node, started on the first request for it (cold start) and
-recycled after `keep_alive_s` idle. A request is
+`LocalPlacement` is the embedded default: the local node agents (`--cpu-nodes` CPU agents,
+plus GPU agents where vLLM finds GPUs), at most one instance per model per node, started on
+the first request for it (cold start) and recycled after `keep_alive_s` idle. A request is
 
-1. given an instance (loaded if none; if the node's memory budget refuses the load, idle
-   instances are recycled, least recently used first);
+1. given a node (mesh.policy.node_choice: the model's instance that takes requests, else a
+   scale-out to a node without one, host copies of the weights first) and that node's
+   instance (loaded if none, from the node's own copy of the weights, which the weights
+   plane multicasts there first if needed (mesh.service.weights_plane); if the node's
+   memory budget refuses the load, idle instances are recycled, least recently used first);
 2. tokenized on the agent, so its prompt length is known: over the context window is a 400;
 3. queued for admission on its node. A per-node worker sends the queue, most urgent TTFT
    deadline first, to the agent in one `admit` batch; the agent validates and admits each
@@ -35,10 +38,12 @@ from typing import Any, Callable, Protocol
 from mesh.agent.client import AgentCallError, AgentDown
 from mesh.agent.protocol import Code, InstanceSpec, sampling_to_dict, slo_to_dict
 from mesh.agent.supervisor import AgentSettings, LocalAgent
+from mesh.policy.node_choice import NodeView, choose_node
 from mesh.runtime.node import NodeSpec
 from mesh.service.errors import ApiError, bad_request, context_too_long, node_unavailable, overloaded
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
+from mesh.service.weights_plane import WeightsError, WeightsPlane
 
 log = logging.getLogger("mesh.service.placement")
 
@@ -63,6 +68,12 @@ class Placement(Protocol):
 
     async def forget_model(self, model_uid: str) -> None:
         """The model was deleted: unload its idle instances."""
+
+    def model_registered(self, model: ModelRecord) -> None:
+        """A model was registered: place its first host copy (in the background)."""
+
+    async def scale_out(self, model: ModelRecord, nodes: list[str]) -> dict[str, Any]:
+        """Start instances of `model` on `nodes` now; per node its instance or the error."""
 
     def view(self) -> dict[str, Any]:
         """Nodes, instances, memory budget and use, queue lengths (for /admin/cluster, /metrics)."""
@@ -91,6 +102,7 @@ class Instance:
     active: int = 0  # admitted and not done
     pinned: int = 0  # requests being placed on it (tokenizing, queued)
     idle_since: float = 0.0
+    weights: str = "registry path"  # where its engine's weights came from
 
 
 @dataclass(eq=False)
@@ -112,13 +124,16 @@ class _Retry(Exception):
 
 class LocalPlacement:
     def __init__(self, nodes: list[NodeSpec], settings: PlacementSettings | None = None,
-                 agent_factory: Callable[..., LocalAgent] = LocalAgent) -> None:
+                 agent_factory: Callable[..., LocalAgent] = LocalAgent,
+                 weights: Callable[[dict[str, LocalAgent]], WeightsPlane] | None = None) -> None:
         """`agent_factory(spec, on_up, on_down, on_event, settings)` makes each node's agent
-        handle (tests pass one that runs the agent in-process)."""
+        handle (tests pass one that runs the agent in-process); `weights(agents)` makes the
+        weights plane (None: nodes load models from the registry's path)."""
         self.settings = settings or PlacementSettings()
         self.agents: dict[str, LocalAgent] = {
             n.node_id: agent_factory(n, self._agent_up, self._agent_down, self._agent_event, self.settings.agent)
             for n in nodes}
+        self.weights = weights(self.agents) if weights is not None else None
         self.instances: dict[str, Instance] = {}
         self._by_model: dict[tuple[str, str], Instance] = {}
         self._streams: dict[str, tuple[RequestStream, Instance]] = {}
@@ -133,6 +148,8 @@ class LocalPlacement:
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
+        if self.weights is not None:
+            await self.weights.start()
         for node_id, agent in self.agents.items():
             self._kicks[node_id] = asyncio.Event()
             await agent.start()
@@ -147,6 +164,8 @@ class LocalPlacement:
             task.cancel()
         await asyncio.gather(*self._tasks, *self._loads, return_exceptions=True)
         await asyncio.gather(*(a.stop() for a in self.agents.values()), return_exceptions=True)
+        if self.weights is not None:
+            await self.weights.stop()
 
     def healthy(self) -> bool:
         return all(a.up for a in self.agents.values())
@@ -161,7 +180,7 @@ class LocalPlacement:
         raise node_unavailable("the model's instance kept disappearing while the request was placed")
 
     async def _submit_once(self, job: Job) -> RequestStream:
-        agent = self._pick_agent(job.model)
+        agent = self._choose_agent(job.model)
         inst = await self._ensure_instance(agent, job.model)
         inst.pinned += 1  # not recycled while this request is being placed
         try:
@@ -208,19 +227,37 @@ class LocalPlacement:
         if agent is not None and agent.client is not None:
             agent.client.send({"t": "abort", "request_id": request_id})
 
-    def _pick_agent(self, model: ModelRecord) -> LocalAgent:
+    def _choose_agent(self, model: ModelRecord) -> LocalAgent:
         """GGUF and OpenVINO IR models run on CPU nodes (OpenVINO); Hugging Face folders on
-        GPU nodes (vLLM, issue 6). The first node of the kind that is up."""
+        GPU nodes (vLLM, issue 6). Which node of the kind: mesh.policy.node_choice."""
         kind = "gpu" if model.kind == "hf" else "cpu"
         nodes = [a for a in self.agents.values() if a.spec.kind == kind]
         if not nodes and kind == "gpu":
             raise bad_request("Hugging Face folders need a GPU node (vLLM), and this server has none; export the "
                               "model to OpenVINO IR or GGUF and register that.", "model")
-        for agent in nodes:
-            if agent.up:
-                return agent
-        states = ", ".join(f"{a.node_id} {a.state}" for a in nodes) or "none configured"
-        raise node_unavailable(f"no {kind.upper()} node agent is up ({states})")
+        choice = choose_node(self._node_views(model), kind, model.weight_bytes)
+        if choice is None:
+            states = ", ".join(f"{a.node_id} {a.state}" for a in nodes) or "none configured"
+            raise node_unavailable(f"no {kind.upper()} node agent is up ({states})")
+        if choice.new_instance and any(i.model.uid == model.uid for i in self.instances.values()):
+            log.info("scale-out of %s/%s: %s", model.tenant, model.name, choice.reason)
+        return self.agents[choice.node_id]
+
+    def _node_views(self, model: ModelRecord) -> list[NodeView]:
+        held = set(self.weights.holders(model.uid)) if self.weights is not None else set()
+        views = []
+        for node_id, agent in self.agents.items():
+            memory = self._stats.get(node_id, {}).get("memory", {})
+            capacity = int(memory.get("capacity_bytes", agent.spec.memory_bytes))
+            free = int(memory.get("free_bytes", capacity))
+            inst = self._by_model.get((node_id, model.uid))
+            live = inst is not None and inst.generation == agent.generation and inst.state != "failed"
+            waiting = [w for w in self._queues[node_id] if w.instance is inst] if live else []
+            views.append(NodeView(
+                node_id, agent.spec.kind, agent.up, free, capacity - free,
+                instance=inst.state if live else None, refusing=any(w.tried for w in waiting),
+                active=inst.active if live else 0, queued=len(waiting), host_copy=node_id in held))
+        return views
 
     async def _ensure_instance(self, agent: LocalAgent, model: ModelRecord) -> Instance:
         key = (agent.node_id, model.uid)
@@ -246,9 +283,13 @@ class LocalPlacement:
             candidate = Path(self.settings.profile_dir) / f"{model.uid}.json"
             profile = str(candidate) if candidate.is_file() else None
         engine = "vllm" if agent.spec.kind == "gpu" else "openvino"
-        spec = InstanceSpec(inst.instance_id, model.uid, model.path, model.context_length, slo_to_dict(model.slo),
-                            self.settings.max_num_seqs, profile, engine)
         try:
+            path = model.path
+            if self.weights is not None and self.weights.carries(model):
+                copy = await self.weights.copy_on(model, agent.node_id)
+                path, inst.weights = copy.path, copy.how
+            spec = InstanceSpec(inst.instance_id, model.uid, path, model.context_length, slo_to_dict(model.slo),
+                                self.settings.max_num_seqs, profile, engine)
             for _ in range(len(self.instances) + 1):
                 try:
                     await agent.client.call(spec.to_message(), CALL_TIMEOUT_S)
@@ -265,6 +306,9 @@ class LocalPlacement:
             self._instance_failed(inst, error)
         except AgentDown as exc:
             self._instance_failed(inst, node_unavailable(str(exc)))
+        except WeightsError as exc:
+            self._instance_failed(inst, ApiError(503, f"The model's weights could not reach node {agent.node_id}: "
+                                                      f"{exc}", "server_error", "model", "weights_unavailable"))
         except Exception as exc:  # noqa: BLE001 - must not leave waiters hanging
             log.exception("loading %s failed", inst.instance_id)
             self._instance_failed(inst, node_unavailable(f"loading failed: {exc}"))
@@ -277,6 +321,8 @@ class LocalPlacement:
 
     def _forget_instance(self, inst: Instance) -> None:
         self.instances.pop(inst.instance_id, None)
+        if self.weights is not None:
+            self.weights.instance_stopped(inst.model.uid, inst.instance_id)
         key = (inst.node_id, inst.model.uid)
         if self._by_model.get(key) is inst:
             del self._by_model[key]
@@ -432,6 +478,8 @@ class LocalPlacement:
             if m.get("state") == "ready":
                 inst.state = "ready"
                 inst.ready_at = inst.idle_since = asyncio.get_running_loop().time()
+                if self.weights is not None:
+                    self.weights.instance_started(inst.model.uid, inst.node_id, inst.instance_id)
                 if not inst.ready.done():
                     inst.ready.set_result(True)
                 self._kicks[agent.node_id].set()
@@ -489,13 +537,50 @@ class LocalPlacement:
                 await self._unload(agent, inst)
             else:  # loading or busy: forget it; it is recycled when idle
                 self._forget_instance(inst)
+        if self.weights is not None:
+            await self.weights.forget(model_uid)
+
+    def model_registered(self, model: ModelRecord) -> None:
+        if self.weights is None or not self.weights.carries(model):
+            return
+        task = asyncio.get_running_loop().create_task(self._first_copy(model), name=f"first copy {model.uid}")
+        self._loads.add(task)
+        task.add_done_callback(self._loads.discard)
+
+    async def _first_copy(self, model: ModelRecord) -> None:
+        try:
+            await self.weights.register(model)
+        except WeightsError as exc:  # the first request tries again
+            log.warning("placing the first host copy of %s/%s failed: %s", model.tenant, model.name, exc)
 
     async def preload(self, model: ModelRecord) -> None:
         """Start an instance of `model` now (a warm start for the first request)."""
         try:
-            await self._ensure_instance(self._pick_agent(model), model)
+            await self._ensure_instance(self._choose_agent(model), model)
         except ApiError as exc:
             log.warning("preloading %s/%s failed: %s", model.tenant, model.name, exc.message)
+
+    async def scale_out(self, model: ModelRecord, nodes: list[str]) -> dict[str, Any]:
+        """Start `model` on each of `nodes` at once (their weights go in one multicast)."""
+        unknown = [n for n in nodes if n not in self.agents]
+        if unknown:
+            raise bad_request(f"unknown nodes {unknown}; this server's nodes: {sorted(self.agents)}", "nodes")
+        kind = "gpu" if model.kind == "hf" else "cpu"
+        wrong = [n for n in nodes if self.agents[n].spec.kind != kind]
+        if wrong:
+            raise bad_request(f"nodes {wrong} are not {kind.upper()} nodes, which this model needs", "nodes")
+
+        async def one(node: str) -> dict[str, Any]:
+            agent = self.agents[node]
+            if not agent.up:
+                return {"node": node, "ok": False, "error": f"node agent {node} is {agent.state}"}
+            try:
+                inst = await self._ensure_instance(agent, model)
+            except ApiError as exc:
+                return {"node": node, "ok": False, "error": exc.message}
+            return {"node": node, "ok": True, "instance_id": inst.instance_id, "weights": inst.weights}
+
+        return {"results": await asyncio.gather(*(one(n) for n in nodes))}
 
     # ---- views ------------------------------------------------------------------------------------
     def view(self) -> dict[str, Any]:
@@ -515,6 +600,7 @@ class LocalPlacement:
                     "kv_bytes_in_use": s.get("kv_bytes_in_use", 0),
                     "kv_bytes_allocated": s.get("kv_bytes_allocated", 0), "weight_bytes": s.get("weight_bytes", 0),
                     "context_window": inst.model.context_length, "time_factors": s.get("time_factors"),
+                    "weights": inst.weights,
                 })
             queued = len(self._queues[node_id])
             nodes.append({
@@ -527,4 +613,4 @@ class LocalPlacement:
                 "kv_bytes_in_use": stats.get("kv_bytes_in_use", 0),
                 "iterations": stats.get("iterations", 0), "instances": instances,
             })
-        return {"nodes": nodes}
+        return {"nodes": nodes, "weights": self.weights.view() if self.weights is not None else None}

@@ -7,7 +7,9 @@
     GET    /admin/tenants/{tenant}/keys                              list its keys (no secrets)
     DELETE /admin/keys/{key_id}                                      revoke a key
     GET    /admin/models                                             every tenant's models
-    GET    /admin/cluster                                            nodes, instances, memory, queues
+    GET    /admin/cluster                                            nodes, instances, memory, queues,
+                                                                     weights (host copies, transfers)
+    POST   /admin/scale   {"tenant", "model", "nodes": [...]}        start the model on those nodes now
 """
 from __future__ import annotations
 
@@ -33,6 +35,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_delete("/admin/keys/{key_id}", revoke_key)
     app.router.add_get("/admin/models", list_all_models)
     app.router.add_get("/admin/cluster", cluster)
+    app.router.add_post("/admin/scale", scale)
 
 
 async def create_tenant(request: web.Request) -> web.Response:
@@ -125,3 +128,21 @@ async def cluster(request: web.Request) -> web.Response:
     view["tenants"] = len(svc.registry.tenants())
     view["open_requests"] = svc.generating
     return web.json_response(view)
+
+
+async def scale(request: web.Request) -> web.Response:
+    """Start a model on chosen nodes now: `{"tenant", "model", "nodes": [node id, ...]}`. The
+    nodes that lack its weights get them in one multicast. Answers per node."""
+    svc = service_of(request)
+    svc.require_admin(request)
+    data = parse_json(await request.read())
+    tenant, name, nodes = data.get("tenant"), data.get("model"), data.get("nodes")
+    if not isinstance(tenant, str) or not isinstance(name, str):
+        raise errors.bad_request("'tenant' and 'model' (the model's name) are required strings.", "model")
+    if not isinstance(nodes, list) or not nodes or not all(isinstance(n, str) for n in nodes):
+        raise errors.bad_request("'nodes' must be a non-empty list of node ids (GET /admin/cluster lists them).",
+                                 "nodes")
+    record = svc.registry.model(tenant, name)
+    if record is None:
+        raise errors.not_found(f"Tenant '{tenant}' has no model '{name}'.", "model_not_found", "model")
+    return web.json_response(await svc.placement.scale_out(record, list(dict.fromkeys(nodes))))

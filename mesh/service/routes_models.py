@@ -143,6 +143,7 @@ def _created(svc: Service, record: ModelRecord) -> web.Response:
         if "already exists" in str(exc):
             raise errors.conflict(str(exc), "name", "model_exists") from exc
         raise errors.bad_request(str(exc), "name") from exc
+    svc.placement.model_registered(stored)  # the first host copy goes to a node (BlitzScale 5.3)
     return web.json_response(model_object(stored), status=201)
 
 

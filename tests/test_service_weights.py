@@ -1,0 +1,153 @@
+"""The service's weights plane (issue 7 items 1 and 4) with in-process node agents that
+host real weights receivers on loopback, and simulated engines: registration places the
+first host copy, a scale-out multicasts the model to nodes without it, a saturated node
+makes the placement scale out, and deleting a model deletes the nodes' copies."""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import os
+from pathlib import Path
+
+import pytest
+
+import mesh.service.placement as placement_module
+from agent_doubles import WEIGHTS_TOKEN, InProcessAgent, use_simulated_engines
+from engines.protocol import Sampling
+from mesh.policy.slo import SLO
+from mesh.runtime.node import NodeSpec
+from mesh.service.errors import ApiError
+from mesh.service.placement import LocalPlacement, PlacementSettings
+from mesh.service.registry import ModelRecord
+from mesh.service.streams import Finished, Job
+from mesh.service.weights_plane import WeightsPlane, WeightsSettings
+
+SIZE = 3 * 2**20 + 12345  # not a whole number of blocks
+
+
+@pytest.fixture(autouse=True)
+def simulated(monkeypatch):
+    use_simulated_engines(monkeypatch)
+    monkeypatch.setattr(placement_module, "HOUSEKEEPING_S", 0.1)
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> Path:
+    path = tmp_path / "registry" / "model.gguf"
+    path.parent.mkdir()
+    path.write_bytes(os.urandom(SIZE))
+    return path
+
+
+def sha(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def record(path: Path, uid: str = "m_1") -> ModelRecord:
+    return ModelRecord(uid, "t", "my-model", "gguf", str(path), 256, SLO(), SIZE)
+
+
+async def started(tmp_path: Path, nodes: int = 3, token: str = WEIGHTS_TOKEN, **settings) -> LocalPlacement:
+    class Agent(InProcessAgent):
+        weights_root = str(tmp_path / "nodes")
+
+    specs = [NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(nodes)]
+    plane = WeightsSettings(plan="binomial", block_bytes=1 << 20, token=token)
+    p = LocalPlacement(specs, PlacementSettings(**settings), agent_factory=Agent,
+                       weights=lambda agents: WeightsPlane(agents, {s.node_id: 10**9 for s in specs}, plane))
+    await p.start()
+    return p
+
+
+async def run(p: LocalPlacement, m: ModelRecord, rid: str, max_tokens: int = 5) -> tuple[str, Finished]:
+    loop = asyncio.get_running_loop()
+    stream = await p.submit(Job(rid, m, loop.time(), Sampling(max_tokens=max_tokens),
+                                prompt_token_ids=list(range(1, 21))))
+    events = [e async for e in stream.events()]
+    assert isinstance(events[-1], Finished)
+    return stream.node_id, events[-1]
+
+
+def test_registration_places_the_first_host_copy_and_the_instance_loads_it(tmp_path, model_file):
+    async def main():
+        p = await started(tmp_path)
+        m = record(model_file)
+        p.model_registered(m)
+        for _ in range(200):
+            if p.weights.holders(m.uid):
+                break
+            await asyncio.sleep(0.02)
+        weights = p.view()["weights"]["models"][m.uid]
+        assert weights["host_copies"] == ["cpu-0"]  # equal free memory: the first by name
+        assert weights["transfers"][0]["sources"] == ["origin"] and weights["blocks"] == 4
+        copy = weights["files"]["cpu-0"]
+        assert Path(copy).is_relative_to(tmp_path / "nodes" / "cpu-0") and sha(copy) == sha(model_file)
+
+        node, done = await run(p, m, "r1")
+        assert node == "cpu-0" and done.tokens_out == 5
+        inst = p.view()["nodes"][0]["instances"][0]
+        assert inst["weights"] == "host copy"
+        assert p.view()["weights"]["models"][m.uid]["instances"] == {inst["instance_id"]: "cpu-0"}
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_scale_out_multicasts_once_to_every_new_node(tmp_path, model_file):
+    async def main():
+        p = await started(tmp_path, nodes=4)
+        m = record(model_file)
+        await p.weights.register(m)
+        result = await p.scale_out(m, ["cpu-1", "cpu-2", "cpu-3"])
+        assert all(r["ok"] for r in result["results"]), result
+        assert {r["weights"] for r in result["results"]} == {"multicast from cpu-0"}
+        weights = p.view()["weights"]["models"][m.uid]
+        assert len(weights["transfers"]) == 2  # the first copy, then one multicast to the three
+        assert weights["transfers"][1]["targets"] == ["cpu-1", "cpu-2", "cpu-3"]
+        assert weights["transfers"][1]["plan"] == "binomial"
+        assert weights["host_copies"] == ["cpu-0", "cpu-1", "cpu-2", "cpu-3"]
+        for node in ("cpu-1", "cpu-2", "cpu-3"):
+            assert sha(weights["files"][node]) == sha(model_file)
+        assert len(weights["instances"]) == 3
+
+        await p.forget_model(m.uid)
+        assert not (tmp_path / "nodes" / "cpu-1" / m.uid).exists()
+        assert not (tmp_path / "nodes" / "cpu-0" / m.uid).exists()
+        assert m.uid not in p.view()["weights"]["models"]
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_a_node_that_refuses_makes_the_placement_scale_out(tmp_path, model_file):
+    async def main():
+        p = await started(tmp_path, nodes=2, max_num_seqs=1)
+        m = record(model_file)
+        first = asyncio.ensure_future(run(p, m, "r1", max_tokens=40))
+        second = asyncio.ensure_future(run(p, m, "r2", max_tokens=40))
+        for _ in range(200):  # r2 waits on cpu-0 behind a full batch, refused once
+            if any(w.tried for w in p._queues["cpu-0"]):
+                break
+            await asyncio.sleep(0.01)
+        node, done = await run(p, m, "r3")
+        assert node == "cpu-1" and done.tokens_out == 5
+        assert {(await first)[0], (await second)[0]} == {"cpu-0"}
+        weights = p.view()["weights"]["models"][m.uid]
+        assert weights["transfers"][-1]["sources"] == ["cpu-0"] and weights["transfers"][-1]["targets"] == ["cpu-1"]
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_a_wrong_weights_token_fails_the_load_with_a_clear_error(tmp_path, model_file):
+    async def main():
+        p = await started(tmp_path, nodes=1, token="not-the-nodes-token")
+        m = record(model_file)
+        with pytest.raises(ApiError) as e:
+            await run(p, m, "r1")
+        assert e.value.status == 503 and e.value.code == "weights_unavailable"
+        assert "token" in e.value.message
+        assert not list((tmp_path / "nodes" / "cpu-0").rglob("*.gguf"))
+        await p.stop()
+
+    asyncio.run(main())
