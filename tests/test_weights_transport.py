@@ -75,13 +75,21 @@ def test_framing_round_trip_and_errors():
         bad = asyncio.StreamReader()
         bad.feed_data(frame({"no": "type"}))
         bad.feed_eof()
-        with pytest.raises(ProtocolError, match="without a type"):
+        with pytest.raises(ProtocolError, match="with a string type .type."):
             await read_message(bad)
         cut_short = asyncio.StreamReader()
         cut_short.feed_data(b"\x00\x00")
         cut_short.feed_eof()
-        with pytest.raises(ProtocolError, match="inside a frame length"):
+        with pytest.raises(ProtocolError, match="inside a frame header"):
             await read_message(cut_short)
+        for data, why in ((frame({"type": "block", "nbytes": 5}) + b"hel", "inside a frame payload .3 of 5"),
+                          (frame({"type": "block", "nbytes": -1}), "bad nbytes -1"),
+                          (frame({"type": "go"})[:-2], "inside a frame header")):
+            r = asyncio.StreamReader()
+            r.feed_data(data)
+            r.feed_eof()
+            with pytest.raises(ProtocolError, match=why):
+                await read_message(r)
 
     asyncio.run(go())
 

@@ -1,9 +1,10 @@
 """The node agent protocol: length-prefixed JSON frames over a byte stream.
 
 Transport: any reliable byte stream (TCP on loopback for the embedded agent, TCP across
-machines, or a Unix socket). Each frame is a 4-byte big-endian unsigned length followed by
-that many bytes of UTF-8 JSON holding one object (a message). Frames longer than
-MAX_FRAME_BYTES are a protocol error and close the connection.
+machines, or a Unix socket), framed by mesh.framing: each frame is a 4-byte big-endian
+unsigned length followed by that many bytes of UTF-8 JSON holding one object (a message); this
+protocol has no payloads. Frames longer than MAX_FRAME_BYTES are a protocol error and close
+the connection.
 
 Every message has a type `t`. The control service sends requests; a request that carries
 an integer `id` gets exactly one reply `{"t": "reply", "re": id, "ok": true, ...}` or
@@ -37,18 +38,17 @@ Reply codes when `ok` is false: see Code. Admission results use the same codes.
 from __future__ import annotations
 
 import asyncio
-import json
-import struct
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, Mapping
 
 from engines.protocol import Sampling
+from mesh import framing
+from mesh.framing import MAX_HEADER_BYTES as MAX_FRAME_BYTES  # noqa: F401 - part of this protocol's API
+from mesh.framing import ProtocolError, decode_header, encode_frame  # noqa: F401 - likewise
 from mesh.policy.slo import SLO
 
 PROTOCOL_VERSION = 1
-MAX_FRAME_BYTES = 16 * 2**20
-_HEADER = struct.Struct(">I")
 READY_PREFIX = "MESH_AGENT_LISTENING "  # the agent prints this + "host:port" once it listens
 
 
@@ -71,66 +71,25 @@ class Code(str, Enum):
         return self in (Code.BATCH_FULL, Code.REFUSED, Code.NOT_READY)
 
 
-class ProtocolError(RuntimeError):
-    """A peer sent something that is not a valid frame or message."""
-
-
-def encode_frame(message: Mapping[str, Any]) -> bytes:
-    """One message as a frame: length prefix + compact JSON."""
-    body = json.dumps(message, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
-    if len(body) > MAX_FRAME_BYTES:
-        raise ProtocolError(f"message of {len(body)} bytes exceeds the {MAX_FRAME_BYTES}-byte frame limit")
-    return _HEADER.pack(len(body)) + body
+TYPE_KEY = "t"  # every message's type
 
 
 def decode_body(body: bytes) -> dict[str, Any]:
     """The message in a frame body; ProtocolError unless it is a JSON object with a type."""
-    try:
-        message = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise ProtocolError(f"frame is not valid UTF-8 JSON: {exc}") from exc
-    if not isinstance(message, dict) or not isinstance(message.get("t"), str):
-        raise ProtocolError("frame must hold a JSON object with a string type 't'")
-    return message
+    return decode_header(body, TYPE_KEY)
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
     """The next message, or None at a clean end of stream (EOF between frames)."""
-    try:
-        header = await reader.readexactly(_HEADER.size)
-    except asyncio.IncompleteReadError as exc:
-        if not exc.partial:
-            return None
-        raise ProtocolError("stream ended inside a frame header") from exc
-    (length,) = _HEADER.unpack(header)
-    if length > MAX_FRAME_BYTES:
-        raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-    try:
-        body = await reader.readexactly(length)
-    except asyncio.IncompleteReadError as exc:
-        raise ProtocolError(f"stream ended inside a frame ({len(exc.partial)} of {length} bytes)") from exc
-    return decode_body(body)
+    frame = await framing.read_frame(reader, TYPE_KEY)
+    return None if frame is None else frame[0]
 
 
-class FrameDecoder:
+class FrameDecoder(framing.FrameDecoder):
     """Incremental decoder for callers that get bytes in arbitrary pieces (tests, tools)."""
 
     def __init__(self) -> None:
-        self._buf = bytearray()
-
-    def feed(self, data: bytes) -> list[dict[str, Any]]:
-        self._buf += data
-        out = []
-        while len(self._buf) >= _HEADER.size:
-            (length,) = _HEADER.unpack_from(self._buf)
-            if length > MAX_FRAME_BYTES:
-                raise ProtocolError(f"frame of {length} bytes exceeds the {MAX_FRAME_BYTES}-byte limit")
-            end = _HEADER.size + length
-            if len(self._buf) < end:
-                break
-            out.append(decode_body(bytes(self._buf[_HEADER.size:end])))
-            del self._buf[:end]
-        return out
+        super().__init__(TYPE_KEY)
 
 
 # ---- payloads shared by both sides ---------------------------------------------------------

@@ -1,0 +1,115 @@
+"""Length-prefixed JSON frames over a byte stream: the framing both Mesh protocols use.
+
+A frame is a 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON holding
+one object (the header, a message), then, only for protocols that carry payloads and only
+when the header has `nbytes` > 0, that many raw payload bytes. One connection carries frames
+in sequence. Headers over MAX_HEADER_BYTES are a protocol error (the reader closes the
+connection).
+
+Each protocol names its type key and whether it carries payloads; the messages are its own:
+- the node agent protocol (mesh.agent.protocol): type key `t`, no payloads;
+- the weights transport (mesh.runtime.weights.protocol): type key `type`, a block's bytes as
+  the payload of a `block` frame.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from typing import Any, Mapping
+
+MAX_HEADER_BYTES = 16 * 2**20  # a plan for a few hundred nodes and blocks fits easily
+LENGTH = struct.Struct(">I")
+
+
+class ProtocolError(RuntimeError):
+    """A peer sent something that is not a valid frame or message."""
+
+
+def encode_frame(header: Mapping[str, Any]) -> bytes:
+    """The length prefix and the compact JSON of `header` (a payload, if any, follows it)."""
+    body = json.dumps(header, separators=(",", ":"), ensure_ascii=False, allow_nan=False).encode()
+    if len(body) > MAX_HEADER_BYTES:
+        raise ProtocolError(f"frame header of {len(body)} bytes exceeds the {MAX_HEADER_BYTES}-byte limit "
+                            f"(starts {body[:60]!r})")
+    return LENGTH.pack(len(body)) + body
+
+
+def decode_header(body: bytes, type_key: str) -> dict[str, Any]:
+    """The header in a frame body; ProtocolError unless it is a JSON object with a string
+    under `type_key`."""
+    try:
+        header = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ProtocolError(f"frame header is not valid UTF-8 JSON: {exc}") from exc
+    if not isinstance(header, dict) or not isinstance(header.get(type_key), str):
+        raise ProtocolError(f"frame header must be a JSON object with a string type {type_key!r}, "
+                            f"got {str(header)[:80]}")
+    return header
+
+
+def payload_size(header: Mapping[str, Any]) -> int:
+    """The payload bytes that follow `header` (its `nbytes`, 0 when absent)."""
+    n = header.get("nbytes", 0)
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ProtocolError(f"frame header has a bad nbytes {n!r} (want an integer >= 0)")
+    return n
+
+
+def _check_length(length: int) -> None:
+    if length > MAX_HEADER_BYTES:
+        raise ProtocolError(f"frame header of {length} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+
+
+async def _read(reader: asyncio.StreamReader, n: int, where: str) -> bytes:
+    try:
+        return await reader.readexactly(n)
+    except asyncio.IncompleteReadError as exc:
+        raise ProtocolError(f"connection closed inside a frame {where} ({len(exc.partial)} of {n} bytes)") from exc
+
+
+async def read_frame(reader: asyncio.StreamReader, type_key: str,
+                     payloads: bool = False) -> tuple[dict[str, Any], bytes] | None:
+    """The next (header, payload), or None at a clean end of stream (EOF between frames).
+    Without `payloads` the payload is always b"" (an `nbytes` key is just a field)."""
+    try:
+        head = await reader.readexactly(LENGTH.size)
+    except asyncio.IncompleteReadError as exc:
+        if not exc.partial:
+            return None
+        raise ProtocolError(f"connection closed inside a frame header "
+                            f"({len(exc.partial)} of {LENGTH.size} length bytes)") from exc
+    (length,) = LENGTH.unpack(head)
+    _check_length(length)
+    header = decode_header(await _read(reader, length, "header"), type_key)
+    n = payload_size(header) if payloads else 0
+    return header, (await _read(reader, n, "payload") if n else b"")
+
+
+async def send_frame(writer: asyncio.StreamWriter, header: Mapping[str, Any]) -> None:
+    """Write one frame without payload and wait for the transport's buffer to drain."""
+    writer.write(encode_frame(header))
+    await writer.drain()
+
+
+class FrameDecoder:
+    """Incremental decoder of payload-less frames, for callers that get bytes in arbitrary
+    pieces (tests, tools)."""
+
+    def __init__(self, type_key: str) -> None:
+        self.type_key = type_key
+        self._buf = bytearray()
+
+    def feed(self, data: bytes) -> list[dict[str, Any]]:
+        """The headers completed by `data`, in order."""
+        self._buf += data
+        out = []
+        while len(self._buf) >= LENGTH.size:
+            (length,) = LENGTH.unpack_from(self._buf)
+            _check_length(length)
+            end = LENGTH.size + length
+            if len(self._buf) < end:
+                break
+            out.append(decode_header(bytes(self._buf[LENGTH.size:end]), self.type_key))
+            del self._buf[:end]
+        return out
