@@ -29,15 +29,15 @@ ADMIN = "test-admin-token"
 
 
 class Server:
-    def __init__(self, data_dir: Path, allowed: Path, log: Path) -> None:
-        self.data_dir, self.allowed, self.log = data_dir, allowed, log
+    def __init__(self, data_dir: Path, allowed: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
+        self.data_dir, self.allowed, self.log, self.extra = data_dir, allowed, log, extra
         self.proc: subprocess.Popen | None = None
         self.url = self.key = ""
 
     def start(self, timeout: float = 180.0) -> None:
         cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--demo",
                "--data-dir", str(self.data_dir), "--allowed-dir", str(self.allowed), "--max-body-mb", "1",
-               "--log-level", "INFO"]
+               "--log-level", "INFO", *self.extra]
         env = dict(os.environ, MESH_ADMIN_TOKEN=ADMIN)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.log, "a"), text=True, env=env)
         found: list[str] = []

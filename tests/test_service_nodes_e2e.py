@@ -1,0 +1,72 @@
+"""`mesh serve --cpu-nodes 2` end to end (issue 7 items 1 and 4): the real server, two real
+node agent processes, the real SmolLM2 model. The demo model's first host copy goes to a
+node by the weights transport, a scale-out multicasts it to the other node, whose engine
+loads its own received copy; with the first node killed, the second serves the same greedy
+answer; deleting the model deletes both nodes' copies."""
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from test_service_e2e import Server
+
+pytestmark = pytest.mark.slow
+openai = pytest.importorskip("openai")
+
+
+def sha(path: str | Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def weights_of(server: Server) -> dict:
+    (model,) = server.admin("GET", "/admin/cluster")["weights"]["models"].values()
+    return model
+
+
+def test_models_reach_nodes_by_multicast_and_survive_a_node(tmp_path, demo_gguf):
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    server = Server(tmp_path / "data", allowed, tmp_path / "server.log", extra=("--cpu-nodes", "2"))
+    server.start()
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not server.admin("GET", "/admin/cluster")["weights"]["models"]:
+            time.sleep(0.2)
+        first = weights_of(server)
+        assert first["host_copies"] == ["cpu-0"] and first["transfers"][0]["sources"] == ["origin"]
+        copy0 = Path(first["files"]["cpu-0"])
+        assert copy0.is_relative_to(tmp_path / "data" / "nodes" / "cpu-0") and sha(copy0) == sha(demo_gguf)
+
+        client = server.client()
+        ask = dict(model="demo/smollm2", messages=[{"role": "user", "content": "Name three colours."}],
+                   max_tokens=12, temperature=0)
+        before = client.chat.completions.create(**ask).choices[0].message.content
+
+        scaled = server.admin("POST", "/admin/scale", {"tenant": "demo", "model": "demo/smollm2", "nodes": ["cpu-1"]})
+        (result,) = scaled["results"]
+        assert result["ok"] and result["weights"] == "multicast from cpu-0", scaled
+        after_scale = weights_of(server)
+        assert after_scale["transfers"][-1]["sources"] == ["cpu-0"]
+        assert after_scale["host_copies"] == ["cpu-0", "cpu-1"]
+        assert sha(after_scale["files"]["cpu-1"]) == sha(demo_gguf)
+
+        nodes = {n["node_id"]: n for n in server.admin("GET", "/admin/cluster")["nodes"]}
+        os.kill(nodes["cpu-0"]["pid"], signal.SIGKILL)
+        time.sleep(0.3)
+        answer = client.chat.completions.create(**ask).choices[0].message.content
+        assert answer == before  # greedy: cpu-1's engine, on its received copy, answers the same
+        view = {n["node_id"]: n for n in server.admin("GET", "/admin/cluster")["nodes"]}
+        assert [i["weights"] for i in view["cpu-1"]["instances"]] == ["multicast from cpu-0"]
+
+        server.wait_healthy()
+        status, _ = server.http("DELETE", "/v1/models/demo/smollm2", token=server.key)
+        assert status == 200
+        assert not copy0.parent.exists() and not Path(after_scale["files"]["cpu-1"]).parent.exists()
+        assert server.admin("GET", "/admin/cluster")["weights"]["models"] == {}
+    finally:
+        assert server.stop() == 0
