@@ -59,8 +59,10 @@ from engines.protocol import (
     EngineRequest,
     FinishReason,
     IterationKind,
+    RequestOutput,
     Sampling,
     StepResult,
+    step_result,
 )
 
 log = logging.getLogger(__name__)
@@ -361,28 +363,20 @@ class OpenVINOEngine:
             raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
         waiting = {rid for rid, r in self._live.items() if r.generated == 0}
         self._pipe.step()
-        request_ids: list[str] = []
-        token_ids: list[int] = []
-        texts: list[str] = []
-        finished: dict[str, FinishReason] = {}
+        outputs: list[RequestOutput] = []
         prefilled = cancelled = False
         reads = {rid: self._read(live) for rid, live in self._live.items()}
         self._predecode(reads)
         for rid, live in list(self._live.items()):
             token, text, reason = self._collect(live, reads[rid])
-            if token is not None:
-                request_ids.append(rid)
-                token_ids.append(token)
-                texts.append(text)
+            outputs.append((rid, token, text, reason))
+            if token is not None or reason is not None:
                 prefilled |= rid in waiting
             if reason is not None:
-                finished[rid] = reason
-                prefilled |= rid in waiting
                 cancelled |= self._finish(rid)
         if cancelled and not self._live:
             self._pipe.step()  # empty step: the pipeline frees cancelled requests' blocks now
-        kind = IterationKind.PREFILL if prefilled else IterationKind.DECODE
-        return StepResult(kind, request_ids, token_ids, texts, finished)
+        return step_result(IterationKind.PREFILL if prefilled else IterationKind.DECODE, outputs)
 
     @staticmethod
     def _read(live: _Live) -> list[Any] | None:

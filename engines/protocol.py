@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Protocol, Sequence, runtime_checkable
+from typing import Iterable, Protocol, Sequence, runtime_checkable
 
 
 class IterationKind(str, Enum):
@@ -71,6 +71,29 @@ class StepResult:
     token_ids: Sequence[int] | None = None
     texts: Sequence[str] | None = None
     finished: dict[str, FinishReason] = field(default_factory=dict)
+
+
+RequestOutput = tuple[str, int | None, str, FinishReason | None]
+"""What one request got in an iteration: (request id, its new token or None, the text delta,
+the finish reason if it ended)."""
+
+
+def step_result(kind: IterationKind, outputs: Iterable[RequestOutput]) -> StepResult:
+    """The StepResult of an iteration from its per-request outputs, in batch order: a request
+    with a token joins `request_ids` (with its token and text); one with a reason is in
+    `finished` (a request may end without a new token, e.g. aborted by the engine)."""
+    request_ids: list[str] = []
+    token_ids: list[int] = []
+    texts: list[str] = []
+    finished: dict[str, FinishReason] = {}
+    for request_id, token, text, reason in outputs:
+        if token is not None:
+            request_ids.append(request_id)
+            token_ids.append(token)
+            texts.append(text)
+        if reason is not None:
+            finished[request_id] = reason
+    return StepResult(kind, request_ids, token_ids, texts, finished)
 
 
 class EngineError(RuntimeError):

@@ -40,7 +40,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from engines.detokenize import Detokenizer, StopMatcher
-from engines.protocol import EngineError, FinishReason, IterationKind, Sampling, StepResult
+from engines.protocol import EngineError, FinishReason, IterationKind, RequestOutput, Sampling, StepResult, step_result
 
 log = logging.getLogger(__name__)
 
@@ -324,25 +324,17 @@ class VLLMCore:
             r.runs += 1
             self._submit(r, r.prompt_ids + r.generated, r.max_tokens - len(r.generated))
         if started:
-            ids: list[str] = []
-            tokens: list[int] = []
-            texts: list[str] = []
-            finished: dict[str, FinishReason] = {}
+            outputs: list[RequestOutput] = []
             pending = {r.request_id for r in started}
             for _ in range(len(started) + 2):  # prefill-only steps; several if they exceed the budget
                 if not pending:
                     break
-                for rid, token, text, reason in self._run_step():
-                    pending.discard(rid)
-                    if token is not None:
-                        ids.append(rid)
-                        tokens.append(token)
-                        texts.append(text)
-                    if reason is not None:
-                        finished[rid] = reason
+                step = self._run_step()
+                pending.difference_update(rid for rid, *_ in step)
+                outputs += step
             if pending:  # the new cache could not take them all: they resume later in vLLM
                 log.warning("%d re-run requests did not fit the resized KV cache at once", len(pending))
-            self._buffered = StepResult(IterationKind.DECODE, ids, tokens, texts, finished)
+            self._buffered = step_result(IterationKind.DECODE, outputs)
         for r in waiting:
             self._submit(r, r.prompt_ids, r.max_tokens)
         return len(started)
@@ -410,26 +402,15 @@ class VLLMCore:
         if not self._live:
             raise EngineError("no requests; call step() only while has_work()")
         before = {rid for rid, r in self._live.items() if not r.generated}
-        ids: list[str] = []
-        tokens: list[int] = []
-        texts: list[str] = []
-        finished: dict[str, FinishReason] = {}
-        first = False
-        for rid, token, text, reason in self._run_step():
-            if token is not None:
-                ids.append(rid)
-                tokens.append(token)
-                texts.append(text)
-                first |= rid in before
-            if reason is not None:
-                finished[rid] = reason
+        outputs = self._run_step()
+        first = any(token is not None and rid in before for rid, token, _, _ in outputs)
         phase = self._core().scheduler.last_phase
         # PREFILL when prompts got their first tokens; a step that only recomputed requests
         # vLLM had preempted gives them their next token, which the protocol calls DECODE
         kind = IterationKind.PREFILL if phase == "prefill" and first else IterationKind.DECODE
-        return StepResult(kind, ids, tokens, texts, finished)
+        return step_result(kind, outputs)
 
-    def _run_step(self) -> list[tuple[str, int | None, str, FinishReason | None]]:
+    def _run_step(self) -> list[RequestOutput]:
         """engine.step() once; per request that got output: (id, token, text delta, finish)."""
         out = []
         to_abort = []

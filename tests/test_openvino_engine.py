@@ -17,7 +17,7 @@ from engines.detokenize import Detokenizer, StopMatcher
 from engines.gguf_meta import GGUFError, read_gguf_metadata
 from engines.model_shape import kv_bytes_per_token, shape_from_config, shape_from_gguf
 from engines.openvino_engine import OpenVINOEngine, resolve_model
-from engines.protocol import Engine, EngineError, EngineRequest, FinishReason, IterationKind, Sampling
+from engines.protocol import Engine, EngineError, EngineRequest, FinishReason, IterationKind, Sampling, step_result
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
@@ -139,6 +139,17 @@ def test_stop_matcher_cuts_and_never_leaks() -> None:
     stop = StopMatcher(("END",))
     out = [stop.feed(d) for d in ["abE", "Nd"]]  # "EN" was a false start
     assert "".join(out) + stop.flush() == "abENd" and not stop.stopped
+
+
+def test_step_result_from_per_request_outputs() -> None:
+    """The builder both real engines use: tokens in batch order, finished requests apart
+    (one may end without a token: aborted by the engine)."""
+    r = step_result(IterationKind.DECODE, [("a", 5, "x", None), ("b", None, "", FinishReason.ABORT),
+                                           ("c", 7, "yz", FinishReason.STOP), ("d", None, "", None)])
+    assert (r.kind, r.request_ids, r.token_ids, r.texts) == (IterationKind.DECODE, ["a", "c"], [5, 7], ["x", "yz"])
+    assert r.finished == {"b": FinishReason.ABORT, "c": FinishReason.STOP}
+    empty = step_result(IterationKind.PREFILL, [])
+    assert (empty.request_ids, empty.token_ids, empty.texts, empty.finished) == ([], [], [], {})
 
 
 # ---- slow tests on the demo model ---------------------------------------------------------
