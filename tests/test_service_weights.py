@@ -10,6 +10,7 @@ import os
 from pathlib import Path
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 import mesh.service.placement as placement_module
 from agent_doubles import WEIGHTS_TOKEN, InProcessAgent, use_simulated_engines
@@ -17,6 +18,7 @@ from engines.protocol import Sampling
 from mesh.policy.slo import SLO
 from mesh.runtime.node import NodeSpec
 from mesh.service.errors import ApiError
+from mesh.service.metrics import ServiceMetrics
 from mesh.service.placement import LocalPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
@@ -109,6 +111,12 @@ def test_scale_out_multicasts_once_to_every_new_node(tmp_path, model_file):
         for node in ("cpu-1", "cpu-2", "cpu-3"):
             assert sha(weights["files"][node]) == sha(model_file)
         assert len(weights["instances"]) == 3
+        metrics = {(s.name, s.labels["node"]): s.value
+                   for family in text_string_to_metric_families(ServiceMetrics(p.view).render().decode())
+                   for s in family.samples if s.name.startswith("mesh_node_weights")}
+        assert metrics[("mesh_node_weights_host_copies", "cpu-3")] == 1
+        assert metrics[("mesh_node_weights_received_bytes", "cpu-0")] == SIZE  # the first copy
+        assert metrics[("mesh_node_weights_received_bytes", "cpu-2")] == SIZE
 
         await p.forget_model(m.uid)
         assert not (tmp_path / "nodes" / "cpu-1" / m.uid).exists()

@@ -6,7 +6,8 @@ later token), SLO attainment (requests that completed within the model's TTFT an
 SLOs over all requests that reached a node's queue), prompt and generated tokens.
 Per node (label node), read from the placement's view at scrape time: agent up, restarts,
 instances, queue length, running requests, KV bytes in use, memory budget and use, busy
-fraction. HTTP responses by route and status.
+fraction; the weights plane's host copies and bytes received. HTTP responses by route and
+status.
 """
 from __future__ import annotations
 
@@ -52,6 +53,18 @@ class _ClusterCollector(Collector):
                      lambda n: n["memory"].get("budget_bytes", 0))
         yield family("mesh_node_busy_fraction", "fraction of the last second the node spent in iterations",
                      lambda n: n["busy_fraction"])
+        models = (self.view().get("weights") or {}).get("models", {}).values()
+        copies = GaugeMetricFamily("mesh_node_weights_host_copies", "models whose weights the node holds "
+                                   "(parameter pool host copies)", labels=["node"])
+        received = GaugeMetricFamily("mesh_node_weights_received_bytes", "model bytes the node received by "
+                                     "multicast (weights plane)", labels=["node"])
+        for n in nodes:
+            node = n["node_id"]
+            copies.add_metric([node], float(sum(node in m["host_copies"] for m in models)))
+            received.add_metric([node], float(sum(t["bytes"] for m in models for t in m["transfers"]
+                                                  if node in t["completed"])))
+        yield copies
+        yield received
         att = GaugeMetricFamily("mesh_slo_attainment", "fraction of placed requests that met their SLO",
                                 labels=["tenant", "model"])
         for (tenant, model), value in sorted(self.attainment().items()):
