@@ -10,7 +10,8 @@ lost (a stream that ended without [DONE] and without an error: the target is zer
 Without `--url` it starts its own server (`mesh serve --demo --port 0`, temporary data
 folder) and stops it afterwards. `--ttft-slo S` registers a copy of the demo model with a
 TTFT SLO of S seconds and loads that one instead, to see the service queue rather than
-reject.
+reject. `--cpu-nodes N` starts the server with N CPU node agents and reports the instances
+per node and the weights transfers (scale-outs) the load caused.
 """
 from __future__ import annotations
 
@@ -43,6 +44,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ttft-slo", type=float, default=None,
                    help="register the demo model again with this TTFT SLO (seconds) and use it (own server only)")
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
+    p.add_argument("--cpu-nodes", type=int, default=1,
+                   help="CPU node agents of the server it starts (default 1); reports the scale-outs")
     p.add_argument("--json", help="write the figures as JSON here")
     p.set_defaults(func=run)
 
@@ -172,10 +175,10 @@ def _admin(url: str, token: str, method: str, path: str, body: Any = None, key: 
         return json.loads(resp.read())
 
 
-def start_server(data_dir: Path, allowed: Path | None) -> tuple[subprocess.Popen, str, str, str]:
+def start_server(data_dir: Path, allowed: Path | None, cpu_nodes: int = 1) -> tuple[subprocess.Popen, str, str, str]:
     token = hashlib.sha256(os.urandom(16)).hexdigest()
     cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--demo",
-           "--data-dir", str(data_dir)]
+           "--data-dir", str(data_dir), "--cpu-nodes", str(cpu_nodes)]
     if allowed is not None:
         cmd += ["--allowed-dir", str(allowed)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, MESH_ADMIN_TOKEN=token))
@@ -192,6 +195,18 @@ def stop_server(proc: subprocess.Popen) -> None:
         proc.wait(60)
     except subprocess.TimeoutExpired:
         proc.kill()
+
+
+def _scale_outs(cluster: dict[str, Any]) -> dict[str, Any]:
+    """Instances per node and the weights transfers the run caused (the server's own view)."""
+    out: dict[str, Any] = {}
+    for node in cluster["nodes"]:
+        out[f"instances_{node['node_id']}"] = len(node["instances"])
+    transfers = [t for m in (cluster.get("weights") or {}).get("models", {}).values() for t in m["transfers"]]
+    out["weights_transfers"] = len(transfers)
+    out["weights_transfer_s"] = [t["seconds"] for t in transfers]
+    out["weights_transfer_sources"] = [",".join(t["sources"]) + "->" + ",".join(t["targets"]) for t in transfers]
+    return out
 
 
 def _wait_warm(url: str, key: str, model: str) -> None:
@@ -215,7 +230,8 @@ def run(args: argparse.Namespace) -> int:
         else:
             tmp = tempfile.TemporaryDirectory(prefix="mesh-bench-serve-")
             demo = demo_gguf_path()
-            proc, url, key, token = start_server(Path(tmp.name), demo.parent if args.ttft_slo else None)
+            proc, url, key, token = start_server(Path(tmp.name), demo.parent if args.ttft_slo else None,
+                                                 args.cpu_nodes)
             if args.ttft_slo:
                 model = "bench/smollm2-relaxed"
                 _admin(url, token, "POST", "/v1/models", {"name": model, "path": demo.name,
@@ -226,6 +242,8 @@ def run(args: argparse.Namespace) -> int:
         figures["clients"] = args.clients
         figures["max_tokens"] = args.max_tokens
         figures["model"] = model
+        if proc is not None:
+            figures.update(_scale_outs(_admin(url, token, "GET", "/admin/cluster")))
         emit(f"mesh bench serve: {args.clients} concurrent streaming clients, {args.requests} requests, "
              f"max_tokens {args.max_tokens}, model {model}", figures, args.json,
              {"wall_s": "s", "ttft_p50_s": "s", "ttft_p99_s": "s", "ttft_mean_s": "s", "latency_p50_s": "s",
