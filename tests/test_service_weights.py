@@ -159,3 +159,32 @@ def test_a_wrong_weights_token_fails_the_load_with_a_clear_error(tmp_path, model
         await p.stop()
 
     asyncio.run(main())
+
+
+def test_a_node_that_still_holds_the_model_is_not_sent_it_again(tmp_path, model_file):
+    async def main():
+        p = await started(tmp_path, nodes=2)
+        m = record(model_file)
+        await p.weights.register(m)
+        copy = Path(p.weights.view()["models"][m.uid]["files"]["cpu-0"])
+        await p.stop()
+
+        again = await started(tmp_path, nodes=2)  # a restart: the nodes' folders are still there
+        await again.weights.register(m)
+        weights = again.weights.view()["models"][m.uid]
+        assert weights["transfers"] == [] and weights["host_copies"] == ["cpu-0"]
+        assert again.weights._models[m.uid].how["cpu-0"] == "host copy (already on the node)"
+        await again.stop()
+
+        with copy.open("r+b") as f:  # one flipped byte: the node's copy no longer matches
+            f.seek(SIZE - 1)
+            last = f.read(1)
+            f.seek(SIZE - 1)
+            f.write(bytes([last[0] ^ 1]))
+        third = await started(tmp_path, nodes=2)
+        await third.weights.register(m)
+        assert [t["targets"] for t in third.weights.view()["models"][m.uid]["transfers"]] == [["cpu-0"]]
+        assert sha(copy) == sha(model_file)
+        await third.stop()
+
+    asyncio.run(main())

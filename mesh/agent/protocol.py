@@ -24,7 +24,7 @@ Control -> agent (see docs/service.md for every field):
     abort      {request_id}                  (no reply)
     stats      {}                            -> {instances, memory, queue_length, busy_s, ...}
     shutdown   {}                            -> {} (then the agent exits)
-    weights_path {model, file}               -> {path} where a multicast to this node writes the
+    weights_path {model, file, manifest?}    -> {path, complete?} where a multicast to this node writes the
                                                 model's file (mesh.agent.weights); `load` it from there
     weights_drop {model}                     -> {dropped} delete the model's received files (it was deleted)
 

@@ -45,6 +45,7 @@ from mesh.agent.protocol import (
     slo_from_dict,
 )
 from mesh.agent.weights import NodeWeightsReceiver, parse_listen, received_path
+from mesh.runtime.weights.blocks import Manifest, holds
 from mesh.runtime.weights.agent import token_from_env
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
@@ -411,14 +412,20 @@ class AgentServer:
             "time_factors": {"prefill": times.prefill_factor, "decode": times.decode_factor} if times else None,
         }
 
-    def _weights_path(self, m: dict[str, Any]) -> dict[str, Any]:
-        """Where this node writes a received model file (the `output_path` of a multicast)."""
+    async def _weights_path(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Where this node writes a received model file (the `output_path` of a multicast);
+        with a `manifest`, also whether the file there already is that model (`complete`)."""
         if self.weights is None:
             raise Reply(Code.BAD_REQUEST, f"node {self.spec.node_id} receives no weights (start it with --weights-listen)")
         try:
-            return {"path": str(received_path(self.weights.root, str(m["model"]), str(m["file"])))}
-        except (KeyError, ValueError) as exc:
-            raise Reply(Code.BAD_REQUEST, f"weights_path needs a model and a file name: {exc}") from exc
+            path = received_path(self.weights.root, str(m["model"]), str(m["file"]))
+            manifest = Manifest.from_dict(m["manifest"]) if m.get("manifest") is not None else None
+        except (KeyError, ValueError, TypeError) as exc:
+            raise Reply(Code.BAD_REQUEST, f"weights_path needs a model, a file name and a valid manifest: {exc}") from exc
+        reply: dict[str, Any] = {"path": str(path)}
+        if manifest is not None:
+            reply["complete"] = await asyncio.to_thread(holds, path, manifest)  # sha256 releases the GIL
+        return reply
 
     def _weights_drop(self, m: dict[str, Any]) -> dict[str, Any]:
         """Delete a model's received files (the model was deleted); `dropped`: were there any."""

@@ -16,9 +16,11 @@ The registry keeps each model's file (an upload, or a path under --allowed-dir):
   host copy while the node's host memory allows.
 - The engine loads the node's own copy (the `load` names its path on that node), so a
   scale-out to a node without the model needs no shared disk.
+- Before sending, each target checks the file it may already have against the manifest
+  (size and every block's sha256): after a restart of the service or of an agent, a node
+  that still holds a model is not sent it again.
 
-Host copies live in the node's weights folder (and its page cache); a node agent that
-restarts keeps them. Only single-file models (GGUF) travel this way; OpenVINO IR and
+Host copies live in the node's weights folder (and its page cache). Only single-file models (GGUF) travel this way; OpenVINO IR and
 Hugging Face folders are loaded from the registry's path (a shared disk), as before.
 
 The weights port of every agent and of the origin requires the service's weights token
@@ -195,17 +197,23 @@ class WeightsPlane:
 
     async def _send(self, model: ModelRecord, entry: _ModelWeights, sources: dict[str, str],
                     targets: list[str]) -> None:
+        targets = list(targets)
         addresses: dict[str, tuple[str, int]] = {}
         outputs: dict[str, str] = {}
         try:
-            for node in sources:
+            for node in list(targets):  # a node that still has the model on disk (a restart) needs no transfer
+                reply = await self.nodes[node].client.call(
+                    {"t": "weights_path", "model": model.uid, "file": Path(entry.origin_path).name,
+                     "manifest": entry.manifest.to_dict()}, self.settings.timeout_s)
+                if reply.get("complete"):
+                    self._arrived(model.uid, entry, node, str(reply["path"]), "host copy (already on the node)")
+                    targets.remove(node)
+                else:
+                    outputs[node] = str(reply["path"])
+            if not targets:
+                return
+            for node in [*sources, *targets]:
                 addresses[node] = self._address(node)
-            for node in targets:
-                client = self.nodes[node].client
-                addresses[node] = self._address(node)
-                reply = await client.call({"t": "weights_path", "model": model.uid, "file": Path(entry.origin_path).name},
-                                          CALL_TIMEOUT_S)
-                outputs[node] = str(reply["path"])
             plan = make_plan(self.settings.plan, list(sources), targets, entry.manifest.count)
             result = await multicast(addresses, entry.manifest, plan, sources, outputs,
                                      timeout_s=self.settings.timeout_s, token=self.settings.token)
@@ -215,12 +223,8 @@ class WeightsPlane:
             raise WeightsError(f"sending model {model.tenant}/{model.name} to {', '.join(targets)} failed: {exc}") from exc
         how = "origin" if ORIGIN in sources else "multicast from " + ", ".join(sorted(sources))
         for node in targets:
-            if node not in result.outputs:
-                continue
-            entry.paths[node] = result.outputs[node]
-            entry.how[node] = how
-            if node not in self.pool.host_copies(model.uid) and self.pool.free_host_bytes(node) >= entry.manifest.total_bytes:
-                self.pool.add_host_copy(model.uid, node)
+            if node in result.outputs:
+                self._arrived(model.uid, entry, node, result.outputs[node], how)
         entry.transfers.append({"plan": plan.name, "sources": sorted(sources), "targets": targets,
                                 "completed": sorted(result.outputs), "dropped": result.dropped,
                                 "seconds": round(result.total_s, 3), "bytes": entry.manifest.total_bytes})
@@ -228,6 +232,13 @@ class WeightsPlane:
         if missing:
             raise WeightsError(f"model {model.tenant}/{model.name} did not reach {', '.join(missing)} "
                                f"(dropped: {', '.join(result.dropped) or 'none'})")
+
+    def _arrived(self, uid: str, entry: _ModelWeights, node: str, path: str, how: str) -> None:
+        """The node holds the model's file: a host copy while its host memory allows."""
+        entry.paths[node] = path
+        entry.how[node] = how
+        if node not in self.pool.host_copies(uid) and self.pool.free_host_bytes(node) >= entry.manifest.total_bytes:
+            self.pool.add_host_copy(uid, node)
 
     def _address(self, node: str) -> tuple[str, int]:
         if node == ORIGIN:

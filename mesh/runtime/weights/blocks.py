@@ -128,6 +128,23 @@ def verify(manifest: Manifest, index: int, data: bytes | memoryview) -> None:
                            f"expected {info.sha256[:12]}...)")
 
 
+def holds(path: str | os.PathLike, manifest: Manifest) -> bool:
+    """Is the file at `path` exactly the model of `manifest` (size and every block's sha256)?
+    Reads it once; a node uses it to skip a transfer of a model it already has."""
+    p = Path(path)
+    try:
+        if not p.is_file() or p.stat().st_size != manifest.total_bytes:
+            return False
+        with p.open("rb") as f:
+            for info in manifest.blocks:
+                f.seek(info.offset)
+                if sha256(f.read(info.size)) != info.sha256:
+                    return False
+    except OSError:
+        return False
+    return True
+
+
 def load_blocks(path: str | os.PathLike, manifest: Manifest) -> list[bytes]:
     """Read a packed model into memory (a host copy), verifying every block."""
     p = Path(path)
