@@ -39,7 +39,7 @@ def test_models_reach_nodes_by_multicast_and_survive_a_node(tmp_path, demo_gguf)
             time.sleep(0.2)
         first = weights_of(server)
         assert first["host_copies"] == ["cpu-0"] and first["transfers"][0]["sources"] == ["origin"]
-        copy0 = Path(first["files"]["cpu-0"])
+        copy0 = Path(first["copies"]["cpu-0"])
         assert copy0.is_relative_to(tmp_path / "data" / "nodes" / "cpu-0") and sha(copy0) == sha(demo_gguf)
 
         client = server.client()
@@ -53,7 +53,7 @@ def test_models_reach_nodes_by_multicast_and_survive_a_node(tmp_path, demo_gguf)
         after_scale = weights_of(server)
         assert after_scale["transfers"][-1]["sources"] == ["cpu-0"]
         assert after_scale["host_copies"] == ["cpu-0", "cpu-1"]
-        assert sha(after_scale["files"]["cpu-1"]) == sha(demo_gguf)
+        assert sha(after_scale["copies"]["cpu-1"]) == sha(demo_gguf)
 
         nodes = {n["node_id"]: n for n in server.admin("GET", "/admin/cluster")["nodes"]}
         os.kill(nodes["cpu-0"]["pid"], signal.SIGKILL)
@@ -66,7 +66,7 @@ def test_models_reach_nodes_by_multicast_and_survive_a_node(tmp_path, demo_gguf)
         server.wait_healthy()
         status, _ = server.http("DELETE", "/v1/models/demo/smollm2", token=server.key)
         assert status == 200
-        assert not copy0.parent.exists() and not Path(after_scale["files"]["cpu-1"]).parent.exists()
+        assert not copy0.parent.exists() and not Path(after_scale["copies"]["cpu-1"]).parent.exists()
         assert server.admin("GET", "/admin/cluster")["weights"]["models"] == {}
     finally:
         assert server.stop() == 0

@@ -82,7 +82,7 @@ def test_registration_places_the_first_host_copy_and_the_instance_loads_it(tmp_p
         weights = p.view()["weights"]["models"][m.uid]
         assert weights["host_copies"] == ["cpu-0"]  # equal free memory: the first by name
         assert weights["transfers"][0]["sources"] == ["origin"] and weights["blocks"] == 4
-        copy = weights["files"]["cpu-0"]
+        copy = weights["copies"]["cpu-0"]
         assert Path(copy).is_relative_to(tmp_path / "nodes" / "cpu-0") and sha(copy) == sha(model_file)
 
         node, done = await run(p, m, "r1")
@@ -109,7 +109,7 @@ def test_scale_out_multicasts_once_to_every_new_node(tmp_path, model_file):
         assert weights["transfers"][1]["plan"] == "binomial"
         assert weights["host_copies"] == ["cpu-0", "cpu-1", "cpu-2", "cpu-3"]
         for node in ("cpu-1", "cpu-2", "cpu-3"):
-            assert sha(weights["files"][node]) == sha(model_file)
+            assert sha(weights["copies"][node]) == sha(model_file)
         assert len(weights["instances"]) == 3
         metrics = {(s.name, s.labels["node"]): s.value
                    for family in text_string_to_metric_families(ServiceMetrics(p.view).render().decode())
@@ -166,7 +166,7 @@ def test_a_node_that_still_holds_the_model_is_not_sent_it_again(tmp_path, model_
         p = await started(tmp_path, nodes=2)
         m = record(model_file)
         await p.weights.register(m)
-        copy = Path(p.weights.view()["models"][m.uid]["files"]["cpu-0"])
+        copy = Path(p.weights.view()["models"][m.uid]["copies"]["cpu-0"])
         await p.stop()
 
         again = await started(tmp_path, nodes=2)  # a restart: the nodes' folders are still there
@@ -186,5 +186,38 @@ def test_a_node_that_still_holds_the_model_is_not_sent_it_again(tmp_path, model_
         assert [t["targets"] for t in third.weights.view()["models"][m.uid]["transfers"]] == [["cpu-0"]]
         assert sha(copy) == sha(model_file)
         await third.stop()
+
+    asyncio.run(main())
+
+
+def test_a_folder_model_travels_file_by_file_and_a_nested_folder_does_not(tmp_path):
+    async def main():
+        folder = tmp_path / "registry" / "ir"
+        folder.mkdir(parents=True)
+        names = {"openvino_model.xml": 2000, "openvino_model.bin": 2 * 2**20 + 7, "openvino_tokenizer.xml": 300}
+        for name, size in names.items():
+            (folder / name).write_bytes(os.urandom(size))
+        p = await started(tmp_path, nodes=2)
+        m = ModelRecord("m_ir", "t", "ir-model", "ir", str(folder), 256, SLO(), sum(names.values()))
+        (result,) = (await p.scale_out(m, ["cpu-1"]))["results"]
+        assert result["ok"] and result["weights"] == "multicast from cpu-0", result
+        weights = p.view()["weights"]["models"][m.uid]
+        assert weights["files"] == 3 and weights["bytes"] == sum(names.values())
+        assert sorted((t["file"], tuple(t["sources"])) for t in weights["transfers"]) == sorted(
+            [(n, ("origin",)) for n in names] + [(n, ("cpu-0",)) for n in names])
+        for node in ("cpu-0", "cpu-1"):
+            copy = Path(weights["copies"][node])
+            assert copy.is_dir() and copy.is_relative_to(tmp_path / "nodes" / node)
+            assert {f.name: sha(f) for f in copy.iterdir()} == {n: sha(folder / n) for n in names}
+
+        nested = tmp_path / "registry" / "hf"
+        (nested / "sub").mkdir(parents=True)
+        (nested / "config.json").write_text("{}")
+        (nested / "sub" / "x.bin").write_bytes(b"x")
+        hf = ModelRecord("m_hf", "t", "nested", "ir", str(nested), 256, SLO(), 10)
+        assert not p.weights.carries(hf)
+        (result,) = (await p.scale_out(hf, ["cpu-0"]))["results"]
+        assert result["ok"] and result["weights"] == "registry path"
+        await p.stop()
 
     asyncio.run(main())

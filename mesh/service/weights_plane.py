@@ -1,6 +1,6 @@
 """The control service's weights plane: the parameter pool made real (BlitzScale 5.1, 5.3).
 
-The registry keeps each model's file (an upload, or a path under --allowed-dir): the
+The registry keeps each model's files (an upload, or a path under --allowed-dir): the
 *origin*, BlitzScale's remote storage. The nodes never read it. Instead:
 
 - Registration places the model's first host copy (O(1) host caching, 5.3): the pool
@@ -20,8 +20,12 @@ The registry keeps each model's file (an upload, or a path under --allowed-dir):
   (size and every block's sha256): after a restart of the service or of an agent, a node
   that still holds a model is not sent it again.
 
-Host copies live in the node's weights folder (and its page cache). Only single-file models (GGUF) travel this way; OpenVINO IR and
-Hugging Face folders are loaded from the registry's path (a shared disk), as before.
+A model is one file (GGUF) or a folder of files (OpenVINO IR: the .xml, .bin and tokenizer
+files; a Hugging Face folder for vLLM: config, safetensors, tokenizer); each file travels as
+its own multicast, one after the other, and the node's copy is the file, or the folder
+`<weights dir>/<model uid>/` holding them. Host copies live in the node's weights folder
+(and its page cache). A folder with subfolders does not travel: its engine loads it from
+the registry's path (a shared disk).
 
 The weights port of every agent and of the origin requires the service's weights token
 (MESH_WEIGHTS_TOKEN, generated at start).
@@ -79,15 +83,39 @@ class NodeCopy:
     how: str  # "host copy" (already there) or "multicast from a, b" / "origin"
 
 
+@dataclass(frozen=True, slots=True)
+class _File:
+    name: str
+    origin_path: str  # the registry's file
+    manifest: Manifest
+
+
 @dataclass
 class _ModelWeights:
-    manifest: Manifest
-    origin_path: str  # the registry's file
-    paths: dict[str, str] = field(default_factory=dict)  # node -> its file
+    folder: bool  # the model is a folder of `files` (else one file)
+    files: list[_File]
+    paths: dict[str, str] = field(default_factory=dict)  # node -> its copy (the file, or the folder)
+    file_paths: dict[tuple[str, str], str] = field(default_factory=dict)  # (node, file name) -> path there
     how: dict[str, str] = field(default_factory=dict)  # node -> how the file got there
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     wanted: set[str] = field(default_factory=set)  # targets waiting for the next transfer
     transfers: list[dict[str, Any]] = field(default_factory=list)  # what was sent, for the view
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.manifest.total_bytes for f in self.files)
+
+
+def model_files(path: str | Path) -> list[Path] | None:
+    """The files a model travels as: [the file], or a folder's files; None for a folder with
+    subfolders (it does not travel)."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    entries = sorted(p.iterdir())
+    if any(e.is_dir() for e in entries):
+        return None
+    return [e for e in entries if e.is_file()]
 
 
 class WeightsPlane:
@@ -111,8 +139,11 @@ class WeightsPlane:
 
     @staticmethod
     def carries(model: ModelRecord) -> bool:
-        """Does this model travel by the weights plane (a single file)?"""
-        return model.kind == "gguf"
+        """Does this model travel by the weights plane (a file, or a folder of files)?"""
+        try:
+            return model_files(model.path) is not None
+        except OSError:
+            return False
 
     # ---- the pool's rules, made real ------------------------------------------------------
     async def register(self, model: ModelRecord) -> str:
@@ -121,14 +152,13 @@ class WeightsPlane:
         async with lock:
             if model.uid in self._models:
                 return self.pool.host_copies(model.uid)[0]
-            manifest = await asyncio.to_thread(pack, model.path, self.settings.block_bytes, model.uid)
+            entry = await asyncio.to_thread(self._pack, model)
             try:
-                node = self.pool.register(model.uid, manifest.total_bytes)
+                node = self.pool.register(model.uid, entry.total_bytes)
             except PoolError as exc:
                 raise WeightsError(f"model {model.tenant}/{model.name}: {exc}") from exc
-            entry = _ModelWeights(manifest, model.path)
             try:
-                await self._send(model, entry, {ORIGIN: model.path}, [node])
+                await self._send(model, entry, [ORIGIN], [node])
             except BaseException:
                 self.pool.unregister(model.uid)
                 raise
@@ -136,8 +166,15 @@ class WeightsPlane:
             log.info("model %s/%s: first host copy on %s", model.tenant, model.name, node)
             return node
 
+    def _pack(self, model: ModelRecord) -> _ModelWeights:
+        files = model_files(model.path)
+        if not files:
+            raise WeightsError(f"model {model.tenant}/{model.name}: {model.path} holds no files to send")
+        return _ModelWeights(Path(model.path).is_dir(), [
+            _File(f.name, str(f), pack(f, self.settings.block_bytes, f"{model.uid}/{f.name}")) for f in files])
+
     async def copy_on(self, model: ModelRecord, node: str) -> NodeCopy:
-        """The model's file on `node`: its host copy, or one multicast there now."""
+        """The model's copy on `node`: its host copy, or one multicast there now."""
         if model.uid not in self._models:
             await self.register(model)
         entry = self._models[model.uid]
@@ -189,55 +226,60 @@ class WeightsPlane:
         handle = self.nodes.get(node)
         return handle is not None and handle.up and handle.client is not None
 
-    def _sources(self, uid: str, entry: _ModelWeights, targets: list[str]) -> dict[str, str]:
-        """Pool sources that are up and hold the file (host copies first), else the origin."""
-        sources = {loc.node: entry.paths[loc.node] for loc in self.pool.sources(uid, exclude=targets)
-                   if loc.node in entry.paths and self._up(loc.node)}
-        return sources or {ORIGIN: entry.origin_path}
+    def _sources(self, uid: str, entry: _ModelWeights, targets: list[str]) -> list[str]:
+        """Pool sources that are up and hold the model (host copies first), else the origin."""
+        sources = [loc.node for loc in self.pool.sources(uid, exclude=targets)
+                   if loc.node in entry.paths and self._up(loc.node)]
+        return sources or [ORIGIN]
 
-    async def _send(self, model: ModelRecord, entry: _ModelWeights, sources: dict[str, str],
-                    targets: list[str]) -> None:
+    async def _send(self, model: ModelRecord, entry: _ModelWeights, sources: list[str], targets: list[str]) -> None:
+        """Bring every file of the model to `targets` from `sources`: one multicast per file,
+        to the targets that do not hold that file yet (checked block by block on the node,
+        so after a restart a node that still has the model is not sent it again)."""
+        name = f"{model.tenant}/{model.name}"
         targets = list(targets)
-        addresses: dict[str, tuple[str, int]] = {}
-        outputs: dict[str, str] = {}
-        try:
-            for node in list(targets):  # a node that still has the model on disk (a restart) needs no transfer
-                reply = await self.nodes[node].client.call(
-                    {"t": "weights_path", "model": model.uid, "file": Path(entry.origin_path).name,
-                     "manifest": entry.manifest.to_dict()}, self.settings.timeout_s)
-                if reply.get("complete"):
-                    self._arrived(model.uid, entry, node, str(reply["path"]), "host copy (already on the node)")
-                    targets.remove(node)
-                else:
-                    outputs[node] = str(reply["path"])
-            if not targets:
-                return
-            for node in [*sources, *targets]:
-                addresses[node] = self._address(node)
-            plan = make_plan(self.settings.plan, list(sources), targets, entry.manifest.count)
-            result = await multicast(addresses, entry.manifest, plan, sources, outputs,
-                                     timeout_s=self.settings.timeout_s, token=self.settings.token)
-        except WeightsError:
-            raise
-        except Exception as exc:  # MulticastError, or AgentDown / AgentCallError: a target went away
-            raise WeightsError(f"sending model {model.tenant}/{model.name} to {', '.join(targets)} failed: {exc}") from exc
         how = "origin" if ORIGIN in sources else "multicast from " + ", ".join(sorted(sources))
+        sent: set[str] = set()
+        try:
+            addresses = {node: self._address(node) for node in [*sources, *targets]}
+            for f in entry.files:
+                need: dict[str, str] = {}
+                for node in targets:
+                    reply = await self.nodes[node].client.call(
+                        {"t": "weights_path", "model": model.uid, "file": f.name, "manifest": f.manifest.to_dict()},
+                        self.settings.timeout_s)
+                    entry.file_paths[(node, f.name)] = str(reply["path"])
+                    if not reply.get("complete"):
+                        need[node] = str(reply["path"])
+                if not need:
+                    continue
+                plan = make_plan(self.settings.plan, sources, sorted(need), f.manifest.count)
+                source_paths = {s: f.origin_path if s == ORIGIN else entry.file_paths[(s, f.name)] for s in sources}
+                result = await multicast(addresses, f.manifest, plan, source_paths, need,
+                                         timeout_s=self.settings.timeout_s, token=self.settings.token)
+                sent.update(result.outputs)
+                entry.transfers.append({"file": f.name, "plan": plan.name, "sources": sorted(sources),
+                                        "targets": sorted(need), "completed": sorted(result.outputs),
+                                        "dropped": result.dropped, "seconds": round(result.total_s, 3),
+                                        "bytes": f.manifest.total_bytes})
+                missing = sorted(set(need) - set(result.outputs))
+                if missing:
+                    raise WeightsError(f"{f.name} did not reach {', '.join(missing)} "
+                                       f"(dropped: {', '.join(result.dropped) or 'none'})")
+        except WeightsError as exc:
+            raise WeightsError(f"sending model {name} to {', '.join(targets)} failed: {exc}") from exc
+        except Exception as exc:  # MulticastError, or AgentDown / AgentCallError: a target went away
+            raise WeightsError(f"sending model {name} to {', '.join(targets)} failed: {exc}") from exc
         for node in targets:
-            if node in result.outputs:
-                self._arrived(model.uid, entry, node, result.outputs[node], how)
-        entry.transfers.append({"plan": plan.name, "sources": sorted(sources), "targets": targets,
-                                "completed": sorted(result.outputs), "dropped": result.dropped,
-                                "seconds": round(result.total_s, 3), "bytes": entry.manifest.total_bytes})
-        missing = [n for n in targets if n not in result.outputs]
-        if missing:
-            raise WeightsError(f"model {model.tenant}/{model.name} did not reach {', '.join(missing)} "
-                               f"(dropped: {', '.join(result.dropped) or 'none'})")
+            first = entry.file_paths[(node, entry.files[0].name)]
+            path = str(Path(first).parent) if entry.folder else first
+            self._arrived(model.uid, entry, node, path, how if node in sent else "host copy (already on the node)")
 
     def _arrived(self, uid: str, entry: _ModelWeights, node: str, path: str, how: str) -> None:
         """The node holds the model's file: a host copy while its host memory allows."""
         entry.paths[node] = path
         entry.how[node] = how
-        if node not in self.pool.host_copies(uid) and self.pool.free_host_bytes(node) >= entry.manifest.total_bytes:
+        if node not in self.pool.host_copies(uid) and self.pool.free_host_bytes(node) >= entry.total_bytes:
             self.pool.add_host_copy(uid, node)
 
     def _address(self, node: str) -> tuple[str, int]:
@@ -255,9 +297,10 @@ class WeightsPlane:
         for uid, entry in self._models.items():
             locations = self.pool.locations(uid)
             out[uid] = {
-                "bytes": entry.manifest.total_bytes, "blocks": entry.manifest.count,
+                "bytes": entry.total_bytes, "files": len(entry.files),
+                "blocks": sum(f.manifest.count for f in entry.files),
                 "host_copies": [loc.node for loc in locations if loc.where is Where.HOST],
                 "instances": {loc.instance_id: loc.node for loc in locations if loc.where is Where.INSTANCE},
-                "files": dict(entry.paths), "transfers": list(entry.transfers),
+                "copies": dict(entry.paths), "transfers": list(entry.transfers),
             }
         return {"plan": self.settings.plan, "block_bytes": self.settings.block_bytes, "models": out}
