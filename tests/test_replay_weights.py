@@ -114,3 +114,59 @@ def test_overlapping_multicasts_queue_on_the_source_uplink() -> None:
     # for gpu0's uplink until 1.1 s and ends at 2.1 s, not at 0.5 + 1.0
     assert ready[:2] == pytest.approx([1.1, 1.1])
     assert ready[2] == pytest.approx(2.1)
+
+
+# --- Mesh with cold starts longer than the TTFT SLO (issue 7: the policy never scaled out) ---
+
+def _steady(n: int, every_s: float, start_s: float = 0.0, duration_s: float = 60.0) -> Workload:
+    arrivals = [Arrival(f"s{i}", start_s + i * every_s, "f000", "llama-2-7b/f000", 200, 50) for i in range(n)]
+    return Workload(arrivals, {"llama-2-7b/f000": "llama-2-7b"}, {"duration_s": duration_s})
+
+
+def test_warm_up_rule() -> None:
+    from mesh.policy.placement import warm_up_allowed
+
+    assert warm_up_allowed(4.5, 1.8, True, 0)  # SSD load longer than any fresh request can wait
+    assert not warm_up_allowed(0.6, 1.8, True, 0)  # it fits: a fresh request starts it as usual
+    assert not warm_up_allowed(4.5, 1.8, False, 0)  # not the cold start alone (memory, context...)
+    assert not warm_up_allowed(4.5, 1.8, True, 1)  # one unvalidated load of the model at a time
+
+
+@pytest.mark.parametrize("policy", ["mesh-no-cpu", "mesh"])
+def test_mesh_scales_out_when_the_ssd_load_exceeds_the_slo(policy: str) -> None:
+    """7B from SSD at 3 GB/s: 4.5 s, past the 2 s TTFT SLO. Mesh used to refuse every new
+    instance and turn the whole stream away; now the first request starts one and the
+    requests that validate on it (those arriving after its load, and the last ones of the
+    load) are served within SLO, while those that cannot are still turned away."""
+    weight_bytes = build_catalog(["llama-2-7b"])["llama-2-7b"].profiles["gpu"].weight_bytes
+    assert weight_bytes / 3e9 > 4.0
+    cfg = WeightsConfig(ssd_bytes_per_s=3e9)
+    r = compare(_steady(120, 0.5), "llama-2-7b", ["ssd"], cfg, gpu_nodes=2, policy=policy)["ssd"]
+    assert r["requests"] == 120 and r["failed"] == 0
+    assert r["slo_rate"] >= 0.9  # was 0 %
+    assert r["completed"] >= 108 and r["rejected"] <= 12  # about the 4.5 s of the load, turned away
+    assert r["warm_ups"] >= 1 and r["instances_started"] <= 2  # a trickle needs one instance
+    # a burst while the model is cold: one unvalidated load, not one per request
+    burst = compare(_steady(40, 0.01), "llama-2-7b", ["ssd"], cfg, gpu_nodes=4, policy=policy)["ssd"]
+    assert burst["warm_ups"] == 1 and burst["instances_started"] == 1
+
+
+def test_an_unused_warm_up_is_recycled_after_its_load() -> None:
+    """One request, then nothing for a while: its instance loads (4.5 s), idles keep-alive
+    (1 s) from the end of its load, then goes; it is not recycled in the middle of its load."""
+    from mesh.policy.placement import ColdStart
+    from mesh.replay.driver import ReplayConfig, run_policy
+    from mesh.replay.weights import Engines
+    from mesh.runtime.cluster import ClusterConfig
+
+    catalog = build_catalog(["llama-2-7b"])
+    weight_bytes = catalog["llama-2-7b"].profiles["gpu"].weight_bytes
+    cfg = WeightsConfig(ssd_bytes_per_s=3e9)
+    cluster = ClusterConfig(cpu_nodes=0, gpu_nodes=1, cold_start=ColdStart(3e9, 3e9), keep_alive_s=1.0)
+    workload = _steady(2, 20.0, start_s=1.0, duration_s=30.0)  # at 1 s and at 21 s
+    run = run_policy(workload, "mesh-no-cpu", ReplayConfig(cluster=cluster, engines=Engines(cfg)), catalog, None)
+    gpus = [(t, g) for t, _, g in run.usage]
+    assert gpus[1] == (1.0, 1) and gpus[2][1] == 0
+    assert run.accounting["rejected"] == 2 and run.policy_stats.warm_ups == 2
+    loaded = 1.0 + weight_bytes / 3e9  # the weights are in (the KV cache's allocation is quick)
+    assert loaded + 1.0 <= gpus[2][0] <= loaded + 1.2

@@ -8,7 +8,9 @@ Mesh (LLM-Mesh 4, 7):
 - proactive defragmentation (7.1): an instance may preempt neighbour instances on its node
   only if their batch size is lower than its own, the lowest first;
 - a new instance: CPU nodes first, and within a kind the nodes already in use first (so
-  idle nodes stay idle), the fullest first; without sharing, only empty nodes.
+  idle nodes stay idle), the fullest first; without sharing, only empty nodes;
+- a warm-up: a new instance for a request whose only obstacle is the cold start (longer
+  than its TTFT SLO), at most one unvalidated load per model (`warm_up_allowed`).
 
 ServerlessLLM baselines (8.1): a whole node per instance, first-fit (CPU nodes first when
 they may be used), scale out when in-flight requests exceed the concurrency target.
@@ -118,6 +120,36 @@ def sllm_pick(instances: Sequence[InstanceView], targets: dict[str, int]) -> Ins
         if v.batch_size < targets[v.node_kind]:
             return v
     return None
+
+
+MAX_WARMING_PER_MODEL = 1  # loading instances of one model that no request has validated on
+
+
+def warm_up_allowed(
+    cold_start_s: float, fresh_slack_s: float, validates_without_cold_start: bool, warming: int,
+    limit: int = MAX_WARMING_PER_MODEL,
+) -> bool:
+    """May Mesh start a new instance for a request that no instance, new ones included, can
+    serve within its SLO? Only when
+    - the cold start exceeds `fresh_slack_s`, the TTFT SLO of the request's prompt less its
+      prefill: no request of that length, even one arriving now, could validate on a new
+      instance, so waiting for one that does would never scale the model out (when the cold
+      start fits, the next fresh request starts the instance the usual way);
+    - the cold start is the only obstacle: a new instance that was already loaded would
+      validate (the shadow validation of 5.3 with no load time);
+    - fewer than `limit` instances of the model are loading with no request validated on them.
+
+    Why: LLM-Mesh starts an instance only for a request that validates on it (5.3, 4),
+    which assumes loads from host memory that fit in the TTFT SLO (8.1). A cold start longer
+    than the SLO (weights from an SSD) would then never be issued and the model never served;
+    an autoscaler scales on demand even when the load is slower than the SLO, the requests
+    in the meantime miss it (BlitzScale 2.3). The request itself is still turned away by the
+    queue's rule (wait_expiry_s), not served late; the instance serves the requests that
+    validate on it, those arriving late in its load included (the validation counts its
+    remaining load time). The bound keeps one unvalidated load per model: more start only
+    once requests validated on the one loading (its capacity is claimed), and one nobody
+    uses is recycled after keep-alive from the end of its load (4)."""
+    return cold_start_s > fresh_slack_s and validates_without_cold_start and warming < limit
 
 
 def keep_alive_expired(idle_since: float, now: float, keep_alive_s: float) -> bool:

@@ -98,6 +98,7 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "instances_started": run.instances_started,
         "instances_recycled": run.instances_recycled,
         "preemptions": run.policy_stats.preemptions,
+        "warm_ups": run.policy_stats.warm_ups,
         "preempted_requests": run.policy_stats.preempted_requests,
         "validations": run.policy_stats.validations,
         "iterations": sum(n.iterations for n in run.nodes),

@@ -52,6 +52,7 @@ def compare(workload: Workload, base: str, modes: Sequence[str], weights: Weight
             "rejected": s["rejected"], "failed": s["failed"],
             "gpu_node_s": gpu_all, "gpu_node_s_window": s["gpu_nodes_avg"] * run.duration_s,
             "gpu_nodes_max": s["gpu_nodes_max"], "instances_started": s["instances_started"],
+            "warm_ups": s.get("warm_ups", 0),
             "loads": dict(stats.loads), "multicasts": stats.multicasts,
             "load_s_min": loads[0] if loads else None, "load_s_median": loads[len(loads) // 2] if loads else None, "load_s_max": loads[-1] if loads else None,
         }

@@ -166,6 +166,7 @@ class Cluster:
         for spec in config.node_specs():
             node = NodeRuntime(spec, margin=config.margin, watermark=config.watermark)
             node.on_evict = (lambda req, n=node: on_evict(req, n)) if on_evict is not None else None
+            node.on_loaded = lambda _iid, n=node: self.note_idle(n)  # keep-alive of an unused new instance
             self.nodes.append(node)
         self.node_seq = {n.node_id: k for k, n in enumerate(self.nodes)}
         self.on_capacity = on_capacity
@@ -240,13 +241,21 @@ class Cluster:
         kind = node.spec.kind
         spec = self.catalog[self.models[model]]
         p = spec.profiles[kind]
-        kv0 = spec.min_bytes(kind, self.config.watermark) - p.weight_bytes
-        expected = self.config.cold_start.load_s(p.weight_bytes, kind) + kv0 / GIB * RESIZE_UP_S_PER_GIB
+        expected = self.expected_load_s(model, node)
         return InstancePlan(
             f"{model}@{node.node_id}#{next(self._ids)}", model, spec.times[kind], self.config.slo,
             p.kv_bytes_per_token, p.weight_bytes, p.max_context, p.max_context, DEFAULT_MAX_BATCH,
             self._mean_output[model], expected,
         )
+
+    def expected_load_s(self, model: str, node: NodeRuntime) -> float:
+        """The predicted cold start of a new instance of `model` on `node`: its weights
+        (ColdStart) and the initial KV cache allocation."""
+        kind = node.spec.kind
+        spec = self.catalog[self.models[model]]
+        p = spec.profiles[kind]
+        kv0 = spec.min_bytes(kind, self.config.watermark) - p.weight_bytes
+        return self.config.cold_start.load_s(p.weight_bytes, kind) + kv0 / GIB * RESIZE_UP_S_PER_GIB
 
     def can_host(self, model: str, node: NodeRuntime) -> bool:
         spec = self.catalog[self.models[model]]
@@ -304,10 +313,11 @@ class Cluster:
 
     # -- keep-alive (LLM-Mesh 4) -------------------------------------------------------
     def note_idle(self, node: NodeRuntime) -> None:
-        """Arm the keep-alive timer of every instance on `node` that holds no requests."""
+        """Arm the keep-alive timer of every loaded instance on `node` that holds no
+        requests (a loading one is armed when its load completes)."""
         loop = asyncio.get_running_loop()
         for instance_id, inst in node.instances.items():
-            if inst.requests:
+            if inst.requests or not inst.loaded:
                 continue
             ref = self._by_id[instance_id]
             if ref.recycle is None:
@@ -318,7 +328,7 @@ class Cluster:
         if self._by_id.get(ref.instance_id) is not ref:
             return
         inst = ref.inst
-        if inst.requests:
+        if inst.requests or not inst.loaded:
             return
         now = self._now()
         if not keep_alive_expired(inst.idle_since, now, self.config.keep_alive_s):

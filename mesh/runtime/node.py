@@ -111,6 +111,7 @@ class NodeRuntime:
         self.memory = MemorySubsystem(spec.memory_bytes, watermark)
         self.instances: dict[str, NodeInstance] = {}
         self.on_evict = on_evict
+        self.on_loaded: Callable[[str], None] | None = None  # an instance's load completed (its id)
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
         self.iteration_count = 0
         self.busy_s = 0.0
@@ -216,7 +217,12 @@ class NodeRuntime:
             started = self.memory.station.complete(op.op_id)
         if kind is OpKind.LOAD and op.holder in self.instances:
             inst.loaded = True
-            self.compute.set_loaded(op.holder, self._now())
+            now = self._now()
+            self.compute.set_loaded(op.holder, now)
+            if not inst.requests:
+                inst.idle_since = now  # keep-alive counts from when it can serve (LLM-Mesh 4)
+            if self.on_loaded is not None:
+                self.on_loaded(op.holder)
             self._wake.set()
         if kind is OpKind.UNLOAD:
             self._unloading.pop(op.holder, None)

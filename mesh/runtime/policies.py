@@ -2,7 +2,10 @@
 
 - `mesh`: LLM-Mesh (4, 7): candidate instances CPU first and highest batch first (7.2),
   validated on both subsystems (5.3, 6.4); if all fail, proactive defragmentation (7.1);
-  then a new instance on a node that validates, with its cold start. Instances share nodes.
+  then a new instance on a node that validates, with its cold start; failing that, if the
+  cold start alone stands in the way, a warm-up instance for the requests to come
+  (placement.warm_up_allowed), while the request itself waits or is turned away by the
+  queue's rule. Instances share nodes.
 - `mesh-no-share`, `mesh-no-cpu`, `mesh-no-defrag`: the ablations of 8.3 (one instance per
   node; GPU nodes only; no preemption and spread instead of bin-packing).
 - `sllm`, `sllm+cpu`: ServerlessLLM as the paper ran it (8.1): a whole node per instance,
@@ -14,18 +17,20 @@ mesh.runtime.cluster).
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mesh.policy.placement import (
     CPU,
     GPU,
+    MAX_WARMING_PER_MODEL,
     InstanceView,
     candidate_order,
     concurrency_target,
     new_instance_order,
     sllm_pick,
     victim_order,
+    warm_up_allowed,
 )
 from mesh.runtime.cluster import Cluster, InstanceRef
 from mesh.runtime.node import InstancePlan, NodeRuntime
@@ -74,6 +79,7 @@ class PolicyStats:
     preemptions: int = 0  # instances preempted (7.1)
     preempted_requests: int = 0  # requests moved by preemption
     validations: int = 0  # candidate checks made
+    warm_ups: int = 0  # instances started for a request their cold start could not serve in time
 
 
 @dataclass
@@ -128,10 +134,42 @@ class MeshPolicy(Policy):
 
     # -- a new instance (4) -------------------------------------------------------------
     def _scale_out(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
-        home = self._new_instance_home(req.model, [req], [req.tokens_out], self.cluster.hosts(req.model) | avoid)
+        exclude = self.cluster.hosts(req.model) | avoid
+        home = self._new_instance_home(req.model, [req], [req.tokens_out], exclude)
         if home is None:
+            self._warm_up(req, exclude)
             return False
         return self._start_and_admit(home, [req]) == []
+
+    def _warm_up(self, req: ServedRequest, exclude: set[str]) -> None:
+        """No new instance would serve `req` in time: start one anyway, holding no request,
+        on the first node where it would if it were already loaded, when
+        placement.warm_up_allowed says so (the cold start is longer than any request of this
+        prompt length could wait, it is the only obstacle, and no other instance of the
+        model is loading with no request on it)."""
+        warming = sum(1 for r in self.cluster.instances_of(req.model) if not r.inst.loaded and not r.inst.requests)
+        if warming >= MAX_WARMING_PER_MODEL:
+            return
+        prompt, _ = NodeRuntime.effective(req, req.tokens_out)
+        for nv in new_instance_order(self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude):
+            node = self.cluster.node(nv.node_id)
+            if not self.cluster.can_host(req.model, node):
+                continue
+            cold = self.cluster.expected_load_s(req.model, node)
+            times = self.cluster.catalog[self.cluster.models[req.model]].times[node.spec.kind]
+            slack = req.slo.ttft_s(prompt) - times.prefill_s(prompt) * (1 + node.margin)
+            if not warm_up_allowed(cold, slack, True, warming):
+                continue  # a fresh request would start an instance here the usual way
+            plan = self.cluster.plan(req.model, node)
+            self.stats.validations += 1
+            ok = node.validate_new(replace(plan, expected_load_s=0.0), [req], [req.tokens_out]).ok
+            if not warm_up_allowed(cold, slack, ok, warming):
+                continue
+            if self.cluster.start_instance(plan, node) is None:
+                continue
+            self.stats.new_instances += 1
+            self.stats.warm_ups += 1  # if unused, recycled keep-alive after its load ends (Cluster.note_idle)
+            return
 
     def _new_instance_home(
         self, model: str, reqs: list[ServedRequest], done: list[int], exclude: set[str]
