@@ -169,3 +169,13 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=30, deadline=None)
 test_pool_machine = PoolMachine.TestCase
+
+
+def test_registration_among_the_nodes_that_run_the_model():
+    p = ParameterPool()
+    p.add_node("cpu-0", 10 * GB)
+    p.add_node("gpu-0", 50 * GB)  # the most free, but not a node the model runs on
+    assert p.register("m", GB, among=["cpu-0"]) == "cpu-0"
+    with pytest.raises(PoolError, match="most free: 9000000000 B on 1 nodes"):
+        p.register("big", 11 * GB, among=["cpu-0"])  # cpu-0 has 9 GB left
+    assert p.register("any", GB) == "gpu-0"

@@ -2,7 +2,9 @@
 node agent processes, the real SmolLM2 model. The demo model's first host copy goes to a
 node by the weights transport, a scale-out multicasts it to the other node, whose engine
 loads its own received copy; with the first node killed, the second serves the same greedy
-answer; deleting the model deletes both nodes' copies."""
+answer; deleting the model deletes both nodes' copies. With `--vllm-cpu`, a Hugging Face
+folder registered by path travels file by file to the vLLM node, whose engine serves from
+the received folder."""
 from __future__ import annotations
 
 import hashlib
@@ -68,5 +70,34 @@ def test_models_reach_nodes_by_multicast_and_survive_a_node(tmp_path, demo_gguf)
         assert status == 200
         assert not copy0.parent.exists() and not Path(after_scale["copies"]["cpu-1"]).parent.exists()
         assert server.admin("GET", "/admin/cluster")["weights"]["models"] == {}
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_hugging_face_folder_reaches_the_vllm_node_and_serves_from_there(tmp_path):
+    from engines.local_models import write_tiny_llama
+    from engines.vllm_engine import find_vllm_python
+
+    if find_vllm_python() is None:
+        if os.environ.get("MESH_REQUIRE_VLLM") == "1":
+            pytest.fail("MESH_REQUIRE_VLLM=1 but no Python with vLLM: run scripts/setup.sh (creates .venv-vllm)")
+        pytest.skip("vLLM is not installed (.venv-vllm): run scripts/setup.sh")
+    allowed = tmp_path / "allowed"
+    tiny = write_tiny_llama(allowed / "tiny")
+    server = Server(tmp_path / "data", allowed, tmp_path / "server.log", extra=("--vllm-cpu",))
+    server.start()
+    try:
+        status, body = server.http("POST", "/v1/models", {"name": "tiny", "path": "tiny"}, token=server.key)
+        assert status == 201 and body["mesh"]["kind"] == "hf", body
+        out = server.client().completions.create(model="tiny", prompt="hello world", max_tokens=8, temperature=0)
+        assert out.usage.completion_tokens == 8
+        cluster = server.admin("GET", "/admin/cluster")
+        (instance,) = [i for n in cluster["nodes"] if n["node_id"] == "vllm-cpu-0" for i in n["instances"]]
+        assert instance["model"] == "tiny" and instance["state"] == "ready"
+        (weights,) = [m for m in cluster["weights"]["models"].values() if m["files"] > 1]
+        assert weights["host_copies"] == ["vllm-cpu-0"]  # the first copy goes where the model runs
+        copy = Path(weights["copies"]["vllm-cpu-0"])
+        assert copy.is_relative_to(tmp_path / "data" / "nodes" / "vllm-cpu-0")
+        assert {f.name: sha(f) for f in copy.iterdir()} == {f.name: sha(f) for f in Path(tiny).iterdir()}
     finally:
         assert server.stop() == 0

@@ -109,24 +109,29 @@ class ParameterPool:
     def free_host_bytes(self, node: str) -> int:
         return self._node(node).free_bytes
 
-    def choose_host(self, size_bytes: int, exclude: Iterable[str] = ()) -> str | None:
-        """The node with the most free host memory that fits `size_bytes` (ties: name)."""
+    def choose_host(self, size_bytes: int, exclude: Iterable[str] = (), among: Iterable[str] | None = None) -> str | None:
+        """The node with the most free host memory that fits `size_bytes` (ties: name),
+        among `among` if given (e.g. the nodes that can run the model)."""
         skip = set(exclude)
-        fits = [(-mem.free_bytes, n) for n, mem in self._nodes.items() if n not in skip and mem.free_bytes >= size_bytes]
+        allowed = set(among) if among is not None else None
+        fits = [(-mem.free_bytes, n) for n, mem in self._nodes.items()
+                if n not in skip and (allowed is None or n in allowed) and mem.free_bytes >= size_bytes]
         return min(fits)[1] if fits else None
 
     # --- models ----------------------------------------------------------------------------
-    def register(self, model: str, size_bytes: int) -> str:
-        """Register a model and place its first host copy; returns the node chosen."""
+    def register(self, model: str, size_bytes: int, among: Iterable[str] | None = None) -> str:
+        """Register a model and place its first host copy (on one of `among` if given: the
+        nodes that run it, so its first instance needs no transfer); returns the node."""
         if model in self._models:
             raise PoolError(f"model {model!r} is already registered")
         if size_bytes <= 0:
             raise PoolError(f"model {model!r}: size must be > 0 bytes, got {size_bytes}")
-        node = self.choose_host(size_bytes)
+        allowed = list(among) if among is not None else list(self._nodes)
+        node = self.choose_host(size_bytes, among=allowed)
         if node is None:
-            most = max((m.free_bytes for m in self._nodes.values()), default=0)
+            most = max((m.free_bytes for n, m in self._nodes.items() if n in allowed), default=0)
             raise PoolError(f"model {model!r} ({size_bytes} B) fits in no node's host memory "
-                            f"(most free: {most} B on {len(self._nodes)} nodes)")
+                            f"(most free: {most} B on {len(allowed)} nodes)")
         self._models[model] = _Model(size_bytes)
         self._place(model, node)
         return node

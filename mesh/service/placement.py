@@ -230,7 +230,7 @@ class LocalPlacement:
     def _choose_agent(self, model: ModelRecord) -> LocalAgent:
         """GGUF and OpenVINO IR models run on CPU nodes (OpenVINO); Hugging Face folders on
         GPU nodes (vLLM, issue 6). Which node of the kind: mesh.policy.node_choice."""
-        kind = "gpu" if model.kind == "hf" else "cpu"
+        kind = model.node_kind
         nodes = [a for a in self.agents.values() if a.spec.kind == kind]
         if not nodes and kind == "gpu":
             raise bad_request("Hugging Face folders need a GPU node (vLLM), and this server has none; export the "
@@ -565,7 +565,7 @@ class LocalPlacement:
         unknown = [n for n in nodes if n not in self.agents]
         if unknown:
             raise bad_request(f"unknown nodes {unknown}; this server's nodes: {sorted(self.agents)}", "nodes")
-        kind = "gpu" if model.kind == "hf" else "cpu"
+        kind = model.node_kind
         wrong = [n for n in nodes if self.agents[n].spec.kind != kind]
         if wrong:
             raise bad_request(f"nodes {wrong} are not {kind.upper()} nodes, which this model needs", "nodes")

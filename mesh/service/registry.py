@@ -88,6 +88,12 @@ class ModelRecord:
     owned_file: bool = False  # an upload kept in the data folder: deleted with the model
     created_at: int = 0
 
+    @property
+    def node_kind(self) -> str:
+        """The nodes that run it: Hugging Face folders on GPU nodes (vLLM), GGUF and
+        OpenVINO IR on CPU nodes (OpenVINO)."""
+        return "gpu" if self.kind == "hf" else "cpu"
+
 
 class Registry:
     def __init__(self, path: str | Path) -> None:

@@ -4,7 +4,9 @@ The registry keeps each model's files (an upload, or a path under --allowed-dir)
 *origin*, BlitzScale's remote storage. The nodes never read it. Instead:
 
 - Registration places the model's first host copy (O(1) host caching, 5.3): the pool
-  (mesh.policy.param_pool) chooses the node with the most free host memory, and the origin,
+  (mesh.policy.param_pool) chooses, among the nodes of the kind that runs the model (CPU
+  for GGUF and IR, GPU for Hugging Face folders), the one with the most free host memory,
+  and the origin,
   a weights agent inside the control service, sends the file there over the weights
   transport (mesh.runtime.weights: checksummed blocks, written atomically into the node's
   weights folder). A model registered before a restart gets its copy on first use.
@@ -42,6 +44,7 @@ from mesh.agent.client import AgentClient
 from mesh.agent.weights import weights_address
 from mesh.policy.multicast import make_plan
 from mesh.policy.param_pool import ParameterPool, PoolError, Where
+from mesh.runtime.node import NodeSpec
 from mesh.runtime.weights.agent import WeightAgent
 from mesh.runtime.weights.blocks import Manifest, pack
 from mesh.runtime.weights.coordinator import multicast
@@ -57,6 +60,7 @@ class NodeHandle(Protocol):
     """What the plane needs of a node agent (mesh.agent.supervisor.LocalAgent)."""
 
     node_id: str
+    spec: NodeSpec
     client: AgentClient | None
 
     @property
@@ -154,7 +158,8 @@ class WeightsPlane:
                 return self.pool.host_copies(model.uid)[0]
             entry = await asyncio.to_thread(self._pack, model)
             try:
-                node = self.pool.register(model.uid, entry.total_bytes)
+                node = self.pool.register(model.uid, entry.total_bytes,
+                                          among=[n for n, h in self.nodes.items() if h.spec.kind == model.node_kind])
             except PoolError as exc:
                 raise WeightsError(f"model {model.tenant}/{model.name}: {exc}") from exc
             try:
