@@ -22,7 +22,7 @@ from mesh.service.metrics import ServiceMetrics
 from mesh.service.placement import LocalPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
-from mesh.service.weights_plane import WeightsPlane, WeightsSettings
+from mesh.service.weights_plane import WeightsError, WeightsPlane, WeightsSettings
 
 SIZE = 3 * 2**20 + 12345  # not a whole number of blocks
 
@@ -218,6 +218,42 @@ def test_a_folder_model_travels_file_by_file_and_a_nested_folder_does_not(tmp_pa
         assert not p.weights.carries(hf)
         (result,) = (await p.scale_out(hf, ["cpu-0"]))["results"]
         assert result["ok"] and result["weights"] == "registry path"
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_registration_drops_cached_copies_to_make_room_never_the_last(tmp_path, model_file):
+    async def main():
+        specs = [NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(2)]
+
+        class Agent(InProcessAgent):
+            weights_root = str(tmp_path / "nodes")
+
+        room = int(1.5 * SIZE)  # each node's host memory holds one copy
+        plane = WeightsSettings(block_bytes=1 << 20, token=WEIGHTS_TOKEN)
+        p = LocalPlacement(specs, PlacementSettings(), agent_factory=Agent,
+                           weights=lambda agents: WeightsPlane(agents, {s.node_id: room for s in specs}, plane))
+        await p.start()
+        first = record(model_file, "m_1")
+        await p.weights.register(first)
+        cached = await p.weights.copy_on(first, "cpu-1")  # a cached copy, no instance
+        assert p.weights.pool.host_copies("m_1") == ["cpu-0", "cpu-1"]
+
+        other = tmp_path / "registry" / "other.gguf"
+        other.write_bytes(os.urandom(SIZE))
+        second = ModelRecord("m_2", "t", "other", "gguf", str(other), 256, SLO(), SIZE)
+        node = await p.weights.register(second)  # no room anywhere: the cache on cpu-0 or cpu-1 goes
+        assert p.weights.pool.host_copies("m_1") == [n for n in ("cpu-0", "cpu-1") if n != node]
+        assert p.weights.pool.host_copies("m_2") == [node]
+        dropped = Path(cached.path) if node == "cpu-1" else tmp_path / "nodes" / "cpu-0" / "m_1"
+        assert not dropped.exists()
+
+        third = tmp_path / "registry" / "third.gguf"
+        third.write_bytes(os.urandom(SIZE))
+        with pytest.raises(WeightsError, match="fits in no node's host memory"):  # only last copies left
+            await p.weights.register(ModelRecord("m_3", "t", "third", "gguf", str(third), 256, SLO(), SIZE))
+        p.weights.pool.check()
         await p.stop()
 
     asyncio.run(main())

@@ -157,11 +157,15 @@ class WeightsPlane:
             if model.uid in self._models:
                 return self.pool.host_copies(model.uid)[0]
             entry = await asyncio.to_thread(self._pack, model)
+            among = [n for n, h in self.nodes.items() if h.spec.kind == model.node_kind]
             try:
-                node = self.pool.register(model.uid, entry.total_bytes,
-                                          among=[n for n, h in self.nodes.items() if h.spec.kind == model.node_kind])
-            except PoolError as exc:
-                raise WeightsError(f"model {model.tenant}/{model.name}: {exc}") from exc
+                node = self.pool.register(model.uid, entry.total_bytes, among=among)
+            except PoolError:
+                await self._make_room(entry.total_bytes, among)
+                try:
+                    node = self.pool.register(model.uid, entry.total_bytes, among=among)
+                except PoolError as exc:
+                    raise WeightsError(f"model {model.tenant}/{model.name}: {exc}") from exc
             try:
                 await self._send(model, entry, [ORIGIN], [node])
             except BaseException:
@@ -219,12 +223,8 @@ class WeightsPlane:
             if loc.where is Where.INSTANCE and loc.instance_id is not None:
                 self.pool.remove_instance(model_uid, loc.instance_id)
         self.pool.unregister(model_uid)
-        for node, path in entry.paths.items():
-            if self._up(node):
-                try:
-                    await self.nodes[node].client.call({"t": "weights_drop", "model": model_uid}, CALL_TIMEOUT_S)
-                except Exception as exc:  # noqa: BLE001 - a leftover file must not fail a deletion
-                    log.warning("node %s kept %s: %s", node, path, exc)
+        for node in list(entry.paths):
+            await self._drop_files(model_uid, node)
 
     # ---- transfers ---------------------------------------------------------------------------
     def _up(self, node: str) -> bool:
@@ -279,6 +279,36 @@ class WeightsPlane:
             first = entry.file_paths[(node, entry.files[0].name)]
             path = str(Path(first).parent) if entry.folder else first
             self._arrived(model.uid, entry, node, path, how if node in sent else "host copy (already on the node)")
+
+    async def _make_room(self, size_bytes: int, among: list[str]) -> None:
+        """Drop cached host copies (never a model's last, never one an instance on that node
+        runs from) on the node with the most free host memory until `size_bytes` fit there."""
+        for node in sorted(among, key=lambda n: (-self.pool.free_host_bytes(n), n)):
+            if not self._up(node):
+                continue
+            for uid in self.pool.evictable(node):
+                if self.pool.free_host_bytes(node) >= size_bytes:
+                    return
+                if any(loc.node == node for loc in self.pool.locations(uid) if loc.where is Where.INSTANCE):
+                    continue
+                self.pool.drop_host_copy(uid, node)
+                await self._drop_files(uid, node)
+                log.info("dropped the cached copy of %s on %s to make room", uid, node)
+            if self.pool.free_host_bytes(node) >= size_bytes:
+                return
+
+    async def _drop_files(self, uid: str, node: str) -> None:
+        entry = self._models.get(uid)
+        if entry is not None:
+            entry.paths.pop(node, None)
+            entry.how.pop(node, None)
+            for f in entry.files:
+                entry.file_paths.pop((node, f.name), None)
+        if self._up(node):
+            try:
+                await self.nodes[node].client.call({"t": "weights_drop", "model": uid}, CALL_TIMEOUT_S)
+            except Exception as exc:  # noqa: BLE001 - a leftover file must not fail the caller
+                log.warning("node %s kept the files of %s: %s", node, uid, exc)
 
     def _arrived(self, uid: str, entry: _ModelWeights, node: str, path: str, how: str) -> None:
         """The node holds the model's file: a host copy while its host memory allows."""
