@@ -49,14 +49,15 @@ def record(path: Path, uid: str = "m_1") -> ModelRecord:
     return ModelRecord(uid, "t", "my-model", "gguf", str(path), 256, SLO(), SIZE)
 
 
-async def started(tmp_path: Path, nodes: int = 3, token: str = WEIGHTS_TOKEN, **settings) -> LocalPlacement:
+async def started(tmp_path: Path, nodes: int = 3, token: str = WEIGHTS_TOKEN, host_bytes: int = 10**9,
+                  **settings) -> LocalPlacement:
     class Agent(InProcessAgent):
         weights_root = str(tmp_path / "nodes")
 
     specs = [NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(nodes)]
     plane = WeightsSettings(plan="binomial", block_bytes=1 << 20, token=token)
     p = LocalPlacement(specs, PlacementSettings(**settings), agent_factory=Agent,
-                       weights=lambda agents: WeightsPlane(agents, {s.node_id: 10**9 for s in specs}, plane))
+                       weights=lambda agents: WeightsPlane(agents, {s.node_id: host_bytes for s in specs}, plane))
     await p.start()
     return p
 
@@ -225,16 +226,7 @@ def test_a_folder_model_travels_file_by_file_and_a_nested_folder_does_not(tmp_pa
 
 def test_registration_drops_cached_copies_to_make_room_never_the_last(tmp_path, model_file):
     async def main():
-        specs = [NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(2)]
-
-        class Agent(InProcessAgent):
-            weights_root = str(tmp_path / "nodes")
-
-        room = int(1.5 * SIZE)  # each node's host memory holds one copy
-        plane = WeightsSettings(block_bytes=1 << 20, token=WEIGHTS_TOKEN)
-        p = LocalPlacement(specs, PlacementSettings(), agent_factory=Agent,
-                           weights=lambda agents: WeightsPlane(agents, {s.node_id: room for s in specs}, plane))
-        await p.start()
+        p = await started(tmp_path, nodes=2, host_bytes=int(1.5 * SIZE))  # host memory for one copy a node
         first = record(model_file, "m_1")
         await p.weights.register(first)
         cached = await p.weights.copy_on(first, "cpu-1")  # a cached copy, no instance

@@ -81,10 +81,10 @@ class WeightsSettings:
 
 @dataclass(frozen=True, slots=True)
 class NodeCopy:
-    """A model's file on a node, and how it got there."""
+    """A model's copy on a node (its file, or its folder), and how it got there."""
 
     path: str
-    how: str  # "host copy" (already there) or "multicast from a, b" / "origin"
+    how: str  # "host copy", "host copy (already on the node)", "origin" or "multicast from a, b"
 
 
 @dataclass(frozen=True, slots=True)
