@@ -55,6 +55,7 @@ from engines.detokenize import Detokenizer, StopMatcher
 from engines.model_shape import ModelShape, kv_bytes_per_token, shape_from_config, shape_from_gguf
 from engines.protocol import (
     checked_prompt_ids,
+    engine_limits,
     EngineError,
     EngineRequest,
     FinishReason,
@@ -68,7 +69,6 @@ from engines.protocol import (
 log = logging.getLogger(__name__)
 
 CPU_KV_BLOCK_SIZE = 32  # tokens per KV block in OpenVINO's CPU plugin (2026.4)
-DEFAULT_CONTEXT_CAP = 4096  # default window when the model allows more (see __init__)
 EXPORT_HINT = (
     "Export it to OpenVINO IR first: `pip install -e .[export]`, then "
     "`optimum-cli export openvino --model {path} --task text-generation-with-past OUT_DIR`, "
@@ -173,20 +173,9 @@ class OpenVINOEngine:
         self.source = resolve_model(model_path)
         shape = self.source.shape
         self.model_name = model_name or self.source.path.stem
-        self.context_window = int(context_window or min(shape.context_length, DEFAULT_CONTEXT_CAP))
-        if self.context_window < 2:
-            raise EngineError(f"context_window must be at least 2 tokens, got {self.context_window}")
-        if self.context_window > shape.context_length:
-            log.warning("%s: context_window %d exceeds the model's trained window %d",
-                        self.model_name, self.context_window, shape.context_length)
-        self.prefill_token_budget = int(prefill_token_budget or self.context_window)
-        if self.prefill_token_budget < self.context_window:
-            raise EngineError(
-                f"prefill_token_budget {self.prefill_token_budget} is below context_window "
-                f"{self.context_window}; OpenVINO in vLLM mode breaks on a prompt longer than its "
-                "budget, so raise the budget or lower the context window")
-        if max_num_seqs < 1:
-            raise EngineError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        limits = engine_limits(self.model_name, shape.context_length, context_window, prefill_token_budget,
+                               max_num_seqs, "OpenVINO in vLLM mode breaks on a prompt longer than its budget")
+        self.context_window, self.prefill_token_budget = limits.context_window, limits.prefill_token_budget
         self.max_num_seqs = max_num_seqs
         self.max_batch = max_num_seqs  # engines.protocol name
         self.device = device

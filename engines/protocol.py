@@ -13,9 +13,12 @@ token for every running request.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Iterable, Protocol, Sequence, runtime_checkable
+
+log = logging.getLogger("engines")
 
 
 class IterationKind(str, Enum):
@@ -98,6 +101,35 @@ def step_result(kind: IterationKind, outputs: Iterable[RequestOutput]) -> StepRe
 
 class EngineError(RuntimeError):
     """An engine refused or failed an operation; the message says what and what to do."""
+
+
+DEFAULT_CONTEXT_CAP = 4096  # default window when a model allows more: a long window makes L_min and budgets huge
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    context_window: int
+    prefill_token_budget: int
+    max_num_seqs: int
+
+
+def engine_limits(model_name: str, trained_window: int, context_window: int | None,
+                  prefill_token_budget: int | None, max_num_seqs: int, budget_reason: str) -> EngineLimits:
+    """An engine's window, prefill token budget and batch limit, checked the same way for
+    every engine. `budget_reason` says why the engine needs a budget of at least the window."""
+    window = int(context_window or min(trained_window, DEFAULT_CONTEXT_CAP))
+    if window < 2:
+        raise EngineError(f"context_window must be at least 2 tokens, got {window}")
+    if window > trained_window:
+        log.warning("%s: context_window %d exceeds the model's trained window %d",
+                                             model_name, window, trained_window)
+    budget = int(prefill_token_budget or window)
+    if budget < window:
+        raise EngineError(f"prefill_token_budget {budget} is below context_window {window}; {budget_reason}, so "
+                          "raise the budget or lower the context window")
+    if max_num_seqs < 1:
+        raise EngineError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+    return EngineLimits(window, budget, max_num_seqs)
 
 
 def checked_prompt_ids(request: EngineRequest, *, model_name: str, context_window: int,

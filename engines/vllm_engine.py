@@ -66,6 +66,7 @@ from typing import Any, Callable, Mapping, Sequence
 from engines.model_shape import ModelShape, shape_from_config
 from engines.protocol import (
     checked_prompt_ids,
+    engine_limits,
     EngineError,
     EngineRequest,
     FinishReason,
@@ -79,7 +80,6 @@ log = logging.getLogger(__name__)
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_DIR = REPO_ROOT / ".venv-vllm"
-DEFAULT_CONTEXT_CAP = 4096  # as the OpenVINO engine: a long window makes L_min and the budget large
 BLOCK_SIZES = {"cpu": 128, "cuda": 16}  # vLLM's KV block size per device (0.32), until the build says
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4}
 INSTALL_HINT = ("install it with scripts/setup.sh (creates .venv-vllm with the vllm extra on a GPU machine, "
@@ -376,20 +376,10 @@ class VLLMEngine:
         self.path, self.config, shape = resolve_hf_model(model_path)
         self.shape = shape
         self.model_name = model_name or self.path.name
-        self.context_window = int(context_window or min(shape.context_length, DEFAULT_CONTEXT_CAP))
-        if self.context_window < 2:
-            raise EngineError(f"context_window must be at least 2 tokens, got {self.context_window}")
-        if self.context_window > shape.context_length:
-            log.warning("%s: context_window %d exceeds the model's trained window %d",
-                        self.model_name, self.context_window, shape.context_length)
-        self.prefill_token_budget = int(prefill_token_budget or self.context_window)
-        if self.prefill_token_budget < self.context_window:
-            raise EngineError(
-                f"prefill_token_budget {self.prefill_token_budget} is below context_window {self.context_window}; "
-                "with chunked prefill off vLLM needs a budget of at least the context window, so raise the "
-                "budget or lower the context window")
-        if max_num_seqs < 1:
-            raise EngineError(f"max_num_seqs must be at least 1, got {max_num_seqs}")
+        limits = engine_limits(self.model_name, shape.context_length, context_window, prefill_token_budget,
+                               max_num_seqs, "with chunked prefill off vLLM needs a budget of at least the "
+                               "context window")
+        self.context_window, self.prefill_token_budget = limits.context_window, limits.prefill_token_budget
         if max_num_seqs > self.prefill_token_budget:
             raise EngineError(f"max_num_seqs {max_num_seqs} exceeds the token budget {self.prefill_token_budget}: "
                               "a decode step of a full batch would not fit it")

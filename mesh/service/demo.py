@@ -11,6 +11,7 @@ import asyncio
 import json
 import shlex
 
+from engines.protocol import DEFAULT_CONTEXT_CAP
 from mesh import models
 from mesh.service.auth import new_api_key
 from mesh.service.registry import ModelRecord, Registry, new_model_uid
@@ -19,7 +20,6 @@ from mesh.policy.slo import SLO
 
 DEMO_TENANT = "demo"
 DEMO_MODEL = "demo/smollm2"
-DEFAULT_CONTEXT_CAP = 4096
 
 
 async def ensure_demo(registry: Registry, data_dir) -> tuple[str, ModelRecord]:

@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from aiohttp import web
 
+from engines.protocol import DEFAULT_CONTEXT_CAP
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of
@@ -26,7 +27,6 @@ from mesh.service.registry import MODEL_NAME, ModelRecord, RegistryError, new_mo
 from mesh.service.schema import parse_json
 from mesh.service.sources import SourceError, SourceInfo, inspect_source, receive_upload, resolve_allowed
 
-DEFAULT_CONTEXT_CAP = 4096  # as the OpenVINO engine: a long window makes L_min and prefill budgets huge
 MIN_CONTEXT = 16
 
 
