@@ -249,3 +249,19 @@ def test_registration_drops_cached_copies_to_make_room_never_the_last(tmp_path, 
         await p.stop()
 
     asyncio.run(main())
+
+
+def test_a_target_that_fails_does_not_fail_the_others(tmp_path, model_file):
+    async def main():
+        p = await started(tmp_path, nodes=3)
+        m = record(model_file)
+        await p.weights.register(m)
+        await p.agents["cpu-2"].server.weights.close()  # cpu-2's agent is up, its weights port is not
+        results = {r["node"]: r for r in (await p.scale_out(m, ["cpu-1", "cpu-2"]))["results"]}
+        assert results["cpu-1"]["ok"] and results["cpu-1"]["weights"] == "multicast from cpu-0"
+        assert not results["cpu-2"]["ok"] and "cpu-2" in results["cpu-2"]["error"], results
+        assert sha(p.view()["weights"]["models"][m.uid]["copies"]["cpu-1"]) == sha(model_file)
+        assert "cpu-2" not in p.weights.holders(m.uid)
+        await p.stop()
+
+    asyncio.run(main())

@@ -167,10 +167,14 @@ class WeightsPlane:
                 except PoolError as exc:
                     raise WeightsError(f"model {model.tenant}/{model.name}: {exc}") from exc
             try:
-                await self._send(model, entry, [ORIGIN], [node])
+                failed = await self._send(model, entry, [ORIGIN], [node])
             except BaseException:
                 self.pool.unregister(model.uid)
                 raise
+            if failed:
+                self.pool.unregister(model.uid)
+                raise WeightsError(f"placing the first copy of model {model.tenant}/{model.name} on {node} failed: "
+                                   f"{failed[node]}")
             self._models[model.uid] = entry
             log.info("model %s/%s: first host copy on %s", model.tenant, model.name, node)
             return node
@@ -193,11 +197,16 @@ class WeightsPlane:
         await asyncio.sleep(0)  # let targets asked for in the same tick join this transfer
         async with entry.lock:
             if node not in entry.paths:
-                targets = sorted(t for t in entry.wanted if t not in entry.paths and self._up(t))
-                entry.wanted.difference_update(targets)
-                if node not in targets:
+                if not self._up(node):
+                    entry.wanted.discard(node)
                     raise WeightsError(f"node {node} is down; it cannot receive model {model.tenant}/{model.name}")
-                await self._send(model, entry, self._sources(model.uid, entry, targets), targets)
+                targets = sorted({node} | {t for t in entry.wanted if t not in entry.paths and self._up(t)})
+                entry.wanted.difference_update(targets)
+                failed = await self._send(model, entry, self._sources(model.uid, entry, targets), targets)
+                if node in failed and len(targets) > 1:  # another target may have failed the whole multicast
+                    failed = await self._send(model, entry, self._sources(model.uid, entry, [node]), [node])
+                if node in failed:
+                    raise WeightsError(f"sending model {model.tenant}/{model.name} to {node} failed: {failed[node]}")
         return NodeCopy(entry.paths[node], entry.how[node])
 
     def holders(self, model_uid: str) -> list[str]:
@@ -237,48 +246,56 @@ class WeightsPlane:
                    if loc.node in entry.paths and self._up(loc.node)]
         return sources or [ORIGIN]
 
-    async def _send(self, model: ModelRecord, entry: _ModelWeights, sources: list[str], targets: list[str]) -> None:
+    async def _send(self, model: ModelRecord, entry: _ModelWeights, sources: list[str],
+                    targets: list[str]) -> dict[str, str]:
         """Bring every file of the model to `targets` from `sources`: one multicast per file,
         to the targets that do not hold that file yet (checked block by block on the node,
-        so after a restart a node that still has the model is not sent it again)."""
-        name = f"{model.tenant}/{model.name}"
-        targets = list(targets)
+        so after a restart a node that still has the model is not sent it again). A target
+        that fails is left out of the later files; the rest complete. Returns why each
+        failed target failed."""
         how = "origin" if ORIGIN in sources else "multicast from " + ", ".join(sorted(sources))
+        failed: dict[str, str] = {}
         sent: set[str] = set()
-        try:
-            addresses = {node: self._address(node) for node in [*sources, *targets]}
-            for f in entry.files:
-                need: dict[str, str] = {}
-                for node in targets:
-                    reply = await self.nodes[node].client.call(
+        for f in entry.files:
+            need: dict[str, str] = {}
+            for node in [t for t in targets if t not in failed]:
+                try:
+                    reply = await self._client(node).call(
                         {"t": "weights_path", "model": model.uid, "file": f.name, "manifest": f.manifest.to_dict()},
                         self.settings.timeout_s)
-                    entry.file_paths[(node, f.name)] = str(reply["path"])
-                    if not reply.get("complete"):
-                        need[node] = str(reply["path"])
-                if not need:
+                except Exception as exc:  # AgentDown, AgentCallError: the node cannot take it now
+                    failed[node] = f"its agent did not answer: {exc}"
                     continue
+                entry.file_paths[(node, f.name)] = str(reply["path"])
+                if not reply.get("complete"):
+                    need[node] = str(reply["path"])
+            if not need:
+                continue
+            try:
+                addresses = {n: self._address(n) for n in [*sources, *need]}
                 plan = make_plan(self.settings.plan, sources, sorted(need), f.manifest.count)
                 source_paths = {s: f.origin_path if s == ORIGIN else entry.file_paths[(s, f.name)] for s in sources}
                 result = await multicast(addresses, f.manifest, plan, source_paths, need,
                                          timeout_s=self.settings.timeout_s, token=self.settings.token)
-                sent.update(result.outputs)
-                entry.transfers.append({"file": f.name, "plan": plan.name, "sources": sorted(sources),
-                                        "targets": sorted(need), "completed": sorted(result.outputs),
-                                        "dropped": result.dropped, "seconds": round(result.total_s, 3),
-                                        "bytes": f.manifest.total_bytes})
-                missing = sorted(set(need) - set(result.outputs))
-                if missing:
-                    raise WeightsError(f"{f.name} did not reach {', '.join(missing)} "
-                                       f"(dropped: {', '.join(result.dropped) or 'none'})")
-        except WeightsError as exc:
-            raise WeightsError(f"sending model {name} to {', '.join(targets)} failed: {exc}") from exc
-        except Exception as exc:  # MulticastError, or AgentDown / AgentCallError: a target went away
-            raise WeightsError(f"sending model {name} to {', '.join(targets)} failed: {exc}") from exc
+            except Exception as exc:  # MulticastError, WeightsError: nothing of this file arrived
+                failed.update({n: str(exc) for n in need})
+                continue
+            sent.update(result.outputs)
+            entry.transfers.append({"file": f.name, "plan": plan.name, "sources": sorted(sources),
+                                    "targets": sorted(need), "completed": sorted(result.outputs),
+                                    "dropped": result.dropped, "seconds": round(result.total_s, 3),
+                                    "bytes": f.manifest.total_bytes})
+            for n in need:
+                if n not in result.outputs:
+                    failed[n] = f"{f.name} did not reach it (dropped from the multicast: {', '.join(result.dropped) or 'none'})"
         for node in targets:
-            first = entry.file_paths[(node, entry.files[0].name)]
-            path = str(Path(first).parent) if entry.folder else first
-            self._arrived(model.uid, entry, node, path, how if node in sent else "host copy (already on the node)")
+            if node not in failed:
+                first = entry.file_paths[(node, entry.files[0].name)]
+                path = str(Path(first).parent) if entry.folder else first
+                self._arrived(model.uid, entry, node, path, how if node in sent else "host copy (already on the node)")
+        for node, why in failed.items():
+            log.warning("model %s/%s did not reach %s: %s", model.tenant, model.name, node, why)
+        return failed
 
     async def _make_room(self, size_bytes: int, among: list[str]) -> None:
         """Drop cached host copies (never a model's last, never one an instance on that node
@@ -317,13 +334,16 @@ class WeightsPlane:
         if node not in self.pool.host_copies(uid) and self.pool.free_host_bytes(node) >= entry.total_bytes:
             self.pool.add_host_copy(uid, node)
 
-    def _address(self, node: str) -> tuple[str, int]:
-        if node == ORIGIN:
-            return self.origin.host, self.origin.port
+    def _client(self, node: str) -> AgentClient:
         client = self.nodes[node].client
         if client is None:
             raise WeightsError(f"node {node} is not connected")
-        return weights_address(client)
+        return client
+
+    def _address(self, node: str) -> tuple[str, int]:
+        if node == ORIGIN:
+            return self.origin.host, self.origin.port
+        return weights_address(self._client(node))
 
     # ---- views -------------------------------------------------------------------------------
     def view(self) -> dict[str, Any]:
