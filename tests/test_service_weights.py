@@ -57,7 +57,7 @@ async def started(tmp_path: Path, nodes: int = 3, token: str = WEIGHTS_TOKEN, ho
     specs = [NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(nodes)]
     plane = WeightsSettings(plan="binomial", block_bytes=1 << 20, token=token)
     p = LocalPlacement(specs, PlacementSettings(**settings), agent_factory=Agent,
-                       weights=lambda agents: WeightsPlane(agents, {s.node_id: host_bytes for s in specs}, plane))
+                       weights=lambda agents: WeightsPlane(agents, plane, {s.node_id: host_bytes for s in specs}))
     await p.start()
     return p
 
@@ -256,10 +256,11 @@ def test_a_target_that_fails_does_not_fail_the_others(tmp_path, model_file):
         p = await started(tmp_path, nodes=3)
         m = record(model_file)
         await p.weights.register(m)
-        await p.agents["cpu-2"].server.weights.close()  # cpu-2's agent is up, its weights port is not
+        p.agents["cpu-2"].server.weights.token = "another"  # cpu-2's weights port refuses this service
         results = {r["node"]: r for r in (await p.scale_out(m, ["cpu-1", "cpu-2"]))["results"]}
         assert results["cpu-1"]["ok"] and results["cpu-1"]["weights"] == "multicast from cpu-0"
         assert not results["cpu-2"]["ok"] and "cpu-2" in results["cpu-2"]["error"], results
+        assert "weights token wrong" in results["cpu-2"]["error"]
         assert sha(p.view()["weights"]["models"][m.uid]["copies"]["cpu-1"]) == sha(model_file)
         assert "cpu-2" not in p.weights.holders(m.uid)
         await p.stop()

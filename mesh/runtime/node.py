@@ -22,6 +22,7 @@ from mesh.policy.reservation import Issued, MemoryOp, OpKind
 from mesh.policy.shadow import DEFAULT_MARGIN, Verdict, quick_reject, shadow_validate
 from mesh.policy.slo import SLO
 from mesh.runtime.request import Outcome, ServedRequest
+from mesh.runtime.tasks import cancel_all
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,10 +139,7 @@ class NodeRuntime:
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name=f"node {self.node_id}")
 
     async def stop(self) -> None:
-        tasks = [t for t in [self._loop_task, *self._tasks] if t is not None]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all([self._loop_task, *self._tasks])
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()

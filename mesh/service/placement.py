@@ -40,6 +40,7 @@ from mesh.agent.protocol import Code, InstanceSpec, sampling_to_dict, slo_to_dic
 from mesh.agent.supervisor import AgentSettings, LocalAgent
 from mesh.policy.node_choice import NodeView, choose_node
 from mesh.runtime.node import NodeSpec
+from mesh.runtime.tasks import cancel_all
 from mesh.service.errors import ApiError, bad_request, context_too_long, node_unavailable, overloaded
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
@@ -156,13 +157,13 @@ class LocalPlacement:
             self._tasks.append(loop.create_task(self._admission_worker(node_id), name=f"admission {node_id}"))
         self._tasks.append(loop.create_task(self._housekeeping(), name="placement housekeeping"))
         for agent in self.agents.values():
+            if getattr(agent, "remote", False):  # on another machine: served once reachable
+                continue
             if not await agent.wait_up(self.settings.start_timeout_s):
                 raise RuntimeError(f"node agent {agent.node_id} did not start: {agent.last_error or 'timeout'}")
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._loads]:
-            task.cancel()
-        await asyncio.gather(*self._tasks, *self._loads, return_exceptions=True)
+        await cancel_all([*self._tasks, *self._loads])
         await asyncio.gather(*(a.stop() for a in self.agents.values()), return_exceptions=True)
         if self.weights is not None:
             await self.weights.stop()
@@ -502,6 +503,8 @@ class LocalPlacement:
         for inst in [i for i in self.instances.values() if i.node_id == agent.node_id]:
             self._instance_failed(inst, error)
         self._stats.pop(agent.node_id, None)
+        if self.weights is not None:
+            self.weights.node_down(agent.node_id)
 
     # ---- housekeeping: stats, busy fraction, keep-alive ----------------------------------------------
     async def _housekeeping(self) -> None:

@@ -120,7 +120,10 @@ class _Run:
     async def execute(self, source_paths: dict[str, str], faults: dict[str, Mapping[str, Any]],
                       lookahead: int, token: str | None) -> MulticastResult:
         loop = asyncio.get_running_loop()
-        await asyncio.gather(*(self._open(n) for n in self.nodes))
+        opened = await asyncio.gather(*(self._open(n) for n in self.nodes), return_exceptions=True)
+        for outcome in opened:  # every open has ended, so close() reaches the connections that did open
+            if isinstance(outcome, BaseException):
+                raise outcome
         peers = {n: list(a) for n, a in self.agents.items() if n in self.nodes}
         base = {"type": "start", "transfer": self.id, "manifest": self.manifest.to_dict(),
                 "plan": self.plan.to_dict(), "peers": peers, "lookahead": lookahead}
