@@ -57,6 +57,7 @@ class AgentClient:
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self.info: dict[str, Any] = {}
+        self.address = ""  # what connect() reached: "host:port" or "unix:path"
         self.closed_reason: str | None = None
         self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
@@ -70,6 +71,7 @@ class AgentClient:
 
     async def connect(self, address: str, token: str | None, timeout_s: float = 10.0) -> dict[str, Any]:
         """Connect to "host:port" or "unix:path" and say hello; return the agent's info."""
+        self.address = address
         if address.startswith("unix:"):
             opening = asyncio.open_unix_connection(address[len("unix:"):], limit=2**20)
         else:

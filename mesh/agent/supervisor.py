@@ -25,6 +25,7 @@ from typing import Any, Callable
 from mesh.agent.client import AgentClient, AgentDown
 from mesh.agent.protocol import READY_PREFIX
 from mesh.runtime.node import NodeSpec
+from mesh.runtime.tasks import cancel_all
 
 log = logging.getLogger("mesh.agent.supervisor")
 
@@ -68,6 +69,8 @@ class AgentSettings:
 
 class LocalAgent:
     """One local agent process and its connection, kept alive."""
+
+    remote = False  # the service starts it and must see it up before serving
 
     def __init__(self, spec: NodeSpec, on_up: UpCallback, on_down: DownCallback, on_event: EventCallback,
                  settings: AgentSettings | None = None) -> None:
@@ -117,9 +120,7 @@ class LocalAgent:
             except (AgentDown, Exception):  # noqa: BLE001 - it is going away either way
                 pass
         await self._reap(timeout_s)
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_all([self._task])
         if self.client is not None:
             await self.client.close()
         self.state = "stopped"

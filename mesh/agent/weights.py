@@ -101,11 +101,15 @@ def parse_listen(listen: str) -> tuple[str, int]:
 
 
 def weights_address(client: AgentClient) -> tuple[str, int]:
-    """The weights receiver of a connected agent; ValueError if it hosts none."""
+    """The weights receiver of a connected agent; ValueError if it hosts none. A receiver on
+    an unspecified host (0.0.0.0, ::) is reached at the host the agent itself was reached at."""
     info = client.info.get("weights")
     if not info:
         raise ValueError(f"node {client.name} receives no weights (its agent runs without --weights-listen)")
-    return parse_listen(str(info["address"]))
+    host, port = parse_listen(str(info["address"]))
+    if host in ("0.0.0.0", "::", "[::]") and client.address and not client.address.startswith("unix:"):
+        host = client.address.rpartition(":")[0]
+    return host, port
 
 
 async def send_model(manifest: Manifest, file_name: str, sources: Mapping[str, tuple[AgentClient, str]],

@@ -24,6 +24,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="memory budget of the CPU node for weights and KV (default: half of RAM)")
     parser.add_argument("--cpu-nodes", type=int, default=None,
                         help="CPU node agents to run on this machine (default 1); models reach them by multicast")
+    parser.add_argument("--remote-agent", action="append", dest="remote_agents", metavar="ID=HOST:PORT",
+                        help="a node agent on another machine (`python -m mesh.agent --listen 0.0.0.0:PORT "
+                             "--node-id ID --weights-listen 0.0.0.0:PORT2 ...`), same MESH_AGENT_TOKEN and "
+                             "MESH_WEIGHTS_TOKEN in both environments; repeat for several")
     parser.add_argument("--weights-plan", choices=("naive", "chain", "binomial"), default=None,
                         help="multicast plan that sends a model to the nodes that start it (default binomial)")
     parser.add_argument("--drain-timeout", type=float, default=None, dest="drain_timeout_s",
@@ -44,7 +48,8 @@ def run(args: argparse.Namespace) -> int:
     from mesh.service.config import ConfigError, build_config, read_config_file
 
     cli = {k: getattr(args, k) for k in ("host", "port", "data_dir", "demo", "allowed_dir", "max_body_mb",
-                                         "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "weights_plan",
+                                         "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "remote_agents",
+                                         "weights_plan",
                                          "drain_timeout_s",
                                          "profile_dir", "log_level")}
     try:

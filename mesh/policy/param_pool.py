@@ -106,6 +106,9 @@ class ParameterPool:
         del self._nodes[node]
         return NodeLoss(node, tuple(recache), tuple(lost))
 
+    def nodes(self) -> list[str]:
+        return sorted(self._nodes)
+
     def free_host_bytes(self, node: str) -> int:
         return self._node(node).free_bytes
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import secrets
 import signal
 import sys
@@ -153,7 +154,9 @@ def build_app(service: Service) -> web.Application:
 
 async def run_service(config: ServeConfig, ready: Any = print) -> int:
     """Start everything, print the ready line, serve until SIGINT/SIGTERM, drain, stop."""
-    from mesh.agent.supervisor import AgentSettings, detect_local_nodes
+    from mesh.agent.remote import RemoteAgent, parse_remote
+    from mesh.agent.supervisor import AgentSettings, LocalAgent, detect_local_nodes
+    from mesh.runtime.node import NodeSpec
     from mesh.service.demo import ensure_demo, ready_line
     from mesh.service.placement import LocalPlacement, PlacementSettings
     from mesh.service.weights_plane import WeightsPlane, WeightsSettings
@@ -163,19 +166,28 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     data_dir.mkdir(parents=True, exist_ok=True)
     registry = Registry(data_dir / "registry.sqlite3")
     memory = int(config.cpu_memory_gb * 2**30) if config.cpu_memory_gb else None
-    weights_token = secrets.token_urlsafe(24)
+    weights_token = os.environ.get("MESH_WEIGHTS_TOKEN") or secrets.token_urlsafe(24)  # remote agents need it set
     settings = PlacementSettings(
         keep_alive_s=config.keep_alive_s,
         profile_dir=str(config.profile_dir) if config.profile_dir else None,
         agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
                             weights_root=str(data_dir / "nodes"), weights_token=weights_token))
     nodes = detect_local_nodes(memory, config.cpu_nodes)
-    host_bytes = {n.node_id: n.memory_bytes for n in nodes}  # host copies: up to the node's budget on its disk
+    remote = dict(parse_remote(r) for r in config.remote_agents)
+    nodes += [NodeSpec(node_id, "cpu", 0) for node_id in remote]  # kind and memory: from the agent's hello
+    if remote and not os.environ.get("MESH_WEIGHTS_TOKEN"):
+        print("mesh serve: MESH_WEIGHTS_TOKEN is not set: remote agents started with one will refuse the models "
+              "this server sends them", file=sys.stderr)
 
-    def weights(agents: dict) -> WeightsPlane:
-        return WeightsPlane(agents, host_bytes, WeightsSettings(plan=config.weights_plan, token=weights_token))
+    def make_agent(spec: NodeSpec, *callbacks: Any) -> LocalAgent | RemoteAgent:
+        if spec.node_id in remote:
+            return RemoteAgent(spec, remote[spec.node_id], os.environ.get("MESH_AGENT_TOKEN"), *callbacks)
+        return LocalAgent(spec, *callbacks)
 
-    placement = LocalPlacement(nodes, settings, weights=weights)
+    def weights(agents: dict) -> WeightsPlane:  # host copies: up to each node's memory budget, on its disk
+        return WeightsPlane(agents, WeightsSettings(plan=config.weights_plan, token=weights_token))
+
+    placement = LocalPlacement(nodes, settings, agent_factory=make_agent, weights=weights)
     service = Service(config, registry, placement, ServiceMetrics(placement.view), data_dir)
     service.wall_offset = registry.now() - loop.time()
     service.idle.set()

@@ -4,15 +4,15 @@ The admin token comes from $MESH_ADMIN_TOKEN, else the config file's `admin_toke
 one, the admin routes answer 401 and a warning says so.
 
 Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
-max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, weights_plan, drain_timeout_s,
-heartbeat_timeout_s, profile_dir, log_level.
+max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, weights_plan,
+drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level.
 """
 from __future__ import annotations
 
 import json
 import os
 import tomllib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +35,7 @@ class ServeConfig:
     cpu_memory_gb: float | None = None  # None: half the machine's memory, split over the CPU nodes
     cpu_nodes: int = 1  # CPU node agents on this machine (each a node of the weights plane)
     weights_plan: str = "binomial"  # multicast plan for scale-outs: naive, chain, binomial
+    remote_agents: list[str] = field(default_factory=list)  # "ID=HOST:PORT" of agents on other machines
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 10.0
     profile_dir: Path | None = None  # calibration profiles, <dir>/<model uid>.json
@@ -95,6 +96,21 @@ def _check(c: ServeConfig) -> None:
             raise ConfigError(f"{name} must be a positive number, got {value!r}")
     if isinstance(c.cpu_nodes, bool) or not isinstance(c.cpu_nodes, int) or not 1 <= c.cpu_nodes <= 64:
         raise ConfigError(f"cpu_nodes must be an integer from 1 to 64, got {c.cpu_nodes!r}")
+    if not isinstance(c.remote_agents, list):
+        raise ConfigError(f"remote_agents must be a list of 'ID=HOST:PORT', got {c.remote_agents!r}")
+    from mesh.agent.remote import parse_remote
+
+    ids = []
+    for entry in c.remote_agents:
+        try:
+            ids.append(parse_remote(str(entry))[0])
+        except ValueError as exc:
+            raise ConfigError(f"remote_agents: {exc}") from exc
+    local = {f"cpu-{i}" for i in range(c.cpu_nodes)}
+    clash = sorted({i for i in ids if ids.count(i) > 1 or i in local})
+    if clash:
+        raise ConfigError(f"remote agent ids must be unique and differ from the local nodes cpu-0..cpu-{c.cpu_nodes - 1}:"
+                          f" {', '.join(clash)}")
     if c.weights_plan not in ("naive", "chain", "binomial"):
         raise ConfigError(f"weights_plan must be naive, chain or binomial, got {c.weights_plan!r}")
     if c.cpu_memory_gb is not None and c.cpu_memory_gb <= 0:

@@ -109,6 +109,13 @@ class _ModelWeights:
     def total_bytes(self) -> int:
         return sum(f.manifest.total_bytes for f in self.files)
 
+    def forget(self, node: str) -> None:
+        """The node's copy is gone, or no longer trusted."""
+        self.paths.pop(node, None)
+        self.how.pop(node, None)
+        for f in self.files:
+            self.file_paths.pop((node, f.name), None)
+
 
 def model_files(path: str | Path) -> list[Path] | None:
     """The files a model travels as: [the file], or a folder's files; None for a folder with
@@ -123,14 +130,14 @@ def model_files(path: str | Path) -> list[Path] | None:
 
 
 class WeightsPlane:
-    def __init__(self, nodes: Mapping[str, NodeHandle], host_bytes: Mapping[str, int],
-                 settings: WeightsSettings | None = None) -> None:
-        """`nodes`: the node agents by id; `host_bytes`: each node's host memory for copies."""
+    def __init__(self, nodes: Mapping[str, NodeHandle], settings: WeightsSettings | None = None,
+                 host_bytes: Mapping[str, int] | None = None) -> None:
+        """`nodes`: the node agents by id; `host_bytes`: each node's host memory for copies
+        (default: its memory budget, known once its agent said hello)."""
         self.settings = settings or WeightsSettings()
         self.nodes = nodes
+        self.host_bytes = dict(host_bytes or {})
         self.pool = ParameterPool()
-        for node_id, capacity in host_bytes.items():
-            self.pool.add_node(node_id, capacity)
         self.origin = WeightAgent(token=self.settings.token)
         self._models: dict[str, _ModelWeights] = {}
         self._registering: dict[str, asyncio.Lock] = {}
@@ -152,6 +159,7 @@ class WeightsPlane:
     # ---- the pool's rules, made real ------------------------------------------------------
     async def register(self, model: ModelRecord) -> str:
         """Place the model's first host copy (BlitzScale 5.3) and return its node."""
+        self._add_nodes()
         lock = self._registering.setdefault(model.uid, asyncio.Lock())
         async with lock:
             if model.uid in self._models:
@@ -190,6 +198,7 @@ class WeightsPlane:
         """The model's copy on `node`: its host copy, or one multicast there now."""
         if model.uid not in self._models:
             await self.register(model)
+        self._add_nodes()
         entry = self._models[model.uid]
         if node in entry.paths:
             return NodeCopy(entry.paths[node], "host copy")
@@ -214,6 +223,13 @@ class WeightsPlane:
         entry = self._models.get(model_uid)
         return sorted(entry.paths) if entry is not None else []
 
+    def node_down(self, node: str) -> None:
+        """The node's agent went away: what its disk holds is checked again (block by block)
+        before the node is trusted as a holder or a source; a remote machine may come back
+        without it. The pool keeps its host copies until then."""
+        for entry in self._models.values():
+            entry.forget(node)
+
     def instance_started(self, model_uid: str, node: str, instance_id: str) -> None:
         if model_uid in self._models:
             self.pool.add_instance(model_uid, node, instance_id)
@@ -236,6 +252,14 @@ class WeightsPlane:
             await self._drop_files(model_uid, node)
 
     # ---- transfers ---------------------------------------------------------------------------
+    def _add_nodes(self) -> None:
+        """Nodes join the pool once their memory is known (a remote agent's, at its hello)."""
+        known = set(self.pool.nodes())
+        for node_id, handle in self.nodes.items():
+            capacity = self.host_bytes.get(node_id, handle.spec.memory_bytes)
+            if node_id not in known and capacity > 0:
+                self.pool.add_node(node_id, capacity)
+
     def _up(self, node: str) -> bool:
         handle = self.nodes.get(node)
         return handle is not None and handle.up and handle.client is not None
@@ -317,10 +341,7 @@ class WeightsPlane:
     async def _drop_files(self, uid: str, node: str) -> None:
         entry = self._models.get(uid)
         if entry is not None:
-            entry.paths.pop(node, None)
-            entry.how.pop(node, None)
-            for f in entry.files:
-                entry.file_paths.pop((node, f.name), None)
+            entry.forget(node)
         if self._up(node):
             try:
                 await self.nodes[node].client.call({"t": "weights_drop", "model": uid}, CALL_TIMEOUT_S)
