@@ -4,12 +4,16 @@ node by the weights transport, a scale-out multicasts it to the other node, whos
 loads its own received copy; with the first node killed, the second serves the same greedy
 answer; deleting the model deletes both nodes' copies. With `--vllm-cpu`, a Hugging Face
 folder registered by path travels file by file to the vLLM node, whose engine serves from
-the received folder."""
+the received folder. With `--remote-agent`, an agent the service did not start gets the
+model in its own folder, serves, and is reconnected after a restart."""
 from __future__ import annotations
 
 import hashlib
 import os
 import signal
+import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -100,4 +104,68 @@ def test_a_hugging_face_folder_reaches_the_vllm_node_and_serves_from_there(tmp_p
         assert copy.is_relative_to(tmp_path / "data" / "nodes" / "vllm-cpu-0")
         assert {f.name: sha(f) for f in copy.iterdir()} == {f.name: sha(f) for f in Path(tiny).iterdir()}
     finally:
+        assert server.stop() == 0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _remote_agent(port: int, weights_port: int, folder: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "mesh.agent", "--listen", f"127.0.0.1:{port}", "--node-id", "cpu-r",
+           "--kind", "cpu", "--memory-bytes", str(4 * 2**30), "--weights-listen", f"0.0.0.0:{weights_port}",
+           "--weights-dir", str(folder)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+    assert "MESH_AGENT_LISTENING" in proc.stdout.readline()
+    return proc
+
+
+def test_a_remote_agent_gets_models_by_multicast_and_is_reconnected(tmp_path, monkeypatch):
+    """An agent the service did not start (another machine's, here a process on loopback):
+    the model reaches its own folder by multicast, it serves, and after it is killed and
+    started again it is reconnected and trusted with its copy only after checking it."""
+    monkeypatch.setenv("MESH_AGENT_TOKEN", "remote-agent-token")
+    monkeypatch.setenv("MESH_WEIGHTS_TOKEN", "shared-weights-token")
+    port, weights_port = _free_port(), _free_port()
+    folder = tmp_path / "remote-weights"
+    agent = _remote_agent(port, weights_port, folder)
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    server = Server(tmp_path / "data", allowed, tmp_path / "server.log",
+                    extra=("--remote-agent", f"cpu-r=127.0.0.1:{port}"))
+    try:
+        server.start()
+        server.wait_healthy()
+        scaled = server.admin("POST", "/admin/scale", {"tenant": "demo", "model": "demo/smollm2", "nodes": ["cpu-r"]})
+        (result,) = scaled["results"]
+        assert result["ok"] and result["weights"] == "multicast from cpu-0", scaled
+        (copy,) = folder.rglob("*.gguf")
+        assert sha(copy) == sha(weights_of(server)["copies"]["cpu-0"])
+
+        nodes = {n["node_id"]: n for n in server.admin("GET", "/admin/cluster")["nodes"]}
+        assert nodes["cpu-r"]["pid"] is None and nodes["cpu-r"]["memory"]["capacity_bytes"] == 4 * 2**30
+        os.kill(nodes["cpu-0"]["pid"], signal.SIGKILL)
+        time.sleep(0.3)
+        out = server.client().chat.completions.create(
+            model="demo/smollm2", messages=[{"role": "user", "content": "Hi"}], max_tokens=4)
+        assert out.choices[0].message.content is not None  # served by cpu-r while cpu-0 restarts
+
+        agent.kill()
+        agent.wait()
+        deadline = time.monotonic() + 30
+        while server.http("GET", "/healthz")[0] == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        status, health = server.http("GET", "/healthz")
+        assert status == 503 and health["nodes"]["cpu-r"] == "down"
+        agent = _remote_agent(port, weights_port, folder)
+        server.wait_healthy(30)
+        (again,) = server.admin("POST", "/admin/scale", {"tenant": "demo", "model": "demo/smollm2",
+                                                         "nodes": ["cpu-r"]})["results"]
+        assert again["ok"] and again["weights"] == "host copy (already on the node)", again
+        nodes = {n["node_id"]: n for n in server.admin("GET", "/admin/cluster")["nodes"]}
+        assert nodes["cpu-r"]["restarts"] == 1  # one reconnection
+    finally:
+        agent.kill()
         assert server.stop() == 0
