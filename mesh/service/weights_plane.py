@@ -239,7 +239,8 @@ class WeightsPlane:
             self.pool.remove_instance(model_uid, instance_id)
 
     async def forget(self, model_uid: str) -> None:
-        """The model was deleted: the pool forgets it and the nodes delete their copies."""
+        """The model was deleted: the pool forgets it and the nodes that are up delete their
+        copies (a node that is down keeps its files)."""
         entry = self._models.pop(model_uid, None)
         self._registering.pop(model_uid, None)
         if entry is None:
@@ -248,7 +249,7 @@ class WeightsPlane:
             if loc.where is Where.INSTANCE and loc.instance_id is not None:
                 self.pool.remove_instance(model_uid, loc.instance_id)
         self.pool.unregister(model_uid)
-        for node in list(entry.paths):
+        for node in self.nodes:  # every node: one that restarted may hold a copy not yet checked again
             await self._drop_files(model_uid, node)
 
     # ---- transfers ---------------------------------------------------------------------------
