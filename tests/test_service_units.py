@@ -290,6 +290,21 @@ def test_config_file_env_and_cli(tmp_path, monkeypatch):
         build_config({}, {"allowed_dir": str(tmp_path / "missing")})
 
 
+def test_config_of_nodes_plans_and_remote_agents(tmp_path):
+    f = tmp_path / "mesh.toml"
+    f.write_text('cpu_nodes = 2\nweights_plan = "chain"\nremote_agents = ["cpu-7=10.0.0.7:7000"]\n')
+    c = build_config(read_config_file(f), {})
+    assert (c.cpu_nodes, c.weights_plan, c.remote_agents) == (2, "chain", ["cpu-7=10.0.0.7:7000"])
+    with pytest.raises(ConfigError, match="cpu_nodes must be an integer from 1 to 64"):
+        build_config({}, {"cpu_nodes": 0})
+    with pytest.raises(ConfigError, match="weights_plan must be naive, chain or binomial"):
+        build_config({}, {"weights_plan": "star"})
+    with pytest.raises(ConfigError, match=r"ID=HOST:PORT \(e.g. cpu-7=10.0.0.7:7000\), got 'cpu-7'"):
+        build_config({}, {"remote_agents": ["cpu-7"]})
+    with pytest.raises(ConfigError, match="must be unique and differ from the local nodes cpu-0..cpu-1: cpu-1, r"):
+        build_config({}, {"cpu_nodes": 2, "remote_agents": ["cpu-1=h:1", "r=h:2", "r=h:3"]})
+
+
 # ---- agent protocol framing --------------------------------------------------------------------------
 
 
