@@ -34,6 +34,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="seconds shutdown waits for open streams (default 30)")
     parser.add_argument("--profile-dir", default=None, help="calibration profiles, <dir>/<model uid>.json")
     parser.add_argument("--log-level", default=None, help="WARNING (default), INFO, DEBUG")
+    parser.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve HTTPS (with --tls-key)")
+    parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
     parser.add_argument("--vllm-cpu", action="store_true",
                         help="also start a vLLM-on-CPU node agent (tests the GPU path without a GPU; "
                              "same as MESH_VLLM_CPU_NODE=1; needs .venv-vllm from scripts/setup.sh)")
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
                                          "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "remote_agents",
                                          "weights_plan",
                                          "drain_timeout_s",
-                                         "profile_dir", "log_level")}
+                                         "profile_dir", "log_level", "tls_cert", "tls_key")}
     try:
         file_values = read_config_file(args.config) if args.config else {}
         config = build_config(file_values, cli)

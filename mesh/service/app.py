@@ -19,6 +19,7 @@ import logging
 import os
 import secrets
 import signal
+import ssl
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -162,6 +163,15 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     from mesh.service.weights_plane import WeightsPlane, WeightsSettings
 
     loop = asyncio.get_running_loop()
+    tls = None
+    if config.tls_cert is not None:
+        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            tls.load_cert_chain(config.tls_cert, config.tls_key)
+        except (OSError, ssl.SSLError) as exc:  # SSLError: not PEM, or the key is not the certificate's
+            print(f"mesh serve: cannot use the TLS certificate {config.tls_cert} with the key {config.tls_key}: {exc}",
+                  file=sys.stderr)
+            return 1
     data_dir = config.data_dir
     data_dir.mkdir(parents=True, exist_ok=True)
     registry = Registry(data_dir / "registry.sqlite3")
@@ -202,7 +212,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     try:
         await placement.start()
         await runner.setup()
-        site = web.TCPSite(runner, config.host, config.port, shutdown_timeout=5.0)
+        site = web.TCPSite(runner, config.host, config.port, shutdown_timeout=5.0, ssl_context=tls)
         await site.start()
     except (OSError, RuntimeError) as exc:
         print(f"mesh serve: cannot start: {exc}", file=sys.stderr)
@@ -213,7 +223,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     host, port = runner.addresses[0][:2]
     if demo_model is not None:
         loop.create_task(placement.preload(demo_model))
-    ready(ready_line(f"http://{host}:{port}", demo_key, demo_model.name if demo_model else None))
+    scheme = "https" if tls is not None else "http"
+    ready(ready_line(f"{scheme}://{host}:{port}", demo_key, demo_model.name if demo_model else None))
     sys.stdout.flush()
 
     stop = asyncio.Event()

@@ -5,7 +5,7 @@ one, the admin routes answer 401 and a warning says so.
 
 Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
 max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, weights_plan,
-drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level.
+drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key.
 """
 from __future__ import annotations
 
@@ -40,6 +40,8 @@ class ServeConfig:
     heartbeat_timeout_s: float = 10.0
     profile_dir: Path | None = None  # calibration profiles, <dir>/<model uid>.json
     log_level: str = "WARNING"
+    tls_cert: Path | None = None  # PEM certificate chain: serve HTTPS (with tls_key)
+    tls_key: Path | None = None  # its PEM private key
 
     @property
     def max_body_bytes(self) -> int:
@@ -50,7 +52,7 @@ class ServeConfig:
         return int(self.max_upload_mb * 2**20)
 
 
-_PATHS = {"data_dir", "allowed_dir", "profile_dir"}
+_PATHS = {"data_dir", "allowed_dir", "profile_dir", "tls_cert", "tls_key"}
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -117,5 +119,11 @@ def _check(c: ServeConfig) -> None:
         raise ConfigError(f"cpu_memory_gb must be positive, got {c.cpu_memory_gb!r}")
     if c.allowed_dir is not None and not c.allowed_dir.is_dir():
         raise ConfigError(f"allowed_dir {c.allowed_dir} is not a folder")
+    if (c.tls_cert is None) != (c.tls_key is None):
+        raise ConfigError("HTTPS needs both tls_cert and tls_key (--tls-cert and --tls-key)")
+    for name in ("tls_cert", "tls_key"):
+        path = getattr(c, name)
+        if path is not None and not path.is_file():
+            raise ConfigError(f"{name} {path} is not a file")
     if c.admin_token is not None and (not isinstance(c.admin_token, str) or len(c.admin_token) < 1):
         raise ConfigError("admin_token must be a non-empty string")
