@@ -232,7 +232,10 @@ class WeightsPlane:
 
     def instance_started(self, model_uid: str, node: str, instance_id: str) -> None:
         if model_uid in self._models:
-            self.pool.add_instance(model_uid, node, instance_id)
+            try:
+                self.pool.add_instance(model_uid, node, instance_id)
+            except PoolError as exc:  # bookkeeping only: it must not stop the instance from serving
+                log.warning("parameter pool: %s", exc)
 
     def instance_stopped(self, model_uid: str, instance_id: str) -> None:
         if model_uid in self._models and any(loc.instance_id == instance_id for loc in self.pool.locations(model_uid)):
