@@ -66,6 +66,7 @@ class InProcessAgent:
     def up(self) -> bool:
         return self.state == "up" and self.client is not None and self.client.up
 
+    remote = False
     weights_root: str | None = None  # set: the agent hosts a weights receiver in <root>/<node id>
 
     async def start(self) -> None:

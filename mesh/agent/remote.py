@@ -20,7 +20,7 @@ from dataclasses import replace
 from typing import Any
 
 from mesh.agent.client import AgentClient, AgentDown
-from mesh.agent.supervisor import AgentSettings, DownCallback, EventCallback, UpCallback
+from mesh.agent.supervisor import AgentHandle, AgentSettings, DownCallback, EventCallback, UpCallback
 from mesh.runtime.node import NodeSpec
 from mesh.runtime.tasks import cancel_all
 
@@ -36,46 +36,18 @@ def parse_remote(text: str) -> tuple[str, str]:
     return node_id, address
 
 
-class RemoteAgent:
-    """One remote node agent's connection, kept open."""
+class RemoteAgent(AgentHandle):
+    """One remote node agent's connection, kept open. `restarts` counts reconnections; the
+    spec's kind and memory are replaced by the agent's own at every hello."""
 
     pid = None  # the process is on another machine
-    remote = True  # the service serves without it until it is reachable
+    remote = True
 
     def __init__(self, spec: NodeSpec, address: str, token: str | None, on_up: UpCallback, on_down: DownCallback,
                  on_event: EventCallback, settings: AgentSettings | None = None) -> None:
-        self.spec = spec  # kind and memory are replaced by the agent's own at every hello
+        super().__init__(spec, on_up, on_down, on_event, settings)
         self.address = address
-        self.on_up, self.on_down, self.on_event = on_up, on_down, on_event
-        self.settings = settings or AgentSettings()
-        self.state = "stopped"
-        self.client: AgentClient | None = None
-        self.restarts = 0  # reconnections after the first connection
-        self.last_error = ""
-        self.generation = 0  # increments at every connection: instances belong to one generation
         self._token = token
-        self._task: asyncio.Task | None = None
-        self._stopping = False
-        self._up = asyncio.Event()
-        self._gone = asyncio.Event()
-
-    @property
-    def node_id(self) -> str:
-        return self.spec.node_id
-
-    @property
-    def up(self) -> bool:
-        return self.state == "up" and self.client is not None and self.client.up
-
-    async def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._supervise(), name=f"remote agent {self.node_id}")
-
-    async def wait_up(self, timeout_s: float) -> bool:
-        try:
-            await asyncio.wait_for(self._up.wait(), timeout_s)
-            return True
-        except asyncio.TimeoutError:
-            return False
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True

@@ -67,10 +67,12 @@ class AgentSettings:
     weights_token: str | None = None  # MESH_WEIGHTS_TOKEN of their weights ports
 
 
-class LocalAgent:
-    """One local agent process and its connection, kept alive."""
+class AgentHandle:
+    """What the placement holds of one node agent: its connection (`client`), state
+    (starting, up, down, stopped), the generation its instances belong to, and callbacks for
+    up, down and events. Subclasses keep the connection alive in `_supervise`."""
 
-    remote = False  # the service starts it and must see it up before serving
+    remote = False  # True: the service serves without it until it is reachable
 
     def __init__(self, spec: NodeSpec, on_up: UpCallback, on_down: DownCallback, on_event: EventCallback,
                  settings: AgentSettings | None = None) -> None:
@@ -79,16 +81,13 @@ class LocalAgent:
         self.settings = settings or AgentSettings()
         self.state = "stopped"
         self.client: AgentClient | None = None
-        self.process: asyncio.subprocess.Process | None = None
         self.restarts = 0
         self.last_error = ""
-        self.generation = 0  # increments at every (re)start: instances belong to one generation
-        self._token = secrets.token_urlsafe(24)
+        self.generation = 0  # increments at every (re)connection: instances belong to one generation
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._up = asyncio.Event()
-        self._gone = asyncio.Event()  # set when the current connection or process ends
-        self._watchers: set[asyncio.Task] = set()
+        self._gone = asyncio.Event()  # set when the current connection (or process) ends
 
     @property
     def node_id(self) -> str:
@@ -97,10 +96,6 @@ class LocalAgent:
     @property
     def up(self) -> bool:
         return self.state == "up" and self.client is not None and self.client.up
-
-    @property
-    def pid(self) -> int | None:
-        return self.process.pid if self.process is not None and self.process.returncode is None else None
 
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._supervise(), name=f"agent {self.node_id}")
@@ -111,6 +106,24 @@ class LocalAgent:
             return True
         except asyncio.TimeoutError:
             return False
+
+    async def _supervise(self) -> None:
+        raise NotImplementedError
+
+
+class LocalAgent(AgentHandle):
+    """One local agent process and its connection, kept alive."""
+
+    def __init__(self, spec: NodeSpec, on_up: UpCallback, on_down: DownCallback, on_event: EventCallback,
+                 settings: AgentSettings | None = None) -> None:
+        super().__init__(spec, on_up, on_down, on_event, settings)
+        self.process: asyncio.subprocess.Process | None = None
+        self._token = secrets.token_urlsafe(24)
+        self._watchers: set[asyncio.Task] = set()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None and self.process.returncode is None else None
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True

@@ -156,7 +156,7 @@ def build_app(service: Service) -> web.Application:
 async def run_service(config: ServeConfig, ready: Any = print) -> int:
     """Start everything, print the ready line, serve until SIGINT/SIGTERM, drain, stop."""
     from mesh.agent.remote import RemoteAgent, parse_remote
-    from mesh.agent.supervisor import AgentSettings, LocalAgent, detect_local_nodes
+    from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent, detect_local_nodes
     from mesh.runtime.node import NodeSpec
     from mesh.service.demo import ensure_demo, ready_line
     from mesh.service.placement import LocalPlacement, PlacementSettings
@@ -189,7 +189,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         print("mesh serve: MESH_WEIGHTS_TOKEN is not set: remote agents started with one will refuse the models "
               "this server sends them", file=sys.stderr)
 
-    def make_agent(spec: NodeSpec, *callbacks: Any) -> LocalAgent | RemoteAgent:
+    def make_agent(spec: NodeSpec, *callbacks: Any) -> AgentHandle:
         if spec.node_id in remote:
             return RemoteAgent(spec, remote[spec.node_id], os.environ.get("MESH_AGENT_TOKEN"), *callbacks)
         return LocalAgent(spec, *callbacks)

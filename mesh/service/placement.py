@@ -37,7 +37,7 @@ from typing import Any, Callable, Protocol
 
 from mesh.agent.client import AgentCallError, AgentDown
 from mesh.agent.protocol import Code, InstanceSpec, sampling_to_dict, slo_to_dict
-from mesh.agent.supervisor import AgentSettings, LocalAgent
+from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.policy.node_choice import NodeView, choose_node
 from mesh.runtime.node import NodeSpec
 from mesh.runtime.tasks import cancel_all
@@ -125,13 +125,13 @@ class _Retry(Exception):
 
 class LocalPlacement:
     def __init__(self, nodes: list[NodeSpec], settings: PlacementSettings | None = None,
-                 agent_factory: Callable[..., LocalAgent] = LocalAgent,
-                 weights: Callable[[dict[str, LocalAgent]], WeightsPlane] | None = None) -> None:
+                 agent_factory: Callable[..., AgentHandle] = LocalAgent,
+                 weights: Callable[[dict[str, AgentHandle]], WeightsPlane] | None = None) -> None:
         """`agent_factory(spec, on_up, on_down, on_event, settings)` makes each node's agent
         handle (tests pass one that runs the agent in-process); `weights(agents)` makes the
         weights plane (None: nodes load models from the registry's path)."""
         self.settings = settings or PlacementSettings()
-        self.agents: dict[str, LocalAgent] = {
+        self.agents: dict[str, AgentHandle] = {
             n.node_id: agent_factory(n, self._agent_up, self._agent_down, self._agent_event, self.settings.agent)
             for n in nodes}
         self.weights = weights(self.agents) if weights is not None else None
@@ -157,7 +157,7 @@ class LocalPlacement:
             self._tasks.append(loop.create_task(self._admission_worker(node_id), name=f"admission {node_id}"))
         self._tasks.append(loop.create_task(self._housekeeping(), name="placement housekeeping"))
         for agent in self.agents.values():
-            if getattr(agent, "remote", False):  # on another machine: served once reachable
+            if agent.remote:  # on another machine: served once reachable
                 continue
             if not await agent.wait_up(self.settings.start_timeout_s):
                 raise RuntimeError(f"node agent {agent.node_id} did not start: {agent.last_error or 'timeout'}")
@@ -191,7 +191,7 @@ class LocalPlacement:
             if inst.active == 0 and inst.pinned == 0:
                 inst.idle_since = asyncio.get_running_loop().time()
 
-    async def _place(self, agent: LocalAgent, inst: Instance, job: Job) -> RequestStream:
+    async def _place(self, agent: AgentHandle, inst: Instance, job: Job) -> RequestStream:
         ids = job.prompt_token_ids
         if ids is None:
             ids = await self._tokenize(agent, inst, job)
@@ -228,7 +228,7 @@ class LocalPlacement:
         if agent is not None and agent.client is not None:
             agent.client.send({"t": "abort", "request_id": request_id})
 
-    def _choose_agent(self, model: ModelRecord) -> LocalAgent:
+    def _choose_agent(self, model: ModelRecord) -> AgentHandle:
         """GGUF and OpenVINO IR models run on CPU nodes (OpenVINO); Hugging Face folders on
         GPU nodes (vLLM, issue 6). Which node of the kind: mesh.policy.node_choice."""
         kind = model.node_kind
@@ -260,7 +260,7 @@ class LocalPlacement:
                 active=inst.active if live else 0, queued=len(waiting), host_copy=node_id in held))
         return views
 
-    async def _ensure_instance(self, agent: LocalAgent, model: ModelRecord) -> Instance:
+    async def _ensure_instance(self, agent: AgentHandle, model: ModelRecord) -> Instance:
         key = (agent.node_id, model.uid)
         inst = self._by_model.get(key)
         if inst is None or inst.generation != agent.generation or inst.state == "failed":
@@ -275,7 +275,7 @@ class LocalPlacement:
         await asyncio.shield(inst.ready)
         return inst
 
-    async def _load(self, agent: LocalAgent, inst: Instance) -> None:
+    async def _load(self, agent: AgentHandle, inst: Instance) -> None:
         model = inst.model
         profile = None
         if self.settings.profile_dir:
@@ -328,7 +328,7 @@ class LocalPlacement:
         if self._by_model.get(key) is inst:
             del self._by_model[key]
 
-    async def _recycle_one(self, agent: LocalAgent, exclude: Instance) -> bool:
+    async def _recycle_one(self, agent: AgentHandle, exclude: Instance) -> bool:
         """Unload the least recently used idle instance on the agent; False if none is idle."""
         waiting = {w.instance.instance_id for w in self._queues[agent.node_id]}
         idle = [i for i in self.instances.values() if i.node_id == agent.node_id and i is not exclude
@@ -338,7 +338,7 @@ class LocalPlacement:
                 return True
         return False
 
-    async def _unload(self, agent: LocalAgent, inst: Instance) -> bool:
+    async def _unload(self, agent: AgentHandle, inst: Instance) -> bool:
         self._forget_instance(inst)
         try:
             await agent.client.call({"t": "unload", "instance_id": inst.instance_id}, CALL_TIMEOUT_S)
@@ -351,7 +351,7 @@ class LocalPlacement:
         except AgentDown:
             return False
 
-    async def _tokenize(self, agent: LocalAgent, inst: Instance, job: Job) -> list[int]:
+    async def _tokenize(self, agent: AgentHandle, inst: Instance, job: Job) -> list[int]:
         message: dict[str, Any] = {"t": "tokenize", "instance_id": inst.instance_id}
         if job.messages is not None:
             message["messages"] = job.messages
@@ -451,7 +451,7 @@ class LocalPlacement:
             w.done.set_exception(error)
 
     # ---- agent events --------------------------------------------------------------------------
-    def _agent_event(self, agent: LocalAgent, m: dict[str, Any]) -> None:
+    def _agent_event(self, agent: AgentHandle, m: dict[str, Any]) -> None:
         kind = m.get("t")
         if kind == "tokens":
             for rid, token_ids, text in m.get("items", ()):
@@ -488,10 +488,10 @@ class LocalPlacement:
                 self._instance_failed(inst, ApiError(503, f"The model failed to load: {m.get('error')}",
                                                      "server_error", "model", "model_load_failed"))
 
-    def _agent_up(self, agent: LocalAgent) -> None:
+    def _agent_up(self, agent: AgentHandle) -> None:
         log.warning("node agent %s is up (pid %s, generation %d)", agent.node_id, agent.pid, agent.generation)
 
-    def _agent_down(self, agent: LocalAgent, reason: str) -> None:
+    def _agent_down(self, agent: AgentHandle, reason: str) -> None:
         error = node_unavailable(f"node agent {agent.node_id} died ({reason}); it is being restarted")
         for rid, (stream, inst) in list(self._streams.items()):
             if inst.node_id == agent.node_id:
@@ -524,7 +524,7 @@ class LocalPlacement:
                 self._stats[node_id] = stats
                 await self._recycle_idle(agent)
 
-    async def _recycle_idle(self, agent: LocalAgent) -> None:
+    async def _recycle_idle(self, agent: AgentHandle) -> None:
         now = asyncio.get_running_loop().time()
         waiting = {w.instance.instance_id for w in self._queues[agent.node_id]}
         for inst in list(self.instances.values()):
