@@ -12,7 +12,7 @@ from mesh.agent import engines as agent_engines
 from mesh.agent.client import AgentClient
 from mesh.agent.protocol import InstanceSpec
 from mesh.agent.server import AgentServer
-from mesh.runtime.node import NodeSpec
+from mesh.agent.supervisor import AgentHandle
 
 TOKEN = "secret"
 WEIGHTS_TOKEN = "weights-secret"
@@ -43,30 +43,12 @@ def use_simulated_engines(monkeypatch: Any) -> None:
     monkeypatch.setattr(server_module, "iteration_times", lambda spec, w: agent_engines.AdaptiveTimes(TIMES))
 
 
-class InProcessAgent:
+class InProcessAgent(AgentHandle):
     """The LocalAgent interface, with the agent in this process. `kill()` drops the
     connection the way a dead process does; `start()` again brings a fresh agent."""
 
-    def __init__(self, spec: NodeSpec, on_up: Any, on_down: Any, on_event: Any, settings: Any = None) -> None:
-        self.spec = spec
-        self.on_up, self.on_down, self.on_event = on_up, on_down, on_event
-        self.state = "stopped"
-        self.client: AgentClient | None = None
-        self.server: AgentServer | None = None
-        self.generation = 0
-        self.restarts = 0
-        self.last_error = ""
-        self.pid = None
-
-    @property
-    def node_id(self) -> str:
-        return self.spec.node_id
-
-    @property
-    def up(self) -> bool:
-        return self.state == "up" and self.client is not None and self.client.up
-
-    remote = False
+    pid = None
+    server: AgentServer | None = None
     weights_root: str | None = None  # set: the agent hosts a weights receiver in <root>/<node id>
 
     async def start(self) -> None:
