@@ -59,7 +59,8 @@ class InProcessAgent(AgentHandle):
             from mesh.agent.weights import NodeWeightsReceiver
 
             weights = NodeWeightsReceiver(Path(self.weights_root) / self.node_id, token=WEIGHTS_TOKEN)
-        self.server = AgentServer(self.spec, TOKEN, weights=weights)
+        # The double's models are the tests' own files anywhere: it trusts every path ("/").
+        self.server = AgentServer(self.spec, TOKEN, weights=weights, load_roots=["/"])
         address = await self.server.serve("127.0.0.1:0")
         self.generation += 1
         self.client = AgentClient(self.node_id, lambda m: self.on_event(self, m), self._closed)

@@ -21,8 +21,8 @@ def simulated(monkeypatch):
     use_simulated_engines(monkeypatch)
 
 
-async def _start(memory: int = 10**9) -> tuple[AgentServer, str]:
-    server = AgentServer(NodeSpec("n0", "cpu", memory), TOKEN, {"cores": 2})
+async def _start(memory: int = 10**9, roots: tuple[str, ...] = ("/",)) -> tuple[AgentServer, str]:
+    server = AgentServer(NodeSpec("n0", "cpu", memory), TOKEN, {"cores": 2}, load_roots=roots)
     address = await server.serve("127.0.0.1:0")
     return server, address
 
@@ -133,5 +133,79 @@ def test_lost_connection_aborts_requests_and_fails_calls(simulated):
                 break
             await asyncio.sleep(0.01)
         assert not client2.up and len(closed) == 2
+
+    asyncio.run(main())
+
+
+def test_load_opens_only_files_inside_the_agents_model_folders(simulated, tmp_path):
+    async def main():
+        root = tmp_path / "models"
+        root.mkdir()
+        (root / "m.gguf").write_bytes(b"GGUF")
+        outside = tmp_path / "secret.gguf"
+        outside.write_bytes(b"GGUF")
+        (root / "link.gguf").symlink_to(outside)
+        server, address = await _start(roots=(str(root),))
+        client = AgentClient("n0", lambda m: None, lambda r: None)
+        await client.connect(address, TOKEN)
+        for i, path in enumerate((outside, root / ".." / "secret.gguf", root / "link.gguf", "/etc/passwd")):
+            with pytest.raises(AgentCallError) as e:
+                await client.call(InstanceSpec(f"x{i}", "m", str(path), 256, engine="simulated").to_message())
+            assert e.value.code == Code.BAD_REQUEST.value and "outside this agent's model folders" in str(e.value)
+            assert "--models-root" in str(e.value)
+        reply = await client.call(InstanceSpec("ok", "m", str(root / "m.gguf"), 256, engine="simulated").to_message())
+        assert reply["context_window"] == 256
+        assert set(server.node.instances) == {"ok"}
+        await client.close()
+        await server.close()
+
+    asyncio.run(main())
+
+
+def test_a_handler_exception_fails_that_call_only(simulated):
+    """A bug in a handler (injected: `stats` and an async `weights_path` raise) answers that
+    call `failed`; the connection stays up and a request that was decoding finishes."""
+    async def main():
+        server, address = await _start()
+        events: list[dict] = []
+        closed: list[str] = []
+        client = AgentClient("n0", events.append, closed.append)
+        await client.connect(address, TOKEN)
+        await client.call(InstanceSpec("i1", "m", "/x", 256, engine="simulated").to_message())
+        for _ in range(100):
+            if any(ev["t"] == "instance" for ev in events):
+                break
+            await asyncio.sleep(0.01)
+        reply = await client.call({"t": "admit", "requests": [_entry("long", "i1", max_tokens=60)]})
+        assert reply["results"][0]["ok"]
+        await asyncio.sleep(0.05)
+
+        def broken(message):
+            raise KeyError("injected bug")
+
+        async def broken_async(message):
+            await asyncio.sleep(0)
+            raise RuntimeError("injected async bug")
+
+        server._handlers["stats"] = broken
+        server._handlers["weights_path"] = broken_async
+        for kind, what in (("stats", "KeyError"), ("weights_path", "RuntimeError")):
+            with pytest.raises(AgentCallError) as e:
+                await client.call({"t": kind})
+            assert e.value.code == Code.FAILED.value and what in str(e.value)
+        assert client.up and not closed
+        assert "long" in server.requests and not any(ev["t"] == "done" for ev in events)  # still decoding
+        assert await client.call({"t": "ping"}) is not None
+        reply = await client.call({"t": "admit", "requests": [_entry("after", "i1", max_tokens=5)]})
+        assert reply["results"][0]["ok"]
+        for _ in range(500):
+            if {ev["request_id"] for ev in events if ev["t"] == "done"} >= {"long", "after"}:
+                break
+            await asyncio.sleep(0.01)
+        done = {ev["request_id"]: ev for ev in events if ev["t"] == "done"}
+        assert done["long"]["outcome"] == "completed" and done["long"]["tokens_out"] == 60
+        assert done["after"]["outcome"] == "completed"
+        await client.close()
+        await server.close()
 
     asyncio.run(main())

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -103,11 +104,13 @@ def test_an_agent_receives_a_model_into_its_folder(tmp_path: Path) -> None:
 
 # ---- two real agent processes, the demo model -------------------------------------------
 
-async def _spawn(node: str, weights_dir: Path, weights_token: str) -> tuple[asyncio.subprocess.Process, str]:
+async def _spawn(node: str, weights_dir: Path, weights_token: str,
+                 models_root: Path | None = None) -> tuple[asyncio.subprocess.Process, str]:
     env = {**os.environ, "MESH_AGENT_TOKEN": TOKEN, "MESH_WEIGHTS_TOKEN": weights_token}
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", node, "--memory-bytes", str(3 * 10**9),
-        "--weights-listen", "127.0.0.1:0", "--weights-dir", str(weights_dir), stdout=asyncio.subprocess.PIPE, env=env)
+        "--weights-listen", "127.0.0.1:0", "--weights-dir", str(weights_dir),
+        *(["--models-root", str(models_root)] if models_root else []), stdout=asyncio.subprocess.PIPE, env=env)
     line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
     assert line.startswith(READY_PREFIX), line
     return proc, line[len(READY_PREFIX):]
@@ -146,7 +149,9 @@ def test_a_scale_out_by_network_serves_from_the_received_file(demo_gguf: Path, t
         weights_token = new_token()  # in the agents' environment, not their argv
         try:
             for node in ("a", "b"):
-                procs[node], address = await _spawn(node, tmp_path / node, weights_token)
+                # a loads the cached demo file (a models root); b only what it received
+                procs[node], address = await _spawn(node, tmp_path / node, weights_token,
+                                                    demo_gguf.parent if node == "a" else None)
                 clients[node] = AgentClient(node, events[node].append, lambda r: None, heartbeat_timeout_s=60)
                 info = await clients[node].connect(address, TOKEN)
                 assert info["weights"]["dir"] == str(tmp_path / node)
@@ -175,3 +180,32 @@ def test_a_scale_out_by_network_serves_from_the_received_file(demo_gguf: Path, t
                 await p.wait()
 
     asyncio.run(main())
+
+
+# ---- an agent is closed unless told otherwise -------------------------------------------
+
+@pytest.mark.parametrize("listen, weights, env, refused", [
+    ("0.0.0.0:0", None, {}, "MESH_AGENT_TOKEN"),
+    ("192.0.2.1:0", None, {"MESH_WEIGHTS_TOKEN": "w"}, "MESH_AGENT_TOKEN"),
+    ("127.0.0.1:0", "0.0.0.0:0", {"MESH_AGENT_TOKEN": "a"}, "MESH_WEIGHTS_TOKEN"),
+])
+def test_an_agent_refuses_an_open_port_without_a_token(listen, weights, env, refused, tmp_path):
+    cmd = [sys.executable, "-m", "mesh.agent", "--listen", listen, "--node-id", "n", "--memory-bytes", "1000000",
+           "--weights-dir", str(tmp_path / "w"), *(["--weights-listen", weights] if weights else [])]
+    clean = {k: v for k, v in os.environ.items() if k not in ("MESH_AGENT_TOKEN", "MESH_WEIGHTS_TOKEN")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60, env={**clean, **env})
+    assert proc.returncode == 2 and READY_PREFIX not in proc.stdout
+    assert "refusing" in proc.stderr and refused in proc.stderr and "127.0.0.1" in proc.stderr
+
+
+def test_an_agent_on_loopback_or_with_a_token_starts(tmp_path):
+    clean = {k: v for k, v in os.environ.items() if k not in ("MESH_AGENT_TOKEN", "MESH_WEIGHTS_TOKEN")}
+    for listen, env in (("127.0.0.1:0", {}), ("0.0.0.0:0", {"MESH_AGENT_TOKEN": "t"})):
+        proc = subprocess.Popen([sys.executable, "-m", "mesh.agent", "--listen", listen, "--node-id", "n",
+                                 "--memory-bytes", "1000000", "--weights-dir", str(tmp_path / "w")],
+                                stdout=subprocess.PIPE, text=True, env={**clean, **env})
+        try:
+            assert proc.stdout.readline().startswith(READY_PREFIX)
+        finally:
+            proc.terminate()
+            proc.wait(30)

@@ -17,19 +17,31 @@ respect to the node's state. Token outputs of one iteration go out as one `token
 (mesh.agent.weights), so `load` can start an engine from weights received over the network;
 the weights port requires the token in the environment variable MESH_WEIGHTS_TOKEN when it is
 set (never an argument: `ps` would show it).
+
+Closed by default:
+- An agent refuses to start listening on an address other than loopback (or a Unix socket)
+  without $MESH_AGENT_TOKEN, and its weights port likewise without $MESH_WEIGHTS_TOKEN:
+  anyone who can reach the port could otherwise load models and run requests.
+- `load` opens only files inside the agent's model folders: its weights folder
+  (`--weights-dir`, default DATA/received/NODE_ID) and each `--models-root DIR` (the
+  embedded agents of `mesh serve` get the service's data folder, its --allowed-dir and the
+  demo model cache). A path elsewhere, or a symlink leading out, is refused as bad_request.
+- An unexpected exception in a handler answers that message with `failed` and leaves the
+  connection and every other request as they were.
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
 import hmac
+import ipaddress
 import logging
 import os
 import signal
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 from engines.protocol import EngineError, EngineRequest
 from mesh.agent.engines import AdaptiveTimes, iteration_times, make_engine
@@ -44,7 +56,7 @@ from mesh.agent.protocol import (
     sampling_from_dict,
     slo_from_dict,
 )
-from mesh.agent.weights import NodeWeightsReceiver, parse_listen, received_path
+from mesh.agent.weights import NodeWeightsReceiver, inside, parse_listen, received_path
 from mesh.runtime.weights.blocks import Manifest, holds
 from mesh.runtime.weights.agent import token_from_env
 from mesh.policy.kv_demand import RunningMean
@@ -70,9 +82,11 @@ class AgentServer:
     """Serves one node: its runtime, instances, and one control connection."""
 
     def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None,
-                 weights: NodeWeightsReceiver | None = None) -> None:
+                 weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = ()) -> None:
+        """`load_roots`: folders whose files `load` may open, besides the weights receiver's."""
         self.spec = spec
         self.weights = weights  # receives model blocks over the network (None: not hosted)
+        self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
         self.token = token
         self.cpu = cpu or {}
         self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True)
@@ -183,6 +197,9 @@ class AgentServer:
         except (Reply, ProtocolError) as exc:
             self._refuse(mid, exc)
             return
+        except Exception as exc:  # noqa: BLE001 - a bug in one handler fails that call, not the connection
+            self._failed(mid, kind, exc)
+            return
         if asyncio.iscoroutine(result):
             asyncio.get_running_loop().create_task(self._finish_async(mid, result))
         elif mid is not None:
@@ -204,12 +221,17 @@ class AgentServer:
             self._refuse(mid, exc)
             return
         except Exception as exc:  # noqa: BLE001 - any failure is answered, never lost
-            log.exception("handler failed")
-            if mid is not None:
-                self._send({"t": "reply", "re": mid, "ok": False, "code": Code.FAILED.value, "error": f"{type(exc).__name__}: {exc}"})
+            self._failed(mid, None, exc)
             return
         if mid is not None:
             self._send({"t": "reply", "re": mid, "ok": True, **(result or {})})
+
+    def _failed(self, mid: Any, kind: Any, exc: Exception) -> None:
+        """Answer a message whose handler raised unexpectedly: `failed`, with the exception."""
+        log.exception("handler of %s failed", kind or "a message", exc_info=exc)
+        if mid is not None:
+            self._send({"t": "reply", "re": mid, "ok": False, "code": Code.FAILED.value,
+                        "error": f"{type(exc).__name__}: {exc}"})
 
     def _send(self, message: dict[str, Any]) -> None:
         """Queue a message; everything queued in one loop turn goes out together."""
@@ -256,6 +278,10 @@ class AgentServer:
 
     async def _load(self, m: dict[str, Any]) -> dict[str, Any]:
         spec = InstanceSpec.from_message(m)
+        if not any(inside(root, spec.path) for root in self.load_roots):
+            roots = ", ".join(str(r) for r in self.load_roots) or "none"
+            raise Reply(Code.BAD_REQUEST, f"{spec.path} is outside this agent's model folders ({roots}); send the "
+                        "model to the node (weights plane) or start the agent with --models-root DIR")
         if spec.instance_id in self.node.instances or spec.instance_id in self.specs:
             raise Reply(Code.BAD_REQUEST, f"instance {spec.instance_id} already exists on {self.spec.node_id}")
         slo = slo_from_dict(spec.slo)
@@ -495,16 +521,47 @@ async def _watch_stdin(server: AgentServer) -> None:
     server.stop()
 
 
-async def _amain(args: argparse.Namespace) -> int:
-    token = os.environ.get(args.token_env) or None
-    weights = None
-    if args.weights_listen:
-        from mesh.paths import data_dir
+def loopback(listen: str) -> bool:
+    """Does a --listen / --weights-listen address reach only this machine (loopback or a Unix socket)?"""
+    if listen.startswith("unix:"):
+        return True
+    host = listen.rpartition(":")[0].strip("[]")
+    if host in ("", "localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to anything
+        return False
 
+
+def open_ports_refused(args: argparse.Namespace, agent_token: str | None, weights_token: str | None) -> str | None:
+    """Why the agent must not start (a port off loopback without its token), or None."""
+    if not loopback(args.listen) and not agent_token:
+        return (f"refusing to listen on {args.listen} without a token: anyone who reaches it could load models and "
+                f"run requests. Set ${args.token_env} (the control service's MESH_AGENT_TOKEN), or listen on "
+                "127.0.0.1")
+    if args.weights_listen and not loopback(args.weights_listen) and not weights_token:
+        return (f"refusing to receive weights on {args.weights_listen} without a token: anyone who reaches it could "
+                "write files into the weights folder. Set $MESH_WEIGHTS_TOKEN (the control service's), or listen "
+                "on 127.0.0.1")
+    return None
+
+
+async def _amain(args: argparse.Namespace) -> int:
+    from mesh.paths import data_dir
+
+    token = os.environ.get(args.token_env) or None
+    refused = open_ports_refused(args, token, token_from_env())
+    if refused:
+        print(f"mesh agent: {refused}", file=sys.stderr)
+        return 2
+    weights = None
+    root = Path(args.weights_dir) if args.weights_dir else data_dir() / "received" / args.node_id
+    if args.weights_listen:
         host, port = parse_listen(args.weights_listen)
-        root = Path(args.weights_dir) if args.weights_dir else data_dir() / "received" / args.node_id
         weights = NodeWeightsReceiver(root, host, port, token=token_from_env())  # MESH_WEIGHTS_TOKEN
-    server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights)
+    server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights,
+                         load_roots=[root, *(args.models_root or ())])
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -529,6 +586,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights-listen", metavar="HOST:PORT",
                         help="receive model weight blocks here (port 0: any); token: env MESH_WEIGHTS_TOKEN")
     parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
+    parser.add_argument("--models-root", action="append", metavar="DIR",
+                        help="`load` may also open models under DIR (repeatable); the weights folder always counts")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"agent {args.node_id}: %(levelname)s %(message)s")

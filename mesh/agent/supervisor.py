@@ -65,6 +65,8 @@ class AgentSettings:
     log_level: str = "WARNING"
     weights_root: str | None = None  # node agents receive weights into <root>/<node id> (None: no receiver)
     weights_token: str | None = None  # MESH_WEIGHTS_TOKEN of their weights ports
+    models_roots: tuple[str, ...] = ()  # folders whose models the agents may `load` (--models-root), besides
+    # their weights folder: the registry's places (data folder, --allowed-dir, the demo model cache)
 
 
 class AgentHandle:
@@ -183,6 +185,8 @@ class LocalAgent(AgentHandle):
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", self.node_id,
                "--kind", self.spec.kind, "--memory-bytes", str(self.spec.memory_bytes), "--exit-with-parent",
                "--log-level", self.settings.log_level]
+        for root in self.settings.models_roots:
+            cmd += ["--models-root", root]
         if self.settings.weights_root is not None:
             cmd += ["--weights-listen", "127.0.0.1:0", "--weights-dir", os.path.join(self.settings.weights_root,
                                                                                     self.node_id)]

@@ -177,11 +177,16 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     registry = Registry(data_dir / "registry.sqlite3")
     memory = int(config.cpu_memory_gb * 2**30) if config.cpu_memory_gb else None
     weights_token = os.environ.get("MESH_WEIGHTS_TOKEN") or secrets.token_urlsafe(24)  # remote agents need it set
+    from mesh.models import models_dir
+
+    # Where registered models can be: uploads and node copies (data folder), --allowed-dir, the demo cache.
+    roots = (str(data_dir), *([str(config.allowed_dir)] if config.allowed_dir else []), str(models_dir()))
     settings = PlacementSettings(
         keep_alive_s=config.keep_alive_s,
         profile_dir=str(config.profile_dir) if config.profile_dir else None,
         agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
-                            weights_root=str(data_dir / "nodes"), weights_token=weights_token))
+                            weights_root=str(data_dir / "nodes"), weights_token=weights_token,
+                            models_roots=roots))
     nodes = detect_local_nodes(memory, config.cpu_nodes)
     remote = dict(parse_remote(r) for r in config.remote_agents)
     nodes += [NodeSpec(node_id, "cpu", 0) for node_id in remote]  # kind and memory: from the agent's hello
