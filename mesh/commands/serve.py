@@ -36,6 +36,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-level", default=None, help="WARNING (default), INFO, DEBUG")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve HTTPS (with --tls-key)")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
+    parser.add_argument("--quota-models", type=int, default=None, help="default per-tenant quota: models")
+    parser.add_argument("--quota-model-gb", type=float, default=None,
+                        help="default per-tenant quota: GiB of registered model weights")
+    parser.add_argument("--quota-concurrent-requests", type=int, default=None,
+                        help="default per-tenant quota: open generation requests")
+    parser.add_argument("--quota-requests-per-s", type=float, default=None,
+                        help="default per-tenant quota: generation requests per second (token bucket)")
+    parser.add_argument("--quota-burst", type=int, default=None,
+                        help="bucket size of --quota-requests-per-s (default: one second's worth)")
     parser.add_argument("--vllm-cpu", action="store_true",
                         help="also start a vLLM-on-CPU node agent (tests the GPU path without a GPU; "
                              "same as MESH_VLLM_CPU_NODE=1; needs .venv-vllm from scripts/setup.sh)")
@@ -53,7 +62,9 @@ def run(args: argparse.Namespace) -> int:
                                          "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "remote_agents",
                                          "weights_plan",
                                          "drain_timeout_s",
-                                         "profile_dir", "log_level", "tls_cert", "tls_key")}
+                                         "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",
+                                         "quota_model_gb", "quota_concurrent_requests", "quota_requests_per_s",
+                                         "quota_burst")}
     try:
         file_values = read_config_file(args.config) if args.config else {}
         config = build_config(file_values, cli)

@@ -33,6 +33,7 @@ from mesh.service.config import ServeConfig
 from mesh.service.errors import ApiError
 from mesh.service.metrics import CONTENT_TYPE, ServiceMetrics
 from mesh.service.placement import Placement
+from mesh.service.quotas import Quotas
 from mesh.service.registry import Registry
 
 log = logging.getLogger("mesh.service")
@@ -52,6 +53,10 @@ class Service:
     draining: bool = False
     generating: int = 0  # open generation requests (what shutdown drains)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
+    quotas: Quotas = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.quotas = Quotas(self.registry, self.config.default_quota)
 
     def unix_now(self) -> int:
         return int(asyncio.get_running_loop().time() + self.wall_offset)

@@ -1,11 +1,17 @@
 """`mesh serve` settings: defaults, then a config file (TOML or JSON), then the command line.
 
 The admin token comes from $MESH_ADMIN_TOKEN, else the config file's `admin_token`. Without
-one, the admin routes answer 401 and a warning says so.
+one, the admin routes answer 401 and a warning says so. The metrics token (for Prometheus:
+`/metrics` takes it or the admin token) comes from $MESH_METRICS_TOKEN, else `metrics_token`.
+
+Tenant quota defaults (mesh.policy.quota; unset: no limit): quota_models, quota_model_gb,
+quota_concurrent_requests, quota_requests_per_s, quota_burst. The operator sets a tenant's
+own with PUT /admin/tenants/{name}/quota.
 
 Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
 max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, weights_plan,
-drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key.
+drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
+quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst.
 """
 from __future__ import annotations
 
@@ -15,6 +21,8 @@ import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from mesh.policy.quota import Quota, QuotaValueError, check_overrides
 
 
 class ConfigError(ValueError):
@@ -42,6 +50,17 @@ class ServeConfig:
     log_level: str = "WARNING"
     tls_cert: Path | None = None  # PEM certificate chain: serve HTTPS (with tls_key)
     tls_key: Path | None = None  # its PEM private key
+    metrics_token: str | None = None  # what Prometheus sends to /metrics (the admin token works too)
+    quota_models: int | None = None  # per-tenant defaults; None: no limit
+    quota_model_gb: float | None = None  # GiB of registered model weights
+    quota_concurrent_requests: int | None = None
+    quota_requests_per_s: float | None = None
+    quota_burst: int | None = None  # None: one second of quota_requests_per_s
+
+    @property
+    def default_quota(self) -> Quota:
+        return Quota(self.quota_models, None if self.quota_model_gb is None else int(self.quota_model_gb * 2**30),
+                     self.quota_concurrent_requests, self.quota_requests_per_s, self.quota_burst)
 
     @property
     def max_body_bytes(self) -> int:
@@ -85,6 +104,9 @@ def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> Ser
     env_token = os.environ.get("MESH_ADMIN_TOKEN")
     if env_token:
         config.admin_token = env_token
+    env_metrics = os.environ.get("MESH_METRICS_TOKEN")
+    if env_metrics:
+        config.metrics_token = env_metrics
     _check(config)
     return config
 
@@ -125,5 +147,15 @@ def _check(c: ServeConfig) -> None:
         path = getattr(c, name)
         if path is not None and not path.is_file():
             raise ConfigError(f"{name} {path} is not a file")
-    if c.admin_token is not None and (not isinstance(c.admin_token, str) or len(c.admin_token) < 1):
-        raise ConfigError("admin_token must be a non-empty string")
+    for name in ("admin_token", "metrics_token"):
+        value = getattr(c, name)
+        if value is not None and (not isinstance(value, str) or len(value) < 1):
+            raise ConfigError(f"{name} must be a non-empty string")
+    if c.quota_model_gb is not None and (isinstance(c.quota_model_gb, bool) or not isinstance(
+            c.quota_model_gb, (int, float)) or c.quota_model_gb < 0):
+        raise ConfigError(f"quota_model_gb must be a number of GiB, at least 0, got {c.quota_model_gb!r}")
+    for quota in ("models", "concurrent_requests", "requests_per_s", "burst"):
+        try:
+            check_overrides({quota: getattr(c, f"quota_{quota}")})
+        except QuotaValueError as exc:
+            raise ConfigError(f"quota_{quota}: {exc}") from exc

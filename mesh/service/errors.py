@@ -7,6 +7,7 @@ else into a logged 500 that says nothing about internals. Bad input is always an
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from typing import Any
 
@@ -77,6 +78,15 @@ def context_too_long(prompt_tokens: int, window: int, param: str) -> ApiError:
 def overloaded(reason: str) -> ApiError:
     return ApiError(429, f"The service could not place this request in time for its SLO ({reason}). "
                     "Retry later.", "rate_limit_error", None, "slo_unattainable", {"Retry-After": "1"})
+
+
+def over_quota(quota: str, message: str, status: int, retry_after_s: float | None = None) -> ApiError:
+    """A tenant over one of its quotas (mesh.policy.quota): `param` names the quota. 429 for
+    requests (with Retry-After), 403 (model count) or 413 (model bytes) for registrations."""
+    headers = {"Retry-After": str(max(1, math.ceil(retry_after_s)))} if retry_after_s is not None else None
+    kind = "rate_limit_error" if status == 429 else "invalid_request_error"
+    return ApiError(status, f"{message} Ask the operator to raise it" + (
+        ", or retry later." if status == 429 else ", or delete a model first."), kind, quota, "quota_exceeded", headers)
 
 
 def node_unavailable(reason: str) -> ApiError:

@@ -4,19 +4,24 @@ One file, `<data dir>/registry.sqlite3`, opened by the control service's event-l
 only. Timestamps are the database's own clock (`strftime('%s','now')`), so the service
 reads no wall clock for them. Deleting a tenant deletes its keys and models (foreign keys
 with ON DELETE CASCADE).
+
+Schema 2 adds each tenant's quota settings (`tenant_quotas`, a JSON object of the quotas the
+operator set; mesh.policy.quota) and each model's sampling defaults (`models.sampling_defaults`,
+JSON); a schema-1 file is upgraded in place when opened.
 """
 from __future__ import annotations
 
+import json
 import re
 import secrets
 import sqlite3
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator
 
 from mesh.policy.slo import SLO
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")
 
@@ -49,7 +54,12 @@ CREATE TABLE IF NOT EXISTS models (
     ttft_s_per_prompt_token REAL NOT NULL,
     tpot_s REAL NOT NULL,
     created_at INTEGER NOT NULL DEFAULT (CAST(strftime('%s','now') AS INTEGER)),
+    sampling_defaults TEXT NOT NULL DEFAULT '{}',
     UNIQUE (tenant, name)
+);
+CREATE TABLE IF NOT EXISTS tenant_quotas (
+    tenant TEXT PRIMARY KEY REFERENCES tenants(name) ON DELETE CASCADE,
+    settings TEXT NOT NULL
 );
 """
 
@@ -87,6 +97,8 @@ class ModelRecord:
     sha256: str | None = None
     owned_file: bool = False  # an upload kept in the data folder: deleted with the model
     created_at: int = 0
+    # temperature/top_p for requests that omit them (mesh.service.sampling_defaults)
+    sampling_defaults: dict[str, Any] | None = field(default=None, hash=False, compare=False)
 
     @property
     def node_kind(self) -> str:
@@ -104,7 +116,11 @@ class Registry:
         self._db.execute("PRAGMA foreign_keys = ON")
         self._db.execute("PRAGMA journal_mode = WAL")
         self._db.executescript(_SCHEMA)
-        self._db.execute("INSERT OR IGNORE INTO meta (key, value) VALUES ('schema', ?)", (str(SCHEMA_VERSION),))
+        columns = {r["name"] for r in self._db.execute("PRAGMA table_info(models)")}
+        if "sampling_defaults" not in columns:  # a schema-1 registry
+            self._db.execute("ALTER TABLE models ADD COLUMN sampling_defaults TEXT NOT NULL DEFAULT '{}'")
+        self._db.execute("INSERT INTO meta (key, value) VALUES ('schema', ?) "
+                         "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
 
     def close(self) -> None:
         self._db.close()
@@ -134,6 +150,25 @@ class Registry:
         if cur.rowcount == 0:
             raise RegistryError(f"no tenant {name!r}")
         return models
+
+    # ---- quotas --------------------------------------------------------------------------
+    def quota_settings(self, tenant: str) -> dict[str, Any]:
+        """The quotas the operator set for `tenant` (the rest: the service's defaults)."""
+        row = self._db.execute("SELECT settings FROM tenant_quotas WHERE tenant = ?", (tenant,)).fetchone()
+        return json.loads(row["settings"]) if row else {}
+
+    def set_quota_settings(self, tenant: str, settings: dict[str, Any]) -> None:
+        if self.tenant(tenant) is None:
+            raise RegistryError(f"no tenant {tenant!r}")
+        self._db.execute("INSERT INTO tenant_quotas (tenant, settings) VALUES (?, ?) "
+                         "ON CONFLICT(tenant) DO UPDATE SET settings = excluded.settings",
+                         (tenant, json.dumps(settings, sort_keys=True)))
+
+    def usage(self, tenant: str) -> tuple[int, int]:
+        """(models, bytes of their weights) that `tenant` has registered."""
+        row = self._db.execute("SELECT COUNT(*) AS n, COALESCE(SUM(weight_bytes), 0) AS b FROM models "
+                               "WHERE tenant = ?", (tenant,)).fetchone()
+        return int(row["n"]), int(row["b"])
 
     # ---- keys ----------------------------------------------------------------------------
     def add_key(self, tenant: str, key_hash: str, display: str, label: str = "") -> KeyInfo:
@@ -179,10 +214,11 @@ class Registry:
         try:
             self._db.execute(
                 "INSERT INTO models (uid, tenant, name, kind, path, owned_file, sha256, weight_bytes, context_length, "
-                "ttft_min_s, ttft_s_per_prompt_token, tpot_s) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "ttft_min_s, ttft_s_per_prompt_token, tpot_s, sampling_defaults) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (record.uid, record.tenant, record.name, record.kind, record.path, int(record.owned_file),
                  record.sha256, record.weight_bytes, record.context_length, slo.ttft_min_s,
-                 slo.ttft_s_per_prompt_token, slo.tpot_s))
+                 slo.ttft_s_per_prompt_token, slo.tpot_s, json.dumps(record.sampling_defaults or {})))
         except sqlite3.IntegrityError as exc:
             raise RegistryError(f"model {record.name!r} already exists for tenant {record.tenant!r}") from exc
         return self.model(record.tenant, record.name)
@@ -197,6 +233,9 @@ class Registry:
         else:
             rows = self._db.execute("SELECT * FROM models WHERE tenant = ? ORDER BY name", (tenant,))
         return [_model(r) for r in rows]
+
+    def set_sampling_defaults(self, uid: str, defaults: dict[str, Any]) -> None:
+        self._db.execute("UPDATE models SET sampling_defaults = ? WHERE uid = ?", (json.dumps(defaults), uid))
 
     def delete_model(self, tenant: str, name: str) -> ModelRecord | None:
         record = self.model(tenant, name)
@@ -226,5 +265,5 @@ def _model(row: sqlite3.Row) -> ModelRecord:
         context_length=row["context_length"],
         slo=SLO(row["ttft_min_s"], row["ttft_s_per_prompt_token"], row["tpot_s"]),
         weight_bytes=row["weight_bytes"], sha256=row["sha256"], owned_file=bool(row["owned_file"]),
-        created_at=row["created_at"],
+        created_at=row["created_at"], sampling_defaults=json.loads(row["sampling_defaults"] or "{}"),
     )

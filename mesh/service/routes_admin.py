@@ -10,6 +10,10 @@
     GET    /admin/cluster                                            nodes, instances, memory, queues,
                                                                      weights (host copies, transfers)
     POST   /admin/scale   {"tenant", "model", "nodes": [...]}        start the model on those nodes now
+    GET    /admin/tenants/{tenant}/quota                             its quotas, their defaults, its usage
+    PUT    /admin/tenants/{tenant}/quota  {"models": 3, ...}         set its quotas (mesh.policy.quota): the
+                                                                     ones given (null: no limit); the rest
+                                                                     follow the service's defaults
 """
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mesh.policy.quota import QuotaValueError, check_overrides
 from mesh.service import errors
 from mesh.service.app import service_of
 from mesh.service.auth import new_api_key
@@ -36,6 +41,28 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/admin/models", list_all_models)
     app.router.add_get("/admin/cluster", cluster)
     app.router.add_post("/admin/scale", scale)
+    app.router.add_get("/admin/tenants/{tenant}/quota", get_quota)
+    app.router.add_put("/admin/tenants/{tenant}/quota", put_quota)
+
+
+async def get_quota(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    svc.require_admin(request)
+    return web.json_response(svc.quotas.view(_tenant(request)))
+
+
+async def put_quota(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    svc.require_admin(request)
+    name = _tenant(request)
+    data = parse_json(await request.read())
+    try:
+        settings = check_overrides(data)
+    except QuotaValueError as exc:
+        raise errors.bad_request(f"{exc}.", None, "invalid_quota") from exc
+    svc.registry.set_quota_settings(name, settings)
+    svc.quotas.changed(name)
+    return web.json_response(svc.quotas.view(name))
 
 
 async def create_tenant(request: web.Request) -> web.Response:

@@ -116,6 +116,7 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
     limit = svc.config.max_upload_bytes
     if request.content_length is not None and request.content_length > limit:
         raise errors.too_large(limit, "upload")
+    svc.quotas.check_registration(tenant, request.content_length or 0)  # before receiving any of it
     settings = _query_settings(q)
     uid = new_model_uid()
     target = svc.data_dir / "uploads" / f"{uid}.gguf"
@@ -132,6 +133,7 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
 
 
 def _created(svc: Service, record: ModelRecord) -> web.Response:
+    svc.quotas.check_registration(record.tenant, record.weight_bytes)  # 403 / 413 naming the quota
     if record.kind == "hf" and not any(n["kind"] == "gpu" for n in svc.placement.view()["nodes"]):
         raise errors.bad_request(
             "This is a Hugging Face folder, which needs a GPU node (vLLM), and this server has none. Export it to "

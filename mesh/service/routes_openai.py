@@ -46,6 +46,19 @@ async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], Gene
     model = svc.registry.model(tenant, req.model)
     if model is None:
         raise errors.model_not_found(req.model)
+    try:
+        svc.quotas.acquire(tenant, asyncio.get_running_loop().time())  # 429 over the tenant's quota
+    except ApiError:
+        svc.metrics.request_done(tenant, model.name, "over_quota")
+        raise
+    try:
+        return await _placed(svc, request, req, tenant, model)
+    finally:
+        svc.quotas.release(tenant)
+
+
+async def _placed(svc: Service, request: web.Request, req: GenerationRequest, tenant: str,
+                  model: ModelRecord) -> web.StreamResponse:
     prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
     job = Job(
         request_id=prefix + secrets.token_hex(12), model=model, arrival_s=request[ARRIVAL],

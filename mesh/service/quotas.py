@@ -1,0 +1,79 @@
+"""Tenant quotas at run time: each tenant's effective quota (the config's defaults with the
+operator's settings from the registry on top), its open requests and its token bucket.
+The rules are mesh.policy.quota's; time is the event loop's, passed in by the caller.
+
+Generation requests are checked in the HTTP layer around `placement.submit`
+(mesh.service.routes_openai): over `concurrent_requests` or `requests_per_s` they get 429 with
+Retry-After. Registrations are checked before the model is stored (routes_models): over
+`models` 403, over `model_bytes` 413. A tenant's registered bytes are the sum of its models'
+weight bytes, which is what their first host copies hold on the nodes.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any
+
+from mesh.policy.quota import (
+    MODEL_BYTES,
+    Over,
+    Quota,
+    TokenBucket,
+    concurrency_over,
+    rate_over,
+    registration_over,
+)
+from mesh.service import errors
+from mesh.service.registry import Registry
+
+
+class Quotas:
+    def __init__(self, registry: Registry, defaults: Quota) -> None:
+        self.registry = registry
+        self.defaults = defaults
+        self.open: dict[str, int] = defaultdict(int)  # tenant -> generation requests open now
+        self._buckets: dict[str, TokenBucket] = {}
+
+    def of(self, tenant: str) -> Quota:
+        return self.defaults.with_overrides(self.registry.quota_settings(tenant))
+
+    def changed(self, tenant: str) -> None:
+        """The operator set new quotas: the tenant's bucket starts again, full, at the new rate."""
+        self._buckets.pop(tenant, None)
+
+    def check_registration(self, tenant: str, new_bytes: int) -> None:
+        models, used = self.registry.usage(tenant)
+        over = registration_over(self.of(tenant), models, used, new_bytes)
+        if over is not None:
+            raise errors.over_quota(over.quota, over.message(), 413 if over.quota == MODEL_BYTES else 403)
+
+    def acquire(self, tenant: str, now_s: float) -> None:
+        """Open one generation request for `tenant` (release it with `release`); 429 naming the
+        quota when it is over. A request refused for concurrency takes no token from the bucket."""
+        quota = self.of(tenant)
+        over = concurrency_over(quota, self.open[tenant]) or rate_over(quota, self._bucket(tenant, quota, now_s), now_s)
+        if over is not None:
+            raise self._too_many(over)
+        self.open[tenant] += 1
+
+    def release(self, tenant: str) -> None:
+        self.open[tenant] -= 1
+        if self.open[tenant] <= 0:
+            del self.open[tenant]
+
+    def view(self, tenant: str) -> dict[str, Any]:
+        models, used = self.registry.usage(tenant)
+        return {"tenant": tenant, "quota": self.of(tenant).as_dict(), "settings": self.registry.quota_settings(tenant),
+                "defaults": self.defaults.as_dict(),
+                "usage": {"models": models, "model_bytes": used, "concurrent_requests": self.open.get(tenant, 0)}}
+
+    def _bucket(self, tenant: str, quota: Quota, now_s: float) -> TokenBucket | None:
+        if quota.requests_per_s is None:
+            return None
+        bucket = self._buckets.get(tenant)
+        if bucket is None or bucket.rate != quota.requests_per_s or bucket.size != quota.bucket_size:
+            bucket = self._buckets[tenant] = TokenBucket.full(quota.requests_per_s, quota.bucket_size, now_s)
+        return bucket
+
+    @staticmethod
+    def _too_many(over: Over) -> errors.ApiError:
+        return errors.over_quota(over.quota, over.message(), 429, over.retry_after_s)
