@@ -315,16 +315,23 @@ def test_prompt_over_the_context_window_and_unplaceable_requests(server):
     with pytest.raises(openai.RateLimitError) as e:
         c.completions.create(model="strict", prompt="Hello", max_tokens=2)
     assert e.value.body["code"] == "slo_unattainable"
-    metrics = urllib.request.urlopen(f"{server.url}/metrics").read().decode()
+    metrics = server.http("GET", "/metrics", token=ADMIN)[1]
     assert 'mesh_requests_total{model="strict",outcome="rejected",tenant="frank"} 1.0' in metrics
+    usage = server.http("GET", "/v1/usage", token=key)[1]["data"]
+    (strict,) = [m for m in usage if m["model"] == "strict"]
+    assert strict["requests"]["rejected"] == 1 and strict["slo"]["placed"] == 1 and strict["slo"]["attainment"] == 0
 
 
 def test_metrics_and_cluster_view(server):
-    metrics = urllib.request.urlopen(f"{server.url}/metrics").read().decode()
+    assert server.http("GET", "/metrics", token=server.key)[0] == 401  # a tenant's key does not open it
+    metrics = server.http("GET", "/metrics", token=ADMIN)[1]
     for name in ("mesh_ttft_seconds_bucket", "mesh_tpot_seconds_bucket", "mesh_slo_attainment", "mesh_node_queue_length",
                  "mesh_node_instances", "mesh_node_kv_bytes_in_use", "mesh_node_busy_fraction", "mesh_node_up"):
         assert name in metrics, name
     assert 'mesh_ttft_seconds_count{model="demo/smollm2",tenant="demo"}' in metrics
+    (demo,) = server.http("GET", "/v1/usage", token=server.key)[1]["data"]
+    assert demo["model"] == "demo/smollm2" and demo["requests"]["completed"] > 0 and demo["ttft_s_mean"] > 0
+    assert demo["completion_tokens"] > 0 and 0 <= demo["slo"]["attainment"] <= 1
     view = server.admin("GET", "/admin/cluster")
     node = view["nodes"][0]
     assert node["kind"] == "cpu" and node["state"] == "up" and node["memory"]["capacity_bytes"] > 0

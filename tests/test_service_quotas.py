@@ -220,3 +220,44 @@ def test_request_quotas_give_429_naming_the_quota_while_another_tenant_is_served
             await close()
 
     asyncio.run(main())
+
+
+def test_metrics_need_a_token_and_tenants_see_only_their_own_usage(simulated, tmp_path, demo_gguf):
+    async def main() -> None:
+        api, close = await _serve(tmp_path, demo_gguf.parent)
+        try:
+            a, b = await api.tenant("a"), await api.tenant("b")
+            for key, name in ((a, "ma"), (b, "mb")):
+                assert (await api.call("POST", "/v1/models", key, {"name": name, "path": demo_gguf.name}))[0] == 201
+            assert [(await api.complete(a, "ma", max_tokens=3))[0] for _ in range(3)] == [200] * 3
+            assert (await api.complete(b, "mb", max_tokens=4))[0] == 200
+            assert (await api.call("POST", "/v1/completions", a, {"model": "ma", "prompt": list(range(10**4)),
+                                                                 "max_tokens": 1}))[0] == 400  # over the window
+
+            for token in (None, a, "wrong"):  # a tenant cannot read /metrics
+                status, err, _ = await api.call("GET", "/metrics", token)
+                assert status == 401 and err["error"]["code"] == "invalid_metrics_token"
+                assert "/v1/usage" in err["error"]["message"]
+            for token in (METRICS, ADMIN):
+                status, text, _ = await api.call("GET", "/metrics", token)
+                assert status == 200 and 'tenant="b"' in text
+
+            status, usage, _ = await api.call("GET", "/v1/usage", a)
+            assert status == 200 and usage["tenant"] == "a"
+            (ma,) = usage["data"]  # b's model is not there
+            assert ma["model"] == "ma" and ma["requests"] == {"completed": 3, "invalid": 1, "total": 4}
+            assert ma["prompt_tokens"] == 60 and ma["completion_tokens"] == 9
+            assert ma["slo"]["placed"] == 3 and ma["slo"]["attainment"] == ma["slo"]["met"] / 3
+            assert "ttft_s_mean" in ma and "tpot_s_mean" in ma  # simulated engines send no first token: None
+            assert usage["quota_usage"] == {"models": 1, "model_bytes": demo_gguf.stat().st_size,
+                                            "concurrent_requests": 0}
+            # the same counters /metrics exports
+            _, text, _ = await api.call("GET", "/metrics", METRICS)
+            assert 'mesh_generated_tokens_total{model="ma",tenant="a"} 9.0' in text
+            status, usage_b, _ = await api.call("GET", "/v1/usage", b)
+            assert [m["model"] for m in usage_b["data"]] == ["mb"] and usage_b["data"][0]["completion_tokens"] == 4
+            assert (await api.call("GET", "/v1/usage"))[0] == 401
+        finally:
+            await close()
+
+    asyncio.run(main())

@@ -139,7 +139,11 @@ async def healthz(request: web.Request) -> web.Response:
 
 
 async def metrics(request: web.Request) -> web.Response:
+    """Prometheus text; needs the metrics token or the admin token (it names every tenant and model)."""
     svc = service_of(request)
+    token = bearer_token(request.headers.get("Authorization"))
+    if not (admin_token_ok(token, svc.config.metrics_token) or admin_token_ok(token, svc.config.admin_token)):
+        raise errors.metrics_unauthorized()
     return web.Response(body=svc.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
 
 
@@ -216,6 +220,9 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         demo_key, demo_model = await ensure_demo(registry, data_dir)
     if not config.admin_token:
         print("mesh serve: no admin token (set MESH_ADMIN_TOKEN or admin_token in --config): admin routes are off",
+              file=sys.stderr)
+    if not config.admin_token and not config.metrics_token:
+        print("mesh serve: no metrics token (set MESH_METRICS_TOKEN or metrics_token in --config): /metrics is off",
               file=sys.stderr)
     app = build_app(service)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)

@@ -50,6 +50,12 @@ def admin_unauthorized() -> ApiError:
                     "invalid_request_error", None, "invalid_admin_token")
 
 
+def metrics_unauthorized() -> ApiError:
+    return ApiError(401, "/metrics needs the metrics token or the admin token: 'Authorization: Bearer "
+                    "<MESH_METRICS_TOKEN>'. Tenants see their own figures at GET /v1/usage.",
+                    "invalid_request_error", None, "invalid_metrics_token")
+
+
 def model_not_found(name: str) -> ApiError:
     # Same answer for a model that does not exist and for another tenant's: no hint.
     return ApiError(404, f"The model '{name}' does not exist or you do not have access to it.",

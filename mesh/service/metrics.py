@@ -8,6 +8,10 @@ Per node (label node), read from the placement's view at scrape time: agent up, 
 instances, queue length, running requests, KV bytes in use, memory budget and use, busy
 fraction; the weights plane's host copies and bytes received. HTTP responses by route and
 status.
+
+`usage(tenant)` reads one tenant's figures back from the same counters (GET /v1/usage): what
+a tenant sees of itself is exactly what the operator scrapes, recorded once. The figures live
+in memory: they start at zero when the service starts.
 """
 from __future__ import annotations
 
@@ -116,6 +120,42 @@ class ServiceMetrics:
             if slo_met:
                 entry[0] += 1
                 self.slo_met.labels(tenant, model).inc()
+
+    def usage(self, tenant: str) -> list[dict[str, Any]]:
+        """Per model of `tenant`: requests by outcome, tokens, TTFT and TPOT means, SLO attainment."""
+        out: dict[str, dict[str, Any]] = {}
+
+        def entry(model: str) -> dict[str, Any]:
+            return out.setdefault(model, {"model": model, "requests": {}, "prompt_tokens": 0, "completion_tokens": 0,
+                                          "ttft_s_mean": None, "tpot_s_mean": None,
+                                          "slo": {"met": 0, "placed": 0, "attainment": None}})
+
+        for metric, key in ((self.requests, None), (self.prompt_tokens, "prompt_tokens"),
+                            (self.generated_tokens, "completion_tokens")):
+            for family in metric.collect():
+                for sample in family.samples:
+                    if sample.labels.get("tenant") != tenant or not sample.name.endswith("_total"):
+                        continue
+                    e = entry(sample.labels["model"])
+                    if key is None:
+                        e["requests"][sample.labels["outcome"]] = int(sample.value)
+                    else:
+                        e[key] = int(sample.value)
+        for metric, key in ((self.ttft, "ttft_s_mean"), (self.tpot, "tpot_s_mean")):
+            sums: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+            for family in metric.collect():
+                for sample in family.samples:
+                    if sample.labels.get("tenant") == tenant and sample.name.endswith(("_sum", "_count")):
+                        sums[sample.labels["model"]][sample.name.endswith("_count")] += sample.value
+            for model, (total, count) in sums.items():
+                if count:
+                    entry(model)[key] = total / count
+        for (t, model), (met, placed) in self._slo.items():
+            if t == tenant:
+                entry(model)["slo"] = {"met": met, "placed": placed, "attainment": met / placed if placed else None}
+        for e in out.values():
+            e["requests"]["total"] = sum(e["requests"].values())
+        return [out[m] for m in sorted(out)]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

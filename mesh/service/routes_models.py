@@ -1,4 +1,5 @@
 """Tenants' models: register (by path or upload), list, get, delete. All scoped to the caller.
+GET /v1/usage: the caller's own request, token and SLO figures per model, and its quotas.
 
 POST /v1/models with a JSON body registers a model on the server's disk:
     {"name": "my-model", "path": "sub/dir/model.gguf",       # relative to --allowed-dir
@@ -31,6 +32,7 @@ MIN_CONTEXT = 16
 
 
 def add_routes(app: web.Application) -> None:
+    app.router.add_get("/v1/usage", usage)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/models", register_model)
     app.router.add_get("/v1/models/{name:.+}", get_model)
@@ -43,6 +45,16 @@ def model_object(m: ModelRecord) -> dict[str, Any]:
                      "context_length": m.context_length, "weight_bytes": m.weight_bytes, "sha256": m.sha256,
                      "slo": {"ttft_s": m.slo.ttft_min_s, "ttft_s_per_prompt_token": m.slo.ttft_s_per_prompt_token,
                              "tpot_s": m.slo.tpot_s}}}
+
+
+async def usage(request: web.Request) -> web.Response:
+    """The caller's own figures since the service started (the counters /metrics exports), per
+    model, and its quotas with what it uses of them."""
+    svc = service_of(request)
+    tenant = svc.tenant_of(request)
+    quota = svc.quotas.view(tenant)
+    return web.json_response({"object": "usage", "tenant": tenant, "data": svc.metrics.usage(tenant),
+                              "quota": quota["quota"], "quota_usage": quota["usage"]})
 
 
 async def list_models(request: web.Request) -> web.Response:
