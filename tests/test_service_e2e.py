@@ -175,6 +175,34 @@ def test_stop_seed_and_token_prompts(server):
     assert ids.usage.prompt_tokens == 5
 
 
+def test_requests_without_temperature_get_the_models_sampling_defaults(server):
+    """The demo model's defaults (its card's temperature 0.2, top_p 0.9) answer the README's
+    question; a model registered with greedy defaults answers exactly as at temperature 0."""
+    c = server.client()
+    demo = c.models.retrieve("demo/smollm2").model_extra["mesh"]
+    assert demo["sampling_defaults"] == {"temperature": 0.2, "top_p": 0.9}
+    question = [{"role": "user", "content": "What is the capital of France?"}]
+    for seed in (1, 2, 3):  # seeded so the test is repeatable; still sampled at the defaults
+        answer = c.chat.completions.create(model="demo/smollm2", messages=question, max_tokens=24, seed=seed)
+        assert "Paris" in answer.choices[0].message.content, answer.choices[0].message.content
+
+    key = _tenant(server, "greta")
+    status, body = server.http("POST", "/v1/models", {"name": "greedy", "path": "smollm2.gguf",
+                                                      "sampling_defaults": {"temperature": 0}}, token=key)
+    assert status == 201 and body["mesh"]["sampling_defaults"] == {"temperature": 0.0}
+    g = server.client(key)
+    prompt = "Once upon a time, in a small village,"
+    outputs = [g.completions.create(model="greedy", prompt=prompt, max_tokens=24, **kw).choices[0].text
+               for kw in ({}, {"seed": 5}, {"temperature": 0})]
+    assert outputs[0] == outputs[1] == outputs[2] and len(outputs[0]) > 20
+    hot = g.completions.create(model="greedy", prompt=prompt, max_tokens=24, temperature=1.5, seed=5).choices[0].text
+    assert hot != outputs[0]  # a request's own temperature still wins
+    for bad, param in (({"temperature": 3}, "temperature"), ({"top_k": 5}, "top_k"), ("hot", "object")):
+        status, err = server.http("POST", "/v1/models", {"name": "bad", "path": "smollm2.gguf",
+                                                         "sampling_defaults": bad}, token=key)
+        assert status == 400 and err["error"]["param"] == "sampling_defaults" and param in err["error"]["message"]
+
+
 # ---- tenants and models -------------------------------------------------------------------------------
 
 

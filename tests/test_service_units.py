@@ -218,7 +218,7 @@ def test_parse_chat_and_completion():
     assert r.temperature == 0.0 and r.seed == 3 and r.stream and r.include_usage
     assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 7}).max_tokens == 7
     c = parse_completion({"model": "m", "prompt": ["once"]})
-    assert c.prompt == "once" and c.max_tokens is None and c.temperature == 1.0
+    assert c.prompt == "once" and c.max_tokens is None and c.temperature is None and c.top_p is None  # model defaults
     assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
     assert parse_completion({"model": "m", "prompt": [[4, 5]]}).prompt_token_ids == [4, 5]
 
@@ -365,3 +365,62 @@ def test_adaptive_times_learn_and_clamp():
     assert t.prefill_factor == t.max_factor
     t.observe(IterationKind.PREFILL, 0.0, 1.0)  # ignored
     assert DefaultCpuTimes.for_weights(10 * 98_362_432).scale == pytest.approx(10)
+
+
+def test_sampling_defaults_from_models_and_requests(tmp_path):
+    from mesh.service import sampling_defaults as sd
+
+    assert sd.from_gguf_metadata({"general.sampling.temp": 0.6, "general.sampling.top_p": 0.95,
+                                  "general.sampling.top_k": 20}) == {"temperature": 0.6, "top_p": pytest.approx(0.95)}
+    assert sd.from_gguf_metadata({"general.sampling.temp": 9.0, "general.name": "x"}) == {}  # out of range: ignored
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    assert sd.from_generation_config(folder) == {}
+    (folder / "generation_config.json").write_text('{"do_sample": true, "temperature": 0.7, "top_p": 0.8, "top_k": 5}')
+    assert sd.from_generation_config(folder) == {"temperature": 0.7, "top_p": 0.8}
+    (folder / "generation_config.json").write_text('{"do_sample": false, "temperature": 0.7}')
+    assert sd.from_generation_config(folder) == {"temperature": 0.0}
+    (folder / "generation_config.json").write_text("not json")
+    assert sd.from_generation_config(folder) == {}
+    assert sd.resolve(None, None, {"temperature": 0.2, "top_p": 0.9}) == (0.2, 0.9)
+    assert sd.resolve(0.0, None, {"temperature": 0.2}) == (0.0, 1.0)  # the request wins; OpenAI's top_p
+    assert sd.resolve(None, None, None) == (1.0, 1.0)
+    with pytest.raises(sd.SamplingDefaultsError, match="top_p"):
+        sd.check({"top_p": 0})
+    with pytest.raises(sd.SamplingDefaultsError, match="unknown"):
+        sd.check({"min_p": 0.1})
+
+
+def test_demo_gguf_has_no_sampling_metadata_and_the_registry_keeps_defaults(tmp_path, demo_gguf):
+    from mesh.service.sources import inspect_source
+
+    assert inspect_source(demo_gguf).sampling_defaults == {}  # hence the demo's documented defaults
+    reg = Registry(tmp_path / "r.sqlite3")
+    reg.create_tenant("t")
+    reg.add_model(ModelRecord("m_1", "t", "m", "gguf", "/x", 512, SLO(), sampling_defaults={"temperature": 0.2}))
+    assert reg.model("t", "m").sampling_defaults == {"temperature": 0.2}
+    reg.close()
+    assert Registry(tmp_path / "r.sqlite3").model("t", "m").sampling_defaults == {"temperature": 0.2}
+
+
+def test_a_schema_1_registry_is_upgraded(tmp_path):
+    import sqlite3
+
+    path = tmp_path / "old.sqlite3"
+    db = sqlite3.connect(path)
+    db.executescript("""
+        CREATE TABLE tenants (name TEXT PRIMARY KEY, created_at INTEGER NOT NULL DEFAULT 0);
+        CREATE TABLE models (uid TEXT PRIMARY KEY, tenant TEXT NOT NULL, name TEXT NOT NULL, kind TEXT NOT NULL,
+            path TEXT NOT NULL, owned_file INTEGER NOT NULL DEFAULT 0, sha256 TEXT,
+            weight_bytes INTEGER NOT NULL DEFAULT 0, context_length INTEGER NOT NULL, ttft_min_s REAL NOT NULL,
+            ttft_s_per_prompt_token REAL NOT NULL, tpot_s REAL NOT NULL, created_at INTEGER NOT NULL DEFAULT 0,
+            UNIQUE (tenant, name));
+        INSERT INTO tenants (name) VALUES ('t');
+        INSERT INTO models VALUES ('m_1', 't', 'm', 'gguf', '/x', 0, NULL, 7, 512, 2.0, 0.001, 0.25, 0);
+    """)
+    db.commit()
+    db.close()
+    reg = Registry(path)
+    assert reg.model("t", "m").sampling_defaults == {} and reg.usage("t") == (1, 7)
+    reg.set_quota_settings("t", {"models": 2})
+    assert reg.quota_settings("t") == {"models": 2}

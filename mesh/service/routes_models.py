@@ -4,10 +4,12 @@ GET /v1/usage: the caller's own request, token and SLO figures per model, and it
 POST /v1/models with a JSON body registers a model on the server's disk:
     {"name": "my-model", "path": "sub/dir/model.gguf",       # relative to --allowed-dir
      "context_length": 2048,                                 # optional, <= the trained window
-     "slo": {"ttft_s": 2.0, "ttft_s_per_prompt_token": 0.002, "tpot_s": 0.25}}   # optional
+     "slo": {"ttft_s": 2.0, "ttft_s_per_prompt_token": 0.002, "tpot_s": 0.25},   # optional
+     "sampling_defaults": {"temperature": 0.2, "top_p": 0.9}}  # optional: for requests that omit them;
+                                                               # else the model's own (mesh.service.sampling_defaults)
 POST /v1/models with `Content-Type: application/octet-stream` uploads a GGUF file as the body;
 the settings go in the query: name, sha256 (required), context_length, ttft_s,
-ttft_s_per_prompt_token, tpot_s. The upload is streamed to the data folder under a size
+ttft_s_per_prompt_token, tpot_s, temperature, top_p (sampling defaults). The upload is streamed to the data folder under a size
 limit and kept only if its SHA-256 matches.
 Another tenant's model answers exactly like a model that does not exist.
 """
@@ -25,6 +27,8 @@ from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of
 from mesh.service.registry import MODEL_NAME, ModelRecord, RegistryError, new_model_uid
+from mesh.service.sampling_defaults import SamplingDefaultsError
+from mesh.service.sampling_defaults import check as check_sampling
 from mesh.service.schema import parse_json
 from mesh.service.sources import SourceError, SourceInfo, inspect_source, receive_upload, resolve_allowed
 
@@ -44,7 +48,8 @@ def model_object(m: ModelRecord) -> dict[str, Any]:
             "mesh": {"kind": m.kind, "source": "upload" if m.owned_file else "path",
                      "context_length": m.context_length, "weight_bytes": m.weight_bytes, "sha256": m.sha256,
                      "slo": {"ttft_s": m.slo.ttft_min_s, "ttft_s_per_prompt_token": m.slo.ttft_s_per_prompt_token,
-                             "tpot_s": m.slo.tpot_s}}}
+                             "tpot_s": m.slo.tpot_s},
+                     "sampling_defaults": dict(m.sampling_defaults or {})}}
 
 
 async def usage(request: web.Request) -> web.Response:
@@ -184,6 +189,15 @@ def _query_settings(q: Mapping[str, str]) -> dict[str, Any]:
                 raise errors.bad_request(f"'{key}' must be a number.", key) from exc
     if slo:
         out["slo"] = slo
+    sampling = {}
+    for key in ("temperature", "top_p"):
+        if key in q:
+            try:
+                sampling[key] = float(q[key])
+            except ValueError as exc:
+                raise errors.bad_request(f"'{key}' must be a number.", key) from exc
+    if sampling:
+        out["sampling_defaults"] = sampling
     return out
 
 
@@ -198,8 +212,13 @@ def _record(tenant: str, name: str, info: SourceInfo, data: Mapping[str, Any], o
     elif trained and window > trained:
         raise errors.bad_request(f"'context_length' {window} exceeds the model's trained window of {trained}.",
                                  "context_length")
+    try:
+        given = check_sampling(data.get("sampling_defaults"))
+    except SamplingDefaultsError as exc:
+        raise errors.bad_request(f"{exc}.", "sampling_defaults") from exc
     return ModelRecord(uid or new_model_uid(), tenant, name, info.kind, str(info.path), int(window),
-                       _slo(data.get("slo")), info.weight_bytes, sha256, owned)
+                       _slo(data.get("slo")), info.weight_bytes, sha256, owned,
+                       sampling_defaults={**(info.sampling_defaults or {}), **given})
 
 
 def _slo(value: Any) -> SLO:

@@ -20,6 +20,7 @@ from mesh.service import errors
 from mesh.service.app import ARRIVAL, Service, service_of
 from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord
+from mesh.service.sampling_defaults import resolve as resolve_sampling
 from mesh.service.schema import GenerationRequest, parse_chat, parse_completion, parse_json
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
 
@@ -60,9 +61,10 @@ async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], Gene
 async def _placed(svc: Service, request: web.Request, req: GenerationRequest, tenant: str,
                   model: ModelRecord) -> web.StreamResponse:
     prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
+    temperature, top_p = resolve_sampling(req.temperature, req.top_p, model.sampling_defaults)
     job = Job(
         request_id=prefix + secrets.token_hex(12), model=model, arrival_s=request[ARRIVAL],
-        sampling=Sampling(max_tokens=req.max_tokens or 0, temperature=req.temperature, top_p=req.top_p,
+        sampling=Sampling(max_tokens=req.max_tokens or 0, temperature=temperature, top_p=top_p,
                           stop=req.stop, seed=req.seed),
         messages=req.messages, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids)
     svc.begin_generation()

@@ -3,7 +3,8 @@
 Supported: `model`, `messages` (chat; content as a string or a list of text parts) or
 `prompt` (completions; a string, a one-element list of strings, token ids, or a
 one-element list of token id lists), `max_tokens` (or `max_completion_tokens`),
-`temperature` [0, 2], `top_p` (0, 1], `stop` (a string or up to 4), `seed`, `n` = 1,
+`temperature` [0, 2], `top_p` (0, 1] (omitted: None here, the model's sampling defaults
+later, mesh.service.sampling_defaults), `stop` (a string or up to 4), `seed`, `n` = 1,
 `stream`, `stream_options.include_usage`. Fields that would change the output in ways Mesh
 does not implement (logprobs, echo, penalties, tools, n > 1, ...) are refused with a 400
 instead of being silently ignored; unknown fields are ignored, as OpenAI clients send extras.
@@ -30,8 +31,8 @@ class GenerationRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     max_tokens: int | None = None  # None: up to the context window
-    temperature: float = 1.0
-    top_p: float = 1.0
+    temperature: float | None = None  # None: the model's default (mesh.service.sampling_defaults)
+    top_p: float | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None
     stream: bool = False
@@ -81,8 +82,8 @@ def _common(kind: str, d: Mapping[str, Any], **fields: Any) -> GenerationRequest
     param = "max_completion_tokens" if d.get("max_completion_tokens") is not None else "max_tokens"
     if max_tokens is not None:
         max_tokens = _int(max_tokens, param, 1, MAX_TOKENS_CAP)
-    temperature = _number(d.get("temperature"), "temperature", 0.0, 2.0, 1.0)
-    top_p = _number(d.get("top_p"), "top_p", 0.0, 1.0, 1.0)
+    temperature = _number(d.get("temperature"), "temperature", 0.0, 2.0, None)
+    top_p = _number(d.get("top_p"), "top_p", 0.0, 1.0, None)
     if top_p == 0.0:
         raise bad_request("'top_p' must be greater than 0 and at most 1.", "top_p")
     seed = d.get("seed")
@@ -136,7 +137,7 @@ def _int(value: Any, param: str, low: int, high: int) -> int:
     return value
 
 
-def _number(value: Any, param: str, low: float, high: float, default: float) -> float:
+def _number(value: Any, param: str, low: float, high: float, default: float | None) -> float | None:
     if value is None:
         return default
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):

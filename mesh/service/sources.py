@@ -60,11 +60,14 @@ class SourceInfo:
     path: Path
     context_length: int  # the model's trained window (0 when unknown)
     weight_bytes: int
+    sampling_defaults: dict[str, float] | None = None  # what the model recommends (mesh.service.sampling_defaults)
 
 
 def inspect_source(path: Path) -> SourceInfo:
     """What model `path` holds; SourceError for anything that is not a model Mesh can read."""
+    from engines.gguf_meta import read_gguf_metadata
     from engines.model_shape import shape_from_gguf
+    from mesh.service.sampling_defaults import from_gguf_metadata, from_generation_config
 
     if path.is_file():
         with open(path, "rb") as f:
@@ -73,9 +76,10 @@ def inspect_source(path: Path) -> SourceInfo:
                                   "folder or a Hugging Face folder")
         try:
             shape = shape_from_gguf(path)
+            sampling = from_gguf_metadata(read_gguf_metadata(path))
         except Exception as exc:  # noqa: BLE001 - any parse failure is the file's fault
             raise SourceError(f"cannot read the GGUF header: {exc}") from exc
-        return SourceInfo("gguf", path, int(shape.context_length or 0), path.stat().st_size)
+        return SourceInfo("gguf", path, int(shape.context_length or 0), path.stat().st_size, sampling)
     if not path.is_dir():
         raise SourceError("the path is neither a file nor a folder")
     config = path / "config.json"
@@ -84,13 +88,14 @@ def inspect_source(path: Path) -> SourceInfo:
                                "config.json") if not (path / n).is_file()]
         if missing:
             raise SourceError(f"the OpenVINO IR folder lacks {', '.join(missing)}; export it again with optimum-cli")
-        return SourceInfo("ir", path, _config_window(config), (path / "openvino_model.bin").stat().st_size)
+        return SourceInfo("ir", path, _config_window(config), (path / "openvino_model.bin").stat().st_size,
+                          from_generation_config(path))
     if config.is_file():
         weights = sum(p.stat().st_size for p in path.glob("*.safetensors")) or sum(
             p.stat().st_size for p in path.glob("*.bin"))
         if not weights:
             raise SourceError("the Hugging Face folder holds no weights (*.safetensors or *.bin)")
-        return SourceInfo("hf", path, _config_window(config), weights)
+        return SourceInfo("hf", path, _config_window(config), weights, from_generation_config(path))
     raise SourceError("the folder is neither an OpenVINO IR folder (openvino_model.xml) nor a Hugging Face "
                       "folder (config.json)")
 
