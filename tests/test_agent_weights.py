@@ -104,11 +104,13 @@ def test_an_agent_receives_a_model_into_its_folder(tmp_path: Path) -> None:
 
 # ---- two real agent processes, the demo model -------------------------------------------
 
-async def _spawn(node: str, weights_dir: Path, weights_token: str,
-                 models_root: Path | None = None) -> tuple[asyncio.subprocess.Process, str]:
+async def _spawn(node: str, weights_dir: Path, weights_token: str, models_root: Path | None = None,
+                 code: str | None = None) -> tuple[asyncio.subprocess.Process, str]:
+    """A real agent process; `code`: run it through `python -c code ARGS` (a fault injected)."""
     env = {**os.environ, "MESH_AGENT_TOKEN": TOKEN, "MESH_WEIGHTS_TOKEN": weights_token}
+    program = ["-c", code] if code else ["-m", "mesh.agent"]
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", node, "--memory-bytes", str(3 * 10**9),
+        sys.executable, *program, "--listen", "127.0.0.1:0", "--node-id", node, "--memory-bytes", str(3 * 10**9),
         "--weights-listen", "127.0.0.1:0", "--weights-dir", str(weights_dir),
         *(["--models-root", str(models_root)] if models_root else []), stdout=asyncio.subprocess.PIPE, env=env)
     line = (await asyncio.wait_for(proc.stdout.readline(), 60)).decode().strip()
@@ -209,3 +211,60 @@ def test_an_agent_on_loopback_or_with_a_token_starts(tmp_path):
         finally:
             proc.terminate()
             proc.wait(30)
+
+
+# The real agent program with one fault injected: its `stats` handler raises, as a bug would.
+FAULTY_AGENT = """
+import sys
+import mesh.agent.server as server
+
+def stats(self, message):
+    raise RuntimeError("injected fault in stats")
+
+server.AgentServer._stats = stats
+sys.exit(server.main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.slow
+def test_a_real_agent_answers_a_handler_exception_and_keeps_streaming(demo_gguf: Path, tmp_path: Path) -> None:
+    """A real agent process serving SmolLM2 whose `stats` handler raises: that call is
+    answered `failed` with the exception, the connection stays up, and the request that was
+    decoding meanwhile finishes with all its tokens."""
+    async def main() -> None:
+        events: list[dict] = []
+        proc, address = await _spawn("a", tmp_path / "a", new_token(), demo_gguf.parent, code=FAULTY_AGENT)
+        closed: list[str] = []
+        client = AgentClient("a", events.append, closed.append, heartbeat_timeout_s=60)
+        try:
+            await client.connect(address, TOKEN)
+            await client.call(InstanceSpec("i", "smollm2", str(demo_gguf), 512, max_num_seqs=2).to_message())
+            for _ in range(1200):
+                if any(e["t"] == "instance" for e in events):
+                    break
+                await asyncio.sleep(0.1)
+            ids = (await client.call({"t": "tokenize", "instance_id": "i", "prompt": "Once upon a time"}))["ids"]
+            entry = {"request_id": "long", "instance_id": "i", "prompt_token_ids": ids,
+                     "sampling": sampling_to_dict(Sampling(max_tokens=48, temperature=0.0)), "age_s": 0.0}
+            assert (await client.call({"t": "admit", "requests": [entry]}))["results"][0]["ok"]
+            for _ in range(3):
+                with pytest.raises(AgentCallError) as e:
+                    await client.call({"t": "stats"})
+                assert e.value.code == Code.FAILED.value and "injected fault in stats" in str(e.value)
+            assert client.up and not closed and not any(ev["t"] == "done" for ev in events)  # still decoding
+            assert await client.call({"t": "ping"}) == {}
+            for _ in range(1200):
+                if any(ev["t"] == "done" for ev in events):
+                    break
+                await asyncio.sleep(0.1)
+            done = next(ev for ev in events if ev["t"] == "done")
+            assert done["outcome"] == "completed" and done["tokens_out"] == 48 and not closed
+            streamed = [t for ev in events if ev["t"] == "tokens" for rid, toks, _ in ev["items"] if rid == "long"
+                        for t in toks]
+            assert len(streamed) == 48
+        finally:
+            await client.close()
+            proc.terminate()
+            await proc.wait()
+
+    asyncio.run(main())
