@@ -66,7 +66,7 @@ def config(cpu: int = 1, gpu: int = 1, **kw) -> ClusterConfig:
     return ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, **kw)
 
 
-def build(
+async def build(
     policy: str,
     models: dict[str, str],
     cfg: ClusterConfig,
@@ -80,7 +80,7 @@ def build(
     d = Dispatcher(cluster, **dispatcher_kw)
     box.append(d)
     d.attach(make_policy(policy, cluster, d.reschedule))
-    cluster.start()
+    await cluster.start()
     return cluster, d
 
 

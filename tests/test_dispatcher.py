@@ -22,9 +22,9 @@ async def instances(cluster, model: str, batches: dict[str, int], slo: SLO = SLO
     refs = {}
     for node_id, b in batches.items():
         node = cluster.node(node_id)
-        ref = cluster.start_instance(cluster.plan(model, node), node)
+        ref = await cluster.start_instance(cluster.plan(model, node), node)
         for k in range(b):
-            assert node.try_admit(ref.instance_id, request(f"{model}-{node_id}-{k}", model, out=out, slo=slo)).ok
+            assert (await node.try_admit(ref.instance_id, request(f"{model}-{node_id}-{k}", model, out=out, slo=slo))).ok
         refs[node_id] = ref
     await asyncio.sleep(1.0)  # loaded, prefilled, decoding
     return refs
@@ -32,7 +32,7 @@ async def instances(cluster, model: str, batches: dict[str, int], slo: SLO = SLO
 
 def test_new_instance_on_a_cpu_node_first_with_its_cold_start():
     async def main():
-        cluster, d = build("mesh", {"m": "llama-2-7b"}, config(cpu=1, gpu=1))
+        cluster, d = await build("mesh", {"m": "llama-2-7b"}, config(cpu=1, gpu=1))
         r = request("r", "m", prompt=100, out=3)
         d.submit(r)
         d.close()
@@ -49,7 +49,7 @@ def test_new_instance_on_a_cpu_node_first_with_its_cold_start():
 
 def test_gpu_cold_start_over_pcie():
     async def main():
-        cluster, d = build("mesh-no-cpu", {"m": "llama-2-7b"}, config(cpu=1, gpu=1))
+        cluster, d = await build("mesh-no-cpu", {"m": "llama-2-7b"}, config(cpu=1, gpu=1))
         r = request("r", "m", prompt=100, out=3)
         d.submit(r)
         d.close()
@@ -65,10 +65,10 @@ def test_gpu_cold_start_over_pcie():
 @pytest.mark.parametrize("policy, expected", [("mesh", "cpu0"), ("mesh-no-defrag", "cpu1")])
 def test_highest_batch_first_among_a_models_instances(policy, expected):
     async def main():
-        cluster, d = build(policy, {"m": "llama-2-7b"}, config(cpu=2, gpu=1))
+        cluster, d = await build(policy, {"m": "llama-2-7b"}, config(cpu=2, gpu=1))
         refs = await instances(cluster, "m", {"cpu0": 2, "cpu1": 1, "gpu0": 3})
         r = request("r", "m")
-        assert d.policy.place(r)
+        assert await d.policy.place(r)
         await cluster.stop()
         return r, refs
 
@@ -90,17 +90,17 @@ def test_proactive_preemption_of_a_lower_batch_neighbour():
 
     async def main():
         models = {"m": "llama-2-7b", "n": "llama-2-7b"}
-        cluster, d = build("mesh", models, config(cpu=1, gpu=1, slo=slo), {"llama-2-7b": spec(**SHARED)})
+        cluster, d = await build("mesh", models, config(cpu=1, gpu=1, slo=slo), {"llama-2-7b": spec(**SHARED)})
         x = (await instances(cluster, "m", {"cpu0": 2}, slo))["cpu0"]
         node = cluster.node("cpu0")
-        y = cluster.start_instance(cluster.plan("n", node), node)
+        y = await cluster.start_instance(cluster.plan("n", node), node)
         moved = request("n-0", "n", out=60, slo=slo)
-        assert node.try_admit(y.instance_id, moved).ok
+        assert (await node.try_admit(y.instance_id, moved)).ok
         await asyncio.sleep(1.0)
         done_before = node.progress("n-0")
         r = request("r", "m", slo=slo)
-        assert not node.validate(x.instance_id, r).ok
-        assert d.policy.place(r)
+        assert not (await node.validate(x.instance_id, r)).ok
+        assert await d.policy.place(r)
         state = (r.instance_id, moved.node_id, moved.tokens_out, y.instance_id in node.instances, d.policy.stats.preemptions)
         await run_until(lambda: moved.outcome is not None)
         await cluster.stop()
@@ -118,10 +118,10 @@ def test_no_preemption_when_the_preempted_requests_cannot_go_elsewhere():
 
     async def main():
         models = {"m": "llama-2-7b", "n": "llama-2-7b"}
-        cluster, d = build("mesh", models, config(cpu=1, gpu=0, slo=slo), {"llama-2-7b": spec(**SHARED)})
+        cluster, d = await build("mesh", models, config(cpu=1, gpu=0, slo=slo), {"llama-2-7b": spec(**SHARED)})
         await instances(cluster, "m", {"cpu0": 2}, slo)
         await instances(cluster, "n", {"cpu0": 1}, slo)
-        placed = d.policy.place(request("r", "m", slo=slo))
+        placed = await d.policy.place(request("r", "m", slo=slo))
         left = sorted(i.model for i in cluster.node("cpu0").instances.values())
         await cluster.stop()
         return placed, left, d.policy.stats.preemptions
@@ -137,11 +137,11 @@ def test_preemption_takes_the_lowest_batch_neighbour_first():
 
     async def main():
         models = {"x": "llama-2-7b", "y2": "llama-2-7b", "y1": "llama-2-7b"}
-        cluster, d = build("mesh", models, config(cpu=1, gpu=1, slo=slo), {"llama-2-7b": spec(**SHARED)})
+        cluster, d = await build("mesh", models, config(cpu=1, gpu=1, slo=slo), {"llama-2-7b": spec(**SHARED)})
         await instances(cluster, "x", {"cpu0": 3}, slo)
         await instances(cluster, "y2", {"cpu0": 2}, slo)
         await instances(cluster, "y1", {"cpu0": 1}, slo)
-        assert d.policy.place(request("r", "x", slo=slo))
+        assert await d.policy.place(request("r", "x", slo=slo))
         on_cpu = sorted(i.model for i in cluster.node("cpu0").instances.values())
         on_gpu = sorted(i.model for i in cluster.node("gpu0").instances.values())
         await cluster.stop()
@@ -153,7 +153,7 @@ def test_preemption_takes_the_lowest_batch_neighbour_first():
 
 def test_idle_instances_are_recycled_after_keep_alive():
     async def main():
-        cluster, d = build("mesh", {"m": "llama-2-7b"}, config(cpu=1, gpu=0, keep_alive_s=1.0))
+        cluster, d = await build("mesh", {"m": "llama-2-7b"}, config(cpu=1, gpu=0, keep_alive_s=1.0))
         r = request("r", "m", out=5)
         d.submit(r)
         await run_until(lambda: r.outcome is not None, step_s=0.001)
@@ -174,7 +174,7 @@ def test_idle_instances_are_recycled_after_keep_alive():
 
 def test_waiting_request_is_rejected_with_a_reason_once_it_cannot_meet_its_slo():
     async def main():
-        cluster, d = build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1), queue_capacity=1,
+        cluster, d = await build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1), queue_capacity=1,
                            queue_timeout_s=None)
         hog = request("hog", "a", out=2000)  # holds the only GPU for 100 s
         d.submit(hog)
@@ -205,7 +205,7 @@ def test_queue_timeout_baselines_serve_late_mesh_turns_away_at_once(policy):
     and serves it late; Mesh rejects it once it can no longer meet its SLO."""
 
     async def main():
-        cluster, d = build(policy, {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1))
+        cluster, d = await build(policy, {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1))
         d.submit(request("hog", "a", out=100))  # 5 s of decoding on the only node
         late = request("b1", "b")
         d.submit(late)
@@ -224,7 +224,7 @@ def test_queue_timeout_baselines_serve_late_mesh_turns_away_at_once(policy):
 
 def test_queue_timeout_rejects_after_waiting():
     async def main():
-        cluster, d = build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1), queue_timeout_s=3.0)
+        cluster, d = await build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1), queue_timeout_s=3.0)
         d.submit(request("hog", "a", out=200))  # 10 s
         late = request("b1", "b")
         d.submit(late)
@@ -243,10 +243,11 @@ def test_sllm_scales_out_past_the_concurrency_target(policy, first, second):
     target = 32 if first == "gpu0" else 15  # Llama-2-7B on a GPU / on a CPU (8.1)
 
     async def main():
-        cluster, d = build(policy, {"m": "llama-2-7b"}, config(cpu=1, gpu=2))
+        cluster, d = await build(policy, {"m": "llama-2-7b"}, config(cpu=1, gpu=2))
         reqs = [request(f"r{k}", "m", out=50) for k in range(target + 1)]
         for r in reqs:
             d.submit(r)
+        await asyncio.sleep(0)  # the placements (one task per arrival)
         nodes = [r.node_id for r in reqs]
         d.close()
         await d.all_done.wait()
@@ -260,10 +261,11 @@ def test_sllm_scales_out_past_the_concurrency_target(policy, first, second):
 
 def test_sllm_gives_each_instance_a_whole_node():
     async def main():
-        cluster, d = build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=1, gpu=2))
+        cluster, d = await build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=1, gpu=2))
         ra, rb = request("ra", "a", out=50), request("rb", "b", out=50)
         d.submit(ra)
         d.submit(rb)
+        await asyncio.sleep(0)  # the placements (one task per arrival)
         nodes = (ra.node_id, rb.node_id)
         d.close()
         await d.all_done.wait()
@@ -293,7 +295,7 @@ def test_no_request_is_ever_lost(policy, reqs, timeout):
     catalog = {"llama-2-7b": spec("llama-2-7b", **SHARED), "llama-3.2-3b": spec("llama-3.2-3b")}
 
     async def main():
-        cluster, d = build(policy, models, config(cpu=1, gpu=1, slo=SLO(tpot_s=0.2)), catalog,
+        cluster, d = await build(policy, models, config(cpu=1, gpu=1, slo=SLO(tpot_s=0.2)), catalog,
                            queue_capacity=6, queue_timeout_s=timeout)
         loop = asyncio.get_running_loop()
         served = []
@@ -326,10 +328,11 @@ def test_an_evicted_request_is_rescheduled_on_another_node_with_its_progress():
 
     async def main():
         cfg = config(cpu=2, gpu=0, cpu_memory_bytes=WEIGHTS + 1300 * KV_PER_TOKEN)
-        cluster, d = build("mesh", {"m": "llama-2-7b"}, cfg)
+        cluster, d = await build("mesh", {"m": "llama-2-7b"}, cfg)
         reqs = [request(f"r{k}", "m", prompt=100, out=900) for k in range(2)]
         for r in reqs:
             d.submit(r)
+        await asyncio.sleep(0)  # the placements (one task per arrival)
         first_nodes = [r.node_id for r in reqs]
         d.close()
         await d.all_done.wait()
@@ -360,10 +363,10 @@ def test_a_crashed_node_loop_is_reported_not_hidden():
         catalog = {"llama-2-7b": spec()}
         cluster = Cluster(config(cpu=1, gpu=0), catalog, {"m": "llama-2-7b"}, {"llama-2-7b": 100.0})
         cluster.engine_factory = lambda plan, kind, load_s, seed: Broken(cluster._simulated_engine(plan, kind, load_s, seed))
-        cluster.start()
+        await cluster.start()
         node = cluster.node("cpu0")
-        ref = cluster.start_instance(cluster.plan("m", node), node)
-        node.try_admit(ref.instance_id, request("r", "m"))
+        ref = await cluster.start_instance(cluster.plan("m", node), node)
+        await node.try_admit(ref.instance_id, request("r", "m"))
         await asyncio.sleep(1.0)
         with pytest.raises(RuntimeError, match="node cpu0: its token-level loop crashed"):
             cluster.check_nodes()

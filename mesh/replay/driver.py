@@ -137,7 +137,7 @@ async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: d
     dispatcher_box.append(dispatcher)
     pol = make_policy(policy, cluster, dispatcher.reschedule)
     dispatcher.attach(pol)
-    cluster.start()
+    await cluster.start()
     requests = _served(workload, config.cluster.slo)
     duration = workload.duration_s
     bar = tqdm(total=round(duration), unit="s", desc=f"{policy:>14}", disable=not config.progress,
@@ -149,6 +149,7 @@ async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: d
         while True:
             await asyncio.sleep(step)
             cluster.check_nodes()
+            dispatcher.check()
             now = min(round(loop.time()), round(duration))
             bar.update(now - shown)
             shown = now
@@ -171,13 +172,15 @@ async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: d
         if not dispatcher.all_done.is_set():
             dispatcher.abort_all(f"still in flight {config.drain_limit_s:g} s after the window ended")
         cluster.check_nodes()
+        dispatcher.check()
     finally:
         ticker.cancel()
         bar.update(round(duration) - bar.n)
         bar.close()
     end = loop.time()
     await cluster.stop()
-    nodes = [NodeStats(n.node_id, n.spec.kind, n.iteration_count, n.busy_s, n.decode_tokens, n.prefill_tokens) for n in cluster.nodes]
+    nodes = [NodeStats(n.node_id, n.spec.kind, r.iteration_count, r.busy_s, r.decode_tokens, r.prefill_tokens)
+             for n, r in ((n, n.runtime) for n in cluster.nodes)]
     return PolicyRun(
         policy, duration, end - start, 0.0, requests, list(cluster.usage), nodes, dispatcher.stats, pol.stats,
         cluster.instances_started, cluster.instances_recycled, dispatcher.queue.peak, dispatcher.accounting(),

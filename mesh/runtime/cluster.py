@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import zlib
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,7 +25,8 @@ from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_byt
 from mesh.policy.placement import CPU, DEFAULT_KEEP_ALIVE_S, GPU, ColdStart, InstanceView, NodeView, keep_alive_expired
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO
-from mesh.runtime.node import InstancePlan, NodeInstance, NodeRuntime, NodeSpec
+from mesh.runtime.cluster_node import ClusterNode, InstanceState, LocalNode
+from mesh.runtime.node import InstancePlan, NodeRuntime, NodeSpec
 from mesh.runtime.request import ServedRequest
 
 # Node memory (LLM-Mesh 8.1 testbed). GPU: the A100's 80 GB. CPU: 256 GB of DDR5 for
@@ -122,12 +124,12 @@ class InstanceRef:
     instance_id: str
     model: str  # the replica ("llama-2-7b/f017")
     base: str  # its base model ("llama-2-7b")
-    node: NodeRuntime
+    node: ClusterNode
     seq: int
     recycle: asyncio.TimerHandle | None = None
 
     @property
-    def inst(self) -> NodeInstance:
+    def inst(self) -> InstanceState:
         return self.node.instances[self.instance_id]
 
     @property
@@ -150,24 +152,28 @@ class Cluster:
         models: dict[str, str],
         mean_output_prior: dict[str, float],
         *,
-        on_evict: Callable[[ServedRequest, NodeRuntime], None] | None = None,
+        on_evict: Callable[[ServedRequest, ClusterNode], None] | None = None,
         on_capacity: Callable[[], None] | None = None,
         engine_factory: EngineFactory | None = None,
+        nodes: list[ClusterNode] | None = None,
     ) -> None:
         """`models` maps each model (replica) to its base model in `catalog`;
-        `mean_output_prior` gives O_avg's starting value per base model (6.1)."""
+        `mean_output_prior` gives O_avg's starting value per base model (6.1). `nodes`:
+        the nodes to schedule (the service's agents); default, one simulated LocalNode per
+        node of `config` with engines from `engine_factory`."""
         unknown = sorted({b for b in models.values() if b not in catalog})
         if unknown:
             raise ClusterError(f"no model spec for {', '.join(unknown)}; known: {', '.join(sorted(catalog))}")
         self.config = config
         self.catalog = catalog
         self.models = models
-        self.nodes: list[NodeRuntime] = []
-        for spec in config.node_specs():
-            node = NodeRuntime(spec, margin=config.margin, watermark=config.watermark)
+        if nodes is None:
+            nodes = [LocalNode(NodeRuntime(spec, margin=config.margin, watermark=config.watermark), self._engine_for)
+                     for spec in config.node_specs()]
+        self.nodes: list[ClusterNode] = nodes
+        for node in nodes:
             node.on_evict = (lambda req, n=node: on_evict(req, n)) if on_evict is not None else None
             node.on_loaded = lambda _iid, n=node: self.note_idle(n)  # keep-alive of an unused new instance
-            self.nodes.append(node)
         self.node_seq = {n.node_id: k for k, n in enumerate(self.nodes)}
         self.on_capacity = on_capacity
         self.engine_factory = engine_factory or self._simulated_engine
@@ -176,16 +182,18 @@ class Cluster:
         self._by_id: dict[str, InstanceRef] = {}
         self._ids = itertools.count()
         self._in_use = {CPU: 0, GPU: 0}
+        self._unloads: set[asyncio.Task] = set()
+        self._on_node: Counter[str] = Counter()  # instances per node (a node is in use while it has one)
         self.usage: list[tuple[float, int, int]] = [(0.0, 0, 0)]  # (time, CPU nodes in use, GPU nodes in use)
         self.instances_started = 0
         self.instances_recycled = 0
         self.cold_start_s = 0.0  # summed predicted cold starts
 
     # -- lifecycle -------------------------------------------------------------------
-    def start(self) -> None:
+    async def start(self) -> None:
         self.usage = [(self._now(), 0, 0)]
         for node in self.nodes:
-            node.start()
+            await node.start()
 
     def check_nodes(self) -> None:
         """Raise if a node's token-level loop died (a bug: its requests would hang)."""
@@ -208,19 +216,22 @@ class Cluster:
     def instances_of(self, model: str) -> list[InstanceRef]:
         return self._by_model.get(model, [])
 
+    def all_instances(self) -> list[InstanceRef]:
+        return list(self._by_id.values())
+
     def instance(self, instance_id: str) -> InstanceRef | None:
         return self._by_id.get(instance_id)
 
-    def instances_on(self, node: NodeRuntime) -> list[InstanceRef]:
+    def instances_on(self, node: ClusterNode) -> list[InstanceRef]:
         return [self._by_id[i] for i in node.instances]
 
     def node_views(self) -> list[NodeView]:
         return [
-            NodeView(n.node_id, n.spec.kind, len(n.instances), n.memory.station.budget, n.spec.memory_bytes, k)
-            for k, n in enumerate(self.nodes)
+            NodeView(n.node_id, n.spec.kind, len(n.instances), n.used_bytes(), n.spec.memory_bytes, k)
+            for k, n in enumerate(self.nodes) if n.up
         ]
 
-    def node(self, node_id: str) -> NodeRuntime:
+    def node(self, node_id: str) -> ClusterNode:
         return self.nodes[self.node_seq[node_id]]
 
     def hosts(self, model: str) -> set[str]:
@@ -236,7 +247,7 @@ class Cluster:
         return self._in_use[CPU], self._in_use[GPU]
 
     # -- instances -------------------------------------------------------------------
-    def plan(self, model: str, node: NodeRuntime) -> InstancePlan:
+    def plan(self, model: str, node: ClusterNode) -> InstancePlan:
         """A new instance of `model` on `node`, with its predicted cold start (4, 8.1)."""
         kind = node.spec.kind
         spec = self.catalog[self.models[model]]
@@ -248,7 +259,7 @@ class Cluster:
             self._mean_output[model], expected,
         )
 
-    def expected_load_s(self, model: str, node: NodeRuntime) -> float:
+    def expected_load_s(self, model: str, node: ClusterNode) -> float:
         """The predicted cold start of a new instance of `model` on `node`: its weights
         (ColdStart) and the initial KV cache allocation."""
         kind = node.spec.kind
@@ -257,12 +268,16 @@ class Cluster:
         kv0 = spec.min_bytes(kind, self.config.watermark) - p.weight_bytes
         return self.config.cold_start.load_s(p.weight_bytes, kind) + kv0 / GIB * RESIZE_UP_S_PER_GIB
 
-    def can_host(self, model: str, node: NodeRuntime) -> bool:
+    def can_host(self, model: str, node: ClusterNode) -> bool:
         spec = self.catalog[self.models[model]]
         kind = node.spec.kind
-        return kind in spec.profiles and node.memory.station.can_resize(
-            "", spec.min_bytes(kind, self.config.watermark)
-        )
+        return node.up and kind in spec.profiles and node.can_fit(spec.min_bytes(kind, self.config.watermark))
+
+    def _engine_for(self, plan: InstancePlan, kind: str) -> Engine:
+        """The engine of a new instance on a simulated node (the run's engine factory)."""
+        load_s = self.config.cold_start.load_s(plan.weight_bytes, kind)
+        seed = zlib.crc32(f"{self.config.seed}:{plan.instance_id}".encode())
+        return self.engine_factory(plan, kind, load_s, seed)
 
     def _simulated_engine(self, plan: InstancePlan, kind: str, load_s: float, seed: int) -> Engine:
         return SimulatedEngine(
@@ -271,35 +286,40 @@ class Cluster:
             max_batch=plan.max_batch, load_s=load_s, noise=self.config.noise, seed=seed,
         )
 
-    def start_instance(self, plan: InstancePlan, node: NodeRuntime) -> InstanceRef | None:
+    async def start_instance(self, plan: InstancePlan, node: ClusterNode) -> InstanceRef | None:
         """Start the planned instance (issue its load); None if the node's memory refuses."""
         kind = node.spec.kind
-        load_s = self.config.cold_start.load_s(plan.weight_bytes, kind)
-        seed = zlib.crc32(f"{self.config.seed}:{plan.instance_id}".encode())
-        engine = self.engine_factory(plan, kind, load_s, seed)
-        issued = node.start_instance(plan.instance_id, plan.model, engine, plan.times, plan.slo, plan.mean_output, plan.expected_load_s)
-        if not issued.accepted:
+        if not await node.start_instance(plan):
             return None
         ref = InstanceRef(plan.instance_id, plan.model, self.models[plan.model], node, self.instances_started)
         self.instances_started += 1
         self.cold_start_s += plan.expected_load_s
         self._by_model.setdefault(plan.model, []).append(ref)
         self._by_id[plan.instance_id] = ref
-        if len(node.instances) == 1:
+        self._on_node[node.node_id] += 1
+        if self._on_node[node.node_id] == 1:
             self._usage_changed(kind, +1)
         return ref
 
-    def stop_instance(self, ref: InstanceRef) -> None:
+    async def stop_instance(self, ref: InstanceRef) -> None:
         """Unload an instance that holds no requests."""
         if ref.recycle is not None:
             ref.recycle.cancel()
             ref.recycle = None
-        ref.node.stop_instance(ref.instance_id)
+        if self._by_id.get(ref.instance_id) is not ref:
+            return  # already stopped
+        self._forget(ref)
+        await ref.node.stop_instance(ref.instance_id)
+
+    def _forget(self, ref: InstanceRef) -> None:
+        """Take a stopping instance out of the cluster's books (no request is placed on it
+        from now on)."""
         self._by_model[ref.model].remove(ref)
         if not self._by_model[ref.model]:
             del self._by_model[ref.model]
         del self._by_id[ref.instance_id]
-        if not ref.node.instances:
+        self._on_node[ref.node.node_id] -= 1
+        if self._on_node[ref.node.node_id] == 0:
             self._usage_changed(ref.node.spec.kind, -1)
 
     def _usage_changed(self, kind: str, delta: int) -> None:
@@ -312,15 +332,15 @@ class Cluster:
             self.usage.append(entry)
 
     # -- keep-alive (LLM-Mesh 4) -------------------------------------------------------
-    def note_idle(self, node: NodeRuntime) -> None:
+    def note_idle(self, node: ClusterNode) -> None:
         """Arm the keep-alive timer of every loaded instance on `node` that holds no
         requests (a loading one is armed when its load completes)."""
         loop = asyncio.get_running_loop()
         for instance_id, inst in node.instances.items():
             if inst.requests or not inst.loaded:
                 continue
-            ref = self._by_id[instance_id]
-            if ref.recycle is None:
+            ref = self._by_id.get(instance_id)
+            if ref is not None and ref.recycle is None:  # None: already unloading
                 ref.recycle = loop.call_at(inst.idle_since + self.config.keep_alive_s, self._recycle, ref)
 
     def _recycle(self, ref: InstanceRef) -> None:
@@ -334,7 +354,13 @@ class Cluster:
         if not keep_alive_expired(inst.idle_since, now, self.config.keep_alive_s):
             ref.recycle = asyncio.get_running_loop().call_at(inst.idle_since + self.config.keep_alive_s, self._recycle, ref)
             return
-        self.stop_instance(ref)
         self.instances_recycled += 1
+        self._forget(ref)  # at once: nothing is placed on it while it unloads
+        task = asyncio.get_running_loop().create_task(self._unload(ref))
+        self._unloads.add(task)
+        task.add_done_callback(self._unloads.discard)
+
+    async def _unload(self, ref: InstanceRef) -> None:
+        await ref.node.stop_instance(ref.instance_id)
         if self.on_capacity is not None:
             self.on_capacity()

@@ -16,10 +16,17 @@ The same rule applies to every policy, so comparisons are fair.
 
 Work triggered from inside a node's loop (a request completes) is deferred with the event
 loop, never done re-entrantly inside the node.
+
+The nodes are `ClusterNode`s (mesh.runtime.cluster_node): simulated in-process nodes in a
+replay, node agents in the service; the dispatcher and the policies are the same for both.
+A placement is a coroutine (a node agent answers over its connection); decisions are taken
+one at a time (`_decide`), so each sees the effects of the one before. In a replay the
+nodes answer without suspending, so every decision is atomic in virtual time.
 """
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -27,8 +34,11 @@ from typing import Protocol
 from mesh.policy.placement import queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.runtime.cluster import Cluster
+from mesh.runtime.cluster_node import ClusterNode
 from mesh.runtime.node import NodeRuntime
 from mesh.runtime.request import Outcome, ServedRequest
+
+log = logging.getLogger("mesh.runtime.dispatcher")
 
 DEFAULT_RETRY_INTERVAL_S = 0.05  # waiting requests are retried at most this often
 
@@ -60,7 +70,7 @@ class PlacementPolicy(Protocol):
     kinds: tuple[str, ...]  # node kinds it uses
     validates: bool  # admits only requests shadow validation shows on time (Mesh)
 
-    def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+    async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
         """Place `req` on some instance now (starting one if the policy wants), not on the
         nodes in `avoid`; False if it cannot be placed at the moment."""
 
@@ -102,6 +112,10 @@ class Dispatcher:
         self._last_drain = -1e18
         self._expiry_handle: asyncio.TimerHandle | None = None
         self._expiry_at: float | None = None
+        self._draining = False  # a drain pass is running
+        self._decisions = asyncio.Lock()  # one placement decision at a time
+        self._tasks: set[asyncio.Task] = set()
+        self.error: BaseException | None = None  # a policy that raised (a bug); replays re-raise it
         cluster.on_capacity = self.capacity_freed
 
     def attach(self, policy: PlacementPolicy) -> None:
@@ -124,10 +138,34 @@ class Dispatcher:
         if self.queue.has_model(req.model):  # FIFO per model: wait behind earlier ones
             self._enqueue(req)
             self._schedule_drain()
-        elif self.policy.place(req):
-            self.stats.placed_at_arrival += 1
         else:
+            self._spawn(self._arrive(req))
+
+    async def _arrive(self, req: ServedRequest) -> None:
+        if await self._decide(req):
+            self.stats.placed_at_arrival += 1
+        elif req.outcome is None:
             self._enqueue(req)
+
+    async def _decide(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+        """One placement decision by the policy; a policy that raises (a bug) fails the
+        request instead of losing it, and the error is kept for the replay to raise."""
+        if req.outcome is not None:
+            return False
+        async with self._decisions:
+            try:
+                return await self.policy.place(req, avoid)
+            except Exception as exc:  # noqa: BLE001 - every request must still end
+                log.exception("placing %s failed", req.request_id)
+                self.error = self.error or exc
+                self.stats.failed["placement error"] += 1
+                req.end(Outcome.FAILED, self._now(), f"failed: the placement raised {type(exc).__name__}: {exc}")
+                return False
+
+    def _spawn(self, coro) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
 
     def close(self) -> None:
         """No more submissions; all_done is set once the last request ends."""
@@ -137,14 +175,16 @@ class Dispatcher:
 
     def reschedule(self, req: ServedRequest) -> None:
         """Place again a request taken off a node (progress kept), or let it wait."""
-        if req.outcome is not None:
-            return
-        if self.policy.place(req, self._avoid.get(req.request_id, frozenset())):
+        if req.outcome is None:
+            self._spawn(self._reschedule(req))
+
+    async def _reschedule(self, req: ServedRequest) -> None:
+        if await self._decide(req, self._avoid.get(req.request_id, frozenset())):
             self.stats.rescheduled += 1
-        else:
+        elif req.outcome is None:
             self._enqueue(req)
 
-    def on_evict(self, req: ServedRequest, node: NodeRuntime) -> None:
+    def on_evict(self, req: ServedRequest, node: ClusterNode) -> None:
         """A node evicted a request (6.4); called inside the node's loop, so deferred."""
         self._avoid[req.request_id] = self._avoid.get(req.request_id, frozenset()) | {node.node_id}
         loop = asyncio.get_running_loop()
@@ -218,28 +258,38 @@ class Dispatcher:
             return
         loop = asyncio.get_running_loop()
         delay = max(0.0, self._last_drain + self.retry_interval_s - loop.time())
-        self._drain_handle = loop.call_later(delay, self._drain)
+        self._drain_handle = loop.call_later(delay, self._start_drain)
 
-    def _drain(self) -> None:
+    def _start_drain(self) -> None:
+        if self._draining:  # a pass is running: the next one follows it
+            self._drain_handle = asyncio.get_running_loop().call_later(self.retry_interval_s, self._start_drain)
+            return
+        self._drain_handle = None
+        self._draining = True
+        self._spawn(self._drain())
+
+    async def _drain(self) -> None:
         """Retry waiting requests in order; a model whose head cannot be placed is skipped
         for the rest of this pass (FIFO per model)."""
-        self._drain_handle = None
-        self._last_drain = self._now()
-        blocked: set[str] = set()
-        now = self._last_drain
-        for entry in self.queue.in_order():
-            if entry.model in blocked or entry.request_id not in self.queue:
-                continue
-            if self.policy.validates and now >= self._slo_expiry[entry.request_id]:
-                continue  # validation can only fail now; it waits out its timeout
-            req = self._waiting[entry.request_id]
-            if self.policy.place(req, self._avoid.get(entry.request_id, frozenset())):
-                self.queue.remove(entry.request_id)
-                del self._waiting[entry.request_id]
-                del self._slo_expiry[entry.request_id], self._why[entry.request_id]
-                self.stats.placed_from_queue += 1
-            else:
-                blocked.add(entry.model)
+        try:
+            self._last_drain = self._now()
+            blocked: set[str] = set()
+            for entry in list(self.queue.in_order()):
+                if entry.model in blocked or entry.request_id not in self.queue:
+                    continue
+                if self.policy.validates and self._now() >= self._slo_expiry[entry.request_id]:
+                    continue  # validation can only fail now; it waits out its timeout
+                req = self._waiting[entry.request_id]
+                if await self._decide(req, self._avoid.get(entry.request_id, frozenset())):
+                    if entry.request_id in self.queue:
+                        self.queue.remove(entry.request_id)
+                        del self._waiting[entry.request_id]
+                        del self._slo_expiry[entry.request_id], self._why[entry.request_id]
+                    self.stats.placed_from_queue += 1
+                else:
+                    blocked.add(entry.model)
+        finally:
+            self._draining = False
 
     # -- requests out ----------------------------------------------------------------
     def _ended(self, req: ServedRequest, user_done) -> None:
@@ -265,12 +315,17 @@ class Dispatcher:
         now = self._now()
         for req in list(self._waiting.values()):
             self._turn_away(req, REPLAY_ENDED, why)
-        for node in self.cluster.nodes:
-            for rid in list(node.compute.requests):
-                node.abort(rid, Outcome.FAILED, why)
+        for ref in self.cluster.all_instances():
+            for rid in list(ref.inst.requests):
+                ref.node.abort(rid, why)
         for req in self.requests:
             if req.outcome is None:
                 req.end(Outcome.FAILED, now, why)
+
+    def check(self) -> None:
+        """Raise the error a policy raised, if one did (a bug: replays stop on it)."""
+        if self.error is not None:
+            raise RuntimeError(f"the {self.policy.name} policy raised: {self.error!r}") from self.error
 
     def accounting(self) -> dict[str, int]:
         """Counts by outcome; raises AssertionError if any request is unaccounted for."""

@@ -33,6 +33,7 @@ from mesh.policy.placement import (
     warm_up_allowed,
 )
 from mesh.runtime.cluster import Cluster, InstanceRef
+from mesh.runtime.cluster_node import ClusterNode
 from mesh.runtime.node import InstancePlan, NodeRuntime
 from mesh.runtime.request import ServedRequest
 
@@ -86,7 +87,7 @@ class PolicyStats:
 class _Home:
     """Where a preempted instance's requests go: an existing instance or a new one."""
 
-    node: NodeRuntime
+    node: ClusterNode
     ref: InstanceRef | None = None
     plan: InstancePlan | None = None
 
@@ -109,7 +110,7 @@ class Policy:
     def kinds(self) -> tuple[str, ...]:
         return self.spec.kinds
 
-    def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+    async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
         raise NotImplementedError
 
 
@@ -117,7 +118,7 @@ class Policy:
 class MeshPolicy(Policy):
     """LLM-Mesh and its ablations (4, 7, 8.3)."""
 
-    def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+    async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
         """Candidates, then preemption, then a new instance (4); never on nodes in `avoid`
         (one that just evicted the request for lack of memory, 6.4)."""
         refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
@@ -126,22 +127,22 @@ class MeshPolicy(Policy):
         for v in candidate_order(views, defrag=self.spec.defrag):
             self.stats.validations += 1
             ref = by_id[v.instance_id]
-            if ref.node.try_admit(v.instance_id, req).ok:
+            if (await ref.node.try_admit(v.instance_id, req)).ok:
                 return True
-        if self.spec.defrag and self.spec.share and views and self._preempt_for(req, views, by_id):
+        if self.spec.defrag and self.spec.share and views and await self._preempt_for(req, views, by_id):
             return True
-        return self._scale_out(req, avoid)
+        return await self._scale_out(req, avoid)
 
     # -- a new instance (4) -------------------------------------------------------------
-    def _scale_out(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+    async def _scale_out(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
         exclude = self.cluster.hosts(req.model) | avoid
-        home = self._new_instance_home(req.model, [req], [req.tokens_out], exclude)
+        home = await self._new_instance_home(req.model, [req], [req.tokens_out], exclude)
         if home is None:
-            self._warm_up(req, exclude)
+            await self._warm_up(req, exclude)
             return False
-        return self._start_and_admit(home, [req]) == []
+        return await self._start_and_admit(home, [req]) == []
 
-    def _warm_up(self, req: ServedRequest, exclude: set[str]) -> None:
+    async def _warm_up(self, req: ServedRequest, exclude: set[str]) -> None:
         """No new instance would serve `req` in time: start one anyway, holding no request,
         on the first node where it would if it were already loaded, when
         placement.warm_up_allowed says so (the cold start is longer than any request of this
@@ -162,16 +163,16 @@ class MeshPolicy(Policy):
                 continue  # a fresh request would start an instance here the usual way
             plan = self.cluster.plan(req.model, node)
             self.stats.validations += 1
-            ok = node.validate_new(replace(plan, expected_load_s=0.0), [req], [req.tokens_out]).ok
+            ok = (await node.validate_new(replace(plan, expected_load_s=0.0), [req], [req.tokens_out])).ok
             if not warm_up_allowed(cold, slack, ok, warming):
                 continue
-            if self.cluster.start_instance(plan, node) is None:
+            if await self.cluster.start_instance(plan, node) is None:
                 continue
             self.stats.new_instances += 1
             self.stats.warm_ups += 1  # if unused, recycled keep-alive after its load ends (Cluster.note_idle)
             return
 
-    def _new_instance_home(
+    async def _new_instance_home(
         self, model: str, reqs: list[ServedRequest], done: list[int], exclude: set[str]
     ) -> _Home | None:
         """The first node (placement.new_instance_order) where a new instance of `model`
@@ -183,25 +184,25 @@ class MeshPolicy(Policy):
                 continue
             plan = self.cluster.plan(model, node)
             self.stats.validations += 1
-            if node.validate_new(plan, reqs, done).ok:
+            if (await node.validate_new(plan, reqs, done)).ok:
                 return _Home(node, plan=plan)
         return None
 
-    def _start_and_admit(self, home: _Home, reqs: list[ServedRequest]) -> list[ServedRequest]:
+    async def _start_and_admit(self, home: _Home, reqs: list[ServedRequest]) -> list[ServedRequest]:
         """Start the home's instance if new and admit `reqs`; returns those not admitted."""
         ref = home.ref
         if ref is None:
-            ref = self.cluster.start_instance(home.plan, home.node)
+            ref = await self.cluster.start_instance(home.plan, home.node)
             if ref is None:
                 return list(reqs)
             self.stats.new_instances += 1
-        left = [q for q in reqs if not home.node.try_admit(ref.instance_id, q).ok]
+        left = [q for q in reqs if not (await home.node.try_admit(ref.instance_id, q)).ok]
         if home.ref is None and not ref.inst.requests:
-            self.cluster.stop_instance(ref)  # started for nothing
+            await self.cluster.stop_instance(ref)  # started for nothing
         return left
 
     # -- proactive defragmentation (7.1) --------------------------------------------------
-    def _preempt_for(self, req: ServedRequest, views: list[InstanceView], by_id: dict[str, InstanceRef]) -> bool:
+    async def _preempt_for(self, req: ServedRequest, views: list[InstanceView], by_id: dict[str, InstanceRef]) -> bool:
         """Fit `req` into one of its model's instances by preempting lower-batch neighbours
         (lowest first), only if the preempted requests validate where they would go."""
         for x in candidate_order(views):
@@ -212,7 +213,7 @@ class MeshPolicy(Policy):
             if not victims:
                 continue
             self.stats.validations += 1
-            if not node.validate(x.instance_id, req, exclude=[v.instance_id for v in victims]).ok:
+            if not (await node.validate(x.instance_id, req, exclude=[v.instance_id for v in victims])).ok:
                 continue  # even preempting every candidate would not make room
             chosen: list[tuple[InstanceRef, list[ServedRequest], list[int], _Home]] = []
             used = {node.node_id}
@@ -220,43 +221,46 @@ class MeshPolicy(Policy):
                 yref = self.cluster.instance(y.instance_id)
                 group = list(yref.inst.requests.values())
                 done = [node.progress(q.request_id) for q in group]
-                home = self._home_for(y.model, group, done, used)
+                home = await self._home_for(y.model, group, done, used)
                 if home is None:
                     continue
                 chosen.append((yref, group, done, home))
                 used.add(home.node.node_id)
                 self.stats.validations += 1
-                if node.validate(x.instance_id, req, exclude=[c[0].instance_id for c in chosen]).ok:
-                    return self._commit(req, by_id[x.instance_id], chosen)
+                if (await node.validate(x.instance_id, req, exclude=[c[0].instance_id for c in chosen])).ok:
+                    return await self._commit(req, by_id[x.instance_id], chosen)
         return False
 
-    def _home_for(self, model: str, group: list[ServedRequest], done: list[int], used: set[str]) -> _Home | None:
+    async def _home_for(self, model: str, group: list[ServedRequest], done: list[int], used: set[str]) -> _Home | None:
         """An instance of `model` on another node where all of `group` validate: an
         existing one (highest batch first), else a new one."""
         refs = {r.instance_id: r for r in self.cluster.instances_of(model) if r.node.node_id not in used}
         for v in candidate_order([r.view() for r in refs.values()]):
             ref = refs[v.instance_id]
             self.stats.validations += 1
-            if ref.node.validate_group(v.instance_id, group, done).ok:
+            if (await ref.node.validate_group(v.instance_id, group, done)).ok:
                 return _Home(ref.node, ref=ref)
-        return self._new_instance_home(model, group, done, used | self.cluster.hosts(model))
+        return await self._new_instance_home(model, group, done, used | self.cluster.hosts(model))
 
-    def _commit(self, req: ServedRequest, target: InstanceRef, chosen: list[tuple[InstanceRef, list[ServedRequest], list[int], _Home]]) -> bool:
+    async def _commit(self, req: ServedRequest, target: InstanceRef, chosen: list[tuple[InstanceRef, list[ServedRequest], list[int], _Home]]) -> bool:
         """Preempt the chosen neighbours, admit `req`, and move their requests to their homes
         (rescheduled through the dispatcher if a home no longer validates)."""
         node = target.node
+        moved: list[list[ServedRequest]] = []
         for yref, group, _, _ in chosen:
-            for q in group:
-                node.take_back(q.request_id, f"preempted by {target.instance_id} (7.1)")
-            self.cluster.stop_instance(yref)
+            taken = [q for q in [await node.take_back(q.request_id, f"preempted by {target.instance_id} (7.1)")
+                                 for q in group] if q is not None]
+            moved.append(taken)
+            if not yref.inst.requests:
+                await self.cluster.stop_instance(yref)
             self.stats.preemptions += 1
-            self.stats.preempted_requests += len(group)
-        placed = node.try_admit(target.instance_id, req).ok
-        for _, group, _, home in chosen:
-            for q in self._start_and_admit(home, group):
+            self.stats.preempted_requests += len(taken)
+        placed = (await node.try_admit(target.instance_id, req)).ok
+        for (_, _, _, home), group in zip(chosen, moved):
+            for q in await self._start_and_admit(home, group):
                 self.reschedule(q)
         if not placed:
-            return self._scale_out(req)
+            return await self._scale_out(req)
         return True
 
 
@@ -272,7 +276,7 @@ class SllmPolicy(Policy):
 
     validates = False
 
-    def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+    async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
         refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
         targets = self._targets[self.cluster.models[req.model]]
         by_id = {r.instance_id: r for r in refs}
@@ -282,7 +286,7 @@ class SllmPolicy(Policy):
             if v is None:
                 break
             self.stats.validations += 1
-            if by_id[v.instance_id].node.try_admit(v.instance_id, req, compute=False).ok:
+            if (await by_id[v.instance_id].node.try_admit(v.instance_id, req, compute=False)).ok:
                 return True
             views = [w for w in views if w.instance_id != v.instance_id]  # memory full: next
         # Scale out: the first free node (first-fit, CPU first) that can hold the model.
@@ -290,13 +294,13 @@ class SllmPolicy(Policy):
             node = self.cluster.node(nv.node_id)
             if not self.cluster.can_host(req.model, node):
                 continue
-            ref = self.cluster.start_instance(self.cluster.plan(req.model, node), node)
+            ref = await self.cluster.start_instance(self.cluster.plan(req.model, node), node)
             if ref is None:
                 continue
             self.stats.new_instances += 1
-            if node.try_admit(ref.instance_id, req, compute=False).ok:
+            if (await node.try_admit(ref.instance_id, req, compute=False)).ok:
                 return True
-            self.cluster.stop_instance(ref)
+            await self.cluster.stop_instance(ref)
         return False
 
 
