@@ -15,12 +15,20 @@ Control -> agent (see docs/service.md for every field):
     hello      {token, protocol}             -> {node_id, kind, memory_bytes, cpu, pid, instances,
                                                  weights: {address, dir} | null}
     ping       {}                            -> {}
-    load       {instance_id, model, path, context_window, slo, max_num_seqs, profile}
+    load       {instance_id, model, path, context_window, slo, max_num_seqs, profile, engine, expected_load_s}
                                              -> {} (issued; an `instance` event follows)
     unload     {instance_id}                 -> {}
     tokenize   {instance_id, prompt | messages} -> {ids}
-    admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s}]}
-                                             -> {results: [{ok, code, reason}]}
+    admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s, done?, prompt_len?, compute?}]}
+                                             -> {results: [{ok, code, reason}]}; `done`: tokens a moved
+                                                request produced elsewhere (the last `done` of its ids),
+                                                recomputed here; compute=false: memory check only
+    validate   {instance_id, request: R, exclude?: [instance ids]} -> {admit, reason}
+    validate_group {instance_id, requests: [R]} -> {admit, reason}
+    validate_new {plan: {instance_id, model, weight_bytes, kv_bytes_per_token, context_window, max_batch,
+                  slo, expected_load_s, profile}, requests: [R]} -> {admit, reason}
+               (R = {request_id, prompt_len, max_tokens, age_s, done}: shadow validation, changes nothing)
+    take_back  {request_id, why}             -> {request_id, tokens_out, token_ids} (off the node, not ended)
     abort      {request_id}                  (no reply)
     stats      {}                            -> {instances, memory, queue_length, busy_s, ...}
     shutdown   {}                            -> {} (then the agent exits)
@@ -32,6 +40,7 @@ Agent -> control (events):
     tokens     {items: [[request_id, [token ids], text], ...]}   one frame per iteration
     done       {request_id, outcome, reason, detail, tokens_out, ttft_s, tpot_s}
     instance   {instance_id, state: "ready" | "failed", error}
+    evicted    {request_id, why, tokens_out, token_ids}   the memory subsystem evicted it (6.4): place it again
 
 Reply codes when `ok` is false: see Code. Admission results use the same codes.
 """
@@ -137,6 +146,7 @@ class InstanceSpec:
     max_num_seqs: int = 64
     profile: str | None = None  # a calibration profile file for the iteration times
     engine: str = "openvino"  # "openvino" (CPU); "vllm" comes with GPU agents (issue 6)
+    expected_load_s: float | None = None  # the dispatcher's predicted cold start (None: the agent's default)
 
     def to_message(self) -> dict[str, Any]:
         return {"t": "load", **asdict(self)}
@@ -149,6 +159,7 @@ class InstanceSpec:
                 context_window=None if m.get("context_window") is None else int(m["context_window"]),
                 slo=dict(m.get("slo") or slo_to_dict(SLO())), max_num_seqs=int(m.get("max_num_seqs", 64)),
                 profile=m.get("profile"), engine=str(m.get("engine", "openvino")),
+                expected_load_s=None if m.get("expected_load_s") is None else float(m["expected_load_s"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad load message: {exc}") from exc

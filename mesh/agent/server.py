@@ -43,7 +43,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from engines.protocol import EngineError, EngineRequest
+from engines.protocol import EngineError, EngineRequest, Sampling
 from mesh.agent.engines import AdaptiveTimes, iteration_times, make_engine
 from mesh.agent.protocol import (
     PROTOCOL_VERSION,
@@ -61,7 +61,7 @@ from mesh.runtime.weights.blocks import Manifest, holds
 from mesh.runtime.weights.agent import token_from_env
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
-from mesh.runtime.node import NodeRuntime, NodeSpec
+from mesh.runtime.node import InstancePlan, NodeRuntime, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
 
 log = logging.getLogger("mesh.agent")
@@ -102,7 +102,8 @@ class AgentServer:
             "ping": self._ping, "hello": self._hello, "load": self._load, "unload": self._unload,
             "tokenize": self._tokenize, "admit": self._admit, "abort": self._abort,
             "stats": self._stats, "shutdown": self._shutdown, "weights_path": self._weights_path,
-            "weights_drop": self._weights_drop,
+            "weights_drop": self._weights_drop, "validate": self._validate, "validate_group": self._validate_group,
+            "validate_new": self._validate_new, "take_back": self._take_back,
         }
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -293,7 +294,8 @@ class AgentServer:
             except EngineError as exc:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
             issued = self.node.start_instance(spec.instance_id, spec.model, engine, times, slo,
-                                              RunningMean(MEAN_OUTPUT_PRIOR), EXPECTED_LOAD_S)
+                                              RunningMean(MEAN_OUTPUT_PRIOR),
+                                              EXPECTED_LOAD_S if spec.expected_load_s is None else spec.expected_load_s)
             if not issued.accepted:
                 raise Reply(Code.MEMORY, f"node {self.spec.node_id} memory budget is short by "
                             f"{issued.shortfall_bytes / 2**20:.0f} MiB to load {spec.model}",
@@ -367,6 +369,14 @@ class AgentServer:
             ids = [int(t) for t in r["prompt_token_ids"]]
             sampling = sampling_from_dict(r["sampling"])
             age_s = max(0.0, float(r.get("age_s", 0.0)))
+            # A request moved here (7.1, 6.4): prompt_token_ids is its prompt then the tokens it
+            # produced elsewhere; `done` of them, recomputed here, and the rest generated.
+            # (`prompt_len` says where the prompt ends; simulated engines produce no token ids.)
+            done = int(r.get("done", 0))
+            prompt_len = int(r.get("prompt_len", len(ids) - done))
+            if done < 0 or not 1 <= prompt_len <= len(ids):
+                raise ValueError(f"done={done}, prompt_len={prompt_len} with {len(ids)} token ids")
+            compute = bool(r.get("compute", True))  # False: memory only (the baselines, which do not validate)
         except (KeyError, TypeError, ValueError, ProtocolError) as exc:
             return {"ok": False, "code": Code.PROTOCOL.value, "reason": f"bad admit entry: {exc}"}
         inst = self.node.instances.get(iid)
@@ -380,12 +390,12 @@ class AgentServer:
             refused[iid] = f"instance {iid} runs its maximum batch of {inst.batch_size}"
             return {"ok": False, "code": Code.BATCH_FULL.value, "reason": refused[iid]}
         now = asyncio.get_running_loop().time()
-        req = ServedRequest(EngineRequest(rid, len(ids), sampling, ids), inst.model, now - age_s, inst.slo,
-                            on_output=self._on_output, on_done=self._on_done)
-        if len(ids) + 1 > inst.engine.context_window:
+        req = ServedRequest(EngineRequest(rid, prompt_len, sampling, ids), inst.model, now - age_s, inst.slo,
+                            on_output=self._on_output, on_done=self._on_done, tokens_out=done)
+        if prompt_len + done + 1 > inst.engine.context_window:
             return {"ok": False, "code": Code.BAD_REQUEST.value,
-                    "reason": f"prompt of {len(ids)} tokens exceeds the context window of {inst.engine.context_window}"}
-        admission = self.node.validate(iid, req)
+                    "reason": f"prompt of {prompt_len + done} tokens exceeds the context window of {inst.engine.context_window}"}
+        admission = self.node.validate(iid, req, compute=compute)
         if not admission.ok:
             reason = admission.reason()
             if not _only_own_prefill_late(admission):
@@ -400,6 +410,81 @@ class AgentServer:
             return {"ok": False, "code": Code.BAD_REQUEST.value, "reason": str(exc)}
         self.requests[rid] = req
         return {"ok": True}
+
+    # ---- the cluster dispatcher's verbs (mesh.runtime.cluster_node) -------------------------
+    def _probe(self, r: Any, slo: Any) -> ServedRequest:
+        """A request as validation sees it: its prompt length, output limit, age (time since
+        it arrived, the ST of Eq. 1) and the tokens it already produced elsewhere."""
+        try:
+            sampling = Sampling(max_tokens=max(1, int(r["max_tokens"])))
+            req = ServedRequest(EngineRequest(str(r["request_id"]), int(r["prompt_len"]), sampling), "",
+                                asyncio.get_running_loop().time() - max(0.0, float(r.get("age_s", 0.0))), slo)
+            req.tokens_out = max(0, int(r.get("done", 0)))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad request entry {r!r}: {exc}") from exc
+        return req
+
+    @staticmethod
+    def _verdict(admission: Any) -> dict[str, Any]:
+        return {"admit": admission.ok, "reason": admission.reason()}
+
+    def _validate(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Would the request meet its SLO on the instance, with the instances in `exclude`
+        preempted first (shadow validation, 5.3, 6.4, 7.1)? Changes nothing."""
+        inst = self._instance(m.get("instance_id"))
+        exclude = [str(i) for i in m.get("exclude") or () if str(i) in self.node.instances]
+        req = self._probe(m.get("request"), inst.slo)
+        return self._verdict(self.node.validate(inst.instance_id, req, exclude=exclude))
+
+    def _validate_group(self, m: dict[str, Any]) -> dict[str, Any]:
+        inst = self._instance(m.get("instance_id"))
+        reqs = [self._probe(r, inst.slo) for r in m.get("requests") or ()]
+        return self._verdict(self.node.validate_group(inst.instance_id, reqs, [r.tokens_out for r in reqs]))
+
+    def _validate_new(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Would a new instance of the planned model, started now with its cold start, serve
+        all of `requests`? Times: the plan's profile, else the default for its weights."""
+        try:
+            p = m["plan"]
+            slo = slo_from_dict(p["slo"])
+            spec = InstanceSpec(str(p["instance_id"]), str(p["model"]), "", int(p["context_window"]),
+                                profile=p.get("profile"))
+            times = iteration_times(spec, int(p["weight_bytes"]))
+            plan = InstancePlan(spec.instance_id, spec.model, times, slo, int(p["kv_bytes_per_token"]),
+                                int(p["weight_bytes"]), int(p["context_window"]), int(p["context_window"]),
+                                int(p["max_batch"]), RunningMean(MEAN_OUTPUT_PRIOR), float(p["expected_load_s"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad validate_new plan: {exc}") from exc
+        except EngineError as exc:
+            raise Reply(Code.BAD_REQUEST, str(exc)) from exc
+        reqs = [self._probe(r, slo) for r in m.get("requests") or ()]
+        return self._verdict(self.node.validate_new(plan, reqs, [r.tokens_out for r in reqs]))
+
+    def _take_back(self, m: dict[str, Any]) -> dict[str, Any]:
+        """Take a running request off this node, not ended, with its progress: the tokens
+        it produced (all of them, also those it brought here) go back in the reply, so the
+        dispatcher can resume it elsewhere (preemption 7.1). No `done` event follows."""
+        rid = str(m.get("request_id"))
+        if rid not in self.requests:
+            raise Reply(Code.NO_INSTANCE, f"request {rid} is not on {self.spec.node_id}")
+        try:
+            req = self.node.take_back(rid, str(m.get("why") or "taken back by the control service"))
+        except ValueError as exc:  # its instance is in the middle of a prefill
+            raise Reply(Code.REFUSED, str(exc)) from exc
+        self.requests.pop(rid, None)
+        return self._progress(req)
+
+    @staticmethod
+    def _progress(req: ServedRequest) -> dict[str, Any]:
+        ids = req.engine_request.prompt_token_ids or []
+        produced = list(ids[req.prompt_len:req.prompt_len + req.tokens_out])
+        return {"request_id": req.request_id, "tokens_out": req.tokens_out, "token_ids": produced}
+
+    def _instance(self, iid: Any) -> Any:
+        inst = self.node.instances.get(str(iid))
+        if inst is None:
+            raise Reply(Code.NO_INSTANCE, f"no instance {iid} on {self.spec.node_id}")
+        return inst
 
     def _abort(self, m: dict[str, Any]) -> None:
         rid = str(m.get("request_id"))
@@ -482,10 +567,11 @@ class AgentServer:
         })
 
     def _on_evict(self, req: ServedRequest) -> None:
-        # One node: nowhere to reschedule to. The control service could retry it elsewhere
-        # (the cluster dispatcher will); here it fails with the reason.
-        why = req.attempts[-1] if req.attempts else "evicted"
-        req.end(Outcome.FAILED, asyncio.get_running_loop().time(), why)
+        """The memory subsystem evicted a request (6.4), progress kept: it goes back to the
+        control service, whose dispatcher places it on another node (an `evicted` event
+        with the tokens it produced; no `done` follows)."""
+        self.requests.pop(req.request_id, None)
+        self._send({"t": "evicted", "why": req.attempts[-1] if req.attempts else "evicted", **self._progress(req)})
 
     def _abort_all(self, why: str) -> None:
         for rid in list(self.requests):

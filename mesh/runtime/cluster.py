@@ -133,12 +133,18 @@ class InstanceRef:
         return self.node.instances[self.instance_id]
 
     @property
+    def requests(self) -> dict[str, ServedRequest]:
+        """The requests it holds (none once the node lost it: a node agent can, mid-decision)."""
+        inst = self.node.instances.get(self.instance_id)
+        return inst.requests if inst is not None else {}
+
+    @property
     def batch_size(self) -> int:
-        return len(self.node.instances[self.instance_id].requests)
+        return len(self.requests)
 
     def view(self) -> InstanceView:
         n = self.node
-        return InstanceView(self.instance_id, n.node_id, n.spec.kind, self.model, len(n.instances[self.instance_id].requests), self.seq)
+        return InstanceView(self.instance_id, n.node_id, n.spec.kind, self.model, self.batch_size, self.seq)
 
 
 EngineFactory = Callable[[InstancePlan, str, float, int], Engine]
@@ -174,6 +180,7 @@ class Cluster:
         for node in nodes:
             node.on_evict = (lambda req, n=node: on_evict(req, n)) if on_evict is not None else None
             node.on_loaded = lambda _iid, n=node: self.note_idle(n)  # keep-alive of an unused new instance
+            node.on_instance_gone = self._gone
         self.node_seq = {n.node_id: k for k, n in enumerate(self.nodes)}
         self.on_capacity = on_capacity
         self.engine_factory = engine_factory or self._simulated_engine
@@ -223,7 +230,7 @@ class Cluster:
         return self._by_id.get(instance_id)
 
     def instances_on(self, node: ClusterNode) -> list[InstanceRef]:
-        return [self._by_id[i] for i in node.instances]
+        return [self._by_id[i] for i in node.instances if i in self._by_id]  # not one still starting
 
     def node_views(self) -> list[NodeView]:
         return [
@@ -310,6 +317,16 @@ class Cluster:
             return  # already stopped
         self._forget(ref)
         await ref.node.stop_instance(ref.instance_id)
+
+    def _gone(self, instance_id: str) -> None:
+        """The node lost an instance on its own (its load failed, the node went down)."""
+        ref = self._by_id.get(instance_id)
+        if ref is not None:
+            if ref.recycle is not None:
+                ref.recycle.cancel()
+            self._forget(ref)
+            if self.on_capacity is not None:
+                self.on_capacity()
 
     def _forget(self, ref: InstanceRef) -> None:
         """Take a stopping instance out of the cluster's books (no request is placed on it

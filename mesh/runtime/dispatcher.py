@@ -316,7 +316,7 @@ class Dispatcher:
         for req in list(self._waiting.values()):
             self._turn_away(req, REPLAY_ENDED, why)
         for ref in self.cluster.all_instances():
-            for rid in list(ref.inst.requests):
+            for rid in list(ref.requests):
                 ref.node.abort(rid, why)
         for req in self.requests:
             if req.outcome is None:

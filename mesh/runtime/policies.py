@@ -197,7 +197,7 @@ class MeshPolicy(Policy):
                 return list(reqs)
             self.stats.new_instances += 1
         left = [q for q in reqs if not (await home.node.try_admit(ref.instance_id, q)).ok]
-        if home.ref is None and not ref.inst.requests:
+        if home.ref is None and not ref.requests:
             await self.cluster.stop_instance(ref)  # started for nothing
         return left
 
@@ -219,7 +219,7 @@ class MeshPolicy(Policy):
             used = {node.node_id}
             for y in victims:
                 yref = self.cluster.instance(y.instance_id)
-                group = list(yref.inst.requests.values())
+                group = list(yref.requests.values())
                 done = [node.progress(q.request_id) for q in group]
                 home = await self._home_for(y.model, group, done, used)
                 if home is None:
@@ -251,7 +251,7 @@ class MeshPolicy(Policy):
             taken = [q for q in [await node.take_back(q.request_id, f"preempted by {target.instance_id} (7.1)")
                                  for q in group] if q is not None]
             moved.append(taken)
-            if not yref.inst.requests:
+            if not yref.requests:
                 await self.cluster.stop_instance(yref)
             self.stats.preemptions += 1
             self.stats.preempted_requests += len(taken)

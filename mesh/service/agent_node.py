@@ -1,0 +1,334 @@
+"""A node agent as the cluster dispatcher sees it: `AgentNode`, the service's `ClusterNode`.
+
+The dispatcher and the policies (mesh.runtime.dispatcher, mesh.runtime.policies) decide;
+this class carries each decision to one node agent process (local or on another machine)
+over its control connection (mesh.agent.protocol) and keeps the dispatcher's view of the
+node current from the agent's events:
+
+- validation (`validate`, `validate_group`, `validate_new`) runs in the agent, against its
+  live NodeRuntime and learnt iteration times (shadow validation, LLM-Mesh 5.3, 6.4);
+- `try_admit` is the agent's `admit`, validate + admit in one step of its loop;
+- `take_back` and the agent's `evicted` event return a running request with the tokens it
+  produced, so the dispatcher can resume it on another node (7.1, 6.4): its prompt plus
+  those tokens are prefilled there, and its stream goes on where it stopped;
+- tokens and `done` events update the request the dispatcher holds (`ServedRequest`:
+  first-token time, progress, outcome), whose `on_output`/`on_done` feed the client.
+
+The mirror of the node's instances and requests changes before a call goes out (and is
+undone on refusal), so an event that overtakes the reply to its own call still finds its
+request.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
+
+from engines.protocol import FinishReason
+from mesh.agent.client import AgentCallError, AgentDown
+from mesh.agent.protocol import Code, InstanceSpec, sampling_to_dict, slo_to_dict
+from mesh.agent.supervisor import AgentHandle
+from mesh.policy.shadow import DEFAULT_MARGIN
+from mesh.runtime.cluster_node import ClusterNode, InstanceState
+from mesh.runtime.node import Admission, InstancePlan, NodeSpec
+from mesh.runtime.request import Outcome, ServedRequest
+
+log = logging.getLogger("mesh.service.agent_node")
+
+CALL_TIMEOUT_S = 30.0
+STATS_EVERY_S = 1.0
+
+# (plan, node) -> how the agent loads the planned instance (its weights placed on that
+# node first, when the service multicasts them); raises to refuse the start.
+LoadSpecFor = Callable[[InstancePlan, "AgentNode"], Awaitable[InstanceSpec]]
+ProfileFor = Callable[[str], str | None]  # model -> its calibration profile file, if any
+
+
+@dataclass(eq=False)
+class MirroredInstance:
+    """The dispatcher's view of one instance on the agent (an InstanceState)."""
+
+    instance_id: str
+    model: str
+    requests: dict[str, ServedRequest] = field(default_factory=dict)
+    loaded: bool = False
+    idle_since: float = 0.0
+
+
+AgentFactory = Callable[..., AgentHandle]  # (spec, on_up, on_down, on_event, settings)
+
+
+class AgentNode(ClusterNode):
+    def __init__(self, spec: NodeSpec, agent_factory: AgentFactory, settings: Any, load_spec: LoadSpecFor,
+                 profile_for: ProfileFor = lambda _model: None, margin: float = DEFAULT_MARGIN) -> None:
+        self.spec = spec
+        self.margin = margin
+        self.agent = agent_factory(spec, self._agent_up, self._agent_down, self._agent_event, settings)
+        self._load_spec = load_spec
+        self._profile_for = profile_for
+        self._instances: dict[str, MirroredInstance] = {}
+        self._requests: dict[str, ServedRequest] = {}
+        self.stats: dict[str, Any] = {}  # the agent's last `stats` reply
+        self._budget_bytes = 0  # the memory budget in use (reservation station, 6.3)
+        self._tasks: list[asyncio.Task] = []
+        # Called when an instance left the node without the dispatcher asking (its load
+        # failed, the agent died): the cluster forgets it.
+        self.on_instance_gone: Callable[[str], None] | None = None
+        self.on_change: Callable[[], None] | None = None  # capacity may have changed (agent up)
+
+    # -- state -----------------------------------------------------------------------------
+    @property
+    def instances(self) -> Mapping[str, InstanceState]:
+        return self._instances
+
+    @property
+    def up(self) -> bool:
+        return self.agent.up
+
+    @property
+    def capacity_bytes(self) -> int:
+        return int(self.stats.get("memory", {}).get("capacity_bytes", self.spec.memory_bytes))
+
+    def progress(self, request_id: str) -> int:
+        req = self._requests.get(request_id)
+        return req.tokens_out if req is not None else 0
+
+    def used_bytes(self) -> int:
+        return self._budget_bytes
+
+    def can_fit(self, instance_bytes: int) -> bool:
+        return self.capacity_bytes - self._budget_bytes >= instance_bytes
+
+    # -- lifecycle ---------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self.agent.start()
+        self._tasks.append(asyncio.get_running_loop().create_task(self._poll_stats(), name=f"stats {self.node_id}"))
+
+    async def stop(self) -> None:
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.agent.stop()
+
+    async def _poll_stats(self) -> None:
+        while True:
+            await asyncio.sleep(STATS_EVERY_S)
+            await self.refresh()
+
+    async def refresh(self) -> None:
+        """Read the agent's stats (memory budget, instances' batches and KV)."""
+        if not self.up:
+            return
+        try:
+            stats = await self.agent.client.call({"t": "stats"}, CALL_TIMEOUT_S)
+        except (AgentDown, AgentCallError):
+            return
+        self.stats = stats
+        self._budget_bytes = int(stats.get("memory", {}).get("budget_bytes", self._budget_bytes))
+
+    # -- verbs -------------------------------------------------------------------------------
+    async def _ask(self, message: dict[str, Any]) -> Admission:
+        """A validation the agent answers with {admit, reason}; a node that cannot answer refuses."""
+        try:
+            reply = await self.agent.client.call(message, CALL_TIMEOUT_S) if self.up else None
+        except (AgentDown, AgentCallError) as exc:
+            return Admission(False, refusal=f"node {self.node_id}: {exc}")
+        if reply is None:
+            return Admission(False, refusal=f"node {self.node_id} is {self.agent.state}")
+        return Admission(bool(reply.get("admit")), refusal="" if reply.get("admit") else str(reply.get("reason")))
+
+    async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:
+        return await self._ask({"t": "validate", "instance_id": instance_id, "request": _probe(req, req.tokens_out),
+                                "exclude": list(exclude)})
+
+    async def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
+        return await self._ask({"t": "validate_group", "instance_id": instance_id,
+                                "requests": [_probe(r, d) for r, d in zip(reqs, done, strict=True)]})
+
+    async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
+        p = {"instance_id": plan.instance_id, "model": plan.model, "weight_bytes": plan.weight_bytes,
+             "kv_bytes_per_token": plan.kv_bytes_per_token, "context_window": plan.context_window,
+             "max_batch": plan.max_batch, "slo": slo_to_dict(plan.slo), "expected_load_s": plan.expected_load_s,
+             "profile": self._profile_for(plan.model)}
+        return await self._ask({"t": "validate_new", "plan": p,
+                                "requests": [_probe(r, d) for r, d in zip(reqs, done, strict=True)]})
+
+    async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True) -> Admission:
+        inst = self._instances.get(instance_id)
+        if inst is None or not self.up:
+            return Admission(False, refusal=f"no instance {instance_id} on {self.node_id}")
+        er = req.engine_request
+        entry = {"request_id": req.request_id, "instance_id": instance_id,
+                 "prompt_token_ids": list(er.prompt_token_ids[:er.prompt_len + req.tokens_out]),
+                 "sampling": sampling_to_dict(er.sampling), "age_s": max(0.0, self._now() - req.arrival_s),
+                 "done": req.tokens_out, "prompt_len": er.prompt_len, "compute": compute}
+        self._hold(inst, req)  # before the call: its first tokens may overtake the reply
+        try:
+            reply = await self.agent.client.call({"t": "admit", "requests": [entry]}, CALL_TIMEOUT_S)
+            result = reply["results"][0]
+        except (AgentDown, AgentCallError, KeyError, IndexError) as exc:
+            result = {"ok": False, "code": Code.FAILED.value, "reason": f"node {self.node_id}: {exc}"}
+        if result.get("ok"):
+            return Admission(True)
+        self._release(req.request_id)
+        req.node_id = req.instance_id = None
+        return Admission(False, refusal=str(result.get("reason") or result.get("code")))
+
+    async def take_back(self, request_id: str, why: str) -> ServedRequest | None:
+        req = self._requests.get(request_id)
+        if req is None or not self.up:
+            return None
+        try:
+            reply = await self.agent.client.call({"t": "take_back", "request_id": request_id, "why": why}, CALL_TIMEOUT_S)
+        except (AgentDown, AgentCallError) as exc:  # done meanwhile, or mid-prefill: it stays
+            log.info("take_back of %s from %s: %s", request_id, self.node_id, exc)
+            return None
+        self._release(request_id)
+        _resume_from(req, reply, f"taken from {self.node_id} after {reply.get('tokens_out')} tokens: {why}")
+        return req
+
+    async def start_instance(self, plan: InstancePlan) -> bool:
+        if not self.up:
+            return False
+        inst = MirroredInstance(plan.instance_id, plan.model, idle_since=self._now())
+        self._instances[plan.instance_id] = inst  # before the call: its ready event may overtake the reply
+        try:
+            spec = dataclasses.replace(await self._load_spec(plan, self), slo=slo_to_dict(plan.slo),
+                                       expected_load_s=plan.expected_load_s)
+            reply = await self.agent.client.call(spec.to_message(), CALL_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 - weights not placed, memory, engine: not started
+            self._instances.pop(plan.instance_id, None)
+            log.warning("starting %s on %s failed: %s", plan.instance_id, self.node_id, exc)
+            return False
+        self._budget_bytes += int(reply.get("weight_bytes", plan.weight_bytes))
+        return True
+
+    async def stop_instance(self, instance_id: str) -> None:
+        inst = self._instances.pop(instance_id, None)
+        if inst is None or not self.up:
+            return
+        try:
+            await self.agent.client.call({"t": "unload", "instance_id": instance_id}, CALL_TIMEOUT_S)
+        except (AgentDown, AgentCallError) as exc:
+            log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
+        await self.refresh()
+
+    def abort(self, request_id: str, why: str) -> None:
+        """Ask the agent to end the request (its `done` event, failed, ends it here)."""
+        if self.up:
+            self.agent.client.send({"t": "abort", "request_id": request_id})
+        else:
+            self._end_here(request_id, Outcome.FAILED, why)
+
+    # -- the mirror ----------------------------------------------------------------------------
+    def _hold(self, inst: MirroredInstance, req: ServedRequest) -> None:
+        inst.requests[req.request_id] = req
+        self._requests[req.request_id] = req
+        req.node_id, req.instance_id = self.node_id, inst.instance_id
+
+    def _release(self, request_id: str) -> ServedRequest | None:
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return None
+        inst = self._instances.get(req.instance_id or "")
+        if inst is not None:
+            inst.requests.pop(request_id, None)
+            if not inst.requests:
+                inst.idle_since = self._now()
+        return req
+
+    def _end_here(self, request_id: str, outcome: Outcome, detail: str, reason: FinishReason | None = None) -> None:
+        req = self._release(request_id)
+        if req is not None:
+            req.end(outcome, self._now(), detail, reason)  # node_id stays: the dispatcher notes the node idle
+
+    # -- agent events ------------------------------------------------------------------------------
+    def _agent_event(self, _agent: AgentHandle, m: dict[str, Any]) -> None:
+        kind = m.get("t")
+        now = self._now()
+        if kind == "tokens":
+            for rid, token_ids, text in m.get("items", ()):
+                req = self._requests.get(rid)
+                if req is None:
+                    continue
+                if req.first_token_s is None:
+                    req.first_token_s = now
+                req.tokens_out += len(token_ids) or 1  # one item per token (simulated engines send no ids)
+                if req.on_output is not None:
+                    req.on_output(req, token_ids, [text] if text else [])
+        elif kind == "done":
+            rid = m.get("request_id")
+            req = self._requests.get(rid)
+            if req is None:
+                return
+            req.tokens_out = int(m.get("tokens_out") or req.tokens_out)
+            outcome = Outcome.COMPLETED if m.get("outcome") == "completed" else Outcome.FAILED
+            reason = FinishReason(m["reason"]) if m.get("reason") in FinishReason._value2member_map_ else None
+            self._end_here(rid, outcome, str(m.get("detail") or ""), reason)
+        elif kind == "evicted":
+            req = self._release(m.get("request_id"))
+            if req is None:
+                return
+            req.evictions += 1
+            _resume_from(req, m, f"evicted from {self.node_id}: {m.get('why')}")
+            if self.on_evict is not None:
+                self.on_evict(req)
+            else:
+                req.end(Outcome.FAILED, now, str(m.get("why")))
+        elif kind == "instance":
+            inst = self._instances.get(m.get("instance_id"))
+            if inst is None:
+                return
+            if m.get("state") == "ready":
+                inst.loaded = True
+                inst.idle_since = now
+                if self.on_loaded is not None:
+                    self.on_loaded(inst.instance_id)
+            else:
+                self._lose_instance(inst, f"instance {inst.instance_id} failed to load: {m.get('error')}")
+
+    def _lose_instance(self, inst: MirroredInstance, why: str) -> None:
+        self._instances.pop(inst.instance_id, None)
+        for rid in list(inst.requests):
+            self._end_here(rid, Outcome.FAILED, why)
+        if self.on_instance_gone is not None:
+            self.on_instance_gone(inst.instance_id)
+
+    def _agent_up(self, agent: AgentHandle) -> None:
+        log.warning("node agent %s is up (generation %d)", agent.node_id, agent.generation)
+        # A reconnected agent that kept running holds instances nobody here knows: unload them.
+        for view in (agent.client.info.get("instances") or []) if agent.client is not None else []:
+            agent.client.send({"t": "unload", "instance_id": view.get("instance_id")})
+        self._budget_bytes = 0
+        if self.on_change is not None:
+            self.on_change()
+
+    def _agent_down(self, agent: AgentHandle, reason: str) -> None:
+        why = f"node agent {agent.node_id} went down ({reason})"
+        for inst in list(self._instances.values()):
+            self._lose_instance(inst, why)
+        self.stats = {}
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
+
+
+def _probe(req: ServedRequest, done: int) -> dict[str, Any]:
+    """A request as the agent's validation needs it (mesh.agent.server `_probe`)."""
+    return {"request_id": req.request_id, "prompt_len": req.prompt_len,
+            "max_tokens": req.engine_request.sampling.max_tokens,
+            "age_s": max(0.0, asyncio.get_running_loop().time() - req.arrival_s), "done": done}
+
+
+def _resume_from(req: ServedRequest, progress: Mapping[str, Any], note: str) -> None:
+    """A request off its node: its produced tokens follow its prompt, to be recomputed
+    where it resumes (mesh.runtime.node NodeRuntime.take_back does the same in-process)."""
+    er = req.engine_request
+    produced = [int(t) for t in progress.get("token_ids") or ()]
+    req.engine_request = dataclasses.replace(er, prompt_token_ids=list(er.prompt_token_ids[:er.prompt_len]) + produced)
+    req.tokens_out = int(progress.get("tokens_out") or len(produced))
+    req.attempts.append(note)
+    req.node_id = req.instance_id = None

@@ -1,0 +1,140 @@
+"""The cluster dispatcher and the replay's policies driving node agents over their real
+loopback connections (mesh.service.agent_node.AgentNode): the same Dispatcher and
+MeshPolicy as the replay, two agents in this process with simulated engines (fast).
+Proactive preemption (7.1) moves a running request to the other node with its progress,
+an eviction (6.4) goes back to the dispatcher and finishes elsewhere."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agent_doubles import TOKEN, InProcessAgent, use_simulated_engines
+from cluster_doubles import linear_profile
+from engines.protocol import EngineRequest, Sampling
+from mesh.agent.protocol import InstanceSpec
+from mesh.policy.slo import SLO
+from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
+from mesh.runtime.dispatcher import Dispatcher
+from mesh.runtime.policies import make_policy
+from mesh.runtime.request import Outcome, ServedRequest
+from mesh.service.agent_node import AgentNode
+from mesh.agent.supervisor import AgentSettings
+from mesh.runtime.node import NodeSpec
+
+# The agents' simulated engines (agent_doubles): decode 10 ms a step, 1,000 bytes of KV per token.
+SLO_TIGHT = SLO(ttft_min_s=0.5, ttft_s_per_prompt_token=0.0, tpot_s=0.015)
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    """Simulated engines whose predicted times stay the profile's (no learning), so the
+    decisions below do not depend on how fast this machine runs the simulation."""
+    import mesh.agent.server as server_module
+    from agent_doubles import TIMES
+    from mesh.agent.engines import AdaptiveTimes
+
+    use_simulated_engines(monkeypatch)
+    monkeypatch.setattr(server_module, "iteration_times", lambda spec, w: AdaptiveTimes(TIMES, alpha=0.0, prefill_alpha=0.0))
+
+
+async def _load_spec(plan, node) -> InstanceSpec:
+    return InstanceSpec(plan.instance_id, plan.model, "/nowhere", plan.context_window, engine="simulated",
+                        max_num_seqs=plan.max_batch)
+
+
+async def _cluster(models: list[str], memory: int = 10**9, slo: SLO = SLO_TIGHT, policy: str = "mesh"):
+    nodes = [AgentNode(NodeSpec(f"cpu{i}", "cpu", memory), InProcessAgent, AgentSettings(), _load_spec)
+             for i in range(2)]
+    profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
+                             decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
+    catalog = {"base": ModelSpec("base", {"cpu": profile})}
+    box: list[Dispatcher] = []
+    cluster = Cluster(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=memory, slo=slo), catalog,
+                      {m: "base" for m in models}, {"base": 100.0}, nodes=nodes,
+                      on_evict=lambda r, n: box[0].on_evict(r, n))
+    d = Dispatcher(cluster)
+    box.append(d)
+    d.attach(make_policy(policy, cluster, d.reschedule))
+    await cluster.start()
+    return cluster, d
+
+
+def _request(rid: str, model: str, prompt: int = 20, out: int = 200, slo: SLO = SLO_TIGHT) -> ServedRequest:
+    ids = list(range(1, prompt + 1))
+    return ServedRequest(EngineRequest(rid, prompt, Sampling(max_tokens=out), ids, output_len=out), model,
+                         asyncio.get_running_loop().time(), slo)
+
+
+async def _until(cond, limit_s: float = 10.0) -> None:
+    for _ in range(int(limit_s / 0.01)):
+        if cond():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+async def _instance(cluster, model: str, node) -> str:
+    ref = await cluster.start_instance(cluster.plan(model, node), node)
+    assert ref is not None
+    await _until(lambda: node.instances[ref.instance_id].loaded)
+    return ref.instance_id
+
+
+def test_proactive_preemption_moves_a_running_request_to_another_agent(simulated):
+    """cpu0 runs X (model m, batch 2) and Y (model n, batch 1), forced in memory-only: a
+    decode round of both takes 20 ms (x1.1 margin) against a TPOT of 15 ms. A third
+    request for m validates on X only with Y preempted; Y's request validates on a new
+    instance on cpu1, so the dispatcher preempts Y and the request resumes on cpu1 with the
+    tokens it produced, and all of them finish with every token."""
+
+    async def main():
+        cluster, d = await _cluster(["m", "n"])
+        a, b = cluster.node("cpu0"), cluster.node("cpu1")
+        x = await _instance(cluster, "m", a)
+        y = await _instance(cluster, "n", a)
+        first = [_request(f"m{k}", "m") for k in range(2)]
+        moved = _request("n0", "n")
+        for r in first:
+            assert (await a.try_admit(x, r, compute=False)).ok
+        assert (await a.try_admit(y, moved, compute=False)).ok
+        await _until(lambda: a.agent.server.node.progress("n0") >= 5)  # simulated engines stream no tokens
+        r = _request("r", "m")
+        assert not (await a.validate(x, r)).ok  # X is too slow with Y beside it
+        d.submit(r)
+        await _until(lambda: moved.node_id == "cpu1")
+        carried = [n for n in moved.attempts if "preempted by" in n]
+        assert r.node_id == "cpu0" and r.instance_id == x and y not in a.instances
+        assert d.policy.stats.preemptions == 1 and carried
+        await _until(lambda: all(q.outcome is not None for q in [*first, moved, r]), 30.0)
+        await cluster.stop()
+        return first, moved, r
+
+    first, moved, r = asyncio.run(main())
+    for q in [*first, moved, r]:
+        assert q.outcome is Outcome.COMPLETED and q.tokens_out == 200, (q.request_id, q.outcome, q.detail)
+    assert moved.node_id == "cpu1"
+
+
+def test_an_evicted_request_finishes_on_another_agent(simulated):
+    """6.4 over the wire: cpu0's memory holds the weights and 330 tokens of KV; two requests
+    of 20 + 200 tokens outgrow it, the agent evicts one (an `evicted` event with its
+    progress), and the dispatcher places it on cpu1, where it finishes."""
+
+    async def main():
+        memory = 10**6 + 330 * 1000
+        cluster, d = await _cluster(["m"], memory=memory, slo=SLO(ttft_min_s=5.0, tpot_s=1.0))
+        reqs = [_request(f"r{k}", "m", prompt=20, out=200) for k in range(2)]
+        for r in reqs:
+            d.submit(r)
+        await _until(lambda: all(r.node_id for r in reqs))
+        first = [r.node_id for r in reqs]
+        await _until(lambda: all(r.outcome is not None for r in reqs), 30.0)
+        await cluster.stop()
+        return reqs, first, d
+
+    reqs, first, d = asyncio.run(main())
+    assert first == ["cpu0", "cpu0"]
+    moved = [r for r in reqs if r.evictions]
+    assert len(moved) == 1 and moved[0].node_id == "cpu1" and d.stats.rescheduled == 1
+    assert all(r.outcome is Outcome.COMPLETED and r.tokens_out == 200 for r in reqs)
