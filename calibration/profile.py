@@ -27,7 +27,7 @@ from typing import Any
 
 FORMAT = "mesh-profile/1"
 DEVICE_KINDS = ("cpu", "gpu")
-METHODS = ("roofline", "measured")
+METHODS = ("roofline", "measured", "prior")  # prior: a hand-fitted model, before calibration
 _FIELDS = (
     "format", "model", "device", "device_kind", "engine", "kv_bytes_per_token",
     "weight_bytes", "max_context", "prefill", "decode", "provenance",

@@ -169,3 +169,20 @@ def iteration_times(spec: InstanceSpec, weight_bytes: int) -> AdaptiveTimes:
         except ProfileError as exc:
             raise EngineError(f"cannot use profile {spec.profile}: {exc}") from exc
     return AdaptiveTimes(DefaultCpuTimes.for_weights(weight_bytes))
+
+
+def prior_profile(model: str, kind: str, weight_bytes: int, kv_bytes_per_token: int, max_context: int) -> Any:
+    """`DefaultCpuTimes` on a profile's grid (exact: it is linear in each axis): what the
+    cluster dispatcher plans a model's instances with before the model is calibrated, the
+    same times the agent validates with (mesh.runtime.cluster ModelSpec)."""
+    from calibration.profile import Profile
+
+    times = DefaultCpuTimes.for_weights(weight_bytes)
+    lengths = sorted({*(16 * 2**k for k in range(16) if 16 * 2**k < max_context), max_context})
+    batches = [2**k for k in range(9)]
+    return Profile(
+        model, f"{kind}-prior", kind, "openvino", kv_bytes_per_token, weight_bytes, max_context,
+        tuple(lengths), tuple(times.prefill_s(n) for n in lengths), tuple(batches), tuple(lengths),
+        tuple(tuple(times.decode_s(b, c) for c in lengths) for b in batches),
+        {"method": "prior", "hardware": {}, "source": "mesh.agent.engines.DefaultCpuTimes"},
+    )

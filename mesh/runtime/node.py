@@ -42,6 +42,9 @@ class NodeInstance:
     requests: dict[str, ServedRequest] = field(default_factory=dict)
     loaded: bool = False
     idle_since: float = 0.0  # when it last became empty (keep-alive, LLM-Mesh 4)
+    # Requests admitted while the instance loads (validated with its cold start, LLM-Mesh 4):
+    # a real engine takes requests only once loaded, so they reach it when the load ends.
+    deferred: dict[str, EngineRequest] = field(default_factory=dict)
 
     @property
     def batch_size(self) -> int:
@@ -217,6 +220,7 @@ class NodeRuntime:
             inst.loaded = True
             now = self._now()
             self.compute.set_loaded(op.holder, now)
+            self._add_deferred(inst)
             if not inst.requests:
                 inst.idle_since = now  # keep-alive counts from when it can serve (LLM-Mesh 4)
             if self.on_loaded is not None:
@@ -368,7 +372,11 @@ class NodeRuntime:
         inst = self.instances[instance_id]
         done = req.tokens_out
         prompt, start = self.effective(req, done)
-        inst.engine.add_request(self._engine_request(req, done))  # raises EngineError before any state changes
+        er = self._engine_request(req, done)
+        if inst.loaded:
+            inst.engine.add_request(er)  # raises EngineError before any state changes
+        else:
+            inst.deferred[req.request_id] = er
         if admission.memory is not None and admission.memory.kv_bytes is not None:
             issued = self.memory.resize_kv(instance_id, admission.memory.kv_bytes)
             self._launch(issued.started)
@@ -397,7 +405,8 @@ class NodeRuntime:
         if r is None:
             return None
         inst = self.instances[r.instance_id]
-        inst.engine.abort(request_id)
+        if inst.deferred.pop(request_id, None) is None:
+            inst.engine.abort(request_id)
         self.compute.remove_request(request_id)
         self._carried.pop(request_id, None)
         self._produced.pop(request_id, None)
@@ -445,6 +454,15 @@ class NodeRuntime:
             self.on_evict(req)
         else:
             req.end(Outcome.FAILED, self._now(), why)
+
+    def _add_deferred(self, inst: NodeInstance) -> None:
+        """The load ended: the requests admitted meanwhile go to the engine, in order."""
+        deferred, inst.deferred = inst.deferred, {}
+        for rid, er in deferred.items():
+            try:
+                inst.engine.add_request(er)
+            except EngineError as exc:  # its prompt, checked by the engine only now
+                self.abort(rid, Outcome.FAILED, f"{exc}")
 
     def _fail_instance(self, inst: NodeInstance, why: str) -> None:
         for rid in list(inst.requests):

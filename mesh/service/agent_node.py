@@ -174,6 +174,7 @@ class AgentNode(ClusterNode):
             return Admission(True)
         self._release(req.request_id)
         req.node_id = req.instance_id = None
+        log.debug("%s refused %s on %s: %s", self.node_id, req.request_id, instance_id, result)
         return Admission(False, refusal=str(result.get("reason") or result.get("code")))
 
     async def take_back(self, request_id: str, why: str) -> ServedRequest | None:
