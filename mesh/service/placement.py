@@ -453,6 +453,9 @@ class LocalPlacement:
     # ---- agent events --------------------------------------------------------------------------
     def _agent_event(self, agent: AgentHandle, m: dict[str, Any]) -> None:
         kind = m.get("t")
+        if kind == "evicted":  # no other node takes it here (the cluster dispatcher would): it fails
+            kind, m = "done", {"request_id": m.get("request_id"), "outcome": "failed",
+                               "detail": f"evicted for lack of memory: {m.get('why')}"}
         if kind == "tokens":
             for rid, token_ids, text in m.get("items", ()):
                 entry = self._streams.get(rid)
