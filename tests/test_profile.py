@@ -233,7 +233,7 @@ def test_other_field_errors(tmp_path: Path) -> None:
         assert expected in error_of(tmp_path, doc), expected
     doc = small_doc()
     doc["provenance"]["method"] = "guessed"
-    assert "provenance.method: must be one of ('roofline', 'measured')" in error_of(tmp_path, doc)
+    assert "provenance.method: must be one of ('roofline', 'measured', 'prior')" in error_of(tmp_path, doc)
     doc["provenance"] = {"method": "measured", "hardware": "a box"}
     assert "provenance.hardware: must be a JSON object, got str" in error_of(tmp_path, doc)
     assert "<top level>: must be a JSON object, got list" in error_of(tmp_path, "[1, 2]")
