@@ -61,6 +61,7 @@ from mesh.runtime.weights.blocks import Manifest, holds
 from mesh.runtime.weights.agent import token_from_env
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
+from mesh.policy.slo import DeadlineRule
 from mesh.runtime.node import NodeRuntime, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
 
@@ -82,14 +83,17 @@ class AgentServer:
     """Serves one node: its runtime, instances, and one control connection."""
 
     def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None,
-                 weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = ()) -> None:
-        """`load_roots`: folders whose files `load` may open, besides the weights receiver's."""
+                 weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = (),
+                 deadlines: DeadlineRule = DeadlineRule.PACE) -> None:
+        """`load_roots`: folders whose files `load` may open, besides the weights receiver's.
+        `deadlines`: when tokens after the first are due (mesh.policy.slo); the service runs
+        `pace`, so shadow validation protects the pace clients measure."""
         self.spec = spec
         self.weights = weights  # receives model blocks over the network (None: not hosted)
         self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
         self.token = token
         self.cpu = cpu or {}
-        self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True)
+        self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True, deadlines=deadlines)
         self.times: dict[str, AdaptiveTimes] = {}  # instance id -> its iteration times
         self.specs: dict[str, InstanceSpec] = {}
         self.requests: dict[str, ServedRequest] = {}
@@ -273,6 +277,7 @@ class AgentServer:
             raise Reply(Code.PROTOCOL, f"protocol {m.get('protocol')} is not supported; this agent speaks {PROTOCOL_VERSION}")
         return {"node_id": self.spec.node_id, "kind": self.spec.kind, "memory_bytes": self.spec.memory_bytes,
                 "cpu": self.cpu, "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
+                "deadlines": self.node.deadlines.value,
                 "weights": self.weights.info() if self.weights is not None else None,
                 "instances": [self._instance_view(i) for i in self.node.instances.values()]}
 
@@ -418,7 +423,7 @@ class AgentServer:
                        "waiting_ops": len(station.waiting())},
             "queue_length": self.node.queue_length(), "running": len(self.requests),
             "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
-            "kv_bytes_in_use": self.node.kv_bytes_in_use(),
+            "kv_bytes_in_use": self.node.kv_bytes_in_use(), "deadlines": self.node.deadlines.value,
         }
 
     def _instance_view(self, inst: Any, now: float | None = None) -> dict[str, Any]:
@@ -561,7 +566,7 @@ async def _amain(args: argparse.Namespace) -> int:
         host, port = parse_listen(args.weights_listen)
         weights = NodeWeightsReceiver(root, host, port, token=token_from_env())  # MESH_WEIGHTS_TOKEN
     server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights,
-                         load_roots=[root, *(args.models_root or ())])
+                         load_roots=[root, *(args.models_root or ())], deadlines=DeadlineRule(args.deadlines))
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -588,6 +593,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
     parser.add_argument("--models-root", action="append", metavar="DIR",
                         help="`load` may also open models under DIR (repeatable); the weights folder always counts")
+    parser.add_argument("--deadlines", default=DeadlineRule.PACE.value, choices=[r.value for r in DeadlineRule],
+                        help="when tokens after the first are due: 'pace' (first token + TPOT x (i-1), the default) "
+                             "or 'eq1' (the paper's arrival + TTFT + TPOT x (i-1)); docs/design.md")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"agent {args.node_id}: %(levelname)s %(message)s")

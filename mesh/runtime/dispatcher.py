@@ -156,8 +156,9 @@ class Dispatcher:
 
     # -- the queue -------------------------------------------------------------------
     def _deadline(self, req: ServedRequest) -> tuple[float, int]:
-        """(next-token deadline, prompt to prefill) of a request with its progress (Eq. 1)."""
-        prompt, start = NodeRuntime.effective(req, req.tokens_out)
+        """(next-token deadline, prompt to prefill) of a request with its progress, under
+        the cluster's deadline rule (mesh.policy.slo)."""
+        prompt, start = NodeRuntime.effective(req, req.tokens_out, self.cluster.config.deadlines)
         return start + req.slo.ttft_s(prompt), prompt
 
     def _enqueue(self, req: ServedRequest) -> None:
