@@ -65,6 +65,11 @@ run_pace() {
     python -m mesh replay --no-progress --seed 1 --minutes 30 --model llama-2-7b --functions 128 \
       --policies mesh,sllm,sllm+cpu --deadlines "$rule" --json "$EVAL/pace_llama-2-7b_128_seed1_${rule}.json"
   done
+  # Mesh under pace at 128 x 3B and 13B (Eq. 1 and the baselines: the fig12 runs; the
+  # baselines' numbers do not depend on the rule, as the 7B runs above show).
+  for model in llama-3.2-3b llama-2-13b; do
+    $MESH --model "$model" --functions 128 --policies mesh --deadlines pace --json "$EVAL/pace_${model}_128_pace.json"
+  done
 }
 
 case "$PART" in
