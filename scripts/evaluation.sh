@@ -2,7 +2,7 @@
 # Regenerates docs/evaluation.md's numbers and figures: the LLM-Mesh Figure 12 grid, the
 # Figure 13 ablations, the Figure 14 mixes, and a queue-rule sensitivity run.
 #   scripts/evaluation.sh            # everything (about 30-40 min on 2 cores)
-#   scripts/evaluation.sh fig13      # one part: fig12 | fig13 | fig14 | sensitivity | seeds | figures
+#   scripts/evaluation.sh fig13      # one part: fig12 | fig13 | fig14 | sensitivity | seeds | pace | figures
 # JSON goes to docs/eval/, PNG figures to docs/figures/. Every run uses the shared Azure
 # traces (../shared/data), seed 0, 30 minutes, 4 CPU + 4 GPU nodes, the defaults of
 # `mesh replay` otherwise (0.1 rps per function, queue timeout 30 s, noise 5%).
@@ -54,14 +54,33 @@ run_seeds() {
   done
 }
 
+run_pace() {
+  # The 128 x 7B replay under each deadline rule (docs/design.md), with the 30 s timeout and
+  # with the `slo` queue rule, seed 0, and seed 1 with the 30 s timeout.
+  for rule in eq1 pace; do
+    $MESH --model llama-2-7b --functions 128 --policies mesh,sllm,sllm+cpu --deadlines "$rule" \
+      --json "$EVAL/pace_llama-2-7b_128_${rule}.json"
+    $MESH --model llama-2-7b --functions 128 --policies mesh,sllm,sllm+cpu --deadlines "$rule" --queue-timeout slo \
+      --json "$EVAL/pace_llama-2-7b_128_slo_${rule}.json"
+    python -m mesh replay --no-progress --seed 1 --minutes 30 --model llama-2-7b --functions 128 \
+      --policies mesh,sllm,sllm+cpu --deadlines "$rule" --json "$EVAL/pace_llama-2-7b_128_seed1_${rule}.json"
+  done
+  # Mesh under pace at 128 x 3B and 13B (Eq. 1 and the baselines: the fig12 runs; the
+  # baselines' numbers do not depend on the rule, as the 7B runs above show).
+  for model in llama-3.2-3b llama-2-13b; do
+    $MESH --model "$model" --functions 128 --policies mesh --deadlines pace --json "$EVAL/pace_${model}_128_pace.json"
+  done
+}
+
 case "$PART" in
   fig12) run_fig12 ;;
   fig13) run_fig13 ;;
   fig14) run_fig14 ;;
   sensitivity) run_sensitivity ;;
   seeds) run_seeds ;;
+  pace) run_pace ;;
   figures) ;;
-  all) run_fig12; run_fig13; run_fig14; run_sensitivity; run_seeds ;;
-  *) echo "usage: $0 [all|fig12|fig13|fig14|sensitivity|seeds|figures]" >&2; exit 2 ;;
+  all) run_fig12; run_fig13; run_fig14; run_sensitivity; run_seeds; run_pace ;;
+  *) echo "usage: $0 [all|fig12|fig13|fig14|sensitivity|seeds|pace|figures]" >&2; exit 2 ;;
 esac
 python scripts/evaluation_figures.py "$EVAL" "$FIG"

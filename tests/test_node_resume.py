@@ -15,7 +15,7 @@ from engines.simulated import SimulatedEngine
 from mesh.policy.compute import ComputeSubsystem, Iteration
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase, quick_reject, shadow_validate
-from mesh.policy.slo import SLO
+from mesh.policy.slo import SLO, DeadlineRule
 from mesh.runtime.node import InstancePlan, NodeRuntime, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
 from mesh.runtime.virtual_loop import run_virtual
@@ -36,14 +36,16 @@ def plan(iid: str, times: LinearTimes, load_s: float = 0.5, slo: SLO = SLO()) ->
     return InstancePlan(iid, "m", times, slo, KV, W, 2048, 2048, 256, RunningMean(10), load_s)
 
 
-def test_take_back_keeps_progress_and_the_request_resumes_elsewhere():
+@pytest.mark.parametrize("rule", [DeadlineRule.EQ1, DeadlineRule.PACE])
+def test_take_back_keeps_progress_and_the_request_resumes_elsewhere(rule):
     """A request taken off one node after k tokens resumes on another: its prompt plus
-    the k tokens are prefilled again, its deadline is its next token's (Eq. 1), and it
-    ends with exactly its output length and its original first-token time."""
+    the k tokens are prefilled again, its deadline is its next token's (under Eq. 1 from its
+    arrival, under pace from its first token), and it ends with exactly its output length
+    and its original first-token time."""
     times = LinearTimes(prefill_per_token=0.001, decode_base=0.02)
 
     async def main():
-        a, b = NodeRuntime(NodeSpec("a", "gpu", 10**9)), NodeRuntime(NodeSpec("b", "gpu", 10**9))
+        a, b = (NodeRuntime(NodeSpec(n, "gpu", 10**9), deadlines=rule) for n in ("a", "b"))
         a.start()
         b.start()
         for node in (a, b):
@@ -54,21 +56,23 @@ def test_take_back_keeps_progress_and_the_request_resumes_elsewhere():
         await asyncio.sleep(0.1 + 0.02 * 5 + 0.001)  # prefill, then 5 decodes
         done = a.progress("r")
         first = r.first_token_s
-        prompt, start = NodeRuntime.effective(r, done)
+        prompt, start = NodeRuntime.effective(r, done, rule)
         assert b.validate("i", r, done=done).ok
         back = a.take_back("r", "test")
         assert back is r and r.tokens_out == done and r.node_id is None and r.outcome is None
         assert "r" not in a.compute.requests and not a.instances["i"].requests
         assert b.try_admit("i", r).ok
         assert b.compute.requests["r"].prompt_len == 100 + done
-        assert b.compute.requests["r"].ttft_deadline_s == pytest.approx(r.arrival_s + 2.0 + 0.25 * done)
+        anchor = r.arrival_s + 2.0 if rule is DeadlineRule.EQ1 else first
+        assert b.compute.requests["r"].ttft_deadline_s == pytest.approx(anchor + 0.25 * done)
         await asyncio.sleep(5)
         await a.stop()
         await b.stop()
         return r, done, first, prompt, start
 
     r, done, first, prompt, start = run_virtual(main())
-    assert done == 6 and prompt == 106 and start + SLO().ttft_s(106) == pytest.approx(r.arrival_s + 2.0 + 0.25 * 6)
+    anchor = r.arrival_s + 2.0 if rule is DeadlineRule.EQ1 else first
+    assert done == 6 and prompt == 106 and start + SLO().ttft_s(106) == pytest.approx(anchor + 0.25 * 6)
     assert r.outcome is Outcome.COMPLETED and r.tokens_out == 30 and r.first_token_s == first
     assert r.node_id == "b" and r.slo_met
 

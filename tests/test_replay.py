@@ -141,3 +141,22 @@ def test_weights_option_changes_cold_starts(traces, tmp_path):
         p99[mode] = m["ttft_p99_s"]
     assert p99["ssd"] > p99["cached"] + 2.0
     assert p99["multicast-live"] < p99["ssd"]
+
+
+def test_deadline_rule_is_an_option_and_the_output_names_it(traces, tmp_path, capsys):
+    """--deadlines pace: every policy's JSON and the table say so; Eq. 1 is the default."""
+    out = tmp_path / "r.json"
+    args = ("--functions", "4", "--minutes", "2", "--rate-scale", "0.5", "--policies", "mesh,sllm")
+    assert replay(traces, *args, "--deadlines", "pace", "--json", str(out)) == 0
+    assert "deadline rule: pace" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    for m in data.values():
+        assert m["deadlines"] == "pace" and m["replay"]["deadlines"] == "pace"
+        assert m["replay"]["cluster"]["deadlines"] == "pace"
+        assert m["requests"] == m["slo_compliant"] + m["slo_violating"] + m["rejected"] + m["failed"]
+    assert replay(traces, *args, "--json", str(out)) == 0
+    assert "deadline rule: eq1" in capsys.readouterr().out
+    assert all(m["deadlines"] == "eq1" for m in json.loads(out.read_text()).values())
+    with pytest.raises(SystemExit) as e:
+        replay(traces, *args, "--deadlines", "strict")
+    assert e.value.code == 2 and "invalid choice: 'strict'" in capsys.readouterr().err

@@ -286,6 +286,10 @@ def test_config_file_env_and_cli(tmp_path, monkeypatch):
         read_config_file(tmp_path / "c.json")
     with pytest.raises(ConfigError, match="max_body_mb"):
         build_config({}, {"max_body_mb": -1})
+    assert build_config({}, {}).deadlines == "pace"
+    assert build_config({"deadlines": "EQ1"}, {}).deadlines == "eq1"
+    with pytest.raises(ConfigError, match="deadlines: unknown deadline rule 'soon'; valid: eq1, pace"):
+        build_config({"deadlines": "soon"}, {})
     with pytest.raises(ConfigError, match="allowed_dir"):
         build_config({}, {"allowed_dir": str(tmp_path / "missing")})
 

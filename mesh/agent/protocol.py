@@ -19,7 +19,8 @@ Control -> agent (see docs/service.md for every field):
                                              -> {} (issued; an `instance` event follows)
     unload     {instance_id}                 -> {}
     tokenize   {instance_id, prompt | messages} -> {ids}
-    admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s, done?, prompt_len?, compute?}]}
+    admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s, done?, prompt_len?,
+                 first_token_age_s?, compute?}]}
                                              -> {results: [{ok, code, reason}]}; `done`: tokens a moved
                                                 request produced elsewhere (the last `done` of its ids),
                                                 recomputed here; compute=false: memory check only
@@ -27,8 +28,9 @@ Control -> agent (see docs/service.md for every field):
     validate_group {instance_id, requests: [R]} -> {admit, reason}
     validate_new {plan: {instance_id, model, weight_bytes, kv_bytes_per_token, context_window, max_batch,
                   slo, expected_load_s, profile}, requests: [R]} -> {admit, reason}
-               (R = {request_id, prompt_len, max_tokens, age_s, done}: shadow validation, changes nothing)
-    take_back  {request_id, why}             -> {request_id, tokens_out, token_ids} (off the node, not ended)
+               (R = {request_id, prompt_len, max_tokens, age_s, done, first_token_age_s?}: shadow validation)
+    take_back  {request_id, why}             -> {request_id, tokens_out, token_ids, first_token_age_s}
+                                                (off the node, not ended)
     abort      {request_id}                  (no reply)
     stats      {}                            -> {instances, memory, queue_length, busy_s, ...}
     shutdown   {}                            -> {} (then the agent exits)
@@ -40,7 +42,7 @@ Agent -> control (events):
     tokens     {items: [[request_id, [token ids], text], ...]}   one frame per iteration
     done       {request_id, outcome, reason, detail, tokens_out, ttft_s, tpot_s}
     instance   {instance_id, state: "ready" | "failed", error}
-    evicted    {request_id, why, tokens_out, token_ids}   the memory subsystem evicted it (6.4): place it again
+    evicted    {request_id, why, tokens_out, token_ids, first_token_age_s}   the memory subsystem evicted it (6.4): place it again
 
 Reply codes when `ok` is false: see Code. Admission results use the same codes.
 """

@@ -61,6 +61,7 @@ from mesh.runtime.weights.blocks import Manifest, holds
 from mesh.runtime.weights.agent import token_from_env
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
+from mesh.policy.slo import DeadlineRule
 from mesh.runtime.node import InstancePlan, NodeRuntime, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
 
@@ -82,14 +83,17 @@ class AgentServer:
     """Serves one node: its runtime, instances, and one control connection."""
 
     def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None,
-                 weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = ()) -> None:
-        """`load_roots`: folders whose files `load` may open, besides the weights receiver's."""
+                 weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = (),
+                 deadlines: DeadlineRule = DeadlineRule.PACE) -> None:
+        """`load_roots`: folders whose files `load` may open, besides the weights receiver's.
+        `deadlines`: when tokens after the first are due (mesh.policy.slo); the service runs
+        `pace`, so shadow validation protects the pace clients measure."""
         self.spec = spec
         self.weights = weights  # receives model blocks over the network (None: not hosted)
         self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
         self.token = token
         self.cpu = cpu or {}
-        self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True)
+        self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True, deadlines=deadlines)
         self.times: dict[str, AdaptiveTimes] = {}  # instance id -> its iteration times
         self.specs: dict[str, InstanceSpec] = {}
         self.requests: dict[str, ServedRequest] = {}
@@ -274,6 +278,7 @@ class AgentServer:
             raise Reply(Code.PROTOCOL, f"protocol {m.get('protocol')} is not supported; this agent speaks {PROTOCOL_VERSION}")
         return {"node_id": self.spec.node_id, "kind": self.spec.kind, "memory_bytes": self.spec.memory_bytes,
                 "cpu": self.cpu, "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
+                "deadlines": self.node.deadlines.value,
                 "weights": self.weights.info() if self.weights is not None else None,
                 "instances": [self._instance_view(i) for i in self.node.instances.values()]}
 
@@ -391,7 +396,8 @@ class AgentServer:
             return {"ok": False, "code": Code.BATCH_FULL.value, "reason": refused[iid]}
         now = asyncio.get_running_loop().time()
         req = ServedRequest(EngineRequest(rid, prompt_len, sampling, ids), inst.model, now - age_s, inst.slo,
-                            on_output=self._on_output, on_done=self._on_done, tokens_out=done)
+                            on_output=self._on_output, on_done=self._on_done, tokens_out=done,
+                            first_token_s=_since(r.get("first_token_age_s")))
         if prompt_len + done + 1 > inst.engine.context_window:
             return {"ok": False, "code": Code.BAD_REQUEST.value,
                     "reason": f"prompt of {prompt_len + done} tokens exceeds the context window of {inst.engine.context_window}"}
@@ -420,6 +426,7 @@ class AgentServer:
             req = ServedRequest(EngineRequest(str(r["request_id"]), int(r["prompt_len"]), sampling), "",
                                 asyncio.get_running_loop().time() - max(0.0, float(r.get("age_s", 0.0))), slo)
             req.tokens_out = max(0, int(r.get("done", 0)))
+            req.first_token_s = _since(r.get("first_token_age_s"))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad request entry {r!r}: {exc}") from exc
         return req
@@ -478,7 +485,9 @@ class AgentServer:
     def _progress(req: ServedRequest) -> dict[str, Any]:
         ids = req.engine_request.prompt_token_ids or []
         produced = list(ids[req.prompt_len:req.prompt_len + req.tokens_out])
-        return {"request_id": req.request_id, "tokens_out": req.tokens_out, "token_ids": produced}
+        first = req.first_token_s
+        return {"request_id": req.request_id, "tokens_out": req.tokens_out, "token_ids": produced,
+                "first_token_age_s": None if first is None else asyncio.get_running_loop().time() - first}
 
     def _instance(self, iid: Any) -> Any:
         inst = self.node.instances.get(str(iid))
@@ -503,7 +512,7 @@ class AgentServer:
                        "waiting_ops": len(station.waiting())},
             "queue_length": self.node.queue_length(), "running": len(self.requests),
             "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
-            "kv_bytes_in_use": self.node.kv_bytes_in_use(),
+            "kv_bytes_in_use": self.node.kv_bytes_in_use(), "deadlines": self.node.deadlines.value,
         }
 
     def _instance_view(self, inst: Any, now: float | None = None) -> dict[str, Any]:
@@ -585,6 +594,11 @@ def _only_own_prefill_late(admission: Any) -> bool:
     return all(f.case is FailureCase.OWN_PREFILL_LATE for f in verdict.failures)
 
 
+def _since(age_s: Any) -> float | None:
+    """A time given as an age (seconds ago): the two processes' clocks are never compared."""
+    return None if age_s is None else asyncio.get_running_loop().time() - max(0.0, float(age_s))
+
+
 def _finite(x: float) -> float | None:
     return x if x == x and x not in (float("inf"), float("-inf")) else None
 
@@ -647,7 +661,7 @@ async def _amain(args: argparse.Namespace) -> int:
         host, port = parse_listen(args.weights_listen)
         weights = NodeWeightsReceiver(root, host, port, token=token_from_env())  # MESH_WEIGHTS_TOKEN
     server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights,
-                         load_roots=[root, *(args.models_root or ())])
+                         load_roots=[root, *(args.models_root or ())], deadlines=DeadlineRule(args.deadlines))
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -674,6 +688,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
     parser.add_argument("--models-root", action="append", metavar="DIR",
                         help="`load` may also open models under DIR (repeatable); the weights folder always counts")
+    parser.add_argument("--deadlines", default=DeadlineRule.PACE.value, choices=[r.value for r in DeadlineRule],
+                        help="when tokens after the first are due: 'pace' (first token + TPOT x (i-1), the default) "
+                             "or 'eq1' (the paper's arrival + TTFT + TPOT x (i-1)); docs/design.md")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"agent {args.node_id}: %(levelname)s %(message)s")

@@ -65,6 +65,7 @@ class AgentSettings:
     log_level: str = "WARNING"
     weights_root: str | None = None  # node agents receive weights into <root>/<node id> (None: no receiver)
     weights_token: str | None = None  # MESH_WEIGHTS_TOKEN of their weights ports
+    deadlines: str = "pace"  # the agents' deadline rule (--deadlines; mesh.policy.slo.DeadlineRule)
     models_roots: tuple[str, ...] = ()  # folders whose models the agents may `load` (--models-root), besides
     # their weights folder: the registry's places (data folder, --allowed-dir, the demo model cache)
 
@@ -184,7 +185,7 @@ class LocalAgent(AgentHandle):
         env = dict(os.environ, MESH_AGENT_TOKEN=self._token, **agent_env(self.spec))  # GPU agents: their device
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", self.node_id,
                "--kind", self.spec.kind, "--memory-bytes", str(self.spec.memory_bytes), "--exit-with-parent",
-               "--log-level", self.settings.log_level]
+               "--log-level", self.settings.log_level, "--deadlines", self.settings.deadlines]
         for root in self.settings.models_roots:
             cmd += ["--models-root", root]
         if self.settings.weights_root is not None:

@@ -39,6 +39,10 @@ LENGTHS_FILE = CONVERSATION_FILE
 MIX_MODELS = ("llama-3.2-3b", "llama-2-7b", "llama-2-13b")  # --mix A:B:C is 3B:7B:13B
 DEFAULT_POLICIES = "mesh,sllm,sllm+cpu"
 DEFAULT_NOISE = 0.05
+DEADLINE_TEXT = {
+    "eq1": "eq1 (LLM-Mesh Eq. 1: token i due at arrival + TTFT + TPOT x (i-1))",
+    "pace": "pace (token i >= 2 due at first token + TPOT x (i-1))",
+}
 
 
 class ReplayInputError(ValueError):
@@ -89,6 +93,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--net-gbit", type=float, default=200.0, help="per-node network bandwidth for --weights multicast*, Gbit/s (default: %(default)s)")
     cl.add_argument("--ssd-gbps", type=float, default=3.0, help="SSD read bandwidth for --weights ssd/host, GB/s (default: %(default)s)")
     cl.add_argument("--multicast-plan", default="binomial", choices=("binomial", "chain", "naive"), help="multicast plan (default: %(default)s)")
+    cl.add_argument("--deadlines", default="eq1", choices=("eq1", "pace"),
+                    help="when a request's tokens after the first are due, for every policy's node scheduler and "
+                         "Mesh's shadow validation: 'eq1' (the paper's Eq. 1: arrival + TTFT + TPOT x (i-1)) or "
+                         "'pace' (first token + TPOT x (i-1), what `mesh serve` runs); docs/design.md "
+                         "(default: %(default)s)")
     cl.add_argument("--keep-alive", type=float, default=1.0, help="seconds an idle instance is kept (default: %(default)s)")
     cl.add_argument("--noise", type=float, default=DEFAULT_NOISE, help="relative std-dev of simulated iteration times (default: %(default)s)")
     cl.add_argument("--queue-capacity", type=int, default=DEFAULT_QUEUE_CAPACITY, help="waiting requests held at most (default: %(default)s)")
@@ -167,7 +176,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
         cpu_nodes=args.cpu_nodes, gpu_nodes=args.gpu_nodes,
         cpu_memory_bytes=int(args.cpu_memory_gib * GIB), gpu_memory_bytes=int(args.gpu_memory_gib * GIB),
         cold_start=cold_start,
-        keep_alive_s=args.keep_alive, noise=args.noise, seed=args.seed,
+        keep_alive_s=args.keep_alive, noise=args.noise, seed=args.seed, deadlines=args.deadlines,
     )
     for name in policies:
         check_cluster(cluster, catalog, policy_spec(name).kinds, name)
@@ -229,7 +238,9 @@ def describe(args: argparse.Namespace, setup: dict[str, Any]) -> dict[str, Any]:
             "weights": args.weights,
             "keep_alive_s": c.keep_alive_s, "margin": c.margin, "watermark": c.watermark, "noise": c.noise,
             "slo": {"ttft": "max(2, L/512) s", "tpot_s": c.slo.tpot_s},
+            "deadlines": c.deadlines.value,
         },
+        "deadlines": c.deadlines.value,
         "queue_capacity": setup["config"].queue_capacity,
         "queue_timeout": "slo" if setup["config"].queue_timeout_s is None else setup["config"].queue_timeout_s,
         "retry_interval_s": setup["config"].retry_interval_s,
@@ -259,6 +270,7 @@ def run(args: argparse.Namespace) -> int:
         runs[name] = run_
         results[name] = summarize(run_)
     shown = {k: v for k, v in results.items()}
+    print(f"deadline rule: {DEADLINE_TEXT[setup['config'].cluster.deadlines.value]}")
     print(table(shown))
     if len(results) > 1 and "mesh" in results:
         base = results["mesh"]["slo_compliant"]
@@ -266,7 +278,7 @@ def run(args: argparse.Namespace) -> int:
             if other != "mesh" and results[other]["slo_compliant"]:
                 print(f"mesh / {other}: {base / results[other]['slo_compliant']:.2f}x SLO-compliant requests")
     if args.json:
-        out = {name: {**m, "replay": meta} for name, m in results.items()}
+        out = {name: {**m, "deadlines": meta["deadlines"], "replay": meta} for name, m in results.items()}
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1, allow_nan=False) + "\n")

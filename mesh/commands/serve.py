@@ -30,6 +30,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                              "MESH_WEIGHTS_TOKEN in both environments; repeat for several")
     parser.add_argument("--weights-plan", choices=("naive", "chain", "binomial"), default=None,
                         help="multicast plan that sends a model to the nodes that start it (default binomial)")
+    parser.add_argument("--deadlines", choices=("pace", "eq1"), default=None,
+                        help="when a request's tokens after the first are due: 'pace' (default), from its first "
+                             "token, so admission protects the pace clients measure; 'eq1', the paper's Eq. 1, "
+                             "from its arrival (docs/design.md)")
     parser.add_argument("--drain-timeout", type=float, default=None, dest="drain_timeout_s",
                         help="seconds shutdown waits for open streams (default 30)")
     parser.add_argument("--profile-dir", default=None, help="calibration profiles, <dir>/<model uid>.json")
@@ -60,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
 
     cli = {k: getattr(args, k) for k in ("host", "port", "data_dir", "demo", "allowed_dir", "max_body_mb",
                                          "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "remote_agents",
-                                         "weights_plan",
+                                         "weights_plan", "deadlines",
                                          "drain_timeout_s",
                                          "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",
                                          "quota_model_gb", "quota_concurrent_requests", "quota_requests_per_s",

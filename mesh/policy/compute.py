@@ -9,10 +9,15 @@ i.e. the time left before its next token is late. Each cycle picks the instance 
 urgent request has the smallest headroom. Since CT is common to all requests, ordering by
 headroom is ordering by the absolute deadline ST + TTFT_SLO + TPOT_SLO * O.
 
+That deadline is Eq. 1's; under the `pace` rule (mesh.policy.slo.DeadlineRule, chosen per
+node) a request's tokens after the first are due at FT + TPOT_SLO * O instead, FT the time
+its first token came. Either way the deadline is anchor + TPOT_SLO * O once the first token
+is out; the rule only picks the anchor (DeadlineRule.anchor_s), when the prefill completes.
+
 Bookkeeping trick: a decode iteration gives every running request of the instance one
 token, so all their deadlines move by the same TPOT_SLO. We keep, per instance, a count of
 decode rounds k and store for each running request the constant key
-ST + TTFT_SLO - TPOT_SLO * k_join; its deadline is key + TPOT_SLO * k. The order inside an
+anchor - TPOT_SLO * k_join; its deadline is key + TPOT_SLO * k. The order inside an
 instance then never changes on decode, and a scheduling decision costs O(log n).
 
 Iterations follow the engines' batching rule (engines.protocol): requests waiting for
@@ -28,7 +33,7 @@ from typing import Iterable, Protocol, Sequence
 from sortedcontainers import SortedKeyList, SortedList
 
 from engines.protocol import IterationKind
-from mesh.policy.slo import SLO
+from mesh.policy.slo import SLO, DeadlineRule
 
 
 class IterationTimes(Protocol):
@@ -49,6 +54,7 @@ class RequestState:
     running: bool = False  # prefilled and decoding
     key: float = 0.0  # running only: deadline = key + tpot * decode_rounds
     join_round: int = 0  # running only: decode_rounds when its first token came, minus 1
+    resumed: bool = False  # produced tokens before it joined this node: its prefill is not its first token
 
     def tokens_out(self, decode_rounds: int) -> int:
         """O: tokens produced so far (0 while waiting for prefill)."""
@@ -119,7 +125,8 @@ class Iteration:
 class ComputeSubsystem:
     """Per-node compute state: instances, their requests, and the token-level order."""
 
-    def __init__(self) -> None:
+    def __init__(self, deadlines: DeadlineRule = DeadlineRule.EQ1) -> None:
+        self.deadlines = deadlines  # when tokens after the first are due (mesh.policy.slo)
         self.instances: dict[str, InstanceState] = {}
         self.requests: dict[str, RequestState] = {}
         # (next deadline, instance id) for instances that have work; smallest first.
@@ -155,11 +162,16 @@ class ComputeSubsystem:
         del self.instances[instance_id]
 
     # -- requests --------------------------------------------------------------------
-    def add_request(self, instance_id: str, request_id: str, prompt_len: int, start_s: float) -> RequestState:
+    def add_request(
+        self, instance_id: str, request_id: str, prompt_len: int, start_s: float, resumed: bool = False
+    ) -> RequestState:
+        """A request waiting for prefill. A resumed one (`resumed`, its first token came on
+        another instance) has its progress folded into `prompt_len` and `start_s` so that
+        its next token is due at start_s + TTFT_SLO(prompt_len) (NodeRuntime.effective)."""
         inst = self.instances[instance_id]
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} already on this node")
-        r = RequestState(request_id, instance_id, prompt_len, start_s, start_s + inst.slo.ttft_s(prompt_len))
+        r = RequestState(request_id, instance_id, prompt_len, start_s, start_s + inst.slo.ttft_s(prompt_len), resumed=resumed)
         self.requests[request_id] = r
         self._unorder(inst)
         inst.pending[request_id] = r
@@ -177,7 +189,7 @@ class ComputeSubsystem:
         return r
 
     def headroom(self, request_id: str, now: float) -> float:
-        """Eq. 1 for one request."""
+        """Eq. 1 for one request (its deadline under the node's rule, minus now)."""
         r = self.requests[request_id]
         inst = self.instances[r.instance_id]
         deadline = inst.running_deadline(r) if r.running else r.ttft_deadline_s
@@ -205,17 +217,23 @@ class ComputeSubsystem:
         kind: IterationKind,
         served: Sequence[str],
         finished: Iterable[str] = (),
+        now: float | None = None,
     ) -> None:
-        """Apply what an iteration did: `served` got one token each; `finished` ended."""
+        """Apply what an iteration did: `served` got one token each; `finished` ended.
+        `now`: when the iteration ended (the first tokens' time; needed after a prefill
+        under the pace rule)."""
         inst = self.instances[instance_id]
+        if kind is IterationKind.PREFILL and now is None and self.deadlines is DeadlineRule.PACE:
+            raise ValueError("complete_iteration after a prefill needs `now` under the pace deadline rule")
         self._unorder(inst)
         if kind is IterationKind.PREFILL:
             for rid in served:
                 r = inst.pending.pop(rid)
                 inst.pending_by_deadline.remove(r)
-                # First token produced: O = 1, so the next deadline is ttft_deadline + tpot.
+                # Token O = 1 produced: the next is due at anchor + tpot (mesh.policy.slo).
                 r.join_round = inst.decode_rounds - 1
-                r.key = r.ttft_deadline_s - inst.tpot * r.join_round
+                anchor = self.deadlines.anchor_s(r.ttft_deadline_s, None if r.resumed else now)
+                r.key = anchor - inst.tpot * r.join_round
                 r.running = True
                 inst.running.add(r)
                 inst.context_sum += r.prompt_len + 1

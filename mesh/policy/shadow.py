@@ -16,6 +16,12 @@ that was decoding then has decoded once more: a candidate that jumps ahead of re
 waiting on a neighbour instance must not push their prefill past their TTFT deadline.
 Output lengths are unknown to the scheduler, so no request is assumed to finish inside the
 horizon (conservative).
+
+Deadlines follow the node's rule (ComputeSubsystem.deadlines, mesh.policy.slo): under
+`pace` a request prefilled inside the simulation has its later tokens due from its simulated
+first token, and a request already decoding from its actual one, so case 2 rejects a
+candidate whose prefill would stall a started request beyond TPOT_SLO per token from its
+first token, even when Eq. 1 would still call it on time.
 """
 from __future__ import annotations
 
@@ -26,6 +32,7 @@ from typing import Collection
 
 from engines.protocol import IterationKind
 from mesh.policy.compute import ComputeSubsystem, IterationTimes
+from mesh.policy.slo import DeadlineRule
 
 DEFAULT_MARGIN = 0.10
 _LATER_EPS_S = 1e-6  # "later with the candidate" beyond float noise
@@ -76,19 +83,28 @@ class _Sim:
     tpot: float
     budget: int
     ready_at: float
-    pending: list[tuple[str, int, float]]  # (request id, prompt len, TTFT deadline), arrival order
+    pending: list[tuple[str, int, float, bool]]  # (request id, prompt len, TTFT deadline, resumed), arrival order
     n: int  # running requests
     ctx: int  # their summed context
     rounds: int
     min_key: float  # most urgent running request: deadline = min_key + tpot * rounds
     min_rid: str | None
+    rule: DeadlineRule
     head: int = 0  # pending[head:] still wait for prefill
 
     def next_deadline(self) -> float:
         best = self.min_key + self.tpot * self.rounds if self.n else math.inf
-        for _, _, deadline in self.pending[self.head :]:
+        for _, _, deadline, _ in self.pending[self.head :]:
             best = min(best, deadline)
         return best
+
+    def start_decoding(self, rid: str, prompt_len: int, deadline: float, resumed: bool, t: float) -> None:
+        """A prefill that ended at `t` gave `rid` its token O = 1 (ComputeSubsystem.complete_iteration)."""
+        key = self.rule.anchor_s(deadline, None if resumed else t) - self.tpot * (self.rounds - 1)
+        if key < self.min_key:
+            self.min_key, self.min_rid = key, rid
+        self.n += 1
+        self.ctx += prompt_len + 1
 
 
 @dataclass(slots=True)
@@ -100,40 +116,35 @@ class _Outcome:
 
 
 def _snapshot(
-    compute: ComputeSubsystem, candidate: tuple[str, str, int, float] | None, exclude: Collection[str] = ()
+    compute: ComputeSubsystem, candidate: tuple[str, str, int, float, bool] | None, exclude: Collection[str] = ()
 ) -> list[_Sim]:
     sims = []
     flight = compute.in_flight
     for inst in compute.instances.values():
         if inst.instance_id in exclude:
             continue
-        pending = [(r.request_id, r.prompt_len, r.ttft_deadline_s) for r in inst.pending.values()]
+        pending = [(r.request_id, r.prompt_len, r.ttft_deadline_s, r.resumed) for r in inst.pending.values()]
         if candidate is not None and candidate[0] == inst.instance_id:
-            _, rid, prompt_len, deadline = candidate
-            pending.append((rid, prompt_len, deadline))
+            pending.append(candidate[1:])
         first = inst.running[0] if inst.running else None
         sim = _Sim(
             inst.instance_id, inst.times, inst.tpot, inst.prefill_token_budget, inst.ready_at,
             pending, len(inst.running), inst.context_sum, inst.decode_rounds,
-            first.key if first else math.inf, first.request_id if first else None,
+            first.key if first else math.inf, first.request_id if first else None, compute.deadlines,
         )
         if flight is not None and flight.instance_id == inst.instance_id:
-            _finish_in_flight(sim, flight.kind, flight.batch_size)
+            _finish_in_flight(sim, flight.kind, flight.batch_size, compute.busy_until)
         sims.append(sim)
     return sims
 
 
-def _finish_in_flight(s: _Sim, kind: IterationKind, batch_size: int) -> None:
+def _finish_in_flight(s: _Sim, kind: IterationKind, batch_size: int, ends_s: float) -> None:
     """The iteration in flight (ending at busy_until, where the simulation starts) counts as
     done: its prefilled requests are decoding, or its decode round has happened. Without
     this the simulation would run it a second time and see requests late that are not."""
     if kind is IterationKind.PREFILL:
-        for rid, prompt_len, deadline in s.pending[s.head : s.head + batch_size]:
-            key = deadline - s.tpot * (s.rounds - 1)
-            if key < s.min_key:
-                s.min_key, s.min_rid = key, rid
-            s.n += 1
-            s.ctx += prompt_len + 1
+        for entry in s.pending[s.head : s.head + batch_size]:
+            s.start_decoding(*entry, ends_s)
         s.head += batch_size
     elif s.n:
         s.rounds += 1
@@ -175,16 +186,12 @@ def _simulate(
                 tokens += entry[1]
             t += s.times.prefill_s(tokens) * scale
             s.head += len(batch)
-            for rid, prompt_len, deadline in batch:
+            for rid, prompt_len, deadline, resumed in batch:
                 if rid == candidate_id:
                     out.candidate_late_s = t - deadline
                 elif t > deadline:
                     out.late[rid] = (t - deadline, s.instance_id)
-                key = deadline - s.tpot * (s.rounds - 1)
-                if key < s.min_key:
-                    s.min_key, s.min_rid = key, rid
-                s.n += 1
-                s.ctx += prompt_len + 1
+                s.start_decoding(rid, prompt_len, deadline, resumed, t)
                 if rid == candidate_id:
                     out.candidate_first_token_s = t
             prefills_left -= len(batch)
@@ -263,11 +270,13 @@ def shadow_validate(
     now: float,
     margin: float = DEFAULT_MARGIN,
     exclude: Collection[str] = (),
+    resumed: bool = False,
 ) -> Verdict:
     """Would adding this request to `instance_id` keep every SLO on the node? (5.3)
 
     `exclude`: instances simulated as gone, i.e. preempted first (proactive
-    defragmentation, 7.1); their requests count neither for nor against the candidate."""
+    defragmentation, 7.1); their requests count neither for nor against the candidate.
+    `resumed`: the candidate produced tokens elsewhere (ComputeSubsystem.add_request)."""
     inst = compute.instances[instance_id]
     if instance_id in exclude:
         raise ValueError(f"instance {instance_id!r} cannot both take the request and be excluded")
@@ -275,7 +284,7 @@ def shadow_validate(
     t0 = max(now, compute.busy_until)
     n_pending = sum(len(i.pending) for i in compute.instances.values())
     max_iterations = 256 + 8 * len(compute.instances) + 4 * n_pending
-    sims = _snapshot(compute, (instance_id, request_id, prompt_len, deadline), exclude)
+    sims = _snapshot(compute, (instance_id, request_id, prompt_len, deadline, resumed), exclude)
     with_cand = _simulate(sims, t0, margin, request_id, math.inf, max_iterations)
 
     failures: list[Failure] = []

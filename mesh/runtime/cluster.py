@@ -24,7 +24,7 @@ from engines.simulated import GIB, RESIZE_UP_S_PER_GIB, SimulatedEngine
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
 from mesh.policy.placement import CPU, DEFAULT_KEEP_ALIVE_S, GPU, ColdStart, InstanceView, NodeView, keep_alive_expired
 from mesh.policy.shadow import DEFAULT_MARGIN
-from mesh.policy.slo import SLO
+from mesh.policy.slo import SLO, DeadlineRule
 from mesh.runtime.cluster_node import ClusterNode, InstanceState, LocalNode
 from mesh.runtime.node import InstancePlan, NodeRuntime, NodeSpec
 from mesh.runtime.request import ServedRequest
@@ -75,6 +75,7 @@ class ClusterConfig:
     margin: float = DEFAULT_MARGIN
     watermark: float = DEFAULT_WATERMARK
     slo: SLO = SLO()
+    deadlines: DeadlineRule = DeadlineRule.EQ1  # when tokens after the first are due (mesh.policy.slo)
     noise: float = 0.0  # relative std-dev of simulated iteration times
     seed: int = 0
 
@@ -89,6 +90,10 @@ class ClusterConfig:
             raise ClusterError("node memory must be positive")
         if self.keep_alive_s < 0:
             raise ClusterError(f"keep-alive must be >= 0 s, got {self.keep_alive_s}")
+        try:
+            object.__setattr__(self, "deadlines", DeadlineRule.parse(self.deadlines))
+        except ValueError as exc:
+            raise ClusterError(str(exc)) from None
 
     def node_specs(self) -> list[NodeSpec]:
         cpus = [NodeSpec(f"cpu{i}", CPU, self.cpu_memory_bytes) for i in range(self.cpu_nodes)]
@@ -174,7 +179,8 @@ class Cluster:
         self.catalog = catalog
         self.models = models
         if nodes is None:
-            nodes = [LocalNode(NodeRuntime(spec, margin=config.margin, watermark=config.watermark), self._engine_for)
+            nodes = [LocalNode(NodeRuntime(spec, margin=config.margin, watermark=config.watermark,
+                                           deadlines=config.deadlines), self._engine_for)
                      for spec in config.node_specs()]
         self.nodes: list[ClusterNode] = nodes
         for node in nodes:

@@ -50,11 +50,11 @@ REPLAY_ENDED = "replay ended"
 
 
 def slo_met(req: ServedRequest) -> bool:
-    """Completed within the SLO as the scheduler reads it (LLM-Mesh 5.1, Eq. 1): the first
-    token by ST + TTFT_SLO, and the last (the n-th) by ST + TTFT_SLO + TPOT_SLO * (n - 1).
-    A request whose first token came early may use that slack later, as headroom scheduling
+    """Completed within the SLO as Eq. 1 reads it (LLM-Mesh 5.1): the first token by
+    ST + TTFT_SLO, and the last (the n-th) by ST + TTFT_SLO + TPOT_SLO * (n - 1). A request
+    whose first token came early may use that slack later, as the `eq1` deadline rule
     does. `ServedRequest.slo_met` is the stricter reading (mean TPOT measured from the first
-    token); replays report both."""
+    token, i.e. the last token by its `pace` deadline, mesh.policy.slo); replays report both."""
     if req.outcome is not Outcome.COMPLETED or req.first_token_s is None or req.finish_s is None:
         return False
     ttft_deadline = req.arrival_s + req.slo.ttft_s(req.prompt_len)
@@ -196,8 +196,9 @@ class Dispatcher:
 
     # -- the queue -------------------------------------------------------------------
     def _deadline(self, req: ServedRequest) -> tuple[float, int]:
-        """(next-token deadline, prompt to prefill) of a request with its progress (Eq. 1)."""
-        prompt, start = NodeRuntime.effective(req, req.tokens_out)
+        """(next-token deadline, prompt to prefill) of a request with its progress, under
+        the cluster's deadline rule (mesh.policy.slo)."""
+        prompt, start = NodeRuntime.effective(req, req.tokens_out, self.cluster.config.deadlines)
         return start + req.slo.ttft_s(prompt), prompt
 
     def _enqueue(self, req: ServedRequest) -> None:

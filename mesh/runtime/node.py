@@ -20,7 +20,7 @@ from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, recommend_byte
 from mesh.policy.memory import InstanceMemory, MemoryPlan, MemorySubsystem
 from mesh.policy.reservation import Issued, MemoryOp, OpKind
 from mesh.policy.shadow import DEFAULT_MARGIN, Verdict, quick_reject, shadow_validate
-from mesh.policy.slo import SLO
+from mesh.policy.slo import SLO, DeadlineRule
 from mesh.runtime.request import Outcome, ServedRequest
 from mesh.runtime.tasks import cancel_all
 
@@ -108,10 +108,13 @@ class NodeRuntime:
         watermark: float = DEFAULT_WATERMARK,
         on_evict: Callable[[ServedRequest], None] | None = None,
         record_iterations: bool = False,
+        deadlines: DeadlineRule = DeadlineRule.EQ1,
     ) -> None:
+        """`deadlines`: when a request's tokens after the first are due (mesh.policy.slo):
+        the paper's Eq. 1, or `pace` (from the first token), which the service runs."""
         self.spec = spec
         self.margin = margin
-        self.compute = ComputeSubsystem()
+        self.compute = ComputeSubsystem(deadlines)
         self.memory = MemorySubsystem(spec.memory_bytes, watermark)
         self.instances: dict[str, NodeInstance] = {}
         self.on_evict = on_evict
@@ -240,16 +243,21 @@ class NodeRuntime:
             for rid, r in self.instances[instance_id].requests.items()
         ]
 
+    @property
+    def deadlines(self) -> DeadlineRule:
+        return self.compute.deadlines
+
     @staticmethod
-    def effective(req: ServedRequest, done: int) -> tuple[int, float]:
+    def effective(req: ServedRequest, done: int, rule: DeadlineRule) -> tuple[int, float]:
         """(prompt length, ST) under which a request that already produced `done` tokens
         elsewhere is scheduled here: its prompt plus those tokens is prefilled again, and
-        that prefill must end by the deadline of its next token, ST + TTFT + TPOT * O
-        (Eq. 1). For a fresh request: its own prompt and arrival."""
+        that prefill must end by the deadline of its next token under `rule`
+        (ST + TTFT + TPOT * O under Eq. 1, FT + TPOT * O under pace). For a fresh request:
+        its own prompt and arrival."""
         if done <= 0:
             return req.prompt_len, req.arrival_s
         slo = req.slo
-        deadline = req.arrival_s + slo.ttft_s(req.prompt_len) + slo.tpot_s * done
+        deadline = rule.token_deadline_s(slo, req.arrival_s, req.prompt_len, done + 1, req.first_token_s)
         prompt = req.prompt_len + done
         return prompt, deadline - slo.ttft_s(prompt)
 
@@ -272,7 +280,8 @@ class NodeRuntime:
         exclude: instances on this node validated as gone (preempted first, 7.1).
         done: tokens the request already produced (default: req.tokens_out)."""
         inst = self.instances[instance_id]
-        prompt, start = self.effective(req, req.tokens_out if done is None else done)
+        done = req.tokens_out if done is None else done
+        prompt, start = self.effective(req, done, self.deadlines)
         if prompt + 1 > inst.engine.context_window:
             return Admission(False, refusal=f"prompt of {prompt} tokens exceeds the context window of {inst.engine.context_window}")
         if inst.batch_size >= inst.engine.max_batch:
@@ -285,13 +294,14 @@ class NodeRuntime:
         quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin, exclude)
         if quick is not None:
             return Admission(False, Verdict((quick,)), plan)
-        verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin, exclude)
+        verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin, exclude,
+                                  resumed=done > 0)
         return Admission(verdict.ok, verdict, plan)
 
     def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
         """Would all of `reqs` (having produced `done` tokens each) fit this instance, added
         one after another? Used to check where preempted requests go (7.1). Changes nothing."""
-        pairs = [self.effective(r, d) for r, d in zip(reqs, done, strict=True)]
+        pairs = [self.effective(r, d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
         inst = self.instances[instance_id]
         window = inst.engine.context_window
         if any(p + 1 > window for p, _ in pairs):
@@ -301,14 +311,14 @@ class NodeRuntime:
         plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), *((p, 0) for p, _ in pairs)])
         if not plan.ok:
             return Admission(False, memory=plan)
-        verdict = self._validate_sequence(instance_id, reqs, pairs)
+        verdict = self._validate_sequence(instance_id, reqs, pairs, done)
         return Admission(verdict.ok, verdict, plan)
 
     def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int] | None = None) -> Admission:
         """Would a new instance started now (cold start `plan.expected_load_s`) serve all of
         `reqs` within SLO, and does the node have the memory for it? Changes nothing."""
         done = [r.tokens_out for r in reqs] if done is None else done
-        pairs = [self.effective(r, d) for r, d in zip(reqs, done, strict=True)]
+        pairs = [self.effective(r, d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
         if any(p + 1 > plan.context_window for p, _ in pairs):
             return Admission(False, refusal=f"a prompt exceeds the context window of {plan.context_window}")
         if len(reqs) > plan.max_batch:
@@ -326,26 +336,29 @@ class NodeRuntime:
             ready_at=self._now() + plan.expected_load_s, loaded=False,
         )
         try:
-            verdict = self._validate_sequence(plan.instance_id, reqs, pairs)
+            verdict = self._validate_sequence(plan.instance_id, reqs, pairs, done)
         finally:
             self.compute.remove_instance(plan.instance_id)
         return Admission(verdict.ok, verdict, MemoryPlan(True))
 
-    def _validate_sequence(self, instance_id: str, reqs: Sequence[ServedRequest], pairs: list[tuple[int, float]]) -> Verdict:
+    def _validate_sequence(
+        self, instance_id: str, reqs: Sequence[ServedRequest], pairs: list[tuple[int, float]], done: Sequence[int]
+    ) -> Verdict:
         """Shadow-validate each request with the ones before it tentatively added."""
         added: list[str] = []
         now = self._now()
         try:
             verdict = Verdict()
-            for req, (prompt, start) in zip(reqs, pairs):
+            for req, (prompt, start), d in zip(reqs, pairs, done):
                 quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin)
                 if quick is not None:
                     verdict = Verdict((quick,))
                     break
-                verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin)
+                verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin,
+                                          resumed=d > 0)
                 if not verdict.ok:
                     break
-                self.compute.add_request(instance_id, req.request_id, prompt, start)
+                self.compute.add_request(instance_id, req.request_id, prompt, start, resumed=d > 0)
                 added.append(req.request_id)
         finally:
             for rid in added:
@@ -371,7 +384,7 @@ class NodeRuntime:
         request that already produced `req.tokens_out` tokens elsewhere resumes here."""
         inst = self.instances[instance_id]
         done = req.tokens_out
-        prompt, start = self.effective(req, done)
+        prompt, start = self.effective(req, done, self.deadlines)
         er = self._engine_request(req, done)
         if inst.loaded:
             inst.engine.add_request(er)  # raises EngineError before any state changes
@@ -380,7 +393,7 @@ class NodeRuntime:
         if admission.memory is not None and admission.memory.kv_bytes is not None:
             issued = self.memory.resize_kv(instance_id, admission.memory.kv_bytes)
             self._launch(issued.started)
-        self.compute.add_request(instance_id, req.request_id, prompt, start)
+        self.compute.add_request(instance_id, req.request_id, prompt, start, resumed=done > 0)
         if done > 0:
             self._carried[req.request_id] = done
         inst.requests[req.request_id] = req
@@ -523,7 +536,7 @@ class NodeRuntime:
                 req.tokens_out = self._carried.pop(rid, 0) + self.compute.tokens_out(rid) + 1
                 self._produced.pop(rid, None)
                 done.append((req, reason))
-        self.compute.complete_iteration(inst.instance_id, result.kind, result.request_ids, result.finished)
+        self.compute.complete_iteration(inst.instance_id, result.kind, result.request_ids, result.finished, now)
         if done:
             for req, reason in done:
                 inst.memory.mean_output.add(req.tokens_out)

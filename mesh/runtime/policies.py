@@ -151,7 +151,7 @@ class MeshPolicy(Policy):
         warming = sum(1 for r in self.cluster.instances_of(req.model) if not r.inst.loaded and not r.inst.requests)
         if warming >= MAX_WARMING_PER_MODEL:
             return
-        prompt, _ = NodeRuntime.effective(req, req.tokens_out)
+        prompt, _ = NodeRuntime.effective(req, req.tokens_out, self.cluster.config.deadlines)
         for nv in new_instance_order(self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude):
             node = self.cluster.node(nv.node_id)
             if not self.cluster.can_host(req.model, node):

@@ -162,8 +162,9 @@ class AgentNode(ClusterNode):
         er = req.engine_request
         entry = {"request_id": req.request_id, "instance_id": instance_id,
                  "prompt_token_ids": list(er.prompt_token_ids[:er.prompt_len + req.tokens_out]),
-                 "sampling": sampling_to_dict(er.sampling), "age_s": max(0.0, self._now() - req.arrival_s),
-                 "done": req.tokens_out, "prompt_len": er.prompt_len, "compute": compute}
+                 "sampling": sampling_to_dict(er.sampling), "age_s": _age(req.arrival_s),
+                 "done": req.tokens_out, "prompt_len": er.prompt_len, "compute": compute,
+                 "first_token_age_s": _age(req.first_token_s)}
         self._hold(inst, req)  # before the call: its first tokens may overtake the reply
         try:
             reply = await self.agent.client.call({"t": "admit", "requests": [entry]}, CALL_TIMEOUT_S)
@@ -320,8 +321,13 @@ class AgentNode(ClusterNode):
 def _probe(req: ServedRequest, done: int) -> dict[str, Any]:
     """A request as the agent's validation needs it (mesh.agent.server `_probe`)."""
     return {"request_id": req.request_id, "prompt_len": req.prompt_len,
-            "max_tokens": req.engine_request.sampling.max_tokens,
-            "age_s": max(0.0, asyncio.get_running_loop().time() - req.arrival_s), "done": done}
+            "max_tokens": req.engine_request.sampling.max_tokens, "age_s": _age(req.arrival_s), "done": done,
+            "first_token_age_s": _age(req.first_token_s)}
+
+
+def _age(t: float | None) -> float | None:
+    """A time as seconds ago, for the agent's clock (the pace rule runs from the first token)."""
+    return None if t is None else max(0.0, asyncio.get_running_loop().time() - t)
 
 
 def _resume_from(req: ServedRequest, progress: Mapping[str, Any], note: str) -> None:
@@ -331,5 +337,7 @@ def _resume_from(req: ServedRequest, progress: Mapping[str, Any], note: str) -> 
     produced = [int(t) for t in progress.get("token_ids") or ()]
     req.engine_request = dataclasses.replace(er, prompt_token_ids=list(er.prompt_token_ids[:er.prompt_len]) + produced)
     req.tokens_out = int(progress.get("tokens_out") or len(produced))
+    if req.first_token_s is None and progress.get("first_token_age_s") is not None:  # no tokens streamed here
+        req.first_token_s = asyncio.get_running_loop().time() - float(progress["first_token_age_s"])
     req.attempts.append(note)
     req.node_id = req.instance_id = None

@@ -195,7 +195,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         profile_dir=str(config.profile_dir) if config.profile_dir else None,
         agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
                             weights_root=str(data_dir / "nodes"), weights_token=weights_token,
-                            models_roots=roots))
+                            models_roots=roots, deadlines=config.deadlines))
     nodes = detect_local_nodes(memory, config.cpu_nodes)
     remote = dict(parse_remote(r) for r in config.remote_agents)
     nodes += [NodeSpec(node_id, "cpu", 0) for node_id in remote]  # kind and memory: from the agent's hello

@@ -11,7 +11,12 @@ own with PUT /admin/tenants/{name}/quota.
 Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
 max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, weights_plan,
 drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
-quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst.
+quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
+deadlines.
+
+`deadlines` (default `pace`): when a request's tokens after the first are due on the node
+agents the service starts (mesh.policy.slo.DeadlineRule): `pace` from the first token, so
+admission protects the per-token pace clients measure, or `eq1`, the paper's Eq. 1.
 """
 from __future__ import annotations
 
@@ -56,6 +61,7 @@ class ServeConfig:
     quota_concurrent_requests: int | None = None
     quota_requests_per_s: float | None = None
     quota_burst: int | None = None  # None: one second of quota_requests_per_s
+    deadlines: str = "pace"  # deadline rule of the local agents: pace or eq1 (mesh.policy.slo)
 
     @property
     def default_quota(self) -> Quota:
@@ -135,6 +141,12 @@ def _check(c: ServeConfig) -> None:
     if clash:
         raise ConfigError(f"remote agent ids must be unique and differ from the local nodes cpu-0..cpu-{c.cpu_nodes - 1}:"
                           f" {', '.join(clash)}")
+    from mesh.policy.slo import DeadlineRule
+
+    try:
+        c.deadlines = DeadlineRule.parse(c.deadlines).value
+    except ValueError as exc:
+        raise ConfigError(f"deadlines: {exc}") from None
     if c.weights_plan not in ("naive", "chain", "binomial"):
         raise ConfigError(f"weights_plan must be naive, chain or binomial, got {c.weights_plan!r}")
     if c.cpu_memory_gb is not None and c.cpu_memory_gb <= 0:

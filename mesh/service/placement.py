@@ -617,6 +617,7 @@ class LocalPlacement:
                 "queue_length": queued + int(stats.get("queue_length", 0)),
                 "admission_queue": queued, "running": stats.get("running", 0),
                 "kv_bytes_in_use": stats.get("kv_bytes_in_use", 0),
-                "iterations": stats.get("iterations", 0), "instances": instances,
+                "iterations": stats.get("iterations", 0), "deadlines": stats.get("deadlines"),
+                "instances": instances,
             })
         return {"nodes": nodes, "weights": self.weights.view() if self.weights is not None else None}
