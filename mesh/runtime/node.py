@@ -91,12 +91,20 @@ class Admission:
 
 @dataclass(frozen=True, slots=True)
 class IterationRecord:
+    """One iteration as it ran (the iteration log): what the engine did (`kind`,
+    `batch_size`: requests that got a token) and how long it took, next to what the compute
+    subsystem predicted before it ran (`predicted_kind`, `predicted_batch`, `tokens`: prompt
+    tokens of a prefill or mean context of a decode, `predicted_s`)."""
+
     instance_id: str
     kind: IterationKind
     batch_size: int
     start_s: float
     duration_s: float
     predicted_s: float
+    tokens: int = 0
+    predicted_kind: IterationKind | None = None
+    predicted_batch: int = 0
 
 
 class NodeRuntime:
@@ -511,7 +519,8 @@ class NodeRuntime:
             else:
                 self.prefill_tokens += it.tokens
             if self.iterations is not None:
-                self.iterations.append(IterationRecord(it.instance_id, result.kind, len(result.request_ids), start, now - start, it.predicted_s))
+                self.iterations.append(IterationRecord(it.instance_id, result.kind, len(result.request_ids), start,
+                                                      now - start, it.predicted_s, it.tokens, it.kind, it.batch_size))
             if self.instances.get(it.instance_id) is not inst:
                 continue  # stopped during the iteration (its requests were taken elsewhere)
             self._apply(inst, result, now)
