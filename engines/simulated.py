@@ -11,7 +11,7 @@ import asyncio
 import random
 from collections import defaultdict
 
-from engines.protocol import EngineError, EngineRequest, FinishReason, IterationKind, StepResult
+from engines.protocol import EngineError, EngineRequest, FinishReason, IterationKind, StepResult, prefill_take
 from mesh.policy.compute import IterationTimes
 
 GIB = 2**30
@@ -95,17 +95,15 @@ class SimulatedEngine:
 
     async def step(self) -> StepResult:
         self.iterations += 1
-        if self._pending:
-            return await self._prefill()
+        take = prefill_take((p for p, _, _ in self._pending.values()), self.prefill_token_budget,
+                            self.max_batch - len(self._running)) if self._pending else 0
+        if take:
+            return await self._prefill(take)
         return await self._decode()
 
-    async def _prefill(self) -> StepResult:
-        batch, tokens = [], 0
-        for rid, (prompt, _, _) in self._pending.items():
-            if batch and tokens + prompt > self.prefill_token_budget:
-                break
-            batch.append(rid)
-            tokens += prompt
+    async def _prefill(self, take: int) -> StepResult:
+        batch = list(self._pending)[:take]
+        tokens = sum(self._pending[rid][0] for rid in batch)
         await asyncio.sleep(self.times.prefill_s(tokens) * self._jitter())
         batch = [rid for rid in batch if rid in self._pending]  # aborted meanwhile: no token
         finished = {}

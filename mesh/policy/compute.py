@@ -26,13 +26,14 @@ otherwise one decode iteration for all running requests. Prefill and decode neve
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
 from sortedcontainers import SortedKeyList, SortedList
 
-from engines.protocol import IterationKind
+from engines.protocol import IterationKind, prefill_take
 from mesh.policy.slo import SLO, DeadlineRule
 
 
@@ -97,15 +98,10 @@ class InstanceState:
         return r.key + self.tpot * self.decode_rounds
 
     def prefill_batch(self) -> list[RequestState]:
-        """The requests the next prefill iteration takes (arrival order, within the budget)."""
-        batch: list[RequestState] = []
-        tokens = 0
-        for r in self.pending.values():
-            if batch and tokens + r.prompt_len > self.prefill_token_budget:
-                break
-            batch.append(r)
-            tokens += r.prompt_len
-        return batch
+        """The requests the next prefill iteration takes (arrival order, within the budget;
+        the node's admission keeps an instance within its engine's max_batch)."""
+        take = prefill_take((r.prompt_len for r in self.pending.values()), self.prefill_token_budget, math.inf)
+        return list(itertools.islice(self.pending.values(), take))
 
     def n_requests(self) -> int:
         return len(self.pending) + len(self.running)
