@@ -90,6 +90,23 @@ class AdaptiveTimes:
         else:
             self.decode_factor = self._clamp(self.decode_factor * ratio ** self.alpha)
 
+    # The base model's overheads (mesh-profile/2), for mesh.policy.compute.extra_s.
+    @property
+    def decode_after_prefill_s(self) -> float:
+        return getattr(self.base, "decode_after_prefill_s", 0.0)
+
+    @property
+    def decode_batch_change_s(self) -> float:
+        return getattr(self.base, "decode_batch_change_s", 0.0)
+
+    @property
+    def instance_switch_s(self) -> float:
+        return getattr(self.base, "instance_switch_s", 0.0)
+
+    @property
+    def step_overhead_s(self) -> float:
+        return getattr(self.base, "step_overhead_s", 0.0)
+
     def _clamp(self, x: float) -> float:
         return min(self.max_factor, max(self.min_factor, x))
 

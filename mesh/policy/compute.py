@@ -45,6 +45,25 @@ class IterationTimes(Protocol):
     def decode_s(self, batch: int, avg_context: float) -> float: ...
 
 
+def extra_s(times: IterationTimes, kind: IterationKind, batch: int, last: tuple[IterationKind, int] | None,
+            switched: bool) -> float:
+    """What an iteration costs beyond its grid time (the profile's overheads, mesh-profile/2;
+    0 for models without them): every step's overhead; a decode right after a prefill of
+    the same instance (a new input shape), or whose batch differs from the instance's last
+    decode; an iteration of another instance than the node's previous one (`switched`).
+    `last`: the instance's previous iteration (kind, batch), None if it has none. The one
+    rule the compute subsystem's predictions and the simulated engine share."""
+    extra = getattr(times, "step_overhead_s", 0.0)
+    if switched:
+        extra += getattr(times, "instance_switch_s", 0.0)
+    if kind is IterationKind.DECODE and last is not None:
+        if last[0] is IterationKind.PREFILL:
+            extra += getattr(times, "decode_after_prefill_s", 0.0)
+        elif last[1] != batch:
+            extra += getattr(times, "decode_batch_change_s", 0.0)
+    return extra
+
+
 @dataclass(slots=True)
 class RequestState:
     request_id: str
@@ -80,6 +99,7 @@ class InstanceState:
     decode_rounds: int = 0
     context_sum: int = 0  # sum over running requests of prompt_len + O
     order_entry: tuple | None = None  # this instance's entry in the node's order, if any
+    last: tuple[IterationKind, int] | None = None  # its previous iteration (kind, batch size), for extra_s
 
     @property
     def tpot(self) -> float:
@@ -129,6 +149,7 @@ class ComputeSubsystem:
         self._order: SortedList = SortedList()
         self.busy_until: float = -math.inf  # end of the iteration in flight, as predicted
         self.in_flight: Iteration | None = None  # the iteration running now, if any
+        self.last_instance: str | None = None  # the instance of the node's previous iteration
 
     # -- instances -------------------------------------------------------------------
     def add_instance(
@@ -204,7 +225,7 @@ class ComputeSubsystem:
         for _, instance_id in self._order:
             inst = self.instances[instance_id]
             if inst.loaded:
-                return predict_iteration(inst)
+                return predict_iteration(inst, self.last_instance)
         return None
 
     def complete_iteration(
@@ -219,6 +240,8 @@ class ComputeSubsystem:
         `now`: when the iteration ended (the first tokens' time; needed after a prefill
         under the pace rule)."""
         inst = self.instances[instance_id]
+        inst.last = (kind, len(served))
+        self.last_instance = instance_id
         if kind is IterationKind.PREFILL and now is None and self.deadlines is DeadlineRule.PACE:
             raise ValueError("complete_iteration after a prefill needs `now` under the pace deadline rule")
         self._unorder(inst)
@@ -272,12 +295,17 @@ class ComputeSubsystem:
             self._order.add(inst.order_entry)
 
 
-def predict_iteration(inst: InstanceState) -> Iteration:
-    """The next iteration of `inst` under the engines' batching rule, with its predicted time."""
+def predict_iteration(inst: InstanceState, last_instance: str | None = None) -> Iteration:
+    """The next iteration of `inst` under the engines' batching rule, with its predicted time
+    (grid time plus extra_s; `last_instance`: the node's previous iteration's instance)."""
+    switched = last_instance is not None and last_instance != inst.instance_id
     if inst.pending:
         batch = inst.prefill_batch()
         tokens = sum(r.prompt_len for r in batch)
-        return Iteration(inst.instance_id, IterationKind.PREFILL, len(batch), tokens, inst.times.prefill_s(tokens))
+        extra = extra_s(inst.times, IterationKind.PREFILL, len(batch), inst.last, switched)
+        return Iteration(inst.instance_id, IterationKind.PREFILL, len(batch), tokens,
+                         inst.times.prefill_s(tokens) + extra)
     n = len(inst.running)
     avg = inst.context_sum / n
-    return Iteration(inst.instance_id, IterationKind.DECODE, n, round(avg), inst.times.decode_s(n, avg))
+    extra = extra_s(inst.times, IterationKind.DECODE, n, inst.last, switched)
+    return Iteration(inst.instance_id, IterationKind.DECODE, n, round(avg), inst.times.decode_s(n, avg) + extra)

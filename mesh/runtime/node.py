@@ -527,6 +527,12 @@ class NodeRuntime:
             if getattr(inst.engine, "blocks_event_loop", False):
                 # The iteration held the loop (a real engine computes in step() itself):
                 # let arrivals, aborts and agent messages in before the next decision.
+                # Twice: asyncio's loop appends the timers that fell due during the step to
+                # its ready queue after this task's wake-up, so after one yield the node
+                # would decide before they ran, and a request that arrived during an
+                # iteration would join one iteration later than on the virtual clock
+                # (where it arrives during the simulated engine's sleep).
+                await asyncio.sleep(0)
                 await asyncio.sleep(0)
 
     def _apply(self, inst: NodeInstance, result: StepResult, now: float) -> None:
