@@ -128,6 +128,7 @@ class NodeRuntime:
         self.on_evict = on_evict
         self.on_loaded: Callable[[str], None] | None = None  # an instance's load completed (its id)
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
+        self.on_iteration: Callable[[IterationRecord], None] | None = None  # each record, as it is made
         self.iteration_count = 0
         self.busy_s = 0.0
         self.decode_tokens = 0  # tokens produced by decode iterations (throughput per node)
@@ -518,9 +519,13 @@ class NodeRuntime:
                 self.decode_tokens += len(result.request_ids)
             else:
                 self.prefill_tokens += it.tokens
-            if self.iterations is not None:
-                self.iterations.append(IterationRecord(it.instance_id, result.kind, len(result.request_ids), start,
-                                                      now - start, it.predicted_s, it.tokens, it.kind, it.batch_size))
+            if self.iterations is not None or self.on_iteration is not None:
+                record = IterationRecord(it.instance_id, result.kind, len(result.request_ids), start, now - start,
+                                         it.predicted_s, it.tokens, it.kind, it.batch_size)
+                if self.iterations is not None:
+                    self.iterations.append(record)
+                if self.on_iteration is not None:
+                    self.on_iteration(record)
             if self.instances.get(it.instance_id) is not inst:
                 continue  # stopped during the iteration (its requests were taken elsewhere)
             self._apply(inst, result, now)
