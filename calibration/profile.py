@@ -15,12 +15,14 @@ with the format tag "mesh-profile/1":
 time, measured by calibration (seconds, each >= 0; a missing key is 0):
 
      "overheads": {"decode_after_prefill_s": ..., "decode_batch_change_s": ...,
-                   "instance_switch_s": ..., "step_overhead_s": ...}
+                   "prefill_new_shape_s": ..., "instance_switch_s": ..., "step_overhead_s": ...}
 
 decode_after_prefill_s: a decode step right after a prefill of the same instance (the CPU
 plugin reconfigures for the decode shape: about 5 ms for the demo model on 2 cores);
 decode_batch_change_s: a decode step whose batch differs from the previous decode's (a
-request left); instance_switch_s: an iteration of another instance than the previous one;
+request left); prefill_new_shape_s: a prefill of a token count the instance has not
+prefilled before (the plugin prepares kernels for a new input shape: 10-20 ms for the demo
+model); instance_switch_s: an iteration of another instance than the previous one;
 step_overhead_s: the engine's own work per step outside the timed grid. Files of format
 /1 are read as /2 with no overheads, and a profile without overheads is written as /1,
 so old files round-trip unchanged.
@@ -42,7 +44,8 @@ from typing import Any
 FORMAT = "mesh-profile/2"
 FORMAT_V1 = "mesh-profile/1"
 READABLE = (FORMAT_V1, FORMAT)
-OVERHEADS = ("decode_after_prefill_s", "decode_batch_change_s", "instance_switch_s", "step_overhead_s")
+OVERHEADS = ("decode_after_prefill_s", "decode_batch_change_s", "prefill_new_shape_s", "instance_switch_s",
+             "step_overhead_s")
 DEVICE_KINDS = ("cpu", "gpu")
 METHODS = ("roofline", "measured", "prior")  # prior: a hand-fitted model, before calibration
 _FIELDS = (

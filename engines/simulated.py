@@ -5,7 +5,8 @@ per request (from a trace), capped by max_tokens and the context window. Memory 
 take modeled time: a load `load_s`; a KV resize proportional to the bytes it changes
 (defaults from LLM-Mesh Figure 8 on an A100: 32 -> 64 GB in 1.9 s, 32 -> 16 GB in 0.3 s).
 An iteration takes its grid time plus the profile's overheads for what ran before it
-(mesh.policy.compute.extra_s: a decode right after a prefill, a changed decode batch, and,
+(mesh.policy.compute.extra_s: a prefill of a new token count, a decode right after a
+prefill, a changed decode batch, and,
 with a `core` shared by the engines of one node, an iteration after another engine's).
 """
 from __future__ import annotations
@@ -65,6 +66,7 @@ class SimulatedEngine:
         self.iterations = 0
         self.core = core
         self._last: tuple[IterationKind, int] | None = None  # previous iteration (kind, batch)
+        self._shapes: set[int] = set()  # prompt-token totals prefilled so far
 
     # -- memory operations ---------------------------------------------------------
     async def load(self) -> None:
@@ -121,7 +123,8 @@ class SimulatedEngine:
     async def _prefill(self, take: int, switched: bool) -> StepResult:
         batch = list(itertools.islice(self._pending, take))
         tokens = sum(self._pending[rid][0] for rid in batch)
-        extra = extra_s(self.times, IterationKind.PREFILL, take, self._last, switched)
+        extra = extra_s(self.times, IterationKind.PREFILL, take, self._last, switched, tokens not in self._shapes)
+        self._shapes.add(tokens)
         await asyncio.sleep((self.times.prefill_s(tokens) + extra) * self._jitter())
         batch = [rid for rid in batch if rid in self._pending]  # aborted meanwhile: no token
         finished = {}

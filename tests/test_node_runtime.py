@@ -228,8 +228,8 @@ def test_simulated_engine_abort_during_an_iteration():
 
 
 def test_overheads_are_charged_by_the_simulated_engine_exactly_as_the_node_predicts_them():
-    """mesh-profile/2 overheads (decode after prefill, changed decode batch, instance switch,
-    step overhead): in virtual time every iteration takes exactly its prediction."""
+    """mesh-profile/2 overheads (decode after prefill, changed decode batch, new prefill shape,
+    instance switch, step overhead): in virtual time every iteration takes exactly its prediction."""
     from dataclasses import dataclass
 
     from engines.simulated import SharedCore
@@ -238,6 +238,7 @@ def test_overheads_are_charged_by_the_simulated_engine_exactly_as_the_node_predi
     class WithOverheads(LinearTimes):
         decode_after_prefill_s: float = 0.005
         decode_batch_change_s: float = 0.002
+        prefill_new_shape_s: float = 0.003
         instance_switch_s: float = 0.001
         step_overhead_s: float = 0.0005
 
@@ -270,3 +271,4 @@ def test_overheads_are_charged_by_the_simulated_engine_exactly_as_the_node_predi
     extra = [it.duration_s - (base.decode_s(it.batch_size, 0) if it.kind is IterationKind.DECODE else
                               base.prefill_s(it.tokens)) for it in its]
     assert {round(x, 6) for x in extra} >= {0.0005, 0.0015, 0.0055}  # step; + switch; + after prefill
+    assert any(round(x, 6) in (0.0035, 0.0045) for x in extra)  # a new prefill shape (+ a switch)

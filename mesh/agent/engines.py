@@ -167,6 +167,10 @@ class AdaptiveTimes:
         return getattr(self.base, "decode_batch_change_s", 0.0)
 
     @property
+    def prefill_new_shape_s(self) -> float:
+        return getattr(self.base, "prefill_new_shape_s", 0.0)
+
+    @property
     def instance_switch_s(self) -> float:
         return getattr(self.base, "instance_switch_s", 0.0)
 

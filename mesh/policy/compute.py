@@ -46,16 +46,19 @@ class IterationTimes(Protocol):
 
 
 def extra_s(times: IterationTimes, kind: IterationKind, batch: int, last: tuple[IterationKind, int] | None,
-            switched: bool) -> float:
+            switched: bool, new_shape: bool = False) -> float:
     """What an iteration costs beyond its grid time (the profile's overheads, mesh-profile/2;
-    0 for models without them): every step's overhead; a decode right after a prefill of
-    the same instance (a new input shape), or whose batch differs from the instance's last
-    decode; an iteration of another instance than the node's previous one (`switched`).
+    0 for models without them): every step's overhead; a prefill of a token count the
+    instance never prefilled (`new_shape`); a decode right after a prefill of the same
+    instance (a new input shape), or whose batch differs from the instance's last decode;
+    an iteration of another instance than the node's previous one (`switched`).
     `last`: the instance's previous iteration (kind, batch), None if it has none. The one
     rule the compute subsystem's predictions and the simulated engine share."""
     extra = getattr(times, "step_overhead_s", 0.0)
     if switched:
         extra += getattr(times, "instance_switch_s", 0.0)
+    if kind is IterationKind.PREFILL and new_shape:
+        extra += getattr(times, "prefill_new_shape_s", 0.0)
     if kind is IterationKind.DECODE and last is not None:
         if last[0] is IterationKind.PREFILL:
             extra += getattr(times, "decode_after_prefill_s", 0.0)
@@ -100,6 +103,7 @@ class InstanceState:
     context_sum: int = 0  # sum over running requests of prompt_len + O
     order_entry: tuple | None = None  # this instance's entry in the node's order, if any
     last: tuple[IterationKind, int] | None = None  # its previous iteration (kind, batch size), for extra_s
+    shapes: set[int] = field(default_factory=set)  # prompt-token totals it has prefilled, for extra_s
 
     @property
     def tpot(self) -> float:
@@ -246,6 +250,7 @@ class ComputeSubsystem:
             raise ValueError("complete_iteration after a prefill needs `now` under the pace deadline rule")
         self._unorder(inst)
         if kind is IterationKind.PREFILL:
+            inst.shapes.add(sum(inst.pending[rid].prompt_len for rid in served if rid in inst.pending))
             for rid in served:
                 r = inst.pending.pop(rid)
                 inst.pending_by_deadline.remove(r)
@@ -302,7 +307,7 @@ def predict_iteration(inst: InstanceState, last_instance: str | None = None) -> 
     if inst.pending:
         batch = inst.prefill_batch()
         tokens = sum(r.prompt_len for r in batch)
-        extra = extra_s(inst.times, IterationKind.PREFILL, len(batch), inst.last, switched)
+        extra = extra_s(inst.times, IterationKind.PREFILL, len(batch), inst.last, switched, tokens not in inst.shapes)
         return Iteration(inst.instance_id, IterationKind.PREFILL, len(batch), tokens,
                          inst.times.prefill_s(tokens) + extra)
     n = len(inst.running)
