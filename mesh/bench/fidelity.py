@@ -14,9 +14,19 @@ both runs serve the same requests; the live engines ignore end-of-sequence, so o
 have the trace's lengths in both runs.
 
 Reported: TTFT and TPOT p50/p99 live and simulated, their relative errors
-(|sim - live| / live; 0.1 = 10%), and over_margin_fraction: the share of live iterations
-that took longer than the profile's prediction for the same batch and tokens plus the
-10% margin shadow validation assumes (IterationRecord.duration_s vs predicted_s).
+(|sim - live| / live; 0.1 = 10%), the iteration counts (`iterations_live`, `iterations_sim`,
+`iterations_err`), and over_margin_fraction: the share of live iterations that took longer
+than the node's prediction times (1 + the margin shadow validation had for that instance
+then). The live instances run as in a node agent: their iteration times are refined online
+per grid region and learn their margin (mesh.agent.engines.AdaptiveTimes; the margin is
+the 95th percentile of live/predicted, bounded to 5-50%, and 10% until 32 iterations were
+seen); `over_margin_fraction_fixed` counts against the paper's fixed 10% instead. Both
+engines follow the same batching rule (engines.protocol.prefill_take) and the simulated
+one charges the profile's overheads (mesh-profile/2: new prefill shape, decode after a
+prefill, changed decode batch), as the node's predictions do.
+`--trace-out DIR` writes both iteration logs, where they first diverge and why, and two
+figures (mesh.bench.fidelity_trace). `--prompt-scale K` multiplies the prompt lengths
+(the longer-prompt workload of docs/calibration.md uses 4).
 With `--live-repeats 2` (the default) the workload is served live twice: the live figures
 pool the requests (and iterations) of both runs, each run's own figures and the
 simulation's error against each are listed in `live_runs`, and `live_to_live_*_diff` says
