@@ -97,3 +97,20 @@ def test_openvino_engine_runs_the_same_iteration_sequence_as_the_simulated_one()
 
     live_steps = _kinds(asyncio.run(live()))
     assert live_steps == sim_steps
+
+
+def test_first_divergence_names_the_iteration_and_the_arrival_between():
+    from mesh.bench.fidelity_trace import first_divergence, per_instance_match
+
+    def row(i, inst, kind, batch, start):
+        return {"i": i, "instance": inst, "kind": kind, "batch": batch, "tokens": 10, "start_s": start,
+                "duration_s": 0.01, "predicted_s": 0.01, "predicted_kind": kind, "predicted_batch": batch}
+
+    live = [row(0, "a", "prefill", 1, 0.0), row(1, "a", "decode", 1, 0.02), row(2, "a", "decode", 1, 0.05)]
+    sim = [row(0, "a", "prefill", 1, 0.0), row(1, "a", "decode", 1, 0.01), row(2, "b", "prefill", 1, 0.03)]
+    d = first_divergence(live, sim, [("r1", "b", 0.04)])
+    assert d.index == 2 and "r1 (b) at 0.040 s arrived" in d.why
+    assert first_divergence(live, live).index == -1
+    m = per_instance_match(live, sim)
+    assert m["a"] == {"live": 3, "sim": 2, "common_prefix": 2, "prefills_live": 1, "prefills_sim": 1}
+    assert m["b"]["prefills_sim"] == 1 and m["b"]["live"] == 0

@@ -309,3 +309,15 @@ def test_vllm_calibration_without_vllm_is_a_clear_error(tmp_path: Path, monkeypa
     assert main(["calibrate", "--engine", "vllm", "--model", str(model), "--quick"]) == 2
     err = capsys.readouterr().err
     assert "needs the vllm package, which is not installed" in err and "Traceback" not in err
+
+
+def test_measured_overheads_are_medians_of_the_extras_never_below_zero():
+    from calibration.runner import measured_overheads
+
+    results = [{"after_prefill_extra_s": 0.004, "batch_change_extra_s": None},
+               {"after_prefill_extra_s": 0.006, "batch_change_extra_s": -0.001},
+               {"after_prefill_extra_s": 0.005, "batch_change_extra_s": -0.002},
+               {"new_shape_extra_s": 0.01}, {"new_shape_extra_s": None}]
+    assert measured_overheads(results) == {"decode_after_prefill_s": 0.005, "decode_batch_change_s": 0.0,
+                                           "prefill_new_shape_s": 0.01}
+    assert measured_overheads([]) == {}

@@ -134,7 +134,8 @@ def test_fidelity_bench_end_to_end(demo_gguf: Path, tmp_path: Path) -> None:
     calibrate(OpenVINOTarget(demo_gguf, context_window=fidelity.WINDOW, max_batch=2), Settings(32, 2, 32, reps=1, warmup=0),
               profile, progress=False)
     figures = fidelity.run(n=6, duration_s=1.0, scale=32.0, seed=1, profile=str(profile), model=str(demo_gguf),
-                           max_prompt=48, max_output=6, wait_quiet_s=0, tries=1, live_repeats=2)
+                           max_prompt=48, max_output=6, wait_quiet_s=0, tries=1, live_repeats=2,
+                           trace_out=tmp_path / "trace", prompt_scale=2.0)
     for key in ("ttft_p50_err", "tpot_p50_err", "ttft_p99_err", "tpot_p99_err", "over_margin_fraction",
                 "ttft_p50_live_s", "ttft_p50_sim_s", "tpot_p50_live_s", "tpot_p50_sim_s"):
         assert math.isfinite(figures[key]) and figures[key] >= 0, key
@@ -142,6 +143,14 @@ def test_fidelity_bench_end_to_end(demo_gguf: Path, tmp_path: Path) -> None:
     assert figures["completed_live"] == figures["completed_sim"] == 6
     assert figures["iterations_live"] > 0 and figures["iterations_sim"] > 0
     assert len(figures["live_runs"]) == 2 and math.isfinite(figures["live_to_live_ttft_p50_diff"])
+    assert 0 <= figures["over_margin_fraction_fixed"] <= 1 and math.isfinite(figures["iterations_err"])
+    # --trace-out: both iteration logs, the divergence report, the two figures
+    trace = tmp_path / "trace"
+    live = (trace / "live.jsonl").read_text().splitlines()
+    sim = (trace / "sim.jsonl").read_text().splitlines()
+    assert len(live) == figures["iterations_live"] and len(sim) == figures["iterations_sim"]
+    assert "First difference" in (trace / "divergence.md").read_text() or figures["first_divergence"] == -1
+    assert (trace / "predicted_vs_live.png").stat().st_size > 0 and (trace / "cumulative_tokens.png").stat().st_size > 0
 
 
 @pytest.mark.slow
