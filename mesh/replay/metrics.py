@@ -23,7 +23,8 @@ import numpy as np
 
 from mesh.policy.placement import CPU, GPU
 from mesh.replay.driver import PolicyRun
-from mesh.runtime.request import Outcome
+from mesh.runtime.dispatcher import accounting
+from mesh.runtime.request import Outcome, ServedRequest
 
 PERCENTILES = (50, 90, 99)
 
@@ -61,33 +62,40 @@ def _pct(values: Sequence[float]) -> dict[int, float | None]:
     return {p: float(v) for p, v in zip(PERCENTILES, arr)}
 
 
-def summarize(run: PolicyRun) -> dict[str, Any]:
-    acc = run.accounting
-    reqs = run.requests
-    completed = [r for r in reqs if r.outcome is Outcome.COMPLETED]
+def request_figures(requests: Sequence[ServedRequest], usage: Sequence[tuple[float, int, int]],
+                    duration_s: float) -> dict[str, Any]:
+    """The figures any replay of `requests` gives, simulated or live: counts by outcome, both
+    SLO readings over every request, nodes in use over the window, TTFT and TPOT percentiles."""
+    acc = accounting(requests)
+    completed = [r for r in requests if r.outcome is Outcome.COMPLETED]
     ttft = _pct([r.ttft_s for r in completed])
     tpot = _pct([r.tpot_s for r in completed if r.tokens_out >= 2])
-    cpu_s, gpu_s = node_seconds(run.usage, 0.0, run.duration_s)
-    cpu_all, gpu_all = node_seconds(run.usage, 0.0, max(run.end_s, run.duration_s))
-    decode = {CPU: 0, GPU: 0}
-    for n in run.nodes:
-        decode[n.kind] += n.decode_tokens
+    cpu_s, gpu_s = node_seconds(usage, 0.0, duration_s)
     out: dict[str, Any] = {
         **acc,
         "slo_rate": acc["slo_compliant"] / acc["requests"] if acc["requests"] else 0.0,
         "slo_rate_strict": acc["slo_compliant_strict"] / acc["requests"] if acc["requests"] else 0.0,
-        "cpu_nodes_avg": cpu_s / run.duration_s,
-        "gpu_nodes_avg": gpu_s / run.duration_s,
-        "cpu_nodes_max": max(u[1] for u in run.usage),
-        "gpu_nodes_max": max(u[2] for u in run.usage),
-        "decode_tok_s_per_cpu_node": decode[CPU] / cpu_all if cpu_all else 0.0,
-        "decode_tok_s_per_gpu_node": decode[GPU] / gpu_all if gpu_all else 0.0,
+        "cpu_nodes_avg": cpu_s / duration_s,
+        "gpu_nodes_avg": gpu_s / duration_s,
+        "cpu_nodes_max": max(u[1] for u in usage),
+        "gpu_nodes_max": max(u[2] for u in usage),
     }
     for p in PERCENTILES:
         out[f"ttft_p{p}_s"] = ttft[p]
     for p in PERCENTILES:
         out[f"tpot_p{p}_s"] = tpot[p]
+    return out
+
+
+def summarize(run: PolicyRun) -> dict[str, Any]:
+    cpu_all, gpu_all = node_seconds(run.usage, 0.0, max(run.end_s, run.duration_s))
+    decode = {CPU: 0, GPU: 0}
+    for n in run.nodes:
+        decode[n.kind] += n.decode_tokens
+    out = request_figures(run.requests, run.usage, run.duration_s)
     out.update({
+        "decode_tok_s_per_cpu_node": decode[CPU] / cpu_all if cpu_all else 0.0,
+        "decode_tok_s_per_gpu_node": decode[GPU] / gpu_all if gpu_all else 0.0,
         "wall_s": run.wall_s,
         "virtual_s": run.end_s,
         "rejected_by_reason": dict(run.dispatch.rejected),

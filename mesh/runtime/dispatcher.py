@@ -29,7 +29,7 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from mesh.policy.placement import queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
@@ -61,6 +61,25 @@ def slo_met(req: ServedRequest) -> bool:
     if req.first_token_s > ttft_deadline + 1e-9:
         return False
     return req.finish_s <= ttft_deadline + req.slo.tpot_s * max(0, req.tokens_out - 1) + 1e-9
+
+
+def accounting(requests: Sequence[ServedRequest]) -> dict[str, int]:
+    """Counts by outcome, both SLO readings; raises AssertionError if a request has not ended.
+    Every request is in `requests`: rejected and failed ones count against the SLO rate."""
+    counts = Counter(r.outcome.value if r.outcome is not None else "none" for r in requests)
+    slo = sum(1 for r in requests if slo_met(r))
+    out = {
+        "requests": len(requests),
+        "completed": counts[Outcome.COMPLETED.value],
+        "slo_compliant": slo,
+        "slo_violating": counts[Outcome.COMPLETED.value] - slo,
+        "rejected": counts[Outcome.REJECTED.value],
+        "failed": counts[Outcome.FAILED.value],
+        "slo_compliant_strict": sum(1 for r in requests if r.slo_met),
+    }
+    assert counts["none"] == 0, f"{counts['none']} requests never ended"
+    assert out["requests"] == out["slo_compliant"] + out["slo_violating"] + out["rejected"] + out["failed"], out
+    return out
 
 
 class PlacementPolicy(Protocol):
@@ -329,18 +348,5 @@ class Dispatcher:
             raise RuntimeError(f"the {self.policy.name} policy raised: {self.error!r}") from self.error
 
     def accounting(self) -> dict[str, int]:
-        """Counts by outcome; raises AssertionError if any request is unaccounted for."""
-        counts = Counter(r.outcome.value if r.outcome is not None else "none" for r in self.requests)
-        slo = sum(1 for r in self.requests if slo_met(r))
-        out = {
-            "requests": len(self.requests),
-            "completed": counts[Outcome.COMPLETED.value],
-            "slo_compliant": slo,
-            "slo_violating": counts[Outcome.COMPLETED.value] - slo,
-            "rejected": counts[Outcome.REJECTED.value],
-            "failed": counts[Outcome.FAILED.value],
-            "slo_compliant_strict": sum(1 for r in self.requests if r.slo_met),
-        }
-        assert counts["none"] == 0, f"{counts['none']} requests never ended"
-        assert out["requests"] == out["slo_compliant"] + out["slo_violating"] + out["rejected"] + out["failed"], out
-        return out
+        """Counts by outcome of every request submitted (`accounting`)."""
+        return accounting(self.requests)
