@@ -233,8 +233,15 @@ class Dispatcher:
             return
         if req.request_id in self._waiting:
             return
-        if not self.queue.push(req.request_id, req.model, now, expiry):
-            self._turn_away(req, QUEUE_FULL, f"{self.queue.capacity} requests were waiting")
+        tenant = req.tenant or req.model
+        displaced = self.queue.make_room(tenant)
+        if displaced is not None:  # fair share of a full queue (mesh.policy.queueing)
+            other = self._forget_waiting(displaced.request_id)
+            self._turn_away(other, QUEUE_FULL, f"{self.queue.capacity} requests were waiting and its tenant held "
+                                               "the largest share; another tenant's request took its place")
+        if not self.queue.push(req.request_id, req.model, now, expiry, tenant):
+            self._turn_away(req, QUEUE_FULL, f"{self.queue.capacity} requests were waiting, "
+                                             f"{self.queue.held(tenant)} of them its tenant's")
             return
         if req.tokens_out == 0 and not any(a.startswith("waited") for a in req.attempts):
             self.stats.queued += 1
@@ -262,12 +269,18 @@ class Dispatcher:
         self._expiry_at = t
         self._expiry_handle = asyncio.get_running_loop().call_at(t, self._expire)
 
+    def _forget_waiting(self, request_id: str) -> ServedRequest:
+        """A request that left the queue: its bookkeeping goes; returns it."""
+        self._slo_expiry.pop(request_id, None)
+        self._why.pop(request_id, None)
+        return self._waiting.pop(request_id)
+
     def _expire(self) -> None:
         self._expiry_handle = self._expiry_at = None
         for entry in self.queue.pop_expired(self._now()):
-            req = self._waiting.pop(entry.request_id)
-            self._slo_expiry.pop(entry.request_id, None)
-            if self._why.pop(entry.request_id) == "slo":
+            why = self._why.get(entry.request_id)
+            req = self._forget_waiting(entry.request_id)
+            if why == "slo":
                 self._turn_away(req, SLO_UNREACHABLE, "waited until it could no longer meet its SLO")
             else:
                 self._turn_away(req, QUEUE_TIMEOUT, f"waited {self.queue_timeout_s:g} s")
@@ -303,8 +316,7 @@ class Dispatcher:
                 if await self._decide(req, self._avoid.get(entry.request_id, frozenset())):
                     if entry.request_id in self.queue:
                         self.queue.remove(entry.request_id)
-                        del self._waiting[entry.request_id]
-                        del self._slo_expiry[entry.request_id], self._why[entry.request_id]
+                        self._forget_waiting(entry.request_id)
                     self.stats.placed_from_queue += 1
                 else:
                     blocked.add(entry.model)
@@ -317,9 +329,7 @@ class Dispatcher:
         self._avoid.pop(req.request_id, None)
         if req.request_id in self._waiting:  # ended while waiting (aborted)
             self.queue.remove(req.request_id)
-            del self._waiting[req.request_id]
-            self._slo_expiry.pop(req.request_id, None)
-            self._why.pop(req.request_id, None)
+            self._forget_waiting(req.request_id)
         if req.node_id is not None:
             node = self.cluster.node(req.node_id)
             loop = asyncio.get_running_loop()
