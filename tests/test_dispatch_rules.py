@@ -146,3 +146,16 @@ def test_fair_share_never_refuses_a_tenant_below_an_equal_split(ops, capacity):
             assert max(len(v) for v in held.values()) <= len(held[tenant]) + 1
         assert len(q) <= capacity and sum(map(len, held.values())) == len(q)
         assert all(q.held(t) == len(v) for t, v in held.items())
+
+
+@given(st.floats(0.001, 0.1), st.floats(0.0, 0.01), st.floats(0.01, 1.0))
+def test_tailored_concurrency_target_is_the_largest_batch_within_the_tpot(base, per_seq, tpot):
+    from mesh.policy.placement import tailored_concurrency_target
+
+    def decode(b: int) -> float:
+        return base + per_seq * b
+
+    b = tailored_concurrency_target(decode, tpot)
+    assert 1 <= b <= 512
+    assert b == 1 or decode(b) <= tpot
+    assert b == 512 or decode(b + 1) > tpot or b == 1 and decode(1) > tpot

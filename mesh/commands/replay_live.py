@@ -25,7 +25,7 @@ from engines.protocol import DEFAULT_CONTEXT_CAP
 from mesh.models import ModelFetchError
 from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.replay.driver import ReplayConfig, run_policy
-from mesh.replay.live import LiveConfig, LiveReplayError, LiveRun, cold_start_bytes_per_s, node_counts, run_live
+from mesh.replay.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.replay.metrics import request_figures, summarize, table
 from mesh.runtime.cluster import ClusterConfig, ModelSpec
 from mesh.runtime.policies import policy_spec
@@ -57,9 +57,10 @@ def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, win
     return {BASE: ModelSpec(BASE, profiles)}
 
 
-def _simulate(args: argparse.Namespace, workload: Workload, live: LiveRun, catalog: dict[str, ModelSpec],
-              memory: dict[str, int], setup: dict[str, Any], policy: str) -> dict[str, Any]:
-    cpu, gpu = node_counts(live.nodes)
+def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape, catalog: dict[str, ModelSpec],
+              queue_timeout_s: float | None, policy: str) -> dict[str, Any]:
+    cpu, gpu = shape.counts()
+    memory = shape.memory
     weight_bytes = catalog[BASE].profiles[CPU].weight_bytes
     bps = cold_start_bytes_per_s(weight_bytes, args.cold_start_s)
     keep_alive = args.keep_alive if args.keep_alive is not None else LIVE_KEEP_ALIVE_S
@@ -67,7 +68,7 @@ def _simulate(args: argparse.Namespace, workload: Workload, live: LiveRun, catal
                             gpu_memory_bytes=memory.get(GPU, 1), cold_start=ColdStart(bps, bps), keep_alive_s=keep_alive,
                             noise=args.noise, seed=args.seed, deadlines=args.deadlines or "pace")
     config = ReplayConfig(cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
-                          queue_timeout_s=setup["queue_timeout_s"], progress=not args.no_progress)
+                          queue_timeout_s=queue_timeout_s, progress=not args.no_progress)
     prior = {BASE: float(sum(a.output_len for a in workload.arrivals) / max(1, len(workload)))}
     return summarize(run_policy(workload, policy, config, catalog, prior))
 
@@ -99,17 +100,21 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
           f"({d['mean_rps']:.2f} rps), lengths / {scale:g} within {window} tokens, to {args.live}", file=sys.stderr)
     config = LiveConfig(args.live, token, model_path, progress=not args.no_progress, context_length=window)
     try:
+        shape = asyncio.run(cluster_shape(args.live, token))
+        # the twin first: it needs only the service's nodes, and a policy that cannot run
+        # on them fails here, not after minutes of live traffic
+        simulated = {p: _simulate(args, workload, shape, catalog, queue_timeout_s, p) for p in policies}
         live = asyncio.run(run_live(workload, config))
     except LiveReplayError as exc:
         print(f"mesh replay --live: error: {exc}", file=sys.stderr)
         return 1
+    except ValueError as exc:  # ClusterError, UnknownPolicy: this cluster cannot run a policy
+        print(f"mesh replay --live: error: {exc}", file=sys.stderr)
+        return 2
     except aiohttp.ClientError as exc:
         print(f"mesh replay --live: error: cannot reach the service at {args.live}: {exc}", file=sys.stderr)
         return 1
-    memory = dict(live.memory)
     results = {"live": request_figures(live.requests, live.usage, live.duration_s)}
-    simulated = {p: _simulate(args, workload, live, catalog, memory, {"queue_timeout_s": queue_timeout_s}, p)
-                 for p in policies}
     for p, figures in simulated.items():
         results[f"simulated ({p})"] = figures
     print(table(results))
@@ -122,7 +127,9 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
                "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,
                           "model_path": str(model_path), "workload": d, "length_scale": scale,
                           "context_window": window, "cold_start_s": args.cold_start_s,
-                          "nodes": live.nodes}}
+                          "nodes": live.nodes, "simulated_cluster": {"cpu_nodes": shape.counts()[0],
+                                                                     "gpu_nodes": shape.counts()[1],
+                                                                     "memory_bytes": shape.memory}}}
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1, allow_nan=False, default=_plain) + "\n")

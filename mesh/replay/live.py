@@ -64,8 +64,7 @@ class LiveRun:
     duration_s: float
     end_s: float
     wall_s: float
-    nodes: dict[str, str] = field(default_factory=dict)  # node id -> kind
-    memory: dict[str, int] = field(default_factory=dict)  # kind -> the smallest node's memory for instances
+    nodes: dict[str, str] = field(default_factory=dict)  # node id -> kind, every node seen
     tenant: str = ""
 
 
@@ -190,18 +189,41 @@ async def _watch_nodes(svc: _Service, clock: Any, usage: list[tuple[float, int, 
         await asyncio.sleep(POLL_S)
 
 
+@dataclass(frozen=True)
+class ClusterShape:
+    """The service's nodes as `/admin/cluster` lists them."""
+
+    kinds: dict[str, str]  # node id -> kind
+    memory: dict[str, int]  # kind -> the smallest node's memory for instances
+
+    def counts(self) -> tuple[int, int]:
+        """(CPU nodes, GPU nodes)."""
+        cpu = sum(1 for k in self.kinds.values() if k == CPU)
+        return cpu, len(self.kinds) - cpu
+
+
+async def _shape(svc: _Service) -> ClusterShape:
+    view = await svc.call("GET", "/admin/cluster", "reading the cluster (is MESH_ADMIN_TOKEN the service's?)")
+    memory: dict[str, int] = {}
+    for n in view["nodes"]:
+        cap = int(n["memory"]["capacity_bytes"])
+        memory[n["kind"]] = min(memory.get(n["kind"], cap), cap)
+    return ClusterShape({n["node_id"]: n["kind"] for n in view["nodes"]}, memory)
+
+
+async def cluster_shape(url: str, admin_token: str) -> ClusterShape:
+    """The nodes of the service at `url`."""
+    async with aiohttp.ClientSession() as session:
+        return await _shape(_Service(session, url, admin_token))
+
+
 async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
     """Send `workload` to the service at `config.url`; see the module's docstring."""
     loop = asyncio.get_running_loop()
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         svc = _Service(session, config.url, config.admin_token)
-        view = await svc.call("GET", "/admin/cluster", "reading the cluster (is MESH_ADMIN_TOKEN the service's?)")
-        kinds = {n["node_id"]: n["kind"] for n in view["nodes"]}
-        memory: dict[str, int] = {}
-        for n in view["nodes"]:
-            cap = int(n["memory"]["capacity_bytes"])
-            memory[n["kind"]] = min(memory.get(n["kind"], cap), cap)
+        kinds = dict((await _shape(svc)).kinds)
         tenant, key = await _set_up(svc, config, sorted(workload.models))
         requests = _served(workload, config.slo)
         usage: list[tuple[float, int, int]] = []
@@ -232,13 +254,7 @@ async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
     if not usage or usage[0][0] > 0:
         usage.insert(0, (0.0, 0, 0))
     return LiveRun(requests, usage, workload.duration_s, max(end, workload.duration_s), time.perf_counter() - wall0,
-                   kinds, memory, tenant)
-
-
-def node_counts(kinds: dict[str, str]) -> tuple[int, int]:
-    """(CPU nodes, GPU nodes) of the live cluster."""
-    cpu = sum(1 for k in kinds.values() if k == CPU)
-    return cpu, len(kinds) - cpu
+                   kinds, tenant)
 
 
 def cold_start_bytes_per_s(weight_bytes: int, load_s: float) -> float:
