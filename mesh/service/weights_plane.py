@@ -230,6 +230,23 @@ class WeightsPlane:
         for entry in self._models.values():
             entry.forget(node)
 
+    def node_removed(self, node: str) -> None:
+        """The node left the cluster: its copies and instances leave the pool. A model whose
+        only host copy was there is forgotten here; its next use places a first host copy
+        again, from the registry's files (the origin)."""
+        for entry in self._models.values():
+            entry.forget(node)
+            entry.wanted.discard(node)
+        if node not in self.pool.nodes():
+            return
+        loss = self.pool.remove_node(node)
+        for uid in loss.lost:
+            self._models.pop(uid, None)
+            self._registering.pop(uid, None)
+            log.warning("model %s: its last copy left with node %s; the next use sends it from the origin", uid, node)
+        for uid in loss.recache:
+            log.warning("model %s: no host copy left after node %s; its instances still hold it", uid, node)
+
     def instance_started(self, model_uid: str, node: str, instance_id: str) -> None:
         if model_uid in self._models:
             try:
