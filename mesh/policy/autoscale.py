@@ -37,5 +37,5 @@ def decide(nodes: list[NodeUse], refused_waiting: int, idle_release_s: float, mi
     used = sum(1 for n in nodes if n.in_use)
     wanted = max(min_nodes, used + (1 if refused_waiting > 0 else 0))
     idle = sorted((n for n in nodes if not n.in_use and n.idle_s >= idle_release_s), key=lambda n: (-n.idle_s, n.node))
-    keep = max(0, wanted - used)  # idle nodes kept to reach `wanted`
-    return ScaleDecision(wanted, tuple(n.node for n in idle[keep:]))
+    keep = max(0, wanted - used)  # idle nodes kept to reach `wanted`: the most recently used
+    return ScaleDecision(wanted, tuple(n.node for n in idle[:max(0, len(idle) - keep)]))

@@ -206,14 +206,14 @@ class LocalPlacement:
         if agent is None:
             return
         self._fail_node(agent, node_unavailable(f"node {node_id} left the cluster ({reason})"))
-        del self.agents[node_id]
-        worker = self._workers.pop(node_id, None)
-        await cancel_all([worker] if worker is not None else [])
+        del self.agents[node_id]  # all of it before the first await: re-placed requests see it gone
         self._queues.pop(node_id, None)
         self._kicks.pop(node_id, None)
         self._busy.pop(node_id, None)
         if self.weights is not None:
             self.weights.node_removed(node_id)
+        worker = self._workers.pop(node_id, None)
+        await cancel_all([worker] if worker is not None else [])
         await agent.stop()
         log.warning("node %s left: %s", node_id, reason)
 
