@@ -38,6 +38,12 @@ class PerformanceModel:
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
+        # Costs beyond the grid (mesh-profile/2; 0 for older profiles): mesh.policy.compute.extra_s.
+        self.decode_after_prefill_s = profile.overhead("decode_after_prefill_s")
+        self.decode_batch_change_s = profile.overhead("decode_batch_change_s")
+        self.prefill_new_shape_s = profile.overhead("prefill_new_shape_s")
+        self.instance_switch_s = profile.overhead("instance_switch_s")
+        self.step_overhead_s = profile.overhead("step_overhead_s")
         # Grids as floats, cached per-segment reciprocals: the scalar path is arithmetic only.
         self._pl = tuple(float(x) for x in profile.prefill_lengths)
         self._pv = profile.prefill_s

@@ -11,6 +11,22 @@ with the format tag "mesh-profile/1":
                 "seconds": [[one per context length] one row per batch size]},
      "provenance": {"method": "roofline" | "measured", "hardware": {...}, ...}}
 
+"mesh-profile/2" adds one optional field, the costs an iteration pays beyond the grid's
+time, measured by calibration (seconds, each >= 0; a missing key is 0):
+
+     "overheads": {"decode_after_prefill_s": ..., "decode_batch_change_s": ...,
+                   "prefill_new_shape_s": ..., "instance_switch_s": ..., "step_overhead_s": ...}
+
+decode_after_prefill_s: a decode step right after a prefill of the same instance (the CPU
+plugin reconfigures for the decode shape: about 5 ms for the demo model on 2 cores);
+decode_batch_change_s: a decode step whose batch differs from the previous decode's (a
+request left); prefill_new_shape_s: a prefill of a token count the instance has not
+prefilled before (the plugin prepares kernels for a new input shape: 10-20 ms for the demo
+model); instance_switch_s: an iteration of another instance than the previous one;
+step_overhead_s: the engine's own work per step outside the timed grid. Files of format
+/1 are read as /2 with no overheads, and a profile without overheads is written as /1,
+so old files round-trip unchanged.
+
 Every loading path validates the whole file; a ProfileError names the file and the field.
 """
 from __future__ import annotations
@@ -20,17 +36,21 @@ import json
 import math
 import numbers
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
-FORMAT = "mesh-profile/1"
+FORMAT = "mesh-profile/2"
+FORMAT_V1 = "mesh-profile/1"
+READABLE = (FORMAT_V1, FORMAT)
+OVERHEADS = ("decode_after_prefill_s", "decode_batch_change_s", "prefill_new_shape_s", "instance_switch_s",
+             "step_overhead_s")
 DEVICE_KINDS = ("cpu", "gpu")
 METHODS = ("roofline", "measured", "prior")  # prior: a hand-fitted model, before calibration
 _FIELDS = (
     "format", "model", "device", "device_kind", "engine", "kv_bytes_per_token",
-    "weight_bytes", "max_context", "prefill", "decode", "provenance",
+    "weight_bytes", "max_context", "prefill", "decode", "provenance", "overheads",
 )
 _REFERENCE_PACKAGE = "calibration"
 _REFERENCE_DIR = "profiles"
@@ -57,6 +77,13 @@ class Profile:
     decode_contexts: tuple[int, ...]
     decode_s: tuple[tuple[float, ...], ...]  # [batch index][context index]
     provenance: dict
+    overheads: dict = field(default_factory=dict)  # OVERHEADS -> seconds (mesh-profile/2)
+
+    def overhead(self, name: str) -> float:
+        """One of OVERHEADS in seconds (0 where the profile has none)."""
+        if name not in OVERHEADS:
+            raise KeyError(f"unknown overhead {name!r}; the overheads are {', '.join(OVERHEADS)}")
+        return float(self.overheads.get(name, 0.0))
 
     def __post_init__(self) -> None:
         # Same rules as a file, however the Profile was built; sequences become tuples.
@@ -155,8 +182,8 @@ def _check(data: dict, source: str) -> tuple:
     if not isinstance(data, dict):
         raise _fail(source, "<top level>", f"must be a JSON object, got {type(data).__name__}")
     fmt = _get(data, "format", source)
-    if fmt != FORMAT:
-        raise _fail(source, "format", f"must be {FORMAT!r}, got {fmt!r}; this Mesh reads only {FORMAT}")
+    if fmt not in READABLE:
+        raise _fail(source, "format", f"must be one of {READABLE}, got {fmt!r}; this Mesh reads only those")
     unknown = sorted(set(data) - set(_FIELDS))
     if unknown:
         raise _fail(source, unknown[0], f"unknown field; the fields are {', '.join(_FIELDS)}")
@@ -198,16 +225,28 @@ def _check(data: dict, source: str) -> tuple:
         raise _fail(source, "provenance.method", f"must be one of {METHODS}, got {method!r}")
     _object(prov, "hardware", source, "provenance.")
 
+    overheads: dict[str, float] = {}
+    if data.get("overheads") is not None:
+        if fmt == FORMAT_V1:
+            raise _fail(source, "overheads", f"needs format {FORMAT!r} (format {FORMAT_V1!r} has no overheads)")
+        raw = _object(data, "overheads", source)
+        for key, value in raw.items():
+            if key not in OVERHEADS:
+                raise _fail(source, f"overheads.{key}", f"unknown overhead; the overheads are {', '.join(OVERHEADS)}")
+            if not (_is_number(value) and math.isfinite(value) and value >= 0):
+                raise _fail(source, f"overheads.{key}", f"must be a number of seconds >= 0, got {value!r}")
+            overheads[key] = float(value)
+
     return (
         model, device, kind, engine, kv, weights, max_context,
-        lengths, prefill_s, batches, contexts, decode_s, copy.deepcopy(prov),
+        lengths, prefill_s, batches, contexts, decode_s, copy.deepcopy(prov), overheads,
     )
 
 
 def profile_to_dict(p: Profile) -> dict:
-    """The JSON document for `p`, fields in file order."""
-    return {
-        "format": FORMAT,
+    """The JSON document for `p`, fields in file order (format /1 when it has no overheads)."""
+    doc = {
+        "format": FORMAT if p.overheads else FORMAT_V1,
         "model": p.model,
         "device": p.device,
         "device_kind": p.device_kind,
@@ -224,6 +263,9 @@ def profile_to_dict(p: Profile) -> dict:
         },
         "provenance": copy.deepcopy(p.provenance),
     }
+    if p.overheads:
+        doc["overheads"] = dict(p.overheads)
+    return doc
 
 
 # A list of numbers that json.dumps(indent=2) spread over several lines; only the indenter

@@ -304,6 +304,7 @@ class _Measurer:
         self.meter = CpuMeter(getattr(target, "own_pids", None))
         self.wait_budget_s = 0.0  # seconds this session may still wait for a quiet machine
         self.waited_s = 0.0
+        self.shapes: set[int] = set()  # prompt-token totals this engine has prefilled (new shapes cost more)
 
     def _request(self, prompt_len: int, max_tokens: int) -> str:
         self._ids += 1
@@ -338,6 +339,9 @@ class _Measurer:
         s = self.s
         companion = self._request(MIN_LENGTH, s.warmup + s.reps + 3)
         await self.engine.step()  # its prefill
+        self.shapes.add(MIN_LENGTH)
+        new_shape = point.length not in self.shapes  # the first rep then pays for a new input shape
+        first = None
         samples = []
         for rep in range(s.warmup + s.reps):
             if companion_running := self.engine.has_work():
@@ -349,11 +353,16 @@ class _Measurer:
                 await self._drain([rid, companion])
                 raise CalibrationError(f"a prefill of {point.length} tokens did not take exactly one step "
                                        f"(got a {result.kind.value} step for {list(result.request_ids)})")
+            self.shapes.add(point.length)
+            if rep == 0:
+                first = dt
             if rep >= s.warmup:
                 samples.append(dt)
         await self._drain([companion])
-        return {"median_s": statistics.median(samples), "samples_s": samples, "x": point.length,
-                "after": "a decode step" if companion_running else "a prefill"}
+        median = statistics.median(samples)
+        return {"median_s": median, "samples_s": samples, "x": point.length,
+                "after": "a decode step" if companion_running else "a prefill",
+                "new_shape_extra_s": first - median if new_shape and s.warmup > 0 and first is not None else None}
 
     async def decode(self, point: Point) -> dict[str, Any]:
         s = self.s
@@ -369,23 +378,36 @@ class _Measurer:
                     raise CalibrationError("the engine decoded before all prompts were prefilled; it does "
                                            "not follow the protocol's batching rule")
                 waiting -= set(result.request_ids)
+                self.shapes.add(sum(prompt for _ in result.request_ids))
             samples = []
+            first = shrunk = None
             for k in range(s.warmup + s.reps):
                 dt, result = await self._timed_step()
                 full = result.kind is IterationKind.DECODE and len(result.request_ids) == point.batch
                 if not full:
                     discarded += 1
-                elif k >= s.warmup:
-                    samples.append(dt)
+                else:
+                    if k == 0:
+                        first = dt  # right after the prefill: the decode shape is new (an overhead)
+                    if k >= s.warmup:
+                        samples.append(dt)
+            if point.batch > 1 and len(samples) == s.reps:  # one request leaves: a changed batch (an overhead)
+                self.engine.abort(rids[0])
+                dt, result = await self._timed_step()
+                if result.kind is IterationKind.DECODE and len(result.request_ids) == point.batch - 1:
+                    shrunk = dt
             await self._drain(rids)
             if len(samples) == s.reps:
                 break
         if not samples:
             raise CalibrationError(f"no decode step at batch {point.batch} could be timed: requests ended "
                                    "early; the engine must generate exactly max_tokens (ignore EOS)")
-        return {"median_s": statistics.median(samples), "samples_s": samples, "x": point.length,
+        median = statistics.median(samples)
+        return {"median_s": median, "samples_s": samples, "x": point.length,
                 "batch": point.batch, "context": s.centre_context(point.length), "prompt_len": prompt,
-                "discarded_steps": discarded}
+                "discarded_steps": discarded,
+                "after_prefill_extra_s": None if first is None or s.warmup == 0 else first - median,
+                "batch_change_extra_s": None if shrunk is None else shrunk - median}
 
     async def measure(self, point: Point) -> dict[str, Any]:
         """Measure a point; again (up to BUSY_ATTEMPTS) while other processes were busy."""
@@ -412,8 +434,25 @@ class _Measurer:
 
 # ---- the profile and held-out errors ----------------------------------------------------------
 
+def measured_overheads(results: Sequence[dict[str, Any]]) -> dict[str, float]:
+    """The profile's overheads (mesh-profile/2) from the measurements: the median over decode
+    points of (first decode step after the prefill - the point's median step), and of (the
+    step after one request left - the point's median); over prefill points of a length the
+    engine had not prefilled before, (the first, untimed prefill - the median); never below 0. The instance switch
+    and the step overhead outside step() are not measured here (one engine, no node): 0."""
+    out = {}
+    for name, key in (("decode_after_prefill_s", "after_prefill_extra_s"),
+                      ("decode_batch_change_s", "batch_change_extra_s"),
+                      ("prefill_new_shape_s", "new_shape_extra_s")):
+        values = [r[key] for r in results if r.get(key) is not None]
+        if values:
+            out[name] = round(max(0.0, statistics.median(values)), 6)
+    return out
+
+
 def build_profile(target: CalibrationTarget, grid: Grid, results: dict[str, dict[str, Any]],
-                  facts: dict[str, Any], provenance: dict[str, Any]) -> Profile:
+                  facts: dict[str, Any], provenance: dict[str, Any],
+                  overheads: dict[str, float] | None = None) -> Profile:
     prefill = [results[Point("prefill", n).key]["median_s"] for n in grid.prefill_lengths]
     decode = [[results[Point("decode", c, b).key]["median_s"] for c in grid.decode_contexts]
               for b in grid.decode_batches]
@@ -423,7 +462,7 @@ def build_profile(target: CalibrationTarget, grid: Grid, results: dict[str, dict
         weight_bytes=int(facts["weight_bytes"]), max_context=int(facts["context_window"]),
         prefill_lengths=grid.prefill_lengths, prefill_s=tuple(prefill),
         decode_batches=grid.decode_batches, decode_contexts=grid.decode_contexts,
-        decode_s=tuple(tuple(r) for r in decode), provenance=provenance,
+        decode_s=tuple(tuple(r) for r in decode), provenance=provenance, overheads=dict(overheads or {}),
     )
 
 
@@ -555,11 +594,18 @@ async def _calibrate(target: CalibrationTarget, settings: Settings, out: Path, r
         "measurements": len(schedule),
     }
     pooled = {p.key: _pool([state.points[_pass_key(p, k)] for k in range(settings.passes)]) for p in points}
-    profile = build_profile(target, grid, pooled, facts, provenance)
+    overheads = measured_overheads([state.points[_pass_key(p, k)] for p in points for k in range(settings.passes)])
+    profile = build_profile(target, grid, pooled, facts, provenance, overheads)
     held = heldout_errors(profile, grid, pooled)
     provenance["heldout"] = held
     provenance["calibration"]["pass_to_pass"] = _repeatability(pooled)
-    profile = build_profile(target, grid, pooled, facts, provenance)
+    provenance["calibration"]["overheads"] = (
+        "decode_after_prefill_s: median over decode points of the first step after the prefill minus the "
+        "point's median; decode_batch_change_s: the same for the step after one request left; "
+        "prefill_new_shape_s: median over prefill points of a length not prefilled before of the first "
+        "(untimed) prefill minus the point's median; "
+        "instance_switch_s and step_overhead_s not measured (one engine, no node runtime)")
+    profile = build_profile(target, grid, pooled, facts, provenance, overheads)
     out.parent.mkdir(parents=True, exist_ok=True)
     save_profile(profile, out)
     state_path.unlink(missing_ok=True)

@@ -4,19 +4,31 @@ It follows the batching rule of engines.protocol exactly, and produces `output_l
 per request (from a trace), capped by max_tokens and the context window. Memory operations
 take modeled time: a load `load_s`; a KV resize proportional to the bytes it changes
 (defaults from LLM-Mesh Figure 8 on an A100: 32 -> 64 GB in 1.9 s, 32 -> 16 GB in 0.3 s).
+An iteration takes its grid time plus the profile's overheads for what ran before it
+(mesh.policy.compute.extra_s: a prefill of a new token count, a decode right after a
+prefill, a changed decode batch, and,
+with a `core` shared by the engines of one node, an iteration after another engine's).
 """
 from __future__ import annotations
 
 import asyncio
+import itertools
 import random
 from collections import defaultdict
 
-from engines.protocol import EngineError, EngineRequest, FinishReason, IterationKind, StepResult
-from mesh.policy.compute import IterationTimes
+from engines.protocol import EngineError, EngineRequest, FinishReason, IterationKind, StepResult, prefill_take
+from mesh.policy.compute import IterationTimes, extra_s
 
 GIB = 2**30
 RESIZE_UP_S_PER_GIB = 1.9 / 32  # Figure 8: +32 GB in 1.9 s
 RESIZE_DOWN_S_PER_GIB = 0.3 / 16  # Figure 8: -16 GB in 0.3 s
+
+
+class SharedCore:
+    """The compute one node's simulated engines share: which engine stepped last."""
+
+    def __init__(self) -> None:
+        self.last: object | None = None
 
 
 class SimulatedEngine:
@@ -33,6 +45,7 @@ class SimulatedEngine:
         load_s: float = 0.0,
         noise: float = 0.0,
         seed: int = 0,
+        core: SharedCore | None = None,
     ) -> None:
         self.model_name = model_name
         self.times = times
@@ -51,6 +64,9 @@ class SimulatedEngine:
         self._rounds = 0
         self._context = 0  # tokens held by running requests
         self.iterations = 0
+        self.core = core
+        self._last: tuple[IterationKind, int] | None = None  # previous iteration (kind, batch)
+        self._shapes: set[int] = set()  # prompt-token totals prefilled so far
 
     # -- memory operations ---------------------------------------------------------
     async def load(self) -> None:
@@ -95,18 +111,21 @@ class SimulatedEngine:
 
     async def step(self) -> StepResult:
         self.iterations += 1
-        if self._pending:
-            return await self._prefill()
-        return await self._decode()
+        take = prefill_take((p for p, _, _ in self._pending.values()), self.prefill_token_budget,
+                            self.max_batch - len(self._running)) if self._pending else 0
+        switched = self.core is not None and self.core.last is not None and self.core.last is not self
+        if self.core is not None:
+            self.core.last = self
+        result = await (self._prefill(take, switched) if take else self._decode(switched))
+        self._last = (result.kind, len(result.request_ids))
+        return result
 
-    async def _prefill(self) -> StepResult:
-        batch, tokens = [], 0
-        for rid, (prompt, _, _) in self._pending.items():
-            if batch and tokens + prompt > self.prefill_token_budget:
-                break
-            batch.append(rid)
-            tokens += prompt
-        await asyncio.sleep(self.times.prefill_s(tokens) * self._jitter())
+    async def _prefill(self, take: int, switched: bool) -> StepResult:
+        batch = list(itertools.islice(self._pending, take))
+        tokens = sum(self._pending[rid][0] for rid in batch)
+        extra = extra_s(self.times, IterationKind.PREFILL, take, self._last, switched, tokens not in self._shapes)
+        self._shapes.add(tokens)
+        await asyncio.sleep((self.times.prefill_s(tokens) + extra) * self._jitter())
         batch = [rid for rid in batch if rid in self._pending]  # aborted meanwhile: no token
         finished = {}
         for rid in batch:
@@ -119,9 +138,10 @@ class SimulatedEngine:
             self._context += prompt + 1
         return StepResult(IterationKind.PREFILL, batch, finished=finished)
 
-    async def _decode(self) -> StepResult:
+    async def _decode(self, switched: bool) -> StepResult:
         n = len(self._running)
-        await asyncio.sleep(self.times.decode_s(n, self._context / n) * self._jitter())
+        extra = extra_s(self.times, IterationKind.DECODE, n, self._last, switched)
+        await asyncio.sleep((self.times.decode_s(n, self._context / n) + extra) * self._jitter())
         served = list(self._running)  # without any aborted meanwhile
         self._rounds += 1
         self._context += len(served)

@@ -225,3 +225,50 @@ def test_simulated_engine_abort_during_an_iteration():
     prefill, decode, e = run_virtual(main())
     assert list(prefill.request_ids) == ["b"]
     assert list(decode.request_ids) == [] and e.kv_bytes_in_use() == 0
+
+
+def test_overheads_are_charged_by_the_simulated_engine_exactly_as_the_node_predicts_them():
+    """mesh-profile/2 overheads (decode after prefill, changed decode batch, new prefill shape,
+    instance switch, step overhead): in virtual time every iteration takes exactly its prediction."""
+    from dataclasses import dataclass
+
+    from engines.simulated import SharedCore
+
+    @dataclass(frozen=True)
+    class WithOverheads(LinearTimes):
+        decode_after_prefill_s: float = 0.005
+        decode_batch_change_s: float = 0.002
+        prefill_new_shape_s: float = 0.003
+        instance_switch_s: float = 0.001
+        step_overhead_s: float = 0.0005
+
+    async def main():
+        node = NodeRuntime(NodeSpec("n", "cpu", 10**9), record_iterations=True)
+        node.start()
+        times = WithOverheads(prefill_per_token=0.0001, decode_base=0.01)
+        core = SharedCore()
+        for k in range(2):
+            e = SimulatedEngine(f"m{k}", times, kv_bytes_per_token=KV_PER_TOKEN, weight_bytes=WEIGHTS,
+                                context_window=1024, core=core)
+            node.start_instance(f"i{k}", f"m{k}", e, times, SLO(), RunningMean(8), 0.0)
+        await asyncio.sleep(0.01)
+        done: list = []
+        now = asyncio.get_running_loop().time()
+        reqs = [request(f"r{k}{j}", f"m{k}", 40 + 10 * j, 3 + 4 * j, now, done) for k in range(2) for j in range(3)]
+        for j, r in enumerate(reqs):
+            await asyncio.sleep(0.013 * j)
+            node.admit(r.model.replace("m", "i"), r, node.validate(r.model.replace("m", "i"), r))
+        while len(done) < len(reqs):
+            await asyncio.sleep(0.01)
+        await node.stop()
+        return node.iterations
+
+    its = run_virtual(main())
+    assert len(its) > 20
+    for it in its:
+        assert it.duration_s == pytest.approx(it.predicted_s, abs=1e-9)
+    base = LinearTimes(prefill_per_token=0.0001, decode_base=0.01)
+    extra = [it.duration_s - (base.decode_s(it.batch_size, 0) if it.kind is IterationKind.DECODE else
+                              base.prefill_s(it.tokens)) for it in its]
+    assert {round(x, 6) for x in extra} >= {0.0005, 0.0015, 0.0055}  # step; + switch; + after prefill
+    assert any(round(x, 6) in (0.0035, 0.0045) for x in extra)  # a new prefill shape (+ a switch)

@@ -214,8 +214,34 @@ def test_malformed_json_names_file_and_line(tmp_path: Path) -> None:
 
 def test_wrong_format_tag(tmp_path: Path) -> None:
     doc = small_doc()
+    doc["format"] = "mesh-profile/3"
+    assert "format: must be one of ('mesh-profile/1', 'mesh-profile/2'), got 'mesh-profile/3'" in error_of(tmp_path, doc)
+
+
+def test_format_2_overheads_round_trip_and_format_1_still_reads(tmp_path: Path) -> None:
+    old = load_profile(write(tmp_path, small_doc(), "old.json"))
+    assert old.overheads == {} and old.overhead("decode_after_prefill_s") == 0.0
+    save_profile(old, tmp_path / "again.json")
+    assert json.loads((tmp_path / "again.json").read_text())["format"] == "mesh-profile/1"  # unchanged
+    doc = small_doc()
     doc["format"] = "mesh-profile/2"
-    assert "format: must be 'mesh-profile/1', got 'mesh-profile/2'" in error_of(tmp_path, doc)
+    doc["overheads"] = {"decode_after_prefill_s": 0.005, "instance_switch_s": 0.0}
+    new = load_profile(write(tmp_path, doc, "new.json"))
+    assert new.overhead("decode_after_prefill_s") == 0.005 and new.overhead("step_overhead_s") == 0.0
+    save_profile(new, tmp_path / "new2.json")
+    assert load_profile(tmp_path / "new2.json") == new
+    assert json.loads((tmp_path / "new2.json").read_text())["format"] == "mesh-profile/2"
+
+
+def test_overhead_errors(tmp_path: Path) -> None:
+    doc = small_doc()
+    doc["overheads"] = {"decode_after_prefill_s": 0.005}
+    assert "overheads: needs format 'mesh-profile/2'" in error_of(tmp_path, doc)
+    doc["format"] = "mesh-profile/2"
+    doc["overheads"] = {"warp_s": 0.1}
+    assert "overheads.warp_s: unknown overhead" in error_of(tmp_path, doc)
+    doc["overheads"] = {"instance_switch_s": -1}
+    assert "overheads.instance_switch_s: must be a number of seconds >= 0, got -1" in error_of(tmp_path, doc)
 
 
 def test_other_field_errors(tmp_path: Path) -> None:

@@ -401,6 +401,10 @@ def test_metrics_and_cluster_view(server):
     assert node["deadlines"] == "pace"  # the service's default deadline rule (docs/design.md)
     inst = [i for i in node["instances"] if i["model"] == "demo/smollm2"]
     assert inst and inst[0]["state"] == "ready" and inst[0]["weight_bytes"] > 0
+    drift = inst[0]["time_factors"]  # the profile's drift as the agent learnt it from served iterations
+    assert drift["observed"] > 0 and drift["regions"] >= 1 and drift["max_drift"] >= 0
+    assert f'mesh_instance_time_factor{{instance="{inst[0]["instance_id"]}",kind="decode"' in metrics
+    assert "mesh_instance_profile_drift{" in metrics
     assert server.http("GET", "/healthz")[1]["status"] == "ok"
 
 

@@ -371,6 +371,34 @@ def test_adaptive_times_learn_and_clamp():
     assert DefaultCpuTimes.for_weights(10 * 98_362_432).scale == pytest.approx(10)
 
 
+def test_adaptive_times_refine_per_grid_region_and_learn_a_bounded_margin():
+    t = AdaptiveTimes(DefaultCpuTimes(), alpha=0.5, prefill_alpha=0.5, margin_after=10)
+    base = DefaultCpuTimes()
+    for _ in range(30):  # decodes at batch 8, context ~100 run 1.5x the model; elsewhere unknown
+        t.observe(IterationKind.DECODE, t.decode_s(8, 100), 1.5 * base.decode_s(8, 100), batch=8, tokens=100)
+    assert t.decode_s(8, 100) == pytest.approx(1.5 * base.decode_s(8, 100), rel=1e-3)
+    assert t.decode_s(9, 120) == pytest.approx(1.5 * base.decode_s(9, 120), rel=1e-3)  # same cell (8-15 x 64-127)
+    for _ in range(30):  # batch 1 at context 1000 runs as modelled: its own region stays near 1
+        t.observe(IterationKind.DECODE, t.decode_s(1, 1000), base.decode_s(1, 1000), batch=1, tokens=1000)
+    assert t.decode_s(1, 1000) == pytest.approx(base.decode_s(1, 1000), rel=1e-3)
+    assert t.decode_s(8, 100) == pytest.approx(1.5 * base.decode_s(8, 100), rel=1e-3)  # not dragged back
+    drift = t.drift()
+    assert drift["regions"] == 2 and drift["decode_regions"]["8x64"] == pytest.approx(1.5, rel=1e-3)
+    assert drift["max_drift"] == pytest.approx(0.5, rel=1e-2)
+    # the margin: the 95th percentile of live/predicted - 1 once learnt, bounded
+    assert AdaptiveTimes(base).margin is None  # not learnt yet: the node's 10% applies
+    m = AdaptiveTimes(base, margin_after=10)
+    for k in range(96):  # recomputed every 8 iterations: 96 includes them all
+        m.observe(IterationKind.DECODE, 1.0, 1.0 + 0.002 * k)  # ratios 1.0 .. 1.19
+    assert m.margin == pytest.approx(0.1805, abs=0.002)
+    for _ in range(300):
+        m.observe(IterationKind.DECODE, 1.0, 3.0)
+    assert m.margin == m.max_margin
+    for _ in range(300):
+        m.observe(IterationKind.DECODE, 1.0, 0.9)
+    assert m.margin == m.min_margin
+
+
 def test_sampling_defaults_from_models_and_requests(tmp_path):
     from mesh.service import sampling_defaults as sd
 

@@ -109,3 +109,19 @@ def test_validation_changes_nothing():
     shadow_validate(c, "i", "r5", 10, 0.0, 0.0)
     assert (dict(c.requests), c.instances["i"].context_sum, c.instances["i"].decode_rounds) == before
     assert "r5" not in c.instances["i"].pending
+
+
+def test_an_instance_with_a_learnt_margin_is_validated_with_it():
+    """Iteration times that learnt a margin (mesh.agent.engines.AdaptiveTimes.margin) replace
+    the node's 10% for that instance only; times without one keep the node's margin."""
+    class Learnt(LinearTimes):
+        margin = 0.3
+
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(prefill_per_token=0.001, decode_base=0.05), SLO(), 4096)
+    c.add_instance("j", Learnt(prefill_per_token=0.001, decode_base=0.05), SLO(), 4096)
+    v_i = shadow_validate(c, "i", "a", 200, start_s=0.0, now=0.0)
+    v_j = shadow_validate(c, "j", "b", 200, start_s=0.0, now=0.0)
+    assert v_i.candidate_first_token_s == pytest.approx(0.2 * 1.1)
+    assert v_j.candidate_first_token_s == pytest.approx(0.2 * 1.3)
+    assert v_j.decode_round_s == pytest.approx(0.05 * 1.3)

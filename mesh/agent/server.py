@@ -266,7 +266,7 @@ class AgentServer:
         for rec in records:
             times = self.times.get(rec.instance_id)
             if times is not None:
-                times.observe(rec.kind, rec.predicted_s, rec.duration_s)
+                times.observe(rec.kind, rec.predicted_s, rec.duration_s, rec.batch_size, rec.tokens)
         records.clear()
 
     # ---- handlers ------------------------------------------------------------------------
@@ -529,7 +529,7 @@ class AgentServer:
             "kv_bytes_in_use": engine.kv_bytes_in_use(),
             "kv_bytes_allocated": engine.kv_bytes_allocated() if hasattr(engine, "kv_bytes_allocated") and inst.loaded else 0,
             "context_window": engine.context_window,
-            "time_factors": {"prefill": times.prefill_factor, "decode": times.decode_factor} if times else None,
+            "time_factors": times.drift() if times else None,
         }
 
     async def _weights_path(self, m: dict[str, Any]) -> dict[str, Any]:

@@ -26,13 +26,14 @@ otherwise one decode iteration for all running requests. Prefill and decode neve
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Iterable, Protocol, Sequence
 
 from sortedcontainers import SortedKeyList, SortedList
 
-from engines.protocol import IterationKind
+from engines.protocol import IterationKind, prefill_take
 from mesh.policy.slo import SLO, DeadlineRule
 
 
@@ -42,6 +43,28 @@ class IterationTimes(Protocol):
     def prefill_s(self, prompt_len: int) -> float: ...
 
     def decode_s(self, batch: int, avg_context: float) -> float: ...
+
+
+def extra_s(times: IterationTimes, kind: IterationKind, batch: int, last: tuple[IterationKind, int] | None,
+            switched: bool, new_shape: bool = False) -> float:
+    """What an iteration costs beyond its grid time (the profile's overheads, mesh-profile/2;
+    0 for models without them): every step's overhead; a prefill of a token count the
+    instance never prefilled (`new_shape`); a decode right after a prefill of the same
+    instance (a new input shape), or whose batch differs from the instance's last decode;
+    an iteration of another instance than the node's previous one (`switched`).
+    `last`: the instance's previous iteration (kind, batch), None if it has none. The one
+    rule the compute subsystem's predictions and the simulated engine share."""
+    extra = getattr(times, "step_overhead_s", 0.0)
+    if switched:
+        extra += getattr(times, "instance_switch_s", 0.0)
+    if kind is IterationKind.PREFILL and new_shape:
+        extra += getattr(times, "prefill_new_shape_s", 0.0)
+    if kind is IterationKind.DECODE and last is not None:
+        if last[0] is IterationKind.PREFILL:
+            extra += getattr(times, "decode_after_prefill_s", 0.0)
+        elif last[1] != batch:
+            extra += getattr(times, "decode_batch_change_s", 0.0)
+    return extra
 
 
 @dataclass(slots=True)
@@ -79,6 +102,8 @@ class InstanceState:
     decode_rounds: int = 0
     context_sum: int = 0  # sum over running requests of prompt_len + O
     order_entry: tuple | None = None  # this instance's entry in the node's order, if any
+    last: tuple[IterationKind, int] | None = None  # its previous iteration (kind, batch size), for extra_s
+    shapes: set[int] = field(default_factory=set)  # prompt-token totals it has prefilled, for extra_s
 
     @property
     def tpot(self) -> float:
@@ -97,15 +122,10 @@ class InstanceState:
         return r.key + self.tpot * self.decode_rounds
 
     def prefill_batch(self) -> list[RequestState]:
-        """The requests the next prefill iteration takes (arrival order, within the budget)."""
-        batch: list[RequestState] = []
-        tokens = 0
-        for r in self.pending.values():
-            if batch and tokens + r.prompt_len > self.prefill_token_budget:
-                break
-            batch.append(r)
-            tokens += r.prompt_len
-        return batch
+        """The requests the next prefill iteration takes (arrival order, within the budget;
+        the node's admission keeps an instance within its engine's max_batch)."""
+        take = prefill_take((r.prompt_len for r in self.pending.values()), self.prefill_token_budget, math.inf)
+        return list(itertools.islice(self.pending.values(), take))
 
     def n_requests(self) -> int:
         return len(self.pending) + len(self.running)
@@ -133,6 +153,7 @@ class ComputeSubsystem:
         self._order: SortedList = SortedList()
         self.busy_until: float = -math.inf  # end of the iteration in flight, as predicted
         self.in_flight: Iteration | None = None  # the iteration running now, if any
+        self.last_instance: str | None = None  # the instance of the node's previous iteration
 
     # -- instances -------------------------------------------------------------------
     def add_instance(
@@ -208,7 +229,7 @@ class ComputeSubsystem:
         for _, instance_id in self._order:
             inst = self.instances[instance_id]
             if inst.loaded:
-                return predict_iteration(inst)
+                return predict_iteration(inst, self.last_instance)
         return None
 
     def complete_iteration(
@@ -223,10 +244,13 @@ class ComputeSubsystem:
         `now`: when the iteration ended (the first tokens' time; needed after a prefill
         under the pace rule)."""
         inst = self.instances[instance_id]
+        inst.last = (kind, len(served))
+        self.last_instance = instance_id
         if kind is IterationKind.PREFILL and now is None and self.deadlines is DeadlineRule.PACE:
             raise ValueError("complete_iteration after a prefill needs `now` under the pace deadline rule")
         self._unorder(inst)
         if kind is IterationKind.PREFILL:
+            inst.shapes.add(sum(inst.pending[rid].prompt_len for rid in served if rid in inst.pending))
             for rid in served:
                 r = inst.pending.pop(rid)
                 inst.pending_by_deadline.remove(r)
@@ -276,12 +300,17 @@ class ComputeSubsystem:
             self._order.add(inst.order_entry)
 
 
-def predict_iteration(inst: InstanceState) -> Iteration:
-    """The next iteration of `inst` under the engines' batching rule, with its predicted time."""
+def predict_iteration(inst: InstanceState, last_instance: str | None = None) -> Iteration:
+    """The next iteration of `inst` under the engines' batching rule, with its predicted time
+    (grid time plus extra_s; `last_instance`: the node's previous iteration's instance)."""
+    switched = last_instance is not None and last_instance != inst.instance_id
     if inst.pending:
         batch = inst.prefill_batch()
         tokens = sum(r.prompt_len for r in batch)
-        return Iteration(inst.instance_id, IterationKind.PREFILL, len(batch), tokens, inst.times.prefill_s(tokens))
+        extra = extra_s(inst.times, IterationKind.PREFILL, len(batch), inst.last, switched, tokens not in inst.shapes)
+        return Iteration(inst.instance_id, IterationKind.PREFILL, len(batch), tokens,
+                         inst.times.prefill_s(tokens) + extra)
     n = len(inst.running)
     avg = inst.context_sum / n
-    return Iteration(inst.instance_id, IterationKind.DECODE, n, round(avg), inst.times.decode_s(n, avg))
+    extra = extra_s(inst.times, IterationKind.DECODE, n, inst.last, switched)
+    return Iteration(inst.instance_id, IterationKind.DECODE, n, round(avg), inst.times.decode_s(n, avg) + extra)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Collection
 
-from engines.protocol import IterationKind
+from engines.protocol import IterationKind, prefill_take
 from mesh.policy.compute import ComputeSubsystem, IterationTimes
 from mesh.policy.slo import DeadlineRule
 
@@ -91,6 +91,7 @@ class _Sim:
     min_rid: str | None
     rule: DeadlineRule
     head: int = 0  # pending[head:] still wait for prefill
+    scale: float = 1.0  # 1 + the margin for this instance (instance_margin)
 
     def next_deadline(self) -> float:
         best = self.min_key + self.tpot * self.rounds if self.n else math.inf
@@ -115,8 +116,18 @@ class _Outcome:
     end_s: float = 0.0
 
 
+def instance_margin(times: IterationTimes, margin: float) -> float:
+    """The margin shadow validation applies to one instance: the one its iteration times
+    learnt from live iterations (`times.margin`, e.g. mesh.agent.engines.AdaptiveTimes: a
+    quantile of actual/predicted, bounded), else the node's `margin` (LLM-Mesh's 10%, what
+    replays use)."""
+    learnt = getattr(times, "margin", None)
+    return margin if learnt is None else learnt
+
+
 def _snapshot(
-    compute: ComputeSubsystem, candidate: tuple[str, str, int, float, bool] | None, exclude: Collection[str] = ()
+    compute: ComputeSubsystem, candidate: tuple[str, str, int, float, bool] | None, exclude: Collection[str] = (),
+    margin: float = DEFAULT_MARGIN,
 ) -> list[_Sim]:
     sims = []
     flight = compute.in_flight
@@ -131,6 +142,7 @@ def _snapshot(
             inst.instance_id, inst.times, inst.tpot, inst.prefill_token_budget, inst.ready_at,
             pending, len(inst.running), inst.context_sum, inst.decode_rounds,
             first.key if first else math.inf, first.request_id if first else None, compute.deadlines,
+            scale=1.0 + instance_margin(inst.times, margin),
         )
         if flight is not None and flight.instance_id == inst.instance_id:
             _finish_in_flight(sim, flight.kind, flight.batch_size, compute.busy_until)
@@ -157,7 +169,6 @@ def _simulate(
     """Token-level scheduling forward from `t`. Stops at the horizon described above, or,
     without a candidate, once simulated time reaches `until_s`."""
     out = _Outcome()
-    scale = 1.0 + margin
     waiting_decode: set[str] | None = None  # instances owed one decode after the last prefill
     prefills_left = sum(len(x.pending) - x.head for x in sims)  # the candidate's included
     deadlines = [x.next_deadline() for x in sims]  # inf: no work
@@ -178,13 +189,10 @@ def _simulate(
             continue
         s = sims[pick]
         if s.head < len(s.pending):  # prefill iteration
-            batch, tokens = [], 0
-            for entry in s.pending[s.head :]:
-                if batch and tokens + entry[1] > s.budget:
-                    break
-                batch.append(entry)
-                tokens += entry[1]
-            t += s.times.prefill_s(tokens) * scale
+            take = prefill_take((e[1] for e in s.pending[s.head :]), s.budget, math.inf)
+            batch = s.pending[s.head : s.head + take]
+            tokens = sum(e[1] for e in batch)
+            t += s.times.prefill_s(tokens) * s.scale
             s.head += len(batch)
             for rid, prompt_len, deadline, resumed in batch:
                 if rid == candidate_id:
@@ -198,7 +206,7 @@ def _simulate(
             if candidate_id is not None and prefills_left <= 0 and waiting_decode is None:
                 waiting_decode = {x.instance_id for x in sims if x.n}
         else:  # decode iteration: every running request gets a token
-            t += s.times.decode_s(s.n, s.ctx / s.n) * scale
+            t += s.times.decode_s(s.n, s.ctx / s.n) * s.scale
             deadline = s.min_key + s.tpot * s.rounds
             if t > deadline and s.min_rid is not None and s.min_rid != candidate_id:
                 late = out.late.get(s.min_rid, (0.0, ""))[0]
@@ -232,7 +240,7 @@ def decode_round_s(
             n += 1
             ctx += prompt_len + 1
         if n:
-            total += inst.times.decode_s(n, ctx / n) * (1.0 + margin)
+            total += inst.times.decode_s(n, ctx / n) * (1.0 + instance_margin(inst.times, margin))
             tpot = min(tpot, inst.tpot)
     return total, tpot
 
@@ -252,7 +260,8 @@ def quick_reject(
     dispatcher calls it first; None means "run the full validation"."""
     inst = compute.instances[instance_id]
     deadline = start_s + inst.slo.ttft_s(prompt_len)
-    earliest = max(now, compute.busy_until, inst.ready_at) + inst.times.prefill_s(prompt_len) * (1.0 + margin)
+    earliest = (max(now, compute.busy_until, inst.ready_at)
+                + inst.times.prefill_s(prompt_len) * (1.0 + instance_margin(inst.times, margin)))
     if earliest > deadline:
         return Failure(FailureCase.OWN_PREFILL_LATE, earliest - deadline, None, instance_id)
     round_s, tpot = decode_round_s(compute, instance_id, prompt_len, margin, exclude)
@@ -284,7 +293,7 @@ def shadow_validate(
     t0 = max(now, compute.busy_until)
     n_pending = sum(len(i.pending) for i in compute.instances.values())
     max_iterations = 256 + 8 * len(compute.instances) + 4 * n_pending
-    sims = _snapshot(compute, (instance_id, request_id, prompt_len, deadline, resumed), exclude)
+    sims = _snapshot(compute, (instance_id, request_id, prompt_len, deadline, resumed), exclude, margin)
     with_cand = _simulate(sims, t0, margin, request_id, math.inf, max_iterations)
 
     failures: list[Failure] = []
@@ -299,7 +308,7 @@ def shadow_validate(
         # TPOT late: a node already behind must not take load that pushes it further
         # behind, or lateness cascades (each new request is "not newly late" for the
         # requests already late, and their delays grow without bound).
-        base = _simulate(_snapshot(compute, None, exclude), t0, margin, None, with_cand.end_s, max_iterations)
+        base = _simulate(_snapshot(compute, None, exclude, margin), t0, margin, None, with_cand.end_s, max_iterations)
         newly_late = {
             rid: v for rid, v in with_cand.late.items()
             if rid not in base.late

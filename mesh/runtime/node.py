@@ -91,12 +91,20 @@ class Admission:
 
 @dataclass(frozen=True, slots=True)
 class IterationRecord:
+    """One iteration as it ran (the iteration log): what the engine did (`kind`,
+    `batch_size`: requests that got a token) and how long it took, next to what the compute
+    subsystem predicted before it ran (`predicted_kind`, `predicted_batch`, `tokens`: prompt
+    tokens of a prefill or mean context of a decode, `predicted_s`)."""
+
     instance_id: str
     kind: IterationKind
     batch_size: int
     start_s: float
     duration_s: float
     predicted_s: float
+    tokens: int = 0
+    predicted_kind: IterationKind | None = None
+    predicted_batch: int = 0
 
 
 class NodeRuntime:
@@ -120,6 +128,7 @@ class NodeRuntime:
         self.on_evict = on_evict
         self.on_loaded: Callable[[str], None] | None = None  # an instance's load completed (its id)
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
+        self.on_iteration: Callable[[IterationRecord], None] | None = None  # each record, as it is made
         self.iteration_count = 0
         self.busy_s = 0.0
         self.decode_tokens = 0  # tokens produced by decode iterations (throughput per node)
@@ -510,14 +519,25 @@ class NodeRuntime:
                 self.decode_tokens += len(result.request_ids)
             else:
                 self.prefill_tokens += it.tokens
-            if self.iterations is not None:
-                self.iterations.append(IterationRecord(it.instance_id, result.kind, len(result.request_ids), start, now - start, it.predicted_s))
+            if self.iterations is not None or self.on_iteration is not None:
+                record = IterationRecord(it.instance_id, result.kind, len(result.request_ids), start, now - start,
+                                         it.predicted_s, it.tokens, it.kind, it.batch_size)
+                if self.iterations is not None:
+                    self.iterations.append(record)
+                if self.on_iteration is not None:
+                    self.on_iteration(record)
             if self.instances.get(it.instance_id) is not inst:
                 continue  # stopped during the iteration (its requests were taken elsewhere)
             self._apply(inst, result, now)
             if getattr(inst.engine, "blocks_event_loop", False):
                 # The iteration held the loop (a real engine computes in step() itself):
                 # let arrivals, aborts and agent messages in before the next decision.
+                # Twice: asyncio's loop appends the timers that fell due during the step to
+                # its ready queue after this task's wake-up, so after one yield the node
+                # would decide before they ran, and a request that arrived during an
+                # iteration would join one iteration later than on the virtual clock
+                # (where it arrives during the simulated engine's sleep).
+                await asyncio.sleep(0)
                 await asyncio.sleep(0)
 
     def _apply(self, inst: NodeInstance, result: StepResult, now: float) -> None:

@@ -6,7 +6,9 @@ later token), SLO attainment (requests that completed within the model's TTFT an
 SLOs over all requests that reached a node's queue), prompt and generated tokens.
 Per node (label node), read from the placement's view at scrape time: agent up, restarts,
 instances, queue length, running requests, KV bytes in use, memory budget and use, busy
-fraction; the weights plane's host copies and bytes received. HTTP responses by route and
+fraction; the weights plane's host copies and bytes received. Per instance (labels node,
+instance): the iteration-time factors the agent learnt against the profile, the profile's
+drift (largest deviation over grid regions) and the learnt shadow-validation margin. HTTP responses by route and
 status.
 
 `usage(tenant)` reads one tenant's figures back from the same counters (GET /v1/usage): what
@@ -57,6 +59,28 @@ class _ClusterCollector(Collector):
                      lambda n: n["memory"].get("budget_bytes", 0))
         yield family("mesh_node_busy_fraction", "fraction of the last second the node spent in iterations",
                      lambda n: n["busy_fraction"])
+        # A profile's drift (mesh.agent.engines.AdaptiveTimes.drift): how far the node's real
+        # iteration times are from its profile, per instance.
+        factor = GaugeMetricFamily("mesh_instance_time_factor", "real over profiled iteration time the agent "
+                                   "learnt for the instance (1: the profile holds)", labels=["node", "instance", "kind"])
+        drift = GaugeMetricFamily("mesh_instance_profile_drift", "largest |factor - 1| over the instance's "
+                                  "learnt grid regions", labels=["node", "instance"])
+        margin = GaugeMetricFamily("mesh_instance_margin", "margin shadow validation applies to the instance "
+                                   "(learnt from live/predicted; absent until learnt)", labels=["node", "instance"])
+        for n in nodes:
+            for i in n["instances"]:
+                tf = i.get("time_factors") or {}
+                labels = [n["node_id"], i["instance_id"]]
+                for kind in ("prefill", "decode"):
+                    if tf.get(kind) is not None:
+                        factor.add_metric(labels + [kind], float(tf[kind]))
+                if tf.get("max_drift") is not None:
+                    drift.add_metric(labels, float(tf["max_drift"]))
+                if tf.get("margin") is not None:
+                    margin.add_metric(labels, float(tf["margin"]))
+        yield factor
+        yield drift
+        yield margin
         models = (self.view().get("weights") or {}).get("models", {}).values()
         copies = GaugeMetricFamily("mesh_node_weights_host_copies", "models whose weights the node holds "
                                    "(parameter pool host copies)", labels=["node"])
