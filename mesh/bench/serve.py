@@ -271,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
             figures.update(_scale_outs(_admin(url, token, "GET", "/admin/cluster")))
         emit(f"mesh bench serve: {args.clients} concurrent streaming clients, {args.requests} requests, "
              f"max_tokens {args.max_tokens}, model {model}", figures, args.json,
-             {"wall_s": "s", "ttft_p50_s": "s", "ttft_p99_s": "s", "ttft_mean_s": "s", "latency_p50_s": "s",
+             {"wall_s": "s", "ttft_p50_s": "s", "ttft_p99_s": "s", "ttft_p50_all_s": "s", "ttft_p99_all_s": "s", "ttft_mean_s": "s", "latency_p50_s": "s",
               "throughput_req_per_s": "req/s", "throughput_tokens_per_s": "tokens/s"})
         code, why = verdict(figures, args.min_completed)
         if why:
