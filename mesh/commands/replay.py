@@ -3,14 +3,11 @@ compare them (LLM-Mesh 8): a table, JSON with --json, PNG figures with --plot.""
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import sys
 from pathlib import Path
 from typing import Any
-
-from tqdm import tqdm
 
 from calibration.profile import ProfileError
 from mesh.policy.placement import ColdStart
@@ -123,16 +120,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     live.add_argument("--cold-start-s", type=float, default=7.5,
                       help="with --live: seconds an instance takes to start in the simulated twin (default: %(default)s, "
                            "the demo model measured on a 2-core node)")
-    cap = p.add_argument_group("capacity (docs/evaluation.md, 'Capacity')")
-    cap.add_argument("--capacity", action="store_true",
-                     help="also search, per policy, the highest request rate served with at least --capacity-target "
-                          "SLO attainment, under both queue rules (--queue-timeout and 'slo'); writes capacity_rps "
-                          "and capacity_rps_slo_drop per policy")
-    cap.add_argument("--capacity-target", type=float, default=0.9, help="SLO attainment to hold (default: %(default)s)")
-    cap.add_argument("--capacity-reading", default="eq1", choices=("eq1", "strict"),
-                     help="which SLO reading the attainment is (default: %(default)s)")
-    cap.add_argument("--capacity-tol", type=float, default=0.05,
-                     help="relative width of the final bracket (default: %(default)s)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     out.add_argument("--plot", metavar="DIR", help="write PNG figures (TTFT CDF, node usage) into DIR")
@@ -214,8 +201,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
         cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
         queue_timeout_s=timeout, progress=not args.no_progress, engines=engines,
     )
-    return {"policies": policies, "catalog": catalog, "workload": workload, "prior": prior, "config": config, "mix": mix,
-            "max_total": max_total}
+    return {"policies": policies, "catalog": catalog, "workload": workload, "prior": prior, "config": config, "mix": mix}
 
 
 def workload_for(args: argparse.Namespace, max_total: dict[str, int], mix: dict[str, float],
@@ -253,63 +239,6 @@ def workload_for(args: argparse.Namespace, max_total: dict[str, int], mix: dict[
         if not timeout >= 0:
             raise ReplayInputError(f"--queue-timeout must be 'slo' or a number of seconds >= 0, got {args.queue_timeout!r}")
     return workload, timeout
-
-
-def run_capacity(args: argparse.Namespace, setup: dict[str, Any]) -> dict[str, dict[str, Any]]:
-    """Per policy, the capacity (mesh.replay.capacity) under the run's queue rule and under
-    'slo': the trace's arrivals scaled to each rate tried (`--target-rps`), everything else
-    as the run's."""
-    from mesh.replay.capacity import find_capacity
-
-    start = float(setup["workload"].description["mean_rps"])
-    key = "slo_rate" if args.capacity_reading == "eq1" else "slo_rate_strict"
-    rules = {"capacity_rps": setup["config"].queue_timeout_s, "capacity_rps_slo_drop": None}
-    out: dict[str, dict[str, Any]] = {}
-    for name in setup["policies"]:
-        found: dict[str, Any] = {"capacity_target": args.capacity_target, "capacity_reading": args.capacity_reading}
-        for field_name, timeout in rules.items():
-            if field_name == "capacity_rps_slo_drop" and timeout == rules["capacity_rps"]:
-                found[field_name] = found["capacity_rps"]  # --queue-timeout slo: one rule
-                continue
-            config = dataclasses.replace(setup["config"], queue_timeout_s=timeout, progress=False)
-            bar = tqdm(desc=f"{name:>14} {'slo' if timeout is None else f'{timeout:g} s'}", unit="replay",
-                       disable=args.no_progress, leave=True, dynamic_ncols=True)
-
-            def attainment(rps: float) -> float:
-                trial = argparse.Namespace(**{**vars(args), "rate_scale": "auto", "target_rps": rps})
-                workload, _ = workload_for(trial, setup["max_total"], setup["mix"])
-                figures = summarize(run_policy(workload, name, config, setup["catalog"], setup["prior"]))
-                bar.update(1)
-                bar.set_postfix(rps=f"{rps:.2f}", slo=f"{figures[key]:.1%}", refresh=False)
-                return figures[key]
-
-            try:
-                result = find_capacity(attainment, start, args.capacity_target, args.capacity_tol)
-            finally:
-                bar.close()
-            found[field_name] = result.rps
-            found[field_name.replace("capacity_rps", "capacity_points")] = result.points
-        out[name] = found
-    return out
-
-
-def capacity_table(capacity: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
-    names = list(capacity)
-    lines = [f"capacity: requests/s served with >= {args.capacity_target:.0%} SLO attainment ({args.capacity_reading})",
-             f"{'policy':<16}{'queue ' + args.queue_timeout + ' s' if args.queue_timeout != 'slo' else 'queue slo':>16}"
-             f"{'queue slo':>12}"]
-    for name in names:
-        c = capacity[name]
-        lines.append(f"{name:<16}{c['capacity_rps']:>16.2f}{c['capacity_rps_slo_drop']:>12.2f}")
-    if "mesh" in capacity:
-        for other in names:
-            if other == "mesh":
-                continue
-            ratios = [f"{capacity['mesh'][k] / capacity[other][k]:.2f}x ({rule})"
-                      for k, rule in (("capacity_rps", "queue timeout"), ("capacity_rps_slo_drop", "slo"))
-                      if capacity[other][k] > 0]
-            lines.append(f"mesh / {other} capacity: {', '.join(ratios) or '-'}")
-    return "\n".join(lines)
 
 
 def describe(args: argparse.Namespace, setup: dict[str, Any]) -> dict[str, Any]:
@@ -384,15 +313,6 @@ def run(args: argparse.Namespace) -> int:
                       if results[other][k]]
             if ratios:
                 print(f"mesh / {other}: SLO-compliant requests {', '.join(ratios)}")
-    if args.capacity:
-        try:
-            capacity = run_capacity(args, setup)
-        except ValueError as exc:
-            print(f"mesh replay: error: {exc}", file=sys.stderr)
-            return 2
-        for name, found in capacity.items():
-            results[name].update(found)
-        print(capacity_table(capacity, args))
     if args.json:
         out = {name: {**m, "deadlines": meta["deadlines"], "replay": meta} for name, m in results.items()}
         path = Path(args.json)
