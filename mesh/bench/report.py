@@ -12,7 +12,7 @@ def emit(title: str, figures: dict[str, Any], json_path: str | None, units: dict
     width = max(len(k) for k in figures)
     print(title)
     for key, value in figures.items():
-        shown = f"{value:,.3f}" if isinstance(value, float) else ("null" if value is None else str(value))
+        shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
         print(f"  {key:<{width}}  {shown} {units.get(key, '')}".rstrip())
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)

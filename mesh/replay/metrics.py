@@ -11,10 +11,8 @@ Definitions:
   time-averaged over the workload window [0, duration].
 - decode throughput per node: tokens produced by decode iterations on nodes of a kind,
   divided by the node-seconds those nodes were in use (whole run, tail included).
-- TTFT / TPOT percentiles: `ttft_pN_s` and `tpot_pN_s` over completed requests (TPOT: those
-  with >= 2 tokens); `ttft_pN_all_s` over every request, a rejected or failed one counting as
-  never served (infinite): null when the percentile reaches one of those. The TTFT CDF plot
-  counts every request, so rejected ones flatten the curve.
+- TTFT / TPOT percentiles: over completed requests (TPOT: those with >= 2 tokens); the TTFT
+  CDF plot counts every request, so rejected ones flatten the curve.
 """
 from __future__ import annotations
 
@@ -64,21 +62,6 @@ def _pct(values: Sequence[float]) -> dict[int, float | None]:
     return {p: float(v) for p, v in zip(PERCENTILES, arr)}
 
 
-NEVER = 1e18  # the TTFT of a request never served, in percentiles over all requests
-
-
-def percentiles_all(served: Sequence[float], never_served: int,
-                    percentiles: Sequence[int] = PERCENTILES) -> dict[int, float | None]:
-    """Percentiles over every request, a request never served counting as an infinite time:
-    None where the percentile reaches a never-served request (e.g. p99 when more than 1% of
-    requests got no answer), so a policy that turns requests away does not look faster."""
-    values = np.concatenate([np.asarray(served, dtype=float), np.full(never_served, NEVER)])
-    if len(values) == 0:
-        return {p: None for p in percentiles}
-    arr = np.percentile(values, percentiles)
-    return {p: (float(v) if v < NEVER / 2 else None) for p, v in zip(percentiles, arr)}
-
-
 def request_figures(requests: Sequence[ServedRequest], usage: Sequence[tuple[float, int, int]],
                     duration_s: float) -> dict[str, Any]:
     """The figures any replay of `requests` gives, simulated or live: counts by outcome, both
@@ -86,7 +69,6 @@ def request_figures(requests: Sequence[ServedRequest], usage: Sequence[tuple[flo
     acc = accounting(requests)
     completed = [r for r in requests if r.outcome is Outcome.COMPLETED]
     ttft = _pct([r.ttft_s for r in completed])
-    ttft_all = percentiles_all([r.ttft_s for r in completed], len(requests) - len(completed))
     tpot = _pct([r.tpot_s for r in completed if r.tokens_out >= 2])
     cpu_s, gpu_s = node_seconds(usage, 0.0, duration_s)
     out: dict[str, Any] = {
@@ -100,8 +82,6 @@ def request_figures(requests: Sequence[ServedRequest], usage: Sequence[tuple[flo
     }
     for p in PERCENTILES:
         out[f"ttft_p{p}_s"] = ttft[p]
-    for p in PERCENTILES:
-        out[f"ttft_p{p}_all_s"] = ttft_all[p]
     for p in PERCENTILES:
         out[f"tpot_p{p}_s"] = tpot[p]
     return out
@@ -148,7 +128,6 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("ttft_p50_s", "TTFT p50", "{:.2f}"),
     ("ttft_p90_s", "p90", "{:.2f}"),
     ("ttft_p99_s", "p99", "{:.2f}"),
-    ("ttft_p99_all_s", "p99 all", "{:.2f}"),
     ("tpot_p50_s", "TPOT p50", "{:.3f}"),
     ("tpot_p90_s", "p90", "{:.3f}"),
     ("tpot_p99_s", "p99", "{:.3f}"),
@@ -166,10 +145,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
         row = [name]
         for key, _, fmt in TABLE_COLUMNS:
             v = m.get(key)
-            if v is None:  # a percentile over all requests that reaches an unserved one
-                row.append("unserved" if key.endswith("_all_s") and key in m else "-")
-            else:
-                row.append(fmt.format(v))
+            row.append("-" if v is None else fmt.format(v))
         rows.append(row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines = []
