@@ -2,7 +2,7 @@
 # Regenerates docs/evaluation.md's numbers and figures: the LLM-Mesh Figure 12 grid, the
 # Figure 13 ablations, the Figure 14 mixes, and a queue-rule sensitivity run.
 #   scripts/evaluation.sh            # everything (about 30-40 min on 2 cores)
-#   scripts/evaluation.sh fig13      # one part: fig12 | fig13 | fig14 | sensitivity | seeds | pace | live | figures
+#   scripts/evaluation.sh fig13      # one part: fig12 | fig13 | fig14 | sensitivity | seeds | pace | capacity | live | figures
 # (`live` runs a real service on this machine and is not part of `all`: about 15 min)
 # JSON goes to docs/eval/, PNG figures to docs/figures/. Every run uses the shared Azure
 # traces (../shared/data), seed 0, 30 minutes, 4 CPU + 4 GPU nodes, the defaults of
@@ -93,6 +93,19 @@ run_live() {
   done
 }
 
+run_capacity() {
+  # Capacity (issue 13): per policy, the highest request rate (the trace's rate scaled) with
+  # >= 90% SLO attainment under each reading, 128 functions, both queue rules. 10-minute
+  # windows and a 10% bracket keep the search within about half an hour on 2 shared cores.
+  for model in llama-3.2-3b llama-2-7b llama-2-13b; do
+    for qt in 30 slo; do
+      python -m mesh replay --no-progress --seed 0 --minutes 10 --model "$model" --functions 128 \
+        --policies mesh,sllm,sllm+cpu --queue-timeout "$qt" --capacity --capacity-tol 0.1 \
+        --json "$EVAL/capacity_${model}_128_q${qt}.json"
+    done
+  done
+}
+
 case "$PART" in
   fig12) run_fig12 ;;
   fig13) run_fig13 ;;
@@ -101,8 +114,9 @@ case "$PART" in
   seeds) run_seeds ;;
   pace) run_pace ;;
   live) run_live ;;
+  capacity) run_capacity ;;
   figures) ;;
-  all) run_fig12; run_fig13; run_fig14; run_sensitivity; run_seeds; run_pace ;;
-  *) echo "usage: $0 [all|fig12|fig13|fig14|sensitivity|seeds|pace|live|figures]" >&2; exit 2 ;;
+  all) run_fig12; run_fig13; run_fig14; run_sensitivity; run_seeds; run_pace; run_capacity ;;
+  *) echo "usage: $0 [all|fig12|fig13|fig14|sensitivity|seeds|pace|capacity|live|figures]" >&2; exit 2 ;;
 esac
 python scripts/evaluation_figures.py "$EVAL" "$FIG"

@@ -22,7 +22,8 @@ from mesh.replay.driver import (
     run_policy,
     trace_mean_output,
 )
-from mesh.replay.metrics import summarize, table
+from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
+from mesh.replay.metrics import json_ready, summarize, table
 from mesh.replay.weights import MODES as WEIGHT_MODES
 from mesh.replay.weights import Engines, WeightsConfig
 from mesh.runtime.cluster import ClusterConfig, check_cluster
@@ -120,6 +121,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     live.add_argument("--cold-start-s", type=float, default=7.5,
                       help="with --live: seconds an instance takes to start in the simulated twin (default: %(default)s, "
                            "the demo model measured on a 2-core node)")
+    cap = p.add_argument_group("capacity")
+    cap.add_argument("--capacity", action="store_true",
+                     help="instead of one replay, search per policy the highest request rate (the trace's arrival rate "
+                          "scaled) served with at least --capacity-target SLO attainment: doubling/halving from the "
+                          "replay's own rate, then bisection to --capacity-tol; writes capacity_rps (Eq. 1 reading) and "
+                          "capacity_rps_strict per policy")
+    cap.add_argument("--capacity-target", type=float, default=DEFAULT_TARGET, help="SLO attainment to reach (default: %(default)s)")
+    cap.add_argument("--capacity-tol", type=float, default=DEFAULT_REL_TOL, help="relative width of the final bracket (default: %(default)s)")
+    cap.add_argument("--capacity-reading", default="both", choices=("eq1", "strict", "both"),
+                     help="SLO reading(s) searched: Eq. 1 (slo_rate), strict (slo_rate_strict) or both, the second "
+                          "reusing the first one's runs (default: %(default)s)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     out.add_argument("--plot", metavar="DIR", help="write PNG figures (TTFT CDF, node usage) into DIR")
@@ -201,7 +213,15 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
         cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
         queue_timeout_s=timeout, progress=not args.no_progress, engines=engines,
     )
-    return {"policies": policies, "catalog": catalog, "workload": workload, "prior": prior, "config": config, "mix": mix}
+    if args.capacity and not (0 < args.capacity_target <= 1 and args.capacity_tol > 0):
+        raise ReplayInputError("--capacity-target must be in (0, 1] and --capacity-tol > 0")
+
+    def build(rate_scale: float | str) -> Workload:
+        """The same workload at another rate scale (the capacity search)."""
+        return workload_for(argparse.Namespace(**{**vars(args), "rate_scale": rate_scale}), max_total, mix)[0]
+
+    return {"policies": policies, "catalog": catalog, "workload": workload, "prior": prior, "config": config, "mix": mix,
+            "build": build}
 
 
 def workload_for(args: argparse.Namespace, max_total: dict[str, int], mix: dict[str, float],
@@ -295,6 +315,8 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     meta = describe(args, setup)
+    if args.capacity:
+        return run_capacity(args, setup, meta)
     runs: dict[str, PolicyRun] = {}
     results: dict[str, dict[str, Any]] = {}
     for name in setup["policies"]:
@@ -305,12 +327,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"deadline rule: {DEADLINE_TEXT[setup['config'].cluster.deadlines.value]}")
     print(table(shown))
     if len(results) > 1 and "mesh" in results:
-        base = results["mesh"]["slo_compliant"]
         for other in results:
-            if other != "mesh" and results[other]["slo_compliant"]:
-                print(f"mesh / {other}: {base / results[other]['slo_compliant']:.2f}x SLO-compliant requests")
+            if other == "mesh":
+                continue
+            parts = []
+            for key, reading in (("slo_compliant", "Eq. 1"), ("slo_compliant_strict", "strict")):
+                if results[other][key]:
+                    parts.append(f"{results['mesh'][key] / results[other][key]:.2f}x ({reading})")
+            if parts:
+                print(f"mesh / {other}: {', '.join(parts)} SLO-compliant requests")
     if args.json:
-        out = {name: {**m, "deadlines": meta["deadlines"], "replay": meta} for name, m in results.items()}
+        out = {name: {**json_ready(m), "deadlines": meta["deadlines"], "replay": meta} for name, m in results.items()}
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1, allow_nan=False) + "\n")
@@ -323,4 +350,99 @@ def run(args: argparse.Namespace) -> int:
         label = f"{d['functions']} functions, " + "/".join(setup["mix"]) + (f" ({args.mix})" if args.mix else "")
         for p in (ttft_cdf(runs, folder / "ttft_cdf.png", label), node_usage(runs, folder / "node_usage.png", label)):
             print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
+READINGS = {"eq1": ("slo_rate", "capacity_rps"), "strict": ("slo_rate_strict", "capacity_rps_strict")}
+
+
+def capacity(setup: dict[str, Any], policy: str, readings: list[str], target: float, rel_tol: float,
+             progress: bool = False) -> dict[str, Any]:
+    """Capacity search (mesh.replay.capacity) of one policy: every run rebuilds the workload at
+    the replay's rate scale times a factor and replays it; runs are shared between readings."""
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    base_scale = setup["workload"].description["rate_scale"]["value"]
+    config = replace(setup["config"], progress=False)
+    runs: dict[float, dict[str, Any]] = {}
+    bar = tqdm(desc=f"{policy:>14} capacity", unit="run", disable=not progress, leave=False)
+
+    def evaluate(factor: float) -> dict[str, float]:
+        workload = setup["build"](base_scale * factor)
+        m = summarize(run_policy(workload, policy, config, setup["catalog"], setup["prior"]))
+        runs[factor] = {"factor": factor, "mean_rps": workload.description["mean_rps"],
+                        "requests": m["requests"], "slo_rate": m["slo_rate"],
+                        "slo_rate_strict": m["slo_rate_strict"], "rejected": m["rejected"], "wall_s": m["wall_s"]}
+        bar.update(1)
+        bar.set_postfix(factor=f"{factor:.3g}", slo=f"{m['slo_rate']:.1%}", strict=f"{m['slo_rate_strict']:.1%}")
+        return {"eq1": m["slo_rate"], "strict": m["slo_rate_strict"]}
+
+    cache = RunCache(evaluate)
+    out: dict[str, Any] = {"capacity_target": target, "capacity_tol": rel_tol}
+    for reading in readings:
+        rate_key, key = READINGS[reading]
+        res = search_capacity(cache, reading, target=target, rel_tol=rel_tol)
+        rps = runs[res.factor]["mean_rps"] if res.factor > 0 else 0.0
+        out[key] = rps
+        out[key.replace("rps", "factor")] = res.factor
+        out[key.replace("rps", "bounded")] = res.bounded
+    bar.close()
+    out["capacity_runs"] = [runs[f] for f in sorted(runs)]
+    out["capacity_wall_s"] = sum(r["wall_s"] for r in runs.values())
+    return out
+
+
+def capacity_table(results: dict[str, dict[str, Any]]) -> str:
+    head = ["policy", "capacity rps (Eq. 1)", "x trace rate", "capacity rps (strict)", "x trace rate", "runs", "wall s"]
+    rows = [head]
+    for name, r in results.items():
+        def cell(key: str, fmt: str) -> str:
+            v = r.get(key)
+            if v is None:
+                return "-"
+            bounded = r.get(key.replace("rps", "bounded").replace("factor", "bounded"), True)
+            return fmt.format(v) + ("" if bounded else "*")
+        rows.append([name, cell("capacity_rps", "{:.2f}"), cell("capacity_factor", "{:.3g}"),
+                     cell("capacity_rps_strict", "{:.2f}"), cell("capacity_factor_strict", "{:.3g}"),
+                     str(len(r["capacity_runs"])), f"{r['capacity_wall_s']:.0f}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = []
+    for k, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run_capacity(args: argparse.Namespace, setup: dict[str, Any], meta: dict[str, Any]) -> int:
+    readings = ["eq1", "strict"] if args.capacity_reading == "both" else [args.capacity_reading]
+    results: dict[str, dict[str, Any]] = {}
+    for name in setup["policies"]:
+        results[name] = capacity(setup, name, readings, args.capacity_target, args.capacity_tol,
+                                 progress=not args.no_progress)
+    qt = setup["config"].queue_timeout_s
+    print(f"capacity: highest rate with >= {args.capacity_target:.0%} SLO attainment, bracket to "
+          f"{args.capacity_tol:.0%}; queue timeout {'slo' if qt is None else f'{qt:g} s'}; deadline rule "
+          f"{setup['config'].cluster.deadlines.value} (* = search hit its limit)")
+    print(capacity_table(results))
+    if len(results) > 1 and "mesh" in results:
+        for other in results:
+            if other == "mesh":
+                continue
+            parts = []
+            for reading in readings:
+                key = READINGS[reading][1]
+                a, b = results["mesh"].get(key), results[other].get(key)
+                if a is not None and b:
+                    parts.append(f"{a / b:.2f}x ({'Eq. 1' if reading == 'eq1' else 'strict'})")
+            if parts:
+                print(f"mesh / {other}: {', '.join(parts)} capacity")
+    if args.json:
+        out = {name: {**r, "deadlines": meta["deadlines"], "replay": meta} for name, r in results.items()}
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1, allow_nan=False) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -26,7 +26,7 @@ from mesh.models import ModelFetchError
 from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.replay.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
-from mesh.replay.metrics import request_figures, summarize, table
+from mesh.replay.metrics import json_ready, request_figures, summarize, table
 from mesh.runtime.cluster import ClusterConfig, ModelSpec
 from mesh.runtime.policies import policy_spec
 from workloads.workload import Workload
@@ -122,8 +122,10 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
     if failed:
         print(f"live: {len(failed)} requests not served; the first: {failed[0]}", file=sys.stderr)
     if args.json:
-        out = {"live": {**results["live"], "wall_s": live.wall_s, "tenant": live.tenant, "nodes": live.nodes},
-               "simulated": simulated[policies[0]], "simulated_by_policy": simulated,
+        sims = {p: json_ready(m) for p, m in simulated.items()}
+        out = {"live": {**json_ready(results["live"]), "wall_s": live.wall_s, "tenant": live.tenant,
+                        "nodes": live.nodes},
+               "simulated": sims[policies[0]], "simulated_by_policy": sims,
                "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,
                           "model_path": str(model_path), "workload": d, "length_scale": scale,
                           "context_window": window, "cold_start_s": args.cold_start_s,

@@ -148,7 +148,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(service: Service) -> web.Application:
-    from mesh.service import routes_admin, routes_models, routes_openai
+    from mesh.service import openapi, routes_admin, routes_models, routes_openai
 
     app = web.Application(middlewares=[error_middleware], client_max_size=service.config.max_body_bytes)
     app[SERVICE] = service
@@ -157,6 +157,7 @@ def build_app(service: Service) -> web.Application:
     routes_openai.add_routes(app)
     routes_models.add_routes(app)
     routes_admin.add_routes(app)
+    openapi.add_routes(app)
     return app
 
 
