@@ -327,7 +327,7 @@ class OpenVINOEngine:
         config = ov_genai.GenerationConfig()
         config.max_new_tokens = max_tokens
         config.num_return_sequences = 1
-        config.ignore_eos = self.ignore_eos
+        config.ignore_eos = self.ignore_eos or sampling.ignore_eos
         if sampling.temperature == 0:
             config.do_sample = False  # greedy
         else:

@@ -46,6 +46,7 @@ class Sampling:
     top_p: float = 1.0
     stop: tuple[str, ...] = ()
     seed: int | None = None
+    ignore_eos: bool = False  # run to max_tokens (vLLM's extension; benchmarks and live replays)
 
 
 @dataclass(slots=True)

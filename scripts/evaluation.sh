@@ -2,7 +2,8 @@
 # Regenerates docs/evaluation.md's numbers and figures: the LLM-Mesh Figure 12 grid, the
 # Figure 13 ablations, the Figure 14 mixes, and a queue-rule sensitivity run.
 #   scripts/evaluation.sh            # everything (about 30-40 min on 2 cores)
-#   scripts/evaluation.sh fig13      # one part: fig12 | fig13 | fig14 | sensitivity | seeds | pace | figures
+#   scripts/evaluation.sh fig13      # one part: fig12 | fig13 | fig14 | sensitivity | seeds | pace | capacity | live | figures
+# (`live` runs a real service on this machine and is not part of `all`: about 15 min)
 # JSON goes to docs/eval/, PNG figures to docs/figures/. Every run uses the shared Azure
 # traces (../shared/data), seed 0, 30 minutes, 4 CPU + 4 GPU nodes, the defaults of
 # `mesh replay` otherwise (0.1 rps per function, queue timeout 30 s, noise 5%).
@@ -72,6 +73,39 @@ run_pace() {
   done
 }
 
+run_live() {
+  # The live replay (docs/evaluation.md, "Live replay"): a real `mesh serve` with two CPU
+  # agents and the vLLM-on-CPU agent on this machine, the trace through its OpenAI API,
+  # beside the same requests simulated under mesh and sllm+cpu.
+  local data port=8765 token
+  data=$(mktemp -d) token=$(python -c "import secrets; print(secrets.token_hex(16))")
+  MESH_ADMIN_TOKEN=$token python -m mesh serve --port $port --data-dir "$data" --cpu-nodes 2 --vllm-cpu \
+    > "$data/serve.log" 2>&1 &
+  local pid=$!
+  trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$data"' RETURN
+  until grep -q "ready url=" "$data/serve.log"; do
+    kill -0 $pid 2>/dev/null || { cat "$data/serve.log" >&2; return 1; }
+    sleep 2
+  done
+  for seed in 0 1; do
+    MESH_ADMIN_TOKEN=$token python -m mesh replay --no-progress --live "http://127.0.0.1:$port" --functions 4 \
+      --minutes 5 --target-rps 0.4 --seed $seed --policies mesh,sllm+cpu --json "$EVAL/live_f4_m5_s$seed.json"
+  done
+}
+
+run_capacity() {
+  # Capacity (issue 13): per policy, the highest request rate (the trace's rate scaled) with
+  # >= 90% SLO attainment under each reading, 128 functions, both queue rules. 10-minute
+  # windows and a 10% bracket keep the search within about half an hour on 2 shared cores.
+  for model in llama-3.2-3b llama-2-7b llama-2-13b; do
+    for qt in 30 slo; do
+      python -m mesh replay --no-progress --seed 0 --minutes 10 --model "$model" --functions 128 \
+        --policies mesh,sllm,sllm+cpu --queue-timeout "$qt" --capacity --capacity-tol 0.1 \
+        --json "$EVAL/capacity_${model}_128_q${qt}.json"
+    done
+  done
+}
+
 case "$PART" in
   fig12) run_fig12 ;;
   fig13) run_fig13 ;;
@@ -79,8 +113,10 @@ case "$PART" in
   sensitivity) run_sensitivity ;;
   seeds) run_seeds ;;
   pace) run_pace ;;
+  live) run_live ;;
+  capacity) run_capacity ;;
   figures) ;;
-  all) run_fig12; run_fig13; run_fig14; run_sensitivity; run_seeds; run_pace ;;
-  *) echo "usage: $0 [all|fig12|fig13|fig14|sensitivity|seeds|pace|figures]" >&2; exit 2 ;;
+  all) run_fig12; run_fig13; run_fig14; run_sensitivity; run_seeds; run_pace; run_capacity ;;
+  *) echo "usage: $0 [all|fig12|fig13|fig14|sensitivity|seeds|pace|capacity|live|figures]" >&2; exit 2 ;;
 esac
 python scripts/evaluation_figures.py "$EVAL" "$FIG"

@@ -1,6 +1,8 @@
 """Pure placement rules of the cluster dispatcher (mesh.policy.placement) and its waiting
 queue (mesh.policy.queueing)."""
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from mesh.policy.placement import (
     ColdStart,
@@ -107,3 +109,53 @@ def test_waiting_queue_fifo_capacity_and_expiry():
     assert len(q) == 0 and q.next_expiry() is None and not q.has_model("m1") and q.peak == 2
     with pytest.raises(ValueError):
         WaitingQueue(capacity=0)
+
+
+def test_a_full_queue_gives_a_place_to_a_tenant_below_its_share():
+    q = WaitingQueue(capacity=4)
+    for i in range(4):  # a tenant alone may fill the queue
+        assert q.push(f"a{i}", "ma", 0.0, 10.0, tenant="a")
+    taken = q.make_room("b")
+    assert taken is not None and taken.request_id == "a3"  # the largest holder's newest
+    assert q.push("b0", "mb", 0.0, 10.0, tenant="b")
+    assert q.make_room("b") is not None and q.push("b1", "mb", 0.0, 10.0, tenant="b")
+    assert q.make_room("b") is None  # 2 and 2: b has its share; its next request is the one refused
+    assert not q.push("b2", "mb", 0.0, 10.0, tenant="b")
+    assert [e.request_id for e in q.in_order()] == ["a0", "a1", "b0", "b1"]
+
+
+@given(st.lists(st.tuples(st.sampled_from("abc"), st.booleans()), max_size=60), st.integers(1, 8))
+def test_fair_share_never_refuses_a_tenant_below_an_equal_split(ops, capacity):
+    """Whatever the arrivals and departures: the queue never holds more than its capacity, a
+    tenant alone is never refused below capacity, and a refused tenant held at least as many
+    entries as the largest holder minus one (no room is taken from one with fewer)."""
+    q = WaitingQueue(capacity=capacity)
+    held: dict[str, list[str]] = {"a": [], "b": [], "c": []}
+    for n, (tenant, leave) in enumerate(ops):
+        if leave and held[tenant]:
+            q.remove(held[tenant].pop(0))
+            continue
+        rid = f"{tenant}{n}"
+        taken = q.make_room(tenant)
+        if taken is not None:
+            held[taken.tenant].remove(taken.request_id)
+        if q.push(rid, "m" + tenant, 0.0, 1.0, tenant=tenant):
+            held[tenant].append(rid)
+        else:
+            assert len(q) == capacity
+            assert max(len(v) for v in held.values()) <= len(held[tenant]) + 1
+        assert len(q) <= capacity and sum(map(len, held.values())) == len(q)
+        assert all(q.held(t) == len(v) for t, v in held.items())
+
+
+@given(st.floats(0.001, 0.1), st.floats(0.0, 0.01), st.floats(0.01, 1.0))
+def test_tailored_concurrency_target_is_the_largest_batch_within_the_tpot(base, per_seq, tpot):
+    from mesh.policy.placement import tailored_concurrency_target
+
+    def decode(b: int) -> float:
+        return base + per_seq * b
+
+    b = tailored_concurrency_target(decode, tpot)
+    assert 1 <= b <= 512
+    assert b == 1 or decode(b) <= tpot
+    assert b == 512 or decode(b + 1) > tpot or b == 1 and decode(1) > tpot

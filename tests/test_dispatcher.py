@@ -199,6 +199,34 @@ def test_waiting_request_is_rejected_with_a_reason_once_it_cannot_meet_its_slo()
     assert d.stats.rejected == {"cannot meet its SLO": 1, "queue full": 1}
 
 
+def test_a_tenants_burst_cannot_fill_the_queue_for_another():
+    """Queue of 3, one GPU held by a hog: tenant x's burst of four fills it (the fourth is
+    refused, x already holds all), then tenant y's request takes the place of x's newest."""
+
+    async def main():
+        cluster, d = await build("sllm", {"a": "llama-2-7b", "x": "llama-2-7b", "y": "llama-2-7b"},
+                                 config(cpu=0, gpu=1), queue_capacity=3, queue_timeout_s=30.0)
+        d.submit(request("hog", "a", out=2000))  # holds the only GPU for 100 s
+        burst = [request(f"x{i}", "x") for i in range(4)]
+        for r in burst:
+            r.tenant = "tx"
+            d.submit(r)
+        await asyncio.sleep(0.1)
+        y = request("y0", "y")
+        y.tenant = "ty"
+        d.submit(y)
+        await asyncio.sleep(0.1)
+        waiting = sorted(d._waiting)
+        d.abort_all("test over")
+        await cluster.stop()
+        return burst, y, waiting
+
+    burst, y, waiting = run_virtual(main())
+    assert waiting == ["x0", "x1", "y0"]
+    assert burst[3].outcome is Outcome.REJECTED and "3 of them its tenant's" in burst[3].detail
+    assert burst[2].outcome is Outcome.REJECTED and "another tenant's request took its place" in burst[2].detail
+
+
 @pytest.mark.parametrize("policy", ["sllm", "mesh-no-share"])
 def test_queue_timeout_baselines_serve_late_mesh_turns_away_at_once(policy):
     """Under the default client timeout (30 s) a baseline keeps a hopeless request waiting

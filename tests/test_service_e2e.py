@@ -350,6 +350,41 @@ def test_prompt_over_the_context_window_and_unplaceable_requests(server):
     assert strict["requests"]["rejected"] == 1 and strict["slo"]["placed"] == 1 and strict["slo"]["attainment"] == 0
 
 
+def test_ignore_eos_generates_exactly_max_tokens(server):
+    """vLLM's `ignore_eos` extension: the answer runs to max_tokens (what benchmarks and
+    `mesh replay --live` need to replay a trace's output lengths)."""
+    c = server.client()
+    r = c.completions.create(model="demo/smollm2", prompt="Hi", max_tokens=48, temperature=0,
+                             extra_body={"ignore_eos": True})
+    assert r.usage.completion_tokens == 48 and r.choices[0].finish_reason == "length"
+    status, body = server.http("POST", "/v1/completions", {"model": "demo/smollm2", "prompt": "Hi", "max_tokens": 4,
+                                                            "ignore_eos": "yes"}, token=server.key)
+    assert status == 400 and body["error"]["param"] == "ignore_eos"
+
+
+def test_live_replay_sends_the_trace_and_simulates_the_same_requests(server, tmp_path):
+    """`mesh replay --live` at its smallest: two functions for one minute through the real
+    service; the live and simulated figures cover the same requests, every one counted."""
+    out = tmp_path / "live.json"
+    env = dict(os.environ, MESH_ADMIN_TOKEN=ADMIN)
+    run = subprocess.run([sys.executable, "-m", "mesh.cli", "replay", "--live", server.url, "--functions", "2",
+                          "--minutes", "1", "--seed", "2", "--target-rps", "0.3", "--no-progress", "--json", str(out)],
+                         capture_output=True, text=True, env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    data = json.loads(out.read_text())
+    live, sim = data["live"], data["simulated"]
+    n = data["replay"]["workload"]["requests"]
+    assert n >= 5 and live["requests"] == sim["requests"] == n
+    for figures in (live, sim):
+        assert figures["slo_compliant"] + figures["slo_violating"] + figures["rejected"] + figures["failed"] == n
+        assert figures["slo_rate"] == pytest.approx(figures["slo_compliant"] / n)
+        assert {"ttft_p99_s", "tpot_p99_s", "cpu_nodes_avg", "gpu_nodes_avg", "slo_rate_strict"} <= set(figures)
+    assert live["completed"] >= n - 1 and live["cpu_nodes_avg"] > 0
+    assert "live" in run.stdout and "simulated (mesh)" in run.stdout
+    tenants = {t["name"] for t in server.admin("GET", "/admin/tenants")["data"]}
+    assert data["live"]["tenant"] not in tenants  # cleaned up
+
+
 def test_metrics_and_cluster_view(server):
     assert server.http("GET", "/metrics", token=server.key)[0] == 401  # a tenant's key does not open it
     metrics = server.http("GET", "/metrics", token=ADMIN)[1]

@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from fractions import Fraction
 from collections.abc import Mapping, Sequence
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -514,3 +515,20 @@ def bursty_single_model(
         },
     }
     return Workload(arrivals=arrival_list, models={replica: model}, description=description)
+
+
+def scale_lengths(workload: Workload, factor: float, max_total: int) -> Workload:
+    """The same arrivals with prompt and output lengths divided by `factor` (rounded; prompt
+    >= 4, output >= 2) and the output cut so prompt + output <= `max_total`: a trace for a
+    smaller model or machine (`mesh replay --live`)."""
+    if not (factor > 0 and math.isfinite(factor)):
+        raise ValueError(f"the length scale must be a positive number, got {factor}")
+    if max_total < 6:
+        raise ValueError(f"max_total must leave room for a 4-token prompt and 2 tokens out, got {max_total}")
+    out = []
+    for a in workload.arrivals:
+        prompt = min(max(4, round(a.prompt_len / factor)), max_total - 2)
+        output = min(max(2, round(a.output_len / factor)), max_total - prompt)
+        out.append(dataclasses.replace(a, prompt_len=prompt, output_len=output))
+    description = {**workload.description, "length_scale": factor, "length_max_total": max_total}
+    return Workload(out, dict(workload.models), description)

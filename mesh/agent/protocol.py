@@ -107,7 +107,7 @@ class FrameDecoder(framing.FrameDecoder):
 
 def sampling_to_dict(s: Sampling) -> dict[str, Any]:
     return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-            "stop": list(s.stop), "seed": s.seed}
+            "stop": list(s.stop), "seed": s.seed, "ignore_eos": s.ignore_eos}
 
 
 def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
@@ -119,6 +119,7 @@ def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
             top_p=float(d.get("top_p", 1.0)),
             stop=tuple(str(x) for x in d.get("stop") or ()),
             seed=None if d.get("seed") is None else int(d["seed"]),
+            ignore_eos=bool(d.get("ignore_eos", False)),
         )
     except (KeyError, TypeError, ValueError) as exc:
         raise ProtocolError(f"bad sampling object {dict(d)!r}: {exc}") from exc

@@ -11,13 +11,17 @@ the one the service was told (`--remote-agent ID=HOST:PORT`), so that a wrong ad
 refused rather than served under another name. Weights reach the node by multicast to the
 weights receiver it reports in `hello` (start it with `--weights-listen 0.0.0.0:PORT`; an
 unspecified host means the address the service reached the agent at).
+
+The address is a string (`--remote-agent`), or an *address source*: an async callable asked
+before every connection, for agents whose address changes when they restart (a Ray actor's
+agent, mesh.cluster.ray_nodes). Both ways run through this one class.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
 from dataclasses import replace
-from typing import Any
+from typing import Any, Awaitable, Callable, Union
 
 from mesh.agent.client import AgentClient, AgentDown
 from mesh.agent.supervisor import AgentHandle, AgentSettings, DownCallback, EventCallback, UpCallback
@@ -25,6 +29,8 @@ from mesh.runtime.node import NodeSpec
 from mesh.runtime.tasks import cancel_all
 
 log = logging.getLogger("mesh.agent.remote")
+
+AddressSource = Callable[[], Awaitable[str]]
 
 
 def parse_remote(text: str) -> tuple[str, str]:
@@ -43,11 +49,20 @@ class RemoteAgent(AgentHandle):
     pid = None  # the process is on another machine
     remote = True
 
-    def __init__(self, spec: NodeSpec, address: str, token: str | None, on_up: UpCallback, on_down: DownCallback,
-                 on_event: EventCallback, settings: AgentSettings | None = None) -> None:
+    def __init__(self, spec: NodeSpec, address: Union[str, AddressSource], token: str | None, on_up: UpCallback,
+                 on_down: DownCallback, on_event: EventCallback, settings: AgentSettings | None = None,
+                 where: str | None = None) -> None:
+        """`address`: "host:port", or an async callable giving the current one; `where`: what
+        /admin/cluster shows as its location (default: the address)."""
         super().__init__(spec, on_up, on_down, on_event, settings)
-        self.address = address
+        self._source: AddressSource | None = None if isinstance(address, str) else address
+        self.address = address if isinstance(address, str) else ""
+        self._where = where
         self._token = token
+
+    @property
+    def location(self) -> str:
+        return self._where or self.address
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         self._stopping = True
@@ -63,7 +78,9 @@ class RemoteAgent(AgentHandle):
             self._gone.clear()
             try:
                 await self._connect()
-            except (AgentDown, OSError, asyncio.TimeoutError, ValueError) as exc:
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # AgentDown, OSError, a timeout, a wrong node, or the address source's error
                 self.last_error = f"cannot connect: {exc}"
                 log.error("remote agent %s at %s: %s", self.node_id, self.address, self.last_error)
                 self.state = "down"
@@ -86,6 +103,8 @@ class RemoteAgent(AgentHandle):
             await asyncio.sleep(backoff)
 
     async def _connect(self) -> None:
+        if self._source is not None:
+            self.address = await asyncio.wait_for(self._source(), self.settings.start_timeout_s)
         client = AgentClient(self.node_id, lambda m: self.on_event(self, m), lambda reason: self._gone.set(),
                              self.settings.heartbeat_s, self.settings.heartbeat_timeout_s)
         info: dict[str, Any] = await client.connect(self.address, self._token, self.settings.start_timeout_s)

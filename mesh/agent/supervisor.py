@@ -97,6 +97,11 @@ class AgentHandle:
         return self.spec.node_id
 
     @property
+    def location(self) -> str:
+        """Where the agent runs, for /admin/cluster: "local", its address, or its Ray node."""
+        return "local"
+
+    @property
     def up(self) -> bool:
         return self.state == "up" and self.client is not None and self.client.up
 

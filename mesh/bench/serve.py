@@ -8,7 +8,10 @@ request within its SLO), errors (any other status, an error event, a broken stre
 lost (a stream that ended without [DONE] and without an error: the target is zero).
 
 Without `--url` it starts its own server (`mesh serve --demo --port 0`, temporary data
-folder) and stops it afterwards. `--ttft-slo S` registers a copy of the demo model with a
+folder) and stops it afterwards. TTFT percentiles are given over served requests (`ttft_p99_served_s`) and over all requests
+(`ttft_p99_all_s`, a 429 or error counted as never served). Exit status 1 when any request
+errored or was lost, or fewer than `--min-completed` (default 0.9) of them completed.
+`--ttft-slo S` registers a copy of the demo model with a
 TTFT SLO of S seconds and loads that one instead, to see the service queue rather than
 reject. `--cpu-nodes N` starts the server with N CPU node agents and reports the instances
 per node and the weights transfers (scale-outs) the load caused.
@@ -19,6 +22,7 @@ import argparse
 import asyncio
 import hashlib
 import json
+import math
 import os
 import re
 import signal
@@ -46,8 +50,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--timeout", type=float, default=300.0, help="per-request timeout, seconds")
     p.add_argument("--cpu-nodes", type=int, default=1,
                    help="CPU node agents of the server it starts (default 1); reports the scale-outs")
+    p.add_argument("--min-completed", type=float, default=0.9,
+                   help="exit status 1 when completed/requests is below this (default %(default)s)")
     p.add_argument("--json", help="write the figures as JSON here")
     p.set_defaults(func=run)
+
+
+def exit_status(figures: dict[str, Any], min_completed: float) -> int:
+    """1 when a request errored or was lost, or fewer than `min_completed` of them completed
+    (a 429 is not an error but is not served either); else 0."""
+    if figures["errors"] or figures["lost"]:
+        return 1
+    return 0 if figures["completed_fraction"] >= min_completed else 1
 
 
 @dataclass
@@ -131,26 +145,42 @@ def _reason_kind(message: str) -> str:
     return text[:60]
 
 
+def ttft_percentile(values: list[float], q: float) -> float:
+    """The q-quantile of `values` (sorted; math.inf stands for a request never served): the
+    smallest value with at least q of them at or below it; inf when it falls among the
+    unserved, nan when there are none."""
+    if not values:
+        return float("nan")
+    return values[max(0, math.ceil(q * len(values)) - 1)]
+
+
 def summarize(results: list[Result], wall: float, sent: int) -> dict[str, Any]:
+    """The figures of a run. TTFT percentiles twice: over served requests (`_served_s`, kept as
+    `ttft_p50_s` / `ttft_p99_s` too) and over ALL requests sent (`_all_s`), where a request
+    rejected with 429, errored, lost or never answered counts as never served (infinite TTFT),
+    so a run that turns most requests away cannot show a good TTFT."""
     ok = [r for r in results if r.status == "ok"]
     ttfts = sorted(r.ttft_s for r in ok if r.ttft_s is not None)
+    everyone = ttfts + [math.inf] * (sent - len(ttfts))
     tokens = sum(r.tokens for r in ok)
-
-    def pct(q: float) -> float:
-        return ttfts[min(len(ttfts) - 1, int(q * len(ttfts)))] if ttfts else float("nan")
 
     figures = {
         "requests": sent,
         "answered": len(results),
         "completed": len(ok),
+        "completed_fraction": len(ok) / sent if sent else 0.0,
         "rejected_429": sum(r.status == "rejected" for r in results),
         "errors": sum(r.status == "error" for r in results),
         "lost": sum(r.status == "lost" for r in results) + (sent - len(results)),
         "wall_s": wall,
         "throughput_req_per_s": len(ok) / wall if wall else 0.0,
         "throughput_tokens_per_s": tokens / wall if wall else 0.0,
-        "ttft_p50_s": pct(0.50),
-        "ttft_p99_s": pct(0.99),
+        "ttft_p50_s": ttft_percentile(ttfts, 0.50),
+        "ttft_p99_s": ttft_percentile(ttfts, 0.99),
+        "ttft_p50_served_s": ttft_percentile(ttfts, 0.50),
+        "ttft_p99_served_s": ttft_percentile(ttfts, 0.99),
+        "ttft_p50_all_s": ttft_percentile(everyone, 0.50),
+        "ttft_p99_all_s": ttft_percentile(everyone, 0.99),
         "ttft_mean_s": statistics.fmean(ttfts) if ttfts else float("nan"),
         "latency_p50_s": statistics.median(r.total_s for r in ok) if ok else float("nan"),
     }
@@ -247,8 +277,14 @@ def run(args: argparse.Namespace) -> int:
         emit(f"mesh bench serve: {args.clients} concurrent streaming clients, {args.requests} requests, "
              f"max_tokens {args.max_tokens}, model {model}", figures, args.json,
              {"wall_s": "s", "ttft_p50_s": "s", "ttft_p99_s": "s", "ttft_mean_s": "s", "latency_p50_s": "s",
+              "ttft_p50_served_s": "s", "ttft_p99_served_s": "s", "ttft_p50_all_s": "s", "ttft_p99_all_s": "s",
               "throughput_req_per_s": "req/s", "throughput_tokens_per_s": "tokens/s"})
-        return 0 if figures["errors"] == 0 and figures["lost"] == 0 else 1
+        status = exit_status(figures, args.min_completed)
+        if status:
+            print(f"mesh bench serve: FAIL: {figures['completed']}/{figures['requests']} completed "
+                  f"(--min-completed {args.min_completed:g}), {figures['rejected_429']} rejected with 429, "
+                  f"{figures['errors']} errors, {figures['lost']} lost", file=sys.stderr)
+        return status
     finally:
         if proc is not None:
             stop_server(proc)

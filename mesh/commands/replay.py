@@ -22,7 +22,8 @@ from mesh.replay.driver import (
     run_policy,
     trace_mean_output,
 )
-from mesh.replay.metrics import summarize, table
+from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
+from mesh.replay.metrics import json_ready, summarize, table
 from mesh.replay.weights import MODES as WEIGHT_MODES
 from mesh.replay.weights import Engines, WeightsConfig
 from mesh.runtime.cluster import ClusterConfig, check_cluster
@@ -31,7 +32,7 @@ from mesh.runtime.policies import POLICIES, UnknownPolicy, policy_spec
 from workloads.azure_functions import load_function_trace
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR, FUNCTIONS_FILE
-from workloads.workload import build_workload
+from workloads.workload import Workload, build_workload, scale_lengths
 
 GIB = 2**30
 TRACE_FILE = FUNCTIONS_FILE
@@ -74,7 +75,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     data.add_argument("--target-rps", type=float, default=None, help="aggregate mean rate for --rate-scale auto")
     data.add_argument("--arrivals", default="poisson", choices=("poisson", "uniform"), help="arrivals within a minute (default: poisson)")
     cl = p.add_argument_group("cluster")
-    cl.add_argument("--policies", default=DEFAULT_POLICIES, help=f"comma-separated, from: {', '.join(POLICIES)} (default: %(default)s)")
+    cl.add_argument("--policies", default=None,
+                    help=f"comma-separated, from: {', '.join(POLICIES)} (default: {DEFAULT_POLICIES}; with --live, the "
+                         "policies the live run is simulated under: mesh)")
     cl.add_argument("--cpu-nodes", type=int, default=4, help="CPU nodes (default: 4)")
     cl.add_argument("--gpu-nodes", type=int, default=4, help="GPU nodes (default: 4)")
     cl.add_argument("--cpu-memory-gib", type=float, default=256.0, help="memory of a CPU node for instances (default: %(default)s)")
@@ -93,12 +96,13 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--net-gbit", type=float, default=200.0, help="per-node network bandwidth for --weights multicast*, Gbit/s (default: %(default)s)")
     cl.add_argument("--ssd-gbps", type=float, default=3.0, help="SSD read bandwidth for --weights ssd/host, GB/s (default: %(default)s)")
     cl.add_argument("--multicast-plan", default="binomial", choices=("binomial", "chain", "naive"), help="multicast plan (default: %(default)s)")
-    cl.add_argument("--deadlines", default="eq1", choices=("eq1", "pace"),
+    cl.add_argument("--deadlines", default=None, choices=("eq1", "pace"),
                     help="when a request's tokens after the first are due, for every policy's node scheduler and "
                          "Mesh's shadow validation: 'eq1' (the paper's Eq. 1: arrival + TTFT + TPOT x (i-1)) or "
                          "'pace' (first token + TPOT x (i-1), what `mesh serve` runs); docs/design.md "
-                         "(default: %(default)s)")
-    cl.add_argument("--keep-alive", type=float, default=1.0, help="seconds an idle instance is kept (default: %(default)s)")
+                         "(default: eq1; with --live, the service's pace)")
+    cl.add_argument("--keep-alive", type=float, default=None,
+                    help="seconds an idle instance is kept (default: 1; with --live, the service's 60)")
     cl.add_argument("--noise", type=float, default=DEFAULT_NOISE, help="relative std-dev of simulated iteration times (default: %(default)s)")
     cl.add_argument("--queue-capacity", type=int, default=DEFAULT_QUEUE_CAPACITY, help="waiting requests held at most (default: %(default)s)")
     cl.add_argument("--queue-timeout", default=f"{DEFAULT_QUEUE_TIMEOUT_S:g}",
@@ -106,6 +110,28 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "also turns away at once a request that can no longer meet its SLO), or 'slo': every policy "
                     "turns requests away once they can no longer meet their SLO (default: %(default)s)")
     cl.add_argument("--retry-interval", type=float, default=DEFAULT_RETRY_INTERVAL_S, help="seconds between retries of waiting requests (default: %(default)s)")
+    live = p.add_argument_group("live (docs/evaluation.md, 'Live replay')")
+    live.add_argument("--live", metavar="URL",
+                      help="send the trace to the Mesh service at URL through its OpenAI API (MESH_ADMIN_TOKEN in the "
+                           "environment: a tenant of its own is created, one model registered per function, deleted "
+                           "at the end), and replay the same requests in virtual time beside it")
+    live.add_argument("--model-path", metavar="FILE", help="the GGUF each function's model is a copy of (default: the demo model)")
+    live.add_argument("--length-scale", type=float, default=None,
+                      help="divide the trace's prompt and output lengths by this (default: 1; with --live 8)")
+    live.add_argument("--cold-start-s", type=float, default=7.5,
+                      help="with --live: seconds an instance takes to start in the simulated twin (default: %(default)s, "
+                           "the demo model measured on a 2-core node)")
+    cap = p.add_argument_group("capacity")
+    cap.add_argument("--capacity", action="store_true",
+                     help="instead of one replay, search per policy the highest request rate (the trace's arrival rate "
+                          "scaled) served with at least --capacity-target SLO attainment: doubling/halving from the "
+                          "replay's own rate, then bisection to --capacity-tol; writes capacity_rps (Eq. 1 reading) and "
+                          "capacity_rps_strict per policy")
+    cap.add_argument("--capacity-target", type=float, default=DEFAULT_TARGET, help="SLO attainment to reach (default: %(default)s)")
+    cap.add_argument("--capacity-tol", type=float, default=DEFAULT_REL_TOL, help="relative width of the final bracket (default: %(default)s)")
+    cap.add_argument("--capacity-reading", default="both", choices=("eq1", "strict", "both"),
+                     help="SLO reading(s) searched: Eq. 1 (slo_rate), strict (slo_rate_strict) or both, the second "
+                          "reusing the first one's runs (default: %(default)s)")
     out = p.add_argument_group("output")
     out.add_argument("--json", metavar="PATH", help="write the full results as JSON")
     out.add_argument("--plot", metavar="DIR", help="write PNG figures (TTFT CDF, node usage) into DIR")
@@ -145,6 +171,7 @@ def _check_file(path: Path, flag: str) -> None:
 
 def configure(args: argparse.Namespace) -> dict[str, Any]:
     """Everything a run needs, checked before anything runs."""
+    args.policies = args.policies or DEFAULT_POLICIES
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
         raise UnknownPolicy(f"--policies is empty; valid policies: {', '.join(POLICIES)}")
@@ -156,9 +183,6 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
     for name in mix:
         if name not in known_models() and not args.profiles:
             raise ProfileError(f"unknown model {name!r}; valid models: {', '.join(known_models())}")
-    for flag, value in (("--functions", args.functions), ("--minutes", args.minutes)):
-        if value < 1:
-            raise ReplayInputError(f"{flag} must be at least 1, got {value}")
     if args.noise < 0 or args.retry_interval <= 0 or args.queue_capacity < 1:
         raise ReplayInputError("--noise must be >= 0, --retry-interval > 0 and --queue-capacity >= 1")
     catalog = build_catalog(list(mix), cpu_device=args.cpu_device, gpu_device=args.gpu_device, profile_dir=args.profiles)
@@ -176,28 +200,56 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
         cpu_nodes=args.cpu_nodes, gpu_nodes=args.gpu_nodes,
         cpu_memory_bytes=int(args.cpu_memory_gib * GIB), gpu_memory_bytes=int(args.gpu_memory_gib * GIB),
         cold_start=cold_start,
-        keep_alive_s=args.keep_alive, noise=args.noise, seed=args.seed, deadlines=args.deadlines,
+        keep_alive_s=1.0 if args.keep_alive is None else args.keep_alive, noise=args.noise, seed=args.seed,
+        deadlines=args.deadlines or "eq1",
     )
     for name in policies:
         check_cluster(cluster, catalog, policy_spec(name).kinds, name)
+    max_total = {b: spec.profiles["gpu"].max_context for b, spec in catalog.items()}
+    workload, timeout = workload_for(args, max_total, mix)
+    lengths = load_lengths(_inputs(args)[1])
+    prior = {b: trace_mean_output(lengths, m) for b, m in max_total.items()}
+    config = ReplayConfig(
+        cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
+        queue_timeout_s=timeout, progress=not args.no_progress, engines=engines,
+    )
+    if args.capacity and not (0 < args.capacity_target <= 1 and args.capacity_tol > 0):
+        raise ReplayInputError("--capacity-target must be in (0, 1] and --capacity-tol > 0")
+
+    def build(rate_scale: float | str) -> Workload:
+        """The same workload at another rate scale (the capacity search)."""
+        return workload_for(argparse.Namespace(**{**vars(args), "rate_scale": rate_scale}), max_total, mix)[0]
+
+    return {"policies": policies, "catalog": catalog, "workload": workload, "prior": prior, "config": config, "mix": mix,
+            "build": build}
+
+
+def workload_for(args: argparse.Namespace, max_total: dict[str, int], mix: dict[str, float],
+                 length_scale: float = 1.0) -> tuple[Workload, float | None]:
+    """The workload the trace flags ask for, and the queue timeout (None: 'slo'); both modes
+    (simulated, --live) build theirs here. `max_total`: each base model's window; lengths
+    are drawn from trace rows that fit it after division by `--length-scale` (default
+    `length_scale`)."""
+    scale = args.length_scale if args.length_scale is not None else length_scale
     trace_path, lengths_path = _inputs(args)
     _check_file(trace_path, "--trace")
     _check_file(lengths_path, "--lengths")
-    trace = load_function_trace(trace_path)
-    lengths = load_lengths(lengths_path)
+    for flag, value in (("--functions", args.functions), ("--minutes", args.minutes)):
+        if value < 1:
+            raise ReplayInputError(f"{flag} must be at least 1, got {value}")
     rate: float | str = args.rate_scale
     if rate != "auto":
         try:
             rate = float(rate)
         except ValueError:
             raise ReplayInputError(f"--rate-scale must be 'auto' or a positive number, got {args.rate_scale!r}") from None
-    max_total = {b: spec.profiles["gpu"].max_context for b, spec in catalog.items()}
     workload = build_workload(
-        trace, lengths, functions=args.functions, minutes=args.minutes, start_minute=args.start_minute,
-        models=mix, seed=args.seed, rate_scale=rate, target_rps=args.target_rps, arrivals=args.arrivals,
-        max_total=max_total,
+        load_function_trace(trace_path), load_lengths(lengths_path), functions=args.functions, minutes=args.minutes,
+        start_minute=args.start_minute, models=mix, seed=args.seed, rate_scale=rate, target_rps=args.target_rps,
+        arrivals=args.arrivals, max_total={b: int(m * scale) for b, m in max_total.items()},
     )
-    prior = {b: trace_mean_output(lengths, m) for b, m in max_total.items()}
+    if scale != 1.0:
+        workload = scale_lengths(workload, scale, min(max_total.values()))
     timeout = None
     if args.queue_timeout != "slo":
         try:
@@ -206,11 +258,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             timeout = -1.0
         if not timeout >= 0:
             raise ReplayInputError(f"--queue-timeout must be 'slo' or a number of seconds >= 0, got {args.queue_timeout!r}")
-    config = ReplayConfig(
-        cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
-        queue_timeout_s=timeout, progress=not args.no_progress, engines=engines,
-    )
-    return {"policies": policies, "catalog": catalog, "workload": workload, "prior": prior, "config": config, "mix": mix}
+    return workload, timeout
 
 
 def describe(args: argparse.Namespace, setup: dict[str, Any]) -> dict[str, Any]:
@@ -249,6 +297,10 @@ def describe(args: argparse.Namespace, setup: dict[str, Any]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.live:
+        from mesh.commands import replay_live
+
+        return replay_live.run(args, workload_for)
     try:
         setup = configure(args)
     except (ValueError, OSError) as exc:  # TraceFormatError, ProfileError, ClusterError, UnknownPolicy, ...
@@ -263,6 +315,8 @@ def run(args: argparse.Namespace) -> int:
         file=sys.stderr,
     )
     meta = describe(args, setup)
+    if args.capacity:
+        return run_capacity(args, setup, meta)
     runs: dict[str, PolicyRun] = {}
     results: dict[str, dict[str, Any]] = {}
     for name in setup["policies"]:
@@ -273,12 +327,17 @@ def run(args: argparse.Namespace) -> int:
     print(f"deadline rule: {DEADLINE_TEXT[setup['config'].cluster.deadlines.value]}")
     print(table(shown))
     if len(results) > 1 and "mesh" in results:
-        base = results["mesh"]["slo_compliant"]
         for other in results:
-            if other != "mesh" and results[other]["slo_compliant"]:
-                print(f"mesh / {other}: {base / results[other]['slo_compliant']:.2f}x SLO-compliant requests")
+            if other == "mesh":
+                continue
+            parts = []
+            for key, reading in (("slo_compliant", "Eq. 1"), ("slo_compliant_strict", "strict")):
+                if results[other][key]:
+                    parts.append(f"{results['mesh'][key] / results[other][key]:.2f}x ({reading})")
+            if parts:
+                print(f"mesh / {other}: {', '.join(parts)} SLO-compliant requests")
     if args.json:
-        out = {name: {**m, "deadlines": meta["deadlines"], "replay": meta} for name, m in results.items()}
+        out = {name: {**json_ready(m), "deadlines": meta["deadlines"], "replay": meta} for name, m in results.items()}
         path = Path(args.json)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(out, indent=1, allow_nan=False) + "\n")
@@ -291,4 +350,99 @@ def run(args: argparse.Namespace) -> int:
         label = f"{d['functions']} functions, " + "/".join(setup["mix"]) + (f" ({args.mix})" if args.mix else "")
         for p in (ttft_cdf(runs, folder / "ttft_cdf.png", label), node_usage(runs, folder / "node_usage.png", label)):
             print(f"wrote {p}", file=sys.stderr)
+    return 0
+
+
+READINGS = {"eq1": ("slo_rate", "capacity_rps"), "strict": ("slo_rate_strict", "capacity_rps_strict")}
+
+
+def capacity(setup: dict[str, Any], policy: str, readings: list[str], target: float, rel_tol: float,
+             progress: bool = False) -> dict[str, Any]:
+    """Capacity search (mesh.replay.capacity) of one policy: every run rebuilds the workload at
+    the replay's rate scale times a factor and replays it; runs are shared between readings."""
+    from dataclasses import replace
+
+    from tqdm import tqdm
+
+    base_scale = setup["workload"].description["rate_scale"]["value"]
+    config = replace(setup["config"], progress=False)
+    runs: dict[float, dict[str, Any]] = {}
+    bar = tqdm(desc=f"{policy:>14} capacity", unit="run", disable=not progress, leave=False)
+
+    def evaluate(factor: float) -> dict[str, float]:
+        workload = setup["build"](base_scale * factor)
+        m = summarize(run_policy(workload, policy, config, setup["catalog"], setup["prior"]))
+        runs[factor] = {"factor": factor, "mean_rps": workload.description["mean_rps"],
+                        "requests": m["requests"], "slo_rate": m["slo_rate"],
+                        "slo_rate_strict": m["slo_rate_strict"], "rejected": m["rejected"], "wall_s": m["wall_s"]}
+        bar.update(1)
+        bar.set_postfix(factor=f"{factor:.3g}", slo=f"{m['slo_rate']:.1%}", strict=f"{m['slo_rate_strict']:.1%}")
+        return {"eq1": m["slo_rate"], "strict": m["slo_rate_strict"]}
+
+    cache = RunCache(evaluate)
+    out: dict[str, Any] = {"capacity_target": target, "capacity_tol": rel_tol}
+    for reading in readings:
+        rate_key, key = READINGS[reading]
+        res = search_capacity(cache, reading, target=target, rel_tol=rel_tol)
+        rps = runs[res.factor]["mean_rps"] if res.factor > 0 else 0.0
+        out[key] = rps
+        out[key.replace("rps", "factor")] = res.factor
+        out[key.replace("rps", "bounded")] = res.bounded
+    bar.close()
+    out["capacity_runs"] = [runs[f] for f in sorted(runs)]
+    out["capacity_wall_s"] = sum(r["wall_s"] for r in runs.values())
+    return out
+
+
+def capacity_table(results: dict[str, dict[str, Any]]) -> str:
+    head = ["policy", "capacity rps (Eq. 1)", "x trace rate", "capacity rps (strict)", "x trace rate", "runs", "wall s"]
+    rows = [head]
+    for name, r in results.items():
+        def cell(key: str, fmt: str) -> str:
+            v = r.get(key)
+            if v is None:
+                return "-"
+            bounded = r.get(key.replace("rps", "bounded").replace("factor", "bounded"), True)
+            return fmt.format(v) + ("" if bounded else "*")
+        rows.append([name, cell("capacity_rps", "{:.2f}"), cell("capacity_factor", "{:.3g}"),
+                     cell("capacity_rps_strict", "{:.2f}"), cell("capacity_factor_strict", "{:.3g}"),
+                     str(len(r["capacity_runs"])), f"{r['capacity_wall_s']:.0f}"])
+    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+    lines = []
+    for k, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def run_capacity(args: argparse.Namespace, setup: dict[str, Any], meta: dict[str, Any]) -> int:
+    readings = ["eq1", "strict"] if args.capacity_reading == "both" else [args.capacity_reading]
+    results: dict[str, dict[str, Any]] = {}
+    for name in setup["policies"]:
+        results[name] = capacity(setup, name, readings, args.capacity_target, args.capacity_tol,
+                                 progress=not args.no_progress)
+    qt = setup["config"].queue_timeout_s
+    print(f"capacity: highest rate with >= {args.capacity_target:.0%} SLO attainment, bracket to "
+          f"{args.capacity_tol:.0%}; queue timeout {'slo' if qt is None else f'{qt:g} s'}; deadline rule "
+          f"{setup['config'].cluster.deadlines.value} (* = search hit its limit)")
+    print(capacity_table(results))
+    if len(results) > 1 and "mesh" in results:
+        for other in results:
+            if other == "mesh":
+                continue
+            parts = []
+            for reading in readings:
+                key = READINGS[reading][1]
+                a, b = results["mesh"].get(key), results[other].get(key)
+                if a is not None and b:
+                    parts.append(f"{a / b:.2f}x ({'Eq. 1' if reading == 'eq1' else 'strict'})")
+            if parts:
+                print(f"mesh / {other}: {', '.join(parts)} capacity")
+    if args.json:
+        out = {name: {**r, "deadlines": meta["deadlines"], "replay": meta} for name, r in results.items()}
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1, allow_nan=False) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
     return 0

@@ -28,6 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="a node agent on another machine (`python -m mesh.agent --listen 0.0.0.0:PORT "
                              "--node-id ID --weights-listen 0.0.0.0:PORT2 ...`), same MESH_AGENT_TOKEN and "
                              "MESH_WEIGHTS_TOKEN in both environments; repeat for several")
+    parser.add_argument("--ray", nargs="?", const="auto", default=None, metavar="auto|ADDRESS",
+                        help="run the node agents on a Ray cluster's machines, one per Ray node and per GPU "
+                             "(`ray start --head` here, `ray start --address ...` on the others; "
+                             "docs/cluster.md); bare --ray means auto")
+    parser.add_argument("--ray-autoscale", action="store_true", default=None,
+                        help="with --ray: ask Ray's autoscaler for the nodes Mesh uses and release idle ones")
     parser.add_argument("--weights-plan", choices=("naive", "chain", "binomial"), default=None,
                         help="multicast plan that sends a model to the nodes that start it (default binomial)")
     parser.add_argument("--deadlines", choices=("pace", "eq1"), default=None,
@@ -63,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
     from mesh.service.config import ConfigError, build_config, read_config_file
 
     cli = {k: getattr(args, k) for k in ("host", "port", "data_dir", "demo", "allowed_dir", "max_body_mb",
-                                         "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "remote_agents",
+                                         "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "remote_agents", "ray", "ray_autoscale",
                                          "weights_plan", "deadlines",
                                          "drain_timeout_s",
                                          "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",

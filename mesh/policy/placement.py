@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Collection, Iterable, Sequence
+from typing import Callable, Collection, Iterable, Sequence
 
 CPU, GPU = "cpu", "gpu"
 NODE_KINDS = (CPU, GPU)
@@ -110,6 +110,22 @@ def concurrency_target(base_model: str, kind: str) -> int:
             f"the paper gives them for {', '.join(table)}"
         )
     return table[base_model]
+
+
+def tailored_concurrency_target(decode_s: Callable[[int], float], tpot_s: float, limit: int = 512) -> int:
+    """A ServerlessLLM target for a model the paper gives none for, tailored as the paper's
+    were to the model and node: the largest batch (at most `limit`) whose decode step
+    `decode_s(batch)` fits the TPOT SLO; at least 1."""
+    low, high = 1, limit
+    if decode_s(low) > tpot_s:
+        return 1
+    while low < high:  # decode time grows with the batch
+        mid = (low + high + 1) // 2
+        if decode_s(mid) <= tpot_s:
+            low = mid
+        else:
+            high = mid - 1
+    return low
 
 
 def sllm_pick(instances: Sequence[InstanceView], targets: dict[str, int]) -> InstanceView | None:

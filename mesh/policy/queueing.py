@@ -7,6 +7,13 @@ longer meet its SLO (mesh.policy.placement.wait_expiry_s). Requests of one
 model are retried in order (FIFO per model): a later request never overtakes an earlier
 one of the same model.
 
+Fair between tenants (longest queue drop, Suter et al., "Design considerations for
+supporting TCP with per-flow queueing", INFOCOM 1998): a tenant alone may fill the whole
+queue, but when the queue is full a request of a tenant holding fewer entries than the
+largest holder takes the place of that holder's newest entry (`make_room`), which is turned
+away. So one tenant's burst cannot shut the others out, and no capacity is kept idle for
+tenants that send nothing.
+
 No clock: times are arguments.
 """
 from __future__ import annotations
@@ -27,6 +34,7 @@ class QueueEntry:
     enqueued_s: float
     expires_s: float
     seq: int = 0
+    tenant: str = ""  # whose share it counts against ("" : its model's)
 
 
 @dataclass(slots=True)
@@ -34,6 +42,7 @@ class WaitingQueue:
     capacity: int = DEFAULT_QUEUE_CAPACITY
     _entries: dict[str, QueueEntry] = field(default_factory=dict)  # insertion (arrival) order
     _by_model: dict[str, int] = field(default_factory=dict)
+    _by_tenant: dict[str, dict[str, None]] = field(default_factory=dict)  # tenant -> its entries, oldest first
     _expiry: list[tuple[float, int, str]] = field(default_factory=list)  # heap
     _seq: int = 0
     peak: int = 0  # most entries held at once
@@ -54,16 +63,33 @@ class WaitingQueue:
     def has_model(self, model: str) -> bool:
         return self._by_model.get(model, 0) > 0
 
-    def push(self, request_id: str, model: str, now: float, expires_s: float) -> bool:
-        """Enqueue; False if the queue is full (the caller rejects the request)."""
+    def held(self, tenant: str) -> int:
+        """Entries of `tenant` waiting."""
+        return len(self._by_tenant.get(tenant, ()))
+
+    def make_room(self, tenant: str) -> QueueEntry | None:
+        """In a full queue, remove and return the newest entry of the largest holder if it
+        holds at least two more entries than `tenant` (the caller turns it away); None if
+        `tenant` already has its fair share (its request is the one to turn away)."""
+        if not self.full():
+            return None
+        largest = max(self._by_tenant, key=lambda t: len(self._by_tenant[t]))
+        if len(self._by_tenant[largest]) < self.held(tenant) + 2:
+            return None
+        return self.remove(next(reversed(self._by_tenant[largest])))
+
+    def push(self, request_id: str, model: str, now: float, expires_s: float, tenant: str = "") -> bool:
+        """Enqueue; False if the queue is full (the caller rejects the request, or first
+        asks `make_room`)."""
         if request_id in self._entries:
             raise ValueError(f"request {request_id!r} is already waiting")
         if self.full():
             return False
         self._seq += 1
-        entry = QueueEntry(request_id, model, now, expires_s, self._seq)
+        entry = QueueEntry(request_id, model, now, expires_s, self._seq, tenant or model)
         self._entries[request_id] = entry
         self._by_model[model] = self._by_model.get(model, 0) + 1
+        self._by_tenant.setdefault(entry.tenant, {})[request_id] = None
         heapq.heappush(self._expiry, (expires_s, entry.seq, request_id))
         self.peak = max(self.peak, len(self._entries))
         return True
@@ -71,6 +97,10 @@ class WaitingQueue:
     def remove(self, request_id: str) -> QueueEntry:
         entry = self._entries.pop(request_id)
         self._by_model[entry.model] -= 1
+        mine = self._by_tenant[entry.tenant]
+        del mine[request_id]
+        if not mine:
+            del self._by_tenant[entry.tenant]
         return entry
 
     def in_order(self) -> list[QueueEntry]:

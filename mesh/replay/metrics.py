@@ -11,8 +11,11 @@ Definitions:
   time-averaged over the workload window [0, duration].
 - decode throughput per node: tokens produced by decode iterations on nodes of a kind,
   divided by the node-seconds those nodes were in use (whole run, tail included).
-- TTFT / TPOT percentiles: over completed requests (TPOT: those with >= 2 tokens); the TTFT
-  CDF plot counts every request, so rejected ones flatten the curve.
+- TTFT / TPOT percentiles: ttft_p*_s and tpot_p*_s over completed requests (TPOT: those with
+  >= 2 tokens); ttft_p*_all_s over every request, a rejected or failed one counted as never
+  served (infinite TTFT; the percentile is infinite, null in JSON, once it falls among them),
+  so a policy that turns requests away does not look faster. The TTFT CDF plot counts every
+  request too.
 """
 from __future__ import annotations
 
@@ -23,7 +26,8 @@ import numpy as np
 
 from mesh.policy.placement import CPU, GPU
 from mesh.replay.driver import PolicyRun
-from mesh.runtime.request import Outcome
+from mesh.runtime.dispatcher import accounting
+from mesh.runtime.request import Outcome, ServedRequest
 
 PERCENTILES = (50, 90, 99)
 
@@ -61,33 +65,59 @@ def _pct(values: Sequence[float]) -> dict[int, float | None]:
     return {p: float(v) for p, v in zip(PERCENTILES, arr)}
 
 
-def summarize(run: PolicyRun) -> dict[str, Any]:
-    acc = run.accounting
-    reqs = run.requests
-    completed = [r for r in reqs if r.outcome is Outcome.COMPLETED]
+def ttft_all_percentiles(served: Sequence[float], unserved: int) -> dict[int, float]:
+    """TTFT percentiles over every request: `served` TTFTs plus `unserved` requests never
+    served (rejected or failed), counted as infinite. The p-th percentile is the smallest
+    value with at least p% of requests at or below it (no interpolation, so a percentile that
+    falls among the unserved is infinite rather than undefined)."""
+    n = len(served) + unserved
+    if n == 0:
+        return {p: math.inf for p in PERCENTILES}
+    ordered = sorted(served)
+    out: dict[int, float] = {}
+    for p in PERCENTILES:
+        rank = max(1, math.ceil(p / 100 * n))  # 1-based rank of the p-th percentile
+        out[p] = ordered[rank - 1] if rank <= len(ordered) else math.inf
+    return out
+
+
+def request_figures(requests: Sequence[ServedRequest], usage: Sequence[tuple[float, int, int]],
+                    duration_s: float) -> dict[str, Any]:
+    """The figures any replay of `requests` gives, simulated or live: counts by outcome, both
+    SLO readings over every request, nodes in use over the window, TTFT and TPOT percentiles."""
+    acc = accounting(requests)
+    completed = [r for r in requests if r.outcome is Outcome.COMPLETED]
     ttft = _pct([r.ttft_s for r in completed])
     tpot = _pct([r.tpot_s for r in completed if r.tokens_out >= 2])
-    cpu_s, gpu_s = node_seconds(run.usage, 0.0, run.duration_s)
-    cpu_all, gpu_all = node_seconds(run.usage, 0.0, max(run.end_s, run.duration_s))
-    decode = {CPU: 0, GPU: 0}
-    for n in run.nodes:
-        decode[n.kind] += n.decode_tokens
+    ttft_all = ttft_all_percentiles([r.ttft_s for r in completed], len(requests) - len(completed))
+    cpu_s, gpu_s = node_seconds(usage, 0.0, duration_s)
     out: dict[str, Any] = {
         **acc,
         "slo_rate": acc["slo_compliant"] / acc["requests"] if acc["requests"] else 0.0,
         "slo_rate_strict": acc["slo_compliant_strict"] / acc["requests"] if acc["requests"] else 0.0,
-        "cpu_nodes_avg": cpu_s / run.duration_s,
-        "gpu_nodes_avg": gpu_s / run.duration_s,
-        "cpu_nodes_max": max(u[1] for u in run.usage),
-        "gpu_nodes_max": max(u[2] for u in run.usage),
-        "decode_tok_s_per_cpu_node": decode[CPU] / cpu_all if cpu_all else 0.0,
-        "decode_tok_s_per_gpu_node": decode[GPU] / gpu_all if gpu_all else 0.0,
+        "cpu_nodes_avg": cpu_s / duration_s,
+        "gpu_nodes_avg": gpu_s / duration_s,
+        "cpu_nodes_max": max(u[1] for u in usage),
+        "gpu_nodes_max": max(u[2] for u in usage),
     }
     for p in PERCENTILES:
         out[f"ttft_p{p}_s"] = ttft[p]
     for p in PERCENTILES:
+        out[f"ttft_p{p}_all_s"] = ttft_all[p]
+    for p in PERCENTILES:
         out[f"tpot_p{p}_s"] = tpot[p]
+    return out
+
+
+def summarize(run: PolicyRun) -> dict[str, Any]:
+    cpu_all, gpu_all = node_seconds(run.usage, 0.0, max(run.end_s, run.duration_s))
+    decode = {CPU: 0, GPU: 0}
+    for n in run.nodes:
+        decode[n.kind] += n.decode_tokens
+    out = request_figures(run.requests, run.usage, run.duration_s)
     out.update({
+        "decode_tok_s_per_cpu_node": decode[CPU] / cpu_all if cpu_all else 0.0,
+        "decode_tok_s_per_gpu_node": decode[GPU] / gpu_all if gpu_all else 0.0,
         "wall_s": run.wall_s,
         "virtual_s": run.end_s,
         "rejected_by_reason": dict(run.dispatch.rejected),
@@ -120,6 +150,8 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("ttft_p50_s", "TTFT p50", "{:.2f}"),
     ("ttft_p90_s", "p90", "{:.2f}"),
     ("ttft_p99_s", "p99", "{:.2f}"),
+    ("ttft_p50_all_s", "TTFT all p50", "{:.2f}"),
+    ("ttft_p99_all_s", "all p99", "{:.2f}"),
     ("tpot_p50_s", "TPOT p50", "{:.3f}"),
     ("tpot_p90_s", "p90", "{:.3f}"),
     ("tpot_p99_s", "p99", "{:.3f}"),
@@ -127,6 +159,12 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("failed", "failed", "{:d}"),
     ("wall_s", "wall s", "{:.1f}"),
 )
+
+
+def json_ready(summary: dict[str, Any]) -> dict[str, Any]:
+    """`summary` with infinite figures (TTFT percentiles among never-served requests) as None,
+    JSON having no infinity."""
+    return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in summary.items()}
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:

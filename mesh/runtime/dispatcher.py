@@ -29,7 +29,7 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, Sequence
 
 from mesh.policy.placement import queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
@@ -61,6 +61,25 @@ def slo_met(req: ServedRequest) -> bool:
     if req.first_token_s > ttft_deadline + 1e-9:
         return False
     return req.finish_s <= ttft_deadline + req.slo.tpot_s * max(0, req.tokens_out - 1) + 1e-9
+
+
+def accounting(requests: Sequence[ServedRequest]) -> dict[str, int]:
+    """Counts by outcome, both SLO readings; raises AssertionError if a request has not ended.
+    Every request is in `requests`: rejected and failed ones count against the SLO rate."""
+    counts = Counter(r.outcome.value if r.outcome is not None else "none" for r in requests)
+    slo = sum(1 for r in requests if slo_met(r))
+    out = {
+        "requests": len(requests),
+        "completed": counts[Outcome.COMPLETED.value],
+        "slo_compliant": slo,
+        "slo_violating": counts[Outcome.COMPLETED.value] - slo,
+        "rejected": counts[Outcome.REJECTED.value],
+        "failed": counts[Outcome.FAILED.value],
+        "slo_compliant_strict": sum(1 for r in requests if r.slo_met),
+    }
+    assert counts["none"] == 0, f"{counts['none']} requests never ended"
+    assert out["requests"] == out["slo_compliant"] + out["slo_violating"] + out["rejected"] + out["failed"], out
+    return out
 
 
 class PlacementPolicy(Protocol):
@@ -214,8 +233,15 @@ class Dispatcher:
             return
         if req.request_id in self._waiting:
             return
-        if not self.queue.push(req.request_id, req.model, now, expiry):
-            self._turn_away(req, QUEUE_FULL, f"{self.queue.capacity} requests were waiting")
+        tenant = req.tenant or req.model
+        displaced = self.queue.make_room(tenant)
+        if displaced is not None:  # fair share of a full queue (mesh.policy.queueing)
+            other = self._forget_waiting(displaced.request_id)
+            self._turn_away(other, QUEUE_FULL, f"{self.queue.capacity} requests were waiting and its tenant held "
+                                               "the largest share; another tenant's request took its place")
+        if not self.queue.push(req.request_id, req.model, now, expiry, tenant):
+            self._turn_away(req, QUEUE_FULL, f"{self.queue.capacity} requests were waiting, "
+                                             f"{self.queue.held(tenant)} of them its tenant's")
             return
         if req.tokens_out == 0 and not any(a.startswith("waited") for a in req.attempts):
             self.stats.queued += 1
@@ -243,12 +269,18 @@ class Dispatcher:
         self._expiry_at = t
         self._expiry_handle = asyncio.get_running_loop().call_at(t, self._expire)
 
+    def _forget_waiting(self, request_id: str) -> ServedRequest:
+        """A request that left the queue: its bookkeeping goes; returns it."""
+        self._slo_expiry.pop(request_id, None)
+        self._why.pop(request_id, None)
+        return self._waiting.pop(request_id)
+
     def _expire(self) -> None:
         self._expiry_handle = self._expiry_at = None
         for entry in self.queue.pop_expired(self._now()):
-            req = self._waiting.pop(entry.request_id)
-            self._slo_expiry.pop(entry.request_id, None)
-            if self._why.pop(entry.request_id) == "slo":
+            why = self._why.get(entry.request_id)
+            req = self._forget_waiting(entry.request_id)
+            if why == "slo":
                 self._turn_away(req, SLO_UNREACHABLE, "waited until it could no longer meet its SLO")
             else:
                 self._turn_away(req, QUEUE_TIMEOUT, f"waited {self.queue_timeout_s:g} s")
@@ -284,8 +316,7 @@ class Dispatcher:
                 if await self._decide(req, self._avoid.get(entry.request_id, frozenset())):
                     if entry.request_id in self.queue:
                         self.queue.remove(entry.request_id)
-                        del self._waiting[entry.request_id]
-                        del self._slo_expiry[entry.request_id], self._why[entry.request_id]
+                        self._forget_waiting(entry.request_id)
                     self.stats.placed_from_queue += 1
                 else:
                     blocked.add(entry.model)
@@ -298,9 +329,7 @@ class Dispatcher:
         self._avoid.pop(req.request_id, None)
         if req.request_id in self._waiting:  # ended while waiting (aborted)
             self.queue.remove(req.request_id)
-            del self._waiting[req.request_id]
-            self._slo_expiry.pop(req.request_id, None)
-            self._why.pop(req.request_id, None)
+            self._forget_waiting(req.request_id)
         if req.node_id is not None:
             node = self.cluster.node(req.node_id)
             loop = asyncio.get_running_loop()
@@ -329,18 +358,5 @@ class Dispatcher:
             raise RuntimeError(f"the {self.policy.name} policy raised: {self.error!r}") from self.error
 
     def accounting(self) -> dict[str, int]:
-        """Counts by outcome; raises AssertionError if any request is unaccounted for."""
-        counts = Counter(r.outcome.value if r.outcome is not None else "none" for r in self.requests)
-        slo = sum(1 for r in self.requests if slo_met(r))
-        out = {
-            "requests": len(self.requests),
-            "completed": counts[Outcome.COMPLETED.value],
-            "slo_compliant": slo,
-            "slo_violating": counts[Outcome.COMPLETED.value] - slo,
-            "rejected": counts[Outcome.REJECTED.value],
-            "failed": counts[Outcome.FAILED.value],
-            "slo_compliant_strict": sum(1 for r in self.requests if r.slo_met),
-        }
-        assert counts["none"] == 0, f"{counts['none']} requests never ended"
-        assert out["requests"] == out["slo_compliant"] + out["slo_violating"] + out["rejected"] + out["failed"], out
-        return out
+        """Counts by outcome of every request submitted (`accounting`)."""
+        return accounting(self.requests)

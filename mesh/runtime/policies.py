@@ -21,6 +21,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from mesh.policy.placement import (
+    CONCURRENCY_TARGETS,
     CPU,
     GPU,
     MAX_WARMING_PER_MODEL,
@@ -29,6 +30,7 @@ from mesh.policy.placement import (
     concurrency_target,
     new_instance_order,
     sllm_pick,
+    tailored_concurrency_target,
     victim_order,
     warm_up_allowed,
 )
@@ -269,10 +271,18 @@ class SllmPolicy(Policy):
     """ServerlessLLM (8.1): whole node per instance, first-fit, concurrency targets."""
 
     def __post_init__(self) -> None:
-        self._targets = {
-            base: {k: concurrency_target(base, k) for k in self.spec.kinds}
-            for base in set(self.cluster.models.values())
-        }
+        self._targets = {base: {k: self._target(base, k) for k in self.spec.kinds}
+                         for base in set(self.cluster.models.values())}
+
+    def _target(self, base: str, kind: str) -> int:
+        """The paper's target (8.1), else one tailored to the model's profile on that kind
+        of node, at the profile's mid-window context."""
+        if base in CONCURRENCY_TARGETS[kind]:
+            return concurrency_target(base, kind)
+        spec = self.cluster.catalog[base]
+        context = spec.profiles[kind].max_context / 2
+        return tailored_concurrency_target(lambda b: spec.times[kind].decode_s(b, context),
+                                           self.cluster.config.slo.tpot_s)
 
     validates = False
 

@@ -37,6 +37,7 @@ class ServedRequest:
     finish_reason: FinishReason | None = None
     detail: str = ""  # why it was rejected or failed
     evictions: int = 0  # times the memory subsystem evicted and rescheduled it (6.4)
+    tenant: str = ""  # whose share of the waiting queue it counts against ("" : its model's)
     attempts: list[str] = field(default_factory=list)
 
     @property

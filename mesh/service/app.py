@@ -148,7 +148,7 @@ async def metrics(request: web.Request) -> web.Response:
 
 
 def build_app(service: Service) -> web.Application:
-    from mesh.service import routes_admin, routes_models, routes_openai
+    from mesh.service import openapi, routes_admin, routes_models, routes_openai
 
     app = web.Application(middlewares=[error_middleware], client_max_size=service.config.max_body_bytes)
     app[SERVICE] = service
@@ -157,6 +157,7 @@ def build_app(service: Service) -> web.Application:
     routes_openai.add_routes(app)
     routes_models.add_routes(app)
     routes_admin.add_routes(app)
+    openapi.add_routes(app)
     return app
 
 
@@ -196,7 +197,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
                             weights_root=str(data_dir / "nodes"), weights_token=weights_token,
                             models_roots=roots, deadlines=config.deadlines))
-    nodes = detect_local_nodes(memory, config.cpu_nodes)
+    nodes = detect_local_nodes(memory, config.cpu_nodes) if config.ray is None else []  # Ray: agents on its nodes
     remote = dict(parse_remote(r) for r in config.remote_agents)
     nodes += [NodeSpec(node_id, "cpu", 0) for node_id in remote]  # kind and memory: from the agent's hello
     if remote and not os.environ.get("MESH_WEIGHTS_TOKEN"):
@@ -212,6 +213,25 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         return WeightsPlane(agents, WeightsSettings(plan=config.weights_plan, token=weights_token))
 
     placement = LocalPlacement(nodes, settings, agent_factory=make_agent, weights=weights)
+    membership = autoscaler = None
+    if config.ray is not None:
+        from mesh.cluster.ray_actor import AgentLaunch
+        from mesh.cluster.ray_nodes import RayMembership, connect
+
+        try:
+            connect(config.ray)
+        except Exception as exc:  # noqa: BLE001 - ConnectionError, ValueError...: say why and stop
+            print(f"mesh serve: cannot join the Ray cluster at {config.ray}: {exc}", file=sys.stderr)
+            registry.close()
+            return 1
+        launch = AgentLaunch(agent_token=secrets.token_urlsafe(24), weights_token=weights_token,
+                             log_level=config.log_level, deadlines=config.deadlines,
+                             memory_bytes=memory)
+        membership = RayMembership(placement, launch)
+        if config.ray_autoscale:
+            from mesh.cluster.autoscale import RayAutoscaler
+
+            autoscaler = RayAutoscaler(placement, membership)
     service = Service(config, registry, placement, ServiceMetrics(placement.view), data_dir)
     service.wall_offset = registry.now() - loop.time()
     service.idle.set()
@@ -228,13 +248,18 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
     try:
         await placement.start()
+        if membership is not None:
+            await membership.start()
+            await membership.wait_joined(settings.start_timeout_s)
+        if autoscaler is not None:
+            await autoscaler.start()
         await runner.setup()
         site = web.TCPSite(runner, config.host, config.port, shutdown_timeout=5.0, ssl_context=tls)
         await site.start()
     except (OSError, RuntimeError) as exc:
         print(f"mesh serve: cannot start: {exc}", file=sys.stderr)
         await runner.cleanup()
-        await placement.stop()
+        await _stop_cluster(placement, membership, autoscaler)
         registry.close()
         return 1
     host, port = runner.addresses[0][:2]
@@ -266,7 +291,21 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         except asyncio.TimeoutError:
             print("mesh serve: drain timed out; closing the remaining requests", file=sys.stderr)
     await runner.cleanup()
-    await placement.stop()
+    await _stop_cluster(placement, membership, autoscaler)
     registry.close()
     print("mesh serve: stopped", file=sys.stderr)
     return 0
+
+
+async def _stop_cluster(placement: Any, membership: Any, autoscaler: Any) -> None:
+    """Stop the placement and, with --ray, the autoscaler, the agents' actors and the Ray connection."""
+    if autoscaler is not None:
+        await autoscaler.stop()
+    if membership is not None:
+        await membership.stop_watching()
+    await placement.stop()
+    if membership is not None:
+        await membership.stop()
+        import ray
+
+        ray.shutdown()

@@ -9,7 +9,7 @@ quota_concurrent_requests, quota_requests_per_s, quota_burst. The operator sets 
 own with PUT /admin/tenants/{name}/quota.
 
 Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
-max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, weights_plan,
+max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, ray, ray_autoscale, weights_plan,
 drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
 deadlines.
@@ -17,6 +17,10 @@ deadlines.
 `deadlines` (default `pace`): when a request's tokens after the first are due on the node
 agents the service starts (mesh.policy.slo.DeadlineRule): `pace` from the first token, so
 admission protects the per-token pace clients measure, or `eq1`, the paper's Eq. 1.
+
+`ray` ("auto" or a Ray address; docs/cluster.md): run the node agents on the machines of a
+Ray cluster, one per Ray node (and per GPU), instead of on this machine; `ray_autoscale`:
+ask Ray's autoscaler for the nodes Mesh uses and release idle ones.
 """
 from __future__ import annotations
 
@@ -49,6 +53,8 @@ class ServeConfig:
     cpu_nodes: int = 1  # CPU node agents on this machine (each a node of the weights plane)
     weights_plan: str = "binomial"  # multicast plan for scale-outs: naive, chain, binomial
     remote_agents: list[str] = field(default_factory=list)  # "ID=HOST:PORT" of agents on other machines
+    ray: str | None = None  # "auto" or a Ray cluster's address: node agents on its nodes (docs/cluster.md)
+    ray_autoscale: bool = False  # ask Ray's autoscaler for the nodes Mesh uses, release idle ones
     drain_timeout_s: float = 30.0
     heartbeat_timeout_s: float = 10.0
     profile_dir: Path | None = None  # calibration profiles, <dir>/<model uid>.json
@@ -141,6 +147,10 @@ def _check(c: ServeConfig) -> None:
     if clash:
         raise ConfigError(f"remote agent ids must be unique and differ from the local nodes cpu-0..cpu-{c.cpu_nodes - 1}:"
                           f" {', '.join(clash)}")
+    if c.ray is not None and (not isinstance(c.ray, str) or not c.ray.strip()):
+        raise ConfigError(f"ray must be 'auto' or a Ray cluster's address (HOST:PORT), got {c.ray!r}")
+    if c.ray_autoscale and c.ray is None:
+        raise ConfigError("ray_autoscale needs ray (--ray auto or --ray ADDRESS)")
     from mesh.policy.slo import DeadlineRule
 
     try:

@@ -23,8 +23,13 @@ the first request for it (cold start) and recycled after `keep_alive_s` idle. A 
    that waited for a cold start counts from when its instance became ready: the load is
    not the request's fault, and TTFT metrics still show it.
 
-A node agent that dies fails its requests (503, or an error event on a stream that
-started) and its instances; the supervisor restarts it and the next request loads again.
+A node agent that dies fails its running requests (an error event on a stream that started)
+and its instances; its queued requests (not yet admitted) are placed again, on another node
+when one is up (else 503); the supervisor restarts it and the next request loads again.
+
+Nodes come and go while serving (`add_node`, `remove_node`: the Ray cluster's membership,
+mesh.cluster.ray_nodes): a removed node's streams end with an error event, its queued
+requests are placed on other nodes, and its copies leave the parameter pool.
 """
 from __future__ import annotations
 
@@ -131,6 +136,7 @@ class LocalPlacement:
         handle (tests pass one that runs the agent in-process); `weights(agents)` makes the
         weights plane (None: nodes load models from the registry's path)."""
         self.settings = settings or PlacementSettings()
+        self._agent_factory = agent_factory
         self.agents: dict[str, AgentHandle] = {
             n.node_id: agent_factory(n, self._agent_up, self._agent_down, self._agent_event, self.settings.agent)
             for n in nodes}
@@ -144,7 +150,9 @@ class LocalPlacement:
         self._busy: dict[str, float] = {}
         self._ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
+        self._workers: dict[str, asyncio.Task] = {}  # node -> its admission worker
         self._loads: set[asyncio.Task] = set()
+        self._started = False
 
     # ---- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
@@ -154,7 +162,8 @@ class LocalPlacement:
         for node_id, agent in self.agents.items():
             self._kicks[node_id] = asyncio.Event()
             await agent.start()
-            self._tasks.append(loop.create_task(self._admission_worker(node_id), name=f"admission {node_id}"))
+            self._workers[node_id] = loop.create_task(self._admission_worker(node_id), name=f"admission {node_id}")
+        self._started = True
         self._tasks.append(loop.create_task(self._housekeeping(), name="placement housekeeping"))
         for agent in self.agents.values():
             if agent.remote:  # on another machine: served once reachable
@@ -163,13 +172,50 @@ class LocalPlacement:
                 raise RuntimeError(f"node agent {agent.node_id} did not start: {agent.last_error or 'timeout'}")
 
     async def stop(self) -> None:
-        await cancel_all([*self._tasks, *self._loads])
+        await cancel_all([*self._tasks, *self._workers.values(), *self._loads])
         await asyncio.gather(*(a.stop() for a in self.agents.values()), return_exceptions=True)
         if self.weights is not None:
             await self.weights.stop()
 
     def healthy(self) -> bool:
         return all(a.up for a in self.agents.values())
+
+    # ---- membership: nodes that join or leave while serving ---------------------------------
+    async def add_node(self, spec: NodeSpec, agent_factory: Callable[..., AgentHandle] | None = None) -> AgentHandle:
+        """A node joined: start its agent handle (made by `agent_factory`, default the
+        placement's) and its admission worker. It gets models by multicast on first use."""
+        if spec.node_id in self.agents:
+            raise ValueError(f"node {spec.node_id} is already placed on")
+        factory = agent_factory or self._agent_factory
+        agent = factory(spec, self._agent_up, self._agent_down, self._agent_event, self.settings.agent)
+        self.agents[spec.node_id] = agent
+        self._queues[spec.node_id] = []
+        self._kicks[spec.node_id] = asyncio.Event()
+        if self._started:
+            await agent.start()
+            self._workers[spec.node_id] = asyncio.get_running_loop().create_task(
+                self._admission_worker(spec.node_id), name=f"admission {spec.node_id}")
+        log.warning("node %s joined (%s)", spec.node_id, spec.kind)
+        return agent
+
+    async def remove_node(self, node_id: str, reason: str) -> None:
+        """A node left (its machine died or was removed): its streams end with an error event,
+        its queued requests are placed again elsewhere, its instances are gone and its copies
+        leave the parameter pool; /admin/cluster no longer lists it."""
+        agent = self.agents.get(node_id)
+        if agent is None:
+            return
+        self._fail_node(agent, node_unavailable(f"node {node_id} left the cluster ({reason})"))
+        del self.agents[node_id]  # all of it before the first await: re-placed requests see it gone
+        self._queues.pop(node_id, None)
+        self._kicks.pop(node_id, None)
+        self._busy.pop(node_id, None)
+        if self.weights is not None:
+            self.weights.node_removed(node_id)
+        worker = self._workers.pop(node_id, None)
+        await cancel_all([worker] if worker is not None else [])
+        await agent.stop()
+        log.warning("node %s left: %s", node_id, reason)
 
     # ---- requests ----------------------------------------------------------------------------
     async def submit(self, job: Job) -> RequestStream:
@@ -182,7 +228,12 @@ class LocalPlacement:
 
     async def _submit_once(self, job: Job) -> RequestStream:
         agent = self._choose_agent(job.model)
-        inst = await self._ensure_instance(agent, job.model)
+        try:
+            inst = await self._ensure_instance(agent, job.model)
+        except ApiError:
+            if self.agents.get(agent.node_id) is not agent or not agent.up:
+                raise _Retry() from None  # the node went away while the instance loaded: another one
+            raise
         inst.pinned += 1  # not recycled while this request is being placed
         try:
             return await self._place(agent, inst, job)
@@ -205,14 +256,17 @@ class LocalPlacement:
         deadline = slo_start + job.model.slo.ttft_s(len(ids))
         stream = RequestStream(job.request_id, len(ids), agent.node_id, inst.instance_id, on_abort=self.abort)
         waiter = _Waiter(job, ids, inst, slo_start, deadline, stream, loop.create_future())
+        queue = self._queues.get(agent.node_id)
+        if queue is None or self.agents.get(agent.node_id) is not agent:
+            raise _Retry()  # the node left while the request was tokenized
         self._streams[job.request_id] = (stream, inst)
-        self._queues[agent.node_id].append(waiter)
-        self._kicks[agent.node_id].set()
+        queue.append(waiter)
+        self._kick(agent.node_id)
         try:
             await waiter.done
         except BaseException:
-            if waiter in self._queues[agent.node_id]:
-                self._queues[agent.node_id].remove(waiter)
+            if waiter in queue:
+                queue.remove(waiter)
             if waiter.done.done() and not waiter.done.cancelled() and waiter.done.exception() is None:
                 stream.abort()  # admitted, then cancelled: its done event ends the bookkeeping
             else:
@@ -330,7 +384,7 @@ class LocalPlacement:
 
     async def _recycle_one(self, agent: AgentHandle, exclude: Instance) -> bool:
         """Unload the least recently used idle instance on the agent; False if none is idle."""
-        waiting = {w.instance.instance_id for w in self._queues[agent.node_id]}
+        waiting = {w.instance.instance_id for w in self._queues.get(agent.node_id, ())}
         idle = [i for i in self.instances.values() if i.node_id == agent.node_id and i is not exclude
                 and i.state == "ready" and i.active == 0 and i.pinned == 0 and i.instance_id not in waiting]
         for inst in sorted(idle, key=lambda i: i.idle_since):
@@ -474,7 +528,7 @@ class LocalPlacement:
                 stream.push(Finished(m.get("reason") or "stop", int(m.get("tokens_out") or 0)))
             else:
                 stream.push(node_unavailable(f"the request failed on node {agent.node_id}: {m.get('detail') or 'failed'}"))
-            self._kicks[agent.node_id].set()
+            self._kick(agent.node_id)
         elif kind == "instance":
             inst = self.instances.get(m.get("instance_id"))
             if inst is None:
@@ -486,7 +540,7 @@ class LocalPlacement:
                     self.weights.instance_started(inst.model.uid, inst.node_id, inst.instance_id)
                 if not inst.ready.done():
                     inst.ready.set_result(True)
-                self._kicks[agent.node_id].set()
+                self._kick(agent.node_id)
             else:
                 self._instance_failed(inst, ApiError(503, f"The model failed to load: {m.get('error')}",
                                                      "server_error", "model", "model_load_failed"))
@@ -494,32 +548,47 @@ class LocalPlacement:
     def _agent_up(self, agent: AgentHandle) -> None:
         log.warning("node agent %s is up (pid %s, generation %d)", agent.node_id, agent.pid, agent.generation)
 
+    def _kick(self, node_id: str) -> None:
+        kick = self._kicks.get(node_id)
+        if kick is not None:
+            kick.set()
+
     def _agent_down(self, agent: AgentHandle, reason: str) -> None:
-        error = node_unavailable(f"node agent {agent.node_id} died ({reason}); it is being restarted")
+        if self.agents.get(agent.node_id) is not agent:
+            return  # a removed node
+        self._fail_node(agent, node_unavailable(f"node agent {agent.node_id} died ({reason}); it is being restarted"))
+        if self.weights is not None:
+            self.weights.node_down(agent.node_id)
+
+    def _fail_node(self, agent: AgentHandle, error: ApiError) -> None:
+        """The node's agent is gone: streams that started end with `error`; queued requests
+        (not admitted yet) are placed again (another node, or 503 when none is up)."""
+        queue = self._queues[agent.node_id]
+        queued = {w.job.request_id for w in queue}
         for rid, (stream, inst) in list(self._streams.items()):
             if inst.node_id == agent.node_id:
                 del self._streams[rid]
-                stream.push(error)
-        queue = self._queues[agent.node_id]
+                if rid not in queued:
+                    stream.push(error)
         for w in list(queue):
-            self._settle(queue, w, error)
+            self._settle(queue, w, _Retry())
         for inst in [i for i in self.instances.values() if i.node_id == agent.node_id]:
             self._instance_failed(inst, error)
         self._stats.pop(agent.node_id, None)
-        if self.weights is not None:
-            self.weights.node_down(agent.node_id)
 
     # ---- housekeeping: stats, busy fraction, keep-alive ----------------------------------------------
     async def _housekeeping(self) -> None:
         while True:
             await asyncio.sleep(HOUSEKEEPING_S)
-            for node_id, agent in self.agents.items():
-                if not agent.up:
+            for node_id, agent in list(self.agents.items()):
+                if not agent.up or self.agents.get(node_id) is not agent:
                     continue
                 try:
                     stats = await agent.client.call({"t": "stats"}, CALL_TIMEOUT_S)
                 except (AgentDown, AgentCallError):
                     continue
+                if self.agents.get(node_id) is not agent:
+                    continue  # removed while asked
                 previous = self._stats.get(node_id)
                 if previous is not None and stats["uptime_s"] > previous["uptime_s"]:
                     self._busy[node_id] = min(1.0, (stats["busy_s"] - previous["busy_s"]) /
@@ -529,7 +598,7 @@ class LocalPlacement:
 
     async def _recycle_idle(self, agent: AgentHandle) -> None:
         now = asyncio.get_running_loop().time()
-        waiting = {w.instance.instance_id for w in self._queues[agent.node_id]}
+        waiting = {w.instance.instance_id for w in self._queues.get(agent.node_id, ())}
         for inst in list(self.instances.values()):
             if (inst.node_id == agent.node_id and inst.state == "ready" and inst.active == 0 and inst.pinned == 0
                     and inst.instance_id not in waiting and now - inst.idle_since > self.settings.keep_alive_s):
@@ -611,6 +680,7 @@ class LocalPlacement:
             queued = len(self._queues[node_id])
             nodes.append({
                 "node_id": node_id, "kind": agent.spec.kind, "state": agent.state, "pid": agent.pid,
+                "location": agent.location,
                 "restarts": agent.restarts, "last_error": agent.last_error,
                 "memory": stats.get("memory", {"capacity_bytes": agent.spec.memory_bytes}),
                 "busy_fraction": self._busy.get(node_id, 0.0),

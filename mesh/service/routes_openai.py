@@ -65,7 +65,7 @@ async def _placed(svc: Service, request: web.Request, req: GenerationRequest, te
     job = Job(
         request_id=prefix + secrets.token_hex(12), model=model, arrival_s=request[ARRIVAL],
         sampling=Sampling(max_tokens=req.max_tokens or 0, temperature=temperature, top_p=top_p,
-                          stop=req.stop, seed=req.seed),
+                          stop=req.stop, seed=req.seed, ignore_eos=req.ignore_eos),
         messages=req.messages, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids)
     svc.begin_generation()
     try:

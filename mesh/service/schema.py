@@ -5,7 +5,8 @@ Supported: `model`, `messages` (chat; content as a string or a list of text part
 one-element list of token id lists), `max_tokens` (or `max_completion_tokens`),
 `temperature` [0, 2], `top_p` (0, 1] (omitted: None here, the model's sampling defaults
 later, mesh.service.sampling_defaults), `stop` (a string or up to 4), `seed`, `n` = 1,
-`stream`, `stream_options.include_usage`. Fields that would change the output in ways Mesh
+`stream`, `stream_options.include_usage`, and vLLM's `ignore_eos` (generate exactly
+`max_tokens`; benchmarks and `mesh replay --live` use it). Fields that would change the output in ways Mesh
 does not implement (logprobs, echo, penalties, tools, n > 1, ...) are refused with a 400
 instead of being silently ignored; unknown fields are ignored, as OpenAI clients send extras.
 """
@@ -37,6 +38,7 @@ class GenerationRequest:
     seed: int | None = None
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -105,6 +107,11 @@ def _common(kind: str, d: Mapping[str, Any], **fields: Any) -> GenerationRequest
         include_usage = options.get("include_usage", False)
         if not isinstance(include_usage, bool):
             raise bad_request("'stream_options.include_usage' must be true or false.", "stream_options")
+    ignore_eos = d.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise bad_request("'ignore_eos' must be true or false.", "ignore_eos")
+    if ignore_eos and max_tokens is None:
+        raise bad_request("'ignore_eos' needs 'max_tokens': the number of tokens to generate.", "ignore_eos")
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(d.get(name), name, -2.0, 2.0, 0.0)
         if value != 0.0:
@@ -120,7 +127,7 @@ def _common(kind: str, d: Mapping[str, Any], **fields: Any) -> GenerationRequest
         raise _unsupported("response_format")
     return GenerationRequest(kind, model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              stop=_stop(d.get("stop")), seed=seed, stream=stream, include_usage=include_usage,
-                             **fields)
+                             ignore_eos=ignore_eos, **fields)
 
 
 def _unsupported(param: str) -> ApiError:

@@ -141,6 +141,7 @@ class WeightsPlane:
         self.origin = WeightAgent(token=self.settings.token)
         self._models: dict[str, _ModelWeights] = {}
         self._registering: dict[str, asyncio.Lock] = {}
+        self._lost: dict[str, _ModelWeights] = {}  # models whose last copy left with a node
 
     async def start(self) -> None:
         await self.origin.start()
@@ -184,6 +185,7 @@ class WeightsPlane:
                 raise WeightsError(f"placing the first copy of model {model.tenant}/{model.name} on {node} failed: "
                                    f"{failed[node]}")
             self._models[model.uid] = entry
+            self._lost.pop(model.uid, None)
             log.info("model %s/%s: first host copy on %s", model.tenant, model.name, node)
             return node
 
@@ -230,6 +232,25 @@ class WeightsPlane:
         for entry in self._models.values():
             entry.forget(node)
 
+    def node_removed(self, node: str) -> None:
+        """The node left the cluster: its copies and instances leave the pool. A model whose
+        only host copy was there is forgotten here; its next use places a first host copy
+        again, from the registry's files (the origin)."""
+        for entry in self._models.values():
+            entry.forget(node)
+            entry.wanted.discard(node)
+        if node not in self.pool.nodes():
+            return
+        loss = self.pool.remove_node(node)
+        for uid in loss.lost:
+            entry = self._models.pop(uid, None)
+            self._registering.pop(uid, None)
+            if entry is not None:
+                self._lost[uid] = entry  # a transfer under way may still bring it to another node
+            log.warning("model %s: its last copy left with node %s; the next use sends it from the origin", uid, node)
+        for uid in loss.recache:
+            log.warning("model %s: no host copy left after node %s; its instances still hold it", uid, node)
+
     def instance_started(self, model_uid: str, node: str, instance_id: str) -> None:
         if model_uid in self._models:
             try:
@@ -246,6 +267,7 @@ class WeightsPlane:
         copies (a node that is down keeps its files)."""
         entry = self._models.pop(model_uid, None)
         self._registering.pop(model_uid, None)
+        self._lost.pop(model_uid, None)
         if entry is None:
             return
         for loc in self.pool.locations(model_uid):
@@ -354,8 +376,17 @@ class WeightsPlane:
 
     def _arrived(self, uid: str, entry: _ModelWeights, node: str, path: str, how: str) -> None:
         """The node holds the model's file: a host copy while its host memory allows."""
+        if uid not in self.pool.models() and self._lost.get(uid) is entry:  # its last holder left meanwhile
+            try:
+                self.pool.register(uid, entry.total_bytes, among=[node])
+            except PoolError:
+                pass
+            else:
+                self._models[uid] = self._lost.pop(uid)
         entry.paths[node] = path
         entry.how[node] = how
+        if uid not in self.pool.models():
+            return
         if node not in self.pool.host_copies(uid) and self.pool.free_host_bytes(node) >= entry.total_bytes:
             self.pool.add_host_copy(uid, node)
 

@@ -1,0 +1,131 @@
+"""The node agent as a Ray actor: `NodeAgentActor`, one per Ray node (one per GPU on GPU nodes).
+
+The actor is the agent's keeper on its node, not its transport. Created pinned to its node
+(node-affinity scheduling, soft=False) with `max_restarts=-1`, it
+
+1. runs the hardware probe on that node (`probe()`: kind, memory budget, AMX, CPU model),
+   so the head never guesses another machine's hardware;
+2. starts the real node agent there, `python -m mesh.agent`, listening on the node's
+   address (127.0.0.1 in tests) with a control port and a weights port, and the tokens the
+   control service generated (passed in the environment, never on the command line);
+3. reports the agent's address (`address()`) and health (`health()`);
+4. exits when the agent process exits, so that Ray restarts the actor (and with it a new
+   agent process) on the same node. The agent has `--exit-with-parent`: when the actor's
+   worker dies, or its node is removed, the agent goes too and its connection closes.
+
+Tokens and control messages go over Mesh's framed TCP connection between the control
+service and the agent (mesh.agent.client), never through Ray: docs/cluster.md measures why.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from mesh.agent.protocol import READY_PREFIX
+
+
+@dataclass(frozen=True, slots=True)
+class AgentLaunch:
+    """What the control service tells each actor (the same for every node)."""
+
+    agent_token: str
+    weights_token: str
+    log_level: str = "WARNING"
+    deadlines: str = "pace"
+    memory_fraction: float = 0.5  # of the node's memory, when the agent's budget is not given
+    memory_bytes: int | None = None  # the budget of every CPU agent (None: memory_fraction of the node's)
+    start_timeout_s: float = 120.0
+
+
+def probe_node(kind: str, gpu_memory: int | None, launch: AgentLaunch) -> dict[str, Any]:
+    """This node's hardware, as the agent will report it: kind, memory budget, AMX, CPU."""
+    from mesh.agent.supervisor import total_memory_bytes
+    from mesh.hardware import read_cpuinfo
+
+    cpu = read_cpuinfo()
+    if kind == "gpu":
+        memory = gpu_memory or 0
+    else:
+        memory = launch.memory_bytes or int(total_memory_bytes() * launch.memory_fraction)
+    return {"kind": kind, "memory_bytes": int(memory), "amx": cpu.amx, "cpu": cpu.model_name, "cores": cpu.cores,
+            "host": node_ip()}
+
+
+def node_ip() -> str:
+    """The address this Ray node is reached at (its node_ip_address: 127.0.0.1 in tests)."""
+    import ray
+
+    return ray.util.get_node_ip_address()
+
+
+class NodeAgentActor:
+    """A Ray actor class (made remote by mesh.cluster.ray_nodes): one node agent process."""
+
+    def __init__(self, node_id: str, kind: str, launch: dict[str, Any], gpu_memory: int | None = None) -> None:
+        self.node_id = node_id
+        self.launch = AgentLaunch(**launch)
+        self.info = probe_node(kind, gpu_memory, self.launch)
+        self._stopping = False
+        self._address = ""
+        host = self.info["host"]
+        env = dict(os.environ, MESH_AGENT_TOKEN=self.launch.agent_token, MESH_WEIGHTS_TOKEN=self.launch.weights_token)
+        if kind == "gpu":
+            env["MESH_VLLM_DEVICE"] = "cuda"  # Ray set CUDA_VISIBLE_DEVICES to this actor's GPU
+        cmd = [sys.executable, "-m", "mesh.agent", "--listen", f"{host}:0", "--node-id", node_id, "--kind", kind,
+               "--memory-bytes", str(self.info["memory_bytes"]), "--exit-with-parent", "--log-level",
+               self.launch.log_level, "--deadlines", self.launch.deadlines, "--weights-listen", f"{host}:0"]
+        self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
+        deadline = time.monotonic() + self.launch.start_timeout_s
+        assert self.process.stdout is not None
+        for line in self.process.stdout:  # the agent prints its address once it listens
+            if line.startswith(READY_PREFIX):
+                self._address = line[len(READY_PREFIX):].strip()
+                break
+            if time.monotonic() > deadline:
+                break
+        if not self._address:
+            self.process.kill()
+            raise RuntimeError(f"node agent {node_id} did not start (exit status {self.process.wait()})")
+        threading.Thread(target=self._drain, daemon=True).start()
+        threading.Thread(target=self._watch, daemon=True).start()
+
+    def _drain(self) -> None:
+        assert self.process.stdout is not None
+        for line in self.process.stdout:
+            print(f"agent {self.node_id}: {line.rstrip()}", file=sys.stderr)
+
+    def _watch(self) -> None:
+        status = self.process.wait()
+        if not self._stopping:  # the agent died: end this actor so that Ray restarts it (a new agent)
+            print(f"node agent {self.node_id} exited with status {status}; the actor exits for Ray to restart it",
+                  file=sys.stderr, flush=True)
+            os._exit(1)
+
+    def address(self) -> str:
+        return self._address
+
+    def probe(self) -> dict[str, Any]:
+        return dict(self.info)
+
+    def health(self) -> dict[str, Any]:
+        return {"node_id": self.node_id, "pid": self.process.pid, "alive": self.process.poll() is None,
+                "address": self._address}
+
+    def stop(self) -> None:
+        """End the agent (the service is stopping); the actor is killed after this."""
+        self._stopping = True
+        if self.process.poll() is None and self.process.stdin is not None:
+            self.process.stdin.close()  # --exit-with-parent
+            try:
+                self.process.wait(5)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+
+
+def launch_dict(launch: AgentLaunch) -> dict[str, Any]:
+    return asdict(launch)

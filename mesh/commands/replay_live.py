@@ -1,0 +1,151 @@
+"""`mesh replay --live URL`: the trace sent to a running service, and the same requests
+replayed in virtual time on a simulated cluster of the service's nodes (mesh.replay.live).
+
+The simulated side is the cluster the service reports at `/admin/cluster` (its CPU and GPU
+node counts and memory), the model's prior profile (mesh.agent.engines.prior_profile: the
+times its agents plan with before it is calibrated), or `--profiles`' calibrated one, the
+service's keep-alive and deadline rule, and a cold start of `--cold-start-s` seconds. The
+gap between the two SLO rates is the simulator's error at cluster level.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from calibration.profile import load_profile
+from engines.protocol import DEFAULT_CONTEXT_CAP
+from mesh.models import ModelFetchError
+from mesh.policy.placement import CPU, GPU, ColdStart
+from mesh.replay.driver import ReplayConfig, run_policy
+from mesh.replay.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
+from mesh.replay.metrics import json_ready, request_figures, summarize, table
+from mesh.runtime.cluster import ClusterConfig, ModelSpec
+from mesh.runtime.policies import policy_spec
+from workloads.workload import Workload
+
+BASE = "smollm2-135m"  # the base model name of every replica (one model file, one profile)
+LIVE_LENGTH_SCALE = 8.0  # the trace's lengths / 8 suit a 135M model on a small CPU (as `mesh bench fidelity`)
+LIVE_KEEP_ALIVE_S = 60.0  # the service's default (mesh.service.placement.PlacementSettings)
+LIVE_COLD_START_S = 7.5  # measured: the demo model starts in 7.0-7.9 s on a 2-core node (docs/evaluation.md)
+LIVE_DEFAULT_POLICY = "mesh"
+
+
+def _model_shape(path: Path) -> tuple[int, int, int]:
+    """(weight bytes, KV bytes per token, context window as registered) of the model file."""
+    from engines.openvino_engine import OpenVINOEngine
+
+    engine = OpenVINOEngine(path)  # reads the shape; loads nothing
+    return engine.weight_bytes, engine.kv_bytes_per_token, min(engine.context_window, DEFAULT_CONTEXT_CAP)
+
+
+def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, window: int) -> dict[str, ModelSpec]:
+    from mesh.agent.engines import prior_profile
+
+    profiles = {}
+    for kind in (CPU, GPU):
+        path = Path(args.profiles) / f"{BASE}__{kind}.json" if args.profiles else None
+        profiles[kind] = (load_profile(path) if path is not None and path.is_file()
+                          else prior_profile(BASE, kind, weight_bytes, kv_per_token, window))
+    return {BASE: ModelSpec(BASE, profiles)}
+
+
+def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape, catalog: dict[str, ModelSpec],
+              queue_timeout_s: float | None, policy: str) -> dict[str, Any]:
+    cpu, gpu = shape.counts()
+    memory = shape.memory
+    weight_bytes = catalog[BASE].profiles[CPU].weight_bytes
+    bps = cold_start_bytes_per_s(weight_bytes, args.cold_start_s)
+    keep_alive = args.keep_alive if args.keep_alive is not None else LIVE_KEEP_ALIVE_S
+    cluster = ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, cpu_memory_bytes=memory.get(CPU, 1),
+                            gpu_memory_bytes=memory.get(GPU, 1), cold_start=ColdStart(bps, bps), keep_alive_s=keep_alive,
+                            noise=args.noise, seed=args.seed, deadlines=args.deadlines or "pace")
+    config = ReplayConfig(cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
+                          queue_timeout_s=queue_timeout_s, progress=not args.no_progress)
+    prior = {BASE: float(sum(a.output_len for a in workload.arrivals) / max(1, len(workload)))}
+    return summarize(run_policy(workload, policy, config, catalog, prior))
+
+
+def run(args: argparse.Namespace, workload_for: Any) -> int:
+    """`workload_for`: mesh.commands.replay's, so both modes read the trace flags the same way."""
+    token = os.environ.get("MESH_ADMIN_TOKEN")
+    if not token:
+        print("mesh replay --live: error: set MESH_ADMIN_TOKEN to the service's admin token (it creates a tenant "
+              "and registers models)", file=sys.stderr)
+        return 2
+    try:
+        model_path = Path(args.model_path) if args.model_path else _demo_path()
+        if not model_path.is_file():
+            raise ValueError(f"--model-path {model_path}: no such file (a GGUF file the service can load)")
+        weight_bytes, kv_per_token, window = _model_shape(model_path)
+        policies = [p.strip() for p in (args.policies or LIVE_DEFAULT_POLICY).split(",") if p.strip()]
+        for name in policies:
+            policy_spec(name)
+        workload, queue_timeout_s = workload_for(args, {BASE: window}, {BASE: 1.0}, LIVE_LENGTH_SCALE)
+        scale = workload.description.get("length_scale", 1.0)
+        catalog = _catalog(args, weight_bytes, kv_per_token, window)
+        cold_start_bytes_per_s(weight_bytes, args.cold_start_s)
+    except (ValueError, OSError, ModelFetchError) as exc:
+        print(f"mesh replay --live: error: {exc}", file=sys.stderr)
+        return 2
+    d = workload.description
+    print(f"live workload: {d['functions']} functions x {d['window']['minutes']} min, {len(workload)} requests "
+          f"({d['mean_rps']:.2f} rps), lengths / {scale:g} within {window} tokens, to {args.live}", file=sys.stderr)
+    config = LiveConfig(args.live, token, model_path, progress=not args.no_progress, context_length=window)
+    try:
+        shape = asyncio.run(cluster_shape(args.live, token))
+        # the twin first: it needs only the service's nodes, and a policy that cannot run
+        # on them fails here, not after minutes of live traffic
+        simulated = {p: _simulate(args, workload, shape, catalog, queue_timeout_s, p) for p in policies}
+        live = asyncio.run(run_live(workload, config))
+    except LiveReplayError as exc:
+        print(f"mesh replay --live: error: {exc}", file=sys.stderr)
+        return 1
+    except ValueError as exc:  # ClusterError, UnknownPolicy: this cluster cannot run a policy
+        print(f"mesh replay --live: error: {exc}", file=sys.stderr)
+        return 2
+    except aiohttp.ClientError as exc:
+        print(f"mesh replay --live: error: cannot reach the service at {args.live}: {exc}", file=sys.stderr)
+        return 1
+    results = {"live": request_figures(live.requests, live.usage, live.duration_s)}
+    for p, figures in simulated.items():
+        results[f"simulated ({p})"] = figures
+    print(table(results))
+    failed = [r.detail for r in live.requests if r.detail]
+    if failed:
+        print(f"live: {len(failed)} requests not served; the first: {failed[0]}", file=sys.stderr)
+    if args.json:
+        sims = {p: json_ready(m) for p, m in simulated.items()}
+        out = {"live": {**json_ready(results["live"]), "wall_s": live.wall_s, "tenant": live.tenant,
+                        "nodes": live.nodes},
+               "simulated": sims[policies[0]], "simulated_by_policy": sims,
+               "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,
+                          "model_path": str(model_path), "workload": d, "length_scale": scale,
+                          "context_window": window, "cold_start_s": args.cold_start_s,
+                          "nodes": live.nodes, "simulated_cluster": {"cpu_nodes": shape.counts()[0],
+                                                                     "gpu_nodes": shape.counts()[1],
+                                                                     "memory_bytes": shape.memory}}}
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(out, indent=1, allow_nan=False, default=_plain) + "\n")
+        print(f"wrote {path}", file=sys.stderr)
+    return 0
+
+
+def _plain(value: Any) -> Any:
+    if dataclasses.is_dataclass(value):
+        return dataclasses.asdict(value)
+    raise TypeError(f"{type(value).__name__} is not JSON")
+
+
+def _demo_path() -> Path:
+    from mesh.models import demo_gguf_path
+
+    return demo_gguf_path(fetch=False)

@@ -1,0 +1,264 @@
+"""`mesh replay --live URL`: the replay's workload sent to a running Mesh service through its
+OpenAI API, with real engines, and the same requests replayed in virtual time beside it.
+
+The live side (`run_live`) creates a tenant of its own with the admin token, lifts its
+quotas, registers one model per trace function (uploads of `--model-path`, the demo GGUF by
+default), sends every request at its arrival time as a streamed `/v1/completions` call with
+the trace's prompt length (token ids) and output length (`max_tokens` with vLLM's
+`ignore_eos`), and records what the client sees: the first token's and the last token's
+times, the tokens, or the 429 or error. It polls `/admin/cluster` once a second for the
+nodes that host an instance. At the end the tenant (models and uploads) is deleted.
+
+Each request becomes a `ServedRequest` with the client's times, so the live figures are the
+same function of the same records as a simulated replay's (mesh.replay.metrics): a 429 is
+rejected, any other failure failed, and both are in the denominator.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+from engines.protocol import EngineRequest, Sampling
+from mesh.policy.placement import CPU, GPU
+from mesh.policy.slo import SLO
+from mesh.runtime.request import Outcome, ServedRequest
+from workloads.workload import Workload
+
+POLL_S = 1.0
+TOKEN_LOW, TOKEN_HIGH = 100, 30_000  # prompt token ids drawn here: ordinary tokens of a 49k vocabulary
+
+
+class LiveReplayError(RuntimeError):
+    """The service refused the set-up (tenant, quota, registration); the message says which call."""
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    url: str
+    admin_token: str
+    model_path: Path
+    context_length: int = 2048  # each model's registered window (the workload's lengths fit it)
+    tenant: str = ""  # "" : replay-<unix time>
+    slo: SLO = SLO()
+    request_timeout_s: float = 900.0
+    progress: bool = True
+
+
+@dataclass
+class LiveRun:
+    """What the client saw: every request (times from the workload's start), and the nodes
+    hosting at least one instance, by kind, as change points (time, CPU nodes, GPU nodes)."""
+
+    requests: list[ServedRequest]
+    usage: list[tuple[float, int, int]]
+    duration_s: float
+    end_s: float
+    wall_s: float
+    nodes: dict[str, str] = field(default_factory=dict)  # node id -> kind, every node seen
+    tenant: str = ""
+
+
+def prompt_ids(request_id: str, length: int) -> list[int]:
+    """`length` token ids, the same for the same request every run."""
+    seed = int.from_bytes(hashlib.sha256(request_id.encode()).digest()[:8], "little")
+    return np.random.default_rng(seed).integers(TOKEN_LOW, TOKEN_HIGH, size=length).tolist()
+
+
+def function_name(replica: str) -> str:
+    """The model name a trace replica ("smollm2-135m/f003") is registered under ("f003")."""
+    return replica.rsplit("/", 1)[-1]
+
+
+class _Service:
+    def __init__(self, session: aiohttp.ClientSession, url: str, admin_token: str) -> None:
+        self.session, self.url, self.admin = session, url.rstrip("/"), {"Authorization": f"Bearer {admin_token}"}
+
+    async def call(self, method: str, path: str, what: str, *, expect: int = 200, headers: dict | None = None,
+                   **kw: Any) -> Any:
+        async with self.session.request(method, self.url + path, headers=headers or self.admin, **kw) as resp:
+            body = await resp.text()
+            if resp.status != expect:
+                raise LiveReplayError(f"{what}: {method} {path} answered {resp.status}: {body[:500]}")
+            return json.loads(body) if body else None
+
+
+async def _set_up(svc: _Service, config: LiveConfig, replicas: list[str]) -> tuple[str, str]:
+    """(tenant, its API key)."""
+    tenant = config.tenant or f"replay-{int(time.time())}"
+    await svc.call("POST", "/admin/tenants", "creating the replay's tenant", expect=201, json={"name": tenant})
+    key = (await svc.call("POST", f"/admin/tenants/{tenant}/keys", "issuing its key", expect=201,
+                          json={"label": "mesh replay --live"}))["key"]
+    await svc.call("PUT", f"/admin/tenants/{tenant}/quota", "lifting its quotas", json={
+        "models": None, "model_bytes": None, "concurrent_requests": None, "requests_per_s": None, "burst": None})
+    digest = await asyncio.to_thread(_sha256, config.model_path)
+    for replica in replicas:
+        params = {"name": function_name(replica), "sha256": digest, "ttft_s": config.slo.ttft_min_s,
+                  "ttft_s_per_prompt_token": config.slo.ttft_s_per_prompt_token, "tpot_s": config.slo.tpot_s,
+                  "context_length": config.context_length}
+        with config.model_path.open("rb") as f:
+            await svc.call("POST", "/v1/models", f"registering {params['name']}", expect=201, params=params,
+                                  data=f, headers={"Authorization": f"Bearer {key}",
+                                                   "Content-Type": "application/octet-stream"})
+    return tenant, key
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _served(workload: Workload, slo: SLO) -> list[ServedRequest]:
+    return [ServedRequest(EngineRequest(a.request_id, a.prompt_len, Sampling(max_tokens=a.output_len),
+                                        output_len=a.output_len), a.model, a.time_s, slo)
+            for a in workload.arrivals]
+
+
+async def _send(session: aiohttp.ClientSession, url: str, key: str, req: ServedRequest, clock: Any,
+                timeout_s: float) -> None:
+    """One streamed completion; fills `req` with the client's times (clock(): seconds since
+    the workload's start)."""
+    body = {"model": function_name(req.model), "prompt": prompt_ids(req.request_id, req.prompt_len),
+            "max_tokens": req.engine_request.sampling.max_tokens, "ignore_eos": True, "temperature": 0,
+            "stream": True, "stream_options": {"include_usage": True}}
+    tokens = chunks = 0
+    last = math.nan
+    try:
+        async with session.post(url + "/v1/completions", json=body, headers={"Authorization": f"Bearer {key}"},
+                                timeout=aiohttp.ClientTimeout(total=timeout_s)) as resp:
+            if resp.status != 200:
+                text = (await resp.text())[:300]
+                outcome = Outcome.REJECTED if resp.status == 429 else Outcome.FAILED
+                req.end(outcome, clock(), f"HTTP {resp.status}: {text}")
+                return
+            async for raw in resp.content:
+                line = raw.decode().strip()
+                if not line.startswith("data:"):
+                    continue
+                data = line[5:].strip()
+                if data == "[DONE]":
+                    break
+                event = json.loads(data)
+                if "error" in event:
+                    req.end(Outcome.FAILED, clock(), f"error event: {event['error'].get('message', event['error'])}")
+                    return
+                if event.get("choices") and event["choices"][0].get("text"):
+                    last = clock()
+                    chunks += 1
+                    if req.first_token_s is None:
+                        req.first_token_s = last
+                if event.get("usage"):
+                    tokens = int(event["usage"]["completion_tokens"])
+        if req.first_token_s is None:
+            req.end(Outcome.FAILED, clock(), "the stream ended without a token")
+            return
+        req.tokens_out = tokens or chunks  # the usage chunk's count; a chunk may carry several tokens
+        req.end(Outcome.COMPLETED, last)
+    except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        req.end(Outcome.FAILED, clock(), f"{type(exc).__name__}: {exc}")
+
+
+async def _watch_nodes(svc: _Service, clock: Any, usage: list[tuple[float, int, int]], kinds: dict[str, str]) -> None:
+    """Nodes hosting an instance (any state), sampled every POLL_S; change points into `usage`."""
+    while True:
+        try:
+            view = await svc.call("GET", "/admin/cluster", "reading the cluster")
+        except (LiveReplayError, aiohttp.ClientError, asyncio.TimeoutError):
+            await asyncio.sleep(POLL_S)
+            continue
+        used = {CPU: 0, GPU: 0}
+        for node in view["nodes"]:
+            kinds[node["node_id"]] = node["kind"]
+            if node["instances"]:
+                used[node["kind"]] = used.get(node["kind"], 0) + 1
+        point = (clock(), used[CPU], used[GPU])
+        if not usage or usage[-1][1:] != point[1:]:
+            usage.append(point)
+        await asyncio.sleep(POLL_S)
+
+
+@dataclass(frozen=True)
+class ClusterShape:
+    """The service's nodes as `/admin/cluster` lists them."""
+
+    kinds: dict[str, str]  # node id -> kind
+    memory: dict[str, int]  # kind -> the smallest node's memory for instances
+
+    def counts(self) -> tuple[int, int]:
+        """(CPU nodes, GPU nodes)."""
+        cpu = sum(1 for k in self.kinds.values() if k == CPU)
+        return cpu, len(self.kinds) - cpu
+
+
+async def _shape(svc: _Service) -> ClusterShape:
+    view = await svc.call("GET", "/admin/cluster", "reading the cluster (is MESH_ADMIN_TOKEN the service's?)")
+    memory: dict[str, int] = {}
+    for n in view["nodes"]:
+        cap = int(n["memory"]["capacity_bytes"])
+        memory[n["kind"]] = min(memory.get(n["kind"], cap), cap)
+    return ClusterShape({n["node_id"]: n["kind"] for n in view["nodes"]}, memory)
+
+
+async def cluster_shape(url: str, admin_token: str) -> ClusterShape:
+    """The nodes of the service at `url`."""
+    async with aiohttp.ClientSession() as session:
+        return await _shape(_Service(session, url, admin_token))
+
+
+async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
+    """Send `workload` to the service at `config.url`; see the module's docstring."""
+    loop = asyncio.get_running_loop()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        svc = _Service(session, config.url, config.admin_token)
+        kinds = dict((await _shape(svc)).kinds)
+        tenant, key = await _set_up(svc, config, sorted(workload.models))
+        requests = _served(workload, config.slo)
+        usage: list[tuple[float, int, int]] = []
+        bar = tqdm(total=len(requests), unit="req", desc="live", disable=not config.progress, dynamic_ncols=True)
+        start = loop.time()
+        wall0 = time.perf_counter()
+
+        def clock() -> float:
+            return loop.time() - start
+
+        watcher = loop.create_task(_watch_nodes(svc, clock, usage, kinds))
+
+        async def one(req: ServedRequest) -> None:
+            await asyncio.sleep(max(0.0, req.arrival_s - clock()))
+            await _send(session, svc.url, key, req, clock, config.request_timeout_s)
+            bar.update(1)
+
+        try:
+            await asyncio.gather(*(one(r) for r in requests))
+        finally:
+            watcher.cancel()
+            bar.close()
+            end = clock()
+            try:
+                await svc.call("DELETE", f"/admin/tenants/{tenant}", "deleting the replay's tenant")
+            except (LiveReplayError, aiohttp.ClientError) as exc:  # the figures stand; say what is left behind
+                print(f"mesh replay --live: could not delete tenant {tenant}: {exc}")
+    if not usage or usage[0][0] > 0:
+        usage.insert(0, (0.0, 0, 0))
+    return LiveRun(requests, usage, workload.duration_s, max(end, workload.duration_s), time.perf_counter() - wall0,
+                   kinds, tenant)
+
+
+def cold_start_bytes_per_s(weight_bytes: int, load_s: float) -> float:
+    """The simulated cold start's bandwidth that takes `load_s` for `weight_bytes`."""
+    if not (load_s > 0 and math.isfinite(load_s)):
+        raise ValueError(f"the cold start must be a positive number of seconds, got {load_s}")
+    return weight_bytes / load_s

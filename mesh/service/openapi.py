@@ -1,0 +1,188 @@
+"""`GET /openapi.json`: the service's API as OpenAPI 3.1, built from the app's own route table.
+
+Paths and methods come from the aiohttp router (`build_spec(app)`), so a route cannot be
+served without appearing here; what each operation takes (summary, auth, path/query
+parameters, JSON body) comes from OPERATIONS, whose bodies are written from the parsers'
+own limits (mesh.service.schema, registry name patterns, quota fields, SLO and sampling
+bounds). A route missing from OPERATIONS is still listed, marked undocumented, and the
+tests refuse that. HEAD, which aiohttp adds to every GET, is left implicit.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from aiohttp import web
+
+from engines.chat import ROLES
+from mesh.policy.quota import QUOTA_FIELDS
+from mesh.service.registry import MODEL_NAME, TENANT_NAME
+from mesh.service.sampling_defaults import FIELDS as SAMPLING_FIELDS
+from mesh.service.schema import MAX_STOP, MAX_TOKENS_CAP
+
+TENANT, ADMIN, METRICS = "tenantKey", "adminToken", "metricsToken"
+
+_SAMPLING = {"temperature": {"type": ["number", "null"], "minimum": 0, "maximum": 2},
+             "top_p": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": 1}}
+_COMMON_GENERATION: dict[str, Any] = {
+    "model": {"type": "string", "minLength": 1, "description": "one of your models (GET /v1/models)"},
+    "max_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_TOKENS_CAP,
+                   "description": "omitted: up to the context window"},
+    "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_TOKENS_CAP},
+    **_SAMPLING,
+    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP},
+                       {"type": "null"}]},
+    "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
+    "n": {"type": ["integer", "null"], "const": 1},
+    "stream": {"type": ["boolean", "null"]},
+    "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+}
+_TEXT_PART = {"type": "object", "required": ["type", "text"],
+              "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+CHAT_BODY: dict[str, Any] = {
+    "type": "object", "required": ["model", "messages"],
+    "properties": {
+        **_COMMON_GENERATION,
+        "messages": {"type": "array", "minItems": 1, "items": {
+            "type": "object", "required": ["role"],
+            "properties": {"role": {"enum": list(ROLES)},
+                           "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},
+                                                 {"type": "null"}]}}}},
+    },
+}
+COMPLETION_BODY: dict[str, Any] = {
+    "type": "object", "required": ["model", "prompt"],
+    "properties": {
+        **_COMMON_GENERATION,
+        "prompt": {"oneOf": [
+            {"type": "string", "minLength": 1},
+            {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},
+            {"type": "array", "minItems": 1, "maxItems": 1, "items": {"type": "string", "minLength": 1}},
+        ]},
+    },
+}
+REGISTER_BODY: dict[str, Any] = {
+    "type": "object", "required": ["name", "path"],
+    "properties": {
+        "name": {"type": "string", "pattern": MODEL_NAME.pattern},
+        "path": {"type": "string", "minLength": 1, "description": "a GGUF file or OpenVINO folder under --allowed-dir"},
+        "context_length": {"type": ["integer", "null"], "minimum": 16},
+        "slo": {"type": ["object", "null"], "additionalProperties": False, "properties": {
+            "ttft_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},
+            "ttft_s_per_prompt_token": {"type": "number", "minimum": 0, "maximum": 10},
+            "tpot_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 60}}},
+        "sampling_defaults": {"type": ["object", "null"], "additionalProperties": False,
+                              "properties": {k: _SAMPLING[k] for k in SAMPLING_FIELDS}},
+    },
+}
+TENANT_BODY = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string",
+                                                                                "pattern": TENANT_NAME.pattern}}}
+KEY_BODY = {"type": "object", "properties": {"label": {"type": "string", "maxLength": 200}}}
+SCALE_BODY = {"type": "object", "required": ["tenant", "model", "nodes"],
+              "properties": {"tenant": {"type": "string"}, "model": {"type": "string"},
+                             "nodes": {"type": "array", "minItems": 1, "items": {"type": "string"}}}}
+QUOTA_BODY = {"type": "object", "additionalProperties": False,
+              "properties": {name: {"type": ["number", "null"], "minimum": 0} for name in QUOTA_FIELDS}}
+
+
+@dataclass(frozen=True)
+class Operation:
+    summary: str
+    auth: str | None = TENANT
+    body: dict[str, Any] | None = None
+    body_required: bool = True
+    ok: int = 200
+
+
+OPERATIONS: dict[tuple[str, str], Operation] = {
+    ("GET", "/healthz"): Operation("liveness and node readiness", auth=None),
+    ("GET", "/openapi.json"): Operation("this description", auth=None),
+    ("GET", "/metrics"): Operation("Prometheus metrics (metrics or admin token)", auth=METRICS),
+    ("POST", "/v1/chat/completions"): Operation("OpenAI chat completion, streamed with stream=true", body=CHAT_BODY),
+    ("POST", "/v1/completions"): Operation("OpenAI text completion, streamed with stream=true", body=COMPLETION_BODY),
+    ("GET", "/v1/usage"): Operation("the caller's requests, tokens and SLO attainment per model, and its quotas"),
+    ("GET", "/v1/models"): Operation("the caller's models"),
+    ("POST", "/v1/models"): Operation("register a model from a path under --allowed-dir (JSON), or upload a GGUF "
+                                      "(application/octet-stream, settings in the query)", body=REGISTER_BODY, ok=201),
+    ("GET", "/v1/models/{name}"): Operation("one of the caller's models"),
+    ("DELETE", "/v1/models/{name}"): Operation("delete one of the caller's models"),
+    ("POST", "/admin/tenants"): Operation("create a tenant", auth=ADMIN, body=TENANT_BODY, ok=201),
+    ("GET", "/admin/tenants"): Operation("list tenants", auth=ADMIN),
+    ("DELETE", "/admin/tenants/{tenant}"): Operation("delete a tenant and its models", auth=ADMIN),
+    ("POST", "/admin/tenants/{tenant}/keys"): Operation("issue an API key", auth=ADMIN, body=KEY_BODY,
+                                                        body_required=False, ok=201),
+    ("GET", "/admin/tenants/{tenant}/keys"): Operation("list a tenant's keys", auth=ADMIN),
+    ("DELETE", "/admin/keys/{key_id}"): Operation("revoke a key", auth=ADMIN),
+    ("GET", "/admin/models"): Operation("every tenant's models", auth=ADMIN),
+    ("GET", "/admin/cluster"): Operation("nodes, instances, weights copies", auth=ADMIN),
+    ("POST", "/admin/scale"): Operation("start a model on chosen nodes now", auth=ADMIN, body=SCALE_BODY),
+    ("GET", "/admin/tenants/{tenant}/quota"): Operation("a tenant's quotas and use", auth=ADMIN),
+    ("PUT", "/admin/tenants/{tenant}/quota"): Operation("set a tenant's quotas (null: no limit)", auth=ADMIN,
+                                                        body=QUOTA_BODY),
+}
+
+ERROR = {"type": "object", "required": ["error"], "properties": {"error": {
+    "type": "object", "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                                     "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}}}
+
+
+def routes(app: web.Application) -> list[tuple[str, str]]:
+    """(method, path) of every route the app serves, HEAD left out, paths as OpenAPI writes them."""
+    out = []
+    for route in app.router.routes():
+        if route.method == "HEAD":
+            continue
+        out.append((route.method, route.resource.canonical))
+    return out
+
+
+def _operation(method: str, path: str, op: Operation | None) -> dict[str, Any]:
+    op = op or Operation("undocumented")
+    out: dict[str, Any] = {
+        "operationId": f"{method.lower()}{path.replace('/', '_').replace('{', '').replace('}', '').replace('.', '_')}",
+        "summary": op.summary,
+        "responses": {str(op.ok): {"description": "success"},
+                      "4XX": {"description": "a clear error naming the problem",
+                              "content": {"application/json": {"schema": ERROR}}}},
+    }
+    params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
+              for n in _path_names(path)]
+    if params:
+        out["parameters"] = params
+    if op.auth:
+        out["security"] = [{op.auth: []}]
+    if op.body is not None:
+        out["requestBody"] = {"required": op.body_required, "content": {"application/json": {"schema": op.body}}}
+    return out
+
+
+def _path_names(path: str) -> list[str]:
+    return [part[1:-1] for part in path.split("/") if part.startswith("{") and part.endswith("}")]
+
+
+def build_spec(app: web.Application, version: str = "") -> dict[str, Any]:
+    paths: dict[str, dict[str, Any]] = {}
+    for method, path in routes(app):
+        paths.setdefault(path, {})[method.lower()] = _operation(method, path, OPERATIONS.get((method, path)))
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "Mesh", "version": version or "0",
+                 "description": "Serverless LLM inference: OpenAI-compatible generation, tenants' models, "
+                                "admin routes (docs/service.md)."},
+        "paths": paths,
+        "components": {"securitySchemes": {
+            TENANT: {"type": "http", "scheme": "bearer", "description": "a tenant's API key"},
+            ADMIN: {"type": "http", "scheme": "bearer", "description": "MESH_ADMIN_TOKEN"},
+            METRICS: {"type": "http", "scheme": "bearer", "description": "MESH_METRICS_TOKEN or the admin token"},
+        }},
+    }
+
+
+async def openapi_json(request: web.Request) -> web.Response:
+    from mesh import __version__
+
+    return web.json_response(build_spec(request.app, __version__))
+
+
+def add_routes(app: web.Application) -> None:
+    app.router.add_get("/openapi.json", openapi_json)

@@ -1,0 +1,230 @@
+"""Nodes that join and leave while serving (issue 12), without Ray: LocalPlacement.add_node
+and remove_node with in-process agents and simulated engines, the weights plane's pool on a
+node's loss, RemoteAgent's address source, the autoscaling rule, and what Ray nodes get.
+The same code runs under `mesh serve --ray` (tests/test_cluster_ray.py, with Ray)."""
+from __future__ import annotations
+
+import asyncio
+import os
+from pathlib import Path
+
+import pytest
+
+import mesh.service.placement as placement_module
+from agent_doubles import TOKEN, WEIGHTS_TOKEN, InProcessAgent, use_simulated_engines
+from engines.protocol import Sampling
+from mesh.agent.remote import RemoteAgent
+from mesh.agent.server import AgentServer
+from mesh.cluster.ray_nodes import mesh_node_ids
+from mesh.policy.autoscale import NodeUse, decide
+from mesh.policy.slo import SLO
+from mesh.runtime.node import NodeSpec
+from mesh.service.config import ConfigError, build_config
+from mesh.service.errors import ApiError
+from mesh.service.placement import LocalPlacement, PlacementSettings
+from mesh.service.registry import ModelRecord
+from mesh.service.streams import Finished, Job, Tokens
+from mesh.service.weights_plane import WeightsPlane, WeightsSettings
+
+SIZE = 3 << 20
+
+
+@pytest.fixture(autouse=True)
+def simulated(monkeypatch):
+    use_simulated_engines(monkeypatch)
+    monkeypatch.setattr(placement_module, "HOUSEKEEPING_S", 0.1)
+
+
+def record(path: Path) -> ModelRecord:
+    return ModelRecord("m_1", "t", "my-model", "gguf", str(path), 256, SLO(), SIZE)
+
+
+def job(rid: str, m: ModelRecord, max_tokens: int = 5) -> Job:
+    return Job(rid, m, asyncio.get_running_loop().time(), Sampling(max_tokens=max_tokens),
+               prompt_token_ids=list(range(1, 21)))
+
+
+async def started(tmp_path: Path, nodes: int, **settings) -> LocalPlacement:
+    class Agent(InProcessAgent):
+        weights_root = str(tmp_path / "nodes")
+
+    specs = [NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(nodes)]
+    plane = WeightsSettings(plan="binomial", block_bytes=1 << 20, token=WEIGHTS_TOKEN)
+    p = LocalPlacement(specs, PlacementSettings(**settings), agent_factory=Agent,
+                       weights=lambda agents: WeightsPlane(agents, plane))
+    await p.start()
+    return p
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> Path:
+    path = tmp_path / "registry" / "model.gguf"
+    path.parent.mkdir()
+    path.write_bytes(os.urandom(SIZE))
+    return path
+
+
+def test_a_removed_node_ends_its_streams_requeues_its_waiters_and_leaves_the_pool(tmp_path, model_file):
+    async def main():
+        p = await started(tmp_path, 2, max_num_seqs=1)
+        m = record(model_file)
+        await p.weights.register(m)  # first host copy: cpu-0
+        await p.scale_out(m, ["cpu-1"])
+        assert p.view()["weights"]["models"][m.uid]["host_copies"] == ["cpu-0", "cpu-1"]
+        running = await p.submit(job("long", m, max_tokens=10_000))
+        node = running.node_id
+        queued = asyncio.ensure_future(p.submit(job("queued", m)))
+        for _ in range(100):  # the second request waits: the batch of one is full... somewhere
+            await asyncio.sleep(0.01)
+            if any(w.tried for q in p._queues.values() for w in q):
+                break
+        waiting_on = [n for n, q in p._queues.items() if q]
+        await p.remove_node(node, "test")
+        with pytest.raises(ApiError) as e:
+            async for _ in running.events():
+                pass
+        assert e.value.status == 503 and f"node {node} left the cluster" in e.value.message
+        other = ({"cpu-0", "cpu-1"} - {node}).pop()
+        stream = await queued  # placed again, on the node that is left (or it was there already)
+        assert stream.node_id == other and waiting_on in ([node], [other], [])
+        events = [ev async for ev in stream.events()]
+        assert isinstance(events[-1], Finished) and all(isinstance(ev, Tokens) for ev in events[:-1])
+        view = p.view()
+        assert [n["node_id"] for n in view["nodes"]] == [other]
+        pool = view["weights"]["models"][m.uid]
+        assert node not in pool["host_copies"] and node not in pool["copies"] and node not in pool["instances"].values()
+        assert node not in p.weights.pool.nodes()
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_a_queued_request_moves_to_another_node_when_its_node_leaves(tmp_path, model_file):
+    async def main():
+        p = await started(tmp_path, 2, max_num_seqs=1)
+        m = record(model_file)
+        await p.weights.register(m)
+        running = await p.submit(job("long", m, max_tokens=10_000))
+        assert running.node_id == "cpu-0"
+        queued = asyncio.ensure_future(p.submit(job("queued", m)))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if any(w.tried for w in p._queues["cpu-0"]):
+                break
+        assert [w.job.request_id for w in p._queues["cpu-0"]] == ["queued"]  # refused: waits on cpu-0
+        await p.remove_node("cpu-0", "test")
+        stream = await queued
+        assert stream.node_id == "cpu-1"
+        assert isinstance([ev async for ev in stream.events()][-1], Finished)
+        copies = p.view()["weights"]["models"][m.uid]
+        assert copies["host_copies"] == ["cpu-1"] and copies["copies"].keys() == {"cpu-1"}
+        with pytest.raises(ApiError):
+            async for _ in running.events():
+                pass
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_a_node_added_while_serving_gets_the_model_by_multicast(tmp_path, model_file):
+    async def main():
+        p = await started(tmp_path, 1)
+        m = record(model_file)
+        first = await p.submit(job("a", m))
+        assert isinstance([ev async for ev in first.events()][-1], Finished)
+
+        class Agent(InProcessAgent):
+            weights_root = str(tmp_path / "nodes")
+
+        await p.add_node(NodeSpec("cpu-9", "cpu", 10**9), Agent)
+        with pytest.raises(ValueError):
+            await p.add_node(NodeSpec("cpu-9", "cpu", 10**9), Agent)
+        result = await p.scale_out(m, ["cpu-9"])
+        assert result["results"][0]["ok"] and result["results"][0]["weights"] == "multicast from cpu-0"
+        await p.remove_node("cpu-0", "test")
+        stream = await p.submit(job("b", m))
+        assert stream.node_id == "cpu-9" and isinstance([ev async for ev in stream.events()][-1], Finished)
+        await p.remove_node("cpu-9", "test")
+        with pytest.raises(ApiError) as e:
+            await p.submit(job("c", m))
+        assert e.value.status == 503
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_the_last_copy_leaving_sends_the_model_from_the_origin_next_time(tmp_path, model_file):
+    async def main():
+        p = await started(tmp_path, 2)
+        m = record(model_file)
+        assert await p.weights.register(m) == "cpu-0"
+        await p.remove_node("cpu-0", "test")
+        assert m.uid not in p.weights.view()["models"]
+        stream = await p.submit(job("a", m))
+        assert stream.node_id == "cpu-1" and isinstance([ev async for ev in stream.events()][-1], Finished)
+        assert p.weights.view()["models"][m.uid]["transfers"][0]["sources"] == ["origin"]
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_a_remote_agent_asks_its_address_source_at_every_connection():
+    async def main():
+        spec = NodeSpec("cpu-7", "cpu", 10**9)
+        servers = [AgentServer(spec, TOKEN, load_roots=["/"])]
+        addresses = [await servers[0].serve("127.0.0.1:0")]
+        asked: list[str] = []
+
+        async def source() -> str:
+            asked.append(addresses[-1])
+            return addresses[-1]
+
+        ups: list[int] = []
+        agent = RemoteAgent(spec, source, TOKEN, lambda a: ups.append(a.generation), lambda a, r: None,
+                            lambda a, m: None, where="ray node abc")
+        await agent.start()
+        assert await agent.wait_up(10) and agent.location == "ray node abc" and agent.address == addresses[0]
+        # The agent restarts elsewhere (Ray restarted its actor): a new port, which the source gives.
+        servers.append(AgentServer(spec, TOKEN, load_roots=["/"]))
+        addresses.append(await servers[1].serve("127.0.0.1:0"))
+        servers[0]._writer.transport.abort()
+        await servers[0].close()
+        for _ in range(200):
+            if len(ups) == 2:
+                break
+            await asyncio.sleep(0.02)
+        assert ups == [1, 2] and agent.address == addresses[1] and asked[-1] == addresses[1]
+        await agent.stop()
+        await servers[1].close()
+
+    asyncio.run(main())
+
+
+def test_ray_nodes_get_a_cpu_agent_and_one_per_gpu():
+    rid = "0123456789abcdef" * 3
+    assert mesh_node_ids(rid, {"CPU": 8.0, "memory": 1e9}) == [("ray-01234567", "cpu")]
+    assert mesh_node_ids(rid, {"CPU": 16.0, "GPU": 2.0}) == [
+        ("ray-01234567", "cpu"), ("ray-01234567-gpu0", "gpu"), ("ray-01234567-gpu1", "gpu")]
+    assert mesh_node_ids(rid, {"CPU": 0.0}) == []  # `ray start --head --num-cpus 0`: no agent there
+
+
+def test_autoscaling_wants_the_nodes_in_use_and_releases_idle_ones():
+    busy = NodeUse("a", instances=1, requests=3, idle_s=0.0)
+    idle_long = NodeUse("b", instances=0, requests=0, idle_s=300.0)
+    idle_short = NodeUse("c", instances=0, requests=0, idle_s=10.0)
+    d = decide([busy, idle_long, idle_short], refused_waiting=0, idle_release_s=120.0)
+    assert d.wanted == 1 and d.release == ("b",)
+    d = decide([busy, idle_long, idle_short], refused_waiting=2, idle_release_s=120.0)
+    assert d.wanted == 2 and d.release == ()  # demand beyond capacity: one more node, the idle one stays
+    d = decide([idle_long, idle_short], refused_waiting=0, idle_release_s=5.0, min_nodes=1)
+    assert d.wanted == 1 and d.release == ("b",)  # keep one (the most recently used); release the other
+    with pytest.raises(ValueError):
+        decide([], 0, -1.0)
+
+
+def test_ray_settings_are_checked():
+    assert build_config({}, {"ray": "auto"}).ray == "auto"
+    with pytest.raises(ConfigError, match="ray_autoscale needs ray"):
+        build_config({}, {"ray_autoscale": True})
+    with pytest.raises(ConfigError, match="ray must be"):
+        build_config({"ray": ""}, {})

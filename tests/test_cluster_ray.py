@@ -1,0 +1,137 @@
+"""`mesh serve --ray` on a local multi-node Ray cluster (issue 12): real Ray processes
+(`ray.cluster_utils.Cluster`, every node on 127.0.0.1), the real server, real node agents
+started by Ray actors, the real SmolLM2 model. One cluster for the module (a start costs
+about 10 s on two cores): a head without CPUs for Mesh (it gets no agent) and two workers.
+
+One test walks through the story, in order, since each step needs the previous one's state:
+the demo model is registered and served on a Ray node, multicast to the second node; the
+node running a stream is removed mid-stream: the stream ends with an error event, the node
+leaves /admin/cluster and the next request is served by the other node with the same greedy
+answer; a node added while serving gets an agent, gets the model by multicast and serves it.
+"""
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+
+ray = pytest.importorskip("ray", reason="Ray is in the `cluster` extra (scripts/setup.sh installs it)")
+openai = pytest.importorskip("openai")
+
+from test_service_e2e import Server  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+
+    saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "MESH_DATA_DIR")}
+    os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
+    os.environ["MESH_DATA_DIR"] = str(tmp_path_factory.mktemp("nodes"))  # the agents' weights folders
+    cluster = Cluster(initialize_head=True, head_node_args={
+        "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False})
+    try:
+        for _ in range(2):
+            cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        yield cluster
+    finally:
+        cluster.shutdown()
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+def nodes(server: Server) -> dict[str, dict]:
+    return {n["node_id"]: n for n in server.admin("GET", "/admin/cluster")["nodes"]}
+
+
+def wait_for(predicate, what: str, timeout: float = 120.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def ray_node_of(cluster, mesh_node: str):
+    """The cluster_utils node whose Ray node id the Mesh node id names (ray-<first 8 hex>)."""
+    (node,) = [n for n in cluster.worker_nodes if mesh_node == f"ray-{n.node_id[:8]}"]
+    return node
+
+
+def test_ray_cluster_serves_moves_and_grows(ray_cluster, tmp_path, demo_gguf):
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    server = Server(tmp_path / "data", allowed, tmp_path / "server.log", extra=("--ray", ray_cluster.address))
+    server.start(timeout=240)
+    try:
+        # Two agents, one per worker (the head offers no CPU), each probed on its node.
+        up = wait_for(lambda: (v := nodes(server)) and len(v) == 2 and all(n["state"] == "up" for n in v.values())
+                      and v, "two node agents up")
+        workers = {f"ray-{n.node_id[:8]}" for n in ray_cluster.worker_nodes}
+        assert set(up) == workers
+        assert all(n["kind"] == "cpu" and n["memory"]["capacity_bytes"] > 0 and n["location"].startswith("ray node")
+                   for n in up.values())
+
+        client = server.client()
+        ask = dict(model="demo/smollm2", messages=[{"role": "user", "content": "Name three colours."}],
+                   max_tokens=12, temperature=0)
+        before = client.chat.completions.create(**ask).choices[0].message.content
+        weights = server.admin("GET", "/admin/cluster")["weights"]["models"]
+        (model,) = weights.values()
+        (first,) = model["host_copies"]  # the first host copy came from the origin by the weights transport
+        assert model["transfers"][0]["sources"] == ["origin"]
+        other = (workers - {first}).pop()
+
+        # Multicast to the second node, which serves it.
+        scaled = server.admin("POST", "/admin/scale", {"tenant": "demo", "model": "demo/smollm2", "nodes": [other]})
+        (result,) = scaled["results"]
+        assert result["ok"] and result["weights"] == f"multicast from {first}", scaled
+        (model,) = server.admin("GET", "/admin/cluster")["weights"]["models"].values()
+        copy = Path(model["copies"][other])
+        assert copy.read_bytes() == demo_gguf.read_bytes()
+
+        # A node removed mid-stream: its stream ends with an error event.
+        stream = client.chat.completions.create(model="demo/smollm2", messages=ask["messages"], max_tokens=400,
+                                                temperature=0, stream=True)
+        chunks = iter(stream)
+        next(chunks)
+        busy = wait_for(lambda: [n for n, v in nodes(server).items() if any(i["active"] for i in v["instances"])],
+                        "the node running the stream")
+        (serving,) = busy
+        removed_at = time.monotonic()
+        ray_cluster.remove_node(ray_node_of(ray_cluster, serving))
+        with pytest.raises(openai.APIError, match=f"{serving}"):
+            for _ in chunks:
+                pass
+        assert time.monotonic() - removed_at < 10.0
+        survivor = (workers - {serving}).pop()
+        wait_for(lambda: set(nodes(server)) == {survivor}, "the removed node to leave /admin/cluster", 30)
+        pool = server.admin("GET", "/admin/cluster")["weights"]["models"]
+        assert all(serving not in m["host_copies"] and serving not in m["instances"].values() for m in pool.values())
+        # The next request is served by the other node, with the same greedy answer.
+        assert client.chat.completions.create(**ask).choices[0].message.content == before
+        assert [i["model"] for i in nodes(server)[survivor]["instances"]] == ["demo/smollm2"]
+
+        # A node added while serving gets an agent and the model by multicast, and serves it.
+        added = ray_cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        new = f"ray-{added.node_id[:8]}"
+        wait_for(lambda: nodes(server).get(new, {}).get("state") == "up", "the added node's agent", 120)
+        scaled = server.admin("POST", "/admin/scale", {"tenant": "demo", "model": "demo/smollm2", "nodes": [new]})
+        (result,) = scaled["results"]
+        assert result["ok"] and result["weights"] == f"multicast from {survivor}", scaled
+        ray_cluster.remove_node(ray_node_of(ray_cluster, survivor))  # only the new node is left to serve
+        wait_for(lambda: set(nodes(server)) == {new}, "the survivor to leave", 30)
+        assert client.chat.completions.create(**ask).choices[0].message.content == before
+        assert [i["weights"] for i in nodes(server)[new]["instances"]] == [f"multicast from {survivor}"]
+    finally:
+        assert server.stop() == 0
