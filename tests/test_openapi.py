@@ -50,8 +50,7 @@ def test_schemathesis_finds_no_server_error(tmp_path_factory, demo_gguf):
     pytest.importorskip("schemathesis")
     from test_service_e2e import Server
 
-    st = shutil.which("st") or shutil.which("schemathesis")
-    assert st, "schemathesis is installed but its CLI is not on PATH"
+    st = [sys.executable, "-m", "schemathesis.cli"]  # the CLI of the schemathesis this Python imports
     root = tmp_path_factory.mktemp("fuzz")
     allowed = root / "allowed"
     allowed.mkdir()
@@ -61,16 +60,24 @@ def test_schemathesis_finds_no_server_error(tmp_path_factory, demo_gguf):
     try:
         status, spec = server.http("GET", "/openapi.json")
         assert status == 200 and spec["openapi"].startswith("3.")
-        # Keep generations short (the demo model on shared cores): the fuzzer's copy of the spec
-        # asks for max_tokens <= 4 on the generation routes; everything else is as served.
+        # The fuzzer's copy of the spec, so that its cases reach the engine rather than 404: the
+        # generation routes name the demo model (or a missing one) and keep generations short
+        # (max_tokens <= 4: the demo model on shared cores); registrations name the allowed
+        # file, a missing one or an escape; model paths name the demo model or a missing one.
+        models = ["demo/smollm2", "demo/none"]
         for path in ("/v1/chat/completions", "/v1/completions"):
             body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
+            body["properties"]["model"] = {"enum": models}
             body["properties"]["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": 4}
             body["properties"].pop("max_completion_tokens")
             body["required"] = [*body["required"], "max_tokens"]
+        reg = spec["paths"]["/v1/models"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+        reg["properties"]["path"] = {"enum": ["smollm2.gguf", "missing.gguf", "../smollm2.gguf", "/etc/passwd"]}
+        spec["paths"]["/v1/models/{name}"]["get"]["parameters"][0]["schema"] = {"enum": models}
+        spec["paths"]["/v1/models/{name}"]["delete"]["parameters"][0]["schema"] = {"enum": ["demo/none", "none"]}
         local = root / "openapi.json"
         local.write_text(json.dumps(spec))
-        cmd = [st, "run", str(local), "--url", server.url, "-H", f"Authorization: Bearer {server.key}",
+        cmd = [*st, "run", str(local), "--url", server.url, "-H", f"Authorization: Bearer {server.key}",
                "--checks", "not_a_server_error", "--max-examples", "25", "--seed", "1", "--request-timeout", "120",
                "--workers", "1", "--no-color"]
         run = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
@@ -88,3 +95,13 @@ def test_schemathesis_finds_no_server_error(tmp_path_factory, demo_gguf):
     finally:
         server.stop()
         print(Path(server.log).read_text()[-2000:] if Path(server.log).exists() else "", file=sys.stderr)
+
+
+def test_sampling_values_below_float32_reach_the_engine_as_the_smallest_positive():
+    """Found by schemathesis: top_p=5e-324 passed the (0, 1] check, became 0 in the engine's
+    float32 config and failed the admission call (the request then hung)."""
+    from mesh.service.sampling_defaults import MIN_POSITIVE, resolve
+
+    assert resolve(5e-324, 5e-324, None) == (MIN_POSITIVE, MIN_POSITIVE)
+    assert resolve(0.0, None, None) == (0.0, 1.0)  # greedy stays greedy
+    assert resolve(None, None, {"temperature": 0.3}) == (0.3, 1.0)

@@ -46,7 +46,7 @@ from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.policy.node_choice import NodeView, choose_node
 from mesh.runtime.node import NodeSpec
 from mesh.runtime.tasks import cancel_all
-from mesh.service.errors import ApiError, bad_request, context_too_long, node_unavailable, overloaded
+from mesh.service.errors import ApiError, bad_request, context_too_long, internal_error, node_unavailable, overloaded
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
 from mesh.service.weights_plane import WeightsError, WeightsPlane
@@ -470,6 +470,14 @@ class LocalPlacement:
         except AgentDown as exc:
             for w in batch:
                 self._settle(queue, w, node_unavailable(str(exc)))
+            return
+        except AgentCallError as exc:  # the agent failed the whole call: find the request(s) it fails on
+            if len(batch) > 1:
+                for w in batch:
+                    await self._admit_batch(node_id, [w])
+                return
+            log.warning("admission of %s on %s failed: %s", batch[0].job.request_id, node_id, exc)
+            self._settle(queue, batch[0], internal_error())
             return
         for w, result in zip(batch, reply.get("results", [])):
             w.tried = True

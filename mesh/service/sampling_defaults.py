@@ -8,6 +8,10 @@ Where they come from, first found wins per field:
 3. OpenAI's defaults, temperature 1 and top_p 1.
 The engines implement temperature and top_p only, so top_k and min_p in the model's metadata
 are not used. A request's own `temperature` / `top_p` always win.
+
+Values too small for the engines' 32-bit sampling settings (a temperature or top_p above 0
+but below MIN_POSITIVE, e.g. 5e-324, which becomes 0 in float32 and is refused by the
+engine) are raised to MIN_POSITIVE: the same sampling, the most likely token only.
 """
 from __future__ import annotations
 
@@ -17,6 +21,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 FIELDS = ("temperature", "top_p")
+MIN_POSITIVE = 1e-6
 OPENAI_DEFAULTS = {"temperature": 1.0, "top_p": 1.0}
 GGUF_KEYS = {"temperature": "general.sampling.temp", "top_p": "general.sampling.top_p"}
 
@@ -78,5 +83,6 @@ def _valid_fields(found: Mapping[str, Any]) -> dict[str, float]:
 def resolve(temperature: float | None, top_p: float | None, defaults: Mapping[str, float] | None) -> tuple[float, float]:
     """(temperature, top_p) of a request: its own values, else the model's defaults, else OpenAI's."""
     merged = {**OPENAI_DEFAULTS, **(defaults or {})}
-    return (merged["temperature"] if temperature is None else temperature,
-            merged["top_p"] if top_p is None else top_p)
+    t = merged["temperature"] if temperature is None else temperature
+    p = merged["top_p"] if top_p is None else top_p
+    return (max(t, MIN_POSITIVE) if t > 0 else t, max(p, MIN_POSITIVE))
