@@ -105,6 +105,7 @@ def local_cluster(nodes: int, object_store_bytes: int) -> Any:
 def run(receivers: int = 3, size_mb: float = 128, block_mb: float = 4, address: str | None = None,
         plans: Sequence[str] = ("chain", "binomial"), bw_repeats: int = 2, repeat: int = 1, seed: int = 0,
         link_mbps: float | None = None) -> dict[str, Any]:
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read when ray is imported: keep it on 127.0.0.1
     import ray
 
     from mesh.bench.multicast import write_random_model
