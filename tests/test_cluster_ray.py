@@ -7,11 +7,13 @@ One test walks through the story, in order, since each step needs the previous o
 the demo model is registered and served on a Ray node, multicast to the second node; the
 node running a stream is removed mid-stream: the stream ends with an error event, the node
 leaves /admin/cluster and the next request is served by the other node with the same greedy
-answer; a node added while serving gets an agent, gets the model by multicast and serves it.
+answer; a node added while serving gets an agent, gets the model by multicast and serves it;
+its agent process killed, Ray restarts the actor and the service reconnects to the new agent.
 """
 from __future__ import annotations
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -66,6 +68,18 @@ def ray_node_of(cluster, mesh_node: str):
     """The cluster_utils node whose Ray node id the Mesh node id names (ray-<first 8 hex>)."""
     (node,) = [n for n in cluster.worker_nodes if mesh_node == f"ray-{n.node_id[:8]}"]
     return node
+
+
+def agent_pid(node_id: str) -> int:
+    """The pid of the node agent process of `node_id` (all "machines" are this one)."""
+    for proc in Path("/proc").iterdir():
+        try:
+            argv = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"mesh.agent" in argv and node_id.encode() in argv:
+            return int(proc.name)
+    raise AssertionError(f"no agent process for {node_id}")
 
 
 def test_ray_cluster_serves_moves_and_grows(ray_cluster, tmp_path, demo_gguf):
@@ -133,5 +147,14 @@ def test_ray_cluster_serves_moves_and_grows(ray_cluster, tmp_path, demo_gguf):
         wait_for(lambda: set(nodes(server)) == {new}, "the survivor to leave", 30)
         assert client.chat.completions.create(**ask).choices[0].message.content == before
         assert [i["weights"] for i in nodes(server)[new]["instances"]] == [f"multicast from {survivor}"]
+
+        # Its agent process dies: the actor exits, Ray restarts it (a new agent on a new port),
+        # and the service reconnects through the actor's new address.
+        location = nodes(server)[new]["location"]
+        os.kill(agent_pid(new), signal.SIGKILL)
+        wait_for(lambda: nodes(server)[new]["restarts"] >= 1 and nodes(server)[new]["state"] == "up",
+                 "Ray to restart the agent and the service to reconnect", 120)
+        assert nodes(server)[new]["location"] == location  # the same Ray node
+        assert client.chat.completions.create(**ask).choices[0].message.content == before
     finally:
         assert server.stop() == 0

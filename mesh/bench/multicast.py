@@ -1,5 +1,7 @@
 """`mesh bench multicast`: weights by network multicast between node agents on loopback.
 
+`--ray` runs it between Ray nodes, beside Ray's object store (mesh.bench.multicast_ray).
+
 One source agent and N receiving agents (real processes), a model file of M MB of random
 bytes cut into blocks, and for each plan (naive, chain, binomial): each target's
 completion time (every block received and verified) and the whole (`total_s`), beside the
@@ -162,7 +164,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--receivers", type=int, default=4, help="receiving agents (N)")
     p.add_argument("--size-mb", type=float, default=500, help="model size M in MB (random bytes)")
     p.add_argument("--block-mb", type=float, default=4, help="block size in MB")
-    p.add_argument("--plans", default="naive,chain,binomial", help="comma-separated plan names")
+    p.add_argument("--plans", default=None,
+                   help="comma-separated plan names (default naive,chain,binomial; with --ray chain,binomial)")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="between Ray nodes, beside Ray's object store (rows chain, binomial, ray_object_store): "
+                        "on the Ray cluster at ADDRESS, or, bare, on a local Cluster of 1 + N nodes it starts "
+                        "(mesh.bench.multicast_ray)")
     p.add_argument("--link-mbps", type=float, default=None,
                    help="pace each agent's uplink to this many Mbit/s (a NIC per node); default: unpaced")
     p.add_argument("--bw-repeats", type=int, default=2, help="single-stream runs to measure B (best kept)")
@@ -174,7 +181,19 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
     def go(a: argparse.Namespace) -> int:
-        plans = [x.strip() for x in a.plans.split(",") if x.strip()]
+        plans = [x.strip() for x in (a.plans or ("chain,binomial" if a.ray else "naive,chain,binomial")).split(",")
+                 if x.strip()]
+        if a.ray is not None:
+            from mesh.bench import multicast_ray
+
+            unknown = [x for x in plans if x not in PLANS]
+            if unknown or not plans:
+                raise SystemExit(f"mesh bench multicast: --plans: unknown plan {unknown[0]!r}" if unknown
+                                 else "mesh bench multicast: --plans: none given")
+            fig = multicast_ray.run(a.receivers, a.size_mb, a.block_mb, None if a.ray == "local" else a.ray, plans,
+                                    a.bw_repeats, a.repeat, a.seed, a.link_mbps)
+            multicast_ray.report(fig, a.json)
+            return 0
         fig = run(a.receivers, a.size_mb, plans, a.block_mb, a.link_mbps, a.bw_repeats, a.repeat, a.lookahead,
                   a.save, a.seed)
         report(fig, plans, a.json)

@@ -49,11 +49,24 @@ def probe_node(kind: str, gpu_memory: int | None, launch: AgentLaunch) -> dict[s
 
     cpu = read_cpuinfo()
     if kind == "gpu":
-        memory = gpu_memory or 0
+        memory = gpu_memory or _gpu_memory()
     else:
         memory = launch.memory_bytes or int(total_memory_bytes() * launch.memory_fraction)
     return {"kind": kind, "memory_bytes": int(memory), "amx": cpu.amx, "cpu": cpu.model_name, "cores": cpu.cores,
             "host": node_ip()}
+
+
+def _gpu_memory() -> int:
+    """The memory of the GPU Ray gave this actor (nvidia-smi lists every GPU of the node)."""
+    import ray
+
+    from mesh.agent.vllm_nodes import gpu_memory_bytes
+
+    ids, sizes = ray.get_gpu_ids(), gpu_memory_bytes()
+    try:
+        return sizes[int(ids[0])]
+    except (IndexError, ValueError):
+        return 0
 
 
 def node_ip() -> str:
