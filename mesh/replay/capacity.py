@@ -3,7 +3,7 @@ with at least a target SLO attainment.
 
 The trace's arrival rate is scaled by a factor f (f = 1: the replay's own rate). A run at f
 gives an SLO attainment a(f), assumed to fall as f grows. The search brackets the threshold by
-doubling (from a passing f) or halving (from a failing f), then bisects until the bracket
+growing f by `growth` (default 2; from a passing f) or dividing by it (from a failing f), then bisects until the bracket
 [lo, hi] (lo passing, hi failing) is within `rel_tol` of lo; the capacity is lo. Every run is
 kept by factor, so a second search (another SLO reading) reuses the first one's runs.
 """
@@ -48,12 +48,15 @@ def search_capacity(
     target: float = DEFAULT_TARGET,
     rel_tol: float = DEFAULT_REL_TOL,
     start: float = 1.0,
+    growth: float = 2.0,
 ) -> CapacityResult:
     """Highest factor whose `reading` attainment is >= `target`, to within `rel_tol` (relative)."""
     if not 0 < target <= 1:
         raise ValueError(f"target attainment must be in (0, 1], got {target}")
     if not rel_tol > 0:
         raise ValueError(f"relative tolerance must be > 0, got {rel_tol}")
+    if not growth > 1:
+        raise ValueError(f"growth must be > 1, got {growth}")
     before = len(cache.results)
 
     def ok(f: float) -> bool:
@@ -69,16 +72,16 @@ def search_capacity(
             lo = start
         else:
             hi = start
-    while hi is None:  # double until a run fails
-        f = lo * 2
+    while hi is None:  # grow until a run fails
+        f = lo * growth
         if f > MAX_FACTOR:
             return CapacityResult(lo, None, False, len(cache.results) - before)
         if ok(f):
             lo = f
         else:
             hi = f
-    while lo is None:  # halve until a run passes
-        f = hi / 2
+    while lo is None:  # shrink until a run passes
+        f = hi / growth
         if f < MIN_FACTOR:
             return CapacityResult(0.0, hi, False, len(cache.results) - before)
         if ok(f):
