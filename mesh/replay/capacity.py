@@ -34,8 +34,13 @@ class RunCache:
     evaluate: Callable[[float], dict[str, float]]
     results: dict[float, dict[str, float]] = field(default_factory=dict)
 
+    @staticmethod
+    def key(factor: float) -> float:
+        """The factor as runs are kept and reported (rounded: 1.5 * 2 / 3 is 1.0)."""
+        return round(factor, 9)
+
     def get(self, factor: float) -> dict[str, float]:
-        key = round(factor, 9)
+        key = self.key(factor)
         if key not in self.results:
             self.results[key] = self.evaluate(key)
         return self.results[key]
@@ -69,11 +74,11 @@ def search_capacity(
     hi = min((f for f in failing if lo is None or f > lo), default=None)
     if lo is None and hi is None:
         if ok(start):
-            lo = start
+            lo = cache.key(start)
         else:
-            hi = start
+            hi = cache.key(start)
     while hi is None:  # grow until a run fails
-        f = lo * growth
+        f = cache.key(lo * growth)
         if f > MAX_FACTOR:
             return CapacityResult(lo, None, False, len(cache.results) - before)
         if ok(f):
@@ -81,7 +86,7 @@ def search_capacity(
         else:
             hi = f
     while lo is None:  # shrink until a run passes
-        f = hi / growth
+        f = cache.key(hi / growth)
         if f < MIN_FACTOR:
             return CapacityResult(0.0, hi, False, len(cache.results) - before)
         if ok(f):
@@ -89,7 +94,7 @@ def search_capacity(
         else:
             hi = f
     while (hi - lo) > rel_tol * lo:
-        mid = (lo + hi) / 2
+        mid = cache.key((lo + hi) / 2)
         if ok(mid):
             lo = mid
         else:
