@@ -96,11 +96,12 @@ run_live() {
 run_capacity() {
   # Capacity (issue 13): per policy, the highest request rate (the trace's rate scaled) with
   # >= 90% SLO attainment under each reading, 128 functions, both queue rules. 5-minute
-  # windows and a 10% bracket keep the search within about half an hour on 2 shared cores.
+  # windows, a 10% bracket and growth 1.5 (runs deep in overload are the costly ones) keep
+  # the search within about half an hour on 2 shared cores.
   for model in llama-3.2-3b llama-2-7b llama-2-13b; do
     for qt in 30 slo; do
       python -m mesh replay --no-progress --seed 0 --minutes 5 --model "$model" --functions 128 \
-        --policies mesh,sllm,sllm+cpu --queue-timeout "$qt" --capacity --capacity-tol 0.1 \
+        --policies mesh,sllm,sllm+cpu --queue-timeout "$qt" --capacity --capacity-tol 0.1 --capacity-growth 1.5 \
         --json "$EVAL/capacity_${model}_128_q${qt}.json"
     done
   done

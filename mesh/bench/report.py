@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -16,5 +17,8 @@ def emit(title: str, figures: dict[str, Any], json_path: str | None, units: dict
         print(f"  {key:<{width}}  {shown} {units.get(key, '')}".rstrip())
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(figures, indent=2) + "\n")
+        # JSON has no inf/nan: an infinite TTFT percentile (requests never served) or a figure
+        # without data is written as null
+        finite = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in figures.items()}
+        Path(json_path).write_text(json.dumps(finite, indent=2) + "\n")
         print(f"wrote {json_path}")

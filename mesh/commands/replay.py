@@ -129,6 +129,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                           "capacity_rps_strict per policy")
     cap.add_argument("--capacity-target", type=float, default=DEFAULT_TARGET, help="SLO attainment to reach (default: %(default)s)")
     cap.add_argument("--capacity-tol", type=float, default=DEFAULT_REL_TOL, help="relative width of the final bracket (default: %(default)s)")
+    cap.add_argument("--capacity-growth", type=float, default=2.0,
+                     help="factor between bracketing runs (default: %(default)s; less overshoots into costly overload)")
     cap.add_argument("--capacity-reading", default="both", choices=("eq1", "strict", "both"),
                      help="SLO reading(s) searched: Eq. 1 (slo_rate), strict (slo_rate_strict) or both, the second "
                           "reusing the first one's runs (default: %(default)s)")
@@ -213,8 +215,8 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
         cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
         queue_timeout_s=timeout, progress=not args.no_progress, engines=engines,
     )
-    if args.capacity and not (0 < args.capacity_target <= 1 and args.capacity_tol > 0):
-        raise ReplayInputError("--capacity-target must be in (0, 1] and --capacity-tol > 0")
+    if args.capacity and not (0 < args.capacity_target <= 1 and args.capacity_tol > 0 and args.capacity_growth > 1):
+        raise ReplayInputError("--capacity-target must be in (0, 1], --capacity-tol > 0 and --capacity-growth > 1")
 
     def build(rate_scale: float | str) -> Workload:
         """The same workload at another rate scale (the capacity search)."""
@@ -357,7 +359,7 @@ READINGS = {"eq1": ("slo_rate", "capacity_rps"), "strict": ("slo_rate_strict", "
 
 
 def capacity(setup: dict[str, Any], policy: str, readings: list[str], target: float, rel_tol: float,
-             progress: bool = False) -> dict[str, Any]:
+             progress: bool = False, growth: float = 2.0) -> dict[str, Any]:
     """Capacity search (mesh.replay.capacity) of one policy: every run rebuilds the workload at
     the replay's rate scale times a factor and replays it; runs are shared between readings."""
     from dataclasses import replace
@@ -383,7 +385,7 @@ def capacity(setup: dict[str, Any], policy: str, readings: list[str], target: fl
     out: dict[str, Any] = {"capacity_target": target, "capacity_tol": rel_tol}
     for reading in readings:
         rate_key, key = READINGS[reading]
-        res = search_capacity(cache, reading, target=target, rel_tol=rel_tol)
+        res = search_capacity(cache, reading, target=target, rel_tol=rel_tol, growth=growth)
         rps = runs[res.factor]["mean_rps"] if res.factor > 0 else 0.0
         out[key] = rps
         out[key.replace("rps", "factor")] = res.factor
@@ -421,7 +423,7 @@ def run_capacity(args: argparse.Namespace, setup: dict[str, Any], meta: dict[str
     results: dict[str, dict[str, Any]] = {}
     for name in setup["policies"]:
         results[name] = capacity(setup, name, readings, args.capacity_target, args.capacity_tol,
-                                 progress=not args.no_progress)
+                                 progress=not args.no_progress, growth=args.capacity_growth)
     qt = setup["config"].queue_timeout_s
     print(f"capacity: highest rate with >= {args.capacity_target:.0%} SLO attainment, bracket to "
           f"{args.capacity_tol:.0%}; queue timeout {'slo' if qt is None else f'{qt:g} s'}; deadline rule "

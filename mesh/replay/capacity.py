@@ -3,7 +3,7 @@ with at least a target SLO attainment.
 
 The trace's arrival rate is scaled by a factor f (f = 1: the replay's own rate). A run at f
 gives an SLO attainment a(f), assumed to fall as f grows. The search brackets the threshold by
-doubling (from a passing f) or halving (from a failing f), then bisects until the bracket
+growing f by `growth` (default 2; from a passing f) or dividing by it (from a failing f), then bisects until the bracket
 [lo, hi] (lo passing, hi failing) is within `rel_tol` of lo; the capacity is lo. Every run is
 kept by factor, so a second search (another SLO reading) reuses the first one's runs.
 """
@@ -34,8 +34,13 @@ class RunCache:
     evaluate: Callable[[float], dict[str, float]]
     results: dict[float, dict[str, float]] = field(default_factory=dict)
 
+    @staticmethod
+    def key(factor: float) -> float:
+        """The factor as runs are kept and reported (rounded: 1.5 * 2 / 3 is 1.0)."""
+        return round(factor, 9)
+
     def get(self, factor: float) -> dict[str, float]:
-        key = round(factor, 9)
+        key = self.key(factor)
         if key not in self.results:
             self.results[key] = self.evaluate(key)
         return self.results[key]
@@ -48,12 +53,15 @@ def search_capacity(
     target: float = DEFAULT_TARGET,
     rel_tol: float = DEFAULT_REL_TOL,
     start: float = 1.0,
+    growth: float = 2.0,
 ) -> CapacityResult:
     """Highest factor whose `reading` attainment is >= `target`, to within `rel_tol` (relative)."""
     if not 0 < target <= 1:
         raise ValueError(f"target attainment must be in (0, 1], got {target}")
     if not rel_tol > 0:
         raise ValueError(f"relative tolerance must be > 0, got {rel_tol}")
+    if not growth > 1:
+        raise ValueError(f"growth must be > 1, got {growth}")
     before = len(cache.results)
 
     def ok(f: float) -> bool:
@@ -66,19 +74,19 @@ def search_capacity(
     hi = min((f for f in failing if lo is None or f > lo), default=None)
     if lo is None and hi is None:
         if ok(start):
-            lo = start
+            lo = cache.key(start)
         else:
-            hi = start
-    while hi is None:  # double until a run fails
-        f = lo * 2
+            hi = cache.key(start)
+    while hi is None:  # grow until a run fails
+        f = cache.key(lo * growth)
         if f > MAX_FACTOR:
             return CapacityResult(lo, None, False, len(cache.results) - before)
         if ok(f):
             lo = f
         else:
             hi = f
-    while lo is None:  # halve until a run passes
-        f = hi / 2
+    while lo is None:  # shrink until a run passes
+        f = cache.key(hi / growth)
         if f < MIN_FACTOR:
             return CapacityResult(0.0, hi, False, len(cache.results) - before)
         if ok(f):
@@ -86,7 +94,7 @@ def search_capacity(
         else:
             hi = f
     while (hi - lo) > rel_tol * lo:
-        mid = (lo + hi) / 2
+        mid = cache.key((lo + hi) / 2)
         if ok(mid):
             lo = mid
         else:
