@@ -23,7 +23,7 @@ from mesh.replay.driver import (
     trace_mean_output,
 )
 from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
-from mesh.replay.metrics import json_ready, summarize, table
+from mesh.replay.metrics import aligned, json_ready, summarize, table
 from mesh.replay.weights import MODES as WEIGHT_MODES
 from mesh.replay.weights import Engines, WeightsConfig
 from mesh.runtime.cluster import ClusterConfig, check_cluster
@@ -409,13 +409,7 @@ def capacity_table(results: dict[str, dict[str, Any]]) -> str:
         rows.append([name, cell("capacity_rps", "{:.2f}"), cell("capacity_factor", "{:.3g}"),
                      cell("capacity_rps_strict", "{:.2f}"), cell("capacity_factor_strict", "{:.3g}"),
                      str(len(r["capacity_runs"])), f"{r['capacity_wall_s']:.0f}"])
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = []
-    for k, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return aligned(rows)
 
 
 def run_capacity(args: argparse.Namespace, setup: dict[str, Any], meta: dict[str, Any]) -> int:

@@ -167,6 +167,17 @@ def json_ready(summary: dict[str, Any]) -> dict[str, Any]:
     return {k: (None if isinstance(v, float) and math.isinf(v) else v) for k, v in summary.items()}
 
 
+def aligned(rows: list[list[str]]) -> str:
+    """Rows of cells as a plain-text table: the first row a header, the first column left-aligned."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = []
+    for k, r in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def table(results: dict[str, dict[str, Any]]) -> str:
     """The comparison table, one row per policy (times in seconds)."""
     head = ["policy"] + [h for _, h, _ in TABLE_COLUMNS]
@@ -177,10 +188,4 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             v = m.get(key)
             row.append("-" if v is None else fmt.format(v))
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines = []
-    for k, r in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))))
-        if k == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return aligned(rows)
