@@ -19,7 +19,7 @@ import asyncio
 import hashlib
 import json
 import math
-import time
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,7 +48,7 @@ class LiveConfig:
     admin_token: str
     model_path: Path
     context_length: int = 2048  # each model's registered window (the workload's lengths fit it)
-    tenant: str = ""  # "" : replay-<unix time>
+    tenant: str = ""  # "" : replay-<8 random hex digits>
     slo: SLO = SLO()
     request_timeout_s: float = 900.0
     progress: bool = True
@@ -94,7 +94,7 @@ class _Service:
 
 async def _set_up(svc: _Service, config: LiveConfig, replicas: list[str]) -> tuple[str, str]:
     """(tenant, its API key)."""
-    tenant = config.tenant or f"replay-{int(time.time())}"
+    tenant = config.tenant or f"replay-{secrets.token_hex(4)}"
     await svc.call("POST", "/admin/tenants", "creating the replay's tenant", expect=201, json={"name": tenant})
     key = (await svc.call("POST", f"/admin/tenants/{tenant}/keys", "issuing its key", expect=201,
                           json={"label": "mesh replay --live"}))["key"]
@@ -229,7 +229,6 @@ async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
         usage: list[tuple[float, int, int]] = []
         bar = tqdm(total=len(requests), unit="req", desc="live", disable=not config.progress, dynamic_ncols=True)
         start = loop.time()
-        wall0 = time.perf_counter()
 
         def clock() -> float:
             return loop.time() - start
@@ -253,7 +252,7 @@ async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
                 print(f"mesh replay --live: could not delete tenant {tenant}: {exc}")
     if not usage or usage[0][0] > 0:
         usage.insert(0, (0.0, 0, 0))
-    return LiveRun(requests, usage, workload.duration_s, max(end, workload.duration_s), time.perf_counter() - wall0,
+    return LiveRun(requests, usage, workload.duration_s, max(end, workload.duration_s), end,
                    kinds, tenant)
 
 
