@@ -10,7 +10,6 @@ from mesh.policy.placement import ColdStart
 from mesh.policy.slo import SLO
 from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
 from mesh.runtime.dispatcher import Dispatcher
-from mesh.runtime.policies import make_policy
 from mesh.runtime.request import ServedRequest
 
 GB = 10**9
@@ -75,11 +74,8 @@ async def build(
 ) -> tuple[Cluster, Dispatcher]:
     """A started cluster and dispatcher (call inside a running loop)."""
     catalog = catalog or {b: spec(b) for b in set(models.values())}
-    box: list[Dispatcher] = []
-    cluster = Cluster(cfg, catalog, models, {b: 100.0 for b in catalog}, on_evict=lambda r, n: box[0].on_evict(r, n))
-    d = Dispatcher(cluster, **dispatcher_kw)
-    box.append(d)
-    d.attach(make_policy(policy, cluster, d.reschedule))
+    cluster = Cluster(cfg, catalog, models, {b: 100.0 for b in catalog})
+    d = Dispatcher.for_policy(cluster, policy, **dispatcher_kw)
     await cluster.start()
     return cluster, d
 

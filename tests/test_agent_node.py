@@ -16,7 +16,6 @@ from mesh.agent.protocol import InstanceSpec
 from mesh.policy.slo import SLO
 from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
 from mesh.runtime.dispatcher import Dispatcher
-from mesh.runtime.policies import make_policy
 from mesh.runtime.request import Outcome, ServedRequest
 from mesh.service.agent_node import AgentNode
 from mesh.agent.supervisor import AgentSettings
@@ -49,13 +48,9 @@ async def _cluster(models: list[str], memory: int = 10**9, slo: SLO = SLO_TIGHT,
     profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
                              decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
     catalog = {"base": ModelSpec("base", {"cpu": profile})}
-    box: list[Dispatcher] = []
     cluster = Cluster(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=memory, slo=slo), catalog,
-                      {m: "base" for m in models}, {"base": 100.0}, nodes=nodes,
-                      on_evict=lambda r, n: box[0].on_evict(r, n))
-    d = Dispatcher(cluster)
-    box.append(d)
-    d.attach(make_policy(policy, cluster, d.reschedule))
+                      {m: "base" for m in models}, {"base": 100.0}, nodes=nodes)
+    d = Dispatcher.for_policy(cluster, policy)
     await cluster.start()
     return cluster, d
 

@@ -17,7 +17,6 @@ from mesh.policy.slo import SLO
 from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
 from mesh.runtime.dispatcher import Dispatcher
 from mesh.runtime.node import NodeSpec
-from mesh.runtime.policies import make_policy
 from mesh.runtime.request import Outcome, ServedRequest
 from mesh.service.agent_node import AgentNode
 
@@ -46,13 +45,10 @@ def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf)
         settings = AgentSettings(models_roots=(str(demo_gguf.parent),))
         nodes = [AgentNode(NodeSpec(f"cpu{i}", "cpu", 4 * GIB), LocalAgent, settings, load_spec) for i in range(2)]
         profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
-        box: list[Dispatcher] = []
         cluster = Cluster(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE),
                           {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0},
-                          nodes=nodes, on_evict=lambda r, n: box[0].on_evict(r, n))
-        d = Dispatcher(cluster)
-        box.append(d)
-        d.attach(make_policy("mesh", cluster, d.reschedule))
+                          nodes=nodes)
+        d = Dispatcher.for_policy(cluster, "mesh")
         await cluster.start()
         for n in nodes:
             assert await n.agent.wait_up(60), n.agent.last_error

@@ -123,20 +123,14 @@ def _served(workload: Workload, slo) -> list[ServedRequest]:
 async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: dict[str, ModelSpec],
                prior: dict[str, float]) -> PolicyRun:
     loop = asyncio.get_running_loop()
-    dispatcher_box: list[Dispatcher] = []
-    cluster = Cluster(
-        config.cluster, catalog, workload.models, prior,
-        on_evict=lambda req, node: dispatcher_box[0].on_evict(req, node),
-    )
+    cluster = Cluster(config.cluster, catalog, workload.models, prior)
     if config.engines is not None:
         cluster.engine_factory = config.engines(cluster)
-    dispatcher = Dispatcher(
-        cluster, queue_capacity=config.queue_capacity, retry_interval_s=config.retry_interval_s,
+    dispatcher = Dispatcher.for_policy(
+        cluster, policy, queue_capacity=config.queue_capacity, retry_interval_s=config.retry_interval_s,
         queue_timeout_s=config.queue_timeout_s,
     )
-    dispatcher_box.append(dispatcher)
-    pol = make_policy(policy, cluster, dispatcher.reschedule)
-    dispatcher.attach(pol)
+    pol = dispatcher.policy
     await cluster.start()
     requests = _served(workload, config.cluster.slo)
     duration = workload.duration_s

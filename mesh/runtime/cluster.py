@@ -84,8 +84,6 @@ class ClusterConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ClusterError(f"{name.replace('_', ' ')} must be a non-negative integer, got {value!r}")
-        if self.cpu_nodes + self.gpu_nodes == 0:
-            raise ClusterError("the cluster has no nodes: give at least one CPU or GPU node (--cpu-nodes, --gpu-nodes)")
         if self.cpu_memory_bytes <= 0 or self.gpu_memory_bytes <= 0:
             raise ClusterError("node memory must be positive")
         if self.keep_alive_s < 0:
@@ -104,6 +102,8 @@ class ClusterConfig:
 def check_cluster(config: ClusterConfig, catalog: dict[str, ModelSpec], kinds: tuple[str, ...], policy: str) -> None:
     """Refuse, before a run, a cluster the policy cannot use: no node of a kind it uses, or
     a model that fits no node it may place it on."""
+    if config.cpu_nodes + config.gpu_nodes == 0:
+        raise ClusterError("the cluster has no nodes: give at least one CPU or GPU node (--cpu-nodes, --gpu-nodes)")
     counts = {CPU: config.cpu_nodes, GPU: config.gpu_nodes}
     usable = [k for k in kinds if counts[k] > 0]
     if not usable:
@@ -163,7 +163,6 @@ class Cluster:
         models: dict[str, str],
         mean_output_prior: dict[str, float],
         *,
-        on_evict: Callable[[ServedRequest, ClusterNode], None] | None = None,
         on_capacity: Callable[[], None] | None = None,
         engine_factory: EngineFactory | None = None,
         nodes: list[ClusterNode] | None = None,
@@ -171,26 +170,19 @@ class Cluster:
         """`models` maps each model (replica) to its base model in `catalog`;
         `mean_output_prior` gives O_avg's starting value per base model (6.1). `nodes`:
         the nodes to schedule (the service's agents); default, one simulated LocalNode per
-        node of `config` with engines from `engine_factory`."""
+        node of `config` with engines from `engine_factory`. Models and nodes may be added
+        and removed later (the service: registrations, Ray membership)."""
         unknown = sorted({b for b in models.values() if b not in catalog})
         if unknown:
             raise ClusterError(f"no model spec for {', '.join(unknown)}; known: {', '.join(sorted(catalog))}")
         self.config = config
-        self.catalog = catalog
-        self.models = models
-        if nodes is None:
-            nodes = [LocalNode(NodeRuntime(spec, margin=config.margin, watermark=config.watermark,
-                                           deadlines=config.deadlines), self._engine_for)
-                     for spec in config.node_specs()]
-        self.nodes: list[ClusterNode] = nodes
-        for node in nodes:
-            node.on_evict = (lambda req, n=node: on_evict(req, n)) if on_evict is not None else None
-            node.on_loaded = lambda _iid, n=node: self.note_idle(n)  # keep-alive of an unused new instance
-            node.on_instance_gone = self._gone
-        self.node_seq = {n.node_id: k for k, n in enumerate(self.nodes)}
+        self.catalog = dict(catalog)
+        self.models = dict(models)
+        self.on_evict: Callable[[ServedRequest, ClusterNode], None] | None = None  # the dispatcher's
         self.on_capacity = on_capacity
         self.engine_factory = engine_factory or self._simulated_engine
         self._mean_output = {m: RunningMean(mean_output_prior.get(b, 256.0)) for m, b in models.items()}
+        self._slo: dict[str, SLO] = {}  # a model's own SLO (the service's per-model SLOs); else config.slo
         self._by_model: dict[str, list[InstanceRef]] = {}
         self._by_id: dict[str, InstanceRef] = {}
         self._ids = itertools.count()
@@ -201,6 +193,58 @@ class Cluster:
         self.instances_started = 0
         self.instances_recycled = 0
         self.cold_start_s = 0.0  # summed predicted cold starts
+        self.nodes: list[ClusterNode] = []
+        self.node_seq: dict[str, int] = {}
+        if nodes is None:
+            nodes = [LocalNode(NodeRuntime(spec, margin=config.margin, watermark=config.watermark,
+                                           deadlines=config.deadlines), self._engine_for)
+                     for spec in config.node_specs()]
+        for node in nodes:
+            self.add_node(node)
+
+    # -- membership: models and nodes ---------------------------------------------------
+    def add_node(self, node: ClusterNode) -> None:
+        """Schedule on `node` from now on (not started here)."""
+        if node.node_id in self.node_seq:
+            raise ClusterError(f"node {node.node_id} is already in the cluster")
+        node.on_evict = lambda req, n=node: self.on_evict(req, n) if self.on_evict is not None else None
+        node.on_loaded = lambda _iid, n=node: self.note_idle(n)  # keep-alive of an unused new instance
+        node.on_instance_gone = self._gone
+        self.node_seq[node.node_id] = len(self.nodes)
+        self.nodes.append(node)
+
+    def remove_node(self, node_id: str) -> ClusterNode | None:
+        """Stop scheduling on a node that left; its instances leave the books (their requests
+        were ended or handed back by the node)."""
+        seq = self.node_seq.pop(node_id, None)
+        if seq is None:
+            return None
+        node = self.nodes.pop(seq)
+        self.node_seq = {n.node_id: k for k, n in enumerate(self.nodes)}
+        for ref in [r for r in self._by_id.values() if r.node is node]:
+            if ref.recycle is not None:
+                ref.recycle.cancel()
+            self._forget(ref)
+        return node
+
+    def add_model(self, model: str, spec: ModelSpec, mean_output_prior: float, slo: SLO | None = None) -> None:
+        """A model (its own base) that requests may name from now on; a new spec replaces the old."""
+        self.catalog[spec.name] = spec
+        self.models[model] = spec.name
+        self._mean_output.setdefault(model, RunningMean(mean_output_prior))
+        if slo is not None:
+            self._slo[model] = slo
+
+    def remove_model(self, model: str) -> None:
+        """Requests no longer name `model`; its running instances stay until recycled."""
+        base = self.models.pop(model, None)
+        self._mean_output.pop(model, None)
+        self._slo.pop(model, None)
+        if base is not None and base not in self.models.values():
+            self.catalog.pop(base, None)
+
+    def slo_of(self, model: str) -> SLO:
+        return self._slo.get(model, self.config.slo)
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -267,7 +311,7 @@ class Cluster:
         p = spec.profiles[kind]
         expected = self.expected_load_s(model, node)
         return InstancePlan(
-            f"{model}@{node.node_id}#{next(self._ids)}", model, spec.times[kind], self.config.slo,
+            f"{model}@{node.node_id}#{next(self._ids)}", model, spec.times[kind], self.slo_of(model),
             p.kv_bytes_per_token, p.weight_bytes, p.max_context, p.max_context, DEFAULT_MAX_BATCH,
             self._mean_output[model], expected,
         )

@@ -136,6 +136,18 @@ class Dispatcher:
         self._tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None  # a policy that raised (a bug); replays re-raise it
         cluster.on_capacity = self.capacity_freed
+        cluster.on_evict = self.on_evict
+
+    @classmethod
+    def for_policy(cls, cluster: Cluster, policy: str, **queue: float | int | None) -> "Dispatcher":
+        """The dispatcher of `cluster` under the named policy (mesh.runtime.policies): how
+        `mesh replay` and `mesh serve` both build theirs, so a replay evaluates exactly what
+        serves tenants. `queue`: queue_capacity, retry_interval_s, queue_timeout_s."""
+        from mesh.runtime.policies import make_policy
+
+        dispatcher = cls(cluster, **queue)
+        dispatcher.attach(make_policy(policy, cluster, dispatcher.reschedule))
+        return dispatcher
 
     def attach(self, policy: PlacementPolicy) -> None:
         self.policy = policy
