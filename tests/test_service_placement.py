@@ -1,19 +1,20 @@
-"""LocalPlacement against an in-process node agent with simulated engines (fast): serving,
-queueing behind a full batch, 429 at the deadline, 400 over the context window, keep-alive
-recycling, recycling for memory, and a dead agent failing its requests."""
+"""ClusterPlacement against in-process node agents with simulated engines (fast): the
+service's requests go through the replay's Dispatcher and policies. Serving, waiting behind
+a full batch, 429 with the reason and Retry-After, 400 over the context window, keep-alive
+recycling making room for another model, a dead agent failing its requests, every policy
+serving, and one dispatcher class built the same way by `mesh serve` and `mesh replay`."""
 from __future__ import annotations
 
 import asyncio
 
 import pytest
 
-import mesh.service.placement as placement_module
 from agent_doubles import InProcessAgent, use_simulated_engines
 from engines.protocol import Sampling
 from mesh.policy.slo import SLO
 from mesh.runtime.node import NodeSpec
 from mesh.service.errors import ApiError
-from mesh.service.placement import LocalPlacement, PlacementSettings
+from mesh.service.placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
 
@@ -21,7 +22,6 @@ from mesh.service.streams import Finished, Job
 @pytest.fixture(autouse=True)
 def simulated(monkeypatch):
     use_simulated_engines(monkeypatch)
-    monkeypatch.setattr(placement_module, "HOUSEKEEPING_S", 0.1)
 
 
 def model(uid: str = "m_1", window: int = 256, slo: SLO = SLO()) -> ModelRecord:
@@ -33,15 +33,16 @@ def job(rid: str, m: ModelRecord, prompt: int = 20, max_tokens: int = 5) -> Job:
     return Job(rid, m, loop.time(), Sampling(max_tokens=max_tokens), prompt_token_ids=list(range(1, prompt + 1)))
 
 
-async def run_stream(p: LocalPlacement, j: Job) -> Finished:
+async def run_stream(p: ClusterPlacement, j: Job) -> Finished:
     stream = await p.submit(j)
     events = [e async for e in stream.events()]
     assert isinstance(events[-1], Finished)
     return events[-1]
 
 
-async def started(memory: int = 10**9, **settings) -> LocalPlacement:
-    p = LocalPlacement([NodeSpec("cpu-0", "cpu", memory)], PlacementSettings(**settings), agent_factory=InProcessAgent)
+async def started(memory: int = 10**9, **settings) -> ClusterPlacement:
+    settings.setdefault("cold_start_s", 0.0)  # simulated engines load at once
+    p = ClusterPlacement([NodeSpec("cpu-0", "cpu", memory)], PlacementSettings(**settings), agent_factory=InProcessAgent)
     await p.start()
     return p
 
@@ -52,9 +53,13 @@ def test_serves_and_queues_behind_a_full_batch():
         m = model()
         finished = await asyncio.gather(*(run_stream(p, job(f"r{i}", m, max_tokens=30)) for i in range(5)))
         assert [f.tokens_out for f in finished] == [30] * 5
-        view = p.view()["nodes"][0]
-        assert view["state"] == "up" and view["instances"][0]["state"] == "ready"
-        assert view["instances"][0]["active"] == 0 and view["admission_queue"] == 0
+        view = p.view()
+        node = view["nodes"][0]
+        assert node["state"] == "up" and node["instances"][0]["state"] == "ready"
+        assert node["instances"][0]["active"] == 0
+        d = view["dispatcher"]
+        assert d["policy"] == "mesh" and d["waiting"] == 0 and d["placed_by_kind"] == {"cpu": 5}
+        assert d["placed_at_arrival"] + d["placed_from_queue"] == 5 and d["placed_from_queue"] >= 1  # 3 waited
         await p.stop()
 
     asyncio.run(main())
@@ -69,8 +74,10 @@ def test_unplaceable_request_gets_429_and_long_prompt_400():
         assert e.value.status == 400 and e.value.code == "context_length_exceeded"
         with pytest.raises(ApiError) as e:
             await p.submit(job("b", strict, prompt=20))
-        assert e.value.status == 429 and "own_prefill_late" in e.value.message
-        assert p.view()["nodes"][0]["admission_queue"] == 0
+        assert e.value.status == 429 and "cannot meet its SLO" in e.value.message
+        assert int(e.value.headers["Retry-After"]) >= 1
+        view = p.view()["dispatcher"]
+        assert view["waiting"] == 0 and view["rejected"] == {"cannot meet its SLO": 1}
         await p.stop()
 
     asyncio.run(main())
@@ -81,9 +88,9 @@ def test_keep_alive_recycles_idle_instances():
         p = await started(keep_alive_s=0.2)
         m = model()
         await run_stream(p, job("a", m))
-        assert len(p.instances) == 1
+        assert len(p.cluster.all_instances()) == 1
         await asyncio.sleep(0.8)
-        assert p.instances == {}
+        assert p.cluster.all_instances() == []
         stats = await p.agents["cpu-0"].client.call({"t": "stats"})
         assert stats["instances"] == []
         assert (await run_stream(p, job("b", m))).tokens_out == 5  # loaded again on demand
@@ -92,14 +99,15 @@ def test_keep_alive_recycles_idle_instances():
     asyncio.run(main())
 
 
-def test_memory_pressure_recycles_the_idle_instance():
+def test_a_model_waits_for_the_idle_instance_it_needs_the_memory_of():
     async def main():
         # room for one instance: weights 1 MB + KV for 256 tokens x 1000 B (x 1.2 watermark)
-        p = await started(memory=10**6 + 400_000)
+        p = await started(memory=10**6 + 400_000, keep_alive_s=0.3)
         a, b = model("m_a"), model("m_b")
         await run_stream(p, job("a", a))
-        await run_stream(p, job("b", b))  # a is idle: unloaded to make room
-        assert [i.model.uid for i in p.instances.values()] == ["m_b"]
+        await run_stream(p, job("b", b))  # waits until a's keep-alive recycles it (LLM-Mesh 4)
+        assert [r.model for r in p.cluster.all_instances()] == ["m_b"]
+        assert p.view()["dispatcher"]["placed_from_queue"] == 1
         await p.stop()
 
     asyncio.run(main())
@@ -116,14 +124,14 @@ def test_dead_agent_fails_running_and_new_requests():
         with pytest.raises(ApiError) as e:
             async for _ in running.events():
                 pass
-        assert e.value.status == 503 and "died" in e.value.message
-        with pytest.raises(ApiError) as e:
+        assert e.value.status == 503 and "went down" in e.value.message
+        with pytest.raises(ApiError) as e:  # it waited for a node until its SLO could not be met
             await queued
-        assert e.value.status == 503
+        assert e.value.status == 429
         with pytest.raises(ApiError) as e:
             await p.submit(job("next", m))
-        assert e.value.status == 503 and not p.healthy()
-        assert p.instances == {}
+        assert e.value.status == 503 and "no CPU node agent is up" in e.value.message and not p.healthy()
+        assert p.cluster.all_instances() == []
         await p.agents["cpu-0"].start()  # "restarted": the next request loads again
         assert (await run_stream(p, job("after", m))).tokens_out == 5
         await p.stop()
@@ -139,7 +147,7 @@ def test_abort_frees_the_instance():
         await asyncio.sleep(0.1)
         stream.abort()
         assert (await run_stream(p, job("b", m))).tokens_out == 5  # the batch slot came back
-        assert p.instances[next(iter(p.instances))].active == 0
+        assert [r.batch_size for r in p.cluster.all_instances()] == [0]
         await p.stop()
 
     asyncio.run(main())
@@ -155,3 +163,46 @@ def test_hugging_face_folders_need_a_gpu_node():
         await p.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.parametrize("policy", ["sllm+cpu", "mesh-no-share", "mesh-no-defrag"])
+def test_every_cpu_policy_serves(policy):
+    async def main():
+        p = await started(policy=policy)
+        m = model()
+        finished = await asyncio.gather(*(run_stream(p, job(f"r{i}", m)) for i in range(3)))
+        assert [f.tokens_out for f in finished] == [5] * 3
+        assert p.view()["dispatcher"]["policy"] == policy
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_serve_and_replay_build_the_same_dispatcher(monkeypatch):
+    """One brain: `mesh serve` and `mesh replay` both build Dispatcher.for_policy."""
+    from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
+    from mesh.runtime.cluster import ClusterConfig
+    from mesh.runtime.dispatcher import Dispatcher
+    from workloads.workload import Arrival, Workload
+
+    built: list[tuple[type, str]] = []
+    original = Dispatcher.for_policy.__func__
+
+    def spy(cls, cluster, policy, **queue):
+        d = original(cls, cluster, policy, **queue)
+        built.append((type(d), type(d.policy).__name__, policy))
+        return d
+
+    monkeypatch.setattr(Dispatcher, "for_policy", classmethod(spy))
+
+    async def serve():
+        p = await started(policy="sllm+cpu")
+        await p.stop()
+
+    asyncio.run(serve())
+    workload = Workload([Arrival("r0", 0.0, "f0", "llama-2-7b/f0", 100, 10)], {"llama-2-7b/f0": "llama-2-7b"},
+                        {"duration_s": 5.0})
+    run = run_policy(workload, "sllm+cpu", ReplayConfig(ClusterConfig(cpu_nodes=1, gpu_nodes=1), progress=False),
+                     build_catalog(["llama-2-7b"]))
+    assert run.accounting["completed"] == 1
+    assert built == [(Dispatcher, "SllmPolicy", "sllm+cpu")] * 2

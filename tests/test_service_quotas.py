@@ -28,7 +28,7 @@ from mesh.runtime.node import NodeSpec
 from mesh.service.app import Service, build_app
 from mesh.service.config import ConfigError, ServeConfig, build_config
 from mesh.service.metrics import ServiceMetrics
-from mesh.service.placement import LocalPlacement, PlacementSettings
+from mesh.service.placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import Registry
 
 ADMIN = "admin-secret"
@@ -113,7 +113,7 @@ class Api:
 async def _serve(tmp_path: Path, allowed: Path, **config: Any) -> tuple[Api, Any]:
     cfg = ServeConfig(admin_token=ADMIN, metrics_token=METRICS, allowed_dir=allowed, data_dir=tmp_path, **config)
     registry = Registry(tmp_path / "registry.sqlite3")
-    placement = LocalPlacement([NodeSpec("cpu-0", "cpu", 10**10)], PlacementSettings(), agent_factory=InProcessAgent)
+    placement = ClusterPlacement([NodeSpec("cpu-0", "cpu", 10**10)], PlacementSettings(), agent_factory=InProcessAgent)
     service = Service(cfg, registry, placement, ServiceMetrics(placement.view), tmp_path)
     service.idle.set()
     await placement.start()

@@ -19,7 +19,7 @@ from mesh.policy.slo import SLO
 from mesh.runtime.node import NodeSpec
 from mesh.service.errors import ApiError
 from mesh.service.metrics import ServiceMetrics
-from mesh.service.placement import LocalPlacement, PlacementSettings
+from mesh.service.placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
 from mesh.service.weights_plane import WeightsError, WeightsPlane, WeightsSettings
@@ -50,19 +50,19 @@ def record(path: Path, uid: str = "m_1") -> ModelRecord:
 
 
 async def started(tmp_path: Path, nodes: int = 3, token: str = WEIGHTS_TOKEN, host_bytes: int = 10**9,
-                  **settings) -> LocalPlacement:
+                  **settings) -> ClusterPlacement:
     class Agent(InProcessAgent):
         weights_root = str(tmp_path / "nodes")
 
     specs = [NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(nodes)]
     plane = WeightsSettings(plan="binomial", block_bytes=1 << 20, token=token)
-    p = LocalPlacement(specs, PlacementSettings(**settings), agent_factory=Agent,
+    p = ClusterPlacement(specs, PlacementSettings(**settings), agent_factory=Agent,
                        weights=lambda agents: WeightsPlane(agents, plane, {s.node_id: host_bytes for s in specs}))
     await p.start()
     return p
 
 
-async def run(p: LocalPlacement, m: ModelRecord, rid: str, max_tokens: int = 5) -> tuple[str, Finished]:
+async def run(p: ClusterPlacement, m: ModelRecord, rid: str, max_tokens: int = 5) -> tuple[str, Finished]:
     loop = asyncio.get_running_loop()
     stream = await p.submit(Job(rid, m, loop.time(), Sampling(max_tokens=max_tokens),
                                 prompt_token_ids=list(range(1, 21))))

@@ -18,7 +18,8 @@ Control -> agent (see docs/service.md for every field):
     load       {instance_id, model, path, context_window, slo, max_num_seqs, profile, engine, expected_load_s}
                                              -> {} (issued; an `instance` event follows)
     unload     {instance_id}                 -> {}
-    tokenize   {instance_id, prompt | messages} -> {ids}
+    tokenize   {instance_id | (model, path, engine, context_window), prompt | messages} -> {ids}
+    describe   {model, path, engine, context_window} -> {weight_bytes, kv_bytes_per_token, context_window}
     admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s, done?, prompt_len?,
                  first_token_age_s?, compute?}]}
                                              -> {results: [{ok, code, reason}]}; `done`: tokens a moved

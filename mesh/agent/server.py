@@ -96,6 +96,9 @@ class AgentServer:
         self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True, deadlines=deadlines)
         self.times: dict[str, AdaptiveTimes] = {}  # instance id -> its iteration times
         self.specs: dict[str, InstanceSpec] = {}
+        # Unloaded engines by (engine, path, window): a model's shape and tokenizer before
+        # any instance of it runs here (`describe`, `tokenize` by path).
+        self.fronts: dict[tuple[str, str, int | None], Any] = {}
         self.requests: dict[str, ServedRequest] = {}
         self.started_at = 0.0
         self._writer: asyncio.StreamWriter | None = None
@@ -107,7 +110,7 @@ class AgentServer:
             "tokenize": self._tokenize, "admit": self._admit, "abort": self._abort,
             "stats": self._stats, "shutdown": self._shutdown, "weights_path": self._weights_path,
             "weights_drop": self._weights_drop, "validate": self._validate, "validate_group": self._validate_group,
-            "validate_new": self._validate_new, "take_back": self._take_back,
+            "validate_new": self._validate_new, "take_back": self._take_back, "describe": self._describe,
         }
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -284,10 +287,7 @@ class AgentServer:
 
     async def _load(self, m: dict[str, Any]) -> dict[str, Any]:
         spec = InstanceSpec.from_message(m)
-        if not any(inside(root, spec.path) for root in self.load_roots):
-            roots = ", ".join(str(r) for r in self.load_roots) or "none"
-            raise Reply(Code.BAD_REQUEST, f"{spec.path} is outside this agent's model folders ({roots}); send the "
-                        "model to the node (weights plane) or start the agent with --models-root DIR")
+        self._check_path(spec.path)
         if spec.instance_id in self.node.instances or spec.instance_id in self.specs:
             raise Reply(Code.BAD_REQUEST, f"instance {spec.instance_id} already exists on {self.spec.node_id}")
         slo = slo_from_dict(spec.slo)
@@ -350,16 +350,50 @@ class AgentServer:
             raise Reply(Code.NOT_READY, f"instance {iid} is still loading")
         return inst
 
-    def _tokenize(self, m: dict[str, Any]) -> dict[str, Any]:
-        inst = self._ready_instance(m.get("instance_id"))
+    def _tokenize(self, m: dict[str, Any]) -> Any:
+        if m.get("instance_id") is None:  # before any instance: the model's unloaded engine
+            return self._tokenize_front(m)
+        return self._encode(self._ready_instance(m.get("instance_id")).engine, m)
+
+    async def _tokenize_front(self, m: dict[str, Any]) -> dict[str, Any]:
+        return self._encode(await self._front(m), m)
+
+    @staticmethod
+    def _encode(engine: Any, m: dict[str, Any]) -> dict[str, Any]:
         try:
             if m.get("messages") is not None:
-                ids = inst.engine.encode_chat(m["messages"])
+                ids = engine.encode_chat(m["messages"])
             else:
-                ids = inst.engine.encode_prompt(m.get("prompt"))
+                ids = engine.encode_prompt(m.get("prompt"))
         except EngineError as exc:
             raise Reply(Code.BAD_REQUEST, str(exc)) from exc
         return {"ids": ids}
+
+    async def _describe(self, m: dict[str, Any]) -> dict[str, Any]:
+        engine = await self._front(m)
+        return {"weight_bytes": engine.weight_bytes, "kv_bytes_per_token": engine.kv_bytes_per_token,
+                "context_window": engine.context_window}
+
+    async def _front(self, m: dict[str, Any]) -> Any:
+        """The unloaded engine of the model at m's path (built once: it reads the model's
+        shape and tokenizer, loads no weights)."""
+        spec = InstanceSpec("front", str(m.get("model") or "model"), str(m.get("path")),
+                            None if m.get("context_window") is None else int(m["context_window"]),
+                            engine=str(m.get("engine") or "openvino"))
+        self._check_path(spec.path)
+        key = (spec.engine, spec.path, spec.context_window)
+        if key not in self.fronts:
+            try:
+                self.fronts[key] = await asyncio.to_thread(make_engine, spec, lambda _exc: None)
+            except EngineError as exc:
+                raise Reply(Code.BAD_REQUEST, str(exc)) from exc
+        return self.fronts[key]
+
+    def _check_path(self, path: str) -> None:
+        if not any(inside(root, path) for root in self.load_roots):
+            roots = ", ".join(str(r) for r in self.load_roots) or "none"
+            raise Reply(Code.BAD_REQUEST, f"{path} is outside this agent's model folders ({roots}); send the "
+                        "model to the node (weights plane) or start the agent with --models-root DIR")
 
     def _admit(self, m: dict[str, Any]) -> dict[str, Any]:
         batch = m.get("requests")

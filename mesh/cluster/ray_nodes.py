@@ -10,7 +10,7 @@ nodes equal to the live Ray nodes:
   on the node gives the node's kind and memory; the placement connects to the agent over
   Mesh's framed TCP (mesh.agent.remote.RemoteAgent, with the actor as its address source:
   after Ray restarts the actor, the agent has a new port and the actor says which);
-- a Ray node that died or was removed leaves the placement (`LocalPlacement.remove_node`):
+- a Ray node that died or was removed leaves the placement (`ClusterPlacement.remove_node`):
   its streams end with an error event, its queued requests go to other nodes, its copies
   leave the parameter pool, and /admin/cluster no longer lists it.
 
@@ -66,7 +66,7 @@ class _RayNode:
 class RayMembership:
     def __init__(self, placement: Any, launch: AgentLaunch, poll_s: float = 1.0,
                  on_change: Callable[[], None] | None = None) -> None:
-        """`placement`: a LocalPlacement (add_node, remove_node); `launch`: the agents' tokens
+        """`placement`: a ClusterPlacement (add_node, remove_node); `launch`: the agents' tokens
         and settings."""
         self.placement = placement
         self.launch = launch

@@ -6,6 +6,8 @@ import asyncio
 import logging
 import sys
 
+from mesh.runtime.policies import POLICIES
+
 
 def register(subparsers: argparse._SubParsersAction) -> None:
     parser = subparsers.add_parser("serve", help="serve tenants' models over REST and the OpenAI API")
@@ -40,6 +42,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="when a request's tokens after the first are due: 'pace' (default), from its first "
                              "token, so admission protects the pace clients measure; 'eq1', the paper's Eq. 1, "
                              "from its arrival (docs/design.md)")
+    parser.add_argument("--policy", default=None, choices=tuple(POLICIES),
+                        help="the cluster dispatcher's placement policy, as `mesh replay` evaluates it: "
+                             + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()) + " (default mesh)")
+    parser.add_argument("--cold-start-s", type=float, default=None, dest="cold_start_s",
+                        help="a new instance's start-up besides moving its weights, counted in the TTFT of the "
+                             "requests it is started for (default 7.5: the demo model on a 2-core node)")
     parser.add_argument("--drain-timeout", type=float, default=None, dest="drain_timeout_s",
                         help="seconds shutdown waits for open streams (default 30)")
     parser.add_argument("--profile-dir", default=None, help="calibration profiles, <dir>/<model uid>.json")
@@ -70,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
 
     cli = {k: getattr(args, k) for k in ("host", "port", "data_dir", "demo", "allowed_dir", "max_body_mb",
                                          "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "remote_agents", "ray", "ray_autoscale",
-                                         "weights_plan", "deadlines",
+                                         "weights_plan", "deadlines", "policy", "cold_start_s",
                                          "drain_timeout_s",
                                          "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",
                                          "quota_model_gb", "quota_concurrent_requests", "quota_requests_per_s",

@@ -364,6 +364,10 @@ class Dispatcher:
             if req.outcome is None:
                 req.end(Outcome.FAILED, now, why)
 
+    def waiting_requests(self) -> list[ServedRequest]:
+        """The requests in the waiting queue, oldest first."""
+        return [self._waiting[e.request_id] for e in self.queue.in_order() if e.request_id in self._waiting]
+
     def check(self) -> None:
         """Raise the error a policy raised, if one did (a bug: replays stop on it)."""
         if self.error is not None:

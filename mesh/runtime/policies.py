@@ -271,8 +271,13 @@ class SllmPolicy(Policy):
     """ServerlessLLM (8.1): whole node per instance, first-fit, concurrency targets."""
 
     def __post_init__(self) -> None:
-        self._targets = {base: {k: self._target(base, k) for k in self.spec.kinds}
-                         for base in set(self.cluster.models.values())}
+        self._targets: dict[str, dict[str, int]] = {}  # base model -> node kind -> target (models come and go)
+
+    def _targets_of(self, base: str) -> dict[str, int]:
+        if base not in self._targets:
+            self._targets[base] = {k: self._target(base, k) for k in self.spec.kinds
+                                   if k in self.cluster.catalog[base].profiles}
+        return self._targets[base]
 
     def _target(self, base: str, kind: str) -> int:
         """The paper's target (8.1), else one tailored to the model's profile on that kind
@@ -288,7 +293,7 @@ class SllmPolicy(Policy):
 
     async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
         refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
-        targets = self._targets[self.cluster.models[req.model]]
+        targets = self._targets_of(self.cluster.models[req.model])
         by_id = {r.instance_id: r for r in refs}
         views = [r.view() for r in refs]
         while views:

@@ -77,6 +77,12 @@ class AgentNode(ClusterNode):
         # failed, the agent died): the cluster forgets it.
         self.on_instance_gone: Callable[[str], None] | None = None
         self.on_change: Callable[[], None] | None = None  # capacity may have changed (agent up)
+        self.on_down: Callable[["AgentNode"], None] | None = None  # the agent went down
+        self.on_admitted: Callable[[ServedRequest], None] | None = None  # a request now runs here
+        self.on_instance_stopped: Callable[[str, str], None] | None = None  # (model, instance) unloaded or lost
+        self.busy_fraction = 0.0  # of the last stats interval, the node's engines were stepping
+        self._previous: dict[str, Any] = {}
+        self._load_waiters: dict[str, list[asyncio.Future]] = {}
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -125,7 +131,10 @@ class AgentNode(ClusterNode):
             stats = await self.agent.client.call({"t": "stats"}, CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError):
             return
-        self.stats = stats
+        prev = self._previous
+        if prev and stats.get("uptime_s", 0) > prev.get("uptime_s", 0):
+            self.busy_fraction = min(1.0, (stats["busy_s"] - prev["busy_s"]) / (stats["uptime_s"] - prev["uptime_s"]))
+        self._previous = self.stats = stats
         self._budget_bytes = int(stats.get("memory", {}).get("budget_bytes", self._budget_bytes))
 
     # -- verbs -------------------------------------------------------------------------------
@@ -172,6 +181,8 @@ class AgentNode(ClusterNode):
         except (AgentDown, AgentCallError, KeyError, IndexError) as exc:
             result = {"ok": False, "code": Code.FAILED.value, "reason": f"node {self.node_id}: {exc}"}
         if result.get("ok"):
+            if self.on_admitted is not None:
+                self.on_admitted(req)
             return Admission(True)
         self._release(req.request_id)
         req.node_id = req.instance_id = None
@@ -209,13 +220,41 @@ class AgentNode(ClusterNode):
 
     async def stop_instance(self, instance_id: str) -> None:
         inst = self._instances.pop(instance_id, None)
-        if inst is None or not self.up:
+        if inst is None:
+            return
+        self._settled(inst, False)
+        if not self.up:
             return
         try:
             await self.agent.client.call({"t": "unload", "instance_id": instance_id}, CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
         await self.refresh()
+
+    async def wait_loaded(self, instance_id: str, timeout_s: float) -> bool:
+        """Wait until the instance is ready (True) or gone: failed to load, unloaded (False)."""
+        inst = self._instances.get(instance_id)
+        if inst is None or inst.loaded:
+            return inst is not None
+        future = asyncio.get_running_loop().create_future()
+        self._load_waiters.setdefault(instance_id, []).append(future)
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            return False
+
+    def _settled(self, inst: MirroredInstance, loaded: bool) -> None:
+        """The instance is ready (loaded=True) or no longer here: wake its waiters."""
+        for future in self._load_waiters.pop(inst.instance_id, ()):
+            if not future.done():
+                future.set_result(loaded)
+        if not loaded and self.on_instance_stopped is not None:
+            self.on_instance_stopped(inst.model, inst.instance_id)
+
+    def fail_all(self, why: str) -> None:
+        """The node left: every request it holds fails with `why`, its instances are gone."""
+        for inst in list(self._instances.values()):
+            self._lose_instance(inst, why)
 
     def abort(self, request_id: str, why: str) -> None:
         """Ask the agent to end the request (its `done` event, failed, ends it here)."""
@@ -286,6 +325,7 @@ class AgentNode(ClusterNode):
             if m.get("state") == "ready":
                 inst.loaded = True
                 inst.idle_since = now
+                self._settled(inst, True)
                 if self.on_loaded is not None:
                     self.on_loaded(inst.instance_id)
             else:
@@ -293,6 +333,7 @@ class AgentNode(ClusterNode):
 
     def _lose_instance(self, inst: MirroredInstance, why: str) -> None:
         self._instances.pop(inst.instance_id, None)
+        self._settled(inst, False)
         for rid in list(inst.requests):
             self._end_here(rid, Outcome.FAILED, why)
         if self.on_instance_gone is not None:
@@ -311,7 +352,9 @@ class AgentNode(ClusterNode):
         why = f"node agent {agent.node_id} went down ({reason})"
         for inst in list(self._instances.values()):
             self._lose_instance(inst, why)
-        self.stats = {}
+        self.stats = self._previous = {}
+        if self.on_down is not None:
+            self.on_down(self)
 
     @staticmethod
     def _now() -> float:

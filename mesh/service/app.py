@@ -169,7 +169,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent, detect_local_nodes
     from mesh.runtime.node import NodeSpec
     from mesh.service.demo import ensure_demo, ready_line
-    from mesh.service.placement import LocalPlacement, PlacementSettings
+    from mesh.service.placement import ClusterPlacement, PlacementSettings
     from mesh.service.weights_plane import WeightsPlane, WeightsSettings
 
     loop = asyncio.get_running_loop()
@@ -192,7 +192,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     # Where registered models can be: uploads and node copies (data folder), --allowed-dir, the demo cache.
     roots = (str(data_dir), *([str(config.allowed_dir)] if config.allowed_dir else []), str(models_dir()))
     settings = PlacementSettings(
-        keep_alive_s=config.keep_alive_s,
+        policy=config.policy, cold_start_s=config.cold_start_s, keep_alive_s=config.keep_alive_s,
         profile_dir=str(config.profile_dir) if config.profile_dir else None,
         agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
                             weights_root=str(data_dir / "nodes"), weights_token=weights_token,
@@ -212,7 +212,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     def weights(agents: dict) -> WeightsPlane:  # host copies: up to each node's memory budget, on its disk
         return WeightsPlane(agents, WeightsSettings(plan=config.weights_plan, token=weights_token))
 
-    placement = LocalPlacement(nodes, settings, agent_factory=make_agent, weights=weights)
+    placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights)
     membership = autoscaler = None
     if config.ray is not None:
         from mesh.cluster.ray_actor import AgentLaunch

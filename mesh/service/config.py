@@ -12,7 +12,13 @@ Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir,
 max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, ray, ray_autoscale, weights_plan,
 drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
-deadlines.
+deadlines, policy, cold_start_s.
+
+`policy` (default `mesh`): the cluster dispatcher's placement policy, one of those `mesh
+replay` evaluates (mesh.runtime.policies): mesh, sllm, sllm+cpu, mesh-no-share, mesh-no-cpu,
+mesh-no-defrag. `cold_start_s` (default 7.5, the demo model measured on a 2-core node): the
+start-up of a new instance besides moving its weights, which validation counts in a
+request's TTFT.
 
 `deadlines` (default `pace`): when a request's tokens after the first are due on the node
 agents the service starts (mesh.policy.slo.DeadlineRule): `pace` from the first token, so
@@ -68,6 +74,8 @@ class ServeConfig:
     quota_requests_per_s: float | None = None
     quota_burst: int | None = None  # None: one second of quota_requests_per_s
     deadlines: str = "pace"  # deadline rule of the local agents: pace or eq1 (mesh.policy.slo)
+    policy: str = "mesh"  # the dispatcher's placement policy (mesh.runtime.policies)
+    cold_start_s: float = 7.5  # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart)
 
     @property
     def default_quota(self) -> Quota:
@@ -157,6 +165,12 @@ def _check(c: ServeConfig) -> None:
         c.deadlines = DeadlineRule.parse(c.deadlines).value
     except ValueError as exc:
         raise ConfigError(f"deadlines: {exc}") from None
+    from mesh.runtime.policies import POLICIES
+
+    if c.policy not in POLICIES:
+        raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")
+    if isinstance(c.cold_start_s, bool) or not isinstance(c.cold_start_s, (int, float)) or c.cold_start_s < 0:
+        raise ConfigError(f"cold_start_s must be a number of seconds >= 0, got {c.cold_start_s!r}")
     if c.weights_plan not in ("naive", "chain", "binomial"):
         raise ConfigError(f"weights_plan must be naive, chain or binomial, got {c.weights_plan!r}")
     if c.cpu_memory_gb is not None and c.cpu_memory_gb <= 0:

@@ -81,9 +81,12 @@ def context_too_long(prompt_tokens: int, window: int, param: str) -> ApiError:
                     "invalid_request_error", param, "context_length_exceeded")
 
 
-def overloaded(reason: str) -> ApiError:
+def overloaded(reason: str, retry_after_s: float = 1.0) -> ApiError:
+    """A request the dispatcher turned away (its SLO could not be met in time, the queue was
+    full or it waited too long); Retry-After: when it may do better (a cold start's end)."""
     return ApiError(429, f"The service could not place this request in time for its SLO ({reason}). "
-                    "Retry later.", "rate_limit_error", None, "slo_unattainable", {"Retry-After": "1"})
+                    "Retry later.", "rate_limit_error", None, "slo_unattainable",
+                    {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 
 
 def over_quota(quota: str, message: str, status: int, retry_after_s: float | None = None) -> ApiError:
