@@ -55,14 +55,14 @@ class RayAutoscaler:
         requests waiting refused."""
         now = asyncio.get_running_loop().time()
         view = {n["node_id"]: n for n in self.placement.view()["nodes"]}
-        refused = sum(1 for q in self.placement._queues.values() for w in q if w.tried)
+        refused = self.placement.waiting()
         out = []
         for ray_id, node in self.membership.nodes.items():
             if node.released:
                 continue
             mine = [view[m] for m in node.agents if m in view]
             instances = sum(len(n["instances"]) for n in mine)
-            requests = sum(int(n["running"]) + int(n["admission_queue"]) for n in mine)
+            requests = sum(int(n["running"]) + int(n["queue_length"]) for n in mine)
             if instances or requests:
                 self._idle_since.pop(ray_id, None)
                 idle = 0.0

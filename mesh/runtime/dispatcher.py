@@ -342,7 +342,7 @@ class Dispatcher:
         if req.request_id in self._waiting:  # ended while waiting (aborted)
             self.queue.remove(req.request_id)
             self._forget_waiting(req.request_id)
-        if req.node_id is not None:
+        if req.node_id is not None and req.node_id in self.cluster.node_seq:  # (not a node that left)
             node = self.cluster.node(req.node_id)
             loop = asyncio.get_running_loop()
             loop.call_soon(self.cluster.note_idle, node)

@@ -202,11 +202,11 @@ class ClusterPlacement:
         """A node left (its machine died or was removed): its streams end with an error event,
         its instances are gone and its copies leave the parameter pool; /admin/cluster no
         longer lists it."""
-        node = self.cluster.remove_node(node_id)
-        if node is None:
+        if node_id not in self.cluster.node_seq:
             return
+        self.cluster.node(node_id).fail_all(f"node {node_id} left the cluster ({reason})")
+        node: AgentNode = self.cluster.remove_node(node_id)  # type: ignore[assignment]
         del self.agents[node_id]
-        node.fail_all(f"node {node_id} left the cluster ({reason})")
         for model in [m for m in self._models.values() if m.front == node_id]:
             self._models.pop(model.record.uid, None)  # described again on another node
         if self.weights is not None:
