@@ -13,7 +13,6 @@ import aiohttp
 import pytest
 from aiohttp.test_utils import TestServer
 
-import mesh.service.placement as placement_module
 from agent_doubles import InProcessAgent, use_simulated_engines
 from mesh.policy.quota import (
     Quota,
@@ -113,7 +112,7 @@ class Api:
 async def _serve(tmp_path: Path, allowed: Path, **config: Any) -> tuple[Api, Any]:
     cfg = ServeConfig(admin_token=ADMIN, metrics_token=METRICS, allowed_dir=allowed, data_dir=tmp_path, **config)
     registry = Registry(tmp_path / "registry.sqlite3")
-    placement = ClusterPlacement([NodeSpec("cpu-0", "cpu", 10**10)], PlacementSettings(), agent_factory=InProcessAgent)
+    placement = ClusterPlacement([NodeSpec("cpu-0", "cpu", 10**10)], PlacementSettings(cold_start_s=0.0), agent_factory=InProcessAgent)
     service = Service(cfg, registry, placement, ServiceMetrics(placement.view), tmp_path)
     service.idle.set()
     await placement.start()
@@ -133,7 +132,6 @@ async def _serve(tmp_path: Path, allowed: Path, **config: Any) -> tuple[Api, Any
 @pytest.fixture
 def simulated(monkeypatch):
     use_simulated_engines(monkeypatch)
-    monkeypatch.setattr(placement_module, "HOUSEKEEPING_S", 0.1)
 
 
 def test_registration_quotas_name_the_quota_while_another_tenant_registers(simulated, tmp_path, demo_gguf):

@@ -80,6 +80,7 @@ class AgentNode(ClusterNode):
         self.on_down: Callable[["AgentNode"], None] | None = None  # the agent went down
         self.on_admitted: Callable[[ServedRequest], None] | None = None  # a request now runs here
         self.on_instance_stopped: Callable[[str, str], None] | None = None  # (model, instance) unloaded or lost
+        self.last_start_error = ""  # why the last instance start failed (for the operator)
         self.busy_fraction = 0.0  # of the last stats interval, the node's engines were stepping
         self._previous: dict[str, Any] = {}
         self._load_waiters: dict[str, list[asyncio.Future]] = {}
@@ -214,6 +215,7 @@ class AgentNode(ClusterNode):
         except Exception as exc:  # noqa: BLE001 - weights not placed, memory, engine: not started
             self._instances.pop(plan.instance_id, None)
             log.warning("starting %s on %s failed: %s", plan.instance_id, self.node_id, exc)
+            self.last_start_error = str(exc)
             return False
         self._budget_bytes += int(reply.get("weight_bytes", plan.weight_bytes))
         return True

@@ -386,10 +386,11 @@ class ClusterPlacement:
             if not node.up:
                 return {"node": node_id, "ok": False, "error": f"node agent {node_id} is {node.agent.state}"}
             running = [r for r in self.cluster.instances_of(record.uid) if r.node is node]
+            node.last_start_error = ""
             ref = running[0] if running else await self.cluster.start_instance(self.cluster.plan(record.uid, node), node)
             if ref is None:
-                return {"node": node_id, "ok": False, "error": f"node {node_id} could not start it (memory, or its "
-                                                               "weights did not arrive): see the server log"}
+                why = node.last_start_error or "its memory budget is full"
+                return {"node": node_id, "ok": False, "error": f"node {node_id} could not start it: {why}"}
             ready = await node.wait_loaded(ref.instance_id, self.settings.start_timeout_s)
             if not ready:
                 return {"node": node_id, "ok": False, "error": f"instance {ref.instance_id} failed to load"}
