@@ -68,7 +68,10 @@ class Server:
             return -9
 
     def client(self, key: str | None = None, **kw: Any) -> Any:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or self.key, max_retries=0, timeout=180, **kw)
+        # Retries honour Retry-After: a request for a cold model is turned away (its cold start
+        # counts in its TTFT, LLM-Mesh 4) with the time its instance needs, as OpenAI clients expect.
+        kw.setdefault("max_retries", 3)
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=key or self.key, timeout=180, **kw)
 
     def http(self, method: str, path: str, body: Any = None, token: str | None = None,
              raw: bytes | None = None, headers: dict | None = None) -> tuple[int, Any]:

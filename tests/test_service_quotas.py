@@ -214,6 +214,11 @@ def test_request_quotas_give_429_naming_the_quota_while_another_tenant_is_served
             status, text, _ = await api.call("GET", "/metrics", METRICS)
             assert status == 200
             assert 'mesh_requests_total{model="m",outcome="over_quota",tenant="a"} 2.0' in text
+            # the dispatcher placed every request it was given (one CPU node), none waits now
+            placed = sum(float(line.split()[-1]) for line in text.splitlines()
+                         if line.startswith('mesh_dispatcher_placements_total{kind="cpu"}'))
+            assert placed >= 7 and "mesh_dispatcher_preemptions_total 0.0" in text
+            assert "mesh_dispatcher_waiting_requests{" not in text
         finally:
             await close()
 

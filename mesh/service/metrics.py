@@ -8,8 +8,10 @@ Per node (label node), read from the placement's view at scrape time: agent up, 
 instances, queue length, running requests, KV bytes in use, memory budget and use, busy
 fraction; the weights plane's host copies and bytes received. Per instance (labels node,
 instance): the iteration-time factors the agent learnt against the profile, the profile's
-drift (largest deviation over grid regions) and the learnt shadow-validation margin. HTTP responses by route and
-status.
+drift (largest deviation over grid regions) and the learnt shadow-validation margin. The
+cluster dispatcher (`mesh_dispatcher_*`): waiting requests per tenant, placements by node
+kind, preemptions, moved requests, evictions rescheduled, new, warm-up and recycled
+instances, rejections and failures by reason. HTTP responses by route and status.
 
 `usage(tenant)` reads one tenant's figures back from the same counters (GET /v1/usage): what
 a tenant sees of itself is exactly what the operator scrapes, recorded once. The figures live
@@ -21,7 +23,7 @@ from collections import defaultdict
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
@@ -29,13 +31,46 @@ TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
+def _dispatcher_families(d: dict[str, Any] | None) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    """The cluster dispatcher's counts (ClusterPlacement.view()["dispatcher"])."""
+    if not d:
+        return
+    waiting = GaugeMetricFamily("mesh_dispatcher_waiting_requests", "requests in the dispatcher's waiting queue, "
+                                "per tenant", labels=["tenant"])
+    for tenant, n in sorted(d["waiting_by_tenant"].items()):
+        waiting.add_metric([tenant], float(n))
+    yield waiting
+    placed = CounterMetricFamily("mesh_dispatcher_placements", "requests placed, by the kind of node they "
+                                 "first ran on", labels=["kind"])
+    for kind, n in sorted(d["placed_by_kind"].items()):
+        placed.add_metric([kind], float(n))
+    yield placed
+    for key, doc in (("preemptions", "instances preempted to make room (LLM-Mesh 7.1)"),
+                     ("moved_requests", "running requests moved by preemption, their streams resumed elsewhere"),
+                     ("evictions_rescheduled", "requests evicted by a node's memory subsystem (6.4) and placed again"),
+                     ("new_instances", "instances the policy started"),
+                     ("warm_ups", "instances started for a request their cold start could not serve in time"),
+                     ("instances_recycled", "instances unloaded after their keep-alive")):
+        c = CounterMetricFamily(f"mesh_dispatcher_{key}", doc)
+        c.add_metric([], float(d[key]))
+        yield c
+    for key, doc in (("rejected", "requests turned away before they ran, by reason"),
+                     ("failed", "requests that failed after they were placed, by reason")):
+        c = CounterMetricFamily(f"mesh_dispatcher_{key}", doc, labels=["reason"])
+        for reason, n in sorted(d[key].items()):
+            c.add_metric([reason], float(n))
+        yield c
+
+
 class _ClusterCollector(Collector):
     def __init__(self, view: Callable[[], dict[str, Any]], attainment: Callable[[], dict[tuple[str, str], float]]) -> None:
         self.view = view
         self.attainment = attainment
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
-        nodes = self.view().get("nodes", [])
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        view = self.view()
+        nodes = view.get("nodes", [])
+        yield from _dispatcher_families(view.get("dispatcher"))
 
         def family(name: str, doc: str, value: Callable[[dict], float]) -> GaugeMetricFamily:
             g = GaugeMetricFamily(name, doc, labels=["node"])
@@ -81,7 +116,7 @@ class _ClusterCollector(Collector):
         yield factor
         yield drift
         yield margin
-        models = (self.view().get("weights") or {}).get("models", {}).values()
+        models = (view.get("weights") or {}).get("models", {}).values()
         copies = GaugeMetricFamily("mesh_node_weights_host_copies", "models whose weights the node holds "
                                    "(parameter pool host copies)", labels=["node"])
         received = GaugeMetricFamily("mesh_node_weights_received_bytes", "model bytes the node received by "
