@@ -77,7 +77,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl = p.add_argument_group("cluster")
     cl.add_argument("--policies", default=None,
                     help=f"comma-separated, from: {', '.join(POLICIES)} (default: {DEFAULT_POLICIES}; with --live, the "
-                         "policies the live run is simulated under: mesh)")
+                         "policies the live run is simulated under besides the one the service runs)")
     cl.add_argument("--cpu-nodes", type=int, default=4, help="CPU nodes (default: 4)")
     cl.add_argument("--gpu-nodes", type=int, default=4, help="GPU nodes (default: 4)")
     cl.add_argument("--cpu-memory-gib", type=float, default=256.0, help="memory of a CPU node for instances (default: %(default)s)")

@@ -35,7 +35,6 @@ BASE = "smollm2-135m"  # the base model name of every replica (one model file, o
 LIVE_LENGTH_SCALE = 8.0  # the trace's lengths / 8 suit a 135M model on a small CPU (as `mesh bench fidelity`)
 LIVE_KEEP_ALIVE_S = 60.0  # the service's default (mesh.service.placement.PlacementSettings)
 LIVE_COLD_START_S = 7.5  # measured: the demo model starts in 7.0-7.9 s on a 2-core node (docs/evaluation.md)
-LIVE_DEFAULT_POLICY = "mesh"
 
 
 def _model_shape(path: Path) -> tuple[int, int, int]:
@@ -85,7 +84,7 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
         if not model_path.is_file():
             raise ValueError(f"--model-path {model_path}: no such file (a GGUF file the service can load)")
         weight_bytes, kv_per_token, window = _model_shape(model_path)
-        policies = [p.strip() for p in (args.policies or LIVE_DEFAULT_POLICY).split(",") if p.strip()]
+        policies = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
         for name in policies:
             policy_spec(name)
         workload, queue_timeout_s = workload_for(args, {BASE: window}, {BASE: 1.0}, LIVE_LENGTH_SCALE)
@@ -101,6 +100,8 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
     config = LiveConfig(args.live, token, model_path, progress=not args.no_progress, context_length=window)
     try:
         shape = asyncio.run(cluster_shape(args.live, token))
+        # the twin of the policy the service runs, then any others asked for
+        policies = [shape.policy, *(p for p in policies if p != shape.policy)]
         # the twin first: it needs only the service's nodes, and a policy that cannot run
         # on them fails here, not after minutes of live traffic
         simulated = {p: _simulate(args, workload, shape, catalog, queue_timeout_s, p) for p in policies}
@@ -114,7 +115,7 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
     except aiohttp.ClientError as exc:
         print(f"mesh replay --live: error: cannot reach the service at {args.live}: {exc}", file=sys.stderr)
         return 1
-    results = {"live": request_figures(live.requests, live.usage, live.duration_s)}
+    results = {f"live ({shape.policy})": request_figures(live.requests, live.usage, live.duration_s)}
     for p, figures in simulated.items():
         results[f"simulated ({p})"] = figures
     print(table(results))
@@ -123,9 +124,9 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
         print(f"live: {len(failed)} requests not served; the first: {failed[0]}", file=sys.stderr)
     if args.json:
         sims = {p: json_ready(m) for p, m in simulated.items()}
-        out = {"live": {**json_ready(results["live"]), "wall_s": live.wall_s, "tenant": live.tenant,
-                        "nodes": live.nodes},
-               "simulated": sims[policies[0]], "simulated_by_policy": sims,
+        out = {"live": {**json_ready(results[f"live ({shape.policy})"]), "policy": shape.policy, "wall_s": live.wall_s,
+                        "tenant": live.tenant, "nodes": live.nodes},
+               "simulated": sims[shape.policy], "simulated_by_policy": sims,
                "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,
                           "model_path": str(model_path), "workload": d, "length_scale": scale,
                           "context_window": window, "cold_start_s": args.cold_start_s,

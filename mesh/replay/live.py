@@ -195,6 +195,7 @@ class ClusterShape:
 
     kinds: dict[str, str]  # node id -> kind
     memory: dict[str, int]  # kind -> the smallest node's memory for instances
+    policy: str = "mesh"  # the placement policy the service runs (`mesh serve --policy`)
 
     def counts(self) -> tuple[int, int]:
         """(CPU nodes, GPU nodes)."""
@@ -208,7 +209,8 @@ async def _shape(svc: _Service) -> ClusterShape:
     for n in view["nodes"]:
         cap = int(n["memory"]["capacity_bytes"])
         memory[n["kind"]] = min(memory.get(n["kind"], cap), cap)
-    return ClusterShape({n["node_id"]: n["kind"] for n in view["nodes"]}, memory)
+    return ClusterShape({n["node_id"]: n["kind"] for n in view["nodes"]}, memory,
+                        (view.get("dispatcher") or {}).get("policy", "mesh"))
 
 
 async def cluster_shape(url: str, admin_token: str) -> ClusterShape:
