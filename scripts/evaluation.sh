@@ -3,7 +3,7 @@
 # Figure 13 ablations, the Figure 14 mixes, and a queue-rule sensitivity run.
 #   scripts/evaluation.sh            # everything (about 30-40 min on 2 cores)
 #   scripts/evaluation.sh fig13      # one part: fig12 | fig13 | fig14 | sensitivity | seeds | pace | capacity | live | figures
-# (`live` runs a real service on this machine and is not part of `all`: about 15 min)
+# (`live` runs a real service on this machine and is not part of `all`: about 30 min)
 # JSON goes to docs/eval/, PNG figures to docs/figures/. Every run uses the shared Azure
 # traces (../shared/data), seed 0, 30 minutes, 4 CPU + 4 GPU nodes, the defaults of
 # `mesh replay` otherwise (0.1 rps per function, queue timeout 30 s, noise 5%).
@@ -75,13 +75,20 @@ run_pace() {
 
 run_live() {
   # The live replay (docs/evaluation.md, "Live replay"): a real `mesh serve` with two CPU
-  # agents and the vLLM-on-CPU agent on this machine, the trace through its OpenAI API,
-  # beside the same requests simulated under mesh and sllm+cpu.
-  local data port=8765 token
+  # agents and the vLLM-on-CPU agent on this machine under each policy in turn, the trace
+  # through its OpenAI API, beside the same requests simulated under mesh and sllm+cpu.
+  local policy
+  for policy in mesh sllm+cpu; do
+    live_under "$policy"
+  done
+}
+
+live_under() {
+  local policy=$1 data port=8765 token pid seed
   data=$(mktemp -d) token=$(python -c "import secrets; print(secrets.token_hex(16))")
   MESH_ADMIN_TOKEN=$token python -m mesh serve --port $port --data-dir "$data" --cpu-nodes 2 --vllm-cpu \
-    > "$data/serve.log" 2>&1 &
-  local pid=$!
+    --policy "$policy" > "$data/serve.log" 2>&1 &
+  pid=$!
   trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$data"' RETURN
   until grep -q "ready url=" "$data/serve.log"; do
     kill -0 $pid 2>/dev/null || { cat "$data/serve.log" >&2; return 1; }
@@ -89,7 +96,8 @@ run_live() {
   done
   for seed in 0 1; do
     MESH_ADMIN_TOKEN=$token python -m mesh replay --no-progress --live "http://127.0.0.1:$port" --functions 4 \
-      --minutes 5 --target-rps 0.4 --seed $seed --policies mesh,sllm+cpu --json "$EVAL/live_f4_m5_s$seed.json"
+      --minutes 5 --target-rps 0.4 --seed $seed --policies mesh,sllm+cpu \
+      --json "$EVAL/live_${policy/+/-}_f4_m5_s$seed.json"
   done
 }
 

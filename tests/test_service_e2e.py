@@ -342,10 +342,11 @@ def test_prompt_over_the_context_window_and_unplaceable_requests(server):
     with pytest.raises(openai.BadRequestError) as e:
         c.completions.create(model="strict", prompt="word " * 200, max_tokens=2)
     assert e.value.body["code"] == "context_length_exceeded" and "64" in e.value.body["message"]
-    # A 1 ms TTFT SLO cannot be met: the scheduler refuses to place it (429), it is not queued forever.
+    # A 1 ms TTFT SLO cannot be met: the dispatcher turns it away (429), it is not queued forever.
     with pytest.raises(openai.RateLimitError) as e:
-        c.completions.create(model="strict", prompt="Hello", max_tokens=2)
-    assert e.value.body["code"] == "slo_unattainable"
+        server.client(key, max_retries=0).completions.create(model="strict", prompt="Hello", max_tokens=2)
+    assert e.value.body["code"] == "slo_unattainable" and "cannot meet its SLO" in e.value.body["message"]
+    assert int(e.value.response.headers["Retry-After"]) >= 1
     metrics = server.http("GET", "/metrics", token=ADMIN)[1]
     assert 'mesh_requests_total{model="strict",outcome="rejected",tenant="frank"} 1.0' in metrics
     usage = server.http("GET", "/v1/usage", token=key)[1]["data"]
@@ -389,6 +390,7 @@ def test_live_replay_sends_the_trace_and_simulates_the_same_requests(server, tmp
 
 
 def test_metrics_and_cluster_view(server):
+    server.client().completions.create(model="demo/smollm2", prompt="Hello", max_tokens=4)  # an instance serving
     assert server.http("GET", "/metrics", token=server.key)[0] == 401  # a tenant's key does not open it
     metrics = server.http("GET", "/metrics", token=ADMIN)[1]
     for name in ("mesh_ttft_seconds_bucket", "mesh_tpot_seconds_bucket", "mesh_slo_attainment", "mesh_node_queue_length",

@@ -124,7 +124,7 @@ def test_dead_agent_fails_running_and_new_requests():
         with pytest.raises(ApiError) as e:
             async for _ in running.events():
                 pass
-        assert e.value.status == 503 and "went down" in e.value.message
+        assert e.value.status == 503 and "died" in e.value.message
         with pytest.raises(ApiError) as e:  # it waited for a node until its SLO could not be met
             await queued
         assert e.value.status == 429

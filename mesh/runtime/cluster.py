@@ -235,14 +235,6 @@ class Cluster:
         if slo is not None:
             self._slo[model] = slo
 
-    def remove_model(self, model: str) -> None:
-        """Requests no longer name `model`; its running instances stay until recycled."""
-        base = self.models.pop(model, None)
-        self._mean_output.pop(model, None)
-        self._slo.pop(model, None)
-        if base is not None and base not in self.models.values():
-            self.catalog.pop(base, None)
-
     def slo_of(self, model: str) -> SLO:
         return self._slo.get(model, self.config.slo)
 

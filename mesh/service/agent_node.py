@@ -351,7 +351,7 @@ class AgentNode(ClusterNode):
             self.on_change()
 
     def _agent_down(self, agent: AgentHandle, reason: str) -> None:
-        why = f"node agent {agent.node_id} went down ({reason})"
+        why = f"node agent {agent.node_id} died ({reason}); it is being restarted"
         for inst in list(self._instances.values()):
             self._lose_instance(inst, why)
         self.stats = self._previous = {}

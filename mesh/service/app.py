@@ -263,8 +263,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         registry.close()
         return 1
     host, port = runner.addresses[0][:2]
-    if demo_model is not None:
-        loop.create_task(placement.preload(demo_model))
+    if demo_model is not None:  # ready means the demo answers at once (its cold start is behind us)
+        await placement.preload(demo_model, wait=True)
     scheme = "https" if tls is not None else "http"
     ready(ready_line(f"{scheme}://{host}:{port}", demo_key, demo_model.name if demo_model else None))
     sys.stdout.flush()

@@ -342,8 +342,8 @@ class ClusterPlacement:
             log.warning("placing the first host copy of %s/%s failed: %s", model.tenant, model.name, exc)
 
     async def forget_model(self, model_uid: str) -> None:
+        # The cluster keeps the model's spec: requests for it still in flight are planned with it.
         self._models.pop(model_uid, None)
-        self.cluster.remove_model(model_uid)
         for ref in list(self.cluster.instances_of(model_uid)):
             if not ref.requests:
                 await self.cluster.stop_instance(ref)
@@ -351,9 +351,10 @@ class ClusterPlacement:
         if self.weights is not None:
             await self.weights.forget(model_uid)
 
-    async def preload(self, record: ModelRecord) -> None:
+    async def preload(self, record: ModelRecord, wait: bool = False) -> None:
         """Start an instance of `record` now on the first node a new instance of it would go
-        to (placement.new_instance_order): a warm start for the first request."""
+        to (placement.new_instance_order): a warm start for the first request. `wait`:
+        until it is loaded (or failed)."""
         try:
             await self._model(record)
         except ApiError as exc:
@@ -365,7 +366,10 @@ class ClusterPlacement:
                                      exclude=self.cluster.hosts(record.uid)):
             node = self.cluster.node(nv.node_id)
             if self.cluster.can_host(record.uid, node):
-                if await self.cluster.start_instance(self.cluster.plan(record.uid, node), node) is not None:
+                ref = await self.cluster.start_instance(self.cluster.plan(record.uid, node), node)
+                if ref is not None:
+                    if wait and not await ref.node.wait_loaded(ref.instance_id, self.settings.start_timeout_s):
+                        log.warning("preloading %s/%s: its instance did not load", record.tenant, record.name)
                     return
         log.warning("preloading %s/%s: no node can host it now", record.tenant, record.name)
 
