@@ -63,7 +63,6 @@ AgentFactory = Callable[..., AgentHandle]  # (spec, on_up, on_down, on_event, se
 class AgentNode(ClusterNode):
     def __init__(self, spec: NodeSpec, agent_factory: AgentFactory, settings: Any, load_spec: LoadSpecFor,
                  profile_for: ProfileFor = lambda _model: None, margin: float = DEFAULT_MARGIN) -> None:
-        self.spec = spec
         self.margin = margin
         self.agent = agent_factory(spec, self._agent_up, self._agent_down, self._agent_event, settings)
         self._load_spec = load_spec
@@ -86,6 +85,11 @@ class AgentNode(ClusterNode):
         self._load_waiters: dict[str, list[asyncio.Future]] = {}
 
     # -- state -----------------------------------------------------------------------------
+    @property
+    def spec(self) -> NodeSpec:
+        """The agent's: a remote agent's kind and memory come from its hello."""
+        return self.agent.spec
+
     @property
     def instances(self) -> Mapping[str, InstanceState]:
         return self._instances

@@ -46,6 +46,7 @@ from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
 from mesh.runtime.dispatcher import Dispatcher
 from mesh.runtime.node import InstancePlan, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
+from mesh.runtime.tasks import cancel_all
 from mesh.service.agent_node import AgentNode
 from mesh.service.errors import ApiError, bad_request, context_too_long, node_unavailable, overloaded
 from mesh.service.registry import ModelRecord
@@ -137,7 +138,7 @@ class ClusterPlacement:
         self._requests: dict[str, ServedRequest] = {}
         self._begin: dict[str, Callable[[ServedRequest], None]] = {}  # request -> its stream's start, until admitted
         self._how: dict[str, str] = {}  # instance -> where its weights came from
-        self.placed_by_kind: Counter[str] = Counter()  # requests by the kind of node that served their first token
+        self.placed_by_kind: Counter[str] = Counter()  # requests by the kind of node that first admitted them
         self._started = False
         self._tasks: set[asyncio.Task] = set()
 
@@ -154,9 +155,7 @@ class ClusterPlacement:
                 raise RuntimeError(f"node agent {node.node_id} did not start: {node.agent.last_error or 'timeout'}")
 
     async def stop(self) -> None:
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(list(self._tasks))
         await self.cluster.stop()
         if self.weights is not None:
             await self.weights.stop()
