@@ -383,14 +383,8 @@ class AgentServer:
         self._check_path(spec.path)
         key = (spec.engine, spec.path, spec.context_window)
         if key not in self.fronts:
-            def build() -> Any:
-                engine = make_engine(spec, lambda _exc: None)
-                if hasattr(engine, "encode_prompt"):  # a real engine: build its tokenizer now (seconds), not
-                    engine.encode_prompt("Mesh")      # during a request's TTFT
-                return engine
-
             try:
-                self.fronts[key] = await asyncio.to_thread(build)
+                self.fronts[key] = await asyncio.to_thread(make_engine, spec, lambda _exc: None)
             except EngineError as exc:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
         return self.fronts[key]

@@ -19,9 +19,14 @@ loop, never done re-entrantly inside the node.
 
 The nodes are `ClusterNode`s (mesh.runtime.cluster_node): simulated in-process nodes in a
 replay, node agents in the service; the dispatcher and the policies are the same for both.
-A placement is a coroutine (a node agent answers over its connection); decisions are taken
-one at a time (`_decide`), so each sees the effects of the one before. In a replay the
-nodes answer without suspending, so every decision is atomic in virtual time.
+A placement is a coroutine (a node agent answers over its connection); decisions for one
+model are taken one at a time (`_decide`), so each sees the effects of the one before. In a
+replay the nodes answer without suspending, so every decision is atomic in virtual time.
+Live, a decision waits for node round trips (an agent answers between two iterations), so
+decisions for different models run side by side rather than queue behind each other; the
+agents' own checks (validation and admission in one step, the memory budget at a start)
+keep two concurrent decisions from over-committing a node. `DispatchStats.decision_s`
+says how long decisions took.
 """
 from __future__ import annotations
 
@@ -102,6 +107,10 @@ class DispatchStats:
     rescheduled: int = 0  # handed back by a node (eviction) and placed again
     rejected: Counter = field(default_factory=Counter)  # reason -> count
     failed: Counter = field(default_factory=Counter)
+    decisions: int = 0  # placement decisions taken (a request placed, or found unplaceable for now)
+    decision_s: float = 0.0  # their summed duration: 0 in a replay, node round trips live
+    decision_max_s: float = 0.0
+    decision_wait_s: float = 0.0  # summed time requests waited for their turn to be decided
 
 
 class Dispatcher:
@@ -132,7 +141,7 @@ class Dispatcher:
         self._expiry_handle: asyncio.TimerHandle | None = None
         self._expiry_at: float | None = None
         self._draining = False  # a drain pass is running
-        self._decisions = asyncio.Lock()  # one placement decision at a time
+        self._decisions: dict[str, asyncio.Lock] = {}  # per model: one placement decision at a time
         self._tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None  # a policy that raised (a bug); replays re-raise it
         cluster.on_capacity = self.capacity_freed
@@ -183,7 +192,11 @@ class Dispatcher:
         request instead of losing it, and the error is kept for the replay to raise."""
         if req.outcome is not None:
             return False
-        async with self._decisions:
+        asked = self._now()
+        async with self._decisions.setdefault(req.model, asyncio.Lock()):
+            start = self._now()
+            if req.outcome is not None:  # ended (aborted, expired) while it waited for its turn
+                return False
             try:
                 return await self.policy.place(req, avoid)
             except Exception as exc:  # noqa: BLE001 - every request must still end
@@ -192,6 +205,13 @@ class Dispatcher:
                 self.stats.failed["placement error"] += 1
                 req.end(Outcome.FAILED, self._now(), f"failed: the placement raised {type(exc).__name__}: {exc}")
                 return False
+            finally:
+                took = self._now() - start
+                st = self.stats
+                st.decisions += 1
+                st.decision_s += took
+                st.decision_max_s = max(st.decision_max_s, took)
+                st.decision_wait_s += start - asked
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)

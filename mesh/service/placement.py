@@ -461,25 +461,32 @@ class ClusterPlacement:
         return stream
 
     async def _tokenize(self, model: _Model, job: Job) -> list[int]:
-        message: dict[str, Any] = {"t": "tokenize", "model": model.record.uid, "path": model.path,
-                                   "engine": ENGINE_OF_KIND[self.cluster.node(model.front).kind],
-                                   "context_window": model.record.context_length}
-        if job.messages is not None:
-            message["messages"] = job.messages
-        else:
-            message["prompt"] = job.prompt
-        agent = self.agents.get(model.front)
-        try:
-            if agent is None or agent.client is None:
-                raise AgentDown(f"node {model.front} is not connected")
-            reply = await agent.client.call(message, CALL_TIMEOUT_S)
-        except AgentCallError as exc:
-            raise bad_request(str(exc).replace(job.model.uid, job.model.name),
-                              "messages" if job.messages is not None else "prompt") from exc
-        except AgentDown as exc:
-            self._models.pop(model.record.uid, None)  # described again on a node that is up
-            raise node_unavailable(str(exc)) from exc
-        return [int(t) for t in reply["ids"]]
+        """On an agent with a loaded instance of the model (its engine's tokenizer is built),
+        else on the describing agent, which builds the tokenizer alone (once, seconds)."""
+        text = {"messages": job.messages} if job.messages is not None else {"prompt": job.prompt}
+        front = {"t": "tokenize", "model": model.record.uid, "path": model.path,
+                 "engine": ENGINE_OF_KIND[self.cluster.node(model.front).kind],
+                 "context_window": model.record.context_length, **text}
+        ready = [r for r in self.cluster.instances_of(model.record.uid) if r.node.up and r.inst.loaded]
+        tries = [(r.node.node_id, {"t": "tokenize", "instance_id": r.instance_id, **text}) for r in ready[:1]]
+        for node_id, message in [*tries, (model.front, front)]:
+            agent = self.agents.get(node_id)
+            try:
+                if agent is None or agent.client is None:
+                    raise AgentDown(f"node {node_id} is not connected")
+                reply = await agent.client.call(message, CALL_TIMEOUT_S)
+            except AgentCallError as exc:
+                if exc.code in (Code.NO_INSTANCE.value, Code.NOT_READY.value):
+                    continue  # the instance left meanwhile: the describing agent tokenizes
+                raise bad_request(str(exc).replace(job.model.uid, job.model.name),
+                                  "messages" if job.messages is not None else "prompt") from exc
+            except AgentDown as exc:
+                if node_id != model.front:
+                    continue
+                self._models.pop(model.record.uid, None)  # described again on a node that is up
+                raise node_unavailable(str(exc)) from exc
+            return [int(t) for t in reply["ids"]]
+        raise node_unavailable(f"node {model.front} cannot tokenize for {job.model.name}")
 
     def _admitted(self, req: ServedRequest) -> None:
         begin = self._begin.pop(req.request_id, None)
@@ -552,6 +559,9 @@ class ClusterPlacement:
                 "evictions_rescheduled": d.stats.rescheduled, "new_instances": d.policy.stats.new_instances,
                 "warm_ups": d.policy.stats.warm_ups, "instances_recycled": self.cluster.instances_recycled,
                 "rejected": dict(d.stats.rejected), "failed": dict(d.stats.failed),
+                "decisions": d.stats.decisions, "decision_s_mean": d.stats.decision_s / max(1, d.stats.decisions),
+                "decision_s_max": d.stats.decision_max_s,
+                "decision_wait_s_mean": d.stats.decision_wait_s / max(1, d.stats.decisions),
             },
         }
 
