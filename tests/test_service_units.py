@@ -368,6 +368,9 @@ def test_adaptive_times_learn_and_clamp():
         t.observe(IterationKind.PREFILL, 1.0, 1000.0)
     assert t.prefill_factor == t.max_factor
     t.observe(IterationKind.PREFILL, 0.0, 1.0)  # ignored
+    fresh = AdaptiveTimes(DefaultCpuTimes(), prefill_alpha=0.4)
+    fresh.observe(IterationKind.PREFILL, 0.1, 5.0, tokens=300)  # one iteration that compiled a shape: 50x
+    assert fresh.prefill_factor == pytest.approx(2.0 ** 0.4) and fresh.prefill_regions[8] == pytest.approx(2.0 ** 0.4)
     assert DefaultCpuTimes.for_weights(10 * 98_362_432).scale == pytest.approx(10)
 
 

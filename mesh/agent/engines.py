@@ -72,7 +72,10 @@ class AdaptiveTimes:
     `decode_factor`, learnt from every iteration of that kind), so the model is refined
     where the node runs and falls back to the whole-instance correction elsewhere. A machine
     busier or faster than the profile's stays predicted within a few iterations while one
-    slow outlier moves it little. `drift()` summarises how far the profile is off.
+    slow outlier moves it little: an observation's ratio counts at most `max_step` times (or
+    1/`max_step`) the prediction, so an iteration that compiled a new shape (seconds, on a
+    fresh instance) cannot throw the factor to its clamp; sustained slowness still gets
+    there, a few iterations later. `drift()` summarises how far the profile is off.
 
     The learnt margin (`margin`): once `margin_after` iterations were observed, the
     `margin_quantile` of actual/predicted over the last `margin_window` iterations, minus 1,
@@ -83,8 +86,9 @@ class AdaptiveTimes:
     def __init__(self, base: IterationTimes, alpha: float = 0.2, prefill_alpha: float = 0.4,
                  min_factor: float = 0.25, max_factor: float = 8.0, *, margin_quantile: float = 0.95,
                  margin_window: int = 256, margin_after: int = 32, min_margin: float = 0.05,
-                 max_margin: float = 0.5) -> None:
+                 max_margin: float = 0.5, max_step: float = 2.0) -> None:
         self.base = base
+        self.max_step = max_step
         self.alpha = alpha
         self.prefill_alpha = prefill_alpha  # prefills are rarer than decodes: learn faster
         self.min_factor, self.max_factor = min_factor, max_factor
@@ -126,6 +130,7 @@ class AdaptiveTimes:
         if self.observed >= self.margin_after and (self._margin is None or self.observed % MARGIN_EVERY == 0):
             q = float(np.quantile(np.fromiter(self._ratios, float), self.margin_quantile)) - 1.0
             self._margin = min(self.max_margin, max(self.min_margin, q))
+        ratio = min(self.max_step, max(1.0 / self.max_step, ratio))  # for the factors; the margin sees it whole
         if kind is IterationKind.PREFILL:
             if tokens >= 1:
                 cell = self._cell(tokens)
