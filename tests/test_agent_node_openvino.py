@@ -27,11 +27,6 @@ SLO_LOOSE = SLO(ttft_min_s=120.0, tpot_s=5.0)  # this test is about tokens, not 
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow and say one thing about each."}]
 
 
-@pytest.mark.xfail(strict=False, reason=(
-    "seen failing on 2026-11-24 at every commit back to 74ef0a6: after the move the resumed request is "
-    "re-prefilled (prompt + 12 produced tokens) and greedy decoding diverges at token 15; the likely cause is "
-    "numeric (bf16 compute, u8 KV cache on CPU: a recomputed prefill is not bit-equal to incremental decode). "
-    "Open in issue 11."))
 def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf):
     from engines.openvino_engine import OpenVINOEngine
 

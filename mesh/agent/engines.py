@@ -219,8 +219,9 @@ def _openvino_engine_class() -> type:
 
 def _make_openvino(spec: InstanceSpec, on_loaded: LoadCallback) -> Any:
     cls = _openvino_engine_class()
+    properties = {"KV_CACHE_PRECISION": spec.kv_cache_precision} if spec.kv_cache_precision else None
     engine = cls(spec.path, model_name=spec.model, context_window=spec.context_window,
-                 max_num_seqs=spec.max_num_seqs)
+                 max_num_seqs=spec.max_num_seqs, properties=properties)
     engine.on_loaded = on_loaded
     return engine
 

@@ -15,7 +15,8 @@ Control -> agent (see docs/service.md for every field):
     hello      {token, protocol}             -> {node_id, kind, memory_bytes, cpu, pid, instances,
                                                  weights: {address, dir} | null}
     ping       {}                            -> {}
-    load       {instance_id, model, path, context_window, slo, max_num_seqs, profile, engine, expected_load_s}
+    load       {instance_id, model, path, context_window, slo, max_num_seqs, profile, engine, expected_load_s,
+                kv_cache_precision}
                                              -> {} (issued; an `instance` event follows)
     unload     {instance_id}                 -> {}
     tokenize   {instance_id | (model, path, engine, context_window), prompt | messages} -> {ids}
@@ -151,6 +152,13 @@ class InstanceSpec:
     profile: str | None = None  # a calibration profile file for the iteration times
     engine: str = "openvino"  # "openvino" (CPU); "vllm" comes with GPU agents (issue 6)
     expected_load_s: float | None = None  # the dispatcher's predicted cold start (None: the agent's default)
+    # OpenVINO's KV cache element type. f16 (not the CPU default u8) makes a moved or preempted
+    # greedy stream, recomputed elsewhere from prompt + produced tokens, continue exactly as it
+    # would have: u8 keys are quantized per channel per 32-token block, so a block filled by one
+    # prefill holds other values than the same block filled token by token (docs/design.md).
+    # Costs 1.7x the KV bytes of u8 (23,040 vs 13,680 per token for the demo model). None or
+    # "u8": the plugin's default.
+    kv_cache_precision: str | None = "f16"
 
     def to_message(self) -> dict[str, Any]:
         return {"t": "load", **asdict(self)}
@@ -164,6 +172,7 @@ class InstanceSpec:
                 slo=dict(m.get("slo") or slo_to_dict(SLO())), max_num_seqs=int(m.get("max_num_seqs", 64)),
                 profile=m.get("profile"), engine=str(m.get("engine", "openvino")),
                 expected_load_s=None if m.get("expected_load_s") is None else float(m["expected_load_s"]),
+                kv_cache_precision=m.get("kv_cache_precision", "f16"),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad load message: {exc}") from exc
