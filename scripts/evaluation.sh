@@ -89,7 +89,8 @@ live_under() {
   MESH_ADMIN_TOKEN=$token python -m mesh serve --port $port --data-dir "$data" --cpu-nodes 2 --vllm-cpu \
     --policy "$policy" > "$data/serve.log" 2>&1 &
   pid=$!
-  trap 'kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf "$data"' RETURN
+  # expanded now: the trap also fires when the caller returns, after these locals are gone
+  trap "kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf '$data'; trap - RETURN" RETURN
   until grep -q "ready url=" "$data/serve.log"; do
     kill -0 $pid 2>/dev/null || { cat "$data/serve.log" >&2; return 1; }
     sleep 2
