@@ -63,8 +63,9 @@ def wait(pred, timeout: float = 120.0) -> bool:
 
 async def main() -> int:
     # A stand-in placement: node "a" runs an instance and a request, one more request waits refused.
-    view = {"nodes": [{"node_id": "m-a", "instances": [{}], "running": 1, "admission_queue": 1}]}
-    placement = SimpleNamespace(view=lambda: view, _queues={"m-a": [SimpleNamespace(tried=True)]})
+    view = {"nodes": [{"node_id": "m-a", "instances": [{}], "running": 1, "queue_length": 1}]}
+    waiting = [1]  # requests waiting in the dispatcher's queue
+    placement = SimpleNamespace(view=lambda: view, waiting=lambda: waiting[0])
     membership = SimpleNamespace(nodes={"ray-a": SimpleNamespace(released=False, agents={"m-a": None})}, alive={})
     scaler = RayAutoscaler(placement, membership, idle_release_s=0.0)
     t0 = time.monotonic()
@@ -72,8 +73,8 @@ async def main() -> int:
     grew = wait(lambda: workers() >= decision.wanted)
     print(f"in use 1 + refused requests: wanted {decision.wanted}; the cluster has {workers()} worker nodes "
           f"after {time.monotonic() - t0:.0f} s ({'ok' if grew else 'NOT grown'})", flush=True)
-    view["nodes"][0].update(instances=[], running=0, admission_queue=0)  # packed elsewhere: nothing in use
-    placement._queues["m-a"] = []
+    view["nodes"][0].update(instances=[], running=0, queue_length=0)  # packed elsewhere: nothing in use
+    waiting[0] = 0
     t0 = time.monotonic()
     decision = await scaler.step()
     shrank = wait(lambda: workers() <= decision.wanted)
