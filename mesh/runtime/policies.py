@@ -115,6 +115,20 @@ class Policy:
     async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
         raise NotImplementedError
 
+    async def prestart(self, model: str) -> InstanceRef | None:
+        """Start an instance of `model` holding no request (a warm start, e.g. the service's
+        demo model) on the first node a new instance of it would go to
+        (placement.new_instance_order) that can host it; None if no node can now."""
+        views = self.cluster.node_views()
+        for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share,
+                                     exclude=self.cluster.hosts(model)):
+            node = self.cluster.node(nv.node_id)
+            if self.cluster.can_host(model, node):
+                ref = await self.cluster.start_instance(self.cluster.plan(model, node), node)
+                if ref is not None:
+                    return ref
+        return None
+
 
 @dataclass
 class MeshPolicy(Policy):

@@ -81,7 +81,6 @@ class AgentNode(ClusterNode):
         self.on_instance_stopped: Callable[[str, str], None] | None = None  # (model, instance) unloaded or lost
         self.last_start_error = ""  # why the last instance start failed (for the operator)
         self.busy_fraction = 0.0  # of the last stats interval, the node's engines were stepping
-        self._previous: dict[str, Any] = {}
         self._load_waiters: dict[str, list[asyncio.Future]] = {}
 
     # -- state -----------------------------------------------------------------------------
@@ -136,10 +135,10 @@ class AgentNode(ClusterNode):
             stats = await self.agent.client.call({"t": "stats"}, CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError):
             return
-        prev = self._previous
+        prev = self.stats
         if prev and stats.get("uptime_s", 0) > prev.get("uptime_s", 0):
             self.busy_fraction = min(1.0, (stats["busy_s"] - prev["busy_s"]) / (stats["uptime_s"] - prev["uptime_s"]))
-        self._previous = self.stats = stats
+        self.stats = stats
         self._budget_bytes = int(stats.get("memory", {}).get("budget_bytes", self._budget_bytes))
 
     # -- verbs -------------------------------------------------------------------------------
@@ -358,7 +357,7 @@ class AgentNode(ClusterNode):
         why = f"node agent {agent.node_id} died ({reason}); it is being restarted"
         for inst in list(self._instances.values()):
             self._lose_instance(inst, why)
-        self.stats = self._previous = {}
+        self.stats = {}
         if self.on_down is not None:
             self.on_down(self)
 

@@ -40,7 +40,7 @@ from mesh.agent.client import AgentCallError, AgentDown
 from mesh.agent.engines import prior_profile
 from mesh.agent.protocol import Code, InstanceSpec, slo_to_dict
 from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent
-from mesh.policy.placement import CPU, GPU, ColdStart, new_instance_order
+from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
 from mesh.runtime.dispatcher import Dispatcher
@@ -218,12 +218,6 @@ class ClusterPlacement:
             self.weights.node_down(node.node_id)
 
     # ---- models --------------------------------------------------------------------------------
-    @staticmethod
-    def _kind_of(record: ModelRecord) -> str:
-        """The node kind that runs the model's format: Hugging Face folders on GPU nodes
-        (vLLM), GGUF and OpenVINO IR on CPU nodes (OpenVINO)."""
-        return record.node_kind
-
     async def _model(self, record: ModelRecord) -> _Model:
         """The model in the cluster, described on first use (once, however many ask)."""
         known = self._models.get(record.uid)
@@ -244,7 +238,7 @@ class ClusterPlacement:
 
     def _up_nodes(self, record: ModelRecord) -> list[AgentNode]:
         """The nodes up that can run the model; a 503 (400 for a kind this server lacks) if none."""
-        kind = self._kind_of(record)
+        kind = record.node_kind
         nodes = [n for n in self._nodes() if n.kind == kind and n.up]
         if not nodes:
             if kind == GPU and not any(n.kind == GPU for n in self._nodes()):
@@ -255,9 +249,9 @@ class ClusterPlacement:
         return nodes
 
     async def _describe(self, record: ModelRecord) -> _Model:
-        kind = self._kind_of(record)
+        kind = record.node_kind
         node = sorted(self._up_nodes(record), key=lambda n: n.agent.remote)[0]  # a local agent reads the registry's path
-        path = await self._path_on(record, node)
+        path, _ = await self._copy_on(record, node)
         try:
             shape = await node.agent.client.call(
                 {"t": "describe", "model": record.uid, "path": path, "engine": ENGINE_OF_KIND[kind],
@@ -295,26 +289,22 @@ class ClusterPlacement:
         candidate = Path(self.settings.profile_dir) / f"{model_uid}.json"
         return str(candidate) if candidate.is_file() else None
 
-    async def _path_on(self, record: ModelRecord, node: AgentNode) -> str:
-        """The model's weights as `node` sees them: its own copy (multicast there first if
-        needed) or, without a weights plane, the registry's path."""
+    async def _copy_on(self, record: ModelRecord, node: AgentNode) -> tuple[str, str]:
+        """The model's weights as `node` sees them and how they got there: its own copy
+        (multicast there first if needed) or, without a weights plane, the registry's path."""
         if self.weights is None or not self.weights.carries(record):
-            return record.path
+            return record.path, "registry path"
         try:
-            return (await self.weights.copy_on(record, node.node_id)).path
+            copy = await self.weights.copy_on(record, node.node_id)
         except WeightsError as exc:
             raise ApiError(503, f"The model's weights could not reach node {node.node_id}: {exc}", "server_error",
                            "model", "weights_unavailable") from exc
+        return copy.path, copy.how
 
     async def _load_spec(self, plan: InstancePlan, node: AgentNode) -> InstanceSpec:
         """How `node`'s agent loads the planned instance (the dispatcher chose the node)."""
-        model = self._models[plan.model]
-        record = model.record
-        path, how = record.path, "registry path"
-        if self.weights is not None and self.weights.carries(record):
-            copy = await self.weights.copy_on(record, node.node_id)
-            path, how = copy.path, copy.how
-        self._how[plan.instance_id] = how
+        record = self._models[plan.model].record
+        path, self._how[plan.instance_id] = await self._copy_on(record, node)
         return InstanceSpec(plan.instance_id, record.uid, path, record.context_length, slo_to_dict(record.slo),
                             self.settings.max_num_seqs, self._profile_for(record.uid), ENGINE_OF_KIND[node.kind])
 
@@ -351,26 +341,19 @@ class ClusterPlacement:
             await self.weights.forget(model_uid)
 
     async def preload(self, record: ModelRecord, wait: bool = False) -> None:
-        """Start an instance of `record` now on the first node a new instance of it would go
-        to (placement.new_instance_order): a warm start for the first request. `wait`:
-        until it is loaded (or failed)."""
+        """Start an instance of `record` now where the policy would start a new one
+        (`Policy.prestart`): a warm start for the first request. `wait`: until it is loaded
+        (or failed)."""
         try:
             await self._model(record)
         except ApiError as exc:
             log.warning("preloading %s/%s failed: %s", record.tenant, record.name, exc.message)
             return
-        policy = self.dispatcher.policy
-        views = self.cluster.node_views()
-        for nv in new_instance_order(views, policy.kinds, exclusive=not policy.spec.share,
-                                     exclude=self.cluster.hosts(record.uid)):
-            node = self.cluster.node(nv.node_id)
-            if self.cluster.can_host(record.uid, node):
-                ref = await self.cluster.start_instance(self.cluster.plan(record.uid, node), node)
-                if ref is not None:
-                    if wait and not await ref.node.wait_loaded(ref.instance_id, self.settings.start_timeout_s):
-                        log.warning("preloading %s/%s: its instance did not load", record.tenant, record.name)
-                    return
-        log.warning("preloading %s/%s: no node can host it now", record.tenant, record.name)
+        ref = await self.dispatcher.policy.prestart(record.uid)
+        if ref is None:
+            log.warning("preloading %s/%s: no node can host it now", record.tenant, record.name)
+        elif wait and not await ref.node.wait_loaded(ref.instance_id, self.settings.start_timeout_s):
+            log.warning("preloading %s/%s: its instance did not load", record.tenant, record.name)
 
     async def scale_out(self, record: ModelRecord, nodes: list[str]) -> dict[str, Any]:
         """Start `record` on each of `nodes` at once (their weights go in one multicast);
@@ -378,7 +361,7 @@ class ClusterPlacement:
         unknown = [n for n in nodes if n not in self.agents]
         if unknown:
             raise bad_request(f"unknown nodes {unknown}; this server's nodes: {sorted(self.agents)}", "nodes")
-        kind = self._kind_of(record)
+        kind = record.node_kind
         wrong = [n for n in nodes if self.cluster.node(n).kind != kind]
         if wrong:
             raise bad_request(f"nodes {wrong} are not {kind.upper()} nodes, which this model needs", "nodes")
