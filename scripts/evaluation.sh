@@ -77,14 +77,17 @@ run_live() {
   # The live replay (docs/evaluation.md, "Live replay"): a real `mesh serve` with two CPU
   # agents and the vLLM-on-CPU agent on this machine under each policy in turn, the trace
   # through its OpenAI API, beside the same requests simulated under mesh and sllm+cpu.
-  local policy
-  for policy in mesh sllm+cpu; do
-    live_under "$policy"
+  # A fresh service per run: no instance, learnt time factor or cache outlives its trace.
+  local policy seed
+  for seed in 0 1; do
+    for policy in mesh sllm+cpu; do
+      live_under "$policy" "$seed"
+    done
   done
 }
 
 live_under() {
-  local policy=$1 data port=8765 token pid seed
+  local policy=$1 seed=$2 data port=8765 token pid
   data=$(mktemp -d) token=$(python -c "import secrets; print(secrets.token_hex(16))")
   MESH_ADMIN_TOKEN=$token python -m mesh serve --port $port --data-dir "$data" --cpu-nodes 2 --vllm-cpu \
     --policy "$policy" > "$data/serve.log" 2>&1 &
@@ -95,11 +98,9 @@ live_under() {
     kill -0 $pid 2>/dev/null || { cat "$data/serve.log" >&2; return 1; }
     sleep 2
   done
-  for seed in 0 1; do
-    MESH_ADMIN_TOKEN=$token python -m mesh replay --no-progress --live "http://127.0.0.1:$port" --functions 4 \
-      --minutes 5 --target-rps 0.4 --seed $seed --policies mesh,sllm+cpu \
-      --json "$EVAL/live_${policy/+/-}_f4_m5_s$seed.json"
-  done
+  MESH_ADMIN_TOKEN=$token python -m mesh replay --no-progress --live "http://127.0.0.1:$port" --functions 4 \
+    --minutes 5 --target-rps 0.4 --seed "$seed" --policies mesh,sllm+cpu \
+    --json "$EVAL/live_${policy/+/-}_f4_m5_s$seed.json"
 }
 
 run_capacity() {

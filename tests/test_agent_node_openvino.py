@@ -1,8 +1,9 @@
 """Two real node agent processes with the real OpenVINO engine and the demo model, driven
 by the replay's Dispatcher and Mesh policy through AgentNode: a running greedy stream taken
-off one node (the step a preemption or an eviction takes, 7.1, 6.4) and placed again by the
-dispatcher resumes on the other node, prompt plus produced tokens recomputed there, and its
-tokens and text are exactly those of a stream that never moved."""
+off one node (the step a preemption or an eviction takes, 7.1, 6.4), or preempted by the
+policy itself to make room for another model's request, resumes on the other node, prompt
+plus produced tokens recomputed there, and its tokens and text are exactly those of a
+stream that never moved."""
 from __future__ import annotations
 
 import asyncio
@@ -11,8 +12,10 @@ import pytest
 
 from engines.protocol import EngineRequest, Sampling
 from mesh.agent.engines import prior_profile
+from mesh.agent.server import MEAN_OUTPUT_PRIOR
 from mesh.agent.protocol import InstanceSpec
 from mesh.agent.supervisor import AgentSettings, LocalAgent
+from mesh.policy.kv_demand import DEFAULT_WATERMARK, kv_require_bytes, recommend_bytes
 from mesh.policy.slo import SLO
 from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
 from mesh.runtime.dispatcher import Dispatcher
@@ -92,3 +95,96 @@ def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf)
     assert got_ids == ref_ids  # nothing lost, repeated or reordered
     assert "".join(got_text) == "".join(ref_text)
     assert moved.tokens_out == still.tokens_out
+
+
+def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_output(demo_gguf):
+    """Proactive preemption (7.1) chosen by MeshPolicy on real agents. cpu0 runs X (model m,
+    two streams) and Y (model n, one stream) and has memory for exactly that (the weights and
+    the KV sizes its memory subsystem gives them, Eq. 2 and the watermark, computed below with
+    the same functions). A third request for m needs X's cache to grow: it fails validation
+    on X, validates with Y preempted, and Y's stream validates on a new instance on cpu1. So
+    the dispatcher preempts Y: its stream is recomputed on cpu1 and goes on, and its tokens
+    are those of the same request run alone there afterwards."""
+    from engines.openvino_engine import OpenVINOEngine
+
+    window = 256
+    shape = OpenVINOEngine(demo_gguf, context_window=window, properties={"KV_CACHE_PRECISION": "f16"})
+    ids = shape.encode_chat(QUESTION)
+    k, w = shape.kv_bytes_per_token, shape.weight_bytes
+
+    def size(streams: int) -> int:  # an instance's bytes for `streams` requests of `ids` (6.1, 6.2)
+        kv = recommend_bytes(kv_require_bytes(k, [(len(ids), 0)] * streams, MEAN_OUTPUT_PRIOR, window),
+                             DEFAULT_WATERMARK)
+        return w + max(kv, recommend_bytes(kv_require_bytes(k, [], MEAN_OUTPUT_PRIOR, window), DEFAULT_WATERMARK))
+
+    cpu0 = size(2) + size(1) + k  # X with two streams and Y with one, and one token to spare
+    require3 = w + kv_require_bytes(k, [(len(ids), 0)] * 3, MEAN_OUTPUT_PRIOR, window)
+    assert require3 + size(1) > cpu0 and require3 <= cpu0, "the demo model's sizes no longer set up this test"
+
+    async def load_spec(plan, node) -> InstanceSpec:
+        return InstanceSpec(plan.instance_id, plan.model, str(demo_gguf), window, max_num_seqs=8)
+
+    async def main():
+        settings = AgentSettings(models_roots=(str(demo_gguf.parent),))
+        nodes = [AgentNode(NodeSpec("cpu0", "cpu", cpu0), LocalAgent, settings, load_spec),
+                 AgentNode(NodeSpec("cpu1", "cpu", 4 * GIB), LocalAgent, settings, load_spec)]
+        profile = prior_profile("smol", "cpu", w, k, window)
+        cluster = Cluster(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE,
+                                        keep_alive_s=600.0),  # X and Y wait idle for their requests
+                          {"smol": ModelSpec("smol", {"cpu": profile})}, {"m": "smol", "n": "smol"},
+                          {"smol": float(MEAN_OUTPUT_PRIOR)}, nodes=nodes)
+        d = Dispatcher.for_policy(cluster, "mesh")
+        await cluster.start()
+        for n in nodes:
+            assert await n.agent.wait_up(60), n.agent.last_error
+        a, b = nodes
+        out: dict[str, list[int]] = {}
+
+        def collect(req, tokens, texts):
+            out.setdefault(req.request_id, []).extend(tokens or ())
+
+        def request(rid: str, model: str) -> ServedRequest:
+            return ServedRequest(EngineRequest(rid, len(ids), Sampling(max_tokens=160, temperature=0.0), list(ids)),
+                                 model, asyncio.get_running_loop().time(), SLO_LOOSE, on_output=collect)
+
+        async def until(cond, limit_s: float = 120.0) -> None:
+            for _ in range(int(limit_s / 0.02)):
+                if cond():
+                    return
+                await asyncio.sleep(0.02)
+            raise AssertionError("condition not reached")
+
+        async def instance(model: str, node) -> str:
+            ref = await cluster.start_instance(cluster.plan(model, node), node)
+            assert ref is not None, node.last_start_error
+            assert await node.wait_loaded(ref.instance_id, 120)
+            return ref.instance_id
+
+        x, y = await instance("m", a), await instance("n", a)
+        first = [request(f"m{i}", "m") for i in range(2)]
+        moved = request("n0", "n")
+        for r in first:
+            assert (await a.try_admit(x, r)).ok
+        assert (await a.try_admit(y, moved)).ok
+        await until(lambda: moved.tokens_out >= 8)
+        r = request("r", "m")
+        assert not (await a.validate(x, r)).ok  # X's cache cannot grow beside Y
+        assert (await a.validate(x, r, exclude=[y])).ok  # it can with Y gone
+        d.submit(r)
+        await until(lambda: moved.node_id == "cpu1" or moved.outcome is not None)
+        preempted_at = len(out["n0"])
+        await until(lambda: all(q.outcome is not None for q in [*first, moved, r]))
+        alone = request("alone", "n")  # the reference: the same request, never moved, on cpu1
+        d.submit(alone)
+        await until(lambda: alone.outcome is not None)
+        await cluster.stop()
+        return d, first, moved, r, alone, out, preempted_at, x, y
+
+    d, first, moved, r, alone, out, preempted_at, x, y = asyncio.run(main())
+    assert d.policy.stats.preemptions == 1, (d.policy.stats, r.attempts)
+    assert any(f"preempted by {x}" in note for note in moved.attempts), moved.attempts
+    for q in [*first, moved, r, alone]:
+        assert q.outcome is Outcome.COMPLETED, (q.request_id, q.outcome, q.detail)
+    assert moved.node_id == alone.node_id == "cpu1" and moved.instance_id != y
+    assert 8 <= preempted_at < len(out["n0"])  # it moved mid-stream
+    assert out["n0"] == out["alone"]  # nothing lost, repeated or reordered

@@ -38,10 +38,12 @@ LIVE_COLD_START_S = 7.5  # measured: the demo model starts in 7.0-7.9 s on a 2-c
 
 
 def _model_shape(path: Path) -> tuple[int, int, int]:
-    """(weight bytes, KV bytes per token, context window as registered) of the model file."""
-    from engines.openvino_engine import OpenVINOEngine
+    """(weight bytes, KV bytes per token, context window as registered) of the model file,
+    read from the engine a CPU agent builds for it (its KV cache precision included)."""
+    from mesh.agent.engines import make_engine
+    from mesh.agent.protocol import InstanceSpec
 
-    engine = OpenVINOEngine(path)  # reads the shape; loads nothing
+    engine = make_engine(InstanceSpec("twin", BASE, str(path)), lambda _exc: None)  # reads the shape; loads nothing
     return engine.weight_bytes, engine.kv_bytes_per_token, min(engine.context_window, DEFAULT_CONTEXT_CAP)
 
 
