@@ -48,13 +48,13 @@ import logging
 import math
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 from engines.chat import PromptEncoder
 from engines.detokenize import Detokenizer, StopMatcher
 from engines.model_shape import ModelShape, kv_bytes_per_token, shape_from_config, shape_from_gguf
 from engines.protocol import (
-    checked_prompt_ids,
+    checked_request,
     engine_limits,
     EngineError,
     EngineRequest,
@@ -302,11 +302,9 @@ class OpenVINOEngine:
         rid = request.request_id
         if rid in self._live:
             raise EngineError(f"request id {rid!r} is already running on {self.model_name}; use unique ids")
-        ids = checked_prompt_ids(request, model_name=self.model_name, context_window=self.context_window,
-                                 vocab_size=self.source.vocab_size)
+        ids = checked_request(request, model_name=self.model_name, context_window=self.context_window,
+                              vocab_size=self.source.vocab_size)
         sampling = request.sampling
-        if sampling.max_tokens < 1:
-            raise EngineError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
         max_tokens = min(sampling.max_tokens, self.context_window - len(ids))  # fits the window
         pipe_id = next(self._ids)
         config = self._generation_config(sampling, max_tokens, seed=pipe_id)
@@ -465,8 +463,7 @@ class OpenVINOEngine:
 
     def kv_bytes_in_use(self) -> int:
         """KV bytes the live requests hold now, in whole blocks (see the module docstring)."""
-        blocks = sum(math.ceil(r.kv_tokens / self.block_size) for r in self._live.values())
-        return blocks * self.block_size * self.kv_bytes_per_token
+        return kv_bytes_held((r.kv_tokens for r in self._live.values()), self.block_size, self.kv_bytes_per_token)
 
     def kv_bytes_allocated(self) -> int:
         """Bytes the pipeline's KV cache holds (grows on demand, never shrinks; 0 if unloaded)."""
@@ -486,6 +483,13 @@ class OpenVINOEngine:
 
             self._standalone_encoder = PromptEncoder(ov_genai.Tokenizer(str(self.source.path)))
         return self._standalone_encoder
+
+
+def kv_bytes_held(kv_tokens: Iterable[int], block_size: int, kv_bytes_per_token: int) -> int:
+    """KV bytes of requests holding `kv_tokens` tokens each, in whole blocks. A request with
+    P prompt and G >= 1 generated tokens holds P + G - 1 (its newest token's K/V is
+    computed at the next step)."""
+    return sum(math.ceil(t / block_size) for t in kv_tokens) * block_size * kv_bytes_per_token
 
 
 def _kv_precisions(device: str, properties: Mapping[str, Any]) -> tuple[str, str]:

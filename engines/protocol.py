@@ -178,6 +178,20 @@ def checked_prompt_ids(request: EngineRequest, *, model_name: str, context_windo
     return ids
 
 
+def checked_request(request: EngineRequest, *, model_name: str, context_window: int,
+                    vocab_size: int | None) -> list[int]:
+    """`checked_prompt_ids`, and sampling a real engine can run: max_tokens >= 1,
+    temperature >= 0, 0 < top_p <= 1. Returns the prompt's token ids."""
+    ids = checked_prompt_ids(request, model_name=model_name, context_window=context_window, vocab_size=vocab_size)
+    sampling = request.sampling
+    if sampling.max_tokens < 1:
+        raise EngineError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
+    if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+        raise EngineError(f"need temperature >= 0 and 0 < top_p <= 1, got temperature={sampling.temperature}, "
+                          f"top_p={sampling.top_p}")
+    return ids
+
+
 @runtime_checkable
 class Engine(Protocol):
     """One model instance on one node."""

@@ -55,30 +55,25 @@ import json
 import logging
 import math
 import os
-import socket
-import subprocess
 import sys
-import threading
-from collections import deque
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from engines.model_shape import ModelShape, shape_from_config
 from engines.protocol import (
-    checked_prompt_ids,
+    checked_request,
     engine_limits,
     EngineError,
     EngineRequest,
     FinishReason,
     IterationKind,
-    Sampling,
     StepResult,
 )
 from engines.vllm_core import CoreSettings
+from engines.worker_process import REPO_ROOT, WorkerConnection, keep_live, wait
 
 log = logging.getLogger(__name__)
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 VENV_DIR = REPO_ROOT / ".venv-vllm"
 BLOCK_SIZES = {"cpu": 128, "cuda": 16}  # vLLM's KV block size per device (0.32), until the build says
 DTYPE_BYTES = {"float32": 4, "float16": 2, "bfloat16": 2, "half": 2, "float": 4}
@@ -160,117 +155,6 @@ def parameter_bytes(config: Mapping[str, Any], dtype_bytes: int) -> int:
         return 0
 
 
-# ---- the worker connection ----------------------------------------------------------------
-
-class _Connection:
-    """A worker process and its two sockets; replies resolve futures in command order."""
-
-    def __init__(self, python: str, env: dict[str, str], log_path: Path) -> None:
-        from engines.vllm_worker import recv_msg, send_msg
-
-        self._send, self._recv = send_msg, recv_msg
-        parent_main, child_main = socket.socketpair()
-        parent_sync, child_sync = socket.socketpair()
-        log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.log_path = log_path
-        self._log = open(log_path, "ab")
-        try:
-            self.proc = subprocess.Popen(
-                [python, "-m", "engines.vllm_worker", "--fd", str(child_main.fileno()),
-                 "--sync-fd", str(child_sync.fileno())],
-                pass_fds=(child_main.fileno(), child_sync.fileno()), env=env, cwd=str(REPO_ROOT),
-                stdin=subprocess.DEVNULL, stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
-        except OSError as exc:
-            self._log.close()
-            raise EngineError(f"cannot start the vLLM worker with {python}: {exc}; {INSTALL_HINT}") from exc
-        finally:
-            child_main.close()
-            child_sync.close()
-        self.main, self.sync = parent_main, parent_sync
-        self._pending: deque[concurrent.futures.Future] = deque()
-        self._send_lock = threading.Lock()
-        self._sync_lock = threading.Lock()
-        self.dead: str | None = None
-        self._reader = threading.Thread(target=self._read, name=f"vllm-conn-{self.proc.pid}", daemon=True)
-        self._reader.start()
-
-    @property
-    def pid(self) -> int:
-        return self.proc.pid
-
-    def _read(self) -> None:
-        try:
-            while True:
-                reply = self._recv(self.main)
-                fut = self._pending.popleft()
-                if reply.get("ok"):
-                    fut.set_result(reply.get("value"))
-                else:
-                    fut.set_exception(EngineError(reply.get("error", "vLLM worker error")))
-        except (EOFError, OSError, IndexError) as exc:
-            self._fail(f"the vLLM worker (pid {self.proc.pid}) stopped ({type(exc).__name__})")
-
-    def _fail(self, why: str) -> None:
-        if self.dead is None:
-            self.dead = f"{why}; last lines of its log {self.log_path}:\n{self.log_tail()}"
-        while self._pending:
-            fut = self._pending.popleft()
-            if not fut.done():
-                fut.set_exception(EngineError(self.dead))
-
-    def log_tail(self, lines: int = 15) -> str:
-        try:
-            with open(self.log_path, "rb") as f:
-                f.seek(0, os.SEEK_END)
-                f.seek(max(0, f.tell() - 8192))
-                text = f.read().decode(errors="replace")
-            return "\n".join(text.splitlines()[-lines:])
-        except OSError:
-            return "(no log)"
-
-    def call(self, op: str, **fields: Any) -> concurrent.futures.Future:
-        """Send a command; the future gets its reply (EngineError for a failure)."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        if self.dead is not None:
-            fut.set_exception(EngineError(self.dead))
-            return fut
-        with self._send_lock:
-            self._pending.append(fut)
-            try:
-                self._send(self.main, {"op": op, **fields})
-            except OSError as exc:
-                self._fail(f"cannot reach the vLLM worker: {exc}")
-        return fut
-
-    def call_sync(self, op: str, **fields: Any) -> Any:
-        """A tokenizer call on the sync socket (answered by the worker while it steps)."""
-        if self.dead is not None:
-            raise EngineError(self.dead)
-        with self._sync_lock:
-            try:
-                self._send(self.sync, {"op": op, **fields})
-                reply = self._recv(self.sync)
-            except (EOFError, OSError) as exc:
-                raise EngineError(f"the vLLM worker's tokenizer is unreachable: {exc}") from exc
-        if not reply.get("ok"):
-            raise EngineError(reply.get("error", "tokenizer error"))
-        return reply.get("value")
-
-    def close(self, timeout: float = 30.0) -> None:
-        try:
-            self.main.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        for s in (self.main, self.sync):
-            s.close()
-        try:
-            self.proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait(10)
-        self._log.close()
-
-
 class _InProcess:
     """The same commands answered by a VLLMCore in this process (in_process=True)."""
 
@@ -322,12 +206,6 @@ class _InProcess:
         global _in_process_engines
         self.core.shutdown()
         _in_process_engines -= 1
-
-
-async def _wait(fut: concurrent.futures.Future) -> Any:
-    if fut.done():
-        return fut.result()
-    return await asyncio.wrap_future(fut)
 
 
 # ---- the engine ------------------------------------------------------------------------------
@@ -424,7 +302,7 @@ class VLLMEngine:
         self.facts: dict[str, Any] = {}
         self.last_resize: dict[str, Any] = {}
         self.vllm_kv_bytes_in_use = 0  # what vLLM's block pool said after the last step
-        self._conn: _Connection | _InProcess | None = None
+        self._conn: WorkerConnection | _InProcess | None = None
         self._prepared = False
         self._built = False
         self._live: dict[str, list[int]] = {}  # id -> [prompt_len, generated]
@@ -437,7 +315,7 @@ class VLLMEngine:
     def loaded(self) -> bool:
         return self._built
 
-    def _connection(self) -> _Connection | _InProcess:
+    def _connection(self) -> WorkerConnection | _InProcess:
         if self._conn is not None:
             if self._conn.dead is None:
                 return self._conn
@@ -455,7 +333,8 @@ class VLLMEngine:
         python = self.python or find_vllm_python()
         if python is None:
             raise EngineError(f"vLLM is not installed; {INSTALL_HINT}")
-        self._conn = _Connection(python, self._worker_env(), self._log_path())
+        self._conn = WorkerConnection("engines.vllm_worker", python, self._worker_env(), self._log_path(), name="vLLM",
+                                      sync=True, install_hint=INSTALL_HINT)
         self._conn.call("init", settings=self.settings.as_dict())
         return self._conn
 
@@ -498,7 +377,7 @@ class VLLMEngine:
         """Start the worker and import vLLM; build too if the KV size is known (docstring)."""
         try:
             if not self._prepared:
-                self.facts.update(await _wait(self._connection().call("prepare")))
+                self.facts.update(await wait(self._connection().call("prepare")))
                 self._prepared = True
             if self.kv_capacity_bytes is not None and not self._built:
                 await self._build(self.kv_capacity_bytes)
@@ -507,7 +386,7 @@ class VLLMEngine:
             raise
 
     async def _build(self, capacity_bytes: int) -> None:
-        facts = await _wait(self._connection().call("build", kv_bytes=self._kv_size(capacity_bytes)))
+        facts = await wait(self._connection().call("build", kv_bytes=self._kv_size(capacity_bytes)))
         self._apply_facts(facts)
         self._built = True
         self._notify(None)
@@ -554,7 +433,7 @@ class VLLMEngine:
             return
         if conn.dead is None:
             try:
-                await asyncio.wait_for(_wait(conn.call("shutdown")), timeout=60)
+                await asyncio.wait_for(wait(conn.call("shutdown")), timeout=60)
             except (EngineError, asyncio.TimeoutError):
                 pass
         await asyncio.to_thread(conn.close)
@@ -584,7 +463,7 @@ class VLLMEngine:
         if capacity_bytes // (self.block_size * self.kv_bytes_per_token) == self.num_blocks:
             self.last_resize = {"mode": "none", "blocks": self.num_blocks, "reran": 0, "seconds": 0.0}
             return
-        done = await _wait(self._connection().call("resize", kv_bytes=capacity_bytes, mode=self.resize_mode))
+        done = await wait(self._connection().call("resize", kv_bytes=capacity_bytes, mode=self.resize_mode))
         self.last_resize = {k: done[k] for k in ("mode", "blocks", "reran", "seconds") if k in done}
         self._apply_facts(done)
 
@@ -613,15 +492,9 @@ class VLLMEngine:
         rid = request.request_id
         if rid in self._live:
             raise EngineError(f"request id {rid!r} is already running on {self.model_name}; use unique ids")
-        ids = checked_prompt_ids(request, model_name=self.model_name, context_window=self.context_window,
-                                 vocab_size=self.vocab_size)
-        sampling = request.sampling
-        if sampling.max_tokens < 1:
-            raise EngineError(f"max_tokens must be at least 1, got {sampling.max_tokens}")
-        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
-            raise EngineError(f"need temperature >= 0 and 0 < top_p <= 1, got temperature={sampling.temperature}, "
-                              f"top_p={sampling.top_p}")
-        fut = self._connection().call("add", rid=rid, ids=ids, sampling=sampling)
+        ids = checked_request(request, model_name=self.model_name, context_window=self.context_window,
+                              vocab_size=self.vocab_size)
+        fut = self._connection().call("add", rid=rid, ids=ids, sampling=request.sampling)
         self._live[rid] = [len(ids), 0]
         self._gone.discard(rid)
         fut.add_done_callback(lambda f, rid=rid: self._add_done(rid, f))
@@ -658,7 +531,7 @@ class VLLMEngine:
                 return StepResult(IterationKind.DECODE, [], [], [], finished)
         if not self._live:
             raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
-        result, kv_in_use = await _wait(self._connection().call("step"))
+        result, kv_in_use = await wait(self._connection().call("step"))
         self.vllm_kv_bytes_in_use = int(kv_in_use)
         return self._filter(result)
 
@@ -672,20 +545,7 @@ class VLLMEngine:
 
     def _filter(self, result: StepResult) -> StepResult:
         """Drop what belongs to requests aborted while the step ran; count tokens."""
-        live = self._live
-        keep = [i for i, rid in enumerate(result.request_ids) if rid in live]
-        if len(keep) != len(result.request_ids):
-            result = StepResult(result.kind, [result.request_ids[i] for i in keep],
-                                [result.token_ids[i] for i in keep] if result.token_ids is not None else None,
-                                [result.texts[i] for i in keep] if result.texts is not None else None,
-                                {k: v for k, v in result.finished.items() if k in live})
-        elif any(rid not in live for rid in result.finished):
-            result.finished = {k: v for k, v in result.finished.items() if k in live}
-        for rid in result.request_ids:
-            live[rid][1] += 1
-        for rid in result.finished:
-            live.pop(rid, None)
-        return result
+        return keep_live(result, self._live)
 
     # ---- memory reports ------------------------------------------------------------------
 
@@ -702,7 +562,7 @@ class VLLMEngine:
 
     async def info(self) -> dict[str, Any]:
         """The worker's view: facts, vLLM's KV blocks in use, request lengths."""
-        return await _wait(self._connection().call("info"))
+        return await wait(self._connection().call("info"))
 
 
 _log_ids = itertools.count()

@@ -4,7 +4,7 @@
 
 Started by `engines.vllm_engine.VLLMEngine` with the interpreter that has vLLM (Mesh's
 own, or the separate `.venv-vllm`), with the two socket ends passed as inherited file
-descriptors. Messages are pickled dicts with a 4-byte big-endian length in front.
+descriptors (engines.worker_process: the wire and the command loop).
 
 - Main socket: commands executed one at a time, in order, by the main thread, each
   answered by one reply ({"ok": True, "value": ...} or {"ok": False, "error": message}):
@@ -23,108 +23,37 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import pickle
-import queue
 import socket
-import struct
 import sys
-import threading
-import traceback
 from typing import Any
 
-_LEN = struct.Struct("!I")
+from engines.worker_process import WorkerLoop
 
 
-def send_msg(sock: socket.socket, obj: Any) -> None:
-    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-    sock.sendall(_LEN.pack(len(data)) + data)
+class Worker(WorkerLoop):
+    """One VLLMCore: commands on the main socket, its tokenizer on the sync socket."""
 
+    log_name = "mesh.vllm_worker"
 
-def recv_msg(sock: socket.socket) -> Any:
-    """One message; EOFError when the other side closed the socket."""
-    header = _recv_exact(sock, _LEN.size)
-    return pickle.loads(_recv_exact(sock, _LEN.unpack(header)[0]))
-
-
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
-    chunks = []
-    while n:
-        chunk = sock.recv(min(n, 1 << 20))
-        if not chunk:
-            raise EOFError("socket closed")
-        chunks.append(chunk)
-        n -= len(chunk)
-    return b"".join(chunks)
-
-
-class Worker:
     def __init__(self, main: socket.socket, sync: socket.socket) -> None:
-        self.main = main
-        self.sync = sync
+        super().__init__(main, sync)
         self.core: Any = None
         self.settings: Any = None
-        self.commands: queue.Queue = queue.Queue()
+        self._tokenizer: Any = None
 
-    # the reader thread: commands into the queue, None at EOF
-    def _read_main(self) -> None:
-        try:
-            while True:
-                self.commands.put(recv_msg(self.main))
-        except (EOFError, OSError):
-            self.commands.put(None)
-
-    def _serve_sync(self) -> None:
+    def serve_sync(self, msg: dict[str, Any]) -> Any:
         from engines.vllm_core import encode_chat, encode_prompt, load_tokenizer
 
-        tokenizer = None
-        try:
-            while True:
-                msg = recv_msg(self.sync)
-                try:
-                    if tokenizer is None:
-                        tokenizer = load_tokenizer(msg["model_path"])
-                    op = msg["op"]
-                    if op == "encode_prompt":
-                        value: Any = encode_prompt(tokenizer, msg["text"])
-                    elif op == "encode_chat":
-                        value = encode_chat(tokenizer, msg["messages"])
-                    elif op == "decode":
-                        value = tokenizer.decode(list(msg["ids"]), skip_special_tokens=True)
-                    else:
-                        raise ValueError(f"unknown tokenizer call {op!r}")
-                    send_msg(self.sync, {"ok": True, "value": value})
-                except Exception as exc:  # noqa: BLE001 - every failure goes back as a message
-                    send_msg(self.sync, {"ok": False, "error": _describe(exc), "engine_error": _is_engine_error(exc)})
-        except (EOFError, OSError):
-            return
-
-    def run(self) -> int:
-        threading.Thread(target=self._read_main, name="vllm-worker-reader", daemon=True).start()
-        threading.Thread(target=self._serve_sync, name="vllm-worker-tokenizer", daemon=True).start()
-        while True:
-            msg = self.commands.get()
-            if msg is None:  # the parent is gone
-                self._shutdown()
-                return 0
-            op = msg.get("op")
-            try:
-                value = self.handle(op, msg)
-                reply = {"ok": True, "value": value}
-            except Exception as exc:  # noqa: BLE001
-                logging.getLogger("mesh.vllm_worker").debug("%s failed", op, exc_info=True)
-                reply = {"ok": False, "error": _describe(exc), "engine_error": _is_engine_error(exc)}
-            try:
-                send_msg(self.main, reply)
-            except OSError:
-                self._shutdown()
-                return 0
-            if op == "shutdown":
-                # the process ending frees the weights and the KV cache (and a GPU's context)
-                # at once; vLLM's own clean-up and the interpreter's teardown take seconds
-                _remove_dist_file()
-                sys.stdout.flush()
-                sys.stderr.flush()
-                os._exit(0)
+        if self._tokenizer is None:
+            self._tokenizer = load_tokenizer(msg["model_path"])
+        op = msg["op"]
+        if op == "encode_prompt":
+            return encode_prompt(self._tokenizer, msg["text"])
+        if op == "encode_chat":
+            return encode_chat(self._tokenizer, msg["messages"])
+        if op == "decode":
+            return self._tokenizer.decode(list(msg["ids"]), skip_special_tokens=True)
+        raise ValueError(f"unknown tokenizer call {op!r}")
 
     def handle(self, op: str, msg: dict[str, Any]) -> Any:
         from engines.vllm_core import CoreSettings, VLLMCore
@@ -161,10 +90,15 @@ class Worker:
             return None  # run() exits the process after the reply
         raise ValueError(f"unknown command {op!r}")
 
-    def _shutdown(self) -> None:
+    def on_parent_gone(self) -> None:
         if self.core is not None:
             self.core.shutdown()
             self.core = None
+
+    def before_exit(self) -> None:
+        # the process ending frees the weights and the KV cache (and a GPU's context) at
+        # once; vLLM's own clean-up and the interpreter's teardown take seconds
+        _remove_dist_file()
 
 
 def _remove_dist_file() -> None:
@@ -178,20 +112,6 @@ def _remove_dist_file() -> None:
             os.unlink(os.path.join(tempfile.gettempdir(), ident))
         except OSError:
             pass
-
-
-def _describe(exc: BaseException) -> str:
-    if _is_engine_error(exc):
-        return str(exc)
-    tb = traceback.extract_tb(exc.__traceback__)
-    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
-    return f"{type(exc).__name__}: {exc}{where}"
-
-
-def _is_engine_error(exc: BaseException) -> bool:
-    from engines.protocol import EngineError
-
-    return isinstance(exc, EngineError)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from mesh.agent.protocol import PROTOCOL_VERSION, Code, ProtocolError, encode_frame, read_frame
@@ -42,6 +43,26 @@ class AgentCallError(RuntimeError):
             return False
 
 
+@dataclass
+class CallTimes:
+    """Round trips of one kind of call: how long the agent took to answer, as seen here.
+    An agent answers between its engines' iterations, so this is what the cluster
+    dispatcher's decisions wait for (/admin/cluster shows it per node)."""
+
+    count: int = 0
+    total_s: float = 0.0
+    max_s: float = 0.0
+
+    def add(self, took_s: float) -> None:
+        self.count += 1
+        self.total_s += took_s
+        self.max_s = max(self.max_s, took_s)
+
+    def view(self) -> dict[str, float]:
+        return {"count": self.count, "mean_s": round(self.total_s / self.count, 4) if self.count else 0.0,
+                "max_s": round(self.max_s, 4)}
+
+
 class AgentClient:
     def __init__(
         self,
@@ -64,6 +85,7 @@ class AgentClient:
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
+        self.call_times: dict[str, CallTimes] = {}  # by message type
 
     @property
     def up(self) -> bool:
@@ -92,8 +114,10 @@ class AgentClient:
         if not self.up:
             raise AgentDown(f"agent {self.name} is down: {self.closed_reason or 'not connected'}")
         mid = next(self._ids)
-        future: asyncio.Future = asyncio.get_running_loop().create_future()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future = loop.create_future()
         self._pending[mid] = future
+        sent = loop.time()
         try:
             self._write({**message, "id": mid})
             reply = await (asyncio.wait_for(future, timeout_s) if timeout_s else future)
@@ -101,6 +125,7 @@ class AgentClient:
             raise AgentDown(f"agent {self.name} did not answer {message.get('t')} within {timeout_s:.1f} s") from exc
         finally:
             self._pending.pop(mid, None)
+        self.call_times.setdefault(str(message.get("t")), CallTimes()).add(loop.time() - sent)
         if not reply.get("ok"):
             raise AgentCallError(str(reply.get("code")), str(reply.get("error", "failed")), reply)
         return {k: v for k, v in reply.items() if k not in ("t", "re", "ok")}

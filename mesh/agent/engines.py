@@ -1,16 +1,12 @@
 """Engines in an agent: which engine serves an instance, and the iteration times the node's
 compute subsystem predicts for it.
 
-CPU agents run `OpenVINOEngine`. GPU agents (vLLM) come with issue 6: `make_engine` is the
-hook - an `InstanceSpec.engine` of "vllm" names the engine, and the GPU agent registers its
-factory in ENGINE_FACTORIES.
-
-Two adaptations for living in an agent process, both in `AgentOpenVINOEngine`:
-- `step()` yields to the event loop before each iteration. OpenVINO's `step()` blocks and
-  never awaits, so without the yield the node's token loop would never let the agent read
-  its connection (admissions, aborts, pings) while requests run.
-- `load()` reports its outcome to a callback, so the agent can tell the control service
-  when the instance is ready or failed.
+CPU agents run OpenVINO instances, each in its own worker process
+(`engines.openvino_process.OpenVINOProcessEngine`: OpenVINO's step holds the GIL, and in
+the agent's process it would hold up every admission, validation and ping for the whole
+iteration); GPU agents run vLLM instances, also each in a worker (`engines.vllm_engine`).
+`make_engine` picks the factory by `InstanceSpec.engine`. Both report the end of a load to
+a callback, so the agent can tell the control service when the instance is ready or failed.
 
 Iteration times: a calibration profile (issue 4, `calibration.profile`) when the load
 message names one; otherwise `DefaultCpuTimes`, a linear model fitted by hand to the demo
@@ -20,7 +16,6 @@ sees (the agent feeds it the node's iteration records).
 """
 from __future__ import annotations
 
-import asyncio
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -28,7 +23,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from engines.protocol import EngineError, IterationKind, StepResult
+from engines.protocol import EngineError, IterationKind
 from mesh.agent.protocol import InstanceSpec
 from mesh.policy.compute import IterationTimes
 
@@ -187,43 +182,14 @@ class AdaptiveTimes:
         return min(self.max_factor, max(self.min_factor, x))
 
 
-def _openvino_engine_class() -> type:
-    from engines.openvino_engine import OpenVINOEngine
-
-    class AgentOpenVINOEngine(OpenVINOEngine):
-        """OpenVINOEngine that yields after each step and reports its load (see module doc)."""
-
-        on_loaded: LoadCallback | None = None
-
-        async def load(self) -> None:
-            try:
-                await super().load()
-            except BaseException as exc:
-                if self.on_loaded is not None:
-                    self.on_loaded(exc)
-                raise
-            if self.on_loaded is not None:
-                self.on_loaded(None)
-
-        async def step(self) -> StepResult:
-            # Yield before the iteration, never between it and the runtime applying its
-            # result: an abort handled in between would leave the result naming a request
-            # the runtime no longer has.
-            await asyncio.sleep(0)  # let the agent read its connection between iterations
-            if not self.has_work():  # everything was aborted during the yield
-                return StepResult(IterationKind.DECODE, [], [], [], {})
-            return self.step_blocking()
-
-    return AgentOpenVINOEngine
-
-
 def _make_openvino(spec: InstanceSpec, on_loaded: LoadCallback) -> Any:
-    cls = _openvino_engine_class()
+    """An OpenVINO instance computing in its own worker process (engines.openvino_process):
+    the agent's event loop answers the dispatcher while the instance computes."""
+    from engines.openvino_process import OpenVINOProcessEngine
+
     properties = {"KV_CACHE_PRECISION": spec.kv_cache_precision} if spec.kv_cache_precision else None
-    engine = cls(spec.path, model_name=spec.model, context_window=spec.context_window,
-                 max_num_seqs=spec.max_num_seqs, properties=properties)
-    engine.on_loaded = on_loaded
-    return engine
+    return OpenVINOProcessEngine(spec.path, model_name=spec.model, context_window=spec.context_window,
+                                 max_num_seqs=spec.max_num_seqs, properties=properties, on_loaded=on_loaded)
 
 
 def _make_vllm(spec: InstanceSpec, on_loaded: LoadCallback) -> Any:

@@ -527,6 +527,7 @@ class ClusterPlacement:
                 "busy_fraction": node.busy_fraction, "queue_length": int(stats.get("queue_length", 0)),
                 "running": stats.get("running", 0), "kv_bytes_in_use": stats.get("kv_bytes_in_use", 0),
                 "iterations": stats.get("iterations", 0), "deadlines": stats.get("deadlines"),
+                "calls": {t: c.view() for t, c in sorted(agent.client.call_times.items())} if agent.client else {},
                 "instances": instances,
             })
         d = self.dispatcher

@@ -1,0 +1,209 @@
+"""`OpenVINOProcessEngine`: one OpenVINO instance computing in its own worker process
+(engines.openvino_worker), implementing engines.protocol.Engine.
+
+Why: OpenVINO's `step()` holds the Python GIL for the whole iteration (tens of
+milliseconds to seconds). In the node agent's process that stalls its event loop, so
+every call from the cluster dispatcher (admit, validate, take back, ping) waited for the
+iteration in flight: 0.23-0.26 s per admission on average and up to 3.8 s in a live
+replay (docs/evaluation.md). In a worker the agent answers at once while the instance
+computes, and `step()` is awaited.
+
+What stays here: the model's shape, the request checks and the tokenizer (an unloaded
+`OpenVINOEngine`, the "front", which builds its own tokenizer), the live requests and the
+KV figures of the last step (the protocol's reports are synchronous). Requests added or
+aborted are sent without waiting; the worker applies them in order before the next step,
+and a step's token for a request aborted meanwhile is dropped here (worker_process.keep_live).
+Unloading ends the worker process, which frees the weights and the KV cache at once.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Mapping, Sequence
+
+from engines.openvino_engine import OpenVINOEngine, kv_bytes_held
+from engines.protocol import EngineError, EngineRequest, FinishReason, IterationKind, StepResult, checked_request
+from engines.worker_process import REPO_ROOT, WorkerConnection, keep_live, wait
+
+log = logging.getLogger("engines.openvino_process")
+
+_log_ids = itertools.count()
+
+
+class OpenVINOProcessEngine:
+    """The same arguments and behaviour as OpenVINOEngine; the pipeline runs in a worker."""
+
+    blocks_event_loop = False  # step() awaits the worker
+
+    def __init__(self, model_path: str | Path, *, model_name: str | None = None, context_window: int | None = None,
+                 prefill_token_budget: int | None = None, max_num_seqs: int = 64, device: str = "CPU",
+                 properties: Mapping[str, Any] | None = None, kv_capacity_bytes: int | None = None,
+                 ignore_eos: bool = False, log_dir: str | Path | None = None,
+                 on_loaded: Callable[[BaseException | None], None] | None = None) -> None:
+        """log_dir: where the worker's output goes (default: Mesh's data folder, logs/).
+        on_loaded: called once the pipeline is built and warmed up (None) or failed (the
+        exception)."""
+        self._kwargs = dict(model_path=str(model_path), model_name=model_name, context_window=context_window,
+                            prefill_token_budget=prefill_token_budget, max_num_seqs=max_num_seqs, device=device,
+                            properties=dict(properties or {}), kv_capacity_bytes=kv_capacity_bytes,
+                            ignore_eos=ignore_eos)
+        self.front = OpenVINOEngine(**self._kwargs)  # reads the shape; loads nothing here
+        f = self.front
+        self.source, self.model_name = f.source, f.model_name
+        self.context_window, self.prefill_token_budget = f.context_window, f.prefill_token_budget
+        self.max_num_seqs = self.max_batch = f.max_num_seqs
+        self.device, self.block_size = f.device, f.block_size
+        self.kv_bytes_per_token, self.weight_bytes = f.kv_bytes_per_token, f.weight_bytes
+        self.kv_capacity_bytes = kv_capacity_bytes
+        self.log_dir = Path(log_dir) if log_dir is not None else None
+        self.on_loaded = on_loaded
+        self._conn: WorkerConnection | None = None
+        self._loaded = False
+        self._live: dict[str, list[int]] = {}  # request id -> [prompt tokens, generated tokens]
+        self._failed: dict[str, str] = {}  # requests the worker refused: they end at the next step
+        self._kv_allocated = 0
+
+    @property
+    def loaded(self) -> bool:
+        return self._loaded
+
+    @property
+    def worker_pid(self) -> int | None:
+        return self._conn.pid if self._conn is not None else None
+
+    # ---- memory operations -------------------------------------------------------------
+    async def load(self) -> None:
+        """Start the worker, build the pipeline there (and its warm-up token), and build
+        this side's tokenizer meanwhile."""
+        if self._loaded:
+            return
+        conn = self._conn = WorkerConnection("engines.openvino_worker", sys.executable, self._env(), self._log_path(),
+                                             name="OpenVINO")
+        try:
+            await wait(conn.call("init", kwargs=self._kwargs))
+            loading = conn.call("load")
+            await asyncio.to_thread(self.front._prompt_encoder)  # tokenizer, while the worker compiles
+            self._facts(await wait(loading))
+        except BaseException as exc:
+            await self._close()
+            if self.on_loaded is not None:
+                self.on_loaded(exc)
+            raise
+        self._loaded = True
+        if self.on_loaded is not None:
+            self.on_loaded(None)
+
+    async def unload(self) -> None:
+        """End the worker: its weights and KV cache go with it. Running requests are dropped."""
+        self._live.clear()
+        self._failed.clear()
+        self._loaded = False
+        self._kv_allocated = 0
+        await self._close()
+
+    async def _close(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if conn.dead is None:
+            try:
+                await asyncio.wait_for(wait(conn.call("shutdown")), timeout=30)
+            except (EngineError, asyncio.TimeoutError):
+                pass
+        await asyncio.to_thread(conn.close)
+
+    async def resize_kv(self, capacity_bytes: int) -> None:
+        """Record the KV bound (OpenVINOEngine.resize_kv, in the worker)."""
+        if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
+            raise EngineError(f"KV capacity must be a non-negative number of bytes, got {capacity_bytes!r}")
+        self.kv_capacity_bytes = capacity_bytes
+        if self._conn is not None:
+            self._facts(await wait(self._conn.call("resize", kv_bytes=capacity_bytes)))
+
+    def _facts(self, facts: Mapping[str, Any]) -> None:
+        self.kv_bytes_per_token = int(facts["kv_bytes_per_token"])  # the warm-up measured it
+        self._kv_allocated = int(facts["kv_bytes_allocated"])
+
+    # ---- tokens (this process: the front's tokenizer) ----------------------------------
+    def encode_prompt(self, prompt: str) -> list[int]:
+        return self.front.encode_prompt(prompt)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return self.front.encode_chat(messages)
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return self.front.decode(token_ids)
+
+    # ---- requests ----------------------------------------------------------------------
+    def add_request(self, request: EngineRequest) -> None:
+        """Queue a request (OpenVINOEngine.add_request's checks, here, before it is sent)."""
+        if not self._loaded or self._conn is None:
+            raise EngineError(f"{self.model_name} is not loaded; await load() before adding requests")
+        rid = request.request_id
+        if rid in self._live:
+            raise EngineError(f"request id {rid!r} is already running on {self.model_name}; use unique ids")
+        ids = checked_request(request, model_name=self.model_name, context_window=self.context_window,
+                              vocab_size=self.source.vocab_size)
+        fut = self._conn.call("add", request=request)
+        self._live[rid] = [len(ids), 0]
+        fut.add_done_callback(lambda f, rid=rid: self._add_done(rid, f))
+
+    def _add_done(self, rid: str, fut: concurrent.futures.Future) -> None:
+        exc = fut.exception()
+        if exc is not None and rid in self._live:
+            log.warning("%s: the worker refused request %s: %s", self.model_name, rid, exc)
+            self._failed[rid] = str(exc)
+
+    def abort(self, request_id: str) -> None:
+        """Drop a request: it produces nothing more; the worker frees its KV blocks before
+        the next step."""
+        if self._live.pop(request_id, None) is None:
+            return
+        self._failed.pop(request_id, None)
+        if self._conn is not None and self._conn.dead is None:
+            self._conn.call("abort", rid=request_id)
+
+    def has_work(self) -> bool:
+        return bool(self._live)
+
+    async def step(self) -> StepResult:
+        """One pipeline iteration in the worker, awaited."""
+        if not self._loaded or self._conn is None:
+            raise EngineError(f"{self.model_name} is not loaded; await load() first")
+        if self._failed:  # requests the worker refused end here
+            finished = {rid: FinishReason.ABORT for rid in self._failed if self._live.pop(rid, None) is not None}
+            self._failed.clear()
+            if finished:
+                return StepResult(IterationKind.DECODE, [], [], [], finished)
+        if not self._live:
+            raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
+        result, self._kv_allocated = await wait(self._conn.call("step"))
+        return keep_live(result, self._live)
+
+    # ---- memory reports ----------------------------------------------------------------
+    def kv_bytes_in_use(self) -> int:
+        """KV bytes the live requests hold now (OpenVINOEngine.kv_bytes_in_use's rule)."""
+        return kv_bytes_held((p + g - 1 if g else 0 for p, g in self._live.values()), self.block_size,
+                             self.kv_bytes_per_token)
+
+    def kv_bytes_allocated(self) -> int:
+        return self._kv_allocated
+
+    # ---- the worker --------------------------------------------------------------------
+    def _env(self) -> dict[str, str]:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        return env
+
+    def _log_path(self) -> Path:
+        if self.log_dir is None:
+            from mesh.paths import data_dir
+
+            self.log_dir = data_dir() / "logs"
+        safe = "".join(c if c.isalnum() or c in "-_." else "_" for c in self.model_name)[:60]
+        return self.log_dir / f"openvino-{safe}-{os.getpid()}-{next(_log_ids)}.log"

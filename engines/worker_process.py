@@ -1,0 +1,288 @@
+"""One engine instance in its own worker process, driven over sockets: both sides.
+
+Why a process: an engine's iteration computes for tens of milliseconds to seconds, and
+OpenVINO's holds the Python GIL while it does; vLLM's shutdown is process-wide. In a worker
+the agent's event loop stays free while an instance computes (admissions, shadow
+validations, aborts and heartbeats are answered at once), the end of the process frees all
+of the instance's memory, and a crash takes down one instance, not the node agent.
+
+Wire: pickled dicts with a 4-byte big-endian length in front, on a socket pair whose child
+end the worker inherits (`--fd N`, and `--sync-fd M` for a second socket served by a
+thread, used by vLLM's tokenizer).
+
+- Parent (`WorkerConnection`): `call(op, **fields)` sends a command and returns a
+  concurrent future resolved by its reply, in command order (a reader thread reads the
+  replies); `wait(future)` awaits one from asyncio. Commands sent without waiting (add,
+  abort) are still executed in order before the next step.
+- Child (`WorkerLoop`): a reader thread queues the commands as they arrive (so the parent
+  never blocks on a full socket while an iteration runs), the main thread executes them in
+  order with `handle(op, msg)` and answers {"ok": True, "value": ...} or {"ok": False,
+  "error": message, "engine_error": bool}. It exits on `shutdown` (os._exit: the process
+  ending frees the instance's memory at once) or when the parent's socket closes.
+"""
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import logging
+import os
+import pickle
+import queue
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import traceback
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from engines.protocol import EngineError, StepResult
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+_LEN = struct.Struct("!I")
+
+
+def send_msg(sock: socket.socket, obj: Any) -> None:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def recv_msg(sock: socket.socket) -> Any:
+    """One message; EOFError when the other side closed the socket."""
+    header = _recv_exact(sock, _LEN.size)
+    return pickle.loads(_recv_exact(sock, _LEN.unpack(header)[0]))
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("socket closed")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+async def wait(fut: concurrent.futures.Future) -> Any:
+    """Await a command's reply from asyncio."""
+    if fut.done():
+        return fut.result()
+    return await asyncio.wrap_future(fut)
+
+
+def keep_live(result: StepResult, live: dict[str, list[int]]) -> StepResult:
+    """A worker's step result as the engine reports it: what belongs to requests aborted
+    while the step ran is dropped; `live` (request id -> [prompt tokens, generated tokens])
+    counts the tokens and forgets the finished requests."""
+    keep = [i for i, rid in enumerate(result.request_ids) if rid in live]
+    if len(keep) != len(result.request_ids):
+        result = StepResult(result.kind, [result.request_ids[i] for i in keep],
+                            [result.token_ids[i] for i in keep] if result.token_ids is not None else None,
+                            [result.texts[i] for i in keep] if result.texts is not None else None,
+                            {k: v for k, v in result.finished.items() if k in live})
+    elif any(rid not in live for rid in result.finished):
+        result.finished = {k: v for k, v in result.finished.items() if k in live}
+    for rid in result.request_ids:
+        live[rid][1] += 1
+    for rid in result.finished:
+        live.pop(rid, None)
+    return result
+
+
+class WorkerConnection:
+    """A worker process (`python -m <module> --fd N [--sync-fd M]`) and its sockets;
+    replies resolve futures in command order. `name` says whose worker it is in errors."""
+
+    def __init__(self, module: str, python: str, env: dict[str, str], log_path: Path, *, name: str,
+                 sync: bool = False, install_hint: str = "") -> None:
+        self.name = name
+        parent_main, child_main = socket.socketpair()
+        parent_sync, child_sync = socket.socketpair() if sync else (None, None)
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.log_path = log_path
+        self._log = open(log_path, "ab")
+        fds = [child_main.fileno(), *([child_sync.fileno()] if child_sync is not None else [])]
+        argv = [python, "-m", module, "--fd", str(child_main.fileno())]
+        if child_sync is not None:
+            argv += ["--sync-fd", str(child_sync.fileno())]
+        try:
+            self.proc = subprocess.Popen(argv, pass_fds=fds, env=env, cwd=str(REPO_ROOT), stdin=subprocess.DEVNULL,
+                                         stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        except OSError as exc:
+            self._log.close()
+            raise EngineError(f"cannot start the {name} worker with {python}: {exc}"
+                              + (f"; {install_hint}" if install_hint else "")) from exc
+        finally:
+            child_main.close()
+            if child_sync is not None:
+                child_sync.close()
+        self.main, self.sync = parent_main, parent_sync
+        self._pending: deque[concurrent.futures.Future] = deque()
+        self._send_lock = threading.Lock()
+        self._sync_lock = threading.Lock()
+        self.dead: str | None = None
+        self._reader = threading.Thread(target=self._read, name=f"{name}-conn-{self.proc.pid}", daemon=True)
+        self._reader.start()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def _read(self) -> None:
+        try:
+            while True:
+                reply = recv_msg(self.main)
+                fut = self._pending.popleft()
+                if reply.get("ok"):
+                    fut.set_result(reply.get("value"))
+                else:
+                    fut.set_exception(EngineError(reply.get("error", f"{self.name} worker error")))
+        except (EOFError, OSError, IndexError) as exc:
+            self._fail(f"the {self.name} worker (pid {self.proc.pid}) stopped ({type(exc).__name__})")
+
+    def _fail(self, why: str) -> None:
+        if self.dead is None:
+            self.dead = f"{why}; last lines of its log {self.log_path}:\n{self.log_tail()}"
+        while self._pending:
+            fut = self._pending.popleft()
+            if not fut.done():
+                fut.set_exception(EngineError(self.dead))
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                f.seek(max(0, f.tell() - 8192))
+                text = f.read().decode(errors="replace")
+            return "\n".join(text.splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def call(self, op: str, **fields: Any) -> concurrent.futures.Future:
+        """Send a command; the future gets its reply (EngineError for a failure)."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        if self.dead is not None:
+            fut.set_exception(EngineError(self.dead))
+            return fut
+        with self._send_lock:
+            self._pending.append(fut)
+            try:
+                send_msg(self.main, {"op": op, **fields})
+            except OSError as exc:
+                self._fail(f"cannot reach the {self.name} worker: {exc}")
+        return fut
+
+    def call_sync(self, op: str, **fields: Any) -> Any:
+        """A call on the sync socket (answered by a worker thread while the main one steps)."""
+        if self.dead is not None:
+            raise EngineError(self.dead)
+        if self.sync is None:
+            raise EngineError(f"the {self.name} worker has no sync socket")
+        with self._sync_lock:
+            try:
+                send_msg(self.sync, {"op": op, **fields})
+                reply = recv_msg(self.sync)
+            except (EOFError, OSError) as exc:
+                raise EngineError(f"the {self.name} worker's sync socket is unreachable: {exc}") from exc
+        if not reply.get("ok"):
+            raise EngineError(reply.get("error", f"{self.name} worker error"))
+        return reply.get("value")
+
+    def close(self, timeout: float = 30.0) -> None:
+        try:
+            self.main.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        for s in (self.main, self.sync):
+            if s is not None:
+                s.close()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._log.close()
+
+
+class WorkerLoop:
+    """The worker's side: subclasses implement `handle(op, msg)` (and `serve_sync(msg)` for
+    the sync socket, `on_parent_gone()` for clean-up when the parent vanished)."""
+
+    log_name = "mesh.worker"
+
+    def __init__(self, main: socket.socket, sync: socket.socket | None = None) -> None:
+        self.main = main
+        self.sync = sync
+        self.commands: queue.Queue = queue.Queue()
+
+    def handle(self, op: str, msg: dict[str, Any]) -> Any:
+        raise NotImplementedError
+
+    def serve_sync(self, msg: dict[str, Any]) -> Any:
+        raise ValueError(f"unknown call {msg.get('op')!r}")
+
+    def on_parent_gone(self) -> None:
+        """The parent closed its socket: release what needs releasing before exiting."""
+
+    def before_exit(self) -> None:
+        """Runs after the reply to `shutdown`, just before the process ends."""
+
+    def _read_main(self) -> None:
+        try:
+            while True:
+                self.commands.put(recv_msg(self.main))
+        except (EOFError, OSError):
+            self.commands.put(None)
+
+    def _serve_sync(self) -> None:
+        try:
+            while True:
+                msg = recv_msg(self.sync)
+                try:
+                    send_msg(self.sync, {"ok": True, "value": self.serve_sync(msg)})
+                except Exception as exc:  # noqa: BLE001 - every failure goes back as a message
+                    send_msg(self.sync, {"ok": False, "error": describe(exc), "engine_error": _is_engine_error(exc)})
+        except (EOFError, OSError):
+            return
+
+    def run(self) -> int:
+        threading.Thread(target=self._read_main, name="worker-reader", daemon=True).start()
+        if self.sync is not None:
+            threading.Thread(target=self._serve_sync, name="worker-sync", daemon=True).start()
+        while True:
+            msg = self.commands.get()
+            if msg is None:  # the parent is gone
+                self.on_parent_gone()
+                return 0
+            op = msg.get("op")
+            try:
+                reply = {"ok": True, "value": self.handle(op, msg)}
+            except Exception as exc:  # noqa: BLE001
+                logging.getLogger(self.log_name).debug("%s failed", op, exc_info=True)
+                reply = {"ok": False, "error": describe(exc), "engine_error": _is_engine_error(exc)}
+            try:
+                send_msg(self.main, reply)
+            except OSError:
+                self.on_parent_gone()
+                return 0
+            if op == "shutdown":
+                self.before_exit()
+                sys.stdout.flush()
+                sys.stderr.flush()
+                os._exit(0)
+
+
+def describe(exc: BaseException) -> str:
+    if _is_engine_error(exc):
+        return str(exc)
+    tb = traceback.extract_tb(exc.__traceback__)
+    where = f" (at {tb[-1].filename}:{tb[-1].lineno})" if tb else ""
+    return f"{type(exc).__name__}: {exc}{where}"
+
+
+def _is_engine_error(exc: BaseException) -> bool:
+    return isinstance(exc, EngineError)
