@@ -43,6 +43,7 @@ model; `load()` checks it against the size of a real block.
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import logging
 import math
@@ -478,11 +479,19 @@ class OpenVINOEngine:
     def _prompt_encoder(self) -> PromptEncoder:
         if self._encoder is not None:
             return self._encoder
-        if self._standalone_encoder is None:  # tokenizing before load: build the tokenizer alone
-            import openvino_genai as ov_genai
-
-            self._standalone_encoder = PromptEncoder(ov_genai.Tokenizer(str(self.source.path)))
+        if self._standalone_encoder is None:  # tokenizing before load: the model's tokenizer alone
+            self._standalone_encoder = standalone_encoder(str(self.source.path))
         return self._standalone_encoder
+
+
+@functools.lru_cache(maxsize=32)
+def standalone_encoder(path: str) -> PromptEncoder:
+    """The model's tokenizer without its pipeline, built once per model file in a process:
+    building it holds the GIL for seconds (2.6 s for the demo GGUF here), which would stall
+    a node agent's event loop at every instance it starts."""
+    import openvino_genai as ov_genai
+
+    return PromptEncoder(ov_genai.Tokenizer(path))
 
 
 def kv_bytes_held(kv_tokens: Iterable[int], block_size: int, kv_bytes_per_token: int) -> int:

@@ -17,6 +17,7 @@ sees (the agent feeds it the node's iteration records).
 from __future__ import annotations
 
 import math
+import os
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -187,7 +188,10 @@ def _make_openvino(spec: InstanceSpec, on_loaded: LoadCallback) -> Any:
     the agent's event loop answers the dispatcher while the instance computes."""
     from engines.openvino_process import OpenVINOProcessEngine
 
-    properties = {"KV_CACHE_PRECISION": spec.kv_cache_precision} if spec.kv_cache_precision else None
+    properties: dict[str, Any] = {"KV_CACHE_PRECISION": spec.kv_cache_precision} if spec.kv_cache_precision else {}
+    cores = len(os.sched_getaffinity(0))
+    if cores < (os.cpu_count() or cores):  # an agent pinned to its share (--cpus): as many threads as cores
+        properties["INFERENCE_NUM_THREADS"] = cores
     return OpenVINOProcessEngine(spec.path, model_name=spec.model, context_window=spec.context_window,
                                  max_num_seqs=spec.max_num_seqs, properties=properties, on_loaded=on_loaded)
 

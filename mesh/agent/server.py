@@ -689,6 +689,13 @@ async def _amain(args: argparse.Namespace) -> int:
     if refused:
         print(f"mesh agent: {refused}", file=sys.stderr)
         return 2
+    if args.cpus:
+        try:
+            os.sched_setaffinity(0, {int(c) for c in args.cpus.split(",")})  # engine workers inherit it
+        except (ValueError, OSError) as exc:
+            print(f"mesh agent: --cpus {args.cpus}: {exc}; give core numbers this machine has, e.g. --cpus 0,1",
+                  file=sys.stderr)
+            return 2
     weights = None
     root = Path(args.weights_dir) if args.weights_dir else data_dir() / "received" / args.node_id
     if args.weights_listen:
@@ -725,6 +732,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deadlines", default=DeadlineRule.PACE.value, choices=[r.value for r in DeadlineRule],
                         help="when tokens after the first are due: 'pace' (first token + TPOT x (i-1), the default) "
                              "or 'eq1' (the paper's arrival + TTFT + TPOT x (i-1)); docs/design.md")
+    parser.add_argument("--cpus", metavar="LIST", help="run this agent and its engines on these cores only "
+                        "(comma-separated core numbers; default: all this process may use)")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"agent {args.node_id}: %(levelname)s %(message)s")

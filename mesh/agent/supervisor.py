@@ -19,7 +19,7 @@ import os
 import secrets
 import signal
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mesh.agent.client import AgentClient, AgentDown
@@ -55,6 +55,20 @@ def detect_local_nodes(cpu_memory_bytes: int | None = None, cpu_nodes: int = 1) 
     return [*(NodeSpec(f"cpu-{i}", "cpu", memory) for i in range(cpu_nodes)), *vllm_node_specs()]
 
 
+def core_shares(node_ids: list[str], cores: list[int] | None = None) -> dict[str, tuple[int, ...]]:
+    """The machine's cores split among its local CPU nodes, as its memory is: node i of N
+    gets the i-th of N equal slices of the cores this process may use (each node then
+    stands in for a machine of its own, which is what the cluster's simulated twin
+    assumes). With more nodes than cores, nodes share cores round-robin."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    n = len(node_ids)
+    if n == 0:
+        return {}
+    if n > len(cores):
+        return {node: (cores[i % len(cores)],) for i, node in enumerate(node_ids)}
+    return {node: tuple(cores[i * len(cores) // n:(i + 1) * len(cores) // n]) for i, node in enumerate(node_ids)}
+
+
 @dataclass
 class AgentSettings:
     heartbeat_s: float = 0.5
@@ -68,6 +82,8 @@ class AgentSettings:
     deadlines: str = "pace"  # the agents' deadline rule (--deadlines; mesh.policy.slo.DeadlineRule)
     models_roots: tuple[str, ...] = ()  # folders whose models the agents may `load` (--models-root), besides
     # their weights folder: the registry's places (data folder, --allowed-dir, the demo model cache)
+    cores: dict[str, tuple[int, ...]] = field(default_factory=dict)  # node id -> the cores its local agent
+    # and its engines run on (--cpus; core_shares); a node not named runs on all of them
 
 
 class AgentHandle:
@@ -193,6 +209,8 @@ class LocalAgent(AgentHandle):
                "--log-level", self.settings.log_level, "--deadlines", self.settings.deadlines]
         for root in self.settings.models_roots:
             cmd += ["--models-root", root]
+        if self.settings.cores.get(self.node_id):
+            cmd += ["--cpus", ",".join(map(str, self.settings.cores[self.node_id]))]
         if self.settings.weights_root is not None:
             cmd += ["--weights-listen", "127.0.0.1:0", "--weights-dir", os.path.join(self.settings.weights_root,
                                                                                     self.node_id)]

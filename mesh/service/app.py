@@ -166,7 +166,7 @@ def build_app(service: Service) -> web.Application:
 async def run_service(config: ServeConfig, ready: Any = print) -> int:
     """Start everything, print the ready line, serve until SIGINT/SIGTERM, drain, stop."""
     from mesh.agent.remote import RemoteAgent, parse_remote
-    from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent, detect_local_nodes
+    from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent, core_shares, detect_local_nodes
     from mesh.runtime.node import NodeSpec
     from mesh.service.demo import ensure_demo, ready_line
     from mesh.service.placement import ClusterPlacement, PlacementSettings
@@ -191,13 +191,15 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
 
     # Where registered models can be: uploads and node copies (data folder), --allowed-dir, the demo cache.
     roots = (str(data_dir), *([str(config.allowed_dir)] if config.allowed_dir else []), str(models_dir()))
+    nodes = detect_local_nodes(memory, config.cpu_nodes) if config.ray is None else []  # Ray: agents on its nodes
+    # local CPU nodes split this machine's cores as they split its memory (each one a machine)
+    cores = core_shares([n.node_id for n in nodes if n.kind == "cpu"]) if config.cpu_nodes > 1 else {}
     settings = PlacementSettings(
         policy=config.policy, cold_start_s=config.cold_start_s, keep_alive_s=config.keep_alive_s,
         profile_dir=str(config.profile_dir) if config.profile_dir else None,
         agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
                             weights_root=str(data_dir / "nodes"), weights_token=weights_token,
-                            models_roots=roots, deadlines=config.deadlines))
-    nodes = detect_local_nodes(memory, config.cpu_nodes) if config.ray is None else []  # Ray: agents on its nodes
+                            models_roots=roots, deadlines=config.deadlines, cores=cores))
     remote = dict(parse_remote(r) for r in config.remote_agents)
     nodes += [NodeSpec(node_id, "cpu", 0) for node_id in remote]  # kind and memory: from the agent's hello
     if remote and not os.environ.get("MESH_WEIGHTS_TOKEN"):
