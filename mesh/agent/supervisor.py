@@ -72,7 +72,7 @@ def core_shares(node_ids: list[str], cores: list[int] | None = None) -> dict[str
 @dataclass
 class AgentSettings:
     heartbeat_s: float = 0.5
-    heartbeat_timeout_s: float = 10.0  # an iteration holds the agent's GIL; long prefills take seconds
+    heartbeat_timeout_s: float = 10.0  # building a tokenizer holds the agent's GIL for seconds
     start_timeout_s: float = 60.0
     restart_backoff_s: float = 0.2
     restart_backoff_max_s: float = 5.0
