@@ -301,10 +301,8 @@ class OpenVINOEngine:
         if self._pipe is None:
             raise EngineError(f"{self.model_name} is not loaded; await load() before adding requests")
         rid = request.request_id
-        if rid in self._live:
-            raise EngineError(f"request id {rid!r} is already running on {self.model_name}; use unique ids")
         ids = checked_request(request, model_name=self.model_name, context_window=self.context_window,
-                              vocab_size=self.source.vocab_size)
+                              vocab_size=self.source.vocab_size, running=self._live)
         sampling = request.sampling
         max_tokens = min(sampling.max_tokens, self.context_window - len(ids))  # fits the window
         pipe_id = next(self._ids)

@@ -12,25 +12,21 @@ What stays here: the model's shape, the request checks and the tokenizer (an unl
 `OpenVINOEngine`, the "front", which builds its own tokenizer), the live requests and the
 KV figures of the last step (the protocol's reports are synchronous). Requests added or
 aborted are sent without waiting; the worker applies them in order before the next step,
-and a step's token for a request aborted meanwhile is dropped here (worker_process.keep_live).
+and a step's token for a request aborted meanwhile is dropped here (worker_process.WorkerRequests).
 Unloading ends the worker process, which frees the weights and the KV cache at once.
 """
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import itertools
-import logging
 import os
 import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
 from engines.openvino_engine import OpenVINOEngine, kv_bytes_held
-from engines.protocol import EngineError, EngineRequest, FinishReason, IterationKind, StepResult, checked_request
-from engines.worker_process import REPO_ROOT, WorkerConnection, keep_live, wait
-
-log = logging.getLogger("engines.openvino_process")
+from engines.protocol import EngineError, EngineRequest, StepResult, checked_request
+from engines.worker_process import REPO_ROOT, WorkerConnection, WorkerRequests, wait
 
 _log_ids = itertools.count()
 
@@ -64,8 +60,7 @@ class OpenVINOProcessEngine:
         self.on_loaded = on_loaded
         self._conn: WorkerConnection | None = None
         self._loaded = False
-        self._live: dict[str, list[int]] = {}  # request id -> [prompt tokens, generated tokens]
-        self._failed: dict[str, str] = {}  # requests the worker refused: they end at the next step
+        self._requests = WorkerRequests(self.model_name)
         self._kv_allocated = 0
 
     @property
@@ -100,22 +95,15 @@ class OpenVINOProcessEngine:
 
     async def unload(self) -> None:
         """End the worker: its weights and KV cache go with it. Running requests are dropped."""
-        self._live.clear()
-        self._failed.clear()
+        self._requests.clear()
         self._loaded = False
         self._kv_allocated = 0
         await self._close()
 
     async def _close(self) -> None:
         conn, self._conn = self._conn, None
-        if conn is None:
-            return
-        if conn.dead is None:
-            try:
-                await asyncio.wait_for(wait(conn.call("shutdown")), timeout=30)
-            except (EngineError, asyncio.TimeoutError):
-                pass
-        await asyncio.to_thread(conn.close)
+        if conn is not None:
+            await conn.shutdown(30)
 
     async def resize_kv(self, capacity_bytes: int) -> None:
         """Record the KV bound (OpenVINOEngine.resize_kv, in the worker)."""
@@ -144,51 +132,35 @@ class OpenVINOProcessEngine:
         """Queue a request (OpenVINOEngine.add_request's checks, here, before it is sent)."""
         if not self._loaded or self._conn is None:
             raise EngineError(f"{self.model_name} is not loaded; await load() before adding requests")
-        rid = request.request_id
-        if rid in self._live:
-            raise EngineError(f"request id {rid!r} is already running on {self.model_name}; use unique ids")
         ids = checked_request(request, model_name=self.model_name, context_window=self.context_window,
-                              vocab_size=self.source.vocab_size)
-        fut = self._conn.call("add", request=request)
-        self._live[rid] = [len(ids), 0]
-        fut.add_done_callback(lambda f, rid=rid: self._add_done(rid, f))
-
-    def _add_done(self, rid: str, fut: concurrent.futures.Future) -> None:
-        exc = fut.exception()
-        if exc is not None and rid in self._live:
-            log.warning("%s: the worker refused request %s: %s", self.model_name, rid, exc)
-            self._failed[rid] = str(exc)
+                              vocab_size=self.source.vocab_size, running=self._requests)
+        self._requests.added(request.request_id, len(ids), self._conn.call("add", request=request))
 
     def abort(self, request_id: str) -> None:
         """Drop a request: it produces nothing more; the worker frees its KV blocks before
         the next step."""
-        if self._live.pop(request_id, None) is None:
-            return
-        self._failed.pop(request_id, None)
-        if self._conn is not None and self._conn.dead is None:
+        if self._requests.aborted(request_id) and self._conn is not None and self._conn.dead is None:
             self._conn.call("abort", rid=request_id)
 
     def has_work(self) -> bool:
-        return bool(self._live)
+        return bool(self._requests)
 
     async def step(self) -> StepResult:
         """One pipeline iteration in the worker, awaited."""
         if not self._loaded or self._conn is None:
             raise EngineError(f"{self.model_name} is not loaded; await load() first")
-        if self._failed:  # requests the worker refused end here
-            finished = {rid: FinishReason.ABORT for rid in self._failed if self._live.pop(rid, None) is not None}
-            self._failed.clear()
-            if finished:
-                return StepResult(IterationKind.DECODE, [], [], [], finished)
-        if not self._live:
+        refused = self._requests.refused()
+        if refused is not None:
+            return refused
+        if not self._requests:
             raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
         result, self._kv_allocated = await wait(self._conn.call("step"))
-        return keep_live(result, self._live)
+        return self._requests.apply(result)
 
     # ---- memory reports ----------------------------------------------------------------
     def kv_bytes_in_use(self) -> int:
         """KV bytes the live requests hold now (OpenVINOEngine.kv_bytes_in_use's rule)."""
-        return kv_bytes_held((p + g - 1 if g else 0 for p, g in self._live.values()), self.block_size,
+        return kv_bytes_held((p + g - 1 if g else 0 for p, g in self._requests.live.values()), self.block_size,
                              self.kv_bytes_per_token)
 
     def kv_bytes_allocated(self) -> int:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Iterable, Protocol, Sequence, runtime_checkable
+from typing import Container, Iterable, Protocol, Sequence, runtime_checkable
 
 log = logging.getLogger("engines")
 
@@ -179,9 +179,12 @@ def checked_prompt_ids(request: EngineRequest, *, model_name: str, context_windo
 
 
 def checked_request(request: EngineRequest, *, model_name: str, context_window: int,
-                    vocab_size: int | None) -> list[int]:
-    """`checked_prompt_ids`, and sampling a real engine can run: max_tokens >= 1,
-    temperature >= 0, 0 < top_p <= 1. Returns the prompt's token ids."""
+                    vocab_size: int | None, running: Container[str]) -> list[int]:
+    """`checked_prompt_ids`, an id none of the `running` requests has, and sampling a real
+    engine can run: max_tokens >= 1, temperature >= 0, 0 < top_p <= 1. Returns the
+    prompt's token ids."""
+    if request.request_id in running:
+        raise EngineError(f"request id {request.request_id!r} is already running on {model_name}; use unique ids")
     ids = checked_prompt_ids(request, model_name=model_name, context_window=context_window, vocab_size=vocab_size)
     sampling = request.sampling
     if sampling.max_tokens < 1:

@@ -47,7 +47,6 @@ vllm, else `<repo>/.venv-vllm/bin/python` (scripts/setup.sh creates it with the 
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import importlib.util
 import itertools
@@ -65,12 +64,10 @@ from engines.protocol import (
     engine_limits,
     EngineError,
     EngineRequest,
-    FinishReason,
-    IterationKind,
     StepResult,
 )
 from engines.vllm_core import CoreSettings
-from engines.worker_process import REPO_ROOT, WorkerConnection, keep_live, wait
+from engines.worker_process import REPO_ROOT, WorkerConnection, WorkerRequests, wait
 
 log = logging.getLogger(__name__)
 
@@ -305,8 +302,8 @@ class VLLMEngine:
         self._conn: WorkerConnection | _InProcess | None = None
         self._prepared = False
         self._built = False
-        self._live: dict[str, list[int]] = {}  # id -> [prompt_len, generated]
-        self._failed: dict[str, str] = {}  # ids the worker refused after add_request returned
+        self._requests = WorkerRequests(self.model_name)
+        self._live = self._requests.live  # id -> [prompt_len, generated]
         self._gone: set[str] = set()
 
     # ---- the worker ----------------------------------------------------------------------
@@ -423,7 +420,7 @@ class VLLMEngine:
     async def unload(self) -> None:
         """Stop the worker: weights and KV cache are freed with its process."""
         conn, self._conn = self._conn, None
-        self._live.clear()
+        self._requests.clear()
         self._prepared = self._built = False
         self.num_blocks = 0
         if conn is None:
@@ -431,12 +428,7 @@ class VLLMEngine:
         if isinstance(conn, _InProcess):
             conn.close()
             return
-        if conn.dead is None:
-            try:
-                await asyncio.wait_for(wait(conn.call("shutdown")), timeout=60)
-            except (EngineError, asyncio.TimeoutError):
-                pass
-        await asyncio.to_thread(conn.close)
+        await conn.shutdown(60)
 
     async def resize_kv(self, capacity_bytes: int) -> None:
         """Make the KV cache `capacity_bytes` (whole blocks; a memory operation).
@@ -490,27 +482,16 @@ class VLLMEngine:
         if not self._built:
             raise EngineError(f"{self.model_name} is not loaded; await load() (and give it a KV size) first")
         rid = request.request_id
-        if rid in self._live:
-            raise EngineError(f"request id {rid!r} is already running on {self.model_name}; use unique ids")
         ids = checked_request(request, model_name=self.model_name, context_window=self.context_window,
-                              vocab_size=self.vocab_size)
-        fut = self._connection().call("add", rid=rid, ids=ids, sampling=request.sampling)
-        self._live[rid] = [len(ids), 0]
+                              vocab_size=self.vocab_size, running=self._live)
+        self._requests.added(rid, len(ids), self._connection().call("add", rid=rid, ids=ids, sampling=request.sampling))
         self._gone.discard(rid)
-        fut.add_done_callback(lambda f, rid=rid: self._add_done(rid, f))
-
-    def _add_done(self, rid: str, fut: concurrent.futures.Future) -> None:
-        exc = fut.exception()
-        if exc is not None and rid in self._live:
-            log.warning("%s: vLLM refused request %s: %s", self.model_name, rid, exc)
-            self._failed[rid] = str(exc)
 
     def abort(self, request_id: str) -> None:
         """Drop a request: it produces nothing more; its KV blocks are free when the worker
         has handled the abort (before the next step)."""
-        if self._live.pop(request_id, None) is None:
+        if not self._requests.aborted(request_id):
             return
-        self._failed.pop(request_id, None)
         self._gone.add(request_id)
         if self._conn is not None and self._conn.dead is None:
             self._conn.call("abort", rid=request_id)
@@ -524,11 +505,9 @@ class VLLMEngine:
         """Run exactly one vLLM scheduler iteration (awaited; the worker computes it)."""
         if not self._built:
             raise EngineError(f"{self.model_name} is not loaded; await load() first")
-        if self._failed:  # requests the worker refused: they end here
-            finished = {rid: FinishReason.ABORT for rid in self._failed if self._live.pop(rid, None) is not None}
-            self._failed.clear()
-            if finished:
-                return StepResult(IterationKind.DECODE, [], [], [], finished)
+        refused = self._requests.refused()  # requests the worker refused end here
+        if refused is not None:
+            return refused
         if not self._live:
             raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
         result, kv_in_use = await wait(self._connection().call("step"))
@@ -545,7 +524,7 @@ class VLLMEngine:
 
     def _filter(self, result: StepResult) -> StepResult:
         """Drop what belongs to requests aborted while the step ran; count tokens."""
-        return keep_live(result, self._live)
+        return self._requests.apply(result)
 
     # ---- memory reports ------------------------------------------------------------------
 

@@ -38,9 +38,11 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from engines.protocol import EngineError, StepResult
+from engines.protocol import EngineError, FinishReason, IterationKind, StepResult
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
+
+log = logging.getLogger("engines.worker_process")
 
 _LEN = struct.Struct("!I")
 
@@ -74,23 +76,67 @@ async def wait(fut: concurrent.futures.Future) -> Any:
     return await asyncio.wrap_future(fut)
 
 
-def keep_live(result: StepResult, live: dict[str, list[int]]) -> StepResult:
-    """A worker's step result as the engine reports it: what belongs to requests aborted
-    while the step ran is dropped; `live` (request id -> [prompt tokens, generated tokens])
-    counts the tokens and forgets the finished requests."""
-    keep = [i for i, rid in enumerate(result.request_ids) if rid in live]
-    if len(keep) != len(result.request_ids):
-        result = StepResult(result.kind, [result.request_ids[i] for i in keep],
-                            [result.token_ids[i] for i in keep] if result.token_ids is not None else None,
-                            [result.texts[i] for i in keep] if result.texts is not None else None,
-                            {k: v for k, v in result.finished.items() if k in live})
-    elif any(rid not in live for rid in result.finished):
-        result.finished = {k: v for k, v in result.finished.items() if k in live}
-    for rid in result.request_ids:
-        live[rid][1] += 1
-    for rid in result.finished:
-        live.pop(rid, None)
-    return result
+class WorkerRequests:
+    """The requests an engine's worker holds, as the engine sees them: `live` maps each id to
+    [prompt tokens, generated tokens]. Adds and aborts reach the worker without a wait, so
+    a refused add is learnt later (it ends, aborted, at the next step) and a step's token
+    for a request aborted while the step ran is dropped (`apply`)."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.live: dict[str, list[int]] = {}
+        self._refused: dict[str, str] = {}
+
+    def __contains__(self, request_id: object) -> bool:
+        return request_id in self.live
+
+    def __bool__(self) -> bool:
+        return bool(self.live)
+
+    def added(self, request_id: str, prompt_len: int, sent: concurrent.futures.Future) -> None:
+        self.live[request_id] = [prompt_len, 0]
+        sent.add_done_callback(lambda f, rid=request_id: self._add_done(rid, f))
+
+    def _add_done(self, request_id: str, fut: concurrent.futures.Future) -> None:
+        exc = fut.exception()
+        if exc is not None and request_id in self.live:
+            log.warning("%s: the worker refused request %s: %s", self.model_name, request_id, exc)
+            self._refused[request_id] = str(exc)
+
+    def aborted(self, request_id: str) -> bool:
+        """Forget a request; whether it was live (then the worker must be told)."""
+        self._refused.pop(request_id, None)
+        return self.live.pop(request_id, None) is not None
+
+    def clear(self) -> None:
+        self.live.clear()
+        self._refused.clear()
+
+    def refused(self) -> StepResult | None:
+        """The requests the worker refused since the last step, ended (aborted), if any."""
+        if not self._refused:
+            return None
+        finished = {rid: FinishReason.ABORT for rid in self._refused if self.live.pop(rid, None) is not None}
+        self._refused.clear()
+        return StepResult(IterationKind.DECODE, [], [], [], finished) if finished else None
+
+    def apply(self, result: StepResult) -> StepResult:
+        """A worker's step result as the engine reports it: what belongs to requests aborted
+        while the step ran is dropped; tokens are counted and finished requests forgotten."""
+        live = self.live
+        keep = [i for i, rid in enumerate(result.request_ids) if rid in live]
+        if len(keep) != len(result.request_ids):
+            result = StepResult(result.kind, [result.request_ids[i] for i in keep],
+                                [result.token_ids[i] for i in keep] if result.token_ids is not None else None,
+                                [result.texts[i] for i in keep] if result.texts is not None else None,
+                                {k: v for k, v in result.finished.items() if k in live})
+        elif any(rid not in live for rid in result.finished):
+            result.finished = {k: v for k, v in result.finished.items() if k in live}
+        for rid in result.request_ids:
+            live[rid][1] += 1
+        for rid in result.finished:
+            live.pop(rid, None)
+        return result
 
 
 class WorkerConnection:
@@ -191,6 +237,16 @@ class WorkerConnection:
         if not reply.get("ok"):
             raise EngineError(reply.get("error", f"{self.name} worker error"))
         return reply.get("value")
+
+    async def shutdown(self, timeout_s: float) -> None:
+        """Ask the worker to exit (it answers first), then close: the process ending frees
+        the instance's memory."""
+        if self.dead is None:
+            try:
+                await asyncio.wait_for(wait(self.call("shutdown")), timeout=timeout_s)
+            except (EngineError, asyncio.TimeoutError):
+                pass
+        await asyncio.to_thread(self.close)
 
     def close(self, timeout: float = 30.0) -> None:
         try:

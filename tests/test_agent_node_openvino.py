@@ -30,6 +30,14 @@ SLO_LOOSE = SLO(ttft_min_s=120.0, tpot_s=5.0)  # this test is about tokens, not 
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow and say one thing about each."}]
 
 
+async def _until(cond, limit_s: float = 120.0) -> None:
+    for _ in range(int(limit_s / 0.02)):
+        if cond():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError("condition not reached")
+
+
 def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf):
     from engines.openvino_engine import OpenVINOEngine
 
@@ -62,26 +70,19 @@ def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf)
             return ServedRequest(EngineRequest(rid, len(ids), Sampling(max_tokens=48, temperature=0.0), list(ids)),
                                  "smol", asyncio.get_running_loop().time(), SLO_LOOSE, on_output=collect)
 
-        async def until(cond, limit_s: float = 120.0) -> None:
-            for _ in range(int(limit_s / 0.02)):
-                if cond():
-                    return
-                await asyncio.sleep(0.02)
-            raise AssertionError("condition not reached")
-
         still = request("still")
         d.submit(still)
-        await until(lambda: still.outcome is not None)
+        await _until(lambda: still.outcome is not None)
         moved = request("moved")
         d.submit(moved)
-        await until(lambda: moved.tokens_out >= 12 or moved.outcome is not None)
+        await _until(lambda: moved.tokens_out >= 12 or moved.outcome is not None)
         assert moved.outcome is None, (moved.outcome, moved.detail, moved.attempts, d.stats, d.policy.stats)
         first_node = moved.node_id
         node = cluster.node(first_node)
         taken = await node.take_back("moved", "moved by the test")
         assert taken is moved and moved.node_id is None and moved.outcome is None
         d.on_evict(moved, node)  # placed again by the dispatcher, not on the node it left
-        await until(lambda: moved.outcome is not None)
+        await _until(lambda: moved.outcome is not None)
         await cluster.stop()
         return still, moved, first_node, out
 
@@ -147,13 +148,6 @@ def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_
             return ServedRequest(EngineRequest(rid, len(ids), Sampling(max_tokens=160, temperature=0.0), list(ids)),
                                  model, asyncio.get_running_loop().time(), SLO_LOOSE, on_output=collect)
 
-        async def until(cond, limit_s: float = 120.0) -> None:
-            for _ in range(int(limit_s / 0.02)):
-                if cond():
-                    return
-                await asyncio.sleep(0.02)
-            raise AssertionError("condition not reached")
-
         async def instance(model: str, node) -> str:
             ref = await cluster.start_instance(cluster.plan(model, node), node)
             assert ref is not None, node.last_start_error
@@ -166,17 +160,17 @@ def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_
         for r in first:
             assert (await a.try_admit(x, r)).ok
         assert (await a.try_admit(y, moved)).ok
-        await until(lambda: moved.tokens_out >= 8)
+        await _until(lambda: moved.tokens_out >= 8)
         r = request("r", "m")
         assert not (await a.validate(x, r)).ok  # X's cache cannot grow beside Y
         assert (await a.validate(x, r, exclude=[y])).ok  # it can with Y gone
         d.submit(r)
-        await until(lambda: moved.node_id == "cpu1" or moved.outcome is not None)
+        await _until(lambda: moved.node_id == "cpu1" or moved.outcome is not None)
         preempted_at = len(out["n0"])
-        await until(lambda: all(q.outcome is not None for q in [*first, moved, r]))
+        await _until(lambda: all(q.outcome is not None for q in [*first, moved, r]))
         alone = request("alone", "n")  # the reference: the same request, never moved, on cpu1
         d.submit(alone)
-        await until(lambda: alone.outcome is not None)
+        await _until(lambda: alone.outcome is not None)
         await cluster.stop()
         return d, first, moved, r, alone, out, preempted_at, x, y
 
