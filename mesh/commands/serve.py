@@ -63,6 +63,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="default per-tenant quota: generation requests per second (token bucket)")
     parser.add_argument("--quota-burst", type=int, default=None,
                         help="bucket size of --quota-requests-per-s (default: one second's worth)")
+    parser.add_argument("--no-prepare", action="store_false", default=None, dest="prepare_formats",
+                        help="do not prepare models' formats for the other kind of node (by default a GGUF is also "
+                             "converted to a Hugging Face folder for GPU nodes when there is one; docs/service.md)")
     parser.add_argument("--vllm-cpu", action="store_true",
                         help="also start a vLLM-on-CPU node agent (tests the GPU path without a GPU; "
                              "same as MESH_VLLM_CPU_NODE=1; needs .venv-vllm from scripts/setup.sh)")
@@ -82,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
                                          "drain_timeout_s",
                                          "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",
                                          "quota_model_gb", "quota_concurrent_requests", "quota_requests_per_s",
-                                         "quota_burst")}
+                                         "quota_burst", "prepare_formats")}
     try:
         file_values = read_config_file(args.config) if args.config else {}
         config = build_config(file_values, cli)

@@ -130,10 +130,11 @@ def tailored_concurrency_target(decode_s: Callable[[int], float], tpot_s: float,
 
 def sllm_pick(instances: Sequence[InstanceView], targets: dict[str, int]) -> InstanceView | None:
     """ServerlessLLM routing: the first instance (CPU first, then creation order) whose
-    in-flight requests are below its concurrency target (`targets` by node kind); None
-    means every instance is at its target: scale out (or wait)."""
+    in-flight requests are below its concurrency target (`targets` by node kind; an instance
+    on a kind without one, which the policy does not use, is never picked); None means
+    every instance is at its target: scale out (or wait)."""
     for v in sorted(instances, key=lambda v: (kind_rank(v.node_kind), v.seq)):
-        if v.batch_size < targets[v.node_kind]:
+        if v.batch_size < targets.get(v.node_kind, 0):
             return v
     return None
 

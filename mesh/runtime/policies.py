@@ -285,13 +285,17 @@ class SllmPolicy(Policy):
     """ServerlessLLM (8.1): whole node per instance, first-fit, concurrency targets."""
 
     def __post_init__(self) -> None:
-        self._targets: dict[str, dict[str, int]] = {}  # base model -> node kind -> target (models come and go)
+        # base model -> (its spec, node kind -> target): models come and go, and a model's spec
+        # is replaced when it gains a kind of node (the service's prepared formats)
+        self._targets: dict[str, tuple[object, dict[str, int]]] = {}
 
     def _targets_of(self, base: str) -> dict[str, int]:
-        if base not in self._targets:
-            self._targets[base] = {k: self._target(base, k) for k in self.spec.kinds
-                                   if k in self.cluster.catalog[base].profiles}
-        return self._targets[base]
+        spec = self.cluster.catalog[base]
+        known = self._targets.get(base)
+        if known is None or known[0] is not spec:
+            known = self._targets[base] = (spec, {k: self._target(base, k) for k in self.spec.kinds
+                                                  if k in spec.profiles})
+        return known[1]
 
     def _target(self, base: str, kind: str) -> int:
         """The paper's target (8.1), else one tailored to the model's profile on that kind

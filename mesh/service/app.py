@@ -169,6 +169,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent, core_shares, detect_local_nodes
     from mesh.runtime.node import NodeSpec
     from mesh.service.demo import ensure_demo, ready_line
+    from mesh.service.formats import FormatPreparer
     from mesh.service.placement import ClusterPlacement, PlacementSettings
     from mesh.service.weights_plane import WeightsPlane, WeightsSettings
 
@@ -214,7 +215,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     def weights(agents: dict) -> WeightsPlane:  # host copies: up to each node's memory budget, on its disk
         return WeightsPlane(agents, WeightsSettings(plan=config.weights_plan, token=weights_token))
 
-    placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights)
+    formats = FormatPreparer(registry, data_dir, enabled=config.prepare_formats)
+    placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights, formats=formats)
     membership = autoscaler = None
     if config.ray is not None:
         from mesh.cluster.ray_actor import AgentLaunch

@@ -12,7 +12,12 @@ Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir,
 max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, ray, ray_autoscale, weights_plan,
 drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
-deadlines, policy, cold_start_s.
+deadlines, policy, cold_start_s, prepare_formats.
+
+`prepare_formats` (default true; `mesh serve --no-prepare` turns it off): prepare each
+registered model's format for the other kind of node in the background (a GGUF converted to
+a Hugging Face folder for vLLM on GPU nodes; mesh.service.formats), so the dispatcher can
+run it on either kind.
 
 `policy` (default `mesh`): the cluster dispatcher's placement policy, one of those `mesh
 replay` evaluates (mesh.runtime.policies): mesh, sllm, sllm+cpu, mesh-no-share, mesh-no-cpu,
@@ -76,6 +81,7 @@ class ServeConfig:
     deadlines: str = "pace"  # deadline rule of the local agents: pace or eq1 (mesh.policy.slo)
     policy: str = "mesh"  # the dispatcher's placement policy (mesh.runtime.policies)
     cold_start_s: float = 7.5  # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart)
+    prepare_formats: bool = True  # prepare each model's format for the other kind of node (mesh.service.formats)
 
     @property
     def default_quota(self) -> Quota:
@@ -171,6 +177,8 @@ def _check(c: ServeConfig) -> None:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")
     if isinstance(c.cold_start_s, bool) or not isinstance(c.cold_start_s, (int, float)) or c.cold_start_s < 0:
         raise ConfigError(f"cold_start_s must be a number of seconds >= 0, got {c.cold_start_s!r}")
+    if not isinstance(c.prepare_formats, bool):
+        raise ConfigError(f"prepare_formats must be true or false, got {c.prepare_formats!r}")
     if c.weights_plan not in ("naive", "chain", "binomial"):
         raise ConfigError(f"weights_plan must be naive, chain or binomial, got {c.weights_plan!r}")
     if c.cpu_memory_gb is not None and c.cpu_memory_gb <= 0:

@@ -103,6 +103,13 @@ def node_unavailable(reason: str) -> ApiError:
                     None, "node_unavailable", {"Retry-After": "1"})
 
 
+def model_preparing(reason: str, retry_after_s: float = 10.0) -> ApiError:
+    """The model's format for the nodes this server may use is still being prepared
+    (mesh.service.formats): a wait, not a fault."""
+    return ApiError(503, f"The model cannot be served yet: {reason}. Retry in a little while.", "server_error",
+                    "model", "model_preparing", {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+
+
 def shutting_down() -> ApiError:
     return ApiError(503, "The server is shutting down.", "server_error", None, "shutting_down",
                     {"Retry-After": "1"})

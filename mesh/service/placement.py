@@ -21,6 +21,12 @@ decides nothing about where a request goes. It
    event. A request moved to another node (preemption, eviction, 6.4) keeps its stream:
    it resumes where it stopped.
 
+A model registered once runs on every kind of node it has a format for (mesh.service.formats:
+the registered one, and one the service prepared for the other kind, such as a GGUF
+converted to a Hugging Face folder for vLLM). It is described on an agent of each such kind
+whose nodes are up, so the dispatcher gets a profile per kind and chooses the kind (CPU
+first under `mesh`, GPU only under `sllm`); each instance loads its node kind's format.
+
 Instances start with their weights from the node's own copy, which the weights plane
 multicasts there first if needed (mesh.service.weights_plane). Nodes come and go while
 serving (`add_node`, `remove_node`: the Ray cluster's membership, mesh.cluster.ray_nodes):
@@ -48,15 +54,15 @@ from mesh.runtime.node import InstancePlan, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
 from mesh.runtime.tasks import cancel_all
 from mesh.service.agent_node import AgentNode
-from mesh.service.errors import ApiError, bad_request, context_too_long, node_unavailable, overloaded
+from mesh.service.errors import ApiError, bad_request, context_too_long, model_preparing, node_unavailable, overloaded
+from mesh.service.formats import CONVERSIONS, ENGINE_OF_KIND, FORMAT_NAMES, FormatPreparer
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
-from mesh.service.weights_plane import WeightsError, WeightsPlane
+from mesh.service.weights_plane import ModelFormat, WeightsError, WeightsPlane
 
 log = logging.getLogger("mesh.service.placement")
 
 CALL_TIMEOUT_S = 30.0
-ENGINE_OF_KIND = {CPU: "openvino", GPU: "vllm"}  # GPU nodes run vLLM; CPU nodes OpenVINO
 MEAN_OUTPUT_PRIOR = 128.0  # O_avg's starting value for a new model (6.1), tokens
 # The demo model (SmolLM2-135M) starts in 7.0-7.9 s on a 2-core node (docs/evaluation.md): the
 # engine's start-up, not its weights, dominates a small model's cold start.
@@ -80,7 +86,11 @@ class Placement(Protocol):
         """The model was deleted: unload its idle instances."""
 
     def model_registered(self, model: ModelRecord) -> None:
-        """A model was registered: place its first host copy (in the background)."""
+        """A model was registered: place its first host copy and prepare its format for the
+        other kind of node (in the background)."""
+
+    def model_formats(self, model: ModelRecord) -> dict[str, dict[str, Any]]:
+        """Each kind of node's format of the model and its state (for the model views)."""
 
     async def scale_out(self, model: ModelRecord, nodes: list[str]) -> dict[str, Any]:
         """Start instances of `model` on `nodes` now; per node its instance or the error."""
@@ -111,15 +121,19 @@ class _Model:
     record: ModelRecord
     front: str  # the node whose agent tokenizes its prompts
     path: str  # its weights as that node sees them
+    kinds: tuple[str, ...] = ()  # the kinds of node it was described on (its ModelSpec's profiles)
 
 
 class ClusterPlacement:
     def __init__(self, nodes: list[NodeSpec], settings: PlacementSettings | None = None,
                  agent_factory: Callable[..., AgentHandle] = LocalAgent,
-                 weights: Callable[[dict[str, AgentHandle]], WeightsPlane] | None = None) -> None:
+                 weights: Callable[[dict[str, AgentHandle]], WeightsPlane] | None = None,
+                 formats: FormatPreparer | None = None) -> None:
         """`agent_factory(spec, on_up, on_down, on_event, settings)` makes each node's agent
         handle (tests pass one that runs the agent in-process); `weights(agents)` makes the
-        weights plane (None: nodes load models from the registry's path)."""
+        weights plane (None: nodes load models from the registry's path); `formats`
+        prepares each model's format for the other kind of node (None: a model runs on its
+        registered format's kind only)."""
         self.settings = settings or PlacementSettings()
         self._agent_factory = agent_factory
         s = self.settings
@@ -133,6 +147,10 @@ class ClusterPlacement:
         for spec in nodes:
             self._add(spec, agent_factory)
         self.weights = weights(self.agents) if weights is not None else None
+        self.formats = formats
+        if formats is not None:
+            formats.kinds = lambda: {n.kind for n in self._nodes()}
+            formats.on_ready = self._format_ready
         self._models: dict[str, _Model] = {}
         self._describing: dict[str, asyncio.Future] = {}
         self._requests: dict[str, ServedRequest] = {}
@@ -153,8 +171,12 @@ class ClusterPlacement:
                 continue
             if not await node.agent.wait_up(self.settings.start_timeout_s):
                 raise RuntimeError(f"node agent {node.node_id} did not start: {node.agent.last_error or 'timeout'}")
+        if self.formats is not None:
+            self.formats.ensure_all()  # models registered before this start that lack a format
 
     async def stop(self) -> None:
+        if self.formats is not None:
+            await self.formats.stop()
         await cancel_all(list(self._tasks))
         await self.cluster.stop()
         if self.weights is not None:
@@ -190,10 +212,13 @@ class ClusterPlacement:
         placement's). It gets models by multicast on first use."""
         if spec.node_id in self.agents:
             raise ValueError(f"node {spec.node_id} is already placed on")
+        new_kind = spec.kind not in {n.kind for n in self._nodes()}
         node = self._add(spec, agent_factory or self._agent_factory)
         if self._started:
             await node.start()
         log.warning("node %s joined (%s)", spec.node_id, spec.kind)
+        if new_kind and self.formats is not None:
+            self.formats.ensure_all()  # formats for this kind can be prepared now
         self.dispatcher.capacity_freed()
         return node.agent
 
@@ -219,9 +244,10 @@ class ClusterPlacement:
 
     # ---- models --------------------------------------------------------------------------------
     async def _model(self, record: ModelRecord) -> _Model:
-        """The model in the cluster, described on first use (once, however many ask)."""
+        """The model in the cluster, described on first use (once, however many ask), and
+        again when it changed (a format became ready) or a kind of node it can run on came up."""
         known = self._models.get(record.uid)
-        if known is not None and known.record == record:
+        if known is not None and known.record == record and set(self._kinds_up(record)) <= set(known.kinds):
             return known
         pending = self._describing.get(record.uid)
         if pending is None:
@@ -236,33 +262,83 @@ class ClusterPlacement:
                 self._describing.pop(record.uid, None)
         return await asyncio.shield(pending)
 
-    def _up_nodes(self, record: ModelRecord) -> list[AgentNode]:
-        """The nodes up that can run the model; a 503 (400 for a kind this server lacks) if none."""
-        kind = record.node_kind
-        nodes = [n for n in self._nodes() if n.kind == kind and n.up]
-        if not nodes:
-            if kind == GPU and not any(n.kind == GPU for n in self._nodes()):
-                raise bad_request("Hugging Face folders need a GPU node (vLLM), and this server has none; export the "
-                                  "model to OpenVINO IR or GGUF and register that.", "model")
-            states = ", ".join(f"{n.node_id} {n.agent.state}" for n in self._nodes() if n.kind == kind)
-            raise node_unavailable(f"no {kind.upper()} node agent is up ({states or 'none configured'})")
-        return nodes
+    def _kinds_up(self, record: ModelRecord) -> list[str]:
+        """The kinds of node that can run the model now: it has a format ready for them and
+        one of their agents is up; CPU first."""
+        up = {n.kind for n in self._nodes() if n.up}
+        return [k for k in record.node_kinds if k in up]
+
+    def _check_servable(self, record: ModelRecord) -> None:
+        """Raise unless a kind of node the policy uses can run the model now: a 503 while
+        its nodes are down or its format for them is being prepared, a 400 if it can never
+        run here (what it would need is said)."""
+        usable = self.dispatcher.policy.kinds
+        if any(k in usable for k in self._kinds_up(record)):
+            return
+        here = {n.kind for n in self._nodes()}
+        ready = [k for k in record.node_kinds if k in usable and k in here]
+        if ready:
+            states = ", ".join(f"{n.node_id} {n.agent.state}" for n in self._nodes() if n.kind in ready)
+            raise node_unavailable(f"no {'/'.join(k.upper() for k in ready)} node agent is up ({states})")
+        formats = self.model_formats(record)
+        for kind in usable:
+            if kind in here and formats.get(kind, {}).get("state") == "preparing":
+                raise model_preparing(f"its {FORMAT_NAMES[formats[kind]['format']]} for {kind.upper()} nodes is being "
+                                      f"prepared from the registered {FORMAT_NAMES[record.kind]}")
+        native = record.native_kind
+        if native not in here:
+            why = f"and this server has no {native.upper()} node"
+        else:
+            why = (f"which the placement policy {self.dispatcher.policy.name} does not use (it uses "
+                   f"{'/'.join(k.upper() for k in usable)} nodes)")
+        other = [f"its {k.upper()} format: {f['state']}" + (f" ({f['reason']})" if f.get("reason") else "")
+                 for k, f in formats.items() if k != native]
+        raise bad_request(f"{FORMAT_NAMES[record.kind]}s run on {native.upper()} nodes ({ENGINE_OF_KIND[native]}), "
+                          f"{why}; " + "; ".join(other) + ".", "model")
+
+    def model_formats(self, model: ModelRecord) -> dict[str, dict[str, Any]]:
+        if self.formats is not None:
+            return self.formats.view(model)
+        conversion = CONVERSIONS[model.kind]
+        return {model.native_kind: {"format": model.kind, "engine": ENGINE_OF_KIND[model.native_kind],
+                                    "state": "ready", "source": "registered"},
+                conversion.node_kind: {"format": conversion.format, "engine": ENGINE_OF_KIND[conversion.node_kind],
+                                       "source": "prepared", "state": "unavailable",
+                                       "reason": "this server prepares no formats"}}
 
     async def _describe(self, record: ModelRecord) -> _Model:
-        kind = record.node_kind
-        node = sorted(self._up_nodes(record), key=lambda n: n.agent.remote)[0]  # a local agent reads the registry's path
-        path, _ = await self._copy_on(record, node)
-        try:
-            shape = await node.agent.client.call(
-                {"t": "describe", "model": record.uid, "path": path, "engine": ENGINE_OF_KIND[kind],
-                 "context_window": record.context_length}, CALL_TIMEOUT_S)
-        except AgentCallError as exc:
-            raise ApiError(503, f"The model cannot be read: {exc}", "server_error", "model", "model_load_failed") from exc
-        except AgentDown as exc:
-            raise node_unavailable(str(exc)) from exc
-        self.cluster.add_model(record.uid, ModelSpec(record.uid, {kind: self._profile(record, kind, shape)}),
-                               MEAN_OUTPUT_PRIOR, record.slo)
-        model = _Model(record, node.node_id, path)
+        """Describe the model on an agent of each kind of node that can run it now (its
+        shape in that kind's format), and give the cluster a profile per kind: the
+        dispatcher chooses among them. The first kind's agent (CPU first) tokenizes."""
+        kinds = self._kinds_up(record)
+        if not kinds:
+            self._check_servable(record)  # raises the clear 400/503
+            raise node_unavailable(f"no node agent that can run {record.name} is up")
+        profiles: dict[str, Any] = {}
+        front: tuple[AgentNode, str] | None = None
+        for kind in kinds:
+            # a local agent reads the registry's path
+            node = sorted((n for n in self._nodes() if n.kind == kind and n.up), key=lambda n: n.agent.remote)[0]
+            try:
+                path, _ = await self._copy_on(record, node)
+                shape = await node.agent.client.call(
+                    {"t": "describe", "model": record.uid, "path": path, "engine": ENGINE_OF_KIND[kind],
+                     "context_window": record.context_length}, CALL_TIMEOUT_S)
+            except (ApiError, AgentCallError, AgentDown) as exc:
+                if front is not None:  # the kinds described so far serve; this one is left out
+                    log.warning("model %s/%s is not run on %s nodes: describing it on %s failed: %s", record.tenant,
+                                record.name, kind.upper(), node.node_id, exc)
+                    continue
+                if isinstance(exc, ApiError):
+                    raise
+                if isinstance(exc, AgentCallError):
+                    raise ApiError(503, f"The model cannot be read: {exc}", "server_error", "model",
+                                   "model_load_failed") from exc
+                raise node_unavailable(str(exc)) from exc
+            profiles[kind] = self._profile(record, kind, shape)
+            front = front or (node, path)
+        self.cluster.add_model(record.uid, ModelSpec(record.uid, profiles), MEAN_OUTPUT_PRIOR, record.slo)
+        model = _Model(record, front[0].node_id, front[1], tuple(profiles))
         self._models[record.uid] = model
         return model
 
@@ -290,12 +366,14 @@ class ClusterPlacement:
         return str(candidate) if candidate.is_file() else None
 
     async def _copy_on(self, record: ModelRecord, node: AgentNode) -> tuple[str, str]:
-        """The model's weights as `node` sees them and how they got there: its own copy
-        (multicast there first if needed) or, without a weights plane, the registry's path."""
-        if self.weights is None or not self.weights.carries(record):
-            return record.path, "registry path"
+        """The weights of the model's format for `node`'s kind as `node` sees them and how
+        they got there: its own copy (multicast there first if needed) or, without a weights
+        plane, the registry's (or the prepared) path."""
+        fmt = ModelFormat.of(record, node.kind)
+        if self.weights is None or not self.weights.carries(fmt):
+            return fmt.path, "registry path" if fmt.native else "prepared path"
         try:
-            copy = await self.weights.copy_on(record, node.node_id)
+            copy = await self.weights.copy_on(fmt, node.node_id)
         except WeightsError as exc:
             raise ApiError(503, f"The model's weights could not reach node {node.node_id}: {exc}", "server_error",
                            "model", "weights_unavailable") from exc
@@ -320,15 +398,28 @@ class ClusterPlacement:
             self.weights.instance_stopped(model_uid, instance_id)
 
     def model_registered(self, model: ModelRecord) -> None:
-        if self.weights is None or not self.weights.carries(model):
-            return
-        self._spawn(self._first_copy(model), f"first copy {model.uid}")
+        if self.formats is not None:
+            self.formats.ensure(model)
+        self._first_copy(ModelFormat.of(model))
 
-    async def _first_copy(self, model: ModelRecord) -> None:
-        try:
-            await self.weights.register(model)
-        except WeightsError as exc:  # the first request tries again
-            log.warning("placing the first host copy of %s/%s failed: %s", model.tenant, model.name, exc)
+    def _format_ready(self, model: ModelRecord, kind: str) -> None:
+        """A format prepared for `kind` is ready: it joins the parameter pool (its first host
+        copy on a node of that kind); the model's next request describes it there too."""
+        self._first_copy(ModelFormat.of(model, kind))
+
+    def _first_copy(self, fmt: ModelFormat) -> None:
+        """Place the first host copy of a model's format, in the background."""
+        if self.weights is None or not self.weights.carries(fmt):
+            return
+        weights = self.weights
+
+        async def place() -> None:
+            try:
+                await weights.register(fmt)
+            except WeightsError as exc:  # the first request tries again
+                log.warning("placing the first host copy of %s (%s nodes) failed: %s", fmt.label, fmt.node_kind, exc)
+
+        self._spawn(place(), f"first copy {fmt.key}")
 
     async def forget_model(self, model_uid: str) -> None:
         # The cluster keeps the model's spec: requests for it still in flight are planned with it.
@@ -339,6 +430,8 @@ class ClusterPlacement:
             # busy: recycled by keep-alive once its requests end
         if self.weights is not None:
             await self.weights.forget(model_uid)
+        if self.formats is not None:
+            await self.formats.forget(model_uid)
 
     async def preload(self, record: ModelRecord, wait: bool = False) -> None:
         """Start an instance of `record` now where the policy would start a new one
@@ -361,10 +454,17 @@ class ClusterPlacement:
         unknown = [n for n in nodes if n not in self.agents]
         if unknown:
             raise bad_request(f"unknown nodes {unknown}; this server's nodes: {sorted(self.agents)}", "nodes")
-        kind = record.node_kind
-        wrong = [n for n in nodes if self.cluster.node(n).kind != kind]
+        kinds = record.node_kinds
+        wrong = [n for n in nodes if self.cluster.node(n).kind not in kinds]
         if wrong:
-            raise bad_request(f"nodes {wrong} are not {kind.upper()} nodes, which this model needs", "nodes")
+            formats = self.model_formats(record)
+            missing = sorted({self.cluster.node(n).kind for n in wrong})
+            why = "; ".join(f"its {k.upper()} format is {formats[k]['state']}"
+                            + (f" ({formats[k]['reason']})" if formats[k].get("reason") else "")
+                            for k in missing if k in formats)
+            raise bad_request(f"nodes {wrong} are {'/'.join(k.upper() for k in missing)} nodes, and model "
+                              f"{record.name} runs on {'/'.join(k.upper() for k in kinds)} nodes only now"
+                              + (f": {why}" if why else ""), "nodes")
         await self._model(record)
 
         async def one(node_id: str) -> dict[str, Any]:
@@ -387,7 +487,9 @@ class ClusterPlacement:
 
     # ---- requests ----------------------------------------------------------------------------
     async def submit(self, job: Job) -> RequestStream:
-        self._up_nodes(job.model)  # none up: a 503 now rather than a wait
+        if self.formats is not None:
+            self.formats.ensure(job.model)  # a model that lacks a format gets it prepared on first use
+        self._check_servable(job.model)  # none up: a 503 now rather than a wait
         model = await self._model(job.model)
         ids = job.prompt_token_ids
         if ids is None:

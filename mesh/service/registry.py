@@ -8,6 +8,12 @@ with ON DELETE CASCADE).
 Schema 2 adds each tenant's quota settings (`tenant_quotas`, a JSON object of the quotas the
 operator set; mesh.policy.quota) and each model's sampling defaults (`models.sampling_defaults`,
 JSON); a schema-1 file is upgraded in place when opened.
+
+Schema 3 adds `prepared_formats`: the copies of a model the service prepared for the other
+kind of node (mesh.service.formats: a GGUF converted to a Hugging Face folder for vLLM, a
+Hugging Face folder exported to OpenVINO IR), one row per (model, node kind) with its state
+(preparing, ready, failed and why). Rows go with their model (ON DELETE CASCADE); an older
+file gets the table when opened.
 """
 from __future__ import annotations
 
@@ -19,9 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
+from mesh.policy.placement import CPU, GPU, kind_rank
 from mesh.policy.slo import SLO
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")
 
@@ -61,7 +68,21 @@ CREATE TABLE IF NOT EXISTS tenant_quotas (
     tenant TEXT PRIMARY KEY REFERENCES tenants(name) ON DELETE CASCADE,
     settings TEXT NOT NULL
 );
+CREATE TABLE IF NOT EXISTS prepared_formats (
+    model_uid TEXT NOT NULL REFERENCES models(uid) ON DELETE CASCADE,
+    node_kind TEXT NOT NULL,
+    format TEXT NOT NULL,
+    path TEXT NOT NULL,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    weight_bytes INTEGER NOT NULL DEFAULT 0,
+    seconds REAL,
+    updated_at INTEGER NOT NULL DEFAULT (CAST(strftime('%s','now') AS INTEGER)),
+    PRIMARY KEY (model_uid, node_kind)
+);
 """
+NATIVE_KIND = {"gguf": CPU, "ir": CPU, "hf": GPU}  # the node kind that runs each registered format
+PREPARED_STATES = ("preparing", "ready", "failed")
 
 
 class RegistryError(ValueError):
@@ -85,6 +106,29 @@ class KeyInfo:
 
 
 @dataclass(frozen=True, slots=True)
+class PreparedFormat:
+    """A copy of a model the service prepared for one kind of node (mesh.service.formats)."""
+
+    node_kind: str  # "cpu" or "gpu": the nodes that run it
+    format: str  # "hf" (vLLM) or "ir" (OpenVINO)
+    path: str  # the prepared file or folder, in the service's data folder
+    state: str  # "preparing", "ready" or "failed"
+    reason: str = ""  # why it failed
+    weight_bytes: int = 0
+    seconds: float | None = None  # how long the preparation took
+    updated_at: int = 0
+
+    def __post_init__(self) -> None:
+        if self.state not in PREPARED_STATES:
+            raise RegistryError(f"prepared format state must be one of {', '.join(PREPARED_STATES)}, "
+                                f"got {self.state!r}")
+
+    @property
+    def ready(self) -> bool:
+        return self.state == "ready"
+
+
+@dataclass(frozen=True, slots=True)
 class ModelRecord:
     uid: str
     tenant: str
@@ -99,12 +143,39 @@ class ModelRecord:
     created_at: int = 0
     # temperature/top_p for requests that omit them (mesh.service.sampling_defaults)
     sampling_defaults: dict[str, Any] | None = field(default=None, hash=False, compare=False)
+    prepared: tuple[PreparedFormat, ...] = ()  # formats prepared for the other kind of node
 
     @property
-    def node_kind(self) -> str:
-        """The nodes that run it: Hugging Face folders on GPU nodes (vLLM), GGUF and
-        OpenVINO IR on CPU nodes (OpenVINO)."""
-        return "gpu" if self.kind == "hf" else "cpu"
+    def native_kind(self) -> str:
+        """The nodes that run the registered format: Hugging Face folders on GPU nodes
+        (vLLM), GGUF and OpenVINO IR on CPU nodes (OpenVINO)."""
+        return NATIVE_KIND[self.kind]
+
+    @property
+    def node_kinds(self) -> tuple[str, ...]:
+        """The kinds of node that can run it now: its registered format's, and each kind
+        whose prepared format is ready; CPU first."""
+        kinds = {self.native_kind, *(p.node_kind for p in self.prepared if p.ready)}
+        return tuple(sorted(kinds, key=kind_rank))
+
+    def prepared_for(self, kind: str) -> PreparedFormat | None:
+        return next((p for p in self.prepared if p.node_kind == kind), None)
+
+    def path_for(self, kind: str) -> str:
+        """The file or folder that nodes of `kind` run; KeyError if it has none ready."""
+        if kind == self.native_kind:
+            return self.path
+        prepared = self.prepared_for(kind)
+        if prepared is None or not prepared.ready:
+            raise KeyError(f"model {self.tenant}/{self.name} has no format ready for {kind} nodes")
+        return prepared.path
+
+    def format_for(self, kind: str) -> str:
+        """The format nodes of `kind` run: the registered kind, or the prepared one."""
+        if kind == self.native_kind:
+            return self.kind
+        prepared = self.prepared_for(kind)
+        return prepared.format if prepared is not None else ""
 
 
 class Registry:
@@ -225,14 +296,45 @@ class Registry:
 
     def model(self, tenant: str, name: str) -> ModelRecord | None:
         row = self._db.execute("SELECT * FROM models WHERE tenant = ? AND name = ?", (tenant, name)).fetchone()
-        return _model(row) if row else None
+        return _model(row, self.prepared(row["uid"])) if row else None
+
+    def model_by_uid(self, uid: str) -> ModelRecord | None:
+        row = self._db.execute("SELECT * FROM models WHERE uid = ?", (uid,)).fetchone()
+        return _model(row, self.prepared(uid)) if row else None
 
     def models(self, tenant: str | None = None) -> list[ModelRecord]:
         if tenant is None:
-            rows = self._db.execute("SELECT * FROM models ORDER BY tenant, name")
+            rows = self._db.execute("SELECT * FROM models ORDER BY tenant, name").fetchall()
         else:
-            rows = self._db.execute("SELECT * FROM models WHERE tenant = ? ORDER BY name", (tenant,))
-        return [_model(r) for r in rows]
+            rows = self._db.execute("SELECT * FROM models WHERE tenant = ? ORDER BY name", (tenant,)).fetchall()
+        prepared: dict[str, list[PreparedFormat]] = {}
+        for r in self._db.execute("SELECT * FROM prepared_formats ORDER BY model_uid, node_kind"):
+            prepared.setdefault(r["model_uid"], []).append(_prepared(r))
+        return [_model(r, prepared.get(r["uid"], ())) for r in rows]
+
+    # ---- prepared formats ----------------------------------------------------------------
+    def prepared(self, uid: str) -> tuple[PreparedFormat, ...]:
+        rows = self._db.execute("SELECT * FROM prepared_formats WHERE model_uid = ? ORDER BY node_kind", (uid,))
+        return tuple(_prepared(r) for r in rows)
+
+    def set_prepared(self, uid: str, prepared: PreparedFormat) -> bool:
+        """Record the state of a model's prepared format (one per node kind); False if the
+        model is gone (deleted while its format was being prepared)."""
+        try:
+            self._db.execute(
+                "INSERT INTO prepared_formats (model_uid, node_kind, format, path, state, reason, weight_bytes, seconds) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(model_uid, node_kind) DO UPDATE SET "
+                "format = excluded.format, path = excluded.path, state = excluded.state, reason = excluded.reason, "
+                "weight_bytes = excluded.weight_bytes, seconds = excluded.seconds, "
+                "updated_at = CAST(strftime('%s','now') AS INTEGER)",
+                (uid, prepared.node_kind, prepared.format, prepared.path, prepared.state, prepared.reason,
+                 prepared.weight_bytes, prepared.seconds))
+        except sqlite3.IntegrityError:  # the model was deleted meanwhile (foreign key)
+            return False
+        return True
+
+    def delete_prepared(self, uid: str, node_kind: str) -> None:
+        self._db.execute("DELETE FROM prepared_formats WHERE model_uid = ? AND node_kind = ?", (uid, node_kind))
 
     def set_sampling_defaults(self, uid: str, defaults: dict[str, Any]) -> None:
         self._db.execute("UPDATE models SET sampling_defaults = ? WHERE uid = ?", (json.dumps(defaults), uid))
@@ -259,11 +361,17 @@ def _key(row: sqlite3.Row) -> KeyInfo:
     return KeyInfo(row["id"], row["tenant"], row["display"], row["label"], row["created_at"], row["revoked_at"])
 
 
-def _model(row: sqlite3.Row) -> ModelRecord:
+def _prepared(row: sqlite3.Row) -> PreparedFormat:
+    return PreparedFormat(row["node_kind"], row["format"], row["path"], row["state"], row["reason"],
+                          row["weight_bytes"], row["seconds"], row["updated_at"])
+
+
+def _model(row: sqlite3.Row, prepared: tuple[PreparedFormat, ...] | list[PreparedFormat] = ()) -> ModelRecord:
     return ModelRecord(
         uid=row["uid"], tenant=row["tenant"], name=row["name"], kind=row["kind"], path=row["path"],
         context_length=row["context_length"],
         slo=SLO(row["ttft_min_s"], row["ttft_s_per_prompt_token"], row["tpot_s"]),
         weight_bytes=row["weight_bytes"], sha256=row["sha256"], owned_file=bool(row["owned_file"]),
         created_at=row["created_at"], sampling_defaults=json.loads(row["sampling_defaults"] or "{}"),
+        prepared=tuple(prepared),
     )

