@@ -88,7 +88,8 @@ def test_a_hugging_face_folder_reaches_the_vllm_node_and_serves_from_there(tmp_p
         pytest.skip("vLLM is not installed (.venv-vllm): run scripts/setup.sh")
     allowed = tmp_path / "allowed"
     tiny = write_tiny_llama(allowed / "tiny")
-    server = Server(tmp_path / "data", allowed, tmp_path / "server.log", extra=("--vllm-cpu",))
+    # --no-prepare: the demo GGUF is not converted for the vLLM node meanwhile (tests/test_formats_e2e.py does that)
+    server = Server(tmp_path / "data", allowed, tmp_path / "server.log", extra=("--vllm-cpu", "--no-prepare"))
     server.start()
     try:
         status, body = server.http("POST", "/v1/models", {"name": "tiny", "path": "tiny"}, token=server.key)
@@ -98,7 +99,7 @@ def test_a_hugging_face_folder_reaches_the_vllm_node_and_serves_from_there(tmp_p
         cluster = server.admin("GET", "/admin/cluster")
         (instance,) = [i for n in cluster["nodes"] if n["node_id"] == "vllm-cpu-0" for i in n["instances"]]
         assert instance["model"] == "tiny" and instance["state"] == "ready"
-        (weights,) = [m for m in cluster["weights"]["models"].values() if m["files"] > 1]
+        (weights,) = [m for m in cluster["weights"]["models"].values() if m["files"] > 1 and m["native"]]
         assert weights["host_copies"] == ["vllm-cpu-0"]  # the first copy goes where the model runs
         copy = Path(weights["copies"]["vllm-cpu-0"])
         assert copy.is_relative_to(tmp_path / "data" / "nodes" / "vllm-cpu-0")
