@@ -65,6 +65,28 @@ CONVERSIONS: dict[str, Conversion] = {
 }
 
 
+def formats_view(record: ModelRecord, blocked: str, under_way: bool) -> dict[str, dict[str, Any]]:
+    """Each kind of node's format of `record`: the registered one (ready), and the other
+    kind's with its state: ready, preparing or failed (the registry's), or unavailable with
+    the reason. `blocked`: why it cannot be prepared here ("" if it can); `under_way`: a
+    preparation runs in this process. A `preparing` row left by a stopped service counts as
+    preparing while it can be prepared (the next start or use does it)."""
+    out: dict[str, dict[str, Any]] = {
+        record.native_kind: {"format": record.kind, "engine": ENGINE_OF_KIND[record.native_kind],
+                             "source": "registered", "state": "ready"}}
+    conversion = CONVERSIONS[record.kind]
+    kind = conversion.node_kind
+    entry: dict[str, Any] = {"format": conversion.format, "engine": ENGINE_OF_KIND[kind], "source": "prepared"}
+    prepared = record.prepared_for(kind)
+    if prepared is not None and (prepared.state != "preparing" or under_way or not blocked):
+        entry.update(state=prepared.state, reason=prepared.reason, weight_bytes=prepared.weight_bytes,
+                     seconds=prepared.seconds)
+    else:
+        entry.update(state="unavailable" if blocked else "preparing", reason=blocked)
+    out[kind] = entry
+    return out
+
+
 class ConversionFailed(RuntimeError):
     """A conversion did not produce its output; the message says why (and where its log is)."""
 
@@ -167,32 +189,9 @@ class FormatPreparer:
             self._pythons[str(conversion.command)] = self.tool.python(conversion)
         return self._pythons[str(conversion.command)]
 
-    def preparing(self, record: ModelRecord, kind: str) -> bool:
-        """Is the format of `record` for `kind` being prepared, or about to be?"""
-        conversion = CONVERSIONS[record.kind]
-        if conversion.node_kind != kind or self.blocked(record):
-            return False
-        prepared = record.prepared_for(kind)
-        return (record.uid, kind) in self._tasks or prepared is None or prepared.state == "preparing"
-
     def view(self, record: ModelRecord) -> dict[str, dict[str, Any]]:
-        """Each kind of node's format of `record` and its state: ready (registered, or
-        prepared), preparing, failed or unavailable, with the reason."""
-        out: dict[str, dict[str, Any]] = {
-            record.native_kind: {"format": record.kind, "engine": ENGINE_OF_KIND[record.native_kind],
-                                 "state": "ready", "source": "registered"}}
-        conversion = CONVERSIONS[record.kind]
-        kind = conversion.node_kind
-        entry: dict[str, Any] = {"format": conversion.format, "engine": ENGINE_OF_KIND[kind], "source": "prepared"}
-        prepared = record.prepared_for(kind)
-        if prepared is not None and (prepared.state != "preparing" or self.preparing(record, kind)):
-            entry.update(state=prepared.state, reason=prepared.reason, weight_bytes=prepared.weight_bytes,
-                         seconds=prepared.seconds)
-        else:
-            why = self.blocked(record)
-            entry.update(state="unavailable" if why else "preparing", reason=why)
-        out[kind] = entry
-        return out
+        """Each kind of node's format of `record` and its state (`formats_view`)."""
+        return formats_view(record, self.blocked(record), (record.uid, CONVERSIONS[record.kind].node_kind) in self._tasks)
 
     # ---- preparing ------------------------------------------------------------------------
     def ensure(self, record: ModelRecord) -> None:

@@ -55,7 +55,7 @@ from mesh.runtime.request import Outcome, ServedRequest
 from mesh.runtime.tasks import cancel_all
 from mesh.service.agent_node import AgentNode
 from mesh.service.errors import ApiError, bad_request, context_too_long, model_preparing, node_unavailable, overloaded
-from mesh.service.formats import CONVERSIONS, ENGINE_OF_KIND, FORMAT_NAMES, FormatPreparer
+from mesh.service.formats import ENGINE_OF_KIND, FORMAT_NAMES, FormatPreparer, formats_view
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
 from mesh.service.weights_plane import ModelFormat, WeightsError, WeightsPlane
@@ -299,12 +299,7 @@ class ClusterPlacement:
     def model_formats(self, model: ModelRecord) -> dict[str, dict[str, Any]]:
         if self.formats is not None:
             return self.formats.view(model)
-        conversion = CONVERSIONS[model.kind]
-        return {model.native_kind: {"format": model.kind, "engine": ENGINE_OF_KIND[model.native_kind],
-                                    "state": "ready", "source": "registered"},
-                conversion.node_kind: {"format": conversion.format, "engine": ENGINE_OF_KIND[conversion.node_kind],
-                                       "source": "prepared", "state": "unavailable",
-                                       "reason": "this server prepares no formats"}}
+        return formats_view(model, "this server prepares no formats", False)
 
     async def _describe(self, record: ModelRecord) -> _Model:
         """Describe the model on an agent of each kind of node that can run it now (its
@@ -465,12 +460,15 @@ class ClusterPlacement:
             raise bad_request(f"nodes {wrong} are {'/'.join(k.upper() for k in missing)} nodes, and model "
                               f"{record.name} runs on {'/'.join(k.upper() for k in kinds)} nodes only now"
                               + (f": {why}" if why else ""), "nodes")
-        await self._model(record)
+        described = await self._model(record)
 
         async def one(node_id: str) -> dict[str, Any]:
             node: AgentNode = self.cluster.node(node_id)  # type: ignore[assignment]
             if not node.up:
                 return {"node": node_id, "ok": False, "error": f"node agent {node_id} is {node.agent.state}"}
+            if node.kind not in described.kinds:  # its kind's agent could not read the model's format
+                return {"node": node_id, "ok": False, "error": f"model {record.name} could not be described on "
+                        f"{node.kind.upper()} nodes (see the service's log)"}
             running = [r for r in self.cluster.instances_of(record.uid) if r.node is node]
             node.last_start_error = ""
             ref = running[0] if running else await self.cluster.start_instance(self.cluster.plan(record.uid, node), node)
