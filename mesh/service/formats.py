@@ -191,7 +191,8 @@ class FormatPreparer:
 
     def view(self, record: ModelRecord) -> dict[str, dict[str, Any]]:
         """Each kind of node's format of `record` and its state (`formats_view`)."""
-        return formats_view(record, self.blocked(record), (record.uid, CONVERSIONS[record.kind].node_kind) in self._tasks)
+        under_way = (record.uid, CONVERSIONS[record.kind].node_kind) in self._tasks
+        return formats_view(record, self.blocked(record), under_way)
 
     # ---- preparing ------------------------------------------------------------------------
     def ensure(self, record: ModelRecord) -> None:
