@@ -115,7 +115,8 @@ def test_sllm_never_picks_an_instance_on_a_kind_it_has_no_target_for():
 
 
 class FakeTool(ConvertTool):
-    """Writes a small Hugging Face folder instead of converting (or fails, if told to)."""
+    """Writes a small Hugging Face folder instead of converting (or fails, if told to); only
+    GGUF -> HF is installed (no export environment for HF -> IR)."""
 
     def __init__(self, fail: str = "", delay_s: float = 0.0) -> None:
         super().__init__()
@@ -123,7 +124,9 @@ class FakeTool(ConvertTool):
         self.runs: list[tuple[str, str]] = []
 
     def python(self, conversion: Conversion) -> tuple[str | None, str]:
-        return ("fake-python", "") if conversion.command else (None, conversion.missing)
+        if conversion.command == "gguf-to-hf":
+            return "fake-python", ""
+        return None, conversion.missing or "the export extra (optimum-intel) is not installed here"
 
     async def run(self, conversion: Conversion, python: str, source: str, out: Path, log_path: Path) -> dict[str, Any]:
         self.runs.append((conversion.command, source))
