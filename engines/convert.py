@@ -70,6 +70,22 @@ SAMPLE_CHAT = [{"role": "system", "content": "You are helpful."},
                {"role": "user", "content": "What is the capital of France?"}]
 
 
+EXPORT_VENV = Path(__file__).resolve().parent.parent / ".venv-export"
+
+
+def find_export_python() -> str | None:
+    """The interpreter that exports to OpenVINO IR: $MESH_EXPORT_PYTHON, else
+    `<repo>/.venv-export/bin/python` (MESH_WITH_EXPORT=1 scripts/setup.sh), else this one
+    if it has optimum-intel; None if there is none."""
+    explicit = os.environ.get("MESH_EXPORT_PYTHON")
+    if explicit:
+        return explicit
+    venv = EXPORT_VENV / "bin" / "python"
+    if venv.exists():
+        return str(venv)
+    return sys.executable if not missing_packages(EXPORT_NEEDS) else None
+
+
 class ConvertError(RuntimeError):
     """A conversion failed; the message says which file, what failed and what to do."""
 

