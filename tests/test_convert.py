@@ -135,3 +135,44 @@ def test_vllm_serves_the_converted_folder_with_openvinos_token_ids(converted, de
         assert "Paris" in answer
     finally:
         asyncio.run(e.unload())
+
+
+@pytest.mark.slow
+def test_the_converted_folder_exports_to_an_ir_openvino_serves(converted, tmp_path, demo_gguf):
+    """HF folder -> OpenVINO IR (the export environment, .venv-export): the IR OpenVINO
+    serves, with the GGUF's token ids and the same answer."""
+    from engines.convert import find_export_python
+    from engines.openvino_engine import OpenVINOEngine, standalone_encoder
+
+    python = find_export_python()
+    if python is None:
+        pytest.skip("no export environment (MESH_WITH_EXPORT=1 scripts/setup.sh creates .venv-export)")
+    folder, _, _ = converted
+    out = tmp_path / "smollm2-ir"
+    env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
+    started = time.perf_counter()
+    r = subprocess.run([python, "-m", "engines.convert", "hf-to-ir", str(folder), str(out)], capture_output=True,
+                       text=True, env=env, cwd=REPO_ROOT, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    summary = json.loads(r.stdout.strip().splitlines()[-1])
+    print(f"\nHF -> IR: {time.perf_counter() - started:.1f} s, {summary['folder_bytes'] / 1e6:.1f} MB")
+    assert not [p for p in out.iterdir() if p.is_dir()]  # a flat folder: it travels by the weights plane
+    e = OpenVINOEngine(out, context_window=1024, max_num_seqs=4)
+    asyncio.run(e.load())
+    try:
+        ids = e.encode_chat(QUESTION)
+        assert ids == standalone_encoder(str(demo_gguf)).encode_chat(QUESTION)
+        e.add_request(EngineRequest("q", len(ids), Sampling(max_tokens=20, temperature=0.0), ids))
+        answer = ""
+
+        async def run() -> None:
+            nonlocal answer
+            while e.has_work():
+                r = await e.step()
+                answer += "".join(r.texts)
+
+        asyncio.run(run())
+        print(f"OpenVINO on the exported IR: {answer!r}")
+        assert "Paris" in answer
+    finally:
+        asyncio.run(e.unload())
