@@ -263,7 +263,7 @@ async def two_kinds(tmp_path: Path, policy: str = "mesh", tool: ConvertTool | No
         weights_root = str(tmp_path / "nodes")
 
     specs = [NodeSpec("cpu-0", "cpu", 10**9)] + ([NodeSpec("gpu-0", "gpu", 10**9)] if gpu else [])
-    plane = WeightsSettings(plan="binomial", block_bytes=1 << 16, token=WEIGHTS_TOKEN)
+    plane = WeightsSettings(plan="binomial", block_bytes=4 << 20, token=WEIGHTS_TOKEN)
     p = ClusterPlacement(specs, PlacementSettings(policy=policy, cold_start_s=0.0), agent_factory=Agent,
                          weights=lambda agents: WeightsPlane(agents, plane),
                          formats=preparer(tmp_path, tool or FakeTool()))
@@ -378,3 +378,84 @@ def test_model_format_keys_the_pool_per_kind():
     assert ModelFormat.of(m).key == "m_9" and ModelFormat.of(m, "cpu").path == "/m.gguf"
     gpu = ModelFormat.of(m, "gpu")
     assert (gpu.key, gpu.path, gpu.native, gpu.label) == ("m_9.gpu", "/d/prepared/m_9/gpu", False, "t/n")
+
+
+# ---- over HTTP: the model views, /admin/scale, deletion ------------------------------------------------
+
+
+def test_the_model_views_show_each_kinds_format_and_scale_takes_either_kind(tmp_path, loads, demo_gguf):
+    import aiohttp
+    from aiohttp.test_utils import TestServer
+
+    from mesh.service.app import Service, build_app
+    from mesh.service.config import ServeConfig
+    from mesh.service.metrics import ServiceMetrics
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    (allowed / "m.gguf").write_bytes(demo_gguf.read_bytes())
+    hf = allowed / "hf"
+    hf.mkdir()
+    (hf / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
+    (hf / "model.safetensors").write_bytes(b"x" * 100)
+
+    async def main():
+        p = await two_kinds(tmp_path)
+        registry = p.formats.registry
+        service = Service(ServeConfig(admin_token="adm", allowed_dir=allowed, data_dir=tmp_path / "data"), registry, p,
+                          ServiceMetrics(p.view), tmp_path / "data")
+        service.idle.set()
+        server = TestServer(build_app(service))
+        await server.start_server()
+        session = aiohttp.ClientSession()
+
+        async def call(method: str, path: str, token: str, body: Any = None) -> tuple[int, Any]:
+            async with session.request(method, server.make_url(path), json=body,
+                                       headers={"Authorization": f"Bearer {token}"}) as r:
+                return r.status, await r.json(content_type=None)
+
+        try:
+            await call("POST", "/admin/tenants", "adm", {"name": "acme"})
+            key = (await call("POST", "/admin/tenants/acme/keys", "adm"))[1]["key"]
+            status, body = await call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"})
+            assert status == 201 and body["mesh"]["node_kinds"] == ["cpu"], body
+            assert body["mesh"]["formats"]["gpu"]["state"] == "preparing"
+            await p.formats.wait()
+            status, body = await call("GET", "/v1/models/m", key)
+            assert body["mesh"]["node_kinds"] == ["cpu", "gpu"]
+            assert body["mesh"]["formats"]["gpu"]["state"] == "ready"
+            (listed,) = (await call("GET", "/admin/models", "adm"))[1]["data"]
+            assert listed["mesh"]["formats"] == body["mesh"]["formats"]
+            status, scaled = await call("POST", "/admin/scale", "adm", {"tenant": "acme", "model": "m",
+                                                                       "nodes": ["cpu-0", "gpu-0"]})
+            assert status == 200 and [r["ok"] for r in scaled["results"]] == [True, True], scaled
+            assert sorted(engine for engine, _, _ in loads) == ["openvino", "vllm"]
+            uid = registry.model("acme", "m").uid
+            assert (tmp_path / "data" / "prepared" / uid / "gpu").is_dir()
+            assert (await call("DELETE", "/v1/models/m", key))[0] == 200
+            assert not (tmp_path / "data" / "prepared" / uid).exists() and registry.prepared(uid) == ()
+        finally:
+            await session.close()
+            await server.close()
+            await p.stop()
+
+        cpu_only = await two_kinds(tmp_path / "b", gpu=False)
+        service = Service(ServeConfig(admin_token="adm", allowed_dir=allowed, data_dir=tmp_path / "b"),
+                          cpu_only.formats.registry, cpu_only, ServiceMetrics(cpu_only.view), tmp_path / "b")
+        server = TestServer(build_app(service))
+        await server.start_server()
+        session = aiohttp.ClientSession()
+        try:
+            await call("POST", "/admin/tenants", "adm", {"name": "acme"})
+            key = (await call("POST", "/admin/tenants/acme/keys", "adm"))[1]["key"]
+            status, body = await call("POST", "/v1/models", key, {"name": "hf", "path": "hf"})
+            assert status == 400 and body["error"]["code"] == "unsupported_model_format"
+            message = body["error"]["message"]
+            assert "runs on GPU nodes (vllm), and this server has none" in message
+            assert "its CPU format cannot be prepared" in message and "optimum-cli export openvino" in message
+        finally:
+            await session.close()
+            await server.close()
+            await cpu_only.stop()
+
+    asyncio.run(main())
