@@ -52,9 +52,10 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Callable, TypeVar
 
 GGUF_MAGIC = b"GGUF"
+T = TypeVar("T")
 DTYPES = ("bfloat16", "float16", "float32")
 NEEDS = ("torch", "transformers", "gguf", "accelerate", "safetensors")
 EXPORT_NEEDS = ("torch", "transformers", "optimum.intel", "openvino_tokenizers")
@@ -126,34 +127,17 @@ def missing_packages(needs: tuple[str, ...] = NEEDS) -> list[str]:
     return missing
 
 
-def gguf_to_hf(gguf: str | Path, out: str | Path, dtype: str = "bfloat16") -> Converted:
-    """Write the Hugging Face folder of `gguf` at `out` (module docstring); ConvertError if not."""
-    started = time.perf_counter()
-    gguf, out = Path(gguf).resolve(), Path(out).absolute()
-    if dtype not in DTYPES:
-        raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", 2)
-    check_gguf(gguf)
-    if out.exists():
-        raise ConvertError(f"{out} already exists; delete it or name another output folder", 2)
-    missing = missing_packages()
-    if missing:
-        raise ConvertError(f"converting {gguf.name} needs {', '.join(missing)} in {sys.executable}; {SETUP_HINT}")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local file: never ask a model hub
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+def _into(out: Path, what: str, write: Callable[[Path], T]) -> T:
+    """Run `write(tmp)` on a temporary folder beside `out`, then rename it to `out`: the
+    output appears complete or not at all. Any failure removes the temporary folder and
+    becomes a ConvertError naming `what` was being converted."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.converting-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()
-        load_s, architecture = _write_model(gguf, tmp, dtype)
-        save_s = time.perf_counter() - started - load_s
-        _write_tokenizer(gguf, tmp)
-        files = [p for p in tmp.iterdir() if p.is_file()]
-        weights = [p for p in files if p.suffix == ".safetensors"]
-        if not weights:
-            raise ConvertError(f"converting {gguf.name} wrote no safetensors weights into {tmp}")
-        tensors = _count_tensors(weights)
-        os.rename(tmp, out)  # atomic: OUT_DIR appears complete or not at all
+        result = write(tmp)
+        os.rename(tmp, out)
     except ConvertError:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
@@ -161,7 +145,39 @@ def gguf_to_hf(gguf: str | Path, out: str | Path, dtype: str = "bfloat16") -> Co
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        raise ConvertError(f"converting {gguf} failed: {type(exc).__name__}: {exc}") from exc
+        raise ConvertError(f"converting {what} failed: {type(exc).__name__}: {exc}") from exc
+    return result
+
+
+def _check_out(out: Path) -> None:
+    if out.exists():
+        raise ConvertError(f"{out} already exists; delete it or name another output folder", 2)
+
+
+def gguf_to_hf(gguf: str | Path, out: str | Path, dtype: str = "bfloat16") -> Converted:
+    """Write the Hugging Face folder of `gguf` at `out` (module docstring); ConvertError if not."""
+    started = time.perf_counter()
+    gguf, out = Path(gguf).resolve(), Path(out).absolute()
+    if dtype not in DTYPES:
+        raise ConvertError(f"--dtype must be one of {', '.join(DTYPES)}, got {dtype!r}", 2)
+    check_gguf(gguf)
+    _check_out(out)
+    missing = missing_packages()
+    if missing:
+        raise ConvertError(f"converting {gguf.name} needs {', '.join(missing)} in {sys.executable}; {SETUP_HINT}")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a local file: never ask a model hub
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+    def write(tmp: Path) -> tuple[float, float, str, int]:
+        load_s, architecture = _write_model(gguf, tmp, dtype)
+        save_s = time.perf_counter() - started - load_s
+        _write_tokenizer(gguf, tmp)
+        weights = sorted(tmp.glob("*.safetensors"))
+        if not weights:
+            raise ConvertError(f"converting {gguf.name} wrote no safetensors weights into {tmp}")
+        return load_s, save_s, architecture, _count_tensors(weights)
+
+    load_s, save_s, architecture, tensors = _into(out, str(gguf), write)
     return Converted(str(out), dtype, sum(p.stat().st_size for p in out.iterdir()),
                      sum(p.stat().st_size for p in out.glob("*.safetensors")), tensors, architecture,
                      round(time.perf_counter() - started, 2), round(load_s, 2), round(save_s, 2))
@@ -177,40 +193,30 @@ def hf_to_ir(folder: str | Path, out: str | Path, weight_format: str = "fp16") -
         raise ConvertError(f"--weight-format must be one of {', '.join(WEIGHT_FORMATS)}, got {weight_format!r}", 2)
     if not (folder / "config.json").is_file():
         raise ConvertError(f"{folder} is not a Hugging Face model folder (no config.json)", 2)
-    if out.exists():
-        raise ConvertError(f"{out} already exists; delete it or name another output folder", 2)
+    _check_out(out)
     missing = missing_packages(EXPORT_NEEDS)
     if missing:
         raise ConvertError(f"exporting {folder.name} to OpenVINO IR needs {', '.join(missing)} in {sys.executable}; "
                            "create the export environment with `MESH_WITH_EXPORT=1 scripts/setup.sh` (the export "
                            "extra, in .venv-export) or set MESH_EXPORT_PYTHON")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.converting-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-    cli = [sys.executable, "-c", "from optimum.commands.optimum_cli import main; main()", "export", "openvino",
-           "--model", str(folder), "--task", "text-generation-with-past", "--weight-format", weight_format, str(tmp)]
-    try:
+
+    def write(tmp: Path) -> None:
+        cli = [sys.executable, "-c", "from optimum.commands.optimum_cli import main; main()", "export", "openvino",
+               "--model", str(folder), "--task", "text-generation-with-past", "--weight-format", weight_format,
+               str(tmp)]
         done = subprocess.run(cli, capture_output=True, text=True, env=env)
         if done.returncode != 0:
-            tail = " | ".join(ln for ln in (done.stderr or done.stdout).strip().splitlines()[-3:])
+            tail = " | ".join((done.stderr or done.stdout).strip().splitlines()[-3:])
             raise ConvertError(f"optimum-cli export openvino failed on {folder} (exit {done.returncode}): {tail}")
         lacking = [n for n in IR_FILES if not (tmp / n).is_file()]
         if lacking:
             raise ConvertError(f"the IR exported from {folder} lacks {', '.join(lacking)} (is openvino-tokenizers "
                                f"installed in {sys.executable}?)")
-        if any(p.is_dir() for p in tmp.iterdir()):  # a folder of files travels by the weights plane; no subfolders
-            for sub in [p for p in tmp.iterdir() if p.is_dir()]:
-                shutil.rmtree(sub)
-        os.rename(tmp, out)
-    except ConvertError:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        raise ConvertError(f"exporting {folder} failed: {type(exc).__name__}: {exc}") from exc
+        for sub in [p for p in tmp.iterdir() if p.is_dir()]:  # a flat folder travels by the weights plane
+            shutil.rmtree(sub)
+
+    _into(out, str(folder), write)
     seconds = round(time.perf_counter() - started, 2)
     return Converted(str(out), weight_format, sum(p.stat().st_size for p in out.iterdir()),
                      (out / "openvino_model.bin").stat().st_size, 0, "openvino-ir", seconds, seconds, 0.0)
