@@ -43,7 +43,7 @@ STATS_EVERY_S = 1.0
 # (plan, node) -> how the agent loads the planned instance (its weights placed on that
 # node first, when the service multicasts them); raises to refuse the start.
 LoadSpecFor = Callable[[InstancePlan, "AgentNode"], Awaitable[InstanceSpec]]
-ProfileFor = Callable[[str], str | None]  # model -> its calibration profile file, if any
+ProfileFor = Callable[[str, str], str | None]  # (model, node kind) -> its calibration profile file, if any
 
 
 @dataclass(eq=False)
@@ -62,7 +62,7 @@ AgentFactory = Callable[..., AgentHandle]  # (spec, on_up, on_down, on_event, se
 
 class AgentNode(ClusterNode):
     def __init__(self, spec: NodeSpec, agent_factory: AgentFactory, settings: Any, load_spec: LoadSpecFor,
-                 profile_for: ProfileFor = lambda _model: None, margin: float = DEFAULT_MARGIN) -> None:
+                 profile_for: ProfileFor = lambda _model, _kind: None, margin: float = DEFAULT_MARGIN) -> None:
         self.margin = margin
         self.agent = agent_factory(spec, self._agent_up, self._agent_down, self._agent_event, settings)
         self._load_spec = load_spec
@@ -164,7 +164,7 @@ class AgentNode(ClusterNode):
         p = {"instance_id": plan.instance_id, "model": plan.model, "weight_bytes": plan.weight_bytes,
              "kv_bytes_per_token": plan.kv_bytes_per_token, "context_window": plan.context_window,
              "max_batch": plan.max_batch, "slo": slo_to_dict(plan.slo), "expected_load_s": plan.expected_load_s,
-             "profile": self._profile_for(plan.model)}
+             "profile": self._profile_for(plan.model, self.spec.kind)}
         return await self._ask({"t": "validate_new", "plan": p,
                                 "requests": [_probe(r, d) for r, d in zip(reqs, done, strict=True)]})
 

@@ -107,7 +107,7 @@ class PlacementSettings:
     keep_alive_s: float = 60.0
     start_timeout_s: float = 60.0
     max_num_seqs: int = 64
-    profile_dir: str | None = None  # calibration profiles: <dir>/<model uid>.json (issue 4)
+    profile_dir: str | None = None  # calibration profiles: <dir>/<model uid>[.<kind>].json (issue 4)
     cold_start_s: float = DEFAULT_COLD_START_S  # an instance's start-up besides its weights (ColdStart.fixed_s)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
@@ -156,6 +156,7 @@ class ClusterPlacement:
         self._requests: dict[str, ServedRequest] = {}
         self._begin: dict[str, Callable[[ServedRequest], None]] = {}  # request -> its stream's start, until admitted
         self._how: dict[str, str] = {}  # instance -> where its weights came from
+        self._profile_kinds: dict[tuple[str, int], str | None] = {}  # (profile file, mtime) -> its device kind
         self.placed_by_kind: Counter[str] = Counter()  # requests by the kind of node that first admitted them
         self._started = False
         self._tasks: set[asyncio.Task] = set()
@@ -340,25 +341,38 @@ class ClusterPlacement:
     def _profile(self, record: ModelRecord, kind: str, shape: dict[str, Any]) -> Any:
         """What the dispatcher plans the model's instances with: its calibration profile
         if there is one for this kind of node, else the prior the agents validate with."""
-        path = self._profile_for(record.uid)
+        path = self._profile_for(record.uid, kind)
         if path is not None:
-            from calibration.profile import ProfileError, load_profile
+            from calibration.profile import load_profile
 
-            try:
-                profile = load_profile(path)
-            except ProfileError as exc:
-                log.warning("cannot use profile %s for %s: %s", path, record.uid, exc)
-            else:
-                if profile.device_kind == kind:
-                    return profile
+            return load_profile(path)
         return prior_profile(record.uid, kind, int(shape["weight_bytes"]), int(shape["kv_bytes_per_token"]),
                              int(shape["context_window"]))
 
-    def _profile_for(self, model_uid: str) -> str | None:
+    def _profile_for(self, model_uid: str, kind: str) -> str | None:
+        """The model's calibration profile for `kind` nodes (issue 4): `<dir>/<uid>.<kind>.json`,
+        else `<dir>/<uid>.json`, whichever is a profile of that kind (a model that runs on
+        both kinds has one per kind); None if neither is."""
         if not self.settings.profile_dir:
             return None
-        candidate = Path(self.settings.profile_dir) / f"{model_uid}.json"
-        return str(candidate) if candidate.is_file() else None
+        for name in (f"{model_uid}.{kind}.json", f"{model_uid}.json"):
+            candidate = Path(self.settings.profile_dir) / name
+            if candidate.is_file() and self._profile_kind(candidate) == kind:
+                return str(candidate)
+        return None
+
+    def _profile_kind(self, path: Path) -> str | None:
+        """The device kind of a profile file (read once per version of the file)."""
+        from calibration.profile import ProfileError, load_profile
+
+        key = (str(path), path.stat().st_mtime_ns)
+        if key not in self._profile_kinds:
+            try:
+                self._profile_kinds[key] = load_profile(path).device_kind
+            except ProfileError as exc:
+                log.warning("cannot use profile %s: %s", path, exc)
+                self._profile_kinds[key] = None
+        return self._profile_kinds[key]
 
     async def _copy_on(self, record: ModelRecord, node: AgentNode) -> tuple[str, str]:
         """The weights of the model's format for `node`'s kind as `node` sees them and how
@@ -379,7 +393,8 @@ class ClusterPlacement:
         record = self._models[plan.model].record
         path, self._how[plan.instance_id] = await self._copy_on(record, node)
         return InstanceSpec(plan.instance_id, record.uid, path, record.context_length, slo_to_dict(record.slo),
-                            self.settings.max_num_seqs, self._profile_for(record.uid), ENGINE_OF_KIND[node.kind])
+                            self.settings.max_num_seqs, self._profile_for(record.uid, node.kind),
+                            ENGINE_OF_KIND[node.kind])
 
     def _instance_ready(self, node: AgentNode, instance_id: str) -> None:
         inst = node.instances.get(instance_id)
