@@ -150,6 +150,12 @@ class ConvertTool:
             raise ConversionFailed(f"{conversion.command} ended without its summary (log: {log_path})") from exc
 
 
+def _clear(out: Path) -> None:
+    """Remove an output folder and the converter's temporary folders beside it."""
+    for path in [out, *out.parent.glob(f".{out.name}.converting-*")]:
+        shutil.rmtree(path, ignore_errors=True)
+
+
 def _last_error(log_path: Path) -> str:
     """The converter's own message ("convert: ..."), else the last line of its log."""
     try:
@@ -239,7 +245,7 @@ class FormatPreparer:
             started = loop.time()
             log.warning("model %s: preparing its %s for %s nodes (%s)", label, FORMAT_NAMES[conversion.format],
                         kind.upper(), conversion.command)
-            await asyncio.to_thread(shutil.rmtree, out, True)  # what a killed run may have left
+            await asyncio.to_thread(_clear, out)  # what a killed run may have left
             log_path = self.data_dir / "logs" / f"prepare-{record.uid}-{kind}.log"
             try:
                 summary = await self.tool.run(conversion, python, record.path, out, log_path)
