@@ -56,6 +56,7 @@ from typing import Callable, TypeVar
 
 GGUF_MAGIC = b"GGUF"
 T = TypeVar("T")
+TEMP_MARK = ".converting-"  # the temporary folder beside OUT_DIR: .<OUT_DIR's name>.converting-<pid>
 DTYPES = ("bfloat16", "float16", "float32")
 NEEDS = ("torch", "transformers", "gguf", "accelerate", "safetensors")
 EXPORT_NEEDS = ("torch", "transformers", "optimum.intel", "openvino_tokenizers")
@@ -132,7 +133,7 @@ def _into(out: Path, what: str, write: Callable[[Path], T]) -> T:
     output appears complete or not at all. Any failure removes the temporary folder and
     becomes a ConvertError naming `what` was being converted."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.converting-{os.getpid()}"
+    tmp = out.parent / f".{out.name}{TEMP_MARK}{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir()

@@ -152,7 +152,9 @@ class ConvertTool:
 
 def _clear(out: Path) -> None:
     """Remove an output folder and the converter's temporary folders beside it."""
-    for path in [out, *out.parent.glob(f".{out.name}.converting-*")]:
+    from engines.convert import TEMP_MARK
+
+    for path in [out, *out.parent.glob(f".{out.name}{TEMP_MARK}*")]:
         shutil.rmtree(path, ignore_errors=True)
 
 
