@@ -287,7 +287,9 @@ class ClusterPlacement:
                 raise model_preparing(f"its {FORMAT_NAMES[formats[kind]['format']]} for {kind.upper()} nodes is being "
                                       f"prepared from the registered {FORMAT_NAMES[record.kind]}")
         native = record.native_kind
-        if native not in here:
+        if native in usable and native not in here and native == CPU:  # CPU nodes come and go (Ray membership)
+            raise node_unavailable("no CPU node agent is up (none configured)")
+        if native not in here:  # a server without GPUs does not gain one
             why = f"and this server has no {native.upper()} node"
         else:
             why = (f"which the placement policy {self.dispatcher.policy.name} does not use (it uses "
