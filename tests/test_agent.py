@@ -210,3 +210,18 @@ def test_a_handler_exception_fails_that_call_only(simulated):
         await server.close()
 
     asyncio.run(main())
+
+
+def test_exact_moves_reach_the_openvino_engine_as_its_exact_numerics(demo_gguf):
+    """`mesh serve --exact-moves` travels in the load message and becomes the engine's
+    EXACT_RECOMPUTE properties (an f16 KV cache: more bytes per token than the default u8)."""
+    from engines.openvino_engine import EXACT_RECOMPUTE
+    from mesh.agent.engines import make_engine
+
+    spec = InstanceSpec("i1", "m", str(demo_gguf), exact_moves=True)
+    assert InstanceSpec.from_message(spec.to_message()).exact_moves is True
+    assert InstanceSpec.from_message({**spec.to_message(), "exact_moves": None}).exact_moves is False
+    exact = make_engine(spec, lambda _exc: None)
+    default = make_engine(InstanceSpec("i2", "m", str(demo_gguf)), lambda _exc: None)
+    assert exact.front.properties == EXACT_RECOMPUTE and default.front.properties == {}
+    assert exact.kv_bytes_per_token > default.kv_bytes_per_token
