@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from mesh.replay.live import ClusterShape, LiveConfig, LiveReplayError, cluster_
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
 from mesh.runtime.cluster import ClusterConfig, ModelSpec
 from mesh.runtime.policies import policy_spec
+from mesh.runtime.request import ServedRequest
 from workloads.workload import Workload
 
 BASE = "smollm2-135m"  # the base model name of every replica (one model file, one profile)
@@ -127,7 +129,8 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
     if args.json:
         sims = {p: json_ready(m) for p, m in simulated.items()}
         out = {"live": {**json_ready(results[f"live ({shape.policy})"]), "policy": shape.policy, "wall_s": live.wall_s,
-                        "tenant": live.tenant, "nodes": live.nodes},
+                        "tenant": live.tenant, "nodes": live.nodes, "service": live.service,
+                        "requests_detail": [_outcome(r) for r in live.requests]},
                "simulated": sims[shape.policy], "simulated_by_policy": sims,
                "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,
                           "model_path": str(model_path), "workload": d, "length_scale": scale,
@@ -140,6 +143,17 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
         path.write_text(json.dumps(out, indent=1, allow_nan=False, default=_plain) + "\n")
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _outcome(r: ServedRequest) -> dict[str, Any]:
+    """One live request as the client saw it (times from the workload's start), for the JSON."""
+    def seconds(x: float) -> float | None:
+        return None if math.isnan(x) else round(x, 4)
+
+    return {"id": r.request_id, "model": r.model, "arrival_s": round(r.arrival_s, 4), "prompt_len": r.prompt_len,
+            "tokens_out": r.tokens_out, "outcome": r.outcome.value if r.outcome else None, "slo_met": r.slo_met,
+            "ttft_s": seconds(r.ttft_s), "ttft_slo_s": r.slo.ttft_s(r.prompt_len), "tpot_s": seconds(r.tpot_s),
+            "detail": r.detail[:200]}
 
 
 def _plain(value: Any) -> Any:
