@@ -40,7 +40,7 @@ def test_agent_serves_requests_over_the_protocol(simulated):
         client = AgentClient("n0", events.append, closed.append)
         info = await client.connect(address, TOKEN)
         assert info["node_id"] == "n0" and info["memory_bytes"] == 10**9 and info["instances"] == []
-        assert info["deadlines"] == "pace"  # the service's default deadline rule (mesh.policy.slo)
+        assert info["deadlines"] == "eq1"  # the service's default deadline rule (mesh.policy.slo)
 
         spec = InstanceSpec("i1", "m", "/nowhere", 256, engine="simulated", max_num_seqs=2)
         reply = await client.call(spec.to_message())

@@ -408,7 +408,7 @@ def test_metrics_and_cluster_view(server):
     view = server.admin("GET", "/admin/cluster")
     node = view["nodes"][0]
     assert node["kind"] == "cpu" and node["state"] == "up" and node["memory"]["capacity_bytes"] > 0
-    assert node["deadlines"] == "pace"  # the service's default deadline rule (docs/design.md)
+    assert node["deadlines"] == "eq1"  # the service's default deadline rule (docs/design.md)
     inst = [i for i in node["instances"] if i["model"] == "demo/smollm2"]
     assert inst and inst[0]["state"] == "ready" and inst[0]["weight_bytes"] > 0
     drift = inst[0]["time_factors"]  # the profile's drift as the agent learnt it from served iterations

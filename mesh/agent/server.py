@@ -84,7 +84,7 @@ class AgentServer:
 
     def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None,
                  weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = (),
-                 deadlines: DeadlineRule = DeadlineRule.PACE) -> None:
+                 deadlines: DeadlineRule = DeadlineRule.EQ1) -> None:
         """`load_roots`: folders whose files `load` may open, besides the weights receiver's.
         `deadlines`: when tokens after the first are due (mesh.policy.slo); the service runs
         `pace`, so shadow validation protects the pace clients measure."""
@@ -729,9 +729,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
     parser.add_argument("--models-root", action="append", metavar="DIR",
                         help="`load` may also open models under DIR (repeatable); the weights folder always counts")
-    parser.add_argument("--deadlines", default=DeadlineRule.PACE.value, choices=[r.value for r in DeadlineRule],
-                        help="when tokens after the first are due: 'pace' (first token + TPOT x (i-1), the default) "
-                             "or 'eq1' (the paper's arrival + TTFT + TPOT x (i-1)); docs/design.md")
+    parser.add_argument("--deadlines", default=DeadlineRule.EQ1.value, choices=[r.value for r in DeadlineRule],
+                        help="when tokens after the first are due: 'eq1' (the paper's arrival + TTFT + TPOT x (i-1), "
+                             "the default) or 'pace' (first token + TPOT x (i-1)); docs/design.md")
     parser.add_argument("--cpus", metavar="LIST", help="run this agent and its engines on these cores only "
                         "(comma-separated core numbers; default: all this process may use)")
     parser.add_argument("--log-level", default="WARNING")

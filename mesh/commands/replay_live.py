@@ -69,7 +69,7 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     keep_alive = args.keep_alive if args.keep_alive is not None else LIVE_KEEP_ALIVE_S
     cluster = ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, cpu_memory_bytes=memory.get(CPU, 1),
                             gpu_memory_bytes=memory.get(GPU, 1), cold_start=ColdStart(bps, bps), keep_alive_s=keep_alive,
-                            noise=args.noise, seed=args.seed, deadlines=args.deadlines or "pace")
+                            noise=args.noise, seed=args.seed, deadlines=args.deadlines or shape.deadlines)
     config = ReplayConfig(cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
                           queue_timeout_s=queue_timeout_s, progress=not args.no_progress)
     prior = {BASE: float(sum(a.output_len for a in workload.arrivals) / max(1, len(workload)))}
@@ -135,6 +135,7 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
                "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,
                           "model_path": str(model_path), "workload": d, "length_scale": scale,
                           "context_window": window, "cold_start_s": args.cold_start_s,
+                          "deadlines": args.deadlines or shape.deadlines,
                           "nodes": live.nodes, "simulated_cluster": {"cpu_nodes": shape.counts()[0],
                                                                      "gpu_nodes": shape.counts()[1],
                                                                      "memory_bytes": shape.memory}}}

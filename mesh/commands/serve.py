@@ -38,10 +38,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --ray: ask Ray's autoscaler for the nodes Mesh uses and release idle ones")
     parser.add_argument("--weights-plan", choices=("naive", "chain", "binomial"), default=None,
                         help="multicast plan that sends a model to the nodes that start it (default binomial)")
-    parser.add_argument("--deadlines", choices=("pace", "eq1"), default=None,
-                        help="when a request's tokens after the first are due: 'pace' (default), from its first "
-                             "token, so admission protects the pace clients measure; 'eq1', the paper's Eq. 1, "
-                             "from its arrival (docs/design.md)")
+    parser.add_argument("--deadlines", choices=("eq1", "pace"), default=None,
+                        help="when a request's tokens after the first are due: 'eq1' (default), the paper's Eq. 1, "
+                             "from its arrival; 'pace', from its first token, so admission protects the pace "
+                             "clients measure and turns more requests away (docs/design.md)")
     parser.add_argument("--policy", default=None, choices=tuple(POLICIES),
                         help="the cluster dispatcher's placement policy, as `mesh replay` evaluates it: "
                              + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()) + " (default mesh)")

@@ -197,6 +197,7 @@ class ClusterShape:
     kinds: dict[str, str]  # node id -> kind
     memory: dict[str, int]  # kind -> the smallest node's memory for instances
     policy: str = "mesh"  # the placement policy the service runs (`mesh serve --policy`)
+    deadlines: str = "eq1"  # its agents' deadline rule (`mesh serve --deadlines`)
 
     def counts(self) -> tuple[int, int]:
         """(CPU nodes, GPU nodes)."""
@@ -210,8 +211,10 @@ async def _shape(svc: _Service) -> ClusterShape:
     for n in view["nodes"]:
         cap = int(n["memory"]["capacity_bytes"])
         memory[n["kind"]] = min(memory.get(n["kind"], cap), cap)
+    rules = {n.get("deadlines") for n in view["nodes"]} - {None}
     return ClusterShape({n["node_id"]: n["kind"] for n in view["nodes"]}, memory,
-                        (view.get("dispatcher") or {}).get("policy", "mesh"))
+                        (view.get("dispatcher") or {}).get("policy", "mesh"),
+                        rules.pop() if len(rules) == 1 else "eq1")
 
 
 async def cluster_shape(url: str, admin_token: str) -> ClusterShape:

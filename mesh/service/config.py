@@ -23,9 +23,11 @@ moved to another node (preemption, eviction) continues exactly as it would have,
 2x the compute (engines.openvino_engine.EXACT_RECOMPUTE); off, a moved stream loses,
 repeats and reorders nothing but may continue differently at a near-tie.
 
-`deadlines` (default `pace`): when a request's tokens after the first are due on the node
-agents the service starts (mesh.policy.slo.DeadlineRule): `pace` from the first token, so
-admission protects the per-token pace clients measure, or `eq1`, the paper's Eq. 1.
+`deadlines` (default `eq1`, the paper's Eq. 1, as `mesh replay` evaluates by default): when
+a request's tokens after the first are due on the node agents the service starts
+(mesh.policy.slo.DeadlineRule): `eq1` from its arrival, or `pace` from its first token, so
+admission protects the per-token pace clients measure at the price of turning more
+requests away (docs/evaluation.md, "Live replay").
 
 `ray` ("auto" or a Ray address; docs/cluster.md): run the node agents on the machines of a
 Ray cluster, one per Ray node (and per GPU), instead of on this machine; `ray_autoscale`:
@@ -76,7 +78,7 @@ class ServeConfig:
     quota_concurrent_requests: int | None = None
     quota_requests_per_s: float | None = None
     quota_burst: int | None = None  # None: one second of quota_requests_per_s
-    deadlines: str = "pace"  # deadline rule of the local agents: pace or eq1 (mesh.policy.slo)
+    deadlines: str = "eq1"  # deadline rule of the local agents: eq1 or pace (mesh.policy.slo)
     policy: str = "mesh"  # the dispatcher's placement policy (mesh.runtime.policies)
     cold_start_s: float = 7.5  # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart)
     exact_moves: bool = False  # CPU instances recompute moved streams exactly, at ~2x compute
