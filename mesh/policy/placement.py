@@ -191,9 +191,9 @@ class ColdStart:
     The initial KV cache allocation is added by the engine (resize time, LLM-Mesh Figure 8).
     A node loads one instance at a time (its weights cross one PCIe link or memory bus, and
     its engine's start-up runs on the node's cores): a load issued while others are under way
-    there starts when they end (mesh.runtime.cluster.Cluster.load_wait_s). Measured live on
-    one core per node: two demo-model instances loading together on one node were ready
-    after about 16 s, one alone after 7-9 s.
+    there starts when they end (mesh.runtime.cluster.Cluster.load_wait_s). Live, on one core
+    per node, two demo-model instances warmed up together on one node served their first
+    tokens about 16 s after their first requests; one per node, after about 10 and 12 s.
     """
 
     pcie_bytes_per_s: float = 25e9
