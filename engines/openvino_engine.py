@@ -70,6 +70,17 @@ from engines.protocol import (
 log = logging.getLogger(__name__)
 
 CPU_KV_BLOCK_SIZE = 32  # tokens per KV block in OpenVINO's CPU plugin (2026.4)
+# Plugin properties under which recomputing a request's prompt + produced tokens in one prefill
+# gives the KV values that decoding them token by token gave, so a moved greedy stream goes on
+# exactly as it would have. With the CPU defaults it need not: bf16 compute, the dynamic int8
+# quantization of activations against compressed weights (which a 1-token decode and a
+# many-token prefill apply differently) and u8 keys quantized per 32-token block each change
+# the values. Measured on the demo model (2-core EPYC with AVX-512 BF16; 14 moves after 0-40
+# tokens of two prompts; scripts/exact_moves_check.py): diverged with the defaults 11/14, f16
+# KV 11/14, f16 KV in f32 12/14, f16 KV without dynamic quantization 7/14, these three
+# settings 0/14; they make a 420-token prefill and a batch-8 decode step about 2.2x slower.
+EXACT_RECOMPUTE: dict[str, Any] = {"KV_CACHE_PRECISION": "f16", "INFERENCE_PRECISION_HINT": "f32",
+                                   "DYNAMIC_QUANTIZATION_GROUP_SIZE": 0}
 EXPORT_HINT = (
     "Export it to OpenVINO IR first: `pip install -e .[export]`, then "
     "`optimum-cli export openvino --model {path} --task text-generation-with-past OUT_DIR`, "

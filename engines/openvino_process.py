@@ -8,8 +8,9 @@ iteration in flight: 0.23-0.26 s per admission on average and up to 3.8 s in a l
 replay (docs/evaluation.md). In a worker the agent answers at once while the instance
 computes, and `step()` is awaited.
 
-What stays here: the model's shape, the request checks and the tokenizer (an unloaded
-`OpenVINOEngine`, the "front", which builds its own tokenizer), the live requests and the
+What stays here: the model's shape, the request checks (an unloaded `OpenVINOEngine`, the
+"front"; its tokenizer is built only if `encode_*` is called here: a node agent tokenizes
+in a process of its own instead, mesh.agent.tokenizers), the live requests and the
 KV figures of the last step (the protocol's reports are synchronous). Requests added or
 aborted are sent without waiting; the worker applies them in order before the next step,
 and a step's token for a request aborted meanwhile is dropped here (worker_process.WorkerRequests).
@@ -17,7 +18,6 @@ Unloading ends the worker process, which frees the weights and the KV cache at o
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import sys
@@ -73,17 +73,14 @@ class OpenVINOProcessEngine:
 
     # ---- memory operations -------------------------------------------------------------
     async def load(self) -> None:
-        """Start the worker, build the pipeline there (and its warm-up token), and build
-        this side's tokenizer meanwhile."""
+        """Start the worker and build the pipeline there (and its warm-up token)."""
         if self._loaded:
             return
         conn = self._conn = WorkerConnection("engines.openvino_worker", sys.executable, self._env(), self._log_path(),
                                              name="OpenVINO")
         try:
             await wait(conn.call("init", kwargs=self._kwargs))
-            loading = conn.call("load")
-            await asyncio.to_thread(self.front._prompt_encoder)  # tokenizer, while the worker compiles
-            self._facts(await wait(loading))
+            self._facts(await wait(conn.call("load")))
         except BaseException as exc:
             await self._close()
             if self.on_loaded is not None:
@@ -117,7 +114,7 @@ class OpenVINOProcessEngine:
         self.kv_bytes_per_token = int(facts["kv_bytes_per_token"])  # the warm-up measured it
         self._kv_allocated = int(facts["kv_bytes_allocated"])
 
-    # ---- tokens (this process: the front's tokenizer) ----------------------------------
+    # ---- tokens (this process: the front's tokenizer, built on first use) ----------------
     def encode_prompt(self, prompt: str) -> list[int]:
         return self.front.encode_prompt(prompt)
 

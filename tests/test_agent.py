@@ -40,7 +40,7 @@ def test_agent_serves_requests_over_the_protocol(simulated):
         client = AgentClient("n0", events.append, closed.append)
         info = await client.connect(address, TOKEN)
         assert info["node_id"] == "n0" and info["memory_bytes"] == 10**9 and info["instances"] == []
-        assert info["deadlines"] == "pace"  # the service's default deadline rule (mesh.policy.slo)
+        assert info["deadlines"] == "eq1"  # the service's default deadline rule (mesh.policy.slo)
 
         spec = InstanceSpec("i1", "m", "/nowhere", 256, engine="simulated", max_num_seqs=2)
         reply = await client.call(spec.to_message())
@@ -210,3 +210,49 @@ def test_a_handler_exception_fails_that_call_only(simulated):
         await server.close()
 
     asyncio.run(main())
+
+
+def test_exact_moves_reach_the_openvino_engine_as_its_exact_numerics(demo_gguf):
+    """`mesh serve --exact-moves` travels in the load message and becomes the engine's
+    EXACT_RECOMPUTE properties (an f16 KV cache: more bytes per token than the default u8)."""
+    from engines.openvino_engine import EXACT_RECOMPUTE
+    from mesh.agent.engines import make_engine
+
+    spec = InstanceSpec("i1", "m", str(demo_gguf), exact_moves=True)
+    assert InstanceSpec.from_message(spec.to_message()).exact_moves is True
+    assert InstanceSpec.from_message({**spec.to_message(), "exact_moves": None}).exact_moves is False
+    exact = make_engine(spec, lambda _exc: None)
+    default = make_engine(InstanceSpec("i2", "m", str(demo_gguf)), lambda _exc: None)
+    assert exact.front.properties == EXACT_RECOMPUTE and default.front.properties == {}
+    assert exact.kv_bytes_per_token > default.kv_bytes_per_token
+
+
+def test_openvino_prompts_are_tokenized_in_the_agents_tokenizer_process(demo_gguf):
+    """`tokenize` by path (before any instance) gives the model's own ids, built in the agent's
+    tokenizer process: this process builds no tokenizer (building one holds the GIL for
+    seconds, which would stall the agent's event loop). A bad chat message is a clear 400-style
+    refusal, and the process goes on serving."""
+    from engines.openvino_engine import OpenVINOEngine, standalone_encoder
+
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    by_path = {"t": "tokenize", "model": "m", "path": str(demo_gguf), "engine": "openvino"}
+
+    async def main():
+        server, address = await _start(roots=(str(demo_gguf.parent),))
+        client = AgentClient("n0", lambda _ev: None, lambda _why: None)
+        await client.connect(address, TOKEN)
+        chat = (await client.call({**by_path, "messages": messages}))["ids"]
+        plain = (await client.call({**by_path, "prompt": "Hello"}))["ids"]
+        with pytest.raises(AgentCallError) as e:
+            await client.call({**by_path, "messages": [{"role": "user"}]})
+        again = (await client.call({**by_path, "messages": messages}))["ids"]
+        await client.close()
+        await server.close()
+        return chat, plain, e.value, again
+
+    standalone_encoder.cache_clear()
+    chat, plain, refusal, again = asyncio.run(main())
+    assert standalone_encoder.cache_info().currsize == 0  # built elsewhere
+    reference = OpenVINOEngine(demo_gguf)
+    assert chat == again == reference.encode_chat(messages) and plain == reference.encode_prompt("Hello")
+    assert refusal.code == Code.BAD_REQUEST.value and "content" in str(refusal)

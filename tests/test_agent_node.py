@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from agent_doubles import TOKEN, InProcessAgent, use_simulated_engines
+from agent_doubles import InProcessAgent, use_simulated_engines
 from cluster_doubles import linear_profile
 from engines.protocol import EngineRequest, Sampling
 from mesh.agent.protocol import InstanceSpec

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from cluster_doubles import GB, build, config, request, run_until, spec
 from engines.simulated import GIB, RESIZE_UP_S_PER_GIB
+from mesh.policy.placement import ColdStart
 from mesh.policy.slo import SLO
 from mesh.runtime.policies import POLICIES, UnknownPolicy, policy_spec
 from mesh.runtime.request import Outcome
@@ -401,3 +402,59 @@ def test_a_crashed_node_loop_is_reported_not_hidden():
         await cluster.stop()
 
     run_virtual(main())
+
+
+def test_loads_on_one_node_queue_behind_each_other():
+    """A node loads one instance at a time (ColdStart): a second model started on it while the
+    first loads is predicted, and in the simulation is, ready one load later; another node's
+    load does not wait. The prediction is what shadow validation counts in a TTFT."""
+    load = 2 * GB / (40 * GB)  # llama-2-7b's weights from host memory at 40 GB/s
+
+    async def main():
+        cluster, _ = await build("mesh", {"a": "llama-2-7b", "b": "llama-2-7b", "c": "llama-2-7b"},
+                                 config(cpu=2, gpu=0))
+        cpu0, cpu1 = cluster.node("cpu0"), cluster.node("cpu1")
+        first = cluster.plan("a", cpu0)
+        assert first.load_wait_s == 0.0 and cluster.load_wait_s(cpu0) == 0.0
+        a = await cluster.start_instance(first, cpu0)
+        second = cluster.plan("b", cpu0)
+        assert second.load_wait_s == pytest.approx(load)
+        assert second.expected_load_s == pytest.approx(first.expected_load_s + load)
+        assert cluster.plan("c", cpu1).load_wait_s == 0.0  # another node loads at once
+        b = await cluster.start_instance(second, cpu0)
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        ready = {}
+        while len(ready) < 2:
+            await asyncio.sleep(0.001)
+            for ref in (a, b):
+                if ref.inst.loaded and ref.instance_id not in ready:
+                    ready[ref.instance_id] = loop.time() - start
+        assert cluster.load_wait_s(cpu0) == 0.0  # both done
+        await cluster.stop()
+        return ready[a.instance_id], ready[b.instance_id]
+
+    a_ready, b_ready = run_virtual(main())
+    assert b_ready - a_ready == pytest.approx(load, abs=0.002)
+
+
+def test_a_warm_up_goes_to_the_node_that_loads_it_first_and_waits_for_its_models_load():
+    """Cold starts longer than the TTFT SLO (weights at 0.5 GB/s: 4 s): the first request of
+    each model starts a warm-up. Model b's goes to the empty node rather than behind a's load
+    (bin-packing alone would stack them), and a second request of a model still loading
+    starts nothing more."""
+    async def main():
+        cluster, d = await build("mesh", {"a": "llama-2-7b", "b": "llama-2-7b"},
+                                 config(cpu=2, gpu=0, cold_start=ColdStart(20 * GB, 0.5 * GB)))
+        for rid, model in (("a1", "a"), ("b1", "b"), ("a2", "a")):
+            d.submit(request(rid, model, prompt=100, out=3))
+            await asyncio.sleep(0.1)
+        hosts = {m: sorted(cluster.hosts(m)) for m in ("a", "b")}
+        warm_ups = d.policy.stats.warm_ups
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return hosts, warm_ups
+
+    hosts, warm_ups = run_virtual(main())
+    assert warm_ups == 2 and len(hosts["a"]) == len(hosts["b"]) == 1 and hosts["a"] != hosts["b"]

@@ -2,7 +2,6 @@
 tiny constructed cases."""
 import json
 import math
-from pathlib import Path
 
 import pytest
 

@@ -384,6 +384,11 @@ def test_live_replay_sends_the_trace_and_simulates_the_same_requests(server, tmp
         assert figures["slo_rate"] == pytest.approx(figures["slo_compliant"] / n)
         assert {"ttft_p99_s", "tpot_p99_s", "cpu_nodes_avg", "gpu_nodes_avg", "slo_rate_strict"} <= set(figures)
     assert live["completed"] >= 1 and live["cpu_nodes_avg"] > 0  # how many meet the SLO depends on the machine's load
+    detail = live["requests_detail"]  # every request, as the client saw it
+    assert len(detail) == n and sum(r["slo_met"] for r in detail) == live["slo_compliant"]
+    assert sum(r["outcome"] == "rejected" for r in detail) == live["rejected"]
+    dispatcher = live["service"]["dispatcher"]  # the service's own account at the end
+    assert dispatcher["policy"] == "mesh" and sum(dispatcher["placed_by_kind"].values()) >= live["completed"]
     assert "live (mesh)" in run.stdout and "simulated (mesh)" in run.stdout and live["policy"] == "mesh"
     tenants = {t["name"] for t in server.admin("GET", "/admin/tenants")["data"]}
     assert data["live"]["tenant"] not in tenants  # cleaned up
@@ -403,7 +408,7 @@ def test_metrics_and_cluster_view(server):
     view = server.admin("GET", "/admin/cluster")
     node = view["nodes"][0]
     assert node["kind"] == "cpu" and node["state"] == "up" and node["memory"]["capacity_bytes"] > 0
-    assert node["deadlines"] == "pace"  # the service's default deadline rule (docs/design.md)
+    assert node["deadlines"] == "eq1"  # the service's default deadline rule (docs/design.md)
     inst = [i for i in node["instances"] if i["model"] == "demo/smollm2"]
     assert inst and inst[0]["state"] == "ready" and inst[0]["weight_bytes"] > 0
     drift = inst[0]["time_factors"]  # the profile's drift as the agent learnt it from served iterations

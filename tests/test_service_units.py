@@ -286,8 +286,11 @@ def test_config_file_env_and_cli(tmp_path, monkeypatch):
         read_config_file(tmp_path / "c.json")
     with pytest.raises(ConfigError, match="max_body_mb"):
         build_config({}, {"max_body_mb": -1})
-    assert build_config({}, {}).deadlines == "pace"
-    assert build_config({"deadlines": "EQ1"}, {}).deadlines == "eq1"
+    assert build_config({}, {}).deadlines == "eq1"
+    assert build_config({}, {}).exact_moves is False and build_config({"exact_moves": True}, {}).exact_moves
+    with pytest.raises(ConfigError, match="exact_moves must be true or false"):
+        build_config({"exact_moves": "yes"}, {})
+    assert build_config({"deadlines": "PACE"}, {}).deadlines == "pace"
     with pytest.raises(ConfigError, match="deadlines: unknown deadline rule 'soon'; valid: eq1, pace"):
         build_config({"deadlines": "soon"}, {})
     with pytest.raises(ConfigError, match="allowed_dir"):

@@ -186,9 +186,10 @@ class AdaptiveTimes:
 def _make_openvino(spec: InstanceSpec, on_loaded: LoadCallback) -> Any:
     """An OpenVINO instance computing in its own worker process (engines.openvino_process):
     the agent's event loop answers the dispatcher while the instance computes."""
+    from engines.openvino_engine import EXACT_RECOMPUTE
     from engines.openvino_process import OpenVINOProcessEngine
 
-    properties: dict[str, Any] = {"KV_CACHE_PRECISION": spec.kv_cache_precision} if spec.kv_cache_precision else {}
+    properties: dict[str, Any] = dict(EXACT_RECOMPUTE) if spec.exact_moves else {}
     cores = len(os.sched_getaffinity(0))
     if cores < (os.cpu_count() or cores):  # an agent pinned to its share (--cpus): as many threads as cores
         properties["INFERENCE_NUM_THREADS"] = cores

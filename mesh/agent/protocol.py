@@ -16,7 +16,7 @@ Control -> agent (see docs/service.md for every field):
                                                  weights: {address, dir} | null}
     ping       {}                            -> {}
     load       {instance_id, model, path, context_window, slo, max_num_seqs, profile, engine, expected_load_s,
-                kv_cache_precision}
+                exact_moves}
                                              -> {} (issued; an `instance` event follows)
     unload     {instance_id}                 -> {}
     tokenize   {instance_id | (model, path, engine, context_window), prompt | messages} -> {ids}
@@ -152,13 +152,12 @@ class InstanceSpec:
     profile: str | None = None  # a calibration profile file for the iteration times
     engine: str = "openvino"  # "openvino" (CPU); "vllm" comes with GPU agents (issue 6)
     expected_load_s: float | None = None  # the dispatcher's predicted cold start (None: the agent's default)
-    # OpenVINO's KV cache element type. f16 (not the CPU default u8) makes a moved or preempted
-    # greedy stream, recomputed elsewhere from prompt + produced tokens, continue exactly as it
-    # would have: u8 keys are quantized per channel per 32-token block, so a block filled by one
-    # prefill holds other values than the same block filled token by token (docs/design.md).
-    # Costs 1.7x the KV bytes of u8 (23,040 vs 13,680 per token for the demo model). None or
-    # "u8": the plugin's default.
-    kv_cache_precision: str | None = "f16"
+    # Numerics under which a moved or preempted greedy stream, recomputed elsewhere from prompt
+    # + produced tokens, continues exactly as it would have (the engine's own setting:
+    # engines.openvino_engine.EXACT_RECOMPUTE). Off by default: it costs about 2x in prefill and
+    # batched decode on the CPU; a moved stream then loses, repeats and reorders nothing, but its
+    # continuation may differ at a near-tie (docs/design.md).
+    exact_moves: bool = False
 
     def to_message(self) -> dict[str, Any]:
         return {"t": "load", **asdict(self)}
@@ -172,7 +171,7 @@ class InstanceSpec:
                 slo=dict(m.get("slo") or slo_to_dict(SLO())), max_num_seqs=int(m.get("max_num_seqs", 64)),
                 profile=m.get("profile"), engine=str(m.get("engine", "openvino")),
                 expected_load_s=None if m.get("expected_load_s") is None else float(m["expected_load_s"]),
-                kv_cache_precision=m.get("kv_cache_precision", "f16"),
+                exact_moves=bool(m.get("exact_moves", False)),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad load message: {exc}") from exc

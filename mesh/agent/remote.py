@@ -23,7 +23,7 @@ import logging
 from dataclasses import replace
 from typing import Any, Awaitable, Callable, Union
 
-from mesh.agent.client import AgentClient, AgentDown
+from mesh.agent.client import AgentClient
 from mesh.agent.supervisor import AgentHandle, AgentSettings, DownCallback, EventCallback, UpCallback
 from mesh.runtime.node import NodeSpec
 from mesh.runtime.tasks import cancel_all

@@ -56,6 +56,7 @@ from mesh.agent.protocol import (
     sampling_from_dict,
     slo_from_dict,
 )
+from mesh.agent.tokenizers import TokenizerProcess
 from mesh.agent.weights import NodeWeightsReceiver, inside, parse_listen, received_path
 from mesh.runtime.weights.blocks import Manifest, holds
 from mesh.runtime.weights.agent import token_from_env
@@ -84,10 +85,10 @@ class AgentServer:
 
     def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None,
                  weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = (),
-                 deadlines: DeadlineRule = DeadlineRule.PACE) -> None:
+                 deadlines: DeadlineRule = DeadlineRule.EQ1) -> None:
         """`load_roots`: folders whose files `load` may open, besides the weights receiver's.
-        `deadlines`: when tokens after the first are due (mesh.policy.slo); the service runs
-        `pace`, so shadow validation protects the pace clients measure."""
+        `deadlines`: when tokens after the first are due (mesh.policy.slo); the service's
+        default is the paper's Eq. 1."""
         self.spec = spec
         self.weights = weights  # receives model blocks over the network (None: not hosted)
         self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
@@ -99,6 +100,7 @@ class AgentServer:
         # Unloaded engines by (engine, path, window): a model's shape and tokenizer before
         # any instance of it runs here (`describe`, `tokenize` by path).
         self.fronts: dict[tuple[str, str, int | None], Any] = {}
+        self.tokenizers = TokenizerProcess()  # OpenVINO prompts are tokenized off this process's GIL
         self.requests: dict[str, ServedRequest] = {}
         self.started_at = 0.0
         self._writer: asyncio.StreamWriter | None = None
@@ -138,6 +140,7 @@ class AgentServer:
 
     async def close(self) -> None:
         self._server.close()
+        self.tokenizers.close()
         if self.weights is not None:
             await self.weights.close()
         self._abort_all("the node agent is shutting down")
@@ -350,19 +353,22 @@ class AgentServer:
             raise Reply(Code.NOT_READY, f"instance {iid} is still loading")
         return inst
 
-    def _tokenize(self, m: dict[str, Any]) -> Any:
-        if m.get("instance_id") is None:  # before any instance: the model's unloaded engine
-            return self._tokenize_front(m)
-        return self._encode(self._ready_instance(m.get("instance_id")).engine, m)
-
-    async def _tokenize_front(self, m: dict[str, Any]) -> dict[str, Any]:
-        return self._encode(await self._front(m), m)
-
-    @staticmethod
-    def _encode(engine: Any, m: dict[str, Any]) -> dict[str, Any]:
+    async def _tokenize(self, m: dict[str, Any]) -> dict[str, Any]:
+        """A prompt's ids with the tokenizer of an instance (`instance_id`) or, before any
+        instance runs here, of the model at `path`."""
+        iid = m.get("instance_id")
+        if iid is not None:
+            engine, spec = self._ready_instance(iid).engine, self.specs[str(iid)]
+        else:
+            engine = await self._front(m)
+            spec = InstanceSpec("front", "model", str(m.get("path")), engine.context_window,
+                                engine=str(m.get("engine") or "openvino"))
+        messages = m.get("messages")
         try:
-            if m.get("messages") is not None:
-                ids = engine.encode_chat(m["messages"])
+            if spec.engine == "openvino":
+                ids = await self.tokenizers.encode(spec.path, messages, m.get("prompt"))
+            elif messages is not None:
+                ids = engine.encode_chat(messages)
             else:
                 ids = engine.encode_prompt(m.get("prompt"))
         except EngineError as exc:
@@ -729,9 +735,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
     parser.add_argument("--models-root", action="append", metavar="DIR",
                         help="`load` may also open models under DIR (repeatable); the weights folder always counts")
-    parser.add_argument("--deadlines", default=DeadlineRule.PACE.value, choices=[r.value for r in DeadlineRule],
-                        help="when tokens after the first are due: 'pace' (first token + TPOT x (i-1), the default) "
-                             "or 'eq1' (the paper's arrival + TTFT + TPOT x (i-1)); docs/design.md")
+    parser.add_argument("--deadlines", default=DeadlineRule.EQ1.value, choices=[r.value for r in DeadlineRule],
+                        help="when tokens after the first are due: 'eq1' (the paper's arrival + TTFT + TPOT x (i-1), "
+                             "the default) or 'pace' (first token + TPOT x (i-1)); docs/design.md")
     parser.add_argument("--cpus", metavar="LIST", help="run this agent and its engines on these cores only "
                         "(comma-separated core numbers; default: all this process may use)")
     parser.add_argument("--log-level", default="WARNING")

@@ -79,7 +79,7 @@ class AgentSettings:
     log_level: str = "WARNING"
     weights_root: str | None = None  # node agents receive weights into <root>/<node id> (None: no receiver)
     weights_token: str | None = None  # MESH_WEIGHTS_TOKEN of their weights ports
-    deadlines: str = "pace"  # the agents' deadline rule (--deadlines; mesh.policy.slo.DeadlineRule)
+    deadlines: str = "eq1"  # the agents' deadline rule (--deadlines; mesh.policy.slo.DeadlineRule)
     models_roots: tuple[str, ...] = ()  # folders whose models the agents may `load` (--models-root), besides
     # their weights folder: the registry's places (data folder, --allowed-dir, the demo model cache)
     cores: dict[str, tuple[int, ...]] = field(default_factory=dict)  # node id -> the cores its local agent

@@ -36,7 +36,7 @@ class AgentLaunch:
     agent_token: str
     weights_token: str
     log_level: str = "WARNING"
-    deadlines: str = "pace"
+    deadlines: str = "eq1"
     memory_fraction: float = 0.5  # of the node's memory, when the agent's budget is not given
     memory_bytes: int | None = None  # the budget of every CPU agent (None: memory_fraction of the node's)
     start_timeout_s: float = 120.0

@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import dataclasses
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from mesh.replay.live import ClusterShape, LiveConfig, LiveReplayError, cluster_
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
 from mesh.runtime.cluster import ClusterConfig, ModelSpec
 from mesh.runtime.policies import policy_spec
+from mesh.runtime.request import ServedRequest
 from workloads.workload import Workload
 
 BASE = "smollm2-135m"  # the base model name of every replica (one model file, one profile)
@@ -67,7 +69,7 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     keep_alive = args.keep_alive if args.keep_alive is not None else LIVE_KEEP_ALIVE_S
     cluster = ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, cpu_memory_bytes=memory.get(CPU, 1),
                             gpu_memory_bytes=memory.get(GPU, 1), cold_start=ColdStart(bps, bps), keep_alive_s=keep_alive,
-                            noise=args.noise, seed=args.seed, deadlines=args.deadlines or "pace")
+                            noise=args.noise, seed=args.seed, deadlines=args.deadlines or shape.deadlines)
     config = ReplayConfig(cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
                           queue_timeout_s=queue_timeout_s, progress=not args.no_progress)
     prior = {BASE: float(sum(a.output_len for a in workload.arrivals) / max(1, len(workload)))}
@@ -127,11 +129,13 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
     if args.json:
         sims = {p: json_ready(m) for p, m in simulated.items()}
         out = {"live": {**json_ready(results[f"live ({shape.policy})"]), "policy": shape.policy, "wall_s": live.wall_s,
-                        "tenant": live.tenant, "nodes": live.nodes},
+                        "tenant": live.tenant, "nodes": live.nodes, "service": live.service,
+                        "requests_detail": [_outcome(r) for r in live.requests]},
                "simulated": sims[shape.policy], "simulated_by_policy": sims,
                "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,
                           "model_path": str(model_path), "workload": d, "length_scale": scale,
                           "context_window": window, "cold_start_s": args.cold_start_s,
+                          "deadlines": args.deadlines or shape.deadlines,
                           "nodes": live.nodes, "simulated_cluster": {"cpu_nodes": shape.counts()[0],
                                                                      "gpu_nodes": shape.counts()[1],
                                                                      "memory_bytes": shape.memory}}}
@@ -140,6 +144,17 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
         path.write_text(json.dumps(out, indent=1, allow_nan=False, default=_plain) + "\n")
         print(f"wrote {path}", file=sys.stderr)
     return 0
+
+
+def _outcome(r: ServedRequest) -> dict[str, Any]:
+    """One live request as the client saw it (times from the workload's start), for the JSON."""
+    def seconds(x: float) -> float | None:
+        return None if math.isnan(x) else round(x, 4)
+
+    return {"id": r.request_id, "model": r.model, "arrival_s": round(r.arrival_s, 4), "prompt_len": r.prompt_len,
+            "tokens_out": r.tokens_out, "outcome": r.outcome.value if r.outcome else None, "slo_met": r.slo_met,
+            "ttft_s": seconds(r.ttft_s), "ttft_slo_s": r.slo.ttft_s(r.prompt_len), "tpot_s": seconds(r.tpot_s),
+            "detail": r.detail[:200]}
 
 
 def _plain(value: Any) -> Any:

@@ -139,7 +139,7 @@ def sllm_pick(instances: Sequence[InstanceView], targets: dict[str, int]) -> Ins
     return None
 
 
-MAX_WARMING_PER_MODEL = 1  # loading instances of one model that no request has validated on
+MAX_WARMING_PER_MODEL = 1  # instances of one model loading at once, for a warm-up to start
 
 
 def warm_up_allowed(
@@ -154,7 +154,7 @@ def warm_up_allowed(
       start fits, the next fresh request starts the instance the usual way);
     - the cold start is the only obstacle: a new instance that was already loaded would
       validate (the shadow validation of 5.3 with no load time);
-    - fewer than `limit` instances of the model are loading with no request validated on them.
+    - fewer than `limit` instances of the model are loading.
 
     Why: LLM-Mesh starts an instance only for a request that validates on it (5.3, 4),
     which assumes loads from host memory that fit in the TTFT SLO (8.1). A cold start longer
@@ -163,9 +163,13 @@ def warm_up_allowed(
     in the meantime miss it (BlitzScale 2.3). The request itself is still turned away by the
     queue's rule (wait_expiry_s), not served late; the instance serves the requests that
     validate on it, those arriving late in its load included (the validation counts its
-    remaining load time). The bound keeps one unvalidated load per model: more start only
-    once requests validated on the one loading (its capacity is claimed), and one nobody
-    uses is recycled after keep-alive from the end of its load (4)."""
+    remaining load time). The bound keeps one warm-up load per model at a time: while an
+    instance of the model loads, a second one started for the same cold-start reason would
+    be ready later than the first, and would take the cores and memory bandwidth that the
+    first load and the node's running instances need (live, two more loads made requests
+    on the loaded instances late). Requests the loading instance cannot hold scale out the
+    usual way once it is up. One nobody uses is recycled after keep-alive from the end of
+    its load (4)."""
     return cold_start_s > fresh_slack_s and validates_without_cold_start and warming < limit
 
 
@@ -186,6 +190,11 @@ class ColdStart:
       node's ~200 GB/s effective DDR5 bandwidth, docs/roofline.md): 0.27 s for Llama-2-7B.
     - plus a fixed engine start-up per instance (default 0).
     The initial KV cache allocation is added by the engine (resize time, LLM-Mesh Figure 8).
+    A node loads one instance at a time (its weights cross one PCIe link or memory bus, and
+    its engine's start-up runs on the node's cores): a load issued while others are under way
+    there starts when they end (mesh.runtime.cluster.Cluster.load_wait_s). Live, on one core
+    per node, two demo-model instances warmed up together on one node served their first
+    tokens about 16 s after their first requests; one per node, after about 10 and 12 s.
     """
 
     pcie_bytes_per_s: float = 25e9

@@ -66,6 +66,7 @@ class LiveRun:
     wall_s: float
     nodes: dict[str, str] = field(default_factory=dict)  # node id -> kind, every node seen
     tenant: str = ""
+    service: dict[str, Any] = field(default_factory=dict)  # /admin/cluster when the last request ended
 
 
 def prompt_ids(request_id: str, length: int) -> list[int]:
@@ -196,6 +197,7 @@ class ClusterShape:
     kinds: dict[str, str]  # node id -> kind
     memory: dict[str, int]  # kind -> the smallest node's memory for instances
     policy: str = "mesh"  # the placement policy the service runs (`mesh serve --policy`)
+    deadlines: str = "eq1"  # its agents' deadline rule (`mesh serve --deadlines`)
 
     def counts(self) -> tuple[int, int]:
         """(CPU nodes, GPU nodes)."""
@@ -209,8 +211,10 @@ async def _shape(svc: _Service) -> ClusterShape:
     for n in view["nodes"]:
         cap = int(n["memory"]["capacity_bytes"])
         memory[n["kind"]] = min(memory.get(n["kind"], cap), cap)
+    rules = {n.get("deadlines") for n in view["nodes"]} - {None}
     return ClusterShape({n["node_id"]: n["kind"] for n in view["nodes"]}, memory,
-                        (view.get("dispatcher") or {}).get("policy", "mesh"))
+                        (view.get("dispatcher") or {}).get("policy", "mesh"),
+                        rules.pop() if len(rules) == 1 else "eq1")
 
 
 async def cluster_shape(url: str, admin_token: str) -> ClusterShape:
@@ -248,6 +252,7 @@ async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
             watcher.cancel()
             bar.close()
             end = clock()
+            service = await _final_view(svc)
             try:
                 await svc.call("DELETE", f"/admin/tenants/{tenant}", "deleting the replay's tenant")
             except (LiveReplayError, aiohttp.ClientError) as exc:  # the figures stand; say what is left behind
@@ -255,7 +260,22 @@ async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
     if not usage or usage[0][0] > 0:
         usage.insert(0, (0.0, 0, 0))
     return LiveRun(requests, usage, workload.duration_s, max(end, workload.duration_s), end,
-                   kinds, tenant)
+                   kinds, tenant, service)
+
+
+async def _final_view(svc: _Service) -> dict[str, Any]:
+    """What the service says of the run at its end, for the record: the dispatcher's counters
+    (placements, preemptions, warm-ups, rejections by reason) and per node its busy fraction,
+    iterations and its instances' learnt time factors. Empty if it cannot be read."""
+    try:
+        view = await svc.call("GET", "/admin/cluster", "reading the cluster at the end")
+    except (LiveReplayError, aiohttp.ClientError):
+        return {}
+    nodes = {n["node_id"]: {"kind": n["kind"], "busy_fraction": n.get("busy_fraction"),
+                            "iterations": n.get("iterations"),
+                            "time_factors": [i.get("time_factors") for i in n.get("instances", [])]}
+             for n in view.get("nodes", [])}
+    return {"dispatcher": view.get("dispatcher"), "nodes": nodes}
 
 
 def cold_start_bytes_per_s(weight_bytes: int, load_s: float) -> float:

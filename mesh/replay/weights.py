@@ -48,7 +48,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from engines.protocol import Engine
 from engines.simulated import SimulatedEngine

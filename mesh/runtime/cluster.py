@@ -193,6 +193,7 @@ class Cluster:
         self.instances_started = 0
         self.instances_recycled = 0
         self.cold_start_s = 0.0  # summed predicted cold starts
+        self._loads_end: dict[str, float] = {}  # node id -> when the loads issued on it are predicted to end
         self.nodes: list[ClusterNode] = []
         self.node_seq: dict[str, int] = {}
         if nodes is None:
@@ -305,17 +306,24 @@ class Cluster:
         return InstancePlan(
             f"{model}@{node.node_id}#{next(self._ids)}", model, spec.times[kind], self.slo_of(model),
             p.kv_bytes_per_token, p.weight_bytes, p.max_context, p.max_context, DEFAULT_MAX_BATCH,
-            self._mean_output[model], expected,
+            self._mean_output[model], expected, self.load_wait_s(node),
         )
 
     def expected_load_s(self, model: str, node: ClusterNode) -> float:
-        """The predicted cold start of a new instance of `model` on `node`: its weights
-        (ColdStart) and the initial KV cache allocation."""
+        """The predicted cold start of a new instance of `model` on `node`: waiting for the
+        loads under way there, its weights (ColdStart) and the initial KV cache allocation."""
         kind = node.spec.kind
         spec = self.catalog[self.models[model]]
         p = spec.profiles[kind]
         kv0 = spec.min_bytes(kind, self.config.watermark) - p.weight_bytes
-        return self.config.cold_start.load_s(p.weight_bytes, kind) + kv0 / GIB * RESIZE_UP_S_PER_GIB
+        return (self.load_wait_s(node) + self.config.cold_start.load_s(p.weight_bytes, kind)
+                + kv0 / GIB * RESIZE_UP_S_PER_GIB)
+
+    def load_wait_s(self, node: ClusterNode) -> float:
+        """How long a load issued on `node` now waits for those already issued there: a node
+        loads one instance at a time (ColdStart), so two models started together on one node
+        are not both ready after one load time."""
+        return max(0.0, self._loads_end.get(node.node_id, 0.0) - self._now())
 
     def can_host(self, model: str, node: ClusterNode) -> bool:
         spec = self.catalog[self.models[model]]
@@ -324,7 +332,7 @@ class Cluster:
 
     def _engine_for(self, plan: InstancePlan, kind: str) -> Engine:
         """The engine of a new instance on a simulated node (the run's engine factory)."""
-        load_s = self.config.cold_start.load_s(plan.weight_bytes, kind)
+        load_s = plan.load_wait_s + self.config.cold_start.load_s(plan.weight_bytes, kind)
         seed = zlib.crc32(f"{self.config.seed}:{plan.instance_id}".encode())
         return self.engine_factory(plan, kind, load_s, seed)
 
@@ -341,6 +349,8 @@ class Cluster:
         if not await node.start_instance(plan):
             return None
         ref = InstanceRef(plan.instance_id, plan.model, self.models[plan.model], node, self.instances_started)
+        self._loads_end[node.node_id] = (self._now() + self.load_wait_s(node)
+                                         + self.config.cold_start.load_s(plan.weight_bytes, kind))
         self.instances_started += 1
         self.cold_start_s += plan.expected_load_s
         self._by_model.setdefault(plan.model, []).append(ref)

@@ -55,7 +55,8 @@ class NodeInstance:
 class InstancePlan:
     """An instance that is not started yet, for validating requests on it (LLM-Mesh 4: a
     new instance is created on a node that validates). `expected_load_s` is the predicted
-    cold start (weights in place plus the initial KV cache)."""
+    cold start (weights in place plus the initial KV cache), `load_wait_s` of which waits for
+    the loads already under way on the node (Cluster.load_wait_s)."""
 
     instance_id: str
     model: str
@@ -68,6 +69,7 @@ class InstancePlan:
     max_batch: int
     mean_output: RunningMean
     expected_load_s: float
+    load_wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

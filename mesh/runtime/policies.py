@@ -160,16 +160,18 @@ class MeshPolicy(Policy):
 
     async def _warm_up(self, req: ServedRequest, exclude: set[str]) -> None:
         """No new instance would serve `req` in time: start one anyway, holding no request,
-        on the first node where it would if it were already loaded, when
+        on the node where it is ready first (the fewest loads under way; bin-packing order
+        among equals) of those where it would serve `req` if it were already loaded, when
         placement.warm_up_allowed says so (the cold start is longer than any request of this
         prompt length could wait, it is the only obstacle, and no other instance of the
-        model is loading with no request on it)."""
-        warming = sum(1 for r in self.cluster.instances_of(req.model) if not r.inst.loaded and not r.inst.requests)
+        model is loading)."""
+        warming = sum(1 for r in self.cluster.instances_of(req.model) if not r.inst.loaded)
         if warming >= MAX_WARMING_PER_MODEL:
             return
         prompt, _ = NodeRuntime.effective(req, req.tokens_out, self.cluster.config.deadlines)
-        for nv in new_instance_order(self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude):
-            node = self.cluster.node(nv.node_id)
+        order = [self.cluster.node(nv.node_id) for nv in new_instance_order(
+            self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude)]
+        for node in sorted(order, key=self.cluster.load_wait_s):  # stable: bin-packing among equals
             if not self.cluster.can_host(req.model, node):
                 continue
             cold = self.cluster.expected_load_s(req.model, node)

@@ -12,7 +12,7 @@ Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir,
 max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, ray, ray_autoscale, weights_plan,
 drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
-deadlines, policy, cold_start_s, prepare_formats.
+deadlines, policy, cold_start_s, exact_moves, prepare_formats.
 
 `prepare_formats` (default true; `mesh serve --no-prepare` turns it off): prepare each
 registered model's format for the other kind of node in the background (a GGUF converted to
@@ -23,11 +23,16 @@ run it on either kind.
 replay` evaluates (mesh.runtime.policies): mesh, sllm, sllm+cpu, mesh-no-share, mesh-no-cpu,
 mesh-no-defrag. `cold_start_s` (default 7.5, the demo model measured on a 2-core node): the
 start-up of a new instance besides moving its weights, which validation counts in a
-request's TTFT.
+request's TTFT. `exact_moves` (default false): CPU instances compute so that a stream
+moved to another node (preemption, eviction) continues exactly as it would have, at about
+2x the compute (engines.openvino_engine.EXACT_RECOMPUTE); off, a moved stream loses,
+repeats and reorders nothing but may continue differently at a near-tie.
 
-`deadlines` (default `pace`): when a request's tokens after the first are due on the node
-agents the service starts (mesh.policy.slo.DeadlineRule): `pace` from the first token, so
-admission protects the per-token pace clients measure, or `eq1`, the paper's Eq. 1.
+`deadlines` (default `eq1`, the paper's Eq. 1, as `mesh replay` evaluates by default): when
+a request's tokens after the first are due on the node agents the service starts
+(mesh.policy.slo.DeadlineRule): `eq1` from its arrival, or `pace` from its first token, so
+admission protects the per-token pace clients measure at the price of turning more
+requests away (docs/evaluation.md, "Live replay").
 
 `ray` ("auto" or a Ray address; docs/cluster.md): run the node agents on the machines of a
 Ray cluster, one per Ray node (and per GPU), instead of on this machine; `ray_autoscale`:
@@ -78,9 +83,10 @@ class ServeConfig:
     quota_concurrent_requests: int | None = None
     quota_requests_per_s: float | None = None
     quota_burst: int | None = None  # None: one second of quota_requests_per_s
-    deadlines: str = "pace"  # deadline rule of the local agents: pace or eq1 (mesh.policy.slo)
+    deadlines: str = "eq1"  # deadline rule of the local agents: eq1 or pace (mesh.policy.slo)
     policy: str = "mesh"  # the dispatcher's placement policy (mesh.runtime.policies)
     cold_start_s: float = 7.5  # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart)
+    exact_moves: bool = False  # CPU instances recompute moved streams exactly, at ~2x compute
     prepare_formats: bool = True  # prepare each model's format for the other kind of node (mesh.service.formats)
 
     @property
@@ -175,6 +181,8 @@ def _check(c: ServeConfig) -> None:
 
     if c.policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")
+    if not isinstance(c.exact_moves, bool):
+        raise ConfigError(f"exact_moves must be true or false, got {c.exact_moves!r}")
     if isinstance(c.cold_start_s, bool) or not isinstance(c.cold_start_s, (int, float)) or c.cold_start_s < 0:
         raise ConfigError(f"cold_start_s must be a number of seconds >= 0, got {c.cold_start_s!r}")
     if not isinstance(c.prepare_formats, bool):

@@ -111,6 +111,7 @@ class PlacementSettings:
     cold_start_s: float = DEFAULT_COLD_START_S  # an instance's start-up besides its weights (ColdStart.fixed_s)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    exact_moves: bool = False  # InstanceSpec.exact_moves for every instance (mesh serve --exact-moves)
     agent: AgentSettings = field(default_factory=AgentSettings)
 
 
@@ -396,7 +397,7 @@ class ClusterPlacement:
         path, self._how[plan.instance_id] = await self._copy_on(record, node)
         return InstanceSpec(plan.instance_id, record.uid, path, record.context_length, slo_to_dict(record.slo),
                             self.settings.max_num_seqs, self._profile_for(record.uid, node.kind),
-                            ENGINE_OF_KIND[node.kind])
+                            ENGINE_OF_KIND[node.kind], exact_moves=self.settings.exact_moves)
 
     def _instance_ready(self, node: AgentNode, instance_id: str) -> None:
         inst = node.instances.get(instance_id)
