@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -54,6 +55,22 @@ def test_bad_inputs_are_refused_saying_which_file_and_what_to_do(tmp_path):
     assert r.returncode == 1 and f"in {sys.executable}" in r.stderr and "scripts/setup.sh" in r.stderr
     assert "converting fake.gguf needs" in r.stderr
     assert sorted(p.name for p in tmp_path.iterdir()) == ["fake.gguf", "model.gguf", "taken"]  # nothing left
+
+
+def greedy(engine: Any, ids: list[int], max_tokens: int = 20) -> tuple[str, list[int]]:
+    """Run one greedy request on a loaded engine to its end: (its text, its token ids)."""
+    engine.add_request(EngineRequest("q", len(ids), Sampling(max_tokens=max_tokens, temperature=0.0), ids))
+    text, tokens = "", []
+
+    async def run() -> None:
+        nonlocal text
+        while engine.has_work():
+            r = await engine.step()
+            tokens.extend(r.token_ids)
+            text += "".join(r.texts)
+
+    asyncio.run(run())
+    return text, tokens
 
 
 def _converter_python() -> str:
@@ -120,17 +137,7 @@ def test_vllm_serves_the_converted_folder_with_openvinos_token_ids(converted, de
         assert ids == openvino.encode_chat(QUESTION)  # the same prompt ids on either kind of node
         text = "naïve café, 12345 + 678"
         assert e.decode(e.encode_prompt(text)) == text == openvino.decode(openvino.encode_prompt(text))
-        e.add_request(EngineRequest("q", len(ids), Sampling(max_tokens=20, temperature=0.0), ids))
-        answer, tokens = "", []
-
-        async def run() -> None:
-            nonlocal answer
-            while e.has_work():
-                r = await e.step()
-                tokens.extend(r.token_ids)
-                answer += "".join(r.texts)
-
-        asyncio.run(run())
+        answer, tokens = greedy(e, ids)
         print(f"\nvLLM on the converted folder: {answer!r} ({tokens})")
         assert "Paris" in answer
     finally:
@@ -162,16 +169,7 @@ def test_the_converted_folder_exports_to_an_ir_openvino_serves(converted, tmp_pa
     try:
         ids = e.encode_chat(QUESTION)
         assert ids == standalone_encoder(str(demo_gguf)).encode_chat(QUESTION)
-        e.add_request(EngineRequest("q", len(ids), Sampling(max_tokens=20, temperature=0.0), ids))
-        answer = ""
-
-        async def run() -> None:
-            nonlocal answer
-            while e.has_work():
-                r = await e.step()
-                answer += "".join(r.texts)
-
-        asyncio.run(run())
+        answer, _ = greedy(e, ids)
         print(f"OpenVINO on the exported IR: {answer!r}")
         assert "Paris" in answer
     finally:
