@@ -1,7 +1,7 @@
 """Convert a model into the format the other kind of node runs.
 
     python -m engines.convert gguf-to-hf MODEL.gguf OUT_DIR [--dtype bfloat16] [--nice 10]
-    python -m engines.convert hf-to-ir HF_DIR OUT_DIR [--weight-format fp16] [--nice 10]
+    python -m engines.convert hf-to-ir HF_DIR OUT_DIR [--weight-format fp32] [--nice 10]
 
 `gguf-to-hf`: a GGUF file (what OpenVINO serves on CPU nodes) to a Hugging Face folder
 (what vLLM serves on GPU nodes): vLLM 0.32's CPU build cannot load GGUF at all
@@ -30,8 +30,12 @@ run): optimum-intel's `optimum-cli export openvino --task text-generation-with-p
 writes the model IR, the tokenizer and detokenizer IR (openvino-tokenizers) and the config.
 It needs the `export` extra (torch, optimum-intel, transformers<5.6), which conflicts with
 vLLM's transformers, so it runs with a third environment's Python (`.venv-export`,
-`MESH_WITH_EXPORT=1 scripts/setup.sh`). Weights in fp16 by default (optimum-intel would
-compress models over 1B parameters to int8 otherwise).
+`MESH_WITH_EXPORT=1 scripts/setup.sh`). Weights in fp32 by default: exact for a bfloat16
+folder (optimum-cli has no bf16 weight format), and the CPU plugin computes in bf16 anyway,
+converting them when it compiles. An fp16 export of the demo model answered "L'Étoile, la
+Marseur, la France, ..." to "What is the capital of France?" under the plugin's default
+bf16 inference (fp32 weights: "The capital of France is Paris."); optimum-intel would
+compress models over 1B parameters to int8 unless a format is given.
 
 Everything is written into a temporary folder beside OUT_DIR and renamed into place at the
 end (a conversion that fails or is killed leaves no OUT_DIR); OUT_DIR must not exist.
@@ -184,7 +188,7 @@ def gguf_to_hf(gguf: str | Path, out: str | Path, dtype: str = "bfloat16") -> Co
                      round(time.perf_counter() - started, 2), round(load_s, 2), round(save_s, 2))
 
 
-def hf_to_ir(folder: str | Path, out: str | Path, weight_format: str = "fp16") -> Converted:
+def hf_to_ir(folder: str | Path, out: str | Path, weight_format: str = "fp32") -> Converted:
     """Export the Hugging Face folder to an OpenVINO IR folder at `out` (module docstring)."""
     import subprocess
 
@@ -303,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     h2i = sub.add_parser("hf-to-ir", help="a Hugging Face folder -> an OpenVINO IR folder (for OpenVINO)")
     h2i.add_argument("folder", help="the Hugging Face model folder")
     h2i.add_argument("out", help="the folder to create (must not exist)")
-    h2i.add_argument("--weight-format", default="fp16", choices=WEIGHT_FORMATS, help="weights of the IR")
+    h2i.add_argument("--weight-format", default="fp32", choices=WEIGHT_FORMATS, help="weights of the IR")
     h2i.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by N (a background job)")
     args = parser.parse_args(argv)
     if args.nice:
