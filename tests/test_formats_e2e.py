@@ -99,3 +99,40 @@ def test_a_gguf_registered_once_is_served_by_openvino_and_by_vllm(tmp_path):
         assert "preparing its" not in (tmp_path / "mesh.log").read_text()
     finally:
         assert server.stop() == 0
+
+
+def test_a_hugging_face_folder_registered_once_is_exported_for_the_cpu_node(tmp_path):
+    """The other direction, where the export environment exists (.venv-export): a Hugging
+    Face folder (here the demo GGUF converted beforehand) registered by path gets an
+    OpenVINO IR prepared for CPU nodes, and `mesh` serves it there, CPU first: "Paris"."""
+    from engines.convert import find_export_python
+    from mesh.models import demo_gguf_path
+    from test_convert import convert
+
+    python = _converter_python()
+    if find_export_python() is None:
+        pytest.skip("no export environment (MESH_WITH_EXPORT=1 scripts/setup.sh creates .venv-export)")
+    data, allowed = tmp_path / "data", tmp_path / "allowed"
+    made = convert(python, demo_gguf_path(), allowed / "smollm2-hf")
+    assert made.returncode == 0, made.stderr[-2000:]
+    server = Server(data, allowed, tmp_path / "hf.log", extra=("--vllm-cpu",))
+    server.start()
+    try:
+        status, body = server.http("POST", "/v1/models", {"name": "smol-hf", "path": "smollm2-hf"}, token=server.key)
+        assert status == 201 and body["mesh"]["kind"] == "hf" and body["mesh"]["node_kinds"] == ["gpu"], body
+        started = time.monotonic()
+        view = body["mesh"]
+        while view["formats"]["cpu"]["state"] == "preparing" and time.monotonic() - started < 900:
+            time.sleep(1)
+            view = server.http("GET", "/v1/models/smol-hf", token=server.key)[1]["mesh"]
+        assert view["formats"]["cpu"]["state"] == "ready" and view["formats"]["cpu"]["format"] == "ir", view
+        assert view["node_kinds"] == ["cpu", "gpu"]
+        print(f"\nHF -> IR in the service: {view['formats']['cpu']['seconds']} s")
+        answer = server.client().chat.completions.create(**{**ASK, "model": "smol-hf"}).choices[0].message.content
+        assert "Paris" in answer, answer
+        assert "smol-hf" in instances(server)["cpu-0"]  # mesh: CPU first, on the prepared IR
+        pool = [m for m in server.admin("GET", "/admin/cluster")["weights"]["models"].values()
+                if m["node_kind"] == "cpu" and not m["native"]]
+        assert any(Path(m["copies"].get("cpu-0", "/")).joinpath("openvino_model.xml").is_file() for m in pool)
+    finally:
+        assert server.stop() == 0
