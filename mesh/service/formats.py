@@ -9,9 +9,11 @@ service starts or on the model's first use):
   with the vLLM environment's Python (engines.vllm_engine.find_vllm_python: it needs torch,
   transformers, gguf and accelerate, which Mesh's own environment does not have), when the
   server has a GPU node (or `--vllm-cpu`'s node) and that Python exists;
-- Hugging Face folder -> OpenVINO IR for CPU nodes: not built (it needs the `export`
-  extra, optimum-intel, whose transformers pin conflicts with vLLM's): such a model runs on
-  GPU nodes only, and its view says why;
+- Hugging Face folder -> OpenVINO IR for CPU nodes: `python -m engines.convert hf-to-ir`
+  (optimum-intel), run with the export environment's Python (`.venv-export`, created by
+  `MESH_WITH_EXPORT=1 scripts/setup.sh`: the `export` extra's transformers pin conflicts
+  with vLLM's), when the server has a CPU node; without that environment such a model runs
+  on GPU nodes only, and its view says why;
 - OpenVINO IR: CPU nodes only (nothing converts IR into a format vLLM loads).
 
 A prepared copy lives in `<data dir>/prepared/<model uid>/<node kind>/`; its state is in the
