@@ -93,3 +93,12 @@ class InProcessAgent(AgentHandle):
             await self.client.close()
         if self.server is not None:
             await self.server.close()
+
+
+async def until(cond: Any, limit_s: float = 10.0, poll_s: float = 0.01) -> None:
+    """Wait for `cond()` on the running loop; AssertionError after `limit_s`."""
+    for _ in range(int(limit_s / poll_s)):
+        if cond():
+            return
+        await asyncio.sleep(poll_s)
+    raise AssertionError("condition not reached")

@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from agent_doubles import InProcessAgent, use_simulated_engines
+from agent_doubles import InProcessAgent, until, use_simulated_engines
 from cluster_doubles import linear_profile
 from engines.protocol import EngineRequest, Sampling
 from mesh.agent.protocol import InstanceSpec
@@ -61,18 +61,10 @@ def _request(rid: str, model: str, prompt: int = 20, out: int = 200, slo: SLO = 
                          asyncio.get_running_loop().time(), slo)
 
 
-async def _until(cond, limit_s: float = 10.0) -> None:
-    for _ in range(int(limit_s / 0.01)):
-        if cond():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
-
-
 async def _instance(cluster, model: str, node) -> str:
     ref = await cluster.start_instance(cluster.plan(model, node), node)
     assert ref is not None
-    await _until(lambda: node.instances[ref.instance_id].loaded)
+    await until(lambda: node.instances[ref.instance_id].loaded)
     return ref.instance_id
 
 
@@ -85,7 +77,7 @@ def test_proactive_preemption_moves_a_running_request_to_another_agent(simulated
 
     async def main():
         cluster, d = await _cluster(["m", "n"])
-        a, b = cluster.node("cpu0"), cluster.node("cpu1")
+        a = cluster.node("cpu0")
         x = await _instance(cluster, "m", a)
         y = await _instance(cluster, "n", a)
         first = [_request(f"m{k}", "m") for k in range(2)]
@@ -93,15 +85,15 @@ def test_proactive_preemption_moves_a_running_request_to_another_agent(simulated
         for r in first:
             assert (await a.try_admit(x, r, compute=False)).ok
         assert (await a.try_admit(y, moved, compute=False)).ok
-        await _until(lambda: a.agent.server.node.progress("n0") >= 5)  # simulated engines stream no tokens
+        await until(lambda: a.agent.server.node.progress("n0") >= 5)  # simulated engines stream no tokens
         r = _request("r", "m")
         assert not (await a.validate(x, r)).ok  # X is too slow with Y beside it
         d.submit(r)
-        await _until(lambda: moved.node_id == "cpu1")
+        await until(lambda: moved.node_id == "cpu1")
         carried = [n for n in moved.attempts if "preempted by" in n]
         assert r.node_id == "cpu0" and r.instance_id == x and y not in a.instances
         assert d.policy.stats.preemptions == 1 and carried
-        await _until(lambda: all(q.outcome is not None for q in [*first, moved, r]), 30.0)
+        await until(lambda: all(q.outcome is not None for q in [*first, moved, r]), 30.0)
         await cluster.stop()
         return first, moved, r
 
@@ -122,9 +114,9 @@ def test_an_evicted_request_finishes_on_another_agent(simulated):
         reqs = [_request(f"r{k}", "m", prompt=20, out=200) for k in range(2)]
         for r in reqs:
             d.submit(r)
-        await _until(lambda: all(r.node_id for r in reqs))
+        await until(lambda: all(r.node_id for r in reqs))
         first = [r.node_id for r in reqs]
-        await _until(lambda: all(r.outcome is not None for r in reqs), 30.0)
+        await until(lambda: all(r.outcome is not None for r in reqs), 30.0)
         await cluster.stop()
         return reqs, first, d
 

@@ -13,6 +13,7 @@ import asyncio
 
 import pytest
 
+from agent_doubles import until
 from engines.protocol import EngineRequest, Sampling
 from mesh.agent.engines import prior_profile
 from mesh.agent.server import MEAN_OUTPUT_PRIOR
@@ -30,15 +31,8 @@ pytestmark = pytest.mark.slow
 
 GIB = 2**30
 SLO_LOOSE = SLO(ttft_min_s=120.0, tpot_s=5.0)  # this test is about tokens, not time
+REAL_ENGINE_S = 120.0  # how long a condition may take with real engines on this machine
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow and say one thing about each."}]
-
-
-async def _until(cond, limit_s: float = 120.0) -> None:
-    for _ in range(int(limit_s / 0.02)):
-        if cond():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError("condition not reached")
 
 
 def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf):
@@ -76,17 +70,17 @@ def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf)
 
         still = request("still")
         d.submit(still)
-        await _until(lambda: still.outcome is not None)
+        await until(lambda: still.outcome is not None, REAL_ENGINE_S)
         moved = request("moved")
         d.submit(moved)
-        await _until(lambda: moved.tokens_out >= 12 or moved.outcome is not None)
+        await until(lambda: moved.tokens_out >= 12 or moved.outcome is not None, REAL_ENGINE_S)
         assert moved.outcome is None, (moved.outcome, moved.detail, moved.attempts, d.stats, d.policy.stats)
         first_node = moved.node_id
         node = cluster.node(first_node)
         taken = await node.take_back("moved", "moved by the test")
         assert taken is moved and moved.node_id is None and moved.outcome is None
         d.on_evict(moved, node)  # placed again by the dispatcher, not on the node it left
-        await _until(lambda: moved.outcome is not None)
+        await until(lambda: moved.outcome is not None, REAL_ENGINE_S)
         await cluster.stop()
         return still, moved, first_node, out
 
@@ -164,17 +158,17 @@ def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_
         for r in first:
             assert (await a.try_admit(x, r)).ok
         assert (await a.try_admit(y, moved)).ok
-        await _until(lambda: moved.tokens_out >= 8)
+        await until(lambda: moved.tokens_out >= 8, REAL_ENGINE_S)
         r = request("r", "m")
         assert not (await a.validate(x, r)).ok  # X's cache cannot grow beside Y
         assert (await a.validate(x, r, exclude=[y])).ok  # it can with Y gone
         d.submit(r)
-        await _until(lambda: moved.node_id == "cpu1" or moved.outcome is not None)
+        await until(lambda: moved.node_id == "cpu1" or moved.outcome is not None, REAL_ENGINE_S)
         preempted_at = len(out["n0"])
-        await _until(lambda: all(q.outcome is not None for q in [*first, moved, r]))
+        await until(lambda: all(q.outcome is not None for q in [*first, moved, r]), REAL_ENGINE_S)
         alone = request("alone", "n")  # the reference: the same request, never moved, on cpu1
         d.submit(alone)
-        await _until(lambda: alone.outcome is not None)
+        await until(lambda: alone.outcome is not None, REAL_ENGINE_S)
         await cluster.stop()
         return d, first, moved, r, alone, out, preempted_at, x, y
 
