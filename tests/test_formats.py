@@ -11,6 +11,7 @@ import asyncio
 import json
 import os
 import sqlite3
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -183,6 +184,37 @@ def test_a_gguf_gets_its_gpu_format_once_and_the_state_survives_a_restart(tmp_pa
         await again.forget(m.uid)
         assert not (tmp_path / "data" / "prepared" / m.uid).exists()
         again.registry.close()
+
+    asyncio.run(main())
+
+
+def test_the_same_file_registered_twice_is_converted_once(tmp_path):
+    """Two models with the same sha256 (a live replay's replicas; one model under two
+    tenants): the second gets the first's prepared files as hard links, no conversion, and
+    keeps them when the first is deleted. A different file is converted."""
+    async def main():
+        gguf, other = tmp_path / "m.gguf", tmp_path / "o.gguf"
+        gguf.write_bytes(b"GGUF" + os.urandom(100))
+        other.write_bytes(b"GGUF" + os.urandom(100))
+        tool = FakeTool()
+        f = preparer(tmp_path, tool)
+        first = f.registry.add_model(replace(gguf_record(gguf, "m_1"), sha256="a" * 64))
+        f.ensure(first)
+        await f.wait()
+        second = f.registry.add_model(replace(gguf_record(gguf, "m_2"), sha256="a" * 64))
+        third = f.registry.add_model(replace(gguf_record(other, "m_3"), sha256="b" * 64))
+        f.ensure(second)
+        f.ensure(third)
+        await f.wait()
+        assert tool.runs == [("gguf-to-hf", str(gguf)), ("gguf-to-hf", str(other))]
+        one, two = (f.registry.model_by_uid(uid).prepared_for("gpu") for uid in ("m_1", "m_2"))
+        assert two.state == "ready" and two.weight_bytes == one.weight_bytes == 50_000 and two.path != one.path
+        assert Path(two.path, "model.safetensors").stat().st_ino == Path(one.path, "model.safetensors").stat().st_ino
+        f.registry.delete_model("t", "name-m_1")
+        await f.forget("m_1")
+        assert not Path(one.path).exists()
+        assert Path(two.path, "model.safetensors").stat().st_size == 50_000 and Path(two.path, "config.json").is_file()
+        f.registry.close()
 
     asyncio.run(main())
 

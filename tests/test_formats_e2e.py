@@ -105,13 +105,11 @@ def test_a_hugging_face_folder_registered_once_is_exported_for_the_cpu_node(tmp_
     """The other direction, where the export environment exists (.venv-export): a Hugging
     Face folder (here the demo GGUF converted beforehand) registered by path gets an
     OpenVINO IR prepared for CPU nodes, and `mesh` serves it there, CPU first: "Paris"."""
-    from engines.convert import find_export_python
     from mesh.models import demo_gguf_path
-    from test_convert import convert
+    from test_convert import convert, export_python
 
     python = _converter_python()
-    if find_export_python() is None:
-        pytest.skip("no export environment (MESH_WITH_EXPORT=1 scripts/setup.sh creates .venv-export)")
+    export_python()
     data, allowed = tmp_path / "data", tmp_path / "allowed"
     made = convert(python, demo_gguf_path(), allowed / "smollm2-hf")
     assert made.returncode == 0, made.stderr[-2000:]

@@ -25,7 +25,10 @@ the model's `ModelRecord.node_kinds` includes that kind: the placement describes
 on it, the dispatcher gets a profile for it and chooses the kind (mesh.service.placement).
 
 Conversions run one at a time, at low CPU priority (nice 10), each with a log in
-`<data dir>/logs/prepare-<model uid>-<kind>.log`.
+`<data dir>/logs/prepare-<model uid>-<kind>.log`. A model whose registered file has the same
+sha256 as one whose copy is ready (the same model registered again, by another tenant or as
+a live replay's replicas) gets that copy's files as hard links instead of a conversion (22 s
+of CPU for the demo model here).
 """
 from __future__ import annotations
 
@@ -160,6 +163,15 @@ def _clear(out: Path) -> None:
         shutil.rmtree(path, ignore_errors=True)
 
 
+def _link(source: str, target: str) -> None:
+    """Hard-link a prepared file into another model's copy (each model deletes its own
+    links), or copy it where links cannot go (another file system)."""
+    try:
+        os.link(source, target)
+    except OSError:
+        shutil.copy2(source, target)
+
+
 def _last_error(log_path: Path) -> str:
     """The converter's own message ("convert: ..."), else the last line of its log."""
     try:
@@ -251,8 +263,13 @@ class FormatPreparer:
                         kind.upper(), conversion.command)
             await asyncio.to_thread(_clear, out)  # what a killed run may have left
             log_path = self.data_dir / "logs" / f"prepare-{record.uid}-{kind}.log"
+            twin = self._twin(record, kind)
             try:
-                summary = await self.tool.run(conversion, python, record.path, out, log_path)
+                if twin is not None:  # the same file, already converted
+                    await asyncio.to_thread(shutil.copytree, twin.path, out, copy_function=_link)
+                    summary = {"weight_bytes": twin.weight_bytes}
+                else:
+                    summary = await self.tool.run(conversion, python, record.path, out, log_path)
             except (ConversionFailed, OSError) as exc:
                 log.warning("model %s: preparing its %s format failed: %s", label, kind.upper(), exc)
                 self.registry.set_prepared(record.uid, PreparedFormat(kind, conversion.format, str(out), "failed",
@@ -269,6 +286,17 @@ class FormatPreparer:
         fresh = self.registry.model_by_uid(record.uid)
         if fresh is not None and self.on_ready is not None:
             self.on_ready(fresh, kind)
+
+    def _twin(self, record: ModelRecord, kind: str) -> PreparedFormat | None:
+        """A ready copy for `kind` of another model registered with the same file (sha256)."""
+        if not record.sha256:
+            return None
+        for other in self.registry.models():
+            if other.uid != record.uid and other.sha256 == record.sha256 and other.kind == record.kind:
+                prepared = other.prepared_for(kind)
+                if prepared is not None and prepared.ready and Path(prepared.path).is_dir():
+                    return prepared
+        return None
 
     async def forget(self, model_uid: str) -> None:
         """The model was deleted: stop its preparations and delete its prepared copies (the
