@@ -102,15 +102,20 @@ def test_ray_cluster_serves_moves_and_grows(ray_cluster, tmp_path, demo_gguf):
         before = client.chat.completions.create(**ask).choices[0].message.content
         weights = server.admin("GET", "/admin/cluster")["weights"]["models"]
         (model,) = weights.values()
-        (first,) = model["host_copies"]  # the first host copy came from the origin by the weights transport
+        # the first host copy came from the origin by the weights transport; the demo's warm
+        # instance may be on either node (the policy's choice), the second one by multicast
         assert model["transfers"][0]["sources"] == ["origin"]
+        (first,) = model["transfers"][0]["completed"]
         other = (workers - {first}).pop()
 
         # Multicast to the second node, which serves it.
         scaled = server.admin("POST", "/admin/scale", {"tenant": "demo", "model": "demo/smollm2", "nodes": [other]})
         (result,) = scaled["results"]
-        assert result["ok"] and result["weights"] == f"multicast from {first}", scaled
+        assert result["ok"], scaled
         (model,) = server.admin("GET", "/admin/cluster")["weights"]["models"].values()
+        # it got there by multicast from the first copy (when the demo was described or warmed
+        # up there, or now), never from the origin
+        assert any(t["sources"] == [first] and other in t["completed"] for t in model["transfers"]), model
         copy = Path(model["copies"][other])
         assert copy.read_bytes() == demo_gguf.read_bytes()
 
