@@ -295,9 +295,14 @@ class AgentServer:
             raise Reply(Code.BAD_REQUEST, f"instance {spec.instance_id} already exists on {self.spec.node_id}")
         slo = slo_from_dict(spec.slo)
         self.specs[spec.instance_id] = spec  # reserve the id while the engine is built
+        tokenizer = (asyncio.ensure_future(self.tokenizers.prepare(spec.path)) if spec.engine == "openvino"
+                     else None)  # built while the instance loads; the instance is ready when both are
+        if tokenizer is not None:  # a failure shows at the first tokenize, which says why
+            tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             try:
-                engine = await asyncio.to_thread(make_engine, spec, lambda exc: self._loaded(spec.instance_id, exc))
+                engine = await asyncio.to_thread(make_engine, spec,
+                                                 lambda exc: self._loaded(spec.instance_id, exc, tokenizer))
                 times = iteration_times(spec, engine.weight_bytes)
             except EngineError as exc:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
@@ -315,9 +320,13 @@ class AgentServer:
         return {"weight_bytes": engine.weight_bytes, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "context_window": engine.context_window}
 
-    def _loaded(self, instance_id: str, exc: BaseException | None) -> None:
+    def _loaded(self, instance_id: str, exc: BaseException | None, tokenizer: asyncio.Future | None = None) -> None:
         if exc is None:
-            self._send({"t": "instance", "instance_id": instance_id, "state": "ready"})
+            if tokenizer is None or tokenizer.done():
+                self._send({"t": "instance", "instance_id": instance_id, "state": "ready"})
+            else:
+                tokenizer.add_done_callback(lambda _f: self._send({"t": "instance", "instance_id": instance_id,
+                                                                   "state": "ready"}))
             return
         log.error("loading instance %s failed: %s", instance_id, exc)
         self._send({"t": "instance", "instance_id": instance_id, "state": "failed", "error": f"{exc}"})

@@ -29,11 +29,19 @@ class TokenizerProcess:
     async def encode(self, path: str, messages: Sequence[Mapping[str, Any]] | None, prompt: str | None) -> list[int]:
         """The prompt's token ids (chat `messages` with the model's template, else `prompt`);
         EngineError for what the model's tokenizer refuses."""
+        return await self._call(path, _encode, path, None if messages is None else list(messages), prompt)
+
+    async def prepare(self, path: str) -> None:
+        """Build the model's tokenizer now (an instance of it is loading), so that its first
+        request is not tokenized with the process's start and the tokenizer's build in its
+        TTFT (several seconds: a first request was turned away for it)."""
+        await self._call(path, _encode, path, None, "")
+
+    async def _call(self, path: str, fn: Any, *args: Any) -> Any:
         if self._pool is None:  # spawned: a fork would copy the agent's threads and sockets
             self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
         try:
-            return await asyncio.wrap_future(self._pool.submit(_encode, path, None if messages is None else list(messages),
-                                                               prompt))
+            return await asyncio.wrap_future(self._pool.submit(fn, *args))
         except BrokenProcessPool as exc:  # it died (killed, out of memory): a fresh one next time
             self._pool = None
             raise EngineError(f"the tokenizer process died while tokenizing for {path}: {exc}; retry") from exc
