@@ -56,6 +56,7 @@ from mesh.agent.protocol import (
     sampling_from_dict,
     slo_from_dict,
 )
+from engines.openvino_process import OpenVINOProcessEngine
 from mesh.agent.tokenizers import TokenizerProcess
 from mesh.agent.weights import NodeWeightsReceiver, inside, parse_listen, received_path
 from mesh.runtime.weights.blocks import Manifest, holds
@@ -101,6 +102,7 @@ class AgentServer:
         # any instance of it runs here (`describe`, `tokenize` by path).
         self.fronts: dict[tuple[str, str, int | None], Any] = {}
         self.tokenizers = TokenizerProcess()  # OpenVINO prompts are tokenized off this process's GIL
+        self._tokenizers_ready: dict[str, asyncio.Future] = {}  # loading OpenVINO instance -> its tokenizer's build
         self.requests: dict[str, ServedRequest] = {}
         self.started_at = 0.0
         self._writer: asyncio.StreamWriter | None = None
@@ -295,14 +297,13 @@ class AgentServer:
             raise Reply(Code.BAD_REQUEST, f"instance {spec.instance_id} already exists on {self.spec.node_id}")
         slo = slo_from_dict(spec.slo)
         self.specs[spec.instance_id] = spec  # reserve the id while the engine is built
-        tokenizer = (asyncio.ensure_future(self.tokenizers.prepare(spec.path)) if spec.engine == "openvino"
-                     else None)  # built while the instance loads; the instance is ready when both are
-        if tokenizer is not None:  # a failure shows at the first tokenize, which says why
-            tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             try:
-                engine = await asyncio.to_thread(make_engine, spec,
-                                                 lambda exc: self._loaded(spec.instance_id, exc, tokenizer))
+                engine = await asyncio.to_thread(make_engine, spec, lambda exc: self._loaded(spec.instance_id, exc))
+                if isinstance(engine, OpenVINOProcessEngine):  # its tokenizer is built while it loads
+                    tokenizer = asyncio.ensure_future(self.tokenizers.prepare(spec.path))
+                    tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
+                    self._tokenizers_ready[spec.instance_id] = tokenizer
                 times = iteration_times(spec, engine.weight_bytes)
             except EngineError as exc:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
@@ -320,7 +321,10 @@ class AgentServer:
         return {"weight_bytes": engine.weight_bytes, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "context_window": engine.context_window}
 
-    def _loaded(self, instance_id: str, exc: BaseException | None, tokenizer: asyncio.Future | None = None) -> None:
+    def _loaded(self, instance_id: str, exc: BaseException | None) -> None:
+        """The engine loaded (or failed); an OpenVINO instance is reported ready once its
+        tokenizer is built too."""
+        tokenizer = self._tokenizers_ready.pop(instance_id, None)
         if exc is None:
             if tokenizer is None or tokenizer.done():
                 self._send({"t": "instance", "instance_id": instance_id, "state": "ready"})
