@@ -26,7 +26,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from engines.openvino_engine import OpenVINOEngine, kv_bytes_held
 from engines.protocol import EngineError, EngineRequest, StepResult, checked_request
-from engines.worker_process import REPO_ROOT, WorkerConnection, WorkerRequests, wait
+from engines.worker_process import WorkerConnection, WorkerRequests, wait, worker_env
 
 _log_ids = itertools.count()
 
@@ -76,7 +76,7 @@ class OpenVINOProcessEngine:
         """Start the worker and build the pipeline there (and its warm-up token)."""
         if self._loaded:
             return
-        conn = self._conn = WorkerConnection("engines.openvino_worker", sys.executable, self._env(), self._log_path(),
+        conn = self._conn = WorkerConnection("engines.openvino_worker", sys.executable, worker_env(), self._log_path(),
                                              name="OpenVINO")
         try:
             await wait(conn.call("init", kwargs=self._kwargs))
@@ -164,11 +164,6 @@ class OpenVINOProcessEngine:
         return self._kv_allocated
 
     # ---- the worker --------------------------------------------------------------------
-    def _env(self) -> dict[str, str]:
-        env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
-        return env
-
     def _log_path(self) -> Path:
         if self.log_dir is None:
             from mesh.paths import data_dir

@@ -67,7 +67,7 @@ from engines.protocol import (
     StepResult,
 )
 from engines.vllm_core import CoreSettings
-from engines.worker_process import REPO_ROOT, WorkerConnection, WorkerRequests, wait
+from engines.worker_process import REPO_ROOT, WorkerConnection, WorkerRequests, wait, worker_env
 
 log = logging.getLogger(__name__)
 
@@ -339,12 +339,10 @@ class VLLMEngine:
         from engines.vllm_core import vllm_environment
         from mesh.paths import data_dir
 
-        env = dict(os.environ)
+        env = worker_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
         cache = data_dir() / "vllm-cache"
         for key, value in vllm_environment(str(cache)).items():
             env.setdefault(key, value)
-        env["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
         tmp = data_dir() / "tmp"
         tmp.mkdir(parents=True, exist_ok=True)
         env.setdefault("TMPDIR", str(tmp))

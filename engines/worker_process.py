@@ -19,15 +19,22 @@ thread, used by vLLM's tokenizer).
   order with `handle(op, msg)` and answers {"ok": True, "value": ...} or {"ok": False,
   "error": message, "engine_error": bool}. It exits on `shutdown` (os._exit: the process
   ending frees the instance's memory at once) or when the parent's socket closes.
+
+A worker dies with its parent: the socket's end says so between two commands, and
+PR_SET_PDEATHSIG kills it at once even in the middle of one (`die_with_parent`). It gets
+the parent's environment without Mesh's secrets (`worker_env`): an engine has no use for
+the admin, metrics, agent or weights tokens.
 """
 from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import ctypes
 import logging
 import os
 import pickle
 import queue
+import signal
 import socket
 import struct
 import subprocess
@@ -45,6 +52,34 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 log = logging.getLogger("engines.worker_process")
 
 _LEN = struct.Struct("!I")
+
+# Mesh's secrets: what only the control service and its agents' ports need, never a worker.
+SECRET_ENV = ("MESH_ADMIN_TOKEN", "MESH_METRICS_TOKEN", "MESH_AGENT_TOKEN", "MESH_WEIGHTS_TOKEN")
+_PR_SET_PDEATHSIG = 1
+
+
+def worker_env(**extra: str) -> dict[str, str]:
+    """This process's environment for a child: without SECRET_ENV, the repository on
+    PYTHONPATH (workers run `python -m engines...` from any folder), and `extra` on top."""
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+    env.update(extra)
+    return env
+
+
+def die_with_parent(sig: int = signal.SIGKILL) -> None:
+    """Have the kernel send `sig` to this process when its parent dies (Linux; elsewhere a
+    no-op, and the parent's socket closing still ends a worker). Called first thing in a
+    child: if the parent is already gone (the reparenting happened before the call), exit."""
+    parent = os.getppid()
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
+            return
+    except (OSError, AttributeError):
+        return
+    if parent == 1 or os.getppid() != parent:
+        os._exit(0)
 
 
 def send_msg(sock: socket.socket, obj: Any) -> None:
@@ -306,6 +341,7 @@ class WorkerLoop:
             return
 
     def run(self) -> int:
+        die_with_parent()
         threading.Thread(target=self._read_main, name="worker-reader", daemon=True).start()
         if self.sync is not None:
             threading.Thread(target=self._serve_sync, name="worker-sync", daemon=True).start()

@@ -1,10 +1,90 @@
-"""Shared fixtures."""
+"""Shared fixtures, and the suite's guards (issue 21):
+
+- Every test has a time limit (pytest-timeout, `timeout` in pyproject.toml): a test that
+  hangs fails with its stack instead of holding the run until CI's limit.
+- No process outlives the test that started it. Every process the suite starts inherits
+  MESH_TEST_RUN (this session's mark) in its environment, whoever starts it (a test, the
+  service, an agent, an engine, Ray); after each test, a marked process started during the
+  test and still running 20 s later is killed and the test fails, naming it.
+- Code under test does not keep the test process's signal handling: SIGINT and SIGTERM get
+  pytest's own handlers back after each test (a handler left by the code under test turned a
+  SIGTERM to pytest into one test's failure).
+"""
 from __future__ import annotations
 
 import os
+import signal
+import time
+import uuid
 from pathlib import Path
 
 import pytest
+
+RUN_MARK = "MESH_TEST_RUN"
+SETTLE_S = 20.0  # how long a test's processes may take to exit after it (agents drain, workers unload)
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_handlers: dict[int, object] = {}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    os.environ[RUN_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    _handlers.update({sig: signal.getsignal(sig) for sig in _SIGNALS})
+
+
+def marked_processes() -> dict[int, str]:
+    """pid -> command line of every running process carrying this session's mark (not this one)."""
+    mark = f"{RUN_MARK}={os.environ[RUN_MARK]}".encode()
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit() or int(proc.name) == os.getpid():
+            continue
+        try:
+            if mark in (proc / "environ").read_bytes().split(b"\0"):  # a zombie's is empty: not running
+                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+    return found
+
+
+def _reap_left(before: set[int]) -> str:
+    """Wait up to SETTLE_S for the marked processes not in `before` to end; kill the ones
+    still running and describe them ("" if none was left)."""
+    deadline = time.monotonic() + SETTLE_S
+    while True:
+        left = {pid: cmd for pid, cmd in marked_processes().items() if pid not in before}
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    for pid in left:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    return "".join(f"\n  pid {pid}: {cmd[:300]}" for pid, cmd in sorted(left.items()))
+
+
+@pytest.fixture(autouse=True)
+def no_process_outlives_its_test(request: pytest.FixtureRequest):
+    """The per-test guard; a test marked `shared_processes` (a module's Ray cluster starts
+    worker processes that it keeps for later tests) is checked at the session's end instead."""
+    before = set(marked_processes())  # what longer-lived fixtures started
+    yield
+    for sig, handler in _handlers.items():
+        if signal.getsignal(sig) is not handler:
+            signal.signal(sig, handler)
+    if request.node.get_closest_marker("shared_processes") is None:
+        left = _reap_left(before)
+        if left:
+            pytest.fail(f"processes started by this test were still running {SETTLE_S:.0f} s after it (killed "
+                        f"now):{left}", pytrace=False)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    left = _reap_left(set())
+    if left:
+        session.config.get_terminal_writer().line(
+            f"\nprocesses started by the suite were still running at its end (killed now):{left}", red=True)
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 @pytest.fixture(scope="session")

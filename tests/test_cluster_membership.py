@@ -70,7 +70,7 @@ def test_a_removed_node_ends_its_streams_and_leaves_the_pool(tmp_path, model_fil
         await p.weights.register(m)  # first host copy: cpu-0
         await p.scale_out(m, ["cpu-1"])
         assert p.view()["weights"]["models"][m.uid]["host_copies"] == ["cpu-0", "cpu-1"]
-        running = await p.submit(job("long", m, max_tokens=10_000))
+        running = await p.submit(job("long", m, max_tokens=236))  # to the window's end (256 - 20)
         node = running.node_id
         other = ({"cpu-0", "cpu-1"} - {node}).pop()
         second = await p.submit(job("second", m))  # the batch of one is full: the other instance
@@ -97,7 +97,7 @@ def test_a_request_the_full_node_cannot_take_scales_out_and_outlives_that_node(t
         p = await started(tmp_path, 2, max_num_seqs=1)
         m = record(model_file)
         await p.weights.register(m)
-        running = await p.submit(job("long", m, max_tokens=10_000))
+        running = await p.submit(job("long", m, max_tokens=236))  # to the window's end (256 - 20)
         assert running.node_id == "cpu-0"
         stream = await p.submit(job("next", m))  # a new instance on cpu-1 (LLM-Mesh 4), its weights multicast
         assert stream.node_id == "cpu-1"

@@ -24,7 +24,7 @@ openai = pytest.importorskip("openai")
 
 from test_service_e2e import Server  # noqa: E402
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.shared_processes]  # the module's Ray cluster keeps its workers
 
 
 @pytest.fixture(scope="module")

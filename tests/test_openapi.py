@@ -48,7 +48,7 @@ def test_schemathesis_finds_no_server_error(tmp_path_factory, demo_gguf):
     """The real fuzzer against the real server: every OpenAI and REST route, a valid tenant
     key; no 5xx; the server and its node agent still serve a chat afterwards."""
     pytest.importorskip("schemathesis")
-    from test_service_e2e import Server
+    from test_service_e2e import ADMIN, Server
 
     st = [sys.executable, "-m", "schemathesis.cli"]  # the CLI of the schemathesis this Python imports
     root = tmp_path_factory.mktemp("fuzz")
@@ -75,18 +75,31 @@ def test_schemathesis_finds_no_server_error(tmp_path_factory, demo_gguf):
         reg["properties"]["path"] = {"enum": ["smollm2.gguf", "missing.gguf", "../smollm2.gguf", "/etc/passwd"]}
         spec["paths"]["/v1/models/{name}"]["get"]["parameters"][0]["schema"] = {"enum": models}
         spec["paths"]["/v1/models/{name}"]["delete"]["parameters"][0]["schema"] = {"enum": ["demo/none", "none"]}
+        # The admin routes, fuzzed past their authentication with the admin token, act on a fuzz
+        # tenant or a missing one (not the demo tenant, whose key the last check uses).
+        for ops in spec["paths"].values():
+            for op in ops.values():
+                for param in op.get("parameters", []):
+                    if param["name"] == "tenant":
+                        param["schema"] = {"enum": ["fuzz", "nobody"]}
+        server.admin("POST", "/admin/tenants", {"name": "fuzz"})
         local = root / "openapi.json"
         local.write_text(json.dumps(spec))
-        cmd = [*st, "run", str(local), "--url", server.url, "-H", f"Authorization: Bearer {server.key}",
-               "--checks", "not_a_server_error", "--max-examples", "25", "--seed", "1", "--request-timeout", "120",
-               "--workers", "1", "--no-color"]
-        run = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
-        out = run.stdout + run.stderr
-        m = re.search(r"(\d+)\s+generated", out)
-        print(f"schemathesis: {m.group(0) if m else 'cases: ?'}")
-        print(out[-3000:])
-        assert run.returncode == 0, out[-6000:]
-        assert m and int(m.group(1)) > 100
+
+        def fuzz(token: str, *only: str) -> int:
+            cmd = [*st, "run", str(local), "--url", server.url, "-H", f"Authorization: Bearer {token}", *only,
+                   "--checks", "not_a_server_error", "--max-examples", "25", "--seed", "1", "--request-timeout",
+                   "120", "--workers", "1", "--no-color"]
+            run = subprocess.run(cmd, capture_output=True, text=True, timeout=1500)
+            out = run.stdout + run.stderr
+            m = re.search(r"(\d+)\s+generated", out)
+            print(f"schemathesis {' '.join(only) or '(every route)'}: {m.group(0) if m else 'cases: ?'}")
+            print(out[-3000:])
+            assert run.returncode == 0, out[-6000:]
+            return int(m.group(1)) if m else 0
+
+        assert fuzz(server.key) > 100  # every route with a tenant's key (admin routes: 401)
+        assert fuzz(ADMIN, "--include-path-regex", "^/admin") > 100  # admin routes with the admin token
         assert server.proc.poll() is None
         assert server.http("GET", "/healthz")[0] == 200
         reply = server.client().chat.completions.create(

@@ -65,15 +65,18 @@ def test_serves_and_queues_behind_a_full_batch():
     asyncio.run(main())
 
 
-def test_unplaceable_request_gets_429_and_long_prompt_400():
+def test_unplaceable_request_gets_429_and_long_prompt_or_max_tokens_400():
     async def main():
         p = await started()
         strict = model("m_s", window=64, slo=SLO(ttft_min_s=0.0001, ttft_s_per_prompt_token=0.0))
         with pytest.raises(ApiError) as e:
             await p.submit(job("a", strict, prompt=100))
         assert e.value.status == 400 and e.value.code == "context_length_exceeded"
-        with pytest.raises(ApiError) as e:
-            await p.submit(job("b", strict, prompt=20))
+        with pytest.raises(ApiError) as e:  # more output than the window leaves: vLLM's and OpenAI's 400
+            await p.submit(job("c", strict, prompt=20, max_tokens=45))
+        assert e.value.status == 400 and e.value.param == "max_tokens" and "largest value allowed is 44" in e.value.message
+        with pytest.raises(ApiError) as e:  # 44 fits: it goes on to placement
+            await p.submit(job("b", strict, prompt=20, max_tokens=44))
         assert e.value.status == 429 and "cannot meet its SLO" in e.value.message
         assert int(e.value.headers["Retry-After"]) >= 1
         view = p.view()["dispatcher"]
@@ -117,8 +120,8 @@ def test_dead_agent_fails_running_and_new_requests():
     async def main():
         p = await started(max_num_seqs=1)
         m = model()
-        running = await p.submit(job("long", m, max_tokens=10_000))
-        queued = asyncio.ensure_future(p.submit(job("queued", m, max_tokens=10_000)))
+        running = await p.submit(job("long", m, max_tokens=236))  # to the window's end (256 - 20)
+        queued = asyncio.ensure_future(p.submit(job("queued", m, max_tokens=236)))
         await asyncio.sleep(0.1)
         await p.agents["cpu-0"].kill()
         with pytest.raises(ApiError) as e:
@@ -143,7 +146,7 @@ def test_abort_frees_the_instance():
     async def main():
         p = await started(max_num_seqs=1)
         m = model()
-        stream = await p.submit(job("a", m, max_tokens=10_000))
+        stream = await p.submit(job("a", m, max_tokens=236))  # to the window's end (256 - 20)
         await asyncio.sleep(0.1)
         stream.abort()
         assert (await run_stream(p, job("b", m))).tokens_out == 5  # the batch slot came back

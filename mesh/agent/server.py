@@ -142,7 +142,7 @@ class AgentServer:
 
     async def close(self) -> None:
         self._server.close()
-        self.tokenizers.close()
+        await self.tokenizers.close()
         if self.weights is not None:
             await self.weights.close()
         self._abort_all("the node agent is shutting down")

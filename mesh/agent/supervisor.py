@@ -201,9 +201,11 @@ class LocalAgent(AgentHandle):
             await asyncio.sleep(backoff)
 
     async def _spawn_and_connect(self) -> None:
+        from engines.worker_process import worker_env
         from mesh.agent.vllm_nodes import agent_env
 
-        env = dict(os.environ, MESH_AGENT_TOKEN=self._token, **agent_env(self.spec))  # GPU agents: their device
+        # only the agent's own secrets (worker_env drops the service's admin and metrics tokens)
+        env = worker_env(MESH_AGENT_TOKEN=self._token, **agent_env(self.spec))  # GPU agents: their device
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", self.node_id,
                "--kind", self.spec.kind, "--memory-bytes", str(self.spec.memory_bytes), "--exit-with-parent",
                "--log-level", self.settings.log_level, "--deadlines", self.settings.deadlines]

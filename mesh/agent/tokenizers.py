@@ -4,61 +4,70 @@ Building an OpenVINO GenAI tokenizer holds the Python GIL for seconds (2.6 s for
 GGUF here; longer on a core shared with loading instances), and a thread does not help: the
 agent's event loop would stop answering admissions, validations and pings meanwhile (in a
 live replay a node agent with three models to tokenize missed its 10 s heartbeat and was
-restarted). So the agent tokenizes OpenVINO prompts in one child process that builds each
-model's tokenizer once and keeps it; the agent awaits the ids. vLLM models tokenize in
-their engine's worker (engines.vllm_engine).
+restarted). So the agent tokenizes OpenVINO prompts in one worker process
+(`python -m mesh.agent.tokenizer_worker`) that builds each model's tokenizer once and keeps
+it; the agent awaits the ids. vLLM models tokenize in their engine's worker (engines.vllm_engine).
+
+The worker is an engine worker like the others (engines.worker_process): it dies with the
+agent (its socket's end, and PR_SET_PDEATHSIG), and gets no secret of the agent's. A
+`ProcessPoolExecutor` worker did neither: it held its own queue's write end, so it never saw
+the agent go, and outlived every agent killed.
 """
 from __future__ import annotations
 
-import asyncio
-import functools
-import multiprocessing
-from concurrent.futures import ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
+import os
+import sys
+from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-from engines.protocol import EngineError
+from engines.worker_process import WorkerConnection, wait, worker_env
 
 
 class TokenizerProcess:
-    """One child process (started on first use) that tokenizes for the agent."""
+    """One worker process (started on first use) that tokenizes for the agent, in order."""
 
-    def __init__(self) -> None:
-        self._pool: ProcessPoolExecutor | None = None
+    def __init__(self, log_dir: str | Path | None = None) -> None:
+        """log_dir: where the worker's output goes (default: Mesh's data folder, logs/)."""
+        self._conn: WorkerConnection | None = None
+        self._log_dir = Path(log_dir) if log_dir is not None else None
+
+    @property
+    def pid(self) -> int | None:
+        """The worker's process id while it runs."""
+        return self._conn.pid if self._conn is not None and self._conn.dead is None else None
 
     async def encode(self, path: str, messages: Sequence[Mapping[str, Any]] | None, prompt: str | None) -> list[int]:
         """The prompt's token ids (chat `messages` with the model's template, else `prompt`);
-        EngineError for what the model's tokenizer refuses."""
-        return await self._call(path, _encode, path, None if messages is None else list(messages), prompt)
+        EngineError for what the model's tokenizer refuses, or if the worker died."""
+        return await wait(self._connection().call("encode", path=path, prompt=prompt,
+                                                   messages=None if messages is None else list(messages)))
 
     async def prepare(self, path: str) -> None:
         """Build the model's tokenizer now (an instance of it is loading), so that its first
         request is not tokenized with the process's start and the tokenizer's build in its
         TTFT (several seconds: a first request was turned away for it)."""
-        await self._call(path, _encode, path, None, "")
+        await self.encode(path, None, "")
 
-    async def _call(self, path: str, fn: Any, *args: Any) -> Any:
-        if self._pool is None:  # spawned: a fork would copy the agent's threads and sockets
-            self._pool = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
-        try:
-            return await asyncio.wrap_future(self._pool.submit(fn, *args))
-        except BrokenProcessPool as exc:  # it died (killed, out of memory): a fresh one next time
-            self._pool = None
-            raise EngineError(f"the tokenizer process died while tokenizing for {path}: {exc}; retry") from exc
+    def _connection(self) -> WorkerConnection:
+        conn = self._conn
+        if conn is not None and conn.dead is None:
+            return conn
+        if conn is not None:  # it died (killed, out of memory): a fresh one; the calls it had failed
+            conn.close(timeout=1.0)
+        self._conn = WorkerConnection("mesh.agent.tokenizer_worker", sys.executable, worker_env(), self._log_path(),
+                                      name="tokenizer")
+        return self._conn
 
-    def close(self) -> None:
-        if self._pool is not None:
-            self._pool.shutdown(wait=False, cancel_futures=True)
-            self._pool = None
+    def _log_path(self) -> Path:
+        if self._log_dir is None:
+            from mesh.paths import data_dir
 
+            self._log_dir = data_dir() / "logs"
+        return self._log_dir / f"tokenizer-{os.getpid()}.log"
 
-@functools.lru_cache(maxsize=32)
-def _front(path: str) -> Any:
-    from engines.openvino_engine import OpenVINOEngine
+    async def close(self) -> None:
+        """End the worker (the tokenizers it built go with it)."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.shutdown(5.0)
 
-    return OpenVINOEngine(path)  # reads the shape; loads no weights; builds its tokenizer on first use
-
-
-def _encode(path: str, messages: list[Mapping[str, Any]] | None, prompt: str | None) -> list[int]:
-    engine = _front(path)
-    return engine.encode_chat(messages) if messages is not None else engine.encode_prompt(prompt)

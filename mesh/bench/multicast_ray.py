@@ -30,18 +30,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from engines.worker_process import die_with_parent, worker_env
+
 MB = 10**6
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGKILL when the actor's worker dies (Linux prctl)."""
-    try:
-        import ctypes
-        import signal
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 class WeightsAgentActor:
@@ -56,8 +47,8 @@ class WeightsAgentActor:
         cmd = [sys.executable, "-m", "mesh.runtime.weights.agent", "--host", host, "--port", "0"]
         if link_mbps is not None:
             cmd += ["--link-mbps", str(link_mbps)]
-        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env={**os.environ, TOKEN_ENV: token},
-                                        preexec_fn=_die_with_parent)
+        self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=worker_env(**{TOKEN_ENV: token}),
+                                        preexec_fn=die_with_parent)
         parts = (self.process.stdout.readline() if self.process.stdout else "").split()
         if len(parts) != 3 or parts[0] != "READY":
             self.process.kill()

@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from engines.worker_process import worker_env
 from mesh.agent.protocol import READY_PREFIX
 
 
@@ -86,7 +87,7 @@ class NodeAgentActor:
         self._stopping = False
         self._address = ""
         host = self.info["host"]
-        env = dict(os.environ, MESH_AGENT_TOKEN=self.launch.agent_token, MESH_WEIGHTS_TOKEN=self.launch.weights_token)
+        env = worker_env(MESH_AGENT_TOKEN=self.launch.agent_token, MESH_WEIGHTS_TOKEN=self.launch.weights_token)
         if kind == "gpu":
             env["MESH_VLLM_DEVICE"] = "cuda"  # Ray set CUDA_VISIBLE_DEVICES to this actor's GPU
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", f"{host}:0", "--node-id", node_id, "--kind", kind,

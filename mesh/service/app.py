@@ -298,6 +298,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     await runner.cleanup()
     await _stop_cluster(placement, membership, autoscaler)
     registry.close()
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the service's while it runs, not its caller's afterwards
+        loop.remove_signal_handler(sig)
     print("mesh serve: stopped", file=sys.stderr)
     return 0
 

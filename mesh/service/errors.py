@@ -81,6 +81,15 @@ def context_too_long(prompt_tokens: int, window: int, param: str) -> ApiError:
                     "invalid_request_error", param, "context_length_exceeded")
 
 
+def max_tokens_too_large(max_tokens: int, prompt_tokens: int, window: int) -> ApiError:
+    """More output asked for than the context window leaves after the prompt (as vLLM and
+    OpenAI answer): the request would otherwise run to the window's end."""
+    return ApiError(400, f"'max_tokens' is too large: {max_tokens}. This model's maximum context length is {window} "
+                    f"tokens and your prompt has {prompt_tokens} tokens, so the largest value allowed is "
+                    f"{window - prompt_tokens}. Lower max_tokens, or omit it to generate up to the context window.",
+                    "invalid_request_error", "max_tokens", "context_length_exceeded")
+
+
 def overloaded(reason: str, retry_after_s: float = 1.0) -> ApiError:
     """A request the dispatcher turned away (its SLO could not be met in time, the queue was
     full or it waited too long); Retry-After: when it may do better (a cold start's end)."""

@@ -126,11 +126,10 @@ class ConvertTool:
     async def run(self, conversion: Conversion, python: str, source: str, out: Path, log_path: Path) -> dict[str, Any]:
         """Convert `source` into `out` (created atomically by the converter); the
         converter's summary, or ConversionFailed."""
-        from engines.worker_process import REPO_ROOT
+        from engines.worker_process import REPO_ROOT, worker_env
 
         cmd = [python, "-m", "engines.convert", str(conversion.command), source, str(out), "--nice", str(self.nice)]
-        env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
+        env = worker_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log_file:
             log_file.write(f"$ {' '.join(cmd)}\n".encode())

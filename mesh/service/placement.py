@@ -54,7 +54,8 @@ from mesh.runtime.node import InstancePlan, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
 from mesh.runtime.tasks import cancel_all
 from mesh.service.agent_node import AgentNode
-from mesh.service.errors import ApiError, bad_request, context_too_long, model_preparing, node_unavailable, overloaded
+from mesh.service.errors import (ApiError, bad_request, context_too_long, max_tokens_too_large, model_preparing,
+                                 node_unavailable, overloaded)
 from mesh.service.formats import ENGINE_OF_KIND, FORMAT_NAMES, FormatPreparer, formats_view
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
@@ -516,6 +517,8 @@ class ClusterPlacement:
         sampling = job.sampling
         if sampling.max_tokens <= 0:  # not given: up to the context window
             sampling = replace(sampling, max_tokens=window - len(ids))
+        elif sampling.max_tokens > window - len(ids):
+            raise max_tokens_too_large(sampling.max_tokens, len(ids), window)
         loop = asyncio.get_running_loop()
         stream = RequestStream(job.request_id, len(ids), on_abort=self.abort)
         started: asyncio.Future = loop.create_future()  # admitted on a node, or ended before

@@ -15,6 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
+from engines.worker_process import worker_env
 from mesh.runtime.weights.agent import TOKEN_ENV
 
 
@@ -62,7 +63,7 @@ async def spawn_agent(node: str, link_mbps: float | None = None, host: str = "12
     if link_mbps is not None:
         args += ["--link-mbps", str(link_mbps)]
     proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE,
-                                                env={**os.environ, TOKEN_ENV: token})
+                                                env=worker_env(**{TOKEN_ENV: token}))
     try:
         line = await asyncio.wait_for(proc.stdout.readline(), ready_timeout_s)
     except asyncio.TimeoutError:
