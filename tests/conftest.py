@@ -5,7 +5,9 @@
 - No process outlives the test that started it. Every process the suite starts inherits
   MESH_TEST_RUN (this session's mark) in its environment, whoever starts it (a test, the
   service, an agent, an engine, Ray); after each test, a marked process started during the
-  test and still running 20 s later is killed and the test fails, naming it.
+  test and still running 20 s later is killed and the test fails, naming it, unless a
+  process that was there before the test (a module fixture's server) started it and still
+  holds it. At the session's end nothing marked may be left at all.
 - Code under test does not keep the test process's signal handling: SIGINT and SIGTERM get
   pytest's own handlers back after each test (a handler left by the code under test turned a
   SIGTERM to pytest into one test's failure).
@@ -31,8 +33,9 @@ def pytest_configure(config: pytest.Config) -> None:
     _handlers.update({sig: signal.getsignal(sig) for sig in _SIGNALS})
 
 
-def marked_processes() -> dict[int, str]:
-    """pid -> command line of every running process carrying this session's mark (not this one)."""
+def marked_processes() -> dict[int, tuple[int, str]]:
+    """pid -> (parent pid, command line) of every running process carrying this session's
+    mark (not this one)."""
     mark = f"{RUN_MARK}={os.environ[RUN_MARK]}".encode()
     found = {}
     for proc in Path("/proc").iterdir():
@@ -40,18 +43,32 @@ def marked_processes() -> dict[int, str]:
             continue
         try:
             if mark in (proc / "environ").read_bytes().split(b"\0"):  # a zombie's is empty: not running
-                found[int(proc.name)] = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:  # gone meanwhile, or not ours to read
+                parent = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+                found[int(proc.name)] = (parent, (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(
+                    errors="replace"))
+        except (OSError, ValueError, IndexError):  # gone meanwhile, or not ours to read
             continue
     return found
 
 
 def _reap_left(before: set[int]) -> str:
-    """Wait up to SETTLE_S for the marked processes not in `before` to end; kill the ones
-    still running and describe them ("" if none was left)."""
+    """Wait up to SETTLE_S for the marked processes started since `before` was taken to end,
+    except those a process of `before` (a longer-lived fixture's server, say) started and
+    still holds; kill the ones still running and describe them ("" if none was left)."""
     deadline = time.monotonic() + SETTLE_S
     while True:
-        left = {pid: cmd for pid, cmd in marked_processes().items() if pid not in before}
+        running = marked_processes()
+
+        def owned(pid: int) -> bool:  # a descendant of a process that was there before the test
+            seen = set()
+            while pid in running and pid not in seen:
+                seen.add(pid)
+                pid = running[pid][0]
+                if pid in before:
+                    return True
+            return False
+
+        left = {pid: cmd for pid, (_, cmd) in running.items() if pid not in before and not owned(pid)}
         if not left or time.monotonic() > deadline:
             break
         time.sleep(0.2)
@@ -65,8 +82,9 @@ def _reap_left(before: set[int]) -> str:
 
 @pytest.fixture(autouse=True)
 def no_process_outlives_its_test(request: pytest.FixtureRequest):
-    """The per-test guard; a test marked `shared_processes` (a module's Ray cluster starts
-    worker processes that it keeps for later tests) is checked at the session's end instead."""
+    """The per-test guard; a test marked `shared_processes` (its processes belong to a
+    longer-lived fixture that stops them: a module's Ray cluster keeps the worker processes
+    it started, a module's server restarted by the test) is checked at the session's end."""
     before = set(marked_processes())  # what longer-lived fixtures started
     yield
     for sig, handler in _handlers.items():

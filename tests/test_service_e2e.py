@@ -446,6 +446,7 @@ def test_killing_the_node_agent_mid_stream(server):
     assert server.admin("GET", "/admin/cluster")["nodes"][0]["restarts"] == 1
 
 
+@pytest.mark.shared_processes  # the server it starts again is the module fixture's, which stops it
 def test_shutdown_drains_streams_and_restart_keeps_everything(server):
     key = _tenant(server, "grace")
     assert server.http("POST", "/v1/models", {"name": "keep", "path": "smollm2.gguf"}, token=key)[0] == 201
