@@ -4,7 +4,7 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from calibration.profile import Profile, profile_from_dict
+from mesh.perf.profile import Profile, profile_from_dict
 from engines.protocol import EngineRequest, Sampling
 from mesh.policy.placement import ColdStart
 from mesh.policy.slo import SLO

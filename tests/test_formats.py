@@ -494,8 +494,8 @@ def test_the_model_views_show_each_kinds_format_and_scale_takes_either_kind(tmp_
 
 
 def test_each_kind_of_node_gets_its_own_calibration_profile(tmp_path):
-    from calibration.profile import save_profile
-    from mesh.agent.engines import prior_profile
+    from mesh.perf.profile import save_profile
+    from mesh.perf.times import prior_profile
 
     async def main():
         profiles = tmp_path / "profiles"

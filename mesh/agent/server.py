@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engines.protocol import EngineError, EngineRequest, Sampling
-from mesh.agent.engines import AdaptiveTimes, iteration_times, make_engine
+from mesh.agent.engines import iteration_times, make_engine
+from mesh.perf.times import AdaptiveTimes
 from mesh.agent.protocol import (
     PROTOCOL_VERSION,
     READY_PREFIX,

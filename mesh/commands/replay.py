@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from calibration.profile import ProfileError
+from mesh.perf.profile import ProfileError
 from mesh.policy.placement import ColdStart
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import (

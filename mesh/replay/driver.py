@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from calibration.profile import ProfileError, load_profile, reference_profile, reference_profiles
+from mesh.perf.profile import ProfileError, load_profile, reference_profile, reference_profiles
 from engines.protocol import EngineRequest, Sampling
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S

@@ -52,7 +52,7 @@ from typing import TYPE_CHECKING, Sequence
 
 from engines.protocol import Engine
 from engines.simulated import SimulatedEngine
-from mesh.policy.compute import IterationTimes
+from mesh.policy.batching import IterationTimes
 from mesh.policy.multicast import CostModel, make_plan, schedule
 from mesh.policy.param_pool import ParameterPool
 from mesh.runtime.node import InstancePlan

@@ -17,8 +17,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from calibration.perf_model import PerformanceModel
-from calibration.profile import Profile
+from mesh.perf.model import PerformanceModel
+from mesh.perf.profile import Profile
 from engines.protocol import Engine
 from engines.simulated import GIB, RESIZE_UP_S_PER_GIB, SimulatedEngine
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes

@@ -43,7 +43,7 @@ from typing import Any, Callable, Protocol
 
 from engines.protocol import EngineRequest
 from mesh.agent.client import AgentCallError, AgentDown
-from mesh.agent.engines import prior_profile
+from mesh.perf.times import prior_profile
 from mesh.agent.protocol import Code, InstanceSpec, slo_to_dict
 from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.policy.placement import CPU, GPU, ColdStart
@@ -347,7 +347,7 @@ class ClusterPlacement:
         if there is one for this kind of node, else the prior the agents validate with."""
         path = self._profile_for(record.uid, kind)
         if path is not None:
-            from calibration.profile import load_profile
+            from mesh.perf.profile import load_profile
 
             return load_profile(path)
         return prior_profile(record.uid, kind, int(shape["weight_bytes"]), int(shape["kv_bytes_per_token"]),
@@ -367,7 +367,7 @@ class ClusterPlacement:
 
     def _profile_kind(self, path: Path) -> str | None:
         """The device kind of a profile file (read once per version of the file)."""
-        from calibration.profile import ProfileError, load_profile
+        from mesh.perf.profile import ProfileError, load_profile
 
         key = (str(path), path.stat().st_mtime_ns)
         if key not in self._profile_kinds:
