@@ -1,5 +1,5 @@
 """`mesh replay --live URL`: the trace sent to a running service, and the same requests
-replayed in virtual time on a simulated cluster of the service's nodes (mesh.replay.live).
+replayed in virtual time on a simulated cluster of the service's nodes (mesh.bench.live).
 
 The simulated side is the cluster the service reports at `/admin/cluster` (its CPU and GPU
 node counts and memory), the model's prior profile (mesh.perf.times.prior_profile: the
@@ -26,7 +26,7 @@ from engines.protocol import DEFAULT_CONTEXT_CAP
 from mesh.models import ModelFetchError
 from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.replay.driver import ReplayConfig, run_policy
-from mesh.replay.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
+from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
 from mesh.runtime.cluster import ClusterConfig, ModelSpec
 from mesh.runtime.policies import policy_spec

@@ -20,7 +20,8 @@ from mesh.perf.profile import ProfileError, load_profile, reference_profile, ref
 from engines.protocol import EngineRequest, Sampling
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
-from mesh.runtime.cluster import Cluster, ClusterConfig, EngineFactory, ModelSpec, check_cluster
+from mesh.replay.simulator import EngineFactory, Simulator
+from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S, DispatchStats, Dispatcher
 from mesh.runtime.policies import PolicyStats, policy_spec
 from mesh.runtime.request import ServedRequest
@@ -123,9 +124,10 @@ def _served(workload: Workload, slo) -> list[ServedRequest]:
 async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: dict[str, ModelSpec],
                prior: dict[str, float]) -> PolicyRun:
     loop = asyncio.get_running_loop()
-    cluster = Cluster(config.cluster, catalog, workload.models, prior)
+    simulator = Simulator(config.cluster, catalog, workload.models, prior)
+    cluster = simulator.cluster
     if config.engines is not None:
-        cluster.engine_factory = config.engines(cluster)
+        simulator.engine_factory = config.engines(cluster)
     dispatcher = Dispatcher.for_policy(
         cluster, policy, queue_capacity=config.queue_capacity, retry_interval_s=config.retry_interval_s,
         queue_timeout_s=config.queue_timeout_s,

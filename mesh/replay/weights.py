@@ -58,7 +58,8 @@ from mesh.policy.param_pool import ParameterPool
 from mesh.runtime.node import InstancePlan
 
 if TYPE_CHECKING:
-    from mesh.runtime.cluster import Cluster, EngineFactory
+    from mesh.replay.simulator import EngineFactory
+    from mesh.runtime.cluster import Cluster
 
 MODES: tuple[str, ...] = ("ssd", "host", "multicast", "multicast-live")
 HOST_MEMORY_BYTES = 2 * 10**12  # per GPU node, for the pool's host copies (far more than needed)

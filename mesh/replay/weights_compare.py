@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from engines.simulated import GIB
+from mesh.perf.memory import GIB
 from mesh.policy.placement import ColdStart
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy, trace_mean_output
 from mesh.replay.metrics import node_seconds, summarize

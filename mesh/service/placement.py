@@ -142,7 +142,7 @@ class ClusterPlacement:
         config = ClusterConfig(
             cpu_nodes=sum(n.kind == CPU for n in nodes), gpu_nodes=sum(n.kind == GPU for n in nodes),
             cold_start=ColdStart(fixed_s=s.cold_start_s), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines)
-        self.cluster = Cluster(config, {}, {}, {}, nodes=[])
+        self.cluster = Cluster(config)
         self.dispatcher = Dispatcher.for_policy(self.cluster, s.policy, queue_capacity=s.queue_capacity,
                                                 queue_timeout_s=s.queue_timeout_s)
         self.agents: dict[str, AgentHandle] = {}  # node id -> its agent (the weights plane reads it)
