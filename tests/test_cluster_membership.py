@@ -14,7 +14,7 @@ from agent_doubles import TOKEN, WEIGHTS_TOKEN, InProcessAgent, use_simulated_en
 from engines.protocol import Sampling
 from mesh.agent.remote import RemoteAgent
 from mesh.agent.server import AgentServer
-from mesh.cluster.ray_nodes import mesh_node_ids
+from mesh.ray.membership import mesh_node_ids
 from mesh.policy.autoscale import NodeUse, decide
 from mesh.policy.slo import SLO
 from mesh.runtime.node import NodeSpec

@@ -11,7 +11,7 @@ from cluster_doubles import GB, build, config, request, run_until, spec
 from mesh.perf.memory import GIB, RESIZE_UP_S_PER_GIB
 from mesh.policy.placement import ColdStart
 from mesh.policy.slo import SLO
-from mesh.runtime.policies import POLICIES, UnknownPolicy, policy_spec
+from mesh.runtime.schedulers import POLICIES, UnknownPolicy, policy_spec
 from mesh.runtime.request import Outcome
 from mesh.runtime.virtual_loop import run_virtual
 

@@ -28,7 +28,7 @@ from mesh.replay.weights import MODES as WEIGHT_MODES
 from mesh.replay.weights import Engines, WeightsConfig
 from mesh.runtime.cluster import ClusterConfig, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S
-from mesh.runtime.policies import POLICIES, UnknownPolicy, policy_spec
+from mesh.runtime.schedulers import POLICIES, UnknownPolicy, policy_spec
 from workloads.azure_functions import load_function_trace
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR, FUNCTIONS_FILE

@@ -29,7 +29,7 @@ from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
 from mesh.runtime.cluster import ClusterConfig, ModelSpec
-from mesh.runtime.policies import policy_spec
+from mesh.runtime.schedulers import policy_spec
 from mesh.runtime.request import ServedRequest
 from workloads.workload import Workload
 

@@ -23,7 +23,7 @@ from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.simulator import EngineFactory, Simulator
 from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S, DispatchStats, Dispatcher
-from mesh.runtime.policies import PolicyStats, policy_spec
+from mesh.runtime.schedulers import PolicyStats, policy_spec
 from mesh.runtime.request import ServedRequest
 from mesh.runtime.virtual_loop import run_virtual
 from workloads.workload import Workload

@@ -4,7 +4,7 @@ The cluster owns one NodeRuntime per node, knows which instances of which model 
 starts instances with a modelled cold start (mesh.policy.placement.ColdStart: weights from
 host memory over PCIe to a GPU, or already in a CPU node's memory), recycles instances
 idle past keep-alive, and records how many nodes of each kind are in use over time. It
-decides nothing about placement: the policies (mesh.runtime.policies) do.
+decides nothing about placement: the policies (mesh.runtime.schedulers) do.
 
 Time comes only from the event loop: the same code runs live and in a virtual-time replay.
 """

@@ -1,7 +1,7 @@
 """Placement: where a request runs. The control service's one interface to the cluster.
 
 `ClusterPlacement` hands every request to the cluster dispatcher (mesh.runtime.dispatcher)
-under one of the replay's policies (mesh.runtime.policies, `mesh serve --policy`), over
+under one of the replay's policies (mesh.runtime.schedulers, `mesh serve --policy`), over
 one `AgentNode` per node agent (mesh.service.agent_node). The dispatcher and the policy
 that `mesh replay` evaluates in virtual time are the ones that decide here; this module
 decides nothing about where a request goes. It
@@ -29,7 +29,7 @@ first under `mesh`, GPU only under `sllm`); each instance loads its node kind's 
 
 Instances start with their weights from the node's own copy, which the weights plane
 multicasts there first if needed (mesh.service.weights_plane). Nodes come and go while
-serving (`add_node`, `remove_node`: the Ray cluster's membership, mesh.cluster.ray_nodes):
+serving (`add_node`, `remove_node`: the Ray cluster's membership, mesh.ray.membership):
 a removed node's streams end with an error event and its copies leave the parameter pool.
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ class Placement(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PlacementSettings:
-    policy: str = "mesh"  # mesh.runtime.policies.POLICIES
+    policy: str = "mesh"  # mesh.runtime.schedulers.POLICIES
     keep_alive_s: float = 60.0
     start_timeout_s: float = 60.0
     max_num_seqs: int = 64
