@@ -23,7 +23,7 @@ from mesh.service.errors import ApiError
 from mesh.service.placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, Tokens
-from mesh.service.weights_plane import WeightsPlane, WeightsSettings
+from mesh.weights.plane import WeightsPlane, WeightsSettings
 
 SIZE = 3 << 20
 

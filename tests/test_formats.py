@@ -28,7 +28,7 @@ from mesh.service.formats import Conversion, ConversionFailed, ConvertTool, Form
 from mesh.service.placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord, PreparedFormat, Registry, RegistryError
 from mesh.service.streams import Finished, Job
-from mesh.service.weights_plane import ModelFormat, WeightsPlane, WeightsSettings
+from mesh.weights.plane import ModelFormat, WeightsPlane, WeightsSettings
 
 SCHEMA_2 = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

@@ -171,7 +171,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     from mesh.service.demo import ensure_demo, ready_line
     from mesh.service.formats import FormatPreparer
     from mesh.service.placement import ClusterPlacement, PlacementSettings
-    from mesh.service.weights_plane import WeightsPlane, WeightsSettings
+    from mesh.weights.plane import WeightsPlane, WeightsSettings
 
     loop = asyncio.get_running_loop()
     tls = None

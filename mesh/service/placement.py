@@ -28,7 +28,7 @@ whose nodes are up, so the dispatcher gets a profile per kind and chooses the ki
 first under `mesh`, GPU only under `sllm`); each instance loads its node kind's format.
 
 Instances start with their weights from the node's own copy, which the weights plane
-multicasts there first if needed (mesh.service.weights_plane). Nodes come and go while
+multicasts there first if needed (mesh.weights.plane). Nodes come and go while
 serving (`add_node`, `remove_node`: the Ray cluster's membership, mesh.ray.membership):
 a removed node's streams end with an error event and its copies leave the parameter pool.
 """
@@ -59,7 +59,7 @@ from mesh.service.errors import (ApiError, bad_request, context_too_long, max_to
 from mesh.service.formats import ENGINE_OF_KIND, FORMAT_NAMES, FormatPreparer, formats_view
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
-from mesh.service.weights_plane import ModelFormat, WeightsError, WeightsPlane
+from mesh.weights.plane import ModelFormat, WeightsError, WeightsPlane
 
 log = logging.getLogger("mesh.service.placement")
 
