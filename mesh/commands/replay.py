@@ -24,8 +24,7 @@ from mesh.replay.driver import (
 )
 from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
 from mesh.replay.metrics import aligned, json_ready, summarize, table
-from mesh.replay.weights import MODES as WEIGHT_MODES
-from mesh.replay.weights import Engines, WeightsConfig
+from mesh.weights.cold_start import MODES as WEIGHT_MODES, Engines, WeightsConfig
 from mesh.runtime.cluster import ClusterConfig, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S
 from mesh.runtime.schedulers import POLICIES, UnknownPolicy, policy_spec

@@ -40,7 +40,7 @@ class ReplayConfig:
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S  # None: turned away once it cannot meet its SLO
     drain_limit_s: float = 600.0  # virtual time after the window for in-flight requests to end
     progress: bool = True
-    engines: Callable[[Cluster], EngineFactory] | None = None  # per run: its engines (e.g. mesh.replay.weights.Engines)
+    engines: Callable[[Cluster], EngineFactory] | None = None  # per run: its engines (e.g. mesh.weights.cold_start.Engines)
 
 
 @dataclass

@@ -5,7 +5,7 @@ a replay gives it LocalNodes whose instances are engines.simulated.SimulatedEngi
 iteration times from the catalog's profiles, the config's noise, and a seed per instance
 derived from the config's seed and the instance's id (so a replay is the same for the
 same seed). `engine_factory` replaces the simulated engine of every new instance (e.g.
-mesh.replay.weights.Engines, or a test's double).
+mesh.weights.cold_start.Engines, or a test's double).
 """
 from __future__ import annotations
 
