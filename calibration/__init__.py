@@ -1,29 +1,9 @@
-"""Calibration: profile files and the performance models built from them (LLM-Mesh 5.2).
+"""Calibration runs: measure a profile of a model on this machine's engine (LLM-Mesh 5.2).
 
-- `calibration.profile`: the "mesh-profile/1" file format, validation, packaged references.
-- `calibration.perf_model`: prefill and decode iteration times interpolated from a profile.
-- `calibration.roofline`: the roofline model behind the packaged reference profiles.
+- `calibration.runner`: the measuring loop, grids, held-out checks, resumable state.
+- `calibration.targets`: which engine a run measures (`make_target`).
+- `calibration.openvino_calibration`, `calibration.vllm_calibration`: the engines' targets.
+
+The profile format, the performance models and the reference profiles they write and read
+live below the engines, in `mesh.perf`.
 """
-from calibration.perf_model import PerformanceModel
-from calibration.profile import (
-    Profile,
-    ProfileError,
-    load_profile,
-    profile_from_dict,
-    profile_to_dict,
-    reference_profile,
-    reference_profiles,
-    save_profile,
-)
-
-__all__ = [
-    "PerformanceModel",
-    "Profile",
-    "ProfileError",
-    "load_profile",
-    "profile_from_dict",
-    "profile_to_dict",
-    "reference_profile",
-    "reference_profiles",
-    "save_profile",
-]

@@ -47,9 +47,10 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
-from calibration.perf_model import PerformanceModel
-from calibration.profile import Profile, save_profile
-from engines.protocol import Engine, EngineRequest, IterationKind, Sampling
+from mesh.perf.model import PerformanceModel
+from mesh.perf.profile import Profile, save_profile
+from engines.protocol import Engine, EngineRequest, Sampling
+from mesh.policy.batching import IterationKind
 
 STATE_FORMAT = "mesh-calibration-state/1"
 MIN_LENGTH = 16  # first grid point of prompt lengths and contexts

@@ -1,14 +1,12 @@
 """Which engine to calibrate: `make_target("openvino" | "vllm", model, ...)`.
 
-Each engine provides a calibration.runner.CalibrationTarget. The OpenVINO one lives in
-calibration.openvino_calibration. The vLLM engine is built later (issue 6): once
-`engines/vllm_engine.py` exists and defines `calibration_target(model, context_window=...,
-max_batch=..., model_name=...)`, `--engine vllm` uses it with the same measuring loop; until
-then asking for it is a CalibrationError that says so.
+Each engine has a calibration.runner.CalibrationTarget here, above the engines (no engine
+imports calibration): calibration.openvino_calibration.OpenVINOTarget and
+calibration.vllm_calibration.VLLMTarget, measured by the same loop. A missing vLLM is a
+CalibrationError that says so.
 """
 from __future__ import annotations
 
-import importlib
 from pathlib import Path
 from typing import Any
 
@@ -29,25 +27,17 @@ def make_target(engine: str, model: str | Path, *, context_window: int, max_batc
         except EngineError as exc:
             raise CalibrationError(str(exc)) from exc
     if engine == "vllm":
-        try:
-            module = importlib.import_module("engines.vllm_engine")
-        except ModuleNotFoundError as exc:
-            if exc.name not in ("engines.vllm_engine", "vllm"):
-                raise
-            raise CalibrationError(_vllm_missing(exc.name)) from None
-        factory = getattr(module, "calibration_target", None)
-        if factory is None:
-            raise CalibrationError("engines/vllm_engine.py has no calibration_target(); the vLLM engine "
-                                   "cannot be calibrated yet (issue 6 adds it)")
         from engines.protocol import EngineError
 
         try:
-            return factory(model, context_window=context_window, max_batch=max_batch, model_name=model_name,
-                           **options)
-        except ImportError as exc:  # its calibration module, or vllm itself, is missing
+            from calibration.vllm_calibration import VLLMTarget
+
+            return VLLMTarget(model, context_window=context_window, max_batch=max_batch, model_name=model_name,
+                              **options)
+        except ImportError as exc:  # the vLLM engine, or vllm itself, is missing
             raise CalibrationError(_vllm_missing(getattr(exc, "name", None) or str(exc))) from None
         except EngineError as exc:
-            raise CalibrationError(f"the vLLM engine cannot be calibrated: {exc}") from exc
+            raise CalibrationError(str(exc)) from exc
     raise CalibrationError(f"unknown engine {engine!r}; choose one of {', '.join(ENGINES)}")
 
 

@@ -17,7 +17,8 @@ import os
 import socket
 from typing import Any
 
-from engines.protocol import IterationKind, StepResult
+from engines.protocol import StepResult
+from mesh.policy.batching import IterationKind
 from engines.worker_process import WorkerLoop
 
 

@@ -7,8 +7,8 @@ the tokens it produced. Memory operations (load, unload, KV resize) are awaited 
 runtime when the reservation station starts them (LLM-Mesh 6.3).
 
 Every engine follows the same batching rule, so the compute subsystem can predict it
-(`prefill_take` is that rule, the one implementation the simulated engine and the compute
-subsystem share): if requests wait for prefill and fewer than `max_batch` requests run,
+(`mesh.policy.batching.prefill_take` is that rule, the one implementation the simulated
+engine and the compute subsystem share): if requests wait for prefill and fewer than `max_batch` requests run,
 the next iteration prefills waiting requests in arrival order while their prompt tokens
 fit `prefill_token_budget` (at least one) and the running ones stay within `max_batch`;
 otherwise it decodes one token for every running request. A request whose last token
@@ -23,12 +23,9 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Container, Iterable, Protocol, Sequence, runtime_checkable
 
+from mesh.policy.batching import IterationKind
+
 log = logging.getLogger("engines")
-
-
-class IterationKind(str, Enum):
-    PREFILL = "prefill"
-    DECODE = "decode"
 
 
 class FinishReason(str, Enum):
@@ -103,19 +100,6 @@ def step_result(kind: IterationKind, outputs: Iterable[RequestOutput]) -> StepRe
         if reason is not None:
             finished[request_id] = reason
     return StepResult(kind, request_ids, token_ids, texts, finished)
-
-
-def prefill_take(prompt_lens: Iterable[int], budget: int, room: float) -> int:
-    """How many of the waiting prompts (lengths in arrival order) the next iteration
-    prefills: while their tokens fit `budget` (the first always does) and at most `room`
-    (max_batch minus the running requests). 0: the next iteration decodes."""
-    taken, tokens = 0, 0
-    for n in prompt_lens:
-        if taken >= room or (taken and tokens + n > budget):
-            break
-        taken += 1
-        tokens += n
-    return taken
 
 
 class EngineError(RuntimeError):

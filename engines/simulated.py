@@ -3,9 +3,9 @@
 It follows the batching rule of engines.protocol exactly, and produces `output_len` tokens
 per request (from a trace), capped by max_tokens and the context window. Memory operations
 take modeled time: a load `load_s`; a KV resize proportional to the bytes it changes
-(defaults from LLM-Mesh Figure 8 on an A100: 32 -> 64 GB in 1.9 s, 32 -> 16 GB in 0.3 s).
+(mesh.perf.memory: LLM-Mesh Figure 8 on an A100, 32 -> 64 GB in 1.9 s, 32 -> 16 GB in 0.3 s).
 An iteration takes its grid time plus the profile's overheads for what ran before it
-(mesh.policy.compute.extra_s: a prefill of a new token count, a decode right after a
+(mesh.policy.batching.extra_s: a prefill of a new token count, a decode right after a
 prefill, a changed decode batch, and,
 with a `core` shared by the engines of one node, an iteration after another engine's).
 """
@@ -16,12 +16,10 @@ import itertools
 import random
 from collections import defaultdict
 
-from engines.protocol import EngineError, EngineRequest, FinishReason, IterationKind, StepResult, prefill_take
-from mesh.policy.compute import IterationTimes, extra_s
+from engines.protocol import EngineError, EngineRequest, FinishReason, StepResult
+from mesh.perf.memory import GIB, RESIZE_DOWN_S_PER_GIB, RESIZE_UP_S_PER_GIB
+from mesh.policy.batching import IterationKind, IterationTimes, extra_s, prefill_take
 
-GIB = 2**30
-RESIZE_UP_S_PER_GIB = 1.9 / 32  # Figure 8: +32 GB in 1.9 s
-RESIZE_DOWN_S_PER_GIB = 0.3 / 16  # Figure 8: -16 GB in 0.3 s
 
 
 class SharedCore:

@@ -40,7 +40,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
 from engines.detokenize import Detokenizer, StopMatcher
-from engines.protocol import EngineError, FinishReason, IterationKind, RequestOutput, Sampling, StepResult, step_result
+from engines.protocol import EngineError, FinishReason, RequestOutput, Sampling, StepResult, step_result
+from mesh.policy.batching import IterationKind
 
 log = logging.getLogger(__name__)
 

@@ -564,16 +564,3 @@ def create(model_path: str | Path, *, model_name: str | None = None, context_win
     ("cuda:N" pins a GPU); `on_loaded` is called when the engine is built or failed."""
     return VLLMEngine(model_path, model_name=model_name, context_window=context_window, max_num_seqs=max_num_seqs,
                       device=device or default_device(), on_loaded=on_loaded, **options)
-
-
-def calibration_target(model: str | Path, *, context_window: int, max_batch: int, model_name: str | None = None,
-                       **options: Any) -> Any:
-    """The CalibrationTarget `mesh calibrate --engine vllm` measures (calibration.vllm_calibration)."""
-    from calibration.runner import CalibrationError
-    from calibration.vllm_calibration import VLLMTarget
-
-    try:
-        return VLLMTarget(model, context_window=context_window, max_batch=max_batch, model_name=model_name,
-                          **options)
-    except EngineError as exc:
-        raise CalibrationError(str(exc)) from exc

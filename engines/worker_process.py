@@ -45,7 +45,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any
 
-from engines.protocol import EngineError, FinishReason, IterationKind, StepResult
+from engines.protocol import EngineError, FinishReason, StepResult
+from mesh.policy.batching import IterationKind
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

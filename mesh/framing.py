@@ -8,7 +8,7 @@ connection).
 
 Each protocol names its type key and whether it carries payloads; the messages are its own:
 - the node agent protocol (mesh.agent.protocol): type key `t`, no payloads;
-- the weights transport (mesh.runtime.weights.protocol): type key `type`, a block's bytes as
+- the weights transport (mesh.weights.protocol): type key `type`, a block's bytes as
   the payload of a `block` frame.
 """
 from __future__ import annotations

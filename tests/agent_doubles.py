@@ -56,7 +56,7 @@ class InProcessAgent(AgentHandle):
         if self.weights_root is not None:
             from pathlib import Path
 
-            from mesh.agent.weights import NodeWeightsReceiver
+            from mesh.weights.node import NodeWeightsReceiver
 
             weights = NodeWeightsReceiver(Path(self.weights_root) / self.node_id, token=WEIGHTS_TOKEN)
         # The double's models are the tests' own files anywhere: it trusts every path ("/").

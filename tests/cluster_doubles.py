@@ -4,10 +4,11 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from calibration.profile import Profile, profile_from_dict
+from mesh.perf.profile import Profile, profile_from_dict
 from engines.protocol import EngineRequest, Sampling
 from mesh.policy.placement import ColdStart
 from mesh.policy.slo import SLO
+from mesh.replay.simulator import simulated_cluster
 from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
 from mesh.runtime.dispatcher import Dispatcher
 from mesh.runtime.request import ServedRequest
@@ -74,7 +75,7 @@ async def build(
 ) -> tuple[Cluster, Dispatcher]:
     """A started cluster and dispatcher (call inside a running loop)."""
     catalog = catalog or {b: spec(b) for b in set(models.values())}
-    cluster = Cluster(cfg, catalog, models, {b: 100.0 for b in catalog})
+    cluster = simulated_cluster(cfg, catalog, models, {b: 100.0 for b in catalog})
     d = Dispatcher.for_policy(cluster, policy, **dispatcher_kw)
     await cluster.start()
     return cluster, d

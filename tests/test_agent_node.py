@@ -31,7 +31,7 @@ def simulated(monkeypatch):
     decisions below do not depend on how fast this machine runs the simulation."""
     import mesh.agent.server as server_module
     from agent_doubles import TIMES
-    from mesh.agent.engines import AdaptiveTimes
+    from mesh.perf.times import AdaptiveTimes
 
     use_simulated_engines(monkeypatch)
     monkeypatch.setattr(server_module, "iteration_times", lambda spec, w: AdaptiveTimes(TIMES, alpha=0.0, prefill_alpha=0.0))

@@ -15,7 +15,7 @@ import pytest
 
 from agent_doubles import until
 from engines.protocol import EngineRequest, Sampling
-from mesh.agent.engines import prior_profile
+from mesh.perf.times import prior_profile
 from mesh.agent.server import MEAN_OUTPUT_PRIOR
 from mesh.agent.protocol import InstanceSpec
 from mesh.agent.supervisor import AgentSettings, LocalAgent

@@ -23,13 +23,13 @@ from engines.protocol import Sampling
 from mesh.agent.client import AgentCallError, AgentClient
 from mesh.agent.protocol import READY_PREFIX, Code, InstanceSpec, sampling_to_dict
 from mesh.agent.server import AgentServer
-from mesh.agent.weights import NodeWeightsReceiver, inside, received_path, safe_name, send_model
+from mesh.weights.node import NodeWeightsReceiver, inside, received_path, safe_name, send_model
 from mesh.policy.multicast import make_plan
 from mesh.runtime.node import NodeSpec
-from mesh.runtime.weights.agent import WeightAgent
-from mesh.runtime.weights.blocks import pack
-from mesh.runtime.weights.coordinator import MulticastError, multicast
-from mesh.runtime.weights.launch import new_token
+from mesh.weights.peer import WeightAgent
+from mesh.weights.blocks import pack
+from mesh.weights.coordinator import MulticastError, multicast
+from mesh.weights.launch import new_token
 
 WEIGHTS_TOKEN = "weights-" + TOKEN
 

@@ -14,7 +14,8 @@ import asyncio
 import pytest
 
 from doubles import LinearTimes
-from engines.protocol import EngineRequest, IterationKind, Sampling
+from engines.protocol import EngineRequest, Sampling
+from mesh.policy.batching import IterationKind
 from engines.simulated import SimulatedEngine
 
 WINDOW = 256  # context window and prefill token budget of both engines

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from calibration import PerformanceModel, load_profile
+from mesh.perf import PerformanceModel, load_profile
 from calibration.runner import (
     CalibrationError,
     Grid,
@@ -21,7 +21,8 @@ from calibration.runner import (
     powers_of_two,
     state_path_for,
 )
-from engines.protocol import EngineRequest, FinishReason, IterationKind, StepResult
+from engines.protocol import EngineRequest, FinishReason, StepResult
+from mesh.policy.batching import IterationKind
 from mesh.cli import main
 
 TINY = Settings(max_prompt=32, max_batch=2, max_context=32, reps=2, warmup=1)
@@ -218,6 +219,7 @@ def test_passes_pool_samples_in_alternating_order(tmp_path: Path) -> None:
 
 def test_vllm_engine_not_built_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setitem(sys.modules, "engines.vllm_engine", None)  # as if the module did not exist
+    monkeypatch.delitem(sys.modules, "calibration.vllm_calibration", raising=False)  # imported afresh
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     code = main(["calibrate", "--engine", "vllm", "--model", str(model), "--quick", "--out", str(tmp_path / "p.json")])
@@ -297,13 +299,12 @@ def test_interrupted_cli_calibration_resumes(demo_gguf: Path, tmp_path: Path, mo
 
 
 def test_vllm_calibration_without_vllm_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:
-    import types
+    import calibration.vllm_calibration
 
-    def calibration_target(*args, **kwargs):
+    def vllm_target(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
 
-    monkeypatch.setitem(sys.modules, "engines.vllm_engine",
-                        types.SimpleNamespace(calibration_target=calibration_target))
+    monkeypatch.setattr(calibration.vllm_calibration, "VLLMTarget", vllm_target)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     assert main(["calibrate", "--engine", "vllm", "--model", str(model), "--quick"]) == 2

@@ -14,7 +14,7 @@ from agent_doubles import TOKEN, WEIGHTS_TOKEN, InProcessAgent, use_simulated_en
 from engines.protocol import Sampling
 from mesh.agent.remote import RemoteAgent
 from mesh.agent.server import AgentServer
-from mesh.cluster.ray_nodes import mesh_node_ids
+from mesh.ray.membership import mesh_node_ids
 from mesh.policy.autoscale import NodeUse, decide
 from mesh.policy.slo import SLO
 from mesh.runtime.node import NodeSpec
@@ -23,7 +23,7 @@ from mesh.service.errors import ApiError
 from mesh.service.placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, Tokens
-from mesh.service.weights_plane import WeightsPlane, WeightsSettings
+from mesh.weights.plane import WeightsPlane, WeightsSettings
 
 SIZE = 3 << 20
 

@@ -8,11 +8,11 @@ import asyncio
 import math
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
+from hypothesis import given, settings, strategies as st
 
 from doubles import LinearTimes
-from engines.protocol import EngineRequest, IterationKind, Sampling
+from engines.protocol import EngineRequest, Sampling
+from mesh.policy.batching import IterationKind
 from engines.simulated import SimulatedEngine
 from mesh.policy.compute import ComputeSubsystem, Iteration
 from mesh.policy.kv_demand import RunningMean

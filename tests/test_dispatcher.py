@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_doubles import GB, build, config, request, run_until, spec
-from engines.simulated import GIB, RESIZE_UP_S_PER_GIB
+from mesh.perf.memory import GIB, RESIZE_UP_S_PER_GIB
 from mesh.policy.placement import ColdStart
 from mesh.policy.slo import SLO
-from mesh.runtime.policies import POLICIES, UnknownPolicy, policy_spec
+from mesh.runtime.schedulers import POLICIES, UnknownPolicy, policy_spec
 from mesh.runtime.request import Outcome
 from mesh.runtime.virtual_loop import run_virtual
 
@@ -376,7 +376,7 @@ def test_an_evicted_request_is_rescheduled_on_another_node_with_its_progress():
 
 
 def test_a_crashed_node_loop_is_reported_not_hidden():
-    from mesh.runtime.cluster import Cluster
+    from mesh.replay.simulator import Simulator
 
     class Broken:
         def __init__(self, inner):
@@ -390,8 +390,9 @@ def test_a_crashed_node_loop_is_reported_not_hidden():
 
     async def main():
         catalog = {"llama-2-7b": spec()}
-        cluster = Cluster(config(cpu=1, gpu=0), catalog, {"m": "llama-2-7b"}, {"llama-2-7b": 100.0})
-        cluster.engine_factory = lambda plan, kind, load_s, seed: Broken(cluster._simulated_engine(plan, kind, load_s, seed))
+        simulator = Simulator(config(cpu=1, gpu=0), catalog, {"m": "llama-2-7b"}, {"llama-2-7b": 100.0})
+        cluster = simulator.cluster
+        simulator.engine_factory = lambda plan, kind, load_s, seed: Broken(simulator.simulated_engine(plan, kind, load_s, seed))
         await cluster.start()
         node = cluster.node("cpu0")
         ref = await cluster.start_instance(cluster.plan("m", node), node)

@@ -28,7 +28,7 @@ from mesh.service.formats import Conversion, ConversionFailed, ConvertTool, Form
 from mesh.service.placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord, PreparedFormat, Registry, RegistryError
 from mesh.service.streams import Finished, Job
-from mesh.service.weights_plane import ModelFormat, WeightsPlane, WeightsSettings
+from mesh.weights.plane import ModelFormat, WeightsPlane, WeightsSettings
 
 SCHEMA_2 = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -494,8 +494,8 @@ def test_the_model_views_show_each_kinds_format_and_scale_takes_either_kind(tmp_
 
 
 def test_each_kind_of_node_gets_its_own_calibration_profile(tmp_path):
-    from calibration.profile import save_profile
-    from mesh.agent.engines import prior_profile
+    from mesh.perf.profile import save_profile
+    from mesh.perf.times import prior_profile
 
     async def main():
         profiles = tmp_path / "profiles"

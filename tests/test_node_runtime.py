@@ -4,7 +4,8 @@ import asyncio
 import pytest
 
 from doubles import LinearTimes
-from engines.protocol import EngineRequest, FinishReason, IterationKind, Sampling
+from engines.protocol import EngineRequest, FinishReason, Sampling
+from mesh.policy.batching import IterationKind
 from engines.simulated import SimulatedEngine
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.slo import SLO

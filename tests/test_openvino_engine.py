@@ -17,7 +17,8 @@ from engines.detokenize import Detokenizer, StopMatcher
 from engines.gguf_meta import GGUFError, read_gguf_metadata
 from engines.model_shape import kv_bytes_per_token, shape_from_config, shape_from_gguf
 from engines.openvino_engine import OpenVINOEngine, resolve_model
-from engines.protocol import Engine, EngineError, EngineRequest, FinishReason, IterationKind, Sampling, step_result
+from engines.protocol import Engine, EngineError, EngineRequest, FinishReason, Sampling, step_result
+from mesh.policy.batching import IterationKind
 
 FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
 STORY = [{"role": "user", "content": "Write a long story about a dragon."}]

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from calibration.perf_model import PerformanceModel
-from calibration.profile import Profile, profile_from_dict, reference_profile, reference_profiles
+from mesh.perf.model import PerformanceModel
+from mesh.perf.profile import Profile, profile_from_dict, reference_profile, reference_profiles
 
 
 def make_profile(lengths: list[int], prefill: list[float], batches: list[int], contexts: list[int],

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from engines.protocol import Sampling
 from mesh.agent.protocol import sampling_from_dict, sampling_to_dict
-from mesh.replay.live import function_name, prompt_ids
+from mesh.bench.live import function_name, prompt_ids
 from mesh.service.errors import ApiError
 from mesh.service.schema import parse_completion
 from workloads.workload import Arrival, Workload, scale_lengths

@@ -6,13 +6,7 @@ import pytest
 
 from mesh.policy.multicast import CostModel, estimate
 from mesh.replay.driver import build_catalog
-from mesh.replay.weights import (
-    WeightsConfig,
-    live_capacity,
-    live_finish,
-    prefix_fractions,
-    stop_the_world_s,
-)
+from mesh.weights.cold_start import WeightsConfig, live_capacity, live_finish, prefix_fractions, stop_the_world_s
 from mesh.replay.weights_compare import compare, table
 from workloads.workload import Arrival, Workload
 
@@ -82,7 +76,7 @@ def test_overlapping_multicasts_queue_on_the_source_uplink() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from mesh.replay.weights import WeightsModel
+    from mesh.weights.cold_start import WeightsModel
 
     nodes = [SimpleNamespace(node_id=f"gpu{i}") for i in range(4)]
     cluster = SimpleNamespace(nodes=nodes, config=SimpleNamespace(noise=0.0), instances_of=lambda model: [])
@@ -156,7 +150,7 @@ def test_an_unused_warm_up_is_recycled_after_its_load() -> None:
     (1 s) from the end of its load, then goes; it is not recycled in the middle of its load."""
     from mesh.policy.placement import ColdStart
     from mesh.replay.driver import ReplayConfig, run_policy
-    from mesh.replay.weights import Engines
+    from mesh.weights.cold_start import Engines
     from mesh.runtime.cluster import ClusterConfig
 
     catalog = build_catalog(["llama-2-7b"])

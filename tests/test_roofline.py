@@ -6,20 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from calibration.perf_model import PerformanceModel
-from calibration.profile import load_profile, reference_profile, reference_profiles
-from calibration.roofline import (
-    ARCHITECTURES,
-    HARDWARE,
-    REFERENCE_PAIRS,
-    decode_seconds,
-    main,
-    markdown_table,
-    prefill_seconds,
-    write_reference_profiles,
-)
+from mesh.perf.model import PerformanceModel
+from mesh.perf.profile import load_profile, reference_profile, reference_profiles
+from mesh.perf.roofline import ARCHITECTURES, HARDWARE, REFERENCE_PAIRS, decode_seconds, main, markdown_table, prefill_seconds, write_reference_profiles
 
-PROFILES_DIR = Path(__file__).resolve().parents[1] / "calibration" / "profiles"
+PROFILES_DIR = Path(__file__).resolve().parents[1] / "mesh" / "perf" / "profiles"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "roofline.md"
 CPU, GPU = "xeon-6462c", "a100-80gb"
 TPOT_SLO = 0.25  # LLM-Mesh 3.1 / 8.1

@@ -10,8 +10,9 @@ import struct
 
 import pytest
 
-from engines.protocol import IterationKind, Sampling
-from mesh.agent.engines import AdaptiveTimes, DefaultCpuTimes
+from engines.protocol import Sampling
+from mesh.policy.batching import IterationKind
+from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes
 from mesh.agent.protocol import (
     MAX_FRAME_BYTES,
     Code,

@@ -21,7 +21,7 @@ from mesh.service.metrics import ServiceMetrics
 from mesh.service.placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
-from mesh.service.weights_plane import WeightsError, WeightsPlane, WeightsSettings
+from mesh.weights.plane import WeightsError, WeightsPlane, WeightsSettings
 
 SIZE = 3 * 2**20 + 12345  # not a whole number of blocks
 

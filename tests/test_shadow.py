@@ -3,7 +3,7 @@ explicit times and hand-checkable iteration times (10% overestimate)."""
 import pytest
 
 from doubles import LinearTimes
-from engines.protocol import IterationKind
+from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.shadow import FailureCase, shadow_validate
 from mesh.policy.slo import SLO
@@ -112,7 +112,7 @@ def test_validation_changes_nothing():
 
 
 def test_an_instance_with_a_learnt_margin_is_validated_with_it():
-    """Iteration times that learnt a margin (mesh.agent.engines.AdaptiveTimes.margin) replace
+    """Iteration times that learnt a margin (mesh.perf.times.AdaptiveTimes.margin) replace
     the node's 10% for that instance only; times without one keep the node's margin."""
     class Learnt(LinearTimes):
         margin = 0.3

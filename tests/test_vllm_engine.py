@@ -25,7 +25,8 @@ from engines.local_models import (
     write_shape_folder,
     write_tiny_llama,
 )
-from engines.protocol import Engine, EngineError, EngineRequest, FinishReason, IterationKind, Sampling
+from engines.protocol import Engine, EngineError, EngineRequest, FinishReason, Sampling
+from mesh.policy.batching import IterationKind
 from engines.vllm_engine import VLLMEngine, find_vllm_python, resolve_hf_model
 
 WINDOW = 256
@@ -438,7 +439,7 @@ def test_two_models_on_one_node_stepped_alternately(tiny_models: tuple[Path, Pat
 @pytest.mark.slow
 def test_mesh_calibrate_vllm_writes_a_profile(tmp_path: Path, tiny_models: tuple[Path, Path]) -> None:
     """`mesh calibrate --engine vllm` on the smallest grid the runner allows."""
-    from calibration import load_profile
+    from mesh.perf import load_profile
     from mesh.cli import main
 
     out = tmp_path / "tiny.json"

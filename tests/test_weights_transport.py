@@ -10,11 +10,11 @@ from pathlib import Path
 import pytest
 
 from mesh.policy.multicast import chain, make_plan, naive
-from mesh.runtime.weights.blocks import CorruptBlock, Manifest, cut, load_blocks, pack, verify, write_atomic
-from mesh.runtime.weights.coordinator import MulticastError, multicast
-from mesh.runtime.weights.agent import WeightAgent
-from mesh.runtime.weights.launch import running_agents, token_of
-from mesh.runtime.weights.protocol import ProtocolError, frame, read_message, send
+from mesh.weights.blocks import CorruptBlock, Manifest, cut, load_blocks, pack, verify, write_atomic
+from mesh.weights.coordinator import MulticastError, multicast
+from mesh.weights.peer import WeightAgent
+from mesh.weights.launch import running_agents, token_of
+from mesh.weights.protocol import ProtocolError, frame, read_message, send
 
 KB = 1 << 10
 
@@ -95,7 +95,7 @@ def test_framing_round_trip_and_errors():
 
 
 def test_pacer_books_the_link_when_it_is_free_and_the_block_is_here():
-    from mesh.runtime.weights.agent import Pacer
+    from mesh.weights.peer import Pacer
 
     p = Pacer(100.0)  # bytes per second
     assert p.reserve(50, ready_at=0.0) == 0.0  # link free, block here: goes at once

@@ -37,7 +37,7 @@ Control -> agent (see docs/service.md for every field):
     stats      {}                            -> {instances, memory, queue_length, busy_s, ...}
     shutdown   {}                            -> {} (then the agent exits)
     weights_path {model, file, manifest?}    -> {path, complete?} where a multicast to this node writes the
-                                                model's file (mesh.agent.weights); `load` it from there
+                                                model's file (mesh.weights.node); `load` it from there
     weights_drop {model}                     -> {dropped} delete the model's received files (it was deleted)
 
 Agent -> control (events):

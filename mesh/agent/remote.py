@@ -14,7 +14,7 @@ unspecified host means the address the service reached the agent at).
 
 The address is a string (`--remote-agent`), or an *address source*: an async callable asked
 before every connection, for agents whose address changes when they restart (a Ray actor's
-agent, mesh.cluster.ray_nodes). Both ways run through this one class.
+agent, mesh.ray.membership). Both ways run through this one class.
 """
 from __future__ import annotations
 

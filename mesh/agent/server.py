@@ -14,7 +14,7 @@ respect to the node's state. Token outputs of one iteration go out as one `token
 
 `--exit-with-parent`: exit when stdin closes (the embedded agent dies with `mesh serve`).
 `--weights-listen HOST:PORT`: also receive models' weight blocks there, into `--weights-dir`
-(mesh.agent.weights), so `load` can start an engine from weights received over the network;
+(mesh.weights.node), so `load` can start an engine from weights received over the network;
 the weights port requires the token in the environment variable MESH_WEIGHTS_TOKEN when it is
 set (never an argument: `ps` would show it).
 
@@ -44,7 +44,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engines.protocol import EngineError, EngineRequest, Sampling
-from mesh.agent.engines import AdaptiveTimes, iteration_times, make_engine
+from mesh.agent.engines import iteration_times, make_engine
+from mesh.perf.times import AdaptiveTimes
 from mesh.agent.protocol import (
     PROTOCOL_VERSION,
     READY_PREFIX,
@@ -58,9 +59,9 @@ from mesh.agent.protocol import (
 )
 from engines.openvino_process import OpenVINOProcessEngine
 from mesh.agent.tokenizers import TokenizerProcess
-from mesh.agent.weights import NodeWeightsReceiver, inside, parse_listen, received_path
-from mesh.runtime.weights.blocks import Manifest, holds
-from mesh.runtime.weights.agent import token_from_env
+from mesh.weights.node import NodeWeightsReceiver, inside, parse_listen, received_path
+from mesh.weights.blocks import Manifest, holds
+from mesh.weights.peer import token_from_env
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
 from mesh.policy.slo import DeadlineRule

@@ -17,8 +17,9 @@ import time
 
 import numpy as np
 
-from calibration import PerformanceModel, reference_profile
-from engines.protocol import EngineRequest, IterationKind, Sampling
+from mesh.perf import PerformanceModel, reference_profile
+from engines.protocol import EngineRequest, Sampling
+from mesh.policy.batching import IterationKind
 from engines.simulated import SimulatedEngine
 from mesh.bench.report import emit
 from mesh.policy.compute import ComputeSubsystem

@@ -18,10 +18,10 @@ Reported: TTFT and TPOT p50/p99 live and simulated, their relative errors
 `iterations_err`), and over_margin_fraction: the share of live iterations that took longer
 than the node's prediction times (1 + the margin shadow validation had for that instance
 then). The live instances run as in a node agent: their iteration times are refined online
-per grid region and learn their margin (mesh.agent.engines.AdaptiveTimes; the margin is
+per grid region and learn their margin (mesh.perf.times.AdaptiveTimes; the margin is
 the 95th percentile of live/predicted, bounded to 5-50%, and 10% until 32 iterations were
 seen); `over_margin_fraction_fixed` counts against the paper's fixed 10% instead. Both
-engines follow the same batching rule (engines.protocol.prefill_take) and the simulated
+engines follow the same batching rule (mesh.policy.batching.prefill_take) and the simulated
 one charges the profile's overheads (mesh-profile/2: new prefill shape, decode after a
 prefill, changed decode batch), as the node's predictions do.
 `--trace-out DIR` writes both iteration logs, where they first diverge and why, and two
@@ -119,8 +119,8 @@ async def run_node(work: list[Item], make_engine: Callable[[str], Any], times: A
                    adaptive: bool = False) -> RunResult:
     """Serve `work` on one NodeRuntime with one instance per model; same code live and virtual.
     `adaptive`: each instance's times are refined online from its iterations and learn their
-    margin, as in a node agent (mesh.agent.engines.AdaptiveTimes)."""
-    from mesh.agent.engines import AdaptiveTimes
+    margin, as in a node agent (mesh.perf.times.AdaptiveTimes)."""
+    from mesh.perf.times import AdaptiveTimes
     from mesh.policy.shadow import DEFAULT_MARGIN, instance_margin
     from calibration.runner import CpuMeter
     from engines.protocol import EngineRequest, Sampling
@@ -358,7 +358,7 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
         model: str | None = None, recalibrate: bool = False, trace: str | Path = DEFAULT_TRACE,
         max_prompt: int = 512, max_output: int = 128, wait_quiet_s: float = 60.0, tries: int = 3,
         live_repeats: int = 2, trace_out: str | Path | None = None, prompt_scale: float = 1.0) -> dict[str, Any]:
-    from calibration import PerformanceModel, load_profile
+    from mesh.perf import PerformanceModel, load_profile
     from calibration.runner import wait_for_quiet
     from mesh.models import demo_gguf_path
     from mesh.policy.shadow import DEFAULT_MARGIN

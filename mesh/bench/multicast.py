@@ -30,9 +30,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from mesh.policy.multicast import PLANS, CostModel, make_plan, naive, schedule
-from mesh.runtime.weights.blocks import Manifest, pack
-from mesh.runtime.weights.coordinator import multicast
-from mesh.runtime.weights.launch import new_token, spawn_agents, stop_agents
+from mesh.weights.blocks import Manifest, pack
+from mesh.weights.coordinator import multicast
+from mesh.weights.launch import new_token, spawn_agents, stop_agents
 
 MB = 10**6
 TARGET_FACTOR = 1.15

@@ -3,7 +3,7 @@
 The same M MB of random bytes go from one Ray node (the driver's) to N other Ray nodes, in
 one run, three ways:
 
-- `chain` and `binomial`: Mesh's weights transport (mesh.runtime.weights), a weights agent
+- `chain` and `binomial`: Mesh's weights transport (mesh.weights), a weights agent
   process on every node, started by a Ray actor pinned to it (node affinity); the
   coordinator (here) tells the agents the plan and they forward blocks to each other,
   checking each block's sha256;
@@ -36,15 +36,15 @@ MB = 10**6
 
 
 class WeightsAgentActor:
-    """On its node: one weights agent process (`python -m mesh.runtime.weights.agent`)."""
+    """On its node: one weights agent process (`python -m mesh.weights.peer`)."""
 
     def __init__(self, token: str, link_mbps: float | None = None) -> None:
         import ray
 
-        from mesh.runtime.weights.agent import TOKEN_ENV
+        from mesh.weights.peer import TOKEN_ENV
 
         host = ray.util.get_node_ip_address()
-        cmd = [sys.executable, "-m", "mesh.runtime.weights.agent", "--host", host, "--port", "0"]
+        cmd = [sys.executable, "-m", "mesh.weights.peer", "--host", host, "--port", "0"]
         if link_mbps is not None:
             cmd += ["--link-mbps", str(link_mbps)]
         self.process = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=worker_env(**{TOKEN_ENV: token}),
@@ -129,9 +129,9 @@ def _bench(ray: Any, model: Path, receivers: int, block_mb: float, plans: Sequen
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     from mesh.policy.multicast import make_plan, naive
-    from mesh.runtime.weights.blocks import pack
-    from mesh.runtime.weights.coordinator import multicast
-    from mesh.runtime.weights.launch import new_token
+    from mesh.weights.blocks import pack
+    from mesh.weights.coordinator import multicast
+    from mesh.weights.launch import new_token
 
     source_node = ray.get_runtime_context().get_node_id()
     others = [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != source_node]

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from calibration.profile import ProfileError
+from mesh.perf.profile import ProfileError
 from mesh.policy.placement import ColdStart
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import (
@@ -24,11 +24,10 @@ from mesh.replay.driver import (
 )
 from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
 from mesh.replay.metrics import aligned, json_ready, summarize, table
-from mesh.replay.weights import MODES as WEIGHT_MODES
-from mesh.replay.weights import Engines, WeightsConfig
+from mesh.weights.cold_start import MODES as WEIGHT_MODES, Engines, WeightsConfig
 from mesh.runtime.cluster import ClusterConfig, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S
-from mesh.runtime.policies import POLICIES, UnknownPolicy, policy_spec
+from mesh.runtime.schedulers import POLICIES, UnknownPolicy, policy_spec
 from workloads.azure_functions import load_function_trace
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR, FUNCTIONS_FILE

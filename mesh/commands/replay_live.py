@@ -1,8 +1,8 @@
 """`mesh replay --live URL`: the trace sent to a running service, and the same requests
-replayed in virtual time on a simulated cluster of the service's nodes (mesh.replay.live).
+replayed in virtual time on a simulated cluster of the service's nodes (mesh.bench.live).
 
 The simulated side is the cluster the service reports at `/admin/cluster` (its CPU and GPU
-node counts and memory), the model's prior profile (mesh.agent.engines.prior_profile: the
+node counts and memory), the model's prior profile (mesh.perf.times.prior_profile: the
 times its agents plan with before it is calibrated), or `--profiles`' calibrated one, the
 service's keep-alive and deadline rule, and a cold start of `--cold-start-s` seconds. The
 gap between the two SLO rates is the simulator's error at cluster level.
@@ -21,15 +21,15 @@ from typing import Any
 
 import aiohttp
 
-from calibration.profile import load_profile
+from mesh.perf.profile import load_profile
 from engines.protocol import DEFAULT_CONTEXT_CAP
 from mesh.models import ModelFetchError
 from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.replay.driver import ReplayConfig, run_policy
-from mesh.replay.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
+from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
 from mesh.runtime.cluster import ClusterConfig, ModelSpec
-from mesh.runtime.policies import policy_spec
+from mesh.runtime.schedulers import policy_spec
 from mesh.runtime.request import ServedRequest
 from workloads.workload import Workload
 
@@ -50,7 +50,7 @@ def _model_shape(path: Path) -> tuple[int, int, int]:
 
 
 def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, window: int) -> dict[str, ModelSpec]:
-    from mesh.agent.engines import prior_profile
+    from mesh.perf.times import prior_profile
 
     profiles = {}
     for kind in (CPU, GPU):

@@ -6,7 +6,7 @@ import asyncio
 import logging
 import sys
 
-from mesh.runtime.policies import POLICIES
+from mesh.runtime.schedulers import POLICIES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -20,7 +20,7 @@ decode rounds k and store for each running request the constant key
 anchor - TPOT_SLO * k_join; its deadline is key + TPOT_SLO * k. The order inside an
 instance then never changes on decode, and a scheduling decision costs O(log n).
 
-Iterations follow the engines' batching rule (engines.protocol): requests waiting for
+Iterations follow the engines' batching rule (mesh.policy.batching): requests waiting for
 prefill are prefilled first, in arrival order, as many as fit the prefill token budget;
 otherwise one decode iteration for all running requests. Prefill and decode never mix.
 """
@@ -33,38 +33,8 @@ from typing import Iterable, Protocol, Sequence
 
 from sortedcontainers import SortedKeyList, SortedList
 
-from engines.protocol import IterationKind, prefill_take
+from mesh.policy.batching import IterationKind, IterationTimes, extra_s, prefill_take
 from mesh.policy.slo import SLO, DeadlineRule
-
-
-class IterationTimes(Protocol):
-    """Predicted iteration times (a calibration.perf_model.PerformanceModel)."""
-
-    def prefill_s(self, prompt_len: int) -> float: ...
-
-    def decode_s(self, batch: int, avg_context: float) -> float: ...
-
-
-def extra_s(times: IterationTimes, kind: IterationKind, batch: int, last: tuple[IterationKind, int] | None,
-            switched: bool, new_shape: bool = False) -> float:
-    """What an iteration costs beyond its grid time (the profile's overheads, mesh-profile/2;
-    0 for models without them): every step's overhead; a prefill of a token count the
-    instance never prefilled (`new_shape`); a decode right after a prefill of the same
-    instance (a new input shape), or whose batch differs from the instance's last decode;
-    an iteration of another instance than the node's previous one (`switched`).
-    `last`: the instance's previous iteration (kind, batch), None if it has none. The one
-    rule the compute subsystem's predictions and the simulated engine share."""
-    extra = getattr(times, "step_overhead_s", 0.0)
-    if switched:
-        extra += getattr(times, "instance_switch_s", 0.0)
-    if kind is IterationKind.PREFILL and new_shape:
-        extra += getattr(times, "prefill_new_shape_s", 0.0)
-    if kind is IterationKind.DECODE and last is not None:
-        if last[0] is IterationKind.PREFILL:
-            extra += getattr(times, "decode_after_prefill_s", 0.0)
-        elif last[1] != batch:
-            extra += getattr(times, "decode_batch_change_s", 0.0)
-    return extra
 
 
 @dataclass(slots=True)

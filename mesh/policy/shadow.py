@@ -30,8 +30,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Collection
 
-from engines.protocol import IterationKind, prefill_take
-from mesh.policy.compute import ComputeSubsystem, IterationTimes
+from mesh.policy.batching import IterationKind, prefill_take, IterationTimes
+from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.slo import DeadlineRule
 
 DEFAULT_MARGIN = 0.10
@@ -118,7 +118,7 @@ class _Outcome:
 
 def instance_margin(times: IterationTimes, margin: float) -> float:
     """The margin shadow validation applies to one instance: the one its iteration times
-    learnt from live iterations (`times.margin`, e.g. mesh.agent.engines.AdaptiveTimes: a
+    learnt from live iterations (`times.margin`, e.g. mesh.perf.times.AdaptiveTimes: a
     quantile of actual/predicted, bounded), else the node's `margin` (LLM-Mesh's 10%, what
     replays use)."""
     learnt = getattr(times, "margin", None)

@@ -16,13 +16,14 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from calibration.profile import ProfileError, load_profile, reference_profile, reference_profiles
+from mesh.perf.profile import ProfileError, load_profile, reference_profile, reference_profiles
 from engines.protocol import EngineRequest, Sampling
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
-from mesh.runtime.cluster import Cluster, ClusterConfig, EngineFactory, ModelSpec, check_cluster
+from mesh.replay.simulator import EngineFactory, Simulator
+from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S, DispatchStats, Dispatcher
-from mesh.runtime.policies import PolicyStats, policy_spec
+from mesh.runtime.schedulers import PolicyStats, policy_spec
 from mesh.runtime.request import ServedRequest
 from mesh.runtime.virtual_loop import run_virtual
 from workloads.workload import Workload
@@ -39,7 +40,7 @@ class ReplayConfig:
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S  # None: turned away once it cannot meet its SLO
     drain_limit_s: float = 600.0  # virtual time after the window for in-flight requests to end
     progress: bool = True
-    engines: Callable[[Cluster], EngineFactory] | None = None  # per run: its engines (e.g. mesh.replay.weights.Engines)
+    engines: Callable[[Cluster], EngineFactory] | None = None  # per run: its engines (e.g. mesh.weights.cold_start.Engines)
 
 
 @dataclass
@@ -123,9 +124,10 @@ def _served(workload: Workload, slo) -> list[ServedRequest]:
 async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: dict[str, ModelSpec],
                prior: dict[str, float]) -> PolicyRun:
     loop = asyncio.get_running_loop()
-    cluster = Cluster(config.cluster, catalog, workload.models, prior)
+    simulator = Simulator(config.cluster, catalog, workload.models, prior)
+    cluster = simulator.cluster
     if config.engines is not None:
-        cluster.engine_factory = config.engines(cluster)
+        simulator.engine_factory = config.engines(cluster)
     dispatcher = Dispatcher.for_policy(
         cluster, policy, queue_capacity=config.queue_capacity, retry_interval_s=config.retry_interval_s,
         queue_timeout_s=config.queue_timeout_s,

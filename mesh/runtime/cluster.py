@@ -4,7 +4,7 @@ The cluster owns one NodeRuntime per node, knows which instances of which model 
 starts instances with a modelled cold start (mesh.policy.placement.ColdStart: weights from
 host memory over PCIe to a GPU, or already in a CPU node's memory), recycles instances
 idle past keep-alive, and records how many nodes of each kind are in use over time. It
-decides nothing about placement: the policies (mesh.runtime.policies) do.
+decides nothing about placement: the policies (mesh.runtime.schedulers) do.
 
 Time comes only from the event loop: the same code runs live and in a virtual-time replay.
 """
@@ -12,21 +12,20 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import zlib
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from calibration.perf_model import PerformanceModel
-from calibration.profile import Profile
-from engines.protocol import Engine
-from engines.simulated import GIB, RESIZE_UP_S_PER_GIB, SimulatedEngine
+from mesh.perf.model import PerformanceModel
+from mesh.perf.profile import Profile
+from engines.simulated import SimulatedEngine
+from mesh.perf.memory import GIB, RESIZE_UP_S_PER_GIB
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
 from mesh.policy.placement import CPU, DEFAULT_KEEP_ALIVE_S, GPU, ColdStart, InstanceView, NodeView, keep_alive_expired
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
-from mesh.runtime.cluster_node import ClusterNode, InstanceState, LocalNode
-from mesh.runtime.node import InstancePlan, NodeRuntime, NodeSpec
+from mesh.runtime.cluster_node import ClusterNode, InstanceState
+from mesh.runtime.node import InstancePlan, NodeSpec
 from mesh.runtime.request import ServedRequest
 
 # Node memory (LLM-Mesh 8.1 testbed). GPU: the A100's 80 GB. CPU: 256 GB of DDR5 for
@@ -152,26 +151,23 @@ class InstanceRef:
         return InstanceView(self.instance_id, n.node_id, n.spec.kind, self.model, self.batch_size, self.seq)
 
 
-EngineFactory = Callable[[InstancePlan, str, float, int], Engine]
-
-
 class Cluster:
     def __init__(
         self,
         config: ClusterConfig,
-        catalog: dict[str, ModelSpec],
-        models: dict[str, str],
-        mean_output_prior: dict[str, float],
+        catalog: dict[str, ModelSpec] | None = None,
+        models: dict[str, str] | None = None,
+        mean_output_prior: dict[str, float] | None = None,
         *,
         on_capacity: Callable[[], None] | None = None,
-        engine_factory: EngineFactory | None = None,
-        nodes: list[ClusterNode] | None = None,
+        nodes: list[ClusterNode] = (),
     ) -> None:
         """`models` maps each model (replica) to its base model in `catalog`;
         `mean_output_prior` gives O_avg's starting value per base model (6.1). `nodes`:
-        the nodes to schedule (the service's agents); default, one simulated LocalNode per
-        node of `config` with engines from `engine_factory`. Models and nodes may be added
-        and removed later (the service: registrations, Ray membership)."""
+        the nodes to schedule (the service's agents; a replay's simulated nodes,
+        mesh.replay.simulator). Models and nodes may be added and removed later (the
+        service: registrations, Ray membership)."""
+        catalog, models, mean_output_prior = catalog or {}, models or {}, mean_output_prior or {}
         unknown = sorted({b for b in models.values() if b not in catalog})
         if unknown:
             raise ClusterError(f"no model spec for {', '.join(unknown)}; known: {', '.join(sorted(catalog))}")
@@ -180,7 +176,6 @@ class Cluster:
         self.models = dict(models)
         self.on_evict: Callable[[ServedRequest, ClusterNode], None] | None = None  # the dispatcher's
         self.on_capacity = on_capacity
-        self.engine_factory = engine_factory or self._simulated_engine
         self._mean_output = {m: RunningMean(mean_output_prior.get(b, 256.0)) for m, b in models.items()}
         self._slo: dict[str, SLO] = {}  # a model's own SLO (the service's per-model SLOs); else config.slo
         self._by_model: dict[str, list[InstanceRef]] = {}
@@ -196,10 +191,6 @@ class Cluster:
         self._loads_end: dict[str, float] = {}  # node id -> when the loads issued on it are predicted to end
         self.nodes: list[ClusterNode] = []
         self.node_seq: dict[str, int] = {}
-        if nodes is None:
-            nodes = [LocalNode(NodeRuntime(spec, margin=config.margin, watermark=config.watermark,
-                                           deadlines=config.deadlines), self._engine_for)
-                     for spec in config.node_specs()]
         for node in nodes:
             self.add_node(node)
 
@@ -329,19 +320,6 @@ class Cluster:
         spec = self.catalog[self.models[model]]
         kind = node.spec.kind
         return node.up and kind in spec.profiles and node.can_fit(spec.min_bytes(kind, self.config.watermark))
-
-    def _engine_for(self, plan: InstancePlan, kind: str) -> Engine:
-        """The engine of a new instance on a simulated node (the run's engine factory)."""
-        load_s = plan.load_wait_s + self.config.cold_start.load_s(plan.weight_bytes, kind)
-        seed = zlib.crc32(f"{self.config.seed}:{plan.instance_id}".encode())
-        return self.engine_factory(plan, kind, load_s, seed)
-
-    def _simulated_engine(self, plan: InstancePlan, kind: str, load_s: float, seed: int) -> Engine:
-        return SimulatedEngine(
-            plan.model, plan.times, kv_bytes_per_token=plan.kv_bytes_per_token, weight_bytes=plan.weight_bytes,
-            context_window=plan.context_window, prefill_token_budget=plan.prefill_token_budget,
-            max_batch=plan.max_batch, load_s=load_s, noise=self.config.noise, seed=seed,
-        )
 
     async def start_instance(self, plan: InstancePlan, node: ClusterNode) -> InstanceRef | None:
         """Start the planned instance (issue its load); None if the node's memory refuses."""

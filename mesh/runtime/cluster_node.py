@@ -1,5 +1,5 @@
 """A node as the cluster dispatcher sees it: the one interface between the decisions
-(mesh.runtime.dispatcher, mesh.runtime.policies) and whatever runs the node.
+(mesh.runtime.dispatcher, mesh.runtime.schedulers) and whatever runs the node.
 
 The dispatcher and the policies never touch a node's runtime directly. They ask a
 `ClusterNode` to validate a candidate (shadow validation on both subsystems, LLM-Mesh 5.3

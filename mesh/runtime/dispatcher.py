@@ -1,7 +1,7 @@
 """The cluster dispatcher (LLM-Mesh 4): every request is placed, waits, or is turned away,
 and is always accounted for.
 
-For each arriving request the policy (mesh.runtime.policies) tries to place it. If it
+For each arriving request the policy (mesh.runtime.schedulers) tries to place it. If it
 cannot, the request waits in the bounded queue (mesh.policy.queueing) and is retried, in
 order, whenever capacity frees (a request ends, an instance is recycled). It is rejected,
 with the reason, when the queue is full, after the queue timeout (30 s, the same for every
@@ -88,7 +88,7 @@ def accounting(requests: Sequence[ServedRequest]) -> dict[str, int]:
 
 
 class PlacementPolicy(Protocol):
-    """How a policy places one request (mesh.runtime.policies)."""
+    """How a policy places one request (mesh.runtime.schedulers)."""
 
     name: str
     kinds: tuple[str, ...]  # node kinds it uses
@@ -149,10 +149,10 @@ class Dispatcher:
 
     @classmethod
     def for_policy(cls, cluster: Cluster, policy: str, **queue: float | int | None) -> "Dispatcher":
-        """The dispatcher of `cluster` under the named policy (mesh.runtime.policies): how
+        """The dispatcher of `cluster` under the named policy (mesh.runtime.schedulers): how
         `mesh replay` and `mesh serve` both build theirs, so a replay evaluates exactly what
         serves tenants. `queue`: queue_capacity, retry_interval_s, queue_timeout_s."""
-        from mesh.runtime.policies import make_policy
+        from mesh.runtime.schedulers import make_policy
 
         dispatcher = cls(cluster, **queue)
         dispatcher.attach(make_policy(policy, cluster, dispatcher.reschedule))

@@ -14,8 +14,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
 
-from engines.protocol import Engine, EngineError, EngineRequest, IterationKind, StepResult
-from mesh.policy.compute import ComputeSubsystem, IterationTimes
+from engines.protocol import Engine, EngineError, EngineRequest, StepResult
+from mesh.policy.batching import IterationKind, IterationTimes
+from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, recommend_bytes
 from mesh.policy.memory import InstanceMemory, MemoryPlan, MemorySubsystem
 from mesh.policy.reservation import Issued, MemoryOp, OpKind

@@ -1,6 +1,6 @@
 """A node agent as the cluster dispatcher sees it: `AgentNode`, the service's `ClusterNode`.
 
-The dispatcher and the policies (mesh.runtime.dispatcher, mesh.runtime.policies) decide;
+The dispatcher and the policies (mesh.runtime.dispatcher, mesh.runtime.schedulers) decide;
 this class carries each decision to one node agent process (local or on another machine)
 over its control connection (mesh.agent.protocol) and keeps the dispatcher's view of the
 node current from the agent's events:

@@ -171,7 +171,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     from mesh.service.demo import ensure_demo, ready_line
     from mesh.service.formats import FormatPreparer
     from mesh.service.placement import ClusterPlacement, PlacementSettings
-    from mesh.service.weights_plane import WeightsPlane, WeightsSettings
+    from mesh.weights.plane import WeightsPlane, WeightsSettings
 
     loop = asyncio.get_running_loop()
     tls = None
@@ -220,8 +220,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights, formats=formats)
     membership = autoscaler = None
     if config.ray is not None:
-        from mesh.cluster.ray_actor import AgentLaunch
-        from mesh.cluster.ray_nodes import RayMembership, connect
+        from mesh.ray.actor import AgentLaunch
+        from mesh.ray.membership import RayMembership, connect
 
         try:
             connect(config.ray)
@@ -234,7 +234,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
                              memory_bytes=memory)
         membership = RayMembership(placement, launch)
         if config.ray_autoscale:
-            from mesh.cluster.autoscale import RayAutoscaler
+            from mesh.ray.autoscale import RayAutoscaler
 
             autoscaler = RayAutoscaler(placement, membership)
     service = Service(config, registry, placement, ServiceMetrics(placement.view), data_dir)

@@ -20,7 +20,7 @@ a Hugging Face folder for vLLM on GPU nodes; mesh.service.formats), so the dispa
 run it on either kind.
 
 `policy` (default `mesh`): the cluster dispatcher's placement policy, one of those `mesh
-replay` evaluates (mesh.runtime.policies): mesh, sllm, sllm+cpu, mesh-no-share, mesh-no-cpu,
+replay` evaluates (mesh.runtime.schedulers): mesh, sllm, sllm+cpu, mesh-no-share, mesh-no-cpu,
 mesh-no-defrag. `cold_start_s` (default 7.5, the demo model measured on a 2-core node): the
 start-up of a new instance besides moving its weights, which validation counts in a
 request's TTFT. `exact_moves` (default false): CPU instances compute so that a stream
@@ -84,7 +84,7 @@ class ServeConfig:
     quota_requests_per_s: float | None = None
     quota_burst: int | None = None  # None: one second of quota_requests_per_s
     deadlines: str = "eq1"  # deadline rule of the local agents: eq1 or pace (mesh.policy.slo)
-    policy: str = "mesh"  # the dispatcher's placement policy (mesh.runtime.policies)
+    policy: str = "mesh"  # the dispatcher's placement policy (mesh.runtime.schedulers)
     cold_start_s: float = 7.5  # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart)
     exact_moves: bool = False  # CPU instances recompute moved streams exactly, at ~2x compute
     prepare_formats: bool = True  # prepare each model's format for the other kind of node (mesh.service.formats)
@@ -177,7 +177,7 @@ def _check(c: ServeConfig) -> None:
         c.deadlines = DeadlineRule.parse(c.deadlines).value
     except ValueError as exc:
         raise ConfigError(f"deadlines: {exc}") from None
-    from mesh.runtime.policies import POLICIES
+    from mesh.runtime.schedulers import POLICIES
 
     if c.policy not in POLICIES:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")

@@ -94,7 +94,7 @@ class _ClusterCollector(Collector):
                      lambda n: n["memory"].get("budget_bytes", 0))
         yield family("mesh_node_busy_fraction", "fraction of the last second the node spent in iterations",
                      lambda n: n["busy_fraction"])
-        # A profile's drift (mesh.agent.engines.AdaptiveTimes.drift): how far the node's real
+        # A profile's drift (mesh.perf.times.AdaptiveTimes.drift): how far the node's real
         # iteration times are from its profile, per instance.
         factor = GaugeMetricFamily("mesh_instance_time_factor", "real over profiled iteration time the agent "
                                    "learnt for the instance (1: the profile holds)", labels=["node", "instance", "kind"])

@@ -1,7 +1,7 @@
 """Placement: where a request runs. The control service's one interface to the cluster.
 
 `ClusterPlacement` hands every request to the cluster dispatcher (mesh.runtime.dispatcher)
-under one of the replay's policies (mesh.runtime.policies, `mesh serve --policy`), over
+under one of the replay's policies (mesh.runtime.schedulers, `mesh serve --policy`), over
 one `AgentNode` per node agent (mesh.service.agent_node). The dispatcher and the policy
 that `mesh replay` evaluates in virtual time are the ones that decide here; this module
 decides nothing about where a request goes. It
@@ -28,8 +28,8 @@ whose nodes are up, so the dispatcher gets a profile per kind and chooses the ki
 first under `mesh`, GPU only under `sllm`); each instance loads its node kind's format.
 
 Instances start with their weights from the node's own copy, which the weights plane
-multicasts there first if needed (mesh.service.weights_plane). Nodes come and go while
-serving (`add_node`, `remove_node`: the Ray cluster's membership, mesh.cluster.ray_nodes):
+multicasts there first if needed (mesh.weights.plane). Nodes come and go while
+serving (`add_node`, `remove_node`: the Ray cluster's membership, mesh.ray.membership):
 a removed node's streams end with an error event and its copies leave the parameter pool.
 """
 from __future__ import annotations
@@ -43,7 +43,7 @@ from typing import Any, Callable, Protocol
 
 from engines.protocol import EngineRequest
 from mesh.agent.client import AgentCallError, AgentDown
-from mesh.agent.engines import prior_profile
+from mesh.perf.times import prior_profile
 from mesh.agent.protocol import Code, InstanceSpec, slo_to_dict
 from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.policy.placement import CPU, GPU, ColdStart
@@ -59,7 +59,7 @@ from mesh.service.errors import (ApiError, bad_request, context_too_long, max_to
 from mesh.service.formats import ENGINE_OF_KIND, FORMAT_NAMES, FormatPreparer, formats_view
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
-from mesh.service.weights_plane import ModelFormat, WeightsError, WeightsPlane
+from mesh.weights.plane import ModelFormat, WeightsError, WeightsPlane
 
 log = logging.getLogger("mesh.service.placement")
 
@@ -104,7 +104,7 @@ class Placement(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class PlacementSettings:
-    policy: str = "mesh"  # mesh.runtime.policies.POLICIES
+    policy: str = "mesh"  # mesh.runtime.schedulers.POLICIES
     keep_alive_s: float = 60.0
     start_timeout_s: float = 60.0
     max_num_seqs: int = 64
@@ -142,7 +142,7 @@ class ClusterPlacement:
         config = ClusterConfig(
             cpu_nodes=sum(n.kind == CPU for n in nodes), gpu_nodes=sum(n.kind == GPU for n in nodes),
             cold_start=ColdStart(fixed_s=s.cold_start_s), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines)
-        self.cluster = Cluster(config, {}, {}, {}, nodes=[])
+        self.cluster = Cluster(config)
         self.dispatcher = Dispatcher.for_policy(self.cluster, s.policy, queue_capacity=s.queue_capacity,
                                                 queue_timeout_s=s.queue_timeout_s)
         self.agents: dict[str, AgentHandle] = {}  # node id -> its agent (the weights plane reads it)
@@ -347,7 +347,7 @@ class ClusterPlacement:
         if there is one for this kind of node, else the prior the agents validate with."""
         path = self._profile_for(record.uid, kind)
         if path is not None:
-            from calibration.profile import load_profile
+            from mesh.perf.profile import load_profile
 
             return load_profile(path)
         return prior_profile(record.uid, kind, int(shape["weight_bytes"]), int(shape["kv_bytes_per_token"]),
@@ -367,7 +367,7 @@ class ClusterPlacement:
 
     def _profile_kind(self, path: Path) -> str | None:
         """The device kind of a profile file (read once per version of the file)."""
-        from calibration.profile import ProfileError, load_profile
+        from mesh.perf.profile import ProfileError, load_profile
 
         key = (str(path), path.stat().st_mtime_ns)
         if key not in self._profile_kinds:

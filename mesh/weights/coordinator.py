@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from mesh.policy.multicast import InvalidPlan, Plan, repair, validate
-from mesh.runtime.weights.blocks import Manifest
-from mesh.runtime.weights.protocol import STREAM_LIMIT, ProtocolError, read_message, send
+from mesh.weights.blocks import Manifest
+from mesh.weights.protocol import STREAM_LIMIT, ProtocolError, read_message, send
 
 MAX_CORRUPT_RETRIES = 3
 _ids = itertools.count()

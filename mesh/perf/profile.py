@@ -52,7 +52,7 @@ _FIELDS = (
     "format", "model", "device", "device_kind", "engine", "kv_bytes_per_token",
     "weight_bytes", "max_context", "prefill", "decode", "provenance", "overheads",
 )
-_REFERENCE_PACKAGE = "calibration"
+_REFERENCE_PACKAGE = "mesh.perf"
 _REFERENCE_DIR = "profiles"
 
 
@@ -111,7 +111,7 @@ def _as_list(value: Any) -> Any:
 
 def _get(obj: dict, key: str, source: str, prefix: str = "") -> Any:
     if key not in obj:
-        raise _fail(source, prefix + key, "missing field; add it (see calibration/profile.py for the format)")
+        raise _fail(source, prefix + key, "missing field; add it (see mesh/perf/profile.py for the format)")
     return obj[key]
 
 
@@ -316,12 +316,12 @@ def reference_profiles() -> list[tuple[str, str]]:
 
 
 def reference_profile(model: str, device: str) -> Profile:
-    """The packaged profile calibration/profiles/{model}__{device}.json."""
+    """The packaged profile mesh/perf/profiles/{model}__{device}.json."""
     entry = _reference_dir().joinpath(f"{model}__{device}.json")
     if not entry.is_file():
         valid = ", ".join(f"{m}/{d}" for m, d in reference_profiles()) or "none"
         raise ProfileError(
-            f"calibration/profiles/{model}__{device}.json: model/device: no reference profile for "
+            f"mesh/perf/profiles/{model}__{device}.json: model/device: no reference profile for "
             f"model {model!r} on device {device!r}; available (model/device): {valid}"
         )
     with resources.as_file(entry) as path:

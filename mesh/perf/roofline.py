@@ -12,7 +12,7 @@ to be plausible and fitted to what LLM-Mesh 3.1 states about the CPU (tests/test
 holds the packaged profiles to those statements). Grids follow LLM-Mesh 5.2: powers of two,
 prompt lengths 16..max_context, batch sizes 1..256, context lengths 16..max_context.
 
-Run `python -m calibration.roofline` to regenerate calibration/profiles/*.json.
+Run `python -m mesh.perf.roofline` to regenerate mesh/perf/profiles/*.json.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from calibration.profile import Profile, profile_from_dict, save_profile
+from mesh.perf.profile import Profile, profile_from_dict, save_profile
 
 DTYPE_BYTES = 2  # 16-bit weights and KV cache (LLM-Mesh 3.1, 8.1)
 BATCH_SIZES = tuple(2**k for k in range(0, 9))  # 1..256 (LLM-Mesh 5.2, B_max = 256)
@@ -234,7 +234,7 @@ def roofline_profile(arch: Architecture, hw: Hardware) -> Profile:
             "hardware": params,
             "engine": {"name": "roofline", "version": "1", "stands_in_for": hw.engine},
             "architecture": asdict(arch),
-            "created_by": "python -m calibration.roofline",
+            "created_by": "python -m mesh.perf.roofline",
             "notes": (
                 "time = max(compute, memory) + overhead_s per iteration; efficiency factors "
                 "are fitted to the CPU statements of LLM-Mesh 3.1, not measured; see "
@@ -283,12 +283,12 @@ def markdown_table() -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m calibration.roofline",
+        prog="python -m mesh.perf.roofline",
         description="Regenerate the roofline reference profiles (docs/roofline.md).",
     )
     parser.add_argument(
         "--out", default=str(Path(__file__).parent / "profiles"),
-        help="output folder (default: the packaged calibration/profiles)",
+        help="output folder (default: the packaged mesh/perf/profiles)",
     )
     parser.add_argument("--table", action="store_true", help="print the docs/roofline.md table instead")
     args = parser.parse_args(argv)

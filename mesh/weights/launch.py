@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from engines.worker_process import worker_env
-from mesh.runtime.weights.agent import TOKEN_ENV
+from mesh.weights.peer import TOKEN_ENV
 
 
 @dataclass
@@ -56,10 +56,10 @@ def token_of(agents: Mapping[str, AgentProcess] | Sequence[AgentProcess]) -> str
 
 async def spawn_agent(node: str, link_mbps: float | None = None, host: str = "127.0.0.1",
                       ready_timeout_s: float = 30.0, token: str | None = None) -> AgentProcess:
-    """Start `python -m mesh.runtime.weights.agent` with `token` (None: a new random one) in
+    """Start `python -m mesh.weights.peer` with `token` (None: a new random one) in
     its environment and wait for its READY line."""
     token = token or new_token()
-    args = [sys.executable, "-m", "mesh.runtime.weights.agent", "--host", host, "--port", "0"]
+    args = [sys.executable, "-m", "mesh.weights.peer", "--host", host, "--port", "0"]
     if link_mbps is not None:
         args += ["--link-mbps", str(link_mbps)]
     proc = await asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE,

@@ -52,13 +52,17 @@ from typing import TYPE_CHECKING, Sequence
 
 from engines.protocol import Engine
 from engines.simulated import SimulatedEngine
-from mesh.policy.compute import IterationTimes
+from mesh.policy.batching import IterationTimes
 from mesh.policy.multicast import CostModel, make_plan, schedule
 from mesh.policy.param_pool import ParameterPool
 from mesh.runtime.node import InstancePlan
 
 if TYPE_CHECKING:
-    from mesh.runtime.cluster import Cluster, EngineFactory
+    from typing import Callable
+
+    from mesh.runtime.cluster import Cluster
+
+    EngineFactory = Callable[[InstancePlan, str, float, int], Engine]  # mesh.replay.simulator.EngineFactory
 
 MODES: tuple[str, ...] = ("ssd", "host", "multicast", "multicast-live")
 HOST_MEMORY_BYTES = 2 * 10**12  # per GPU node, for the pool's host copies (far more than needed)

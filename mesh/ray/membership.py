@@ -5,7 +5,7 @@ thread of the loop's executor, so the loop never blocks on Ray) and keeps the pl
 nodes equal to the live Ray nodes:
 
 - a Ray node that is alive and offers a CPU gets a CPU node agent, and one GPU node agent
-  per GPU it offers: a `NodeAgentActor` (mesh.cluster.ray_actor) pinned to the node
+  per GPU it offers: a `NodeAgentActor` (mesh.ray.actor) pinned to the node
   (NodeAffinitySchedulingStrategy, soft=False) with `max_restarts=-1`, whose hardware probe
   on the node gives the node's kind and memory; the placement connects to the agent over
   Mesh's framed TCP (mesh.agent.remote.RemoteAgent, with the actor as its address source:
@@ -17,7 +17,7 @@ nodes equal to the live Ray nodes:
 Ray does membership, placement of agent processes, their restarts and health; weights go by
 Mesh's multicast between the agents' weights receivers, tokens by the agents' connections.
 
-Autoscaling (`--ray-autoscale`, mesh.cluster.autoscale) asks Ray's autoscaler for the nodes
+Autoscaling (`--ray-autoscale`, mesh.ray.autoscale) asks Ray's autoscaler for the nodes
 the placement uses and releases idle ones.
 """
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from mesh.agent.remote import RemoteAgent
 from mesh.agent.supervisor import AgentHandle
-from mesh.cluster.ray_actor import AgentLaunch, NodeAgentActor, launch_dict
+from mesh.ray.actor import AgentLaunch, NodeAgentActor, launch_dict
 from mesh.runtime.node import NodeSpec
 from mesh.runtime.tasks import cancel_all
 

@@ -1,6 +1,6 @@
 """The node agent's weight transport: receives, verifies, forwards and sends model blocks.
 
-    MESH_WEIGHTS_TOKEN=... python -m mesh.runtime.weights.agent --port P [--host H] [--link-mbps L]
+    MESH_WEIGHTS_TOKEN=... python -m mesh.weights.peer --port P [--host H] [--link-mbps L]
 
 prints `READY <host> <port>` once it listens. With a token (`WeightAgent(token=...)`; the
 command reads it from the environment variable MESH_WEIGHTS_TOKEN, never from argv, where
@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from mesh.policy.multicast import Plan
-from mesh.runtime.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
-from mesh.runtime.weights.protocol import STREAM_LIMIT, ProtocolError, frame, read_message, send
+from mesh.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
+from mesh.weights.protocol import STREAM_LIMIT, ProtocolError, frame, read_message, send
 
 CHUNK = 1 << 20  # sends go out in chunks of this size (paced per chunk)
 TOKEN_ENV = "MESH_WEIGHTS_TOKEN"  # where the agent commands read the weights token
@@ -370,7 +370,7 @@ async def _serve(host: str, port: int, link_bytes_per_s: float | None, token: st
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mesh.runtime.weights.agent", description=__doc__.split("\n\n")[0],
+    p = argparse.ArgumentParser(prog="python -m mesh.weights.peer", description=__doc__.split("\n\n")[0],
                                 epilog=f"The token comes from the environment variable {TOKEN_ENV} (unset: none).")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=0, help="0: any free port (printed on the READY line)")

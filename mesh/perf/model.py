@@ -26,7 +26,7 @@ from typing import Sequence
 import numpy as np
 from scipy.interpolate import RegularGridInterpolator, make_interp_spline
 
-from calibration.profile import Profile
+from mesh.perf.profile import Profile
 
 
 def _bad(name: str, value: object) -> ValueError:
@@ -38,7 +38,7 @@ class PerformanceModel:
 
     def __init__(self, profile: Profile) -> None:
         self.profile = profile
-        # Costs beyond the grid (mesh-profile/2; 0 for older profiles): mesh.policy.compute.extra_s.
+        # Costs beyond the grid (mesh-profile/2; 0 for older profiles): mesh.policy.batching.extra_s.
         self.decode_after_prefill_s = profile.overhead("decode_after_prefill_s")
         self.decode_batch_change_s = profile.overhead("decode_batch_change_s")
         self.prefill_new_shape_s = profile.overhead("prefill_new_shape_s")

@@ -78,7 +78,7 @@ def node_ip() -> str:
 
 
 class NodeAgentActor:
-    """A Ray actor class (made remote by mesh.cluster.ray_nodes): one node agent process."""
+    """A Ray actor class (made remote by mesh.ray.membership): one node agent process."""
 
     def __init__(self, node_id: str, kind: str, launch: dict[str, Any], gpu_memory: int | None = None) -> None:
         self.node_id = node_id

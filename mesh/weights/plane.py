@@ -8,7 +8,7 @@ The registry keeps each model's files (an upload, or a path under --allowed-dir)
   for GGUF and IR, GPU for Hugging Face folders), the one with the most free host memory,
   and the origin,
   a weights agent inside the control service, sends the file there over the weights
-  transport (mesh.runtime.weights: checksummed blocks, written atomically into the node's
+  transport (mesh.weights: checksummed blocks, written atomically into the node's
   weights folder). A model registered before a restart gets its copy on first use.
 - A node that starts an instance of a model it does not hold gets the model by multicast
   from the pool's sources (5.1): nodes with a host copy first, then nodes running an
@@ -46,15 +46,26 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
-from mesh.agent.client import AgentClient
-from mesh.agent.weights import weights_address
 from mesh.policy.multicast import make_plan
 from mesh.policy.param_pool import ParameterPool, PoolError, Where
 from mesh.runtime.node import NodeSpec
-from mesh.runtime.weights.agent import WeightAgent
-from mesh.runtime.weights.blocks import Manifest, pack
-from mesh.runtime.weights.coordinator import multicast
-from mesh.service.registry import ModelRecord
+from mesh.weights.blocks import Manifest, pack
+from mesh.weights.coordinator import multicast
+from mesh.weights.node import AgentClient, weights_address
+from mesh.weights.peer import WeightAgent
+
+
+class ModelRecord(Protocol):
+    """What the plane reads of a registered model (mesh.service.registry.ModelRecord)."""
+
+    uid: str
+    tenant: str
+    name: str
+
+    @property
+    def native_kind(self) -> str: ...
+
+    def path_for(self, kind: str) -> str: ...
 
 log = logging.getLogger("mesh.service.weights")
 

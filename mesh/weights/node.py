@@ -1,8 +1,8 @@
 """A node agent's weights receiver (issue 7 item 4): engines start from received weights.
 
 With `--weights-listen HOST:PORT` the node agent hosts a weights agent
-(mesh.runtime.weights.agent) on its own event loop, on a second port. A coordinator
-(mesh.runtime.weights.coordinator.multicast) then sends the node a model's blocks, which it
+(mesh.weights.peer) on its own event loop, on a second port. A coordinator
+(mesh.weights.coordinator.multicast) then sends the node a model's blocks, which it
 verifies, forwards as its plan says, and writes atomically into the node's data folder:
 `<weights dir>/<model>/<file name>`. The control service learns the address and the folder
 from `hello` (`weights: {address, dir}`) and asks the agent where a model's file goes with
@@ -29,14 +29,25 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Mapping, Protocol
 
-from mesh.agent.client import AgentClient
 from mesh.policy.multicast import make_plan
-from mesh.runtime.weights.agent import WeightAgent
-from mesh.runtime.weights.blocks import Manifest
-from mesh.runtime.weights.coordinator import MulticastResult, multicast
-from mesh.runtime.weights.protocol import ProtocolError, send
+from mesh.weights.blocks import Manifest
+from mesh.weights.coordinator import MulticastResult, multicast
+from mesh.weights.peer import WeightAgent
+from mesh.weights.protocol import ProtocolError, send
+
+
+class AgentClient(Protocol):
+    """What the weights need of a connection to a node agent (mesh.agent.client.AgentClient):
+    its name and address, the agent's hello (`info`), and a call."""
+
+    name: str
+    address: str
+    info: dict[str, Any]
+
+    async def call(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]: ...
+
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
 

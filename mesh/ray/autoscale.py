@@ -22,7 +22,7 @@ from typing import Any
 from mesh.policy.autoscale import NodeUse, ScaleDecision, decide
 from mesh.runtime.tasks import cancel_all
 
-log = logging.getLogger("mesh.cluster.autoscale")
+log = logging.getLogger("mesh.ray.autoscale")
 
 
 class RayAutoscaler:

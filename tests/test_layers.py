@@ -1,0 +1,105 @@
+"""Mesh's layers point only down: no module imports from a layer above its own.
+
+The layer order is written once, here (LAYERS, bottom first; docs/design.md draws it). A
+module belongs to the layer of the longest prefix that names it; a module no prefix names
+fails the test, so a new package is placed on purpose. Every import counts: at the top of
+a file, inside a function, under `if TYPE_CHECKING:`. Modules of one layer may import each
+other (the base's few modules; the command line and the benchmarks it runs).
+"""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("mesh", "engines", "calibration", "workloads")
+
+# Bottom first. A module may import from its own layer and the layers below it.
+LAYERS: list[tuple[str, ...]] = [
+    ("mesh", "mesh.paths", "mesh.framing", "mesh.hardware", "mesh.models", "workloads"),  # base: no Mesh imports
+    ("mesh.policy",),  # the pure policy core: batching vocabulary, scheduling and placement rules
+    ("mesh.perf",),  # profiles, performance models, every iteration-time model
+    ("engines",),  # the engine protocol and the engines; model files and their formats
+    ("mesh.runtime",),  # the asyncio runtime: node runtime, cluster, dispatcher, schedulers
+    ("mesh.weights",),  # weights: blocks, transport, plans' execution
+    ("mesh.agent",),  # the node agent process and its protocol
+    ("mesh.replay",),  # virtual-time replays and the simulator they assemble
+    ("calibration",),  # calibration runs (above the engines they measure)
+    ("mesh.ray",),  # Mesh on a Ray cluster
+    ("mesh.service",),  # the HTTP control service
+    ("mesh.bench", "mesh.commands", "mesh.cli", "mesh.__main__"),  # benchmarks and the command line
+]
+
+
+def layer_of(module: str) -> int | None:
+    best, found = -1, None
+    for index, prefixes in enumerate(LAYERS):
+        for prefix in prefixes:
+            if (module == prefix or module.startswith(prefix + ".")) and len(prefix) > best:
+                best, found = len(prefix), index
+    return found
+
+
+def modules() -> dict[str, Path]:
+    found = {}
+    for package in PACKAGES:
+        for path in sorted((ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            found[".".join(parts)] = path
+    return found
+
+
+def imports(module: str, path: Path) -> list[tuple[int, str]]:
+    """(line, imported module) for every import of one of PACKAGES in the file."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")[: len(package.split(".")) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            out.append((node.lineno, target))
+            # `from mesh.replay import driver`: the submodule, where it is one
+            out += [(node.lineno, f"{target}.{alias.name}") for alias in node.names
+                    if (ROOT / Path(*target.split("."), alias.name)).with_suffix(".py").exists()
+                    or (ROOT / Path(*target.split("."), alias.name, "__init__.py")).exists()]
+    return [(line, name) for line, name in out if name.split(".")[0] in PACKAGES]
+
+
+def upward_imports() -> list[str]:
+    found = []
+    for module, path in modules().items():
+        own = layer_of(module)
+        for line, target in imports(module, path):
+            theirs = layer_of(target)
+            if theirs is not None and own is not None and theirs > own:
+                found.append(f"{path.relative_to(ROOT)}:{line}: {module} (layer {own}, {LAYERS[own][0]}) imports "
+                             f"{target} (layer {theirs}, {LAYERS[theirs][0]}), a layer above its own")
+    return found
+
+
+def test_every_module_has_a_layer():
+    unplaced = [m for m in modules() if layer_of(m) is None]
+    assert not unplaced, f"place these modules in tests/test_layers.py LAYERS: {unplaced}"
+
+
+def test_no_module_imports_from_a_layer_above_its_own():
+    found = upward_imports()
+    assert not found, "imports that point up:\n" + "\n".join(found)
+
+
+@pytest.mark.parametrize("module,expected", [
+    ("mesh.policy.batching", 1), ("mesh.perf.times", 2), ("engines.simulated", 3), ("mesh.runtime.cluster", 4),
+    ("mesh.replay.simulator", 7), ("calibration.runner", 8), ("mesh.models", 0), ("mesh.commands.replay", 11),
+])
+def test_the_longest_prefix_places_a_module(module, expected):
+    assert layer_of(module) == expected
