@@ -143,11 +143,11 @@ class AgentServer:
 
     async def close(self) -> None:
         self._server.close()
-        await self.tokenizers.close()
         if self.weights is not None:
             await self.weights.close()
-        self._abort_all("the node agent is shutting down")
+        self._abort_all("the node agent is shutting down")  # its requests end at once, before the workers do
         self._flush()
+        await self.tokenizers.close()
         await self.node.stop()
         for iid in list(self.node.instances):
             inst = self.node.instances[iid]
