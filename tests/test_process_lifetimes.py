@@ -30,19 +30,22 @@ def _stat(pid: int) -> tuple[int, str] | None:
     return None if fields[0] == "Z" else (int(fields[1]), fields[19])
 
 
-def descendants(root: int) -> dict[int, str]:
-    """pid -> start time of every running descendant of `root`."""
+def descendants(root: int) -> dict[int, tuple[str, str]]:
+    """pid -> (start time, command line) of every running descendant of `root`."""
     parents: dict[int, tuple[int, str]] = {}
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit() and (st := _stat(int(proc.name))) is not None:
             parents[int(proc.name)] = st
-    found: dict[int, str] = {}
+    found: dict[int, tuple[str, str]] = {}
     frontier = [root]
     while frontier:
         parent = frontier.pop()
         for pid, (ppid, started) in parents.items():
             if ppid == parent and pid not in found:
-                found[pid] = started
+                try:
+                    found[pid] = (started, Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " "))
+                except OSError:  # ended meanwhile
+                    continue
                 frontier.append(pid)
     return found
 
@@ -85,18 +88,19 @@ def test_a_sigkilled_agent_leaves_no_process_behind(demo_gguf, monkeypatch):
             ids = (await agent.client.call({"t": "tokenize", "instance_id": "i1", "prompt": "Hello"}))["ids"]
             assert ids
 
-            workers = descendants(first)
-            commands = " ".join(Path(f"/proc/{pid}/cmdline").read_text().replace("\0", " ") for pid in workers)
+            found = descendants(first)
+            workers = {pid: started for pid, (started, _) in found.items()}
+            commands = " ".join(cmd for _, cmd in found.values())
             assert "engines.openvino_worker" in commands and "mesh.agent.tokenizer_worker" in commands, commands
             agent_env = environment(first)
             assert agent_env.get("MESH_AGENT_TOKEN") and "MESH_ADMIN_TOKEN" not in agent_env
             assert "MESH_METRICS_TOKEN" not in agent_env
             for pid in workers:
-                assert not set(SECRET_ENV) & set(environment(pid)), f"worker {pid} holds a secret"
+                assert not set(SECRET_ENV) & set(environment(pid)), f"{found[pid][1]} (pid {pid}) holds a secret"
 
             os.kill(first, signal.SIGKILL)
             left = await asyncio.to_thread(still_running, workers, 10.0)
-            assert not left, f"the killed agent's processes still run: {left}"
+            assert not left, f"the killed agent's processes still run: {[found[pid][1] for pid in left]}"
             await until(lambda: agent.up and agent.pid not in (None, first), 60)  # restarted
             await agent.client.call({"t": "ping"})  # it answers
         finally:

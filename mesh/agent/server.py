@@ -97,6 +97,7 @@ class AgentServer:
         self.token = token
         self.cpu = cpu or {}
         self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True, deadlines=deadlines)
+        self.node.on_loaded = self._ready
         self.times: dict[str, AdaptiveTimes] = {}  # instance id -> its iteration times
         self.specs: dict[str, InstanceSpec] = {}
         # Unloaded engines by (engine, path, window): a model's shape and tokenizer before
@@ -322,17 +323,23 @@ class AgentServer:
         return {"weight_bytes": engine.weight_bytes, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "context_window": engine.context_window}
 
-    def _loaded(self, instance_id: str, exc: BaseException | None) -> None:
-        """The engine loaded (or failed); an OpenVINO instance is reported ready once its
-        tokenizer is built too."""
+    def _ready(self, instance_id: str) -> None:
+        """The node runtime has the instance loaded (its engine loaded and its KV cache sized:
+        it can be given requests now); an OpenVINO instance is reported ready once its
+        tokenizer is built too. (The engine's own callback comes before the KV sizing: a
+        `ready` sent then let the service's next call find the instance still loading.)"""
         tokenizer = self._tokenizers_ready.pop(instance_id, None)
+        if tokenizer is None or tokenizer.done():
+            self._send({"t": "instance", "instance_id": instance_id, "state": "ready"})
+        else:
+            tokenizer.add_done_callback(lambda _f: self._send({"t": "instance", "instance_id": instance_id,
+                                                               "state": "ready"}))
+
+    def _loaded(self, instance_id: str, exc: BaseException | None) -> None:
+        """The engine's load callback: a failure is reported here (success by `_ready`)."""
         if exc is None:
-            if tokenizer is None or tokenizer.done():
-                self._send({"t": "instance", "instance_id": instance_id, "state": "ready"})
-            else:
-                tokenizer.add_done_callback(lambda _f: self._send({"t": "instance", "instance_id": instance_id,
-                                                                   "state": "ready"}))
             return
+        self._tokenizers_ready.pop(instance_id, None)
         log.error("loading instance %s failed: %s", instance_id, exc)
         self._send({"t": "instance", "instance_id": instance_id, "state": "failed", "error": f"{exc}"})
         asyncio.get_running_loop().call_soon(self._drop_instance, instance_id)
