@@ -409,10 +409,20 @@ def test_metrics_and_cluster_view(server):
     node = view["nodes"][0]
     assert node["kind"] == "cpu" and node["state"] == "up" and node["memory"]["capacity_bytes"] > 0
     assert node["deadlines"] == "eq1"  # the service's default deadline rule (docs/design.md)
-    inst = [i for i in node["instances"] if i["model"] == "demo/smollm2"]
-    assert inst and inst[0]["state"] == "ready" and inst[0]["weight_bytes"] > 0
+    # The instance that served, once the service's view has read the agent's stats after it
+    # (they are polled: the view may predate the request, e.g. on an instance loaded for it).
+    deadline = time.monotonic() + 30
+    while True:
+        node = server.admin("GET", "/admin/cluster")["nodes"][0]
+        inst = [i for i in node["instances"] if i["model"] == "demo/smollm2" and (i.get("time_factors") or {}).get(
+            "observed", 0) > 0]
+        if inst or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert inst and inst[0]["state"] == "ready" and inst[0]["weight_bytes"] > 0, node["instances"]
     drift = inst[0]["time_factors"]  # the profile's drift as the agent learnt it from served iterations
     assert drift["observed"] > 0 and drift["regions"] >= 1 and drift["max_drift"] >= 0
+    metrics = server.http("GET", "/metrics", token=ADMIN)[1]
     assert f'mesh_instance_time_factor{{instance="{inst[0]["instance_id"]}",kind="decode"' in metrics
     assert "mesh_instance_profile_drift{" in metrics
     assert server.http("GET", "/healthz")[1]["status"] == "ok"
