@@ -10,16 +10,14 @@ nothing to run (its requests were aborted in flight) answers an empty DECODE res
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
-import logging
 import os
 import socket
 from typing import Any
 
 from engines.protocol import StepResult
 from mesh.policy.batching import IterationKind
-from engines.worker_process import WorkerLoop
+from engines.worker_process import WorkerLoop, worker_main
 
 
 class Worker(WorkerLoop):
@@ -67,12 +65,7 @@ class Worker(WorkerLoop):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engines.openvino_worker")
-    parser.add_argument("--fd", type=int, required=True, help="main socket (inherited file descriptor)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("MESH_WORKER_LOG", "WARNING"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return Worker(socket.socket(fileno=args.fd)).run()
+    return worker_main("python -m engines.openvino_worker", Worker, argv)
 
 
 if __name__ == "__main__":

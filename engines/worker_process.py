@@ -27,6 +27,7 @@ the admin, metrics, agent or weights tokens.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import concurrent.futures
 import ctypes
@@ -43,7 +44,7 @@ import threading
 import traceback
 from collections import deque
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from engines.protocol import EngineError, FinishReason, StepResult
 from mesh.policy.batching import IterationKind
@@ -367,6 +368,17 @@ class WorkerLoop:
                 sys.stdout.flush()
                 sys.stderr.flush()
                 os._exit(0)
+
+
+def worker_main(prog: str, make: Callable[[socket.socket], WorkerLoop], argv: list[str] | None = None) -> int:
+    """The `main` of a worker module with one socket (`python -m MODULE --fd N`): logging at
+    $MESH_WORKER_LOG (default WARNING), then `make(socket).run()`."""
+    parser = argparse.ArgumentParser(prog=prog)
+    parser.add_argument("--fd", type=int, required=True, help="main socket (inherited file descriptor)")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=os.environ.get("MESH_WORKER_LOG", "WARNING"),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    return make(socket.socket(fileno=args.fd)).run()
 
 
 def describe(exc: BaseException) -> str:

@@ -8,14 +8,10 @@ prompt) -> token ids; shutdown.
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import logging
-import os
-import socket
 from typing import Any
 
-from engines.worker_process import WorkerLoop
+from engines.worker_process import WorkerLoop, worker_main
 
 
 @functools.lru_cache(maxsize=32)
@@ -39,12 +35,7 @@ class Worker(WorkerLoop):
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mesh.agent.tokenizer_worker")
-    parser.add_argument("--fd", type=int, required=True, help="main socket (inherited file descriptor)")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=os.environ.get("MESH_WORKER_LOG", "WARNING"),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    return Worker(socket.socket(fileno=args.fd)).run()
+    return worker_main("python -m mesh.agent.tokenizer_worker", Worker, argv)
 
 
 if __name__ == "__main__":
