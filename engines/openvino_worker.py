@@ -59,8 +59,6 @@ class Worker(WorkerLoop):
             else:
                 result = engine.step_blocking()
             return result, engine.kv_bytes_allocated()
-        if op == "shutdown":
-            return None  # run() exits the process after the reply
         raise ValueError(f"unknown command {op!r}")
 
 

@@ -86,8 +86,6 @@ class Worker(WorkerLoop):
             return {**core.facts(), "kv_bytes_in_use": core.kv_bytes_in_use(),
                     "kv_bytes_in_use_estimate": core.kv_bytes_in_use_estimate(),
                     "requests": core.request_lengths(), "has_work": core.has_work()}
-        if op == "shutdown":
-            return None  # run() exits the process after the reply
         raise ValueError(f"unknown command {op!r}")
 
     def on_parent_gone(self) -> None:

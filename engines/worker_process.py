@@ -354,7 +354,8 @@ class WorkerLoop:
                 return 0
             op = msg.get("op")
             try:
-                reply = {"ok": True, "value": self.handle(op, msg)}
+                # `shutdown` is the loop's own: answered here, then the process ends (below)
+                reply = {"ok": True, "value": None if op == "shutdown" else self.handle(op, msg)}
             except Exception as exc:  # noqa: BLE001
                 logging.getLogger(self.log_name).debug("%s failed", op, exc_info=True)
                 reply = {"ok": False, "error": describe(exc), "engine_error": _is_engine_error(exc)}

@@ -29,8 +29,6 @@ class Worker(WorkerLoop):
             engine = _front(str(msg["path"]))
             messages = msg.get("messages")
             return engine.encode_chat(messages) if messages is not None else engine.encode_prompt(msg.get("prompt"))
-        if op == "shutdown":
-            return None  # run() exits the process after the reply
         raise ValueError(f"unknown command {op!r}")
 
 

@@ -26,15 +26,8 @@ from engines.worker_process import WorkerConnection, wait, worker_env
 class TokenizerProcess:
     """One worker process (started on first use) that tokenizes for the agent, in order."""
 
-    def __init__(self, log_dir: str | Path | None = None) -> None:
-        """log_dir: where the worker's output goes (default: Mesh's data folder, logs/)."""
+    def __init__(self) -> None:
         self._conn: WorkerConnection | None = None
-        self._log_dir = Path(log_dir) if log_dir is not None else None
-
-    @property
-    def pid(self) -> int | None:
-        """The worker's process id while it runs."""
-        return self._conn.pid if self._conn is not None and self._conn.dead is None else None
 
     async def encode(self, path: str, messages: Sequence[Mapping[str, Any]] | None, prompt: str | None) -> list[int]:
         """The prompt's token ids (chat `messages` with the model's template, else `prompt`);
@@ -58,12 +51,12 @@ class TokenizerProcess:
                                       name="tokenizer")
         return self._conn
 
-    def _log_path(self) -> Path:
-        if self._log_dir is None:
-            from mesh.paths import data_dir
+    @staticmethod
+    def _log_path() -> Path:
+        """Where the worker's output goes: Mesh's data folder, logs/."""
+        from mesh.paths import data_dir
 
-            self._log_dir = data_dir() / "logs"
-        return self._log_dir / f"tokenizer-{os.getpid()}.log"
+        return data_dir() / "logs" / f"tokenizer-{os.getpid()}.log"
 
     async def close(self) -> None:
         """End the worker (the tokenizers it built go with it)."""
