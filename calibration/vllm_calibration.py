@@ -6,10 +6,10 @@ produces exactly max_tokens and decode batches keep their size. M is one of:
 
 - a Hugging Face folder (config.json, tokenizer, weights; a folder without weights runs
   with random weights, `load_format="dummy"`);
-- a shape name from engines/shapes (llama-3.2-3b, llama-2-7b, llama-2-13b): the real
+- a shape name from mesh/modelfiles/shapes (llama-3.2-3b, llama-2-7b, llama-2-13b): the real
   model's config with the local byte-level tokenizer and dummy weights, written into the
   data folder on first use (no download). Timing does not depend on weight values;
-- `tiny-llama`: the 2-layer test model (engines.local_models), for quick checks.
+- `tiny-llama`: the 2-layer test model (mesh.modelfiles.local), for quick checks.
 
 The KV cache is sized for the grid: the largest batch at the whole context window (plus
 vLLM's null block), so decode points never preempt. Prompts are real text (the passage
@@ -35,7 +35,7 @@ TINY = "tiny-llama"
 
 def resolve_model_arg(model: str | Path) -> tuple[Path, str]:
     """(HF folder, default profile model name) for a path, a shape name or `tiny-llama`."""
-    from engines.local_models import shape_names, write_shape_folder, write_tiny_llama
+    from mesh.modelfiles.local import shape_names, write_shape_folder, write_tiny_llama
     from mesh.paths import data_dir
 
     text = str(model)

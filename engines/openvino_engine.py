@@ -37,7 +37,7 @@ once: the metrics are percentages taken while the step is scheduled, so they sti
 a request cancelled (aborted, or ended by a stop string) just before the step. The pipeline
 frees a cancelled request's blocks at its next step; an idle engine takes that step at once.
 `kv_bytes_per_token` comes from the model shape and the cache precision (u8 keys per
-channel and u8 values per token on CPU, see engines.model_shape): 13,680 bytes for the demo
+channel and u8 values per token on CPU, see mesh.modelfiles.shape): 13,680 bytes for the demo
 model; `load()` checks it against the size of a real block.
 """
 from __future__ import annotations
@@ -53,7 +53,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from engines.chat import PromptEncoder
 from engines.detokenize import Detokenizer, StopMatcher
-from engines.model_shape import ModelShape, kv_bytes_per_token, shape_from_config, shape_from_gguf
+from mesh.modelfiles.shape import ModelShape, kv_bytes_per_token, shape_from_config, shape_from_gguf
 from engines.protocol import checked_request, engine_limits, EngineError, EngineRequest, FinishReason, RequestOutput, Sampling, StepResult, step_result
 from mesh.policy.batching import IterationKind
 
@@ -102,7 +102,7 @@ def resolve_model(path: str | Path) -> ModelSource:
             shape = shape_from_gguf(p)
         except ValueError as exc:
             raise EngineError(f"cannot read the model shape from {p}: {exc}") from exc
-        from engines.gguf_meta import read_gguf_metadata  # cheap: the header only
+        from mesh.modelfiles.gguf import read_gguf_metadata  # cheap: the header only
 
         meta = read_gguf_metadata(p)
         tokens = meta.get("tokenizer.ggml.tokens")

@@ -39,7 +39,7 @@ memory the load took replaces it after the build.
 
 Models: a Hugging Face folder (config.json, tokenizer files, safetensors weights); a
 folder without weights runs with random weights (`load_format="dummy"`), which is how
-real shapes (engines/shapes, engines.local_models) are calibrated without downloads.
+real shapes (mesh/modelfiles/shapes, mesh.modelfiles.local) are calibrated without downloads.
 
 Where vLLM comes from: the interpreter in $MESH_VLLM_PYTHON, else this one if it can import
 vllm, else `<repo>/.venv-vllm/bin/python` (scripts/setup.sh creates it with the `vllm` or
@@ -58,7 +58,7 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from engines.model_shape import ModelShape, shape_from_config
+from mesh.modelfiles.shape import ModelShape, shape_from_config
 from engines.protocol import (
     checked_request,
     engine_limits,
@@ -142,7 +142,7 @@ def config_dtype(config: Mapping[str, Any], dtype: str, device: str) -> str:
 
 def parameter_bytes(config: Mapping[str, Any], dtype_bytes: int) -> int:
     """Weight bytes of a Llama-style model from its config (for dummy weights)."""
-    from engines.local_models import llama_parameter_count
+    from mesh.modelfiles.local import llama_parameter_count
 
     cfg = dict(config.get("text_config", config))
     cfg.setdefault("num_key_value_heads", cfg.get("num_attention_heads"))

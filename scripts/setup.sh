@@ -62,7 +62,7 @@ setup_vllm() {
 setup_vllm || echo "set-up: continuing without vLLM: Mesh's other engines work, and the vLLM tests skip" >&2
 
 # The export extra (optimum-intel: Hugging Face folder -> OpenVINO IR, so a model registered
-# as an HF folder also runs on CPU nodes; mesh/service/formats.py) needs transformers < 5.6,
+# as an HF folder also runs on CPU nodes; mesh/service/preparation.py) needs transformers < 5.6,
 # which vLLM's environment cannot have: with MESH_WITH_EXPORT=1 it goes into a third
 # environment, .venv-export (about 1.5 GB). Without it, HF folders run on GPU nodes only.
 setup_export() {

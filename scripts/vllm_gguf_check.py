@@ -13,7 +13,7 @@ import json
 import sys
 import time
 
-from mesh.models import demo_gguf_path
+from mesh.modelfiles.demo import demo_gguf_path
 
 MESSAGES = [{"role": "user", "content": "What is the capital of France?"}]
 

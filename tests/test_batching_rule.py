@@ -81,7 +81,7 @@ def test_simulated_engine_follows_the_scripted_rule():
 def test_openvino_engine_runs_the_same_iteration_sequence_as_the_simulated_one():
     from calibration.openvino_calibration import TokenPrompts
     from engines.openvino_engine import OpenVINOEngine
-    from mesh.models import demo_gguf_path
+    from mesh.modelfiles.demo import demo_gguf_path
     from mesh.runtime.virtual_loop import run_virtual
 
     sim_steps = _kinds(run_virtual(run_script(simulated(), lambda n, rid: None)))

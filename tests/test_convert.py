@@ -1,4 +1,4 @@
-"""engines.convert, GGUF -> Hugging Face folder for vLLM (issue 11 item 3).
+"""mesh.modelfiles.convert, GGUF -> Hugging Face folder for vLLM (issue 11 item 3).
 
 Fast: bad inputs are refused with the file, what failed and what to do, and nothing is
 left behind (run in Mesh's own environment: the checks come before any heavy import).
@@ -31,7 +31,7 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 def convert(python: str, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(REPO_ROOT), os.environ.get("PYTHONPATH"))
                                                       if p))
-    return subprocess.run([python, "-m", "engines.convert", "gguf-to-hf", *map(str, args)], capture_output=True,
+    return subprocess.run([python, "-m", "mesh.modelfiles.convert", "gguf-to-hf", *map(str, args)], capture_output=True,
                           text=True, env=env, cwd=REPO_ROOT, timeout=1800)
 
 
@@ -95,7 +95,7 @@ def _converter_python() -> str:
 def export_python() -> str:
     """The export environment's Python (.venv-export); else skip (fail under
     MESH_WITH_EXPORT=1, which asked scripts/setup.sh for it, as CI does)."""
-    from engines.convert import find_export_python
+    from mesh.modelfiles.convert import find_export_python
 
     python = find_export_python()
     if python is None:
@@ -169,7 +169,7 @@ def test_the_converted_folder_exports_to_an_ir_openvino_serves(converted, tmp_pa
     out = tmp_path / "smollm2-ir"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     started = time.perf_counter()
-    r = subprocess.run([python, "-m", "engines.convert", "hf-to-ir", str(folder), str(out)], capture_output=True,
+    r = subprocess.run([python, "-m", "mesh.modelfiles.convert", "hf-to-ir", str(folder), str(out)], capture_output=True,
                        text=True, env=env, cwd=REPO_ROOT, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])

@@ -105,7 +105,7 @@ def test_a_hugging_face_folder_registered_once_is_exported_for_the_cpu_node(tmp_
     """The other direction, where the export environment exists (.venv-export): a Hugging
     Face folder (here the demo GGUF converted beforehand) registered by path gets an
     OpenVINO IR prepared for CPU nodes, and `mesh` serves it there, CPU first: "Paris"."""
-    from mesh.models import demo_gguf_path
+    from mesh.modelfiles.demo import demo_gguf_path
     from test_convert import convert, export_python
 
     python = _converter_python()

@@ -18,10 +18,11 @@ PACKAGES = ("mesh", "engines", "calibration", "workloads")
 
 # Bottom first. A module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("mesh", "mesh.paths", "mesh.framing", "mesh.hardware", "mesh.models", "workloads"),  # base: no Mesh imports
+    ("mesh", "mesh.paths", "mesh.framing", "mesh.hardware", "workloads"),  # base: no Mesh imports
     ("mesh.policy",),  # the pure policy core: batching vocabulary, scheduling and placement rules
     ("mesh.perf",),  # profiles, performance models, every iteration-time model
-    ("engines",),  # the engine protocol and the engines; model files and their formats
+    ("mesh.modelfiles",),  # model files and their formats: GGUF metadata, shapes, sources, converters
+    ("engines",),  # the engine protocol and the engines
     ("mesh.runtime",),  # the asyncio runtime: node runtime, cluster, dispatcher, schedulers
     ("mesh.weights",),  # weights: blocks, transport, plans' execution
     ("mesh.agent",),  # the node agent process and its protocol
@@ -97,9 +98,10 @@ def test_no_module_imports_from_a_layer_above_its_own():
     assert not found, "imports that point up:\n" + "\n".join(found)
 
 
-@pytest.mark.parametrize("module,expected", [
-    ("mesh.policy.batching", 1), ("mesh.perf.times", 2), ("engines.simulated", 3), ("mesh.runtime.cluster", 4),
-    ("mesh.replay.simulator", 7), ("calibration.runner", 8), ("mesh.models", 0), ("mesh.commands.replay", 11),
+@pytest.mark.parametrize("module,layer", [
+    ("mesh.policy.batching", "mesh.policy"), ("mesh.perf.times", "mesh.perf"), ("mesh.modelfiles.demo", "mesh.modelfiles"),
+    ("engines.simulated", "engines"), ("mesh.runtime.cluster", "mesh.runtime"), ("mesh.replay.simulator", "mesh.replay"),
+    ("calibration.runner", "calibration"), ("mesh.framing", "mesh"), ("mesh.commands.replay", "mesh.bench"),
 ])
-def test_the_longest_prefix_places_a_module(module, expected):
-    assert layer_of(module) == expected
+def test_the_longest_prefix_places_a_module(module, layer):
+    assert LAYERS[layer_of(module)][0] == layer

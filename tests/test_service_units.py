@@ -30,7 +30,8 @@ from mesh.service.auth import admin_token_ok, bearer_token, hash_key, new_api_ke
 from mesh.service.config import ConfigError, build_config, read_config_file
 from mesh.service.registry import ModelRecord, Registry, RegistryError, new_model_uid
 from mesh.service.schema import parse_chat, parse_completion, parse_json
-from mesh.service.sources import SourceError, inspect_source, receive_upload, resolve_allowed
+from mesh.modelfiles.sources import SourceError, inspect_source, resolve_allowed
+from mesh.service.uploads import receive_upload
 
 # ---- registry -------------------------------------------------------------------------------
 
@@ -407,7 +408,7 @@ def test_adaptive_times_refine_per_grid_region_and_learn_a_bounded_margin():
 
 
 def test_sampling_defaults_from_models_and_requests(tmp_path):
-    from mesh.service import sampling_defaults as sd
+    from mesh.modelfiles import sampling as sd
 
     assert sd.from_gguf_metadata({"general.sampling.temp": 0.6, "general.sampling.top_p": 0.95,
                                   "general.sampling.top_k": 20}) == {"temperature": 0.6, "top_p": pytest.approx(0.95)}
@@ -431,7 +432,7 @@ def test_sampling_defaults_from_models_and_requests(tmp_path):
 
 
 def test_demo_gguf_has_no_sampling_metadata_and_the_registry_keeps_defaults(tmp_path, demo_gguf):
-    from mesh.service.sources import inspect_source
+    from mesh.modelfiles.sources import inspect_source
 
     assert inspect_source(demo_gguf).sampling_defaults == {}  # hence the demo's documented defaults
     reg = Registry(tmp_path / "r.sqlite3")

@@ -1,5 +1,5 @@
 """VLLMEngine: fast tests of the model folders, estimates and input checks; slow tests on
-vLLM's CPU build with a tiny local Llama (engines.local_models, no download).
+vLLM's CPU build with a tiny local Llama (mesh.modelfiles.local, no download).
 
 The slow tests need a Python with vLLM: $MESH_VLLM_PYTHON, this one, or .venv-vllm
 (scripts/setup.sh makes it). They skip with that reason when there is none, unless
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.local_models import (
+from mesh.modelfiles.local import (
     TINY_LLAMA_CONFIG,
     llama_parameter_count,
     shape_config,

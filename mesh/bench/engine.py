@@ -141,7 +141,7 @@ def run(n: int = 16, output_len: int = 64, rounds: int = 6, scale: float = 8.0, 
     from calibration.runner import CpuMeter, wait_for_quiet
     from engines.openvino_engine import OpenVINOEngine
     from mesh.bench.fidelity import DEFAULT_TRACE
-    from mesh.models import demo_gguf_path
+    from mesh.modelfiles.demo import demo_gguf_path
 
     model_path = Path(model) if model else demo_gguf_path(fetch=True)
     lengths = _requests(n, scale, output_len, seed, trace or DEFAULT_TRACE)

@@ -360,7 +360,7 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
         live_repeats: int = 2, trace_out: str | Path | None = None, prompt_scale: float = 1.0) -> dict[str, Any]:
     from mesh.perf import PerformanceModel, load_profile
     from calibration.runner import wait_for_quiet
-    from mesh.models import demo_gguf_path
+    from mesh.modelfiles.demo import demo_gguf_path
     from mesh.policy.shadow import DEFAULT_MARGIN
 
     model_path = Path(model) if model else demo_gguf_path(fetch=True)

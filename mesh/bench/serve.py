@@ -246,7 +246,7 @@ def _wait_warm(url: str, key: str, model: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from mesh.models import demo_gguf_path
+    from mesh.modelfiles.demo import demo_gguf_path
 
     proc = None
     tmp = None

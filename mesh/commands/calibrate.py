@@ -47,7 +47,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from calibration.runner import FULL, QUICK, CalibrationError, Settings, calibrate, format_heldout, state_path_for
     from calibration.targets import make_target
-    from mesh.models import ModelFetchError
+    from mesh.modelfiles.demo import ModelFetchError
     from mesh.paths import data_dir
 
     base = QUICK if args.quick else FULL
@@ -92,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
 
 def _model_path(model: str) -> str:
     if model == "demo":
-        from mesh.models import demo_gguf_path
+        from mesh.modelfiles.demo import demo_gguf_path
 
         return str(demo_gguf_path(fetch=True))
     return model

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mesh import models
+from mesh.modelfiles import demo as models
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:

@@ -23,7 +23,7 @@ import aiohttp
 
 from mesh.perf.profile import load_profile
 from engines.protocol import DEFAULT_CONTEXT_CAP
-from mesh.models import ModelFetchError
+from mesh.modelfiles.demo import ModelFetchError
 from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
@@ -164,6 +164,6 @@ def _plain(value: Any) -> Any:
 
 
 def _demo_path() -> Path:
-    from mesh.models import demo_gguf_path
+    from mesh.modelfiles.demo import demo_gguf_path
 
     return demo_gguf_path(fetch=False)

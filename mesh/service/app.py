@@ -169,7 +169,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent, core_shares, detect_local_nodes
     from mesh.runtime.node import NodeSpec
     from mesh.service.demo import ensure_demo, ready_line
-    from mesh.service.formats import FormatPreparer
+    from mesh.service.preparation import FormatPreparer
     from mesh.service.placement import ClusterPlacement, PlacementSettings
     from mesh.weights.plane import WeightsPlane, WeightsSettings
 
@@ -188,7 +188,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     registry = Registry(data_dir / "registry.sqlite3")
     memory = int(config.cpu_memory_gb * 2**30) if config.cpu_memory_gb else None
     weights_token = os.environ.get("MESH_WEIGHTS_TOKEN") or secrets.token_urlsafe(24)  # remote agents need it set
-    from mesh.models import models_dir
+    from mesh.modelfiles.demo import models_dir
 
     # Where registered models can be: uploads and node copies (data folder), --allowed-dir, the demo cache.
     roots = (str(data_dir), *([str(config.allowed_dir)] if config.allowed_dir else []), str(models_dir()))

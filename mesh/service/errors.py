@@ -114,7 +114,7 @@ def node_unavailable(reason: str) -> ApiError:
 
 def model_preparing(reason: str, retry_after_s: float = 10.0) -> ApiError:
     """The model's format for the nodes this server may use is still being prepared
-    (mesh.service.formats): a wait, not a fault."""
+    (mesh.service.preparation): a wait, not a fault."""
     return ApiError(503, f"The model cannot be served yet: {reason}. Retry in a little while.", "server_error",
                     "model", "model_preparing", {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
 

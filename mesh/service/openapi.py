@@ -17,7 +17,7 @@ from aiohttp import web
 from engines.chat import ROLES
 from mesh.policy.quota import QUOTA_FIELDS
 from mesh.service.registry import MODEL_NAME, TENANT_NAME
-from mesh.service.sampling_defaults import FIELDS as SAMPLING_FIELDS
+from mesh.modelfiles.sampling import FIELDS as SAMPLING_FIELDS
 from mesh.service.schema import MAX_STOP, MAX_TOKENS_CAP
 
 TENANT, ADMIN, METRICS = "tenantKey", "adminToken", "metricsToken"

@@ -21,7 +21,7 @@ decides nothing about where a request goes. It
    event. A request moved to another node (preemption, eviction, 6.4) keeps its stream:
    it resumes where it stopped.
 
-A model registered once runs on every kind of node it has a format for (mesh.service.formats:
+A model registered once runs on every kind of node it has a format for (mesh.service.preparation:
 the registered one, and one the service prepared for the other kind, such as a GGUF
 converted to a Hugging Face folder for vLLM). It is described on an agent of each such kind
 whose nodes are up, so the dispatcher gets a profile per kind and chooses the kind (CPU
@@ -56,7 +56,8 @@ from mesh.runtime.tasks import cancel_all
 from mesh.service.agent_node import AgentNode
 from mesh.service.errors import (ApiError, bad_request, context_too_long, max_tokens_too_large, model_preparing,
                                  node_unavailable, overloaded)
-from mesh.service.formats import ENGINE_OF_KIND, FORMAT_NAMES, FormatPreparer, formats_view
+from mesh.modelfiles.formats import ENGINE_OF_KIND, FORMAT_NAMES
+from mesh.service.preparation import FormatPreparer, formats_view
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
 from mesh.weights.plane import ModelFormat, WeightsError, WeightsPlane

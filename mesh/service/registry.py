@@ -10,7 +10,7 @@ operator set; mesh.policy.quota) and each model's sampling defaults (`models.sam
 JSON); a schema-1 file is upgraded in place when opened.
 
 Schema 3 adds `prepared_formats`: the copies of a model the service prepared for the other
-kind of node (mesh.service.formats: a GGUF converted to a Hugging Face folder for vLLM, a
+kind of node (mesh.service.preparation: a GGUF converted to a Hugging Face folder for vLLM, a
 Hugging Face folder exported to OpenVINO IR), one row per (model, node kind) with its state
 (preparing, ready, failed and why). Rows go with their model (ON DELETE CASCADE); an older
 file gets the table when opened.
@@ -107,7 +107,7 @@ class KeyInfo:
 
 @dataclass(frozen=True, slots=True)
 class PreparedFormat:
-    """A copy of a model the service prepared for one kind of node (mesh.service.formats)."""
+    """A copy of a model the service prepared for one kind of node (mesh.service.preparation)."""
 
     node_kind: str  # "cpu" or "gpu": the nodes that run it
     format: str  # "hf" (vLLM) or "ir" (OpenVINO)
@@ -141,7 +141,7 @@ class ModelRecord:
     sha256: str | None = None
     owned_file: bool = False  # an upload kept in the data folder: deleted with the model
     created_at: int = 0
-    # temperature/top_p for requests that omit them (mesh.service.sampling_defaults)
+    # temperature/top_p for requests that omit them (mesh.modelfiles.sampling)
     sampling_defaults: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     prepared: tuple[PreparedFormat, ...] = ()  # formats prepared for the other kind of node
 

@@ -6,7 +6,7 @@ POST /v1/models with a JSON body registers a model on the server's disk:
      "context_length": 2048,                                 # optional, <= the trained window
      "slo": {"ttft_s": 2.0, "ttft_s_per_prompt_token": 0.002, "tpot_s": 0.25},   # optional
      "sampling_defaults": {"temperature": 0.2, "top_p": 0.9}}  # optional: for requests that omit them;
-                                                               # else the model's own (mesh.service.sampling_defaults)
+                                                               # else the model's own (mesh.modelfiles.sampling)
 POST /v1/models with `Content-Type: application/octet-stream` uploads a GGUF file as the body;
 the settings go in the query: name, sha256 (required), context_length, ttft_s,
 ttft_s_per_prompt_token, tpot_s, temperature, top_p (sampling defaults). The upload is streamed to the data folder under a size
@@ -26,12 +26,13 @@ from engines.protocol import DEFAULT_CONTEXT_CAP
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of
-from mesh.service.formats import ENGINE_OF_KIND, FORMAT_NAMES
+from mesh.modelfiles.formats import ENGINE_OF_KIND, FORMAT_NAMES
 from mesh.service.registry import MODEL_NAME, ModelRecord, RegistryError, new_model_uid
-from mesh.service.sampling_defaults import SamplingDefaultsError
-from mesh.service.sampling_defaults import check as check_sampling
+from mesh.modelfiles.sampling import SamplingDefaultsError
+from mesh.modelfiles.sampling import check as check_sampling
 from mesh.service.schema import parse_json
-from mesh.service.sources import SourceError, SourceInfo, inspect_source, receive_upload, resolve_allowed
+from mesh.modelfiles.sources import SourceError, SourceInfo, inspect_source, resolve_allowed
+from mesh.service.uploads import receive_upload
 
 MIN_CONTEXT = 16
 
@@ -47,7 +48,7 @@ def add_routes(app: web.Application) -> None:
 def model_object(svc: Service, m: ModelRecord) -> dict[str, Any]:
     """OpenAI's model object, plus Mesh's: the registered format, the kinds of node it runs
     on now (`node_kinds`) and each kind's format with its state (`formats`: ready, preparing,
-    failed or unavailable, with the reason; mesh.service.formats)."""
+    failed or unavailable, with the reason; mesh.service.preparation)."""
     return {"id": m.name, "object": "model", "created": m.created_at, "owned_by": m.tenant,
             "mesh": {"kind": m.kind, "source": "upload" if m.owned_file else "path",
                      "node_kinds": list(m.node_kinds), "formats": svc.placement.model_formats(m),

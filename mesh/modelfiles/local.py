@@ -6,7 +6,7 @@ hub):
   random but fixed weights saved as safetensors (float32, seed 0). It loads in a second
   and decodes in milliseconds on a CPU: the engine tests run on it. Its text is noise,
   but greedy output is deterministic, which is what the tests compare.
-- `write_shape_folder(name, out)`: a real model's config.json (engines/shapes/NAME.json:
+- `write_shape_folder(name, out)`: a real model's config.json (mesh/modelfiles/shapes/NAME.json:
   llama-3.2-3b, llama-2-7b, llama-2-13b) with the tokenizer and no weights, for vLLM's
   `load_format="dummy"` (random weights of the real shape): calibration of real shapes.
 
@@ -17,8 +17,8 @@ vocabulary size so every id the model can sample decodes to something. Only JSON
 numpy are needed, so the folders can be written from any Python (the test fixtures run in
 Mesh's environment, which need not have vLLM, torch or transformers).
 
-    python -m engines.local_models tiny OUT_DIR
-    python -m engines.local_models shape llama-2-7b OUT_DIR
+    python -m mesh.modelfiles.local tiny OUT_DIR
+    python -m mesh.modelfiles.local shape llama-2-7b OUT_DIR
 """
 from __future__ import annotations
 
@@ -219,7 +219,7 @@ def write_shape_folder(name: str, out: str | Path) -> Path:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m engines.local_models", description=__doc__,
+    parser = argparse.ArgumentParser(prog="python -m mesh.modelfiles.local", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="what", required=True)
     tiny = sub.add_parser("tiny", help="the tiny random Llama with weights")

@@ -1,27 +1,19 @@
-"""Model sources: paths under the allowed folder, and uploads streamed to disk.
+"""Model sources: paths under the allowed folder, and what a path holds.
 
 `resolve_allowed(allowed_dir, given)` accepts a path only if it stays inside the allowed
 folder: no `..` component, no absolute path elsewhere, and after following every symlink
 (of the path and, for a folder, of each file in it) the real path is still inside.
 `inspect_source(path)` tells a GGUF file, an OpenVINO IR folder and a Hugging Face folder
 apart and reads the model's trained context window and weight size without loading it.
-`receive_upload()` streams a request body to a temporary file in the data folder, counting
-bytes against a limit and hashing with SHA-256; only a complete, verified GGUF file is
-renamed into place.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import AsyncIterator
 
-from mesh.service.errors import bad_request, too_large
-
-GGUF_MAGIC = b"GGUF"
-
+from mesh.modelfiles.gguf import GGUF_MAGIC
 
 class SourceError(ValueError):
     """A model source path or file was refused; the message says why (safe to show)."""
@@ -60,14 +52,14 @@ class SourceInfo:
     path: Path
     context_length: int  # the model's trained window (0 when unknown)
     weight_bytes: int
-    sampling_defaults: dict[str, float] | None = None  # what the model recommends (mesh.service.sampling_defaults)
+    sampling_defaults: dict[str, float] | None = None  # what the model recommends (mesh.modelfiles.sampling)
 
 
 def inspect_source(path: Path) -> SourceInfo:
     """What model `path` holds; SourceError for anything that is not a model Mesh can read."""
-    from engines.gguf_meta import read_gguf_metadata
-    from engines.model_shape import shape_from_gguf
-    from mesh.service.sampling_defaults import from_gguf_metadata, from_generation_config
+    from mesh.modelfiles.gguf import read_gguf_metadata
+    from mesh.modelfiles.shape import shape_from_gguf
+    from mesh.modelfiles.sampling import from_gguf_metadata, from_generation_config
 
     if path.is_file():
         with open(path, "rb") as f:
@@ -108,40 +100,3 @@ def _config_window(config: Path) -> int:
     text = data.get("text_config") if isinstance(data.get("text_config"), dict) else data
     value = text.get("max_position_embeddings") or text.get("n_positions") or 0
     return int(value) if isinstance(value, int) else 0
-
-
-async def receive_upload(chunks: AsyncIterator[bytes], target: Path, limit_bytes: int, sha256: str) -> int:
-    """Stream `chunks` to `target` (via a temporary file beside it); return the size.
-
-    ApiError 413 past `limit_bytes`, 400 when the SHA-256 differs from `sha256` (hex) or the
-    file is not GGUF. Nothing is left behind on failure.
-    """
-    expected = sha256.strip().lower()
-    if len(expected) != 64 or any(c not in "0123456789abcdef" for c in expected):
-        raise bad_request("'sha256' must be the 64-character hex SHA-256 of the file", "sha256")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    partial = target.with_name(f".{target.name}.part")
-    digest = hashlib.sha256()
-    size = 0
-    try:
-        with open(partial, "wb") as f:
-            async for chunk in chunks:
-                size += len(chunk)
-                if size > limit_bytes:
-                    raise too_large(limit_bytes, "upload")
-                digest.update(chunk)
-                f.write(chunk)
-        if size == 0:
-            raise bad_request("the upload is empty; send the GGUF file as the request body", "body")
-        if digest.hexdigest() != expected:
-            raise bad_request(f"checksum mismatch: the upload's SHA-256 is {digest.hexdigest()}, not {expected}",
-                              "sha256", "checksum_mismatch")
-        with open(partial, "rb") as f:
-            if f.read(4) != GGUF_MAGIC:
-                raise bad_request("uploads must be GGUF files (no GGUF magic); register OpenVINO IR or Hugging "
-                                  "Face folders by path", "body")
-        os.replace(partial, target)
-    except BaseException:  # including a client that went away mid-upload
-        partial.unlink(missing_ok=True)
-        raise
-    return size

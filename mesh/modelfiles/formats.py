@@ -1,0 +1,33 @@
+"""The formats a model comes in, the engine that runs each, and how one becomes another.
+
+A tenant registers one format: a GGUF file or an OpenVINO IR folder (CPU nodes, OpenVINO) or
+a Hugging Face folder (GPU nodes, vLLM). `CONVERSIONS` says, for each registered format,
+which other kind of node can run it once converted, and by which `mesh.modelfiles.convert`
+subcommand; the service runs them in the background (mesh.service.preparation).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mesh.policy.placement import CPU, GPU
+
+FORMAT_NAMES = {"gguf": "GGUF file", "ir": "OpenVINO IR folder", "hf": "Hugging Face folder"}
+ENGINE_OF_KIND = {CPU: "openvino", GPU: "vllm"}  # CPU nodes run OpenVINO, GPU nodes vLLM
+
+
+@dataclass(frozen=True, slots=True)
+class Conversion:
+    """How a registered format becomes the format another kind of node runs."""
+
+    source: str  # the registered format
+    node_kind: str  # the kind of node the result runs on
+    format: str  # the result's format
+    command: str | None  # the mesh.modelfiles.convert subcommand; None: not built (`missing` says why)
+    missing: str = ""
+
+
+CONVERSIONS: dict[str, Conversion] = {
+    "gguf": Conversion("gguf", GPU, "hf", "gguf-to-hf"),
+    "hf": Conversion("hf", CPU, "ir", "hf-to-ir"),
+    "ir": Conversion("ir", GPU, "hf", None, "nothing converts an OpenVINO IR folder into a format vLLM loads"),
+}
