@@ -142,13 +142,13 @@ def test_a_resumed_requests_deadlines_stay_those_of_its_history():
     slo = SLO()
     req = ServedRequest(EngineRequest("r", 100, Sampling(max_tokens=50), output_len=50), "m", 0.0, slo)
     req.first_token_s, req.tokens_out = 0.5, 4  # tokens 1-4 out; token 5 due at 0.5 + 4 x 0.25 = 1.5 under pace
-    prompt, start = NodeRuntime.effective(req, 4, PACE)
+    prompt, start = req.resumed(4, PACE)
     assert prompt == 104 and start + slo.ttft_s(prompt) == pytest.approx(1.5)
-    prompt, start = NodeRuntime.effective(req, 4, EQ1)
+    prompt, start = req.resumed(4, EQ1)
     assert start + slo.ttft_s(prompt) == pytest.approx(2.0 + 1.0)
     c = ComputeSubsystem(PACE)
     c.add_instance("i", LinearTimes(), slo, 4096)
-    c.add_request("i", "r", *NodeRuntime.effective(req, 4, PACE), resumed=True)
+    c.add_request("i", "r", *req.resumed(4, PACE), resumed=True)
     c.complete_iteration("i", IterationKind.PREFILL, ["r"], now=1.2)  # token 5 came at 1.2, early
     assert c.headroom("r", 1.2) + 1.2 == pytest.approx(1.75)  # token 6: 0.5 + 5 x 0.25, not 1.2 + 0.25
 

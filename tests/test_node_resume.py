@@ -55,7 +55,7 @@ def test_take_back_keeps_progress_and_the_request_resumes_elsewhere(rule):
         await asyncio.sleep(0.1 + 0.02 * 5 + 0.001)  # prefill, then 5 decodes
         done = a.progress("r")
         first = r.first_token_s
-        prompt, start = NodeRuntime.effective(r, done, rule)
+        prompt, start = r.resumed(done, rule)
         assert b.validate("i", r, done=done).ok
         back = a.take_back("r", "test")
         assert back is r and r.tokens_out == done and r.node_id is None and r.outcome is None

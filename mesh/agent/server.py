@@ -729,7 +729,7 @@ async def _amain(args: argparse.Namespace) -> int:
         host, port = parse_listen(args.weights_listen)
         weights = NodeWeightsReceiver(root, host, port, token=token_from_env())  # MESH_WEIGHTS_TOKEN
     server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights,
-                         load_roots=[root, *(args.models_root or ())], deadlines=DeadlineRule(args.deadlines))
+                         load_roots=[root, *(args.models_root or ())], deadlines=args.deadlines)
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -756,7 +756,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
     parser.add_argument("--models-root", action="append", metavar="DIR",
                         help="`load` may also open models under DIR (repeatable); the weights folder always counts")
-    parser.add_argument("--deadlines", default=DeadlineRule.EQ1.value, choices=[r.value for r in DeadlineRule],
+    parser.add_argument("--deadlines", default=DeadlineRule.EQ1, type=DeadlineRule.parse, choices=list(DeadlineRule),
                         help="when tokens after the first are due: 'eq1' (the paper's arrival + TTFT + TPOT x (i-1), "
                              "the default) or 'pace' (first token + TPOT x (i-1)); docs/design.md")
     parser.add_argument("--cpus", metavar="LIST", help="run this agent and its engines on these cores only "

@@ -26,6 +26,7 @@ from mesh.agent.client import AgentClient, AgentDown
 from mesh.agent.protocol import READY_PREFIX
 from mesh.runtime.node import NodeSpec
 from mesh.runtime.tasks import cancel_all
+from mesh.policy.slo import DeadlineRule
 
 log = logging.getLogger("mesh.agent.supervisor")
 
@@ -79,7 +80,7 @@ class AgentSettings:
     log_level: str = "WARNING"
     weights_root: str | None = None  # node agents receive weights into <root>/<node id> (None: no receiver)
     weights_token: str | None = None  # MESH_WEIGHTS_TOKEN of their weights ports
-    deadlines: str = "eq1"  # the agents' deadline rule (--deadlines; mesh.policy.slo.DeadlineRule)
+    deadlines: DeadlineRule = DeadlineRule.EQ1  # the agents' deadline rule (their --deadlines)
     models_roots: tuple[str, ...] = ()  # folders whose models the agents may `load` (--models-root), besides
     # their weights folder: the registry's places (data folder, --allowed-dir, the demo model cache)
     cores: dict[str, tuple[int, ...]] = field(default_factory=dict)  # node id -> the cores its local agent
@@ -208,7 +209,7 @@ class LocalAgent(AgentHandle):
         env = worker_env(MESH_AGENT_TOKEN=self._token, **agent_env(self.spec))  # GPU agents: their device
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", self.node_id,
                "--kind", self.spec.kind, "--memory-bytes", str(self.spec.memory_bytes), "--exit-with-parent",
-               "--log-level", self.settings.log_level, "--deadlines", self.settings.deadlines]
+               "--log-level", self.settings.log_level, "--deadlines", str(self.settings.deadlines)]
         for root in self.settings.models_roots:
             cmd += ["--models-root", root]
         if self.settings.cores.get(self.node_id):

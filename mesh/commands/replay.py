@@ -28,6 +28,7 @@ from mesh.weights.cold_start import MODES as WEIGHT_MODES, Engines, WeightsConfi
 from mesh.runtime.cluster import ClusterConfig, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S
 from mesh.runtime.schedulers import POLICIES, UnknownPolicy, policy_spec
+from mesh.policy.slo import DeadlineRule
 from workloads.azure_functions import load_function_trace
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR, FUNCTIONS_FILE
@@ -95,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--net-gbit", type=float, default=200.0, help="per-node network bandwidth for --weights multicast*, Gbit/s (default: %(default)s)")
     cl.add_argument("--ssd-gbps", type=float, default=3.0, help="SSD read bandwidth for --weights ssd/host, GB/s (default: %(default)s)")
     cl.add_argument("--multicast-plan", default="binomial", choices=("binomial", "chain", "naive"), help="multicast plan (default: %(default)s)")
-    cl.add_argument("--deadlines", default=None, choices=("eq1", "pace"),
+    cl.add_argument("--deadlines", default=None, type=DeadlineRule.parse, choices=list(DeadlineRule),
                     help="when a request's tokens after the first are due, for every policy's node scheduler and "
                          "Mesh's shadow validation: 'eq1' (the paper's Eq. 1: arrival + TTFT + TPOT x (i-1)) or "
                          "'pace' (first token + TPOT x (i-1), what `mesh serve` runs); docs/design.md "
@@ -202,7 +203,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
         cpu_memory_bytes=int(args.cpu_memory_gib * GIB), gpu_memory_bytes=int(args.gpu_memory_gib * GIB),
         cold_start=cold_start,
         keep_alive_s=1.0 if args.keep_alive is None else args.keep_alive, noise=args.noise, seed=args.seed,
-        deadlines=args.deadlines or "eq1",
+        deadlines=args.deadlines or DeadlineRule.EQ1,
     )
     for name in policies:
         check_cluster(cluster, catalog, policy_spec(name).kinds, name)

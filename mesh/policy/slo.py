@@ -18,7 +18,7 @@ prefill that recomputes it on its new instance is not its first token.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
+from enum import StrEnum
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,7 +36,7 @@ class SLO:
         return max(self.ttft_min_s, prompt_len * self.ttft_s_per_prompt_token)
 
 
-class DeadlineRule(str, Enum):
+class DeadlineRule(StrEnum):
     """When a request's tokens after the first are due (module docstring)."""
 
     EQ1 = "eq1"
@@ -77,3 +77,16 @@ class DeadlineRule(str, Enum):
         if self is DeadlineRule.PACE and first_token_s is None:
             raise ValueError("the pace rule needs the first token's time for the deadlines of later tokens")
         return self.anchor_s(ttft_deadline, first_token_s) + slo.tpot_s * (i - 1)
+
+    def resumed(self, slo: SLO, start_s: float, prompt_len: int, done: int,
+                first_token_s: float | None) -> tuple[int, float]:
+        """(prompt length, ST) under which a request that already produced `done` tokens
+        elsewhere is scheduled again (a move or a preemption, 7.1): its prompt plus those
+        tokens is prefilled again, and that prefill must end by the deadline of its next
+        token under this rule (ST + TTFT + TPOT * O under Eq. 1, FT + TPOT * O under pace).
+        For a fresh request (done <= 0): its own prompt and arrival."""
+        if done <= 0:
+            return prompt_len, start_s
+        deadline = self.token_deadline_s(slo, start_s, prompt_len, done + 1, first_token_s)
+        prompt = prompt_len + done
+        return prompt, deadline - slo.ttft_s(prompt)

@@ -28,6 +28,7 @@ from typing import Any
 
 from engines.worker_process import worker_env
 from mesh.agent.protocol import READY_PREFIX
+from mesh.policy.slo import DeadlineRule
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,7 +38,7 @@ class AgentLaunch:
     agent_token: str
     weights_token: str
     log_level: str = "WARNING"
-    deadlines: str = "eq1"
+    deadlines: DeadlineRule = DeadlineRule.EQ1
     memory_fraction: float = 0.5  # of the node's memory, when the agent's budget is not given
     memory_bytes: int | None = None  # the budget of every CPU agent (None: memory_fraction of the node's)
     start_timeout_s: float = 120.0
@@ -92,7 +93,7 @@ class NodeAgentActor:
             env["MESH_VLLM_DEVICE"] = "cuda"  # Ray set CUDA_VISIBLE_DEVICES to this actor's GPU
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", f"{host}:0", "--node-id", node_id, "--kind", kind,
                "--memory-bytes", str(self.info["memory_bytes"]), "--exit-with-parent", "--log-level",
-               self.launch.log_level, "--deadlines", self.launch.deadlines, "--weights-listen", f"{host}:0"]
+               self.launch.log_level, "--deadlines", str(self.launch.deadlines), "--weights-listen", f"{host}:0"]
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         deadline = time.monotonic() + self.launch.start_timeout_s
         assert self.process.stdout is not None

@@ -40,7 +40,6 @@ from mesh.policy.placement import queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.runtime.cluster import Cluster
 from mesh.runtime.cluster_node import ClusterNode
-from mesh.runtime.node import NodeRuntime
 from mesh.runtime.request import Outcome, ServedRequest
 
 log = logging.getLogger("mesh.runtime.dispatcher")
@@ -249,7 +248,7 @@ class Dispatcher:
     def _deadline(self, req: ServedRequest) -> tuple[float, int]:
         """(next-token deadline, prompt to prefill) of a request with its progress, under
         the cluster's deadline rule (mesh.policy.slo)."""
-        prompt, start = NodeRuntime.effective(req, req.tokens_out, self.cluster.config.deadlines)
+        prompt, start = req.resumed(req.tokens_out, self.cluster.config.deadlines)
         return start + req.slo.ttft_s(prompt), prompt
 
     def _enqueue(self, req: ServedRequest) -> None:

@@ -259,20 +259,6 @@ class NodeRuntime:
     def deadlines(self) -> DeadlineRule:
         return self.compute.deadlines
 
-    @staticmethod
-    def effective(req: ServedRequest, done: int, rule: DeadlineRule) -> tuple[int, float]:
-        """(prompt length, ST) under which a request that already produced `done` tokens
-        elsewhere is scheduled here: its prompt plus those tokens is prefilled again, and
-        that prefill must end by the deadline of its next token under `rule`
-        (ST + TTFT + TPOT * O under Eq. 1, FT + TPOT * O under pace). For a fresh request:
-        its own prompt and arrival."""
-        if done <= 0:
-            return req.prompt_len, req.arrival_s
-        slo = req.slo
-        deadline = rule.token_deadline_s(slo, req.arrival_s, req.prompt_len, done + 1, req.first_token_s)
-        prompt = req.prompt_len + done
-        return prompt, deadline - slo.ttft_s(prompt)
-
     def progress(self, request_id: str) -> int:
         """Tokens the request has produced so far (on this node and before)."""
         return self._carried.get(request_id, 0) + self.compute.tokens_out(request_id)
@@ -293,7 +279,7 @@ class NodeRuntime:
         done: tokens the request already produced (default: req.tokens_out)."""
         inst = self.instances[instance_id]
         done = req.tokens_out if done is None else done
-        prompt, start = self.effective(req, done, self.deadlines)
+        prompt, start = req.resumed(done, self.deadlines)
         if prompt + 1 > inst.engine.context_window:
             return Admission(False, refusal=f"prompt of {prompt} tokens exceeds the context window of {inst.engine.context_window}")
         if inst.batch_size >= inst.engine.max_batch:
@@ -313,7 +299,7 @@ class NodeRuntime:
     def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
         """Would all of `reqs` (having produced `done` tokens each) fit this instance, added
         one after another? Used to check where preempted requests go (7.1). Changes nothing."""
-        pairs = [self.effective(r, d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
+        pairs = [r.resumed(d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
         inst = self.instances[instance_id]
         window = inst.engine.context_window
         if any(p + 1 > window for p, _ in pairs):
@@ -330,7 +316,7 @@ class NodeRuntime:
         """Would a new instance started now (cold start `plan.expected_load_s`) serve all of
         `reqs` within SLO, and does the node have the memory for it? Changes nothing."""
         done = [r.tokens_out for r in reqs] if done is None else done
-        pairs = [self.effective(r, d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
+        pairs = [r.resumed(d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
         if any(p + 1 > plan.context_window for p, _ in pairs):
             return Admission(False, refusal=f"a prompt exceeds the context window of {plan.context_window}")
         if len(reqs) > plan.max_batch:
@@ -396,7 +382,7 @@ class NodeRuntime:
         request that already produced `req.tokens_out` tokens elsewhere resumes here."""
         inst = self.instances[instance_id]
         done = req.tokens_out
-        prompt, start = self.effective(req, done, self.deadlines)
+        prompt, start = req.resumed(done, self.deadlines)
         er = self._engine_request(req, done)
         if inst.loaded:
             inst.engine.add_request(er)  # raises EngineError before any state changes

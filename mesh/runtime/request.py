@@ -7,7 +7,7 @@ from enum import Enum
 from typing import Callable, Sequence
 
 from engines.protocol import EngineRequest, FinishReason
-from mesh.policy.slo import SLO
+from mesh.policy.slo import SLO, DeadlineRule
 
 
 class Outcome(str, Enum):
@@ -66,6 +66,11 @@ class ServedRequest:
             return False
         tpot_ok = self.tokens_out < 2 or self.tpot_s <= self.slo.tpot_s + 1e-9
         return self.ttft_s <= self.slo.ttft_s(self.prompt_len) + 1e-9 and tpot_ok
+
+    def resumed(self, done: int, rule: DeadlineRule) -> tuple[int, float]:
+        """(prompt length, ST) under which this request is scheduled after `done` tokens
+        produced elsewhere (DeadlineRule.resumed)."""
+        return rule.resumed(self.slo, self.arrival_s, self.prompt_len, done, self.first_token_s)
 
     def end(self, outcome: Outcome, now: float, detail: str = "", reason: FinishReason | None = None) -> None:
         if self.outcome is not None:

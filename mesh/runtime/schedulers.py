@@ -36,7 +36,7 @@ from mesh.policy.placement import (
 )
 from mesh.runtime.cluster import Cluster, InstanceRef
 from mesh.runtime.cluster_node import ClusterNode
-from mesh.runtime.node import InstancePlan, NodeRuntime
+from mesh.runtime.node import InstancePlan
 from mesh.runtime.request import ServedRequest
 
 
@@ -168,7 +168,7 @@ class MeshPolicy(Policy):
         warming = sum(1 for r in self.cluster.instances_of(req.model) if not r.inst.loaded)
         if warming >= MAX_WARMING_PER_MODEL:
             return
-        prompt, _ = NodeRuntime.effective(req, req.tokens_out, self.cluster.config.deadlines)
+        prompt, _ = req.resumed(req.tokens_out, self.cluster.config.deadlines)
         order = [self.cluster.node(nv.node_id) for nv in new_instance_order(
             self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude)]
         for node in sorted(order, key=self.cluster.load_wait_s):  # stable: bin-packing among equals

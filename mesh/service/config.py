@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.policy.quota import Quota, QuotaValueError, check_overrides
+from mesh.policy.slo import DeadlineRule
 
 
 class ConfigError(ValueError):
@@ -83,7 +84,7 @@ class ServeConfig:
     quota_concurrent_requests: int | None = None
     quota_requests_per_s: float | None = None
     quota_burst: int | None = None  # None: one second of quota_requests_per_s
-    deadlines: str = "eq1"  # deadline rule of the local agents: eq1 or pace (mesh.policy.slo)
+    deadlines: DeadlineRule = DeadlineRule.EQ1  # deadline rule of the local agents (mesh.policy.slo)
     policy: str = "mesh"  # the dispatcher's placement policy (mesh.runtime.schedulers)
     cold_start_s: float = 7.5  # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart)
     exact_moves: bool = False  # CPU instances recompute moved streams exactly, at ~2x compute
@@ -171,10 +172,8 @@ def _check(c: ServeConfig) -> None:
         raise ConfigError(f"ray must be 'auto' or a Ray cluster's address (HOST:PORT), got {c.ray!r}")
     if c.ray_autoscale and c.ray is None:
         raise ConfigError("ray_autoscale needs ray (--ray auto or --ray ADDRESS)")
-    from mesh.policy.slo import DeadlineRule
-
     try:
-        c.deadlines = DeadlineRule.parse(c.deadlines).value
+        c.deadlines = DeadlineRule.parse(c.deadlines)
     except ValueError as exc:
         raise ConfigError(f"deadlines: {exc}") from None
     from mesh.runtime.schedulers import POLICIES
