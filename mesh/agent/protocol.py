@@ -47,13 +47,19 @@ Agent -> control (events):
     evicted    {request_id, why, tokens_out, token_ids, first_token_age_s}   the memory subsystem evicted it (6.4): place it again
 
 Reply codes when `ok` is false: see Code. Admission results use the same codes.
+
+Typed at the boundary (the dataclasses at the end of this module): the events (TokensEvent,
+DoneEvent, InstanceEvent, EvictedEvent), a request off its node (Progress), a request as
+shadow validation sees it (Probe, the R above), an admit entry (AdmitEntry) and `load`
+(InstanceSpec). Each is built by its sender and read back by its receiver with
+`from_message`/`from_dict`, which raise ProtocolError on a malformed message.
 """
 from __future__ import annotations
 
 import asyncio
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, Mapping
+from typing import Any, ClassVar, Mapping, Union
 
 from engines.protocol import Sampling
 from mesh import framing
@@ -177,3 +183,191 @@ class InstanceSpec:
             raise ProtocolError(f"bad load message: {exc}") from exc
         slo_from_dict(spec.slo)
         return spec
+
+
+# ---- typed messages at the protocol boundary -----------------------------------------------
+# Each side builds these and puts them on the wire with `to_message()`; the receiving side
+# reads them back with `from_message()`, which raises ProtocolError on a malformed message.
+
+def _opt_float(value: Any) -> float | None:
+    return None if value is None else float(value)
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    """A running request taken off its node, not ended: the tokens it produced (all of
+    them, those it brought there too) and when its first token came, as an age. The reply
+    to `take_back` and the body of an `evicted` event: the dispatcher resumes it elsewhere
+    (7.1, 6.4)."""
+
+    request_id: str
+    tokens_out: int
+    token_ids: list[int]
+    first_token_age_s: float | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, m: Mapping[str, Any]) -> "Progress":
+        try:
+            ids = [int(x) for x in m.get("token_ids") or ()]
+            return cls(str(m["request_id"]), int(m.get("tokens_out") or len(ids)), ids,
+                       _opt_float(m.get("first_token_age_s")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad progress {dict(m)!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """A request as shadow validation sees it (`validate`, `validate_group`, `validate_new`):
+    prompt length, output limit, age (time since it arrived: the ST of Eq. 1), tokens it
+    already produced elsewhere and, for the pace rule, its first token's age."""
+
+    request_id: str
+    prompt_len: int
+    max_tokens: int
+    age_s: float
+    done: int = 0
+    first_token_age_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, m: Any) -> "Probe":
+        try:
+            return cls(str(m["request_id"]), int(m["prompt_len"]), max(1, int(m["max_tokens"])),
+                       max(0.0, float(m.get("age_s", 0.0))), max(0, int(m.get("done", 0))),
+                       _opt_float(m.get("first_token_age_s")))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ProtocolError(f"bad request entry {m!r}: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitEntry:
+    """One request of an `admit` batch. A request moved here (7.1, 6.4) carries its prompt
+    then the tokens it produced elsewhere in `prompt_token_ids`: `done` of them, recomputed
+    here; `prompt_len` says where its prompt ends. compute=False: memory check only (the
+    baselines, which do not validate)."""
+
+    request_id: str
+    instance_id: str
+    prompt_token_ids: list[int]
+    sampling: Sampling
+    age_s: float
+    done: int = 0
+    prompt_len: int | None = None  # None: all ids but the last `done`
+    compute: bool = True
+    first_token_age_s: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "sampling": sampling_to_dict(self.sampling)}
+
+    @classmethod
+    def from_dict(cls, m: Any) -> "AdmitEntry":
+        try:
+            ids = [int(x) for x in m["prompt_token_ids"]]
+            done = int(m.get("done", 0))
+            prompt_len = int(m.get("prompt_len", len(ids) - done))
+            if done < 0 or not 1 <= prompt_len <= len(ids):
+                raise ValueError(f"done={done}, prompt_len={prompt_len} with {len(ids)} token ids")
+            return cls(str(m["request_id"]), str(m["instance_id"]), ids, sampling_from_dict(m["sampling"]),
+                       max(0.0, float(m.get("age_s", 0.0))), done, prompt_len, bool(m.get("compute", True)),
+                       _opt_float(m.get("first_token_age_s")))
+        except (KeyError, TypeError, ValueError, AttributeError, ProtocolError) as exc:
+            raise ProtocolError(f"bad admit entry: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class TokensEvent:
+    """Tokens of one iteration: (request id, token ids, text) per request."""
+
+    T: ClassVar[str] = "tokens"
+    items: list[tuple[str, list[int], str]]
+
+    def to_message(self) -> dict[str, Any]:
+        return {"t": self.T, "items": [list(item) for item in self.items]}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "TokensEvent":
+        try:
+            return cls([(str(rid), [int(x) for x in ids or ()], str(text or "")) for rid, ids, text in m["items"]])
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad tokens event: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEvent:
+    """A request ended on the node (outcome and finish reason as the runtime's enums' values)."""
+
+    T: ClassVar[str] = "done"
+    request_id: str
+    outcome: str
+    reason: str | None
+    detail: str
+    tokens_out: int
+    ttft_s: float | None
+    tpot_s: float | None
+
+    def to_message(self) -> dict[str, Any]:
+        return {"t": self.T, **asdict(self)}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "DoneEvent":
+        try:
+            return cls(str(m["request_id"]), str(m.get("outcome") or "failed"),
+                       None if m.get("reason") is None else str(m["reason"]), str(m.get("detail") or ""),
+                       int(m.get("tokens_out") or 0), _opt_float(m.get("ttft_s")), _opt_float(m.get("tpot_s")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad done event: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceEvent:
+    """An instance finished loading (`ready`: engine loaded and KV cache sized) or failed."""
+
+    T: ClassVar[str] = "instance"
+    instance_id: str
+    state: str  # "ready" | "failed"
+    error: str = ""
+
+    def to_message(self) -> dict[str, Any]:
+        out = {"t": self.T, "instance_id": self.instance_id, "state": self.state}
+        return {**out, "error": self.error} if self.error else out
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "InstanceEvent":
+        try:
+            return cls(str(m["instance_id"]), str(m["state"]), str(m.get("error") or ""))
+        except (KeyError, TypeError) as exc:
+            raise ProtocolError(f"bad instance event: {exc}") from exc
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedEvent:
+    """The node's memory subsystem evicted a running request (6.4), progress kept: place it
+    again (no `done` follows)."""
+
+    T: ClassVar[str] = "evicted"
+    why: str
+    progress: Progress
+
+    def to_message(self) -> dict[str, Any]:
+        return {"t": self.T, "why": self.why, **self.progress.to_dict()}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "EvictedEvent":
+        return cls(str(m.get("why") or "evicted"), Progress.from_dict(m))
+
+
+Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent]
+EVENTS: dict[str, type] = {e.T: e for e in (TokensEvent, DoneEvent, InstanceEvent, EvictedEvent)}
+
+
+def event_from_message(m: Mapping[str, Any]) -> Event:
+    """The typed event in an agent's message; ProtocolError for an unknown or malformed one."""
+    kind = EVENTS.get(str(m.get("t")))
+    if kind is None:
+        raise ProtocolError(f"unknown event {m.get('t')!r}")
+    return kind.from_message(m)

@@ -49,12 +49,18 @@ from mesh.perf.times import AdaptiveTimes
 from mesh.agent.protocol import (
     PROTOCOL_VERSION,
     READY_PREFIX,
+    AdmitEntry,
     Code,
+    DoneEvent,
+    EvictedEvent,
+    InstanceEvent,
     InstanceSpec,
+    Probe,
+    Progress,
     ProtocolError,
+    TokensEvent,
     encode_frame,
     read_frame,
-    sampling_from_dict,
     slo_from_dict,
 )
 from engines.openvino_process import OpenVINOProcessEngine
@@ -330,10 +336,9 @@ class AgentServer:
         `ready` sent then let the service's next call find the instance still loading.)"""
         tokenizer = self._tokenizers_ready.pop(instance_id, None)
         if tokenizer is None or tokenizer.done():
-            self._send({"t": "instance", "instance_id": instance_id, "state": "ready"})
+            self._send(InstanceEvent(instance_id, "ready").to_message())
         else:
-            tokenizer.add_done_callback(lambda _f: self._send({"t": "instance", "instance_id": instance_id,
-                                                               "state": "ready"}))
+            tokenizer.add_done_callback(lambda _f: self._send(InstanceEvent(instance_id, "ready").to_message()))
 
     def _loaded(self, instance_id: str, exc: BaseException | None) -> None:
         """The engine's load callback: a failure is reported here (success by `_ready`)."""
@@ -341,7 +346,7 @@ class AgentServer:
             return
         self._tokenizers_ready.pop(instance_id, None)
         log.error("loading instance %s failed: %s", instance_id, exc)
-        self._send({"t": "instance", "instance_id": instance_id, "state": "failed", "error": f"{exc}"})
+        self._send(InstanceEvent(instance_id, "failed", f"{exc}").to_message())
         asyncio.get_running_loop().call_soon(self._drop_instance, instance_id)
 
     def _drop_instance(self, instance_id: str) -> None:
@@ -431,20 +436,10 @@ class AgentServer:
 
     def _admit_one(self, r: dict[str, Any], refused: dict[str, str]) -> dict[str, Any]:
         try:
-            rid, iid = str(r["request_id"]), str(r["instance_id"])
-            ids = [int(t) for t in r["prompt_token_ids"]]
-            sampling = sampling_from_dict(r["sampling"])
-            age_s = max(0.0, float(r.get("age_s", 0.0)))
-            # A request moved here (7.1, 6.4): prompt_token_ids is its prompt then the tokens it
-            # produced elsewhere; `done` of them, recomputed here, and the rest generated.
-            # (`prompt_len` says where the prompt ends; simulated engines produce no token ids.)
-            done = int(r.get("done", 0))
-            prompt_len = int(r.get("prompt_len", len(ids) - done))
-            if done < 0 or not 1 <= prompt_len <= len(ids):
-                raise ValueError(f"done={done}, prompt_len={prompt_len} with {len(ids)} token ids")
-            compute = bool(r.get("compute", True))  # False: memory only (the baselines, which do not validate)
-        except (KeyError, TypeError, ValueError, ProtocolError) as exc:
-            return {"ok": False, "code": Code.PROTOCOL.value, "reason": f"bad admit entry: {exc}"}
+            entry = AdmitEntry.from_dict(r)
+        except ProtocolError as exc:
+            return {"ok": False, "code": Code.PROTOCOL.value, "reason": str(exc)}
+        rid, iid, done, prompt_len = entry.request_id, entry.instance_id, entry.done, entry.prompt_len
         inst = self.node.instances.get(iid)
         if inst is None:
             return {"ok": False, "code": Code.NO_INSTANCE.value, "reason": f"no instance {iid} on {self.spec.node_id}"}
@@ -455,14 +450,13 @@ class AgentServer:
         if inst.batch_size >= getattr(inst.engine, "max_batch", 1 << 30):
             refused[iid] = f"instance {iid} runs its maximum batch of {inst.batch_size}"
             return {"ok": False, "code": Code.BATCH_FULL.value, "reason": refused[iid]}
-        now = asyncio.get_running_loop().time()
-        req = ServedRequest(EngineRequest(rid, prompt_len, sampling, ids), inst.model, now - age_s, inst.slo,
-                            on_output=self._on_output, on_done=self._on_done, tokens_out=done,
-                            first_token_s=_since(r.get("first_token_age_s")))
+        req = ServedRequest(EngineRequest(rid, prompt_len, entry.sampling, entry.prompt_token_ids), inst.model,
+                            _since(entry.age_s), inst.slo, on_output=self._on_output, on_done=self._on_done,
+                            tokens_out=done, first_token_s=_since(entry.first_token_age_s))
         if prompt_len + done + 1 > inst.engine.context_window:
             return {"ok": False, "code": Code.BAD_REQUEST.value,
                     "reason": f"prompt of {prompt_len + done} tokens exceeds the context window of {inst.engine.context_window}"}
-        admission = self.node.validate(iid, req, compute=compute)
+        admission = self.node.validate(iid, req, compute=entry.compute)
         if not admission.ok:
             reason = admission.reason()
             if not _only_own_prefill_late(admission):
@@ -482,14 +476,11 @@ class AgentServer:
     def _probe(self, r: Any, slo: Any) -> ServedRequest:
         """A request as validation sees it: its prompt length, output limit, age (time since
         it arrived, the ST of Eq. 1) and the tokens it already produced elsewhere."""
-        try:
-            sampling = Sampling(max_tokens=max(1, int(r["max_tokens"])))
-            req = ServedRequest(EngineRequest(str(r["request_id"]), int(r["prompt_len"]), sampling), "",
-                                asyncio.get_running_loop().time() - max(0.0, float(r.get("age_s", 0.0))), slo)
-            req.tokens_out = max(0, int(r.get("done", 0)))
-            req.first_token_s = _since(r.get("first_token_age_s"))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"bad request entry {r!r}: {exc}") from exc
+        probe = Probe.from_dict(r)
+        req = ServedRequest(EngineRequest(probe.request_id, probe.prompt_len, Sampling(max_tokens=probe.max_tokens)),
+                            "", _since(probe.age_s), slo)
+        req.tokens_out = probe.done
+        req.first_token_s = _since(probe.first_token_age_s)
         return req
 
     @staticmethod
@@ -540,15 +531,15 @@ class AgentServer:
         except ValueError as exc:  # its instance is in the middle of a prefill
             raise Reply(Code.REFUSED, str(exc)) from exc
         self.requests.pop(rid, None)
-        return self._progress(req)
+        return self._progress(req).to_dict()
 
     @staticmethod
-    def _progress(req: ServedRequest) -> dict[str, Any]:
+    def _progress(req: ServedRequest) -> Progress:
         ids = req.engine_request.prompt_token_ids or []
         produced = list(ids[req.prompt_len:req.prompt_len + req.tokens_out])
         first = req.first_token_s
-        return {"request_id": req.request_id, "tokens_out": req.tokens_out, "token_ids": produced,
-                "first_token_age_s": None if first is None else asyncio.get_running_loop().time() - first}
+        return Progress(req.request_id, req.tokens_out, produced,
+                        None if first is None else asyncio.get_running_loop().time() - first)
 
     def _instance(self, iid: Any) -> Any:
         inst = self.node.instances.get(str(iid))
@@ -626,22 +617,20 @@ class AgentServer:
 
     # ---- request callbacks (called by the node runtime) ------------------------------------
     def _on_output(self, req: ServedRequest, tokens: Any, texts: Any) -> None:
-        self._send({"t": "tokens", "items": [[req.request_id, list(tokens or ()), "".join(texts or ())]]})
+        self._send(TokensEvent([(req.request_id, list(tokens or ()), "".join(texts or ()))]).to_message())
 
     def _on_done(self, req: ServedRequest) -> None:
         self.requests.pop(req.request_id, None)
-        self._send({
-            "t": "done", "request_id": req.request_id, "outcome": req.outcome.value if req.outcome else "failed",
-            "reason": req.finish_reason.value if req.finish_reason else None, "detail": req.detail,
-            "tokens_out": req.tokens_out, "ttft_s": _finite(req.ttft_s), "tpot_s": _finite(req.tpot_s),
-        })
+        self._send(DoneEvent(req.request_id, req.outcome.value if req.outcome else "failed",
+                             req.finish_reason.value if req.finish_reason else None, req.detail, req.tokens_out,
+                             _finite(req.ttft_s), _finite(req.tpot_s)).to_message())
 
     def _on_evict(self, req: ServedRequest) -> None:
         """The memory subsystem evicted a request (6.4), progress kept: it goes back to the
         control service, whose dispatcher places it on another node (an `evicted` event
         with the tokens it produced; no `done` follows)."""
         self.requests.pop(req.request_id, None)
-        self._send({"t": "evicted", "why": req.attempts[-1] if req.attempts else "evicted", **self._progress(req)})
+        self._send(EvictedEvent(req.attempts[-1] if req.attempts else "evicted", self._progress(req)).to_message())
 
     def _abort_all(self, why: str) -> None:
         for rid in list(self.requests):

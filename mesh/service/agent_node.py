@@ -28,7 +28,20 @@ from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 
 from engines.protocol import FinishReason
 from mesh.agent.client import AgentCallError, AgentDown
-from mesh.agent.protocol import Code, InstanceSpec, sampling_to_dict, slo_to_dict
+from mesh.agent.protocol import (
+    AdmitEntry,
+    Code,
+    DoneEvent,
+    EvictedEvent,
+    InstanceEvent,
+    InstanceSpec,
+    Probe,
+    Progress,
+    ProtocolError,
+    TokensEvent,
+    event_from_message,
+    slo_to_dict,
+)
 from mesh.agent.supervisor import AgentHandle
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.runtime.cluster_node import ClusterNode, InstanceState
@@ -173,14 +186,12 @@ class AgentNode(ClusterNode):
         if inst is None or not self.up:
             return Admission(False, refusal=f"no instance {instance_id} on {self.node_id}")
         er = req.engine_request
-        entry = {"request_id": req.request_id, "instance_id": instance_id,
-                 "prompt_token_ids": list(er.prompt_token_ids[:er.prompt_len + req.tokens_out]),
-                 "sampling": sampling_to_dict(er.sampling), "age_s": _age(req.arrival_s),
-                 "done": req.tokens_out, "prompt_len": er.prompt_len, "compute": compute,
-                 "first_token_age_s": _age(req.first_token_s)}
+        entry = AdmitEntry(req.request_id, instance_id, list(er.prompt_token_ids[:er.prompt_len + req.tokens_out]),
+                           er.sampling, _age(req.arrival_s), req.tokens_out, er.prompt_len, compute,
+                           _age(req.first_token_s))
         self._hold(inst, req)  # before the call: its first tokens may overtake the reply
         try:
-            reply = await self.agent.client.call({"t": "admit", "requests": [entry]}, CALL_TIMEOUT_S)
+            reply = await self.agent.client.call({"t": "admit", "requests": [entry.to_dict()]}, CALL_TIMEOUT_S)
             result = reply["results"][0]
         except (AgentDown, AgentCallError, KeyError, IndexError) as exc:
             result = {"ok": False, "code": Code.FAILED.value, "reason": f"node {self.node_id}: {exc}"}
@@ -202,8 +213,13 @@ class AgentNode(ClusterNode):
         except (AgentDown, AgentCallError) as exc:  # done meanwhile, or mid-prefill: it stays
             log.info("take_back of %s from %s: %s", request_id, self.node_id, exc)
             return None
+        try:
+            progress = Progress.from_dict(reply)
+        except ProtocolError as exc:
+            log.warning("take_back of %s from %s: %s", request_id, self.node_id, exc)
+            return None
         self._release(request_id)
-        _resume_from(req, reply, f"taken from {self.node_id} after {reply.get('tokens_out')} tokens: {why}")
+        _resume_from(req, progress, f"taken from {self.node_id} after {progress.tokens_out} tokens: {why}")
         return req
 
     async def start_instance(self, plan: InstancePlan) -> bool:
@@ -292,10 +308,14 @@ class AgentNode(ClusterNode):
 
     # -- agent events ------------------------------------------------------------------------------
     def _agent_event(self, _agent: AgentHandle, m: dict[str, Any]) -> None:
-        kind = m.get("t")
+        try:
+            event = event_from_message(m)
+        except ProtocolError as exc:
+            log.warning("node %s sent a malformed event: %s", self.node_id, exc)
+            return
         now = self._now()
-        if kind == "tokens":
-            for rid, token_ids, text in m.get("items", ()):
+        if isinstance(event, TokensEvent):
+            for rid, token_ids, text in event.items:
                 req = self._requests.get(rid)
                 if req is None:
                     continue
@@ -304,37 +324,36 @@ class AgentNode(ClusterNode):
                 req.tokens_out += len(token_ids) or 1  # one item per token (simulated engines send no ids)
                 if req.on_output is not None:
                     req.on_output(req, token_ids, [text] if text else [])
-        elif kind == "done":
-            rid = m.get("request_id")
-            req = self._requests.get(rid)
+        elif isinstance(event, DoneEvent):
+            req = self._requests.get(event.request_id)
             if req is None:
                 return
-            req.tokens_out = int(m.get("tokens_out") or req.tokens_out)
-            outcome = Outcome.COMPLETED if m.get("outcome") == "completed" else Outcome.FAILED
-            reason = FinishReason(m["reason"]) if m.get("reason") in FinishReason._value2member_map_ else None
-            self._end_here(rid, outcome, str(m.get("detail") or ""), reason)
-        elif kind == "evicted":
-            req = self._release(m.get("request_id"))
+            req.tokens_out = event.tokens_out or req.tokens_out
+            outcome = Outcome.COMPLETED if event.outcome == Outcome.COMPLETED.value else Outcome.FAILED
+            reason = FinishReason(event.reason) if event.reason in FinishReason._value2member_map_ else None
+            self._end_here(event.request_id, outcome, event.detail, reason)
+        elif isinstance(event, EvictedEvent):
+            req = self._release(event.progress.request_id)
             if req is None:
                 return
             req.evictions += 1
-            _resume_from(req, m, f"evicted from {self.node_id}: {m.get('why')}")
+            _resume_from(req, event.progress, f"evicted from {self.node_id}: {event.why}")
             if self.on_evict is not None:
                 self.on_evict(req)
             else:
-                req.end(Outcome.FAILED, now, str(m.get("why")))
-        elif kind == "instance":
-            inst = self._instances.get(m.get("instance_id"))
+                req.end(Outcome.FAILED, now, event.why)
+        elif isinstance(event, InstanceEvent):
+            inst = self._instances.get(event.instance_id)
             if inst is None:
                 return
-            if m.get("state") == "ready":
+            if event.state == "ready":
                 inst.loaded = True
                 inst.idle_since = now
                 self._settled(inst, True)
                 if self.on_loaded is not None:
                     self.on_loaded(inst.instance_id)
             else:
-                self._lose_instance(inst, f"instance {inst.instance_id} failed to load: {m.get('error')}")
+                self._lose_instance(inst, f"instance {inst.instance_id} failed to load: {event.error}")
 
     def _lose_instance(self, inst: MirroredInstance, why: str) -> None:
         self._instances.pop(inst.instance_id, None)
@@ -367,10 +386,9 @@ class AgentNode(ClusterNode):
 
 
 def _probe(req: ServedRequest, done: int) -> dict[str, Any]:
-    """A request as the agent's validation needs it (mesh.agent.server `_probe`)."""
-    return {"request_id": req.request_id, "prompt_len": req.prompt_len,
-            "max_tokens": req.engine_request.sampling.max_tokens, "age_s": _age(req.arrival_s), "done": done,
-            "first_token_age_s": _age(req.first_token_s)}
+    """A request as the agent's validation needs it."""
+    return Probe(req.request_id, req.prompt_len, req.engine_request.sampling.max_tokens, _age(req.arrival_s), done,
+                 _age(req.first_token_s)).to_dict()
 
 
 def _age(t: float | None) -> float | None:
@@ -378,14 +396,14 @@ def _age(t: float | None) -> float | None:
     return None if t is None else max(0.0, asyncio.get_running_loop().time() - t)
 
 
-def _resume_from(req: ServedRequest, progress: Mapping[str, Any], note: str) -> None:
+def _resume_from(req: ServedRequest, progress: Progress, note: str) -> None:
     """A request off its node: its produced tokens follow its prompt, to be recomputed
     where it resumes (mesh.runtime.node NodeRuntime.take_back does the same in-process)."""
     er = req.engine_request
-    produced = [int(t) for t in progress.get("token_ids") or ()]
-    req.engine_request = dataclasses.replace(er, prompt_token_ids=list(er.prompt_token_ids[:er.prompt_len]) + produced)
-    req.tokens_out = int(progress.get("tokens_out") or len(produced))
-    if req.first_token_s is None and progress.get("first_token_age_s") is not None:  # no tokens streamed here
-        req.first_token_s = asyncio.get_running_loop().time() - float(progress["first_token_age_s"])
+    req.engine_request = dataclasses.replace(er, prompt_token_ids=list(er.prompt_token_ids[:er.prompt_len])
+                                             + progress.token_ids)
+    req.tokens_out = progress.tokens_out
+    if req.first_token_s is None and progress.first_token_age_s is not None:  # no tokens streamed here
+        req.first_token_s = asyncio.get_running_loop().time() - progress.first_token_age_s
     req.attempts.append(note)
     req.node_id = req.instance_id = None

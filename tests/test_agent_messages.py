@@ -1,0 +1,68 @@
+"""The agent protocol's typed messages: what one side writes, the other reads back; a
+malformed message is a ProtocolError, never a KeyError or a half-read object."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from engines.protocol import Sampling
+from mesh.agent.protocol import (
+    AdmitEntry,
+    DoneEvent,
+    EvictedEvent,
+    InstanceEvent,
+    Probe,
+    Progress,
+    ProtocolError,
+    TokensEvent,
+    event_from_message,
+)
+
+ids = st.lists(st.integers(0, 1 << 20), max_size=8)
+ages = st.none() | st.floats(0, 1e4)
+text = st.text(max_size=12)
+
+
+def wire(message: dict) -> dict:
+    """What the other side decodes: the message through JSON."""
+    return json.loads(json.dumps(message))
+
+
+@given(st.one_of(
+    st.builds(TokensEvent, st.lists(st.tuples(text, ids, text), max_size=4)),
+    st.builds(DoneEvent, text, st.sampled_from(["completed", "failed"]), st.none() | st.sampled_from(["stop", "length"]),
+              text, st.integers(0, 4096), ages, ages),
+    st.builds(InstanceEvent, text, st.sampled_from(["ready", "failed"]), text),
+    st.builds(EvictedEvent, text.filter(bool), st.builds(Progress, text, st.integers(1, 64), ids, ages)),
+))
+def test_every_event_reads_back_as_written(event):
+    assert event_from_message(wire(event.to_message())) == event
+
+
+@given(st.builds(Probe, text, st.integers(1, 4096), st.integers(1, 4096), st.floats(0, 1e4), st.integers(0, 64), ages))
+def test_a_probe_reads_back_as_written(probe):
+    assert Probe.from_dict(wire(probe.to_dict())) == probe
+
+
+def test_an_admit_entry_reads_back_and_checks_where_its_prompt_ends():
+    entry = AdmitEntry("r1", "i1", [5, 6, 7, 8], Sampling(max_tokens=4, temperature=0.5, stop=("x",)), 0.25, 2, 2,
+                       False, 0.1)
+    assert AdmitEntry.from_dict(wire(entry.to_dict())) == entry
+    moved = wire(entry.to_dict()) | {"prompt_len": 9}
+    with pytest.raises(ProtocolError, match="prompt_len=9 with 4 token ids"):
+        AdmitEntry.from_dict(moved)
+
+
+@pytest.mark.parametrize("message,match", [
+    ({"t": "tokens", "items": [["r", "notalist", ""]]}, "bad tokens event"),
+    ({"t": "done"}, "bad done event"),
+    ({"t": "instance", "state": "ready"}, "bad instance event"),
+    ({"t": "evicted", "why": "x", "token_ids": [1]}, "bad progress"),
+    ({"t": "reply"}, "unknown event"),
+])
+def test_a_malformed_event_is_a_protocol_error(message, match):
+    with pytest.raises(ProtocolError, match=match):
+        event_from_message(message)
