@@ -53,8 +53,8 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from engines.chat import PromptEncoder
 from engines.detokenize import Detokenizer, StopMatcher
-from mesh.modelfiles.shape import ModelShape, kv_bytes_per_token, shape_from_config, shape_from_gguf
 from engines.protocol import checked_request, engine_limits, EngineError, EngineRequest, FinishReason, RequestOutput, Sampling, StepResult, step_result
+from mesh.modelfiles.shape import ModelShape, kv_bytes_per_token, shape_from_config, shape_from_gguf
 from mesh.policy.batching import IterationKind
 
 log = logging.getLogger(__name__)

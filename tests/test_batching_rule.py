@@ -15,8 +15,8 @@ import pytest
 
 from doubles import LinearTimes
 from engines.protocol import EngineRequest, Sampling
-from mesh.policy.batching import IterationKind
 from engines.simulated import SimulatedEngine
+from mesh.policy.batching import IterationKind
 
 WINDOW = 256  # context window and prefill token budget of both engines
 # step index -> requests added just before that step: (id, prompt tokens, output tokens)

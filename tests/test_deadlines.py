@@ -12,8 +12,8 @@ from hypothesis import given, settings, strategies as st
 
 from doubles import LinearTimes
 from engines.protocol import EngineRequest, Sampling
-from mesh.policy.batching import IterationKind
 from engines.simulated import SimulatedEngine
+from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem, Iteration
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase, shadow_validate

@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from mesh.modelfiles import demo as models
 from mesh.cli import main
+from mesh.modelfiles import demo as models
 
 
 @pytest.fixture

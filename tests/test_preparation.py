@@ -20,13 +20,13 @@ import pytest
 from agent_doubles import WEIGHTS_TOKEN, InProcessAgent, simulated_factory, use_simulated_engines
 from engines.protocol import Sampling
 from mesh.agent import engines as agent_engines
+from mesh.modelfiles.formats import Conversion
 from mesh.policy.placement import InstanceView, sllm_pick
 from mesh.policy.slo import SLO
 from mesh.runtime.node import NodeSpec
 from mesh.service.errors import ApiError
-from mesh.modelfiles.formats import Conversion
-from mesh.service.preparation import ConversionFailed, ConvertTool, FormatPreparer
 from mesh.service.placement import ClusterPlacement, PlacementSettings
+from mesh.service.preparation import ConversionFailed, ConvertTool, FormatPreparer
 from mesh.service.registry import ModelRecord, PreparedFormat, Registry, RegistryError
 from mesh.service.streams import Finished, Job
 from mesh.weights.plane import ModelFormat, WeightsPlane, WeightsSettings

@@ -11,8 +11,8 @@ import struct
 import pytest
 
 from engines.protocol import Sampling
-from mesh.policy.batching import IterationKind
 from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes
+from mesh.policy.batching import IterationKind
 from mesh.agent.protocol import (
     MAX_FRAME_BYTES,
     Code,
@@ -24,13 +24,13 @@ from mesh.agent.protocol import (
     sampling_from_dict,
     sampling_to_dict,
 )
+from mesh.modelfiles.sources import SourceError, inspect_source, resolve_allowed
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.auth import admin_token_ok, bearer_token, hash_key, new_api_key
 from mesh.service.config import ConfigError, build_config, read_config_file
 from mesh.service.registry import ModelRecord, Registry, RegistryError, new_model_uid
 from mesh.service.schema import parse_chat, parse_completion, parse_json
-from mesh.modelfiles.sources import SourceError, inspect_source, resolve_allowed
 from mesh.service.uploads import receive_upload
 
 # ---- registry -------------------------------------------------------------------------------

@@ -26,8 +26,8 @@ from mesh.modelfiles.local import (
     write_tiny_llama,
 )
 from engines.protocol import Engine, EngineError, EngineRequest, FinishReason, Sampling
-from mesh.policy.batching import IterationKind
 from engines.vllm_engine import VLLMEngine, find_vllm_python, resolve_hf_model
+from mesh.policy.batching import IterationKind
 
 WINDOW = 256
 

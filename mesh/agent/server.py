@@ -65,14 +65,14 @@ from mesh.agent.protocol import (
 )
 from engines.openvino_process import OpenVINOProcessEngine
 from mesh.agent.tokenizers import TokenizerProcess
-from mesh.weights.node import NodeWeightsReceiver, inside, parse_listen, received_path
-from mesh.weights.blocks import Manifest, holds
-from mesh.weights.peer import token_from_env
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
 from mesh.policy.slo import DeadlineRule
 from mesh.runtime.node import InstancePlan, NodeRuntime, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
+from mesh.weights.blocks import Manifest, holds
+from mesh.weights.node import NodeWeightsReceiver, inside, parse_listen, received_path
+from mesh.weights.peer import token_from_env
 
 log = logging.getLogger("mesh.agent")
 
@@ -718,7 +718,7 @@ async def _amain(args: argparse.Namespace) -> int:
         host, port = parse_listen(args.weights_listen)
         weights = NodeWeightsReceiver(root, host, port, token=token_from_env())  # MESH_WEIGHTS_TOKEN
     server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights,
-                         load_roots=[root, *(args.models_root or ())], deadlines=args.deadlines)
+                         load_roots=[root, *(args.models_root or ())], deadlines=DeadlineRule(args.deadlines))
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -745,7 +745,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
     parser.add_argument("--models-root", action="append", metavar="DIR",
                         help="`load` may also open models under DIR (repeatable); the weights folder always counts")
-    parser.add_argument("--deadlines", default=DeadlineRule.EQ1, type=DeadlineRule.parse, choices=list(DeadlineRule),
+    parser.add_argument("--deadlines", default=DeadlineRule.EQ1.value, choices=[r.value for r in DeadlineRule],
                         help="when tokens after the first are due: 'eq1' (the paper's arrival + TTFT + TPOT x (i-1), "
                              "the default) or 'pace' (first token + TPOT x (i-1)); docs/design.md")
     parser.add_argument("--cpus", metavar="LIST", help="run this agent and its engines on these cores only "

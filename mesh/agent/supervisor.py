@@ -24,9 +24,9 @@ from typing import Any, Callable
 
 from mesh.agent.client import AgentClient, AgentDown
 from mesh.agent.protocol import READY_PREFIX
+from mesh.policy.slo import DeadlineRule
 from mesh.runtime.node import NodeSpec
 from mesh.runtime.tasks import cancel_all
-from mesh.policy.slo import DeadlineRule
 
 log = logging.getLogger("mesh.agent.supervisor")
 

@@ -22,13 +22,13 @@ from mesh.replay.driver import (
     run_policy,
     trace_mean_output,
 )
+from mesh.policy.slo import DeadlineRule
 from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
 from mesh.replay.metrics import aligned, json_ready, summarize, table
-from mesh.weights.cold_start import MODES as WEIGHT_MODES, Engines, WeightsConfig
 from mesh.runtime.cluster import ClusterConfig, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S
 from mesh.runtime.schedulers import POLICIES, UnknownPolicy, policy_spec
-from mesh.policy.slo import DeadlineRule
+from mesh.weights.cold_start import MODES as WEIGHT_MODES, Engines, WeightsConfig
 from workloads.azure_functions import load_function_trace
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR, FUNCTIONS_FILE
@@ -96,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--net-gbit", type=float, default=200.0, help="per-node network bandwidth for --weights multicast*, Gbit/s (default: %(default)s)")
     cl.add_argument("--ssd-gbps", type=float, default=3.0, help="SSD read bandwidth for --weights ssd/host, GB/s (default: %(default)s)")
     cl.add_argument("--multicast-plan", default="binomial", choices=("binomial", "chain", "naive"), help="multicast plan (default: %(default)s)")
-    cl.add_argument("--deadlines", default=None, type=DeadlineRule.parse, choices=list(DeadlineRule),
+    cl.add_argument("--deadlines", default=None, choices=[r.value for r in DeadlineRule],
                     help="when a request's tokens after the first are due, for every policy's node scheduler and "
                          "Mesh's shadow validation: 'eq1' (the paper's Eq. 1: arrival + TTFT + TPOT x (i-1)) or "
                          "'pace' (first token + TPOT x (i-1), what `mesh serve` runs); docs/design.md "

@@ -21,16 +21,16 @@ from typing import Any
 
 import aiohttp
 
-from mesh.perf.profile import load_profile
 from engines.protocol import DEFAULT_CONTEXT_CAP
+from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.modelfiles.demo import ModelFetchError
+from mesh.perf.profile import load_profile
 from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.replay.driver import ReplayConfig, run_policy
-from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
 from mesh.runtime.cluster import ClusterConfig, ModelSpec
-from mesh.runtime.schedulers import policy_spec
 from mesh.runtime.request import ServedRequest
+from mesh.runtime.schedulers import policy_spec
 from workloads.workload import Workload
 
 BASE = "smollm2-135m"  # the base model name of every replica (one model file, one profile)

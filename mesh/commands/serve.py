@@ -6,8 +6,8 @@ import asyncio
 import logging
 import sys
 
-from mesh.runtime.schedulers import POLICIES
 from mesh.policy.slo import DeadlineRule
+from mesh.runtime.schedulers import POLICIES
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="with --ray: ask Ray's autoscaler for the nodes Mesh uses and release idle ones")
     parser.add_argument("--weights-plan", choices=("naive", "chain", "binomial"), default=None,
                         help="multicast plan that sends a model to the nodes that start it (default binomial)")
-    parser.add_argument("--deadlines", type=DeadlineRule.parse, choices=list(DeadlineRule), default=None,
+    parser.add_argument("--deadlines", choices=[r.value for r in DeadlineRule], default=None,
                         help="when a request's tokens after the first are due: 'eq1' (default), the paper's Eq. 1, "
                              "from its arrival; 'pace', from its first token, so admission protects the pace "
                              "clients measure and turns more requests away (docs/design.md)")

@@ -29,6 +29,15 @@ from scipy.interpolate import RegularGridInterpolator, make_interp_spline
 from mesh.perf.profile import Profile
 
 
+def _cell(grid: tuple[float, ...], inverse_widths: tuple[float, ...], x: float) -> tuple[int, float]:
+    """The grid cell holding x and x's fraction across it: (0, 0) below the grid, the last
+    cell with a fraction above 1 past it (linear extrapolation)."""
+    if x <= grid[0]:
+        return 0, 0.0
+    i = min(bisect_right(grid, x) - 1, len(grid) - 2)
+    return i, (x - grid[i]) * inverse_widths[i]
+
+
 def _bad(name: str, value: object) -> ValueError:
     return ValueError(f"{name} must be at least 1 (got {value!r}); pass a positive count of tokens/requests")
 
@@ -86,21 +95,8 @@ class PerformanceModel:
         if not avg_context >= 1:
             raise _bad("avg_context", avg_context)
         gb, gc = self._db, self._dc
-        # Batch axis: cell index i and fraction t (t > 1 above the grid).
-        if batch <= gb[0]:
-            i, t = 0, 0.0
-        else:
-            i = bisect_right(gb, batch) - 1
-            if i > len(gb) - 2:
-                i = len(gb) - 2
-            t = (batch - gb[i]) * self._b_inv[i]
-        if avg_context <= gc[0]:
-            j, u = 0, 0.0
-        else:
-            j = bisect_right(gc, avg_context) - 1
-            if j > len(gc) - 2:
-                j = len(gc) - 2
-            u = (avg_context - gc[j]) * self._c_inv[j]
+        i, t = _cell(gb, self._b_inv, batch)  # batch axis: cell index and fraction (> 1 above the grid)
+        j, u = _cell(gc, self._c_inv, avg_context)
         r0, r1 = self._dv[i], self._dv[i + 1]
         v00, v01, v10, v11 = r0[j], r0[j + 1], r1[j], r1[j + 1]
         a = v00 + (v01 - v00) * u

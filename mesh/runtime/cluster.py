@@ -16,9 +16,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
+from mesh.perf.memory import GIB, RESIZE_UP_S_PER_GIB
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile
-from mesh.perf.memory import GIB, RESIZE_UP_S_PER_GIB
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
 from mesh.policy.placement import CPU, DEFAULT_KEEP_ALIVE_S, GPU, ColdStart, InstanceView, NodeView, keep_alive_expired
 from mesh.policy.shadow import DEFAULT_MARGIN

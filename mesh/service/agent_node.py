@@ -28,20 +28,8 @@ from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 
 from engines.protocol import FinishReason
 from mesh.agent.client import AgentCallError, AgentDown
-from mesh.agent.protocol import (
-    AdmitEntry,
-    Code,
-    DoneEvent,
-    EvictedEvent,
-    InstanceEvent,
-    InstanceSpec,
-    Probe,
-    Progress,
-    ProtocolError,
-    TokensEvent,
-    event_from_message,
-    slo_to_dict,
-)
+from mesh.agent.protocol import AdmitEntry, Code, DoneEvent, EvictedEvent, InstanceEvent, InstanceSpec, Probe
+from mesh.agent.protocol import Progress, ProtocolError, TokensEvent, event_from_message, slo_to_dict
 from mesh.agent.supervisor import AgentHandle
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.runtime.cluster_node import ClusterNode, InstanceState

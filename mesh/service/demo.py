@@ -19,10 +19,10 @@ import shlex
 
 from engines.protocol import DEFAULT_CONTEXT_CAP
 from mesh.modelfiles import demo as models
-from mesh.service.auth import new_api_key
-from mesh.service.registry import ModelRecord, Registry, new_model_uid
 from mesh.modelfiles.sources import inspect_source
 from mesh.policy.slo import SLO
+from mesh.service.auth import new_api_key
+from mesh.service.registry import ModelRecord, Registry, new_model_uid
 
 DEMO_TENANT = "demo"
 DEMO_MODEL = "demo/smollm2"

@@ -15,9 +15,9 @@ from typing import Any
 from aiohttp import web
 
 from engines.chat import ROLES
+from mesh.modelfiles.sampling import FIELDS as SAMPLING_FIELDS
 from mesh.policy.quota import QUOTA_FIELDS
 from mesh.service.registry import MODEL_NAME, TENANT_NAME
-from mesh.modelfiles.sampling import FIELDS as SAMPLING_FIELDS
 from mesh.service.schema import MAX_STOP, MAX_TOKENS_CAP
 
 TENANT, ADMIN, METRICS = "tenantKey", "adminToken", "metricsToken"

@@ -43,9 +43,9 @@ from typing import Any, Callable, Protocol
 
 from engines.protocol import EngineRequest
 from mesh.agent.client import AgentCallError, AgentDown
-from mesh.perf.times import prior_profile
 from mesh.agent.protocol import Code, InstanceSpec, slo_to_dict
 from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent
+from mesh.perf.times import prior_profile
 from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec

@@ -18,20 +18,20 @@ from __future__ import annotations
 import asyncio
 import math
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 from aiohttp import web
 
 from engines.protocol import DEFAULT_CONTEXT_CAP
+from mesh.modelfiles.formats import ENGINE_OF_KIND, FORMAT_NAMES
+from mesh.modelfiles.sampling import SamplingDefaultsError
+from mesh.modelfiles.sampling import check as check_sampling
+from mesh.modelfiles.sources import SourceError, SourceInfo, inspect_source, resolve_allowed
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of
-from mesh.modelfiles.formats import ENGINE_OF_KIND, FORMAT_NAMES
-from mesh.service.registry import MODEL_NAME, ModelRecord, RegistryError, new_model_uid
-from mesh.modelfiles.sampling import SamplingDefaultsError
-from mesh.modelfiles.sampling import check as check_sampling
+from mesh.service.registry import MODEL_NAME, ModelRecord, Registry, RegistryError, new_model_uid
 from mesh.service.schema import parse_json
-from mesh.modelfiles.sources import SourceError, SourceInfo, inspect_source, resolve_allowed
 from mesh.service.uploads import receive_upload
 
 MIN_CONTEXT = 16
@@ -74,25 +74,24 @@ async def list_models(request: web.Request) -> web.Response:
     return web.json_response({"object": "list", "data": [model_object(svc, m) for m in svc.registry.models(tenant)]})
 
 
-async def get_model(request: web.Request) -> web.Response:
+def _tenants_model(request: web.Request, take: Callable[[Registry, str, str], ModelRecord | None]) -> ModelRecord:
+    """The caller's model named in the path, read (or deleted) by `take`; 404 if it has none."""
     svc = service_of(request)
-    tenant = svc.tenant_of(request)
     name = request.match_info["name"]
-    record = svc.registry.model(tenant, name)
+    record = take(svc.registry, svc.tenant_of(request), name)
     if record is None:
         raise errors.model_not_found(name)
-    return web.json_response(model_object(svc, record))
+    return record
+
+
+async def get_model(request: web.Request) -> web.Response:
+    return web.json_response(model_object(service_of(request), _tenants_model(request, Registry.model)))
 
 
 async def delete_model(request: web.Request) -> web.Response:
-    svc = service_of(request)
-    tenant = svc.tenant_of(request)
-    name = request.match_info["name"]
-    record = svc.registry.delete_model(tenant, name)
-    if record is None:
-        raise errors.model_not_found(name)
-    await forget_files(svc, [record])
-    return web.json_response({"id": name, "object": "model", "deleted": True})
+    record = _tenants_model(request, Registry.delete_model)
+    await forget_files(service_of(request), [record])
+    return web.json_response({"id": request.match_info["name"], "object": "model", "deleted": True})
 
 
 async def forget_files(svc: Service, records: list[ModelRecord]) -> None:

@@ -16,11 +16,11 @@ from typing import Any, Callable
 from aiohttp import web
 
 from engines.protocol import Sampling
+from mesh.modelfiles.sampling import resolve as resolve_sampling
 from mesh.service import errors
 from mesh.service.app import ARRIVAL, Service, service_of
 from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord
-from mesh.modelfiles.sampling import resolve as resolve_sampling
 from mesh.service.schema import GenerationRequest, parse_chat, parse_completion, parse_json
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
 
