@@ -323,10 +323,32 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _remove_stale_tmp(folder: Path) -> None:
+    """Remove `.tmp-*` folders of preparations that died (their process is gone, or they
+    are over an hour old): a killed preparer leaves one behind (SIGKILL runs no cleanup)."""
     now = time.time()
     for entry in folder.glob(f"{_TMP}*"):
         try:
-            if now - entry.stat().st_mtime > _STALE_TMP_S:
+            if now - entry.stat().st_mtime > _STALE_TMP_S or not _alive(_tmp_pid(entry.name)):
                 shutil.rmtree(entry, ignore_errors=True)
         except OSError:
             continue
+
+
+def _tmp_pid(name: str) -> int | None:
+    parts = name.rsplit("-", 2)  # .tmp-<final name>-<pid>-<random>
+    try:
+        return int(parts[-2]) if len(parts) == 3 else None
+    except ValueError:
+        return None
+
+
+def _alive(pid: int | None) -> bool:
+    if pid is None or pid == os.getpid():
+        return pid is not None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -218,3 +218,29 @@ def test_the_worker_engine_loads_the_prepared_form(demo_gguf: Path, prepared: no
             await engine.unload()
 
     asyncio.run(run())
+
+
+@pytest.mark.slow
+def test_the_background_preparer_prepares_once_and_stops_at_close(demo_gguf: Path, tmp_path: Path) -> None:
+    from engines.background_prepare import BackgroundPreparer
+
+    root = tmp_path / "cache"
+
+    async def run() -> None:
+        stopped = BackgroundPreparer(root)
+        assert stopped.schedule(demo_gguf)
+        await asyncio.sleep(1.0)  # it is converting
+        await stopped.close()  # killed mid-way: nothing usable is left
+        assert find_prepared(demo_gguf, root) is None
+        preparer = BackgroundPreparer(root)
+        assert preparer.schedule(demo_gguf) and not preparer.schedule(demo_gguf)  # queued once
+        assert not preparer.schedule(tmp_path)  # not a GGUF: nothing to prepare
+        await preparer.wait()
+        await preparer.close()
+        assert preparer.done == {str(demo_gguf.resolve()): 0}
+        assert find_prepared(demo_gguf, root) is not None
+        assert not list((root / "models").glob(".tmp-*"))  # the killed one's folder was removed
+        assert node_cache.blob_support(root, "CPU") is not None  # probed once for this OpenVINO
+        assert not BackgroundPreparer(root).schedule(demo_gguf)  # prepared already
+
+    asyncio.run(run())
