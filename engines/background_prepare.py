@@ -38,15 +38,15 @@ class BackgroundPreparer:
         self.done: dict[str, int] = {}  # path -> the child's exit status
 
     def schedule(self, path: str | Path) -> bool:
-        """Queue `path` for preparation unless it is not a GGUF, is prepared already, or was
-        queued before. Needs a running event loop. Returns whether it was queued."""
+        """Queue `path` for preparation unless it is not a GGUF, is prepared already (and
+        this OpenVINO's blob import probed), or was queued before. Needs a running event loop. Returns whether it was queued."""
         p = str(Path(path).resolve())
         if p in self._seen or not _is_gguf(Path(p)):
             return False
-        from engines.node_cache import find_prepared
+        from engines.node_cache import blob_support, find_prepared
 
-        if find_prepared(p, self.root) is not None:
-            return False
+        if find_prepared(p, self.root) is not None and blob_support(self.root, "CPU") is not None:
+            return False  # prepared, and the blob probe answered (a killed probe is run again)
         self._seen.add(p)
         self._queue.append(p)
         if self._task is None or self._task.done():
