@@ -159,6 +159,8 @@ class OpenVINOEngine:
         kv_capacity_bytes: int | None = None,
         release_on_shrink: bool = False,
         ignore_eos: bool = False,
+        cache_root: str | Path | None = None,
+        use_node_cache: bool = True,
     ) -> None:
         """Describe an instance; nothing is loaded until `load()`.
 
@@ -171,6 +173,10 @@ class OpenVINOEngine:
         kv_capacity_bytes: the KV bound recorded at start (see `resize_kv`).
         ignore_eos: generate exactly max_tokens (stop strings still apply), for calibration
             and benchmarks that need known output lengths; never for serving.
+        cache_root: the node's cache of prepared models and compiled blobs
+            (engines.node_cache; default `<data dir>/compiled`).
+        use_node_cache: load a GGUF from its prepared form when the node has one (False:
+            always from the GGUF, as a node that never prepared it).
         """
         self.source = resolve_model(model_path)
         shape = self.source.shape
@@ -190,6 +196,10 @@ class OpenVINOEngine:
         self.kv_capacity_bytes = kv_capacity_bytes
         self.release_on_shrink = release_on_shrink
         self.ignore_eos = ignore_eos
+        self.cache_root = Path(cache_root) if cache_root is not None else None
+        self.use_node_cache = use_node_cache
+        self.loaded_from: str | None = None  # "gguf", "prepared" or "ir" once built
+        self.blob_cache: Path | None = None  # the CACHE_DIR the last build used, if any
         self._pipe: Any = None
         self._encoder: PromptEncoder | None = None
         self._standalone_encoder: PromptEncoder | None = None
@@ -215,10 +225,20 @@ class OpenVINOEngine:
             return
         built: list[Any] = []  # not the thread's return value: asyncio's future would keep
         await asyncio.to_thread(lambda: built.append(self._build()))  # it alive past unload()
-        self._pipe = built.pop()
-        self._tokenizer = self._pipe.get_tokenizer()
+        self.install(built.pop())
+        self.warm_up()
+
+    def load_blocking(self) -> None:
+        """`load()` in the calling thread, in its stages (benchmarks time each one)."""
+        if self._pipe is None:
+            self.install(self.build_pipeline(self.build_tokenizer()))
+            self.warm_up()
+
+    def install(self, pipe: Any) -> None:
+        """Take a built pipeline (and its tokenizer) as this engine's."""
+        self._pipe = pipe
+        self._tokenizer = pipe.get_tokenizer()
         self._encoder = PromptEncoder(self._tokenizer)
-        self._warm_up()
 
     async def unload(self) -> None:
         """Release the pipeline, its weights and KV cache. Running requests are aborted."""
@@ -244,8 +264,45 @@ class OpenVINOEngine:
             await self.load()
 
     def _build(self) -> Any:
+        return self.build_pipeline(self.build_tokenizer())
+
+    def _prepared(self) -> Any:
+        """The node's prepared form of a GGUF source (engines.node_cache), or None."""
+        if self.source.kind != "gguf" or not self.use_node_cache:
+            return None
+        from engines.node_cache import find_prepared
+
+        return find_prepared(self.source.path, self.cache_root)
+
+    def build_tokenizer(self) -> Any:
+        """The model's tokenizer: from the prepared tokenizer IR when the node has it
+        (about 0.1 s), else from the model (1.3-2.6 s from the demo GGUF's metadata)."""
         import openvino_genai as ov_genai
 
+        prepared = self._prepared()
+        try:
+            return ov_genai.Tokenizer(str(prepared.path if prepared is not None else self.source.path))
+        except RuntimeError as exc:
+            raise EngineError(f"OpenVINO could not build the tokenizer of {self.source.path}: {exc}") from exc
+
+    def build_pipeline(self, tokenizer: Any) -> Any:
+        """Read, convert (a GGUF with no prepared form) and compile the model: the pipeline.
+
+        The tokenizer is passed in, so the pipeline does not build its own a second time.
+        CACHE_DIR is set only where this OpenVINO imports its own blobs (engines.node_cache)."""
+        import openvino_genai as ov_genai
+        from engines import node_cache
+
+        prepared = self._prepared()
+        path = prepared.path if prepared is not None else self.source.path
+        properties = dict(self.properties)
+        self.blob_cache = None
+        if self.use_node_cache and "CACHE_DIR" not in properties:
+            support = node_cache.blob_support(self.cache_root, self.device)
+            if support is not None and support.works:
+                self.blob_cache = node_cache.blob_cache_dir(self.cache_root, self.device, properties,
+                                                            extra=self._compile_knobs())
+                properties["CACHE_DIR"] = str(self.blob_cache)
         config = ov_genai.SchedulerConfig()
         config.dynamic_split_fuse = False  # vLLM mode: a step is prefill-only or decode-only
         config.max_num_batched_tokens = self.prefill_token_budget
@@ -254,12 +311,24 @@ class OpenVINOEngine:
         config.num_kv_blocks = 0
         config.enable_prefix_caching = False  # finished requests free their blocks at once
         try:
-            return ov_genai.ContinuousBatchingPipeline(str(self.source.path), config, self.device,
-                                                       self.properties)
+            pipe = ov_genai.ContinuousBatchingPipeline(str(path), tokenizer, config, self.device, **properties)
         except RuntimeError as exc:
-            raise EngineError(f"OpenVINO could not load {self.source.path} on {self.device}: {exc}") from exc
+            raise EngineError(f"OpenVINO could not load {path} on {self.device}: {exc}") from exc
+        self.loaded_from = "prepared" if prepared is not None else self.source.kind
+        return pipe
 
-    def _warm_up(self) -> None:
+    def _compile_knobs(self) -> dict[str, Any]:
+        """What besides the properties could change the compiled model: the scheduler's
+        sizes (the pipeline may specialise on them) and the model file's identity."""
+        from engines.node_cache import SourceIdentity
+
+        ident = SourceIdentity.of(self.source.path) if self.source.path.is_file() else None
+        return {"max_num_batched_tokens": self.prefill_token_budget, "max_num_seqs": self.max_num_seqs,
+                "source": ident.key() if ident else str(self.source.path)}
+
+    def warm_up(self) -> None:
+        """One 1-token request: the first inference's one-time cost (and the KV cache's first
+        allocation, which grows on demand) is paid here, not in the first request's TTFT."""
         import openvino as ov
         import numpy as np
 
@@ -487,10 +556,13 @@ class OpenVINOEngine:
 def standalone_encoder(path: str) -> PromptEncoder:
     """The model's tokenizer without its pipeline, built once per model file in a process:
     building it holds the GIL for seconds (2.6 s for the demo GGUF here), which would stall
-    a node agent's event loop at every instance it starts."""
+    a node agent's event loop at every instance it starts. From the node's prepared
+    tokenizer IR when there is one (engines.node_cache: about 0.1 s)."""
     import openvino_genai as ov_genai
 
-    return PromptEncoder(ov_genai.Tokenizer(path))
+    from engines.node_cache import tokenizer_path
+
+    return PromptEncoder(ov_genai.Tokenizer(tokenizer_path(path)))
 
 
 def kv_bytes_held(kv_tokens: Iterable[int], block_size: int, kv_bytes_per_token: int) -> int:

@@ -40,14 +40,17 @@ class OpenVINOProcessEngine:
                  prefill_token_budget: int | None = None, max_num_seqs: int = 64, device: str = "CPU",
                  properties: Mapping[str, Any] | None = None, kv_capacity_bytes: int | None = None,
                  ignore_eos: bool = False, log_dir: str | Path | None = None,
-                 on_loaded: Callable[[BaseException | None], None] | None = None) -> None:
+                 on_loaded: Callable[[BaseException | None], None] | None = None,
+                 cache_root: str | Path | None = None, use_node_cache: bool = True) -> None:
         """log_dir: where the worker's output goes (default: Mesh's data folder, logs/).
         on_loaded: called once the pipeline is built and warmed up (None) or failed (the
-        exception)."""
+        exception). cache_root, use_node_cache: the node's cache of prepared models
+        (OpenVINOEngine; engines.node_cache)."""
         self._kwargs = dict(model_path=str(model_path), model_name=model_name, context_window=context_window,
                             prefill_token_budget=prefill_token_budget, max_num_seqs=max_num_seqs, device=device,
                             properties=dict(properties or {}), kv_capacity_bytes=kv_capacity_bytes,
-                            ignore_eos=ignore_eos)
+                            ignore_eos=ignore_eos, cache_root=None if cache_root is None else str(cache_root),
+                            use_node_cache=use_node_cache)
         self.front = OpenVINOEngine(**self._kwargs)  # reads the shape; loads nothing here
         f = self.front
         self.source, self.model_name = f.source, f.model_name
@@ -62,6 +65,7 @@ class OpenVINOProcessEngine:
         self._loaded = False
         self._requests = WorkerRequests(self.model_name)
         self._kv_allocated = 0
+        self.loaded_from: str | None = None
 
     @property
     def loaded(self) -> bool:
@@ -113,6 +117,7 @@ class OpenVINOProcessEngine:
     def _facts(self, facts: Mapping[str, Any]) -> None:
         self.kv_bytes_per_token = int(facts["kv_bytes_per_token"])  # the warm-up measured it
         self._kv_allocated = int(facts["kv_bytes_allocated"])
+        self.loaded_from = facts.get("loaded_from")  # "gguf", "prepared" or "ir" (engines.node_cache)
 
     # ---- tokens (this process: the front's tokenizer, built on first use) ----------------
     def encode_prompt(self, prompt: str) -> list[int]:

@@ -30,7 +30,7 @@ class Worker(WorkerLoop):
     def facts(self) -> dict[str, Any]:
         e = self.engine
         return {"kv_bytes_per_token": e.kv_bytes_per_token, "kv_bytes_allocated": e.kv_bytes_allocated(),
-                "pid": os.getpid()}
+                "pid": os.getpid(), "loaded_from": e.loaded_from}
 
     def handle(self, op: str, msg: dict[str, Any]) -> Any:
         from engines.openvino_engine import OpenVINOEngine

@@ -63,6 +63,7 @@ from mesh.agent.protocol import (
     read_frame,
     slo_from_dict,
 )
+from engines.background_prepare import BackgroundPreparer
 from engines.openvino_process import OpenVINOProcessEngine
 from mesh.agent.tokenizers import TokenizerProcess
 from mesh.policy.kv_demand import RunningMean
@@ -110,6 +111,7 @@ class AgentServer:
         # any instance of it runs here (`describe`, `tokenize` by path).
         self.fronts: dict[tuple[str, str, int | None], Any] = {}
         self.tokenizers = TokenizerProcess()  # OpenVINO prompts are tokenized off this process's GIL
+        self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
         self._tokenizers_ready: dict[str, asyncio.Future] = {}  # loading OpenVINO instance -> its tokenizer's build
         self.requests: dict[str, ServedRequest] = {}
         self.started_at = 0.0
@@ -155,6 +157,7 @@ class AgentServer:
         self._abort_all("the node agent is shutting down")  # its requests end at once, before the workers do
         self._flush()
         await self.tokenizers.close()
+        await self.preparer.close()
         await self.node.stop()
         for iid in list(self.node.instances):
             inst = self.node.instances[iid]
@@ -343,6 +346,9 @@ class AgentServer:
     def _loaded(self, instance_id: str, exc: BaseException | None) -> None:
         """The engine's load callback: a failure is reported here (success by `_ready`)."""
         if exc is None:
+            spec = self.specs.get(instance_id)
+            if spec is not None and spec.engine == "openvino":  # loaded: prepare its GGUF for the next loads
+                self.preparer.schedule(spec.path)
             return
         self._tokenizers_ready.pop(instance_id, None)
         log.error("loading instance %s failed: %s", instance_id, exc)

@@ -1,0 +1,122 @@
+"""Preparing models in the background (engines.node_cache.prepare), one at a time, in a
+process of its own at low CPU priority: never on a request's path.
+
+    python -m engines.background_prepare GGUF [--root DIR]
+
+Why a process: preparation converts and compiles for seconds while holding the GIL part of
+the time; in the node agent that would stall its event loop (admissions, heartbeats), and
+in an instance's worker it would delay that instance's iterations. Why niced: on a node
+with few cores it competes with serving; it is worth doing only when cores are idle.
+The process dies with its parent (PR_SET_PDEATHSIG); a half-written folder it leaves is
+a `.tmp-*` folder that lookups never read and the next preparation removes.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+NICE = 10  # below serving: a load or an iteration always gets the cores first
+
+
+class BackgroundPreparer:
+    """Prepares the GGUFs it is given, one at a time, each once, in a child process."""
+
+    def __init__(self, root: str | Path | None = None) -> None:
+        self.root = Path(root) if root is not None else None
+        self._queue: list[str] = []
+        self._seen: set[str] = set()
+        self._task: asyncio.Task[None] | None = None
+        self._proc: asyncio.subprocess.Process | None = None
+        self.done: dict[str, int] = {}  # path -> the child's exit status
+
+    def schedule(self, path: str | Path) -> bool:
+        """Queue `path` for preparation unless it is not a GGUF, is prepared already (and
+        this OpenVINO's blob import probed), or was queued before. Needs a running event loop. Returns whether it was queued."""
+        p = str(Path(path).resolve())
+        if p in self._seen or not _is_gguf(Path(p)):
+            return False
+        from engines.node_cache import blob_support, find_prepared
+
+        if find_prepared(p, self.root) is not None and blob_support(self.root, "CPU") is not None:
+            return False  # prepared, and the blob probe answered (a killed probe is run again)
+        self._seen.add(p)
+        self._queue.append(p)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._drain())
+        return True
+
+    async def _drain(self) -> None:
+        from engines.worker_process import worker_env
+
+        while self._queue:
+            path = self._queue.pop(0)
+            argv = [sys.executable, "-m", "engines.background_prepare", path]
+            if self.root is not None:
+                argv += ["--root", str(self.root)]
+            self._proc = await asyncio.create_subprocess_exec(*argv, env=worker_env(), stdout=subprocess.DEVNULL,
+                                                              stderr=subprocess.PIPE)
+            _, err = await self._proc.communicate()
+            self.done[path] = self._proc.returncode
+            if self._proc.returncode != 0:
+                log.warning("preparing %s failed (%s): %s", path, self._proc.returncode,
+                            err.decode(errors="replace")[-1000:])
+            self._proc = None
+
+    async def wait(self) -> None:
+        """Until everything queued is prepared (tests, benchmarks)."""
+        while self._task is not None and not self._task.done():
+            await asyncio.shield(self._task)
+
+    async def close(self) -> None:
+        """Stop: the preparation in flight is killed at once (its `.tmp-*` folder is never
+        used, and the next preparation removes it)."""
+        self._queue.clear()
+        proc = self._proc
+        if proc is not None and proc.returncode is None:
+            proc.kill()  # not SIGTERM: a conversion inside OpenVINO would hold it for seconds
+            await proc.wait()
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except (asyncio.CancelledError, Exception):  # noqa: BLE001 - it was being stopped
+                pass
+            self._task = None
+
+
+def _is_gguf(path: Path) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m engines.background_prepare")
+    parser.add_argument("model", help="a GGUF file")
+    parser.add_argument("--root", help="the node cache's root (default: <data dir>/compiled)")
+    parser.add_argument("--no-probe", action="store_true", help="do not probe whether compiled blobs import")
+    args = parser.parse_args(argv)
+    from engines.worker_process import die_with_parent
+
+    die_with_parent()
+    os.nice(NICE)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds where it can: prepare removes its .tmp
+    from engines.node_cache import prepare
+
+    prepared = prepare(args.model, args.root, probe_blobs=not args.no_probe)
+    print(prepared.path)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
