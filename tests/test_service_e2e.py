@@ -120,7 +120,7 @@ def server(tmp_path_factory, demo_gguf) -> Server:
     except OSError:
         shutil.copy(demo_gguf, allowed / "smollm2.gguf")
     os.symlink(demo_gguf, allowed / "outside-link.gguf")  # points outside the allowed folder
-    s = Server(root / "data", allowed, root / "server.log")
+    s = Server(root / "data", allowed, root / "server.log", ("--queue-capacity", "900", "--queue-timeout", "45"))
     s.start()
     yield s
     s.stop()
@@ -389,6 +389,9 @@ def test_live_replay_sends_the_trace_and_simulates_the_same_requests(server, tmp
     assert sum(r["outcome"] == "rejected" for r in detail) == live["rejected"]
     dispatcher = live["service"]["dispatcher"]  # the service's own account at the end
     assert dispatcher["policy"] == "mesh" and sum(dispatcher["placed_by_kind"].values()) >= live["completed"]
+    # the queue `mesh serve --queue-*` set is the service's, and the twin's
+    assert (dispatcher["queue_capacity"], dispatcher["queue_timeout_s"]) == (900, 45)
+    assert data["replay"]["queue"] == {"capacity": 900, "timeout_s": 45}
     assert "live (mesh)" in run.stdout and "simulated (mesh)" in run.stdout and live["policy"] == "mesh"
     tenants = {t["name"] for t in server.admin("GET", "/admin/tenants")["data"]}
     assert data["live"]["tenant"] not in tenants  # cleaned up

@@ -264,3 +264,12 @@ def test_metrics_need_a_token_and_tenants_see_only_their_own_usage(simulated, tm
             await close()
 
     asyncio.run(main())
+
+
+def test_the_queue_is_set_on_serve_and_checked():
+    c = build_config({"queue_capacity": 5}, {"queue_timeout_s": "slo"})
+    assert (c.queue_capacity, c.queue_timeout_s) == (5, None)
+    assert build_config({}, {"queue_timeout_s": 12.5}).queue_timeout_s == 12.5
+    for bad in ({"queue_capacity": 0}, {"queue_capacity": True}, {"queue_timeout_s": -1}, {"queue_timeout_s": "soon"}):
+        with pytest.raises(ConfigError, match=next(iter(bad))):
+            build_config(bad, {})

@@ -32,6 +32,7 @@ from engines.protocol import EngineRequest, Sampling
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.slo import SLO
 from mesh.runtime.request import Outcome, ServedRequest
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from workloads.workload import Workload
 
 POLL_S = 1.0
@@ -198,6 +199,8 @@ class ClusterShape:
     memory: dict[str, int]  # kind -> the smallest node's memory for instances
     policy: str = "mesh"  # the placement policy the service runs (`mesh serve --policy`)
     deadlines: str = "eq1"  # its agents' deadline rule (`mesh serve --deadlines`)
+    queue_capacity: int = DEFAULT_QUEUE_CAPACITY  # its dispatcher's queue (`mesh serve --queue-capacity`)
+    queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S  # (`--queue-timeout`; None: 'slo')
 
     def counts(self) -> tuple[int, int]:
         """(CPU nodes, GPU nodes)."""
@@ -212,9 +215,11 @@ async def _shape(svc: _Service) -> ClusterShape:
         cap = int(n["memory"]["capacity_bytes"])
         memory[n["kind"]] = min(memory.get(n["kind"], cap), cap)
     rules = {n.get("deadlines") for n in view["nodes"]} - {None}
-    return ClusterShape({n["node_id"]: n["kind"] for n in view["nodes"]}, memory,
-                        (view.get("dispatcher") or {}).get("policy", "mesh"),
-                        rules.pop() if len(rules) == 1 else "eq1")
+    dispatcher = view.get("dispatcher") or {}
+    return ClusterShape({n["node_id"]: n["kind"] for n in view["nodes"]}, memory, dispatcher.get("policy", "mesh"),
+                        rules.pop() if len(rules) == 1 else "eq1",
+                        int(dispatcher.get("queue_capacity", DEFAULT_QUEUE_CAPACITY)),
+                        dispatcher.get("queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S))
 
 
 async def cluster_shape(url: str, admin_token: str) -> ClusterShape:

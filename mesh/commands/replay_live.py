@@ -31,6 +31,7 @@ from mesh.replay.metrics import json_ready, request_figures, summarize, table
 from mesh.runtime.cluster import ClusterConfig, ModelSpec
 from mesh.runtime.request import ServedRequest
 from mesh.runtime.schedulers import policy_spec
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from workloads.workload import Workload
 
 BASE = "smollm2-135m"  # the base model name of every replica (one model file, one profile)
@@ -61,7 +62,8 @@ def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, win
 
 
 def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape, catalog: dict[str, ModelSpec],
-              queue_timeout_s: float | None, policy: str) -> dict[str, Any]:
+              policy: str) -> dict[str, Any]:
+    """The twin: the service's nodes, deadline rule and queue settings, simulated."""
     cpu, gpu = shape.counts()
     memory = shape.memory
     weight_bytes = catalog[BASE].profiles[CPU].weight_bytes
@@ -70,8 +72,8 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     cluster = ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, cpu_memory_bytes=memory.get(CPU, 1),
                             gpu_memory_bytes=memory.get(GPU, 1), cold_start=ColdStart(bps, bps), keep_alive_s=keep_alive,
                             noise=args.noise, seed=args.seed, deadlines=args.deadlines or shape.deadlines)
-    config = ReplayConfig(cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
-                          queue_timeout_s=queue_timeout_s, progress=not args.no_progress)
+    config = ReplayConfig(cluster=cluster, queue_capacity=shape.queue_capacity, retry_interval_s=args.retry_interval,
+                          queue_timeout_s=shape.queue_timeout_s, progress=not args.no_progress)
     prior = {BASE: float(sum(a.output_len for a in workload.arrivals) / max(1, len(workload)))}
     return summarize(run_policy(workload, policy, config, catalog, prior))
 
@@ -108,7 +110,13 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
         policies = [shape.policy, *(p for p in policies if p != shape.policy)]
         # the twin first: it needs only the service's nodes, and a policy that cannot run
         # on them fails here, not after minutes of live traffic
-        simulated = {p: _simulate(args, workload, shape, catalog, queue_timeout_s, p) for p in policies}
+        asked = (args.queue_capacity, queue_timeout_s)
+        if asked != (DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S) and asked != (shape.queue_capacity,
+                                                                                     shape.queue_timeout_s):
+            print(f"mesh replay --live: the service's queue holds {shape.queue_capacity} requests for "
+                  f"{'their SLO' if shape.queue_timeout_s is None else f'{shape.queue_timeout_s:g} s'}; the twin uses "
+                  "that, not --queue-capacity/--queue-timeout (set them on `mesh serve`)", file=sys.stderr)
+        simulated = {p: _simulate(args, workload, shape, catalog, p) for p in policies}
         live = asyncio.run(run_live(workload, config))
     except LiveReplayError as exc:
         print(f"mesh replay --live: error: {exc}", file=sys.stderr)
@@ -136,6 +144,7 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
                           "model_path": str(model_path), "workload": d, "length_scale": scale,
                           "context_window": window, "cold_start_s": args.cold_start_s,
                           "deadlines": args.deadlines or shape.deadlines,
+                          "queue": {"capacity": shape.queue_capacity, "timeout_s": shape.queue_timeout_s},
                           "nodes": live.nodes, "simulated_cluster": {"cpu_nodes": shape.counts()[0],
                                                                      "gpu_nodes": shape.counts()[1],
                                                                      "memory_bytes": shape.memory}}}

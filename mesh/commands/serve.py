@@ -8,6 +8,7 @@ import sys
 
 from mesh.policy.slo import DeadlineRule
 from mesh.runtime.schedulers import POLICIES
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -46,6 +47,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--policy", default=None, choices=tuple(POLICIES),
                         help="the cluster dispatcher's placement policy, as `mesh replay` evaluates it: "
                              + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()) + " (default mesh)")
+    parser.add_argument("--queue-capacity", type=int, default=None, dest="queue_capacity",
+                        help=f"requests the dispatcher's waiting queue holds across tenants (default {DEFAULT_QUEUE_CAPACITY}); past it a "
+                             "request is turned away (429)")
+    parser.add_argument("--queue-timeout", default=None, dest="queue_timeout_s", type=_queue_timeout,
+                        help="seconds a request may wait for capacity, or 'slo': until it can no longer meet its "
+                             f"SLO (default {DEFAULT_QUEUE_TIMEOUT_S:g}); Mesh also turns a request away at once when it cannot meet its SLO")
     parser.add_argument("--cold-start-s", type=float, default=None, dest="cold_start_s",
                         help="a new instance's start-up besides moving its weights, counted in the TTFT of the "
                              "requests it is started for (default 7.5: the demo model on a 2-core node)")
@@ -77,6 +84,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=run)
 
 
+def _queue_timeout(text: str) -> float | str:
+    """`--queue-timeout`: seconds, or 'slo' (the config turns it into None)."""
+    if text.strip().lower() == "slo":
+        return "slo"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected seconds or 'slo', got {text!r}") from None
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
@@ -90,7 +107,7 @@ def run(args: argparse.Namespace) -> int:
                                          "drain_timeout_s",
                                          "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",
                                          "quota_model_gb", "quota_concurrent_requests", "quota_requests_per_s",
-                                         "quota_burst", "prepare_formats")}
+                                         "quota_burst", "prepare_formats", "queue_capacity", "queue_timeout_s")}
     try:
         file_values = read_config_file(args.config) if args.config else {}
         config = build_config(file_values, cli)

@@ -197,7 +197,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     cores = core_shares([n.node_id for n in nodes if n.kind == "cpu"]) if config.cpu_nodes > 1 else {}
     settings = PlacementSettings(
         policy=config.policy, cold_start_s=config.cold_start_s, keep_alive_s=config.keep_alive_s,
-        exact_moves=config.exact_moves,
+        exact_moves=config.exact_moves, queue_capacity=config.queue_capacity, queue_timeout_s=config.queue_timeout_s,
         profile_dir=str(config.profile_dir) if config.profile_dir else None,
         agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
                             weights_root=str(data_dir / "nodes"), weights_token=weights_token,

@@ -49,6 +49,7 @@ from typing import Any
 
 from mesh.policy.quota import Quota, QuotaValueError, check_overrides
 from mesh.policy.slo import DeadlineRule
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 
 
 class ConfigError(ValueError):
@@ -89,6 +90,9 @@ class ServeConfig:
     cold_start_s: float = 7.5  # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart)
     exact_moves: bool = False  # CPU instances recompute moved streams exactly, at ~2x compute
     prepare_formats: bool = True  # prepare each model's format for the other kind of node (mesh.service.preparation)
+    queue_capacity: int = DEFAULT_QUEUE_CAPACITY  # requests the dispatcher's waiting queue holds (mesh.policy.queueing)
+    # seconds a request may wait for capacity; None ("slo"): until it can no longer meet its SLO
+    queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S
 
     @property
     def default_quota(self) -> Quota:
@@ -176,6 +180,13 @@ def _check(c: ServeConfig) -> None:
         c.deadlines = DeadlineRule.parse(c.deadlines)
     except ValueError as exc:
         raise ConfigError(f"deadlines: {exc}") from None
+    if isinstance(c.queue_capacity, bool) or not isinstance(c.queue_capacity, int) or c.queue_capacity < 1:
+        raise ConfigError(f"queue_capacity must be an integer >= 1, got {c.queue_capacity!r}")
+    if c.queue_timeout_s == "slo":
+        c.queue_timeout_s = None
+    if c.queue_timeout_s is not None and (isinstance(c.queue_timeout_s, bool)
+                                          or not isinstance(c.queue_timeout_s, (int, float)) or c.queue_timeout_s < 0):
+        raise ConfigError(f"queue_timeout_s must be a number of seconds >= 0 or 'slo', got {c.queue_timeout_s!r}")
     from mesh.runtime.schedulers import POLICIES
 
     if c.policy not in POLICIES:

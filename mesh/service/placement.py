@@ -659,7 +659,7 @@ class ClusterPlacement:
             "weights": self.weights.view() if self.weights is not None else None,
             "dispatcher": {
                 "policy": d.policy.name, "waiting": len(d.queue), "waiting_by_tenant": dict(tenants),
-                "queue_capacity": d.queue.capacity, "placed_by_kind": dict(self.placed_by_kind),
+                "queue_capacity": d.queue.capacity, "queue_timeout_s": d.queue_timeout_s, "placed_by_kind": dict(self.placed_by_kind),
                 "placed_at_arrival": d.stats.placed_at_arrival, "placed_from_queue": d.stats.placed_from_queue,
                 "preemptions": d.policy.stats.preemptions, "moved_requests": d.policy.stats.preempted_requests,
                 "evictions_rescheduled": d.stats.rescheduled, "new_instances": d.policy.stats.new_instances,
