@@ -459,3 +459,34 @@ def test_a_warm_up_goes_to_the_node_that_loads_it_first_and_waits_for_its_models
 
     hosts, warm_ups = run_virtual(main())
     assert warm_ups == 2 and len(hosts["a"]) == len(hosts["b"]) == 1 and hosts["a"] != hosts["b"]
+
+
+def test_arrivals_during_a_slow_decision_wait_in_the_bounded_queue():
+    """Live, a decision can take seconds (a scale-out multicasts weights). Requests for the
+    model that arrive meanwhile wait in the bounded queue, not on the model's decision
+    lock: its capacity holds, the rest are turned away, and the queue shows them."""
+    async def main():
+        cluster, d = await build("sllm", {"m": "llama-2-7b"}, config(cpu=1, gpu=1), queue_capacity=5)
+        place = d.policy.place
+
+        async def slow(req, avoid):
+            await asyncio.sleep(2.0)
+            return await place(req, avoid)
+
+        d.policy.place = slow
+        reqs = []
+        for i in range(50):  # one every 10 ms: all but the first arrive while its decision runs
+            reqs.append(request(f"r{i}", "m", out=3))
+            d.submit(reqs[-1])
+            await asyncio.sleep(0.01)
+        during = len(d.queue), d.stats.rejected["queue full"]
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return during, reqs, d
+
+    (waiting, full), reqs, d = run_virtual(main())
+    assert (waiting, full) == (5, 44)  # one decision under way, five waiting, the rest turned away at once
+    counts = d.accounting()
+    assert counts["requests"] == 50 and counts["completed"] + counts["rejected"] + counts["failed"] == 50
+    assert counts["completed"] == 6 and all(r.outcome is not None for r in reqs)  # the one decided, the five waiting

@@ -174,11 +174,20 @@ class Dispatcher:
         user_done = req.on_done
         req.on_done = lambda r, cb=user_done: self._ended(r, cb)
         self.all_done.clear()
-        if self.queue.has_model(req.model):  # FIFO per model: wait behind earlier ones
+        if self.queue.has_model(req.model) or self._deciding(req.model):
+            # FIFO per model: wait behind earlier ones, and in the bounded queue (its
+            # capacity, its fair share, the autoscaler's view) while a decision for the
+            # model is under way (live, one can take seconds: a scale-out multicasts weights)
             self._enqueue(req)
             self._schedule_drain()
         else:
             self._spawn(self._arrive(req))
+
+    def _deciding(self, model: str) -> bool:
+        """A placement decision for `model` is under way (never at an arrival in a replay,
+        whose decisions do not suspend)."""
+        lock = self._decisions.get(model)
+        return lock is not None and lock.locked()
 
     async def _arrive(self, req: ServedRequest) -> None:
         if await self._decide(req):
