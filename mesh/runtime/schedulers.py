@@ -121,7 +121,7 @@ class Policy:
         (placement.new_instance_order) that can host it; None if no node can now."""
         views = self.cluster.node_views()
         for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share,
-                                     exclude=self.cluster.hosts(model)):
+                                     exclude=self.cluster.hosts(model), holding=self.cluster.holding(model)):
             node = self.cluster.node(nv.node_id)
             if self.cluster.can_host(model, node):
                 ref = await self.cluster.start_instance(self.cluster.plan(model, node), node)
@@ -170,8 +170,10 @@ class MeshPolicy(Policy):
             return
         prompt, _ = req.resumed(req.tokens_out, self.cluster.config.deadlines)
         order = [self.cluster.node(nv.node_id) for nv in new_instance_order(
-            self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude)]
-        for node in sorted(order, key=self.cluster.load_wait_s):  # stable: bin-packing among equals
+            self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude,
+            holding=self.cluster.holding(req.model))]
+        # ready first: the fewest loads under way and no transfer (stable: bin-packing among equals)
+        for node in sorted(order, key=lambda n: self.cluster.load_wait_s(n) + self.cluster.transfer_s(req.model, n)):
             if not self.cluster.can_host(req.model, node):
                 continue
             cold = self.cluster.expected_load_s(req.model, node)
@@ -196,7 +198,8 @@ class MeshPolicy(Policy):
         """The first node (placement.new_instance_order) where a new instance of `model`
         would serve all of `reqs` within SLO, counting its cold start."""
         views = self.cluster.node_views()
-        for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share, exclude=exclude):
+        for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share, exclude=exclude,
+                                     holding=self.cluster.holding(model)):
             node = self.cluster.node(nv.node_id)
             if not self.cluster.can_host(model, node):
                 continue
@@ -325,7 +328,8 @@ class SllmPolicy(Policy):
                 return True
             views = [w for w in views if w.instance_id != v.instance_id]  # memory full: next
         # Scale out: the first free node (first-fit, CPU first) that can hold the model.
-        for nv in new_instance_order(self.cluster.node_views(), self.kinds, exclusive=True, exclude=avoid):
+        for nv in new_instance_order(self.cluster.node_views(), self.kinds, exclusive=True, exclude=avoid,
+                                     holding=self.cluster.holding(req.model)):
             node = self.cluster.node(nv.node_id)
             if not self.cluster.can_host(req.model, node):
                 continue

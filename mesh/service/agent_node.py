@@ -83,6 +83,7 @@ class AgentNode(ClusterNode):
         self.last_start_error = ""  # why the last instance start failed (for the operator)
         self.busy_fraction = 0.0  # of the last stats interval, the node's engines were stepping
         self._load_waiters: dict[str, list[asyncio.Future]] = {}
+        self._loaded_from: dict[str, str] = {}  # instance -> the source its agent said it loaded from
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -108,6 +109,9 @@ class AgentNode(ClusterNode):
 
     def used_bytes(self) -> int:
         return self._budget_bytes
+
+    def loaded_from(self, instance_id: str) -> str | None:
+        return self._loaded_from.get(instance_id)
 
     def can_fit(self, instance_bytes: int) -> bool:
         return self.capacity_bytes - self._budget_bytes >= instance_bytes
@@ -254,6 +258,8 @@ class AgentNode(ClusterNode):
 
     def _settled(self, inst: MirroredInstance, loaded: bool) -> None:
         """The instance is ready (loaded=True) or no longer here: wake its waiters."""
+        if not loaded:
+            self._loaded_from.pop(inst.instance_id, None)
         for future in self._load_waiters.pop(inst.instance_id, ()):
             if not future.done():
                 future.set_result(loaded)
@@ -335,6 +341,8 @@ class AgentNode(ClusterNode):
             if inst is None:
                 return
             if event.state == "ready":
+                if event.loaded_from:
+                    self._loaded_from[inst.instance_id] = event.loaded_from
                 inst.loaded = True
                 inst.idle_since = now
                 self._settled(inst, True)
