@@ -148,3 +148,36 @@ def test_the_weights_transfer_is_counted_and_copy_holders_go_first():
 
     r = run_virtual(main())
     assert r.slo_met and r.node_id == "cpu1"
+
+
+# -- a cold model's request that cannot make its TTFT: serve late, or reject -----------------
+@pytest.mark.parametrize("choice", ["serve_late", "reject"])
+def test_a_cold_models_request_is_served_late_or_rejected_by_its_choice(choice):
+    """A 7.5 s cold start and a 2 s TTFT SLO: no instance can make it. serve_late (the
+    default): admitted on the instance warming up for it, its first token about one cold
+    start late, its SLO counted as missed; a second request arriving during the load is
+    served late too. reject: both are turned away, the instance still warms up."""
+    async def main():
+        cfg = config(cpu=1, gpu=0, cold_start=ColdStart(cpu_load_bytes_per_s=1e18, fixed_s=7.5))
+        cluster, d = await build("mesh", {"m": "b"}, cfg, {"b": spec("b", cpu_kv_bytes_per_token=1)})
+        if choice == "reject":
+            cluster.set_cold_start_choice("m", "reject")
+        first = request("r1", "m", prompt=100, out=5)
+        d.submit(first)
+        await asyncio.sleep(3.0)
+        second = request("r2", "m", prompt=100, out=5)
+        d.submit(second)
+        await run_until(lambda: first.outcome is not None and second.outcome is not None)
+        await cluster.stop()
+        return first, second, d.policy.stats
+
+    first, second, stats = run_virtual(main())
+    assert stats.warm_ups == 1
+    if choice == "serve_late":
+        assert first.outcome.value == second.outcome.value == "completed" and stats.served_late == 2
+        assert first.late_s == pytest.approx(7.5, abs=0.01) and second.late_s == pytest.approx(4.5, abs=0.01)
+        assert 7.5 < first.ttft_s < 7.5 + 2.0 and not first.slo_met  # late: judged from its arrival
+    else:
+        assert first.outcome.value == second.outcome.value == "rejected" and stats.served_late == 0
+    with pytest.raises(ValueError, match="cold_start"):
+        config(cold_start_choice="sometimes")

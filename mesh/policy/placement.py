@@ -144,6 +144,25 @@ def sllm_pick(instances: Sequence[InstanceView], targets: dict[str, int]) -> Ins
     return None
 
 
+# What a request gets when its model is cold and no instance can make its TTFT (issue 23
+# item 3), per model: SERVE_LATE (default) admits it on the instance loading for it, its
+# deadlines running from that instance's predicted ready time, if shadow validation shows
+# every other request on the node still on time (no one else is hurt); REJECT turns it away
+# (429 with Retry-After, the time left of the load), as before. Why serve late by default: a
+# client would retry the 429 after Retry-After and be served at about the same time, so the
+# 429 only adds a round trip, an error a client without retries (curl, most scripts) sees,
+# and a request lost for one that does not retry; a client with somewhere else to go (a
+# router with a fallback) sets REJECT. docs/service.md, "Cold starts".
+SERVE_LATE, REJECT = "serve_late", "reject"
+COLD_START_CHOICES = (SERVE_LATE, REJECT)
+
+
+def late_by_s(arrival_s: float, ready_at_s: float) -> float:
+    """How late a cold model's request is served (SERVE_LATE): its deadlines move by the
+    time from its arrival to its instance's predicted ready time (none if ready in time)."""
+    return max(0.0, ready_at_s - arrival_s)
+
+
 MAX_WARMING_PER_MODEL = 1  # instances of one model loading at once, for a warm-up to start
 
 

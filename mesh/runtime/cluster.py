@@ -21,7 +21,8 @@ from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile
 from mesh.policy.cold_starts import ColdStartTable, LoadRecord
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
-from mesh.policy.placement import CPU, DEFAULT_KEEP_ALIVE_S, GPU, ColdStart, InstanceView, NodeView, keep_alive_expired
+from mesh.policy.placement import (COLD_START_CHOICES, CPU, DEFAULT_KEEP_ALIVE_S, GPU, SERVE_LATE, ColdStart,
+                                   InstanceView, NodeView, keep_alive_expired)
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
 from mesh.runtime.cluster_node import ClusterNode, InstanceState
@@ -77,6 +78,7 @@ class ClusterConfig:
     deadlines: DeadlineRule = DeadlineRule.EQ1  # when tokens after the first are due (mesh.policy.slo)
     noise: float = 0.0  # relative std-dev of simulated iteration times
     seed: int = 0
+    cold_start_choice: str = SERVE_LATE  # a cold model's request that cannot make its TTFT (placement.SERVE_LATE)
 
     def __post_init__(self) -> None:
         for name in ("cpu_nodes", "gpu_nodes"):
@@ -87,6 +89,9 @@ class ClusterConfig:
             raise ClusterError("node memory must be positive")
         if self.keep_alive_s < 0:
             raise ClusterError(f"keep-alive must be >= 0 s, got {self.keep_alive_s}")
+        if self.cold_start_choice not in COLD_START_CHOICES:
+            raise ClusterError(f"cold_start_choice must be one of {', '.join(COLD_START_CHOICES)}, "
+                               f"got {self.cold_start_choice!r}")
         try:
             object.__setattr__(self, "deadlines", DeadlineRule.parse(self.deadlines))
         except ValueError as exc:
@@ -179,6 +184,7 @@ class Cluster:
         self.on_capacity = on_capacity
         self._mean_output = {m: RunningMean(mean_output_prior.get(b, 256.0)) for m, b in models.items()}
         self._slo: dict[str, SLO] = {}  # a model's own SLO (the service's per-model SLOs); else config.slo
+        self._cold_choice: dict[str, str] = {}  # a model's own cold_start choice; else config.cold_start_choice
         self._by_model: dict[str, list[InstanceRef]] = {}
         self._by_id: dict[str, InstanceRef] = {}
         self._ids = itertools.count()
@@ -237,6 +243,15 @@ class Cluster:
 
     def slo_of(self, model: str) -> SLO:
         return self._slo.get(model, self.config.slo)
+
+    def cold_start_choice(self, model: str) -> str:
+        """SERVE_LATE or REJECT for the model's requests that its cold start makes late."""
+        return self._cold_choice.get(model, self.config.cold_start_choice)
+
+    def set_cold_start_choice(self, model: str, choice: str) -> None:
+        if choice not in COLD_START_CHOICES:
+            raise ClusterError(f"cold_start must be one of {', '.join(COLD_START_CHOICES)}, got {choice!r}")
+        self._cold_choice[model] = choice
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
