@@ -54,6 +54,8 @@ def test_transfers_and_the_exported_table_for_a_replay():
     times = cold_start_times(table)
     assert times[("a", "cpu")] == pytest.approx(0.8) and times[("b", "cpu")] == 7.0
     assert times[(ANY_MODEL, "cpu")] == pytest.approx(3.9)
+    own_star = {"format": table["format"], "loads": [{"model": ANY_MODEL, "kind": "cpu", "median_s": 5.0}]}
+    assert cold_start_times(own_star) == {(ANY_MODEL, "cpu"): 5.0}  # a table's own '*' row stands
     with pytest.raises(ValueError, match="not a cold-start table"):
         cold_start_times({"loads": []})
     cs = ColdStart(measured=times)

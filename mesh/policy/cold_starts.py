@@ -121,5 +121,7 @@ def cold_start_times(table: Mapping[str, Any]) -> dict[tuple[str, str], float]:
         by.setdefault(key, []).append(value)
     out = {key: statistics.median(v) for key, v in by.items()}
     for kind in {k for _, k in out}:
-        out[(ANY_MODEL, kind)] = statistics.median(v for (m, k), v in out.items() if k == kind and m != ANY_MODEL)
+        named = [v for (m, k), v in out.items() if k == kind and m != ANY_MODEL]
+        if named and (ANY_MODEL, kind) not in out:  # a table's own '*' row stands
+            out[(ANY_MODEL, kind)] = statistics.median(named)
     return out
