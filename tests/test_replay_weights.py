@@ -156,7 +156,8 @@ def test_an_unused_warm_up_is_recycled_after_its_load() -> None:
     catalog = build_catalog(["llama-2-7b"])
     weight_bytes = catalog["llama-2-7b"].profiles["gpu"].weight_bytes
     cfg = WeightsConfig(ssd_bytes_per_s=3e9)
-    cluster = ClusterConfig(cpu_nodes=0, gpu_nodes=1, cold_start=ColdStart(3e9, 3e9), keep_alive_s=1.0)
+    cluster = ClusterConfig(cpu_nodes=0, gpu_nodes=1, cold_start=ColdStart(3e9, 3e9), keep_alive_s=1.0,
+                            cold_start_choice="reject")  # unused: its requests are turned away
     workload = _steady(2, 20.0, start_s=1.0, duration_s=30.0)  # at 1 s and at 21 s
     run = run_policy(workload, "mesh-no-cpu", ReplayConfig(cluster=cluster, engines=Engines(cfg)), catalog, None)
     gpus = [(t, g) for t, _, g in run.usage]

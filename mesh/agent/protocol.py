@@ -331,15 +331,19 @@ class InstanceEvent:
     instance_id: str
     state: str  # "ready" | "failed"
     error: str = ""
+    loaded_from: str = ""  # ready: where the engine read the model from ("gguf", "prepared", "ir"; "" unknown)
 
     def to_message(self) -> dict[str, Any]:
         out = {"t": self.T, "instance_id": self.instance_id, "state": self.state}
+        if self.loaded_from:
+            out["loaded_from"] = self.loaded_from
         return {**out, "error": self.error} if self.error else out
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "InstanceEvent":
         try:
-            return cls(str(m["instance_id"]), str(m["state"]), str(m.get("error") or ""))
+            return cls(str(m["instance_id"]), str(m["state"]), str(m.get("error") or ""),
+                       str(m.get("loaded_from") or ""))
         except (KeyError, TypeError) as exc:
             raise ProtocolError(f"bad instance event: {exc}") from exc
 

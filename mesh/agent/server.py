@@ -100,6 +100,8 @@ class AgentServer:
         default is the paper's Eq. 1."""
         self.spec = spec
         self.weights = weights  # receives model blocks over the network (None: not hosted)
+        if weights is not None and spec.kind == "cpu":
+            weights.on_saved = self._received
         self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
         self.token = token
         self.cpu = cpu or {}
@@ -338,10 +340,23 @@ class AgentServer:
         tokenizer is built too. (The engine's own callback comes before the KV sizing: a
         `ready` sent then let the service's next call find the instance still loading.)"""
         tokenizer = self._tokenizers_ready.pop(instance_id, None)
+        inst = self.node.instances.get(instance_id)
+        source = str(getattr(inst.engine, "loaded_from", None) or "") if inst is not None else ""
+        ready = InstanceEvent(instance_id, "ready", loaded_from=source).to_message()  # the service measures its load
         if tokenizer is None or tokenizer.done():
-            self._send(InstanceEvent(instance_id, "ready").to_message())
+            self._send(ready)
         else:
-            tokenizer.add_done_callback(lambda _f: self._send(InstanceEvent(instance_id, "ready").to_message()))
+            tokenizer.add_done_callback(lambda _f: self._send(ready))
+
+    def _received(self, path: str) -> None:
+        """A model's file arrived here (its first host copy, or a multicast for a scale-out):
+        prepare it now, in the background, so that the first load here already reads the
+        node's prepared IR (issue 23 item 1; a file that is not a GGUF, or is prepared, is
+        left alone)."""
+        try:
+            self.preparer.schedule(path)
+        except Exception as exc:  # noqa: BLE001 - preparation is an optimisation; the load reads the GGUF
+            log.warning("cannot prepare received %s: %s", path, exc)
 
     def _loaded(self, instance_id: str, exc: BaseException | None) -> None:
         """The engine's load callback: a failure is reported here (success by `_ready`)."""

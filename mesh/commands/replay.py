@@ -87,6 +87,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--profiles", metavar="DIR", help="profiles <model>__<device>.json overriding the packaged ones")
     cl.add_argument("--pcie-gbps", type=float, default=25.0, help="host-to-GPU weight load bandwidth, GB/s (default: %(default)s, PCIe 4.0 x16)")
     cl.add_argument("--cpu-load-gbps", type=float, default=50.0, help="CPU instance start-up pass over cached weights, GB/s (default: %(default)s)")
+    cl.add_argument("--cold-starts", metavar="FILE", default=None,
+                    help="take instances' loads from a measured cold-start table (JSON, format mesh-cold-starts/1, "
+                         "mesh.policy.cold_starts): per model and node kind, '*' for models it does not name; "
+                         "the weights' bandwidths then apply only to kinds it has no entry for")
     cl.add_argument("--weights", default="cached", choices=("cached", *WEIGHT_MODES),
                     help="where a cold start gets its weights: 'cached' (the paper's setup: host memory over PCIe on GPU "
                          "nodes, already in memory on CPU nodes), or, on every node, 'ssd', 'host' (a per-node host cache), "
@@ -188,7 +192,15 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
     if args.noise < 0 or args.retry_interval <= 0 or args.queue_capacity < 1:
         raise ReplayInputError("--noise must be >= 0, --retry-interval > 0 and --queue-capacity >= 1")
     catalog = build_catalog(list(mix), cpu_device=args.cpu_device, gpu_device=args.gpu_device, profile_dir=args.profiles)
-    cold_start, engines = ColdStart(args.pcie_gbps * 1e9, args.cpu_load_gbps * 1e9), None
+    measured: dict[tuple[str, str], float] = {}
+    if args.cold_starts:
+        from mesh.policy.cold_starts import cold_start_times
+
+        try:
+            measured = cold_start_times(json.loads(Path(args.cold_starts).read_text()))
+        except (OSError, ValueError) as exc:
+            raise ReplayInputError(f"--cold-starts {args.cold_starts}: {exc}") from None
+    cold_start, engines = ColdStart(args.pcie_gbps * 1e9, args.cpu_load_gbps * 1e9, measured=measured), None
     if args.weights != "cached":
         try:
             weights = WeightsConfig(args.weights, ssd_bytes_per_s=args.ssd_gbps * 1e9, pcie_bytes_per_s=args.pcie_gbps * 1e9,

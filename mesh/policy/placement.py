@@ -23,8 +23,8 @@ No I/O and no clock: times are arguments.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import Callable, Collection, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 CPU, GPU = "cpu", "gpu"
 NODE_KINDS = (CPU, GPU)
@@ -82,15 +82,20 @@ def victim_order(target: InstanceView, neighbours: Iterable[InstanceView]) -> li
 
 
 def new_instance_order(
-    nodes: Iterable[NodeView], kinds: Collection[str], *, exclusive: bool = False, exclude: Collection[str] = ()
+    nodes: Iterable[NodeView], kinds: Collection[str], *, exclusive: bool = False, exclude: Collection[str] = (),
+    holding: Collection[str] | None = None,
 ) -> list[NodeView]:
     """Nodes to try for a new instance: only of `kinds`; CPU first; nodes in use before
     empty ones and the fullest first (bin-packing, so whole nodes stay free); with
-    `exclusive` (no sharing, the baselines) only empty nodes, in cluster order."""
+    `exclusive` (no sharing, the baselines) only empty nodes, in cluster order. `holding`:
+    the nodes that hold a copy of the model's weights (None: all, LLM-Mesh 8.1); among nodes
+    otherwise equal in use (in use or empty), those go first: their cold start needs no
+    transfer (BlitzScale 5.3: load from the parameter pool's host copy before multicasting)."""
     out = [n for n in nodes if n.kind in kinds and n.node_id not in exclude and (not exclusive or n.instances == 0)]
+    lacks = (lambda n: False) if holding is None else (lambda n: n.node_id not in holding)
     if exclusive:
-        return sorted(out, key=lambda n: (kind_rank(n.kind), n.seq))
-    return sorted(out, key=lambda n: (kind_rank(n.kind), n.instances == 0, -n.used_bytes, n.seq))
+        return sorted(out, key=lambda n: (kind_rank(n.kind), lacks(n), n.seq))
+    return sorted(out, key=lambda n: (kind_rank(n.kind), n.instances == 0, lacks(n), -n.used_bytes, n.seq))
 
 
 def first_fit_free_node(nodes: Iterable[NodeView], kinds: Collection[str]) -> NodeView | None:
@@ -137,6 +142,25 @@ def sllm_pick(instances: Sequence[InstanceView], targets: dict[str, int]) -> Ins
         if v.batch_size < targets.get(v.node_kind, 0):
             return v
     return None
+
+
+# What a request gets when its model is cold and no instance can make its TTFT (issue 23
+# item 3), per model: SERVE_LATE (default) admits it on the instance loading for it, its
+# deadlines running from that instance's predicted ready time, if shadow validation shows
+# every other request on the node still on time (no one else is hurt); REJECT turns it away
+# (429 with Retry-After, the time left of the load), as before. Why serve late by default: a
+# client would retry the 429 after Retry-After and be served at about the same time, so the
+# 429 only adds a round trip, an error a client without retries (curl, most scripts) sees,
+# and a request lost for one that does not retry; a client with somewhere else to go (a
+# router with a fallback) sets REJECT. docs/service.md, "Cold starts".
+SERVE_LATE, REJECT = "serve_late", "reject"
+COLD_START_CHOICES = (SERVE_LATE, REJECT)
+
+
+def late_by_s(arrival_s: float, ready_at_s: float) -> float:
+    """How late a cold model's request is served (SERVE_LATE): its deadlines move by the
+    time from its arrival to its instance's predicted ready time (none if ready in time)."""
+    return max(0.0, ready_at_s - arrival_s)
 
 
 MAX_WARMING_PER_MODEL = 1  # instances of one model loading at once, for a warm-up to start
@@ -188,7 +212,12 @@ class ColdStart:
     - CPU node: weights already in that node's memory; the OpenVINO instance still maps and
       lays them out, modelled as one pass over the weights at 50 GB/s (a quarter of the
       node's ~200 GB/s effective DDR5 bandwidth, docs/roofline.md): 0.27 s for Llama-2-7B.
-    - plus a fixed engine start-up per instance (default 0).
+    - plus a fixed engine start-up per instance (default 0; `mesh serve --cold-start-s`).
+    - `measured`: loads measured elsewhere, by (model, node kind) (mesh.policy.cold_starts:
+      a service's table, for a replay; `ANY_MODEL` for any model): they replace the model
+      above for that model (the engine start-up and the initial KV cache included).
+    - `net_bytes_per_s`: the weights transfer to a node that holds no copy, before one was
+      measured (mesh.policy.cold_starts.ColdStartTable.transfer_bytes_per_s).
     The initial KV cache allocation is added by the engine (resize time, LLM-Mesh Figure 8).
     A node loads one instance at a time (its weights cross one PCIe link or memory bus, and
     its engine's start-up runs on the node's cores): a load issued while others are under way
@@ -200,14 +229,31 @@ class ColdStart:
     pcie_bytes_per_s: float = 25e9
     cpu_load_bytes_per_s: float = 50e9
     fixed_s: float = 0.0
+    measured: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (model, kind) -> load s
+    net_bytes_per_s: float = 200e9 / 8  # 200 Gbit/s RDMA (BlitzScale's setups; mesh.weights.cold_start)
 
     def __post_init__(self) -> None:
-        if not (self.pcie_bytes_per_s > 0 and self.cpu_load_bytes_per_s > 0 and self.fixed_s >= 0):
+        if not (self.pcie_bytes_per_s > 0 and self.cpu_load_bytes_per_s > 0 and self.fixed_s >= 0
+                and self.net_bytes_per_s > 0):
             raise ValueError(f"cold-start bandwidths must be positive and the fixed time >= 0, got {self}")
 
-    def load_s(self, weight_bytes: int, node_kind: str) -> float:
+    def measured_s(self, model: str | None, node_kind: str) -> float | None:
+        """A measured load of `model` (else of any model) on `node_kind` nodes, if given."""
+        if not self.measured:
+            return None
+        found = self.measured.get((model, node_kind)) if model is not None else None
+        return found if found is not None else self.measured.get(("*", node_kind))
+
+    def load_s(self, weight_bytes: int, node_kind: str, model: str | None = None) -> float:
+        measured = self.measured_s(model, node_kind)
+        if measured is not None:
+            return measured
         bandwidth = self.pcie_bytes_per_s if node_kind == GPU else self.cpu_load_bytes_per_s
         return self.fixed_s + weight_bytes / bandwidth
+
+    def transfer_s(self, weight_bytes: int, bytes_per_s: float | None = None) -> float:
+        """Moving the weights to a node without a copy, at `bytes_per_s` (measured) or the prior."""
+        return weight_bytes / (bytes_per_s or self.net_bytes_per_s)
 
 
 def wait_expiry_s(now: float, slo_expiry_s: float, timeout_s: float | None, validates: bool) -> tuple[float, str]:

@@ -19,8 +19,10 @@ from typing import Callable
 from mesh.perf.memory import GIB, RESIZE_UP_S_PER_GIB
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile
+from mesh.policy.cold_starts import ColdStartTable, LoadRecord
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
-from mesh.policy.placement import CPU, DEFAULT_KEEP_ALIVE_S, GPU, ColdStart, InstanceView, NodeView, keep_alive_expired
+from mesh.policy.placement import (COLD_START_CHOICES, CPU, DEFAULT_KEEP_ALIVE_S, GPU, SERVE_LATE, ColdStart,
+                                   InstanceView, NodeView, keep_alive_expired)
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
 from mesh.runtime.cluster_node import ClusterNode, InstanceState
@@ -76,6 +78,7 @@ class ClusterConfig:
     deadlines: DeadlineRule = DeadlineRule.EQ1  # when tokens after the first are due (mesh.policy.slo)
     noise: float = 0.0  # relative std-dev of simulated iteration times
     seed: int = 0
+    cold_start_choice: str = SERVE_LATE  # a cold model's request that cannot make its TTFT (placement.SERVE_LATE)
 
     def __post_init__(self) -> None:
         for name in ("cpu_nodes", "gpu_nodes"):
@@ -86,6 +89,9 @@ class ClusterConfig:
             raise ClusterError("node memory must be positive")
         if self.keep_alive_s < 0:
             raise ClusterError(f"keep-alive must be >= 0 s, got {self.keep_alive_s}")
+        if self.cold_start_choice not in COLD_START_CHOICES:
+            raise ClusterError(f"cold_start_choice must be one of {', '.join(COLD_START_CHOICES)}, "
+                               f"got {self.cold_start_choice!r}")
         try:
             object.__setattr__(self, "deadlines", DeadlineRule.parse(self.deadlines))
         except ValueError as exc:
@@ -130,6 +136,7 @@ class InstanceRef:
     node: ClusterNode
     seq: int
     recycle: asyncio.TimerHandle | None = None
+    ready_at: float = 0.0  # when its load is predicted to end (issue + its predicted cold start)
 
     @property
     def inst(self) -> InstanceState:
@@ -177,6 +184,7 @@ class Cluster:
         self.on_capacity = on_capacity
         self._mean_output = {m: RunningMean(mean_output_prior.get(b, 256.0)) for m, b in models.items()}
         self._slo: dict[str, SLO] = {}  # a model's own SLO (the service's per-model SLOs); else config.slo
+        self._cold_choice: dict[str, str] = {}  # a model's own cold_start choice; else config.cold_start_choice
         self._by_model: dict[str, list[InstanceRef]] = {}
         self._by_id: dict[str, InstanceRef] = {}
         self._ids = itertools.count()
@@ -188,6 +196,13 @@ class Cluster:
         self.instances_recycled = 0
         self.cold_start_s = 0.0  # summed predicted cold starts
         self._loads_end: dict[str, float] = {}  # node id -> when the loads issued on it are predicted to end
+        # Cold starts measured, not assumed (issue 23 item 3): every node's loads per model and
+        # source, and the weights transfers (mesh.policy.cold_starts).
+        self.cold_starts = ColdStartTable()
+        self._loading: dict[str, tuple[float, float, str]] = {}  # instance -> (issued, its wait, node kind)
+        # Does `node` hold a copy of the model's weights (the service's weights plane)? None:
+        # every node does (LLM-Mesh 8.1: all models cached in CPU memory), so no transfer.
+        self.holds_copy: Callable[[str, ClusterNode], bool] | None = None
         self.nodes: list[ClusterNode] = []
         self.node_seq: dict[str, int] = {}
         for node in nodes:
@@ -199,7 +214,7 @@ class Cluster:
         if node.node_id in self.node_seq:
             raise ClusterError(f"node {node.node_id} is already in the cluster")
         node.on_evict = lambda req, n=node: self.on_evict(req, n) if self.on_evict is not None else None
-        node.on_loaded = lambda _iid, n=node: self.note_idle(n)  # keep-alive of an unused new instance
+        node.on_loaded = lambda iid, n=node: self._loaded(iid, n)
         node.on_instance_gone = self._gone
         self.node_seq[node.node_id] = len(self.nodes)
         self.nodes.append(node)
@@ -228,6 +243,15 @@ class Cluster:
 
     def slo_of(self, model: str) -> SLO:
         return self._slo.get(model, self.config.slo)
+
+    def cold_start_choice(self, model: str) -> str:
+        """SERVE_LATE or REJECT for the model's requests that its cold start makes late."""
+        return self._cold_choice.get(model, self.config.cold_start_choice)
+
+    def set_cold_start_choice(self, model: str, choice: str) -> None:
+        if choice not in COLD_START_CHOICES:
+            raise ClusterError(f"cold_start must be one of {', '.join(COLD_START_CHOICES)}, got {choice!r}")
+        self._cold_choice[model] = choice
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -301,13 +325,53 @@ class Cluster:
 
     def expected_load_s(self, model: str, node: ClusterNode) -> float:
         """The predicted cold start of a new instance of `model` on `node`: waiting for the
-        loads under way there, its weights (ColdStart) and the initial KV cache allocation."""
+        loads under way there, the weights transfer if the node holds no copy, and the load
+        itself (`engine_load_s`)."""
+        return self.load_wait_s(node) + self.transfer_s(model, node) + self.engine_load_s(model, node)
+
+    def engine_load_s(self, model: str, node: ClusterNode) -> float:
+        """The load itself, weights in place (read, convert or import, compile, tokenizer,
+        KV allocation, warm-up): as measured on this node, else on its peers (nodes of its
+        kind), else the prior (ColdStart: `--cold-start-s`, or a replay's measured table),
+        with the initial KV cache allocation (LLM-Mesh Figure 8)."""
         kind = node.spec.kind
-        spec = self.catalog[self.models[model]]
+        peers = [n.node_id for n in self.nodes if n.spec.kind == kind]
+        measured = self.cold_starts.expected_load_s(node.node_id, model, peers)
+        if measured is not None:
+            return measured
+        base = self.models[model]
+        spec = self.catalog[base]
         p = spec.profiles[kind]
+        prior = self.config.cold_start.measured_s(base, kind)
+        if prior is not None:
+            return prior
         kv0 = spec.min_bytes(kind, self.config.watermark) - p.weight_bytes
-        return (self.load_wait_s(node) + self.config.cold_start.load_s(p.weight_bytes, kind)
-                + kv0 / GIB * RESIZE_UP_S_PER_GIB)
+        return self.config.cold_start.load_s(p.weight_bytes, kind) + kv0 / GIB * RESIZE_UP_S_PER_GIB
+
+    def holds(self, model: str, node: ClusterNode) -> bool:
+        """Does `node` hold a copy of `model`'s weights (no transfer before its load)?"""
+        return self.holds_copy is None or self.holds_copy(model, node)
+
+    def holding(self, model: str) -> set[str] | None:
+        """The nodes holding a copy of `model` (None: all of them), for the node order."""
+        return None if self.holds_copy is None else {n.node_id for n in self.nodes if self.holds(model, n)}
+
+    def transfer_s(self, model: str, node: ClusterNode) -> float:
+        """The weights transfer a load on `node` waits for: none where it holds a copy, else
+        the model's bytes at the measured transfer throughput (else the prior)."""
+        if self.holds(model, node):
+            return 0.0
+        p = self.catalog[self.models[model]].profiles[node.spec.kind]
+        return self.config.cold_start.transfer_s(p.weight_bytes, self.cold_starts.transfer_bytes_per_s())
+
+    def cold_start_left_s(self, model: str) -> float | None:
+        """The time left of the model's cold start under way (the one that ends first, as
+        predicted when it was issued; 0 once overdue); None if no instance of it is loading.
+        What a request turned away meanwhile is told to wait (Retry-After)."""
+        loading = [r for r in self.instances_of(model) if not r.inst.loaded]
+        if not loading:
+            return None
+        return max(0.0, min(r.ready_at for r in loading) - self._now())
 
     def load_wait_s(self, node: ClusterNode) -> float:
         """How long a load issued on `node` now waits for those already issued there: a node
@@ -323,11 +387,19 @@ class Cluster:
     async def start_instance(self, plan: InstancePlan, node: ClusterNode) -> InstanceRef | None:
         """Start the planned instance (issue its load); None if the node's memory refuses."""
         kind = node.spec.kind
-        if not await node.start_instance(plan):
+        issued = self._now()
+        transfer = not self.holds(plan.model, node)
+        if not await node.start_instance(plan):  # the service's node moves the weights there first
             return None
-        ref = InstanceRef(plan.instance_id, plan.model, self.models[plan.model], node, self.instances_started)
-        self._loads_end[node.node_id] = (self._now() + self.load_wait_s(node)
-                                         + self.config.cold_start.load_s(plan.weight_bytes, kind))
+        now = self._now()
+        if transfer:
+            self.cold_starts.record_transfer(plan.weight_bytes, now - issued)
+        wait = self.load_wait_s(node)
+        load = self.engine_load_s(plan.model, node)
+        ref = InstanceRef(plan.instance_id, plan.model, self.models[plan.model], node, self.instances_started,
+                          ready_at=now + wait + load)
+        self._loading[plan.instance_id] = (now, wait, kind)
+        self._loads_end[node.node_id] = now + wait + load
         self.instances_started += 1
         self.cold_start_s += plan.expected_load_s
         self._by_model.setdefault(plan.model, []).append(ref)
@@ -347,8 +419,22 @@ class Cluster:
         self._forget(ref)
         await ref.node.stop_instance(ref.instance_id)
 
+    def _loaded(self, instance_id: str, node: ClusterNode) -> None:
+        """An instance finished loading: its load is measured (from its issue, less its
+        predicted wait for the loads before it on the node) under the source the node
+        names; then keep-alive for it if it is unused."""
+        issued = self._loading.pop(instance_id, None)
+        ref = self._by_id.get(instance_id)
+        if issued is not None and ref is not None:
+            at, wait, kind = issued
+            now = self._now()
+            self.cold_starts.record(LoadRecord(node.node_id, kind, ref.model, node.loaded_from(instance_id) or "weights",
+                                               max(0.0, now - at - wait), now))
+        self.note_idle(node)
+
     def _gone(self, instance_id: str) -> None:
         """The node lost an instance on its own (its load failed, the node went down)."""
+        self._loading.pop(instance_id, None)
         ref = self._by_id.get(instance_id)
         if ref is not None:
             if ref.recycle is not None:

@@ -84,6 +84,11 @@ class ClusterNode(ABC):
         """What stopped the node's token-level loop, if anything did (a bug)."""
         return None
 
+    def loaded_from(self, instance_id: str) -> str | None:
+        """Where a loaded instance's engine read its model from (OpenVINO: "gguf", "prepared",
+        "ir"; mesh.policy.cold_starts keys measured loads by it); None if it does not say."""
+        return None
+
     # -- verbs -------------------------------------------------------------------------
     @abstractmethod
     async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:
@@ -169,6 +174,10 @@ class LocalNode(ClusterNode):
 
     def failure(self) -> BaseException | None:
         return self.runtime.failure()
+
+    def loaded_from(self, instance_id: str) -> str | None:
+        inst = self.runtime.instances.get(instance_id)
+        return getattr(inst.engine, "loaded_from", None) if inst is not None else None
 
     async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:
         return self.runtime.validate(instance_id, req, exclude=exclude)

@@ -39,6 +39,10 @@ class ServedRequest:
     evictions: int = 0  # times the memory subsystem evicted and rescheduled it (6.4)
     tenant: str = ""  # whose share of the waiting queue it counts against ("" : its model's)
     attempts: list[str] = field(default_factory=list)
+    # Served late because its model was cold (mesh.policy.placement.SERVE_LATE): its deadlines
+    # run from arrival + late_s, as if it had arrived when its instance is ready; its SLO is
+    # still judged from its arrival (slo_met, ttft_s).
+    late_s: float = 0.0
 
     @property
     def request_id(self) -> str:
@@ -70,7 +74,7 @@ class ServedRequest:
     def resumed(self, done: int, rule: DeadlineRule) -> tuple[int, float]:
         """(prompt length, ST) under which this request is scheduled after `done` tokens
         produced elsewhere (DeadlineRule.resumed)."""
-        return rule.resumed(self.slo, self.arrival_s, self.prompt_len, done, self.first_token_s)
+        return rule.resumed(self.slo, self.arrival_s + self.late_s, self.prompt_len, done, self.first_token_s)
 
     def end(self, outcome: Outcome, now: float, detail: str = "", reason: FinishReason | None = None) -> None:
         if self.outcome is not None:

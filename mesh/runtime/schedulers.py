@@ -25,9 +25,11 @@ from mesh.policy.placement import (
     CPU,
     GPU,
     MAX_WARMING_PER_MODEL,
+    SERVE_LATE,
     InstanceView,
     candidate_order,
     concurrency_target,
+    late_by_s,
     new_instance_order,
     sllm_pick,
     tailored_concurrency_target,
@@ -83,6 +85,7 @@ class PolicyStats:
     preempted_requests: int = 0  # requests moved by preemption
     validations: int = 0  # candidate checks made
     warm_ups: int = 0  # instances started for a request their cold start could not serve in time
+    served_late: int = 0  # requests admitted late on a loading instance (placement.SERVE_LATE)
 
 
 @dataclass
@@ -121,7 +124,7 @@ class Policy:
         (placement.new_instance_order) that can host it; None if no node can now."""
         views = self.cluster.node_views()
         for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share,
-                                     exclude=self.cluster.hosts(model)):
+                                     exclude=self.cluster.hosts(model), holding=self.cluster.holding(model)):
             node = self.cluster.node(nv.node_id)
             if self.cluster.can_host(model, node):
                 ref = await self.cluster.start_instance(self.cluster.plan(model, node), node)
@@ -155,8 +158,27 @@ class MeshPolicy(Policy):
         home = await self._new_instance_home(req.model, [req], [req.tokens_out], exclude)
         if home is None:
             await self._warm_up(req, exclude)
-            return False
+            return await self._serve_late(req, avoid)
         return await self._start_and_admit(home, [req]) == []
+
+    async def _serve_late(self, req: ServedRequest, avoid: frozenset[str]) -> bool:
+        """Its model cold (an instance of it loading, none that could make its TTFT) and its
+        choice SERVE_LATE (placement): admit a fresh request on the loading instance ready
+        first, its deadlines moved to that instance's predicted ready time, if the node's
+        shadow validation shows everyone else there still on time (5.3 cases 2 and 3) and
+        its own prefill on time from then (case 1)."""
+        if self.cluster.cold_start_choice(req.model) != SERVE_LATE or req.tokens_out or req.first_token_s is not None:
+            return False
+        loading = sorted((r for r in self.cluster.instances_of(req.model)
+                          if not r.inst.loaded and r.node.node_id not in avoid), key=lambda r: r.ready_at)
+        for ref in loading:
+            req.late_s = late_by_s(req.arrival_s, ref.ready_at)
+            self.stats.validations += 1
+            if (await ref.node.try_admit(ref.instance_id, req)).ok:
+                self.stats.served_late += 1
+                return True
+        req.late_s = 0.0
+        return False
 
     async def _warm_up(self, req: ServedRequest, exclude: set[str]) -> None:
         """No new instance would serve `req` in time: start one anyway, holding no request,
@@ -170,8 +192,10 @@ class MeshPolicy(Policy):
             return
         prompt, _ = req.resumed(req.tokens_out, self.cluster.config.deadlines)
         order = [self.cluster.node(nv.node_id) for nv in new_instance_order(
-            self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude)]
-        for node in sorted(order, key=self.cluster.load_wait_s):  # stable: bin-packing among equals
+            self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude,
+            holding=self.cluster.holding(req.model))]
+        # ready first: the fewest loads under way and no transfer (stable: bin-packing among equals)
+        for node in sorted(order, key=lambda n: self.cluster.load_wait_s(n) + self.cluster.transfer_s(req.model, n)):
             if not self.cluster.can_host(req.model, node):
                 continue
             cold = self.cluster.expected_load_s(req.model, node)
@@ -196,7 +220,8 @@ class MeshPolicy(Policy):
         """The first node (placement.new_instance_order) where a new instance of `model`
         would serve all of `reqs` within SLO, counting its cold start."""
         views = self.cluster.node_views()
-        for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share, exclude=exclude):
+        for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share, exclude=exclude,
+                                     holding=self.cluster.holding(model)):
             node = self.cluster.node(nv.node_id)
             if not self.cluster.can_host(model, node):
                 continue
@@ -325,7 +350,8 @@ class SllmPolicy(Policy):
                 return True
             views = [w for w in views if w.instance_id != v.instance_id]  # memory full: next
         # Scale out: the first free node (first-fit, CPU first) that can hold the model.
-        for nv in new_instance_order(self.cluster.node_views(), self.kinds, exclusive=True, exclude=avoid):
+        for nv in new_instance_order(self.cluster.node_views(), self.kinds, exclusive=True, exclude=avoid,
+                                     holding=self.cluster.holding(req.model)):
             node = self.cluster.node(nv.node_id)
             if not self.cluster.can_host(req.model, node):
                 continue

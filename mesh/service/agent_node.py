@@ -83,6 +83,7 @@ class AgentNode(ClusterNode):
         self.last_start_error = ""  # why the last instance start failed (for the operator)
         self.busy_fraction = 0.0  # of the last stats interval, the node's engines were stepping
         self._load_waiters: dict[str, list[asyncio.Future]] = {}
+        self._loaded_from: dict[str, str] = {}  # instance -> the source its agent said it loaded from
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -108,6 +109,9 @@ class AgentNode(ClusterNode):
 
     def used_bytes(self) -> int:
         return self._budget_bytes
+
+    def loaded_from(self, instance_id: str) -> str | None:
+        return self._loaded_from.get(instance_id)
 
     def can_fit(self, instance_bytes: int) -> bool:
         return self.capacity_bytes - self._budget_bytes >= instance_bytes
@@ -175,7 +179,7 @@ class AgentNode(ClusterNode):
             return Admission(False, refusal=f"no instance {instance_id} on {self.node_id}")
         er = req.engine_request
         entry = AdmitEntry(req.request_id, instance_id, list(er.prompt_token_ids[:er.prompt_len + req.tokens_out]),
-                           er.sampling, _age(req.arrival_s), req.tokens_out, er.prompt_len, compute,
+                           er.sampling, _age(req.arrival_s + req.late_s), req.tokens_out, er.prompt_len, compute,
                            _age(req.first_token_s))
         self._hold(inst, req)  # before the call: its first tokens may overtake the reply
         try:
@@ -254,6 +258,8 @@ class AgentNode(ClusterNode):
 
     def _settled(self, inst: MirroredInstance, loaded: bool) -> None:
         """The instance is ready (loaded=True) or no longer here: wake its waiters."""
+        if not loaded:
+            self._loaded_from.pop(inst.instance_id, None)
         for future in self._load_waiters.pop(inst.instance_id, ()):
             if not future.done():
                 future.set_result(loaded)
@@ -335,6 +341,8 @@ class AgentNode(ClusterNode):
             if inst is None:
                 return
             if event.state == "ready":
+                if event.loaded_from:
+                    self._loaded_from[inst.instance_id] = event.loaded_from
                 inst.loaded = True
                 inst.idle_since = now
                 self._settled(inst, True)
@@ -375,7 +383,8 @@ class AgentNode(ClusterNode):
 
 def _probe(req: ServedRequest, done: int) -> dict[str, Any]:
     """A request as the agent's validation needs it."""
-    return Probe(req.request_id, req.prompt_len, req.engine_request.sampling.max_tokens, _age(req.arrival_s), done,
+    return Probe(req.request_id, req.prompt_len, req.engine_request.sampling.max_tokens,
+                 _age(req.arrival_s + req.late_s), done,
                  _age(req.first_token_s)).to_dict()
 
 

@@ -69,6 +69,10 @@ MEAN_OUTPUT_PRIOR = 128.0  # O_avg's starting value for a new model (6.1), token
 # The demo model (SmolLM2-135M) starts in 7.0-7.9 s on a 2-core node (docs/evaluation.md): the
 # engine's start-up, not its weights, dominates a small model's cold start.
 DEFAULT_COLD_START_S = 7.5
+# The weights transfer to a node without a copy, until one is measured: the demo model (98 MB)
+# was multicast cpu-0 -> cpu-1 in 1.7 s on this project's 2-core machines (README, `mesh bench
+# serve --cpu-nodes 2`), about 58 MB/s with the set-up; a conservative 50 MB/s.
+DEFAULT_TRANSFER_BYTES_PER_S = 50e6
 
 
 class Placement(Protocol):
@@ -142,8 +146,9 @@ class ClusterPlacement:
         s = self.settings
         config = ClusterConfig(
             cpu_nodes=sum(n.kind == CPU for n in nodes), gpu_nodes=sum(n.kind == GPU for n in nodes),
-            cold_start=ColdStart(fixed_s=s.cold_start_s), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines)
+            cold_start=ColdStart(fixed_s=s.cold_start_s, net_bytes_per_s=DEFAULT_TRANSFER_BYTES_PER_S), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines)
         self.cluster = Cluster(config)
+        self.cluster.holds_copy = self._holds_copy
         self.dispatcher = Dispatcher.for_policy(self.cluster, s.policy, queue_capacity=s.queue_capacity,
                                                 queue_timeout_s=s.queue_timeout_s)
         self.agents: dict[str, AgentHandle] = {}  # node id -> its agent (the weights plane reads it)
@@ -401,6 +406,18 @@ class ClusterPlacement:
                             self.settings.max_num_seqs, self._profile_for(record.uid, node.kind),
                             ENGINE_OF_KIND[node.kind], exact_moves=self.settings.exact_moves)
 
+    def _holds_copy(self, model_uid: str, node: Any) -> bool:
+        """Does `node` hold the model's weights for its kind (no transfer before a load)? Yes
+        without a weights plane (nodes read the registry's path)."""
+        model = self._models.get(model_uid)
+        if self.weights is None or model is None:
+            return True
+        try:
+            fmt = ModelFormat.of(model.record, node.kind)
+        except KeyError:
+            return True
+        return not self.weights.carries(fmt) or node.node_id in self.weights.holders(fmt.key)
+
     def _instance_ready(self, node: AgentNode, instance_id: str) -> None:
         inst = node.instances.get(instance_id)
         if self.weights is not None and inst is not None:
@@ -600,11 +617,10 @@ class ClusterPlacement:
 
     def _retry_after_s(self, model_uid: str) -> float:
         """When a turned-away request of this model may do better: once the cold start of
-        an instance of it under way ends (its predicted load), else in a second."""
-        loading = [r for r in self.cluster.instances_of(model_uid) if not r.inst.loaded]
-        if not loading:
-            return 1.0
-        return max(1.0, min(self.cluster.expected_load_s(model_uid, r.node) for r in loading))
+        an instance of it under way ends (the time left of its predicted load), else in a
+        second. The header rounds it up to whole seconds, at least 1."""
+        left = self.cluster.cold_start_left_s(model_uid)
+        return 1.0 if left is None else left
 
     def abort(self, request_id: str) -> None:
         """The client went away: stop the request wherever it is (waiting, or on a node)."""

@@ -42,7 +42,7 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from mesh.policy.multicast import Plan
 from mesh.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
@@ -136,6 +136,9 @@ class WeightAgent:
         self.pacer = Pacer(link_bytes_per_s)
         self.transfers: dict[str, _Transfer] = {}
         self._server: asyncio.Server | None = None
+        # Called with a received file's path once it is written (a node agent prepares it
+        # for its engine then, off the request path: issue 23 item 1).
+        self.on_saved: Callable[[str], None] | None = None
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._on_connection, self.host, self.port, limit=STREAM_LIMIT)
@@ -291,6 +294,8 @@ class WeightAgent:
                     await self._event(st, {"type": "error", "reason": f"writing {st.output}: {exc}"})
                 else:
                     await self._event(st, {"type": "saved", "path": str(path)})
+                    if self.on_saved is not None:
+                        self.on_saved(str(path))
 
     # --- sending -------------------------------------------------------------------------
     def _next_send(self, st: _Transfer) -> int | None:
