@@ -65,7 +65,7 @@ def model_file(tmp_path: Path) -> Path:
 
 def test_a_removed_node_ends_its_streams_and_leaves_the_pool(tmp_path, model_file):
     async def main():
-        p = await started(tmp_path, 2, max_num_seqs=1)
+        p = await started(tmp_path, 2, max_batch=1)
         m = record(model_file)
         await p.weights.register(m)  # first host copy: cpu-0
         await p.scale_out(m, ["cpu-1"])
@@ -94,7 +94,7 @@ def test_a_removed_node_ends_its_streams_and_leaves_the_pool(tmp_path, model_fil
 
 def test_a_request_the_full_node_cannot_take_scales_out_and_outlives_that_node(tmp_path, model_file):
     async def main():
-        p = await started(tmp_path, 2, max_num_seqs=1)
+        p = await started(tmp_path, 2, max_batch=1)
         m = record(model_file)
         await p.weights.register(m)
         running = await p.submit(job("long", m, max_tokens=236))  # to the window's end (256 - 20)

@@ -49,7 +49,7 @@ async def started(memory: int = 10**9, **settings) -> ClusterPlacement:
 
 def test_serves_and_queues_behind_a_full_batch():
     async def main():
-        p = await started(max_num_seqs=2)
+        p = await started(max_batch=2)
         m = model()
         finished = await asyncio.gather(*(run_stream(p, job(f"r{i}", m, max_tokens=30)) for i in range(5)))
         assert [f.tokens_out for f in finished] == [30] * 5
@@ -60,6 +60,10 @@ def test_serves_and_queues_behind_a_full_batch():
         d = view["dispatcher"]
         assert d["policy"] == "mesh" and d["waiting"] == 0 and d["placed_by_kind"] == {"cpu": 5}
         assert d["placed_at_arrival"] + d["placed_from_queue"] == 5 and d["placed_from_queue"] >= 1  # 3 waited
+        # one maximum batch: the dispatcher's plans (and so validation) and the engine's max_num_seqs
+        ref = p.cluster.all_instances()[0]
+        on_agent = p.agents["cpu-0"].server.node.instances[ref.instance_id]
+        assert p.cluster.plan(ref.model, ref.node).max_batch == 2 == on_agent.engine.max_batch
         await p.stop()
 
     asyncio.run(main())
@@ -121,7 +125,7 @@ def test_a_model_waits_for_the_idle_instance_it_needs_the_memory_of():
 
 def test_dead_agent_fails_running_and_new_requests():
     async def main():
-        p = await started(max_num_seqs=1)
+        p = await started(max_batch=1)
         m = model()
         running = await p.submit(job("long", m, max_tokens=236))  # to the window's end (256 - 20)
         queued = asyncio.ensure_future(p.submit(job("queued", m, max_tokens=236)))
@@ -147,7 +151,7 @@ def test_dead_agent_fails_running_and_new_requests():
 
 def test_abort_frees_the_instance():
     async def main():
-        p = await started(max_num_seqs=1)
+        p = await started(max_batch=1)
         m = model()
         stream = await p.submit(job("a", m, max_tokens=236))  # to the window's end (256 - 20)
         await asyncio.sleep(0.1)

@@ -129,7 +129,7 @@ def test_scale_out_multicasts_once_to_every_new_node(tmp_path, model_file):
 
 def test_a_request_the_full_instance_cannot_take_scales_out_by_multicast(tmp_path, model_file):
     async def main():
-        p = await started(tmp_path, nodes=2, max_num_seqs=1)
+        p = await started(tmp_path, nodes=2, max_batch=1)
         m = record(model_file)
         first = asyncio.ensure_future(run(p, m, "r1", max_tokens=40))
         for _ in range(200):  # r1 holds cpu-0's batch of one

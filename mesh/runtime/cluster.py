@@ -78,6 +78,7 @@ class ClusterConfig:
     deadlines: DeadlineRule = DeadlineRule.EQ1  # when tokens after the first are due (mesh.policy.slo)
     noise: float = 0.0  # relative std-dev of simulated iteration times
     seed: int = 0
+    max_batch: int = DEFAULT_MAX_BATCH  # requests an instance runs at most (plans, validation, the engine's max_num_seqs)
     cold_start_choice: str = SERVE_LATE  # a cold model's request that cannot make its TTFT (placement.SERVE_LATE)
 
     def __post_init__(self) -> None:
@@ -87,6 +88,8 @@ class ClusterConfig:
                 raise ClusterError(f"{name.replace('_', ' ')} must be a non-negative integer, got {value!r}")
         if self.cpu_memory_bytes <= 0 or self.gpu_memory_bytes <= 0:
             raise ClusterError("node memory must be positive")
+        if isinstance(self.max_batch, bool) or not isinstance(self.max_batch, int) or self.max_batch < 1:
+            raise ClusterError(f"max batch must be a positive integer, got {self.max_batch!r}")
         if self.keep_alive_s < 0:
             raise ClusterError(f"keep-alive must be >= 0 s, got {self.keep_alive_s}")
         if self.cold_start_choice not in COLD_START_CHOICES:
@@ -319,7 +322,7 @@ class Cluster:
         expected = self.expected_load_s(model, node)
         return InstancePlan(
             f"{model}@{node.node_id}#{next(self._ids)}", model, spec.times[kind], self.slo_of(model),
-            p.kv_bytes_per_token, p.weight_bytes, p.max_context, p.max_context, DEFAULT_MAX_BATCH,
+            p.kv_bytes_per_token, p.weight_bytes, p.max_context, p.max_context, self.config.max_batch,
             self._mean_output[model], expected, self.load_wait_s(node),
         )
 

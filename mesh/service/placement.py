@@ -112,7 +112,7 @@ class PlacementSettings:
     policy: str = "mesh"  # mesh.runtime.schedulers.POLICIES
     keep_alive_s: float = 60.0
     start_timeout_s: float = 60.0
-    max_num_seqs: int = 64
+    max_batch: int = 64  # requests an instance runs at most: its plans, its validation and its engine's max_num_seqs
     profile_dir: str | None = None  # calibration profiles: <dir>/<model uid>[.<kind>].json (issue 4)
     cold_start_s: float = DEFAULT_COLD_START_S  # an instance's start-up besides its weights (ColdStart.fixed_s)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
@@ -146,7 +146,8 @@ class ClusterPlacement:
         s = self.settings
         config = ClusterConfig(
             cpu_nodes=sum(n.kind == CPU for n in nodes), gpu_nodes=sum(n.kind == GPU for n in nodes),
-            cold_start=ColdStart(fixed_s=s.cold_start_s, net_bytes_per_s=DEFAULT_TRANSFER_BYTES_PER_S), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines)
+            cold_start=ColdStart(fixed_s=s.cold_start_s, net_bytes_per_s=DEFAULT_TRANSFER_BYTES_PER_S), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines,
+            max_batch=s.max_batch)
         self.cluster = Cluster(config)
         self.cluster.holds_copy = self._holds_copy
         self.dispatcher = Dispatcher.for_policy(self.cluster, s.policy, queue_capacity=s.queue_capacity,
@@ -403,7 +404,7 @@ class ClusterPlacement:
         record = self._models[plan.model].record
         path, self._how[plan.instance_id] = await self._copy_on(record, node)
         return InstanceSpec(plan.instance_id, record.uid, path, record.context_length, slo_to_dict(record.slo),
-                            self.settings.max_num_seqs, self._profile_for(record.uid, node.kind),
+                            plan.max_batch, self._profile_for(record.uid, node.kind),
                             ENGINE_OF_KIND[node.kind], exact_moves=self.settings.exact_moves)
 
     def _holds_copy(self, model_uid: str, node: Any) -> bool:
