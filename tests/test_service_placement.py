@@ -63,7 +63,12 @@ def test_serves_and_queues_behind_a_full_batch():
         # one maximum batch: the dispatcher's plans (and so validation) and the engine's max_num_seqs
         ref = p.cluster.all_instances()[0]
         on_agent = p.agents["cpu-0"].server.node.instances[ref.instance_id]
-        assert p.cluster.plan(ref.model, ref.node).max_batch == 2 == on_agent.engine.max_batch
+        plan = p.cluster.plan(ref.model, ref.node)
+        assert plan.max_batch == 2 == on_agent.engine.max_batch
+        # O_avg: one mean per model, fed by the agent's completions as a LocalNode's runtime feeds it,
+        # and the agent's instance counts with the same mean (6.1)
+        assert (plan.mean_output.count, plan.mean_output.value) == (5, 30)
+        assert on_agent.memory.mean_output.value == 30
         await p.stop()
 
     asyncio.run(main())

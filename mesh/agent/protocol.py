@@ -65,6 +65,7 @@ from engines.protocol import Sampling
 from mesh import framing
 from mesh.framing import MAX_HEADER_BYTES as MAX_FRAME_BYTES  # noqa: F401 - part of this protocol's API
 from mesh.framing import ProtocolError, decode_header, encode_frame  # noqa: F401 - likewise
+from mesh.policy.kv_demand import RunningMean
 from mesh.policy.slo import SLO
 
 PROTOCOL_VERSION = 1
@@ -145,6 +146,22 @@ def slo_from_dict(d: Mapping[str, Any]) -> SLO:
         raise ProtocolError(f"bad SLO object {dict(d)!r}: {exc}") from exc
 
 
+def mean_output_to(mean: RunningMean) -> tuple[float, int, float]:
+    """O_avg's state on the wire."""
+    return (mean.prior, mean.count, mean.total)
+
+
+def mean_output_from(state: Any) -> tuple[float, int, float] | None:
+    """O_avg's state from the wire (None: not given); ProtocolError if malformed."""
+    if state is None:
+        return None
+    try:
+        prior, count, total = state
+        return (float(prior), int(count), float(total))
+    except (TypeError, ValueError) as exc:
+        raise ProtocolError(f"bad mean_output {state!r}: (prior, count, total) expected") from exc
+
+
 @dataclass(frozen=True, slots=True)
 class InstanceSpec:
     """What an agent needs to start one model instance (the `load` message)."""
@@ -164,6 +181,9 @@ class InstanceSpec:
     # batched decode on the CPU; a moved stream then loses, repeats and reorders nothing, but its
     # continuation may differ at a near-tie (docs/design.md).
     exact_moves: bool = False
+    # O_avg of the model as the control service holds it (prior, count, total: LLM-Mesh 6.1):
+    # one mean per model, shared by every instance of it, as in the replay. None: the agent's prior
+    mean_output: tuple[float, int, float] | None = None
 
     def to_message(self) -> dict[str, Any]:
         return {"t": "load", **asdict(self)}
@@ -178,6 +198,7 @@ class InstanceSpec:
                 profile=m.get("profile"), engine=str(m.get("engine", "openvino")),
                 expected_load_s=None if m.get("expected_load_s") is None else float(m["expected_load_s"]),
                 exact_moves=bool(m.get("exact_moves", False)),
+                mean_output=mean_output_from(m.get("mean_output")),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad load message: {exc}") from exc

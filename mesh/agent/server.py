@@ -60,6 +60,7 @@ from mesh.agent.protocol import (
     ProtocolError,
     TokensEvent,
     encode_frame,
+    mean_output_from,
     read_frame,
     slo_from_dict,
 )
@@ -112,6 +113,7 @@ class AgentServer:
         # Unloaded engines by (engine, path, window): a model's shape and tokenizer before
         # any instance of it runs here (`describe`, `tokenize` by path).
         self.fronts: dict[tuple[str, str, int | None], Any] = {}
+        self._means: dict[str, RunningMean] = {}  # O_avg per model (_mean_output)
         self.tokenizers = TokenizerProcess()  # OpenVINO prompts are tokenized off this process's GIL
         self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
         self._tokenizers_ready: dict[str, asyncio.Future] = {}  # loading OpenVINO instance -> its tokenizer's build
@@ -321,7 +323,7 @@ class AgentServer:
             except EngineError as exc:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
             issued = self.node.start_instance(spec.instance_id, spec.model, engine, times, slo,
-                                              RunningMean(MEAN_OUTPUT_PRIOR),
+                                              self._mean_output(spec.model, spec.mean_output),
                                               EXPECTED_LOAD_S if spec.expected_load_s is None else spec.expected_load_s)
             if not issued.accepted:
                 raise Reply(Code.MEMORY, f"node {self.spec.node_id} memory budget is short by "
@@ -442,6 +444,15 @@ class AgentServer:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
         return self.fronts[key]
 
+    def _mean_output(self, model: str, state: tuple[float, int, float] | None) -> RunningMean:
+        """O_avg of `model` on this node: one mean shared by its instances and plans (6.1),
+        set to the control service's state where a message brings it (the service's counts
+        every node's completions; this node's own are added here until the next one)."""
+        mean = self._means.setdefault(model, RunningMean(MEAN_OUTPUT_PRIOR))
+        if state is not None:
+            mean.prior, mean.count, mean.total = state
+        return mean
+
     def _check_path(self, path: str) -> None:
         if not any(inside(root, path) for root in self.load_roots):
             roots = ", ".join(str(r) for r in self.load_roots) or "none"
@@ -532,7 +543,8 @@ class AgentServer:
             times = iteration_times(spec, int(p["weight_bytes"]))
             plan = InstancePlan(spec.instance_id, spec.model, times, slo, int(p["kv_bytes_per_token"]),
                                 int(p["weight_bytes"]), int(p["context_window"]), int(p["context_window"]),
-                                int(p["max_batch"]), RunningMean(MEAN_OUTPUT_PRIOR), float(p["expected_load_s"]))
+                                int(p["max_batch"]), self._mean_output(spec.model, mean_output_from(p.get("mean_output"))),
+                                float(p["expected_load_s"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad validate_new plan: {exc}") from exc
         except EngineError as exc:

@@ -29,12 +29,13 @@ from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 from engines.protocol import FinishReason
 from mesh.agent.client import AgentCallError, AgentDown
 from mesh.agent.protocol import AdmitEntry, Code, DoneEvent, EvictedEvent, InstanceEvent, InstanceSpec, Probe
-from mesh.agent.protocol import Progress, ProtocolError, TokensEvent, event_from_message, slo_to_dict
+from mesh.agent.protocol import Progress, ProtocolError, TokensEvent, event_from_message, mean_output_to, slo_to_dict
 from mesh.agent.supervisor import AgentHandle
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.runtime.cluster_node import ClusterNode, InstanceState
 from mesh.runtime.node import Admission, InstancePlan, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
+from mesh.policy.kv_demand import RunningMean
 
 log = logging.getLogger("mesh.service.agent_node")
 
@@ -69,6 +70,7 @@ class AgentNode(ClusterNode):
         self._load_spec = load_spec
         self._profile_for = profile_for
         self._instances: dict[str, MirroredInstance] = {}
+        self._means: dict[str, RunningMean] = {}  # O_avg per model: the cluster's, shared by every node (6.1)
         self._requests: dict[str, ServedRequest] = {}
         self.stats: dict[str, Any] = {}  # the agent's last `stats` reply
         self._budget_bytes = 0  # the memory budget in use (reservation station, 6.3)
@@ -169,7 +171,7 @@ class AgentNode(ClusterNode):
         p = {"instance_id": plan.instance_id, "model": plan.model, "weight_bytes": plan.weight_bytes,
              "kv_bytes_per_token": plan.kv_bytes_per_token, "context_window": plan.context_window,
              "max_batch": plan.max_batch, "slo": slo_to_dict(plan.slo), "expected_load_s": plan.expected_load_s,
-             "profile": self._profile_for(plan.model, self.spec.kind)}
+             "profile": self._profile_for(plan.model, self.spec.kind), "mean_output": mean_output_to(plan.mean_output)}
         return await self._ask({"t": "validate_new", "plan": p,
                                 "requests": [_probe(r, d) for r, d in zip(reqs, done, strict=True)]})
 
@@ -221,7 +223,8 @@ class AgentNode(ClusterNode):
         self._instances[plan.instance_id] = inst  # before the call: its ready event may overtake the reply
         try:
             spec = dataclasses.replace(await self._load_spec(plan, self), slo=slo_to_dict(plan.slo),
-                                       expected_load_s=plan.expected_load_s)
+                                       expected_load_s=plan.expected_load_s, mean_output=mean_output_to(plan.mean_output))
+            self._means[plan.model] = plan.mean_output
             reply = await self.agent.client.call(spec.to_message(), CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - weights not placed, memory, engine: not started
             self._instances.pop(plan.instance_id, None)
@@ -324,6 +327,8 @@ class AgentNode(ClusterNode):
                 return
             req.tokens_out = event.tokens_out or req.tokens_out
             outcome = Outcome.COMPLETED if event.outcome == Outcome.COMPLETED.value else Outcome.FAILED
+            if outcome is Outcome.COMPLETED and req.model in self._means:  # O_avg, as a LocalNode's runtime adds it
+                self._means[req.model].add(req.tokens_out)
             reason = FinishReason(event.reason) if event.reason in FinishReason._value2member_map_ else None
             self._end_here(event.request_id, outcome, event.detail, reason)
         elif isinstance(event, EvictedEvent):
