@@ -76,7 +76,7 @@ def test_take_back_keeps_progress_and_the_request_resumes_elsewhere(rule):
     assert r.node_id == "b" and r.slo_met
 
 
-def test_take_back_refuses_an_instance_in_the_middle_of_a_prefill():
+def test_take_back_waits_for_an_instance_in_the_middle_of_a_prefill():
     times = LinearTimes(prefill_per_token=0.01)
 
     async def main():
@@ -89,9 +89,15 @@ def test_take_back_refuses_an_instance_in_the_middle_of_a_prefill():
         assert not node.can_take_back("i")
         with pytest.raises(ValueError, match="middle of a prefill"):
             node.take_back("r", "test")
+        # what a node agent does instead: wait for the prefill to end, then take it back
+        back = await node.take_back_after_prefill("r", "test")
+        now = asyncio.get_running_loop().time()
         await node.stop()
+        return back, now
 
-    run_virtual(main())
+    back, now = run_virtual(main())
+    assert back is not None and back.tokens_out == 1 and back.outcome is None  # its prefill gave the first token
+    assert now == pytest.approx(0.01 + 100 * 0.01, abs=0.02)  # when the 1 s prefill ended
 
 
 def test_validate_with_excluded_neighbours_frees_compute_and_memory():

@@ -552,17 +552,17 @@ class AgentServer:
         reqs = [self._probe(r, slo) for r in m.get("requests") or ()]
         return self._verdict(self.node.validate_new(plan, reqs, [r.tokens_out for r in reqs]))
 
-    def _take_back(self, m: dict[str, Any]) -> dict[str, Any]:
+    async def _take_back(self, m: dict[str, Any]) -> dict[str, Any]:
         """Take a running request off this node, not ended, with its progress: the tokens
         it produced (all of them, also those it brought here) go back in the reply, so the
-        dispatcher can resume it elsewhere (preemption 7.1). No `done` event follows."""
+        dispatcher can resume it elsewhere (preemption 7.1). No `done` event follows. A
+        request whose instance is in the middle of a prefill leaves when that iteration ends."""
         rid = str(m.get("request_id"))
         if rid not in self.requests:
             raise Reply(Code.NO_INSTANCE, f"request {rid} is not on {self.spec.node_id}")
-        try:
-            req = self.node.take_back(rid, str(m.get("why") or "taken back by the control service"))
-        except ValueError as exc:  # its instance is in the middle of a prefill
-            raise Reply(Code.REFUSED, str(exc)) from exc
+        req = await self.node.take_back_after_prefill(rid, str(m.get("why") or "taken back by the control service"))
+        if req is None:  # it ended while its instance finished the prefill
+            raise Reply(Code.NO_INSTANCE, f"request {rid} ended on {self.spec.node_id} before it could be taken back")
         self.requests.pop(rid, None)
         return self._progress(req).to_dict()
 

@@ -144,6 +144,7 @@ class NodeRuntime:
         self._produced: dict[str, list[int]] = {}
         self.stepping: str | None = None  # the instance whose iteration is in flight
         self._wake = asyncio.Event()
+        self._step_ended: list[asyncio.Future] = []  # waiting for the iteration in flight to end
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self._unloading: dict[str, NodeInstance] = {}
@@ -432,6 +433,29 @@ class NodeRuntime:
         flight = self.compute.in_flight
         return not (flight is not None and flight.instance_id == instance_id and flight.kind is IterationKind.PREFILL)
 
+    def _end_step(self) -> None:
+        self.stepping = self.compute.in_flight = None
+        waiters, self._step_ended = self._step_ended, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def take_back_after_prefill(self, request_id: str, why: str) -> ServedRequest | None:
+        """take_back, once the request's instance is not in the middle of a prefill (it waits
+        for that iteration to end, milliseconds to a second, rather than refuse): a node
+        agent's take-back cannot be atomic with the dispatcher's choice of victims, as it is
+        in a replay, which never picks the stepping instance (7.1). None: the request is not
+        here (any more)."""
+        while True:
+            r = self.compute.requests.get(request_id)
+            if r is None:
+                return None
+            if self.can_take_back(r.instance_id):
+                return self.take_back(request_id, why)
+            waiter = asyncio.get_running_loop().create_future()
+            self._step_ended.append(waiter)
+            await waiter
+
     def take_back(self, request_id: str, why: str) -> ServedRequest | None:
         """Take a request off this node to be rescheduled elsewhere (preemption 7.1,
         eviction 6.4), keeping its progress: `tokens_out` becomes the tokens it produced so
@@ -497,10 +521,10 @@ class NodeRuntime:
             try:
                 result = await inst.engine.step()
             except EngineError as exc:
-                self.stepping = compute.in_flight = None
+                self._end_step()
                 self._fail_instance(inst, f"engine step failed on node {self.node_id}: {exc}")
                 continue
-            self.stepping = compute.in_flight = None
+            self._end_step()
             now = loop.time()
             self.busy_s += now - start
             self.iteration_count += 1

@@ -204,7 +204,7 @@ class AgentNode(ClusterNode):
             return None
         try:
             reply = await self.agent.client.call({"t": "take_back", "request_id": request_id, "why": why}, CALL_TIMEOUT_S)
-        except (AgentDown, AgentCallError) as exc:  # done meanwhile, or mid-prefill: it stays
+        except (AgentDown, AgentCallError) as exc:  # it ended meanwhile, or the node is gone
             log.info("take_back of %s from %s: %s", request_id, self.node_id, exc)
             return None
         try:
