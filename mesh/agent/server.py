@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 from engines.protocol import EngineError, EngineRequest, Sampling
 from mesh.agent.engines import iteration_times, make_engine
+from mesh.agent.learnt import NodeLearning
 from mesh.perf.times import AdaptiveTimes
 from mesh.agent.protocol import (
     PROTOCOL_VERSION,
@@ -106,6 +107,7 @@ class AgentServer:
         self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True, deadlines=deadlines)
         self.node.on_loaded = self._ready
         self.times: dict[str, AdaptiveTimes] = {}  # instance id -> its iteration times
+        self.learning = NodeLearning()  # the machine's speed, per-model times and cold starts (issue 23)
         self.specs: dict[str, InstanceSpec] = {}
         # Unloaded engines by (engine, path, window): a model's shape and tokenizer before
         # any instance of it runs here (`describe`, `tokenize` by path).
@@ -132,6 +134,10 @@ class AgentServer:
         """Start listening; return the address actually bound ("host:port" or "unix:path")."""
         loop = asyncio.get_running_loop()
         self.started_at = loop.time()
+        if self.spec.kind == "cpu":  # know the machine before the first load (issue 23 item 4): ~0.5 s
+            from mesh.agent.speed_probe import probe_speed
+
+            self.learning.set_speed(await asyncio.to_thread(probe_speed))
         self.node.start()
         if self.weights is not None:
             await self.weights.start()
@@ -315,7 +321,7 @@ class AgentServer:
                     tokenizer = asyncio.ensure_future(self.tokenizers.prepare(spec.path))
                     tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
                     self._tokenizers_ready[spec.instance_id] = tokenizer
-                times = iteration_times(spec, engine.weight_bytes)
+                times = self.learning.adopt(spec.model, iteration_times(spec, engine.weight_bytes))
             except EngineError as exc:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
             issued = self.node.start_instance(spec.instance_id, spec.model, engine, times, slo,
@@ -329,6 +335,7 @@ class AgentServer:
             self.specs.pop(spec.instance_id, None)
             raise
         self.times[spec.instance_id] = times
+        self.learning.load_started(spec.instance_id, spec.model, asyncio.get_running_loop().time())
         return {"weight_bytes": engine.weight_bytes, "kv_bytes_per_token": engine.kv_bytes_per_token,
                 "context_window": engine.context_window}
 
@@ -339,9 +346,13 @@ class AgentServer:
         `ready` sent then let the service's next call find the instance still loading.)"""
         tokenizer = self._tokenizers_ready.pop(instance_id, None)
         if tokenizer is None or tokenizer.done():
-            self._send(InstanceEvent(instance_id, "ready").to_message())
+            self._announce_ready(instance_id)
         else:
-            tokenizer.add_done_callback(lambda _f: self._send(InstanceEvent(instance_id, "ready").to_message()))
+            tokenizer.add_done_callback(lambda _f: self._announce_ready(instance_id))
+
+    def _announce_ready(self, instance_id: str) -> None:
+        self.learning.load_ended(instance_id, asyncio.get_running_loop().time())  # a measured cold start
+        self._send(InstanceEvent(instance_id, "ready").to_message())
 
     def _loaded(self, instance_id: str, exc: BaseException | None) -> None:
         """The engine's load callback: a failure is reported here (success by `_ready`)."""
@@ -352,6 +363,7 @@ class AgentServer:
             return
         self._tokenizers_ready.pop(instance_id, None)
         log.error("loading instance %s failed: %s", instance_id, exc)
+        self.learning.load_ended(instance_id, 0.0, ok=False)
         self._send(InstanceEvent(instance_id, "failed", f"{exc}").to_message())
         asyncio.get_running_loop().call_soon(self._drop_instance, instance_id)
 
@@ -571,6 +583,7 @@ class AgentServer:
             "queue_length": self.node.queue_length(), "running": len(self.requests),
             "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
             "kv_bytes_in_use": self.node.kv_bytes_in_use(), "deadlines": self.node.deadlines.value,
+            "learnt": self.learning.view(),
         }
 
     def _instance_view(self, inst: Any, now: float | None = None) -> dict[str, Any]:
