@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -197,3 +197,24 @@ def prior_profile(model: str, kind: str, weight_bytes: int, kv_bytes_per_token: 
         tuple(tuple(times.decode_s(b, c) for c in lengths) for b in batches),
         {"method": "prior", "hardware": {}, "source": "mesh.perf.times.DefaultCpuTimes"},
     )
+
+
+def learnt_profile(profile: Profile, learnt: dict[str, Any]) -> Profile:
+    """`profile` with what a service learnt on its nodes applied (issue 23 item 5): each grid
+    point's time times the factor of its AdaptiveTimes region (`learnt`'s `prefill_regions`
+    keyed "2^k", `decode_regions` keyed "2^b x 2^c", as AdaptiveTimes.drift writes them),
+    else the instance-wide `prefill` / `decode` factor: the times the service's nodes
+    predicted at the end of a run, for its simulated twin."""
+    prefill_f = float(learnt.get("prefill") or 1.0)
+    decode_f = float(learnt.get("decode") or 1.0)
+    pre_regions = {int(k): float(v) for k, v in (learnt.get("prefill_regions") or {}).items()}
+    dec_regions = {tuple(int(x) for x in k.split("x")): float(v) for k, v in (learnt.get("decode_regions") or {}).items()}
+
+    def cell(x: float) -> int:
+        return 2 ** AdaptiveTimes._cell(x)
+
+    prefill = tuple(t * pre_regions.get(cell(n), prefill_f) for n, t in zip(profile.prefill_lengths, profile.prefill_s))
+    decode = tuple(tuple(t * dec_regions.get((cell(b), cell(c)), decode_f) for c, t in zip(profile.decode_contexts, row))
+                   for b, row in zip(profile.decode_batches, profile.decode_s))
+    provenance = {**profile.provenance, "learnt": {k: learnt.get(k) for k in ("prefill", "decode", "margin", "observed")}}
+    return replace(profile, device=f"{profile.device}+learnt", prefill_s=prefill, decode_s=decode, provenance=provenance)
