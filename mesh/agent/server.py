@@ -45,6 +45,7 @@ from typing import Any, Callable, Sequence
 
 from engines.protocol import EngineError, EngineRequest, Sampling
 from mesh.agent.engines import iteration_times, make_engine
+from mesh.agent.learnt import NodeLearning
 from mesh.perf.times import AdaptiveTimes
 from mesh.agent.protocol import (
     PROTOCOL_VERSION,
@@ -109,6 +110,8 @@ class AgentServer:
         self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True, deadlines=deadlines)
         self.node.on_loaded = self._ready
         self.times: dict[str, AdaptiveTimes] = {}  # instance id -> its iteration times
+        self.learning = NodeLearning()  # the machine's speed and per-model times (issue 23)
+        self._speed_probe: asyncio.Future | None = None
         self.specs: dict[str, InstanceSpec] = {}
         # Unloaded engines by (engine, path, window): a model's shape and tokenizer before
         # any instance of it runs here (`describe`, `tokenize` by path).
@@ -136,6 +139,9 @@ class AgentServer:
         """Start listening; return the address actually bound ("host:port" or "unix:path")."""
         loop = asyncio.get_running_loop()
         self.started_at = loop.time()
+        if self.spec.kind == "cpu":  # know the machine from its first minute (issue 23 item 4): 0.4-2 s, in
+            # in the background: a load before it ends starts from the prior's factors
+            self._speed_probe = asyncio.ensure_future(self._probe_speed())
         self.node.start()
         if self.weights is not None:
             await self.weights.start()
@@ -156,6 +162,8 @@ class AgentServer:
 
     async def close(self) -> None:
         self._server.close()
+        if self._speed_probe is not None:
+            self._speed_probe.cancel()
         if self.weights is not None:
             await self.weights.close()
         self._abort_all("the node agent is shutting down")  # its requests end at once, before the workers do
@@ -319,7 +327,7 @@ class AgentServer:
                     tokenizer = asyncio.ensure_future(self.tokenizers.prepare(spec.path))
                     tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
                     self._tokenizers_ready[spec.instance_id] = tokenizer
-                times = iteration_times(spec, engine.weight_bytes)
+                times = self.learning.adopt(spec.model, iteration_times(spec, engine.weight_bytes))
             except EngineError as exc:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
             issued = self.node.start_instance(spec.instance_id, spec.model, engine, times, slo,
@@ -452,6 +460,14 @@ class AgentServer:
         if state is not None:
             mean.prior, mean.count, mean.total = state
         return mean
+
+    async def _probe_speed(self) -> None:
+        from mesh.agent.speed_probe import probe_speed
+
+        try:
+            self.learning.set_speed(await asyncio.to_thread(probe_speed))
+        except Exception as exc:  # noqa: BLE001 - the probe only sets a starting point
+            log.warning("the speed probe failed (instances start from the prior): %s", exc)
 
     def _check_path(self, path: str) -> None:
         if not any(inside(root, path) for root in self.load_roots):
@@ -598,6 +614,7 @@ class AgentServer:
             "queue_length": self.node.queue_length(), "running": len(self.requests),
             "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
             "kv_bytes_in_use": self.node.kv_bytes_in_use(), "deadlines": self.node.deadlines.value,
+            "learnt": self.learning.view(),
         }
 
     def _instance_view(self, inst: Any, now: float | None = None) -> dict[str, Any]:

@@ -68,6 +68,7 @@ class LiveRun:
     nodes: dict[str, str] = field(default_factory=dict)  # node id -> kind, every node seen
     tenant: str = ""
     service: dict[str, Any] = field(default_factory=dict)  # /admin/cluster when the last request ended
+    learnt: dict[str, Any] = field(default_factory=dict)  # /admin/learnt then (for the twin; {}: not read)
 
 
 def prompt_ids(request_id: str, length: int) -> list[int]:
@@ -258,6 +259,10 @@ async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
             bar.close()
             end = clock()
             service = await _final_view(svc)
+            try:  # before the tenant goes: its models' profiles are in it
+                learnt = await svc.call("GET", "/admin/learnt", "reading what the service learnt")
+            except (LiveReplayError, aiohttp.ClientError):
+                learnt = {}
             try:
                 await svc.call("DELETE", f"/admin/tenants/{tenant}", "deleting the replay's tenant")
             except (LiveReplayError, aiohttp.ClientError) as exc:  # the figures stand; say what is left behind
@@ -265,7 +270,7 @@ async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
     if not usage or usage[0][0] > 0:
         usage.insert(0, (0.0, 0, 0))
     return LiveRun(requests, usage, workload.duration_s, max(end, workload.duration_s), end,
-                   kinds, tenant, service)
+                   kinds, tenant, service, learnt)
 
 
 async def _final_view(svc: _Service) -> dict[str, Any]:

@@ -2,10 +2,13 @@
 replayed in virtual time on a simulated cluster of the service's nodes (mesh.bench.live).
 
 The simulated side is the cluster the service reports at `/admin/cluster` (its CPU and GPU
-node counts and memory), the model's prior profile (mesh.perf.times.prior_profile: the
-times its agents plan with before it is calibrated), or `--profiles`' calibrated one, the
-service's keep-alive and deadline rule, and a cold start of `--cold-start-s` seconds. The
-gap between the two SLO rates is the simulator's error at cluster level.
+node counts and memory), the service's keep-alive and deadline rule, and the model's times:
+after the live run, what the service learnt (`GET /admin/learnt`, issue 23 item 5: the prior
+or `--profiles`' profile times the nodes' learnt factors per grid region, their learnt
+margin, their median measured cold start; `learnt_twin`), so the gap between the two SLO
+rates is the simulator's error at cluster level, not a stale prior's. The twin with the
+prior (mesh.perf.times.prior_profile, a cold start of `--cold-start-s`) runs first, before
+any live traffic (a policy that cannot run fails early), and is printed beside it.
 """
 from __future__ import annotations
 
@@ -15,6 +18,7 @@ import dataclasses
 import json
 import math
 import os
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -25,6 +29,7 @@ from engines.protocol import DEFAULT_CONTEXT_CAP
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.modelfiles.demo import ModelFetchError
 from mesh.perf.profile import load_profile
+from mesh.perf.times import learnt_profile, prior_profile
 from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
@@ -51,8 +56,6 @@ def _model_shape(path: Path) -> tuple[int, int, int]:
 
 
 def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, window: int) -> dict[str, ModelSpec]:
-    from mesh.perf.times import prior_profile
-
     profiles = {}
     for kind in (CPU, GPU):
         path = Path(args.profiles) / f"{BASE}__{kind}.json" if args.profiles else None
@@ -61,17 +64,34 @@ def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, win
     return {BASE: ModelSpec(BASE, profiles)}
 
 
+def learnt_twin(catalog: dict[str, ModelSpec], learnt: dict[str, Any]) -> tuple[dict[str, ModelSpec], float | None,
+                                                                               float | None]:
+    """(catalog, margin, cold start s) of the twin that runs with what the service learnt
+    (GET /admin/learnt's per-kind summary, issue 23 item 5): each kind's profile times its
+    learnt factors per grid region, the learnt margin, the median measured cold start;
+    None where nothing was learnt (the flags' values stand)."""
+    summary = learnt.get("summary") or {}
+    profiles = {kind: (learnt_profile(p, summary[kind]) if (summary.get(kind) or {}).get("observed") else p)
+                for kind, p in catalog[BASE].profiles.items()}
+    margins = [s["margin"] for s in summary.values() if s.get("margin") is not None]
+    colds = [s["cold_start_s"] for s in summary.values() if s.get("cold_start_s")]
+    return ({BASE: ModelSpec(BASE, profiles)}, max(margins) if margins else None,
+            statistics.median(colds) if colds else None)
+
+
 def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape, catalog: dict[str, ModelSpec],
-              policy: str) -> dict[str, Any]:
-    """The twin: the service's nodes, deadline rule and queue settings, simulated."""
+              policy: str, margin: float | None = None, cold_start_s: float | None = None) -> dict[str, Any]:
+    """The twin: the service's nodes, deadline rule and queue settings, simulated; with what the
+    service learnt where given (its margin, its measured cold start)."""
     cpu, gpu = shape.counts()
     memory = shape.memory
     weight_bytes = catalog[BASE].profiles[CPU].weight_bytes
-    bps = cold_start_bytes_per_s(weight_bytes, args.cold_start_s)
+    bps = cold_start_bytes_per_s(weight_bytes, cold_start_s or args.cold_start_s)
     keep_alive = args.keep_alive if args.keep_alive is not None else LIVE_KEEP_ALIVE_S
     cluster = ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, cpu_memory_bytes=memory.get(CPU, 1),
                             gpu_memory_bytes=memory.get(GPU, 1), cold_start=ColdStart(bps, bps), keep_alive_s=keep_alive,
-                            noise=args.noise, seed=args.seed, deadlines=args.deadlines or shape.deadlines)
+                            noise=args.noise, seed=args.seed, deadlines=args.deadlines or shape.deadlines,
+                            **({} if margin is None else {"margin": margin}))
     config = ReplayConfig(cluster=cluster, queue_capacity=shape.queue_capacity, retry_interval_s=args.retry_interval,
                           queue_timeout_s=shape.queue_timeout_s, progress=not args.no_progress)
     prior = {BASE: float(sum(a.output_len for a in workload.arrivals) / max(1, len(workload)))}
@@ -116,8 +136,12 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
             print(f"mesh replay --live: the service's queue holds {shape.queue_capacity} requests for "
                   f"{'their SLO' if shape.queue_timeout_s is None else f'{shape.queue_timeout_s:g} s'}; the twin uses "
                   "that, not --queue-capacity/--queue-timeout (set them on `mesh serve`)", file=sys.stderr)
-        simulated = {p: _simulate(args, workload, shape, catalog, p) for p in policies}
+        prior = {p: _simulate(args, workload, shape, catalog, p) for p in policies}
         live = asyncio.run(run_live(workload, config))
+        # the twin proper: the same policies with what the service learnt during the run
+        twin_catalog, margin, cold_s = learnt_twin(catalog, live.learnt)
+        simulated = ({p: _simulate(args, workload, shape, twin_catalog, p, margin, cold_s)
+                      for p in policies} if live.learnt else prior)
     except LiveReplayError as exc:
         print(f"mesh replay --live: error: {exc}", file=sys.stderr)
         return 1
@@ -130,6 +154,8 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
     results = {f"live ({shape.policy})": request_figures(live.requests, live.usage, live.duration_s)}
     for p, figures in simulated.items():
         results[f"simulated ({p})"] = figures
+    if live.learnt:
+        results[f"simulated ({shape.policy}, prior)"] = prior[shape.policy]
     print(table(results))
     failed = [r.detail for r in live.requests if r.detail]
     if failed:
@@ -140,6 +166,9 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
                         "tenant": live.tenant, "nodes": live.nodes, "service": live.service,
                         "requests_detail": [_outcome(r) for r in live.requests]},
                "simulated": sims[shape.policy], "simulated_by_policy": sims,
+               "simulated_prior": json_ready(prior[shape.policy]),
+               "learnt": {"summary": live.learnt.get("summary"), "nodes": live.learnt.get("nodes"),
+                          "twin_margin": margin, "twin_cold_start_s": cold_s},
                "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,
                           "model_path": str(model_path), "workload": d, "length_scale": scale,
                           "context_window": window, "cold_start_s": args.cold_start_s,

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import numpy as np
@@ -71,14 +71,17 @@ class AdaptiveTimes:
     def __init__(self, base: IterationTimes, alpha: float = 0.2, prefill_alpha: float = 0.4,
                  min_factor: float = 0.25, max_factor: float = 8.0, *, margin_quantile: float = 0.95,
                  margin_window: int = 256, margin_after: int = 32, min_margin: float = 0.05,
-                 max_margin: float = 0.5, max_step: float = 2.0) -> None:
+                 max_margin: float = 0.5, max_step: float = 2.0, start: tuple[float, float] = (1.0, 1.0)) -> None:
+        """`start`: the (prefill, decode) factors before any iteration: the node's speed
+        against the prior's machine (mesh.perf.speed, issue 23 item 4), or what an earlier
+        instance of the model learnt here (`warm_start`); 1.0: the base as it is."""
         self.base = base
         self.max_step = max_step
         self.alpha = alpha
         self.prefill_alpha = prefill_alpha  # prefills are rarer than decodes: learn faster
         self.min_factor, self.max_factor = min_factor, max_factor
-        self.prefill_factor = 1.0
-        self.decode_factor = 1.0
+        self.prefill_factor = self._clamp(start[0])
+        self.decode_factor = self._clamp(start[1])
         self.prefill_regions: dict[int, float] = {}  # floor(log2 prompt) -> factor
         self.decode_regions: dict[tuple[int, int], float] = {}  # (floor(log2 batch), floor(log2 context)) -> factor
         self.margin_quantile, self.margin_after = margin_quantile, margin_after
@@ -128,6 +131,15 @@ class AdaptiveTimes:
                 used = self.decode_regions.get(cell, self.decode_factor)
                 self.decode_regions[cell] = self._clamp(used * ratio ** self.alpha)
             self.decode_factor = self._clamp(self.decode_factor * ratio ** self.alpha)
+
+    def warm_start(self, learnt: "AdaptiveTimes") -> None:
+        """Start from what an earlier instance of the same model on this node learnt (its
+        factors, regions and recent ratios, hence its margin once it had one): a model's
+        next instance is within its error from its first iteration, not after re-learning."""
+        self.prefill_factor, self.decode_factor = learnt.prefill_factor, learnt.decode_factor
+        self.prefill_regions, self.decode_regions = dict(learnt.prefill_regions), dict(learnt.decode_regions)
+        self._ratios.extend(learnt._ratios)
+        self.observed, self._margin = learnt.observed, learnt._margin
 
     @property
     def margin(self) -> float | None:
@@ -185,3 +197,24 @@ def prior_profile(model: str, kind: str, weight_bytes: int, kv_bytes_per_token: 
         tuple(tuple(times.decode_s(b, c) for c in lengths) for b in batches),
         {"method": "prior", "hardware": {}, "source": "mesh.perf.times.DefaultCpuTimes"},
     )
+
+
+def learnt_profile(profile: Profile, learnt: dict[str, Any]) -> Profile:
+    """`profile` with what a service learnt on its nodes applied (issue 23 item 5): each grid
+    point's time times the factor of its AdaptiveTimes region (`learnt`'s `prefill_regions`
+    keyed "2^k", `decode_regions` keyed "2^b x 2^c", as AdaptiveTimes.drift writes them),
+    else the instance-wide `prefill` / `decode` factor: the times the service's nodes
+    predicted at the end of a run, for its simulated twin."""
+    prefill_f = float(learnt.get("prefill") or 1.0)
+    decode_f = float(learnt.get("decode") or 1.0)
+    pre_regions = {int(k): float(v) for k, v in (learnt.get("prefill_regions") or {}).items()}
+    dec_regions = {tuple(int(x) for x in k.split("x")): float(v) for k, v in (learnt.get("decode_regions") or {}).items()}
+
+    def cell(x: float) -> int:
+        return 2 ** AdaptiveTimes._cell(x)
+
+    prefill = tuple(t * pre_regions.get(cell(n), prefill_f) for n, t in zip(profile.prefill_lengths, profile.prefill_s))
+    decode = tuple(tuple(t * dec_regions.get((cell(b), cell(c)), decode_f) for c, t in zip(profile.decode_contexts, row))
+                   for b, row in zip(profile.decode_batches, profile.decode_s))
+    provenance = {**profile.provenance, "learnt": {k: learnt.get(k) for k in ("prefill", "decode", "margin", "observed")}}
+    return replace(profile, device=f"{profile.device}+learnt", prefill_s=prefill, decode_s=decode, provenance=provenance)

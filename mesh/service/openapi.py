@@ -115,6 +115,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("DELETE", "/admin/keys/{key_id}"): Operation("revoke a key", auth=ADMIN),
     ("GET", "/admin/models"): Operation("every tenant's models", auth=ADMIN),
     ("GET", "/admin/cluster"): Operation("nodes, instances, weights copies", auth=ADMIN),
+    ("GET", "/admin/learnt"): Operation("what the nodes learnt: speed probes, time factors, margins, cold starts, "
+                                        "profiles (for the live replay's twin)", auth=ADMIN),
     ("POST", "/admin/scale"): Operation("start a model on chosen nodes now", auth=ADMIN, body=SCALE_BODY),
     ("GET", "/admin/tenants/{tenant}/quota"): Operation("a tenant's quotas and use", auth=ADMIN),
     ("PUT", "/admin/tenants/{tenant}/quota"): Operation("set a tenant's quotas (null: no limit)", auth=ADMIN,

@@ -9,6 +9,8 @@
     GET    /admin/models                                             every tenant's models
     GET    /admin/cluster                                            nodes, instances, memory, queues,
                                                                      weights (host copies, transfers)
+    GET    /admin/learnt                                             what nodes learnt: speed probes, time
+                                                                     factors, margins, cold starts, profiles
     POST   /admin/scale   {"tenant", "model", "nodes": [...]}        start the model on those nodes now
     GET    /admin/tenants/{tenant}/quota                             its quotas, their defaults, its usage
     PUT    /admin/tenants/{tenant}/quota  {"models": 3, ...}         set its quotas (mesh.policy.quota): the
@@ -26,6 +28,7 @@ from mesh.policy.quota import QuotaValueError, check_overrides
 from mesh.service import errors
 from mesh.service.app import service_of
 from mesh.service.auth import new_api_key
+from mesh.service.learnt import learnt_view
 from mesh.service.registry import RegistryError
 from mesh.service.routes_models import forget_files, model_object
 from mesh.service.schema import parse_json
@@ -40,6 +43,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_delete("/admin/keys/{key_id}", revoke_key)
     app.router.add_get("/admin/models", list_all_models)
     app.router.add_get("/admin/cluster", cluster)
+    app.router.add_get("/admin/learnt", learnt)
     app.router.add_post("/admin/scale", scale)
     app.router.add_get("/admin/tenants/{tenant}/quota", get_quota)
     app.router.add_put("/admin/tenants/{tenant}/quota", put_quota)
@@ -155,6 +159,13 @@ async def cluster(request: web.Request) -> web.Response:
     view["tenants"] = len(svc.registry.tenants())
     view["open_requests"] = svc.generating
     return web.json_response(view)
+
+
+async def learnt(request: web.Request) -> web.Response:
+    """What the service learnt about its machines (mesh.service.learnt), for the live replay's twin."""
+    svc = service_of(request)
+    svc.require_admin(request)
+    return web.json_response(learnt_view(svc.placement))
 
 
 async def scale(request: web.Request) -> web.Response:

@@ -1,0 +1,91 @@
+"""Issue 23 items 4 and 5: the speed probe's factors, warm starts of iteration times, the
+per-node learning, the twin's learnt profile and the live replay's learnt catalog."""
+from __future__ import annotations
+
+import pytest
+
+from mesh.agent.learnt import NodeLearning
+from mesh.bench.learning import Iteration, learning_figures, window_errors, within_after
+from mesh.commands.replay_live import BASE, learnt_twin
+from mesh.perf.speed import PROBE_MAX, PROBE_MIN, MachineSpeed, SpeedFactors
+from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes, learnt_profile, prior_profile
+from mesh.policy.batching import IterationKind
+from mesh.runtime.cluster import ModelSpec
+from mesh.service.learnt import summarize_kind
+
+DEMO = 98_362_432
+
+
+def test_speed_factors_scale_inversely_and_are_bounded() -> None:
+    ref = MachineSpeed(40.0, 20.0)
+    assert SpeedFactors.against(MachineSpeed(20.0, 10.0), ref) == SpeedFactors(2.0, 2.0)
+    assert SpeedFactors.against(MachineSpeed(80.0, 40.0), ref) == SpeedFactors(0.5, 0.5)
+    slow = SpeedFactors.against(MachineSpeed(0.1, 0.1), ref)
+    assert (slow.prefill, slow.decode) == (PROBE_MAX, PROBE_MAX)
+    assert SpeedFactors.against(MachineSpeed(1e6, 0.0), ref) == SpeedFactors(PROBE_MIN, 1.0)  # no figure: no scaling
+
+
+def test_adaptive_times_start_and_warm_start() -> None:
+    base = DefaultCpuTimes()
+    t = AdaptiveTimes(base, start=(3.0, 2.0))
+    assert t.prefill_s(100) == pytest.approx(3.0 * base.prefill_s(100))
+    assert t.decode_s(4, 200) == pytest.approx(2.0 * base.decode_s(4, 200))
+    for _ in range(40):
+        t.observe(IterationKind.DECODE, t.decode_s(4, 200), 2.5 * base.decode_s(4, 200), 4, 200)
+    assert t.margin is not None
+    nxt = AdaptiveTimes(base)
+    nxt.warm_start(t)
+    assert nxt.decode_s(4, 200) == pytest.approx(t.decode_s(4, 200)) and nxt.margin == t.margin
+
+
+def test_node_learning_starts_new_models_from_what_the_node_learnt() -> None:
+    learning = NodeLearning()
+    learning.set_speed(MachineSpeed(1.0, 1.0))  # far slower than the prior's machine: the probe's bound
+    first = learning.adopt("a", AdaptiveTimes(DefaultCpuTimes()))
+    assert (first.prefill_factor, first.decode_factor) == (PROBE_MAX, PROBE_MAX)
+    for _ in range(40):  # the first model's instance learns the machine is 3x the prior
+        first.observe(IterationKind.DECODE, first.decode_s(2, 100), 3 * DefaultCpuTimes().decode_s(2, 100), 2, 100)
+    assert first.decode_factor == pytest.approx(3.0, rel=0.05)
+    again = learning.adopt("a", AdaptiveTimes(DefaultCpuTimes()))  # the same model's next instance: its state
+    assert again.decode_factor == first.decode_factor and again.observed == first.observed
+    other = learning.adopt("b", AdaptiveTimes(DefaultCpuTimes.for_weights(4 * DEMO)))  # a new model: the node's
+    assert other.decode_factor == pytest.approx(first.decode_factor) and other.observed == 0
+    view = learning.view()
+    assert view["models"]["a"]["base"] == "prior" and view["models"]["b"]["time_factors"]["observed"] == 0
+
+
+def test_learnt_profile_applies_region_factors_else_instance_wide() -> None:
+    p = prior_profile("m", "cpu", DEMO, 9216, 2048)
+    q = learnt_profile(p, {"prefill": 2.0, "decode": 3.0, "prefill_regions": {"64": 4.0},
+                           "decode_regions": {"2x64": 5.0}})
+    ratios = {n: b / a for n, a, b in zip(p.prefill_lengths, p.prefill_s, q.prefill_s)}
+    assert ratios[64] == pytest.approx(4.0) and ratios[16] == pytest.approx(2.0) and ratios[2048] == pytest.approx(2.0)
+    b2, c64 = p.decode_batches.index(2), p.decode_contexts.index(64)
+    assert q.decode_s[b2][c64] / p.decode_s[b2][c64] == pytest.approx(5.0)
+    assert q.decode_s[0][0] / p.decode_s[0][0] == pytest.approx(3.0)
+
+
+def test_summary_and_twin_use_what_was_learnt() -> None:
+    views = [{"models": {"a": {"time_factors": {"prefill": 2.0, "decode": 4.0, "observed": 300, "margin": 0.2,
+                                                "prefill_regions": {"64": 2.0}, "decode_regions": {}}},
+                         "b": {"time_factors": {"prefill": 2.0, "decode": 1.0, "observed": 100, "margin": 0.4,
+                                                "prefill_regions": {}, "decode_regions": {}}}}}]
+    s = summarize_kind(views, [1.0, 3.0, 2.0])  # the loads the service measured on the kind's nodes
+    assert s["decode"] == pytest.approx(4.0 ** 0.75, rel=1e-3) and s["prefill"] == pytest.approx(2.0)
+    assert s["margin"] == pytest.approx(0.25) and s["cold_start_s"] == 2.0 and s["observed"] == 400
+    p = prior_profile(BASE, "cpu", DEMO, 9216, 2048)
+    catalog, margin, cold = learnt_twin({BASE: ModelSpec(BASE, {"cpu": p})}, {"summary": {"cpu": s}})
+    assert margin == pytest.approx(0.25) and cold == 2.0
+    assert catalog[BASE].profiles["cpu"].decode_s[0][0] == pytest.approx(p.decode_s[0][0] * s["decode"])
+    same, none_margin, none_cold = learnt_twin({BASE: ModelSpec(BASE, {"cpu": p})}, {})
+    assert same[BASE].profiles["cpu"] == p and none_margin is None and none_cold is None
+
+
+def test_learning_figures_count_iterations_until_within_10_percent() -> None:
+    base = DefaultCpuTimes()
+    its = [Iteration(IterationKind.DECODE, 2, 100.0, 3.0 * base.decode_s(2, 100)) for _ in range(120)]
+    figures = learning_figures(its, {"prior": (1.0, 1.0), "exact": (1.0, 3.0)}, DEMO)
+    assert figures["exact"]["within_10pct_after"] == 0
+    prior_n = figures["prior"]["within_10pct_after"]
+    assert prior_n is not None and 5 < prior_n < 60  # geometric learning from 3x off, not at once
+    assert within_after(window_errors([1.0] * 10, [2.0] * 10)) is None
