@@ -245,3 +245,214 @@ def test_frame_bounds_are_checked_from_the_header():
             await framing.read_first_frame(reader, "t")
 
     asyncio.run(main())
+
+
+# ---- the HTTP service ----------------------------------------------------------------------------
+
+ADMIN = "admin-secret"
+
+
+class Http:
+    """The service on aiohttp's real server (127.0.0.1), with the limits `mesh serve` installs."""
+
+    def __init__(self, tmp_path, allowed, **config) -> None:
+        self.tmp_path, self.allowed, self.config = tmp_path, allowed, config
+
+    async def __aenter__(self) -> "Http":
+        import aiohttp
+        from aiohttp.test_utils import TestServer
+
+        from agent_doubles import InProcessAgent
+        from mesh.service.app import Service, build_app
+        from mesh.service.config import ServeConfig
+        from mesh.service.limits import guard_connections
+        from mesh.service.metrics import ServiceMetrics
+        from mesh.service.placement import ClusterPlacement, PlacementSettings
+        from mesh.service.registry import Registry
+
+        cfg = ServeConfig(admin_token=ADMIN, allowed_dir=self.allowed, data_dir=self.tmp_path, **self.config)
+        self.registry = Registry(self.tmp_path / "registry.sqlite3")
+        self.placement = ClusterPlacement([NodeSpec("cpu-0", "cpu", 10**10)], PlacementSettings(cold_start_s=0.0),
+                                          agent_factory=InProcessAgent)
+        self.service = Service(cfg, self.registry, self.placement, ServiceMetrics(self.placement.view), self.tmp_path)
+        self.service.idle.set()
+        await self.placement.start()
+        self.server = TestServer(build_app(self.service), host="127.0.0.1")
+        await self.server.start_server(**self.service.limits.runner_options())
+        self.counts = guard_connections(self.server.runner.server, self.service.limits)
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.session.close()
+        await self.server.close()
+        await self.placement.stop()
+        self.registry.close()
+
+    async def call(self, method, path, token=None, body=None, data=None, headers=None):
+        h = dict(headers or {})
+        if token:
+            h["Authorization"] = f"Bearer {token}"
+        async with self.session.request(method, self.server.make_url(path), json=body, data=data, headers=h) as r:
+            try:
+                return r.status, await r.json(content_type=None)
+            except ValueError:
+                return r.status, await r.text()
+
+    async def tenant(self, name) -> str:
+        assert (await self.call("POST", "/admin/tenants", ADMIN, {"name": name}))[0] == 201
+        return (await self.call("POST", f"/admin/tenants/{name}/keys", ADMIN))[1]["key"]
+
+    async def raw(self, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.server.port)
+        writer.write(data)
+        await writer.drain()
+        return reader, writer
+
+
+def test_deeply_nested_json_is_a_400_naming_the_nesting(simulated, tmp_path):
+    async def main():
+        async with Http(tmp_path, tmp_path) as api:
+            key = await api.tenant("a")
+            for depth in (100_000, 100):
+                body = b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+                for path in ("/v1/chat/completions", "/v1/models"):
+                    status, err = await api.call("POST", path, key, data=body,
+                                                 headers={"Content-Type": "application/json"})
+                    assert status == 400, (depth, path, err)
+                    assert err["error"]["code"] == "json_too_deep" and "64 levels" in err["error"]["message"]
+            assert (await api.call("GET", "/v1/models", key))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_slow_heads_and_bodies_are_cut_and_connections_are_bounded(simulated, tmp_path):
+    async def main():
+        async with Http(tmp_path, tmp_path, http_head_timeout_s=0.5, http_body_timeout_s=0.5,
+                        max_connections_per_client=6) as api:
+            key = await api.tenant("a")
+            # an idle connection and a head that never ends: closed at the head deadline
+            idle = await api.raw(b"")
+            slow_head = await api.raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            for reader, writer in (idle, slow_head):
+                assert await _closed_after(reader) == b""
+                writer.close()
+            # a body that stops halfway: a 408 saying so
+            reader, writer = await api.raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                                           + key.encode() + b"\r\nContent-Type: application/json\r\n"
+                                           b"Content-Length: 1000\r\n\r\n{\"model\":")
+            answer = await _closed_after(reader)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+            # six connections from one address are the limit: a seventh gets a 503 and is closed
+            held = [await api.raw(b"") for _ in range(6)]
+            await asyncio.sleep(0.05)
+            reader, writer = await api.raw(b"")
+            answer = await _closed_after(reader)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer
+            assert api.counts.refused >= 1
+            for _, w in held:
+                w.close()
+            for _ in range(100):
+                if api.counts.total <= 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await api.call("GET", "/v1/models", key))[0] == 200  # served again
+
+    asyncio.run(main())
+
+
+def test_uploads_are_capped_by_the_quota_left_and_refuse_encodings(simulated, tmp_path, monkeypatch):
+    import errno
+    import gzip
+    import hashlib
+
+    from mesh.service import uploads
+
+    async def main():
+        async with Http(tmp_path, tmp_path, max_uploads_per_tenant=1) as api:
+            key = await api.tenant("a")
+            assert (await api.call("PUT", "/admin/tenants/a/quota", ADMIN, {"model_bytes": 2 << 20}))[0] == 200
+            octet = {"Content-Type": "application/octet-stream"}
+            q = "/v1/models?name=up&sha256=" + "0" * 64
+            # a gzip body (a bomb would inflate 1000x): refused before reading
+            bomb = gzip.compress(b"\0" * (64 << 20))  # 64 MiB in about 64 KiB
+            status, err = await api.call("POST", q, key, data=bomb,
+                                         headers={**octet, "Content-Encoding": "gzip"})
+            assert status == 415 and err["error"]["code"] == "unsupported_content_encoding"
+
+            async def chunked(n):  # no Content-Length: the cap is checked while streaming
+                for _ in range(n):
+                    yield b"\0" * (1 << 20)
+
+            status, err = await api.call("POST", q, key, data=chunked(8), headers=octet)
+            assert status == 413 and err["error"]["param"] == "model_bytes", err
+            assert "left of your quota 'model_bytes'" in err["error"]["message"]
+            assert not any((tmp_path / "uploads").iterdir())  # nothing left behind
+            # one upload at a time per tenant: a second is a 429 while the first streams
+            gate = asyncio.Event()
+
+            async def slow():
+                yield b"GGUF"
+                await gate.wait()
+
+            first = asyncio.create_task(api.call("POST", q, key, data=slow(), headers=octet))
+            for _ in range(200):
+                if api.service.uploading.get("a"):
+                    break
+                await asyncio.sleep(0.01)
+            status, err = await api.call("POST", q.replace("name=up", "name=up2"), key, data=b"GGUF", headers=octet)
+            assert status == 429 and err["error"]["code"] == "too_many_uploads"
+            gate.set()
+            assert (await asyncio.wait_for(first, WAIT))[0] == 400  # its checksum does not match
+            # a full disk: a 507, and the partial file is removed
+            def full(fd, digest, chunk):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(uploads, "_write_all", full)
+            body = b"GGUF" + b"\0" * 1000
+            status, err = await api.call("POST", "/v1/models?name=up&sha256=" + hashlib.sha256(body).hexdigest(), key,
+                                         data=body, headers=octet)
+            assert status == 507 and err["error"]["code"] == "insufficient_storage"
+            assert not any((tmp_path / "uploads").iterdir())
+
+    asyncio.run(main())
+
+
+def test_prompts_beyond_any_tokenization_of_the_window_are_refused_before_tokenizing(simulated, tmp_path,
+                                                                                      demo_gguf, monkeypatch):
+    from mesh.service import routes_openai
+
+    async def main():
+        async with Http(tmp_path, demo_gguf.parent) as api:
+            key = await api.tenant("a")
+            status, _ = await api.call("POST", "/v1/models", key, {"name": "m", "path": demo_gguf.name,
+                                                                   "context_length": 64})
+            assert status == 201
+            submitted = []
+            real_submit = api.placement.submit
+
+            async def submit(job):
+                submitted.append(job)
+                return await real_submit(job)
+
+            monkeypatch.setattr(api.placement, "submit", submit)
+            prompt = "x" * (64 * routes_openai.MAX_TOKEN_BYTES + 1)
+            status, err = await api.call("POST", "/v1/completions", key, {"model": "m", "prompt": prompt})
+            assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+            assert f"{len(prompt)} bytes" in err["error"]["message"] and not submitted
+
+    asyncio.run(main())
+
+
+def test_orphaned_uploads_are_swept(tmp_path):
+    from mesh.service.uploads import sweep_orphans
+
+    up = tmp_path / "uploads"
+    up.mkdir()
+    kept, orphan, part = up / "a.gguf", up / "b.gguf", up / ".c.gguf.part"
+    for f in (kept, orphan, part):
+        f.write_bytes(b"GGUF")
+    assert sorted(p.name for p in sweep_orphans(up, [str(kept)])) == [".c.gguf.part", "b.gguf"]
+    assert [p.name for p in up.iterdir()] == ["a.gguf"]
