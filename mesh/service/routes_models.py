@@ -118,8 +118,8 @@ async def register_model(request: web.Request) -> web.Response:
                                  "the server's allowed folder (or upload a GGUF file with Content-Type: "
                                  "application/octet-stream).", "path")
     try:
-        path = resolve_allowed(svc.config.allowed_dir, given)
-        info = await asyncio.to_thread(inspect_source, path)
+        # both walk the file system (a folder's rglob): off the event loop
+        info = await asyncio.to_thread(lambda: inspect_source(resolve_allowed(svc.config.allowed_dir, given)))
     except SourceError as exc:
         raise errors.bad_request(str(exc), "path", "invalid_model_source") from exc
     record = _record(tenant, name, info, data, owned=False)
