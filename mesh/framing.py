@@ -3,8 +3,15 @@
 A frame is a 4-byte big-endian unsigned length, then that many bytes of UTF-8 JSON holding
 one object (the header, a message), then, only for protocols that carry payloads and only
 when the header has `nbytes` > 0, that many raw payload bytes. One connection carries frames
-in sequence. Headers over MAX_HEADER_BYTES are a protocol error (the reader closes the
-connection).
+in sequence. Headers over MAX_HEADER_BYTES, and payloads over MAX_PAYLOAD_BYTES (or a
+smaller bound the caller passes), are protocol errors found from the length alone, before any
+of the frame is read (the reader closes the connection).
+
+A listening side authenticates first (`read_first_frame`): the first frame of a connection
+may be at most AUTH_FRAME_BYTES and must arrive within AUTH_DEADLINE_S, and only its header
+is read; the caller checks the token before it reads a payload. `ConnectionGate` bounds the
+connections a port holds before they authenticate, so a stranger's idle or slow connections
+cannot use up the process's memory or file descriptors.
 
 Each protocol names its type key and whether it carries payloads; the messages are its own:
 - the node agent protocol (mesh.agent.protocol): type key `t`, no payloads;
@@ -19,6 +26,10 @@ import struct
 from typing import Any, Mapping
 
 MAX_HEADER_BYTES = 16 * 2**20  # a plan for a few hundred nodes and blocks fits easily
+MAX_PAYLOAD_BYTES = 2**30  # a weights block (plans cut 4-256 MiB blocks)
+AUTH_FRAME_BYTES = 4096  # a hello or a start's token fits; a stranger's first frame is read into no more
+AUTH_DEADLINE_S = 5.0  # a connection that has not sent its first frame by then is closed
+MAX_UNAUTHENTICATED = 64  # connections per port waiting for (or failing) their first frame
 LENGTH = struct.Struct(">I")
 
 
@@ -56,9 +67,9 @@ def payload_size(header: Mapping[str, Any]) -> int:
     return n
 
 
-def _check_length(length: int) -> None:
-    if length > MAX_HEADER_BYTES:
-        raise ProtocolError(f"frame header of {length} bytes exceeds the {MAX_HEADER_BYTES}-byte limit")
+def _check_length(length: int, limit: int = MAX_HEADER_BYTES) -> None:
+    if length > limit:
+        raise ProtocolError(f"frame header of {length} bytes exceeds the {limit}-byte limit")
 
 
 async def _read(reader: asyncio.StreamReader, n: int, where: str) -> bytes:
@@ -68,10 +79,10 @@ async def _read(reader: asyncio.StreamReader, n: int, where: str) -> bytes:
         raise ProtocolError(f"connection closed inside a frame {where} ({len(exc.partial)} of {n} bytes)") from exc
 
 
-async def read_frame(reader: asyncio.StreamReader, type_key: str,
-                     payloads: bool = False) -> tuple[dict[str, Any], bytes] | None:
-    """The next (header, payload), or None at a clean end of stream (EOF between frames).
-    Without `payloads` the payload is always b"" (an `nbytes` key is just a field)."""
+async def read_header(reader: asyncio.StreamReader, type_key: str,
+                      max_bytes: int = MAX_HEADER_BYTES) -> dict[str, Any] | None:
+    """The next frame's header (its payload, if any, still unread), or None at a clean end of
+    stream. A length over `max_bytes` is refused before the header is read."""
     try:
         head = await reader.readexactly(LENGTH.size)
     except asyncio.IncompleteReadError as exc:
@@ -80,10 +91,67 @@ async def read_frame(reader: asyncio.StreamReader, type_key: str,
         raise ProtocolError(f"connection closed inside a frame header "
                             f"({len(exc.partial)} of {LENGTH.size} length bytes)") from exc
     (length,) = LENGTH.unpack(head)
-    _check_length(length)
-    header = decode_header(await _read(reader, length, "header"), type_key)
-    n = payload_size(header) if payloads else 0
-    return header, (await _read(reader, n, "payload") if n else b"")
+    _check_length(length, max_bytes)
+    return decode_header(await _read(reader, length, "header"), type_key)
+
+
+async def read_payload(reader: asyncio.StreamReader, header: Mapping[str, Any],
+                       max_bytes: int = MAX_PAYLOAD_BYTES) -> bytes:
+    """The payload `header` announces; ProtocolError, before reading any of it, when it
+    announces more than `max_bytes`."""
+    n = payload_size(header)
+    if n > max_bytes:
+        raise ProtocolError(f"frame payload of {n} bytes exceeds the {max_bytes}-byte limit")
+    return await _read(reader, n, "payload") if n else b""
+
+
+async def skip_payload(reader: asyncio.StreamReader, header: Mapping[str, Any],
+                       max_bytes: int = MAX_PAYLOAD_BYTES) -> None:
+    """Read past the payload `header` announces without keeping it (bounded like read_payload)."""
+    n = payload_size(header)
+    if n > max_bytes:
+        raise ProtocolError(f"frame payload of {n} bytes exceeds the {max_bytes}-byte limit")
+    while n:
+        n -= len(await _read(reader, min(n, 1 << 20), "payload"))
+
+
+async def read_frame(reader: asyncio.StreamReader, type_key: str, payloads: bool = False,
+                     max_payload: int = MAX_PAYLOAD_BYTES) -> tuple[dict[str, Any], bytes] | None:
+    """The next (header, payload), or None at a clean end of stream (EOF between frames).
+    Without `payloads` the payload is always b"" (an `nbytes` key is just a field)."""
+    header = await read_header(reader, type_key)
+    if header is None:
+        return None
+    return header, (await read_payload(reader, header, max_payload) if payloads else b"")
+
+
+async def read_first_frame(reader: asyncio.StreamReader, type_key: str) -> dict[str, Any] | None:
+    """A connection's first header, the one that must carry its token: at most
+    AUTH_FRAME_BYTES, within AUTH_DEADLINE_S (ProtocolError otherwise); None on a clean EOF."""
+    try:
+        return await asyncio.wait_for(read_header(reader, type_key, AUTH_FRAME_BYTES), AUTH_DEADLINE_S)
+    except asyncio.TimeoutError:
+        raise ProtocolError(f"no first frame within {AUTH_DEADLINE_S:g} s") from None
+
+
+class ConnectionGate:
+    """At most `limit` connections of a port before they authenticate: one over it is closed
+    at once (`enter` False), so idle strangers cannot hold the port's file descriptors."""
+
+    def __init__(self, limit: int = MAX_UNAUTHENTICATED) -> None:
+        self.limit = limit
+        self.pending = 0
+        self.refused = 0  # connections closed for being over the limit
+
+    def enter(self) -> bool:
+        if self.pending >= self.limit:
+            self.refused += 1
+            return False
+        self.pending += 1
+        return True
+
+    def leave(self) -> None:
+        self.pending -= 1
 
 
 async def send_frame(writer: asyncio.StreamWriter, header: Mapping[str, Any]) -> None:

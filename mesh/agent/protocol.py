@@ -105,6 +105,12 @@ async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
     return None if frame is None else frame[0]
 
 
+async def read_hello(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    """A connection's first message (the hello with the token): small and prompt
+    (framing.read_first_frame), or ProtocolError."""
+    return await framing.read_first_frame(reader, TYPE_KEY)
+
+
 class FrameDecoder(framing.FrameDecoder):
     """Incremental decoder for callers that get bytes in arbitrary pieces (tests, tools)."""
 

@@ -63,11 +63,13 @@ from mesh.agent.protocol import (
     encode_frame,
     mean_output_from,
     read_frame,
+    read_hello,
     slo_from_dict,
 )
 from engines.background_prepare import BackgroundPreparer
 from engines.openvino_process import OpenVINOProcessEngine
 from mesh.agent.tokenizers import TokenizerProcess
+from mesh.framing import ConnectionGate
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
 from mesh.policy.slo import DeadlineRule
@@ -117,6 +119,7 @@ class AgentServer:
         # any instance of it runs here (`describe`, `tokenize` by path).
         self.fronts: dict[tuple[str, str, int | None], Any] = {}
         self._means: dict[str, RunningMean] = {}  # O_avg per model (_mean_output)
+        self._gate = ConnectionGate()  # connections waiting for their hello
         self.tokenizers = TokenizerProcess()  # OpenVINO prompts are tokenized off this process's GIL
         self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
         self._tokenizers_ready: dict[str, asyncio.Future] = {}  # loading OpenVINO instance -> its tokenizer's build
@@ -181,11 +184,17 @@ class AgentServer:
     # ---- the connection ------------------------------------------------------------------
     async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peer = writer.get_extra_info("peername")
-        try:
-            first = await asyncio.wait_for(read_frame(reader), timeout=10.0)
-        except (asyncio.TimeoutError, ProtocolError, ConnectionError):
+        if not self._gate.enter():  # too many connections not yet authenticated
             writer.close()
             return
+        try:  # authentication first: a small hello, soon (mesh.framing)
+            first = await read_hello(reader)
+        except (ProtocolError, ConnectionError) as exc:
+            log.warning("control connection from %s refused before hello: %s", peer, exc)
+            writer.close()
+            return
+        finally:
+            self._gate.leave()
         if first is None or first.get("t") != "hello" or not self._token_ok(first.get("token")):
             if first is not None and "id" in first:
                 writer.write(encode_frame({"t": "reply", "re": first["id"], "ok": False, "code": Code.UNAUTHORIZED.value,

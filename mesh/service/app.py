@@ -31,6 +31,7 @@ from mesh.service import errors
 from mesh.service.auth import admin_token_ok, bearer_token, hash_key
 from mesh.service.config import ServeConfig
 from mesh.service.errors import ApiError
+from mesh.service.limits import HttpLimits, guard_connections
 from mesh.service.metrics import CONTENT_TYPE, ServiceMetrics
 from mesh.service.placement import Placement
 from mesh.service.quotas import Quotas
@@ -54,9 +55,15 @@ class Service:
     generating: int = 0  # open generation requests (what shutdown drains)
     idle: asyncio.Event = field(default_factory=asyncio.Event)
     quotas: Quotas = field(init=False)
+    limits: HttpLimits = field(init=False)
+    uploading: dict[str, int] = field(default_factory=dict)  # tenant -> uploads it streams now
 
     def __post_init__(self) -> None:
         self.quotas = Quotas(self.registry, self.config.default_quota)
+        c = self.config
+        self.limits = HttpLimits(head_timeout_s=c.http_head_timeout_s, body_timeout_s=c.http_body_timeout_s,
+                                 max_connections=c.max_connections,
+                                 max_connections_per_client=c.max_connections_per_client)
 
     def unix_now(self) -> int:
         return int(asyncio.get_running_loop().time() + self.wall_offset)
@@ -184,8 +191,14 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
                   file=sys.stderr)
             return 1
     data_dir = config.data_dir
-    data_dir.mkdir(parents=True, exist_ok=True)
+    os.umask(0o077)  # uploads, the registry, node copies and the agents' files: this user's only
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    data_dir.chmod(0o700)  # also a folder an older version made with the default umask
     registry = Registry(data_dir / "registry.sqlite3")
+    from mesh.service.uploads import sweep_orphans
+
+    for orphan in sweep_orphans(data_dir / "uploads", [m.path for m in registry.models() if m.owned_file]):
+        log.warning("removed %s: a partial upload, or an upload no model names (left by a crash)", orphan)
     memory = int(config.cpu_memory_gb * 2**30) if config.cpu_memory_gb else None
     weights_token = os.environ.get("MESH_WEIGHTS_TOKEN") or secrets.token_urlsafe(24)  # remote agents need it set
     from mesh.modelfiles.demo import models_dir
@@ -250,7 +263,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         print("mesh serve: no metrics token (set MESH_METRICS_TOKEN or metrics_token in --config): /metrics is off",
               file=sys.stderr)
     app = build_app(service)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
+                           **service.limits.runner_options())
     try:
         await placement.start()
         if membership is not None:
@@ -259,6 +273,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         if autoscaler is not None:
             await autoscaler.start()
         await runner.setup()
+        guard_connections(runner.server, service.limits)
         site = web.TCPSite(runner, config.host, config.port, shutdown_timeout=5.0, ssl_context=tls)
         await site.start()
     except (OSError, RuntimeError) as exc:

@@ -93,6 +93,11 @@ class ServeConfig:
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY  # requests the dispatcher's waiting queue holds (mesh.policy.queueing)
     # seconds a request may wait for capacity; None ("slo"): until it can no longer meet its SLO
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S
+    http_head_timeout_s: float = 10.0  # a request head, and the idle time between requests (mesh.service.limits)
+    http_body_timeout_s: float = 60.0  # a JSON body
+    max_connections: int = 1024  # open HTTP connections in all
+    max_connections_per_client: int = 64  # open HTTP connections from one client address
+    max_uploads_per_tenant: int = 2  # uploads one tenant may stream at once
 
     @property
     def default_quota(self) -> Quota:
@@ -151,10 +156,15 @@ def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> Ser
 def _check(c: ServeConfig) -> None:
     if not isinstance(c.port, int) or not 0 <= c.port <= 65535:
         raise ConfigError(f"port must be 0-65535, got {c.port!r}")
-    for name in ("max_body_mb", "max_upload_mb", "keep_alive_s", "drain_timeout_s", "heartbeat_timeout_s"):
+    for name in ("max_body_mb", "max_upload_mb", "keep_alive_s", "drain_timeout_s", "heartbeat_timeout_s",
+                 "http_head_timeout_s", "http_body_timeout_s"):
         value = getattr(c, name)
         if not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{name} must be a positive number, got {value!r}")
+    for name in ("max_connections", "max_connections_per_client", "max_uploads_per_tenant"):
+        value = getattr(c, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name} must be an integer of at least 1, got {value!r}")
     if isinstance(c.cpu_nodes, bool) or not isinstance(c.cpu_nodes, int) or not 1 <= c.cpu_nodes <= 64:
         raise ConfigError(f"cpu_nodes must be an integer from 1 to 64, got {c.cpu_nodes!r}")
     if not isinstance(c.remote_agents, list):

@@ -92,6 +92,7 @@ class Operation:
     body: dict[str, Any] | None = None
     body_required: bool = True
     ok: int = 200
+    server_errors: dict[int, str] | None = None  # 5xx answers that are the request's own outcome
 
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
@@ -103,7 +104,10 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/usage"): Operation("the caller's requests, tokens and SLO attainment per model, and its quotas"),
     ("GET", "/v1/models"): Operation("the caller's models"),
     ("POST", "/v1/models"): Operation("register a model from a path under --allowed-dir (JSON), or upload a GGUF "
-                                      "(application/octet-stream, settings in the query)", body=REGISTER_BODY, ok=201),
+                                      "(application/octet-stream, settings in the query; no Content-Encoding: 415; capped by what is left "
+                                      "of the quota model_bytes: 413; max_uploads_per_tenant at once: 429)",
+                                      body=REGISTER_BODY, ok=201,
+                                      server_errors={507: "the server's disk is full: the partial upload was removed"}),
     ("GET", "/v1/models/{name}"): Operation("one of the caller's models"),
     ("DELETE", "/v1/models/{name}"): Operation("delete one of the caller's models"),
     ("POST", "/admin/tenants"): Operation("create a tenant", auth=ADMIN, body=TENANT_BODY, ok=201),
@@ -147,6 +151,8 @@ def _operation(method: str, path: str, op: Operation | None) -> dict[str, Any]:
                       "4XX": {"description": "a clear error naming the problem",
                               "content": {"application/json": {"schema": ERROR}}}},
     }
+    for status, why in (op.server_errors or {}).items():
+        out["responses"][str(status)] = {"description": why, "content": {"application/json": {"schema": ERROR}}}
     params = [{"name": n, "in": "path", "required": True, "schema": {"type": "string", "minLength": 1}}
               for n in _path_names(path)]
     if params:

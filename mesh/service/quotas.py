@@ -46,6 +46,12 @@ class Quotas:
         if over is not None:
             raise errors.over_quota(over.quota, over.message(), 413 if over.quota == MODEL_BYTES else 403)
 
+    def upload_over(self, tenant: str, quota_bytes: int, used: int) -> errors.ApiError:
+        """The 413 for an upload larger than what is left of the tenant's `model_bytes`."""
+        left = max(0, quota_bytes - used)
+        return errors.over_quota(MODEL_BYTES, f"This upload is larger than the {left} bytes ({left / 2**30:.2f} GiB) "
+                                 f"left of your quota '{MODEL_BYTES}' ({quota_bytes} bytes, {used} in use).", 413)
+
     def acquire(self, tenant: str, now_s: float) -> None:
         """Open one generation request for `tenant` (release it with `release`); 429 naming the
         quota when it is over. A request refused for concurrency takes no token from the bucket."""

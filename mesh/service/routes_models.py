@@ -30,8 +30,8 @@ from mesh.modelfiles.sources import SourceError, SourceInfo, inspect_source, res
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of
+from mesh.service.limits import body_chunks, read_json
 from mesh.service.registry import MODEL_NAME, ModelRecord, Registry, RegistryError, new_model_uid
-from mesh.service.schema import parse_json
 from mesh.service.uploads import receive_upload
 
 MIN_CONTEXT = 16
@@ -107,7 +107,7 @@ async def register_model(request: web.Request) -> web.Response:
     tenant = svc.tenant_of(request)
     if request.content_type == "application/octet-stream":
         return await _register_upload(svc, request, tenant)
-    data = parse_json(await request.read())
+    data = await read_json(request, svc.limits)
     name = _name(data.get("name"))
     if svc.registry.model(tenant, name) is not None:
         raise errors.conflict(f"You already have a model named '{name}'; delete it first or pick another name.",
@@ -118,8 +118,8 @@ async def register_model(request: web.Request) -> web.Response:
                                  "the server's allowed folder (or upload a GGUF file with Content-Type: "
                                  "application/octet-stream).", "path")
     try:
-        path = resolve_allowed(svc.config.allowed_dir, given)
-        info = await asyncio.to_thread(inspect_source, path)
+        # both walk the file system (a folder's rglob): off the event loop
+        info = await asyncio.to_thread(lambda: inspect_source(resolve_allowed(svc.config.allowed_dir, given)))
     except SourceError as exc:
         raise errors.bad_request(str(exc), "path", "invalid_model_source") from exc
     record = _record(tenant, name, info, data, owned=False)
@@ -135,14 +135,29 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
     if not sha256:
         raise errors.bad_request("Uploads need '?sha256=<hex digest of the file>' so the server can verify them.",
                                  "sha256")
-    limit = svc.config.max_upload_bytes
-    if request.content_length is not None and request.content_length > limit:
-        raise errors.too_large(limit, "upload")
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):  # aiohttp would inflate it: a small body could fill the disk
+        raise errors.ApiError(415, f"Uploads must be sent without Content-Encoding (got '{encoding}'): the file is "
+                              "stored as sent and counted against your quota. Send the GGUF file uncompressed.",
+                              "invalid_request_error", None, "unsupported_content_encoding")
     svc.quotas.check_registration(tenant, request.content_length or 0)  # before receiving any of it
+    limit, over_limit = _upload_cap(svc, tenant)
+    if request.content_length is not None and request.content_length > limit:
+        raise over_limit()
+    if svc.uploading.get(tenant, 0) >= svc.config.max_uploads_per_tenant:
+        raise errors.ApiError(429, f"You are already uploading {svc.config.max_uploads_per_tenant} files at once, "
+                              "the most a tenant may. Retry when one has finished.", "rate_limit_error", None,
+                              "too_many_uploads", {"Retry-After": "5"})
     settings = _query_settings(q)
     uid = new_model_uid()
     target = svc.data_dir / "uploads" / f"{uid}.gguf"
-    await receive_upload(request.content.iter_chunked(1 << 20), target, limit, sha256)
+    svc.uploading[tenant] = svc.uploading.get(tenant, 0) + 1
+    try:
+        await receive_upload(body_chunks(request, svc.limits), target, limit, sha256, over_limit)
+    finally:
+        svc.uploading[tenant] -= 1
+        if not svc.uploading[tenant]:
+            del svc.uploading[tenant]
     try:
         info = await asyncio.to_thread(inspect_source, target)
         record = _record(tenant, name, info, settings, owned=True, uid=uid, sha256=sha256.lower())
@@ -152,6 +167,18 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
         if isinstance(exc, SourceError):
             raise errors.bad_request(str(exc), "body", "invalid_model_source") from exc
         raise
+
+
+def _upload_cap(svc: Service, tenant: str) -> tuple[int, Callable[[], errors.ApiError]]:
+    """The most bytes this upload may have: max_upload_bytes, or what is left of the tenant's
+    `model_bytes` quota when that is less; and the error for a body past it."""
+    limit = svc.config.max_upload_bytes
+    quota = svc.quotas.of(tenant).model_bytes
+    if quota is not None:
+        used = svc.registry.usage(tenant)[1]
+        if quota - used < limit:
+            return max(0, quota - used), lambda: svc.quotas.upload_over(tenant, quota, used)
+    return limit, lambda: errors.too_large(limit, "upload")
 
 
 def _created(svc: Service, record: ModelRecord) -> web.Response:

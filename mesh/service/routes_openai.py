@@ -21,7 +21,8 @@ from mesh.service import errors
 from mesh.service.app import ARRIVAL, Service, service_of
 from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord
-from mesh.service.schema import GenerationRequest, parse_chat, parse_completion, parse_json
+from mesh.service.limits import read_json
+from mesh.service.schema import GenerationRequest, parse_chat, parse_completion
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -43,10 +44,11 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], GenerationRequest]) -> web.StreamResponse:
     svc = service_of(request)
     tenant = svc.tenant_of(request)
-    req = parse(parse_json(await request.read()))
+    req = parse(await read_json(request, svc.limits))
     model = svc.registry.model(tenant, req.model)
     if model is None:
         raise errors.model_not_found(req.model)
+    _check_prompt_bytes(req, model)  # before any tokenizer sees it
     try:
         svc.quotas.acquire(tenant, asyncio.get_running_loop().time())  # 429 over the tenant's quota
     except ApiError:
@@ -56,6 +58,22 @@ async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], Gene
         return await _placed(svc, request, req, tenant, model)
     finally:
         svc.quotas.release(tenant)
+
+
+MAX_TOKEN_BYTES = 256  # no token of a GGUF or Hugging Face vocabulary is longer (Llama/Qwen: 16-128 bytes)
+
+
+def _check_prompt_bytes(req: GenerationRequest, model: ModelRecord) -> None:
+    """400 for a prompt whose text could not fit the context window even at the longest
+    token's bytes per token: refused before tokenizing, which costs CPU on the node."""
+    limit = model.context_length * MAX_TOKEN_BYTES
+    size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in req.messages or ()) + len(
+        (req.prompt or "").encode("utf-8", "surrogatepass"))
+    if size > limit:  # token ids are counted exactly later, without a tokenizer
+        raise ApiError(400, f"The prompt is {size} bytes of text; this model's context window of {model.context_length} tokens "
+                       f"holds at most {model.context_length} tokens (about {limit} bytes at {MAX_TOKEN_BYTES} bytes "
+                       "per token at most). Shorten the prompt.", "invalid_request_error",
+                       "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
 
 
 async def _placed(svc: Service, request: web.Request, req: GenerationRequest, tenant: str,

@@ -22,6 +22,7 @@ from mesh.service.errors import ApiError, bad_request
 
 MAX_STOP = 4
 MAX_TOKENS_CAP = 1_000_000
+MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4-5 levels; the C decoder recurses ~1000 deep before RecursionError
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,21 +43,41 @@ class GenerationRequest:
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
-    """A JSON object from a request body; 400 otherwise."""
+    """A JSON object from a request body; 400 otherwise (nesting deeper than MAX_JSON_DEPTH
+    included: the decoder's recursion must never reach the interpreter's limit, a 500)."""
     if not body:
         raise bad_request("The request body is empty; send a JSON object.", None, "invalid_json")
     try:
         data = json.loads(body)
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}.", None, "invalid_json") from exc
+    except RecursionError:
+        raise _too_deep() from None
     if not isinstance(data, dict):
         raise bad_request("The request body must be a JSON object.", None, "invalid_json")
+    _check_depth(data)
     try:  # JSON may escape lone surrogates (\ud800), which are not text: refuse them here
         json.dumps(data, ensure_ascii=False).encode("utf-8")
     except UnicodeEncodeError as exc:
         raise bad_request("The request body holds invalid Unicode (a lone surrogate escape).", None,
                           "invalid_json") from exc
     return data
+
+
+def _too_deep() -> ApiError:
+    return bad_request(f"The request body nests arrays and objects more than {MAX_JSON_DEPTH} levels deep; "
+                       "no field of this API needs that. Flatten it.", None, "json_too_deep")
+
+
+def _check_depth(data: Any) -> None:
+    """400 past MAX_JSON_DEPTH levels (an explicit stack: no recursion of our own)."""
+    stack = [(data, 1)]
+    while stack:
+        value, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise _too_deep()
+        children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else ()
+        stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
 
 
 def parse_chat(data: Mapping[str, Any]) -> GenerationRequest:

@@ -127,8 +127,8 @@ class _Run:
         peers = {n: list(a) for n, a in self.agents.items() if n in self.nodes}
         base = {"type": "start", "transfer": self.id, "manifest": self.manifest.to_dict(),
                 "plan": self.plan.to_dict(), "peers": peers, "lookahead": lookahead}
-        if token:
-            base["token"] = token  # the first frame of each control connection
+        for n in self.nodes:  # the token first, in a small frame: agents read no more before it (mesh.framing)
+            await send(self.writers[n], {"type": "auth", **({"token": token} if token else {})})
         for n in self.nodes:
             await send(self.writers[n], {**base, "node": n, "source_path": source_paths.get(n),
                                          "output_path": self.outputs.get(n), "faults": dict(faults.get(n, {}))})

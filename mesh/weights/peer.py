@@ -10,6 +10,15 @@ missing" / "weights token wrong") and closed before any block is accepted. The a
 its own token in the first frame of the data connections it opens to its peers, so all the
 agents of a multicast share one token. Unset: no token (a trusted network).
 
+Authentication comes first (mesh.framing): the first frame of a connection may be at most
+4 KiB and must arrive within 5 s, and only its header is read before the token is checked.
+A coordinator therefore opens each control connection with `auth {token}` (its `start`,
+which holds the manifest and plan, can be larger); a data connection's first `block` header
+carries the token. A block's payload may be no larger than its block in the transfer's
+manifest (at most framing.MAX_PAYLOAD_BYTES for a transfer that has ended here), refused
+from the header, before any of it is read. At most framing.MAX_UNAUTHENTICATED connections
+wait for their first frame at once; more are closed on arrival.
+
 A coordinator opens one control connection per multicast ("transfer") and sends `start`
 (the manifest, the plan, the peers' addresses, a source file or an output path); the agent
 answers `ready` once it holds its blocks (a source reads and verifies its file into host
@@ -46,7 +55,8 @@ from typing import Any, Callable
 
 from mesh.policy.multicast import Plan
 from mesh.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
-from mesh.weights.protocol import STREAM_LIMIT, ProtocolError, frame, read_message, send
+from mesh.framing import ConnectionGate, read_payload, skip_payload
+from mesh.weights.protocol import STREAM_LIMIT, ProtocolError, frame, read_first, read_header, read_message, send
 
 CHUNK = 1 << 20  # sends go out in chunks of this size (paced per chunk)
 TOKEN_ENV = "MESH_WEIGHTS_TOKEN"  # where the agent commands read the weights token
@@ -124,6 +134,15 @@ class _Transfer:
     arrived: dict[int, float] = field(default_factory=dict)  # block -> when it got here (paced: by the link)
 
 
+def _block_bound(st: _Transfer, header: dict[str, Any]) -> int:
+    """The most payload bytes a `block` header may announce: its block's size in the
+    transfer's manifest (a block that does not exist there: a protocol error)."""
+    k = header.get("block")
+    if not isinstance(k, int) or isinstance(k, bool) or not 0 <= k < st.manifest.count:
+        raise ProtocolError(f"block {k!r} is not a block of transfer {st.id!r} ({st.manifest.count} blocks)")
+    return st.manifest.blocks[k].size
+
+
 def _sends(plan: Plan, node: str) -> list[tuple[int, str]]:
     return [(t.block, t.receiver) for t in plan.sends(node)]
 
@@ -139,6 +158,7 @@ class WeightAgent:
         # Called with a received file's path once it is written (a node agent prepares it
         # for its engine then, off the request path: issue 23 item 1).
         self.on_saved: Callable[[str], None] | None = None
+        self._gate = ConnectionGate()  # connections waiting for their first frame
 
     async def start(self) -> int:
         self._server = await asyncio.start_server(self._on_connection, self.host, self.port, limit=STREAM_LIMIT)
@@ -159,22 +179,32 @@ class WeightAgent:
 
     # --- connections -------------------------------------------------------------------
     async def _on_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if not self._gate.enter():  # too many connections not yet authenticated
+            writer.close()
+            return
         try:
-            first = await read_message(reader)
+            try:  # authentication first: a small header, soon; no payload read before the token is checked
+                first = await read_first(reader)
+            finally:
+                self._gate.leave()
             if first is None:
                 return
-            refusal = token_refusal(self.token, first[0])
+            refusal = token_refusal(self.token, first)
             if refusal is not None:
                 with contextlib.suppress(ConnectionError):
-                    await send(writer, {"type": "error", "transfer": first[0].get("transfer"),
-                                        "node": first[0].get("node"), "reason": refusal})
-                print(f"weights agent {self.port}: refused a {first[0]['type']!r} connection: {refusal}",
+                    await send(writer, {"type": "error", "transfer": first.get("transfer"),
+                                        "node": first.get("node"), "reason": refusal})
+                print(f"weights agent {self.port}: refused a {first['type']!r} connection: {refusal}",
                       file=sys.stderr)
                 return
-            if first[0]["type"] == "block":
+            if first["type"] == "auth":  # the token alone; the connection's message follows
+                first = await read_header(reader)
+                if first is None:
+                    return
+            if first["type"] == "block":
                 await self._data(reader, first)
             else:
-                await self._control(reader, writer, first[0])
+                await self._control(reader, writer, first)
         except (ConnectionError, asyncio.IncompleteReadError):
             pass  # the peer went away; a partial block is dropped
         except ProtocolError as exc:
@@ -255,18 +285,20 @@ class WeightAgent:
             await send(st.control, {**header, "transfer": st.id, "node": st.node})
 
     # --- receiving -----------------------------------------------------------------------
-    async def _data(self, reader: asyncio.StreamReader, msg: tuple[dict[str, Any], bytes] | None) -> None:
-        while msg is not None:
-            header, payload = msg
+    async def _data(self, reader: asyncio.StreamReader, header: dict[str, Any] | None) -> None:
+        while header is not None:
             if header["type"] != "block":
                 raise ProtocolError(f"unexpected {header['type']!r} on a data connection")
             st = self.transfers.get(str(header["transfer"]))
-            if st is not None:  # else the transfer ended here: drop the block
+            if st is None:  # the transfer ended here: drop the block, unbuffered
+                await skip_payload(reader, header)
+            else:
+                payload = await read_payload(reader, header, _block_bound(st, header))
                 task = asyncio.create_task(self._accept(st, int(header["block"]), str(header.get("sender")), payload,
                                                         header.get("link_done_at")))
                 st.tasks.add(task)
                 task.add_done_callback(st.tasks.discard)
-            msg = await read_message(reader)
+            header = await read_header(reader)
 
     async def _accept(self, st: _Transfer, k: int, sender: str, payload: bytes, link_done_at: float | None) -> None:
         if k in st.blocks or k in st.verifying:

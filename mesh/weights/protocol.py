@@ -23,3 +23,13 @@ STREAM_LIMIT = 4 << 20  # StreamReader buffer: fewer pause/resume rounds on larg
 async def read_message(reader: asyncio.StreamReader) -> tuple[dict[str, Any], bytes] | None:
     """The next (header, payload), or None on a clean end of stream between frames."""
     return await framing.read_frame(reader, TYPE_KEY, payloads=True)
+
+
+async def read_header(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    """The next header only (the caller bounds and reads its payload), or None on a clean EOF."""
+    return await framing.read_header(reader, TYPE_KEY)
+
+
+async def read_first(reader: asyncio.StreamReader) -> dict[str, Any] | None:
+    """A connection's first header, which carries the token: small and prompt (framing)."""
+    return await framing.read_first_frame(reader, TYPE_KEY)

@@ -1,0 +1,148 @@
+"""What one HTTP client may hold of the service: connections, time, body bytes.
+
+aiohttp gives a keep-alive timer that also runs from a connection's start until its first
+request head is parsed (and from each response to the next head), so `keepalive_timeout` is
+the deadline for a request's head: a slow or idle head is closed. Bodies are read through
+`read_body` (a deadline for the whole JSON body) and `body_chunks` (uploads: a deadline per
+read and a floor on the average rate after a grace period). `guard_connections` bounds the
+open connections in all and per client address; one over either bound gets a 503 in the
+OpenAI error format and is closed before its request is parsed.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+from collections import Counter
+from dataclasses import dataclass
+from typing import Any, AsyncIterator
+
+from aiohttp import web
+
+from mesh.service.errors import ApiError
+from mesh.service.schema import parse_json
+
+
+@dataclass(frozen=True, slots=True)
+class HttpLimits:
+    head_timeout_s: float = 10.0  # a request head (and the idle time between requests) must arrive in this
+    body_timeout_s: float = 60.0  # a JSON body must arrive in this
+    upload_idle_s: float = 30.0  # an upload that sends nothing this long is cut
+    upload_min_bytes_per_s: float = 64 * 1024  # ...or whose average rate falls under this after the grace
+    upload_grace_s: float = 10.0
+    max_connections: int = 1024  # open HTTP connections in all
+    max_connections_per_client: int = 64  # open HTTP connections from one client address
+    linger_s: float = 2.0  # after an error answered before its body was read, the rest is read (dropped) this long
+
+    def runner_options(self) -> dict[str, Any]:
+        """aiohttp AppRunner keywords that enforce the head deadline and bound lingering."""
+        return {"keepalive_timeout": self.head_timeout_s, "lingering_time": self.linger_s}
+
+
+def timed_out(what: str, limit_s: float) -> ApiError:
+    return ApiError(408, f"The {what} did not arrive within {limit_s:g} s; send it at once (and faster).",
+                    "invalid_request_error", None, "request_timeout")
+
+
+async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
+    """The whole body, within `body_timeout_s` (408 otherwise)."""
+    try:
+        return await asyncio.wait_for(request.read(), limits.body_timeout_s)
+    except asyncio.TimeoutError:
+        raise timed_out("request body", limits.body_timeout_s) from None
+
+
+async def body_chunks(request: web.Request, limits: HttpLimits) -> AsyncIterator[bytes]:
+    """An upload's body in pieces as they arrive; 408 when one read waits past `upload_idle_s`
+    or the average rate stays under `upload_min_bytes_per_s` after `upload_grace_s`."""
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    received = 0
+    while True:
+        try:
+            chunk = await asyncio.wait_for(request.content.readany(), limits.upload_idle_s)
+        except asyncio.TimeoutError:
+            raise timed_out("next part of the upload", limits.upload_idle_s) from None
+        if not chunk:
+            return
+        received += len(chunk)
+        elapsed = loop.time() - start
+        if elapsed > limits.upload_grace_s and received < limits.upload_min_bytes_per_s * elapsed:
+            raise ApiError(408, f"The upload arrives at {received / elapsed / 1024:.0f} KiB/s, under the server's "
+                           f"floor of {limits.upload_min_bytes_per_s / 1024:.0f} KiB/s; upload over a faster link.",
+                           "invalid_request_error", None, "request_timeout")
+        yield chunk
+
+
+class ConnectionLimits:
+    """Counts a web.Server's open connections in all and per client address."""
+
+    def __init__(self, limits: HttpLimits) -> None:
+        self.limits = limits
+        self.total = 0
+        self.per_client: Counter[str] = Counter()
+        self.refused = 0
+        self._admitted: dict[Any, str] = {}  # handler -> its client address
+
+    def admit(self, handler: Any, transport: Any) -> bool:
+        peer = transport.get_extra_info("peername")
+        client = str(peer[0]) if isinstance(peer, tuple) and peer else "local"
+        if self.total >= self.limits.max_connections:
+            return self._refuse(transport, f"the server holds its limit of {self.limits.max_connections} connections")
+        if self.per_client[client] >= self.limits.max_connections_per_client:
+            return self._refuse(transport, f"your address holds the limit of {self.limits.max_connections_per_client}"
+                                           " open connections; reuse connections or close idle ones")
+        self.total += 1
+        self.per_client[client] += 1
+        self._admitted[handler] = client
+        return True
+
+    def release(self, handler: Any) -> None:
+        client = self._admitted.pop(handler, None)
+        if client is None:
+            return
+        self.total -= 1
+        self.per_client[client] -= 1
+        if self.per_client[client] <= 0:
+            del self.per_client[client]
+
+    def _refuse(self, transport: Any, why: str) -> bool:
+        self.refused += 1
+        body = json.dumps(ApiError(503, f"Too many connections: {why}. Retry shortly.", "server_error", None,
+                                   "too_many_connections").body()).encode()
+        transport.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\nRetry-After: 1\r\n"
+                        b"Connection: close\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n" + body)
+        transport.close()
+        return False
+
+
+def guard_connections(server: web.Server, limits: HttpLimits) -> ConnectionLimits:
+    """Bound `server`'s connections (the runner's web.Server, after runner.setup()): its
+    connection_made/connection_lost hooks, which every connection's handler calls, are
+    wrapped on this instance."""
+    counts = ConnectionLimits(limits)
+    made, lost = server.connection_made, server.connection_lost
+
+    def connection_made(handler: Any, transport: Any) -> None:
+        made(handler, transport)
+        if not counts.admit(handler, transport):
+            handler.force_close()  # its task ends without reading a request
+
+    def connection_lost(handler: Any, exc: BaseException | None = None) -> None:
+        counts.release(handler)
+        lost(handler, exc)
+
+    server.connection_made = connection_made  # type: ignore[method-assign]
+    server.connection_lost = connection_lost  # type: ignore[method-assign]
+    return counts
+
+
+THREAD_PARSE_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread, off the event loop
+
+
+async def read_json(request: web.Request, limits: HttpLimits) -> dict[str, Any]:
+    """The body as a checked JSON object (mesh.service.schema.parse_json), read within the
+    body deadline and, when large, parsed off the event loop (other requests keep moving)."""
+    body = await read_body(request, limits)
+    if len(body) > THREAD_PARSE_BYTES:
+        return await asyncio.to_thread(parse_json, body)
+    return parse_json(body)

@@ -1,0 +1,454 @@
+"""Hostile clients against running servers on 127.0.0.1 (real sockets): the node agent's
+control port and weights port, and the HTTP service (aiohttp's real server). Each attack
+gets a clear refusal or a closed connection, and a well-behaved client is served after it.
+The deadlines are shortened (monkeypatch) so the suite stays fast; every wait has a timeout."""
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import pytest
+
+from agent_doubles import TOKEN, WEIGHTS_TOKEN, use_simulated_engines
+from mesh import framing
+from mesh.agent.client import AgentClient
+from mesh.agent.server import AgentServer
+from mesh.framing import LENGTH, encode_frame
+from mesh.runtime.node import NodeSpec
+from mesh.weights.blocks import load_blocks, pack
+from mesh.weights.coordinator import multicast
+from mesh.policy.multicast import make_plan
+from mesh.weights.peer import WeightAgent
+
+WAIT = 10.0  # no read in these tests waits longer
+
+
+@pytest.fixture
+def simulated(monkeypatch):
+    use_simulated_engines(monkeypatch)
+
+
+@pytest.fixture
+def short_deadline(monkeypatch):
+    monkeypatch.setattr(framing, "AUTH_DEADLINE_S", 0.5)
+
+
+async def _closed_after(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes the connection (a reset counts as closed)."""
+    out = b""
+    try:
+        while chunk := await asyncio.wait_for(reader.read(65536), WAIT):
+            out += chunk
+    except ConnectionError:
+        pass
+    return out
+
+
+async def _attack(port: int, data: bytes, then: bytes = b"") -> tuple[bytes, int]:
+    """Send `data`, then stream `then` in 1 MiB pieces until the server closes; return what it
+    answered and how many bytes of `then` it took before closing."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    sent = 0
+    answer = b""
+    try:
+        writer.write(data)
+        await writer.drain()
+        try:  # an answer to the header alone (read before the payload's bytes reset the connection)
+            answer = await asyncio.wait_for(reader.read(65536), 1.0)
+        except asyncio.TimeoutError:
+            pass
+        for off in range(0, len(then), 1 << 20):
+            if reader.at_eof():
+                break
+            writer.write(then[off:off + (1 << 20)])
+            await asyncio.wait_for(writer.drain(), WAIT)
+            sent += min(1 << 20, len(then) - off)
+    except ConnectionError:
+        pass
+    answer += await _closed_after(reader)
+    writer.close()
+    return answer, sent
+
+
+# ---- the node agent's control port -------------------------------------------------------------
+
+def test_control_port_authenticates_first_in_a_small_frame_soon(simulated, short_deadline):
+    async def main():
+        server = AgentServer(NodeSpec("n0", "cpu", 10**9), TOKEN, {"cores": 2}, load_roots=["/"])
+        address = await server.serve("127.0.0.1:0")
+        port = int(address.rpartition(":")[2])
+        try:
+            # a header announcing 16 MiB before any hello: closed from the length alone
+            answer, _ = await _attack(port, LENGTH.pack(16 * 2**20), b"x" * (4 << 20))
+            assert answer == b""
+            # a hello over 4 KiB (a padded token) is refused the same way
+            big = encode_frame({"t": "hello", "id": 1, "token": "x" * 8000})
+            assert (await _attack(port, big))[0] == b""
+            # a wrong token: an unauthorized reply, then closed
+            answer, _ = await _attack(port, encode_frame({"t": "hello", "id": 1, "token": "wrong"}))
+            assert b"unauthorized" in answer and b"MESH_AGENT_TOKEN" in answer
+            # a slow hello (2 of 4 length bytes, then nothing): closed at the deadline
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"\x00\x00")
+            assert await _closed_after(reader) == b""
+            writer.close()
+            # the well-behaved client is served
+            client = AgentClient("n0", lambda m: None, lambda r: None)
+            assert (await client.connect(address, TOKEN))["node_id"] == "n0"
+            assert "running" in await client.call({"t": "stats"})
+            await client.close()
+        finally:
+            await server.close()
+
+    asyncio.run(main())
+
+
+def test_control_port_bounds_connections_waiting_for_their_hello(simulated):
+    async def main():
+        server = AgentServer(NodeSpec("n0", "cpu", 10**9), TOKEN, {"cores": 2}, load_roots=["/"])
+        server._gate.limit = 5
+        address = await server.serve("127.0.0.1:0")
+        port = int(address.rpartition(":")[2])
+        idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(5)]
+        try:
+            await asyncio.sleep(0.1)  # the five are accepted and wait for their hello
+            assert server._gate.pending == 5
+            extra_reader, extra_writer = await asyncio.open_connection("127.0.0.1", port)
+            assert await _closed_after(extra_reader) == b""  # a sixth is closed at once
+            extra_writer.close()
+            assert server._gate.refused >= 1
+            for _, w in idle:  # the idle ones leave: a client gets in again
+                w.close()
+            for _ in range(100):
+                if server._gate.pending == 0:
+                    break
+                await asyncio.sleep(0.02)
+            client = AgentClient("n0", lambda m: None, lambda r: None)
+            assert (await client.connect(address, TOKEN))["node_id"] == "n0"
+            await client.close()
+        finally:
+            for _, w in idle:
+                w.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
+# ---- the weights port ------------------------------------------------------------------------
+
+def test_weights_port_checks_the_token_before_any_payload_and_bounds_blocks(tmp_path, short_deadline):
+    async def main():
+        agent = WeightAgent(token=WEIGHTS_TOKEN)
+        await agent.start()
+        try:
+            # a 2^40-byte block without a token: refused from the header, the payload unread
+            header = encode_frame({"type": "block", "transfer": "t", "block": 0, "nbytes": 2**40})
+            answer, sent = await _attack(agent.port, header, b"\0" * (32 << 20))
+            assert b"weights token missing" in answer and sent < (32 << 20)
+            # a header length of 2 GiB: closed from the length alone
+            assert (await _attack(agent.port, LENGTH.pack(2**31)))[0] == b""
+            # with the token, a block larger than any block (no such transfer here): closed unread
+            header = encode_frame({"type": "block", "transfer": "t", "block": 0, "nbytes": 2**40,
+                                   "token": WEIGHTS_TOKEN})
+            answer, sent = await _attack(agent.port, header, b"\0" * (32 << 20))
+            assert answer == b"" and sent < (32 << 20)
+            # a first frame that never completes: closed at the deadline
+            reader, writer = await asyncio.open_connection("127.0.0.1", agent.port)
+            writer.write(LENGTH.pack(100) + b"{")
+            assert await _closed_after(reader) == b""
+            writer.close()
+            # the well-behaved coordinator: auth first, then a `start` far over 4 KiB (its manifest)
+            big = pack(src, 512)  # 512 blocks: the start frame is tens of KiB
+            assert len(encode_frame({"manifest": big.to_dict()})) > framing.AUTH_FRAME_BYTES
+            sink = WeightAgent(token=WEIGHTS_TOKEN)
+            await sink.start()
+            try:
+                plan = make_plan("binomial", ["s"], ["a"], big.count)
+                agents = {"s": ("127.0.0.1", agent.port), "a": ("127.0.0.1", sink.port)}
+                result = await asyncio.wait_for(multicast(agents, big, plan, {"s": str(src)},
+                                                          {"a": str(tmp_path / "out.bin")}, timeout_s=WAIT,
+                                                          token=WEIGHTS_TOKEN), WAIT * 2)
+                assert (tmp_path / "out.bin").read_bytes() == src.read_bytes(), result
+            finally:
+                await sink.close()
+        finally:
+            await agent.close()
+
+    asyncio.run(main())
+
+
+def test_weights_port_refuses_a_block_larger_than_its_manifest_says(tmp_path):
+    """During a transfer, a peer (with the token) announcing a block bigger than the
+    manifest's is cut off before the payload is read."""
+    src = tmp_path / "model.bin"
+    src.write_bytes(bytes(range(256)) * 512)
+    m = pack(src, 64 * 1024)
+    blocks = load_blocks(src, m)
+
+    async def main():
+        agent = WeightAgent(token=WEIGHTS_TOKEN)
+        await agent.start()
+        reader, control = await asyncio.open_connection("127.0.0.1", agent.port)
+        try:
+            plan = make_plan("naive", ["s"], ["a"], m.count)
+            control.write(encode_frame({"type": "auth", "token": WEIGHTS_TOKEN}) + encode_frame(
+                {"type": "start", "transfer": "t1", "node": "a", "manifest": m.to_dict(), "plan": plan.to_dict(),
+                 "peers": {"s": ["127.0.0.1", 1]}}))
+            await control.drain()
+            ready = await asyncio.wait_for(framing.read_frame(reader, "type"), WAIT)
+            assert ready[0]["type"] == "ready"
+            header = encode_frame({"type": "block", "transfer": "t1", "block": 0, "sender": "s",
+                                   "nbytes": len(blocks[0]) + 1, "token": WEIGHTS_TOKEN})
+            answer, sent = await _attack(agent.port, header, b"\0" * (8 << 20))
+            assert answer == b"" and sent < (8 << 20)
+            assert agent.transfers["t1"].blocks == {}
+        finally:
+            control.close()
+            await agent.close()
+
+    asyncio.run(main())
+
+
+def test_weights_port_bounds_connections_waiting_for_their_first_frame():
+    async def main():
+        agent = WeightAgent(token=WEIGHTS_TOKEN)
+        agent._gate.limit = 3
+        await agent.start()
+        idle = [await asyncio.open_connection("127.0.0.1", agent.port) for _ in range(3)]
+        try:
+            await asyncio.sleep(0.1)
+            reader, writer = await asyncio.open_connection("127.0.0.1", agent.port)
+            assert await _closed_after(reader) == b""
+            writer.close()
+            assert agent._gate.refused >= 1
+        finally:
+            for _, w in idle:
+                w.close()
+            await agent.close()
+
+    asyncio.run(main())
+
+
+def test_frame_bounds_are_checked_from_the_header():
+    async def main():
+        reader = asyncio.StreamReader()
+        reader.feed_data(encode_frame({"type": "block", "nbytes": 2**40}))
+        with pytest.raises(framing.ProtocolError, match="payload of 1099511627776 bytes exceeds"):
+            await framing.read_frame(reader, "type", payloads=True)
+        reader = asyncio.StreamReader()
+        reader.feed_data(struct.pack(">I", framing.AUTH_FRAME_BYTES + 1))
+        with pytest.raises(framing.ProtocolError, match="exceeds the 4096-byte limit"):
+            await framing.read_first_frame(reader, "t")
+
+    asyncio.run(main())
+
+
+# ---- the HTTP service ----------------------------------------------------------------------------
+
+ADMIN = "admin-secret"
+
+
+class Http:
+    """The service on aiohttp's real server (127.0.0.1), with the limits `mesh serve` installs."""
+
+    def __init__(self, tmp_path, allowed, **config) -> None:
+        self.tmp_path, self.allowed, self.config = tmp_path, allowed, config
+
+    async def __aenter__(self) -> "Http":
+        import aiohttp
+        from aiohttp.test_utils import TestServer
+
+        from agent_doubles import InProcessAgent
+        from mesh.service.app import Service, build_app
+        from mesh.service.config import ServeConfig
+        from mesh.service.limits import guard_connections
+        from mesh.service.metrics import ServiceMetrics
+        from mesh.service.placement import ClusterPlacement, PlacementSettings
+        from mesh.service.registry import Registry
+
+        cfg = ServeConfig(admin_token=ADMIN, allowed_dir=self.allowed, data_dir=self.tmp_path, **self.config)
+        self.registry = Registry(self.tmp_path / "registry.sqlite3")
+        self.placement = ClusterPlacement([NodeSpec("cpu-0", "cpu", 10**10)], PlacementSettings(cold_start_s=0.0),
+                                          agent_factory=InProcessAgent)
+        self.service = Service(cfg, self.registry, self.placement, ServiceMetrics(self.placement.view), self.tmp_path)
+        self.service.idle.set()
+        await self.placement.start()
+        self.server = TestServer(build_app(self.service), host="127.0.0.1")
+        await self.server.start_server(**self.service.limits.runner_options())
+        self.counts = guard_connections(self.server.runner.server, self.service.limits)
+        self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT))
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.session.close()
+        await self.server.close()
+        await self.placement.stop()
+        self.registry.close()
+
+    async def call(self, method, path, token=None, body=None, data=None, headers=None):
+        h = dict(headers or {})
+        if token:
+            h["Authorization"] = f"Bearer {token}"
+        async with self.session.request(method, self.server.make_url(path), json=body, data=data, headers=h) as r:
+            try:
+                return r.status, await r.json(content_type=None)
+            except ValueError:
+                return r.status, await r.text()
+
+    async def tenant(self, name) -> str:
+        assert (await self.call("POST", "/admin/tenants", ADMIN, {"name": name}))[0] == 201
+        return (await self.call("POST", f"/admin/tenants/{name}/keys", ADMIN))[1]["key"]
+
+    async def raw(self, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.server.port)
+        writer.write(data)
+        await writer.drain()
+        return reader, writer
+
+
+def test_deeply_nested_json_is_a_400_naming_the_nesting(simulated, tmp_path):
+    async def main():
+        async with Http(tmp_path, tmp_path) as api:
+            key = await api.tenant("a")
+            for depth in (100_000, 100):
+                body = b'{"model": "m", "messages": ' + b"[" * depth + b"]" * depth + b"}"
+                for path in ("/v1/chat/completions", "/v1/models"):
+                    status, err = await api.call("POST", path, key, data=body,
+                                                 headers={"Content-Type": "application/json"})
+                    assert status == 400, (depth, path, err)
+                    assert err["error"]["code"] == "json_too_deep" and "64 levels" in err["error"]["message"]
+            assert (await api.call("GET", "/v1/models", key))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_slow_heads_and_bodies_are_cut_and_connections_are_bounded(simulated, tmp_path):
+    async def main():
+        async with Http(tmp_path, tmp_path, http_head_timeout_s=0.5, http_body_timeout_s=0.5,
+                        max_connections_per_client=6) as api:
+            key = await api.tenant("a")
+            # an idle connection and a head that never ends: closed at the head deadline
+            idle = await api.raw(b"")
+            slow_head = await api.raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+            for reader, writer in (idle, slow_head):
+                assert await _closed_after(reader) == b""
+                writer.close()
+            # a body that stops halfway: a 408 saying so
+            reader, writer = await api.raw(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                                           + key.encode() + b"\r\nContent-Type: application/json\r\n"
+                                           b"Content-Length: 1000\r\n\r\n{\"model\":")
+            answer = await _closed_after(reader)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+            # six connections from one address are the limit: a seventh gets a 503 and is closed
+            held = [await api.raw(b"") for _ in range(6)]
+            await asyncio.sleep(0.05)
+            reader, writer = await api.raw(b"")
+            answer = await _closed_after(reader)
+            writer.close()
+            assert answer.startswith(b"HTTP/1.1 503") and b"too_many_connections" in answer
+            assert api.counts.refused >= 1
+            for _, w in held:
+                w.close()
+            for _ in range(100):
+                if api.counts.total <= 1:
+                    break
+                await asyncio.sleep(0.02)
+            assert (await api.call("GET", "/v1/models", key))[0] == 200  # served again
+
+    asyncio.run(main())
+
+
+def test_uploads_are_capped_by_the_quota_left_and_refuse_encodings(simulated, tmp_path, monkeypatch):
+    import errno
+    import gzip
+    import hashlib
+
+    from mesh.service import uploads
+
+    async def main():
+        async with Http(tmp_path, tmp_path, max_uploads_per_tenant=1) as api:
+            key = await api.tenant("a")
+            assert (await api.call("PUT", "/admin/tenants/a/quota", ADMIN, {"model_bytes": 2 << 20}))[0] == 200
+            octet = {"Content-Type": "application/octet-stream"}
+            q = "/v1/models?name=up&sha256=" + "0" * 64
+            # a gzip body (a bomb would inflate 1000x): refused before reading
+            bomb = gzip.compress(b"\0" * (64 << 20))  # 64 MiB in about 64 KiB
+            status, err = await api.call("POST", q, key, data=bomb,
+                                         headers={**octet, "Content-Encoding": "gzip"})
+            assert status == 415 and err["error"]["code"] == "unsupported_content_encoding"
+
+            async def chunked(n):  # no Content-Length: the cap is checked while streaming
+                for _ in range(n):
+                    yield b"\0" * (1 << 20)
+
+            status, err = await api.call("POST", q, key, data=chunked(8), headers=octet)
+            assert status == 413 and err["error"]["param"] == "model_bytes", err
+            assert "left of your quota 'model_bytes'" in err["error"]["message"]
+            assert not any((tmp_path / "uploads").iterdir())  # nothing left behind
+            # one upload at a time per tenant: a second is a 429 while the first streams
+            gate = asyncio.Event()
+
+            async def slow():
+                yield b"GGUF"
+                await gate.wait()
+
+            first = asyncio.create_task(api.call("POST", q, key, data=slow(), headers=octet))
+            for _ in range(200):
+                if api.service.uploading.get("a"):
+                    break
+                await asyncio.sleep(0.01)
+            status, err = await api.call("POST", q.replace("name=up", "name=up2"), key, data=b"GGUF", headers=octet)
+            assert status == 429 and err["error"]["code"] == "too_many_uploads"
+            gate.set()
+            assert (await asyncio.wait_for(first, WAIT))[0] == 400  # its checksum does not match
+            # a full disk: a 507, and the partial file is removed
+            def full(fd, digest, chunk):
+                raise OSError(errno.ENOSPC, "No space left on device")
+
+            monkeypatch.setattr(uploads, "_write_all", full)
+            body = b"GGUF" + b"\0" * 1000
+            status, err = await api.call("POST", "/v1/models?name=up&sha256=" + hashlib.sha256(body).hexdigest(), key,
+                                         data=body, headers=octet)
+            assert status == 507 and err["error"]["code"] == "insufficient_storage"
+            assert not any((tmp_path / "uploads").iterdir())
+
+    asyncio.run(main())
+
+
+def test_prompts_beyond_any_tokenization_of_the_window_are_refused_before_tokenizing(simulated, tmp_path,
+                                                                                      demo_gguf, monkeypatch):
+    from mesh.service import routes_openai
+
+    async def main():
+        async with Http(tmp_path, demo_gguf.parent) as api:
+            key = await api.tenant("a")
+            status, _ = await api.call("POST", "/v1/models", key, {"name": "m", "path": demo_gguf.name,
+                                                                   "context_length": 64})
+            assert status == 201
+            submitted = []
+            real_submit = api.placement.submit
+
+            async def submit(job):
+                submitted.append(job)
+                return await real_submit(job)
+
+            monkeypatch.setattr(api.placement, "submit", submit)
+            prompt = "x" * (64 * routes_openai.MAX_TOKEN_BYTES + 1)
+            status, err = await api.call("POST", "/v1/completions", key, {"model": "m", "prompt": prompt})
+            assert status == 400 and err["error"]["code"] == "context_length_exceeded"
+            assert f"{len(prompt)} bytes" in err["error"]["message"] and not submitted
+
+    asyncio.run(main())
+
+
+def test_orphaned_uploads_are_swept(tmp_path):
+    from mesh.service.uploads import sweep_orphans
+
+    up = tmp_path / "uploads"
+    up.mkdir()
+    kept, orphan, part = up / "a.gguf", up / "b.gguf", up / ".c.gguf.part"
+    for f in (kept, orphan, part):
+        f.write_bytes(b"GGUF")
+    assert sorted(p.name for p in sweep_orphans(up, [str(kept)])) == [".c.gguf.part", "b.gguf"]
+    assert [p.name for p in up.iterdir()] == ["a.gguf"]
