@@ -137,6 +137,9 @@ def test_control_port_bounds_connections_waiting_for_their_hello(simulated):
 # ---- the weights port ------------------------------------------------------------------------
 
 def test_weights_port_checks_the_token_before_any_payload_and_bounds_blocks(tmp_path, short_deadline):
+    src = tmp_path / "model.bin"
+    src.write_bytes(bytes(range(256)) * 1024)  # 256 KiB
+
     async def main():
         agent = WeightAgent(token=WEIGHTS_TOKEN)
         await agent.start()
