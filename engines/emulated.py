@@ -21,7 +21,7 @@ from __future__ import annotations
 import zlib
 from typing import Any, Mapping, Sequence
 
-from engines.protocol import EngineError, EngineRequest, StepResult
+from engines.protocol import EngineError, EngineRequest, FinishReason, StepResult
 from engines.simulated import SimulatedEngine
 
 GENERATED_BASE = 256  # generated ids start above the byte ids of prompts
@@ -78,6 +78,9 @@ class EmulatedEngine(SimulatedEngine):
 
     def add_request(self, request: EngineRequest) -> None:
         super().add_request(request)
+        if request.output_len is None:  # no end of its own: it ran to max_tokens or the window
+            prompt, target, _reason = self._pending[request.request_id]
+            self._pending[request.request_id] = (prompt, target, FinishReason.LENGTH)
         self._position[request.request_id] = 0
 
     def abort(self, request_id: str) -> None:
