@@ -639,6 +639,7 @@ class AgentServer:
             "queue_length": self.node.queue_length(), "running": len(self.requests),
             "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
             "kv_bytes_in_use": self.node.kv_bytes_in_use(), "deadlines": self.node.deadlines.value,
+            "emulate": self.emulation.device if self.emulation is not None else None,
         }
 
     def _instance_view(self, inst: Any, now: float | None = None) -> dict[str, Any]:

@@ -679,6 +679,7 @@ class ClusterPlacement:
                 "busy_fraction": node.busy_fraction, "queue_length": int(stats.get("queue_length", 0)),
                 "running": stats.get("running", 0), "kv_bytes_in_use": stats.get("kv_bytes_in_use", 0),
                 "iterations": stats.get("iterations", 0), "deadlines": stats.get("deadlines"),
+                "emulate": stats.get("emulate"),  # the device an emulated node emulates (mesh serve --emulate)
                 "calls": {t: c.view() for t, c in sorted(agent.client.call_times.items())} if agent.client else {},
                 "instances": instances,
             })
