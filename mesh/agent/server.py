@@ -44,8 +44,11 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from engines.protocol import EngineError, EngineRequest, Sampling
+from mesh.agent.emulation import ENGINE as EMULATED, Emulation, model_of_profile
 from mesh.agent.engines import iteration_times, make_engine
 from mesh.agent.learnt import NodeLearning
+from mesh.perf.model import PerformanceModel
+from mesh.perf.profile import profile_to_dict
 from mesh.perf.times import AdaptiveTimes
 from mesh.agent.protocol import (
     PROTOCOL_VERSION,
@@ -73,6 +76,7 @@ from mesh.framing import ConnectionGate
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
 from mesh.policy.slo import DeadlineRule
+from mesh.runtime.cluster import SIMULATED_NOISE
 from mesh.runtime.node import InstancePlan, NodeRuntime, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
 from mesh.weights.blocks import Manifest, holds
@@ -98,11 +102,13 @@ class AgentServer:
 
     def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None,
                  weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = (),
-                 deadlines: DeadlineRule = DeadlineRule.EQ1) -> None:
+                 deadlines: DeadlineRule = DeadlineRule.EQ1, emulation: Emulation | None = None) -> None:
         """`load_roots`: folders whose files `load` may open, besides the weights receiver's.
         `deadlines`: when tokens after the first are due (mesh.policy.slo); the service's
-        default is the paper's Eq. 1."""
+        default is the paper's Eq. 1. `emulation`: this node emulates its device (`--emulate`):
+        it runs emulated models only (mesh.agent.emulation); without it, it refuses them."""
         self.spec = spec
+        self.emulation = emulation
         self.weights = weights  # receives model blocks over the network (None: not hosted)
         if weights is not None and spec.kind == "cpu":
             weights.on_saved = self._received
@@ -319,24 +325,28 @@ class AgentServer:
         return {"node_id": self.spec.node_id, "kind": self.spec.kind, "memory_bytes": self.spec.memory_bytes,
                 "cpu": self.cpu, "pid": os.getpid(), "protocol": PROTOCOL_VERSION,
                 "deadlines": self.node.deadlines.value,
+                "emulate": self.emulation.device if self.emulation is not None else None,
                 "weights": self.weights.info() if self.weights is not None else None,
                 "instances": [self._instance_view(i) for i in self.node.instances.values()]}
 
     async def _load(self, m: dict[str, Any]) -> dict[str, Any]:
         spec = InstanceSpec.from_message(m)
-        self._check_path(spec.path)
+        self._check_engine(spec.engine)
+        if spec.engine != EMULATED:
+            self._check_path(spec.path)
         if spec.instance_id in self.node.instances or spec.instance_id in self.specs:
             raise Reply(Code.BAD_REQUEST, f"instance {spec.instance_id} already exists on {self.spec.node_id}")
         slo = slo_from_dict(spec.slo)
         self.specs[spec.instance_id] = spec  # reserve the id while the engine is built
         try:
             try:
-                engine = await asyncio.to_thread(make_engine, spec, lambda exc: self._loaded(spec.instance_id, exc))
+                engine = (self._emulated(spec) if spec.engine == EMULATED else
+                          await asyncio.to_thread(make_engine, spec, lambda exc: self._loaded(spec.instance_id, exc)))
                 if isinstance(engine, OpenVINOProcessEngine):  # its tokenizer is built while it loads
                     tokenizer = asyncio.ensure_future(self.tokenizers.prepare(spec.path))
                     tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
                     self._tokenizers_ready[spec.instance_id] = tokenizer
-                times = self.learning.adopt(spec.model, iteration_times(spec, engine.weight_bytes))
+                times = self.learning.adopt(spec.model, self._times(spec, engine.weight_bytes))
             except EngineError as exc:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
             issued = self.node.start_instance(spec.instance_id, spec.model, engine, times, slo,
@@ -443,8 +453,11 @@ class AgentServer:
 
     async def _describe(self, m: dict[str, Any]) -> dict[str, Any]:
         engine = await self._front(m)
-        return {"weight_bytes": engine.weight_bytes, "kv_bytes_per_token": engine.kv_bytes_per_token,
-                "context_window": engine.context_window}
+        shape = {"weight_bytes": engine.weight_bytes, "kv_bytes_per_token": engine.kv_bytes_per_token,
+                 "context_window": engine.context_window}
+        if str(m.get("engine")) == EMULATED and self.emulation is not None:  # the dispatcher plans with it too
+            shape["profile"] = profile_to_dict(self.emulation.profile(str(m.get("path"))))
+        return shape
 
     async def _front(self, m: dict[str, Any]) -> Any:
         """The unloaded engine of the model at m's path (built once: it reads the model's
@@ -452,14 +465,42 @@ class AgentServer:
         spec = InstanceSpec("front", str(m.get("model") or "model"), str(m.get("path")),
                             None if m.get("context_window") is None else int(m["context_window"]),
                             engine=str(m.get("engine") or "openvino"))
-        self._check_path(spec.path)
+        self._check_engine(spec.engine)
+        if spec.engine != EMULATED:
+            self._check_path(spec.path)
         key = (spec.engine, spec.path, spec.context_window)
         if key not in self.fronts:
             try:
-                self.fronts[key] = await asyncio.to_thread(make_engine, spec, lambda _exc: None)
+                self.fronts[key] = (self._emulated(spec) if spec.engine == EMULATED else
+                                    await asyncio.to_thread(make_engine, spec, lambda _exc: None))
             except EngineError as exc:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
         return self.fronts[key]
+
+    def _check_engine(self, engine: str) -> None:
+        """An emulating node runs emulated models only, and only an emulating node runs them."""
+        if engine == EMULATED and self.emulation is None:
+            raise Reply(Code.BAD_REQUEST, f"node {self.spec.node_id} does not emulate: it runs no emulated models "
+                        "(start its agent with --emulate DEVICE, or the service with mesh serve --emulate)")
+        if engine != EMULATED and self.emulation is not None:
+            raise Reply(Code.BAD_REQUEST, f"node {self.spec.node_id} emulates {self.emulation.device}: it runs "
+                        f"emulated models only, not {engine} ones")
+
+    def _emulated(self, spec: InstanceSpec) -> Any:
+        """An emulated instance of the catalog model `spec.path` on this node's device."""
+        assert self.emulation is not None
+        return self.emulation.engine(spec.instance_id, spec.path, spec.model, spec.context_window,
+                                     spec.max_num_seqs, spec.expected_load_s)
+
+    def _times(self, spec: InstanceSpec, weight_bytes: int) -> AdaptiveTimes:
+        """The instance's predicted iteration times: an emulated model's from its catalog
+        profile on this device (the profile its engine keeps), else mesh.agent.engines'."""
+        name = model_of_profile(spec.profile)
+        if name is None:
+            return iteration_times(spec, weight_bytes)
+        if self.emulation is None:
+            raise EngineError(f"node {self.spec.node_id} does not emulate: it has no times for {spec.profile}")
+        return AdaptiveTimes(PerformanceModel(self.emulation.profile(name)))
 
     def _mean_output(self, model: str, state: tuple[float, int, float] | None) -> RunningMean:
         """O_avg of `model` on this node: one mean shared by its instances and plans (6.1),
@@ -565,7 +606,7 @@ class AgentServer:
             slo = slo_from_dict(p["slo"])
             spec = InstanceSpec(str(p["instance_id"]), str(p["model"]), "", int(p["context_window"]),
                                 profile=p.get("profile"))
-            times = iteration_times(spec, int(p["weight_bytes"]))
+            times = self._times(spec, int(p["weight_bytes"]))
             plan = InstancePlan(spec.instance_id, spec.model, times, slo, int(p["kv_bytes_per_token"]),
                                 int(p["weight_bytes"]), int(p["context_window"]), int(p["context_window"]),
                                 int(p["max_batch"]), self._mean_output(spec.model, mean_output_from(p.get("mean_output"))),
@@ -624,6 +665,7 @@ class AgentServer:
             "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
             "kv_bytes_in_use": self.node.kv_bytes_in_use(), "deadlines": self.node.deadlines.value,
             "learnt": self.learning.view(),
+            "emulate": self.emulation.device if self.emulation is not None else None,
         }
 
     def _instance_view(self, inst: Any, now: float | None = None) -> dict[str, Any]:
@@ -776,8 +818,11 @@ async def _amain(args: argparse.Namespace) -> int:
     if args.weights_listen:
         host, port = parse_listen(args.weights_listen)
         weights = NodeWeightsReceiver(root, host, port, token=token_from_env())  # MESH_WEIGHTS_TOKEN
+    emulation = (Emulation(args.emulate, args.emulate_noise, args.emulate_seed, args.emulate_profiles)
+                 if args.emulate else None)
     server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights,
-                         load_roots=[root, *(args.models_root or ())], deadlines=DeadlineRule(args.deadlines))
+                         load_roots=[root, *(args.models_root or ())], deadlines=DeadlineRule(args.deadlines),
+                         emulation=emulation)
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -809,6 +854,13 @@ def main(argv: list[str] | None = None) -> int:
                              "the default) or 'pace' (first token + TPOT x (i-1)); docs/design.md")
     parser.add_argument("--cpus", metavar="LIST", help="run this agent and its engines on these cores only "
                         "(comma-separated core numbers; default: all this process may use)")
+    parser.add_argument("--emulate", metavar="DEVICE", help="emulate a node of this profiled device (e.g. a100-80gb): "
+                        "run emulated models only, each iteration taking its profile's time (mesh.agent.emulation)")
+    parser.add_argument("--emulate-noise", type=float, default=SIMULATED_NOISE,
+                        help="relative std-dev of an emulated iteration's time (default: the replay's %(default)s)")
+    parser.add_argument("--emulate-seed", type=int, default=0, help="seed of the emulated noise (default: 0)")
+    parser.add_argument("--emulate-profiles", metavar="DIR", help="calibrated profiles <model>__<device>.json to "
+                        "emulate besides the packaged ones")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"agent {args.node_id}: %(levelname)s %(message)s")

@@ -85,6 +85,8 @@ class AgentSettings:
     # their weights folder: the registry's places (data folder, --allowed-dir, the demo model cache)
     cores: dict[str, tuple[int, ...]] = field(default_factory=dict)  # node id -> the cores its local agent
     # and its engines run on (--cpus; core_shares); a node not named runs on all of them
+    emulate: dict[str, str] = field(default_factory=dict)  # node id -> the device its agent emulates (--emulate;
+    # mesh.agent.emulation): such a node runs emulated models only
 
 
 class AgentHandle:
@@ -206,12 +208,16 @@ class LocalAgent(AgentHandle):
         from mesh.agent.vllm_nodes import agent_env
 
         # only the agent's own secrets (worker_env drops the service's admin and metrics tokens)
-        env = worker_env(MESH_AGENT_TOKEN=self._token, **agent_env(self.spec))  # GPU agents: their device
+        device = self.settings.emulate.get(self.node_id)
+        # GPU agents: their device (an emulated one has none)
+        env = worker_env(MESH_AGENT_TOKEN=self._token, **({} if device else agent_env(self.spec)))
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", self.node_id,
                "--kind", self.spec.kind, "--memory-bytes", str(self.spec.memory_bytes), "--exit-with-parent",
                "--log-level", self.settings.log_level, "--deadlines", str(self.settings.deadlines)]
         for root in self.settings.models_roots:
             cmd += ["--models-root", root]
+        if device:
+            cmd += ["--emulate", device]
         if self.settings.cores.get(self.node_id):
             cmd += ["--cpus", ",".join(map(str, self.settings.cores[self.node_id]))]
         if self.settings.weights_root is not None:

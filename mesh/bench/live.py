@@ -53,6 +53,7 @@ class LiveConfig:
     slo: SLO = SLO()
     request_timeout_s: float = 900.0
     progress: bool = True
+    emulate: str | None = None  # a catalog name: register emulated models (mesh serve --emulate), not uploads
 
 
 @dataclass
@@ -103,6 +104,15 @@ async def _set_up(svc: _Service, config: LiveConfig, replicas: list[str]) -> tup
                           json={"label": "mesh replay --live"}))["key"]
     await svc.call("PUT", f"/admin/tenants/{tenant}/quota", "lifting its quotas", json={
         "models": None, "model_bytes": None, "concurrent_requests": None, "requests_per_s": None, "burst": None})
+    if config.emulate is not None:  # emulated nodes: the operator registers each function's model by catalog name
+        for replica in replicas:
+            await svc.call("POST", f"/admin/tenants/{tenant}/models", f"registering {function_name(replica)}",
+                           expect=201, json={"name": function_name(replica), "emulate": config.emulate,
+                                             "context_length": config.context_length,
+                                             "slo": {"ttft_s": config.slo.ttft_min_s,
+                                                     "ttft_s_per_prompt_token": config.slo.ttft_s_per_prompt_token,
+                                                     "tpot_s": config.slo.tpot_s}})
+        return tenant, key
     digest = await asyncio.to_thread(_sha256, config.model_path)
     for replica in replicas:
         params = {"name": function_name(replica), "sha256": digest, "ttft_s": config.slo.ttft_min_s,
@@ -202,6 +212,7 @@ class ClusterShape:
     deadlines: str = "eq1"  # its agents' deadline rule (`mesh serve --deadlines`)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY  # its dispatcher's queue (`mesh serve --queue-capacity`)
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S  # (`--queue-timeout`; None: 'slo')
+    devices: dict[str, str] = field(default_factory=dict)  # kind -> the device its nodes emulate (mesh serve --emulate)
 
     def counts(self) -> tuple[int, int]:
         """(CPU nodes, GPU nodes)."""
@@ -220,7 +231,8 @@ async def _shape(svc: _Service) -> ClusterShape:
     return ClusterShape({n["node_id"]: n["kind"] for n in view["nodes"]}, memory, dispatcher.get("policy", "mesh"),
                         rules.pop() if len(rules) == 1 else "eq1",
                         int(dispatcher.get("queue_capacity", DEFAULT_QUEUE_CAPACITY)),
-                        dispatcher.get("queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S))
+                        dispatcher.get("queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S),
+                        {n["kind"]: n["emulate"] for n in view["nodes"] if n.get("emulate")})
 
 
 async def cluster_shape(url: str, admin_token: str) -> ClusterShape:

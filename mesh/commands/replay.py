@@ -25,7 +25,7 @@ from mesh.replay.driver import (
 from mesh.policy.slo import DeadlineRule
 from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
 from mesh.replay.metrics import aligned, json_ready, summarize, table
-from mesh.runtime.cluster import ClusterConfig, check_cluster
+from mesh.runtime.cluster import SIMULATED_NOISE, ClusterConfig, check_cluster
 from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S
 from mesh.runtime.schedulers import POLICIES, UnknownPolicy, policy_spec
 from mesh.weights.cold_start import MODES as WEIGHT_MODES, Engines, WeightsConfig
@@ -39,7 +39,7 @@ TRACE_FILE = FUNCTIONS_FILE
 LENGTHS_FILE = CONVERSATION_FILE
 MIX_MODELS = ("llama-3.2-3b", "llama-2-7b", "llama-2-13b")  # --mix A:B:C is 3B:7B:13B
 DEFAULT_POLICIES = "mesh,sllm,sllm+cpu"
-DEFAULT_NOISE = 0.05
+DEFAULT_NOISE = SIMULATED_NOISE
 DEADLINE_TEXT = {
     "eq1": "eq1 (LLM-Mesh Eq. 1: token i due at arrival + TTFT + TPOT x (i-1))",
     "pace": "pace (token i >= 2 due at first token + TPOT x (i-1))",

@@ -1,7 +1,21 @@
 """`mesh replay --live URL`: the trace sent to a running service, and the same requests
 replayed in virtual time on a simulated cluster of the service's nodes (mesh.bench.live).
 
-The simulated side is the cluster the service reports at `/admin/cluster` (its CPU and GPU
+Against emulated nodes (`mesh serve --emulate DEVICE:N,...`, the service reports each node's
+device at `/admin/cluster`) each function's model is an emulated `--model` (`llama-2-7b`, ...)
+registered by catalog name, the trace's lengths are sent unscaled, and the twin plans and
+runs with the same catalog profiles on the same devices (mesh.replay.driver.build_catalog),
+the replay's cold start (the weights' load, as the service's under --emulate) and the
+service's maximum batch: live and simulated then differ only by what the live control plane
+does differently (docs/evaluation.md, "Live at paper scale").
+
+Otherwise the simulated side is the cluster the service reports at `/admin/cluster` (its CPU and GPU
+node counts and memory), the model's prior profile (mesh.perf.times.prior_profile: the
+times its agents plan with before it is calibrated), or `--profiles`' calibrated one, the
+service's keep-alive and deadline rule, and a cold start of `--cold-start-s` seconds. The
+gap between the two SLO rates is the simulator's error at cluster level.
+
+Otherwise the simulated side is the cluster the service reports at `/admin/cluster` (its CPU and GPU
 node counts and memory), the service's keep-alive and deadline rule, and the model's times:
 after the live run, what the service learnt (`GET /admin/learnt`, issue 23 item 5: the prior
 or `--profiles`' profile times the nodes' learnt factors per grid region, their learnt
@@ -36,6 +50,7 @@ from mesh.replay.metrics import json_ready, request_figures, summarize, table
 from mesh.runtime.cluster import ClusterConfig, ModelSpec
 from mesh.runtime.request import ServedRequest
 from mesh.runtime.schedulers import policy_spec
+from mesh.service.placement import PlacementSettings
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from workloads.workload import Workload
 
@@ -71,30 +86,37 @@ def learnt_twin(catalog: dict[str, ModelSpec], learnt: dict[str, Any]) -> tuple[
     learnt factors per grid region, the learnt margin, the median measured cold start;
     None where nothing was learnt (the flags' values stand)."""
     summary = learnt.get("summary") or {}
+    (base,) = catalog
     profiles = {kind: (learnt_profile(p, summary[kind]) if (summary.get(kind) or {}).get("observed") else p)
-                for kind, p in catalog[BASE].profiles.items()}
+                for kind, p in catalog[base].profiles.items()}
     margins = [s["margin"] for s in summary.values() if s.get("margin") is not None]
     colds = [s["cold_start_s"] for s in summary.values() if s.get("cold_start_s")]
-    return ({BASE: ModelSpec(BASE, profiles)}, max(margins) if margins else None,
+    return ({base: ModelSpec(base, profiles)}, max(margins) if margins else None,
             statistics.median(colds) if colds else None)
 
 
 def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape, catalog: dict[str, ModelSpec],
               policy: str, margin: float | None = None, cold_start_s: float | None = None) -> dict[str, Any]:
-    """The twin: the service's nodes, deadline rule and queue settings, simulated; with what the
+    """The twin: the service's nodes, deadline rule and queue settings, simulated; against
+    emulated nodes also the service's cold start model and maximum batch; with what the
     service learnt where given (its margin, its measured cold start)."""
     cpu, gpu = shape.counts()
     memory = shape.memory
-    weight_bytes = catalog[BASE].profiles[CPU].weight_bytes
-    bps = cold_start_bytes_per_s(weight_bytes, cold_start_s or args.cold_start_s)
+    (base,) = catalog
+    extra: dict[str, Any] = {} if margin is None else {"margin": margin}
+    if shape.devices:  # emulated nodes: the replay's cold start, the service's instances' batch limit
+        cold_start = ColdStart()
+        extra["max_batch"] = PlacementSettings().max_batch
+    else:
+        bps = cold_start_bytes_per_s(catalog[base].profiles[CPU].weight_bytes, cold_start_s or args.cold_start_s)
+        cold_start = ColdStart(bps, bps)
     keep_alive = args.keep_alive if args.keep_alive is not None else LIVE_KEEP_ALIVE_S
     cluster = ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, cpu_memory_bytes=memory.get(CPU, 1),
-                            gpu_memory_bytes=memory.get(GPU, 1), cold_start=ColdStart(bps, bps), keep_alive_s=keep_alive,
-                            noise=args.noise, seed=args.seed, deadlines=args.deadlines or shape.deadlines,
-                            **({} if margin is None else {"margin": margin}))
+                            gpu_memory_bytes=memory.get(GPU, 1), cold_start=cold_start, keep_alive_s=keep_alive,
+                            noise=args.noise, seed=args.seed, deadlines=args.deadlines or shape.deadlines, **extra)
     config = ReplayConfig(cluster=cluster, queue_capacity=shape.queue_capacity, retry_interval_s=args.retry_interval,
                           queue_timeout_s=shape.queue_timeout_s, progress=not args.no_progress)
-    prior = {BASE: float(sum(a.output_len for a in workload.arrivals) / max(1, len(workload)))}
+    prior = {base: float(sum(a.output_len for a in workload.arrivals) / max(1, len(workload)))}
     return summarize(run_policy(workload, policy, config, catalog, prior))
 
 
@@ -105,6 +127,16 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
         print("mesh replay --live: error: set MESH_ADMIN_TOKEN to the service's admin token (it creates a tenant "
               "and registers models)", file=sys.stderr)
         return 2
+    try:
+        shape = asyncio.run(cluster_shape(args.live, token))
+    except LiveReplayError as exc:
+        print(f"mesh replay --live: error: {exc}", file=sys.stderr)
+        return 1
+    except aiohttp.ClientError as exc:
+        print(f"mesh replay --live: error: cannot reach the service at {args.live}: {exc}", file=sys.stderr)
+        return 1
+    if shape.devices:
+        return _run_emulated(args, workload_for, token, shape)
     try:
         model_path = Path(args.model_path) if args.model_path else _demo_path()
         if not model_path.is_file():
@@ -124,8 +156,46 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
     print(f"live workload: {d['functions']} functions x {d['window']['minutes']} min, {len(workload)} requests "
           f"({d['mean_rps']:.2f} rps), lengths / {scale:g} within {window} tokens, to {args.live}", file=sys.stderr)
     config = LiveConfig(args.live, token, model_path, progress=not args.no_progress, context_length=window)
+    return _compare(args, workload, config, shape, catalog, policies, queue_timeout_s,
+                    {"model_path": str(model_path), "length_scale": scale, "context_window": window,
+                     "cold_start_s": args.cold_start_s})
+
+
+def _run_emulated(args: argparse.Namespace, workload_for: Any, token: str, shape: ClusterShape) -> int:
+    """The live replay against emulated nodes: emulated `--model` replicas, unscaled lengths,
+    the twin on the same catalog profiles (build_catalog on the service's devices)."""
+    from mesh.perf.profile import ProfileError
+    from mesh.replay.driver import DEFAULT_CPU_DEVICE, DEFAULT_GPU_DEVICE, build_catalog
+
+    base = args.model
     try:
-        shape = asyncio.run(cluster_shape(args.live, token))
+        catalog = build_catalog([base], cpu_device=shape.devices.get(CPU, DEFAULT_CPU_DEVICE),
+                                gpu_device=shape.devices.get(GPU, DEFAULT_GPU_DEVICE), profile_dir=args.profiles)
+        window = min(min(p.max_context for p in catalog[base].profiles.values()), DEFAULT_CONTEXT_CAP)
+        policies = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
+        for name in policies:
+            policy_spec(name)
+        workload, queue_timeout_s = workload_for(args, {base: window}, {base: 1.0}, 1.0)
+    except (ValueError, OSError, ProfileError) as exc:
+        print(f"mesh replay --live: error: {exc}", file=sys.stderr)
+        return 2
+    d = workload.description
+    print(f"live workload (emulated {base} on {', '.join(sorted(set(shape.devices.values())))}): {d['functions']} "
+          f"functions x {d['window']['minutes']} min, {len(workload)} requests ({d['mean_rps']:.2f} rps), to "
+          f"{args.live}", file=sys.stderr)
+    config = LiveConfig(args.live, token, Path(base), progress=not args.no_progress, context_length=window,
+                        emulate=base)
+    return _compare(args, workload, config, shape, catalog, policies, queue_timeout_s,
+                    {"emulated_model": base, "devices": shape.devices,
+                     "length_scale": d.get("length_scale", 1.0), "context_window": window})
+
+
+def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, shape: ClusterShape,
+             catalog: dict[str, ModelSpec], policies: list[str], queue_timeout_s: float | None,
+             about: dict[str, Any]) -> int:
+    """Run the twins, then the live replay, and print (and write) both side by side."""
+    d = workload.description
+    try:
         # the twin of the policy the service runs, then any others asked for
         policies = [shape.policy, *(p for p in policies if p != shape.policy)]
         # the twin first: it needs only the service's nodes, and a policy that cannot run
@@ -170,8 +240,7 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
                "learnt": {"summary": live.learnt.get("summary"), "nodes": live.learnt.get("nodes"),
                           "twin_margin": margin, "twin_cold_start_s": cold_s},
                "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,
-                          "model_path": str(model_path), "workload": d, "length_scale": scale,
-                          "context_window": window, "cold_start_s": args.cold_start_s,
+                          "workload": d, **about,
                           "deadlines": args.deadlines or shape.deadlines,
                           "queue": {"capacity": shape.queue_capacity, "timeout_s": shape.queue_timeout_s},
                           "nodes": live.nodes, "simulated_cluster": {"cpu_nodes": shape.counts()[0],

@@ -78,6 +78,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--no-prepare", action="store_false", default=None, dest="prepare_formats",
                         help="do not prepare models' formats for the other kind of node (by default a GGUF is also "
                              "converted to a Hugging Face folder for GPU nodes when there is one; docs/service.md)")
+    parser.add_argument("--emulate", metavar="DEVICE:N,...", default=None,
+                        help="run N emulated nodes of each profiled device instead of this machine's, e.g. "
+                             "xeon-6462c:4,a100-80gb:4: real node agents whose engines take the device's profile "
+                             "times; the operator registers emulated models by catalog name (docs/service.md)")
     parser.add_argument("--vllm-cpu", action="store_true",
                         help="also start a vLLM-on-CPU node agent (tests the GPU path without a GPU; "
                              "same as MESH_VLLM_CPU_NODE=1; needs .venv-vllm from scripts/setup.sh)")
@@ -107,7 +111,8 @@ def run(args: argparse.Namespace) -> int:
                                          "drain_timeout_s",
                                          "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",
                                          "quota_model_gb", "quota_concurrent_requests", "quota_requests_per_s",
-                                         "quota_burst", "prepare_formats", "queue_capacity", "queue_timeout_s")}
+                                         "quota_burst", "prepare_formats", "queue_capacity", "queue_timeout_s",
+                                         "emulate")}
     try:
         file_values = read_config_file(args.config) if args.config else {}
         config = build_config(file_values, cli)

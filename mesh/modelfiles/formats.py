@@ -11,8 +11,17 @@ from dataclasses import dataclass
 
 from mesh.policy.placement import CPU, GPU
 
-FORMAT_NAMES = {"gguf": "GGUF file", "ir": "OpenVINO IR folder", "hf": "Hugging Face folder"}
+FORMAT_NAMES = {"gguf": "GGUF file", "ir": "OpenVINO IR folder", "hf": "Hugging Face folder",
+                "emulated": "emulated model"}
 ENGINE_OF_KIND = {CPU: "openvino", GPU: "vllm"}  # CPU nodes run OpenVINO, GPU nodes vLLM
+# An emulated model (`mesh serve --emulate`, mesh.agent.emulation): a catalog name, no file; it
+# runs on emulated nodes of both kinds, on the emulated engine, and is never converted.
+EMULATED = "emulated"
+
+
+def engine_for(model_kind: str, node_kind: str) -> str:
+    """The engine a node of `node_kind` runs a model registered as `model_kind` with."""
+    return EMULATED if model_kind == EMULATED else ENGINE_OF_KIND[node_kind]
 
 
 @dataclass(frozen=True, slots=True)

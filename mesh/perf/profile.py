@@ -326,3 +326,34 @@ def reference_profile(model: str, device: str) -> Profile:
         )
     with resources.as_file(entry) as path:
         return load_profile(path)
+
+
+def catalog_profile(model: str, device: str, profile_dir: str | Path | None = None) -> Profile:
+    """The catalog's profile of `model` on `device`: `profile_dir/<model>__<device>.json` if
+    that file exists (a calibrated profile), else the packaged reference profile. The one
+    lookup behind the replay's catalog (mesh.replay.driver.build_catalog) and emulated nodes
+    (mesh.agent.emulation), so both time and size a model alike."""
+    path = Path(profile_dir) / f"{model}__{device}.json" if profile_dir is not None else None
+    if path is not None and path.exists():
+        profile = load_profile(path)
+        if profile.model != model:
+            raise ProfileError(f"{path}: model: the file is for {profile.model!r}, expected {model!r}")
+        return profile
+    return reference_profile(model, device)
+
+
+def catalog_models(device: str, profile_dir: str | Path | None = None) -> list[str]:
+    """The models the catalog has a profile for on `device` (packaged or in `profile_dir`)."""
+    names = {m for m, d in reference_profiles() if d == device}
+    if profile_dir is not None and Path(profile_dir).is_dir():
+        names |= {p.name[: -len(f"__{device}.json")] for p in Path(profile_dir).glob(f"*__{device}.json")}
+    return sorted(names)
+
+
+def device_kind(device: str, profile_dir: str | Path | None = None) -> str:
+    """"cpu" or "gpu": the kind of node a profiled device is (any of its profiles says)."""
+    models = catalog_models(device, profile_dir)
+    if not models:
+        devices = sorted({d for _m, d in reference_profiles()})
+        raise ProfileError(f"no profile for device {device!r}; profiled devices: {', '.join(devices)}")
+    return catalog_profile(models[0], device, profile_dir).device_kind

@@ -16,7 +16,7 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from mesh.perf.profile import ProfileError, load_profile, reference_profile, reference_profiles
+from mesh.perf.profile import ProfileError, catalog_profile, reference_profiles
 from engines.protocol import EngineRequest, Sampling
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
@@ -92,21 +92,15 @@ def build_catalog(
     for base in bases:
         profiles = {}
         for kind, device in ((CPU, cpu_device), (GPU, gpu_device)):
-            path = Path(profile_dir) / f"{base}__{device}.json" if profile_dir is not None else None
-            if path is not None and path.exists():
-                profiles[kind] = load_profile(path)
-            else:
-                try:
-                    profiles[kind] = reference_profile(base, device)
-                except ProfileError:
-                    valid = ", ".join(known_models())
-                    where = f" and no {path}" if path is not None else ""
-                    raise ProfileError(
-                        f"unknown model {base!r}: no profile for it on {device}{where}; "
-                        f"valid models: {valid}"
-                    ) from None
-            if profiles[kind].model != base:
-                raise ProfileError(f"{path}: model: the file is for {profiles[kind].model!r}, expected {base!r}")
+            try:
+                profiles[kind] = catalog_profile(base, device, profile_dir)
+            except ProfileError as exc:
+                if "no reference profile" not in str(exc):
+                    raise  # a bad file: its own message names it
+                path = Path(profile_dir) / f"{base}__{device}.json" if profile_dir is not None else None
+                where = f" and no {path}" if path is not None else ""
+                raise ProfileError(f"unknown model {base!r}: no profile for it on {device}{where}; "
+                                   f"valid models: {', '.join(known_models())}") from None
         catalog[base] = ModelSpec(base, profiles)
     return catalog
 

@@ -35,6 +35,9 @@ from mesh.runtime.request import ServedRequest
 DEFAULT_GPU_MEMORY_BYTES = 80 * GIB
 DEFAULT_CPU_MEMORY_BYTES = 256 * GIB
 DEFAULT_MAX_BATCH = 256  # B_max of the profiles (LLM-Mesh 5.2)
+# Relative std-dev of a simulated iteration's time: `mesh replay --noise`'s default and what
+# emulated nodes (mesh.agent.emulation) run with.
+SIMULATED_NOISE = 0.05
 
 
 class ClusterError(ValueError):

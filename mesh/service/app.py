@@ -206,6 +206,11 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     # Where registered models can be: uploads and node copies (data folder), --allowed-dir, the demo cache.
     roots = (str(data_dir), *([str(config.allowed_dir)] if config.allowed_dir else []), str(models_dir()))
     nodes = detect_local_nodes(memory, config.cpu_nodes) if config.ray is None else []  # Ray: agents on its nodes
+    emulated: dict[str, str] = {}  # node id -> the device it emulates (mesh serve --emulate)
+    if config.emulate:
+        from mesh.agent.emulation import emulated_nodes
+
+        nodes, emulated = emulated_nodes(config.emulate)
     # local CPU nodes split this machine's cores as they split its memory (each one a machine)
     cores = core_shares([n.node_id for n in nodes if n.kind == "cpu"]) if config.cpu_nodes > 1 else {}
     settings = PlacementSettings(
@@ -214,7 +219,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         profile_dir=str(config.profile_dir) if config.profile_dir else None,
         agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
                             weights_root=str(data_dir / "nodes"), weights_token=weights_token,
-                            models_roots=roots, deadlines=config.deadlines, cores=cores))
+                            models_roots=roots, deadlines=config.deadlines, cores=cores, emulate=emulated))
     remote = dict(parse_remote(r) for r in config.remote_agents)
     nodes += [NodeSpec(node_id, "cpu", 0) for node_id in remote]  # kind and memory: from the agent's hello
     if remote and not os.environ.get("MESH_WEIGHTS_TOKEN"):

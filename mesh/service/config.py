@@ -12,7 +12,14 @@ Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir,
 max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, ray, ray_autoscale, weights_plan,
 drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
-deadlines, policy, cold_start_s, exact_moves, prepare_formats.
+deadlines, policy, cold_start_s, exact_moves, prepare_formats, emulate.
+
+`emulate` ("DEVICE:N,...", e.g. "xeon-6462c:4,a100-80gb:4"; `mesh serve --emulate`): instead of
+this machine's nodes, N emulated nodes of each profiled device (mesh.agent.emulation): real
+node agents whose engines keep the device's profile times on the wall clock. They run only
+emulated models, which the operator registers by catalog name (POST
+/admin/tenants/{tenant}/models {"name", "emulate": "llama-2-7b"}). The cold start then defaults
+to the replay's (the weights' load, no fixed start-up).
 
 `prepare_formats` (default true; `mesh serve --no-prepare` turns it off): prepare each
 registered model's format for the other kind of node in the background (a GGUF converted to
@@ -87,7 +94,9 @@ class ServeConfig:
     quota_burst: int | None = None  # None: one second of quota_requests_per_s
     deadlines: DeadlineRule = DeadlineRule.EQ1  # deadline rule of the local agents (mesh.policy.slo)
     policy: str = "mesh"  # the dispatcher's placement policy (mesh.runtime.schedulers)
-    cold_start_s: float = 7.5  # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart)
+    # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart); None: 7.5 s,
+    # or 0 under `emulate` (the replay's cold start: the weights' load alone)
+    cold_start_s: float | None = None
     exact_moves: bool = False  # CPU instances recompute moved streams exactly, at ~2x compute
     prepare_formats: bool = True  # prepare each model's format for the other kind of node (mesh.service.preparation)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY  # requests the dispatcher's waiting queue holds (mesh.policy.queueing)
@@ -98,6 +107,8 @@ class ServeConfig:
     max_connections: int = 1024  # open HTTP connections in all
     max_connections_per_client: int = 64  # open HTTP connections from one client address
     max_uploads_per_tenant: int = 2  # uploads one tenant may stream at once
+    # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.agent.emulation; docs/service.md)
+    emulate: str | None = None
 
     @property
     def default_quota(self) -> Quota:
@@ -203,10 +214,25 @@ def _check(c: ServeConfig) -> None:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")
     if not isinstance(c.exact_moves, bool):
         raise ConfigError(f"exact_moves must be true or false, got {c.exact_moves!r}")
+    if c.cold_start_s is None:
+        c.cold_start_s = 0.0 if c.emulate else 7.5
     if isinstance(c.cold_start_s, bool) or not isinstance(c.cold_start_s, (int, float)) or c.cold_start_s < 0:
         raise ConfigError(f"cold_start_s must be a number of seconds >= 0, got {c.cold_start_s!r}")
     if not isinstance(c.prepare_formats, bool):
         raise ConfigError(f"prepare_formats must be true or false, got {c.prepare_formats!r}")
+    if c.emulate is not None:
+        from mesh.agent.emulation import emulated_nodes
+        from mesh.perf.profile import ProfileError
+
+        if c.demo:
+            raise ConfigError("emulate runs emulated models only: it cannot serve the demo model (drop --demo)")
+        if c.ray is not None or c.remote_agents:
+            raise ConfigError("emulate runs its own nodes on this machine: it cannot be combined with ray or "
+                              "remote_agents")
+        try:
+            emulated_nodes(str(c.emulate))
+        except (ValueError, ProfileError) as exc:
+            raise ConfigError(f"emulate: {exc}") from None
     if c.weights_plan not in ("naive", "chain", "binomial"):
         raise ConfigError(f"weights_plan must be naive, chain or binomial, got {c.weights_plan!r}")
     if c.cpu_memory_gb is not None and c.cpu_memory_gb <= 0:

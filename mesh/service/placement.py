@@ -43,6 +43,7 @@ from typing import Any, Callable, Protocol
 
 from engines.protocol import EngineRequest
 from mesh.agent.client import AgentCallError, AgentDown
+from mesh.agent.emulation import PROFILE_PREFIX
 from mesh.agent.protocol import Code, InstanceSpec, slo_to_dict
 from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.perf.times import prior_profile
@@ -56,7 +57,7 @@ from mesh.runtime.tasks import cancel_all
 from mesh.service.agent_node import AgentNode
 from mesh.service.errors import (ApiError, bad_request, context_too_long, max_tokens_too_large, model_preparing,
                                  node_unavailable, overloaded)
-from mesh.modelfiles.formats import ENGINE_OF_KIND, FORMAT_NAMES
+from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES, engine_for
 from mesh.service.preparation import FormatPreparer, formats_view
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
@@ -329,7 +330,7 @@ class ClusterPlacement:
             try:
                 path, _ = await self._copy_on(record, node)
                 shape = await node.agent.client.call(
-                    {"t": "describe", "model": record.uid, "path": path, "engine": ENGINE_OF_KIND[kind],
+                    {"t": "describe", "model": record.uid, "path": path, "engine": engine_for(record.kind, kind),
                      "context_window": record.context_length}, CALL_TIMEOUT_S)
             except (ApiError, AgentCallError, AgentDown) as exc:
                 if front is not None:  # the kinds described so far serve; this one is left out
@@ -352,6 +353,10 @@ class ClusterPlacement:
     def _profile(self, record: ModelRecord, kind: str, shape: dict[str, Any]) -> Any:
         """What the dispatcher plans the model's instances with: its calibration profile
         if there is one for this kind of node, else the prior the agents validate with."""
+        if "profile" in shape:  # an emulated model: its catalog profile on the node's device (mesh.agent.emulation)
+            from mesh.perf.profile import profile_from_dict
+
+            return profile_from_dict(shape["profile"], f"{record.name} on {kind} nodes")
         path = self._profile_for(record.uid, kind)
         if path is not None:
             from mesh.perf.profile import load_profile
@@ -363,7 +368,11 @@ class ClusterPlacement:
     def _profile_for(self, model_uid: str, kind: str) -> str | None:
         """The model's calibration profile for `kind` nodes (issue 4): `<dir>/<uid>.<kind>.json`,
         else `<dir>/<uid>.json`, whichever is a profile of that kind (a model that runs on
-        both kinds has one per kind); None if neither is."""
+        both kinds has one per kind); None if neither is. An emulated model's is its catalog
+        name, which each agent resolves on the device it emulates (mesh.agent.emulation)."""
+        model = self._models.get(model_uid)
+        if model is not None and model.record.kind == EMULATED:
+            return PROFILE_PREFIX + model.record.path
         if not self.settings.profile_dir:
             return None
         for name in (f"{model_uid}.{kind}.json", f"{model_uid}.json"):
@@ -389,6 +398,8 @@ class ClusterPlacement:
         """The weights of the model's format for `node`'s kind as `node` sees them and how
         they got there: its own copy (multicast there first if needed) or, without a weights
         plane, the registry's (or the prepared) path."""
+        if record.kind == EMULATED:  # a catalog name: nothing to carry, the node emulates it
+            return record.path, EMULATED
         fmt = ModelFormat.of(record, node.kind)
         if self.weights is None or not self.weights.carries(fmt):
             return fmt.path, "registry path" if fmt.native else "prepared path"
@@ -405,13 +416,13 @@ class ClusterPlacement:
         path, self._how[plan.instance_id] = await self._copy_on(record, node)
         return InstanceSpec(plan.instance_id, record.uid, path, record.context_length, slo_to_dict(record.slo),
                             plan.max_batch, self._profile_for(record.uid, node.kind),
-                            ENGINE_OF_KIND[node.kind], exact_moves=self.settings.exact_moves)
+                            engine_for(record.kind, node.kind), exact_moves=self.settings.exact_moves)
 
     def _holds_copy(self, model_uid: str, node: Any) -> bool:
         """Does `node` hold the model's weights for its kind (no transfer before a load)? Yes
         without a weights plane (nodes read the registry's path)."""
         model = self._models.get(model_uid)
-        if self.weights is None or model is None:
+        if self.weights is None or model is None or model.record.kind == EMULATED:
             return True
         try:
             fmt = ModelFormat.of(model.record, node.kind)
@@ -431,6 +442,8 @@ class ClusterPlacement:
             self.weights.instance_stopped(model_uid, instance_id)
 
     def model_registered(self, model: ModelRecord) -> None:
+        if model.kind == EMULATED:  # no file: nothing to prepare or to place
+            return
         if self.formats is not None:
             self.formats.ensure(model)
         self._first_copy(ModelFormat.of(model))
@@ -588,7 +601,7 @@ class ClusterPlacement:
         else on the describing agent, which builds the tokenizer alone (once, seconds)."""
         text = {"messages": job.messages} if job.messages is not None else {"prompt": job.prompt}
         front = {"t": "tokenize", "model": model.record.uid, "path": model.path,
-                 "engine": ENGINE_OF_KIND[self.cluster.node(model.front).kind],
+                 "engine": engine_for(model.record.kind, self.cluster.node(model.front).kind),
                  "context_window": model.record.context_length, **text}
         ready = [r for r in self.cluster.instances_of(model.record.uid) if r.node.up and r.inst.loaded]
         tries = [(r.node.node_id, {"t": "tokenize", "instance_id": r.instance_id, **text}) for r in ready[:1]]
@@ -666,6 +679,7 @@ class ClusterPlacement:
                 "busy_fraction": node.busy_fraction, "queue_length": int(stats.get("queue_length", 0)),
                 "running": stats.get("running", 0), "kv_bytes_in_use": stats.get("kv_bytes_in_use", 0),
                 "iterations": stats.get("iterations", 0), "deadlines": stats.get("deadlines"),
+                "emulate": stats.get("emulate"),  # the device an emulated node emulates (mesh serve --emulate)
                 "calls": {t: c.view() for t, c in sorted(agent.client.call_times.items())} if agent.client else {},
                 "instances": instances,
             })

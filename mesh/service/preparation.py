@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
-from mesh.modelfiles.formats import CONVERSIONS, ENGINE_OF_KIND, FORMAT_NAMES, Conversion
+from mesh.modelfiles.formats import CONVERSIONS, EMULATED, ENGINE_OF_KIND, FORMAT_NAMES, Conversion
 from mesh.service.registry import ModelRecord, PreparedFormat, Registry
 
 log = logging.getLogger("mesh.service.preparation")
@@ -52,6 +52,9 @@ def formats_view(record: ModelRecord, blocked: str, under_way: bool) -> dict[str
     the reason. `blocked`: why it cannot be prepared here ("" if it can); `under_way`: a
     preparation runs in this process. A `preparing` row left by a stopped service counts as
     preparing while it can be prepared (the next start or use does it)."""
+    if record.kind == EMULATED:  # runs as registered on both kinds of emulated node
+        return {k: {"format": EMULATED, "engine": EMULATED, "source": "registered", "state": "ready"}
+                for k in record.node_kinds}
     out: dict[str, dict[str, Any]] = {
         record.native_kind: {"format": record.kind, "engine": ENGINE_OF_KIND[record.native_kind],
                              "source": "registered", "state": "ready"}}
@@ -181,6 +184,8 @@ class FormatPreparer:
     # ---- what a model gets ----------------------------------------------------------------
     def blocked(self, record: ModelRecord) -> str:
         """Why the other kind's format of `record` cannot be prepared on this server ("" if it can)."""
+        if record.kind == EMULATED:
+            return "an emulated model needs no format"
         conversion = CONVERSIONS[record.kind]
         if conversion.command is None:
             return conversion.missing
@@ -197,6 +202,8 @@ class FormatPreparer:
 
     def view(self, record: ModelRecord) -> dict[str, dict[str, Any]]:
         """Each kind of node's format of `record` and its state (`formats_view`)."""
+        if record.kind == EMULATED:
+            return formats_view(record, "", False)
         under_way = (record.uid, CONVERSIONS[record.kind].node_kind) in self._tasks
         return formats_view(record, self.blocked(record), under_way)
 
@@ -204,6 +211,8 @@ class FormatPreparer:
     def ensure(self, record: ModelRecord) -> None:
         """Prepare what `record` lacks, in the background (a no-op when it has it, when it
         is under way, or when this process already tried)."""
+        if record.kind == EMULATED:
+            return
         conversion = CONVERSIONS[record.kind]
         kind = conversion.node_kind
         key = (record.uid, kind)

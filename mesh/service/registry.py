@@ -81,7 +81,8 @@ CREATE TABLE IF NOT EXISTS prepared_formats (
     PRIMARY KEY (model_uid, node_kind)
 );
 """
-NATIVE_KIND = {"gguf": CPU, "ir": CPU, "hf": GPU}  # the node kind that runs each registered format
+NATIVE_KIND = {"gguf": CPU, "ir": CPU, "hf": GPU, "emulated": CPU}  # the node kind that runs each registered
+# format (an emulated model runs on both kinds as registered: mesh.modelfiles.formats.EMULATED)
 PREPARED_STATES = ("preparing", "ready", "failed")
 
 
@@ -133,7 +134,7 @@ class ModelRecord:
     uid: str
     tenant: str
     name: str
-    kind: str  # "gguf", "ir" or "hf"
+    kind: str  # "gguf", "ir", "hf", or "emulated" (path: the catalog name; mesh.agent.emulation)
     path: str
     context_length: int
     slo: SLO
@@ -155,6 +156,8 @@ class ModelRecord:
     def node_kinds(self) -> tuple[str, ...]:
         """The kinds of node that can run it now: its registered format's, and each kind
         whose prepared format is ready; CPU first."""
+        if self.kind == "emulated":  # a catalog name: every kind of emulated node runs it as it is
+            return (CPU, GPU)
         kinds = {self.native_kind, *(p.node_kind for p in self.prepared if p.ready)}
         return tuple(sorted(kinds, key=kind_rank))
 
@@ -163,7 +166,7 @@ class ModelRecord:
 
     def path_for(self, kind: str) -> str:
         """The file or folder that nodes of `kind` run; KeyError if it has none ready."""
-        if kind == self.native_kind:
+        if kind == self.native_kind or self.kind == "emulated":
             return self.path
         prepared = self.prepared_for(kind)
         if prepared is None or not prepared.ready:

@@ -12,6 +12,14 @@ the settings go in the query: name, sha256 (required), context_length, ttft_s,
 ttft_s_per_prompt_token, tpot_s, temperature, top_p (sampling defaults). The upload is streamed to the data folder under a size
 limit and kept only if its SHA-256 matches.
 Another tenant's model answers exactly like a model that does not exist.
+
+POST /admin/tenants/{tenant}/models (admin token only) registers an emulated model for the
+tenant, on a service started with `mesh serve --emulate` (mesh.agent.emulation):
+    {"name": "f001", "emulate": "llama-2-7b",     # a catalog name: a model profiled on every emulated device
+     "context_length": 2048, "slo": {...}}          # optional, as above (the window at most the profile's)
+It answers 201 with the model object, as POST /v1/models. Emulated models are the operator's:
+a tenant's POST /v1/models with "emulate" is a 403 (its key is not the admin token), and
+a service without emulated nodes answers 400. Tenants then call them like any model.
 """
 from __future__ import annotations
 
@@ -23,7 +31,7 @@ from typing import Any, Callable, Mapping
 from aiohttp import web
 
 from engines.protocol import DEFAULT_CONTEXT_CAP
-from mesh.modelfiles.formats import ENGINE_OF_KIND, FORMAT_NAMES
+from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES
 from mesh.modelfiles.sampling import SamplingDefaultsError
 from mesh.modelfiles.sampling import check as check_sampling
 from mesh.modelfiles.sources import SourceError, SourceInfo, inspect_source, resolve_allowed
@@ -41,6 +49,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/usage", usage)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/models", register_model)
+    app.router.add_post("/admin/tenants/{tenant}/models", register_emulated)
     app.router.add_get("/v1/models/{name:.+}", get_model)
     app.router.add_delete("/v1/models/{name:.+}", delete_model)
 
@@ -108,6 +117,10 @@ async def register_model(request: web.Request) -> web.Response:
     if request.content_type == "application/octet-stream":
         return await _register_upload(svc, request, tenant)
     data = await read_json(request, svc.limits)
+    if "emulate" in data:
+        raise errors.ApiError(403, "Emulated models are registered by the operator: POST "
+                              "/admin/tenants/{tenant}/models with the admin token.", "permission_error", "emulate",
+                              "admin_only")
     name = _name(data.get("name"))
     if svc.registry.model(tenant, name) is not None:
         raise errors.conflict(f"You already have a model named '{name}'; delete it first or pick another name.",
@@ -124,6 +137,34 @@ async def register_model(request: web.Request) -> web.Response:
         raise errors.bad_request(str(exc), "path", "invalid_model_source") from exc
     record = _record(tenant, name, info, data, owned=False)
     return _created(svc, record)
+
+
+async def register_emulated(request: web.Request) -> web.Response:
+    """An emulated model for a tenant (admin only): a catalog name the emulated devices profile."""
+    svc = service_of(request)
+    svc.require_admin(request)
+    tenant = request.match_info["tenant"]
+    if svc.registry.tenant(tenant) is None:
+        raise errors.not_found(f"No tenant named '{tenant}'.", "tenant_not_found", "tenant")
+    if not svc.config.emulate:
+        raise errors.bad_request("This service runs no emulated nodes (start it with mesh serve --emulate "
+                                 "DEVICE:N,...).", "emulate", "not_emulating")
+    data = await read_json(request, svc.limits)
+    name = _name(data.get("name"))
+    if svc.registry.model(tenant, name) is not None:
+        raise errors.conflict(f"Tenant {tenant} already has a model named '{name}'.", "name", "model_exists")
+    from mesh.agent.emulation import emulated_profiles
+
+    catalog = data.get("emulate")
+    try:
+        profiles = emulated_profiles(str(catalog), svc.config.emulate) if isinstance(catalog, str) else None
+    except ValueError as exc:
+        raise errors.bad_request(f"{exc}.", "emulate", "unknown_emulated_model") from exc
+    if profiles is None:
+        raise errors.bad_request("'emulate' must be a catalog model name such as llama-2-7b.", "emulate")
+    window = min(p.max_context for p in profiles)
+    info = SourceInfo(EMULATED, Path(catalog), window, max(p.weight_bytes for p in profiles))
+    return _created(svc, _record(tenant, name, info, data, owned=False))
 
 
 async def _register_upload(svc: Service, request: web.Request, tenant: str) -> web.Response:

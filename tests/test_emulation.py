@@ -1,0 +1,251 @@
+"""Emulated nodes (issue 24 item 1): the emulated engine keeps its profile's times, an agent
+refuses emulated models unless it emulates, and `mesh serve --emulate` serves emulated models
+that the operator registers by catalog name, streamed through the real `openai` client."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engines.emulated import EmulatedEngine, byte_ids
+from engines.protocol import EngineRequest, FinishReason, Sampling
+from mesh.agent.emulation import Emulation, emulated_nodes, emulated_profiles, parse_emulate
+from mesh.perf.model import PerformanceModel
+from mesh.perf.profile import catalog_profile
+from mesh.policy.batching import IterationKind
+
+ADMIN = "emulation-admin-token"
+
+
+def _engine(noise: float, device: str = "xeon-6462c", seed: int = 0) -> EmulatedEngine:
+    engine = Emulation(device, noise=noise, seed=seed).engine("i1", "llama-2-7b", "t/m", 2048, 64, 0.0)
+    assert isinstance(engine, EmulatedEngine)
+    return engine
+
+
+def _recorded_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
+    """The seconds every simulated iteration sleeps (the engine's wall time, without waiting it)."""
+    import engines.simulated as simulated
+
+    slept: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        slept.append(seconds)
+
+    monkeypatch.setattr(simulated.asyncio, "sleep", sleep)
+    return slept
+
+
+def test_an_emulated_instance_takes_the_catalog_sizes_and_profile_times(monkeypatch):
+    profile = catalog_profile("llama-2-7b", "xeon-6462c")
+    times = PerformanceModel(profile)
+    engine = _engine(noise=0.0)
+    assert (engine.weight_bytes, engine.kv_bytes_per_token) == (profile.weight_bytes, profile.kv_bytes_per_token)
+    assert engine.context_window == 2048 and engine.max_batch == 64
+    slept = _recorded_sleeps(monkeypatch)
+
+    async def main() -> list[Any]:
+        engine.add_request(EngineRequest("a", 100, Sampling(max_tokens=5), list(range(100))))
+        engine.add_request(EngineRequest("b", 28, Sampling(max_tokens=3), list(range(28))))
+        return [await engine.step() for _ in range(5)]
+
+    results = asyncio.run(main())
+    assert results[0].kind is IterationKind.PREFILL and list(results[0].request_ids) == ["a", "b"]
+    assert slept[0] == pytest.approx(times.prefill_s(128))  # one prefill of both prompts (128 tokens)
+    # decodes: batch 2, then 1 once b ended after 3 tokens; context = prompts + tokens so far
+    assert slept[1] == pytest.approx(times.decode_s(2, (101 + 29) / 2))
+    assert slept[2] == pytest.approx(times.decode_s(2, (102 + 30) / 2))
+    assert slept[3] == pytest.approx(times.decode_s(1, 103))
+    assert results[2].finished == {"b": FinishReason.LENGTH}  # an emulated model runs to max_tokens
+    assert results[4].finished == {"a": FinishReason.LENGTH}
+    # every produced token has an id and a text (the agent streams them)
+    assert all(r.token_ids is not None and len(r.token_ids) == len(r.request_ids) and all(r.texts) for r in results)
+
+
+def test_emulated_iteration_times_follow_the_profile_with_the_replays_noise(monkeypatch):
+    times = PerformanceModel(catalog_profile("llama-2-7b", "a100-80gb"))
+    engine = _engine(noise=0.05, device="a100-80gb", seed=3)
+    slept = _recorded_sleeps(monkeypatch)
+
+    async def main() -> None:
+        engine.add_request(EngineRequest("a", 16, Sampling(max_tokens=10**4), list(range(16))))
+        for _ in range(401):
+            await engine.step()
+
+    asyncio.run(main())
+    ratios = [s / times.decode_s(1, 17 + i) for i, s in enumerate(slept[1:])]
+    assert statistics.mean(ratios) == pytest.approx(1.0, abs=0.015)
+    assert 0.035 < statistics.stdev(ratios) < 0.065  # lognormal, sigma 0.05
+    assert len(set(ratios)) == len(ratios)  # noisy, not constant
+
+
+def test_an_emulated_engine_sleeps_on_the_wall_clock():
+    engine = _engine(noise=0.0)
+    times = PerformanceModel(catalog_profile("llama-2-7b", "xeon-6462c"))
+
+    async def main() -> float:
+        engine.add_request(EngineRequest("a", 8, Sampling(max_tokens=100), list(range(8))))
+        await engine.step()
+        started = time.monotonic()
+        for _ in range(3):
+            await engine.step()
+        return time.monotonic() - started
+
+    wall = asyncio.run(main())
+    predicted = sum(times.decode_s(1, 9 + i) for i in range(3))
+    assert predicted * 0.95 <= wall < predicted + 0.5
+
+
+def test_emulate_names_nodes_by_the_kind_their_device_profiles():
+    assert parse_emulate("xeon-6462c:2, a100-80gb") == [("xeon-6462c", 2), ("a100-80gb", 1)]
+    nodes, devices = emulated_nodes("xeon-6462c:2,a100-80gb:1")
+    assert [(n.node_id, n.kind, n.memory_bytes) for n in nodes] == [
+        ("cpu-0", "cpu", 256 * 2**30), ("cpu-1", "cpu", 256 * 2**30), ("gpu-0", "gpu", 80 * 2**30)]
+    assert devices == {"cpu-0": "xeon-6462c", "cpu-1": "xeon-6462c", "gpu-0": "a100-80gb"}
+    with pytest.raises(ValueError):
+        parse_emulate("xeon-6462c:zero")
+    with pytest.raises(ValueError, match="llama-2-7b"):  # names the models every device profiles
+        emulated_profiles("gpt-9", "xeon-6462c:1,a100-80gb:1")
+    assert byte_ids("hé") == [104, 195, 169]
+
+
+def test_an_agent_refuses_emulated_models_unless_it_emulates():
+    from mesh.agent.client import AgentCallError, AgentClient
+    from mesh.agent.protocol import Code, InstanceSpec
+    from mesh.agent.server import AgentServer
+    from mesh.runtime.node import NodeSpec
+
+    async def main() -> None:
+        for emulation in (None, Emulation("xeon-6462c")):
+            server = AgentServer(NodeSpec("n0", "cpu", 10**12), "tok", {}, load_roots=["/"], emulation=emulation)
+            address = await server.serve("127.0.0.1:0")
+            client = AgentClient("n0", lambda _m: None, lambda _r: None)
+            try:
+                await client.connect(address, "tok")
+                spec = InstanceSpec("i1", "t/m", "llama-2-7b", 2048, engine="emulated", profile="emulated:llama-2-7b")
+                if emulation is None:
+                    with pytest.raises(AgentCallError) as e:
+                        await client.call(spec.to_message())
+                    assert e.value.code == Code.BAD_REQUEST.value and "--emulate" in str(e.value)
+                else:
+                    reply = await client.call(spec.to_message())
+                    assert reply["weight_bytes"] == catalog_profile("llama-2-7b", "xeon-6462c").weight_bytes
+                    with pytest.raises(AgentCallError) as e:  # and an emulating node runs nothing else
+                        await client.call(InstanceSpec("i2", "t/x", "/x.gguf", 256).to_message())
+                    assert e.value.code == Code.BAD_REQUEST.value
+            finally:
+                await client.close()
+                server.stop()
+                await server.close()
+
+    asyncio.run(main())
+
+
+# ---- `mesh serve --emulate` as a process ------------------------------------------------------
+
+class EmulatedServer:
+    def __init__(self, data_dir: Path, log: Path) -> None:
+        cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--data-dir",
+               str(data_dir), "--emulate", "xeon-6462c:1,a100-80gb:1"]
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "a"), text=True,
+                                     env=dict(os.environ, MESH_ADMIN_TOKEN=ADMIN))
+        found: list[str] = []
+
+        def read() -> None:
+            for line in self.proc.stdout:
+                if "ready url=" in line:
+                    found.append(line)
+                    return
+
+        reader = threading.Thread(target=read, daemon=True)
+        reader.start()
+        reader.join(120)
+        if not found:
+            self.stop()
+            raise RuntimeError(f"mesh serve --emulate did not get ready; log:\n{log.read_text()[-3000:]}")
+        self.url = re.search(r"ready url=(\S+)", found[0]).group(1)
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def http(self, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
+        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
+        req = urllib.request.Request(f"{self.url}{path}", data=None if body is None else json.dumps(body).encode(),
+                                     method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(req, timeout=60) as resp:
+                return resp.status, json.loads(resp.read() or b"null")
+        except urllib.error.HTTPError as exc:
+            return exc.code, json.loads(exc.read() or b"null")
+
+
+def test_mesh_serve_emulate_streams_emulated_models_at_the_profiles_pace(tmp_path):
+    openai = pytest.importorskip("openai")
+    server = EmulatedServer(tmp_path / "data", tmp_path / "serve.log")
+    try:
+        status, view = server.http("GET", "/admin/cluster", token=ADMIN)
+        assert status == 200
+        assert sorted((n["node_id"], n["kind"], n["memory"]["capacity_bytes"]) for n in view["nodes"]) == [
+            ("cpu-0", "cpu", 256 * 2**30), ("gpu-0", "gpu", 80 * 2**30)]
+        assert server.http("POST", "/admin/tenants", {"name": "acme"}, ADMIN)[0] == 201
+        key = server.http("POST", "/admin/tenants/acme/keys", {}, ADMIN)[1]["key"]
+        body = {"name": "f001", "emulate": "llama-2-7b", "context_length": 2048}
+        # the operator's only: a tenant's key is refused on both routes
+        assert server.http("POST", "/v1/models", body, key)[0] == 403
+        assert server.http("POST", "/admin/tenants/acme/models", body, key)[0] == 401
+        status, error = server.http("POST", "/admin/tenants/acme/models", {**body, "emulate": "gpt-9"}, ADMIN)
+        assert status == 400 and "llama-2-7b" in error["error"]["message"]
+        status, model = server.http("POST", "/admin/tenants/acme/models", body, ADMIN)
+        assert status == 201, model
+        assert model["mesh"]["kind"] == "emulated" and model["mesh"]["node_kinds"] == ["cpu", "gpu"]
+        assert model["mesh"]["weight_bytes"] == catalog_profile("llama-2-7b", "a100-80gb").weight_bytes
+
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=key, max_retries=3, timeout=120)
+        arrivals: list[float] = []
+        texts: list[str] = []
+        finish = usage = None
+        stream = client.completions.create(model="f001", prompt="Emulate me, please.", max_tokens=24, stream=True,
+                                           stream_options={"include_usage": True})
+        for chunk in stream:
+            if chunk.usage is not None:
+                usage = chunk.usage
+            for choice in chunk.choices:
+                if choice.text:
+                    arrivals.append(time.monotonic())
+                    texts.append(choice.text)
+                finish = choice.finish_reason or finish
+        assert len(texts) == 24 and usage.completion_tokens == 24 and usage.prompt_tokens == 19  # one token a byte
+        assert finish == "length"
+        # Mesh places on the CPU node first: its decodes take the Xeon profile's time at least
+        times = PerformanceModel(catalog_profile("llama-2-7b", "xeon-6462c"))
+        floor = sum(times.decode_s(1, 20 + i) for i in range(23))
+        gaps = arrivals[-1] - arrivals[0]
+        assert gaps >= 0.8 * floor, (gaps, floor)
+        assert gaps < 23 * 0.25 + 5.0  # well within the TPOT SLO's pace
+        _, view = server.http("GET", "/admin/cluster", token=ADMIN)
+        placed = view["dispatcher"]["placed_by_kind"]
+        assert placed == {"cpu": 1}
+        chat = client.chat.completions.create(model="f001", messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+        assert chat.usage.completion_tokens == 4 and chat.choices[0].message.content.strip()
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0
