@@ -236,3 +236,47 @@ def test_shadow_refuses_to_push_an_already_late_request_further_behind():
     v = shadow_validate(c, "i", "r5", 10, start_s=0.0, now=0.0)
     f = v.failed(FailureCase.EXISTING_REQUEST_LATE)
     assert f is not None and f.request_id == "r1" and f.by_s == pytest.approx(0.011 + 0.22 + 0.3)
+
+
+class HangingEngine(SimulatedEngine):
+    """A simulated engine whose worker stops (SIGSTOP) after its first iterations."""
+
+    def __init__(self, *args, steps_before_hang: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.steps_left = steps_before_hang
+
+    async def step(self):
+        if self.steps_left == 0:
+            await asyncio.Event().wait()  # never answers
+        self.steps_left -= 1
+        return await super().step()
+
+
+@pytest.mark.parametrize("watchdog", [True, False])
+def test_the_watchdog_evicts_the_requests_of_a_hung_engine(watchdog):
+    times = LinearTimes(prefill_per_token=0.001, decode_base=0.05)
+
+    async def main():
+        evicted, hung = [], []
+        node = NodeRuntime(NodeSpec("a", "cpu", 10**9), on_evict=evicted.append, watchdog=watchdog)
+        node.on_hung = lambda iid, why: hung.append((iid, why))
+        node.start()
+        eng = HangingEngine("m", times, kv_bytes_per_token=KV, weight_bytes=W, context_window=2048,
+                            steps_before_hang=5)
+        node.start_instance("i", "m", eng, times, SLO(), RunningMean(10), 0.0)
+        await asyncio.sleep(0.01)
+        r = req("r", 100, 50, 0.0)
+        assert node.try_admit("i", r).ok
+        await asyncio.sleep(200)
+        state = (list(evicted), list(hung), "i" in node.instances)
+        await node.stop()
+        return r, state
+
+    r, (evicted, hung, still_there) = run_virtual(main())
+    if not watchdog:  # without one the request waits for ever, on an instance that stays
+        assert evicted == [] and hung == [] and still_there and r.outcome is None
+        return
+    # a prefill and 4 decodes, then the hang: after HUNG_MIN_S (30 s > 20 x 0.05 s) the request
+    # goes back to the dispatcher with its 5 tokens, and the instance is gone
+    assert evicted == [r] and r.tokens_out == 5 and r.outcome is None and r.evictions == 1
+    assert [iid for iid, _ in hung] == ["i"] and "ran over 30 s" in hung[0][1] and not still_there

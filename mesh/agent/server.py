@@ -115,8 +115,10 @@ class AgentServer:
         self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
         self.token = token
         self.cpu = cpu or {}
-        self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True, deadlines=deadlines)
+        self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True, deadlines=deadlines,
+                                watchdog=True)  # a hung engine fails its instance; its requests move
         self.node.on_loaded = self._ready
+        self.node.on_hung = self._hung
         self.times: dict[str, AdaptiveTimes] = {}  # instance id -> its iteration times
         self.learning = NodeLearning()  # the machine's speed and per-model times (issue 23)
         self._speed_probe: asyncio.Future | None = None
@@ -398,6 +400,13 @@ class AgentServer:
         log.error("loading instance %s failed: %s", instance_id, exc)
         self._send(InstanceEvent(instance_id, "failed", f"{exc}").to_message())
         asyncio.get_running_loop().call_soon(self._drop_instance, instance_id)
+
+    def _hung(self, instance_id: str, why: str) -> None:
+        """The node's watchdog failed a hung instance (its requests went back as evictions,
+        sent before this): the service forgets it and places new ones where needed."""
+        self._send(InstanceEvent(instance_id, "failed", why).to_message())
+        self.specs.pop(instance_id, None)
+        self.times.pop(instance_id, None)
 
     def _drop_instance(self, instance_id: str) -> None:
         inst = self.node.instances.get(instance_id)

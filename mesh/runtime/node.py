@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import math
 from dataclasses import dataclass, field
 from typing import Callable, Collection, Sequence
@@ -24,6 +25,8 @@ from mesh.policy.shadow import DEFAULT_MARGIN, Verdict, quick_reject, shadow_val
 from mesh.policy.slo import SLO, DeadlineRule
 from mesh.runtime.request import Outcome, ServedRequest
 from mesh.runtime.tasks import cancel_all
+
+log = logging.getLogger("mesh.runtime.node")
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +113,17 @@ class IterationRecord:
     predicted_batch: int = 0
 
 
+# The engine watchdog (node agents): an iteration that takes this long has hung (a stopped or
+# wedged worker): far beyond any prediction, and beyond the pauses a shared machine causes.
+HUNG_FACTOR = 20.0  # times the iteration's predicted time
+HUNG_MIN_S = 30.0  # and never less than this
+
+
+def hung_bound_s(predicted_s: float) -> float:
+    """How long an iteration predicted to take `predicted_s` may run before it has hung."""
+    return max(HUNG_MIN_S, HUNG_FACTOR * predicted_s)
+
+
 class NodeRuntime:
     def __init__(
         self,
@@ -120,9 +134,12 @@ class NodeRuntime:
         on_evict: Callable[[ServedRequest], None] | None = None,
         record_iterations: bool = False,
         deadlines: DeadlineRule = DeadlineRule.EQ1,
+        watchdog: bool = False,
     ) -> None:
         """`deadlines`: when a request's tokens after the first are due (mesh.policy.slo):
-        the paper's Eq. 1, or `pace` (from the first token), which the service runs."""
+        the paper's Eq. 1, or `pace` (from the first token), which the service runs.
+        `watchdog`: an iteration running past hung_bound_s fails its instance, whose requests
+        are evicted with their progress (a node agent's real engines; simulated ones never hang)."""
         self.spec = spec
         self.margin = margin
         self.compute = ComputeSubsystem(deadlines)
@@ -130,6 +147,8 @@ class NodeRuntime:
         self.instances: dict[str, NodeInstance] = {}
         self.on_evict = on_evict
         self.on_loaded: Callable[[str], None] | None = None  # an instance's load completed (its id)
+        self.watchdog = watchdog
+        self.on_hung: Callable[[str, str], None] | None = None  # an instance hung (its id, why): it is gone
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
         self.on_iteration: Callable[[IterationRecord], None] | None = None  # each record, as it is made
         self.iteration_count = 0
@@ -499,6 +518,17 @@ class NodeRuntime:
             except EngineError as exc:  # its prompt, checked by the engine only now
                 self.abort(rid, Outcome.FAILED, f"{exc}")
 
+    def _hung(self, inst: NodeInstance, why: str) -> None:
+        """The watchdog fired: the instance's requests are evicted with their progress, to be
+        placed again (6.4), and the instance goes (unloading it ends its worker, killed if it
+        does not answer)."""
+        log.error("instance %s: %s", inst.instance_id, why)
+        for rid in list(inst.requests):
+            self.evict(rid, why)
+        if self.on_hung is not None:
+            self.on_hung(inst.instance_id, why)
+        self.stop_instance(inst.instance_id)
+
     def _fail_instance(self, inst: NodeInstance, why: str) -> None:
         for rid in list(inst.requests):
             self.abort(rid, Outcome.FAILED, why)
@@ -519,7 +549,13 @@ class NodeRuntime:
             compute.in_flight = it
             self.stepping = it.instance_id
             try:
-                result = await inst.engine.step()
+                step = inst.engine.step()
+                result = await (asyncio.wait_for(step, hung_bound_s(it.predicted_s)) if self.watchdog else step)
+            except asyncio.TimeoutError:
+                self._end_step()
+                self._hung(inst, f"an iteration on node {self.node_id} ran over {hung_bound_s(it.predicted_s):.0f} s "
+                                 f"(predicted {it.predicted_s:.3f} s): its engine hung")
+                continue
             except EngineError as exc:
                 self._end_step()
                 self._fail_instance(inst, f"engine step failed on node {self.node_id}: {exc}")
