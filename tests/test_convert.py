@@ -185,3 +185,9 @@ def test_the_converted_folder_exports_to_an_ir_openvino_serves(converted, tmp_pa
         assert "Paris" in answer
     finally:
         asyncio.run(e.unload())
+
+
+def test_the_export_environment_is_looked_for_in_the_repository():
+    from mesh.modelfiles.convert import EXPORT_VENV
+
+    assert EXPORT_VENV == Path(__file__).resolve().parents[1] / ".venv-export"

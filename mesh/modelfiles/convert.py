@@ -76,7 +76,7 @@ SAMPLE_CHAT = [{"role": "system", "content": "You are helpful."},
                {"role": "user", "content": "What is the capital of France?"}]
 
 
-EXPORT_VENV = Path(__file__).resolve().parent.parent / ".venv-export"
+EXPORT_VENV = Path(__file__).resolve().parents[2] / ".venv-export"  # <repo>/.venv-export
 
 
 def find_export_python() -> str | None:
