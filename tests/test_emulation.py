@@ -4,18 +4,8 @@ that the operator registers by catalog name, streamed through the real `openai` 
 from __future__ import annotations
 
 import asyncio
-import json
-import os
-import re
-import signal
 import statistics
-import subprocess
-import sys
-import threading
 import time
-import urllib.error
-import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -26,8 +16,8 @@ from mesh.agent.emulation import Emulation, emulated_nodes, emulated_profiles, p
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import catalog_profile
 from mesh.policy.batching import IterationKind
+from test_service_e2e import ADMIN, Server
 
-ADMIN = "emulation-admin-token"
 
 
 def _engine(noise: float, device: str = "xeon-6462c", seed: int = 0) -> EmulatedEngine:
@@ -156,51 +146,10 @@ def test_an_agent_refuses_emulated_models_unless_it_emulates():
 
 # ---- `mesh serve --emulate` as a process ------------------------------------------------------
 
-class EmulatedServer:
-    def __init__(self, data_dir: Path, log: Path) -> None:
-        cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--data-dir",
-               str(data_dir), "--emulate", "xeon-6462c:1,a100-80gb:1"]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(log, "a"), text=True,
-                                     env=dict(os.environ, MESH_ADMIN_TOKEN=ADMIN))
-        found: list[str] = []
-
-        def read() -> None:
-            for line in self.proc.stdout:
-                if "ready url=" in line:
-                    found.append(line)
-                    return
-
-        reader = threading.Thread(target=read, daemon=True)
-        reader.start()
-        reader.join(120)
-        if not found:
-            self.stop()
-            raise RuntimeError(f"mesh serve --emulate did not get ready; log:\n{log.read_text()[-3000:]}")
-        self.url = re.search(r"ready url=(\S+)", found[0]).group(1)
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-
-    def http(self, method: str, path: str, body: Any = None, token: str | None = None) -> tuple[int, Any]:
-        headers = {"Content-Type": "application/json", **({"Authorization": f"Bearer {token}"} if token else {})}
-        req = urllib.request.Request(f"{self.url}{path}", data=None if body is None else json.dumps(body).encode(),
-                                     method=method, headers=headers)
-        try:
-            with urllib.request.urlopen(req, timeout=60) as resp:
-                return resp.status, json.loads(resp.read() or b"null")
-        except urllib.error.HTTPError as exc:
-            return exc.code, json.loads(exc.read() or b"null")
-
-
 def test_mesh_serve_emulate_streams_emulated_models_at_the_profiles_pace(tmp_path):
     openai = pytest.importorskip("openai")
-    server = EmulatedServer(tmp_path / "data", tmp_path / "serve.log")
+    server = Server(tmp_path / "data", None, tmp_path / "serve.log", ("--emulate", "xeon-6462c:1,a100-80gb:1"))
+    server.start()
     try:
         status, view = server.http("GET", "/admin/cluster", token=ADMIN)
         assert status == 200

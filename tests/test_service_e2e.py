@@ -29,15 +29,18 @@ ADMIN = "test-admin-token"
 
 
 class Server:
-    def __init__(self, data_dir: Path, allowed: Path, log: Path, extra: tuple[str, ...] = ()) -> None:
+    """`mesh serve` as a process: the demo model and an allowed folder, or (allowed=None) only
+    what `extra` says (e.g. --emulate)."""
+
+    def __init__(self, data_dir: Path, allowed: Path | None, log: Path, extra: tuple[str, ...] = ()) -> None:
         self.data_dir, self.allowed, self.log, self.extra = data_dir, allowed, log, extra
         self.proc: subprocess.Popen | None = None
         self.url = self.key = ""
 
     def start(self, timeout: float = 180.0) -> None:
-        cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--demo",
-               "--data-dir", str(self.data_dir), "--allowed-dir", str(self.allowed), "--max-body-mb", "1",
-               "--log-level", "INFO", *self.extra]
+        demo = () if self.allowed is None else ("--demo", "--allowed-dir", str(self.allowed), "--max-body-mb", "1")
+        cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0",
+               "--data-dir", str(self.data_dir), *demo, "--log-level", "INFO", *self.extra]
         env = dict(os.environ, MESH_ADMIN_TOKEN=ADMIN)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.log, "a"), text=True, env=env)
         found: list[str] = []
@@ -54,8 +57,8 @@ class Server:
         if not found:
             self.proc.kill()
             raise RuntimeError(f"mesh serve did not get ready; log:\n{self.log.read_text()[-3000:]}")
-        m = re.search(r"ready url=(\S+) api_key=(\S+)", found[0])
-        self.url, self.key = m.group(1), m.group(2)
+        m = re.search(r"ready url=(\S+)(?: api_key=(\S+))?", found[0])
+        self.url, self.key = m.group(1), m.group(2) or ""
 
     def stop(self, timeout: float = 60.0) -> int:
         if self.proc is None or self.proc.poll() is not None:
