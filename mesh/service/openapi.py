@@ -81,6 +81,10 @@ KEY_BODY = {"type": "object", "properties": {"label": {"type": "string", "maxLen
 SCALE_BODY = {"type": "object", "required": ["tenant", "model", "nodes"],
               "properties": {"tenant": {"type": "string"}, "model": {"type": "string"},
                              "nodes": {"type": "array", "minItems": 1, "items": {"type": "string"}}}}
+EMULATED_BODY = {"type": "object", "required": ["name", "emulate"],
+                 "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 128},
+                                "emulate": {"type": "string", "description": "a catalog model, e.g. llama-2-7b"},
+                                "context_length": {"type": "integer", "minimum": 1}}}
 QUOTA_BODY = {"type": "object", "additionalProperties": False,
               "properties": {name: {"type": ["number", "null"], "minimum": 0} for name in QUOTA_FIELDS}}
 
@@ -122,6 +126,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/admin/learnt"): Operation("what the nodes learnt: speed probes, time factors, margins, cold starts, "
                                         "profiles (for the live replay's twin)", auth=ADMIN),
     ("POST", "/admin/scale"): Operation("start a model on chosen nodes now", auth=ADMIN, body=SCALE_BODY),
+    ("POST", "/admin/tenants/{tenant}/models"): Operation("register an emulated model for a tenant (mesh serve "
+                                                          "--emulate)", auth=ADMIN, body=EMULATED_BODY, ok=201),
     ("GET", "/admin/tenants/{tenant}/quota"): Operation("a tenant's quotas and use", auth=ADMIN),
     ("PUT", "/admin/tenants/{tenant}/quota"): Operation("set a tenant's quotas (null: no limit)", auth=ADMIN,
                                                         body=QUOTA_BODY),
