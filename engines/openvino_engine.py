@@ -189,7 +189,7 @@ class OpenVINOEngine:
         self.device = device
         self.properties = dict(properties or {})
         self.block_size = CPU_KV_BLOCK_SIZE
-        self.key_precision, self.value_precision = _kv_precisions(device, self.properties)
+        self.key_precision, self.value_precision = kv_precisions(device, self.properties)
         self.kv_bytes_per_token = kv_bytes_per_token(shape, self.key_precision, self.value_precision,
                                                      self.block_size)
         self.weight_bytes = self.source.weight_bytes
@@ -572,7 +572,7 @@ def kv_bytes_held(kv_tokens: Iterable[int], block_size: int, kv_bytes_per_token:
     return sum(math.ceil(t / block_size) for t in kv_tokens) * block_size * kv_bytes_per_token
 
 
-def _kv_precisions(device: str, properties: Mapping[str, Any]) -> tuple[str, str]:
+def kv_precisions(device: str, properties: Mapping[str, Any]) -> tuple[str, str]:
     """Key and value cache element types the plugin will use: the properties', else its defaults."""
     both = properties.get("KV_CACHE_PRECISION")
     key = properties.get("KEY_CACHE_PRECISION", both)

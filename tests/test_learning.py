@@ -89,3 +89,28 @@ def test_learning_figures_count_iterations_until_within_10_percent() -> None:
     prior_n = figures["prior"]["within_10pct_after"]
     assert prior_n is not None and 5 < prior_n < 60  # geometric learning from 3x off, not at once
     assert within_after(window_errors([1.0] * 10, [2.0] * 10)) is None
+
+
+def test_a_cpu_agent_probes_its_machine_in_a_process_of_its_own() -> None:
+    """The probe runs as `python -m mesh.agent.speed_probe` (its BLAS threads never share the
+    agent's process) and its figures reach the agent's learning."""
+    import asyncio
+
+    from mesh.agent.server import AgentServer
+    from mesh.runtime.node import NodeSpec
+
+    async def main():
+        agent = AgentServer(NodeSpec("cpu-0", "cpu", 10**9), "token")
+        await agent.serve("127.0.0.1:0")
+        try:
+            for _ in range(600):
+                if agent.learning.speed is not None:
+                    break
+                await asyncio.sleep(0.1)
+            return agent.learning.speed, agent.learning.factors
+        finally:
+            await agent.close()
+
+    speed, factors = asyncio.run(main())
+    assert speed is not None and speed.gemm_gflops > 0 and speed.stream_gbps > 0 and speed.threads >= 1
+    assert 0.5 <= factors.prefill <= 4.0 and 0.5 <= factors.decode <= 4.0

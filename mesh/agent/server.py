@@ -39,6 +39,7 @@ import logging
 import os
 import signal
 import shutil
+import json
 import sys
 from pathlib import Path
 from typing import Any, Callable, Sequence
@@ -70,9 +71,11 @@ from mesh.agent.protocol import (
     slo_from_dict,
 )
 from engines.background_prepare import BackgroundPreparer
+from engines.worker_process import die_with_parent, worker_env
 from engines.openvino_process import OpenVINOProcessEngine
 from mesh.agent.tokenizers import TokenizerProcess
 from mesh.framing import ConnectionGate
+from mesh.perf.speed import MachineSpeed
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
 from mesh.policy.slo import DeadlineRule
@@ -150,7 +153,12 @@ class AgentServer:
         """Start listening; return the address actually bound ("host:port" or "unix:path")."""
         loop = asyncio.get_running_loop()
         self.started_at = loop.time()
-        if self.spec.kind == "cpu":  # know the machine from its first minute (issue 23 item 4): 0.4-2 s, in
+        if self.spec.kind == "cpu" and self.emulation is None:
+            # OpenVINO's first import and CPU-plugin load hold the GIL for as long as the disk
+            # takes to read its libraries: here, before the agent answers anyone, not inside a
+            # first `load` whose heartbeat could then go unanswered
+            await asyncio.to_thread(_warm_openvino)
+        if self.spec.kind == "cpu":  # know the machine from its first minute (issue 23 item 4): 0.4-2 s,
             # in the background: a load before it ends starts from the prior's factors
             self._speed_probe = asyncio.ensure_future(self._probe_speed())
         self.node.start()
@@ -521,12 +529,24 @@ class AgentServer:
         return mean
 
     async def _probe_speed(self) -> None:
-        from mesh.agent.speed_probe import probe_speed
-
+        """The speed probe, in a short-lived process of its own: its BLAS threads (which keep
+        spinning after a GEMM) then never compete with this agent's event loop, which they
+        did, here, long enough to miss a heartbeat."""
+        proc = None
         try:
-            self.learning.set_speed(await asyncio.to_thread(probe_speed))
+            proc = await asyncio.create_subprocess_exec(
+                sys.executable, "-m", "mesh.agent.speed_probe", stdout=asyncio.subprocess.PIPE,
+                stderr=asyncio.subprocess.DEVNULL, env=worker_env(), preexec_fn=die_with_parent)
+            out, _ = await asyncio.wait_for(proc.communicate(), 120)
+            self.learning.set_speed(MachineSpeed(**json.loads(out)["speed"]))
+        except asyncio.CancelledError:
+            raise
         except Exception as exc:  # noqa: BLE001 - the probe only sets a starting point
             log.warning("the speed probe failed (instances start from the prior): %s", exc)
+        finally:
+            if proc is not None and proc.returncode is None:
+                proc.kill()
+                await proc.wait()
 
     def _check_path(self, path: str) -> None:
         if not any(inside(root, path) for root in self.load_roots):
@@ -752,6 +772,19 @@ def _only_own_prefill_late(admission: Any) -> bool:
     if verdict is None or admission.memory is None or not admission.memory.ok or not verdict.failures:
         return False
     return all(f.case is FailureCase.OWN_PREFILL_LATE for f in verdict.failures)
+
+
+def _warm_openvino() -> None:
+    """Import OpenVINO (GenAI) and load its CPU plugin once (engines.openvino_engine reads the
+    plugin's KV cache precisions for every instance it describes)."""
+    try:
+        import openvino_genai  # noqa: F401 - its libraries, read once
+
+        from engines.openvino_engine import kv_precisions
+
+        kv_precisions("CPU", {})
+    except Exception as exc:  # noqa: BLE001 - an agent without OpenVINO still serves other engines
+        log.warning("OpenVINO could not be loaded at start: %s", exc)
 
 
 def _since(age_s: Any) -> float | None:
