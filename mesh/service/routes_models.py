@@ -261,24 +261,24 @@ def _query_settings(q: Mapping[str, str]) -> dict[str, Any]:
             out["context_length"] = int(q["context_length"])
         except ValueError as exc:
             raise errors.bad_request("'context_length' must be an integer.", "context_length") from exc
-    slo = {}
-    for key in ("ttft_s", "ttft_s_per_prompt_token", "tpot_s"):
-        if key in q:
-            try:
-                slo[key] = float(q[key])
-            except ValueError as exc:
-                raise errors.bad_request(f"'{key}' must be a number.", key) from exc
+    slo = _numbers(q, ("ttft_s", "ttft_s_per_prompt_token", "tpot_s"))
     if slo:
         out["slo"] = slo
-    sampling = {}
-    for key in ("temperature", "top_p"):
-        if key in q:
-            try:
-                sampling[key] = float(q[key])
-            except ValueError as exc:
-                raise errors.bad_request(f"'{key}' must be a number.", key) from exc
+    sampling = _numbers(q, ("temperature", "top_p"))
     if sampling:
         out["sampling_defaults"] = sampling
+    return out
+
+
+def _numbers(q: Mapping[str, str], keys: tuple[str, ...]) -> dict[str, float]:
+    """The query parameters among `keys` that are given, as numbers; a 400 naming one that is not."""
+    out = {}
+    for key in keys:
+        if key in q:
+            try:
+                out[key] = float(q[key])
+            except ValueError as exc:
+                raise errors.bad_request(f"'{key}' must be a number.", key) from exc
     return out
 
 
