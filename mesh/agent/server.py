@@ -185,7 +185,7 @@ class AgentServer:
             self._speed_probe.cancel()
         if self.weights is not None:
             await self.weights.close()
-        self._abort_all("the node agent is shutting down")  # its requests end at once, before the workers do
+        self._abort_all(f"node agent {self.spec.node_id} is shutting down")  # its requests end at once, before the workers do
         self._flush()
         await self.tokenizers.close()
         await self.preparer.close()

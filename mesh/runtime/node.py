@@ -549,9 +549,11 @@ class NodeRuntime:
             compute.in_flight = it
             self.stepping = it.instance_id
             try:
-                step = inst.engine.step()
-                result = await (asyncio.wait_for(step, hung_bound_s(it.predicted_s)) if self.watchdog else step)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: the step runs in this task, at once (a task of
+                # its own would start a loop turn later, after an abort could empty its batch)
+                async with asyncio.timeout(hung_bound_s(it.predicted_s) if self.watchdog else None):
+                    result = await inst.engine.step()
+            except TimeoutError:
                 self._end_step()
                 self._hung(inst, f"an iteration on node {self.node_id} ran over {hung_bound_s(it.predicted_s):.0f} s "
                                  f"(predicted {it.predicted_s:.3f} s): its engine hung")
