@@ -13,12 +13,11 @@ starts are measured by the service, per node, model and source: mesh.policy.cold
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from mesh.perf.speed import MachineSpeed, SpeedFactors
-from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes
+from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes, weighted_geomean
 
 @dataclass
 class NodeLearning:
@@ -37,9 +36,11 @@ class NodeLearning:
                   if m != model and isinstance(t.base, DefaultCpuTimes) and t.margin is not None]
         if not learnt:
             return self.factors.prefill, self.factors.decode
-        total = sum(n for n, _, _ in learnt)
-        return (math.exp(sum(n * math.log(p) for n, p, _ in learnt) / total),
-                math.exp(sum(n * math.log(d) for n, _, d in learnt) / total))
+        prefill = weighted_geomean([(n, p) for n, p, _ in learnt])
+        decode = weighted_geomean([(n, d) for n, _, d in learnt])
+        if prefill is None or decode is None:  # nothing observed yet
+            return self.factors.prefill, self.factors.decode
+        return prefill, decode
 
     def adopt(self, model: str, times: AdaptiveTimes) -> AdaptiveTimes:
         """A new instance's times, warm-started from this node's learning, kept as the model's."""

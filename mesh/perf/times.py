@@ -218,3 +218,12 @@ def learnt_profile(profile: Profile, learnt: dict[str, Any]) -> Profile:
                    for b, row in zip(profile.decode_batches, profile.decode_s))
     provenance = {**profile.provenance, "learnt": {k: learnt.get(k) for k in ("prefill", "decode", "margin", "observed")}}
     return replace(profile, device=f"{profile.device}+learnt", prefill_s=prefill, decode_s=decode, provenance=provenance)
+
+
+def weighted_geomean(pairs: list[tuple[int, float]]) -> float | None:
+    """The geometric mean of positive factors, each weighted by its count (e.g. iterations
+    observed); None without any weight."""
+    total = sum(n for n, _ in pairs)
+    if total <= 0:
+        return None
+    return math.exp(sum(n * math.log(f) for n, f in pairs if f > 0) / total)

@@ -11,18 +11,16 @@ model replicated many times (the live replay's) needs.
 """
 from __future__ import annotations
 
-import math
 import statistics
 from typing import Any
 
 from mesh.perf.profile import profile_to_dict
+from mesh.perf.times import weighted_geomean
 
 
 def _weighted_geomean(pairs: list[tuple[int, float]]) -> float | None:
-    total = sum(n for n, _ in pairs)
-    if total <= 0:
-        return None
-    return round(math.exp(sum(n * math.log(f) for n, f in pairs if f > 0) / total), 4)
+    mean = weighted_geomean(pairs)
+    return None if mean is None else round(mean, 4)
 
 
 def _regions(entries: list[dict[str, Any]], key: str) -> dict[str, float]:
