@@ -73,6 +73,7 @@ from mesh.agent.protocol import (
 from engines.background_prepare import BackgroundPreparer
 from engines.worker_process import die_with_parent, worker_env
 from engines.openvino_process import OpenVINOProcessEngine
+from engines.parking import ParkingLot
 from mesh.agent.tokenizers import TokenizerProcess
 from mesh.framing import ConnectionGate
 from mesh.perf.speed import MachineSpeed
@@ -105,8 +106,11 @@ class AgentServer:
 
     def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None,
                  weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = (),
-                 deadlines: DeadlineRule = DeadlineRule.EQ1, emulation: Emulation | None = None) -> None:
+                 deadlines: DeadlineRule = DeadlineRule.EQ1, emulation: Emulation | None = None,
+                 park_bytes: int = 0) -> None:
         """`load_roots`: folders whose files `load` may open, besides the weights receiver's.
+        `park_bytes`: memory, beside the planned budget, for OpenVINO workers parked when their
+        instance stops (engines.parking; 0: none parked).
         `deadlines`: when tokens after the first are due (mesh.policy.slo); the service's
         default is the paper's Eq. 1. `emulation`: this node emulates its device (`--emulate`):
         it runs emulated models only (mesh.agent.emulation); without it, it refuses them."""
@@ -132,6 +136,7 @@ class AgentServer:
         self._means: dict[str, RunningMean] = {}  # O_avg per model (_mean_output)
         self._gate = ConnectionGate()  # connections waiting for their hello
         self.tokenizers = TokenizerProcess()  # OpenVINO prompts are tokenized off this process's GIL
+        self.parking = ParkingLot(park_bytes)  # stopped OpenVINO instances, built and warm (issue 23)
         self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
         self._tokenizers_ready: dict[str, asyncio.Future] = {}  # loading OpenVINO instance -> its tokenizer's build
         self.requests: dict[str, ServedRequest] = {}
@@ -189,6 +194,7 @@ class AgentServer:
         self._flush()
         await self.tokenizers.close()
         await self.preparer.close()
+        await self.parking.close()  # parks nothing after: the instances' workers end below
         await self.node.stop()
         for iid in list(self.node.instances):
             inst = self.node.instances[iid]
@@ -353,6 +359,7 @@ class AgentServer:
                 engine = (self._emulated(spec) if spec.engine == EMULATED else
                           await asyncio.to_thread(make_engine, spec, lambda exc: self._loaded(spec.instance_id, exc)))
                 if isinstance(engine, OpenVINOProcessEngine):  # its tokenizer is built while it loads
+                    engine.parking = self.parking
                     tokenizer = asyncio.ensure_future(self.tokenizers.prepare(spec.path))
                     tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
                     self._tokenizers_ready[spec.instance_id] = tokenizer
@@ -693,7 +700,7 @@ class AgentServer:
             "queue_length": self.node.queue_length(), "running": len(self.requests),
             "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
             "kv_bytes_in_use": self.node.kv_bytes_in_use(), "deadlines": self.node.deadlines.value,
-            "learnt": self.learning.view(),
+            "learnt": self.learning.view(), "parked": self.parking.view(),
             "emulate": self.emulation.device if self.emulation is not None else None,
         }
 
@@ -864,7 +871,8 @@ async def _amain(args: argparse.Namespace) -> int:
                  if args.emulate else None)
     server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights,
                          load_roots=[root, *(args.models_root or ())], deadlines=DeadlineRule(args.deadlines),
-                         emulation=emulation)
+                         emulation=emulation,
+                         park_bytes=args.memory_bytes // 4 if args.park_bytes is None else args.park_bytes)
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -884,6 +892,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-id", default="cpu-0")
     parser.add_argument("--kind", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--memory-bytes", type=int, required=True, help="memory budget for weights and KV caches")
+    parser.add_argument("--park-bytes", type=int, help="memory beside --memory-bytes for stopped OpenVINO instances kept "
+                        "built and warm, so that the next load of their model is ready at once (engines.parking; "
+                        "default: a quarter of --memory-bytes; 0: none)")
     parser.add_argument("--token-env", default="MESH_AGENT_TOKEN", help="environment variable holding the hello token")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when stdin closes")
     parser.add_argument("--weights-listen", metavar="HOST:PORT",

@@ -7,6 +7,9 @@ Sources (rows):
 - ir+blob: the prepared form with a CACHE_DIR that one untimed load filled first (the
   node's own blob cache). `blob` says whether the timed load left the blob as it was
   (imported) or wrote it again (OpenVINO could not import it and compiled).
+- parked: the node's memory tier (engines.parking): an instance of the model stopped on the
+  node earlier, its worker kept built and warm; the load adopts it. Timed in this process
+  (a node agent's), from `load()` to ready, then the first token; the other stages are none.
 A copy received by multicast from another node is not a row yet (the transfer is timed by
 `mesh bench multicast`; a received GGUF loads as the gguf row until it is prepared).
 
@@ -24,6 +27,7 @@ node, in the background) is timed once in its own process.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -35,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-SOURCES = ("gguf", "ir", "ir+blob")
+SOURCES = ("gguf", "ir", "ir+blob")  # each run a fresh process; "parked" is timed in this one
 STAGES = ("start", "import", "read", "tokenizer", "build", "warm_up", "ready", "first_token")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -131,11 +135,41 @@ def run(model: Path, runs: int, work: Path) -> dict[str, Any]:
             elif source == "gguf":
                 argv[argv.index("--root") + 1] = str(work / f"empty-{k}")  # a fresh, empty cache
             out["sources"].setdefault(source, {"runs": []})["runs"].append(_spawn(*argv))
+    out["sources"]["parked"] = {"runs": asyncio.run(_parked_runs(model, runs, root))}
     for row in out["sources"].values():
-        row["stages"] = {s: _summary([r[s] for r in row["runs"]]) for s in STAGES}
+        row["stages"] = {s: _summary([r[s] for r in row["runs"]]) for s in STAGES if s in row["runs"][0]}
         row["loaded_from"] = sorted({r["loaded_from"] for r in row["runs"]})
         if any("blob" in r for r in row["runs"]):
             row["blob"] = sorted({r["blob"] for r in row["runs"]})
+    return out
+
+
+async def _parked_runs(model: Path, runs: int, root: Path) -> list[dict[str, Any]]:
+    """Loads that adopt a parked worker: one load builds it (untimed) and each unload parks it."""
+    from engines.openvino_process import OpenVINOProcessEngine
+    from engines.parking import ParkingLot
+    from engines.protocol import EngineRequest, Sampling
+
+    lot = ParkingLot(1 << 40)
+    kwargs = dict(context_window=2048, max_num_seqs=16, cache_root=root, log_dir=root / "logs", parking=lot)
+    out = []
+    try:
+        engine = OpenVINOProcessEngine(model, **kwargs)
+        await engine.load()
+        ids = engine.encode_chat(QUESTION)
+        await engine.unload()
+        for _ in range(runs):
+            engine = OpenVINOProcessEngine(model, **kwargs)
+            t0 = time.perf_counter()
+            await engine.load()
+            t1 = time.perf_counter()
+            engine.add_request(EngineRequest("q", len(ids), Sampling(max_tokens=1, temperature=0), ids))
+            while engine.has_work():
+                await engine.step()
+            out.append({"ready": t1 - t0, "first_token": time.perf_counter() - t1, "loaded_from": engine.loaded_from})
+            await engine.unload()
+    finally:
+        await lot.close()
     return out
 
 
@@ -158,7 +192,7 @@ def _print(fig: dict[str, Any]) -> None:
     table.add_column("blob")
     for source, row in fig["sources"].items():
         cells = [f"{row['stages'][s]['median']:.2f} ({row['stages'][s]['min']:.2f}-{row['stages'][s]['max']:.2f})"
-                 for s in STAGES]
+                 if s in row["stages"] else "-" for s in STAGES]
         table.add_row(source, *cells, ", ".join(row.get("blob", ["-"])))
     Console(width=220).print(table)
     print(f"prepare (GGUF -> IR + tokenizer IR, once per node, in the background): {fig['prepare_s']:.2f} s")

@@ -115,6 +115,9 @@ class AgentNode(ClusterNode):
     def loaded_from(self, instance_id: str) -> str | None:
         return self._loaded_from.get(instance_id)
 
+    def parked(self, model: str) -> bool:
+        return model in self.stats.get("parked", {}).get("models", ())  # as of the last stats
+
     def can_fit(self, instance_bytes: int) -> bool:
         return self.capacity_bytes - self._budget_bytes >= instance_bytes
 
