@@ -96,7 +96,9 @@ class OpenVINOProcessEngine:
                                              name="OpenVINO")
         try:
             await wait(conn.call("init", kwargs=self._kwargs))
-            self._facts(await wait(conn.call("load")))
+            facts = await wait(conn.call("load"))
+            self._facts(facts)
+            self.loaded_from = facts.get("loaded_from")  # "gguf", "prepared" or "ir" (engines.node_cache)
         except BaseException as exc:
             await self._close()
             if self.on_loaded is not None:
@@ -173,7 +175,6 @@ class OpenVINOProcessEngine:
     def _facts(self, facts: Mapping[str, Any]) -> None:
         self.kv_bytes_per_token = int(facts["kv_bytes_per_token"])  # the warm-up measured it
         self._kv_allocated = int(facts["kv_bytes_allocated"])
-        self.loaded_from = facts.get("loaded_from")  # "gguf", "prepared" or "ir" (engines.node_cache)
 
     # ---- tokens (this process: the front's tokenizer, built on first use) ----------------
     def encode_prompt(self, prompt: str) -> list[int]:

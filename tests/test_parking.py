@@ -93,3 +93,64 @@ def test_a_stopped_instance_is_adopted_by_the_next_load_of_its_model(demo_gguf, 
             await lot.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_real_agent_parks_a_stopped_instance_and_the_cluster_predicts_its_next_load(demo_gguf):
+    """Through the service's AgentNode and a real agent process: the second instance of a
+    model adopts the first one's worker, the agent reports it parked in between, and the
+    cluster's cold-start prediction follows (the parked load only while one is parked)."""
+    from agent_doubles import until
+    from mesh.agent.protocol import InstanceSpec
+    from mesh.agent.supervisor import AgentSettings, LocalAgent
+    from mesh.perf.times import prior_profile
+    from mesh.policy.slo import SLO
+    from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
+    from mesh.runtime.node import NodeSpec
+    from mesh.service.agent_node import AgentNode
+    from engines.openvino_engine import OpenVINOEngine
+
+    gib = 2**30
+    shape = OpenVINOEngine(demo_gguf)
+
+    async def load_spec(plan: Any, node: Any) -> InstanceSpec:
+        return InstanceSpec(plan.instance_id, plan.model, str(demo_gguf), plan.context_window, max_num_seqs=8)
+
+    async def main() -> None:
+        node = AgentNode(NodeSpec("cpu0", "cpu", 4 * gib), LocalAgent,
+                         AgentSettings(models_roots=(str(demo_gguf.parent),)), load_spec)
+        profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
+        cluster = Cluster(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=4 * gib, slo=SLO(60.0, 5.0)),
+                          {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0},
+                          nodes=[node])
+        await cluster.start()
+
+        async def parked_soon() -> None:
+            for _ in range(300):
+                await node.refresh()
+                if node.parked("smol"):
+                    return
+                await asyncio.sleep(0.1)
+            raise AssertionError(f"never parked: {node.stats.get('parked')}")
+
+        try:
+            assert await node.agent.wait_up(60), node.agent.last_error
+            first = await cluster.start_instance(cluster.plan("smol", node), node)
+            await until(lambda: first.inst.loaded, 120)
+            assert node.loaded_from(first.instance_id) in ("gguf", "prepared")
+            cold = cluster.engine_load_s("smol", node)
+            await cluster.stop_instance(first)
+            await parked_soon()
+            second = await cluster.start_instance(cluster.plan("smol", node), node)
+            await until(lambda: second.inst.loaded, 30)
+            assert node.loaded_from(second.instance_id) == "parked"
+            await node.refresh()
+            assert not node.parked("smol")  # adopted: nothing parked now
+            assert cluster.engine_load_s("smol", node) == pytest.approx(cold)  # the real load's measure
+            await cluster.stop_instance(second)
+            await parked_soon()
+            assert cluster.engine_load_s("smol", node) < min(1.0, cold)  # parked again: its measured adoption
+        finally:
+            await cluster.stop()
+
+    asyncio.run(main())
