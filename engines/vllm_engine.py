@@ -47,6 +47,7 @@ vllm, else `<repo>/.venv-vllm/bin/python` (scripts/setup.sh creates it with the 
 """
 from __future__ import annotations
 
+import asyncio
 import concurrent.futures
 import importlib.util
 import itertools
@@ -67,6 +68,7 @@ from engines.protocol import (
     StepResult,
 )
 from engines.vllm_core import CoreSettings
+from engines.parking import Parked, ParkingLot
 from engines.worker_process import REPO_ROOT, WorkerConnection, WorkerRequests, wait, worker_env
 
 log = logging.getLogger(__name__)
@@ -296,6 +298,9 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization, weight_bytes_hint=self.weight_bytes,
             extra_engine_args=dict(extra_engine_args or {}))
         self.on_loaded = on_loaded
+        self.parking: ParkingLot | None = None  # the node's parked workers (CPU only: see _park)
+        self._stepping = False  # a step is in the worker (a watchdog's cancelled step leaves it so)
+        self.loaded_from: str | None = None  # "parked" when this load adopted a parked worker
         self.facts: dict[str, Any] = {}
         self.last_resize: dict[str, Any] = {}
         self.vllm_kv_bytes_in_use = 0  # what vLLM's block pool said after the last step
@@ -369,7 +374,11 @@ class VLLMEngine:
     # ---- memory operations ---------------------------------------------------------------
 
     async def load(self) -> None:
-        """Start the worker and import vLLM; build too if the KV size is known (docstring)."""
+        """Start the worker and import vLLM; build too if the KV size is known (docstring).
+        A parked worker built with the same settings is adopted instead (engines.parking);
+        the node's KV resize right after sizes its cache."""
+        if not self._prepared and await self._adopt_parked():
+            return
         try:
             if not self._prepared:
                 self.facts.update(await wait(self._connection().call("prepare")))
@@ -379,6 +388,47 @@ class VLLMEngine:
         except BaseException as exc:
             self._notify(exc)
             raise
+
+    async def _adopt_parked(self) -> bool:
+        parked = self.parking.take(self._park_key()) if self.parking is not None else None
+        if parked is None:
+            return False
+        self._conn = parked.conn
+        try:
+            facts = await wait(parked.conn.call("info"))
+        except BaseException:
+            await self.unload()
+            return False  # a worker that cannot answer is no use: load afresh
+        self._apply_facts(facts)
+        self._prepared = self._built = True
+        self.loaded_from = "parked"
+        self._notify(None)
+        return True
+
+    def _park_key(self) -> tuple[Any, ...]:
+        return ("vllm", self.python or "", repr(sorted(self.settings.as_dict().items())))
+
+    async def _park(self) -> bool:
+        """Hand a built CPU worker to the node's parking lot; False: the caller ends it.
+        Only on CPU: a GPU worker's memory is the device's, all of it planned by the
+        dispatcher (vLLM's sleep mode is the GPU's way: docs/vllm.md, not built). A worker
+        in the middle of a step is never parked."""
+        conn = self._conn
+        if (self.parking is None or self.device != "cpu" or not isinstance(conn, WorkerConnection)
+                or conn.dead is not None or not self._built or self._stepping):
+            return False
+        for rid in list(self._live):
+            conn.call("abort", rid=rid)
+        try:
+            async with asyncio.timeout(PARK_REPLY_S):
+                info = await wait(conn.call("info"))
+        except (EngineError, TimeoutError):
+            return False
+        if info.get("has_work") or not self.parking.park(
+                self._park_key(), Parked(self.model_name, conn, self.weight_bytes + self.kv_bytes_allocated())):
+            return False
+        self._conn = None
+        return True
 
     async def _build(self, capacity_bytes: int) -> None:
         facts = await wait(self._connection().call("build", kv_bytes=self._kv_size(capacity_bytes)))
@@ -416,12 +466,13 @@ class VLLMEngine:
         return blocks * self.block_size * self.kv_bytes_per_token
 
     async def unload(self) -> None:
-        """Stop the worker: weights and KV cache are freed with its process."""
+        """Stop the worker (weights and KV cache are freed with its process), or park it."""
+        parked = await self._park()
         conn, self._conn = self._conn, None
         self._requests.clear()
         self._prepared = self._built = False
         self.num_blocks = 0
-        if conn is None:
+        if conn is None or parked:
             return
         if isinstance(conn, _InProcess):
             conn.close()
@@ -508,7 +559,9 @@ class VLLMEngine:
             return refused
         if not self._live:
             raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
+        self._stepping = True
         result, kv_in_use = await wait(self._connection().call("step"))
+        self._stepping = False
         self.vllm_kv_bytes_in_use = int(kv_in_use)
         return self._filter(result)
 
@@ -543,6 +596,7 @@ class VLLMEngine:
 
 
 _log_ids = itertools.count()
+PARK_REPLY_S = 10.0  # a worker that takes longer to drop its requests is ended, not parked
 
 
 # ---- factories ---------------------------------------------------------------------------------

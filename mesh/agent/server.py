@@ -358,8 +358,9 @@ class AgentServer:
             try:
                 engine = (self._emulated(spec) if spec.engine == EMULATED else
                           await asyncio.to_thread(make_engine, spec, lambda exc: self._loaded(spec.instance_id, exc)))
-                if isinstance(engine, OpenVINOProcessEngine):  # its tokenizer is built while it loads
+                if hasattr(engine, "parking"):  # OpenVINO and vLLM workers park when they stop (engines.parking)
                     engine.parking = self.parking
+                if isinstance(engine, OpenVINOProcessEngine):  # its tokenizer is built while it loads
                     tokenizer = asyncio.ensure_future(self.tokenizers.prepare(spec.path))
                     tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
                     self._tokenizers_ready[spec.instance_id] = tokenizer
