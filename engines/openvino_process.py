@@ -20,7 +20,6 @@ warm, for the next load of the same model with the same settings on the node.
 """
 from __future__ import annotations
 
-import asyncio
 import itertools
 import os
 import sys
@@ -29,12 +28,11 @@ from typing import Any, Callable, Mapping, Sequence
 
 from engines.node_cache import SourceIdentity
 from engines.openvino_engine import OpenVINOEngine, kv_bytes_held
-from engines.parking import Parked, ParkingLot
+from engines.parking import ParkingLot
 from engines.protocol import EngineError, EngineRequest, StepResult, checked_request
 from engines.worker_process import WorkerConnection, WorkerRequests, wait, worker_env
 
 _log_ids = itertools.count()
-PARK_REPLY_S = 5.0  # a worker that takes longer to drop its requests is ended, not parked
 
 
 class OpenVINOProcessEngine:
@@ -125,16 +123,13 @@ class OpenVINOProcessEngine:
         return (ident, repr(sorted(kw.items())))
 
     async def _adopt_parked(self) -> bool:
-        parked = self.parking.take(self._park_key()) if self.parking is not None else None
-        if parked is None:
+        if self.parking is None:
             return False
-        self._conn = parked.conn
-        try:
-            facts = await wait(parked.conn.call("facts") if self.kv_capacity_bytes is None
-                               else parked.conn.call("resize", kv_bytes=self.kv_capacity_bytes))
-        except BaseException:
-            await self._close()
-            return False  # a worker that cannot answer is no use: load afresh
+        resize = {} if self.kv_capacity_bytes is None else {"op": "resize", "kv_bytes": self.kv_capacity_bytes}
+        adopted = await self.parking.adopt(self._park_key(), **resize)
+        if adopted is None:
+            return False
+        self._conn, facts = adopted
         self._facts(facts)
         self.loaded_from = "parked"
         self._loaded = True
@@ -143,18 +138,10 @@ class OpenVINOProcessEngine:
         return True
 
     async def _park(self) -> bool:
-        """Hand the worker to the node's parking lot; False: the caller ends it. A worker
-        in the middle of a step (hung, or a failed step) is never parked."""
-        conn = self._conn
-        if self.parking is None or conn is None or conn.dead is not None or self._stepping:
-            return False
-        try:
-            async with asyncio.timeout(PARK_REPLY_S):
-                facts = await wait(conn.call("park"))
-        except (EngineError, TimeoutError):
-            return False
-        if not self.parking.park(self._park_key(), Parked(self.model_name, conn,
-                                                          self.weight_bytes + int(facts["kv_bytes_allocated"]))):
+        """Hand the worker to the node's parking lot (ParkingLot.hand_over); False: end it."""
+        if self.parking is None or not await self.parking.hand_over(
+                self._park_key(), self.model_name, self._conn,
+                lambda facts: self.weight_bytes + int(facts["kv_bytes_allocated"]), self._stepping):
             return False
         self._conn = None
         return True

@@ -21,9 +21,12 @@ from __future__ import annotations
 import asyncio
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Hashable
+from typing import Any, Callable, Hashable, Mapping
 
-from engines.worker_process import WorkerConnection
+from engines.protocol import EngineError
+from engines.worker_process import WorkerConnection, wait
+
+PARK_REPLY_S = 10.0  # a worker that takes longer to drop its requests is ended, not parked
 
 
 @dataclass
@@ -73,6 +76,34 @@ class ParkingLot:
             self._end(self._lot.popitem(last=False)[1])
         self._lot[key] = parked
         return True
+
+    async def hand_over(self, key: Hashable, model: str, conn: Any, nbytes: Callable[[Mapping[str, Any]], int],
+                        stepping: bool = False) -> bool:
+        """Park an instance's worker when its instance stops: the worker's `park` command
+        drops its requests and answers its facts, from which `nbytes` says what it holds.
+        False (the caller ends the worker): not a worker process, dead, in the middle of a
+        step (a hung engine the watchdog gave up on, or a failed step), slow to answer, or
+        no room."""
+        if not isinstance(conn, WorkerConnection) or conn.dead is not None or stepping:
+            return False
+        try:
+            async with asyncio.timeout(PARK_REPLY_S):
+                facts = await wait(conn.call("park"))
+        except (EngineError, TimeoutError):
+            return False
+        return self.park(key, Parked(model, conn, nbytes(facts)))
+
+    async def adopt(self, key: Hashable, op: str = "facts", **fields: Any) -> tuple[WorkerConnection, Any] | None:
+        """The parked worker for `key` and its answer to `op` (its facts, or a resize), now
+        the caller's; None if none waits or it cannot answer (then it is ended)."""
+        parked = self.take(key)
+        if parked is None:
+            return None
+        try:
+            return parked.conn, await wait(parked.conn.call(op, **fields))
+        except BaseException:
+            self._end(parked)
+            return None
 
     def _end(self, parked: Parked) -> None:
         task = asyncio.get_running_loop().create_task(parked.conn.shutdown(30))

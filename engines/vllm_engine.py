@@ -47,7 +47,6 @@ vllm, else `<repo>/.venv-vllm/bin/python` (scripts/setup.sh creates it with the 
 """
 from __future__ import annotations
 
-import asyncio
 import concurrent.futures
 import importlib.util
 import itertools
@@ -68,7 +67,7 @@ from engines.protocol import (
     StepResult,
 )
 from engines.vllm_core import CoreSettings
-from engines.parking import Parked, ParkingLot
+from engines.parking import ParkingLot
 from engines.worker_process import REPO_ROOT, WorkerConnection, WorkerRequests, wait, worker_env
 
 log = logging.getLogger(__name__)
@@ -390,15 +389,10 @@ class VLLMEngine:
             raise
 
     async def _adopt_parked(self) -> bool:
-        parked = self.parking.take(self._park_key()) if self.parking is not None else None
-        if parked is None:
+        adopted = await self.parking.adopt(self._park_key(), "info") if self.parking is not None else None
+        if adopted is None:
             return False
-        self._conn = parked.conn
-        try:
-            facts = await wait(parked.conn.call("info"))
-        except BaseException:
-            await self.unload()
-            return False  # a worker that cannot answer is no use: load afresh
+        self._conn, facts = adopted
         self._apply_facts(facts)
         self._prepared = self._built = True
         self.loaded_from = "parked"
@@ -413,19 +407,10 @@ class VLLMEngine:
         Only on CPU: a GPU worker's memory is the device's, all of it planned by the
         dispatcher (vLLM's sleep mode is the GPU's way: docs/vllm.md, not built). A worker
         in the middle of a step is never parked."""
-        conn = self._conn
-        if (self.parking is None or self.device != "cpu" or not isinstance(conn, WorkerConnection)
-                or conn.dead is not None or not self._built or self._stepping):
-            return False
-        for rid in list(self._live):
-            conn.call("abort", rid=rid)
-        try:
-            async with asyncio.timeout(PARK_REPLY_S):
-                info = await wait(conn.call("info"))
-        except (EngineError, TimeoutError):
-            return False
-        if info.get("has_work") or not self.parking.park(
-                self._park_key(), Parked(self.model_name, conn, self.weight_bytes + self.kv_bytes_allocated())):
+        if (self.parking is None or self.device != "cpu" or not self._built
+                or not await self.parking.hand_over(self._park_key(), self.model_name, self._conn,
+                                                    lambda _facts: self.weight_bytes + self.kv_bytes_allocated(),
+                                                    self._stepping)):
             return False
         self._conn = None
         return True
@@ -596,7 +581,6 @@ class VLLMEngine:
 
 
 _log_ids = itertools.count()
-PARK_REPLY_S = 10.0  # a worker that takes longer to drop its requests is ended, not parked
 
 
 # ---- factories ---------------------------------------------------------------------------------
