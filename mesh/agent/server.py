@@ -587,7 +587,7 @@ class AgentServer:
             return {"ok": False, "code": Code.BATCH_FULL.value, "reason": refused[iid]}
         req = ServedRequest(EngineRequest(rid, prompt_len, entry.sampling, entry.prompt_token_ids), inst.model,
                             _since(entry.age_s), inst.slo, on_output=self._on_output, on_done=self._on_done,
-                            tokens_out=done, first_token_s=_since(entry.first_token_age_s))
+                            tokens_out=done, first_token_s=_since(entry.first_token_age_s), late_s=entry.late_s)
         if prompt_len + done + 1 > inst.engine.context_window:
             return {"ok": False, "code": Code.BAD_REQUEST.value,
                     "reason": f"prompt of {prompt_len + done} tokens exceeds the context window of {inst.engine.context_window}"}
@@ -613,7 +613,7 @@ class AgentServer:
         it arrived, the ST of Eq. 1) and the tokens it already produced elsewhere."""
         probe = Probe.from_dict(r)
         req = ServedRequest(EngineRequest(probe.request_id, probe.prompt_len, Sampling(max_tokens=probe.max_tokens)),
-                            "", _since(probe.age_s), slo)
+                            "", _since(probe.age_s), slo, late_s=probe.late_s)
         req.tokens_out = probe.done
         req.first_token_s = _since(probe.first_token_age_s)
         return req
