@@ -45,11 +45,13 @@ Agent -> control (events):
     done       {request_id, outcome, reason, detail, tokens_out, ttft_s, tpot_s}
     instance   {instance_id, state: "ready" | "failed", error}
     evicted    {request_id, why, tokens_out, token_ids, first_token_age_s}   the memory subsystem evicted it (6.4): place it again
+    stepping   {instance_id | null}          the instance whose iteration is in flight now (null: none), sent
+                                             when it changed, after the frames of the iteration that ended
 
 Reply codes when `ok` is false: see Code. Admission results use the same codes.
 
 Typed at the boundary (the dataclasses at the end of this module): the events (TokensEvent,
-DoneEvent, InstanceEvent, EvictedEvent), a request off its node (Progress), a request as
+DoneEvent, InstanceEvent, EvictedEvent, SteppingEvent), a request off its node (Progress), a request as
 shadow validation sees it (Probe, the R above), an admit entry (AdmitEntry) and `load`
 (InstanceSpec). Each is built by its sender and read back by its receiver with
 `from_message`/`from_dict`, which raise ProtocolError on a malformed message.
@@ -392,8 +394,28 @@ class EvictedEvent:
         return cls(str(m.get("why") or "evicted"), Progress.from_dict(m))
 
 
-Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent]
-EVENTS: dict[str, type] = {e.T: e for e in (TokensEvent, DoneEvent, InstanceEvent, EvictedEvent)}
+@dataclass(frozen=True, slots=True)
+class SteppingEvent:
+    """The instance whose iteration is in flight on the node (None: the node is between
+    iterations or idle), so the dispatcher skips it when it chooses preemption victims, as
+    the replay's policy does reading its LocalNode (LLM-Mesh 7.1)."""
+
+    T: ClassVar[str] = "stepping"
+    instance_id: str | None
+
+    def to_message(self) -> dict[str, Any]:
+        return {"t": self.T, "instance_id": self.instance_id}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "SteppingEvent":
+        iid = m.get("instance_id")
+        if iid is not None and not isinstance(iid, str):
+            raise ProtocolError(f"bad stepping event: instance_id {iid!r}")
+        return cls(iid)
+
+
+Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, SteppingEvent]
+EVENTS: dict[str, type] = {e.T: e for e in (TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, SteppingEvent)}
 
 
 def event_from_message(m: Mapping[str, Any]) -> Event:

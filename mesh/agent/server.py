@@ -58,6 +58,7 @@ from mesh.agent.protocol import (
     Code,
     DoneEvent,
     EvictedEvent,
+    SteppingEvent,
     InstanceEvent,
     InstanceSpec,
     Probe,
@@ -122,6 +123,8 @@ class AgentServer:
                                 watchdog=True)  # a hung engine fails its instance; its requests move
         self.node.on_loaded = self._ready
         self.node.on_hung = self._hung
+        self.node.on_stepping = self._stepping
+        self._stepping_sent: str | None | object = _UNSENT  # the last `stepping` this connection was told
         self.times: dict[str, AdaptiveTimes] = {}  # instance id -> its iteration times
         self.learning = NodeLearning()  # the machine's speed and per-model times (issue 23)
         self._speed_probe: asyncio.Future | None = None
@@ -223,6 +226,7 @@ class AgentServer:
             self._flush()
             self._writer.close()
         self._writer = writer
+        self._stepping_sent = _UNSENT  # the new connection is told what steps
         self._dispatch(first)
         try:
             while True:
@@ -304,9 +308,27 @@ class AgentServer:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def _stepping(self, instance_id: str | None) -> None:
+        """The node's loop started (an instance) or ended (None) an iteration: the service is
+        told at the next flush, if the stepping instance changed by then (an instance that
+        steps again right after its own iteration sends nothing). An engine that holds the
+        loop while it steps (a real one) would delay that flush past its iteration: its
+        start goes out now."""
+        if self._writer is None or self.node.stepping == self._stepping_sent:
+            return
+        inst = self.node.instances.get(instance_id or "")
+        if inst is not None and getattr(inst.engine, "blocks_event_loop", False):
+            self._flush()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
     def _flush(self) -> None:
         self._flush_scheduled = False
         self._learn_times()
+        if self._writer is not None and self.node.stepping != self._stepping_sent:
+            self._stepping_sent = self.node.stepping  # after the frames of the iteration that ended
+            self._outbox.append(SteppingEvent(self.node.stepping).to_message())
         outbox, self._outbox = self._outbox, []
         if self._writer is None or not outbox:
             return
@@ -765,6 +787,9 @@ class AgentServer:
     def _abort_all(self, why: str) -> None:
         for rid in list(self.requests):
             self.node.abort(rid, Outcome.FAILED, why)
+
+
+_UNSENT = object()  # no `stepping` sent on this connection yet
 
 
 def _only_own_prefill_late(admission: Any) -> bool:

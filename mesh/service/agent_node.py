@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 from engines.protocol import FinishReason
 from mesh.agent.client import AgentCallError, AgentDown
 from mesh.agent.protocol import AdmitEntry, Code, DoneEvent, EvictedEvent, InstanceEvent, InstanceSpec, Probe
+from mesh.agent.protocol import SteppingEvent
 from mesh.agent.protocol import Progress, ProtocolError, TokensEvent, event_from_message, mean_output_to, slo_to_dict
 from mesh.agent.supervisor import AgentHandle
 from mesh.policy.shadow import DEFAULT_MARGIN
@@ -86,6 +87,7 @@ class AgentNode(ClusterNode):
         self.busy_fraction = 0.0  # of the last stats interval, the node's engines were stepping
         self._load_waiters: dict[str, list[asyncio.Future]] = {}
         self._loaded_from: dict[str, str] = {}  # instance -> the source its agent said it loaded from
+        self._stepping: str | None = None  # the instance whose iteration is in flight (the agent's `stepping`)
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -100,6 +102,12 @@ class AgentNode(ClusterNode):
     @property
     def up(self) -> bool:
         return self.agent.up
+
+    @property
+    def stepping(self) -> str | None:
+        """The instance whose iteration is in flight, as the agent last said: preemption skips
+        it (7.1), as it skips a LocalNode's in a replay."""
+        return self._stepping if self.up else None
 
     @property
     def capacity_bytes(self) -> int:
@@ -341,6 +349,8 @@ class AgentNode(ClusterNode):
                 self.on_evict(req)
             else:
                 req.end(Outcome.FAILED, now, event.why)
+        elif isinstance(event, SteppingEvent):
+            self._stepping = event.instance_id
         elif isinstance(event, InstanceEvent):
             inst = self._instances.get(event.instance_id)
             if inst is None:
@@ -370,6 +380,7 @@ class AgentNode(ClusterNode):
         for view in (agent.client.info.get("instances") or []) if agent.client is not None else []:
             agent.client.send({"t": "unload", "instance_id": view.get("instance_id")})
         self._budget_bytes = 0
+        self._stepping = None  # until the agent says
         if self.on_change is not None:
             self.on_change()
 
@@ -378,6 +389,7 @@ class AgentNode(ClusterNode):
         for inst in list(self._instances.values()):
             self._lose_instance(inst, why)
         self.stats = {}
+        self._stepping = None
         if self.on_down is not None:
             self.on_down(self)
 
