@@ -142,6 +142,34 @@ def test_an_agent_node_knows_which_instance_steps():
     assert seen == x
 
 
+def test_an_agent_node_knows_its_memory_budget_between_stats(simulated):
+    """New instances bin-pack by the memory budget in use (4), which a replay's LocalNode
+    reads from its reservation station (6.3). An AgentNode counted only the weights of the
+    instances it started until the next stats poll (a second later): now the agent's `node`
+    event carries the budget (weights, the initial KV cache, each scale-up at admission)
+    with the reply that changed it."""
+    async def main():
+        cluster, _d = await _cluster(["m"], slo=SLO(ttft_min_s=5.0, tpot_s=1.0))
+        a = cluster.node("cpu0")
+        a.stats = {}  # no poll has run; none will before the checks below (STATS_EVERY_S)
+        station = a.agent.server.node.memory.station
+        ref = await cluster.start_instance(cluster.plan("m", a), a)
+        seen = [(a.used_bytes(), station.budget)]
+        await until(lambda: a.instances[ref.instance_id].loaded)
+        reqs = [_request(f"r{k}", "m", prompt=200, out=40) for k in range(6)]
+        for r in reqs:
+            assert (await a.try_admit(ref.instance_id, r)).ok
+            seen.append((a.used_bytes(), station.budget))
+        await until(lambda: all(r.outcome is not None for r in reqs), 20.0)
+        await cluster.stop()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[0][0] == seen[0][1] > 10**6  # weights and the initial KV cache, at once
+    assert all(used == budget for used, budget in seen), seen
+    assert seen[-1][1] > seen[0][1]  # the KV cache grew with the admissions, and the node said so
+
+
 def test_preemption_skips_the_instance_in_the_middle_of_an_iteration(simulated):
     """As in the replay (7.1), live preemption never picks the instance whose iteration is
     in flight: Y (model n) is prefilling for a second when a request for m needs Y's room

@@ -272,3 +272,46 @@ def test_emulated_iterations_keep_the_profiles_pace_through_the_nodes_lag():
     predicted = sum(times.decode_s(1, 9 + i) for i in range(20))
     assert run(None) >= predicted + 20 * 0.004  # each iteration late by the lag
     assert predicted * 0.97 <= run(WallPace()) < predicted + 0.03  # made up
+
+
+def test_an_emulated_instance_plans_with_its_profile_and_the_nodes_margin():
+    """An emulated engine keeps its profile's times, so its agent learns neither factors nor
+    a margin from it (what it would learn is the host's lag: a margin of 5% after 32
+    iterations where the replay validates with 10%, the differential test's largest
+    divergence); the instance's validation plans as the replay's does."""
+    from mesh.agent.client import AgentClient
+    from mesh.agent.protocol import AdmitEntry, InstanceSpec
+    from mesh.agent.server import AgentServer
+    from mesh.runtime.node import NodeSpec
+
+    async def main():
+        server = AgentServer(NodeSpec("n0", "gpu", 10**12), "tok", {}, load_roots=["/"],
+                             emulation=Emulation("a100-80gb", noise=0.0))
+        address = await server.serve("127.0.0.1:0")
+        client = AgentClient("n0", lambda _m: None, lambda _r: None)
+        try:
+            await client.connect(address, "tok")
+            spec = InstanceSpec("i1", "t/m", "llama-3.2-3b", 2048, engine="emulated", profile="emulated:llama-3.2-3b",
+                                emulated_load_s=0.01)
+            await client.call(spec.to_message())
+            for _ in range(200):
+                if server.node.instances["i1"].loaded:
+                    break
+                await asyncio.sleep(0.01)
+            entry = AdmitEntry("r", "i1", list(range(16)), Sampling(max_tokens=80), 0.0, prompt_len=16)
+            result = (await client.call({"t": "admit", "requests": [entry.to_dict()]}))["results"][0]
+            assert result["ok"], result
+            for _ in range(500):
+                if "r" not in server.requests:
+                    break
+                await asyncio.sleep(0.01)
+            server._flush()  # what the agent learns, it learns at a flush
+            return server.times["i1"]
+        finally:
+            await client.close()
+            server.stop()
+            await server.close()
+
+    times = asyncio.run(main())
+    assert times.observed >= 70  # it ran (and saw) its iterations
+    assert times.margin is None and times.decode_factor == 1.0 and times.prefill_factor == 1.0
