@@ -16,7 +16,7 @@ Control -> agent (see docs/service.md for every field):
                                                  weights: {address, dir} | null}
     ping       {}                            -> {}
     load       {instance_id, model, path, context_window, slo, max_num_seqs, profile, engine, expected_load_s,
-                exact_moves}
+                exact_moves, mean_output, emulated_load_s}
                                              -> {} (issued; an `instance` event follows)
     unload     {instance_id}                 -> {}
     tokenize   {instance_id | (model, path, engine, context_window), prompt | messages} -> {ids}
