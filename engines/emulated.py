@@ -15,9 +15,16 @@ What a real engine adds, and how it is made up here:
   upwards), each detokenized to a short word, so a stream is the same every run.
 - An emulated model never stops on its own: a request produces `max_tokens` tokens, fewer
   only where the context window ends (`output_len` of a replay's request wins).
+- The wall clock is not virtual time: a sleep ends late by the event loop's lag, and the
+  node's own work between two iterations (scheduling, streaming) takes time that a replay's
+  does not. A node's emulated engines share a `WallPace` that makes that up: back-to-back
+  iterations end when the profile says, counted from the first one's start, so the node
+  keeps the profile's pace (and its agent does not learn the host's lag into its times).
 """
 from __future__ import annotations
 
+import asyncio
+import math
 import zlib
 from typing import Any, Mapping, Sequence
 
@@ -57,14 +64,38 @@ def token_text(token_id: int) -> str:
     return chr(token_id) if 32 <= token_id < 127 else " "
 
 
+class WallPace:
+    """One node's emulated iterations at the profile's pace on the wall clock: an iteration
+    that starts within `catch_up_s` of the end the previous one was due (back to back, the
+    node's lag and own work between them) ends `seconds` after that due end, not after its
+    own late start; one that starts later (the node was idle) runs its full time from now."""
+
+    def __init__(self, catch_up_s: float = 0.05) -> None:
+        self.catch_up_s = catch_up_s
+        self.due: float | None = None  # when the last iteration was due to end
+
+    async def sleep(self, seconds: float) -> None:
+        now = asyncio.get_running_loop().time()
+        late = now - self.due if self.due is not None else math.inf
+        self.due = (self.due if 0.0 <= late <= self.catch_up_s else now) + seconds
+        await asyncio.sleep(max(0.0, self.due - now))
+
+
 class EmulatedEngine(SimulatedEngine):
     """A SimulatedEngine whose iterations also give each request a token id and its text."""
 
     loaded_from = "emulated"  # what the agent reports as the load's source
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, pace: WallPace | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
+        self.pace = pace  # the node's (shared by its engines); None: each iteration sleeps its time
         self._position: dict[str, int] = {}  # request -> tokens generated so far
+
+    async def _pause(self, seconds: float) -> None:
+        if self.pace is None:
+            await super()._pause(seconds)
+        else:
+            await self.pace.sleep(seconds)
 
     def encode_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):

@@ -104,6 +104,10 @@ class SimulatedEngine:
     def kv_bytes_in_use(self) -> int:
         return self._context * self.kv_bytes_per_token
 
+    async def _pause(self, seconds: float) -> None:
+        """An iteration's time passes (virtual time in a replay)."""
+        await asyncio.sleep(seconds)
+
     def _jitter(self) -> float:
         return self._rng.lognormvariate(0.0, self.noise) if self.noise else 1.0
 
@@ -123,7 +127,7 @@ class SimulatedEngine:
         tokens = sum(self._pending[rid][0] for rid in batch)
         extra = extra_s(self.times, IterationKind.PREFILL, take, self._last, switched, tokens not in self._shapes)
         self._shapes.add(tokens)
-        await asyncio.sleep((self.times.prefill_s(tokens) + extra) * self._jitter())
+        await self._pause((self.times.prefill_s(tokens) + extra) * self._jitter())
         batch = [rid for rid in batch if rid in self._pending]  # aborted meanwhile: no token
         finished = {}
         for rid in batch:
@@ -139,7 +143,7 @@ class SimulatedEngine:
     async def _decode(self, switched: bool) -> StepResult:
         n = len(self._running)
         extra = extra_s(self.times, IterationKind.DECODE, n, self._last, switched)
-        await asyncio.sleep((self.times.decode_s(n, self._context / n) + extra) * self._jitter())
+        await self._pause((self.times.decode_s(n, self._context / n) + extra) * self._jitter())
         served = list(self._running)  # without any aborted meanwhile
         self._rounds += 1
         self._context += len(served)

@@ -9,8 +9,9 @@ import asyncio
 
 import pytest
 
-from agent_doubles import InProcessAgent, until, use_simulated_engines
+from agent_doubles import TIMES, InProcessAgent, until, use_simulated_engines
 from cluster_doubles import linear_profile
+from doubles import LinearTimes
 from engines.protocol import EngineRequest, Sampling
 from mesh.agent.protocol import InstanceSpec
 from mesh.policy.slo import SLO
@@ -68,12 +69,22 @@ async def _instance(cluster, model: str, node) -> str:
     return ref.instance_id
 
 
+def _engine(cluster, node, instance_id: str):
+    """The in-process agent's engine of an instance (its `times` are what its iterations take)."""
+    return node.agent.server.node.instances[instance_id].engine
+
+
+SLOW_DECODE = LinearTimes(prefill_per_token=0.0001, decode_base=0.3)  # what an iteration really takes, not its plan
+SLOW_PREFILL = LinearTimes(prefill_per_token=0.05, decode_base=0.01)  # 20 tokens: 1 s
+
+
 def test_proactive_preemption_moves_a_running_request_to_another_agent(simulated):
     """cpu0 runs X (model m, batch 2) and Y (model n, batch 1), forced in memory-only: a
     decode round of both takes 20 ms (x1.1 margin) against a TPOT of 15 ms. A third
     request for m validates on X only with Y preempted; Y's request validates on a new
     instance on cpu1, so the dispatcher preempts Y and the request resumes on cpu1 with the
-    tokens it produced, and all of them finish with every token."""
+    tokens it produced, and all of them finish with every token. (The request arrives
+    while X, not the victim Y, steps: X's iterations really take 0.3 s then.)"""
 
     async def main():
         cluster, d = await _cluster(["m", "n"])
@@ -86,10 +97,14 @@ def test_proactive_preemption_moves_a_running_request_to_another_agent(simulated
             assert (await a.try_admit(x, r, compute=False)).ok
         assert (await a.try_admit(y, moved, compute=False)).ok
         await until(lambda: a.agent.server.node.progress("n0") >= 5)  # simulated engines stream no tokens
+        _engine(cluster, a, x).times = SLOW_DECODE
+        await asyncio.sleep(0.05)  # the iterations planned before are over
+        await until(lambda: a.stepping == x)
         r = _request("r", "m")
         assert not (await a.validate(x, r)).ok  # X is too slow with Y beside it
         d.submit(r)
         await until(lambda: moved.node_id == "cpu1")
+        _engine(cluster, a, x).times = TIMES
         carried = [n for n in moved.attempts if "preempted by" in n]
         assert r.node_id == "cpu0" and r.instance_id == x and y not in a.instances
         assert d.policy.stats.preemptions == 1 and carried
@@ -101,6 +116,92 @@ def test_proactive_preemption_moves_a_running_request_to_another_agent(simulated
     for q in [*first, moved, r]:
         assert q.outcome is Outcome.COMPLETED and q.tokens_out == 200, (q.request_id, q.outcome, q.detail)
     assert moved.node_id == "cpu1"
+
+
+def test_an_agent_node_knows_which_instance_steps():
+    """The agent says which instance's iteration is in flight (`stepping` events), so the
+    service's view of a node reads as a replay's LocalNode: the instance while it runs
+    iterations, None once the node is idle."""
+    async def main():
+        with pytest.MonkeyPatch.context() as mp:
+            use_simulated_engines(mp)
+            cluster, _d = await _cluster(["m"], slo=SLO(ttft_min_s=5.0, tpot_s=1.0))
+            a = cluster.node("cpu0")
+            x = await _instance(cluster, "m", a)
+            assert a.stepping is None
+            r = _request("r", "m", out=100)
+            assert (await a.try_admit(x, r)).ok
+            await until(lambda: a.stepping == x)
+            seen = a.stepping
+            await until(lambda: r.outcome is not None)
+            await until(lambda: a.stepping is None)
+            await cluster.stop()
+            return seen, x
+
+    seen, x = asyncio.run(main())
+    assert seen == x
+
+
+def test_an_agent_node_knows_its_memory_budget_between_stats(simulated):
+    """New instances bin-pack by the memory budget in use (4), which a replay's LocalNode
+    reads from its reservation station (6.3). An AgentNode counted only the weights of the
+    instances it started until the next stats poll (a second later): now the agent's `node`
+    event carries the budget (weights, the initial KV cache, each scale-up at admission)
+    with the reply that changed it."""
+    async def main():
+        cluster, _d = await _cluster(["m"], slo=SLO(ttft_min_s=5.0, tpot_s=1.0))
+        a = cluster.node("cpu0")
+        a.stats = {}  # no poll has run; none will before the checks below (STATS_EVERY_S)
+        station = a.agent.server.node.memory.station
+        ref = await cluster.start_instance(cluster.plan("m", a), a)
+        seen = [(a.used_bytes(), station.budget)]
+        await until(lambda: a.instances[ref.instance_id].loaded)
+        reqs = [_request(f"r{k}", "m", prompt=200, out=40) for k in range(6)]
+        for r in reqs:
+            assert (await a.try_admit(ref.instance_id, r)).ok
+            seen.append((a.used_bytes(), station.budget))
+        await until(lambda: all(r.outcome is not None for r in reqs), 20.0)
+        await cluster.stop()
+        return seen
+
+    seen = asyncio.run(main())
+    assert seen[0][0] == seen[0][1] > 10**6  # weights and the initial KV cache, at once
+    assert all(used == budget for used, budget in seen), seen
+    assert seen[-1][1] > seen[0][1]  # the KV cache grew with the admissions, and the node said so
+
+
+def test_preemption_skips_the_instance_in_the_middle_of_an_iteration(simulated):
+    """As in the replay (7.1), live preemption never picks the instance whose iteration is
+    in flight: Y (model n) is prefilling for a second when a request for m needs Y's room
+    on cpu0. Y is not preempted (without `stepping` the service picked it, and its
+    take-back waited for the prefill); the request gets a new instance on cpu1."""
+
+    async def main():
+        cluster, d = await _cluster(["m", "n"])
+        a = cluster.node("cpu0")
+        x = await _instance(cluster, "m", a)
+        y = await _instance(cluster, "n", a)
+        first = [_request(f"m{k}", "m") for k in range(2)]
+        for q in first:
+            assert (await a.try_admit(x, q, compute=False)).ok
+        _engine(cluster, a, y).times = SLOW_PREFILL
+        stays = _request("n0", "n")
+        assert (await a.try_admit(y, stays, compute=False)).ok
+        await until(lambda: a.stepping == y)
+        r = _request("r", "m")
+        d.submit(r)
+        await until(lambda: r.node_id is not None, 5.0)
+        where = (r.node_id, stays.node_id, d.policy.stats.preemptions, a.stepping)
+        _engine(cluster, a, y).times = TIMES
+        await until(lambda: all(q.outcome is not None for q in [*first, stays, r]), 30.0)
+        await cluster.stop()
+        return where, y, [*first, stays, r]
+
+    (r_node, stays_node, preemptions, stepping), y, reqs = asyncio.run(main())
+    assert stepping == y  # decided during Y's prefill
+    assert (r_node, stays_node, preemptions) == ("cpu1", "cpu0", 0)
+    for q in reqs:
+        assert q.outcome is Outcome.COMPLETED and q.tokens_out == 200, (q.request_id, q.outcome, q.detail)
 
 
 def test_an_evicted_request_finishes_on_another_agent(simulated):

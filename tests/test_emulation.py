@@ -16,6 +16,7 @@ from mesh.agent.emulation import Emulation, emulated_nodes, emulated_profiles, p
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import catalog_profile
 from mesh.policy.batching import IterationKind
+from mesh.policy.placement import ColdStart
 from test_service_e2e import ADMIN, Server
 
 
@@ -198,3 +199,119 @@ def test_mesh_serve_emulate_streams_emulated_models_at_the_profiles_pace(tmp_pat
     finally:
         server.stop()
     assert server.proc.returncode == 0
+
+
+def test_an_emulated_load_takes_the_replays_engine_load_not_the_prediction():
+    """Issue 24: an emulated instance's load took the dispatcher's predicted cold start,
+    which already counts the initial KV cache allocation that the node runtime then
+    performs again (and, once loads are measured, the measured one: each start longer than
+    the one before). It takes what the replay's simulated engine takes
+    (InstanceSpec.emulated_load_s, Cluster.simulated_load_s), the KV allocation after it."""
+    from mesh.agent.client import AgentClient
+    from mesh.agent.protocol import InstanceSpec
+    from mesh.agent.server import AgentServer
+    from mesh.runtime.node import NodeSpec
+
+    async def main() -> list[float]:
+        server = AgentServer(NodeSpec("n0", "cpu", 10**12), "tok", {}, load_roots=["/"],
+                             emulation=Emulation("xeon-6462c", noise=0.0))
+        address = await server.serve("127.0.0.1:0")
+        loop = asyncio.get_running_loop()
+        ready: dict[str, float] = {}
+        client = AgentClient("n0", lambda m: ready.setdefault(m.get("instance_id"), loop.time())
+                             if m.get("t") == "instance" and m.get("state") == "ready" else None, lambda _r: None)
+        took = []
+        try:
+            await client.connect(address, "tok")
+            for iid, emulated in (("i1", 0.3), ("i2", None)):
+                spec = InstanceSpec(iid, "t/m", "llama-3.2-3b", 2048, engine="emulated", profile="emulated:llama-3.2-3b",
+                                    expected_load_s=4.0, emulated_load_s=emulated)
+                start = loop.time()
+                await client.call(spec.to_message())
+                for _ in range(400):
+                    if iid in ready:
+                        break
+                    await asyncio.sleep(0.01)
+                took.append(ready[iid] - start)
+        finally:
+            await client.close()
+            server.stop()
+            await server.close()
+        return took
+
+    given, default = asyncio.run(main())
+    weights = ColdStart().load_s(catalog_profile("llama-3.2-3b", "xeon-6462c").weight_bytes, "cpu")
+    assert 0.3 <= given < 1.5  # the given load and the KV allocation, not the 4 s predicted
+    assert weights <= default < weights + 1.2  # without one, ColdStart's load of the weights
+
+
+def test_emulated_iterations_keep_the_profiles_pace_through_the_nodes_lag():
+    """The node's work between two iterations and the loop's lag (here 4 ms of blocking per
+    iteration) would add to every emulated iteration, which a replay's virtual time does
+    not (issue 24's differential test): back-to-back iterations of a node's engines end
+    when the profile says, counted from the first one's start."""
+    from engines.emulated import WallPace
+
+    times = PerformanceModel(catalog_profile("llama-2-7b", "a100-80gb"))
+
+    def run(pace: WallPace | None) -> float:
+        engine = _engine(noise=0.0, device="a100-80gb")
+        engine.pace = pace
+
+        async def main() -> float:
+            engine.add_request(EngineRequest("a", 8, Sampling(max_tokens=100), list(range(8))))
+            await engine.step()
+            started = time.monotonic()
+            for _ in range(20):
+                time.sleep(0.004)  # the node's own work, the loop's lag
+                await engine.step()
+            return time.monotonic() - started
+
+        return asyncio.run(main())
+
+    predicted = sum(times.decode_s(1, 9 + i) for i in range(20))
+    assert run(None) >= predicted + 20 * 0.004  # each iteration late by the lag
+    assert predicted * 0.97 <= run(WallPace()) < predicted + 0.03  # made up
+
+
+def test_an_emulated_instance_plans_with_its_profile_and_the_nodes_margin():
+    """An emulated engine keeps its profile's times, so its agent learns neither factors nor
+    a margin from it (what it would learn is the host's lag: a margin of 5% after 32
+    iterations where the replay validates with 10%, the differential test's largest
+    divergence); the instance's validation plans as the replay's does."""
+    from mesh.agent.client import AgentClient
+    from mesh.agent.protocol import AdmitEntry, InstanceSpec
+    from mesh.agent.server import AgentServer
+    from mesh.runtime.node import NodeSpec
+
+    async def main():
+        server = AgentServer(NodeSpec("n0", "gpu", 10**12), "tok", {}, load_roots=["/"],
+                             emulation=Emulation("a100-80gb", noise=0.0))
+        address = await server.serve("127.0.0.1:0")
+        client = AgentClient("n0", lambda _m: None, lambda _r: None)
+        try:
+            await client.connect(address, "tok")
+            spec = InstanceSpec("i1", "t/m", "llama-3.2-3b", 2048, engine="emulated", profile="emulated:llama-3.2-3b",
+                                emulated_load_s=0.01)
+            await client.call(spec.to_message())
+            for _ in range(200):
+                if server.node.instances["i1"].loaded:
+                    break
+                await asyncio.sleep(0.01)
+            entry = AdmitEntry("r", "i1", list(range(16)), Sampling(max_tokens=80), 0.0, prompt_len=16)
+            result = (await client.call({"t": "admit", "requests": [entry.to_dict()]}))["results"][0]
+            assert result["ok"], result
+            for _ in range(500):
+                if "r" not in server.requests:
+                    break
+                await asyncio.sleep(0.01)
+            server._flush()  # what the agent learns, it learns at a flush
+            return server.times["i1"]
+        finally:
+            await client.close()
+            server.stop()
+            await server.close()
+
+    times = asyncio.run(main())
+    assert times.observed >= 70  # it ran (and saw) its iterations
+    assert times.margin is None and times.decode_factor == 1.0 and times.prefill_factor == 1.0

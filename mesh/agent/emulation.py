@@ -17,10 +17,10 @@ agent resolves on its own device. An agent started without `--emulate` refuses b
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from engines.emulated import EmulatedEngine
+from engines.emulated import EmulatedEngine, WallPace
 from engines.protocol import EngineError
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile, ProfileError, catalog_models, catalog_profile, device_kind
@@ -40,6 +40,7 @@ class Emulation:
     noise: float = SIMULATED_NOISE
     seed: int = 0
     profile_dir: str | None = None  # calibrated profiles <model>__<device>.json besides the packaged ones
+    pace: WallPace = field(default_factory=WallPace, compare=False)  # this node's: its engines keep the profile's pace
 
     def profile(self, model: str) -> Profile:
         """The catalog's profile of `model` on this device; EngineError names what is wrong."""
@@ -51,14 +52,16 @@ class Emulation:
     def engine(self, instance_id: str, model: str, uid: str, context_window: int | None, max_batch: int,
                load_s: float | None) -> EmulatedEngine:
         """An instance of catalog model `model` (registered as `uid`) on this device. Its load
-        takes `load_s` (the dispatcher's predicted cold start), else the replay's cold start."""
+        takes `load_s`, what the replay's simulated engine's takes (InstanceSpec.emulated_load_s:
+        the wait for the node's loads under way and the weights' load, not the KV cache
+        allocation, which the node runtime does after it), else ColdStart's load of its weights."""
         p = self.profile(model)
         window = min(context_window or p.max_context, p.max_context)
         if load_s is None:
             load_s = ColdStart().load_s(p.weight_bytes, p.device_kind)
         return EmulatedEngine(uid, PerformanceModel(p), kv_bytes_per_token=p.kv_bytes_per_token,
                               weight_bytes=p.weight_bytes, context_window=window, max_batch=max_batch,
-                              load_s=load_s, noise=self.noise,
+                              load_s=load_s, noise=self.noise, pace=self.pace,
                               seed=zlib.crc32(f"{self.seed}:{instance_id}".encode()))
 
 

@@ -16,7 +16,7 @@ Control -> agent (see docs/service.md for every field):
                                                  weights: {address, dir} | null}
     ping       {}                            -> {}
     load       {instance_id, model, path, context_window, slo, max_num_seqs, profile, engine, expected_load_s,
-                exact_moves}
+                exact_moves, mean_output, emulated_load_s}
                                              -> {} (issued; an `instance` event follows)
     unload     {instance_id}                 -> {}
     tokenize   {instance_id | (model, path, engine, context_window), prompt | messages} -> {ids}
@@ -45,11 +45,15 @@ Agent -> control (events):
     done       {request_id, outcome, reason, detail, tokens_out, ttft_s, tpot_s}
     instance   {instance_id, state: "ready" | "failed", error}
     evicted    {request_id, why, tokens_out, token_ids, first_token_age_s}   the memory subsystem evicted it (6.4): place it again
+    node       {stepping, budget_bytes}      what the dispatcher reads of the node between calls, sent when it
+                                             changed, after the frames of the iteration that ended: the
+                                             instance whose iteration is in flight (null: none) and the memory
+                                             budget in use (the reservation station's, 6.3)
 
 Reply codes when `ok` is false: see Code. Admission results use the same codes.
 
 Typed at the boundary (the dataclasses at the end of this module): the events (TokensEvent,
-DoneEvent, InstanceEvent, EvictedEvent), a request off its node (Progress), a request as
+DoneEvent, InstanceEvent, EvictedEvent, NodeEvent), a request off its node (Progress), a request as
 shadow validation sees it (Probe, the R above), an admit entry (AdmitEntry) and `load`
 (InstanceSpec). Each is built by its sender and read back by its receiver with
 `from_message`/`from_dict`, which raise ProtocolError on a malformed message.
@@ -191,6 +195,10 @@ class InstanceSpec:
     # O_avg of the model as the control service holds it (prior, count, total: LLM-Mesh 6.1):
     # one mean per model, shared by every instance of it, as in the replay. None: the agent's prior
     mean_output: tuple[float, int, float] | None = None
+    # An emulated instance (engine "emulated"): how long its engine's load takes, the replay's
+    # simulated engine's (mesh.runtime.cluster.Cluster.simulated_load_s); the node's KV cache
+    # allocation follows, as in the replay. None: ColdStart's load of its weights.
+    emulated_load_s: float | None = None
 
     def to_message(self) -> dict[str, Any]:
         return {"t": "load", **asdict(self)}
@@ -206,6 +214,7 @@ class InstanceSpec:
                 expected_load_s=None if m.get("expected_load_s") is None else float(m["expected_load_s"]),
                 exact_moves=bool(m.get("exact_moves", False)),
                 mean_output=mean_output_from(m.get("mean_output")),
+                emulated_load_s=None if m.get("emulated_load_s") is None else float(m["emulated_load_s"]),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise ProtocolError(f"bad load message: {exc}") from exc
@@ -410,8 +419,33 @@ class EvictedEvent:
         return cls(str(m.get("why") or "evicted"), Progress.from_dict(m))
 
 
-Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent]
-EVENTS: dict[str, type] = {e.T: e for e in (TokensEvent, DoneEvent, InstanceEvent, EvictedEvent)}
+@dataclass(frozen=True, slots=True)
+class NodeEvent:
+    """The node's state that the dispatcher reads between calls, as a replay's policy reads
+    a LocalNode's: the instance whose iteration is in flight (None: between iterations or
+    idle), which preemption skips (LLM-Mesh 7.1), and the memory budget in use (the
+    reservation station's optimistic budget, 6.3), by which new instances bin-pack (4)."""
+
+    T: ClassVar[str] = "node"
+    stepping: str | None
+    budget_bytes: int
+
+    def to_message(self) -> dict[str, Any]:
+        return {"t": self.T, "stepping": self.stepping, "budget_bytes": self.budget_bytes}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "NodeEvent":
+        stepping = m.get("stepping")
+        if stepping is not None and not isinstance(stepping, str):
+            raise ProtocolError(f"bad node event: stepping {stepping!r}")
+        try:
+            return cls(stepping, int(m["budget_bytes"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad node event: {exc}") from exc
+
+
+Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent]
+EVENTS: dict[str, type] = {e.T: e for e in (TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent)}
 
 
 def event_from_message(m: Mapping[str, Any]) -> Event:

@@ -58,6 +58,7 @@ from mesh.agent.protocol import (
     Code,
     DoneEvent,
     EvictedEvent,
+    NodeEvent,
     InstanceEvent,
     InstanceSpec,
     Probe,
@@ -126,6 +127,8 @@ class AgentServer:
                                 watchdog=True)  # a hung engine fails its instance; its requests move
         self.node.on_loaded = self._ready
         self.node.on_hung = self._hung
+        self.node.on_stepping = self._stepping
+        self._node_sent: NodeEvent | None = None  # the last `node` event this connection was told
         self.times: dict[str, AdaptiveTimes] = {}  # instance id -> its iteration times
         self.learning = NodeLearning()  # the machine's speed and per-model times (issue 23)
         self._speed_probe: asyncio.Future | None = None
@@ -229,6 +232,7 @@ class AgentServer:
             self._flush()
             self._writer.close()
         self._writer = writer
+        self._node_sent = None  # the new connection is told the node's state
         self._dispatch(first)
         try:
             while True:
@@ -310,9 +314,31 @@ class AgentServer:
             self._flush_scheduled = True
             asyncio.get_running_loop().call_soon(self._flush)
 
+    def _node_state(self) -> NodeEvent:
+        return NodeEvent(self.node.stepping, self.node.memory.station.budget)
+
+    def _stepping(self, instance_id: str | None) -> None:
+        """The node's loop started (an instance) or ended (None) an iteration: the service is
+        told at the next flush, if the node's state changed by then (an instance that steps
+        again right after its own iteration sends nothing). An engine that holds the loop
+        while it steps (a real one) would delay that flush past its iteration: its start
+        goes out now."""
+        if self._writer is None or self._node_state() == self._node_sent:
+            return
+        inst = self.node.instances.get(instance_id or "")
+        if inst is not None and getattr(inst.engine, "blocks_event_loop", False):
+            self._flush()
+        elif not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
     def _flush(self) -> None:
         self._flush_scheduled = False
         self._learn_times()
+        state = self._node_state()
+        if self._writer is not None and state != self._node_sent:
+            self._node_sent = state  # after the frames (replies, tokens) of what changed it
+            self._outbox.append(state.to_message())
         outbox, self._outbox = self._outbox, []
         if self._writer is None or not outbox:
             return
@@ -515,7 +541,7 @@ class AgentServer:
         """An emulated instance of the catalog model `spec.path` on this node's device."""
         assert self.emulation is not None
         return self.emulation.engine(spec.instance_id, spec.path, spec.model, spec.context_window,
-                                     spec.max_num_seqs, spec.expected_load_s)
+                                     spec.max_num_seqs, spec.emulated_load_s)
 
     def _times(self, spec: InstanceSpec, weight_bytes: int) -> AdaptiveTimes:
         """The instance's predicted iteration times: an emulated model's from its catalog
@@ -525,7 +551,11 @@ class AgentServer:
             return iteration_times(spec, weight_bytes)
         if self.emulation is None:
             raise EngineError(f"node {self.spec.node_id} does not emulate: it has no times for {spec.profile}")
-        return AdaptiveTimes(PerformanceModel(self.emulation.profile(name)))
+        # An emulated engine keeps its profile's times (engines.emulated.WallPace), noise aside:
+        # nothing to learn (what it would learn is this host's lag), so its validation plans
+        # with the profile and the node's margin, as the replay's does.
+        return AdaptiveTimes(PerformanceModel(self.emulation.profile(name)), alpha=0.0, prefill_alpha=0.0,
+                             margin_after=EMULATED_NEVER_LEARNS)
 
     def _mean_output(self, model: str, state: tuple[float, int, float] | None) -> RunningMean:
         """O_avg of `model` on this node: one mean shared by its instances and plans (6.1),
@@ -773,6 +803,9 @@ class AgentServer:
     def _abort_all(self, why: str) -> None:
         for rid in list(self.requests):
             self.node.abort(rid, Outcome.FAILED, why)
+
+
+EMULATED_NEVER_LEARNS = 2**62  # AdaptiveTimes.margin_after of an emulated instance: no learnt margin
 
 
 def _only_own_prefill_late(admission: Any) -> bool:

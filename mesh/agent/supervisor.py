@@ -87,6 +87,8 @@ class AgentSettings:
     # and its engines run on (--cpus; core_shares); a node not named runs on all of them
     emulate: dict[str, str] = field(default_factory=dict)  # node id -> the device its agent emulates (--emulate;
     # mesh.agent.emulation): such a node runs emulated models only
+    emulate_noise: float | None = None  # their --emulate-noise (None: the replay's noise)
+    emulate_profiles: str | None = None  # their --emulate-profiles: calibrated <model>__<device>.json besides the catalog's
 
 
 class AgentHandle:
@@ -218,6 +220,10 @@ class LocalAgent(AgentHandle):
             cmd += ["--models-root", root]
         if device:
             cmd += ["--emulate", device]
+            if self.settings.emulate_noise is not None:
+                cmd += ["--emulate-noise", repr(self.settings.emulate_noise)]
+            if self.settings.emulate_profiles is not None:
+                cmd += ["--emulate-profiles", self.settings.emulate_profiles]
         if self.settings.cores.get(self.node_id):
             cmd += ["--cpus", ",".join(map(str, self.settings.cores[self.node_id]))]
         if self.settings.weights_root is not None:

@@ -37,8 +37,7 @@ class Simulator:
 
     def _engine_for(self, plan: InstancePlan, kind: str) -> Engine:
         """The engine of a new instance on a simulated node (the run's engine factory)."""
-        load_s = plan.load_wait_s + self.config.cold_start.load_s(plan.weight_bytes, kind,
-                                                                   self.cluster.models.get(plan.model))
+        load_s = self.cluster.simulated_load_s(plan, kind)
         seed = zlib.crc32(f"{self.config.seed}:{plan.instance_id}".encode())
         return self.engine_factory(plan, kind, load_s, seed)
 

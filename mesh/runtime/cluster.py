@@ -354,6 +354,13 @@ class Cluster:
         kv0 = spec.min_bytes(kind, self.config.watermark) - p.weight_bytes
         return self.config.cold_start.load_s(p.weight_bytes, kind) + kv0 / GIB * RESIZE_UP_S_PER_GIB
 
+    def simulated_load_s(self, plan: InstancePlan, kind: str) -> float:
+        """How long a simulated (or emulated) engine's load of the planned instance takes:
+        the wait for the loads under way on its node, then ColdStart's load of its weights (a
+        node loads one instance at a time). The node runtime allocates the initial KV cache
+        after it; `expected_load_s` predicts both."""
+        return plan.load_wait_s + self.config.cold_start.load_s(plan.weight_bytes, kind, self.models.get(plan.model))
+
     def holds(self, model: str, node: ClusterNode) -> bool:
         """Does `node` hold a copy of `model`'s weights (no transfer before its load)?"""
         return self.holds_copy is None or self.holds_copy(model, node)

@@ -162,6 +162,9 @@ class NodeRuntime:
         # a request taken back can resume elsewhere with prompt + produced ids (recompute).
         self._produced: dict[str, list[int]] = {}
         self.stepping: str | None = None  # the instance whose iteration is in flight
+        # Called when an iteration starts (its instance) and ends (None): a node agent tells
+        # the control service, whose preemption skips the stepping instance as a replay's does.
+        self.on_stepping: Callable[[str | None], None] | None = None
         self._wake = asyncio.Event()
         self._step_ended: list[asyncio.Future] = []  # waiting for the iteration in flight to end
         self._tasks: set[asyncio.Task] = set()
@@ -454,6 +457,8 @@ class NodeRuntime:
 
     def _end_step(self) -> None:
         self.stepping = self.compute.in_flight = None
+        if self.on_stepping is not None:
+            self.on_stepping(None)
         waiters, self._step_ended = self._step_ended, []
         for waiter in waiters:
             if not waiter.done():
@@ -548,6 +553,8 @@ class NodeRuntime:
             compute.busy_until = start + it.predicted_s
             compute.in_flight = it
             self.stepping = it.instance_id
+            if self.on_stepping is not None:
+                self.on_stepping(it.instance_id)
             try:
                 # asyncio.timeout, not wait_for: the step runs in this task, at once (a task of
                 # its own would start a loop turn later, after an abort could empty its batch)

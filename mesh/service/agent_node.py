@@ -29,6 +29,7 @@ from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 from engines.protocol import FinishReason
 from mesh.agent.client import AgentCallError, AgentDown
 from mesh.agent.protocol import AdmitEntry, Code, DoneEvent, EvictedEvent, InstanceEvent, InstanceSpec, Probe
+from mesh.agent.protocol import NodeEvent
 from mesh.agent.protocol import Progress, ProtocolError, TokensEvent, event_from_message, mean_output_to, slo_to_dict
 from mesh.agent.supervisor import AgentHandle
 from mesh.policy.shadow import DEFAULT_MARGIN
@@ -86,6 +87,7 @@ class AgentNode(ClusterNode):
         self.busy_fraction = 0.0  # of the last stats interval, the node's engines were stepping
         self._load_waiters: dict[str, list[asyncio.Future]] = {}
         self._loaded_from: dict[str, str] = {}  # instance -> the source its agent said it loaded from
+        self._stepping: str | None = None  # the instance whose iteration is in flight (the agent's `node` event)
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -100,6 +102,12 @@ class AgentNode(ClusterNode):
     @property
     def up(self) -> bool:
         return self.agent.up
+
+    @property
+    def stepping(self) -> str | None:
+        """The instance whose iteration is in flight, as the agent last said: preemption skips
+        it (7.1), as it skips a LocalNode's in a replay."""
+        return self._stepping if self.up else None
 
     @property
     def capacity_bytes(self) -> int:
@@ -228,13 +236,14 @@ class AgentNode(ClusterNode):
             spec = dataclasses.replace(await self._load_spec(plan, self), slo=slo_to_dict(plan.slo),
                                        expected_load_s=plan.expected_load_s, mean_output=mean_output_to(plan.mean_output))
             self._means[plan.model] = plan.mean_output
-            reply = await self.agent.client.call(spec.to_message(), CALL_TIMEOUT_S)
+            await self.agent.client.call(spec.to_message(), CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - weights not placed, memory, engine: not started
             self._instances.pop(plan.instance_id, None)
             log.warning("starting %s on %s failed: %s", plan.instance_id, self.node_id, exc)
             self.last_start_error = str(exc)
             return False
-        self._budget_bytes += int(reply.get("weight_bytes", plan.weight_bytes))
+        # the memory budget in use came with the reply (the agent's `node` event follows it in
+        # the same write): weights and initial KV cache, as the replay's station counts them
         return True
 
     async def stop_instance(self, instance_id: str) -> None:
@@ -344,6 +353,9 @@ class AgentNode(ClusterNode):
                 self.on_evict(req)
             else:
                 req.end(Outcome.FAILED, now, event.why)
+        elif isinstance(event, NodeEvent):
+            self._stepping = event.stepping
+            self._budget_bytes = event.budget_bytes
         elif isinstance(event, InstanceEvent):
             inst = self._instances.get(event.instance_id)
             if inst is None:
@@ -373,6 +385,7 @@ class AgentNode(ClusterNode):
         for view in (agent.client.info.get("instances") or []) if agent.client is not None else []:
             agent.client.send({"t": "unload", "instance_id": view.get("instance_id")})
         self._budget_bytes = 0
+        self._stepping = None  # until the agent says
         if self.on_change is not None:
             self.on_change()
 
@@ -381,6 +394,7 @@ class AgentNode(ClusterNode):
         for inst in list(self._instances.values()):
             self._lose_instance(inst, why)
         self.stats = {}
+        self._stepping = None
         if self.on_down is not None:
             self.on_down(self)
 

@@ -415,9 +415,11 @@ class ClusterPlacement:
         """How `node`'s agent loads the planned instance (the dispatcher chose the node)."""
         record = self._models[plan.model].record
         path, self._how[plan.instance_id] = await self._copy_on(record, node)
+        emulated = self.cluster.simulated_load_s(plan, node.kind) if record.kind == EMULATED else None
         return InstanceSpec(plan.instance_id, record.uid, path, record.context_length, slo_to_dict(record.slo),
                             plan.max_batch, self._profile_for(record.uid, node.kind),
-                            engine_for(record.kind, node.kind), exact_moves=self.settings.exact_moves)
+                            engine_for(record.kind, node.kind), exact_moves=self.settings.exact_moves,
+                            emulated_load_s=emulated)  # an emulated load takes the replay's engine's
 
     def _holds_copy(self, model_uid: str, node: Any) -> bool:
         """Does `node` hold the model's weights for its kind (no transfer before a load)? Yes
