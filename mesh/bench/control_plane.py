@@ -352,7 +352,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workers: list[_Worker] = []
     steps: list[dict[str, Any]] = []
     try:
-        proc, url, token = start_service(Path(tmp.name), args.emulate, args.serve_arg or ())
+        proc, url, token = start_service(Path(tmp.name), args.emulate, ["--policy", args.policy, *(args.serve_arg or ())])
         service = psutil.Process(proc.pid)
         print(f"mesh bench control-plane: service pid {proc.pid} at {url}", file=sys.stderr, flush=True)
         key, models = set_up(url, token, args.model, args.models, args.tpot_slo_s)
@@ -384,7 +384,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stop_service(proc)
         tmp.cleanup()
     best = best_under(steps, lag_limit_s)
-    return {"emulate": args.emulate, "model": args.model, "models": args.models, "tpot_slo_s": args.tpot_slo_s,
+    return {"emulate": args.emulate, "policy": args.policy, "model": args.model, "models": args.models, "tpot_slo_s": args.tpot_slo_s,
             "max_tokens": args.max_tokens,
             "prompt_tokens": args.prompt_tokens, "load_processes": args.load_processes, "step_s": args.step_s,
             "settle_s": args.settle_s, "lag_limit_s": lag_limit_s, "cpu_count": os.cpu_count(),
@@ -418,7 +418,8 @@ COLUMNS = [  # header, key, format
 
 
 def print_table(fig: dict[str, Any]) -> None:
-    title = (f"mesh bench control-plane: --emulate {fig['emulate']}, {fig['models']} x {fig['model']}, "
+    title = (f"mesh bench control-plane: --emulate {fig['emulate']} --policy {fig['policy']}, {fig['models']} x "
+             f"{fig['model']}, "
              f"{fig['prompt_tokens']}-token prompts, max_tokens {fig['max_tokens']}, {fig['cpu_count']} cores, "
              f"{fig['step_s']:g} s a step")
     rows = [[_ms(s.get(key)) if fmt == "ms" else _num(s.get(key), fmt) for _h, key, fmt in COLUMNS]
@@ -451,16 +452,17 @@ def print_table(fig: dict[str, Any]) -> None:
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("control-plane", help="the service's own cost per streamed token, ramping streams until "
                                              "its event-loop lag p99 passes 50 ms (emulated nodes)")
-    p.add_argument("--emulate", default="a100-80gb:4", help="emulated nodes (default %(default)s)")
+    p.add_argument("--emulate", default="a100-80gb:8", help="emulated nodes (default %(default)s)")
     p.add_argument("--model", default="llama-3.2-3b", help="the catalog model each registered model emulates "
                                                             "(default %(default)s: the cheapest tokens)")
     p.add_argument("--models", type=int, default=8, help="emulated models registered (default %(default)s)")
-    p.add_argument("--tpot-slo-s", type=float, default=0.015,
-                   help="the models' TPOT SLO (default %(default)s s: a node's decode round fits one instance's "
-                        "iteration, so each model gets a node of its own and its batch grows; 0: the default SLO)")
+    p.add_argument("--policy", default="sllm",
+                   help="the service's --policy (default %(default)s: whole nodes per instance, so tokens/s is bound "
+                        "by the control plane, not by how many instances share a node's iterations)")
+    p.add_argument("--tpot-slo-s", type=float, default=None, help="the models' TPOT SLO (default: the service's)")
     p.add_argument("--streams", default=",".join(map(str, DEFAULT_STREAMS)),
                    help="concurrent streams of each step, increasing (default %(default)s)")
-    p.add_argument("--max-tokens", type=int, default=128, help="tokens per request (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=256, help="tokens per request (default %(default)s)")
     p.add_argument("--prompt-tokens", type=int, default=16, help="prompt token ids per request (default %(default)s)")
     p.add_argument("--step-s", type=float, default=10.0, help="seconds measured per step (default %(default)s)")
     p.add_argument("--settle-s", type=float, default=4.0,
