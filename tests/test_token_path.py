@@ -61,3 +61,38 @@ def test_batches_are_the_events_as_they_wait():
         assert [e.text for e in seen] == [" a"]  # the tokens before the error went out first
 
     asyncio.run(main())
+
+
+# ---- frames: orjson where it is installed, the same JSON either way ------------------------------
+
+MESSAGES = [
+    {"t": "tokens", "items": [["cmpl-0a1b", [300, 301], " héllo 東京 🙂"], ["cmpl-2", [], ""]]},
+    {"t": "done", "request_id": "r", "outcome": "completed", "reason": None, "ttft_s": 0.125, "tpot_s": 1e-7,
+     "tokens_out": 2**40, "detail": "null \"quoted\" \\ \n"},
+    {"t": "stats", "nested": {"a": [1, 2.5, True, False, None], "b": {}}, "tuple": (1, 2)},
+]
+
+
+@pytest.mark.parametrize("message", MESSAGES)
+def test_frames_are_the_json_the_standard_codec_reads_back(message):
+    from mesh.framing import decode_header, encode_frame
+
+    frame = encode_frame(message)
+    body = frame[4:]
+    assert int.from_bytes(frame[:4], "big") == len(body)
+    expected = json.loads(json.dumps(message))
+    assert json.loads(body) == expected and decode_header(body, "t") == expected
+
+
+def test_what_orjson_does_not_take_goes_the_standard_way():
+    from mesh.framing import ProtocolError, decode_header, encode_frame
+
+    with pytest.raises(ValueError):  # NaN and infinities are refused, as the standard codec refuses them
+        encode_frame({"t": "x", "v": [1.0, float("nan")]})
+    with pytest.raises(ValueError):
+        encode_frame({"t": "x", "v": {"w": float("-inf")}})
+    assert json.loads(encode_frame({"t": "x", "v": 2**70})[4:])["v"] == 2**70  # past 64 bits
+    assert json.loads(encode_frame({"t": "x", 1: 2})[4:]) == {"t": "x", "1": 2}  # a key that is not a string
+    for bad in (b"\xff\xfe", b"[1, 2]", b'{"t": 1}', b"{nope"):
+        with pytest.raises(ProtocolError):
+            decode_header(bad, "t")
