@@ -90,24 +90,40 @@ def test_probe_records_how_late_it_woke():
     assert probe.record(10.0, 10.019) == 0.0  # early (timer resolution): no negative lag
     assert probe.record(10.0, 10.07) == pytest.approx(0.05)
     assert probe.lag.count == 3 and probe.lag.max == pytest.approx(0.05)
+    assert probe.own_lag.count == 0  # without the thread's CPU time, no bound of the own part
+    probe.record(10.0, 10.07, cpu_s=0.001)  # 50 ms late with 1 ms of CPU: the machine's, not the loop's
+    probe.record(10.0, 10.07, cpu_s=0.065)  # busy the whole time: all of it may be the loop's own
+    assert probe.own_lag.max == pytest.approx(0.05) and probe.own_lag.quantile(0.5) <= 0.0011
     with pytest.raises(ValueError):
         LoopLagProbe(0)
 
 
-def test_probe_sees_a_blocked_loop():
+def _blocked(busy: bool) -> LoopLagProbe:
     async def main() -> LoopLagProbe:
         probe = LoopLagProbe(interval_s=0.005)
         probe.start()
         await asyncio.sleep(0.05)
-        time.sleep(0.06)  # something holds the loop for 60 ms
+        if busy:  # the loop's own work holds it for 60 ms of CPU
+            start = time.thread_time()
+            while time.thread_time() - start < 0.06:
+                pass
+        else:  # the thread holds the loop without using a core (as a process waiting for one)
+            time.sleep(0.06)
         await asyncio.sleep(0.03)
         await probe.stop()
         return probe
 
-    probe = asyncio.run(main())
-    assert probe.lag.count >= 3
-    assert probe.lag.max >= 0.04  # the wake-up due during the block came about 55 ms late
-    assert probe.view()["interval_s"] == 0.005
+    return asyncio.run(main())
+
+
+def test_probe_sees_a_blocked_loop_and_whose_fault_it_was():
+    busy, idle = _blocked(True), _blocked(False)
+    for probe in (busy, idle):
+        assert probe.lag.count >= 3
+        assert probe.lag.max >= 0.04  # the wake-up due during the block came about 55 ms late
+    assert busy.own_lag.max >= 0.04
+    assert idle.own_lag.max < 0.02
+    assert set(busy.view()) >= {"interval_s", "p99_s", "own"}
 
 
 # ---- the ramp ----------------------------------------------------------------------------------------

@@ -1,9 +1,12 @@
 """`mesh bench control-plane`: what one service process's control plane costs per streamed token.
 
-It starts `mesh serve --emulate DEVICES` alone on this machine (emulated nodes: real agent
-processes speaking the real protocol whose engines sleep the profile's iteration times, so
-tokens cost the service what real ones would and the nodes no compute), registers `--models`
-emulated models of `--model` for a tenant of its own, and runs a load generator in a
+It starts `mesh serve --emulate DEVICES --policy POLICY` alone on this machine (emulated
+nodes: real agent processes speaking the real protocol whose engines sleep the profile's
+iteration times, so tokens cost the service what real ones would and the nodes no compute;
+by default 8 A100s and `sllm`, which gives each model whole nodes: Mesh's own policy packs
+instances onto few nodes, which caps tokens/s at one node's iterations, not at the control
+plane), registers `--models` emulated models of `--model` (default llama-3.2-3b, the
+cheapest tokens: 9.5 ms per batch-64 iteration) for a tenant of its own, and runs a load generator in a
 separate process (`--load-processes`, so the client's CPU is its own and is reported):
 closed-loop streaming clients, each sending `/v1/completions` with `--prompt-tokens` token
 ids and `--max-tokens` (stream, usage), the next when the last ends (after a 429, when its
@@ -17,7 +20,8 @@ settles for `--settle-s`, then is measured for `--step-s`. Per step:
   the agents' CPU (the service's child processes) and the load generator's, the same way;
 - the service's event-loop lag p50/p99 (mesh.runtime.latency.LoopLagProbe: a 20 ms sleep's
   lateness, read from /admin/cluster as log-bucket histograms and subtracted between the
-  step's two reads) and placement decisions' durations p50/p99 (the dispatcher's);
+  step's two reads), with the p99 of its bound of what the service's own work caused (the
+  rest is the process waiting for a core), and placement decisions' durations p50/p99;
 - agent-to-service frames per second (every frame the service read from every agent) and
   tokens per frame; the service's RSS; this machine's load average.
 
@@ -89,6 +93,7 @@ def step_figures(streams: int, wall_s: float, a: dict[str, Any], b: dict[str, An
     agents_cpu = b["agents_cpu_s"] - a["agents_cpu_s"]
     client_cpu = b["client"]["cpu_s"] - a["client"]["cpu_s"]
     lag = between(a["loop_lag"], b["loop_lag"])
+    own = between(a["loop_lag"].get("own"), b["loop_lag"].get("own") or {})
     decisions = between(a["decisions"], b["decisions"])
 
     def diff(key: str) -> int:
@@ -102,6 +107,7 @@ def step_figures(streams: int, wall_s: float, a: dict[str, Any], b: dict[str, An
         "agents_cpu_per_1k_tokens_s": per_thousand(agents_cpu, tokens), "agents_cpu_cores": agents_cpu / wall_s,
         "client_cpu_per_1k_tokens_s": per_thousand(client_cpu, tokens), "client_cpu_cores": client_cpu / wall_s,
         "loop_lag_p50_s": lag["p50_s"], "loop_lag_p99_s": lag["p99_s"], "loop_lag_samples": lag["count"],
+        "own_lag_p99_s": own["p99_s"],  # at most this much of the lag was the service's own work
         "decision_p50_s": decisions["p50_s"], "decision_p99_s": decisions["p99_s"], "decisions": decisions["count"],
         "frames_per_s": frames / wall_s, "tokens_per_frame": tokens / frames if frames else None,
         "service_rss_mb": b["service_rss_bytes"] / 2**20, "load_avg_1m": b["load_avg"][0],
@@ -337,7 +343,8 @@ def _mark(url: str, token: str, service: Any, workers: list[_Worker]) -> dict[st
         except psutil.Error:
             pass
     return {"client": client, "service_cpu_s": _cpu_s(service), "agents_cpu_s": agents,
-            "service_rss_bytes": service.memory_info().rss, "frames_in": sum(n.get("frames_in", 0) for n in view["nodes"]),
+            "service_rss_bytes": service.memory_info().rss,
+            "frames_in": sum(n.get("frames_in", 0) for n in view["nodes"]),
             "loop_lag": view["control_plane"]["loop_lag"], "decisions": view["dispatcher"]["decision_times"],
             "load_avg": os.getloadavg(), "time": time.monotonic()}
 
@@ -352,7 +359,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     workers: list[_Worker] = []
     steps: list[dict[str, Any]] = []
     try:
-        proc, url, token = start_service(Path(tmp.name), args.emulate, ["--policy", args.policy, *(args.serve_arg or ())])
+        serve_args = ["--policy", args.policy, *(args.serve_arg or ())]
+        proc, url, token = start_service(Path(tmp.name), args.emulate, serve_args)
         service = psutil.Process(proc.pid)
         print(f"mesh bench control-plane: service pid {proc.pid} at {url}", file=sys.stderr, flush=True)
         key, models = set_up(url, token, args.model, args.models, args.tpot_slo_s)
@@ -384,8 +392,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             stop_service(proc)
         tmp.cleanup()
     best = best_under(steps, lag_limit_s)
-    return {"emulate": args.emulate, "policy": args.policy, "model": args.model, "models": args.models, "tpot_slo_s": args.tpot_slo_s,
-            "max_tokens": args.max_tokens,
+    return {"emulate": args.emulate, "policy": args.policy, "model": args.model, "models": args.models,
+            "tpot_slo_s": args.tpot_slo_s, "max_tokens": args.max_tokens,
             "prompt_tokens": args.prompt_tokens, "load_processes": args.load_processes, "step_s": args.step_s,
             "settle_s": args.settle_s, "lag_limit_s": lag_limit_s, "cpu_count": os.cpu_count(),
             "steps": steps, "best": best, "target_tokens_per_s": TARGET_TOKENS_PER_S,
@@ -394,7 +402,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
 def _progress(step: dict[str, Any]) -> None:
     print(f"  {step['streams']} streams: {step['tokens_per_s']:,.0f} tokens/s, lag p99 "
-          f"{_ms(step['loop_lag_p99_s'])} ms, service {step['service_cpu_cores']:.2f} cores, "
+          f"{_ms(step['loop_lag_p99_s'])} ms (own work <= {_ms(step['own_lag_p99_s'])} ms), service "
+          f"{step['service_cpu_cores']:.2f} cores, agents {step['agents_cpu_cores']:.2f}, client "
+          f"{step['client_cpu_cores']:.2f}, "
           f"load {step['load_avg_1m']:.2f}", file=sys.stderr, flush=True)
 
 
@@ -411,7 +421,8 @@ COLUMNS = [  # header, key, format
     ("errors", "errors", "d"), ("svc CPU s/1k tok", "service_cpu_per_1k_tokens_s", ".3f"),
     ("svc cores", "service_cpu_cores", ".2f"), ("agents cores", "agents_cpu_cores", ".2f"),
     ("client cores", "client_cpu_cores", ".2f"), ("lag p50 ms", "loop_lag_p50_s", "ms"),
-    ("lag p99 ms", "loop_lag_p99_s", "ms"), ("decision p50 ms", "decision_p50_s", "ms"),
+    ("lag p99 ms", "loop_lag_p99_s", "ms"), ("own p99 ms", "own_lag_p99_s", "ms"),
+    ("decision p50 ms", "decision_p50_s", "ms"),
     ("decision p99 ms", "decision_p99_s", "ms"), ("frames/s", "frames_per_s", ",.0f"),
     ("tok/frame", "tokens_per_frame", ".1f"), ("RSS MB", "service_rss_mb", ".0f"), ("load 1m", "load_avg_1m", ".2f"),
 ]

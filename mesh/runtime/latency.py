@@ -10,13 +10,16 @@ into the last one.
 `LoopLagProbe` measures the event loop's lag the usual way: a task sleeps `interval_s` and
 records how late it woke up. Whatever holds the loop (a slow callback, a burst of token
 events, a long JSON encode) shows as lag; an idle loop shows about zero. The service runs one
-(`/admin/cluster` "control_plane", `/metrics` `mesh_event_loop_lag_seconds`); the cluster
-dispatcher records its decisions' durations in a LogHistogram too.
+(`/admin/cluster` "control_plane", `/metrics` `mesh_event_loop_lag_seconds`), and beside it a
+bound of the part of the lag the process's own work caused (`own_lag`: a busy loop, not a
+machine short of cores); the cluster dispatcher records its decisions' durations in a
+LogHistogram too.
 """
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 from typing import Any, Iterable, Mapping
 
 BUCKETS_PER_OCTAVE = 8
@@ -118,19 +121,29 @@ def between(before: Mapping[str, Any] | None, after: Mapping[str, Any]) -> dict[
 
 class LoopLagProbe:
     """Every `interval_s` the probe's task sleeps and records, in `lag`, how much later than
-    asked it woke (never below 0). `start()` inside a running loop; `stop()` ends the task."""
+    asked it woke (never below 0). `start()` inside a running loop; `stop()` ends the task.
+
+    A late wake-up has two causes: the loop was busy with the process's own work, or the
+    process was waiting for a core (a machine with more runnable threads than cores). The
+    loop's thread cannot have delayed the wake-up by more than the CPU it used meanwhile, so
+    `own_lag` records min(lag, the thread's CPU time over the interval): an upper bound of
+    the lag the service's own work caused; lag well above it is the machine's."""
 
     def __init__(self, interval_s: float = 0.02) -> None:
         if interval_s <= 0:
             raise ValueError("interval_s must be > 0")
         self.interval_s = interval_s
         self.lag = LogHistogram()
+        self.own_lag = LogHistogram()
         self._task: asyncio.Task | None = None
 
-    def record(self, asked_at: float, woke_at: float) -> float:
-        """The lag of one wake-up: woke_at - (asked_at + interval_s), at least 0; recorded."""
+    def record(self, asked_at: float, woke_at: float, cpu_s: float | None = None) -> float:
+        """The lag of one wake-up: woke_at - (asked_at + interval_s), at least 0; recorded,
+        with min(lag, cpu_s) in `own_lag` when the thread's CPU time over it is given."""
         lag = max(0.0, woke_at - asked_at - self.interval_s)
         self.lag.add(lag)
+        if cpu_s is not None:
+            self.own_lag.add(min(lag, max(0.0, cpu_s)))
         return lag
 
     def start(self) -> None:
@@ -146,12 +159,12 @@ class LoopLagProbe:
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            asked = loop.time()
+            asked, cpu = loop.time(), time.thread_time()
             await asyncio.sleep(self.interval_s)
-            self.record(asked, loop.time())
+            self.record(asked, loop.time(), time.thread_time() - cpu)
 
     def view(self) -> dict[str, Any]:
-        return {"interval_s": self.interval_s, **self.lag.snapshot()}
+        return {"interval_s": self.interval_s, **self.lag.snapshot(), "own": self.own_lag.snapshot()}
 
 
 EXPORT_OCTAVES = range(4, OCTAVES, 2)  # Prometheus buckets: 16 us, 64 us, 256 us, ~1 ms, ... ~67 s
