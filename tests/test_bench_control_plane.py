@@ -221,3 +221,22 @@ def test_the_load_counts_streamed_tokens_and_429s():
     assert mark["errors"] == 0 and mark["lost"] == 0 and mark["rejected"] >= 3
     assert mark["tokens"] == 7 * mark["completed"]  # each response's usage settles its count
     assert "busy" in mark["first_rejection"] and mark["cpu_s"] > 0
+
+
+def test_metrics_export_the_loop_lag_and_decision_histograms():
+    from mesh.service.metrics import ServiceMetrics
+
+    lag, decisions = LogHistogram(), LogHistogram()
+    for v in (0.001, 0.002, 0.03):
+        lag.add(v)
+    decisions.add(0.005)
+    dispatcher = {"waiting_by_tenant": {}, "placed_by_kind": {}, "preemptions": 0, "moved_requests": 0,
+                  "evictions_rescheduled": 0, "new_instances": 0, "warm_ups": 0, "instances_recycled": 0,
+                  "rejected": {}, "failed": {}, "decision_times": decisions.snapshot()}
+    metrics = ServiceMetrics(lambda: {"nodes": [], "dispatcher": dispatcher})
+    assert "mesh_event_loop_lag_seconds" not in metrics.render().decode()  # no probe yet
+    metrics.loop_lag = lag
+    text = metrics.render().decode()
+    assert 'mesh_event_loop_lag_seconds_bucket{le="0.004096"} 2.0' in text
+    assert "mesh_event_loop_lag_seconds_count 3.0" in text
+    assert 'mesh_dispatcher_decision_seconds_bucket{le="+Inf"} 1.0' in text
