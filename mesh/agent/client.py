@@ -86,6 +86,7 @@ class AgentClient:
         self._ids = itertools.count(1)
         self._tasks: list[asyncio.Task] = []
         self.call_times: dict[str, CallTimes] = {}  # by message type
+        self.frames_in = 0  # frames read from the agent (replies and events): the token path's cost
 
     @property
     def up(self) -> bool:
@@ -149,6 +150,7 @@ class AgentClient:
                 message = await read_frame(self._reader)
                 if message is None:
                     break
+                self.frames_in += 1
                 if message["t"] == "reply":
                     future = self._pending.get(message.get("re"))
                     if future is not None and not future.done():

@@ -40,6 +40,7 @@ from mesh.policy.placement import queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.runtime.cluster import Cluster
 from mesh.runtime.cluster_node import ClusterNode
+from mesh.runtime.latency import LogHistogram
 from mesh.runtime.request import Outcome, ServedRequest
 
 log = logging.getLogger("mesh.runtime.dispatcher")
@@ -110,6 +111,7 @@ class DispatchStats:
     decision_s: float = 0.0  # their summed duration: 0 in a replay, node round trips live
     decision_max_s: float = 0.0
     decision_wait_s: float = 0.0  # summed time requests waited for their turn to be decided
+    decision_times: LogHistogram = field(default_factory=LogHistogram)  # each decision's duration (p50/p99)
 
 
 class Dispatcher:
@@ -219,6 +221,7 @@ class Dispatcher:
                 st.decisions += 1
                 st.decision_s += took
                 st.decision_max_s = max(st.decision_max_s, took)
+                st.decision_times.add(took)
                 st.decision_wait_s += start - asked
 
     def _spawn(self, coro) -> None:

@@ -27,6 +27,7 @@ from typing import Any
 
 from aiohttp import web
 
+from mesh.runtime.latency import LoopLagProbe
 from mesh.service import errors
 from mesh.service.auth import admin_token_ok, bearer_token, hash_key
 from mesh.service.config import ServeConfig
@@ -57,6 +58,7 @@ class Service:
     quotas: Quotas = field(init=False)
     limits: HttpLimits = field(init=False)
     uploading: dict[str, int] = field(default_factory=dict)  # tenant -> uploads it streams now
+    loop_lag: LoopLagProbe = field(default_factory=LoopLagProbe)  # the event loop's lag (run_service starts it)
 
     def __post_init__(self) -> None:
         self.quotas = Quotas(self.registry, self.config.default_quota)
@@ -258,6 +260,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     service = Service(config, registry, placement, ServiceMetrics(placement.view), data_dir)
     service.wall_offset = registry.now() - loop.time()
     service.idle.set()
+    service.loop_lag.start()
+    service.metrics.loop_lag = service.loop_lag.lag
     demo_key = demo_model = None
     if config.demo:
         demo_key, demo_model = await ensure_demo(registry, data_dir)
@@ -289,6 +293,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         print(f"mesh serve: cannot start: {exc}", file=sys.stderr)
         await runner.cleanup()
         await _stop_cluster(placement, membership, autoscaler)
+        await service.loop_lag.stop()
         registry.close()
         return 1
     host, port = runner.addresses[0][:2]
@@ -321,6 +326,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
             print("mesh serve: drain timed out; closing the remaining requests", file=sys.stderr)
     await runner.cleanup()
     await _stop_cluster(placement, membership, autoscaler)
+    await service.loop_lag.stop()
     registry.close()
     for sig in (signal.SIGINT, signal.SIGTERM):  # the service's while it runs, not its caller's afterwards
         loop.remove_signal_handler(sig)

@@ -11,7 +11,9 @@ instance): the iteration-time factors the agent learnt against the profile, the 
 drift (largest deviation over grid regions) and the learnt shadow-validation margin. The
 cluster dispatcher (`mesh_dispatcher_*`): waiting requests per tenant, placements by node
 kind, preemptions, moved requests, evictions rescheduled, new, warm-up and recycled
-instances, rejections and failures by reason. HTTP responses by route and status.
+instances, rejections and failures by reason, decisions' durations
+(`mesh_dispatcher_decision_seconds`). The service's event-loop lag
+(`mesh_event_loop_lag_seconds`, mesh.runtime.latency). HTTP responses by route and status.
 
 `usage(tenant)` reads one tenant's figures back from the same counters (GET /v1/usage): what
 a tenant sees of itself is exactly what the operator scrapes, recorded once. The figures live
@@ -23,8 +25,10 @@ from collections import defaultdict
 from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
+
+from mesh.runtime.latency import LogHistogram, export_buckets
 
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0)
 TPOT_BUCKETS = (0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0)
@@ -60,14 +64,28 @@ def _dispatcher_families(d: dict[str, Any] | None) -> Iterator[GaugeMetricFamily
         for reason, n in sorted(d[key].items()):
             c.add_metric([reason], float(n))
         yield c
+    if d.get("decision_times") is not None:
+        yield _histogram("mesh_dispatcher_decision_seconds", "placement decisions' durations (node round trips "
+                         "included)", d["decision_times"])
+
+
+def _histogram(name: str, doc: str, snapshot: dict[str, Any]) -> HistogramMetricFamily:
+    """A LogHistogram's snapshot (mesh.runtime.latency) as a Prometheus histogram."""
+    return HistogramMetricFamily(name, doc, buckets=export_buckets(snapshot), sum_value=snapshot.get("sum_s", 0.0))
 
 
 class _ClusterCollector(Collector):
-    def __init__(self, view: Callable[[], dict[str, Any]], attainment: Callable[[], dict[tuple[str, str], float]]) -> None:
+    def __init__(self, view: Callable[[], dict[str, Any]], attainment: Callable[[], dict[tuple[str, str], float]],
+                 loop_lag: Callable[[], LogHistogram | None] = lambda: None) -> None:
         self.view = view
         self.attainment = attainment
+        self.loop_lag = loop_lag
 
-    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily | HistogramMetricFamily]:
+        lag = self.loop_lag()
+        if lag is not None:
+            yield _histogram("mesh_event_loop_lag_seconds", "how late the service's event loop woke a "
+                             "periodic probe (mesh.runtime.latency.LoopLagProbe)", lag.snapshot())
         view = self.view()
         nodes = view.get("nodes", [])
         yield from _dispatcher_families(view.get("dispatcher"))
@@ -154,7 +172,8 @@ class ServiceMetrics:
         self.http = Counter("mesh_http_responses", "HTTP responses by route and status", ["route", "status"],
                             registry=self.registry)
         self._slo: dict[tuple[str, str], list[int]] = defaultdict(lambda: [0, 0])  # (met, placed)
-        self.registry.register(_ClusterCollector(view, self._attainment))
+        self.loop_lag: LogHistogram | None = None  # the service's event-loop lag probe's, once it runs
+        self.registry.register(_ClusterCollector(view, self._attainment, lambda: self.loop_lag))
 
     def _attainment(self) -> dict[tuple[str, str], float]:
         return {k: met / placed for k, (met, placed) in self._slo.items() if placed}

@@ -127,7 +127,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/admin/tenants/{tenant}/keys"): Operation("list a tenant's keys", auth=ADMIN),
     ("DELETE", "/admin/keys/{key_id}"): Operation("revoke a key", auth=ADMIN),
     ("GET", "/admin/models"): Operation("every tenant's models", auth=ADMIN),
-    ("GET", "/admin/cluster"): Operation("nodes, instances, weights copies", auth=ADMIN),
+    ("GET", "/admin/cluster"): Operation("nodes, instances, weights copies, the control plane's own cost (event-loop lag, "
+                                                 "decision times, frames from the agents)", auth=ADMIN),
     ("GET", "/admin/learnt"): Operation("what the nodes learnt: speed probes, time factors, margins, cold starts, "
                                         "profiles (for the live replay's twin)", auth=ADMIN),
     ("POST", "/admin/scale"): Operation("start a model on chosen nodes now", auth=ADMIN, body=SCALE_BODY),

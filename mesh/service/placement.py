@@ -684,6 +684,7 @@ class ClusterPlacement:
                 "iterations": stats.get("iterations", 0), "deadlines": stats.get("deadlines"),
                 "emulate": stats.get("emulate"),  # the device an emulated node emulates (mesh serve --emulate)
                 "calls": {t: c.view() for t, c in sorted(agent.client.call_times.items())} if agent.client else {},
+                "frames_in": agent.client.frames_in if agent.client else 0,  # from the agent, this connection
                 "instances": instances,
             })
         d = self.dispatcher
@@ -702,6 +703,7 @@ class ClusterPlacement:
                 "decisions": d.stats.decisions, "decision_s_mean": d.stats.decision_s / max(1, d.stats.decisions),
                 "decision_s_max": d.stats.decision_max_s,
                 "decision_wait_s_mean": d.stats.decision_wait_s / max(1, d.stats.decisions),
+                "decision_times": d.stats.decision_times.snapshot(),  # seconds, log buckets (mesh.runtime.latency)
             },
         }
 

@@ -8,7 +8,9 @@
     DELETE /admin/keys/{key_id}                                      revoke a key
     GET    /admin/models                                             every tenant's models
     GET    /admin/cluster                                            nodes, instances, memory, queues,
-                                                                     weights (host copies, transfers)
+                                                                     weights (host copies, transfers), the
+                                                                     control plane's own cost (loop lag,
+                                                                     decisions, frames from the agents)
     GET    /admin/learnt                                             what nodes learnt: speed probes, time
                                                                      factors, margins, cold starts, profiles
     POST   /admin/scale   {"tenant", "model", "nodes": [...]}        start the model on those nodes now
@@ -19,6 +21,7 @@
 """
 from __future__ import annotations
 
+import os
 from dataclasses import asdict
 from typing import Any
 
@@ -158,6 +161,7 @@ async def cluster(request: web.Request) -> web.Response:
     view["models"] = len(svc.registry.models())
     view["tenants"] = len(svc.registry.tenants())
     view["open_requests"] = svc.generating
+    view["control_plane"] = {"pid": os.getpid(), "loop_lag": svc.loop_lag.view()}  # mesh bench control-plane
     return web.json_response(view)
 
 

@@ -70,6 +70,26 @@ class RequestStream:
             if isinstance(event, Finished):
                 return
 
+    async def batches(self) -> AsyncIterator[list[Tokens | Finished]]:
+        """The same events as `events()`, each time as many as are waiting: a stream whose
+        tokens arrive faster than the loop gets to it (several frames read in one turn) is
+        written to its client in one write, not one per token. An ApiError is raised after
+        the events before it."""
+        queue = self._queue
+        while True:
+            batch = [await queue.get()]
+            while not queue.empty():
+                batch.append(queue.get_nowait())
+            for i, event in enumerate(batch):
+                if isinstance(event, ApiError):
+                    if i:
+                        yield batch[:i]
+                    raise event
+                if isinstance(event, Finished):
+                    yield batch[:i + 1]
+                    return
+            yield batch
+
     def abort(self) -> None:
         """The client went away: stop generating (idempotent)."""
         if not self.finished and self.on_abort is not None:
