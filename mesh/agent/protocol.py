@@ -30,7 +30,8 @@ Control -> agent (see docs/service.md for every field):
     validate_group {instance_id, requests: [R]} -> {admit, reason}
     validate_new {plan: {instance_id, model, weight_bytes, kv_bytes_per_token, context_window, max_batch,
                   slo, expected_load_s, profile}, requests: [R]} -> {admit, reason}
-               (R = {request_id, prompt_len, max_tokens, age_s, done, first_token_age_s?}: shadow validation)
+               (R = {request_id, prompt_len, max_tokens, age_s, done, first_token_age_s?}: shadow validation;
+                age_s: seconds since its deadlines started, negative for a request served late)
     take_back  {request_id, why}             -> {request_id, tokens_out, token_ids, first_token_age_s}
                                                 (off the node, not ended)
     abort      {request_id}                  (no reply)
@@ -220,6 +221,15 @@ def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+def _age_s(value: Any) -> float:
+    """A request's age: seconds since its deadlines started, negative when they start ahead
+    (a request served late on a loading instance, placement.SERVE_LATE); finite."""
+    age = float(value)
+    if age != age or age in (float("inf"), float("-inf")):
+        raise ValueError(f"age_s must be finite, got {value!r}")
+    return age
+
+
 @dataclass(frozen=True, slots=True)
 class Progress:
     """A running request taken off its node, not ended: the tokens it produced (all of
@@ -265,7 +275,7 @@ class Probe:
     def from_dict(cls, m: Any) -> "Probe":
         try:
             return cls(str(m["request_id"]), int(m["prompt_len"]), max(1, int(m["max_tokens"])),
-                       max(0.0, float(m.get("age_s", 0.0))), max(0, int(m.get("done", 0))),
+                       _age_s(m.get("age_s", 0.0)), max(0, int(m.get("done", 0))),
                        _opt_float(m.get("first_token_age_s")))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad request entry {m!r}: {exc}") from exc
@@ -300,7 +310,7 @@ class AdmitEntry:
             if done < 0 or not 1 <= prompt_len <= len(ids):
                 raise ValueError(f"done={done}, prompt_len={prompt_len} with {len(ids)} token ids")
             return cls(str(m["request_id"]), str(m["instance_id"]), ids, sampling_from_dict(m["sampling"]),
-                       max(0.0, float(m.get("age_s", 0.0))), done, prompt_len, bool(m.get("compute", True)),
+                       _age_s(m.get("age_s", 0.0)), done, prompt_len, bool(m.get("compute", True)),
                        _opt_float(m.get("first_token_age_s")))
         except (KeyError, TypeError, ValueError, AttributeError, ProtocolError) as exc:
             raise ProtocolError(f"bad admit entry: {exc}") from exc

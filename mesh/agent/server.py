@@ -788,8 +788,10 @@ def _warm_openvino() -> None:
 
 
 def _since(age_s: Any) -> float | None:
-    """A time given as an age (seconds ago): the two processes' clocks are never compared."""
-    return None if age_s is None else asyncio.get_running_loop().time() - max(0.0, float(age_s))
+    """A time given as an age (seconds ago): the two processes' clocks are never compared. A
+    negative age is a time ahead: a request served late (placement.SERVE_LATE) has its
+    deadlines start when its loading instance is ready."""
+    return None if age_s is None else asyncio.get_running_loop().time() - float(age_s)
 
 
 def _finite(x: float) -> float | None:

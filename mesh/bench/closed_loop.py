@@ -355,6 +355,7 @@ class MeshService:
     url: str
     key: str
     log: Path
+    admin_token: str = ""
 
 
 def start_mesh(workdir: Path, allowed: Path, cpu_nodes: int, extra: Sequence[str]) -> MeshService:
@@ -373,7 +374,7 @@ def start_mesh(workdir: Path, allowed: Path, cpu_nodes: int, extra: Sequence[str
             m = re.search(r"ready url=(\S+) api_key=(\S+)", line)
             if m:
                 threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain
-                return MeshService(proc, m.group(1).rstrip("/"), m.group(2), log)
+                return MeshService(proc, m.group(1).rstrip("/"), m.group(2), log, token)
         raise RuntimeError(f"mesh serve exited ({proc.wait()}) before its ready line; its log: {_tail(log)}")
     except BaseException:
         _stop(proc)

@@ -17,6 +17,7 @@ mesh.runtime.cluster).
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -205,7 +206,16 @@ class MeshPolicy(Policy):
                 continue  # a fresh request would start an instance here the usual way
             plan = self.cluster.plan(req.model, node)
             self.stats.validations += 1
-            ok = (await node.validate_new(replace(plan, expected_load_s=0.0), [req], [req.tokens_out])).ok
+            kept = req.late_s
+            if req.tokens_out == 0 and req.first_token_s is None:
+                # validated as if it arrived now: what a fresh request waited before its placement
+                # (the service builds a cold model's tokenizer to tokenize it, seconds) is cold
+                # start too, not a reason to leave the model cold (issue 23's single-node workload)
+                req.late_s = max(kept, asyncio.get_running_loop().time() - req.arrival_s)
+            try:
+                ok = (await node.validate_new(replace(plan, expected_load_s=0.0), [req], [req.tokens_out])).ok
+            finally:
+                req.late_s = kept
             if not warm_up_allowed(cold, slack, ok, warming):
                 continue
             if await self.cluster.start_instance(plan, node) is None:

@@ -181,7 +181,7 @@ class AgentNode(ClusterNode):
             return Admission(False, refusal=f"no instance {instance_id} on {self.node_id}")
         er = req.engine_request
         entry = AdmitEntry(req.request_id, instance_id, list(er.prompt_token_ids[:er.prompt_len + req.tokens_out]),
-                           er.sampling, _age(req.arrival_s + req.late_s), req.tokens_out, er.prompt_len, compute,
+                           er.sampling, _ago(req.arrival_s + req.late_s), req.tokens_out, er.prompt_len, compute,
                            _age(req.first_token_s))
         self._hold(inst, req)  # before the call: its first tokens may overtake the reply
         try:
@@ -389,13 +389,19 @@ class AgentNode(ClusterNode):
 def _probe(req: ServedRequest, done: int) -> dict[str, Any]:
     """A request as the agent's validation needs it."""
     return Probe(req.request_id, req.prompt_len, req.engine_request.sampling.max_tokens,
-                 _age(req.arrival_s + req.late_s), done,
+                 _ago(req.arrival_s + req.late_s), done,
                  _age(req.first_token_s)).to_dict()
 
 
 def _age(t: float | None) -> float | None:
     """A time as seconds ago, for the agent's clock (the pace rule runs from the first token)."""
     return None if t is None else max(0.0, asyncio.get_running_loop().time() - t)
+
+
+def _ago(t: float) -> float:
+    """Where a request's deadlines start, as seconds ago: negative for one served late
+    (placement.SERVE_LATE), whose deadlines start when its loading instance is ready."""
+    return asyncio.get_running_loop().time() - t
 
 
 def _resume_from(req: ServedRequest, progress: Progress, note: str) -> None:
