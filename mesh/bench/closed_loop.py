@@ -86,6 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mesh", action="store_true",
                    help="start mesh serve on a fresh data folder, register --copies copies of the demo GGUF by "
                         "path, run mesh-cold then mesh-warm (the default without --url)")
+    p.add_argument("--no-mesh", action="store_true", help="do not start Mesh (with --vllm: vLLM's round only)")
     p.add_argument("--copies", type=int, default=3, help="copies of the demo GGUF registered (default 3)")
     p.add_argument("--cpu-nodes", type=int, default=1, help="CPU node agents of the Mesh service (default 1)")
     p.add_argument("--mesh-arg", action="append", default=[], help="one more argument for mesh serve (repeat)")
@@ -97,6 +98,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vllm-kv-gib", type=float, default=1.0, help="KV cache per vLLM server, GiB (default 1)")
     p.add_argument("--vllm-start-timeout", type=float, default=1200.0, help="seconds for all vLLM servers to answer")
     p.add_argument("--vllm-arg", action="append", default=[], help="one more argument for each vLLM server (repeat)")
+    p.add_argument("--logs", default=None, help="keep the servers' logs in this folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", help="write every round's figures as JSON here")
     p.set_defaults(func=run)
@@ -509,7 +511,7 @@ def run(args: argparse.Namespace) -> int:
         print("mesh bench closed-loop: needs the openai package (pip install openai; in the test extra)",
               file=sys.stderr)
         return 2
-    use_mesh = args.mesh or not args.url
+    use_mesh = (args.mesh or not args.url) and not args.no_mesh
     rounds: dict[str, dict[str, Any]] = {}
     meta: dict[str, Any] = {"command": "mesh bench closed-loop " + " ".join(sys.argv[3:]) if len(sys.argv) > 2 else "",
                             "clients": args.clients, "requests": args.requests, "max_tokens": args.max_tokens,
@@ -570,6 +572,10 @@ def run(args: argparse.Namespace) -> int:
             _stop(service.proc)
         for proc in vllm.procs:
             _stop(proc)
+        if args.logs:
+            Path(args.logs).mkdir(parents=True, exist_ok=True)
+            for log in workdir.glob("*.log"):
+                shutil.copyfile(log, Path(args.logs) / log.name)
         tmp.cleanup()
     verdicts = checks(rounds)
     print(f"mesh bench closed-loop: {args.clients} closed-loop streaming clients, {args.requests} requests of "
