@@ -116,6 +116,7 @@ def test_counts_every_request_once_by_kind():
     assert f["ttft_p99_all_s"] == math.inf  # half the requests were never served
     assert {o.status for o in outcomes if o.http_status == 200 and o.status != SERVED} == {FAILED}
     assert "engine died" in " ".join(o.detail for o in outcomes)
+    assert sum(f["reasons"].values()) == 15 and any("engine died" in r for r in f["reasons"])
 
 
 def test_one_url_per_model_and_a_connection_error():

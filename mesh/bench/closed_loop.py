@@ -273,10 +273,19 @@ def summarize(outcomes: Sequence[Outcome], wall_s: float, sent: int | None = Non
         m = models.setdefault(o.model, {SERVED: 0, TURNED_AWAY: 0, FAILED: 0})
         m[o.status] += 1
     figures["by_model"] = models
-    firsts = [o.detail for o in outcomes if o.status != SERVED]
-    if firsts:
-        figures["first_refusal_or_error"] = firsts[0]
+    reasons: dict[str, int] = {}
+    for o in outcomes:
+        if o.status != SERVED:
+            reasons[_reason(o.detail)] = reasons.get(_reason(o.detail), 0) + 1
+    figures["reasons"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
     return figures
+
+
+def _reason(detail: str) -> str:
+    """A refusal's or failure's reason, without what differs between requests: Mesh's 429 says
+    "... (cannot meet its SLO: <why>). Retry later."; others keep their first 120 characters."""
+    m = re.search(r"\(([^()]*)\)\. Retry", detail)
+    return m.group(1) if m else re.sub(r"\d+(\.\d+)?", "N", detail)[:120]
 
 
 def checks(rounds: dict[str, dict[str, Any]], max_cold_away: float = 0.10, max_warm_p99_s: float = 2.0,
