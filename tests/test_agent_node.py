@@ -226,3 +226,43 @@ def test_an_evicted_request_finishes_on_another_agent(simulated):
     moved = [r for r in reqs if r.evictions]
     assert len(moved) == 1 and moved[0].node_id == "cpu1" and d.stats.rescheduled == 1
     assert all(r.outcome is Outcome.COMPLETED and r.tokens_out == 200 for r in reqs)
+
+
+def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkeypatch):
+    """Serving late (placement.SERVE_LATE) through a node agent: the request's deadlines run
+    from its loading instance's ready time, which lies ahead, so the age the agent gets for
+    it is negative. Agents used to clip it to zero: the agent then validated the request
+    against a deadline before its instance could be ready and refused it, and every request
+    of a cold model whose load outlasts the TTFT SLO was turned away (issue 23's single-node
+    workload)."""
+    import agent_doubles
+    from mesh.policy.placement import ColdStart
+
+    def slow(spec, on_loaded):  # a load of 1.5 s, about what the service predicts
+        e = agent_doubles.simulated_factory(spec, on_loaded)
+        e.load_s = 1.5
+        return e
+
+    for name in ("simulated", "openvino"):
+        monkeypatch.setitem(agent_doubles.agent_engines.ENGINE_FACTORIES, name, slow)
+
+    async def main():
+        nodes = [AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec)]
+        profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
+                                 decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
+        cfg = ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=10**9, slo=SLO_TIGHT,
+                            cold_start=ColdStart(cpu_load_bytes_per_s=1e18, fixed_s=1.5))
+        cluster = Cluster(cfg, {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0},
+                          nodes=nodes)
+        d = Dispatcher.for_policy(cluster, "mesh")
+        await cluster.start()
+        r = _request("r", "m", out=5)  # TTFT SLO 0.5 s, the model cold: a 1.5 s load ahead
+        d.submit(r)
+        await until(lambda: r.outcome is not None, 30.0)
+        await cluster.stop()
+        return r, d.policy.stats
+
+    r, stats = asyncio.run(main())
+    assert stats.warm_ups == 1 and stats.served_late == 1
+    assert r.outcome is Outcome.COMPLETED, r.detail
+    assert r.late_s > 1.0  # its deadlines ran from the instance's predicted ready time

@@ -195,3 +195,57 @@ def test_a_cold_models_request_is_served_late_or_rejected_by_its_choice(choice):
         assert first.outcome.value == second.outcome.value == "rejected" and stats.served_late == 0
     with pytest.raises(ValueError, match="cold_start"):
         config(cold_start_choice="sometimes")
+
+
+def test_a_cold_models_request_that_reached_the_dispatcher_late_still_starts_its_instance():
+    """Issue 23's single-node workload: the service tokenizes a prompt before placing it, and
+    for a model with no instance that builds the tokenizer first (seconds, more on a busy
+    machine), so the first requests reach the dispatcher already past their 2 s TTFT. The
+    warm-up must still start (the cold start, tokenizer included, is the only obstacle) and
+    the request be served late on it; before, the warm-up's check validated the request
+    with its own, already missed, deadline, no instance started, and every such request
+    was turned away until one came through quickly."""
+    async def main():
+        cfg = config(cpu=1, gpu=0, cold_start=ColdStart(cpu_load_bytes_per_s=1e18, fixed_s=7.5))
+        cluster, d = await build("mesh", {"m": "b"}, cfg, {"b": spec("b", cpu_kv_bytes_per_token=1)})
+        now = asyncio.get_running_loop().time()
+        late = request("r1", "m", prompt=100, out=5, at=now - 3.0)  # arrived 3 s ago, tokenized only now
+        d.submit(late)
+        await run_until(lambda: late.outcome is not None)
+        await cluster.stop()
+        return late, d.policy.stats
+
+    late, stats = run_virtual(main())
+    assert stats.warm_ups == 1 and stats.served_late == 1
+    assert late.outcome.value == "completed" and late.late_s == pytest.approx(3.0 + 7.5, abs=0.01)
+
+
+@pytest.mark.parametrize("choice", ["serve_late", "reject"])
+def test_a_request_late_on_arrival_is_served_late_on_a_loaded_instance_by_its_choice(choice):
+    """A request that reached the dispatcher 3 s after it arrived (its model's tokenizer was
+    built first) when its model's instance had loaded meanwhile: past its 2 s TTFT, the queue
+    would turn it away at once. serve_late: admitted on the loaded instance, deadlines from
+    now; reject: turned away. A request on time is placed as before, not late."""
+    async def main():
+        cfg = config(cpu=1, gpu=0, cold_start=ColdStart(cpu_load_bytes_per_s=1e18, fixed_s=7.5))
+        cluster, d = await build("mesh", {"m": "b"}, cfg, {"b": spec("b", cpu_kv_bytes_per_token=1)})
+        cluster.set_cold_start_choice("m", choice)
+        node = cluster.node("cpu0")
+        await cluster.start_instance(cluster.plan("m", node), node)
+        await asyncio.sleep(8.0)  # loaded
+        now = asyncio.get_running_loop().time()
+        late = request("late", "m", prompt=100, out=5, at=now - 3.0)
+        fresh = request("fresh", "m", prompt=100, out=5)
+        d.submit(late)
+        d.submit(fresh)
+        await run_until(lambda: late.outcome is not None and fresh.outcome is not None)
+        await cluster.stop()
+        return late, fresh, d.policy.stats
+
+    late, fresh, stats = run_virtual(main())
+    assert fresh.outcome.value == "completed" and fresh.late_s == 0.0 and fresh.slo_met
+    if choice == "serve_late":
+        assert late.outcome.value == "completed" and stats.served_late == 1 and not late.slo_met
+        assert late.late_s == pytest.approx(3.0, abs=0.01)
+    else:
+        assert late.outcome.value == "rejected" and stats.served_late == 0

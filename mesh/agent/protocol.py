@@ -22,7 +22,7 @@ Control -> agent (see docs/service.md for every field):
     tokenize   {instance_id | (model, path, engine, context_window), prompt | messages} -> {ids}
     describe   {model, path, engine, context_window} -> {weight_bytes, kv_bytes_per_token, context_window}
     admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s, done?, prompt_len?,
-                 first_token_age_s?, compute?}]}
+                 first_token_age_s?, compute?, late_s?}]}
                                              -> {results: [{ok, code, reason}]}; `done`: tokens a moved
                                                 request produced elsewhere (the last `done` of its ids),
                                                 recomputed here; compute=false: memory check only
@@ -30,7 +30,9 @@ Control -> agent (see docs/service.md for every field):
     validate_group {instance_id, requests: [R]} -> {admit, reason}
     validate_new {plan: {instance_id, model, weight_bytes, kv_bytes_per_token, context_window, max_batch,
                   slo, expected_load_s, profile}, requests: [R]} -> {admit, reason}
-               (R = {request_id, prompt_len, max_tokens, age_s, done, first_token_age_s?}: shadow validation)
+               (R = {request_id, prompt_len, max_tokens, age_s, done, first_token_age_s?, late_s?}: shadow
+                validation; age_s: seconds since it arrived (>= 0); late_s: how late it is served
+                (placement.SERVE_LATE: its deadlines start when its loading instance is ready))
     take_back  {request_id, why}             -> {request_id, tokens_out, token_ids, first_token_age_s}
                                                 (off the node, not ended)
     abort      {request_id}                  (no reply)

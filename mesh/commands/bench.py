@@ -6,7 +6,8 @@ import argparse
 from mesh.commands import register_all
 
 # Benchmark modules in mesh.bench, each with `register(subparsers)`.
-BENCHES = ["coldstart", "control_plane", "core", "fidelity", "engine", "learning", "multicast", "replay", "serve", "tokens"]
+BENCHES = ["closed_loop", "coldstart", "control_plane", "core", "fidelity", "engine", "learning", "multicast", "replay", "serve",
+           "tokens"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -17,6 +17,7 @@ mesh.runtime.cluster).
 """
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -31,6 +32,7 @@ from mesh.policy.placement import (
     concurrency_target,
     late_by_s,
     new_instance_order,
+    queue_expiry_s,
     sllm_pick,
     tailored_concurrency_target,
     victim_order,
@@ -166,19 +168,43 @@ class MeshPolicy(Policy):
         choice SERVE_LATE (placement): admit a fresh request on the loading instance ready
         first, its deadlines moved to that instance's predicted ready time, if the node's
         shadow validation shows everyone else there still on time (5.3 cases 2 and 3) and
-        its own prefill on time from then (case 1)."""
+        its own prefill on time from then (case 1). A fresh request that reached the
+        dispatcher already past its TTFT (late on arrival: the live service tokenizes before
+        placing, and a cold model's tokenizer is built first) is admitted the same way on an
+        instance of its model that is loaded, its deadlines running from now."""
         if self.cluster.cold_start_choice(req.model) != SERVE_LATE or req.tokens_out or req.first_token_s is not None:
             return False
-        loading = sorted((r for r in self.cluster.instances_of(req.model)
-                          if not r.inst.loaded and r.node.node_id not in avoid), key=lambda r: r.ready_at)
-        for ref in loading:
+        refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
+        for ref in sorted((r for r in refs if not r.inst.loaded), key=lambda r: r.ready_at):
             req.late_s = late_by_s(req.arrival_s, ref.ready_at)
             self.stats.validations += 1
             if (await ref.node.try_admit(ref.instance_id, req)).ok:
                 self.stats.served_late += 1
                 return True
         req.late_s = 0.0
+        if self._late_on_arrival(req):
+            # it reached the dispatcher past its TTFT (the service built a cold model's tokenizer
+            # to tokenize it, seconds, while the instance loaded): its deadlines run from now,
+            # on an instance of its model where no one else is hurt
+            req.late_s = asyncio.get_running_loop().time() - req.arrival_s
+            for v in candidate_order([r.view() for r in refs if r.inst.loaded], defrag=self.spec.defrag):
+                ref = next(r for r in refs if r.instance_id == v.instance_id)
+                self.stats.validations += 1
+                if (await ref.node.try_admit(ref.instance_id, req)).ok:
+                    self.stats.served_late += 1
+                    return True
+            req.late_s = 0.0
         return False
+
+    def _late_on_arrival(self, req: ServedRequest) -> bool:
+        """A fresh request placed for the first time (it never waited in the queue) that can no
+        longer meet its TTFT: what the queue would turn away at once."""
+        if req.tokens_out or req.first_token_s is not None or any(a.startswith("waited") for a in req.attempts):
+            return False
+        prompt, start = req.resumed(0, self.cluster.config.deadlines)
+        deadline = start + req.slo.ttft_s(prompt)
+        now = asyncio.get_running_loop().time()
+        return now >= queue_expiry_s(deadline, self.cluster.fastest_prefill_s(req.model, prompt, self.kinds))
 
     async def _warm_up(self, req: ServedRequest, exclude: set[str]) -> None:
         """No new instance would serve `req` in time: start one anyway, holding no request,
@@ -205,7 +231,17 @@ class MeshPolicy(Policy):
                 continue  # a fresh request would start an instance here the usual way
             plan = self.cluster.plan(req.model, node)
             self.stats.validations += 1
-            ok = (await node.validate_new(replace(plan, expected_load_s=0.0), [req], [req.tokens_out])).ok
+            kept = req.late_s
+            if req.tokens_out == 0 and req.first_token_s is None and not self.cluster.instances_of(req.model):
+                # the model has no instance: validated as if it arrived now, since what a fresh
+                # request waited before its placement (the service builds a cold model's tokenizer
+                # to tokenize it, seconds) is cold start too, not a reason to leave the model cold
+                # (issue 23's single-node workload)
+                req.late_s = max(kept, asyncio.get_running_loop().time() - req.arrival_s)
+            try:
+                ok = (await node.validate_new(replace(plan, expected_load_s=0.0), [req], [req.tokens_out])).ok
+            finally:
+                req.late_s = kept
             if not warm_up_allowed(cold, slack, ok, warming):
                 continue
             if await self.cluster.start_instance(plan, node) is None:
