@@ -61,6 +61,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+from mesh.bench.report import write_json
 
 TURNED_AWAY_STATUSES = (429, 503)
 SERVED, TURNED_AWAY, FAILED = "served", "turned_away", "failed"
@@ -597,17 +598,6 @@ def run(args: argparse.Namespace) -> int:
     for name, c in verdicts.items():
         print(f"  check {name}: {_fmt(c['value'])} (want {c['bound']}) {'ok' if c['ok'] else 'FAIL'}")
     if args.json:
-        def finite(v: Any) -> Any:
-            if isinstance(v, float) and not math.isfinite(v):
-                return None
-            if isinstance(v, dict):
-                return {k: finite(x) for k, x in v.items()}
-            if isinstance(v, list):
-                return [finite(x) for x in v]
-            return v
-        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json).write_text(json.dumps(finite({"meta": meta, "rounds": rounds, "checks": verdicts}),
-                                              indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, {"meta": meta, "rounds": rounds, "checks": verdicts})
     failed = any(f["failed"] for f in rounds.values()) or not all(c["ok"] for c in verdicts.values())
     return 1 if failed else 0

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engines.parking import ParkingLot
+from mesh.bench.report import write_json
 
 SOURCES = ("gguf", "ir", "ir+blob")  # each run a fresh process; "parked" is timed in this one
 STAGES = ("start", "import", "read", "tokenizer", "build", "warm_up", "ready", "first_token")
@@ -303,9 +304,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                 shutil.rmtree(work, ignore_errors=True)
         _print(fig)
         if a.json:
-            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.json).write_text(json.dumps(fig, indent=2) + "\n")
-            print(f"wrote {a.json}")
+            write_json(a.json, fig)
         return 0
 
     p.set_defaults(func=go)

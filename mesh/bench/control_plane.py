@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mesh.runtime.latency import between
+from mesh.bench.report import write_json
 
 DEFAULT_STREAMS = (32, 64, 128, 256, 512, 1024, 2048)
 LAG_LIMIT_MS = 50.0
@@ -498,9 +499,7 @@ def register(sub: argparse._SubParsersAction) -> None:
             return 2
         print_table(fig)
         if a.json:
-            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.json).write_text(json.dumps(fig, indent=2) + "\n")
-            print(f"wrote {a.json}")
+            write_json(a.json, fig)
         return 0
 
     p.set_defaults(func=go)

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import tempfile
 import time
@@ -33,6 +32,7 @@ from mesh.policy.multicast import PLANS, CostModel, make_plan, naive, schedule
 from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast
 from mesh.weights.launch import new_token, spawn_agents, stop_agents
+from mesh.bench.report import write_json
 
 MB = 10**6
 TARGET_FACTOR = 1.15
@@ -154,9 +154,7 @@ def report(fig: dict[str, Any], plans: Sequence[str], json_path: str | None) -> 
         print(f"  {name:<9} {p['total_s']:8.3f} {p['bound_s']:8.3f} {p['ratio']:8.2f} {p['target_s']:9.3f} "
               f"{p['predicted_s']:8.3f} {p['agents_cpu_s']:11.1f}  {times[0]:.3f} / {times[-1]:.3f}")
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(fig, indent=2) + "\n")
-        print(f"wrote {json_path}")
+        write_json(json_path, fig)
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from engines.worker_process import die_with_parent, worker_env
+from mesh.bench.report import write_json
 
 MB = 10**6
 
@@ -209,8 +210,6 @@ def _bench(ray: Any, model: Path, receivers: int, block_mb: float, plans: Sequen
 
 
 def report(fig: dict[str, Any], json_path: str | None) -> None:
-    import json
-
     print(f"mesh bench multicast --ray: 1 source -> {fig['receivers']} Ray nodes ({fig['cluster']}), "
           f"{fig['size_mb']:.0f} MB in {fig['blocks']} blocks of {fig['block_mb']:.1f} MB")
     print(f"  single-stream B = {fig['bandwidth_MBps']:.0f} MB/s (Mesh transport), bound M/B = {fig['bound_s']:.3f} s"
@@ -220,6 +219,4 @@ def report(fig: dict[str, Any], json_path: str | None) -> None:
         row = fig[name]
         print(f"  {name:<17} {row['total_s']:8.3f} {row['bound_s']:8.3f} {row['ratio']:8.2f}")
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(fig, indent=2) + "\n")
-        print(f"wrote {json_path}")
+        write_json(json_path, fig)

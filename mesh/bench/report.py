@@ -16,9 +16,23 @@ def emit(title: str, figures: dict[str, Any], json_path: str | None, units: dict
         shown = f"{value:,.3f}" if isinstance(value, float) else str(value)
         print(f"  {key:<{width}}  {shown} {units.get(key, '')}".rstrip())
     if json_path:
-        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        # JSON has no inf/nan: an infinite TTFT percentile (requests never served) or a figure
-        # without data is written as null
-        finite = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in figures.items()}
-        Path(json_path).write_text(json.dumps(finite, indent=2) + "\n")
-        print(f"wrote {json_path}")
+        write_json(json_path, figures)
+
+
+def finite(value: Any) -> Any:
+    """`value` with every inf or nan float, at any depth, as None: JSON has neither (an
+    infinite TTFT percentile of requests never served, a figure without data)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [finite(v) for v in value]
+    return value
+
+
+def write_json(path: str | Path, figures: Any) -> None:
+    """A benchmark's figures as JSON at `path` (its folder made), and say so."""
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(finite(figures), indent=2) + "\n")
+    print(f"wrote {path}")

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import statistics
 import time
 from typing import Any
 
 from mesh.agent.protocol import encode_frame, read_frame
+from mesh.bench.report import write_json
 
 
 def _item(i: int) -> list[Any]:
@@ -100,9 +100,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         for name, us in fig["us_per_token"].items():
             print(f"  {name:<24} {us:8.1f} us/token  ({fig['stream_s'][name] * 1000:.2f} ms per stream)")
         if a.json:
-            with open(a.json, "w") as f:
-                json.dump(fig, f, indent=2)
-            print(f"wrote {a.json}")
+            write_json(a.json, fig)
         return 0
 
     p.set_defaults(func=go)
