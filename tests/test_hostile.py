@@ -424,7 +424,8 @@ def test_prompts_beyond_any_tokenization_of_the_window_are_refused_before_tokeni
     from mesh.service import routes_openai
 
     async def main():
-        async with Http(tmp_path, demo_gguf.parent) as api:
+        _link(demo_gguf, tmp_path / "allowed" / "a" / demo_gguf.name)
+        async with Http(tmp_path, tmp_path / "allowed") as api:
             key = await api.tenant("a")
             status, _ = await api.call("POST", "/v1/models", key, {"name": "m", "path": demo_gguf.name,
                                                                    "context_length": 64})
@@ -455,3 +456,55 @@ def test_orphaned_uploads_are_swept(tmp_path):
         f.write_bytes(b"GGUF")
     assert sorted(p.name for p in sweep_orphans(up, [str(kept)])) == [".c.gguf.part", "b.gguf"]
     assert [p.name for p in up.iterdir()] == ["a.gguf"]
+
+
+def _link(src, dst) -> None:
+    """`dst` holds `src`'s bytes (a hard link where the file system allows one)."""
+    import os
+    import shutil
+
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy(src, dst)
+
+
+async def _register_raw(api: "Http", key: str, path: str, name: str = "m") -> tuple[int, bytes]:
+    """POST /v1/models by path: the status and the body's exact bytes."""
+    async with api.session.post(api.server.make_url("/v1/models"), json={"name": name, "path": path},
+                                headers={"Authorization": f"Bearer {key}"}) as r:
+        return r.status, await r.read()
+
+
+def test_path_registration_is_confined_to_the_tenants_folder_with_one_404(simulated, tmp_path, demo_gguf):
+    """Tenant B registering tenant A's file by path, however it names it, gets the very bytes
+    a missing file gets; A registers it, and the operator registers anything in the folder."""
+    import os
+
+    allowed = tmp_path / "allowed"
+    _link(demo_gguf, allowed / "a" / "m.gguf")
+    (allowed / "b").mkdir()
+    os.symlink(allowed / "a" / "m.gguf", allowed / "b" / "escape.gguf")  # a link out of B's folder
+    os.symlink(allowed / "a", allowed / "b" / "a-dir")
+
+    async def main():
+        async with Http(tmp_path, allowed) as api:
+            key_a, key_b = await api.tenant("a"), await api.tenant("b")
+            status, missing = await _register_raw(api, key_b, "missing.gguf")
+            assert status == 404 and b"model_source_not_found" in missing and b"missing" not in missing
+            for given in ("../a/m.gguf", str(allowed / "a" / "m.gguf"), "a/m.gguf", "escape.gguf", "a-dir",
+                          "a-dir/m.gguf", ".", "../a/missing.gguf", str(allowed / "a" / "missing.gguf")):
+                assert await _register_raw(api, key_b, given) == (404, missing), given
+            assert await _register_raw(api, key_a, "absent.gguf") == (404, missing)  # the same text for A
+            status, body = await _register_raw(api, key_a, "m.gguf")
+            assert status == 201, body
+            assert (await api.call("GET", "/v1/models", key_b))[1]["data"] == []
+            # the operator registers a file of A's folder for B (the whole allowed folder is the operator's)
+            status, body = await api.call("POST", "/admin/tenants/b/models", ADMIN, {"name": "op", "path": "a/m.gguf"})
+            assert status == 201 and body["id"] == "op", body
+            status, body = await api.call("POST", "/admin/tenants/b/models", ADMIN, {"name": "x", "path": "nope.gguf"})
+            assert status == 404 and "nope.gguf" in body["error"]["message"]
+            assert [m["id"] for m in (await api.call("GET", "/v1/models", key_b))[1]["data"]] == ["op"]
+
+    asyncio.run(main())

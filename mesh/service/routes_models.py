@@ -2,7 +2,7 @@
 GET /v1/usage: the caller's own request, token and SLO figures per model, and its quotas.
 
 POST /v1/models with a JSON body registers a model on the server's disk:
-    {"name": "my-model", "path": "sub/dir/model.gguf",       # relative to --allowed-dir
+    {"name": "my-model", "path": "sub/dir/model.gguf",       # relative to <--allowed-dir>/<tenant>/
      "context_length": 2048,                                 # optional, <= the trained window
      "slo": {"ttft_s": 2.0, "ttft_s_per_prompt_token": 0.002, "tpot_s": 0.25},   # optional
      "sampling_defaults": {"temperature": 0.2, "top_p": 0.9}}  # optional: for requests that omit them;
@@ -12,9 +12,16 @@ the settings go in the query: name, sha256 (required), context_length, ttft_s,
 ttft_s_per_prompt_token, tpot_s, temperature, top_p (sampling defaults). The upload is streamed to the data folder under a size
 limit and kept only if its SHA-256 matches.
 Another tenant's model answers exactly like a model that does not exist.
+A tenant registers paths only inside its own folder of the allowed folder,
+`<allowed_dir>/<tenant>/` (relative paths are relative to it): a path outside it (another
+tenant's file, `..`, a symlink or a folder's link that leaves it) answers the same 404 body as
+a path that does not exist (mesh.modelfiles.sources.TENANT_NOT_FOUND), so a tenant learns
+nothing about the files of the allowed folder.
 
-POST /admin/tenants/{tenant}/models (admin token only) registers an emulated model for the
-tenant, on a service started with `mesh serve --emulate` (mesh.agent.emulation):
+POST /admin/tenants/{tenant}/models (admin token only) registers a model for the tenant: a
+path anywhere in the allowed folder (the operator's; relative to --allowed-dir), with the
+body of POST /v1/models, or an emulated model, on a service started with `mesh serve
+--emulate` (mesh.agent.emulation):
     {"name": "f001", "emulate": "llama-2-7b",     # a catalog name: a model profiled on every emulated device
      "context_length": 2048, "slo": {...}}          # optional, as above (the window at most the profile's)
 It answers 201 with the model object, as POST /v1/models. Emulated models are the operator's:
@@ -34,7 +41,7 @@ from engines.protocol import DEFAULT_CONTEXT_CAP
 from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES
 from mesh.modelfiles.sampling import SamplingDefaultsError
 from mesh.modelfiles.sampling import check as check_sampling
-from mesh.modelfiles.sources import SourceError, SourceInfo, inspect_source, resolve_allowed
+from mesh.modelfiles.sources import SourceError, SourceInfo, SourceNotFound, inspect_source, resolve_allowed
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of
@@ -49,7 +56,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/usage", usage)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/models", register_model)
-    app.router.add_post("/admin/tenants/{tenant}/models", register_emulated)
+    app.router.add_post("/admin/tenants/{tenant}/models", register_for_tenant)
     app.router.add_get("/v1/models/{name:.+}", get_model)
     app.router.add_delete("/v1/models/{name:.+}", delete_model)
 
@@ -125,6 +132,13 @@ async def register_model(request: web.Request) -> web.Response:
     if svc.registry.model(tenant, name) is not None:
         raise errors.conflict(f"You already have a model named '{name}'; delete it first or pick another name.",
                               "name", "model_exists")
+    record = await _by_path(svc, tenant, name, data, confined=True)
+    return _created(svc, record)
+
+
+async def _by_path(svc: Service, tenant: str, name: str, data: Mapping[str, Any], confined: bool) -> ModelRecord:
+    """The record of a model registered from a path: in the tenant's folder of the allowed
+    folder (`confined`), else anywhere in it (the operator's registration)."""
     given = data.get("path", data.get("source"))
     if not isinstance(given, str):
         raise errors.bad_request("'path' is required: a GGUF file, OpenVINO IR folder or Hugging Face folder under "
@@ -132,24 +146,32 @@ async def register_model(request: web.Request) -> web.Response:
                                  "application/octet-stream).", "path")
     try:
         # both walk the file system (a folder's rglob): off the event loop
-        info = await asyncio.to_thread(lambda: inspect_source(resolve_allowed(svc.config.allowed_dir, given)))
+        info = await asyncio.to_thread(
+            lambda: inspect_source(resolve_allowed(svc.config.allowed_dir, given, tenant if confined else None)))
+    except SourceNotFound as exc:
+        raise errors.not_found(str(exc), "model_source_not_found", "path") from exc
     except SourceError as exc:
         raise errors.bad_request(str(exc), "path", "invalid_model_source") from exc
-    record = _record(tenant, name, info, data, owned=False)
-    return _created(svc, record)
+    return _record(tenant, name, info, data, owned=False)
 
 
-async def register_emulated(request: web.Request) -> web.Response:
-    """An emulated model for a tenant (admin only): a catalog name the emulated devices profile."""
+async def register_for_tenant(request: web.Request) -> web.Response:
+    """A model for a tenant (admin only): a path anywhere in the allowed folder, or a catalog
+    name the emulated devices profile."""
     svc = service_of(request)
     svc.require_admin(request)
     tenant = request.match_info["tenant"]
     if svc.registry.tenant(tenant) is None:
         raise errors.not_found(f"No tenant named '{tenant}'.", "tenant_not_found", "tenant")
+    data = await read_json(request, svc.limits)
+    if "emulate" not in data and ("path" in data or "source" in data):
+        name = _name(data.get("name"))
+        if svc.registry.model(tenant, name) is not None:
+            raise errors.conflict(f"Tenant {tenant} already has a model named '{name}'.", "name", "model_exists")
+        return _created(svc, await _by_path(svc, tenant, name, data, confined=False))
     if not svc.config.emulate:
         raise errors.bad_request("This service runs no emulated nodes (start it with mesh serve --emulate "
                                  "DEVICE:N,...).", "emulate", "not_emulating")
-    data = await read_json(request, svc.limits)
     name = _name(data.get("name"))
     if svc.registry.model(tenant, name) is not None:
         raise errors.conflict(f"Tenant {tenant} already has a model named '{name}'.", "name", "model_exists")
