@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", default=None, help="a TOML or JSON file of settings (docs/service.md)")
     parser.add_argument("--demo", action="store_true", default=None,
                         help="register the SmolLM2 demo model as demo/smollm2 for tenant demo; print a key")
-    parser.add_argument("--allowed-dir", default=None, help="folder under which models may be registered by path")
+    parser.add_argument("--allowed-dir", default=None, help="folder under which models may be registered by path: a tenant only in DIR/<tenant>/, the operator (admin token) anywhere")
     parser.add_argument("--max-body-mb", type=float, default=None, help="limit of JSON request bodies (default 8)")
     parser.add_argument("--max-upload-mb", type=float, default=None, help="limit of model uploads (default 16384)")
     parser.add_argument("--keep-alive", type=float, default=None, dest="keep_alive_s",
