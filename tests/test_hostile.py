@@ -508,3 +508,91 @@ def test_path_registration_is_confined_to_the_tenants_folder_with_one_404(simula
             assert [m["id"] for m in (await api.call("GET", "/v1/models", key_b))[1]["data"]] == ["op"]
 
     asyncio.run(main())
+
+
+class _SerialTokenizer:
+    """A stand-in for the agent's tokenizer worker (mesh.agent.tokenizers): one job at a
+    time, each `job_s` long, as the real worker runs them; records the prompts it ran."""
+
+    dead = None
+
+    def __init__(self, job_s: float) -> None:
+        import threading
+
+        self.job_s, self.ran, self._lock, self._free_at = job_s, [], threading.Lock(), 0.0
+
+    def call(self, op, **fields):
+        import concurrent.futures
+        import threading
+        import time
+
+        fut = concurrent.futures.Future()
+        self.ran.append((fields.get("prompt") or "")[:1])  # sent to the worker: it runs, whoever waits
+        with self._lock:
+            start = max(time.monotonic(), self._free_at)
+            self._free_at = start + self.job_s
+
+        def run():
+            fut.set_result(list(range(1, 9)))  # 8 token ids
+
+        threading.Timer(self._free_at - time.monotonic(), run).start()
+        return fut
+
+
+def test_tokenizer_jobs_take_tenants_in_turn_and_leave_with_their_client(simulated, tmp_path, demo_gguf,
+                                                                          monkeypatch):
+    """Tenant A sends 40 large prompts (a slow tokenizer: 0.2 s each, 8 s in all) and hangs
+    up; tenant B's requests meanwhile wait for one of A's jobs, not for all of them, and A's
+    jobs that had not run when it hung up never reach the worker."""
+    import time
+
+    from mesh.agent.tokenizers import TokenizerProcess
+
+    worker = _SerialTokenizer(0.2)
+    monkeypatch.setattr(TokenizerProcess, "_connection", lambda self: worker)
+    allowed = tmp_path / "allowed"
+    for tenant in ("a", "b"):
+        _link(demo_gguf, allowed / tenant / "m.gguf")
+
+    async def main():
+        async with Http(tmp_path, allowed) as api:
+            keys = {t: await api.tenant(t) for t in ("a", "b")}
+            for t, key in keys.items():
+                assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
+            tokenizer = api.placement.agents["cpu-0"].server.tokenizers
+
+            async def b_request() -> float:
+                start = time.monotonic()
+                status, body = await api.call("POST", "/v1/completions", keys["b"],
+                                              {"model": "m", "prompt": "b says hi", "max_tokens": 2})
+                assert status == 200, body
+                return time.monotonic() - start
+
+            await b_request()  # loads B's instance
+            big = "a" * (512 << 10)  # 512 KiB: within the window's bytes (4096 x 256)
+            attack = [asyncio.ensure_future(api.call("POST", "/v1/completions", keys["a"],
+                                                     {"model": "m", "prompt": big, "max_tokens": 2}))
+                      for _ in range(40)]
+            for _ in range(200):  # A's jobs are queued
+                if tokenizer.waiting >= 30:
+                    break
+                await asyncio.sleep(0.05)
+            assert tokenizer.waiting >= 30
+            waited = [await b_request() for _ in range(2)]  # behind one of A's jobs each, not 30
+            assert max(waited) < 3.0, waited
+            for task in attack:  # A hangs up
+                task.cancel()
+            await asyncio.gather(*attack, return_exceptions=True)
+            for _ in range(100):
+                if tokenizer.waiting == 0:
+                    break
+                await asyncio.sleep(0.05)
+            assert tokenizer.waiting == 0 and tokenizer.counts.dropped >= 20, tokenizer.counts
+            ran_a = worker.ran.count("a")
+            assert ran_a == 40 - tokenizer.counts.dropped, (ran_a, tokenizer.counts)
+            assert await b_request() < 2.0  # no leftover of A's ahead of it
+            await asyncio.sleep(0.5)
+            assert worker.ran.count("a") == ran_a  # none of A's dropped jobs ran later
+            assert api.service.quotas.open.get("a", 0) == 0  # its slots went with its requests
+
+    asyncio.run(main())

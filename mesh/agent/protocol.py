@@ -19,7 +19,10 @@ Control -> agent (see docs/service.md for every field):
                 exact_moves}
                                              -> {} (issued; an `instance` event follows)
     unload     {instance_id}                 -> {}
-    tokenize   {instance_id | (model, path, engine, context_window), prompt | messages} -> {ids}
+    tokenize   {instance_id | (model, path, engine, context_window), prompt | messages, request_id?, tenant?}
+                                             -> {ids}; OpenVINO prompts wait in a queue that takes the
+                                                tenants in turn; `abort {request_id}` cancels it (dropped
+                                                from the queue if it has not run)
     describe   {model, path, engine, context_window} -> {weight_bytes, kv_bytes_per_token, context_window}
     admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s, done?, prompt_len?,
                  first_token_age_s?, compute?}]}
@@ -33,7 +36,7 @@ Control -> agent (see docs/service.md for every field):
                (R = {request_id, prompt_len, max_tokens, age_s, done, first_token_age_s?}: shadow validation)
     take_back  {request_id, why}             -> {request_id, tokens_out, token_ids, first_token_age_s}
                                                 (off the node, not ended)
-    abort      {request_id}                  (no reply)
+    abort      {request_id}                  (no reply) the request, or its tokenize still under way
     stats      {}                            -> {instances, memory, queue_length, busy_s, ...}
     shutdown   {}                            -> {} (then the agent exits)
     weights_path {model, file, manifest?}    -> {path, complete?} where a multicast to this node writes the
