@@ -596,3 +596,181 @@ def test_tokenizer_jobs_take_tenants_in_turn_and_leave_with_their_client(simulat
             assert api.service.quotas.open.get("a", 0) == 0  # its slots went with its requests
 
     asyncio.run(main())
+
+
+# ---- a real `mesh serve --demo --cpu-nodes 2` (the OpenVINO engine) --------------------------------
+
+def _proc_children() -> dict[int, list[int]]:
+    """parent pid -> its children's pids, from /proc."""
+    from pathlib import Path
+
+    out: dict[int, list[int]] = {}
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                parent = int((proc / "stat").read_text().rpartition(")")[2].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            out.setdefault(parent, []).append(int(proc.name))
+    return out
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and every process under it."""
+    children, out, todo = _proc_children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo += children.get(p, [])
+    return out
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _rss_mib(pid: int) -> float:
+    """Resident memory of a process (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return 0.0
+
+
+def _running(pid: int) -> bool:
+    """The process exists and is not a zombie."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _engine_workers(agent_pid: int) -> list[int]:
+    return [p for p in _tree(agent_pid) if "engines.openvino_worker" in _cmdline(p)]
+
+
+async def _sse(session, url: str, key: str, body: dict) -> dict:
+    """One streamed generation: its status, the time to its first chunk (TTFT), the chunks,
+    its finish reason, usage, and any error (an error event, or a status other than 200)."""
+    import json
+    import time
+
+    start = time.monotonic()
+    out: dict = {"status": None, "ttft_s": None, "chunks": 0, "finish": None, "usage": None, "error": None,
+                 "done": False}
+    async with session.post(f"{url}/v1/chat/completions", json={**body, "stream": True,
+                                                                 "stream_options": {"include_usage": True}},
+                            headers={"Authorization": f"Bearer {key}"}) as r:
+        out["status"] = r.status
+        if r.status != 200:
+            out["error"] = await r.text()
+            return out
+        async for line in r.content:
+            if not line.startswith(b"data: "):
+                continue
+            data = line[6:].strip()
+            if data == b"[DONE]":
+                out["done"] = True
+                break
+            event = json.loads(data)
+            if "error" in event:
+                out["error"] = event["error"]
+                continue
+            if out["ttft_s"] is None:
+                out["ttft_s"] = time.monotonic() - start
+            if event.get("choices"):
+                out["chunks"] += 1
+                out["finish"] = event["choices"][0]["finish_reason"] or out["finish"]
+            if event.get("usage"):
+                out["usage"] = event["usage"]
+    return out
+
+
+def _real_server(tmp_path, demo_gguf, *extra: str):
+    """`mesh serve --demo --cpu-nodes 2` (tests/test_service_e2e.Server) with an allowed folder
+    where tenants a and b each hold the demo GGUF."""
+    from test_service_e2e import Server
+
+    allowed = tmp_path / "allowed"
+    for tenant in ("a", "b"):
+        _link(demo_gguf, allowed / tenant / "m.gguf")
+    return Server(tmp_path / "data", allowed, tmp_path / "serve.log", ("--cpu-nodes", "2", *extra))
+
+
+@pytest.mark.slow
+def test_a_stopped_engine_worker_fails_its_instance_and_its_streams_finish_on_the_other_node(tmp_path, demo_gguf):
+    """SIGSTOP on the engine worker of the node serving three streams: after the watchdog's
+    floor (lowered to 5 s with --watchdog-min-s) the instance fails, its worker is killed, and
+    the streams finish on the other node's instance with every token and no error."""
+    import os
+    import signal
+    import time
+
+    import aiohttp
+
+    server = _real_server(tmp_path, demo_gguf, "--watchdog-min-s", "5")
+    server.start()
+    stopped: list[int] = []
+    try:
+        scaled = server.admin("POST", "/admin/scale", {"tenant": "demo", "model": "demo/smollm2",
+                                                       "nodes": ["cpu-0", "cpu-1"]})
+        assert [r["ok"] for r in scaled["results"]] == [True, True], scaled
+        body = {"model": "demo/smollm2", "max_tokens": 160, "temperature": 0, "ignore_eos": True,
+                "messages": [{"role": "user", "content": "Tell me a long story about a lighthouse."}]}
+
+        async def main():
+            async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=240)) as session:
+                streams = [asyncio.ensure_future(_sse(session, server.url, server.key, body)) for _ in range(3)]
+                serving = None
+                for _ in range(600):  # until a node runs some of them
+                    await asyncio.sleep(0.1)
+                    nodes = (await asyncio.to_thread(server.admin, "GET", "/admin/cluster"))["nodes"]
+                    busy = [n for n in nodes if any(i["active"] and i["state"] == "ready" for i in n["instances"])]
+                    if busy:
+                        serving = busy[0]
+                        break
+                assert serving is not None, "no node took the streams"
+                await asyncio.sleep(1.0)  # tokens are flowing
+                workers = _engine_workers(serving["pid"])
+                assert workers, f"no engine worker under the agent of {serving['node_id']}"
+                for pid in workers:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append(pid)
+                hung_at = time.monotonic()
+                results = await asyncio.wait_for(asyncio.gather(*streams), 200)
+                return serving, results, time.monotonic() - hung_at
+
+        serving, results, after_s = asyncio.run(main())
+        print(f"node {serving['node_id']} stopped; streams ended {after_s:.1f} s later: "
+              f"{[(r['usage'] or {}).get('completion_tokens') for r in results]}")
+        for r in results:
+            assert r["status"] == 200 and r["error"] is None and r["done"], r
+            assert r["usage"]["completion_tokens"] == 160 and r["finish"] == "length", r
+        deadline = time.monotonic() + 30
+        while any(_running(p) for p in stopped) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not any(_running(p) for p in stopped), "the hung worker was not killed"
+        log = server.log.read_text()
+        assert "its engine hung" in log and "ran over 5 s" in log, log[-3000:]
+        assert server.http("GET", "/healthz")[0] == 200
+        # the node serves again: a new instance (a new worker) where one is needed
+        again = server.admin("POST", "/admin/scale", {"tenant": "demo", "model": "demo/smollm2",
+                                                      "nodes": [serving["node_id"]]})
+        assert again["results"][0]["ok"], again
+        assert set(_engine_workers(serving["pid"])).isdisjoint(stopped)
+    finally:
+        for pid in stopped:
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
+        server.stop()

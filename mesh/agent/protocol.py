@@ -47,7 +47,8 @@ Agent -> control (events):
     tokens     {items: [[request_id, [token ids], text], ...]}   one frame per iteration
     done       {request_id, outcome, reason, detail, tokens_out, ttft_s, tpot_s}
     instance   {instance_id, state: "ready" | "failed", error}
-    evicted    {request_id, why, tokens_out, token_ids, first_token_age_s}   the memory subsystem evicted it (6.4): place it again
+    evicted    {request_id, why, tokens_out, token_ids, first_token_age_s, fault?}   the memory subsystem evicted it (6.4),
+               or (fault: true) the engine watchdog failed its instance: place it again
 
 Reply codes when `ok` is false: see Code. Admission results use the same codes.
 
@@ -386,13 +387,14 @@ class EvictedEvent:
     T: ClassVar[str] = "evicted"
     why: str
     progress: Progress
+    fault: bool = False  # the node failed it (a hung engine): its deadlines restart where it resumes
 
     def to_message(self) -> dict[str, Any]:
-        return {"t": self.T, "why": self.why, **self.progress.to_dict()}
+        return {"t": self.T, "why": self.why, **self.progress.to_dict(), **({"fault": True} if self.fault else {})}
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "EvictedEvent":
-        return cls(str(m.get("why") or "evicted"), Progress.from_dict(m))
+        return cls(str(m.get("why") or "evicted"), Progress.from_dict(m), m.get("fault") is True)
 
 
 Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent]

@@ -789,7 +789,8 @@ class AgentServer:
         control service, whose dispatcher places it on another node (an `evicted` event
         with the tokens it produced; no `done` follows)."""
         self.requests.pop(req.request_id, None)
-        self._send(EvictedEvent(req.attempts[-1] if req.attempts else "evicted", self._progress(req)).to_message())
+        self._send(EvictedEvent(req.attempts[-1] if req.attempts else "evicted", self._progress(req),
+                                req.fault).to_message())
 
     def _abort_all(self, why: str) -> None:
         for rid in list(self.requests):

@@ -500,13 +500,15 @@ class NodeRuntime:
         req.node_id = req.instance_id = None
         return req
 
-    def evict(self, request_id: str, why: str) -> None:
+    def evict(self, request_id: str, why: str, fault: bool = False) -> None:
         """Evict and reschedule (6.4); without a dispatcher to take it, the request fails.
-        The request keeps its progress (see take_back)."""
+        The request keeps its progress (see take_back). `fault`: the node failed it (a hung
+        engine), so its deadlines restart where it is placed again (ServedRequest.fault)."""
         req = self.take_back(request_id, f"evicted: {why}")
         if req is None:
             return
         req.evictions += 1
+        req.fault = fault
         if self.on_evict is not None:
             self.on_evict(req)
         else:
@@ -527,7 +529,7 @@ class NodeRuntime:
         stopped process answers no shutdown), and a new instance starts where one is needed."""
         log.error("instance %s: %s", inst.instance_id, why)
         for rid in list(inst.requests):
-            self.evict(rid, why)
+            self.evict(rid, why, fault=True)
         if self.on_hung is not None:
             self.on_hung(inst.instance_id, why)
         kill = getattr(inst.engine, "kill_worker", None)
