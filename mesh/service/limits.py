@@ -43,12 +43,27 @@ def timed_out(what: str, limit_s: float) -> ApiError:
                     "invalid_request_error", None, "request_timeout")
 
 
-async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
-    """The whole body, within `body_timeout_s` (408 otherwise)."""
+async def read_body(request: web.Request, limits: HttpLimits, cap: tuple[int, ApiError] | None = None) -> bytes:
+    """The whole body, within `body_timeout_s` (408 otherwise). `cap`: (bytes, the error for a
+    body over them), checked from Content-Length before reading, and while reading a chunked one."""
+    if cap is not None and request.content_length is not None and request.content_length > cap[0]:
+        raise cap[1]
     try:
-        return await asyncio.wait_for(request.read(), limits.body_timeout_s)
+        if cap is None or request.content_length is not None:
+            return await asyncio.wait_for(request.read(), limits.body_timeout_s)
+        return await asyncio.wait_for(_read_capped(request, *cap), limits.body_timeout_s)
     except asyncio.TimeoutError:
         raise timed_out("request body", limits.body_timeout_s) from None
+
+
+async def _read_capped(request: web.Request, limit: int, over: ApiError) -> bytes:
+    parts, size = [], 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise over
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 async def body_chunks(request: web.Request, limits: HttpLimits) -> AsyncIterator[bytes]:
@@ -139,10 +154,12 @@ def guard_connections(server: web.Server, limits: HttpLimits) -> ConnectionLimit
 THREAD_PARSE_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread, off the event loop
 
 
-async def read_json(request: web.Request, limits: HttpLimits) -> dict[str, Any]:
+async def read_json(request: web.Request, limits: HttpLimits,
+                    cap: tuple[int, ApiError] | None = None) -> dict[str, Any]:
     """The body as a checked JSON object (mesh.service.schema.parse_json), read within the
-    body deadline and, when large, parsed off the event loop (other requests keep moving)."""
-    body = await read_body(request, limits)
+    body deadline (and `cap`, read_body) and, when large, parsed off the event loop (other
+    requests keep moving)."""
+    body = await read_body(request, limits, cap)
     if len(body) > THREAD_PARSE_BYTES:
         return await asyncio.to_thread(parse_json, body)
     return parse_json(body)
