@@ -31,7 +31,8 @@ class HttpLimits:
     upload_grace_s: float = 10.0
     max_connections: int = 1024  # open HTTP connections in all
     max_connections_per_client: int = 64  # open HTTP connections from one client address
-    linger_s: float = 2.0  # after an error answered before its body was read, the rest is read (dropped) this long
+    linger_s: float = 0.5  # after an error answered before its body was read, the rest is read (dropped) this long
+    # (long enough for a client to read the error; each second of it is a second of the loop reading an attacker's bytes)
 
     def runner_options(self) -> dict[str, Any]:
         """aiohttp AppRunner keywords that enforce the head deadline and bound lingering."""
