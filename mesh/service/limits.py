@@ -31,8 +31,9 @@ class HttpLimits:
     upload_grace_s: float = 10.0
     max_connections: int = 1024  # open HTTP connections in all
     max_connections_per_client: int = 64  # open HTTP connections from one client address
-    linger_s: float = 0.5  # after an error answered before its body was read, the rest is read (dropped) this long
-    # (long enough for a client to read the error; each second of it is a second of the loop reading an attacker's bytes)
+    linger_s: float = 2.0  # after an error answered before its body was read, the rest is read (dropped) this long
+
+    refused_drain_bytes: int = 16 << 20  # an upload refused mid-body: at most this much more is read, then closed
 
     def runner_options(self) -> dict[str, Any]:
         """aiohttp AppRunner keywords that enforce the head deadline and bound lingering."""
@@ -87,6 +88,30 @@ async def body_chunks(request: web.Request, limits: HttpLimits) -> AsyncIterator
                            f"floor of {limits.upload_min_bytes_per_s / 1024:.0f} KiB/s; upload over a faster link.",
                            "invalid_request_error", None, "request_timeout")
         yield chunk
+
+
+async def refuse_mid_body(request: web.Request, error: ApiError, limits: HttpLimits) -> web.StreamResponse:
+    """Answer `error` at once to a client still sending its body (an upload past its cap),
+    read and drop at most `refused_drain_bytes` more of it within `linger_s` (so that the
+    client is reading when the connection closes), and close the connection: aiohttp's own
+    lingering would read the body at the client's full rate for `linger_s` (an over-quota
+    upload repeated in a loop kept the service's loop busy reading, issue 25's attack run)."""
+    response = error.response()
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    loop = asyncio.get_running_loop()
+    end, drained = loop.time() + limits.linger_s, 0
+    try:
+        while drained < limits.refused_drain_bytes and not request.content.at_eof() and loop.time() < end:
+            chunk = await asyncio.wait_for(request.content.readany(), end - loop.time())
+            if not chunk:
+                break
+            drained += len(chunk)
+    except (asyncio.TimeoutError, ConnectionError):
+        pass
+    request.protocol.force_close()  # no lingering after this response
+    return response
 
 
 class ConnectionLimits:

@@ -45,7 +45,7 @@ from mesh.modelfiles.sources import SourceError, SourceInfo, SourceNotFound, ins
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of
-from mesh.service.limits import body_chunks, read_json
+from mesh.service.limits import body_chunks, read_json, refuse_mid_body
 from mesh.service.registry import MODEL_NAME, ModelRecord, Registry, RegistryError, new_model_uid
 from mesh.service.uploads import receive_upload
 
@@ -215,12 +215,19 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
     uid = new_model_uid()
     target = svc.data_dir / "uploads" / f"{uid}.gguf"
     svc.uploading[tenant] = svc.uploading.get(tenant, 0) + 1
+    refused = None
     try:
         await receive_upload(body_chunks(request, svc.limits), target, limit, sha256, over_limit)
+    except errors.ApiError as exc:
+        if exc.status != 413 or request.content.at_eof():
+            raise
+        refused = exc  # past the cap while the client still sends
     finally:
         svc.uploading[tenant] -= 1
         if not svc.uploading[tenant]:
             del svc.uploading[tenant]
+    if refused is not None:
+        return await refuse_mid_body(request, refused, svc.limits)
     try:
         info = await asyncio.to_thread(inspect_source, target)
         record = _record(tenant, name, info, settings, owned=True, uid=uid, sha256=sha256.lower())
