@@ -36,8 +36,12 @@ class HttpLimits:
     refused_drain_bytes: int = 16 << 20  # an upload refused mid-body: at most this much more is read, then closed
 
     def runner_options(self) -> dict[str, Any]:
-        """aiohttp AppRunner keywords that enforce the head deadline and bound lingering."""
-        return {"keepalive_timeout": self.head_timeout_s, "lingering_time": self.linger_s}
+        """aiohttp AppRunner keywords that enforce the head deadline and bound lingering, and
+        keep request bodies as sent: aiohttp inflates an encoded body as it arrives (its
+        payload parser), also while it lingers after a refusal, so a refused 256 KiB gzip bomb
+        cost the service's loop inflating 256 MiB each time (issue 25's attack run, where it
+        made a well-behaved tenant's request miss its SLO); encoded bodies are refused (415)."""
+        return {"keepalive_timeout": self.head_timeout_s, "lingering_time": self.linger_s, "auto_decompress": False}
 
 
 def timed_out(what: str, limit_s: float) -> ApiError:
@@ -45,9 +49,21 @@ def timed_out(what: str, limit_s: float) -> ApiError:
                     "invalid_request_error", None, "request_timeout")
 
 
+def refuse_encoded(request: web.Request, what: str) -> None:
+    """415 for a body sent with a Content-Encoding: the server keeps bodies as sent (no
+    inflating: a gzip bomb), so it could not read it."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, f"{what} must be sent without Content-Encoding (got '{encoding}'): the server does not "
+                       "inflate request bodies. Send it uncompressed.", "invalid_request_error", None,
+                       "unsupported_content_encoding")
+
+
 async def read_body(request: web.Request, limits: HttpLimits, cap: tuple[int, ApiError] | None = None) -> bytes:
-    """The whole body, within `body_timeout_s` (408 otherwise). `cap`: (bytes, the error for a
-    body over them), checked from Content-Length before reading, and while reading a chunked one."""
+    """The whole body, within `body_timeout_s` (408 otherwise); 415 for an encoded one. `cap`:
+    (bytes, the error for a body over them), checked from Content-Length before reading, and
+    while reading a chunked one."""
+    refuse_encoded(request, "Request bodies")
     if cap is not None and request.content_length is not None and request.content_length > cap[0]:
         raise cap[1]
     try:

@@ -45,7 +45,7 @@ from mesh.modelfiles.sources import SourceError, SourceInfo, SourceNotFound, ins
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of
-from mesh.service.limits import body_chunks, read_json, refuse_mid_body
+from mesh.service.limits import body_chunks, read_json, refuse_encoded, refuse_mid_body
 from mesh.service.registry import MODEL_NAME, ModelRecord, Registry, RegistryError, new_model_uid
 from mesh.service.uploads import receive_upload
 
@@ -198,11 +198,7 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
     if not sha256:
         raise errors.bad_request("Uploads need '?sha256=<hex digest of the file>' so the server can verify them.",
                                  "sha256")
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):  # aiohttp would inflate it: a small body could fill the disk
-        raise errors.ApiError(415, f"Uploads must be sent without Content-Encoding (got '{encoding}'): the file is "
-                              "stored as sent and counted against your quota. Send the GGUF file uncompressed.",
-                              "invalid_request_error", None, "unsupported_content_encoding")
+    refuse_encoded(request, "Uploads")  # stored as sent and counted against the quota: never inflated
     svc.quotas.check_registration(tenant, request.content_length or 0)  # before receiving any of it
     limit, over_limit = _upload_cap(svc, tenant)
     if request.content_length is not None and request.content_length > limit:
