@@ -1124,11 +1124,8 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
               f"({len(attacked)}); by attack (requests, p99) {by_phase}")
         print(f"attacks: {refusals}")
         assert not errors, errors[:5]
-        held = ttft(set(refusals) - {"uploads"})
-        assert len(held) >= 20
-        assert _p99(held) <= TTFT_FACTOR * _p99(unloaded), (_p99(held), _p99(unloaded), by_phase)
-        # not held yet (docs/service.md): the uploads phase, whose TTFT p99 ran 3-7x the unloaded
-        # one; its requests still got no error (above)
+        assert len(attacked) >= 20
+        assert _p99(attacked) <= TTFT_FACTOR * _p99(unloaded), (_p99(attacked), _p99(unloaded), by_phase)
     finally:
         if tenant is not None:
             tenant.stop()
@@ -1138,9 +1135,10 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
 
 
 RSS_BOUND_MIB = 1024  # every process of the service (service, agents, engine, tokenizer and preparation workers)
-# The well-behaved tenant's TTFT p99 under the attacks (all but the uploads), at most this times its
-# unloaded p99. Issue 25 asks for 2x; this 2-core machine is shared with other jobs (load average
-# 10-25 during these runs), and the same phases measured 0.8-1.1x the unloaded p99 in quiet runs
-# and 2.7x (connections) in one run at load 14: 3x keeps the check from failing on the
-# machine's load while still catching a service that stalls under an attack.
+# The well-behaved tenant's TTFT p99 under the attacks, at most this times its unloaded p99. Issue
+# 25 asks for 2x; this 2-core machine is shared with other jobs (load average 10-25 during these
+# runs): the attack phases measured 0.8-1.4x the unloaded p99 in most runs and 2.7x (the
+# connections) in one run at load 14, so 3x keeps the check from failing on the machine's load
+# while still catching a service that stalls under an attack (the uploads did, 3-7x, before
+# bodies stopped being inflated).
 TTFT_FACTOR = 3.0
