@@ -242,8 +242,7 @@ class OpenVINOEngine:
 
     async def unload(self) -> None:
         """Release the pipeline, its weights and KV cache. Running requests are aborted."""
-        for request_id in list(self._live):
-            self.abort(request_id)
+        self.drop_requests()
         self._pipe = None
         self._encoder = None
         self._tokenizer = None
@@ -524,6 +523,11 @@ class OpenVINOEngine:
         del live
         if not self._live and self._pipe is not None:
             self._pipe.step()
+
+    def drop_requests(self) -> None:
+        """Abort every request (the pipeline stays built: engines.parking)."""
+        for request_id in list(self._live):
+            self.abort(request_id)
 
     def has_work(self) -> bool:
         return bool(self._live)

@@ -14,7 +14,9 @@ in a process of its own instead, mesh.agent.tokenizers), the live requests and t
 KV figures of the last step (the protocol's reports are synchronous). Requests added or
 aborted are sent without waiting; the worker applies them in order before the next step,
 and a step's token for a request aborted meanwhile is dropped here (worker_process.WorkerRequests).
-Unloading ends the worker process, which frees the weights and the KV cache at once.
+Unloading ends the worker process, which frees the weights and the KV cache at once, unless
+the node parks it (engines.parking): then the worker drops its requests and waits, built and
+warm, for the next load of the same model with the same settings on the node.
 """
 from __future__ import annotations
 
@@ -24,7 +26,9 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from engines.node_cache import SourceIdentity
 from engines.openvino_engine import OpenVINOEngine, kv_bytes_held
+from engines.parking import ParkingLot
 from engines.protocol import EngineError, EngineRequest, StepResult, checked_request
 from engines.worker_process import WorkerConnection, WorkerRequests, wait, worker_env
 
@@ -41,11 +45,13 @@ class OpenVINOProcessEngine:
                  properties: Mapping[str, Any] | None = None, kv_capacity_bytes: int | None = None,
                  ignore_eos: bool = False, log_dir: str | Path | None = None,
                  on_loaded: Callable[[BaseException | None], None] | None = None,
-                 cache_root: str | Path | None = None, use_node_cache: bool = True) -> None:
+                 cache_root: str | Path | None = None, use_node_cache: bool = True,
+                 parking: ParkingLot | None = None) -> None:
         """log_dir: where the worker's output goes (default: Mesh's data folder, logs/).
         on_loaded: called once the pipeline is built and warmed up (None) or failed (the
         exception). cache_root, use_node_cache: the node's cache of prepared models
-        (OpenVINOEngine; engines.node_cache)."""
+        (OpenVINOEngine; engines.node_cache). parking: the node's parked workers; a load
+        adopts one built with the same settings, an unload parks its worker there."""
         self._kwargs = dict(model_path=str(model_path), model_name=model_name, context_window=context_window,
                             prefill_token_budget=prefill_token_budget, max_num_seqs=max_num_seqs, device=device,
                             properties=dict(properties or {}), kv_capacity_bytes=kv_capacity_bytes,
@@ -61,7 +67,9 @@ class OpenVINOProcessEngine:
         self.kv_capacity_bytes = kv_capacity_bytes
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.on_loaded = on_loaded
+        self.parking = parking
         self._conn: WorkerConnection | None = None
+        self._stepping = False  # a step is in the worker (a watchdog's cancelled step leaves it so)
         self._loaded = False
         self._requests = WorkerRequests(self.model_name)
         self._kv_allocated = 0
@@ -80,11 +88,15 @@ class OpenVINOProcessEngine:
         """Start the worker and build the pipeline there (and its warm-up token)."""
         if self._loaded:
             return
+        if await self._adopt_parked():
+            return
         conn = self._conn = WorkerConnection("engines.openvino_worker", sys.executable, worker_env(), self._log_path(),
                                              name="OpenVINO")
         try:
             await wait(conn.call("init", kwargs=self._kwargs))
-            self._facts(await wait(conn.call("load")))
+            facts = await wait(conn.call("load"))
+            self._facts(facts)
+            self.loaded_from = facts.get("loaded_from")  # "gguf", "prepared" or "ir" (engines.node_cache)
         except BaseException as exc:
             await self._close()
             if self.on_loaded is not None:
@@ -95,11 +107,44 @@ class OpenVINOProcessEngine:
             self.on_loaded(None)
 
     async def unload(self) -> None:
-        """End the worker: its weights and KV cache go with it. Running requests are dropped."""
+        """End the worker, or park it (see the module docstring). Running requests are dropped."""
         self._requests.clear()
         self._loaded = False
         self._kv_allocated = 0
-        await self._close()
+        if not await self._park():
+            await self._close()
+
+    def _park_key(self) -> tuple[Any, ...]:
+        """What a parked worker must have been built with to serve this instance: every
+        argument but the KV bound (resized on adoption), and the model file as it is now."""
+        kw = {k: v for k, v in self._kwargs.items() if k != "kv_capacity_bytes"}
+        path = Path(self._kwargs["model_path"])
+        ident = SourceIdentity.of(path).key() if path.is_file() else str(path)
+        return (ident, repr(sorted(kw.items())))
+
+    async def _adopt_parked(self) -> bool:
+        if self.parking is None:
+            return False
+        resize = {} if self.kv_capacity_bytes is None else {"op": "resize", "kv_bytes": self.kv_capacity_bytes}
+        adopted = await self.parking.adopt(self._park_key(), **resize)
+        if adopted is None:
+            return False
+        self._conn, facts = adopted
+        self._facts(facts)
+        self.loaded_from = "parked"
+        self._loaded = True
+        if self.on_loaded is not None:
+            self.on_loaded(None)
+        return True
+
+    async def _park(self) -> bool:
+        """Hand the worker to the node's parking lot (ParkingLot.hand_over); False: end it."""
+        if self.parking is None or not await self.parking.hand_over(
+                self._park_key(), self.model_name, self._conn,
+                lambda facts: self.weight_bytes + int(facts["kv_bytes_allocated"]), self._stepping):
+            return False
+        self._conn = None
+        return True
 
     async def _close(self) -> None:
         conn, self._conn = self._conn, None
@@ -124,7 +169,6 @@ class OpenVINOProcessEngine:
     def _facts(self, facts: Mapping[str, Any]) -> None:
         self.kv_bytes_per_token = int(facts["kv_bytes_per_token"])  # the warm-up measured it
         self._kv_allocated = int(facts["kv_bytes_allocated"])
-        self.loaded_from = facts.get("loaded_from")  # "gguf", "prepared" or "ir" (engines.node_cache)
 
     # ---- tokens (this process: the front's tokenizer, built on first use) ----------------
     def encode_prompt(self, prompt: str) -> list[int]:
@@ -163,7 +207,9 @@ class OpenVINOProcessEngine:
             return refused
         if not self._requests:
             raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
+        self._stepping = True
         result, self._kv_allocated = await wait(self._conn.call("step"))
+        self._stepping = False
         return self._requests.apply(result)
 
     # ---- memory reports ----------------------------------------------------------------

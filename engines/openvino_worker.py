@@ -4,7 +4,8 @@ socket by `engines.openvino_process.OpenVINOProcessEngine`.
     python -m engines.openvino_worker --fd N
 
 Commands (engines.worker_process: the wire and the loop), executed in order: init (the
-engine's arguments), load, resize, add, abort, step, shutdown. `step` answers the
+engine's arguments), load, resize, add, abort, step, park (drop every request, keep the
+pipeline: engines.parking), facts, shutdown. `step` answers the
 iteration's StepResult with the KV bytes allocated after it; a step with
 nothing to run (its requests were aborted in flight) answers an empty DECODE result.
 """
@@ -43,6 +44,11 @@ class Worker(WorkerLoop):
             raise RuntimeError("the worker got no init message")
         if op == "load":
             asyncio.run(engine.load())
+            return self.facts()
+        if op == "park":
+            engine.drop_requests()
+            return self.facts()
+        if op == "facts":
             return self.facts()
         if op == "resize":
             asyncio.run(engine.resize_kv(int(msg["kv_bytes"])))

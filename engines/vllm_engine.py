@@ -67,6 +67,7 @@ from engines.protocol import (
     StepResult,
 )
 from engines.vllm_core import CoreSettings
+from engines.parking import ParkingLot
 from engines.worker_process import REPO_ROOT, WorkerConnection, WorkerRequests, wait, worker_env
 
 log = logging.getLogger(__name__)
@@ -296,6 +297,9 @@ class VLLMEngine:
             gpu_memory_utilization=gpu_memory_utilization, weight_bytes_hint=self.weight_bytes,
             extra_engine_args=dict(extra_engine_args or {}))
         self.on_loaded = on_loaded
+        self.parking: ParkingLot | None = None  # the node's parked workers (CPU only: see _park)
+        self._stepping = False  # a step is in the worker (a watchdog's cancelled step leaves it so)
+        self.loaded_from: str | None = None  # "parked" when this load adopted a parked worker
         self.facts: dict[str, Any] = {}
         self.last_resize: dict[str, Any] = {}
         self.vllm_kv_bytes_in_use = 0  # what vLLM's block pool said after the last step
@@ -369,7 +373,11 @@ class VLLMEngine:
     # ---- memory operations ---------------------------------------------------------------
 
     async def load(self) -> None:
-        """Start the worker and import vLLM; build too if the KV size is known (docstring)."""
+        """Start the worker and import vLLM; build too if the KV size is known (docstring).
+        A parked worker built with the same settings is adopted instead (engines.parking);
+        the node's KV resize right after sizes its cache."""
+        if not self._prepared and await self._adopt_parked():
+            return
         try:
             if not self._prepared:
                 self.facts.update(await wait(self._connection().call("prepare")))
@@ -379,6 +387,33 @@ class VLLMEngine:
         except BaseException as exc:
             self._notify(exc)
             raise
+
+    async def _adopt_parked(self) -> bool:
+        adopted = await self.parking.adopt(self._park_key(), "info") if self.parking is not None else None
+        if adopted is None:
+            return False
+        self._conn, facts = adopted
+        self._apply_facts(facts)
+        self._prepared = self._built = True
+        self.loaded_from = "parked"
+        self._notify(None)
+        return True
+
+    def _park_key(self) -> tuple[Any, ...]:
+        return ("vllm", self.python or "", repr(sorted(self.settings.as_dict().items())))
+
+    async def _park(self) -> bool:
+        """Hand a built CPU worker to the node's parking lot; False: the caller ends it.
+        Only on CPU: a GPU worker's memory is the device's, all of it planned by the
+        dispatcher (vLLM's sleep mode is the GPU's way: docs/vllm.md, not built). A worker
+        in the middle of a step is never parked."""
+        if (self.parking is None or self.device != "cpu" or not self._built
+                or not await self.parking.hand_over(self._park_key(), self.model_name, self._conn,
+                                                    lambda _facts: self.weight_bytes + self.kv_bytes_allocated(),
+                                                    self._stepping)):
+            return False
+        self._conn = None
+        return True
 
     async def _build(self, capacity_bytes: int) -> None:
         facts = await wait(self._connection().call("build", kv_bytes=self._kv_size(capacity_bytes)))
@@ -422,12 +457,13 @@ class VLLMEngine:
             conn.kill()
 
     async def unload(self) -> None:
-        """Stop the worker: weights and KV cache are freed with its process."""
+        """Stop the worker (weights and KV cache are freed with its process), or park it."""
+        parked = await self._park()
         conn, self._conn = self._conn, None
         self._requests.clear()
         self._prepared = self._built = False
         self.num_blocks = 0
-        if conn is None:
+        if conn is None or parked:
             return
         if isinstance(conn, _InProcess):
             conn.close()
@@ -514,7 +550,9 @@ class VLLMEngine:
             return refused
         if not self._live:
             raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
+        self._stepping = True
         result, kv_in_use = await wait(self._connection().call("step"))
+        self._stepping = False
         self.vllm_kv_bytes_in_use = int(kv_in_use)
         return self._filter(result)
 

@@ -8,7 +8,7 @@ descriptors (engines.worker_process: the wire and the command loop).
 
 - Main socket: commands executed one at a time, in order, by the main thread, each
   answered by one reply ({"ok": True, "value": ...} or {"ok": False, "error": message}):
-  init, prepare, build, resize, add, abort, step, info, shutdown. A reader thread moves
+  init, prepare, build, resize, add, abort, step, park (drop every request: engines.parking), info, shutdown. A reader thread moves
   commands into a queue as they arrive, so the parent never blocks on a full socket
   while an iteration runs.
 - Sync socket: tokenizer calls (encode_prompt, encode_chat, decode) served by a thread
@@ -82,6 +82,10 @@ class Worker(WorkerLoop):
         if op == "step":
             result = core.step()
             return result, core.kv_bytes_in_use()
+        if op == "park":  # engines.parking: drop every request, keep the engine
+            for rid in list(core.request_lengths()):
+                core.abort(rid)
+            return core.facts()
         if op == "info":
             return {**core.facts(), "kv_bytes_in_use": core.kv_bytes_in_use(),
                     "kv_bytes_in_use_estimate": core.kv_bytes_in_use_estimate(),

@@ -13,7 +13,7 @@ import pytest
 from cluster_doubles import GB, WEIGHTS, build, config, request, run_until, spec
 from engines.simulated import SimulatedEngine
 from mesh.perf.memory import GIB, RESIZE_UP_S_PER_GIB
-from mesh.policy.cold_starts import ANY_MODEL, ColdStartTable, LoadRecord, cold_start_times
+from mesh.policy.cold_starts import ANY_MODEL, PARKED, ColdStartTable, LoadRecord, cold_start_times
 from mesh.policy.placement import ColdStart, NodeView, new_instance_order
 from mesh.replay.simulator import simulated_cluster
 from mesh.runtime.virtual_loop import run_virtual
@@ -35,6 +35,19 @@ def test_a_nodes_next_load_is_the_median_of_its_latest_source():
     assert t.expected_load_s("n1", "other", peers=["n0"]) is None
     with pytest.raises(ValueError):
         t.record(LoadRecord("n0", "cpu", "m", "gguf", -1.0, 0.0))
+
+
+def test_a_parked_load_predicts_only_a_node_that_has_the_model_parked():
+    t = ColdStartTable()
+    t.record(LoadRecord("n0", "cpu", "m", "prepared", 3.7, 1.0))
+    t.record(LoadRecord("n0", "cpu", "m", PARKED, 0.01, 2.0))  # adopted a parked worker
+    assert t.expected_load_s("n0", "m") == 3.7  # the worker may be gone: the node's last real load
+    assert t.expected_load_s("n0", "m", parked=True) == 0.01
+    assert t.expected_load_s("n1", "m", peers=["n0"], parked=True) == 0.01  # a peer's parked loads
+    assert t.expected_load_s("n1", "m", peers=["n0"]) == 3.7
+    t.record(LoadRecord("n2", "cpu", "p", PARKED, 0.02, 3.0))  # only parked loads: nothing for an unparked node
+    assert t.expected_load_s("n2", "p") is None and t.expected_load_s("n2", "p", parked=True) == 0.02
+    assert cold_start_times(t.to_dict()) == {("m", "cpu"): 3.7, (ANY_MODEL, "cpu"): 3.7}  # a replay parks nothing
 
 
 def test_transfers_and_the_exported_table_for_a_replay():

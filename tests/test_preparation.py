@@ -97,11 +97,11 @@ def test_a_schema_2_registry_gains_the_prepared_formats_table_in_place(tmp_path)
     r = Registry(path)
     (old,) = r.models()
     assert (old.uid, old.kind, old.path, old.context_length) == ("m_old", "gguf", "/models/old.gguf", 2048)
-    assert old.prepared == () and old.node_kinds == ("cpu",)
-    assert r._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0] == "3"
+    assert old.prepared == () and old.node_kinds == ("cpu",) and old.cold_start == "serve_late"
+    assert r._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0] == "4"
     assert r.set_prepared("m_old", PreparedFormat("gpu", "hf", "/p", "ready", weight_bytes=7))
     r.close()
-    reopened = Registry(path)  # opening a schema-3 file changes nothing
+    reopened = Registry(path)  # opening a schema-4 file changes nothing
     assert reopened.model("acme", "old").node_kinds == ("cpu", "gpu")
     reopened.close()
 

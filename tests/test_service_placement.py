@@ -95,6 +95,38 @@ def test_unplaceable_request_gets_429_and_long_prompt_or_max_tokens_400():
     asyncio.run(main())
 
 
+def test_a_models_registered_cold_start_choice_decides_a_late_request(monkeypatch):
+    """The registration's `cold_start` (ModelRecord.cold_start) reaches the policy: engines
+    that load in 1.5 s, a 1 s TTFT. The `serve_late` model's first request is admitted late
+    on the instance loading for it and served; the `reject` model's is not, and is turned
+    away once it can no longer make its TTFT."""
+    import agent_doubles
+    import mesh.agent.engines as agent_engines
+
+    def slow(spec, on_loaded):
+        e = agent_doubles.simulated_factory(spec, on_loaded)
+        e.load_s = 1.5
+        return e
+
+    monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, "openvino", slow)
+
+    async def main():
+        p = await started(cold_start_s=1.5)
+        slo = SLO(ttft_min_s=1.0, ttft_s_per_prompt_token=0.0, tpot_s=5.0)
+        late = model("m_late", slo=slo)
+        strict = ModelRecord("m_rej", "t", "name-m_rej", "gguf", "/x.gguf", 256, slo, 10**6, cold_start="reject")
+        assert (await run_stream(p, job("a", late))).tokens_out == 5
+        assert p.dispatcher.policy.stats.served_late == 1
+        with pytest.raises(ApiError) as e:
+            await run_stream(p, job("b", strict))
+        assert e.value.status == 429 and "cannot meet its SLO" in e.value.message
+        assert p.dispatcher.policy.stats.served_late == 1  # not admitted late
+        assert p.cluster.cold_start_choice("m_rej") == "reject" and p.cluster.cold_start_choice("m_late") == "serve_late"
+        await p.stop()
+
+    asyncio.run(main())
+
+
 def test_keep_alive_recycles_idle_instances():
     async def main():
         p = await started(keep_alive_s=0.2)

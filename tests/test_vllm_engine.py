@@ -353,6 +353,50 @@ def test_resize_keeps_running_requests_correct(engine: VLLMEngine) -> None:
 
 @needs_vllm
 @pytest.mark.slow
+def test_a_stopped_cpu_instance_is_parked_and_adopted(tiny_models: tuple[Path, Path]) -> None:
+    """engines.parking on vLLM's CPU build: an unloaded instance's worker is kept (its
+    requests dropped), a load with the same settings adopts it (same process, then sized
+    by the node's resize) and generates what the first did; other settings build anew."""
+    from engines.parking import ParkingLot
+
+    async def main() -> None:
+        lot = ParkingLot(1 << 30)
+        first = VLLMEngine(tiny_models[0], context_window=WINDOW, max_num_seqs=8, kv_capacity_bytes=16 * 128 * 1024)
+        first.parking = lot
+        try:
+            await first.load()
+            ids = prompt(20)
+            first.add_request(req("a", ids, max_tokens=6, temperature=0))
+            first.add_request(req("left", prompt(30, 3), max_tokens=50, temperature=0))
+            expected: list[int] = []
+            while "a" in first._live:
+                r = await first.step()
+                expected += [t for rid, t in zip(r.request_ids, r.token_ids) if rid == "a"]
+            pid = first.worker_pid
+            await first.unload()  # "left" is still running: dropped with the park
+            assert lot.models() == [first.model_name]
+            other = VLLMEngine(tiny_models[0], context_window=WINDOW, max_num_seqs=4)
+            assert other._park_key() != first._park_key()
+            again = VLLMEngine(tiny_models[0], context_window=WINDOW, max_num_seqs=8)
+            again.parking = lot
+            await again.load()
+            assert again.loaded and again.loaded_from == "parked" and again.worker_pid == pid
+            await again.resize_kv(8 * 128 * 1024)  # the node sizes the adopted cache
+            again.add_request(req("b", ids, max_tokens=6, temperature=0))
+            got: list[int] = []
+            while again.has_work():
+                got += list((await again.step()).token_ids or ())
+            assert got == expected
+            await again.unload()
+            assert lot.models() == [again.model_name]
+        finally:
+            await lot.close()
+
+    asyncio.run(main())
+
+
+@needs_vllm
+@pytest.mark.slow
 def test_resize_below_vllm_minimum_is_raised_to_it(engine: VLLMEngine) -> None:
     e = engine
     asyncio.run(e.resize_kv(1))

@@ -61,6 +61,7 @@ shadow validation sees it (Probe, the R above), an admit entry (AdmitEntry) and 
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Mapping, Union
@@ -224,6 +225,21 @@ def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
 
 
+MAX_LATE_S = 3600.0  # no cold start is longer: a larger late_s is a bad message
+
+
+def _late(m: Any) -> float:
+    """A message's `late_s` (age_s is never negative, so a request served late says how
+    late instead of arriving in the future)."""
+    try:
+        late = float(m.get("late_s", 0.0))
+    except (TypeError, ValueError):
+        late = math.nan
+    if not 0.0 <= late <= MAX_LATE_S:  # NaN fails too
+        raise ValueError(f"late_s must be in [0, {MAX_LATE_S:g}] seconds, got {late}")
+    return late
+
+
 @dataclass(frozen=True, slots=True)
 class Progress:
     """A running request taken off its node, not ended: the tokens it produced (all of
@@ -261,6 +277,7 @@ class Probe:
     age_s: float
     done: int = 0
     first_token_age_s: float | None = None
+    late_s: float = 0.0  # served late (a cold model's request, SERVE_LATE): its deadlines move by this
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -270,7 +287,7 @@ class Probe:
         try:
             return cls(str(m["request_id"]), int(m["prompt_len"]), max(1, int(m["max_tokens"])),
                        max(0.0, float(m.get("age_s", 0.0))), max(0, int(m.get("done", 0))),
-                       _opt_float(m.get("first_token_age_s")))
+                       _opt_float(m.get("first_token_age_s")), _late(m))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad request entry {m!r}: {exc}") from exc
 
@@ -291,6 +308,7 @@ class AdmitEntry:
     prompt_len: int | None = None  # None: all ids but the last `done`
     compute: bool = True
     first_token_age_s: float | None = None
+    late_s: float = 0.0  # as Probe.late_s
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "sampling": sampling_to_dict(self.sampling)}
@@ -305,7 +323,7 @@ class AdmitEntry:
                 raise ValueError(f"done={done}, prompt_len={prompt_len} with {len(ids)} token ids")
             return cls(str(m["request_id"]), str(m["instance_id"]), ids, sampling_from_dict(m["sampling"]),
                        max(0.0, float(m.get("age_s", 0.0))), done, prompt_len, bool(m.get("compute", True)),
-                       _opt_float(m.get("first_token_age_s")))
+                       _opt_float(m.get("first_token_age_s")), _late(m))
         except (KeyError, TypeError, ValueError, AttributeError, ProtocolError) as exc:
             raise ProtocolError(f"bad admit entry: {exc}") from exc
 

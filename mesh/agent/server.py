@@ -73,6 +73,7 @@ from mesh.agent.protocol import (
 from engines.background_prepare import BackgroundPreparer
 from engines.worker_process import die_with_parent, worker_env
 from engines.openvino_process import OpenVINOProcessEngine
+from engines.parking import ParkingLot
 from mesh.agent.tokenizers import TokenizerProcess
 from mesh.framing import ConnectionGate
 from mesh.perf.speed import MachineSpeed
@@ -106,8 +107,10 @@ class AgentServer:
     def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None,
                  weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = (),
                  deadlines: DeadlineRule = DeadlineRule.EQ1, emulation: Emulation | None = None,
-                 watchdog_min_s: float = HUNG_MIN_S) -> None:
+                 park_bytes: int = 0, watchdog_min_s: float = HUNG_MIN_S) -> None:
         """`load_roots`: folders whose files `load` may open, besides the weights receiver's.
+        `park_bytes`: memory, beside the planned budget, for OpenVINO workers parked when their
+        instance stops (engines.parking; 0: none parked).
         `deadlines`: when tokens after the first are due (mesh.policy.slo); the service's
         default is the paper's Eq. 1. `emulation`: this node emulates its device (`--emulate`):
         it runs emulated models only (mesh.agent.emulation); without it, it refuses them.
@@ -136,6 +139,7 @@ class AgentServer:
         self._means: dict[str, RunningMean] = {}  # O_avg per model (_mean_output)
         self._gate = ConnectionGate()  # connections waiting for their hello
         self.tokenizers = TokenizerProcess()  # OpenVINO prompts are tokenized off this process's GIL
+        self.parking = ParkingLot(park_bytes)  # stopped OpenVINO instances, built and warm (issue 23)
         self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
         self._tokenizers_ready: dict[str, asyncio.Future] = {}  # loading OpenVINO instance -> its tokenizer's build
         self._tokenizing: dict[str, asyncio.Task] = {}  # request id -> the task tokenizing it (abort cancels it)
@@ -195,6 +199,7 @@ class AgentServer:
         self._flush()
         await self.tokenizers.close()
         await self.preparer.close()
+        await self.parking.close()  # parks nothing after: the instances' workers end below
         await self.node.stop()
         for iid in list(self.node.instances):
             inst = self.node.instances[iid]
@@ -358,6 +363,8 @@ class AgentServer:
             try:
                 engine = (self._emulated(spec) if spec.engine == EMULATED else
                           await asyncio.to_thread(make_engine, spec, lambda exc: self._loaded(spec.instance_id, exc)))
+                if hasattr(engine, "parking"):  # OpenVINO and vLLM workers park when they stop (engines.parking)
+                    engine.parking = self.parking
                 if isinstance(engine, OpenVINOProcessEngine):  # its tokenizer is built while it loads
                     tokenizer = asyncio.ensure_future(self.tokenizers.prepare(spec.path))
                     tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
@@ -603,7 +610,7 @@ class AgentServer:
             return {"ok": False, "code": Code.BATCH_FULL.value, "reason": refused[iid]}
         req = ServedRequest(EngineRequest(rid, prompt_len, entry.sampling, entry.prompt_token_ids), inst.model,
                             _since(entry.age_s), inst.slo, on_output=self._on_output, on_done=self._on_done,
-                            tokens_out=done, first_token_s=_since(entry.first_token_age_s))
+                            tokens_out=done, first_token_s=_since(entry.first_token_age_s), late_s=entry.late_s)
         if prompt_len + done + 1 > inst.engine.context_window:
             return {"ok": False, "code": Code.BAD_REQUEST.value,
                     "reason": f"prompt of {prompt_len + done} tokens exceeds the context window of {inst.engine.context_window}"}
@@ -629,7 +636,7 @@ class AgentServer:
         it arrived, the ST of Eq. 1) and the tokens it already produced elsewhere."""
         probe = Probe.from_dict(r)
         req = ServedRequest(EngineRequest(probe.request_id, probe.prompt_len, Sampling(max_tokens=probe.max_tokens)),
-                            "", _since(probe.age_s), slo)
+                            "", _since(probe.age_s), slo, late_s=probe.late_s)
         req.tokens_out = probe.done
         req.first_token_s = _since(probe.first_token_age_s)
         return req
@@ -722,7 +729,7 @@ class AgentServer:
             "tokenizer": {"waiting": self.tokenizers.waiting, **self.tokenizers.counts.as_dict()},
             "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
             "kv_bytes_in_use": self.node.kv_bytes_in_use(), "deadlines": self.node.deadlines.value,
-            "learnt": self.learning.view(),
+            "learnt": self.learning.view(), "parked": self.parking.view(),
             "emulate": self.emulation.device if self.emulation is not None else None,
         }
 
@@ -894,7 +901,8 @@ async def _amain(args: argparse.Namespace) -> int:
                  if args.emulate else None)
     server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights,
                          load_roots=[root, *(args.models_root or ())], deadlines=DeadlineRule(args.deadlines),
-                         emulation=emulation, watchdog_min_s=args.watchdog_min_s)
+                         emulation=emulation, watchdog_min_s=args.watchdog_min_s,
+                         park_bytes=args.memory_bytes // 4 if args.park_bytes is None else args.park_bytes)
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -921,6 +929,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-id", default="cpu-0")
     parser.add_argument("--kind", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--memory-bytes", type=int, required=True, help="memory budget for weights and KV caches")
+    parser.add_argument("--park-bytes", type=int, help="memory beside --memory-bytes for stopped OpenVINO instances kept "
+                        "built and warm, so that the next load of their model is ready at once (engines.parking; "
+                        "default: a quarter of --memory-bytes; 0: none)")
     parser.add_argument("--token-env", default="MESH_AGENT_TOKEN", help="environment variable holding the hello token")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when stdin closes")
     parser.add_argument("--weights-listen", metavar="HOST:PORT",

@@ -7,6 +7,14 @@ Sources (rows):
 - ir+blob: the prepared form with a CACHE_DIR that one untimed load filled first (the
   node's own blob cache). `blob` says whether the timed load left the blob as it was
   (imported) or wrote it again (OpenVINO could not import it and compiled).
+- parked: the node's memory tier (engines.parking): an instance of the model stopped on the
+  node earlier, its worker kept built and warm; the load adopts it. Timed in this process
+  (a node agent's), from `load()` to ready, then the first token; the other stages are none.
+With `--vllm-hf FOLDER` (a Hugging Face folder, e.g. the demo GGUF converted by
+`python -m mesh.modelfiles.convert gguf-to-hf`), vLLM's cold start on this machine's vLLM
+build is timed too (engines.vllm_engine, a fresh worker per run): start + import (spawn to
+vLLM imported), build (weights, KV cache, vLLM's own warm-up and, on a GPU, torch.compile and
+CUDA graph capture), ready, first token.
 A copy received by multicast from another node is not a row yet (the transfer is timed by
 `mesh bench multicast`; a received GGUF loads as the gguf row until it is prepared).
 
@@ -24,6 +32,7 @@ node, in the background) is timed once in its own process.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import os
 import shutil
@@ -33,11 +42,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
-SOURCES = ("gguf", "ir", "ir+blob")
+from engines.parking import ParkingLot
+
+SOURCES = ("gguf", "ir", "ir+blob")  # each run a fresh process; "parked" is timed in this one
 STAGES = ("start", "import", "read", "tokenizer", "build", "warm_up", "ready", "first_token")
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+KV_BYTES = 64 * 2**20  # the KV cache a node gives the instance after its load (vLLM: raised to its minimum)
 
 
 def _child(args: argparse.Namespace) -> dict[str, Any]:
@@ -116,7 +128,7 @@ def _prepare_child(args: argparse.Namespace) -> dict[str, Any]:
     return {"prepare": time.perf_counter() - t0, "path": str(prepared.path)}
 
 
-def run(model: Path, runs: int, work: Path) -> dict[str, Any]:
+def run(model: Path, runs: int, work: Path, vllm_hf: Path | None = None) -> dict[str, Any]:
     """All rows: {"prepare": s, "sources": {source: {"runs": [...], "stages": {stage: {median,min,max}}}}}."""
     root = work / "node-cache"
     prepared = _spawn("--child-prepare", "--model", str(model), "--root", str(root))
@@ -131,11 +143,99 @@ def run(model: Path, runs: int, work: Path) -> dict[str, Any]:
             elif source == "gguf":
                 argv[argv.index("--root") + 1] = str(work / f"empty-{k}")  # a fresh, empty cache
             out["sources"].setdefault(source, {"runs": []})["runs"].append(_spawn(*argv))
+    out["sources"]["parked"] = {"runs": asyncio.run(_parked_runs(_openvino(model, root), runs))}
     for row in out["sources"].values():
-        row["stages"] = {s: _summary([r[s] for r in row["runs"]]) for s in STAGES}
+        row["stages"] = {s: _summary([r[s] for r in row["runs"]]) for s in STAGES if s in row["runs"][0]}
         row["loaded_from"] = sorted({r["loaded_from"] for r in row["runs"]})
         if any("blob" in r for r in row["runs"]):
             row["blob"] = sorted({r["blob"] for r in row["runs"]})
+    if vllm_hf is not None:
+        vruns = asyncio.run(_vllm_runs(vllm_hf, runs))
+        parked = asyncio.run(_parked_runs(_vllm(vllm_hf), runs))
+        out["vllm"] = {"folder": str(vllm_hf), "runs": vruns,
+                       "stages": {s: _summary([r[s] for r in vruns]) for s in VLLM_STAGES},
+                       "parked": {"runs": parked, "stages": {s: _summary([r[s] for r in parked])
+                                                              for s in ("ready", "first_token")}}}
+    return out
+
+
+async def _parked_runs(make: Callable[[ParkingLot], Any], runs: int) -> list[dict[str, Any]]:
+    """Loads that adopt a parked worker: one load builds it (untimed) and each unload parks
+    it. `make(lot)` is a new engine using the lot; ready includes the KV sizing a node does
+    right after a load (a vLLM worker's cache is re-initialised to the asked size)."""
+    from engines.protocol import EngineRequest, Sampling
+
+    async def load(engine: Any) -> None:
+        await engine.load()
+        await engine.resize_kv(KV_BYTES)
+
+    lot = ParkingLot(1 << 40)
+    out = []
+    try:
+        engine = make(lot)
+        await load(engine)
+        ids = engine.encode_chat(QUESTION)
+        await engine.unload()
+        for _ in range(runs):
+            engine = make(lot)
+            t0 = time.perf_counter()
+            await load(engine)
+            t1 = time.perf_counter()
+            engine.add_request(EngineRequest("q", len(ids), Sampling(max_tokens=1, temperature=0), ids))
+            while engine.has_work():
+                await engine.step()
+            out.append({"ready": t1 - t0, "first_token": time.perf_counter() - t1, "loaded_from": engine.loaded_from})
+            await engine.unload()
+    finally:
+        await lot.close()
+    return out
+
+
+def _openvino(model: Path, root: Path) -> Callable[[ParkingLot], Any]:
+    from engines.openvino_process import OpenVINOProcessEngine
+
+    return lambda lot: OpenVINOProcessEngine(model, context_window=2048, max_num_seqs=16, cache_root=root,
+                                             log_dir=root / "logs", parking=lot)
+
+
+def _vllm(folder: Path) -> Callable[[ParkingLot], Any]:
+    from engines.vllm_engine import VLLMEngine
+
+    def make(lot: ParkingLot) -> Any:
+        engine = VLLMEngine(folder, context_window=2048, max_num_seqs=16)
+        engine.parking = lot
+        return engine
+    return make
+
+
+VLLM_STAGES = ("start_import", "build", "ready", "first_token")
+
+
+async def _vllm_runs(folder: Path, runs: int) -> list[dict[str, Any]]:
+    """vLLM loads, each in a fresh worker: `load()` without a KV size only starts the worker
+    and imports vLLM; the KV resize then builds the engine (engines.vllm_engine)."""
+    from engines.protocol import EngineRequest, Sampling
+    from engines.vllm_engine import VLLMEngine
+
+    out = []
+    for _ in range(runs):
+        engine = VLLMEngine(folder, context_window=2048, max_num_seqs=16)
+        kv = max(KV_BYTES, engine.min_kv_bytes())
+        try:
+            t0 = time.perf_counter()
+            await engine.load()
+            t1 = time.perf_counter()
+            await engine.resize_kv(kv)
+            t2 = time.perf_counter()
+            ids = engine.encode_chat(QUESTION)
+            t3 = time.perf_counter()
+            engine.add_request(EngineRequest("q", len(ids), Sampling(max_tokens=1, temperature=0), ids))
+            while engine.has_work():
+                await engine.step()
+            out.append({"start_import": t1 - t0, "build": t2 - t1, "ready": t2 - t0,
+                        "first_token": time.perf_counter() - t3, "device": engine.device})
+        finally:
+            await engine.unload()
     return out
 
 
@@ -158,9 +258,19 @@ def _print(fig: dict[str, Any]) -> None:
     table.add_column("blob")
     for source, row in fig["sources"].items():
         cells = [f"{row['stages'][s]['median']:.2f} ({row['stages'][s]['min']:.2f}-{row['stages'][s]['max']:.2f})"
-                 for s in STAGES]
+                 if s in row["stages"] else "-" for s in STAGES]
         table.add_row(source, *cells, ", ".join(row.get("blob", ["-"])))
     Console(width=220).print(table)
+    if "vllm" in fig:
+        v = fig["vllm"]
+        vt = Table(title=f"vLLM ({v['runs'][0]['device']}), {Path(v['folder']).name}: a fresh worker per run, "
+                         "median (min-max) seconds")
+        for stage in ("source", *VLLM_STAGES):
+            vt.add_column(stage.replace("_", " + " if stage == "start_import" else " "), justify="right")
+        for name, stages in (("hf folder", v["stages"]), ("parked", v["parked"]["stages"])):
+            vt.add_row(name, *[f"{stages[s]['median']:.2f} ({stages[s]['min']:.2f}-{stages[s]['max']:.2f})"
+                               if s in stages else "-" for s in VLLM_STAGES])
+        Console(width=220).print(vt)
     print(f"prepare (GGUF -> IR + tokenizer IR, once per node, in the background): {fig['prepare_s']:.2f} s")
 
 
@@ -169,6 +279,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", help="a GGUF file (default: the demo model, which must be fetched already)")
     p.add_argument("--runs", type=int, default=5, help="fresh processes per source (default 5)")
     p.add_argument("--json", metavar="PATH", help="write every run's stages as JSON")
+    p.add_argument("--vllm-hf", metavar="FOLDER", help="also time vLLM's cold start on this Hugging Face folder "
+                   "(this machine's vLLM build; e.g. the demo GGUF converted with python -m mesh.modelfiles.convert)")
     p.add_argument("--keep", metavar="DIR", help="work in DIR and keep it (default: a temporary folder)")
 
     def go(a: argparse.Namespace) -> int:
@@ -185,7 +297,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="mesh-coldstart-"))
         work.mkdir(parents=True, exist_ok=True)
         try:
-            fig = run(model, a.runs, work)
+            fig = run(model, a.runs, work, Path(a.vllm_hf) if a.vllm_hf else None)
         finally:
             if not a.keep:
                 shutil.rmtree(work, ignore_errors=True)

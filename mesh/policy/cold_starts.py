@@ -13,7 +13,10 @@ measured. `ColdStartTable` keeps, per (node, model, source), the last few measur
 node's IR cache) or `ir`), and predicts a node's next load of a model from the source of its
 latest load there (preparation only ever makes the next source faster, and one load is
 enough to learn it), else from the same model's latest loads on the node's peers (nodes of
-its kind), else nothing: the caller's prior. Transfers are measured likewise, as bytes per
+its kind), else nothing: the caller's prior. A load that adopted a parked worker (source
+`parked`, engines.parking: a built, warm pipeline kept after its instance stopped) predicts
+only the loads of a node that says it has the model parked now: a parked worker can be gone
+by the next load. Transfers are measured likewise, as bytes per
 second over every transfer to any node.
 
 A table can be written to JSON and read back (`to_dict`, `from_dict`), so that a replay can
@@ -31,6 +34,7 @@ from typing import Any, Iterable, Mapping
 FORMAT = "mesh-cold-starts/1"
 WINDOW = 5  # loads kept per (node, model, source): the median of the last few, robust to one slow load
 ANY_MODEL = "*"  # in a replay's table: the cold start of any model without its own entry
+PARKED = "parked"  # the source of a load that adopted a parked worker (engines.parking)
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,7 +61,8 @@ class ColdStartTable:
         if not rec.load_s >= 0:
             raise ValueError(f"a load takes >= 0 s, got {rec.load_s}")
         self._loads.setdefault((rec.node_id, rec.model, rec.source), deque(maxlen=self.window)).append(rec.load_s)
-        self._latest[(rec.node_id, rec.model)] = rec
+        if rec.source != PARKED:
+            self._latest[(rec.node_id, rec.model)] = rec
         self.records.append(rec)
 
     def record_transfer(self, nbytes: int, seconds: float) -> None:
@@ -65,18 +70,28 @@ class ColdStartTable:
         if nbytes > 0 and seconds > 0:
             self._transfers.append(nbytes / seconds)
 
-    def node_load_s(self, node_id: str, model: str) -> float | None:
-        """The node's next load of `model`: the median of its recent loads from the source
-        of its latest one; None if it never loaded the model."""
+    def node_load_s(self, node_id: str, model: str, parked: bool = False) -> float | None:
+        """The node's next load of `model`: the median of its recent loads from the parked
+        tier if it has the model `parked` and loaded from it before, else from the source of
+        its latest other load; None if it never loaded the model."""
+        if parked and (node_id, model, PARKED) in self._loads:
+            return statistics.median(self._loads[(node_id, model, PARKED)])
         latest = self._latest.get((node_id, model))
         if latest is None:
             return None
         return statistics.median(self._loads[(node_id, model, latest.source)])
 
-    def expected_load_s(self, node_id: str, model: str, peers: Iterable[str] = ()) -> float | None:
+    def expected_load_s(self, node_id: str, model: str, peers: Iterable[str] = (),
+                        parked: bool = False) -> float | None:
         """The node's own measure, else the median over `peers` (nodes of its kind) that
-        loaded the model; None: never loaded on any of them (the caller's prior)."""
-        own = self.node_load_s(node_id, model)
+        loaded the model (from the parked tier if the node has the model `parked`); None:
+        never loaded on any of them (the caller's prior)."""
+        if parked and (node_id, model, PARKED) not in self._loads:
+            theirs = [statistics.median(self._loads[(p, model, PARKED)]) for p in peers
+                      if (p, model, PARKED) in self._loads]
+            if theirs:
+                return statistics.median(theirs)
+        own = self.node_load_s(node_id, model, parked)
         if own is not None:
             return own
         theirs = [s for s in (self.node_load_s(p, model) for p in peers if p != node_id) if s is not None]
@@ -107,11 +122,14 @@ class ColdStartTable:
 def cold_start_times(table: Mapping[str, Any]) -> dict[tuple[str, str], float]:
     """A replay's cold starts from an exported table (`ColdStartTable.to_dict`): per (model,
     node kind) the median of its nodes' medians, and per kind under `ANY_MODEL` the median
-    over all its models (for a replay whose models the service never loaded)."""
+    over all its models (for a replay whose models the service never loaded). Loads from the
+    parked tier are left out: a replay's nodes park nothing (engines.parking)."""
     if table.get("format") != FORMAT:
         raise ValueError(f"not a cold-start table: format {table.get('format')!r}, expected {FORMAT!r}")
     by: dict[tuple[str, str], list[float]] = {}
     for row in table.get("loads") or ():
+        if row.get("source") == PARKED:
+            continue
         try:
             key, value = (str(row["model"]), str(row["kind"])), float(row["median_s"])
         except (KeyError, TypeError, ValueError) as exc:

@@ -89,6 +89,11 @@ class ClusterNode(ABC):
         "ir"; mesh.policy.cold_starts keys measured loads by it); None if it does not say."""
         return None
 
+    def parked(self, model: str) -> bool:
+        """Does the node keep a stopped instance of `model` built and warm (engines.parking),
+        so that its next load adopts it? Nodes that park nothing say False."""
+        return False
+
     # -- verbs -------------------------------------------------------------------------
     @abstractmethod
     async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:

@@ -115,6 +115,9 @@ class AgentNode(ClusterNode):
     def loaded_from(self, instance_id: str) -> str | None:
         return self._loaded_from.get(instance_id)
 
+    def parked(self, model: str) -> bool:
+        return model in self.stats.get("parked", {}).get("models", ())  # as of the last stats
+
     def can_fit(self, instance_bytes: int) -> bool:
         return self.capacity_bytes - self._budget_bytes >= instance_bytes
 
@@ -181,8 +184,8 @@ class AgentNode(ClusterNode):
             return Admission(False, refusal=f"no instance {instance_id} on {self.node_id}")
         er = req.engine_request
         entry = AdmitEntry(req.request_id, instance_id, list(er.prompt_token_ids[:er.prompt_len + req.tokens_out]),
-                           er.sampling, _age(req.arrival_s + req.late_s), req.tokens_out, er.prompt_len, compute,
-                           _age(req.first_token_s))
+                           er.sampling, _age(req.arrival_s), req.tokens_out, er.prompt_len, compute,
+                           _age(req.first_token_s), req.late_s)
         self._hold(inst, req)  # before the call: its first tokens may overtake the reply
         try:
             reply = await self.agent.client.call({"t": "admit", "requests": [entry.to_dict()]}, CALL_TIMEOUT_S)
@@ -390,8 +393,7 @@ class AgentNode(ClusterNode):
 def _probe(req: ServedRequest, done: int) -> dict[str, Any]:
     """A request as the agent's validation needs it."""
     return Probe(req.request_id, req.prompt_len, req.engine_request.sampling.max_tokens,
-                 _age(req.arrival_s + req.late_s), done,
-                 _age(req.first_token_s)).to_dict()
+                 _age(req.arrival_s), done, _age(req.first_token_s), req.late_s).to_dict()
 
 
 def _age(t: float | None) -> float | None:

@@ -269,6 +269,10 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     if not config.admin_token and not config.metrics_token:
         print("mesh serve: no metrics token (set MESH_METRICS_TOKEN or metrics_token in --config): /metrics is off",
               file=sys.stderr)
+    fds = service.limits.fit_fd_limit()
+    if fds < service.limits.max_connections:
+        print(f"mesh serve: this process may open {fds} files, fewer than max_connections "
+              f"({service.limits.max_connections}); lower max_connections or raise `ulimit -n`", file=sys.stderr)
     app = build_app(service)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
                            **service.limits.runner_options())

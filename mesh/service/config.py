@@ -65,6 +65,7 @@ from typing import Any
 from mesh.policy.quota import Quota, QuotaValueError, check_overrides
 from mesh.policy.slo import DeadlineRule
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
+from mesh.service.limits import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 
 
 class ConfigError(ValueError):
@@ -112,8 +113,8 @@ class ServeConfig:
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S
     http_head_timeout_s: float = 10.0  # a request head, and the idle time between requests (mesh.service.limits)
     http_body_timeout_s: float = 60.0  # a JSON body
-    max_connections: int = 1024  # open HTTP connections in all
-    max_connections_per_client: int = 64  # open HTTP connections from one client address
+    max_connections: int = MAX_CONNECTIONS  # open HTTP connections in all (mesh.service.limits)
+    max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT  # ...from one client address
     max_uploads_per_tenant: int = 2  # uploads one tenant may stream at once
     watchdog_min_s: float = 30.0  # the engine watchdog's floor (mesh.runtime.node.HUNG_MIN_S)
     # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.agent.emulation; docs/service.md)

@@ -22,6 +22,14 @@ from mesh.service.errors import ApiError
 from mesh.service.schema import parse_json
 
 
+# Open HTTP connections in all, and from one client address. One address is often a proxy, a
+# gateway or a load generator holding a stream per waiting request (mesh replay --live, mesh
+# bench load): the per-address bound stops one address from taking them all, not a busy
+# client. The service raises its file-descriptor limit to fit (HttpLimits.fit_fd_limit).
+MAX_CONNECTIONS = 4096
+MAX_CONNECTIONS_PER_CLIENT = 1024
+
+
 @dataclass(frozen=True, slots=True)
 class HttpLimits:
     head_timeout_s: float = 10.0  # a request head (and the idle time between requests) must arrive in this
@@ -29,11 +37,27 @@ class HttpLimits:
     upload_idle_s: float = 30.0  # an upload that sends nothing this long is cut
     upload_min_bytes_per_s: float = 64 * 1024  # ...or whose average rate falls under this after the grace
     upload_grace_s: float = 10.0
-    max_connections: int = 1024  # open HTTP connections in all
-    max_connections_per_client: int = 64  # open HTTP connections from one client address
+    max_connections: int = MAX_CONNECTIONS
+    max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT
     linger_s: float = 2.0  # after an error answered before its body was read, the rest is read (dropped) this long
 
     refused_drain_bytes: int = 16 << 20  # an upload refused mid-body: at most this much more is read, then closed
+
+    def fit_fd_limit(self) -> int:
+        """Raise this process's open-file limit towards what the connections need (plus room
+        for agents, logs and models), up to the hard limit; returns the soft limit now."""
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        want = self.max_connections + FD_RESERVE
+        if soft != resource.RLIM_INFINITY and soft < want:
+            new = want if hard == resource.RLIM_INFINITY else min(want, hard)
+            try:
+                resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+                soft = new
+            except (ValueError, OSError):
+                pass
+        return soft
 
     def runner_options(self) -> dict[str, Any]:
         """aiohttp AppRunner keywords that enforce the head deadline and bound lingering, and
@@ -193,6 +217,7 @@ def guard_connections(server: web.Server, limits: HttpLimits) -> ConnectionLimit
     return counts
 
 
+FD_RESERVE = 512  # file descriptors beside the HTTP connections: agents, workers, logs, models
 THREAD_PARSE_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread, off the event loop
 
 

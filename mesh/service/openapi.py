@@ -16,6 +16,7 @@ from aiohttp import web
 
 from engines.chat import ROLES
 from mesh.modelfiles.sampling import FIELDS as SAMPLING_FIELDS
+from mesh.policy.placement import COLD_START_CHOICES
 from mesh.policy.quota import QUOTA_FIELDS
 from mesh.service.registry import MODEL_NAME, TENANT_NAME
 from mesh.service.schema import MAX_STOP, MAX_TOKENS_CAP
@@ -61,6 +62,9 @@ COMPLETION_BODY: dict[str, Any] = {
         ]},
     },
 }
+_COLD_START = {"type": "string", "enum": list(COLD_START_CHOICES),
+               "description": "a request its cold model cannot serve within its TTFT: served late (default) or "
+                              "turned away at once"}
 REGISTER_BODY: dict[str, Any] = {
     "type": "object", "required": ["name", "path"],
     "properties": {
@@ -73,6 +77,7 @@ REGISTER_BODY: dict[str, Any] = {
             "tpot_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 60}}},
         "sampling_defaults": {"type": ["object", "null"], "additionalProperties": False,
                               "properties": {k: _SAMPLING[k] for k in SAMPLING_FIELDS}},
+        "cold_start": _COLD_START,
     },
 }
 TENANT_BODY = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string",

@@ -346,6 +346,7 @@ class ClusterPlacement:
             profiles[kind] = self._profile(record, kind, shape)
             front = front or (node, path)
         self.cluster.add_model(record.uid, ModelSpec(record.uid, profiles), MEAN_OUTPUT_PRIOR, record.slo)
+        self.cluster.set_cold_start_choice(record.uid, record.cold_start)
         model = _Model(record, front[0].node_id, front[1], tuple(profiles))
         self._models[record.uid] = model
         return model

@@ -14,6 +14,9 @@ kind of node (mesh.service.preparation: a GGUF converted to a Hugging Face folde
 Hugging Face folder exported to OpenVINO IR), one row per (model, node kind) with its state
 (preparing, ready, failed and why). Rows go with their model (ON DELETE CASCADE); an older
 file gets the table when opened.
+
+Schema 4 adds `models.cold_start`: what a request gets when its model is cold and cannot
+make its TTFT (`serve_late`, the default, or `reject`; docs/service.md, "Cold starts").
 """
 from __future__ import annotations
 
@@ -25,10 +28,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from mesh.policy.placement import CPU, GPU, kind_rank
+from mesh.policy.placement import CPU, GPU, SERVE_LATE, kind_rank
 from mesh.policy.slo import SLO
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")
 
@@ -62,6 +65,7 @@ CREATE TABLE IF NOT EXISTS models (
     tpot_s REAL NOT NULL,
     created_at INTEGER NOT NULL DEFAULT (CAST(strftime('%s','now') AS INTEGER)),
     sampling_defaults TEXT NOT NULL DEFAULT '{}',
+    cold_start TEXT NOT NULL DEFAULT 'serve_late',
     UNIQUE (tenant, name)
 );
 CREATE TABLE IF NOT EXISTS tenant_quotas (
@@ -145,6 +149,9 @@ class ModelRecord:
     # temperature/top_p for requests that omit them (mesh.modelfiles.sampling)
     sampling_defaults: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     prepared: tuple[PreparedFormat, ...] = ()  # formats prepared for the other kind of node
+    # a request that its cold model cannot serve within its TTFT: served late or turned away
+    # (mesh.policy.placement.COLD_START_CHOICES; docs/service.md, "Cold starts")
+    cold_start: str = SERVE_LATE
 
     @property
     def native_kind(self) -> str:
@@ -193,6 +200,8 @@ class Registry:
         columns = {r["name"] for r in self._db.execute("PRAGMA table_info(models)")}
         if "sampling_defaults" not in columns:  # a schema-1 registry
             self._db.execute("ALTER TABLE models ADD COLUMN sampling_defaults TEXT NOT NULL DEFAULT '{}'")
+        if "cold_start" not in columns:  # before schema 3
+            self._db.execute("ALTER TABLE models ADD COLUMN cold_start TEXT NOT NULL DEFAULT 'serve_late'")
         self._db.execute("INSERT INTO meta (key, value) VALUES ('schema', ?) "
                          "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
 
@@ -288,11 +297,12 @@ class Registry:
         try:
             self._db.execute(
                 "INSERT INTO models (uid, tenant, name, kind, path, owned_file, sha256, weight_bytes, context_length, "
-                "ttft_min_s, ttft_s_per_prompt_token, tpot_s, sampling_defaults) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "ttft_min_s, ttft_s_per_prompt_token, tpot_s, sampling_defaults, cold_start) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (record.uid, record.tenant, record.name, record.kind, record.path, int(record.owned_file),
                  record.sha256, record.weight_bytes, record.context_length, slo.ttft_min_s,
-                 slo.ttft_s_per_prompt_token, slo.tpot_s, json.dumps(record.sampling_defaults or {})))
+                 slo.ttft_s_per_prompt_token, slo.tpot_s, json.dumps(record.sampling_defaults or {}),
+                 record.cold_start))
         except sqlite3.IntegrityError as exc:
             raise RegistryError(f"model {record.name!r} already exists for tenant {record.tenant!r}") from exc
         return self.model(record.tenant, record.name)
@@ -381,5 +391,5 @@ def _model(row: sqlite3.Row, prepared: tuple[PreparedFormat, ...] | list[Prepare
         slo=SLO(row["ttft_min_s"], row["ttft_s_per_prompt_token"], row["tpot_s"]),
         weight_bytes=row["weight_bytes"], sha256=row["sha256"], owned_file=bool(row["owned_file"]),
         created_at=row["created_at"], sampling_defaults=json.loads(row["sampling_defaults"] or "{}"),
-        prepared=tuple(prepared),
+        prepared=tuple(prepared), cold_start=row["cold_start"],
     )
