@@ -151,6 +151,13 @@ class OpenVINOProcessEngine:
         if conn is not None:
             await conn.shutdown(30)
 
+    def kill_worker(self) -> None:
+        """The engine hung (mesh.runtime.node's watchdog): kill its worker at once; the unload
+        that follows has nothing left to wait for."""
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.kill()
+
     async def resize_kv(self, capacity_bytes: int) -> None:
         """Record the KV bound (OpenVINOEngine.resize_kv, in the worker)."""
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:

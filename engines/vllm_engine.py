@@ -450,6 +450,12 @@ class VLLMEngine:
         blocks = math.ceil(self.context_window / self.block_size) + 1  # + vLLM's null block
         return blocks * self.block_size * self.kv_bytes_per_token
 
+    def kill_worker(self) -> None:
+        """The engine hung (mesh.runtime.node's watchdog): kill its worker process at once."""
+        if isinstance(self._conn, WorkerConnection):
+            conn, self._conn = self._conn, None
+            conn.kill()
+
     async def unload(self) -> None:
         """Stop the worker (weights and KV cache are freed with its process), or park it."""
         parked = await self._park()

@@ -285,6 +285,15 @@ class WorkerConnection:
                 pass
         await asyncio.to_thread(self.close)
 
+    def kill(self) -> None:
+        """Kill the worker now (SIGKILL: a stopped or wedged worker answers nothing, not even
+        `shutdown`), then close: its memory goes with it."""
+        try:
+            self.proc.kill()
+        except OSError:
+            pass
+        self.close(timeout=10.0)
+
     def close(self, timeout: float = 30.0) -> None:
         try:
             self.main.shutdown(socket.SHUT_RDWR)

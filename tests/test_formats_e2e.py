@@ -111,7 +111,7 @@ def test_a_hugging_face_folder_registered_once_is_exported_for_the_cpu_node(tmp_
     python = _converter_python()
     export_python()
     data, allowed = tmp_path / "data", tmp_path / "allowed"
-    made = convert(python, demo_gguf_path(), allowed / "smollm2-hf")
+    made = convert(python, demo_gguf_path(), allowed / "demo" / "smollm2-hf")  # the demo tenant's folder
     assert made.returncode == 0, made.stderr[-2000:]
     server = Server(data, allowed, tmp_path / "hf.log", extra=("--vllm-cpu",))
     server.start()

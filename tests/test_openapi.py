@@ -53,8 +53,8 @@ def test_schemathesis_finds_no_server_error(tmp_path_factory, demo_gguf):
     st = [sys.executable, "-m", "schemathesis.cli"]  # the CLI of the schemathesis this Python imports
     root = tmp_path_factory.mktemp("fuzz")
     allowed = root / "allowed"
-    allowed.mkdir()
-    shutil.copy(demo_gguf, allowed / "smollm2.gguf")
+    (allowed / "demo").mkdir(parents=True)  # the demo tenant's folder: its paths are relative to it
+    shutil.copy(demo_gguf, allowed / "demo" / "smollm2.gguf")
     server = Server(root / "data", allowed, root / "server.log")
     server.start()
     try:

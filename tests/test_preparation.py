@@ -425,9 +425,9 @@ def test_the_model_views_show_each_kinds_format_and_scale_takes_either_kind(tmp_
     from mesh.service.metrics import ServiceMetrics
 
     allowed = tmp_path / "allowed"
-    allowed.mkdir()
-    (allowed / "m.gguf").write_bytes(demo_gguf.read_bytes())
-    hf = allowed / "hf"
+    (allowed / "acme").mkdir(parents=True)  # the tenant's folder: its paths are relative to it
+    (allowed / "acme" / "m.gguf").write_bytes(demo_gguf.read_bytes())
+    hf = allowed / "acme" / "hf"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"max_position_embeddings": 512}))
     (hf / "model.safetensors").write_bytes(b"x" * 100)

@@ -130,6 +130,14 @@ def server(tmp_path_factory, demo_gguf) -> Server:
 
 
 def _tenant(server: Server, name: str) -> str:
+    """A new tenant's API key; its folder of the allowed folder holds smollm2.gguf (a tenant
+    registers paths only there)."""
+    own = server.allowed / name
+    own.mkdir(exist_ok=True)
+    try:
+        os.link(server.allowed / "smollm2.gguf", own / "smollm2.gguf")
+    except OSError:
+        shutil.copy(server.allowed / "smollm2.gguf", own / "smollm2.gguf")
     server.admin("POST", "/admin/tenants", {"name": name})
     return server.admin("POST", f"/admin/tenants/{name}/keys", {"label": "test"})["key"]
 
@@ -241,12 +249,15 @@ def test_tenant_isolation_and_model_registration(server):
     assert [m.id for m in ca.models.list()] == ["team/small"]  # Alice's is untouched
 
 
-def test_registration_refuses_path_escapes(server):
+def test_registration_refuses_path_escapes(server, demo_gguf):
+    """A path out of the tenant's folder answers exactly what a missing file does (404)."""
     key = _tenant(server, "carol")
+    os.symlink(demo_gguf, server.allowed / "carol" / "outside-link.gguf")  # points outside the allowed folder
+    status, missing = server.http("POST", "/v1/models", {"name": "x", "path": "missing.gguf"}, token=key)
+    assert status == 404 and missing["error"]["param"] == "path", missing
     for path in ("../allowed/smollm2.gguf", "outside-link.gguf", str(server.data_dir / "registry.sqlite3"),
-                 "/etc/passwd", "missing.gguf"):
-        status, body = server.http("POST", "/v1/models", {"name": "x", "path": path}, token=key)
-        assert status == 400 and body["error"]["param"] == "path", (path, body)
+                 "/etc/passwd", "../smollm2.gguf", str(server.allowed / "smollm2.gguf"), "../greta/smollm2.gguf", "."):
+        assert server.http("POST", "/v1/models", {"name": "x", "path": path}, token=key) == (404, missing), path
     status, body = server.http("POST", "/v1/models", {"name": "../x", "path": "smollm2.gguf"}, token=key)
     assert status == 400 and body["error"]["param"] == "name"
     status, body = server.http("POST", "/v1/models", {"name": "x", "path": "smollm2.gguf", "context_length": 10**6},

@@ -87,7 +87,7 @@ def test_a_hugging_face_folder_reaches_the_vllm_node_and_serves_from_there(tmp_p
             pytest.fail("MESH_REQUIRE_VLLM=1 but no Python with vLLM: run scripts/setup.sh (creates .venv-vllm)")
         pytest.skip("vLLM is not installed (.venv-vllm): run scripts/setup.sh")
     allowed = tmp_path / "allowed"
-    tiny = write_tiny_llama(allowed / "tiny")
+    tiny = write_tiny_llama(allowed / "demo" / "tiny")  # the demo tenant's folder: its paths are relative to it
     # --no-prepare: the demo GGUF is not converted for the vLLM node meanwhile (tests/test_formats_e2e.py does that)
     server = Server(tmp_path / "data", allowed, tmp_path / "server.log", extra=("--vllm-cpu", "--no-prepare"))
     server.start()

@@ -109,6 +109,21 @@ class Api:
                                {"model": model, "prompt": list(range(1, 21)), "max_tokens": max_tokens})
 
 
+def _allowed(tmp_path: Path, demo_gguf: Path, tenants: tuple[str, ...] = ("a", "b")) -> Path:
+    """An allowed folder where each tenant's folder holds the demo GGUF (a hard link where possible)."""
+    import os
+    import shutil
+
+    allowed = tmp_path / "allowed"
+    for tenant in tenants:
+        (allowed / tenant).mkdir(parents=True, exist_ok=True)
+        try:
+            os.link(demo_gguf, allowed / tenant / demo_gguf.name)
+        except OSError:
+            shutil.copy(demo_gguf, allowed / tenant / demo_gguf.name)
+    return allowed
+
+
 async def _serve(tmp_path: Path, allowed: Path, **config: Any) -> tuple[Api, Any]:
     cfg = ServeConfig(admin_token=ADMIN, metrics_token=METRICS, allowed_dir=allowed, data_dir=tmp_path, **config)
     registry = Registry(tmp_path / "registry.sqlite3")
@@ -138,7 +153,7 @@ def test_registration_quotas_name_the_quota_while_another_tenant_registers(simul
     size = demo_gguf.stat().st_size
 
     async def main() -> None:
-        api, close = await _serve(tmp_path, demo_gguf.parent, quota_models=5)
+        api, close = await _serve(tmp_path, _allowed(tmp_path, demo_gguf), quota_models=5)
         try:
             a, b = await api.tenant("a"), await api.tenant("b")
             assert (await api.call("PUT", "/admin/tenants/a/quota", ADMIN, {"models": 1}))[0] == 200
@@ -178,7 +193,7 @@ def test_registration_quotas_name_the_quota_while_another_tenant_registers(simul
 
 def test_request_quotas_give_429_naming_the_quota_while_another_tenant_is_served(simulated, tmp_path, demo_gguf):
     async def main() -> None:
-        api, close = await _serve(tmp_path, demo_gguf.parent)
+        api, close = await _serve(tmp_path, _allowed(tmp_path, demo_gguf))
         try:
             a, b = await api.tenant("a"), await api.tenant("b")
             for key in (a, b):
@@ -227,7 +242,7 @@ def test_request_quotas_give_429_naming_the_quota_while_another_tenant_is_served
 
 def test_metrics_need_a_token_and_tenants_see_only_their_own_usage(simulated, tmp_path, demo_gguf):
     async def main() -> None:
-        api, close = await _serve(tmp_path, demo_gguf.parent)
+        api, close = await _serve(tmp_path, _allowed(tmp_path, demo_gguf))
         try:
             a, b = await api.tenant("a"), await api.tenant("b")
             for key, name in ((a, "ma"), (b, "mb")):

@@ -24,7 +24,7 @@ from mesh.agent.protocol import (
     sampling_from_dict,
     sampling_to_dict,
 )
-from mesh.modelfiles.sources import SourceError, inspect_source, resolve_allowed
+from mesh.modelfiles.sources import TENANT_NOT_FOUND, SourceError, SourceNotFound, inspect_source, resolve_allowed
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.auth import admin_token_ok, bearer_token, hash_key, new_api_key
@@ -131,6 +131,34 @@ def test_paths_must_stay_in_the_allowed_folder(tmp_path):
     with pytest.raises(SourceError, match="does not exist"):
         resolve_allowed(root, "nope.gguf")
 
+
+
+def test_tenants_register_paths_only_in_their_own_folder(tmp_path):
+    """A tenant's paths are relative to (and confined to) <allowed>/<tenant>/; whatever the
+    reason a path is refused there, the error is the one text a missing file gets."""
+    root = tmp_path / "allowed"
+    for tenant in ("a", "b"):
+        (root / tenant / "dir").mkdir(parents=True)
+        (root / tenant / "m.gguf").write_bytes(b"GGUF....")
+    (root / "shared.gguf").write_bytes(b"GGUF....")
+    os.symlink(root / "a" / "m.gguf", root / "b" / "to-a.gguf")  # inside the allowed folder, not b's
+    os.symlink(root / "a", root / "b" / "dir" / "a-folder")  # b's folder holds a link into a's
+    assert resolve_allowed(root, "m.gguf", "a") == (root / "a" / "m.gguf").resolve()
+    assert resolve_allowed(root, str(root / "b" / "m.gguf"), "b") == (root / "b" / "m.gguf").resolve()
+    assert resolve_allowed(root, "a/m.gguf") == (root / "a" / "m.gguf").resolve()  # the operator: anywhere
+    messages = set()
+    for given in ("missing.gguf", "../a/m.gguf", str(root / "a" / "m.gguf"), "to-a.gguf", "dir", ".",
+                  "/etc/passwd", str(root / "shared.gguf"), "a/m.gguf"):
+        with pytest.raises(SourceNotFound) as err:
+            resolve_allowed(root, given, "b")
+        messages.add(str(err.value))
+    assert messages == {TENANT_NOT_FOUND}
+    with pytest.raises(SourceNotFound) as err:  # a tenant without a folder
+        resolve_allowed(root, "m.gguf", "c")
+    assert str(err.value) == TENANT_NOT_FOUND
+    os.symlink(root, root / "d")  # a tenant's folder that is the allowed folder itself
+    with pytest.raises(SourceNotFound):
+        resolve_allowed(root, "shared.gguf", "d")
 
 def test_inspect_source_kinds(tmp_path):
     bad = tmp_path / "x.bin"

@@ -19,7 +19,10 @@ Control -> agent (see docs/service.md for every field):
                 exact_moves, mean_output, emulated_load_s}
                                              -> {} (issued; an `instance` event follows)
     unload     {instance_id}                 -> {}
-    tokenize   {instance_id | (model, path, engine, context_window), prompt | messages} -> {ids}
+    tokenize   {instance_id | (model, path, engine, context_window), prompt | messages, request_id?, tenant?}
+                                             -> {ids}; OpenVINO prompts wait in a queue that takes the
+                                                tenants in turn; `abort {request_id}` cancels it (dropped
+                                                from the queue if it has not run)
     describe   {model, path, engine, context_window} -> {weight_bytes, kv_bytes_per_token, context_window}
     admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s, done?, prompt_len?,
                  first_token_age_s?, compute?, late_s?}]}
@@ -35,7 +38,7 @@ Control -> agent (see docs/service.md for every field):
                 (placement.SERVE_LATE: its deadlines start when its loading instance is ready))
     take_back  {request_id, why}             -> {request_id, tokens_out, token_ids, first_token_age_s}
                                                 (off the node, not ended)
-    abort      {request_id}                  (no reply)
+    abort      {request_id}                  (no reply) the request, or its tokenize still under way
     stats      {}                            -> {instances, memory, queue_length, busy_s, ...}
     shutdown   {}                            -> {} (then the agent exits)
     weights_path {model, file, manifest?}    -> {path, complete?} where a multicast to this node writes the
@@ -46,7 +49,8 @@ Agent -> control (events):
     tokens     {items: [[request_id, [token ids], text], ...]}   one frame per iteration
     done       {request_id, outcome, reason, detail, tokens_out, ttft_s, tpot_s}
     instance   {instance_id, state: "ready" | "failed", error}
-    evicted    {request_id, why, tokens_out, token_ids, first_token_age_s}   the memory subsystem evicted it (6.4): place it again
+    evicted    {request_id, why, tokens_out, token_ids, first_token_age_s, fault?}   the memory subsystem evicted it (6.4),
+               or (fault: true) the engine watchdog failed its instance: place it again
     node       {stepping, budget_bytes}      what the dispatcher reads of the node between calls, sent when it
                                              changed, after the frames of the iteration that ended: the
                                              instance whose iteration is in flight (null: none) and the memory
@@ -412,13 +416,14 @@ class EvictedEvent:
     T: ClassVar[str] = "evicted"
     why: str
     progress: Progress
+    fault: bool = False  # the node failed it (a hung engine): its deadlines restart where it resumes
 
     def to_message(self) -> dict[str, Any]:
-        return {"t": self.T, "why": self.why, **self.progress.to_dict()}
+        return {"t": self.T, "why": self.why, **self.progress.to_dict(), **({"fault": True} if self.fault else {})}
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "EvictedEvent":
-        return cls(str(m.get("why") or "evicted"), Progress.from_dict(m))
+        return cls(str(m.get("why") or "evicted"), Progress.from_dict(m), m.get("fault") is True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -82,7 +82,7 @@ from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
 from mesh.policy.slo import DeadlineRule
 from mesh.runtime.cluster import SIMULATED_NOISE
-from mesh.runtime.node import InstancePlan, NodeRuntime, NodeSpec
+from mesh.runtime.node import HUNG_MIN_S, InstancePlan, NodeRuntime, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
 from mesh.weights.blocks import Manifest, holds
 from mesh.weights.node import NodeWeightsReceiver, inside, parse_listen, received_path
@@ -108,13 +108,15 @@ class AgentServer:
     def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None,
                  weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = (),
                  deadlines: DeadlineRule = DeadlineRule.EQ1, emulation: Emulation | None = None,
-                 park_bytes: int = 0) -> None:
+                 park_bytes: int = 0, watchdog_min_s: float = HUNG_MIN_S) -> None:
         """`load_roots`: folders whose files `load` may open, besides the weights receiver's.
         `park_bytes`: memory, beside the planned budget, for OpenVINO workers parked when their
         instance stops (engines.parking; 0: none parked).
         `deadlines`: when tokens after the first are due (mesh.policy.slo); the service's
         default is the paper's Eq. 1. `emulation`: this node emulates its device (`--emulate`):
-        it runs emulated models only (mesh.agent.emulation); without it, it refuses them."""
+        it runs emulated models only (mesh.agent.emulation); without it, it refuses them.
+        `watchdog_min_s`: the engine watchdog's floor (mesh.runtime.node.hung_bound_s): an
+        iteration that runs past max(this, 20 x its predicted time) has hung."""
         self.spec = spec
         self.emulation = emulation
         self.weights = weights  # receives model blocks over the network (None: not hosted)
@@ -124,7 +126,8 @@ class AgentServer:
         self.token = token
         self.cpu = cpu or {}
         self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True, deadlines=deadlines,
-                                watchdog=True)  # a hung engine fails its instance; its requests move
+                                watchdog=True, hung_min_s=watchdog_min_s)  # a hung engine fails its instance;
+        # its requests move
         self.node.on_loaded = self._ready
         self.node.on_hung = self._hung
         self.node.on_stepping = self._stepping
@@ -142,6 +145,8 @@ class AgentServer:
         self.parking = ParkingLot(park_bytes)  # stopped OpenVINO instances, built and warm (issue 23)
         self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
         self._tokenizers_ready: dict[str, asyncio.Future] = {}  # loading OpenVINO instance -> its tokenizer's build
+        self._tokenizing: dict[str, asyncio.Task] = {}  # request id -> the task tokenizing it (abort cancels it)
+        self._tokenize_aborted: dict[str, bool] = {}
         self.requests: dict[str, ServedRequest] = {}
         self.started_at = 0.0
         self._writer: asyncio.StreamWriter | None = None
@@ -482,7 +487,25 @@ class AgentServer:
 
     async def _tokenize(self, m: dict[str, Any]) -> dict[str, Any]:
         """A prompt's ids with the tokenizer of an instance (`instance_id`) or, before any
-        instance runs here, of the model at `path`."""
+        instance runs here, of the model at `path`. With a `request_id`, an `abort` of that
+        request cancels it (its tokenizer job is dropped if it has not run); `tenant` takes
+        its turn in the tokenizer's queue (mesh.agent.tokenizers)."""
+        rid = m.get("request_id")
+        if rid is None:
+            return await self._tokenize_now(m)
+        rid = str(rid)
+        self._tokenizing[rid] = asyncio.current_task()
+        try:
+            return await self._tokenize_now(m)
+        except asyncio.CancelledError:
+            if self._tokenize_aborted.pop(rid, False):
+                raise Reply(Code.FAILED, f"tokenizing {rid} was aborted by the control service") from None
+            raise
+        finally:
+            self._tokenizing.pop(rid, None)
+            self._tokenize_aborted.pop(rid, None)
+
+    async def _tokenize_now(self, m: dict[str, Any]) -> dict[str, Any]:
         iid = m.get("instance_id")
         if iid is not None:
             engine, spec = self._ready_instance(iid).engine, self.specs[str(iid)]
@@ -493,7 +516,7 @@ class AgentServer:
         messages = m.get("messages")
         try:
             if spec.engine == "openvino":
-                ids = await self.tokenizers.encode(spec.path, messages, m.get("prompt"))
+                ids = await self.tokenizers.encode(spec.path, messages, m.get("prompt"), str(m.get("tenant") or ""))
             elif messages is not None:
                 ids = engine.encode_chat(messages)
             else:
@@ -715,6 +738,10 @@ class AgentServer:
 
     def _abort(self, m: dict[str, Any]) -> None:
         rid = str(m.get("request_id"))
+        tokenizing = self._tokenizing.get(rid)
+        if tokenizing is not None:  # still being tokenized: its job leaves the tokenizer's queue
+            self._tokenize_aborted[rid] = True
+            tokenizing.cancel()
         if rid in self.requests:
             self.node.abort(rid, Outcome.FAILED, "aborted by the control service")
         return None
@@ -729,6 +756,7 @@ class AgentServer:
                        "pessimistic_bytes": station.pessimistic, "free_bytes": station.free(),
                        "waiting_ops": len(station.waiting())},
             "queue_length": self.node.queue_length(), "running": len(self.requests),
+            "tokenizer": {"waiting": self.tokenizers.waiting, **self.tokenizers.counts.as_dict()},
             "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
             "kv_bytes_in_use": self.node.kv_bytes_in_use(), "deadlines": self.node.deadlines.value,
             "learnt": self.learning.view(), "parked": self.parking.view(),
@@ -798,7 +826,8 @@ class AgentServer:
         control service, whose dispatcher places it on another node (an `evicted` event
         with the tokens it produced; no `done` follows)."""
         self.requests.pop(req.request_id, None)
-        self._send(EvictedEvent(req.attempts[-1] if req.attempts else "evicted", self._progress(req)).to_message())
+        self._send(EvictedEvent(req.attempts[-1] if req.attempts else "evicted", self._progress(req),
+                                req.fault).to_message())
 
     def _abort_all(self, why: str) -> None:
         for rid in list(self.requests):
@@ -905,7 +934,7 @@ async def _amain(args: argparse.Namespace) -> int:
                  if args.emulate else None)
     server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights,
                          load_roots=[root, *(args.models_root or ())], deadlines=DeadlineRule(args.deadlines),
-                         emulation=emulation,
+                         emulation=emulation, watchdog_min_s=args.watchdog_min_s,
                          park_bytes=args.memory_bytes // 4 if args.park_bytes is None else args.park_bytes)
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
@@ -918,6 +947,13 @@ async def _amain(args: argparse.Namespace) -> int:
         watcher.cancel()
     await server.close()
     return 0
+
+
+def _positive_seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text}")
+    return value
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -948,6 +984,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--emulate-seed", type=int, default=0, help="seed of the emulated noise (default: 0)")
     parser.add_argument("--emulate-profiles", metavar="DIR", help="calibrated profiles <model>__<device>.json to "
                         "emulate besides the packaged ones")
+    parser.add_argument("--watchdog-min-s", type=_positive_seconds, default=HUNG_MIN_S,
+                        help="an engine iteration running past max(this, 20 x its predicted time) has hung: its "
+                             f"instance fails and its worker is killed; its requests move (default {HUNG_MIN_S:g})")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level, format=f"agent {args.node_id}: %(levelname)s %(message)s")

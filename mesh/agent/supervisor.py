@@ -81,6 +81,7 @@ class AgentSettings:
     weights_root: str | None = None  # node agents receive weights into <root>/<node id> (None: no receiver)
     weights_token: str | None = None  # MESH_WEIGHTS_TOKEN of their weights ports
     deadlines: DeadlineRule = DeadlineRule.EQ1  # the agents' deadline rule (their --deadlines)
+    watchdog_min_s: float | None = None  # the engine watchdog's floor (their --watchdog-min-s; None: theirs, 30 s)
     models_roots: tuple[str, ...] = ()  # folders whose models the agents may `load` (--models-root), besides
     # their weights folder: the registry's places (data folder, --allowed-dir, the demo model cache)
     cores: dict[str, tuple[int, ...]] = field(default_factory=dict)  # node id -> the cores its local agent
@@ -216,6 +217,8 @@ class LocalAgent(AgentHandle):
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", self.node_id,
                "--kind", self.spec.kind, "--memory-bytes", str(self.spec.memory_bytes), "--exit-with-parent",
                "--log-level", self.settings.log_level, "--deadlines", str(self.settings.deadlines)]
+        if self.settings.watchdog_min_s is not None:
+            cmd += ["--watchdog-min-s", repr(float(self.settings.watchdog_min_s))]
         for root in self.settings.models_roots:
             cmd += ["--models-root", root]
         if device:

@@ -19,7 +19,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", default=None, help="a TOML or JSON file of settings (docs/service.md)")
     parser.add_argument("--demo", action="store_true", default=None,
                         help="register the SmolLM2 demo model as demo/smollm2 for tenant demo; print a key")
-    parser.add_argument("--allowed-dir", default=None, help="folder under which models may be registered by path")
+    parser.add_argument("--allowed-dir", default=None, help="folder under which models may be registered by path: a tenant only in DIR/<tenant>/, the operator (admin token) anywhere")
     parser.add_argument("--max-body-mb", type=float, default=None, help="limit of JSON request bodies (default 8)")
     parser.add_argument("--max-upload-mb", type=float, default=None, help="limit of model uploads (default 16384)")
     parser.add_argument("--keep-alive", type=float, default=None, dest="keep_alive_s",
@@ -53,6 +53,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--queue-timeout", default=None, dest="queue_timeout_s", type=_queue_timeout,
                         help="seconds a request may wait for capacity, or 'slo': until it can no longer meet its "
                              f"SLO (default {DEFAULT_QUEUE_TIMEOUT_S:g}); Mesh also turns a request away at once when it cannot meet its SLO")
+    parser.add_argument("--watchdog-min-s", type=float, default=None, dest="watchdog_min_s",
+                        help="the node agents' engine watchdog: an iteration running past max(this, 20 x its "
+                             "predicted time) has hung; its instance fails, its worker is killed, its requests "
+                             "move to another instance (default 30)")
     parser.add_argument("--cold-start-s", type=float, default=None, dest="cold_start_s",
                         help="a new instance's start-up besides moving its weights, counted in the TTFT of the "
                              "requests it is started for (default 7.5: the demo model on a 2-core node)")
@@ -112,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
                                          "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",
                                          "quota_model_gb", "quota_concurrent_requests", "quota_requests_per_s",
                                          "quota_burst", "prepare_formats", "queue_capacity", "queue_timeout_s",
-                                         "emulate")}
+                                         "emulate", "watchdog_min_s")}
     try:
         file_values = read_config_file(args.config) if args.config else {}
         config = build_config(file_values, cli)

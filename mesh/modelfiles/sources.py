@@ -1,8 +1,13 @@
 """Model sources: paths under the allowed folder, and what a path holds.
 
-`resolve_allowed(allowed_dir, given)` accepts a path only if it stays inside the allowed
-folder: no `..` component, no absolute path elsewhere, and after following every symlink
-(of the path and, for a folder, of each file in it) the real path is still inside.
+`resolve_allowed(allowed_dir, given, tenant)` accepts a path only if it stays inside the
+allowed folder, and for a tenant inside its own folder `<allowed_dir>/<tenant>/` (relative
+paths are relative to that folder; the operator's are relative to the allowed folder): no
+`..` component, no absolute path elsewhere, and after following every symlink (of the path
+and, for a folder, of each file in it) the real path is still inside. For a tenant, every
+such refusal and a path that does not exist raise the same SourceNotFound, whose message
+names nothing: another tenant's file, a link that leaves the folder and a missing file
+cannot be told apart (no existence oracle).
 `inspect_source(path)` tells a GGUF file, an OpenVINO IR folder and a Hugging Face folder
 apart and reads the model's trained context window and weight size without loading it.
 """
@@ -12,33 +17,70 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from mesh.modelfiles.gguf import GGUF_MAGIC
+
 
 class SourceError(ValueError):
     """A model source path or file was refused; the message says why (safe to show)."""
 
 
-def resolve_allowed(allowed_dir: str | Path | None, given: str) -> Path:
-    """The real path of `given` (relative to the allowed folder, or absolute inside it)."""
+class SourceNotFound(SourceError):
+    """No model at the given path that the caller may register (a 404)."""
+
+
+# A tenant's answer for a path it may not register or that does not exist: one text, naming
+# neither the path nor why, so that it tells nothing about the allowed folder.
+TENANT_NOT_FOUND = ("No model file or folder at that path in your folder of the server's allowed folder "
+                    "(<allowed-dir>/<your tenant>/; paths are relative to it). Ask the operator to put the model "
+                    "there, or upload a GGUF file with Content-Type: application/octet-stream.")
+
+
+def resolve_allowed(allowed_dir: str | Path | None, given: str, tenant: str | None = None) -> Path:
+    """The real path of `given`, relative to the allowed folder (or absolute inside it); with
+    `tenant`, relative to (or absolute inside) the tenant's folder `<allowed_dir>/<tenant>`,
+    and every refusal below that depends on the file system is TENANT_NOT_FOUND."""
     if allowed_dir is None:
         raise SourceError("this server registers no paths (start it with --allowed-dir DIR); upload the file instead")
     if not isinstance(given, str) or not given.strip() or "\x00" in given:
         raise SourceError("'path' must be a non-empty string")
-    root = Path(os.path.realpath(allowed_dir))
+    allowed = Path(os.path.realpath(allowed_dir))
+    if tenant is None:
+        return _resolve_in(allowed, given, _operator_refusal)
+    if not tenant or "/" in tenant or tenant in (".", ".."):  # registry.TENANT_NAME admits none of these
+        raise SourceNotFound(TENANT_NOT_FOUND)
+    root = Path(os.path.realpath(allowed / tenant))
+    if not _inside(root, allowed) or root == allowed:  # the tenant's folder is a link out of the allowed one
+        raise SourceNotFound(TENANT_NOT_FOUND)
+    return _resolve_in(root, given, _tenant_refusal)
+
+
+def _operator_refusal(why: str, given: str, entry: Path | None = None) -> SourceError:
+    return {"dotdot": SourceError("'path' may not contain '..'"),
+            "outside": SourceError("'path' must be inside the server's allowed folder (symlinks included)"),
+            "missing": SourceNotFound(f"'{given}' does not exist in the allowed folder"),
+            "link": SourceError(f"'{given}' holds a link that leaves the allowed folder ({entry})")}[why]
+
+
+def _tenant_refusal(why: str, given: str, entry: Path | None = None) -> SourceError:
+    return SourceNotFound(TENANT_NOT_FOUND)
+
+
+def _resolve_in(root: Path, given: str, refusal: Callable[..., SourceError]) -> Path:
     raw = Path(given)
     if ".." in raw.parts:
-        raise SourceError("'path' may not contain '..'")
+        raise refusal("dotdot", given)
     candidate = raw if raw.is_absolute() else root / raw
     real = Path(os.path.realpath(candidate))
     if not _inside(real, root):
-        raise SourceError("'path' must be inside the server's allowed folder (symlinks included)")
+        raise refusal("outside", given)
     if not real.exists():
-        raise SourceError(f"'{given}' does not exist in the allowed folder")
+        raise refusal("missing", given)
     if real.is_dir():
         for entry in real.rglob("*"):
             if not _inside(Path(os.path.realpath(entry)), root):
-                raise SourceError(f"'{given}' holds a link that leaves the allowed folder ({entry.relative_to(real)})")
+                raise refusal("link", given, entry.relative_to(real))
     return real
 
 

@@ -39,6 +39,7 @@ class AgentLaunch:
     weights_token: str
     log_level: str = "WARNING"
     deadlines: DeadlineRule = DeadlineRule.EQ1
+    watchdog_min_s: float | None = None  # the agents' --watchdog-min-s (None: their default)
     memory_fraction: float = 0.5  # of the node's memory, when the agent's budget is not given
     memory_bytes: int | None = None  # the budget of every CPU agent (None: memory_fraction of the node's)
     start_timeout_s: float = 120.0
@@ -94,6 +95,8 @@ class NodeAgentActor:
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", f"{host}:0", "--node-id", node_id, "--kind", kind,
                "--memory-bytes", str(self.info["memory_bytes"]), "--exit-with-parent", "--log-level",
                self.launch.log_level, "--deadlines", str(self.launch.deadlines), "--weights-listen", f"{host}:0"]
+        if self.launch.watchdog_min_s is not None:
+            cmd += ["--watchdog-min-s", repr(float(self.launch.watchdog_min_s))]
         self.process = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env, text=True)
         deadline = time.monotonic() + self.launch.start_timeout_s
         assert self.process.stdout is not None

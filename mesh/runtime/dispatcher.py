@@ -38,6 +38,7 @@ from typing import Protocol, Sequence
 
 from mesh.policy.placement import queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
+from mesh.policy.slo import DeadlineRule
 from mesh.runtime.cluster import Cluster
 from mesh.runtime.cluster_node import ClusterNode
 from mesh.runtime.latency import LogHistogram
@@ -249,6 +250,14 @@ class Dispatcher:
     def on_evict(self, req: ServedRequest, node: ClusterNode) -> None:
         """A node evicted a request (6.4); called inside the node's loop, so deferred."""
         self._avoid[req.request_id] = self._avoid.get(req.request_id, frozenset()) | {node.node_id}
+        if req.fault:  # the node failed (a hung engine): the stall is not the request's, its deadlines restart
+            req.fault = False
+            rule = self.cluster.config.deadlines
+            _, resume_s = req.resumed(req.tokens_out, rule)
+            stall = max(0.0, self._now() - resume_s)
+            req.late_s += stall  # Eq. 1: deadlines run from arrival + late_s
+            if rule is DeadlineRule.PACE and req.first_token_s is not None:
+                req.first_token_s += stall  # pace: from the first token
         loop = asyncio.get_running_loop()
         loop.call_soon(self.reschedule, req)
         loop.call_soon(self.cluster.note_idle, node)

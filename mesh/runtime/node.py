@@ -116,12 +116,12 @@ class IterationRecord:
 # The engine watchdog (node agents): an iteration that takes this long has hung (a stopped or
 # wedged worker): far beyond any prediction, and beyond the pauses a shared machine causes.
 HUNG_FACTOR = 20.0  # times the iteration's predicted time
-HUNG_MIN_S = 30.0  # and never less than this
+HUNG_MIN_S = 30.0  # and never less than this (the default floor: `mesh serve --watchdog-min-s`)
 
 
-def hung_bound_s(predicted_s: float) -> float:
+def hung_bound_s(predicted_s: float, min_s: float = HUNG_MIN_S) -> float:
     """How long an iteration predicted to take `predicted_s` may run before it has hung."""
-    return max(HUNG_MIN_S, HUNG_FACTOR * predicted_s)
+    return max(min_s, HUNG_FACTOR * predicted_s)
 
 
 class NodeRuntime:
@@ -135,11 +135,13 @@ class NodeRuntime:
         record_iterations: bool = False,
         deadlines: DeadlineRule = DeadlineRule.EQ1,
         watchdog: bool = False,
+        hung_min_s: float = HUNG_MIN_S,
     ) -> None:
         """`deadlines`: when a request's tokens after the first are due (mesh.policy.slo):
         the paper's Eq. 1, or `pace` (from the first token), which the service runs.
-        `watchdog`: an iteration running past hung_bound_s fails its instance, whose requests
-        are evicted with their progress (a node agent's real engines; simulated ones never hang)."""
+        `watchdog`: an iteration running past hung_bound_s (at least `hung_min_s`) fails its
+        instance, whose requests are evicted with their progress (a node agent's real engines;
+        simulated ones never hang)."""
         self.spec = spec
         self.margin = margin
         self.compute = ComputeSubsystem(deadlines)
@@ -148,6 +150,7 @@ class NodeRuntime:
         self.on_evict = on_evict
         self.on_loaded: Callable[[str], None] | None = None  # an instance's load completed (its id)
         self.watchdog = watchdog
+        self.hung_min_s = hung_min_s
         self.on_hung: Callable[[str, str], None] | None = None  # an instance hung (its id, why): it is gone
         self.iterations: list[IterationRecord] | None = [] if record_iterations else None
         self.on_iteration: Callable[[IterationRecord], None] | None = None  # each record, as it is made
@@ -502,13 +505,15 @@ class NodeRuntime:
         req.node_id = req.instance_id = None
         return req
 
-    def evict(self, request_id: str, why: str) -> None:
+    def evict(self, request_id: str, why: str, fault: bool = False) -> None:
         """Evict and reschedule (6.4); without a dispatcher to take it, the request fails.
-        The request keeps its progress (see take_back)."""
+        The request keeps its progress (see take_back). `fault`: the node failed it (a hung
+        engine), so its deadlines restart where it is placed again (ServedRequest.fault)."""
         req = self.take_back(request_id, f"evicted: {why}")
         if req is None:
             return
         req.evictions += 1
+        req.fault = fault
         if self.on_evict is not None:
             self.on_evict(req)
         else:
@@ -525,13 +530,19 @@ class NodeRuntime:
 
     def _hung(self, inst: NodeInstance, why: str) -> None:
         """The watchdog fired: the instance's requests are evicted with their progress, to be
-        placed again (6.4), and the instance goes (unloading it ends its worker, killed if it
-        does not answer)."""
+        placed again (6.4), and the instance goes: its engine's worker is killed at once (a
+        stopped process answers no shutdown), and a new instance starts where one is needed."""
         log.error("instance %s: %s", inst.instance_id, why)
         for rid in list(inst.requests):
-            self.evict(rid, why)
+            self.evict(rid, why, fault=True)
         if self.on_hung is not None:
             self.on_hung(inst.instance_id, why)
+        kill = getattr(inst.engine, "kill_worker", None)
+        if kill is not None:  # a stopped worker would not answer the unload's shutdown: killed now
+            try:
+                kill()
+            except Exception:  # noqa: BLE001 - the unload below still ends it
+                log.exception("instance %s: killing its hung worker failed", inst.instance_id)
         self.stop_instance(inst.instance_id)
 
     def _fail_instance(self, inst: NodeInstance, why: str) -> None:
@@ -558,11 +569,11 @@ class NodeRuntime:
             try:
                 # asyncio.timeout, not wait_for: the step runs in this task, at once (a task of
                 # its own would start a loop turn later, after an abort could empty its batch)
-                async with asyncio.timeout(hung_bound_s(it.predicted_s) if self.watchdog else None):
+                async with asyncio.timeout(hung_bound_s(it.predicted_s, self.hung_min_s) if self.watchdog else None):
                     result = await inst.engine.step()
             except TimeoutError:
                 self._end_step()
-                self._hung(inst, f"an iteration on node {self.node_id} ran over {hung_bound_s(it.predicted_s):.0f} s "
+                self._hung(inst, f"an iteration on node {self.node_id} ran over {hung_bound_s(it.predicted_s, self.hung_min_s):.0f} s "
                                  f"(predicted {it.predicted_s:.3f} s): its engine hung")
                 continue
             except EngineError as exc:

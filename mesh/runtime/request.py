@@ -43,6 +43,10 @@ class ServedRequest:
     # run from arrival + late_s, as if it had arrived when its instance is ready; its SLO is
     # still judged from its arrival (slo_met, ttft_s).
     late_s: float = 0.0
+    # Taken off a node that failed (its engine hung, mesh.runtime.node's watchdog), not moved by
+    # a decision: the stall was the node's, so when it is placed again its next token is due as
+    # if it resumed now (the dispatcher shifts late_s); its SLO is still judged from arrival.
+    fault: bool = False
 
     @property
     def request_id(self) -> str:

@@ -348,6 +348,7 @@ class AgentNode(ClusterNode):
             if req is None:
                 return
             req.evictions += 1
+            req.fault = event.fault
             _resume_from(req, event.progress, f"evicted from {self.node_id}: {event.why}")
             if self.on_evict is not None:
                 self.on_evict(req)

@@ -221,7 +221,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         profile_dir=str(config.profile_dir) if config.profile_dir else None,
         agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
                             weights_root=str(data_dir / "nodes"), weights_token=weights_token,
-                            models_roots=roots, deadlines=config.deadlines, cores=cores, emulate=emulated))
+                            models_roots=roots, deadlines=config.deadlines, cores=cores, emulate=emulated,
+                            watchdog_min_s=config.watchdog_min_s))
     remote = dict(parse_remote(r) for r in config.remote_agents)
     nodes += [NodeSpec(node_id, "cpu", 0) for node_id in remote]  # kind and memory: from the agent's hello
     if remote and not os.environ.get("MESH_WEIGHTS_TOKEN"):
@@ -251,6 +252,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
             return 1
         launch = AgentLaunch(agent_token=secrets.token_urlsafe(24), weights_token=weights_token,
                              log_level=config.log_level, deadlines=config.deadlines,
+                             watchdog_min_s=config.watchdog_min_s,
                              memory_bytes=memory)
         membership = RayMembership(placement, launch)
         if config.ray_autoscale:

@@ -12,7 +12,15 @@ Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir,
 max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, ray, ray_autoscale, weights_plan,
 drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
-deadlines, policy, cold_start_s, exact_moves, prepare_formats, emulate.
+deadlines, policy, cold_start_s, exact_moves, prepare_formats, emulate, watchdog_min_s (and
+the HTTP limits: http_head_timeout_s, http_body_timeout_s, max_connections,
+max_connections_per_client, max_uploads_per_tenant).
+
+`watchdog_min_s` (default 30; `mesh serve --watchdog-min-s`): the node agents' engine
+watchdog fails an instance whose iteration runs past max(this, 20 x its predicted time)
+(mesh.runtime.node.hung_bound_s): its worker is killed and restarted on demand, and its
+requests are placed again, as evictions. Lower it to see a hung worker caught sooner (the
+tests do); on a busy shared machine a low floor can take a slow iteration for a hung one.
 
 `emulate` ("DEVICE:N,...", e.g. "xeon-6462c:4,a100-80gb:4"; `mesh serve --emulate`): instead of
 this machine's nodes, N emulated nodes of each profiled device (mesh.agent.emulation): real
@@ -108,6 +116,7 @@ class ServeConfig:
     max_connections: int = MAX_CONNECTIONS  # open HTTP connections in all (mesh.service.limits)
     max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT  # ...from one client address
     max_uploads_per_tenant: int = 2  # uploads one tenant may stream at once
+    watchdog_min_s: float = 30.0  # the engine watchdog's floor (mesh.runtime.node.HUNG_MIN_S)
     # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.agent.emulation; docs/service.md)
     emulate: str | None = None
 
@@ -236,6 +245,8 @@ def _check(c: ServeConfig) -> None:
             raise ConfigError(f"emulate: {exc}") from None
     if c.weights_plan not in ("naive", "chain", "binomial"):
         raise ConfigError(f"weights_plan must be naive, chain or binomial, got {c.weights_plan!r}")
+    if isinstance(c.watchdog_min_s, bool) or not isinstance(c.watchdog_min_s, (int, float)) or not c.watchdog_min_s > 0:
+        raise ConfigError(f"watchdog_min_s must be a number of seconds > 0, got {c.watchdog_min_s!r}")
     if c.cpu_memory_gb is not None and c.cpu_memory_gb <= 0:
         raise ConfigError(f"cpu_memory_gb must be positive, got {c.cpu_memory_gb!r}")
     if c.allowed_dir is not None and not c.allowed_dir.is_dir():

@@ -41,6 +41,8 @@ class HttpLimits:
     max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT
     linger_s: float = 2.0  # after an error answered before its body was read, the rest is read (dropped) this long
 
+    refused_drain_bytes: int = 16 << 20  # an upload refused mid-body: at most this much more is read, then closed
+
     def fit_fd_limit(self) -> int:
         """Raise this process's open-file limit towards what the connections need (plus room
         for agents, logs and models), up to the hard limit; returns the soft limit now."""
@@ -58,8 +60,12 @@ class HttpLimits:
         return soft
 
     def runner_options(self) -> dict[str, Any]:
-        """aiohttp AppRunner keywords that enforce the head deadline and bound lingering."""
-        return {"keepalive_timeout": self.head_timeout_s, "lingering_time": self.linger_s}
+        """aiohttp AppRunner keywords that enforce the head deadline and bound lingering, and
+        keep request bodies as sent: aiohttp inflates an encoded body as it arrives (its
+        payload parser), also while it lingers after a refusal, so a refused 256 KiB gzip bomb
+        cost the service's loop inflating 256 MiB each time (issue 25's attack run, where it
+        made a well-behaved tenant's request miss its SLO); encoded bodies are refused (415)."""
+        return {"keepalive_timeout": self.head_timeout_s, "lingering_time": self.linger_s, "auto_decompress": False}
 
 
 def timed_out(what: str, limit_s: float) -> ApiError:
@@ -67,12 +73,39 @@ def timed_out(what: str, limit_s: float) -> ApiError:
                     "invalid_request_error", None, "request_timeout")
 
 
-async def read_body(request: web.Request, limits: HttpLimits) -> bytes:
-    """The whole body, within `body_timeout_s` (408 otherwise)."""
+def refuse_encoded(request: web.Request, what: str) -> None:
+    """415 for a body sent with a Content-Encoding: the server keeps bodies as sent (no
+    inflating: a gzip bomb), so it could not read it."""
+    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+    if encoding not in ("", "identity"):
+        raise ApiError(415, f"{what} must be sent without Content-Encoding (got '{encoding}'): the server does not "
+                       "inflate request bodies. Send it uncompressed.", "invalid_request_error", None,
+                       "unsupported_content_encoding")
+
+
+async def read_body(request: web.Request, limits: HttpLimits, cap: tuple[int, ApiError] | None = None) -> bytes:
+    """The whole body, within `body_timeout_s` (408 otherwise); 415 for an encoded one. `cap`:
+    (bytes, the error for a body over them), checked from Content-Length before reading, and
+    while reading a chunked one."""
+    refuse_encoded(request, "Request bodies")
+    if cap is not None and request.content_length is not None and request.content_length > cap[0]:
+        raise cap[1]
     try:
-        return await asyncio.wait_for(request.read(), limits.body_timeout_s)
+        if cap is None or request.content_length is not None:
+            return await asyncio.wait_for(request.read(), limits.body_timeout_s)
+        return await asyncio.wait_for(_read_capped(request, *cap), limits.body_timeout_s)
     except asyncio.TimeoutError:
         raise timed_out("request body", limits.body_timeout_s) from None
+
+
+async def _read_capped(request: web.Request, limit: int, over: ApiError) -> bytes:
+    parts, size = [], 0
+    while chunk := await request.content.readany():
+        size += len(chunk)
+        if size > limit:
+            raise over
+        parts.append(chunk)
+    return b"".join(parts)
 
 
 async def body_chunks(request: web.Request, limits: HttpLimits) -> AsyncIterator[bytes]:
@@ -95,6 +128,30 @@ async def body_chunks(request: web.Request, limits: HttpLimits) -> AsyncIterator
                            f"floor of {limits.upload_min_bytes_per_s / 1024:.0f} KiB/s; upload over a faster link.",
                            "invalid_request_error", None, "request_timeout")
         yield chunk
+
+
+async def refuse_mid_body(request: web.Request, error: ApiError, limits: HttpLimits) -> web.StreamResponse:
+    """Answer `error` at once to a client still sending its body (an upload past its cap),
+    read and drop at most `refused_drain_bytes` more of it within `linger_s` (so that the
+    client is reading when the connection closes), and close the connection: aiohttp's own
+    lingering would read the body at the client's full rate for `linger_s` (an over-quota
+    upload repeated in a loop kept the service's loop busy reading, issue 25's attack run)."""
+    response = error.response()
+    response.force_close()
+    await response.prepare(request)
+    await response.write_eof()
+    loop = asyncio.get_running_loop()
+    end, drained = loop.time() + limits.linger_s, 0
+    try:
+        while drained < limits.refused_drain_bytes and not request.content.at_eof() and loop.time() < end:
+            chunk = await asyncio.wait_for(request.content.readany(), end - loop.time())
+            if not chunk:
+                break
+            drained += len(chunk)
+    except (asyncio.TimeoutError, ConnectionError):
+        pass
+    request.protocol.force_close()  # no lingering after this response
+    return response
 
 
 class ConnectionLimits:
@@ -164,10 +221,12 @@ FD_RESERVE = 512  # file descriptors beside the HTTP connections: agents, worker
 THREAD_PARSE_BYTES = 256 * 1024  # bodies larger than this are parsed in a worker thread, off the event loop
 
 
-async def read_json(request: web.Request, limits: HttpLimits) -> dict[str, Any]:
+async def read_json(request: web.Request, limits: HttpLimits,
+                    cap: tuple[int, ApiError] | None = None) -> dict[str, Any]:
     """The body as a checked JSON object (mesh.service.schema.parse_json), read within the
-    body deadline and, when large, parsed off the event loop (other requests keep moving)."""
-    body = await read_body(request, limits)
+    body deadline (and `cap`, read_body) and, when large, parsed off the event loop (other
+    requests keep moving)."""
+    body = await read_body(request, limits, cap)
     if len(body) > THREAD_PARSE_BYTES:
         return await asyncio.to_thread(parse_json, body)
     return parse_json(body)

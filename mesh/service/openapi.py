@@ -90,6 +90,11 @@ EMULATED_BODY = {"type": "object", "required": ["name", "emulate"],
                  "properties": {"name": {"type": "string", "minLength": 1, "maxLength": 128},
                                 "emulate": {"type": "string", "description": "a catalog model, e.g. llama-2-7b"},
                                 "context_length": {"type": "integer", "minimum": 1}}}
+ADMIN_MODEL_BODY = {"anyOf": [
+    EMULATED_BODY,
+    {**REGISTER_BODY, "properties": {**REGISTER_BODY["properties"], "path": {
+        "type": "string", "minLength": 1, "description": "a GGUF file or model folder anywhere under --allowed-dir "
+                                                        "(relative to it)"}}}]}
 QUOTA_BODY = {"type": "object", "additionalProperties": False,
               "properties": {name: {"type": ["number", "null"], "minimum": 0} for name in QUOTA_FIELDS}}
 
@@ -112,7 +117,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/completions"): Operation("OpenAI text completion, streamed with stream=true", body=COMPLETION_BODY),
     ("GET", "/v1/usage"): Operation("the caller's requests, tokens and SLO attainment per model, and its quotas"),
     ("GET", "/v1/models"): Operation("the caller's models"),
-    ("POST", "/v1/models"): Operation("register a model from a path under --allowed-dir (JSON), or upload a GGUF "
+    ("POST", "/v1/models"): Operation("register a model from a path in the caller's folder <--allowed-dir>/<tenant>/ "
+                                      "(JSON; absent or not the caller's: the same 404), or upload a GGUF "
                                       "(application/octet-stream, settings in the query; no Content-Encoding: 415; capped by what is left "
                                       "of the quota model_bytes: 413; max_uploads_per_tenant at once: 429)",
                                       body=REGISTER_BODY, ok=201,
@@ -132,8 +138,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/admin/learnt"): Operation("what the nodes learnt: speed probes, time factors, margins, cold starts, "
                                         "profiles (for the live replay's twin)", auth=ADMIN),
     ("POST", "/admin/scale"): Operation("start a model on chosen nodes now", auth=ADMIN, body=SCALE_BODY),
-    ("POST", "/admin/tenants/{tenant}/models"): Operation("register an emulated model for a tenant (mesh serve "
-                                                          "--emulate)", auth=ADMIN, body=EMULATED_BODY, ok=201),
+    ("POST", "/admin/tenants/{tenant}/models"): Operation("register a model for a tenant: a path anywhere under "
+                                                          "--allowed-dir, or an emulated model (mesh serve --emulate)",
+                                                          auth=ADMIN, body=ADMIN_MODEL_BODY, ok=201),
     ("GET", "/admin/tenants/{tenant}/quota"): Operation("a tenant's quotas and use", auth=ADMIN),
     ("PUT", "/admin/tenants/{tenant}/quota"): Operation("set a tenant's quotas (null: no limit)", auth=ADMIN,
                                                         body=QUOTA_BODY),

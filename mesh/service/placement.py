@@ -603,6 +603,8 @@ class ClusterPlacement:
         """On an agent with a loaded instance of the model (its engine's tokenizer is built),
         else on the describing agent, which builds the tokenizer alone (once, seconds)."""
         text = {"messages": job.messages} if job.messages is not None else {"prompt": job.prompt}
+        # an abort of the request cancels its tokenize (its client left); the tenant takes its turn there
+        text = {**text, "request_id": job.request_id, "tenant": job.model.tenant}
         front = {"t": "tokenize", "model": model.record.uid, "path": model.path,
                  "engine": engine_for(model.record.kind, self.cluster.node(model.front).kind),
                  "context_window": model.record.context_length, **text}
@@ -613,7 +615,11 @@ class ClusterPlacement:
             try:
                 if agent is None or agent.client is None:
                     raise AgentDown(f"node {node_id} is not connected")
-                reply = await agent.client.call(message, CALL_TIMEOUT_S)
+                try:
+                    reply = await agent.client.call(message, CALL_TIMEOUT_S)
+                except (asyncio.CancelledError, AgentDown):  # the client left (or no answer in time):
+                    agent.client.send({"t": "abort", "request_id": job.request_id})  # its job leaves the queue
+                    raise
             except AgentCallError as exc:
                 if exc.code in (Code.NO_INSTANCE.value, Code.NOT_READY.value):
                     continue  # the instance left meanwhile: the describing agent tokenizes

@@ -315,6 +315,11 @@ class Registry:
         row = self._db.execute("SELECT * FROM models WHERE uid = ?", (uid,)).fetchone()
         return _model(row, self.prepared(uid)) if row else None
 
+    def max_context_length(self, tenant: str) -> int:
+        """The largest context window of the tenant's models (0 when it has none)."""
+        row = self._db.execute("SELECT MAX(context_length) FROM models WHERE tenant = ?", (tenant,)).fetchone()
+        return int(row[0] or 0)
+
     def models(self, tenant: str | None = None) -> list[ModelRecord]:
         if tenant is None:
             rows = self._db.execute("SELECT * FROM models ORDER BY tenant, name").fetchall()

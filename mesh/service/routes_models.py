@@ -2,7 +2,7 @@
 GET /v1/usage: the caller's own request, token and SLO figures per model, and its quotas.
 
 POST /v1/models with a JSON body registers a model on the server's disk:
-    {"name": "my-model", "path": "sub/dir/model.gguf",       # relative to --allowed-dir
+    {"name": "my-model", "path": "sub/dir/model.gguf",       # relative to <--allowed-dir>/<tenant>/
      "context_length": 2048,                                 # optional, <= the trained window
      "slo": {"ttft_s": 2.0, "ttft_s_per_prompt_token": 0.002, "tpot_s": 0.25},   # optional
      "sampling_defaults": {"temperature": 0.2, "top_p": 0.9},  # optional: for requests that omit them;
@@ -14,9 +14,16 @@ the settings go in the query: name, sha256 (required), context_length, ttft_s,
 ttft_s_per_prompt_token, tpot_s, temperature, top_p (sampling defaults), cold_start. The upload is streamed to the data folder under a size
 limit and kept only if its SHA-256 matches.
 Another tenant's model answers exactly like a model that does not exist.
+A tenant registers paths only inside its own folder of the allowed folder,
+`<allowed_dir>/<tenant>/` (relative paths are relative to it): a path outside it (another
+tenant's file, `..`, a symlink or a folder's link that leaves it) answers the same 404 body as
+a path that does not exist (mesh.modelfiles.sources.TENANT_NOT_FOUND), so a tenant learns
+nothing about the files of the allowed folder.
 
-POST /admin/tenants/{tenant}/models (admin token only) registers an emulated model for the
-tenant, on a service started with `mesh serve --emulate` (mesh.agent.emulation):
+POST /admin/tenants/{tenant}/models (admin token only) registers a model for the tenant: a
+path anywhere in the allowed folder (the operator's; relative to --allowed-dir), with the
+body of POST /v1/models, or an emulated model, on a service started with `mesh serve
+--emulate` (mesh.agent.emulation):
     {"name": "f001", "emulate": "llama-2-7b",     # a catalog name: a model profiled on every emulated device
      "context_length": 2048, "slo": {...}}          # optional, as above (the window at most the profile's)
 It answers 201 with the model object, as POST /v1/models. Emulated models are the operator's:
@@ -37,11 +44,11 @@ from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES
 from mesh.modelfiles.sampling import SamplingDefaultsError
 from mesh.policy.placement import COLD_START_CHOICES, SERVE_LATE
 from mesh.modelfiles.sampling import check as check_sampling
-from mesh.modelfiles.sources import SourceError, SourceInfo, inspect_source, resolve_allowed
+from mesh.modelfiles.sources import SourceError, SourceInfo, SourceNotFound, inspect_source, resolve_allowed
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of
-from mesh.service.limits import body_chunks, read_json
+from mesh.service.limits import body_chunks, read_json, refuse_encoded, refuse_mid_body
 from mesh.service.registry import MODEL_NAME, ModelRecord, Registry, RegistryError, new_model_uid
 from mesh.service.uploads import receive_upload
 
@@ -52,7 +59,7 @@ def add_routes(app: web.Application) -> None:
     app.router.add_get("/v1/usage", usage)
     app.router.add_get("/v1/models", list_models)
     app.router.add_post("/v1/models", register_model)
-    app.router.add_post("/admin/tenants/{tenant}/models", register_emulated)
+    app.router.add_post("/admin/tenants/{tenant}/models", register_for_tenant)
     app.router.add_get("/v1/models/{name:.+}", get_model)
     app.router.add_delete("/v1/models/{name:.+}", delete_model)
 
@@ -128,6 +135,13 @@ async def register_model(request: web.Request) -> web.Response:
     if svc.registry.model(tenant, name) is not None:
         raise errors.conflict(f"You already have a model named '{name}'; delete it first or pick another name.",
                               "name", "model_exists")
+    record = await _by_path(svc, tenant, name, data, confined=True)
+    return _created(svc, record)
+
+
+async def _by_path(svc: Service, tenant: str, name: str, data: Mapping[str, Any], confined: bool) -> ModelRecord:
+    """The record of a model registered from a path: in the tenant's folder of the allowed
+    folder (`confined`), else anywhere in it (the operator's registration)."""
     given = data.get("path", data.get("source"))
     if not isinstance(given, str):
         raise errors.bad_request("'path' is required: a GGUF file, OpenVINO IR folder or Hugging Face folder under "
@@ -135,24 +149,32 @@ async def register_model(request: web.Request) -> web.Response:
                                  "application/octet-stream).", "path")
     try:
         # both walk the file system (a folder's rglob): off the event loop
-        info = await asyncio.to_thread(lambda: inspect_source(resolve_allowed(svc.config.allowed_dir, given)))
+        info = await asyncio.to_thread(
+            lambda: inspect_source(resolve_allowed(svc.config.allowed_dir, given, tenant if confined else None)))
+    except SourceNotFound as exc:
+        raise errors.not_found(str(exc), "model_source_not_found", "path") from exc
     except SourceError as exc:
         raise errors.bad_request(str(exc), "path", "invalid_model_source") from exc
-    record = _record(tenant, name, info, data, owned=False)
-    return _created(svc, record)
+    return _record(tenant, name, info, data, owned=False)
 
 
-async def register_emulated(request: web.Request) -> web.Response:
-    """An emulated model for a tenant (admin only): a catalog name the emulated devices profile."""
+async def register_for_tenant(request: web.Request) -> web.Response:
+    """A model for a tenant (admin only): a path anywhere in the allowed folder, or a catalog
+    name the emulated devices profile."""
     svc = service_of(request)
     svc.require_admin(request)
     tenant = request.match_info["tenant"]
     if svc.registry.tenant(tenant) is None:
         raise errors.not_found(f"No tenant named '{tenant}'.", "tenant_not_found", "tenant")
+    data = await read_json(request, svc.limits)
+    if "emulate" not in data and ("path" in data or "source" in data):
+        name = _name(data.get("name"))
+        if svc.registry.model(tenant, name) is not None:
+            raise errors.conflict(f"Tenant {tenant} already has a model named '{name}'.", "name", "model_exists")
+        return _created(svc, await _by_path(svc, tenant, name, data, confined=False))
     if not svc.config.emulate:
         raise errors.bad_request("This service runs no emulated nodes (start it with mesh serve --emulate "
                                  "DEVICE:N,...).", "emulate", "not_emulating")
-    data = await read_json(request, svc.limits)
     name = _name(data.get("name"))
     if svc.registry.model(tenant, name) is not None:
         raise errors.conflict(f"Tenant {tenant} already has a model named '{name}'.", "name", "model_exists")
@@ -179,11 +201,7 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
     if not sha256:
         raise errors.bad_request("Uploads need '?sha256=<hex digest of the file>' so the server can verify them.",
                                  "sha256")
-    encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
-    if encoding not in ("", "identity"):  # aiohttp would inflate it: a small body could fill the disk
-        raise errors.ApiError(415, f"Uploads must be sent without Content-Encoding (got '{encoding}'): the file is "
-                              "stored as sent and counted against your quota. Send the GGUF file uncompressed.",
-                              "invalid_request_error", None, "unsupported_content_encoding")
+    refuse_encoded(request, "Uploads")  # stored as sent and counted against the quota: never inflated
     svc.quotas.check_registration(tenant, request.content_length or 0)  # before receiving any of it
     limit, over_limit = _upload_cap(svc, tenant)
     if request.content_length is not None and request.content_length > limit:
@@ -196,12 +214,19 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
     uid = new_model_uid()
     target = svc.data_dir / "uploads" / f"{uid}.gguf"
     svc.uploading[tenant] = svc.uploading.get(tenant, 0) + 1
+    refused = None
     try:
         await receive_upload(body_chunks(request, svc.limits), target, limit, sha256, over_limit)
+    except errors.ApiError as exc:
+        if exc.status != 413 or request.content.at_eof():
+            raise
+        refused = exc  # past the cap while the client still sends
     finally:
         svc.uploading[tenant] -= 1
         if not svc.uploading[tenant]:
             del svc.uploading[tenant]
+    if refused is not None:
+        return await refuse_mid_body(request, refused, svc.limits)
     try:
         info = await asyncio.to_thread(inspect_source, target)
         record = _record(tenant, name, info, settings, owned=True, uid=uid, sha256=sha256.lower())

@@ -45,7 +45,7 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], GenerationRequest]) -> web.StreamResponse:
     svc = service_of(request)
     tenant = svc.tenant_of(request)
-    req = parse(await read_json(request, svc.limits))
+    req = parse(await read_json(request, svc.limits, _body_cap(svc, tenant)))
     model = svc.registry.model(tenant, req.model)
     if model is None:
         raise errors.model_not_found(req.model)
@@ -62,6 +62,23 @@ async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], Gene
 
 
 MAX_TOKEN_BYTES = 256  # no token of a GGUF or Hugging Face vocabulary is longer (Llama/Qwen: 16-128 bytes)
+
+
+JSON_ESCAPE = 6  # JSON text bytes per UTF-8 byte of a string at most ("\u0001" for one byte)
+BODY_SLACK = 64 * 1024  # the request's other fields
+
+
+def _body_cap(svc: Service, tenant: str) -> tuple[int, ApiError] | None:
+    """413 before reading a body that no prompt for the tenant's models could need: the
+    largest window's bytes (_check_prompt_bytes) escaped in JSON at worst, plus the other
+    fields. An 8 MiB prompt for a 4096-token model is refused from its Content-Length (or
+    while a chunked one arrives), not read and parsed first."""
+    limit = svc.registry.max_context_length(tenant) * MAX_TOKEN_BYTES * JSON_ESCAPE + BODY_SLACK
+    if limit >= svc.config.max_body_bytes:
+        return None
+    return limit, ApiError(413, f"The request body exceeds {limit} bytes, more than a prompt for any of your models "
+                           f"can need (their largest context window at {MAX_TOKEN_BYTES} bytes per token, escaped "
+                           "in JSON). Shorten the prompt.", "invalid_request_error", None, "request_too_large")
 
 
 def _check_prompt_bytes(req: GenerationRequest, model: ModelRecord) -> None:
