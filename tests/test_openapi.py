@@ -61,13 +61,19 @@ def test_schemathesis_finds_no_server_error(tmp_path_factory, demo_gguf):
         status, spec = server.http("GET", "/openapi.json")
         assert status == 200 and spec["openapi"].startswith("3.")
         # The fuzzer's copy of the spec, so that its cases reach the engine rather than 404: the
-        # generation routes name the demo model (or a missing one) and keep generations short
-        # (max_tokens <= 4: the demo model on shared cores); registrations name the allowed
-        # file, a missing one or an escape; model paths name the demo model or a missing one.
+        # generation routes name a copy of the demo model with a 64-token window (or a missing
+        # model) and keep generations short (max_tokens <= 4: the demo model on shared cores;
+        # the window bounds the cases that break that rule, e.g. no max_tokens, which is up to
+        # the window: with the demo's 4096 such a case ran past the fuzzer's 120 s timeout);
+        # registrations name the allowed file, a missing one or an escape; model paths name
+        # the demo model or a missing one.
+        status, short = server.http("POST", "/v1/models", {"name": "short", "path": "smollm2.gguf",
+                                                           "context_length": 64}, token=server.key)
+        assert status == 201, short
         models = ["demo/smollm2", "demo/none"]
         for path in ("/v1/chat/completions", "/v1/completions"):
             body = spec["paths"][path]["post"]["requestBody"]["content"]["application/json"]["schema"]
-            body["properties"]["model"] = {"enum": models}
+            body["properties"]["model"] = {"enum": ["short", "demo/none"]}
             body["properties"]["max_tokens"] = {"type": "integer", "minimum": 1, "maximum": 4}
             body["properties"].pop("max_completion_tokens")
             body["required"] = [*body["required"], "max_tokens"]

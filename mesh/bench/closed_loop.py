@@ -62,6 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 from mesh.bench.report import write_json
+from mesh.service.demo import DEMO_TENANT
 
 TURNED_AWAY_STATUSES = (429, 503)
 SERVED, TURNED_AWAY, FAILED = "served", "turned_away", "failed"
@@ -401,11 +402,13 @@ def _tail(path: Path, lines: int = 15) -> str:
 
 
 def register_copies(service: MeshService, allowed: Path, demo: Path, copies: int) -> list[str]:
-    """Copy the demo GGUF `copies` times into `allowed` and register each by path. Returns the names."""
+    """Copy the demo GGUF `copies` times into the demo tenant's folder of `allowed` (a
+    tenant registers paths under <allowed-dir>/<tenant>/) and register each by path.
+    Returns the names."""
     names = []
     for k in range(copies):
         name = f"bench/copy-{k}"
-        path = allowed / f"copy-{k}.gguf"
+        path = allowed / DEMO_TENANT / f"copy-{k}.gguf"
         if not path.exists():
             shutil.copyfile(demo, path)
         _post(f"{service.url}/v1/models", {"name": name, "path": path.name}, service.key)
@@ -543,9 +546,9 @@ def run(args: argparse.Namespace) -> int:
         if use_mesh:
             demo = demo_gguf_path()
             allowed = workdir / "allowed"
-            allowed.mkdir()
+            (allowed / DEMO_TENANT).mkdir(parents=True)
             for k in range(args.copies):  # the copies exist before the service starts; registering is the cold start
-                shutil.copyfile(demo, allowed / f"copy-{k}.gguf")
+                shutil.copyfile(demo, allowed / DEMO_TENANT / f"copy-{k}.gguf")
             service = start_mesh(workdir, allowed, args.cpu_nodes, args.mesh_arg)
             t0 = time.monotonic()
             names = register_copies(service, allowed, demo, args.copies)
