@@ -16,6 +16,7 @@ from mesh.perf.memory import GIB, RESIZE_UP_S_PER_GIB
 from mesh.policy.cold_starts import ANY_MODEL, PARKED, ColdStartTable, LoadRecord, cold_start_times
 from mesh.policy.placement import ColdStart, NodeView, new_instance_order
 from mesh.replay.simulator import simulated_cluster
+from mesh.runtime.dispatcher import Dispatcher
 from mesh.runtime.virtual_loop import run_virtual
 from mesh.service.errors import overloaded
 from mesh.service.placement import ClusterPlacement, PlacementSettings
@@ -195,6 +196,37 @@ def test_a_cold_models_request_is_served_late_or_rejected_by_its_choice(choice):
         assert first.outcome.value == second.outcome.value == "rejected" and stats.served_late == 0
     with pytest.raises(ValueError, match="cold_start"):
         config(cold_start_choice="sometimes")
+
+
+def test_a_late_request_is_served_late_on_a_load_that_runs_over_its_prediction():
+    """A load predicted at 4 s takes 10. A request that arrived at 3 s and reaches the
+    dispatcher at 6 s (its prompt tokenized late) is served late on the loading instance, its
+    deadlines from now: from the predicted ready time, already past, it could never be on
+    time, and it was turned away ("no instance could take it in time")."""
+    def engines(plan, kind, load_s, seed):
+        return SimulatedEngine(plan.model, plan.times, kv_bytes_per_token=plan.kv_bytes_per_token,
+                               weight_bytes=plan.weight_bytes, context_window=plan.context_window,
+                               load_s=10.0, seed=seed)
+
+    async def main():
+        cfg = config(cpu=1, gpu=0, cold_start=ColdStart(cpu_load_bytes_per_s=1e18, fixed_s=4.0))
+        cluster = simulated_cluster(cfg, {"b": spec("b", cpu_kv_bytes_per_token=1)}, {"m": "b"}, {"b": 100.0},
+                                    engine_factory=engines)
+        d = Dispatcher.for_policy(cluster, "mesh")
+        await cluster.start()
+        first = request("r1", "m", prompt=100, out=5)
+        d.submit(first)
+        await asyncio.sleep(6.0)
+        now = asyncio.get_running_loop().time()
+        late = request("r2", "m", prompt=100, out=5, at=now - 3.0)
+        d.submit(late)
+        await run_until(lambda: first.outcome is not None and late.outcome is not None)
+        await cluster.stop()
+        return first, late, d.policy.stats
+
+    first, late, stats = run_virtual(main())
+    assert first.outcome.value == "completed" and late.outcome.value == "completed", late.detail
+    assert stats.served_late == 2 and late.late_s == pytest.approx(3.0, abs=0.05)
 
 
 def test_a_cold_models_request_that_reached_the_dispatcher_late_still_starts_its_instance():

@@ -166,7 +166,8 @@ class MeshPolicy(Policy):
     async def _serve_late(self, req: ServedRequest, avoid: frozenset[str]) -> bool:
         """Its model cold (an instance of it loading, none that could make its TTFT) and its
         choice SERVE_LATE (placement): admit a fresh request on the loading instance ready
-        first, its deadlines moved to that instance's predicted ready time, if the node's
+        first, its deadlines moved to that instance's predicted ready time (now, if the load
+        runs over its prediction), if the node's
         shadow validation shows everyone else there still on time (5.3 cases 2 and 3) and
         its own prefill on time from then (case 1). A fresh request that reached the
         dispatcher already past its TTFT (late on arrival: the live service tokenizes before
@@ -175,8 +176,10 @@ class MeshPolicy(Policy):
         if self.cluster.cold_start_choice(req.model) != SERVE_LATE or req.tokens_out or req.first_token_s is not None:
             return False
         refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
+        now = asyncio.get_running_loop().time()
         for ref in sorted((r for r in refs if not r.inst.loaded), key=lambda r: r.ready_at):
-            req.late_s = late_by_s(req.arrival_s, ref.ready_at)
+            # a load running over its prediction ends no sooner than now: deadlines from then
+            req.late_s = late_by_s(req.arrival_s, max(ref.ready_at, now))
             self.stats.validations += 1
             if (await ref.node.try_admit(ref.instance_id, req)).ok:
                 self.stats.served_late += 1
