@@ -256,3 +256,24 @@ def test_openvino_prompts_are_tokenized_in_the_agents_tokenizer_process(demo_ggu
     reference = OpenVINOEngine(demo_gguf)
     assert chat == again == reference.encode_chat(messages) and plain == reference.encode_prompt("Hello")
     assert refusal.code == Code.BAD_REQUEST.value and "content" in str(refusal)
+
+
+def test_a_model_described_here_gets_its_tokenizer_built_in_the_background(demo_gguf):
+    """Registration describes a model on a node: its OpenVINO tokenizer is built then, in the
+    background, not in the TTFT of its first requests (seconds on a cold node, issue 23)."""
+    built: list[str] = []
+
+    class Tokenizers:
+        async def prepare(self, path: str) -> None:
+            built.append(path)
+
+    async def main() -> None:
+        server = AgentServer(NodeSpec("n0", "cpu", 10**9), TOKEN, {"cores": 2}, load_roots=[str(demo_gguf.parent)])
+        server.tokenizers = Tokenizers()
+        m = {"model": "smol", "path": str(demo_gguf), "engine": "openvino"}
+        front = await server._front(m)
+        assert await server._front(m) is front  # described once
+        await asyncio.sleep(0)
+        assert built == [str(demo_gguf)]
+
+    asyncio.run(main())

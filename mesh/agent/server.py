@@ -145,6 +145,7 @@ class AgentServer:
         self.parking = ParkingLot(park_bytes)  # stopped OpenVINO instances, built and warm (issue 23)
         self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
         self._tokenizers_ready: dict[str, asyncio.Future] = {}  # loading OpenVINO instance -> its tokenizer's build
+        self._tokenizer_builds: set[asyncio.Future] = set()  # models described here: their tokenizers' builds
         self._tokenizing: dict[str, asyncio.Task] = {}  # request id -> the task tokenizing it (abort cancels it)
         self._tokenize_aborted: dict[str, bool] = {}
         self.requests: dict[str, ServedRequest] = {}
@@ -549,6 +550,13 @@ class AgentServer:
                                     await asyncio.to_thread(make_engine, spec, lambda _exc: None))
             except EngineError as exc:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
+            if isinstance(self.fronts[key], OpenVINOProcessEngine):
+                # a model new to this node (described at registration, or at its first request):
+                # its tokenizer is built now, in the background, not in its first requests' TTFT
+                built = asyncio.ensure_future(self.tokenizers.prepare(spec.path))
+                self._tokenizer_builds.add(built)  # a reference: the loop keeps only weak ones
+                built.add_done_callback(self._tokenizer_builds.discard)
+                built.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
         return self.fronts[key]
 
     def _check_engine(self, engine: str) -> None:
