@@ -348,8 +348,14 @@ class AgentServer:
         outbox, self._outbox = self._outbox, []
         if self._writer is None or not outbox:
             return
+        frames = []
+        for m in outbox:  # one message that cannot be encoded (a bug) must not take the others with it
+            try:
+                frames.append(encode_frame(m))
+            except Exception:  # noqa: BLE001
+                log.exception("cannot encode a %r message for the control service; dropped", m.get("t"))
         try:
-            self._writer.write(b"".join(encode_frame(m) for m in outbox))
+            self._writer.write(b"".join(frames))
         except (ConnectionError, RuntimeError) as exc:
             log.warning("cannot write to the control connection: %s", exc)
 

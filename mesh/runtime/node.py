@@ -458,10 +458,17 @@ class NodeRuntime:
         flight = self.compute.in_flight
         return not (flight is not None and flight.instance_id == instance_id and flight.kind is IterationKind.PREFILL)
 
+    def _tell_stepping(self, instance_id: str | None) -> None:
+        """on_stepping, which must never stop the token-level loop (a node agent's report)."""
+        if self.on_stepping is not None:
+            try:
+                self.on_stepping(instance_id)
+            except Exception:  # noqa: BLE001 - a report failed; the node goes on
+                log.exception("node %s: the stepping report failed", self.node_id)
+
     def _end_step(self) -> None:
         self.stepping = self.compute.in_flight = None
-        if self.on_stepping is not None:
-            self.on_stepping(None)
+        self._tell_stepping(None)
         waiters, self._step_ended = self._step_ended, []
         for waiter in waiters:
             if not waiter.done():
@@ -564,8 +571,7 @@ class NodeRuntime:
             compute.busy_until = start + it.predicted_s
             compute.in_flight = it
             self.stepping = it.instance_id
-            if self.on_stepping is not None:
-                self.on_stepping(it.instance_id)
+            self._tell_stepping(it.instance_id)
             try:
                 # asyncio.timeout, not wait_for: the step runs in this task, at once (a task of
                 # its own would start a loop turn later, after an abort could empty its batch)
