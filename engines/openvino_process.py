@@ -88,20 +88,19 @@ class OpenVINOProcessEngine:
         """Start the worker and build the pipeline there (and its warm-up token)."""
         if self._loaded:
             return
-        if await self._adopt_parked():
-            return
-        conn = self._conn = WorkerConnection("engines.openvino_worker", sys.executable, worker_env(), self._log_path(),
-                                             name="OpenVINO")
-        try:
-            await wait(conn.call("init", kwargs=self._kwargs))
-            facts = await wait(conn.call("load"))
-            self._facts(facts)
-            self.loaded_from = facts.get("loaded_from")  # "gguf", "prepared" or "ir" (engines.node_cache)
-        except BaseException as exc:
-            await self._close()
-            if self.on_loaded is not None:
-                self.on_loaded(exc)
-            raise
+        if not await self._adopt_parked():
+            conn = self._conn = WorkerConnection("engines.openvino_worker", sys.executable, worker_env(),
+                                                 self._log_path(), name="OpenVINO")
+            try:
+                await wait(conn.call("init", kwargs=self._kwargs))
+                facts = await wait(conn.call("load"))
+                self._facts(facts)
+                self.loaded_from = facts.get("loaded_from")  # "gguf", "prepared" or "ir" (engines.node_cache)
+            except BaseException as exc:
+                await self._close()
+                if self.on_loaded is not None:
+                    self.on_loaded(exc)
+                raise
         self._loaded = True
         if self.on_loaded is not None:
             self.on_loaded(None)
@@ -132,9 +131,6 @@ class OpenVINOProcessEngine:
         self._conn, facts = adopted
         self._facts(facts)
         self.loaded_from = "parked"
-        self._loaded = True
-        if self.on_loaded is not None:
-            self.on_loaded(None)
         return True
 
     async def _park(self) -> bool:

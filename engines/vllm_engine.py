@@ -458,12 +458,12 @@ class VLLMEngine:
 
     async def unload(self) -> None:
         """Stop the worker (weights and KV cache are freed with its process), or park it."""
-        parked = await self._park()
+        await self._park()  # parked: the worker is the lot's, and self._conn is None
         conn, self._conn = self._conn, None
         self._requests.clear()
         self._prepared = self._built = False
         self.num_blocks = 0
-        if conn is None or parked:
+        if conn is None:
             return
         if isinstance(conn, _InProcess):
             conn.close()

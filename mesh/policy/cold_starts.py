@@ -70,12 +70,9 @@ class ColdStartTable:
         if nbytes > 0 and seconds > 0:
             self._transfers.append(nbytes / seconds)
 
-    def node_load_s(self, node_id: str, model: str, parked: bool = False) -> float | None:
-        """The node's next load of `model`: the median of its recent loads from the parked
-        tier if it has the model `parked` and loaded from it before, else from the source of
-        its latest other load; None if it never loaded the model."""
-        if parked and (node_id, model, PARKED) in self._loads:
-            return statistics.median(self._loads[(node_id, model, PARKED)])
+    def node_load_s(self, node_id: str, model: str) -> float | None:
+        """The node's next load of `model`: the median of its recent loads from the source
+        of its latest load (parked ones aside); None if it never loaded the model."""
         latest = self._latest.get((node_id, model))
         if latest is None:
             return None
@@ -84,18 +81,22 @@ class ColdStartTable:
     def expected_load_s(self, node_id: str, model: str, peers: Iterable[str] = (),
                         parked: bool = False) -> float | None:
         """The node's own measure, else the median over `peers` (nodes of its kind) that
-        loaded the model (from the parked tier if the node has the model `parked`); None:
-        never loaded on any of them (the caller's prior)."""
-        if parked and (node_id, model, PARKED) not in self._loads:
-            theirs = [statistics.median(self._loads[(p, model, PARKED)]) for p in peers
-                      if (p, model, PARKED) in self._loads]
+        loaded the model; from the parked tier first if the node has the model `parked`;
+        None: never loaded on any of them (the caller's prior)."""
+        sources = (self._parked_s, self.node_load_s) if parked else (self.node_load_s,)
+        for measure in sources:
+            own = measure(node_id, model)
+            if own is not None:
+                return own
+            theirs = [s for s in (measure(p, model) for p in peers if p != node_id) if s is not None]
             if theirs:
                 return statistics.median(theirs)
-        own = self.node_load_s(node_id, model, parked)
-        if own is not None:
-            return own
-        theirs = [s for s in (self.node_load_s(p, model) for p in peers if p != node_id) if s is not None]
-        return statistics.median(theirs) if theirs else None
+        return None
+
+    def _parked_s(self, node_id: str, model: str) -> float | None:
+        """The median of the node's recent loads of `model` that adopted a parked worker."""
+        loads = self._loads.get((node_id, model, PARKED))
+        return statistics.median(loads) if loads else None
 
     def transfer_bytes_per_s(self) -> float | None:
         """The median of the recent transfers' throughput; None before the first."""

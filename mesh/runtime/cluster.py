@@ -338,8 +338,9 @@ class Cluster:
     def engine_load_s(self, model: str, node: ClusterNode) -> float:
         """The load itself, weights in place (read, convert or import, compile, tokenizer,
         KV allocation, warm-up; none of it where the node has the model parked): as measured
-        on this node, else on its peers (nodes of its kind), else the prior (ColdStart: `--cold-start-s`, or a replay's measured table),
-        with the initial KV cache allocation (LLM-Mesh Figure 8)."""
+        on this node, else on its peers (nodes of its kind), else the prior (ColdStart:
+        `--cold-start-s`, or a replay's measured table), with the initial KV cache allocation
+        (LLM-Mesh Figure 8)."""
         kind = node.spec.kind
         peers = [n.node_id for n in self.nodes if n.spec.kind == kind]
         measured = self.cold_starts.expected_load_s(node.node_id, model, peers, parked=node.parked(model))

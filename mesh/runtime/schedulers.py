@@ -167,9 +167,8 @@ class MeshPolicy(Policy):
         """Its model cold (an instance of it loading, none that could make its TTFT) and its
         choice SERVE_LATE (placement): admit a fresh request on the loading instance ready
         first, its deadlines moved to that instance's predicted ready time (now, if the load
-        runs over its prediction), if the node's
-        shadow validation shows everyone else there still on time (5.3 cases 2 and 3) and
-        its own prefill on time from then (case 1). A fresh request that reached the
+        runs over its prediction), if the node's shadow validation shows everyone else there
+        still on time (5.3 cases 2 and 3) and its own prefill on time from then (case 1). A fresh request that reached the
         dispatcher already past its TTFT (late on arrival: the live service tokenizes before
         placing, and a cold model's tokenizer is built first) is admitted the same way on an
         instance of its model that is loaded, its deadlines running from now."""
@@ -179,24 +178,27 @@ class MeshPolicy(Policy):
         now = asyncio.get_running_loop().time()
         for ref in sorted((r for r in refs if not r.inst.loaded), key=lambda r: r.ready_at):
             # a load running over its prediction ends no sooner than now: deadlines from then
-            req.late_s = late_by_s(req.arrival_s, max(ref.ready_at, now))
-            self.stats.validations += 1
-            if (await ref.node.try_admit(ref.instance_id, req)).ok:
-                self.stats.served_late += 1
+            if await self._admit_late(ref, req, late_by_s(req.arrival_s, max(ref.ready_at, now))):
                 return True
-        req.late_s = 0.0
         if self._late_on_arrival(req):
             # it reached the dispatcher past its TTFT (the service built a cold model's tokenizer
             # to tokenize it, seconds, while the instance loaded): its deadlines run from now,
             # on an instance of its model where no one else is hurt
-            req.late_s = asyncio.get_running_loop().time() - req.arrival_s
+            by_id = {r.instance_id: r for r in refs}
+            late_s = asyncio.get_running_loop().time() - req.arrival_s
             for v in candidate_order([r.view() for r in refs if r.inst.loaded], defrag=self.spec.defrag):
-                ref = next(r for r in refs if r.instance_id == v.instance_id)
-                self.stats.validations += 1
-                if (await ref.node.try_admit(ref.instance_id, req)).ok:
-                    self.stats.served_late += 1
+                if await self._admit_late(by_id[v.instance_id], req, late_s):
                     return True
-            req.late_s = 0.0
+        return False
+
+    async def _admit_late(self, ref: InstanceRef, req: ServedRequest, late_s: float) -> bool:
+        """Admit `req` on the instance with its deadlines moved by `late_s` (kept if admitted)."""
+        req.late_s = late_s
+        self.stats.validations += 1
+        if (await ref.node.try_admit(ref.instance_id, req)).ok:
+            self.stats.served_late += 1
+            return True
+        req.late_s = 0.0
         return False
 
     def _late_on_arrival(self, req: ServedRequest) -> bool:
