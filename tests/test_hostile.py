@@ -260,12 +260,12 @@ class Http:
 
     async def __aenter__(self) -> "Http":
         import aiohttp
-        from aiohttp.test_utils import TestServer
+        from aiohttp import web
 
         from agent_doubles import InProcessAgent
         from mesh.service.app import Service, build_app
         from mesh.service.config import ServeConfig
-        from mesh.service.limits import guard_connections
+        from mesh.service.limits import listen
         from mesh.service.metrics import ServiceMetrics
         from mesh.service.placement import ClusterPlacement, PlacementSettings
         from mesh.service.registry import Registry
@@ -277,15 +277,17 @@ class Http:
         self.service = Service(cfg, self.registry, self.placement, ServiceMetrics(self.placement.view), self.tmp_path)
         self.service.idle.set()
         await self.placement.start()
-        self.server = TestServer(build_app(self.service), host="127.0.0.1")
-        await self.server.start_server(**self.service.limits.runner_options())
-        self.counts = guard_connections(self.server.runner.server, self.service.limits)
+        self.runner = web.AppRunner(build_app(self.service), handler_cancellation=True, access_log=None,
+                                    **self.service.limits.runner_options())
+        await self.runner.setup()
+        _, self.counts = await listen(self.runner, "127.0.0.1", 0, self.service.limits)
+        self.port = self.runner.addresses[0][1]
         self.session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=WAIT))
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.session.close()
-        await self.server.close()
+        await self.runner.cleanup()
         await self.placement.stop()
         self.registry.close()
 
@@ -293,7 +295,7 @@ class Http:
         h = dict(headers or {})
         if token:
             h["Authorization"] = f"Bearer {token}"
-        async with self.session.request(method, self.server.make_url(path), json=body, data=data, headers=h) as r:
+        async with self.session.request(method, self.url(path), json=body, data=data, headers=h) as r:
             try:
                 return r.status, await r.json(content_type=None)
             except ValueError:
@@ -303,8 +305,11 @@ class Http:
         assert (await self.call("POST", "/admin/tenants", ADMIN, {"name": name}))[0] == 201
         return (await self.call("POST", f"/admin/tenants/{name}/keys", ADMIN))[1]["key"]
 
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
     async def raw(self, data: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-        reader, writer = await asyncio.open_connection("127.0.0.1", self.server.port)
+        reader, writer = await asyncio.open_connection("127.0.0.1", self.port)
         writer.write(data)
         await writer.drain()
         return reader, writer
@@ -326,6 +331,32 @@ def test_deeply_nested_json_is_a_400_naming_the_nesting(simulated, tmp_path):
                     assert status == 400, (depth, path, err)
                     assert err["error"]["code"] == "json_too_deep" and "64 levels" in err["error"]["message"]
             assert (await api.call("GET", "/v1/models", key))[0] == 200
+
+    asyncio.run(main())
+
+
+def test_the_listen_backlog_holds_a_burst_the_loop_has_not_accepted(simulated, tmp_path):
+    """1,000 connections arrive while the service's loop is busy (here: blocked by this very
+    test, which connects from the loop's thread): the kernel completes each handshake into the
+    listen queue, so none waits for a SYN retransmit (aiohttp's default backlog of 128 made
+    the 129th wait 1 s or more), and once the loop runs, the service answers on a new one."""
+    import socket
+    import time
+
+    async def main():
+        async with Http(tmp_path, tmp_path) as api:
+            burst, slowest = [], 0.0
+            try:
+                for i in range(1000):
+                    started = time.monotonic()
+                    burst.append(socket.create_connection(("127.0.0.1", api.port), timeout=0.5,
+                                                          source_address=(f"127.0.0.{10 + i // 200}", 0)))
+                    slowest = max(slowest, time.monotonic() - started)
+            finally:
+                for sock in burst:
+                    sock.close()
+            assert len(burst) == 1000 and slowest < 0.5, (len(burst), slowest)
+            assert (await api.call("GET", "/healthz"))[0] == 200
 
     asyncio.run(main())
 
@@ -494,7 +525,7 @@ def _link(src, dst) -> None:
 
 async def _register_raw(api: "Http", key: str, path: str, name: str = "m") -> tuple[int, bytes]:
     """POST /v1/models by path: the status and the body's exact bytes."""
-    async with api.session.post(api.server.make_url("/v1/models"), json={"name": name, "path": path},
+    async with api.session.post(api.url("/v1/models"), json={"name": name, "path": path},
                                 headers={"Authorization": f"Bearer {key}"}) as r:
         return r.status, await r.read()
 

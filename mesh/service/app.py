@@ -32,7 +32,7 @@ from mesh.service import errors
 from mesh.service.auth import admin_token_ok, bearer_token, hash_key
 from mesh.service.config import ServeConfig
 from mesh.service.errors import ApiError
-from mesh.service.limits import HttpLimits, guard_connections
+from mesh.service.limits import HttpLimits, listen
 from mesh.service.metrics import CONTENT_TYPE, ServiceMetrics
 from mesh.service.placement import Placement
 from mesh.service.quotas import Quotas
@@ -288,9 +288,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         if autoscaler is not None:
             await autoscaler.start()
         await runner.setup()
-        guard_connections(runner.server, service.limits)
-        site = web.TCPSite(runner, config.host, config.port, shutdown_timeout=5.0, ssl_context=tls)
-        await site.start()
+        await listen(runner, config.host, config.port, service.limits, tls)
     except (OSError, RuntimeError) as exc:
         print(f"mesh serve: cannot start: {exc}", file=sys.stderr)
         await runner.cleanup()
