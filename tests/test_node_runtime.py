@@ -273,3 +273,43 @@ def test_overheads_are_charged_by_the_simulated_engine_exactly_as_the_node_predi
                               base.prefill_s(it.tokens)) for it in its]
     assert {round(x, 6) for x in extra} >= {0.0005, 0.0015, 0.0055}  # step; + switch; + after prefill
     assert any(round(x, 6) in (0.0035, 0.0045) for x in extra)  # a new prefill shape (+ a switch)
+
+
+def test_a_crashed_token_level_loop_is_logged_places_its_requests_again_and_restarts(caplog):
+    """A bug that ends the token-level loop (an exception that is no EngineError) must not
+    leave its streams waiting while the node still answers pings: the requests are evicted
+    as a fault (to be placed again), the crash stays in failure(), and the node serves on."""
+
+    class Crashing(SimulatedEngine):
+        crashes = 1
+
+        async def step(self):
+            if self.crashes:
+                self.crashes -= 1
+                raise KeyError("a bug")
+            return await super().step()
+
+    async def main():
+        evicted: list[ServedRequest] = []
+        node = NodeRuntime(NodeSpec("n", "cpu", 10**9), on_evict=evicted.append)
+        node.start()
+        times = LinearTimes(prefill_per_token=0.001, decode_base=0.02)
+        eng = Crashing("m", times, kv_bytes_per_token=KV_PER_TOKEN, weight_bytes=WEIGHTS, context_window=1024)
+        node.start_instance("i", "m", eng, times, SLO(), RunningMean(10), 0.0)
+        await asyncio.sleep(0.1)
+        done: list[ServedRequest] = []
+        first = request("r1", "m", 50, 5, asyncio.get_running_loop().time(), done)
+        assert node.try_admit("i", first).ok
+        await asyncio.sleep(1.0)
+        assert [r.request_id for r in evicted] == ["r1"] and evicted[0].fault
+        assert isinstance(node.failure(), KeyError)
+        second = request("r2", "m", 50, 5, asyncio.get_running_loop().time(), done)
+        assert node.try_admit("i", second).ok
+        await asyncio.sleep(1.0)
+        await node.stop()
+        return second
+
+    with caplog.at_level("ERROR", logger="mesh.runtime.node"):
+        second = run_virtual(main())
+    assert second.outcome is Outcome.COMPLETED and second.tokens_out == 5
+    assert "token-level loop crashed" in caplog.text

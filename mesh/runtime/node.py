@@ -172,6 +172,7 @@ class NodeRuntime:
         self._step_ended: list[asyncio.Future] = []  # waiting for the iteration in flight to end
         self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
+        self.crash: BaseException | None = None  # the first exception that ended the token-level loop
         self._unloading: dict[str, NodeInstance] = {}
 
     @property
@@ -181,6 +182,30 @@ class NodeRuntime:
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name=f"node {self.node_id}")
+        self._loop_task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The token-level loop ended by an exception (a bug): without this its requests'
+        streams would wait for good while the node still answered pings. It is logged, the
+        node's requests are evicted as a fault (placed again elsewhere, 6.4), and the loop
+        starts again; `failure()` keeps the first crash, which a replay raises."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.crash = self.crash or exc
+        log.error("node %s: its token-level loop crashed; its requests are placed again", self.node_id, exc_info=exc)
+        why = f"node {self.node_id}'s token-level loop failed: {exc!r}"
+        try:
+            self._end_step()
+            for inst in list(self.instances.values()):
+                for rid in list(inst.requests):
+                    try:
+                        self.evict(rid, why, fault=True)
+                    except Exception:  # noqa: BLE001 - the state is suspect: fail it rather than leave it waiting
+                        log.exception("node %s: evicting %s failed", self.node_id, rid)
+                        self.abort(rid, Outcome.FAILED, why)
+        finally:
+            self.start()
 
     async def stop(self) -> None:
         await cancel_all([self._loop_task, *self._tasks])
@@ -189,11 +214,8 @@ class NodeRuntime:
         return asyncio.get_running_loop().time()
 
     def failure(self) -> BaseException | None:
-        """The exception that ended the token-level loop, if it ended by one."""
-        task = self._loop_task
-        if task is None or not task.done() or task.cancelled():
-            return None
-        return task.exception()
+        """The first exception that ended the token-level loop (restarted since), if any."""
+        return self.crash
 
     # -- instances -----------------------------------------------------------------
     def instance_memory(self, instance_id: str, engine: Engine, mean_output: RunningMean) -> InstanceMemory:
