@@ -117,6 +117,11 @@ def test_counts_every_request_once_by_kind():
     assert {o.status for o in outcomes if o.http_status == 200 and o.status != SERVED} == {FAILED}
     assert "engine died" in " ".join(o.detail for o in outcomes)
     assert sum(f["reasons"].values()) == 15 and any("engine died" in r for r in f["reasons"])
+    detail = f["requests_detail"]  # the round's timeline: every request, in the order sent
+    assert sorted(d["index"] for d in detail) == list(range(30))
+    assert [d["sent_s"] for d in detail] == sorted(d["sent_s"] for d in detail) and 0 <= detail[0]["sent_s"] < wall
+    assert sum(d["status"] == SERVED for d in detail) == 15 and all(("reason" in d) == (d["status"] != SERVED)
+                                                                    for d in detail)
 
 
 def test_one_url_per_model_and_a_connection_error():

@@ -118,6 +118,7 @@ class Outcome:
     latency_s: float = 0.0
     tokens: int = 0
     detail: str = ""
+    sent_s: float = 0.0  # when it was sent, from the round's start
 
 
 @dataclass(frozen=True)
@@ -145,13 +146,14 @@ def _detail(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text[:300]}"
 
 
-async def one_request(client: Any, target: Target, index: int, max_tokens: int, ignore_eos: bool) -> Outcome:
+async def one_request(client: Any, target: Target, index: int, max_tokens: int, ignore_eos: bool,
+                      round_start: float = 0.0) -> Outcome:
     """One streamed chat completion through the openai client (no retries), classified."""
     import openai
 
     loop = asyncio.get_running_loop()
     start = loop.time()
-    out = Outcome(index, target.model, target.url, FAILED)
+    out = Outcome(index, target.model, target.url, FAILED, sent_s=start - round_start if round_start else 0.0)
     content_chunks = 0
     usage_tokens: int | None = None
     finish: str | None = None
@@ -211,15 +213,15 @@ async def closed_loop(targets: Sequence[Target], clients: int, requests: int, ma
     async def client() -> None:
         for i in counter:
             t = targets[i % len(targets)]
-            outcome = await one_request(by_key[(t.url, t.api_key)], t, i, max_tokens, ignore_eos)
+            outcome = await one_request(by_key[(t.url, t.api_key)], t, i, max_tokens, ignore_eos, start)
             outcomes.append(outcome)
             bar.update(1)
             bar.set_postfix(served=sum(o.status == SERVED for o in outcomes),
                             away=sum(o.status == TURNED_AWAY for o in outcomes),
                             failed=sum(o.status == FAILED for o in outcomes), refresh=False)
 
+    start = loop.time()
     try:
-        start = loop.time()
         await asyncio.gather(*(client() for _ in range(clients)))
         wall = loop.time() - start
     finally:
@@ -280,6 +282,12 @@ def summarize(outcomes: Sequence[Outcome], wall_s: float, sent: int | None = Non
         if o.status != SERVED:
             reasons[_reason(o.detail)] = reasons.get(_reason(o.detail), 0) + 1
     figures["reasons"] = dict(sorted(reasons.items(), key=lambda kv: -kv[1]))
+    # every request as the client saw it, in the order sent (a timeline of the round)
+    figures["requests_detail"] = [
+        {"index": o.index, "model": o.model, "sent_s": round(o.sent_s, 3), "status": o.status,
+         "ttft_s": None if o.ttft_s is None else round(o.ttft_s, 3), "latency_s": round(o.latency_s, 3),
+         "tokens": o.tokens, **({"reason": _reason(o.detail)} if o.status != SERVED else {})}
+        for o in sorted(outcomes, key=lambda o: o.sent_s)]
     return figures
 
 
