@@ -124,7 +124,8 @@ def write_profiles(folder: Path, scale: float = TIME_SCALE) -> Path:
 
 # ---- the two runs ------------------------------------------------------------------------------
 
-def replay(workload: Workload, profiles: Path, scale: float = TIME_SCALE) -> tuple[list[ServedRequest], Any]:
+def replay(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
+           policy: str = "mesh") -> tuple[list[ServedRequest], Any]:
     """The scenario in virtual time: LocalNodes with simulated engines."""
     catalog = build_catalog(sorted(set(workload.models.values())), cpu_device=DEVICES["cpu"],
                             gpu_device=DEVICES["gpu"], profile_dir=profiles)
@@ -133,17 +134,18 @@ def replay(workload: Workload, profiles: Path, scale: float = TIME_SCALE) -> tup
                             max_batch=PlacementSettings().max_batch, noise=0.0)
     config = ReplayConfig(cluster=cluster, queue_capacity=QUEUE_CAPACITY, queue_timeout_s=QUEUE_TIMEOUT_S * scale,
                           progress=False)
-    run = run_policy(workload, "mesh", config, catalog, {b: MEAN_OUTPUT_PRIOR for b in catalog})
+    run = run_policy(workload, policy, config, catalog, {b: MEAN_OUTPUT_PRIOR for b in catalog})
     return run.requests, run
 
 
-async def live(workload: Workload, profiles: Path, scale: float = TIME_SCALE) -> tuple[list[ServedRequest], Any]:
+async def live(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
+               policy: str = "mesh") -> tuple[list[ServedRequest], Any]:
     """The scenario through the service's placement: AgentNodes over emulated node agents
     (real processes), requests submitted at their arrival times on the wall clock."""
     nodes, devices = emulated_nodes(EMULATE, profiles)
     nodes = [dataclasses.replace(n, memory_bytes=MEMORY[n.kind]) for n in nodes]
     settings = PlacementSettings(
-        policy="mesh", keep_alive_s=KEEP_ALIVE_S * scale, cold_start_s=0.0, queue_capacity=QUEUE_CAPACITY,
+        policy=policy, keep_alive_s=KEEP_ALIVE_S * scale, cold_start_s=0.0, queue_capacity=QUEUE_CAPACITY,
         queue_timeout_s=QUEUE_TIMEOUT_S * scale,
         agent=AgentSettings(emulate=devices, emulate_noise=0.0, emulate_profiles=str(profiles)))
     placement = ClusterPlacement(nodes, settings)
