@@ -281,3 +281,34 @@ def test_a_request_late_on_arrival_is_served_late_on_a_loaded_instance_by_its_ch
         assert late.late_s == pytest.approx(3.0, abs=0.01)
     else:
         assert late.outcome.value == "rejected" and stats.served_late == 0
+
+
+def test_requests_late_on_arrival_while_their_models_decision_is_under_way_are_served_late():
+    """Issue 23's single-node workload, cold: the first request of a model starts its
+    instance (live, a decision that takes a while), and the model's next requests reach the
+    dispatcher meanwhile, already past their TTFT (their tokenizer was built first). The
+    queue would turn them away at once ("no instance could take it in time", 4 of 48 in the
+    workload); they get the model's next decision instead, as they would with none under
+    way, and are served late. A request on time waits in the queue as before."""
+    async def main():
+        cfg = config(cpu=1, gpu=0, cold_start=ColdStart(cpu_load_bytes_per_s=1e18, fixed_s=7.5))
+        cluster, d = await build("mesh", {"m": "b"}, cfg, {"b": spec("b", cpu_kv_bytes_per_token=1)})
+        lock = d._decisions.setdefault("m", asyncio.Lock())  # a decision for "m" under way (live: seconds)
+        await lock.acquire()
+        now = asyncio.get_running_loop().time()
+        late = [request(f"late{k}", "m", prompt=100, out=5, at=now - 8.0) for k in range(2)]
+        fresh = request("fresh", "m", prompt=100, out=5)
+        for r in (*late, fresh):
+            d.submit(r)
+        queued = d.queue.held("m")
+        await asyncio.sleep(0.5)
+        lock.release()
+        await run_until(lambda: all(r.outcome is not None for r in (*late, fresh)))
+        await cluster.stop()
+        return late, fresh, queued, d.policy.stats
+
+    late, fresh, queued, stats = run_virtual(main())
+    assert queued == 1  # the request on time waited in the bounded queue, the late ones for a decision
+    assert [r.outcome.value for r in late] == ["completed", "completed"], [r.detail for r in late]
+    assert stats.served_late >= 2 and all(not r.slo_met for r in late)
+    assert fresh.outcome.value == "completed"

@@ -125,3 +125,24 @@ def test_an_instance_with_a_learnt_margin_is_validated_with_it():
     assert v_i.candidate_first_token_s == pytest.approx(0.2 * 1.1)
     assert v_j.candidate_first_token_s == pytest.approx(0.2 * 1.3)
     assert v_j.decode_round_s == pytest.approx(0.05 * 1.3)
+
+
+def test_a_request_served_late_on_an_instance_loading_for_20_s_validates_behind_many_decodes():
+    """Served late (placement SERVE_LATE): the candidate's instance is ready in 20 s, its
+    deadlines run from then, and meanwhile a loaded neighbour decodes 50 ms steps, 400 of them
+    before the candidate can prefill: more than the horizon's iteration budget (256 + ...).
+    Those iterations must not exhaust it, or the candidate is "late by inf" however late its
+    deadline (issue 23's single-node workload refused every request served late this way)."""
+    c = ComputeSubsystem()
+    c.add_instance("loaded", LinearTimes(prefill_per_token=0.0001, decode_base=0.05), SLO(), 4096)
+    for k in range(4):
+        running(c, "loaded", f"r{k}", 50, 0.0)
+    c.add_instance("loading", LinearTimes(prefill_per_token=0.0001, decode_base=0.05), SLO(), 4096, ready_at=20.0,
+                   loaded=False)
+    v = shadow_validate(c, "loading", "late", 50, start_s=20.0, now=0.0)  # deadlines from the ready time
+    assert v.ok, v.reason()
+    assert 20.0 <= v.candidate_first_token_s <= 20.0 + 0.2
+    # still refused when it cannot make it even from the ready time
+    v = shadow_validate(c, "loading", "late", 50, start_s=15.0, now=0.0)
+    f = v.failed(FailureCase.OWN_PREFILL_LATE)
+    assert f is not None and f.by_s == pytest.approx(20.0 - (15.0 + SLO().ttft_s(50)), abs=0.1)

@@ -15,7 +15,11 @@ prefill when it starts (on any instance of the node) has been prefilled, and eve
 that was decoding then has decoded once more: a candidate that jumps ahead of requests
 waiting on a neighbour instance must not push their prefill past their TTFT deadline.
 Output lengths are unknown to the scheduler, so no request is assumed to finish inside the
-horizon (conservative).
+horizon (conservative). The horizon is also a budget of iterations; those simulated before
+the candidate's instance is ready (it is loading: a request served late, placement
+SERVE_LATE) are outside it, up to FREE_ITERATIONS: the other instances decode meanwhile, and
+with the budget alone a load 10-20 s away was never reached, so every request served late
+on it was refused as "late by inf" (issue 23's single-node workload, 50 ms decode steps).
 
 Deadlines follow the node's rule (ComputeSubsystem.deadlines, mesh.policy.slo): under
 `pace` a request prefilled inside the simulation has its later tokens due from its simulated
@@ -36,6 +40,7 @@ from mesh.policy.slo import DeadlineRule
 
 DEFAULT_MARGIN = 0.10
 _LATER_EPS_S = 1e-6  # "later with the candidate" beyond float noise
+FREE_ITERATIONS = 20_000  # simulated iterations before the candidate's instance is ready, at most (a few ms)
 
 
 class FailureCase(str, Enum):
@@ -164,15 +169,23 @@ def _finish_in_flight(s: _Sim, kind: IterationKind, batch_size: int, ends_s: flo
 
 
 def _simulate(
-    sims: list[_Sim], t: float, margin: float, candidate_id: str | None, until_s: float, max_iterations: int
+    sims: list[_Sim], t: float, margin: float, candidate_id: str | None, until_s: float, max_iterations: int,
+    free_until: float = -math.inf,
 ) -> _Outcome:
     """Token-level scheduling forward from `t`. Stops at the horizon described above, or,
-    without a candidate, once simulated time reaches `until_s`."""
+    without a candidate, once simulated time reaches `until_s`. Iterations that start before
+    `free_until` (the candidate's instance ready) do not count against `max_iterations`, up
+    to FREE_ITERATIONS."""
     out = _Outcome()
     waiting_decode: set[str] | None = None  # instances owed one decode after the last prefill
     prefills_left = sum(len(x.pending) - x.head for x in sims)  # the candidate's included
     deadlines = [x.next_deadline() for x in sims]  # inf: no work
-    for _ in range(max_iterations):
+    counted = free = 0
+    while counted < max_iterations:
+        if t < free_until and free < FREE_ITERATIONS:
+            free += 1
+        else:
+            counted += 1
         pick, best, next_ready = -1, math.inf, math.inf
         for k, x in enumerate(sims):
             d = deadlines[k]
@@ -294,7 +307,7 @@ def shadow_validate(
     n_pending = sum(len(i.pending) for i in compute.instances.values())
     max_iterations = 256 + 8 * len(compute.instances) + 4 * n_pending
     sims = _snapshot(compute, (instance_id, request_id, prompt_len, deadline, resumed), exclude, margin)
-    with_cand = _simulate(sims, t0, margin, request_id, math.inf, max_iterations)
+    with_cand = _simulate(sims, t0, margin, request_id, math.inf, max_iterations, inst.ready_at)
 
     failures: list[Failure] = []
     if with_cand.candidate_late_s > 0:
@@ -308,7 +321,8 @@ def shadow_validate(
         # TPOT late: a node already behind must not take load that pushes it further
         # behind, or lateness cascades (each new request is "not newly late" for the
         # requests already late, and their delays grow without bound).
-        base = _simulate(_snapshot(compute, None, exclude, margin), t0, margin, None, with_cand.end_s, max_iterations)
+        base = _simulate(_snapshot(compute, None, exclude, margin), t0, margin, None, with_cand.end_s, max_iterations,
+                         inst.ready_at)
         newly_late = {
             rid: v for rid, v in with_cand.late.items()
             if rid not in base.late

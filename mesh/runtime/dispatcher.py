@@ -177,10 +177,14 @@ class Dispatcher:
         user_done = req.on_done
         req.on_done = lambda r, cb=user_done: self._ended(r, cb)
         self.all_done.clear()
-        if self.queue.has_model(req.model) or self._deciding(req.model):
+        if (self.queue.has_model(req.model) or self._deciding(req.model)) and not self._expired(req):
             # FIFO per model: wait behind earlier ones, and in the bounded queue (its
             # capacity, its fair share, the autoscaler's view) while a decision for the
-            # model is under way (live, one can take seconds: a scale-out multicasts weights)
+            # model is under way (live, one can take seconds: a scale-out multicasts weights).
+            # One the queue would turn away at once (it arrived past its SLO: live, a cold
+            # model's tokenizer was built first) gets its model's next decision instead,
+            # which may serve it late (placement SERVE_LATE), as it would with no decision
+            # under way.
             self._enqueue(req)
             self._schedule_drain()
         else:
@@ -218,6 +222,8 @@ class Dispatcher:
                 return False
             finally:
                 took = self._now() - start
+                log.debug("decided %s of %s in %.3f s: %.3f s after its arrival, %.3f s waiting for its model's turn",
+                          req.request_id, req.model, took, start - req.arrival_s, start - asked)
                 st = self.stats
                 st.decisions += 1
                 st.decision_s += took
@@ -272,11 +278,20 @@ class Dispatcher:
         prompt, start = req.resumed(req.tokens_out, self.cluster.config.deadlines)
         return start + req.slo.ttft_s(prompt), prompt
 
-    def _enqueue(self, req: ServedRequest) -> None:
-        now = self._now()
+    def _expiry(self, req: ServedRequest, now: float) -> tuple[float, str, float]:
+        """(when the queue turns the request away, why: "slo" or "timeout", when it can no
+        longer meet its SLO), for a request that starts waiting now."""
         deadline, prompt = self._deadline(req)
         slo_expiry = queue_expiry_s(deadline, self.cluster.fastest_prefill_s(req.model, prompt, self.policy.kinds))
-        expiry, why = wait_expiry_s(now, slo_expiry, self.queue_timeout_s, self.policy.validates)
+        return *wait_expiry_s(now, slo_expiry, self.queue_timeout_s, self.policy.validates), slo_expiry
+
+    def _expired(self, req: ServedRequest) -> bool:
+        now = self._now()
+        return now >= self._expiry(req, now)[0]
+
+    def _enqueue(self, req: ServedRequest) -> None:
+        now = self._now()
+        expiry, why, slo_expiry = self._expiry(req, now)
         if now >= expiry:
             if why == "slo":
                 self._turn_away(req, SLO_UNREACHABLE, "no instance could take it in time")
@@ -305,6 +320,8 @@ class Dispatcher:
 
     def _turn_away(self, req: ServedRequest, reason: str, detail: str) -> None:
         """Reject a request never served; fail one that had started (it lost its place)."""
+        log.debug("%s of %s turned away: %s: %s (attempts %s)", req.request_id, req.model, reason, detail,
+                  req.attempts)
         if req.first_token_s is None and req.tokens_out == 0:
             self.stats.rejected[reason] += 1
             req.end(Outcome.REJECTED, self._now(), f"rejected: {reason}: {detail}")

@@ -18,6 +18,7 @@ mesh.runtime.cluster).
 from __future__ import annotations
 
 import asyncio
+import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
@@ -42,6 +43,8 @@ from mesh.runtime.cluster import Cluster, InstanceRef
 from mesh.runtime.cluster_node import ClusterNode
 from mesh.runtime.node import InstancePlan
 from mesh.runtime.request import ServedRequest
+
+log = logging.getLogger("mesh.runtime.schedulers")
 
 
 class UnknownPolicy(ValueError):
@@ -197,7 +200,9 @@ class MeshPolicy(Policy):
         self.stats.validations += 1
         if (await ref.node.try_admit(ref.instance_id, req)).ok:
             self.stats.served_late += 1
+            log.debug("%s served late on %s (deadlines %.2f s later)", req.request_id, ref.instance_id, late_s)
             return True
+        log.debug("%s not served late on %s (deadlines %.2f s later): refused", req.request_id, ref.instance_id, late_s)
         req.late_s = 0.0
         return False
 
@@ -248,6 +253,8 @@ class MeshPolicy(Policy):
             finally:
                 req.late_s = kept
             if not warm_up_allowed(cold, slack, ok, warming):
+                log.debug("no warm-up of %s on %s for %s: cold start %.2f s, slack %.2f s, validates loaded %s",
+                          req.model, node.node_id, req.request_id, cold, slack, ok)
                 continue
             if await self.cluster.start_instance(plan, node) is None:
                 continue
