@@ -402,6 +402,8 @@ def test_live_replay_sends_the_trace_and_simulates_the_same_requests(server, tmp
     assert len(detail) == n and sum(r["slo_met"] for r in detail) == live["slo_compliant"]
     assert sum(r["outcome"] == "rejected" for r in detail) == live["rejected"]
     dispatcher = live["service"]["dispatcher"]  # the service's own account at the end
+    lag = live["service"]["control_plane"]["loop_lag"]  # the service's event-loop lag (issue 24's bound)
+    assert lag["count"] > 0 and 0 <= lag["p50_s"] <= lag["p99_s"] <= lag["max_s"]
     assert dispatcher["policy"] == "mesh" and sum(dispatcher["placed_by_kind"].values()) >= live["completed"]
     # the queue `mesh serve --queue-*` set is the service's, and the twin's
     assert (dispatcher["queue_capacity"], dispatcher["queue_timeout_s"]) == (900, 45)

@@ -287,8 +287,10 @@ async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
 
 async def _final_view(svc: _Service) -> dict[str, Any]:
     """What the service says of the run at its end, for the record: the dispatcher's counters
-    (placements, preemptions, warm-ups, rejections by reason) and per node its busy fraction,
-    iterations and its instances' learnt time factors. Empty if it cannot be read."""
+    (placements, preemptions, warm-ups, rejections by reason), its event-loop lag over its
+    life (`control_plane`: p50/p99/max, and the part its own work caused) and per node its
+    busy fraction, iterations and its instances' learnt time factors. Empty if it cannot be
+    read."""
     try:
         view = await svc.call("GET", "/admin/cluster", "reading the cluster at the end")
     except (LiveReplayError, aiohttp.ClientError):
@@ -297,7 +299,7 @@ async def _final_view(svc: _Service) -> dict[str, Any]:
                             "iterations": n.get("iterations"),
                             "time_factors": [i.get("time_factors") for i in n.get("instances", [])]}
              for n in view.get("nodes", [])}
-    return {"dispatcher": view.get("dispatcher"), "nodes": nodes}
+    return {"dispatcher": view.get("dispatcher"), "control_plane": view.get("control_plane"), "nodes": nodes}
 
 
 def cold_start_bytes_per_s(weight_bytes: int, load_s: float) -> float:

@@ -227,6 +227,10 @@ def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, s
     if live.learnt:
         results[f"simulated ({shape.policy}, prior)"] = prior[shape.policy]
     print(table(results))
+    lag = ((live.service or {}).get("control_plane") or {}).get("loop_lag")
+    if lag and lag.get("count"):
+        print(f"the service's event-loop lag over its life: p50 {lag['p50_s'] * 1000:.1f} ms, p99 "
+              f"{lag['p99_s'] * 1000:.1f} ms, max {lag['max_s'] * 1000:.1f} ms ({lag['count']} probes)")
     failed = [r.detail for r in live.requests if r.detail]
     if failed:
         print(f"live: {len(failed)} requests not served; the first: {failed[0]}", file=sys.stderr)
