@@ -1176,3 +1176,12 @@ RSS_BOUND_MIB = 1024  # every process of the service (service, agents, engine, t
 # while still catching a service that stalls under an attack (the uploads did, 3-7x, before
 # bodies stopped being inflated).
 TTFT_FACTOR = 3.0
+
+
+def test_mesh_clients_never_reuse_a_connection_the_service_may_be_closing():
+    """The head deadline also closes idle connections; Mesh's load generators keep theirs
+    for less, so a request never goes out on a connection being closed ("Server
+    disconnected", one request in a 128-function live replay with aiohttp's 15 s)."""
+    from mesh.service.limits import CLIENT_KEEPALIVE_S, HttpLimits
+
+    assert 0 < CLIENT_KEEPALIVE_S <= HttpLimits().head_timeout_s / 2

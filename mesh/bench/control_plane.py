@@ -49,6 +49,7 @@ from typing import Any, Sequence
 
 from mesh.runtime.latency import between
 from mesh.bench.report import write_json
+from mesh.service.limits import CLIENT_KEEPALIVE_S
 
 DEFAULT_STREAMS = (32, 64, 128, 256, 512, 1024, 2048)
 LAG_LIMIT_MS = 50.0
@@ -138,7 +139,7 @@ class Load:
     async def open(self) -> None:
         import aiohttp
 
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, force_close=False),
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
                                               timeout=aiohttp.ClientTimeout(total=self.timeout_s))
 
     async def close(self) -> None:

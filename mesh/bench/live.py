@@ -33,6 +33,7 @@ from mesh.policy.placement import CPU, GPU
 from mesh.policy.slo import SLO
 from mesh.runtime.request import Outcome, ServedRequest
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
+from mesh.service.limits import CLIENT_KEEPALIVE_S
 from workloads.workload import Workload
 
 POLL_S = 1.0
@@ -244,7 +245,7 @@ async def cluster_shape(url: str, admin_token: str) -> ClusterShape:
 async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
     """Send `workload` to the service at `config.url`; see the module's docstring."""
     loop = asyncio.get_running_loop()
-    connector = aiohttp.TCPConnector(limit=0)
+    connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector) as session:
         svc = _Service(session, config.url, config.admin_token)
         kinds = dict((await _shape(svc)).kinds)

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.report import emit
+from mesh.service.limits import CLIENT_KEEPALIVE_S
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -126,7 +127,7 @@ async def load(url: str, key: str, model: str, clients: int, requests: int, max_
         for i in counter:
             results.append(await one_request(session, url, key, model, i, max_tokens, timeout))
 
-    connector = aiohttp.TCPConnector(limit=clients + 8)
+    connector = aiohttp.TCPConnector(limit=clients + 8, keepalive_timeout=CLIENT_KEEPALIVE_S)
     async with aiohttp.ClientSession(connector=connector) as session:
         start = loop.time()
         await asyncio.gather(*(client(session) for _ in range(clients)))

@@ -29,6 +29,12 @@ from mesh.service.schema import parse_json
 # client. The service raises its file-descriptor limit to fit (HttpLimits.fit_fd_limit).
 MAX_CONNECTIONS = 4096
 MAX_CONNECTIONS_PER_CLIENT = 1024
+# How long a client may keep an idle connection for reuse: under the service's head deadline
+# (HttpLimits.head_timeout_s, 10 s), which also closes idle connections, so that a client never
+# sends a request on a connection the service is closing (aiohttp's client keeps them 15 s: one
+# request of 3,851 in a 128-function live replay failed "Server disconnected" that way). The
+# OpenAI SDK's httpx keeps them 5 s. Mesh's own load generators use this.
+CLIENT_KEEPALIVE_S = 5.0
 
 
 @dataclass(frozen=True, slots=True)
