@@ -233,11 +233,14 @@ class MeshPolicy(Policy):
         # ready first: the fewest loads under way and no transfer (stable: bin-packing among equals)
         for node in sorted(order, key=lambda n: self.cluster.load_wait_s(n) + self.cluster.transfer_s(req.model, n)):
             if not self.cluster.can_host(req.model, node):
+                log.debug("no warm-up of %s on %s for %s: it cannot host it", req.model, node.node_id, req.request_id)
                 continue
             cold = self.cluster.expected_load_s(req.model, node)
             times = self.cluster.catalog[self.cluster.models[req.model]].times[node.spec.kind]
             slack = req.slo.ttft_s(prompt) - times.prefill_s(prompt) * (1 + node.margin)
             if not warm_up_allowed(cold, slack, True, warming):
+                log.debug("no warm-up of %s on %s for %s: cold start %.2f s fits the slack %.2f s", req.model,
+                          node.node_id, req.request_id, cold, slack)
                 continue  # a fresh request would start an instance here the usual way
             plan = self.cluster.plan(req.model, node)
             self.stats.validations += 1
