@@ -1074,6 +1074,13 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
             assert not uploads.exists() or not any(uploads.iterdir())  # nothing kept
             return {"gzip": gz, "chunked 1 GiB": big}
 
+        async def chat_error(session, data):
+            """(status, error code) of tenant B's chat completion with this raw JSON body."""
+            async with session.post(f"{url}/v1/chat/completions", data=data,
+                                    headers={"Authorization": f"Bearer {key_b}",
+                                             "Content-Type": "application/json"}) as r:
+                return r.status, (await r.json())["error"]["code"]
+
         async def prompts_attack(session):
             body = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * ((8 << 20) - 4096)}]})
             head = (f"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {key_b}\r\n"
@@ -1091,19 +1098,13 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
                     writer.close()  # hangs up without reading the answer
 
             await asyncio.gather(*(hang_up() for _ in range(200)))
-            async with session.post(f"{url}/v1/chat/completions", data=body,
-                                    headers={"Authorization": f"Bearer {key_b}",
-                                             "Content-Type": "application/json"}) as r:
-                answer = (r.status, (await r.json())["error"]["code"])
+            answer = await chat_error(session, body)
             assert answer == (413, "request_too_large"), answer
             return {"answer": answer}
 
         async def nesting_attack(session):
             deep = b'{"model": "m", "messages": ' + b"[" * 100_000 + b"]" * 100_000 + b"}"
-            async with session.post(f"{url}/v1/chat/completions", data=deep,
-                                    headers={"Authorization": f"Bearer {key_b}",
-                                             "Content-Type": "application/json"}) as r:
-                answer = (r.status, (await r.json())["error"]["code"])
+            answer = await chat_error(session, deep)
             assert answer == (400, "json_too_deep"), answer
             return {"answer": answer}
 
