@@ -20,6 +20,7 @@ warm, for the next load of the same model with the same settings on the node.
 """
 from __future__ import annotations
 
+import asyncio
 import itertools
 import os
 import sys
@@ -68,6 +69,9 @@ class OpenVINOProcessEngine:
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.on_loaded = on_loaded
         self.parking = parking
+        # A build of this very worker under way on the node (mesh.agent.park_ahead): the load
+        # waits for it and adopts its worker instead of building a second one beside it.
+        self.parked_soon: asyncio.Future[Any] | None = None
         self._conn: WorkerConnection | None = None
         self._stepping = False  # a step is in the worker (a watchdog's cancelled step leaves it so)
         self._loaded = False
@@ -88,6 +92,8 @@ class OpenVINOProcessEngine:
         """Start the worker and build the pipeline there (and its warm-up token)."""
         if self._loaded:
             return
+        if self.parked_soon is not None:
+            await asyncio.wait([self.parked_soon])  # neither its failure (the builder's) nor our cancellation passes
         if not await self._adopt_parked():
             conn = self._conn = WorkerConnection("engines.openvino_worker", sys.executable, worker_env(),
                                                  self._log_path(), name="OpenVINO")

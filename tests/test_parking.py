@@ -154,3 +154,55 @@ def test_a_real_agent_parks_a_stopped_instance_and_the_cluster_predicts_its_next
             await cluster.stop()
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_a_model_described_on_a_real_agent_is_parked_ahead_and_its_first_load_adopts_it(demo_gguf):
+    """mesh.agent.park_ahead: describing a model (what registration does) builds the instance
+    a load would build, with the load's settings, and parks it; the cluster predicts the
+    parked tier's load there, and the model's first load adopts the worker."""
+    from agent_doubles import until
+    from mesh.agent.protocol import InstanceSpec
+    from mesh.agent.supervisor import AgentSettings, LocalAgent
+    from mesh.perf.times import prior_profile
+    from mesh.policy.cold_starts import PARKED_PRIOR_S
+    from mesh.policy.slo import SLO
+    from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
+    from mesh.runtime.node import NodeSpec
+    from mesh.service.agent_node import AgentNode
+    from engines.openvino_engine import OpenVINOEngine
+
+    gib = 2**30
+    shape = OpenVINOEngine(demo_gguf)
+
+    async def load_spec(plan: Any, node: Any) -> InstanceSpec:
+        return InstanceSpec(plan.instance_id, plan.model, str(demo_gguf), plan.context_window, max_num_seqs=8)
+
+    async def main() -> None:
+        node = AgentNode(NodeSpec("cpu0", "cpu", 4 * gib), LocalAgent,
+                         AgentSettings(models_roots=(str(demo_gguf.parent),)), load_spec)
+        profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
+        cluster = Cluster(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=4 * gib, slo=SLO(60.0, 5.0)),
+                          {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0},
+                          nodes=[node])
+        await cluster.start()
+        try:
+            assert await node.agent.wait_up(60), node.agent.last_error
+            assert not node.parked("smol")
+            await node.agent.client.call({"t": "describe", "model": "smol", "path": str(demo_gguf), "engine": "openvino",
+                                          "context_window": 2048, "max_num_seqs": 8}, 60)  # as load_spec loads it
+            for _ in range(600):
+                await node.refresh()
+                if node.parked("smol"):
+                    break
+                await asyncio.sleep(0.1)
+            assert node.parked("smol"), node.stats.get("parked_ahead")
+            assert node.stats["parked_ahead"]["parked"] == ["smol"]
+            assert cluster.engine_load_s("smol", node) == PARKED_PRIOR_S  # no build predicted
+            first = await cluster.start_instance(cluster.plan("smol", node), node)
+            await until(lambda: first.inst.loaded, 30)
+            assert node.loaded_from(first.instance_id) == "parked"  # its first load built nothing
+        finally:
+            await cluster.stop()
+
+    asyncio.run(main())

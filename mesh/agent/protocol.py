@@ -23,7 +23,9 @@ Control -> agent (see docs/service.md for every field):
                                              -> {ids}; OpenVINO prompts wait in a queue that takes the
                                                 tenants in turn; `abort {request_id}` cancels it (dropped
                                                 from the queue if it has not run)
-    describe   {model, path, engine, context_window} -> {weight_bytes, kv_bytes_per_token, context_window}
+    describe   {model, path, engine, context_window, max_num_seqs?, exact_moves?}
+               -> {weight_bytes, kv_bytes_per_token, context_window}
+               (an OpenVINO model is then built with those load settings and parked: mesh.agent.park_ahead)
     admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s, done?, prompt_len?,
                  first_token_age_s?, compute?, late_s?}]}
                                              -> {results: [{ok, code, reason}]}; `done`: tokens a moved

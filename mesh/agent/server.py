@@ -75,6 +75,7 @@ from engines.background_prepare import BackgroundPreparer
 from engines.worker_process import die_with_parent, worker_env
 from engines.openvino_process import OpenVINOProcessEngine
 from engines.parking import ParkingLot
+from mesh.agent.park_ahead import ParkAhead
 from mesh.agent.tokenizers import TokenizerProcess
 from mesh.framing import ConnectionGate
 from mesh.perf.speed import MachineSpeed
@@ -144,6 +145,9 @@ class AgentServer:
         self.tokenizers = TokenizerProcess()  # OpenVINO prompts are tokenized off this process's GIL
         self.parking = ParkingLot(park_bytes)  # stopped OpenVINO instances, built and warm (issue 23)
         self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
+        # models described here are built once before their first request and parked (issue 23)
+        self.ahead = ParkAhead(self.parking, lambda spec: asyncio.to_thread(make_engine, spec, lambda _exc: None),
+                               lambda: not self.node.instances and not self.specs)
         self._tokenizers_ready: dict[str, asyncio.Future] = {}  # loading OpenVINO instance -> its tokenizer's build
         self._tokenizer_builds: set[asyncio.Future] = set()  # models described here: their tokenizers' builds
         self._tokenizing: dict[str, asyncio.Task] = {}  # request id -> the task tokenizing it (abort cancels it)
@@ -201,6 +205,7 @@ class AgentServer:
             await self.weights.close()
         self._abort_all(f"node agent {self.spec.node_id} is shutting down")  # its requests end at once, before the workers do
         self._flush()
+        await self.ahead.close()
         await self.tokenizers.close()
         await self.preparer.close()
         await self.parking.close()  # parks nothing after: the instances' workers end below
@@ -399,6 +404,7 @@ class AgentServer:
                 if hasattr(engine, "parking"):  # OpenVINO and vLLM workers park when they stop (engines.parking)
                     engine.parking = self.parking
                 if isinstance(engine, OpenVINOProcessEngine):  # its tokenizer is built while it loads
+                    engine.parked_soon = self.ahead.pending(spec.model)  # or adopted from a build under way
                     tokenizer = asyncio.ensure_future(self.tokenizers.prepare(spec.path))
                     tokenizer.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
                     self._tokenizers_ready[spec.instance_id] = tokenizer
@@ -563,7 +569,18 @@ class AgentServer:
                 self._tokenizer_builds.add(built)  # a reference: the loop keeps only weak ones
                 built.add_done_callback(self._tokenizer_builds.discard)
                 built.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
+                # and the instance a load would build is built now and parked (mesh.agent.park_ahead)
+                ahead = InstanceSpec(f"ahead-{spec.model}", spec.model, spec.path, spec.context_window,
+                                     max_num_seqs=int(m.get("max_num_seqs") or 64),
+                                     exact_moves=bool(m.get("exact_moves", False)))
+                self.ahead.schedule(ahead, lambda: self._prepared_after(built))
         return self.fronts[key]
+
+    async def _prepared_after(self, tokenizer: asyncio.Future) -> None:
+        """Until the model's tokenizer is built and the node's background preparation
+        (the IR a build reads) has ended."""
+        await asyncio.wait([tokenizer])
+        await self.preparer.wait()
 
     def _check_engine(self, engine: str) -> None:
         """An emulating node runs emulated models only, and only an emulating node runs them."""
@@ -773,7 +790,7 @@ class AgentServer:
             "tokenizer": {"waiting": self.tokenizers.waiting, **self.tokenizers.counts.as_dict()},
             "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
             "kv_bytes_in_use": self.node.kv_bytes_in_use(), "deadlines": self.node.deadlines.value,
-            "learnt": self.learning.view(), "parked": self.parking.view(),
+            "learnt": self.learning.view(), "parked": self.parking.view(), "parked_ahead": self.ahead.view(),
             "emulate": self.emulation.device if self.emulation is not None else None,
         }
 

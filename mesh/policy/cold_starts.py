@@ -35,6 +35,9 @@ FORMAT = "mesh-cold-starts/1"
 WINDOW = 5  # loads kept per (node, model, source): the median of the last few, robust to one slow load
 ANY_MODEL = "*"  # in a replay's table: the cold start of any model without its own entry
 PARKED = "parked"  # the source of a load that adopted a parked worker (engines.parking)
+# A load from the parked tier before any was measured: an adoption and the KV cache's resize
+# (mesh bench coldstart's parked row: 0.6 ms to ready, median of 5; the resize allocates).
+PARKED_PRIOR_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +84,9 @@ class ColdStartTable:
     def expected_load_s(self, node_id: str, model: str, peers: Iterable[str] = (),
                         parked: bool = False) -> float | None:
         """The node's own measure, else the median over `peers` (nodes of its kind) that
-        loaded the model; from the parked tier first if the node has the model `parked`;
-        None: never loaded on any of them (the caller's prior)."""
+        loaded the model; from the parked tier first if the node has the model `parked`
+        (`PARKED_PRIOR_S` before any parked load was measured); None: never loaded on any of
+        them (the caller's prior)."""
         sources = (self._parked_s, self.node_load_s) if parked else (self.node_load_s,)
         for measure in sources:
             own = measure(node_id, model)
@@ -91,6 +95,10 @@ class ColdStartTable:
             theirs = [s for s in (measure(p, model) for p in peers if p != node_id) if s is not None]
             if theirs:
                 return statistics.median(theirs)
+            if measure == self._parked_s:
+                # parked (ahead, mesh.agent.park_ahead) but never adopted by a load yet: the
+                # parked tier's prior, not the model's build
+                return PARKED_PRIOR_S
         return None
 
     def _parked_s(self, node_id: str, model: str) -> float | None:
