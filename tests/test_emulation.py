@@ -315,3 +315,31 @@ def test_an_emulated_instance_plans_with_its_profile_and_the_nodes_margin():
     times = asyncio.run(main())
     assert times.observed >= 70  # it ran (and saw) its iterations
     assert times.margin is None and times.decode_factor == 1.0 and times.prefill_factor == 1.0
+
+
+def test_an_emulated_models_base_is_its_catalog_model_so_sllm_uses_the_papers_targets():
+    """Issue 24: the service gave each emulated model its own base (its uid), so ServerlessLLM's
+    concurrency targets (8.1) were tailored to its profile (30 a CPU instance and 316 a GPU
+    one for llama-2-7b) where the replay, whose replicas share the base "llama-2-7b", uses
+    the paper's 15 and 32: live sllm+cpu admitted twice the requests per instance and
+    scaled out less than its twin. Now every emulated replica's base is its catalog model."""
+    from mesh.agent.supervisor import AgentSettings
+    from mesh.policy.placement import CONCURRENCY_TARGETS
+    from mesh.policy.slo import SLO
+    from mesh.service.placement import ClusterPlacement, PlacementSettings
+    from mesh.service.registry import ModelRecord
+
+    async def main() -> None:
+        nodes, devices = emulated_nodes("xeon-6462c:1,a100-80gb:1")
+        placement = ClusterPlacement(nodes, PlacementSettings(policy="sllm+cpu", agent=AgentSettings(emulate=devices)))
+        await placement.start()
+        try:
+            for uid in ("u-f000", "u-f001"):
+                await placement._model(ModelRecord(uid, "t", uid, "emulated", "llama-2-7b", 4096, SLO()))
+                assert placement.cluster.models[uid] == "llama-2-7b"
+            assert placement.dispatcher.policy._targets_of("llama-2-7b") == {
+                k: CONCURRENCY_TARGETS[k]["llama-2-7b"] for k in ("cpu", "gpu")}
+        finally:
+            await placement.stop()
+
+    asyncio.run(main())

@@ -348,7 +348,11 @@ class ClusterPlacement:
                 raise node_unavailable(str(exc)) from exc
             profiles[kind] = self._profile(record, kind, shape)
             front = front or (node, path)
-        self.cluster.add_model(record.uid, ModelSpec(record.uid, profiles), MEAN_OUTPUT_PRIOR, record.slo)
+        # An emulated model's base is its catalog model ("llama-2-7b"), as a replay's replicas'
+        # are: what the policies look up by base (ServerlessLLM's concurrency targets, 8.1)
+        # is then the replay's, not a target tailored to an unknown model.
+        base = record.path if record.kind == EMULATED else record.uid
+        self.cluster.add_model(record.uid, ModelSpec(base, profiles), MEAN_OUTPUT_PRIOR, record.slo)
         self.cluster.set_cold_start_choice(record.uid, record.cold_start)
         model = _Model(record, front[0].node_id, front[1], tuple(profiles))
         self._models[record.uid] = model
