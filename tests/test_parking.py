@@ -95,12 +95,9 @@ def test_a_stopped_instance_is_adopted_by_the_next_load_of_its_model(demo_gguf, 
     asyncio.run(main())
 
 
-@pytest.mark.slow
-def test_a_real_agent_parks_a_stopped_instance_and_the_cluster_predicts_its_next_load(demo_gguf):
-    """Through the service's AgentNode and a real agent process: the second instance of a
-    model adopts the first one's worker, the agent reports it parked in between, and the
-    cluster's cold-start prediction follows (the parked load only while one is parked)."""
-    from agent_doubles import until
+async def _one_agent_cluster(demo_gguf: Any) -> tuple[Any, Any]:
+    """A started Cluster over one AgentNode (a real agent process) that loads the demo
+    model as "smol" (8 requests at most, window 2048)."""
     from mesh.agent.protocol import InstanceSpec
     from mesh.agent.supervisor import AgentSettings, LocalAgent
     from mesh.perf.times import prior_profile
@@ -116,23 +113,34 @@ def test_a_real_agent_parks_a_stopped_instance_and_the_cluster_predicts_its_next
     async def load_spec(plan: Any, node: Any) -> InstanceSpec:
         return InstanceSpec(plan.instance_id, plan.model, str(demo_gguf), plan.context_window, max_num_seqs=8)
 
+    node = AgentNode(NodeSpec("cpu0", "cpu", 4 * gib), LocalAgent,
+                     AgentSettings(models_roots=(str(demo_gguf.parent),)), load_spec)
+    profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
+    cluster = Cluster(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=4 * gib, slo=SLO(60.0, 5.0)),
+                      {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0},
+                      nodes=[node])
+    await cluster.start()
+    return node, cluster
+
+
+async def _until_parked(node: Any, model: str) -> None:
+    for _ in range(600):
+        await node.refresh()
+        if node.parked(model):
+            return
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"never parked: {node.stats.get('parked')}, {node.stats.get('parked_ahead')}")
+
+
+@pytest.mark.slow
+def test_a_real_agent_parks_a_stopped_instance_and_the_cluster_predicts_its_next_load(demo_gguf):
+    """Through the service's AgentNode and a real agent process: the second instance of a
+    model adopts the first one's worker, the agent reports it parked in between, and the
+    cluster's cold-start prediction follows (the parked load only while one is parked)."""
+    from agent_doubles import until
+
     async def main() -> None:
-        node = AgentNode(NodeSpec("cpu0", "cpu", 4 * gib), LocalAgent,
-                         AgentSettings(models_roots=(str(demo_gguf.parent),)), load_spec)
-        profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
-        cluster = Cluster(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=4 * gib, slo=SLO(60.0, 5.0)),
-                          {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0},
-                          nodes=[node])
-        await cluster.start()
-
-        async def parked_soon() -> None:
-            for _ in range(300):
-                await node.refresh()
-                if node.parked("smol"):
-                    return
-                await asyncio.sleep(0.1)
-            raise AssertionError(f"never parked: {node.stats.get('parked')}")
-
+        node, cluster = await _one_agent_cluster(demo_gguf)
         try:
             assert await node.agent.wait_up(60), node.agent.last_error
             first = await cluster.start_instance(cluster.plan("smol", node), node)
@@ -140,7 +148,7 @@ def test_a_real_agent_parks_a_stopped_instance_and_the_cluster_predicts_its_next
             assert node.loaded_from(first.instance_id) in ("gguf", "prepared")
             cold = cluster.engine_load_s("smol", node)
             await cluster.stop_instance(first)
-            await parked_soon()
+            await _until_parked(node, "smol")
             second = await cluster.start_instance(cluster.plan("smol", node), node)
             await until(lambda: second.inst.loaded, 30)
             assert node.loaded_from(second.instance_id) == "parked"
@@ -148,7 +156,7 @@ def test_a_real_agent_parks_a_stopped_instance_and_the_cluster_predicts_its_next
             assert not node.parked("smol")  # adopted: nothing parked now
             assert cluster.engine_load_s("smol", node) == pytest.approx(cold)  # the real load's measure
             await cluster.stop_instance(second)
-            await parked_soon()
+            await _until_parked(node, "smol")
             assert cluster.engine_load_s("smol", node) < min(1.0, cold)  # parked again: its measured adoption
         finally:
             await cluster.stop()
@@ -162,41 +170,16 @@ def test_a_model_described_on_a_real_agent_is_parked_ahead_and_its_first_load_ad
     a load would build, with the load's settings, and parks it; the cluster predicts the
     parked tier's load there, and the model's first load adopts the worker."""
     from agent_doubles import until
-    from mesh.agent.protocol import InstanceSpec
-    from mesh.agent.supervisor import AgentSettings, LocalAgent
-    from mesh.perf.times import prior_profile
     from mesh.policy.cold_starts import PARKED_PRIOR_S
-    from mesh.policy.slo import SLO
-    from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
-    from mesh.runtime.node import NodeSpec
-    from mesh.service.agent_node import AgentNode
-    from engines.openvino_engine import OpenVINOEngine
-
-    gib = 2**30
-    shape = OpenVINOEngine(demo_gguf)
-
-    async def load_spec(plan: Any, node: Any) -> InstanceSpec:
-        return InstanceSpec(plan.instance_id, plan.model, str(demo_gguf), plan.context_window, max_num_seqs=8)
 
     async def main() -> None:
-        node = AgentNode(NodeSpec("cpu0", "cpu", 4 * gib), LocalAgent,
-                         AgentSettings(models_roots=(str(demo_gguf.parent),)), load_spec)
-        profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
-        cluster = Cluster(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=4 * gib, slo=SLO(60.0, 5.0)),
-                          {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0},
-                          nodes=[node])
-        await cluster.start()
+        node, cluster = await _one_agent_cluster(demo_gguf)
         try:
             assert await node.agent.wait_up(60), node.agent.last_error
             assert not node.parked("smol")
             await node.agent.client.call({"t": "describe", "model": "smol", "path": str(demo_gguf), "engine": "openvino",
-                                          "context_window": 2048, "max_num_seqs": 8}, 60)  # as load_spec loads it
-            for _ in range(600):
-                await node.refresh()
-                if node.parked("smol"):
-                    break
-                await asyncio.sleep(0.1)
-            assert node.parked("smol"), node.stats.get("parked_ahead")
+                                          "context_window": 2048, "max_num_seqs": 8}, 60)  # as the loads load it
+            await _until_parked(node, "smol")
             assert node.stats["parked_ahead"]["parked"] == ["smol"]
             assert cluster.engine_load_s("smol", node) == PARKED_PRIOR_S  # no build predicted
             first = await cluster.start_instance(cluster.plan("smol", node), node)

@@ -25,6 +25,7 @@ import logging
 from typing import Any, Awaitable, Callable
 
 from engines.parking import ParkingLot
+from mesh.agent.protocol import InstanceSpec
 
 log = logging.getLogger("mesh.agent.park_ahead")
 
@@ -32,7 +33,7 @@ log = logging.getLogger("mesh.agent.park_ahead")
 class ParkAhead:
     """Builds and parks the instances of models described on this node (module docstring)."""
 
-    def __init__(self, parking: ParkingLot, build: Callable[[Any], Awaitable[Any]],
+    def __init__(self, parking: ParkingLot, build: Callable[[InstanceSpec], Awaitable[Any]],
                  idle: Callable[[], bool]) -> None:
         """`build(spec)`: an unloaded engine for the load `spec` (the agent's make_engine);
         `idle()`: the node runs and loads no instance now."""
@@ -45,7 +46,7 @@ class ParkAhead:
         self.parked: list[str] = []  # models parked ahead, in order (views, tests)
         self.skipped: dict[str, str] = {}  # model -> why it was not parked ahead
 
-    def schedule(self, spec: Any, first: Callable[[], Awaitable[Any]] | None = None) -> None:
+    def schedule(self, spec: InstanceSpec, first: Callable[[], Awaitable[Any]] | None = None) -> None:
         """Park `spec`'s instance ahead once `first()` (the model's tokenizer build, its
         background preparation) has ended; a model already scheduled is left alone."""
         if self.parking.budget_bytes <= 0 or spec.model in self._scheduled:
@@ -57,7 +58,7 @@ class ParkAhead:
         None before it starts: a load then comes first, and the build is skipped."""
         return self._building.get(model)
 
-    async def _park(self, spec: Any, first: Callable[[], Awaitable[Any]] | None) -> None:
+    async def _park(self, spec: InstanceSpec, first: Callable[[], Awaitable[Any]] | None) -> None:
         try:
             if first is not None:
                 try:
@@ -85,7 +86,7 @@ class ParkAhead:
             self.parked.append(spec.model)
             log.info("model %s is parked ahead: its first load here adopts a built worker", spec.model)
 
-    async def _build_and_park(self, spec: Any) -> str:
+    async def _build_and_park(self, spec: InstanceSpec) -> str:
         """'' once parked, else why not."""
         engine = await self.build(spec)
         room = self.parking.budget_bytes - self.parking.held_bytes

@@ -29,7 +29,7 @@ from __future__ import annotations
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 FORMAT = "mesh-cold-starts/1"
 WINDOW = 5  # loads kept per (node, model, source): the median of the last few, robust to one slow load
@@ -87,19 +87,20 @@ class ColdStartTable:
         loaded the model; from the parked tier first if the node has the model `parked`
         (`PARKED_PRIOR_S` before any parked load was measured); None: never loaded on any of
         them (the caller's prior)."""
-        sources = (self._parked_s, self.node_load_s) if parked else (self.node_load_s,)
-        for measure in sources:
-            own = measure(node_id, model)
-            if own is not None:
-                return own
-            theirs = [s for s in (measure(p, model) for p in peers if p != node_id) if s is not None]
-            if theirs:
-                return statistics.median(theirs)
-            if measure == self._parked_s:
-                # parked (ahead, mesh.agent.park_ahead) but never adopted by a load yet: the
-                # parked tier's prior, not the model's build
-                return PARKED_PRIOR_S
-        return None
+        if parked:  # a parked worker waits there (parked ahead: mesh.agent.park_ahead); its build is done
+            measured = self._median(self._parked_s, node_id, model, peers)
+            return PARKED_PRIOR_S if measured is None else measured
+        return self._median(self.node_load_s, node_id, model, peers)
+
+    @staticmethod
+    def _median(measure: Callable[[str, str], float | None], node_id: str, model: str,
+                peers: Iterable[str]) -> float | None:
+        """`measure` of the node, else the median of its peers' that have one."""
+        own = measure(node_id, model)
+        if own is not None:
+            return own
+        theirs = [s for s in (measure(p, model) for p in peers if p != node_id) if s is not None]
+        return statistics.median(theirs) if theirs else None
 
     def _parked_s(self, node_id: str, model: str) -> float | None:
         """The median of the node's recent loads of `model` that adopted a parked worker."""
