@@ -333,7 +333,7 @@ class ClusterPlacement:
                     {"t": "describe", "model": record.uid, "path": path, "engine": engine_for(record.kind, kind),
                      "context_window": record.context_length,
                      # what a load would ask for: the agent builds that instance ahead and parks it
-                     "max_num_seqs": self.settings.max_batch, "exact_moves": self.settings.exact_moves},
+                     "max_num_seqs": self.cluster.config.max_batch, "exact_moves": self.settings.exact_moves},
                     CALL_TIMEOUT_S)
             except (ApiError, AgentCallError, AgentDown) as exc:
                 if front is not None:  # the kinds described so far serve; this one is left out
@@ -456,36 +456,32 @@ class ClusterPlacement:
             return
         if self.formats is not None:
             self.formats.ensure(model)
-        self._first_copy(ModelFormat.of(model), then_describe=model)
+        self._spawn(self._first_copy_then_describe(model), f"first copy {ModelFormat.of(model).key}")
 
     def _format_ready(self, model: ModelRecord, kind: str) -> None:
         """A format prepared for `kind` is ready: it joins the parameter pool (its first host
         copy on a node of that kind); the model's next request describes it there too."""
-        self._first_copy(ModelFormat.of(model, kind))
+        fmt = ModelFormat.of(model, kind)
+        self._spawn(self._first_copy(fmt), f"first copy {fmt.key}")
 
-    def _first_copy(self, fmt: ModelFormat, then_describe: ModelRecord | None = None) -> None:
-        """Place the first host copy of a model's format, in the background; then describe
-        `then_describe` (a model just registered) on its nodes: its shape, its tokenizer and
-        (CPU nodes) its first instance built and parked (mesh.agent.park_ahead) before its
-        first request, which would otherwise wait for all of that."""
-        weights = self.weights if self.weights is not None and self.weights.carries(fmt) else None
+    async def _first_copy(self, fmt: ModelFormat) -> None:
+        """Place the first host copy of a model's format (none without a weights plane)."""
+        if self.weights is None or not self.weights.carries(fmt):
+            return
+        try:
+            await self.weights.register(fmt)
+        except WeightsError as exc:  # the first request tries again
+            log.warning("placing the first host copy of %s (%s nodes) failed: %s", fmt.label, fmt.node_kind, exc)
 
-        async def place() -> None:
-            if weights is not None:
-                try:
-                    await weights.register(fmt)
-                except WeightsError as exc:  # the first request tries again
-                    log.warning("placing the first host copy of %s (%s nodes) failed: %s", fmt.label, fmt.node_kind,
-                                exc)
-            if then_describe is not None:
-                try:
-                    await self._model(then_describe)
-                except ApiError as exc:  # its first request describes it again, and says why it cannot
-                    log.warning("describing %s/%s at its registration failed: %s", then_describe.tenant,
-                                then_describe.name, exc.message)
-
-        if weights is not None or then_describe is not None:
-            self._spawn(place(), f"first copy {fmt.key}")
+    async def _first_copy_then_describe(self, model: ModelRecord) -> None:
+        """A model just registered: its first host copy, then its description on its nodes
+        (its shape, its tokenizer and, on CPU nodes, its first instance built and parked:
+        mesh.agent.park_ahead), all before its first request, which would otherwise wait for them."""
+        await self._first_copy(ModelFormat.of(model))
+        try:
+            await self._model(model)
+        except ApiError as exc:  # its first request describes it again, and says why it cannot
+            log.warning("describing %s/%s at its registration failed: %s", model.tenant, model.name, exc.message)
 
     async def forget_model(self, model_uid: str) -> None:
         # The cluster keeps the model's spec: requests for it still in flight are planned with it.
