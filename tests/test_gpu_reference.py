@@ -1,0 +1,98 @@
+"""The GPU roofline held against real GPUs (issue 35): the h200 and h100 entries are the fit of
+the committed probes, predict every probe point within 10%, and the A100 takes their mean."""
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+import pytest
+
+from mesh.agent.emulation import emulated_cold_start
+from mesh.perf.gpu_reference import (PROBE_DIR, PROBE_MODEL, PROBES, ProbeError, comparison_table, fit_device,
+                                     load_probe, predicted_s, read_probe)
+from mesh.perf.model import PerformanceModel
+from mesh.perf.profile import reference_profile
+from mesh.perf.roofline import ARCHITECTURES, FITTED_GPUS, HARDWARE, VLLM_STEP_OVERHEAD_S, decode_seconds
+from mesh.policy.placement import ColdStart
+
+DOCS = Path(__file__).resolve().parents[1] / "docs" / "roofline.md"
+FIELDS = ("eff_gemm", "eff_attn", "eff_bw", "eff_kv", "device_overhead_s", "host_to_device_bytes_per_s",
+          "host_to_device_pageable_bytes_per_s")
+
+
+@pytest.mark.parametrize("device", FITTED_GPUS)
+def test_refitting_the_committed_probe_gives_the_committed_entry(device: str) -> None:
+    fit, hw = fit_device(device), HARDWARE[device]
+    assert {f: getattr(hw, f) for f in FIELDS} == asdict(fit)
+    assert hw.engine_overhead_s == VLLM_STEP_OVERHEAD_S
+
+
+@pytest.mark.parametrize("device", FITTED_GPUS)
+def test_the_entry_predicts_every_probe_point_within_10_percent(device: str) -> None:
+    arch, hw, probe = ARCHITECTURES[PROBE_MODEL], HARDWARE[device], load_probe(device)
+    kinds = {p.kind for p in probe.points}
+    assert kinds == {"decode", "prefill"} and len(probe.points) >= (12 if device == "h200" else 10)
+    for p in probe.points:
+        assert predicted_s(arch, hw, p) == pytest.approx(p.seconds, rel=0.10), p
+
+
+def test_the_probe_reads_every_default_backend_point_of_the_h200_json() -> None:
+    raw = json.loads((PROBE_DIR / PROBES["h200"]).read_text())
+    decodes = [d for d in raw["decode"] if "sdpa_backend" not in d]
+    probe = load_probe("h200")
+    assert [(p.batch, p.tokens) for p in probe.points if p.kind == "decode"] == [(d["B"], d["context"]) for d in decodes]
+    assert [p.tokens for p in probe.points if p.kind == "prefill"] == [p["L"] for p in raw["prefill"]]
+    assert probe.pinned_bytes_per_s == pytest.approx(13.5e9 / min(raw["h2d"]["pinned_whole_s"] + raw["h2d"]["pinned_chunked_s"]))
+
+
+def test_the_a100_takes_the_mean_of_the_two_fits_and_its_own_peaks() -> None:
+    a100 = HARDWARE["a100-80gb"]
+    for name in ("eff_gemm", "eff_attn", "eff_bw", "eff_kv", "device_overhead_s"):
+        mean = sum(getattr(HARDWARE[d], name) for d in FITTED_GPUS) / len(FITTED_GPUS)
+        assert getattr(a100, name) == float(f"{mean:.3g}"), name
+    assert (a100.peak_flop_per_s, a100.peak_bytes_per_s) == (312e12, 2039e9)
+    assert a100.engine_overhead_s == VLLM_STEP_OVERHEAD_S
+    assert a100.host_to_device_bytes_per_s == ColdStart().pcie_bytes_per_s  # PCIe 4.0 x16, assumed
+
+
+def test_a_profile_step_is_the_gpu_side_plus_vllms_step() -> None:
+    arch, hw = ARCHITECTURES["llama-2-7b"], HARDWARE["h200"]
+    model = PerformanceModel(reference_profile("llama-2-7b", "h200"))
+    gpu_side = decode_seconds(arch, hw, 16, 512, engine=False)
+    assert model.decode_s(16, 512) == pytest.approx(gpu_side + VLLM_STEP_OVERHEAD_S, rel=1e-5)
+    # the H200 is faster than the A100 at every grid point of the 7B decode
+    a100 = reference_profile("llama-2-7b", "a100-80gb")
+    h200 = reference_profile("llama-2-7b", "h200")
+    assert all(h < a for hr, ar in zip(h200.decode_s, a100.decode_s) for h, a in zip(hr, ar))
+
+
+def test_a_tiny_or_incomplete_probe_is_refused_with_its_name() -> None:
+    raw = json.loads((PROBE_DIR / PROBES["h100"]).read_text())
+    with pytest.raises(ProbeError, match="tiny.json.*not the llama-2-7b shape"):
+        read_probe({**raw, "tiny": True}, "tiny.json")
+    with pytest.raises(ProbeError, match="partial.json: no 'h2d'"):
+        read_probe({k: v for k, v in raw.items() if k != "h2d"}, "partial.json")
+    with pytest.raises(ProbeError, match="no committed probe for 'a100-80gb'"):
+        load_probe("a100-80gb")
+
+
+def test_gpu_cold_starts_copy_at_the_devices_pinned_bandwidth() -> None:
+    weights = reference_profile("llama-2-7b", "h200").weight_bytes
+    h200 = emulated_cold_start(["xeon-6462c", "h200"])
+    assert h200.load_s(weights, "gpu") == pytest.approx(weights / 55.3e9)  # 0.244 s, as the probe's 13.5 GB copy
+    assert load_probe("h200").pinned_bytes_per_s == pytest.approx(55.3e9, rel=1e-3)
+    assert emulated_cold_start(["a100-80gb"]).pcie_bytes_per_s == 25e9
+    assert emulated_cold_start(["h200", "a100-80gb"]).pcie_bytes_per_s == 25e9  # the slowest GPU's
+
+
+def test_docs_tables_are_current() -> None:
+    text = DOCS.read_text()
+    for device in FITTED_GPUS:
+        assert comparison_table(device) in text, device
+    for name in ("device_overhead_s", "engine_overhead_s"):
+        row = re.search(rf"\| `{name}` \|(.*)\|", text)
+        assert row is not None, name
+        for hw in HARDWARE.values():
+            assert f"{getattr(hw, name) * 1e3:g} ms" in row.group(1), (name, hw.device)
