@@ -96,3 +96,59 @@ def test_docs_tables_are_current() -> None:
         assert row is not None, name
         for hw in HARDWARE.values():
             assert f"{getattr(hw, name) * 1e3:g} ms" in row.group(1), (name, hw.device)
+
+
+# --- the probe, brought into the project (mesh calibrate --gpu-reference) -------------------
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _torch_python() -> str | None:
+    """An interpreter with PyTorch (the vLLM environment's, where set up), else None."""
+    import os
+    import subprocess
+
+    for python in (os.environ.get("MESH_VLLM_PYTHON"), str(ROOT / ".venv-vllm" / "bin" / "python")):
+        if python and Path(python).exists():
+            if subprocess.run([python, "-c", "import torch"], capture_output=True).returncode == 0:
+                return python
+    return None
+
+
+def test_gpu_reference_without_pytorch_says_what_it_needs(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from mesh.commands.calibrate import gpu_reference
+
+    missing = tmp_path / "no-python"
+    assert gpu_reference(str(tmp_path / "out.json"), str(missing)) == 2
+    err = capsys.readouterr().err
+    assert "needs PyTorch" in err and "--python" in err
+    assert not (tmp_path / "out.json").exists()
+
+
+@pytest.mark.slow
+def test_gpu_reference_refuses_a_machine_without_a_gpu_and_its_tiny_run_writes_the_probes_format(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The real probe in an interpreter with PyTorch (CPU build here): refused without a GPU;
+    --quick runs its tiny configuration on the CPU into a JSON of the committed probes' format,
+    which the fit refuses as not the 7B shape."""
+    from mesh.commands.calibrate import gpu_reference
+
+    python = _torch_python()
+    if python is None:
+        pytest.skip("no interpreter with PyTorch (.venv-vllm, $MESH_VLLM_PYTHON)")
+    out = tmp_path / "probe.json"
+    import subprocess
+
+    if subprocess.run([python, "-c", "import torch, sys; sys.exit(torch.cuda.is_available())"]).returncode == 0:
+        assert gpu_reference(str(out), python) == 2
+        assert "no CUDA GPU" in capsys.readouterr().err and not out.exists()
+    assert gpu_reference(str(out), python, tiny=True) == 0
+    tiny = json.loads(out.read_text())
+    committed = json.loads((PROBE_DIR / PROBES["h100"]).read_text())
+    assert tiny["tiny"] is True and tiny["errors"] == []
+    for section in ("config", "info", "h2d", "micro", "model", "prefill", "decode"):
+        assert section in tiny, section
+    assert set(tiny["decode"][0]) >= {"B", "context", "kv_bytes", "graph"}
+    assert set(tiny["prefill"][0]) >= {"L", "median_s"} and set(tiny["config"]) == set(committed["config"])
+    with pytest.raises(ProbeError, match="not the llama-2-7b shape"):
+        read_probe(tiny, str(out))
