@@ -11,8 +11,9 @@ Peaks are datasheet numbers. The efficiency factors (fractions of peak reached) 
 device's per-iteration overhead of the h200 and h100 entries are fitted to probes of those
 GPUs (mesh.perf.gpu_reference); the A100 takes their mean; the CPU's are fitted to what
 LLM-Mesh 3.1 states about the CPU (tests/test_roofline.py holds the packaged profiles to
-those statements). Each GPU step adds vLLM's own per-step time (VLLM_STEP_OVERHEAD_S). Grids follow LLM-Mesh 5.2: powers of two,
-prompt lengths 16..max_context, batch sizes 1..256, context lengths 16..max_context.
+those statements). Each GPU step adds vLLM's own per-step time (VLLM_STEP_OVERHEAD_S).
+Grids follow LLM-Mesh 5.2: powers of two, prompt lengths 16..max_context, batch sizes
+1..256, context lengths 16..max_context.
 
 Run `python -m mesh.perf.roofline` to regenerate mesh/perf/profiles/*.json.
 """
@@ -23,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from mesh.perf.memory import GIB
 from mesh.perf.profile import Profile, profile_from_dict, save_profile
 
 DTYPE_BYTES = 2  # 16-bit weights and KV cache (LLM-Mesh 3.1, 8.1)
@@ -110,11 +112,6 @@ class Hardware:
     host_to_device_bytes_per_s: float | None = None  # pinned host memory -> device: a GPU cold start
     host_to_device_pageable_bytes_per_s: float | None = None  # the same from pageable host memory
 
-    @property
-    def overhead_s(self) -> float:
-        """Everything an iteration pays beyond the roofline: the device's and the engine's."""
-        return self.device_overhead_s + self.engine_overhead_s
-
 
 ARCHITECTURES: dict[str, Architecture] = {
     a.name: a
@@ -127,7 +124,6 @@ ARCHITECTURES: dict[str, Architecture] = {
     )
 }
 
-GIB = 2**30
 # vLLM's own work per step on the host (scheduling, input preparation, sampling, output
 # processing), not overlapped with the GPU in Mesh's engine, which calls LLMEngine.step()
 # once per iteration (docs/vllm.md). Assumed, from two sources (docs/roofline.md): vLLM's
