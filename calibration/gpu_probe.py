@@ -62,7 +62,8 @@ def configure(tiny: bool, deadline: float) -> None:
         GEMM_B, GEMM_K, GEMM_N = [1, 16, 256, 2048, 8192], 4096, 11008
         REPS, PREFILL_REPS = 30, 5
     RESULT = {"tiny": TINY, "device_type": DEV.type, "torch": torch.__version__, "config": CFG,
-              "errors": [], "skipped": []}
+              "errors": [], "skipped": [], "created_by": "python -m calibration.gpu_probe",
+              "created_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
 
 
 configure(os.environ.get("PROBE_TINY") == "1", float(os.environ.get("PROBE_DEADLINE_S", "300")))
