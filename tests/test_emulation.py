@@ -113,6 +113,25 @@ def test_emulate_names_nodes_by_the_kind_their_device_profiles():
     assert byte_ids("hé") == [104, 195, 169]
 
 
+def test_emulate_accepts_the_probed_h200_and_h100_with_their_memory_and_host_link():
+    """`mesh serve --emulate h200:1,h100:2` (issue 35): GPU nodes with each device's memory,
+    its profiles' times, and a cold start at its measured pinned host-to-GPU bandwidth."""
+    from mesh.perf.roofline import HARDWARE
+
+    nodes, devices = emulated_nodes("h200:1,h100:2")
+    assert [(n.node_id, n.kind, n.memory_bytes) for n in nodes] == [
+        ("gpu-0", "gpu", HARDWARE["h200"].memory_bytes), ("gpu-1", "gpu", HARDWARE["h100"].memory_bytes),
+        ("gpu-2", "gpu", HARDWARE["h100"].memory_bytes)]
+    assert devices == {"gpu-0": "h200", "gpu-1": "h100", "gpu-2": "h100"}
+    assert nodes[0].memory_bytes > 139 * 2**30 and nodes[1].memory_bytes < 80 * 2**30
+    h200 = PerformanceModel(catalog_profile("llama-2-7b", "h200"))
+    h100 = PerformanceModel(catalog_profile("llama-2-7b", "h100"))
+    assert h200.decode_s(64, 2048) < h100.decode_s(64, 2048)  # 4.8 against 3.35 TB/s
+    engine = Emulation("h200", noise=0.0).engine("i1", "llama-2-7b", "t/m", 2048, 64, None)
+    assert engine.load_s == pytest.approx(engine.weight_bytes / 55.3e9)  # 0.24 s, not 25 GB/s's 0.54 s
+    assert [p.device for p in emulated_profiles("llama-2-13b", "h200:1,xeon-6462c:1")] == ["h200", "xeon-6462c"]
+
+
 def test_an_agent_refuses_emulated_models_unless_it_emulates():
     from mesh.agent.client import AgentCallError, AgentClient
     from mesh.agent.protocol import Code, InstanceSpec

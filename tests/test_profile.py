@@ -263,7 +263,8 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_reference_profiles_listed_and_loadable() -> None:
     pairs = reference_profiles()
     assert ("llama-2-7b", "xeon-6462c") in pairs and ("llama-2-13b", "a100-80gb") in pairs
-    assert len(pairs) == 7
+    assert ("llama-2-7b", "h200") in pairs and ("llama-3.2-3b", "h100") in pairs
+    assert len(pairs) == 13  # 4 models on the CPU, 3 on each of 3 GPUs
     for model, device in pairs:
         p = reference_profile(model, device)
         assert isinstance(p, Profile) and (p.model, p.device) == (model, device)

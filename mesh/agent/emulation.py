@@ -1,12 +1,14 @@
 """Emulated nodes: real node agents whose instances are emulated engines (engines.emulated).
 
-`mesh serve --emulate xeon-6462c:4,a100-80gb:4` starts one agent per node, each with
+`mesh serve --emulate xeon-6462c:4,a100-80gb:4` (or `h200:1`, `h100:2`) starts one agent per node, each with
 `python -m mesh.agent --emulate DEVICE`: the agent, its connection, its node runtime
 (token-level loop, memory subsystem, shadow validation) and the service's dispatcher and
 weights plane are the real ones; only the engines emulate. A node's kind and memory come
 from its device as in the replay: the kind its profiles give (a Xeon a CPU node, an A100 a
 GPU node), the memory the replay's cluster gives that kind (mesh.runtime.cluster.ClusterConfig:
-256 GiB of a CPU node, 80 GiB of a GPU).
+256 GiB of a CPU node, 80 GiB of a GPU), except a GPU whose roofline entry gives its own
+(mesh.perf.roofline.HARDWARE: an h200's 140 GiB). A GPU load copies the weights from pinned
+host memory at the device's host-to-GPU bandwidth (`emulated_cold_start`).
 
 An emulated model is a catalog name (`llama-2-7b`, ...): its instances take the sizes
 (weights, KV bytes per token, context) and iteration times of `catalog_profile(name, device)`,
@@ -19,11 +21,13 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Iterable
 
 from engines.emulated import EmulatedEngine, WallPace
 from engines.protocol import EngineError
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile, ProfileError, catalog_models, catalog_profile, device_kind
+from mesh.perf.roofline import HARDWARE, host_to_device_bytes_per_s
 from mesh.policy.placement import CPU, ColdStart
 from mesh.runtime.cluster import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BYTES, SIMULATED_NOISE
 from mesh.runtime.node import NodeSpec
@@ -58,11 +62,21 @@ class Emulation:
         p = self.profile(model)
         window = min(context_window or p.max_context, p.max_context)
         if load_s is None:
-            load_s = ColdStart().load_s(p.weight_bytes, p.device_kind)
+            load_s = emulated_cold_start([self.device], self.profile_dir).load_s(p.weight_bytes, p.device_kind)
         return EmulatedEngine(uid, PerformanceModel(p), kv_bytes_per_token=p.kv_bytes_per_token,
                               weight_bytes=p.weight_bytes, context_window=window, max_batch=max_batch,
                               load_s=load_s, noise=self.noise, pace=self.pace,
                               seed=zlib.crc32(f"{self.seed}:{instance_id}".encode()))
+
+
+def emulated_cold_start(devices: Iterable[str], profile_dir: str | Path | None = None, **kwargs: Any) -> ColdStart:
+    """The replay's cold-start model for nodes emulating `devices`: a GPU load copies the
+    weights from pinned host memory at the emulated GPU's measured (or assumed) bandwidth,
+    the slowest of them if they differ (mesh.perf.roofline.host_to_device_bytes_per_s);
+    `kwargs` go to ColdStart as they are."""
+    default = ColdStart().pcie_bytes_per_s
+    gpus = [host_to_device_bytes_per_s(d, default) for d in devices if device_kind(d, profile_dir) != CPU]
+    return ColdStart(pcie_bytes_per_s=min(gpus, default=default), **kwargs)
 
 
 def model_of_profile(profile: str | None) -> str | None:
@@ -100,10 +114,12 @@ def emulated_nodes(text: str, profile_dir: str | Path | None = None) -> tuple[li
     counts = {CPU: 0, "gpu": 0}
     for device, n in parse_emulate(text):
         kind = device_kind(device, profile_dir)
+        hw = HARDWARE.get(device)
+        bytes_ = hw.memory_bytes if hw is not None and hw.kind != CPU and hw.memory_bytes else memory[kind]
         for _ in range(n):
             node_id = f"{kind}-{counts[kind]}"
             counts[kind] += 1
-            nodes.append(NodeSpec(node_id, kind, memory[kind]))
+            nodes.append(NodeSpec(node_id, kind, bytes_))
             devices[node_id] = device
     return nodes, devices
 

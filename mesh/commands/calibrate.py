@@ -2,10 +2,15 @@
 
     mesh calibrate --engine openvino --model PATH [--quick] [--out FILE]
                    [--max-prompt N] [--max-batch B] [--max-context C] [--reps R] [--warmup W]
+    mesh calibrate --gpu-reference [--out FILE] [--python PY] [--quick]
 
 Grids of powers of two (LLM-Mesh 5.2) up to the limits, warm-up and timed repetitions per
 point, medians, a progress bar; interrupted runs resume from `<out>.state.json`. See
 docs/calibration.md.
+
+--gpu-reference runs the GPU probe instead (calibration/gpu_probe.py, docs/roofline.md "GPU
+reference"), where a CUDA GPU and PyTorch are: a Llama-2-7B-shaped decoder in PyTorch and the
+host-to-GPU copies, into the JSON that mesh.perf.gpu_reference fits the GPU roofline to.
 """
 from __future__ import annotations
 
@@ -14,6 +19,8 @@ import shlex
 import sys
 
 DEFAULT_ENGINE = "openvino"
+GPU_REFERENCE_OUT = "gpu-probe.json"
+_TORCH_CHECK = "import json, torch; print(json.dumps([torch.__version__, torch.cuda.is_available()]))"
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -21,8 +28,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                               description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--engine", default=DEFAULT_ENGINE, choices=("openvino", "vllm"),
                    help="engine to calibrate (default: openvino)")
-    p.add_argument("--model", required=True,
-                   help="GGUF file or OpenVINO IR folder ('demo' for the cached demo model)")
+    p.add_argument("--model", help="GGUF file or OpenVINO IR folder ('demo' for the cached demo model); "
+                                    "required unless --gpu-reference")
+    p.add_argument("--gpu-reference", action="store_true",
+                   help="run the GPU reference probe (needs PyTorch and a CUDA GPU) into --out "
+                        f"(default {GPU_REFERENCE_OUT}); with --quick, its tiny configuration, also on the CPU")
+    p.add_argument("--python", metavar="PY", help="--gpu-reference: the interpreter with PyTorch (default: this one)")
     p.add_argument("--name", help="model name in the profile (default: from the file name)")
     p.add_argument("--out", help="profile file to write (default: DATA/profiles/MODEL__DEVICE.json)")
     p.add_argument("--quick", action="store_true",
@@ -45,6 +56,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.gpu_reference:
+        return gpu_reference(args.out or GPU_REFERENCE_OUT, args.python or sys.executable, tiny=args.quick)
+    if not args.model:
+        print("mesh calibrate: --model is required (a GGUF file, an OpenVINO IR folder or 'demo'), "
+              "unless --gpu-reference", file=sys.stderr)
+        return 2
     from calibration.runner import FULL, QUICK, CalibrationError, Settings, calibrate, format_heldout, state_path_for
     from calibration.targets import make_target
     from mesh.modelfiles.demo import ModelFetchError
@@ -88,6 +105,41 @@ def run(args: argparse.Namespace) -> int:
           f"({report.measured_now} measured now, {report.resumed} resumed) in {report.seconds:.1f} s")
     print(f"wrote {report.out}")
     return 0
+
+
+def gpu_reference(out: str, python: str, tiny: bool = False) -> int:
+    """Run calibration/gpu_probe.py with `python`, after checking that it has PyTorch and
+    (unless `tiny`) sees a CUDA GPU; a clear message and exit 2 where it does not."""
+    import json
+    import os
+    import subprocess
+    from pathlib import Path
+
+    try:
+        done = subprocess.run([python, "-c", _TORCH_CHECK], capture_output=True, text=True, timeout=120)
+        version, cuda = json.loads(done.stdout.strip().splitlines()[-1]) if done.returncode == 0 else (None, False)
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError) as exc:
+        done, version, cuda = None, None, False
+        print(f"mesh calibrate: cannot run {python}: {exc}", file=sys.stderr)
+    if version is None:
+        why = (done.stderr.strip().splitlines() or ["no output"])[-1] if done is not None else "it did not run"
+        print(f"mesh calibrate --gpu-reference: needs PyTorch, and {python} cannot import torch ({why}). Run it "
+              "where a GPU and PyTorch are, or name an interpreter that has them with --python PATH.", file=sys.stderr)
+        return 2
+    if not cuda and not tiny:
+        print(f"mesh calibrate --gpu-reference: no CUDA GPU: torch {version} in {python} sees none "
+              "(torch.cuda.is_available() is False). The probe measures a GPU: run it on a machine with one "
+              "(--quick runs its tiny configuration on the CPU, to check the probe itself).", file=sys.stderr)
+        return 2
+    root = str(Path(__file__).resolve().parents[2])  # the checkout: calibration/ beside mesh/
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    command = [python, "-m", "calibration.gpu_probe", "--out", out] + (["--tiny"] if tiny else [])
+    rc = subprocess.run(command, env=env).returncode
+    if rc == 0:
+        print(f"wrote {out}; to fit the roofline to it, copy it into mesh/perf/gpu_reference/ and name it in "
+              "mesh.perf.gpu_reference.PROBES beside a HARDWARE entry with the GPU's datasheet peaks "
+              "(docs/roofline.md, 'GPU reference')", file=sys.stderr)
+    return rc
 
 
 def _model_path(model: str) -> str:

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.perf.profile import ProfileError
+from mesh.perf.roofline import host_to_device_bytes_per_s
 from mesh.policy.placement import ColdStart
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import (
@@ -85,7 +86,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--cpu-device", default=DEFAULT_CPU_DEVICE, help="CPU profile device (default: %(default)s)")
     cl.add_argument("--gpu-device", default=DEFAULT_GPU_DEVICE, help="GPU profile device (default: %(default)s)")
     cl.add_argument("--profiles", metavar="DIR", help="profiles <model>__<device>.json overriding the packaged ones")
-    cl.add_argument("--pcie-gbps", type=float, default=25.0, help="host-to-GPU weight load bandwidth, GB/s (default: %(default)s, PCIe 4.0 x16)")
+    cl.add_argument("--pcie-gbps", type=float, default=None,
+                    help="host-to-GPU weight load bandwidth from pinned host memory, GB/s (default: the GPU device's, "
+                         "docs/roofline.md: a100-80gb 25 (PCIe 4.0 x16, assumed), h100 54.6 and h200 55.3 (measured))")
     cl.add_argument("--cpu-load-gbps", type=float, default=50.0, help="CPU instance start-up pass over cached weights, GB/s (default: %(default)s)")
     cl.add_argument("--cold-starts", metavar="FILE", default=None,
                     help="take instances' loads from a measured cold-start table (JSON, format mesh-cold-starts/1, "
@@ -200,6 +203,8 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             measured = cold_start_times(json.loads(Path(args.cold_starts).read_text()))
         except (OSError, ValueError) as exc:
             raise ReplayInputError(f"--cold-starts {args.cold_starts}: {exc}") from None
+    if args.pcie_gbps is None:
+        args.pcie_gbps = host_to_device_bytes_per_s(args.gpu_device, ColdStart().pcie_bytes_per_s) / 1e9
     cold_start, engines = ColdStart(args.pcie_gbps * 1e9, args.cpu_load_gbps * 1e9, measured=measured), None
     if args.weights != "cached":
         try:

@@ -40,6 +40,7 @@ from typing import Any
 import aiohttp
 
 from engines.protocol import DEFAULT_CONTEXT_CAP
+from mesh.agent.emulation import emulated_cold_start
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.modelfiles.demo import ModelFetchError
 from mesh.perf.profile import load_profile
@@ -105,7 +106,7 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     (base,) = catalog
     extra: dict[str, Any] = {} if margin is None else {"margin": margin}
     if shape.devices:  # emulated nodes: the replay's cold start, the service's instances' batch limit
-        cold_start = ColdStart()
+        cold_start = emulated_cold_start(shape.devices.values(), args.profiles)
         extra["max_batch"] = PlacementSettings().max_batch
     else:
         bps = cold_start_bytes_per_s(catalog[base].profiles[CPU].weight_bytes, cold_start_s or args.cold_start_s)

@@ -2,15 +2,18 @@
 
 One iteration costs
 
-    time = max(compute, memory) + overhead
+    time = max(compute, memory) + device_overhead + engine_overhead
     compute = weight-matmul FLOPs / (peak * eff_gemm) + attention FLOPs / (peak * eff_attn)
     memory  = (weight bytes + KV bytes read) / (bandwidth * eff_bw)
               ... with KV bytes read at bandwidth * eff_kv, KV bytes written at eff_bw
 
-Peaks are datasheet numbers; the efficiency factors (fractions of peak reached) are chosen
-to be plausible and fitted to what LLM-Mesh 3.1 states about the CPU (tests/test_roofline.py
-holds the packaged profiles to those statements). Grids follow LLM-Mesh 5.2: powers of two,
-prompt lengths 16..max_context, batch sizes 1..256, context lengths 16..max_context.
+Peaks are datasheet numbers. The efficiency factors (fractions of peak reached) and the
+device's per-iteration overhead of the h200 and h100 entries are fitted to probes of those
+GPUs (mesh.perf.gpu_reference); the A100 takes their mean; the CPU's are fitted to what
+LLM-Mesh 3.1 states about the CPU (tests/test_roofline.py holds the packaged profiles to
+those statements). Each GPU step adds vLLM's own per-step time (VLLM_STEP_OVERHEAD_S).
+Grids follow LLM-Mesh 5.2: powers of two, prompt lengths 16..max_context, batch sizes
+1..256, context lengths 16..max_context.
 
 Run `python -m mesh.perf.roofline` to regenerate mesh/perf/profiles/*.json.
 """
@@ -21,6 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
+from mesh.perf.memory import GIB
 from mesh.perf.profile import Profile, profile_from_dict, save_profile
 
 DTYPE_BYTES = 2  # 16-bit weights and KV cache (LLM-Mesh 3.1, 8.1)
@@ -100,8 +104,13 @@ class Hardware:
     eff_attn: float  # fraction of peak_flop_per_s for attention (QK^T, AV)
     eff_bw: float  # fraction of peak_bytes_per_s streaming weights
     eff_kv: float  # fraction of peak_bytes_per_s reading the paged KV cache
-    overhead_s: float  # fixed per iteration: framework, scheduling, kernel launches
+    device_overhead_s: float  # fixed per iteration on the device: the small kernels and gaps left out above
+    engine_overhead_s: float  # fixed per iteration in the engine: scheduling, input preparation, sampling
     peak_note: str
+    origin: str = ""  # where the factors come from (docs/roofline.md has each number's source)
+    memory_bytes: int = 0  # device memory; 0: the replay's default for its kind (mesh.runtime.cluster)
+    host_to_device_bytes_per_s: float | None = None  # pinned host memory -> device: a GPU cold start
+    host_to_device_pageable_bytes_per_s: float | None = None  # the same from pageable host memory
 
 
 ARCHITECTURES: dict[str, Architecture] = {
@@ -115,7 +124,55 @@ ARCHITECTURES: dict[str, Architecture] = {
     )
 }
 
+# vLLM's own work per step on the host (scheduling, input preparation, sampling, output
+# processing), not overlapped with the GPU in Mesh's engine, which calls LLMEngine.step()
+# once per iteration (docs/vllm.md). Assumed, from two sources (docs/roofline.md): vLLM's
+# v0.6.0 performance post (blog.vllm.ai, 2024-09-05: on one H100 with Llama-3-8B, v0.5.3
+# spent 29% of its time scheduling and preparing inputs against 38% on the GPU) and vLLM
+# 0.32's step measured here on its CPU build (docs/vllm.md: 1.8-2.5 ms in-process for the
+# tiny Llama, its forward pass included).
+VLLM_STEP_OVERHEAD_S = 0.002
+FITTED_GPUS = ("h200", "h100")  # entries whose GPU-side factors mesh.perf.gpu_reference fits
+
 HARDWARE: dict[str, Hardware] = {
+    "h200": Hardware(
+        device="h200",
+        kind="gpu",
+        description="NVIDIA H200 SXM, 141 GB HBM3e",
+        engine="vllm",
+        peak_flop_per_s=989e12,
+        peak_bytes_per_s=4.8e12,
+        eff_gemm=0.583,
+        eff_attn=0.35,
+        eff_bw=0.752,
+        eff_kv=0.882,
+        device_overhead_s=0.00152,
+        engine_overhead_s=VLLM_STEP_OVERHEAD_S,
+        peak_note="datasheet: 989 TFLOPS bf16 dense tensor core, 4.8 TB/s HBM3e",
+        origin="GPU side fitted to mesh/perf/gpu_reference/gpu-h200-probe.json (mesh.perf.gpu_reference)",
+        memory_bytes=150_109_880_320,  # torch's total_memory in the probe
+        host_to_device_bytes_per_s=55.3e9,
+        host_to_device_pageable_bytes_per_s=6.97e9,
+    ),
+    "h100": Hardware(
+        device="h100",
+        kind="gpu",
+        description="NVIDIA H100 80GB HBM3 (SXM5)",
+        engine="vllm",
+        peak_flop_per_s=989e12,
+        peak_bytes_per_s=3.35e12,
+        eff_gemm=0.573,
+        eff_attn=0.457,
+        eff_bw=0.766,
+        eff_kv=0.929,
+        device_overhead_s=0.00146,
+        engine_overhead_s=VLLM_STEP_OVERHEAD_S,
+        peak_note="datasheet: 989 TFLOPS bf16 dense tensor core, 3.35 TB/s HBM3",
+        origin="GPU side fitted to mesh/perf/gpu_reference/gpu-h100-probe.json (mesh.perf.gpu_reference)",
+        memory_bytes=85_017_493_504,  # torch's total_memory in the probe
+        host_to_device_bytes_per_s=54.6e9,
+        host_to_device_pageable_bytes_per_s=8.31e9,
+    ),
     "a100-80gb": Hardware(
         device="a100-80gb",
         kind="gpu",
@@ -123,12 +180,17 @@ HARDWARE: dict[str, Hardware] = {
         engine="vllm",
         peak_flop_per_s=312e12,
         peak_bytes_per_s=2039e9,
-        eff_gemm=0.60,
-        eff_attn=0.50,
-        eff_bw=0.80,
-        eff_kv=0.70,
-        overhead_s=0.004,
+        # the mean of the h200 and h100 fits: not measured on an A100 (docs/roofline.md)
+        eff_gemm=0.578,
+        eff_attn=0.403,
+        eff_bw=0.759,
+        eff_kv=0.905,
+        device_overhead_s=0.00149,
+        engine_overhead_s=VLLM_STEP_OVERHEAD_S,
         peak_note="datasheet: 312 TFLOPS bf16 dense tensor core, 2039 GB/s HBM2e",
+        origin="GPU side: the mean of the h200 and h100 fits, assumed to carry over to the A100",
+        memory_bytes=80 * GIB,
+        host_to_device_bytes_per_s=25e9,  # PCIe 4.0 x16 with pinned memory, assumed (mesh.policy.placement.ColdStart)
     ),
     "xeon-6462c": Hardware(
         device="xeon-6462c",
@@ -141,11 +203,13 @@ HARDWARE: dict[str, Hardware] = {
         eff_attn=0.03,
         eff_bw=0.65,
         eff_kv=0.59,
-        overhead_s=0.005,
+        device_overhead_s=0.0,
+        engine_overhead_s=0.005,
         peak_note=(
             "32 cores x 3.3 GHz x 1024 bf16 FLOP/cycle/core (AMX TMUL, the commonly cited "
             "figure) = 108.1 TFLOPS; 8 channels x 4800 MT/s x 8 bytes = 307.2 GB/s"
         ),
+        origin="fitted to the CPU statements of LLM-Mesh 3.1, not measured",
     ),
 }
 
@@ -159,21 +223,37 @@ REFERENCE_PAIRS: tuple[tuple[str, str], ...] = (
     ("llama-2-13b", "a100-80gb"),
     ("llama-2-13b", "xeon-6462c"),
     ("codestral-22b", "xeon-6462c"),
+    ("llama-3.2-3b", "h200"),
+    ("llama-2-7b", "h200"),
+    ("llama-2-13b", "h200"),
+    ("llama-3.2-3b", "h100"),
+    ("llama-2-7b", "h100"),
+    ("llama-2-13b", "h100"),
 )
 
 
+def host_to_device_bytes_per_s(device: str, default: float) -> float:
+    """Host-to-GPU bandwidth of a GPU cold start on `device`, from pinned host memory (the
+    paper's setup: ServerlessLLM's loader, LLM-Mesh 8.1): the HARDWARE entry's (measured on
+    h200 and h100, assumed on the A100), else `default` for a device it does not know."""
+    hw = HARDWARE.get(device)
+    found = hw.host_to_device_bytes_per_s if hw is not None else None
+    return found if found is not None else default
+
+
 def _time(hw: Hardware, gemm_flops: float, attn_flops: float, weight_bytes: float,
-          kv_read: float, kv_write: float) -> float:
-    """Roofline: the slower of compute and memory traffic, plus the fixed overhead."""
+          kv_read: float, kv_write: float, engine: bool) -> float:
+    """Roofline: the slower of compute and memory traffic, plus the device's fixed overhead,
+    plus the engine's when `engine` (False: the device's side alone, what a probe measures)."""
     flops = hw.peak_flop_per_s
     compute = gemm_flops / (flops * hw.eff_gemm) + attn_flops / (flops * hw.eff_attn)
     bw = hw.peak_bytes_per_s
     memory = (weight_bytes + kv_write) / (bw * hw.eff_bw) + kv_read / (bw * hw.eff_kv)
-    return max(compute, memory) + hw.overhead_s
+    return max(compute, memory) + hw.device_overhead_s + (hw.engine_overhead_s if engine else 0.0)
 
 
-def prefill_seconds(arch: Architecture, hw: Hardware, prompt_len: int) -> float:
-    """One prefill iteration of a single prompt of `prompt_len` tokens."""
+def prefill_seconds(arch: Architecture, hw: Hardware, prompt_len: int, engine: bool = True) -> float:
+    """One prefill iteration of a single prompt of `prompt_len` tokens (`engine`: see _time)."""
     if prompt_len < 1:
         raise ValueError(f"prompt_len must be at least 1, got {prompt_len}")
     # Every prompt token through every layer; logits only for the last token.
@@ -181,10 +261,10 @@ def prefill_seconds(arch: Architecture, hw: Hardware, prompt_len: int) -> float:
     # Causal attention: token i attends to i tokens; QK^T and AV, 2 FLOPs a multiply-add.
     attn = 4.0 * arch.layers * arch.heads * arch.head_dim * prompt_len * (prompt_len + 1) / 2
     kv_write = prompt_len * arch.kv_bytes_per_token
-    return _time(hw, gemm, attn, arch.streamed_weight_bytes, 0.0, kv_write)
+    return _time(hw, gemm, attn, arch.streamed_weight_bytes, 0.0, kv_write, engine)
 
 
-def decode_seconds(arch: Architecture, hw: Hardware, batch: int, context: int) -> float:
+def decode_seconds(arch: Architecture, hw: Hardware, batch: int, context: int, engine: bool = True) -> float:
     """One decode iteration: `batch` requests, each with `context` tokens in its KV cache."""
     if batch < 1 or context < 1:
         raise ValueError(f"batch and context must be at least 1, got {batch}, {context}")
@@ -192,7 +272,7 @@ def decode_seconds(arch: Architecture, hw: Hardware, batch: int, context: int) -
     attn = 4.0 * arch.layers * arch.heads * arch.head_dim * context * batch
     kv_read = batch * context * arch.kv_bytes_per_token
     kv_write = batch * arch.kv_bytes_per_token
-    return _time(hw, gemm, attn, arch.streamed_weight_bytes, kv_read, kv_write)
+    return _time(hw, gemm, attn, arch.streamed_weight_bytes, kv_read, kv_write, engine)
 
 
 def _round(seconds: float) -> float:
@@ -236,10 +316,9 @@ def roofline_profile(arch: Architecture, hw: Hardware) -> Profile:
             "architecture": asdict(arch),
             "created_by": "python -m mesh.perf.roofline",
             "notes": (
-                "time = max(compute, memory) + overhead_s per iteration; efficiency factors "
-                "are fitted to the CPU statements of LLM-Mesh 3.1, not measured; see "
-                "docs/roofline.md. Grid points whose KV cache exceeds device memory are model "
-                "values only."
+                "time = max(compute, memory) + device_overhead_s + engine_overhead_s per "
+                f"iteration; factors: {hw.origin}; see docs/roofline.md. Grid points whose KV "
+                "cache exceeds device memory are model values only."
             ),
         },
     }

@@ -206,9 +206,12 @@ def keep_alive_expired(idle_since: float, now: float, keep_alive_s: float) -> bo
 class ColdStart:
     """Cold-start model (LLM-Mesh 4, 8.1: every model is cached in host memory).
 
-    - GPU node: weights copied host -> GPU over PCIe. Default 25 GB/s: PCIe 4.0 x16 is
-      32 GB/s raw per direction, about 25 GB/s effective with pinned memory (the A100's host
-      link; ServerlessLLM's loader reaches close to this bandwidth).
+    - GPU node: weights copied host -> GPU over PCIe from pinned host memory (ServerlessLLM's
+      loader, BlitzScale). Default 25 GB/s: PCIe 4.0 x16 is 32 GB/s raw per direction,
+      about 25 GB/s effective with pinned memory (the A100's host link, assumed). Callers
+      that know the GPU pass its figure (mesh.perf.roofline.host_to_device_bytes_per_s:
+      55.3 GB/s measured on an H200, 54.6 on an H100; pageable memory reaches 7-8 GB/s
+      there, docs/roofline.md "Cold start").
     - CPU node: weights already in that node's memory; the OpenVINO instance still maps and
       lays them out, modelled as one pass over the weights at 50 GB/s (a quarter of the
       node's ~200 GB/s effective DDR5 bandwidth, docs/roofline.md): 0.27 s for Llama-2-7B.

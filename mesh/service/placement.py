@@ -43,7 +43,7 @@ from typing import Any, Callable, Protocol
 
 from engines.protocol import EngineRequest
 from mesh.agent.client import AgentCallError, AgentDown
-from mesh.agent.emulation import PROFILE_PREFIX
+from mesh.agent.emulation import PROFILE_PREFIX, emulated_cold_start
 from mesh.agent.protocol import Code, InstanceSpec, slo_to_dict
 from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.perf.times import prior_profile
@@ -147,7 +147,7 @@ class ClusterPlacement:
         s = self.settings
         config = ClusterConfig(
             cpu_nodes=sum(n.kind == CPU for n in nodes), gpu_nodes=sum(n.kind == GPU for n in nodes),
-            cold_start=ColdStart(fixed_s=s.cold_start_s, net_bytes_per_s=DEFAULT_TRANSFER_BYTES_PER_S), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines,
+            cold_start=_cold_start(s), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines,
             max_batch=s.max_batch)
         self.cluster = Cluster(config)
         self.cluster.holds_copy = self._holds_copy
@@ -725,6 +725,15 @@ class ClusterPlacement:
                 "decision_times": d.stats.decision_times.snapshot(),  # seconds, log buckets (mesh.runtime.latency)
             },
         }
+
+
+def _cold_start(s: PlacementSettings) -> ColdStart:
+    """The service's cold-start model: on emulated nodes the replay's, with the emulated
+    GPU's host-to-GPU bandwidth (mesh.agent.emulation.emulated_cold_start)."""
+    kw: dict[str, Any] = {"fixed_s": s.cold_start_s, "net_bytes_per_s": DEFAULT_TRANSFER_BYTES_PER_S}
+    if s.agent.emulate:
+        return emulated_cold_start(set(s.agent.emulate.values()), s.agent.emulate_profiles, **kw)
+    return ColdStart(**kw)
 
 
 def _reason(detail: str) -> str:
