@@ -52,11 +52,14 @@ from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import profile_to_dict
 from mesh.perf.times import AdaptiveTimes
 from mesh.agent.protocol import (
+    MAX_BYTES,
     PROTOCOL_VERSION,
     READY_PREFIX,
     AdmitEntry,
     Code,
     DoneEvent,
+    count_field,
+    number_field,
     EvictedEvent,
     NodeEvent,
     InstanceEvent,
@@ -70,14 +73,16 @@ from mesh.agent.protocol import (
     read_frame,
     read_hello,
     slo_from_dict,
+    window,
 )
+
 from engines.background_prepare import BackgroundPreparer
 from engines.worker_process import die_with_parent, worker_env
 from engines.openvino_process import OpenVINOProcessEngine
 from engines.parking import ParkingLot
 from mesh.agent.park_ahead import ParkAhead
 from mesh.agent.tokenizers import TokenizerProcess
-from mesh.framing import ConnectionGate
+from mesh.framing import ConnectionGate, UndecodableFrame, is_message_id
 from mesh.perf.speed import MachineSpeed
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
@@ -247,7 +252,12 @@ class AgentServer:
         self._dispatch(first)
         try:
             while True:
-                message = await read_frame(reader)
+                try:
+                    message = await read_frame(reader)
+                except UndecodableFrame as exc:  # a whole frame that is no message: answered, the rest goes on
+                    log.warning("control connection from %s sent a message that does not decode: %s", peer, exc)
+                    self._refuse(exc.message_id, exc)
+                    continue
                 if message is None:
                     break
                 self._dispatch(message)
@@ -271,6 +281,9 @@ class AgentServer:
     def _dispatch(self, message: dict[str, Any]) -> None:
         kind = message.get("t")
         mid = message.get("id")
+        if mid is not None and not is_message_id(mid):  # no reply can name it: dropped
+            log.warning("a %s message with a bad id %.80r (an integer in [0, 2^63) expected) is dropped", kind, mid)
+            return
         handler = self._handlers.get(kind)
         try:
             if handler is None:
@@ -541,7 +554,7 @@ class AgentServer:
     async def _describe(self, m: dict[str, Any]) -> dict[str, Any]:
         engine = await self._front(m)
         shape = {"weight_bytes": engine.weight_bytes, "kv_bytes_per_token": engine.kv_bytes_per_token,
-                 "context_window": engine.context_window}
+                 "context_window": engine.context_window, "vocab_size": getattr(engine, "vocab_size", None)}
         if str(m.get("engine")) == EMULATED and self.emulation is not None:  # the dispatcher plans with it too
             shape["profile"] = profile_to_dict(self.emulation.profile(str(m.get("path"))))
         return shape
@@ -549,9 +562,12 @@ class AgentServer:
     async def _front(self, m: dict[str, Any]) -> Any:
         """The unloaded engine of the model at m's path (built once: it reads the model's
         shape and tokenizer, loads no weights)."""
-        spec = InstanceSpec("front", str(m.get("model") or "model"), str(m.get("path")),
-                            None if m.get("context_window") is None else int(m["context_window"]),
-                            engine=str(m.get("engine") or "openvino"))
+        try:
+            spec = InstanceSpec("front", str(m.get("model") or "model"), str(m.get("path")),
+                                window(m.get("context_window")), engine=str(m.get("engine") or "openvino"),
+                                max_num_seqs=count_field(m.get("max_num_seqs") or 64, "max_num_seqs", 1, 1 << 16))
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad {m.get('t')} message: {exc}") from exc
         self._check_engine(spec.engine)
         if spec.engine != EMULATED:
             self._check_path(spec.path)
@@ -571,7 +587,7 @@ class AgentServer:
                 built.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
                 # and the instance a load would build is built now and parked (mesh.agent.park_ahead)
                 ahead = InstanceSpec(f"ahead-{spec.model}", spec.model, spec.path, spec.context_window,
-                                     max_num_seqs=int(m.get("max_num_seqs") or 64),
+                                     max_num_seqs=spec.max_num_seqs,
                                      exact_moves=bool(m.get("exact_moves", False)))
                 self.ahead.schedule(ahead, lambda: self._prepared_after(built))
         return self.fronts[key]
@@ -725,14 +741,18 @@ class AgentServer:
         try:
             p = m["plan"]
             slo = slo_from_dict(p["slo"])
-            spec = InstanceSpec(str(p["instance_id"]), str(p["model"]), "", int(p["context_window"]),
-                                profile=p.get("profile"))
-            times = self._times(spec, int(p["weight_bytes"]))
-            plan = InstancePlan(spec.instance_id, spec.model, times, slo, int(p["kv_bytes_per_token"]),
-                                int(p["weight_bytes"]), int(p["context_window"]), int(p["context_window"]),
-                                int(p["max_batch"]), self._mean_output(spec.model, mean_output_from(p.get("mean_output"))),
-                                float(p["expected_load_s"]))
-        except (KeyError, TypeError, ValueError) as exc:
+            spec = InstanceSpec(str(p["instance_id"]), str(p["model"]), "",
+                                count_field(p["context_window"], "context_window", 1),
+                                profile=p.get("profile") if isinstance(p.get("profile"), str) else None)
+            weight_bytes = count_field(p["weight_bytes"], "weight_bytes", 0, MAX_BYTES)
+            times = self._times(spec, weight_bytes)
+            plan = InstancePlan(spec.instance_id, spec.model, times, slo,
+                                count_field(p["kv_bytes_per_token"], "kv_bytes_per_token", 0, MAX_BYTES), weight_bytes,
+                                spec.context_window, spec.context_window,
+                                count_field(p["max_batch"], "max_batch", 1, 1 << 16),
+                                self._mean_output(spec.model, mean_output_from(p.get("mean_output"))),
+                                number_field(p["expected_load_s"], "expected_load_s"))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad validate_new plan: {exc}") from exc
         except EngineError as exc:
             raise Reply(Code.BAD_REQUEST, str(exc)) from exc
