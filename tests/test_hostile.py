@@ -5,14 +5,18 @@ The deadlines are shortened (monkeypatch) so the suite stays fast; every wait ha
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
+import time
 
 import pytest
 
 from agent_doubles import TOKEN, WEIGHTS_TOKEN, use_simulated_engines
 from mesh import framing
 from mesh.agent.client import AgentClient
+from mesh.agent.protocol import InstanceSpec, sampling_to_dict
 from mesh.agent.server import AgentServer
+from engines.protocol import Sampling
 from mesh.framing import LENGTH, encode_frame
 from mesh.runtime.node import NodeSpec
 from mesh.weights.blocks import load_blocks, pack
@@ -133,6 +137,140 @@ def test_control_port_bounds_connections_waiting_for_their_hello(simulated):
             await server.close()
 
     asyncio.run(main())
+
+
+# ---- the agent protocol under hostile messages (issue 32) ---------------------------------------
+
+_TYPES = ("ping", "hello", "load", "unload", "tokenize", "admit", "abort", "stats", "weights_path", "weights_drop",
+          "validate", "validate_group", "validate_new", "take_back", "describe", "reply", "tokens", "nonsense")
+_FIELDS = ("instance_id", "model", "path", "context_window", "max_num_seqs", "engine", "slo", "profile", "requests",
+           "request", "plan", "prompt", "messages", "request_id", "tenant", "exclude", "why", "file", "manifest",
+           "mean_output", "expected_load_s", "emulated_load_s", "protocol", "token")
+_ENTRY_FIELDS = ("request_id", "instance_id", "prompt_token_ids", "sampling", "age_s", "done", "prompt_len",
+                 "compute", "first_token_age_s", "late_s", "max_tokens")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "stop", "seed", "ignore_eos")
+_PING_IDS = iter(range(2**62, 2**63))  # the test's own calls; hostile ids stay below 2^40
+
+
+def _hostile_strategies():
+    from hypothesis import strategies as st
+
+    scalar = (st.none() | st.booleans() | st.floats(allow_nan=True, allow_infinity=True)
+              | st.integers(-10**30, 10**30) | st.sampled_from([2**63, -2**63 - 1, 10**400, -1, 0, 2**31])
+              | st.text(max_size=12))
+    value = st.recursive(scalar, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids,
+                                                                                             max_size=3), max_leaves=8)
+    sampling = st.dictionaries(st.sampled_from(_SAMPLING_FIELDS), value, max_size=6)
+    entry = st.dictionaries(st.sampled_from(_ENTRY_FIELDS), value | sampling, max_size=len(_ENTRY_FIELDS))
+    fields = st.dictionaries(st.sampled_from(_FIELDS), value | entry | st.lists(entry, max_size=3), max_size=6)
+    mid = st.none() | st.integers(0, 2**40) | value
+    message = st.builds(lambda t, i, f: {**({"id": i} if i is not None else {}), "t": t, **f},
+                        st.sampled_from(_TYPES) | st.text(max_size=8) | value, mid, fields)
+    # as JSON that NaN and infinities and integers of any size may be written into, or bytes that are no JSON
+    structured = message.map(lambda m: json.dumps(m, allow_nan=True).encode())
+    deep = st.builds(lambda i, n, t: b'{"id":%d,"t":"%s","requests":' % (i, t.encode()) + b"[" * n + b"]" * n + b"}",
+                     st.integers(0, 2**40), st.integers(1, 200_000), st.sampled_from(_TYPES))
+    long_int = st.builds(lambda i, n: b'{"id":%d,"t":"admit","requests":[{"prompt_token_ids":[1%s]}]}' % (i, b"0" * n),
+                         st.integers(0, 2**40), st.integers(19, 6000))
+    raw = st.binary(max_size=64) | st.builds(lambda i, b: b'{"id":%d,' % i + b, st.integers(0, 2**40),
+                                             st.binary(max_size=32))
+    return structured | deep | long_int | raw
+
+
+class _RawControl:
+    """A control connection over a plain socket: frames out, replies and events in."""
+
+    def __init__(self, address: str) -> None:
+        import socket
+
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=WAIT)
+        self.decoder = framing.FrameDecoder("t")
+        self.seen: list[dict] = []
+
+    def send(self, body: bytes) -> None:
+        self.sock.sendall(LENGTH.pack(len(body)) + body)
+
+    def reply(self, mid: int) -> dict:
+        """The reply to `mid` (events and other replies are kept in `seen`); AssertionError
+        if the agent closes the connection first."""
+        while True:
+            for m in self.seen:
+                if m.get("t") == "reply" and m.get("re") == mid:
+                    self.seen.remove(m)
+                    return m
+            data = self.sock.recv(1 << 20)
+            assert data, "the agent closed the control connection"
+            self.seen.extend(self.decoder.feed(data))
+            del self.seen[:-1000]
+
+    def call(self, message: dict) -> dict:
+        mid = next(_PING_IDS)
+        self.send(json.dumps({"id": mid, **message}).encode())
+        return self.reply(mid)
+
+
+def test_no_hostile_message_costs_the_agent_its_connection(simulated):
+    """Property test of the agent protocol: messages with huge and negative numbers, NaN and
+    infinities, integers past any codec's range, nesting 200,000 deep, wrong types, missing
+    fields, unknown types and bytes that are no JSON, each sent on one real control
+    connection (a real AgentServer on 127.0.0.1). Each one with an id the agent can find
+    is answered; none closes the connection; a ping answers after each; and after them all
+    the node serves a well-behaved request to the end."""
+    import threading
+
+    from hypothesis import HealthCheck, given, settings
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = AgentServer(NodeSpec("n0", "cpu", 10**10), TOKEN, {"cores": 2}, load_roots=["/"])
+    address = asyncio.run_coroutine_threadsafe(server.serve("127.0.0.1:0"), loop).result(60)
+    conn = None
+    try:
+        conn = _RawControl(address)
+        assert conn.call({"t": "hello", "token": TOKEN})["ok"]
+        assert conn.call(InstanceSpec("i1", "m", "/nowhere", 256, engine="simulated").to_message())["ok"]
+        answered = {"ok": 0, "refused": 0, "unanswerable": 0}
+
+        @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(_hostile_strategies())
+        def one(body: bytes) -> None:
+            conn.send(body)
+            mid = framing.message_id(body)
+            if mid is not None and mid < 2**40:
+                reply = conn.reply(mid)
+                answered["ok" if reply["ok"] else "refused"] += 1
+            else:
+                answered["unanswerable"] += 1
+            assert conn.call({"t": "ping"})["ok"]
+
+        one()
+        print(f"hostile messages: {answered}")
+        assert answered["refused"] > 100 and answered["unanswerable"] > 0, answered
+        # the node still serves: a request admitted after them all runs to its end
+        entry = {"request_id": "good", "instance_id": "i1", "prompt_token_ids": [1, 2, 3], "age_s": 0,
+                 "sampling": sampling_to_dict(Sampling(max_tokens=4))}
+        for _ in range(100):  # the instance loads (simulated: 50 ms)
+            result = conn.call({"t": "admit", "requests": [entry]})["results"][0]
+            if result["ok"] or result["code"] != "not_ready":
+                break
+            time.sleep(0.05)
+        assert result["ok"], result
+        deadline = time.monotonic() + WAIT
+        while not any(m.get("t") == "done" and m.get("request_id") == "good" for m in conn.seen):
+            assert time.monotonic() < deadline, conn.seen[-5:]
+            conn.call({"t": "ping"})
+        done = next(m for m in conn.seen if m.get("t") == "done" and m.get("request_id") == "good")
+        assert done["outcome"] == "completed" and done["tokens_out"] == 4, done
+        assert server._writer is not None  # the connection it served all along
+    finally:
+        if conn is not None:
+            conn.sock.close()
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
 
 
 # ---- the weights port ------------------------------------------------------------------------
