@@ -24,8 +24,10 @@ Closed by default:
   anyone who can reach the port could otherwise load models and run requests.
 - `load` opens only files inside the agent's model folders: its weights folder
   (`--weights-dir`, default DATA/received/NODE_ID) and each `--models-root DIR` (the
-  embedded agents of `mesh serve` get the service's data folder, its --allowed-dir and the
-  demo model cache). A path elsewhere, or a symlink leading out, is refused as bad_request.
+  embedded agents of `mesh serve` get the service's data folder, its --allowed-dir, its
+  --profile-dir and the demo model cache). A path elsewhere, or a symlink leading out, is
+  refused as bad_request; so is a `profile` (a calibration file) outside them.
+- Every file it creates is its user's only: the agent sets umask 077 at start.
 - An unexpected exception in a handler answers that message with `failed` and leaves the
   connection and every other request as they were.
 """
@@ -129,6 +131,8 @@ class AgentServer:
         if weights is not None and spec.kind == "cpu":
             weights.on_saved = self._received
         self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
+        if weights is not None:  # it sends, as a multicast's source, only files `load` may open
+            weights.source_roots = self.load_roots
         self.token = token
         self.cpu = cpu or {}
         self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True, deadlines=deadlines,
@@ -618,6 +622,8 @@ class AgentServer:
         profile on this device (the profile its engine keeps), else mesh.agent.engines'."""
         name = model_of_profile(spec.profile)
         if name is None:
+            if spec.profile:  # a calibration file: read only from the agent's own folders, as models are
+                self._check_path(spec.profile)
             return iteration_times(spec, weight_bytes)
         if self.emulation is None:
             raise EngineError(f"node {self.spec.node_id} does not emulate: it has no times for {spec.profile}")
@@ -1040,5 +1046,6 @@ def main(argv: list[str] | None = None) -> int:
                              f"instance fails and its worker is killed; its requests move (default {HUNG_MIN_S:g})")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # received weights, parked builds, logs: this user's only (a standalone agent too)
     logging.basicConfig(level=args.log_level, format=f"agent {args.node_id}: %(levelname)s %(message)s")
     return asyncio.run(_amain(args))

@@ -205,8 +205,10 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     weights_token = os.environ.get("MESH_WEIGHTS_TOKEN") or secrets.token_urlsafe(24)  # remote agents need it set
     from mesh.modelfiles.demo import models_dir
 
-    # Where registered models can be: uploads and node copies (data folder), --allowed-dir, the demo cache.
-    roots = (str(data_dir), *([str(config.allowed_dir)] if config.allowed_dir else []), str(models_dir()))
+    # Where registered models can be: uploads and node copies (data folder), --allowed-dir, the demo cache;
+    # and the calibration profiles agents read (--profile-dir). Agents open no file elsewhere.
+    roots = (str(data_dir), *([str(config.allowed_dir)] if config.allowed_dir else []), str(models_dir()),
+             *([str(config.profile_dir)] if config.profile_dir else []))
     nodes = detect_local_nodes(memory, config.cpu_nodes) if config.ray is None else []  # Ray: agents on its nodes
     emulated: dict[str, str] = {}  # node id -> the device it emulates (mesh serve --emulate)
     if config.emulate:
@@ -235,7 +237,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         return LocalAgent(spec, *callbacks)
 
     def weights(agents: dict) -> WeightsPlane:  # host copies: up to each node's memory budget, on its disk
-        return WeightsPlane(agents, WeightsSettings(plan=config.weights_plan, token=weights_token))
+        return WeightsPlane(agents, WeightsSettings(plan=config.weights_plan, token=weights_token, source_roots=roots))
 
     formats = FormatPreparer(registry, data_dir, enabled=config.prepare_formats)
     placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights, formats=formats)
