@@ -544,8 +544,9 @@ def test_uploads_are_capped_by_the_quota_left_and_refuse_encodings(simulated, tm
     from mesh.service import uploads
 
     async def main():
-        async with Http(tmp_path, tmp_path, max_uploads_per_tenant=1) as api:
+        async with Http(tmp_path, tmp_path, max_uploads_per_tenant=1, max_uploads=1) as api:
             key = await api.tenant("a")
+            key_b = await api.tenant("b")
             assert (await api.call("PUT", "/admin/tenants/a/quota", ADMIN, {"model_bytes": 2 << 20}))[0] == 200
             octet = {"Content-Type": "application/octet-stream"}
             q = "/v1/models?name=up&sha256=" + "0" * 64
@@ -581,6 +582,10 @@ def test_uploads_are_capped_by_the_quota_left_and_refuse_encodings(simulated, tm
                 await asyncio.sleep(0.01)
             status, err = await api.call("POST", q.replace("name=up", "name=up2"), key, data=b"GGUF", headers=octet)
             assert status == 429 and err["error"]["code"] == "too_many_uploads"
+            # and one bound for all tenants (max_uploads, 1 here): another tenant's is a 429 too
+            status, err = await api.call("POST", q, key_b, data=b"GGUF", headers=octet)
+            assert status == 429 and err["error"]["code"] == "too_many_uploads", err
+            assert "The server is receiving 1 uploads" in err["error"]["message"]
             gate.set()
             assert (await asyncio.wait_for(first, WAIT))[0] == 400  # its checksum does not match
             # a full disk: a 507, and the partial file is removed

@@ -17,7 +17,7 @@ drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
 deadlines, policy, cold_start_s, exact_moves, prepare_formats, emulate, watchdog_min_s (and
 the HTTP limits: http_head_timeout_s, http_body_timeout_s, max_connections,
-max_connections_per_client, max_uploads_per_tenant).
+max_connections_per_client, max_uploads_per_tenant, max_uploads).
 
 `watchdog_min_s` (default 30; `mesh serve --watchdog-min-s`): the node agents' engine
 watchdog fails an instance whose iteration runs past max(this, 20 x its predicted time)
@@ -120,6 +120,7 @@ class ServeConfig:
     max_connections: int = MAX_CONNECTIONS  # open HTTP connections in all (mesh.service.limits)
     max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT  # ...from one client address
     max_uploads_per_tenant: int = 2  # uploads one tenant may stream at once
+    max_uploads: int = 8  # uploads all tenants together may stream at once (disk and CPU for their sha256)
     watchdog_min_s: float = 30.0  # the engine watchdog's floor (mesh.runtime.node.HUNG_MIN_S)
     # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.agent.emulation; docs/service.md)
     emulate: str | None = None
@@ -197,7 +198,7 @@ def _check(c: ServeConfig) -> None:
         value = getattr(c, name)
         if not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{name} must be a positive number, got {value!r}")
-    for name in ("max_connections", "max_connections_per_client", "max_uploads_per_tenant"):
+    for name in ("max_connections", "max_connections_per_client", "max_uploads_per_tenant", "max_uploads"):
         value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer of at least 1, got {value!r}")

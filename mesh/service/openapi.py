@@ -121,7 +121,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/models"): Operation("register a model from a path in the caller's folder <--allowed-dir>/<tenant>/ "
                                       "(JSON; absent or not the caller's: the same 404), or upload a GGUF "
                                       "(application/octet-stream, settings in the query; no Content-Encoding: 415; capped by what is left "
-                                      "of the quota model_bytes: 413; max_uploads_per_tenant at once: 429)",
+                                      "of the quota model_bytes: 413; max_uploads_per_tenant, or max_uploads of all tenants, at once: 429)",
                                       body=REGISTER_BODY, ok=201,
                                       server_errors={507: "the server's disk is full: the partial upload was removed"}),
     ("GET", "/v1/models/{name}"): Operation("one of the caller's models"),
