@@ -203,6 +203,12 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         log.warning("removed %s: a partial upload, or an upload no model names (left by a crash)", orphan)
     memory = int(config.cpu_memory_gb * 2**30) if config.cpu_memory_gb else None
     weights_token = os.environ.get("MESH_WEIGHTS_TOKEN") or secrets.token_urlsafe(24)  # remote agents need it set
+    cluster_secret = None
+    if config.ray is not None:  # Ray agents derive their tokens from the cluster secret, as the service does here
+        from mesh.ray.actor import cluster_secret as read_secret, weights_token as derived_weights_token
+
+        cluster_secret = read_secret(create=True)
+        weights_token = derived_weights_token(cluster_secret)
     from mesh.modelfiles.demo import models_dir
 
     # Where registered models can be: uploads and node copies (data folder), --allowed-dir, the demo cache;
@@ -252,11 +258,9 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
             print(f"mesh serve: cannot join the Ray cluster at {config.ray}: {exc}", file=sys.stderr)
             registry.close()
             return 1
-        launch = AgentLaunch(agent_token=secrets.token_urlsafe(24), weights_token=weights_token,
-                             log_level=config.log_level, deadlines=config.deadlines,
-                             watchdog_min_s=config.watchdog_min_s,
-                             memory_bytes=memory)
-        membership = RayMembership(placement, launch)
+        launch = AgentLaunch(log_level=config.log_level, deadlines=config.deadlines,
+                             watchdog_min_s=config.watchdog_min_s, memory_bytes=memory)  # no secret: Ray keeps it
+        membership = RayMembership(placement, launch, cluster_secret)
         if config.ray_autoscale:
             from mesh.ray.autoscale import RayAutoscaler
 
