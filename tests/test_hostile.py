@@ -602,6 +602,80 @@ def test_uploads_are_capped_by_the_quota_left_and_refuse_encodings(simulated, tm
     asyncio.run(main())
 
 
+def test_fields_are_checked_before_a_node_sees_them_and_node_errors_are_redacted(simulated, tmp_path, demo_gguf,
+                                                                                  monkeypatch):
+    """Issue 32: integers past 20 digits (the 400-digit token id, the 4,401-digit max_tokens:
+    a dropped agent connection and a 500 before), NaN, token ids past any vocabulary and stop
+    strings over 256 characters are 400s naming the field, and no node is asked; a tokenizer
+    or a model read that fails answers the tenant without the node's paths. The agent keeps
+    its one connection throughout."""
+    import concurrent.futures
+
+    from engines.protocol import EngineError
+    from mesh.agent import engines as agent_engines
+    from mesh.agent.tokenizers import TokenizerProcess
+
+    secret = str(tmp_path / "secret-place" / "tokenizer.json")
+
+    class _Failing:
+        dead = None
+
+        def call(self, op, **fields):
+            fut = concurrent.futures.Future()
+            fut.set_exception(EngineError(f"cannot read {secret}: no such file (312 bytes expected)"))
+            return fut
+
+    monkeypatch.setattr(TokenizerProcess, "_connection", lambda self: _Failing())
+    allowed = tmp_path / "allowed"
+    for name in ("m.gguf", "n.gguf"):
+        _link(demo_gguf, allowed / "a" / name)
+
+    async def main():
+        async with Http(tmp_path, allowed) as api:
+            key = await api.tenant("a")
+            assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
+            agent = api.placement.agents["cpu-0"]
+            generation = agent.generation
+
+            async def raw(path: str, body: bytes):
+                async with api.session.post(api.url(path), data=body, headers={
+                        "Authorization": f"Bearer {key}", "Content-Type": "application/json"}) as r:
+                    return r.status, await r.json()
+
+            cases = [
+                (b'{"model": "m", "max_tokens": 2, "prompt": [1, 2, 1' + b"0" * 399 + b"]}", "prompt"),
+                (b'{"model": "m", "max_tokens": 1' + b"0" * 4400 + b', "prompt": "hi"}', "max_tokens"),
+                (b'{"model": "m", "max_tokens": 2, "prompt": [1, 2147483648]}', "prompt"),
+                (b'{"model": "m", "max_tokens": 2, "prompt": [1, -5]}', "prompt"),
+                (b'{"model": "m", "max_tokens": 2, "prompt": "hi", "stop": ["' + b"x" * 257 + b'"]}', "stop"),
+                (b'{"model": "m", "max_tokens": 2, "prompt": "hi", "temperature": NaN}', None),
+                (b'{"model": "m", "max_tokens": 1e400, "prompt": "hi"}', "max_tokens"),
+            ]
+            for body, param in cases:
+                status, err = await raw("/v1/completions", body)
+                assert status == 400 and err["error"]["param"] == param, (body[:60], err)
+            # the node's tokenizer fails (its text names a server path): the tenant is told what to do, not where
+            status, err = await api.call("POST", "/v1/completions", key, {"model": "m", "prompt": "hi", "max_tokens": 2})
+            assert status == 400 and err["error"]["code"] == "tokenization_failed", err
+            assert "secret-place" not in err["error"]["message"] and str(tmp_path) not in err["error"]["message"]
+            # a model the node cannot read: a 503 without the node's paths (registered, then unreadable)
+            assert (await api.call("POST", "/v1/models", key, {"name": "n", "path": "n.gguf"}))[0] == 201
+
+            def unreadable(spec, on_loaded):
+                raise EngineError(f"{spec.path}: cannot open {secret}")
+
+            await asyncio.sleep(0.5)  # its registration's describe (the first host copy) ends
+            api.placement._models.clear()  # described again, now failing
+            monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, "openvino", unreadable)
+            agent.server.fronts.clear()
+            status, err = await api.call("POST", "/v1/completions", key, {"model": "n", "prompt": [1, 2], "max_tokens": 2})
+            assert status == 503 and err["error"]["code"] == "model_load_failed", err
+            assert "secret-place" not in str(err) and str(allowed) not in str(err), err
+            assert agent.generation == generation and agent.up  # one connection all along: no restart
+
+    asyncio.run(main())
+
+
 def test_prompts_beyond_any_tokenization_of_the_window_are_refused_before_tokenizing(simulated, tmp_path,
                                                                                       demo_gguf, monkeypatch):
     from mesh.service import routes_openai
