@@ -351,6 +351,81 @@ def test_weights_port_refuses_a_block_larger_than_its_manifest_says(tmp_path):
     asyncio.run(main())
 
 
+def test_a_nodes_weights_port_sends_only_its_own_files_and_tells_no_file_facts(tmp_path):
+    """Issue 32: a token holder's `start` naming a file outside the node's folders (directly,
+    or through a symlink inside that leads out) is refused without reading it; no refusal
+    names a path, a size or a hash; the node's own file is sent."""
+    from mesh.weights.coordinator import MulticastError
+    from mesh.weights.node import NodeWeightsReceiver
+
+    root = tmp_path / "node"
+    outside = tmp_path / "elsewhere" / "secret.bin"
+    outside.parent.mkdir()
+    outside.write_bytes(bytes(range(256)) * 512)
+    m = pack(outside, 64 * 1024)
+    (root / "m").mkdir(parents=True)
+    (root / "m" / "link.bin").symlink_to(outside)
+    own = root / "m" / "own.bin"
+    own.write_bytes(outside.read_bytes())
+    wrong = root / "m" / "wrong.bin"
+    wrong.write_bytes(outside.read_bytes()[:-1] + b"x")
+
+    async def main():
+        source, sink = NodeWeightsReceiver(root, token=WEIGHTS_TOKEN), WeightAgent(token=WEIGHTS_TOKEN)
+        await source.start()
+        await sink.start()
+        try:
+            agents = {"s": ("127.0.0.1", source.port), "a": ("127.0.0.1", sink.port)}
+
+            async def send(path):
+                plan = make_plan("naive", ["s"], ["a"], m.count)
+                return await asyncio.wait_for(multicast(agents, m, plan, {"s": str(path)}, timeout_s=WAIT,
+                                                        token=WEIGHTS_TOKEN), WAIT * 2)
+
+            for path in (outside, root / "m" / "link.bin", root / ".." / "elsewhere" / "secret.bin", "/etc/passwd",
+                         wrong):
+                with pytest.raises(MulticastError) as caught:
+                    await send(path)
+                why = str(caught.value)
+                assert "source file" in why and str(tmp_path) not in why and "/etc" not in why, why
+                assert "sha256" not in why and str(m.total_bytes) not in why, why
+            result = await send(own)
+            assert set(result.completion_s) == {"a"} and not result.dropped, result
+        finally:
+            await source.close()
+            await sink.close()
+
+    asyncio.run(main())
+
+
+def test_an_agent_reads_profiles_only_from_its_own_folders(simulated, tmp_path):
+    """Issue 32: `load` with a calibration profile outside the agent's folders (or a symlink
+    inside leading out) is refused as bad_request, as a model path would be."""
+    from mesh.agent.client import AgentCallError
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "link.json").symlink_to("/etc/passwd")
+
+    async def main():
+        server = AgentServer(NodeSpec("n0", "cpu", 10**9), TOKEN, {"cores": 2}, load_roots=[models])
+        address = await server.serve("127.0.0.1:0")
+        client = AgentClient("n0", lambda m: None, lambda r: None)
+        try:
+            await client.connect(address, TOKEN)
+            for i, profile in enumerate(("/etc/passwd", str(models / "link.json"), str(models / ".." / "x.json"))):
+                spec = InstanceSpec(f"i{i}", "m", str(models / "m.gguf"), 256, profile=profile)
+                with pytest.raises(AgentCallError, match="outside this agent's model folders") as caught:
+                    await client.call(spec.to_message())
+                assert caught.value.code == "bad_request"
+            assert "running" in await client.call({"t": "stats"})
+        finally:
+            await client.close()
+            await server.close()
+
+    asyncio.run(main())
+
+
 def test_weights_port_bounds_connections_waiting_for_their_first_frame():
     async def main():
         agent = WeightAgent(token=WEIGHTS_TOKEN)
@@ -655,7 +730,8 @@ def test_fields_are_checked_before_a_node_sees_them_and_node_errors_are_redacted
                 status, err = await raw("/v1/completions", body)
                 assert status == 400 and err["error"]["param"] == param, (body[:60], err)
             # the node's tokenizer fails (its text names a server path): the tenant is told what to do, not where
-            status, err = await api.call("POST", "/v1/completions", key, {"model": "m", "prompt": "hi", "max_tokens": 2})
+            status, err = await api.call("POST", "/v1/completions", key,
+                                         {"model": "m", "prompt": "hi", "max_tokens": 2})
             assert status == 400 and err["error"]["code"] == "tokenization_failed", err
             assert "secret-place" not in err["error"]["message"] and str(tmp_path) not in err["error"]["message"]
             # a model the node cannot read: a 503 without the node's paths (registered, then unreadable)
@@ -668,7 +744,8 @@ def test_fields_are_checked_before_a_node_sees_them_and_node_errors_are_redacted
             api.placement._models.clear()  # described again, now failing
             monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, "openvino", unreadable)
             agent.server.fronts.clear()
-            status, err = await api.call("POST", "/v1/completions", key, {"model": "n", "prompt": [1, 2], "max_tokens": 2})
+            status, err = await api.call("POST", "/v1/completions", key,
+                                         {"model": "n", "prompt": [1, 2], "max_tokens": 2})
             assert status == 503 and err["error"]["code"] == "model_load_failed", err
             assert "secret-place" not in str(err) and str(allowed) not in str(err), err
             assert agent.generation == generation and agent.up  # one connection all along: no restart

@@ -24,7 +24,7 @@ class CorruptBlock(ValueError):
     """A block's bytes do not match the manifest. `public`: what is wrong without a path, a
     size or a hash (what a node tells its peers; its log keeps the whole message)."""
 
-    def __init__(self, message: str, public: str = "the file does not match the manifest") -> None:
+    def __init__(self, message: str, public: str = "it differs") -> None:
         super().__init__(message)
         self.public = public
 
@@ -155,7 +155,8 @@ def load_blocks(path: str | os.PathLike, manifest: Manifest) -> list[bytes]:
     """Read a packed model into memory (a host copy), verifying every block."""
     p = Path(path)
     if p.stat().st_size != manifest.total_bytes:
-        raise CorruptBlock(f"{p}: {p.stat().st_size} B on disk, the manifest of {manifest.model} says {manifest.total_bytes} B")
+        raise CorruptBlock(f"{p}: {p.stat().st_size} B on disk, the manifest of {manifest.model} says {manifest.total_bytes} B",
+                           "its size differs")
     out = []
     with p.open("rb") as f:
         for info in manifest.blocks:
