@@ -273,6 +273,36 @@ def test_no_hostile_message_costs_the_agent_its_connection(simulated):
         thread.join(10)
 
 
+def test_stop_strings_cut_streamed_text_exactly_with_a_linear_tail_match():
+    """The stop matcher (engines.detokenize.StopMatcher, KMP partial tails since issue 32)
+    against the plain definition: what it streams is the text up to the first stop string,
+    whatever the deltas, and nothing of a stop string is streamed before it completes."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from engines.detokenize import MAX_STOP_CHARS, StopMatcher
+
+    alphabet = st.sampled_from("aab\u00e9")  # few letters: overlaps and partial matches are common
+
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True)
+    @given(st.lists(st.text(alphabet, min_size=1, max_size=6), min_size=1, max_size=4),
+           st.lists(st.text(alphabet, max_size=8), max_size=12))
+    def check(stops, deltas):
+        matcher, out = StopMatcher(tuple(stops)), []
+        for delta in deltas:
+            out.append(matcher.feed(delta))
+        out.append(matcher.flush())
+        text = "".join(deltas)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+        assert "".join(out) == text[:cut]
+
+    check()
+    # the longest stops a request may give, fed one character at a time: the held tail stays short of them
+    matcher = StopMatcher(("a" * (MAX_STOP_CHARS - 1) + "b",) * 4)
+    assert all(matcher.feed("a") == ("a" if i >= MAX_STOP_CHARS - 1 else "") for i in range(3 * MAX_STOP_CHARS))
+    assert len(matcher.held) == MAX_STOP_CHARS - 1 and matcher.feed("b") == "" and matcher.stopped
+
+
 # ---- the weights port ------------------------------------------------------------------------
 
 def test_weights_port_checks_the_token_before_any_payload_and_bounds_blocks(tmp_path, short_deadline):
