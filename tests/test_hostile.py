@@ -1291,14 +1291,17 @@ def _p99(values: list[float]) -> float:
 
 
 @pytest.mark.slow
-def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, demo_gguf):
+def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, demo_gguf, monkeypatch):
     """Issue 25's attack run: `mesh serve --demo --cpu-nodes 2` (JSON bodies up to 9 MiB, so
     8 MiB prompts are read and parsed; upload and body deadlines of 5 s) while the demo
     tenant streams in a loop. Its TTFT p99 is measured unloaded first, then during the
     attacks: 2^40-byte frames without a token to every agent's ports; 1,000 idle connections
     from 10 addresses with slow heads and bodies; a gzip bomb and a chunked upload over
     quota; 200 8 MiB prompts from a tenant that hangs up; JSON nested 100,000 deep; tenant
-    B registering tenant A's file by path. Each attacker gets a 4xx or a closed connection;
+    B registering tenant A's file by path; and issue 32's: a 400-digit token id (it cost
+    the node its agent), a 4,401-digit max_tokens (a 500), token ids past the model's
+    vocabulary, NaN, over-long stop strings, and a weights-token holder asking each node's
+    weights port to send /etc/passwd. Each attacker gets a 4xx or a closed connection;
     the service and every process stay up, under a stated memory bound; the well-behaved
     tenant gets no error and a TTFT p99 within TTFT_FACTOR of its unloaded one."""
     import gzip
@@ -1309,6 +1312,8 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
 
     config = tmp_path / "mesh.toml"
     config.write_text("http_body_timeout_s = 5.0\n")
+    weights_token = "weights-token-of-a-node-holder"
+    monkeypatch.setenv("MESH_WEIGHTS_TOKEN", weights_token)  # the agents' weights ports take it (the attack holds it)
     server = _real_server(tmp_path, demo_gguf, "--max-body-mb", "9", "--config", str(config))
     server.start()
     tenant = sampler = None
@@ -1444,6 +1449,60 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
                 assert await register(path) == missing, path
             return {"answer": missing[0]}
 
+        async def fields_attack(session):
+            """Issue 32: fields no node may see, each a 400 naming it; the agents stay up (checked at the end)."""
+            async def completion(data: bytes):
+                async with session.post(f"{url}/v1/completions", data=data, headers={
+                        "Authorization": f"Bearer {key_b}", "Content-Type": "application/json"}) as r:
+                    return r.status, (await r.json())["error"]
+
+            out = {}
+            for name, body, param in (
+                    ("400-digit token id", b'{"model": "m", "max_tokens": 2, "prompt": [1, 2, 1' + b"0" * 399 + b"]}",
+                     "prompt"),
+                    ("4401-digit max_tokens", b'{"model": "m", "max_tokens": 1' + b"0" * 4400 + b', "prompt": "hi"}',
+                     "max_tokens"),
+                    ("id past the vocabulary", b'{"model": "m", "max_tokens": 2, "prompt": [1, 49152]}', "prompt"),
+                    ("NaN", b'{"model": "m", "max_tokens": 2, "prompt": "hi", "top_p": NaN}', None),
+                    ("257-character stop", b'{"model": "m", "max_tokens": 2, "prompt": "hi", "stop": "'
+                     + b"ab" * 128 + b'c"}', "stop")):
+                status, error = await completion(body)
+                assert status == 400 and error["param"] == param, (name, status, error)
+                out[name] = status
+            assert "vocabulary" in (await completion(b'{"model": "m", "max_tokens": 2, "prompt": [49152]}'))[1][
+                "message"]
+            return out
+
+        async def weights_sources_attack():
+            """A weights-token holder asks each node's weights port to send a file outside its folders."""
+            from mesh.weights.coordinator import MulticastError
+
+            secret = tmp_path / "outside.bin"
+            secret.write_bytes(b"secret" * 1000)
+            manifest = pack(secret, 4096)
+            sink = WeightAgent(token=weights_token)
+            await sink.start()
+            refused = 0
+            try:
+                for node_id, pid in nodes_before.items():
+                    for p in _listening_ports(pid):
+                        plan = make_plan("naive", ["s"], ["a"], manifest.count)
+                        for path in (str(secret), "/etc/passwd"):
+                            try:
+                                await asyncio.wait_for(multicast({"s": ("127.0.0.1", p), "a": ("127.0.0.1", sink.port)},
+                                                                 manifest, plan, {"s": path}, timeout_s=WAIT,
+                                                                 token=weights_token), WAIT * 2)
+                            except (MulticastError, ConnectionError, asyncio.TimeoutError) as exc:
+                                why = str(exc)
+                                assert str(tmp_path) not in why and "/etc" not in why and "6000" not in why, why
+                                refused += "source file cannot be read" in why
+                            else:
+                                raise AssertionError(f"node {node_id} port {p} sent {path}")
+            finally:
+                await sink.close()
+            assert refused == 2 * len(nodes_before), refused  # each node's weights port refused both
+            return {"refused": refused}
+
         async def attacks():
             connector = aiohttp.TCPConnector(local_addr=("127.0.0.4", 0))
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
@@ -1451,7 +1510,9 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
                                      ("uploads", lambda: uploads_attack(session)),
                                      ("8 MiB prompts", lambda: prompts_attack(session)),
                                      ("JSON nesting", lambda: nesting_attack(session)),
-                                     ("registration", lambda: registration_attack(session))):
+                                     ("registration", lambda: registration_attack(session)),
+                                     ("fields", lambda: fields_attack(session)),
+                                     ("weights sources", weights_sources_attack)):
                     tenant.phase = name
                     started, rounds = time.monotonic(), 0
                     while rounds < 20 and (rounds == 0 or tenant.count(name) < 5):  # the tenant's TTFT under each
