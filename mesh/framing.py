@@ -88,13 +88,31 @@ def encode_frame(header: Mapping[str, Any]) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
-MAX_INT_DIGITS = 20  # no field of either protocol holds a longer integer (64 bits: 20 digits)
+# No field of Mesh's protocols or of its HTTP API holds a longer integer (64 bits: 20 digits).
+# Python's int() of a long digit string costs quadratic time and, past 4,300 digits, raises a
+# ValueError: a decoder refuses such an integer first (issue 32).
+MAX_INT_DIGITS = 20
 
 
-def _bounded_int(text: str) -> int:
+class LongInteger(ValueError):
+    """A JSON integer of more than MAX_INT_DIGITS digits (`digits`: its text)."""
+
+    def __init__(self, digits: str) -> None:
+        super().__init__(f"an integer of {len(digits.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+        self.digits = digits
+
+
+def bounded_int(text: str) -> int:
+    """json's parse_int: an integer of at most MAX_INT_DIGITS digits, else LongInteger."""
     if len(text) - text.startswith("-") > MAX_INT_DIGITS:
-        raise ValueError(f"an integer of {len(text)} characters (at most {MAX_INT_DIGITS} digits)")
+        raise LongInteger(text)
     return int(text)
+
+
+def not_a_number(name: str) -> Any:
+    """json's parse_constant: NaN and the infinities are not JSON (RFC 8259), though Python's
+    decoder takes them."""
+    raise ValueError(f"{name} is not a JSON number")
 
 
 def _finite_float(text: str) -> float:
@@ -104,10 +122,6 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def _not_json(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
-
-
 def loads_strict(body: bytes) -> Any:
     """JSON as RFC 8259 has it: no NaN or infinities, no number out of a double's range, no
     integer of more than MAX_INT_DIGITS digits; ValueError (or RecursionError, nested too
@@ -115,7 +129,7 @@ def loads_strict(body: bytes) -> Any:
     finite float or an error)."""
     if orjson is not None:
         return orjson.loads(body)
-    return json.loads(body, parse_int=_bounded_int, parse_float=_finite_float, parse_constant=_not_json)
+    return json.loads(body, parse_int=bounded_int, parse_float=_finite_float, parse_constant=not_a_number)
 
 
 def decode_header(body: bytes, type_key: str) -> dict[str, Any]:

@@ -140,6 +140,7 @@ MAX_COUNT = 2**31 - 1  # token ids, token counts, lengths, windows, batch sizes
 MAX_BYTES = 2**50  # memory sizes
 MAX_SECONDS = 7 * 86400.0  # ages and durations (no request lives a week)
 MAX_STOPS = 16  # stop strings of one request (the service lets a tenant give 4)
+MAX_BATCH = 1 << 16  # max_num_seqs, max_batch
 
 
 def count_field(value: Any, name: str, low: int = 0, high: int = MAX_COUNT) -> int:
@@ -165,8 +166,9 @@ def number_field(value: Any, name: str, low: float = 0.0, high: float = MAX_SECO
 def _age(value: Any, name: str) -> float:
     """An age in seconds: a negative one counts as 0 (the clocks of two processes are never
     compared), one past MAX_SECONDS or not finite is refused."""
-    return number_field(max(0.0, value) if isinstance(value, (int, float)) and not isinstance(value, bool)
-                   and value == value else value, name)
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+        value = 0.0
+    return number_field(value, name)
 
 
 def _token_ids(value: Any, name: str) -> list[int]:
@@ -271,15 +273,15 @@ class InstanceSpec:
             spec = cls(
                 instance_id=str(m["instance_id"]), model=str(m["model"]), path=str(m["path"]),
                 context_window=window(m.get("context_window")),
-                slo=dict(m.get("slo") or slo_to_dict(SLO())), max_num_seqs=count_field(m.get("max_num_seqs", 64),
-                                                                                  "max_num_seqs", 1, 1 << 16),
+                slo=dict(m.get("slo") or slo_to_dict(SLO())),
+                max_num_seqs=count_field(m.get("max_num_seqs", 64), "max_num_seqs", 1, MAX_BATCH),
                 profile=profile, engine=str(m.get("engine", "openvino")),
-                expected_load_s=None if m.get("expected_load_s") is None else number_field(m["expected_load_s"],
-                                                                                      "expected_load_s"),
+                expected_load_s=None if m.get("expected_load_s") is None else number_field(
+                    m["expected_load_s"], "expected_load_s"),
                 exact_moves=bool(m.get("exact_moves", False)),
                 mean_output=mean_output_from(m.get("mean_output")),
-                emulated_load_s=None if m.get("emulated_load_s") is None else number_field(m["emulated_load_s"],
-                                                                                      "emulated_load_s"),
+                emulated_load_s=None if m.get("emulated_load_s") is None else number_field(
+                    m["emulated_load_s"], "emulated_load_s"),
             )
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad load message: {exc}") from exc

@@ -54,14 +54,13 @@ from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import profile_to_dict
 from mesh.perf.times import AdaptiveTimes
 from mesh.agent.protocol import (
+    MAX_BATCH,
     MAX_BYTES,
     PROTOCOL_VERSION,
     READY_PREFIX,
     AdmitEntry,
     Code,
     DoneEvent,
-    count_field,
-    number_field,
     EvictedEvent,
     NodeEvent,
     InstanceEvent,
@@ -74,10 +73,11 @@ from mesh.agent.protocol import (
     mean_output_from,
     read_frame,
     read_hello,
+    count_field,
+    number_field,
     slo_from_dict,
     window,
 )
-
 from engines.background_prepare import BackgroundPreparer
 from engines.worker_process import die_with_parent, worker_env
 from engines.openvino_process import OpenVINOProcessEngine
@@ -568,8 +568,8 @@ class AgentServer:
         shape and tokenizer, loads no weights)."""
         try:
             spec = InstanceSpec("front", str(m.get("model") or "model"), str(m.get("path")),
-                                window(m.get("context_window")), engine=str(m.get("engine") or "openvino"),
-                                max_num_seqs=count_field(m.get("max_num_seqs") or 64, "max_num_seqs", 1, 1 << 16))
+                                window(m.get("context_window")), engine=str(m.get("engine") or "openvino"))
+            max_num_seqs = count_field(m.get("max_num_seqs") or 64, "max_num_seqs", 1, MAX_BATCH)
         except (TypeError, ValueError) as exc:
             raise ProtocolError(f"bad {m.get('t')} message: {exc}") from exc
         self._check_engine(spec.engine)
@@ -591,7 +591,7 @@ class AgentServer:
                 built.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
                 # and the instance a load would build is built now and parked (mesh.agent.park_ahead)
                 ahead = InstanceSpec(f"ahead-{spec.model}", spec.model, spec.path, spec.context_window,
-                                     max_num_seqs=spec.max_num_seqs,
+                                     max_num_seqs=max_num_seqs,
                                      exact_moves=bool(m.get("exact_moves", False)))
                 self.ahead.schedule(ahead, lambda: self._prepared_after(built))
         return self.fronts[key]
@@ -755,7 +755,7 @@ class AgentServer:
             plan = InstancePlan(spec.instance_id, spec.model, times, slo,
                                 count_field(p["kv_bytes_per_token"], "kv_bytes_per_token", 0, MAX_BYTES), weight_bytes,
                                 spec.context_window, spec.context_window,
-                                count_field(p["max_batch"], "max_batch", 1, 1 << 16),
+                                count_field(p["max_batch"], "max_batch", 1, MAX_BATCH),
                                 self._mean_output(spec.model, mean_output_from(p.get("mean_output"))),
                                 number_field(p["expected_load_s"], "expected_load_s"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:

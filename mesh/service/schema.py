@@ -24,15 +24,12 @@ from typing import Any, Mapping
 
 from engines.chat import ROLES
 from engines.detokenize import MAX_STOP_CHARS
+from mesh.framing import MAX_INT_DIGITS, LongInteger, bounded_int, not_a_number
 from mesh.service.errors import ApiError, bad_request
 
 MAX_STOP = 4
 MAX_TOKENS_CAP = 1_000_000
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4-5 levels; the C decoder recurses ~1000 deep before RecursionError
-# No field of this API takes an integer of more digits (a seed is at most 2^63 - 1: 19 digits). Refused
-# while the body is decoded: Python's int() of a long digit string costs quadratic time and, past
-# 4,300 digits, raises ValueError (a 500 before this bound).
-MAX_INT_DIGITS = 20
 MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; the model's own is checked once it is described
 
 
@@ -58,13 +55,13 @@ def parse_json(body: bytes) -> dict[str, Any]:
     included: the decoder's recursion must never reach the interpreter's limit, a 500)."""
     if not body:
         raise bad_request("The request body is empty; send a JSON object.", None, "invalid_json")
-    try:
-        data = json.loads(body, parse_int=_bounded_int, parse_constant=_no_constant)
-    except _LongInteger as exc:
+    try:  # no integer of more than MAX_INT_DIGITS digits (a seed has at most 19), no NaN (mesh.framing)
+        data = json.loads(body, parse_int=bounded_int, parse_constant=not_a_number)
+    except LongInteger as exc:
         param = _key_before(body, exc.digits)
-        raise bad_request(f"The request body holds an integer of {len(exc.digits.lstrip('-'))} digits"
-                          f"{f' in {param!r}' if param else ''}; no field takes more than {MAX_INT_DIGITS}.",
-                          param, "integer_too_long") from None
+        where = f" in {param!r}" if param else ""
+        raise bad_request(f"The request body holds an integer of {len(exc.digits.lstrip('-'))} digits{where}; no "
+                          f"field takes more than {MAX_INT_DIGITS}.", param, "integer_too_long") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise bad_request(f"The request body is not valid JSON: {exc}.", None, "invalid_json") from exc
     except ValueError as exc:  # NaN, Infinity, -Infinity: not JSON (RFC 8259), though Python's decoder takes them
@@ -80,23 +77,6 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise bad_request("The request body holds invalid Unicode (a lone surrogate escape).", None,
                           "invalid_json") from exc
     return data
-
-
-class _LongInteger(ValueError):
-    def __init__(self, digits: str) -> None:
-        super().__init__(f"an integer of {len(digits)} digits")
-        self.digits = digits
-
-
-def _bounded_int(text: str) -> int:
-    """json's parse_int: an integer of at most MAX_INT_DIGITS digits (a sign aside)."""
-    if len(text) - text.startswith("-") > MAX_INT_DIGITS:
-        raise _LongInteger(text)
-    return int(text)
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"{name} is not a JSON number")
 
 
 _KEY = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]{0,63})"\s*:')
