@@ -571,7 +571,7 @@ class ClusterPlacement:
             bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
             if bad is not None:
                 raise bad_request(f"Token id {bad} in 'prompt' is outside the vocabulary of {job.model.name} "
-                                  f"(ids 0 to {model.vocab_size - 1}).", "prompt")
+                                  f"(ids 0 to {model.vocab_size - 1}).", "prompt", "invalid_token_id")
         window = job.model.context_length
         if len(ids) + 1 > window:
             raise context_too_long(len(ids), window, "messages" if job.messages is not None else "prompt")

@@ -254,10 +254,10 @@ def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
         return value, None
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         if any(t < 0 for t in value):
-            raise bad_request("'prompt' token ids must be non-negative.", "prompt")
+            raise bad_request("'prompt' token ids must be non-negative.", "prompt", "invalid_token_id")
         if any(t > MAX_TOKEN_ID for t in value):
             raise bad_request(f"'prompt' token ids must be below {MAX_TOKEN_ID + 1} (and the model's vocabulary "
-                              "size).", "prompt")
+                              "size).", "prompt", "invalid_token_id")
         return None, list(value)
     if isinstance(value, list) and len(value) > 1:
         raise bad_request("Only one prompt per request is supported; send separate requests.", "prompt")
