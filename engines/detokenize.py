@@ -42,13 +42,22 @@ class Detokenizer:
         return text[len(prefix):] if text.startswith(prefix) else ""
 
 
+MAX_STOP_CHARS = 256  # the longest stop string a request may give (the service and the agent protocol check it)
+
+
 @dataclass(slots=True)
 class StopMatcher:
-    """Finds stop strings in streamed text; the stop string itself is never emitted."""
+    """Finds stop strings in streamed text; the stop string itself is never emitted. Each
+    `feed` costs O(len(delta) + total stop length): the held tail is shorter than the
+    longest stop, and the partial match at its end is found with each stop's KMP table."""
 
     stops: tuple[str, ...]
     held: str = ""  # text that may be the start of a stop string
     stopped: bool = False
+    _tables: tuple[list[int], ...] = ()
+
+    def __post_init__(self) -> None:
+        self._tables = tuple(_prefix_table(s) for s in self.stops)
 
     def feed(self, delta: str) -> str:
         """Return the part of `held + delta` that is safe to emit; sets `stopped` on a match."""
@@ -68,11 +77,32 @@ class StopMatcher:
         return out
 
     def _partial_tail(self, text: str) -> int:
-        """Length of the longest tail of `text` that is a proper prefix of a stop string."""
+        """Length of the longest tail of `text` that is a proper prefix of a stop string
+        (linear in the stop's length: the KMP automaton run over the last len(stop) - 1
+        characters of `text`)."""
         best = 0
-        for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(text)), best, -1):
-                if stop.startswith(text[-n:]):
-                    best = n
-                    break
+        for stop, table in zip(self.stops, self._tables):
+            if len(stop) < 2 or not text or text[-1] not in stop:
+                continue
+            k = 0
+            for ch in text[-(len(stop) - 1):]:
+                while k and stop[k] != ch:
+                    k = table[k - 1]
+                if stop[k] == ch:
+                    k += 1
+            best = max(best, k)
         return best
+
+
+def _prefix_table(pattern: str) -> list[int]:
+    """KMP's failure function: table[i] is the length of the longest proper prefix of
+    pattern[:i + 1] that is also its suffix."""
+    table = [0] * len(pattern)
+    k = 0
+    for i in range(1, len(pattern)):
+        while k and pattern[i] != pattern[k]:
+            k = table[k - 1]
+        if pattern[i] == pattern[k]:
+            k += 1
+        table[i] = k
+    return table

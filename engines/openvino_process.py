@@ -65,6 +65,7 @@ class OpenVINOProcessEngine:
         self.max_num_seqs = self.max_batch = f.max_num_seqs
         self.device, self.block_size = f.device, f.block_size
         self.kv_bytes_per_token, self.weight_bytes = f.kv_bytes_per_token, f.weight_bytes
+        self.vocab_size = f.source.vocab_size  # None: the model file does not say
         self.kv_capacity_bytes = kv_capacity_bytes
         self.log_dir = Path(log_dir) if log_dir is not None else None
         self.on_loaded = on_loaded

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import re
 import struct
 from typing import Any, Mapping
 
@@ -40,6 +42,15 @@ LENGTH = struct.Struct(">I")
 
 class ProtocolError(RuntimeError):
     """A peer sent something that is not a valid frame or message."""
+
+
+class UndecodableFrame(ProtocolError):
+    """A whole frame was read, but its header is not a JSON object with a type: the stream is
+    still in step, so a reader may answer it (its `message_id`, when one was found) and go on."""
+
+    def __init__(self, message: str, message_id: int | None) -> None:
+        super().__init__(message)
+        self.message_id = message_id
 
 
 def encode_json(header: Mapping[str, Any]) -> bytes:
@@ -77,17 +88,101 @@ def encode_frame(header: Mapping[str, Any]) -> bytes:
     return LENGTH.pack(len(body)) + body
 
 
+# No field of Mesh's protocols or of its HTTP API holds a longer integer (64 bits: 20 digits).
+# Python's int() of a long digit string costs quadratic time and, past 4,300 digits, raises a
+# ValueError: a decoder refuses such an integer first (issue 32).
+MAX_INT_DIGITS = 20
+
+
+class LongInteger(ValueError):
+    """A JSON integer of more than MAX_INT_DIGITS digits (`digits`: its text)."""
+
+    def __init__(self, digits: str) -> None:
+        super().__init__(f"an integer of {len(digits.lstrip('-'))} digits (at most {MAX_INT_DIGITS})")
+        self.digits = digits
+
+
+def bounded_int(text: str) -> int:
+    """json's parse_int: an integer of at most MAX_INT_DIGITS digits, else LongInteger."""
+    if len(text) - text.startswith("-") > MAX_INT_DIGITS:
+        raise LongInteger(text)
+    return int(text)
+
+
+def not_a_number(name: str) -> Any:
+    """json's parse_constant: NaN and the infinities are not JSON (RFC 8259), though Python's
+    decoder takes them."""
+    raise ValueError(f"{name} is not a JSON number")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text[:40]} is out of range")
+    return value
+
+
+def loads_strict(body: bytes) -> Any:
+    """JSON as RFC 8259 has it: no NaN or infinities, no number out of a double's range, no
+    integer of more than MAX_INT_DIGITS digits; ValueError (or RecursionError, nested too
+    deep) otherwise. orjson refuses all of these itself (an integer past 64 bits becomes a
+    finite float or an error)."""
+    if orjson is not None:
+        return orjson.loads(body)
+    return json.loads(body, parse_int=bounded_int, parse_float=_finite_float, parse_constant=not_a_number)
+
+
 def decode_header(body: bytes, type_key: str) -> dict[str, Any]:
-    """The header in a frame body; ProtocolError unless it is a JSON object with a string
-    under `type_key`."""
+    """The header in a frame body; UndecodableFrame (a ProtocolError) unless it is a JSON
+    object with a string under `type_key`."""
     try:
-        header = orjson.loads(body) if orjson is not None else json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:  # orjson's JSONDecodeError is json's
-        raise ProtocolError(f"frame header is not valid UTF-8 JSON: {exc}") from exc
+        header = loads_strict(body)
+    except (ValueError, RecursionError) as exc:  # orjson's JSONDecodeError and UnicodeDecodeError are ValueErrors
+        raise UndecodableFrame(f"frame header is not valid UTF-8 JSON: {exc}", message_id(body)) from exc
     if not isinstance(header, dict) or not isinstance(header.get(type_key), str):
-        raise ProtocolError(f"frame header must be a JSON object with a string type {type_key!r}, "
-                            f"got {str(header)[:80]}")
+        mid = header.get("id") if isinstance(header, dict) else None
+        raise UndecodableFrame(f"frame header must be a JSON object with a string type {type_key!r}, "
+                               f"got {str(header)[:80]}", mid if is_message_id(mid) else None)
     return header
+
+
+MESSAGE_ID_BITS = 63
+
+
+def is_message_id(value: Any) -> bool:
+    """A request's `id`: an integer (not a bool) in [0, 2^63)."""
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**MESSAGE_ID_BITS
+
+
+_TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+')
+_ID = re.compile(rb"\d{1,18}")
+ID_SCAN_BYTES = 65536  # a sender puts `id` first (mesh.agent.client); it is looked for this far at most
+
+
+def message_id(body: bytes) -> int | None:
+    """The top-level integer `id` of a frame body that does not decode (bad JSON, a number
+    out of range, nesting too deep), found by scanning its first ID_SCAN_BYTES without
+    decoding it; None if there is none there."""
+    depth, prev, key = 0, b"", None
+    for match in _TOKENS.finditer(body, 0, min(len(body), ID_SCAN_BYTES)):
+        tok = match.group()
+        if tok == b"{" or tok == b"[":
+            if depth == 1 and key == b'"id"':
+                return None
+            depth, key = depth + 1, None
+        elif tok == b"}" or tok == b"]":
+            depth -= 1
+            if depth <= 0:
+                return None
+        elif depth == 1:
+            if tok == b":":
+                key = prev
+            elif key == b'"id"':
+                return int(tok) if _ID.fullmatch(tok) else None
+            elif tok != b",":
+                key = None
+        prev = tok
+    return None
 
 
 def payload_size(header: Mapping[str, Any]) -> int:

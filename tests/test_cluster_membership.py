@@ -215,3 +215,29 @@ def test_ray_settings_are_checked():
         build_config({}, {"ray_autoscale": True})
     with pytest.raises(ConfigError, match="ray must be"):
         build_config({"ray": ""}, {})
+
+
+def test_ray_agents_tokens_come_from_the_nodes_secret_never_from_the_actors_arguments(tmp_path, monkeypatch):
+    """Issue 32: what Ray keeps to restart an actor (its arguments) holds no secret. The
+    service and every actor derive the tokens from the cluster secret each machine holds
+    (the environment, else a 0600 file the service creates)."""
+    import dataclasses
+    import stat
+
+    from mesh.ray import actor
+
+    monkeypatch.delenv(actor.SECRET_ENV, raising=False)
+    monkeypatch.setenv(actor.SECRET_FILE_ENV, str(tmp_path / "cluster.secret"))
+    with pytest.raises(actor.ClusterSecretError, match="MESH_CLUSTER_SECRET"):
+        actor.cluster_secret()  # a node never makes one up
+    secret = actor.cluster_secret(create=True)
+    assert stat.S_IMODE((tmp_path / "cluster.secret").stat().st_mode) == 0o600
+    assert actor.cluster_secret() == secret  # the node reads the service's
+    a, b = actor.agent_token(secret, "ray-1"), actor.agent_token(secret, "ray-2")
+    assert a != b and len(a) == 64 and actor.agent_token(secret, "ray-1") == a
+    assert actor.weights_token(secret) not in (a, b)
+    monkeypatch.setenv(actor.SECRET_ENV, "from-the-environment")
+    assert actor.cluster_secret() == b"from-the-environment"
+    launch = actor.launch_dict(actor.AgentLaunch())
+    assert not {f.name for f in dataclasses.fields(actor.AgentLaunch)} & {"agent_token", "weights_token"}
+    assert all(secret.decode() not in str(v) and a not in str(v) for v in launch.values())

@@ -5,14 +5,18 @@ The deadlines are shortened (monkeypatch) so the suite stays fast; every wait ha
 from __future__ import annotations
 
 import asyncio
+import json
 import struct
+import time
 
 import pytest
 
 from agent_doubles import TOKEN, WEIGHTS_TOKEN, use_simulated_engines
 from mesh import framing
 from mesh.agent.client import AgentClient
+from mesh.agent.protocol import InstanceSpec, sampling_to_dict
 from mesh.agent.server import AgentServer
+from engines.protocol import Sampling
 from mesh.framing import LENGTH, encode_frame
 from mesh.runtime.node import NodeSpec
 from mesh.weights.blocks import load_blocks, pack
@@ -135,6 +139,179 @@ def test_control_port_bounds_connections_waiting_for_their_hello(simulated):
     asyncio.run(main())
 
 
+# ---- the agent protocol under hostile messages (issue 32) ---------------------------------------
+
+_TYPES = ("ping", "hello", "load", "unload", "tokenize", "admit", "abort", "stats", "weights_path", "weights_drop",
+          "validate", "validate_group", "validate_new", "take_back", "describe", "reply", "tokens", "nonsense")
+_FIELDS = ("instance_id", "model", "path", "context_window", "max_num_seqs", "engine", "slo", "profile", "requests",
+           "request", "plan", "prompt", "messages", "request_id", "tenant", "exclude", "why", "file", "manifest",
+           "mean_output", "expected_load_s", "emulated_load_s", "protocol", "token")
+_ENTRY_FIELDS = ("request_id", "instance_id", "prompt_token_ids", "sampling", "age_s", "done", "prompt_len",
+                 "compute", "first_token_age_s", "late_s", "max_tokens")
+_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "stop", "seed", "ignore_eos")
+_PING_IDS = iter(range(2**62, 2**63))  # the test's own calls; hostile ids stay below 2^40
+
+
+def _hostile_strategies():
+    from hypothesis import strategies as st
+
+    scalar = (st.none() | st.booleans() | st.floats(allow_nan=True, allow_infinity=True)
+              | st.integers(-10**30, 10**30) | st.sampled_from([2**63, -2**63 - 1, 10**400, -1, 0, 2**31])
+              | st.text(max_size=12))
+    value = st.recursive(scalar, lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=6), kids,
+                                                                                             max_size=3), max_leaves=8)
+    sampling = st.dictionaries(st.sampled_from(_SAMPLING_FIELDS), value, max_size=6)
+    entry = st.dictionaries(st.sampled_from(_ENTRY_FIELDS), value | sampling, max_size=len(_ENTRY_FIELDS))
+    fields = st.dictionaries(st.sampled_from(_FIELDS), value | entry | st.lists(entry, max_size=3), max_size=6)
+    mid = st.none() | st.integers(0, 2**40) | value
+    message = st.builds(lambda t, i, f: {**({"id": i} if i is not None else {}), "t": t, **f},
+                        st.sampled_from(_TYPES) | st.text(max_size=8) | value, mid, fields)
+    # as JSON that NaN and infinities and integers of any size may be written into, or bytes that are no JSON
+    structured = message.map(lambda m: json.dumps(m, allow_nan=True).encode())
+    deep = st.builds(lambda i, n, t: b'{"id":%d,"t":"%s","requests":' % (i, t.encode()) + b"[" * n + b"]" * n + b"}",
+                     st.integers(0, 2**40), st.integers(1, 200_000), st.sampled_from(_TYPES))
+    long_int = st.builds(lambda i, n: b'{"id":%d,"t":"admit","requests":[{"prompt_token_ids":[1%s]}]}' % (i, b"0" * n),
+                         st.integers(0, 2**40), st.integers(19, 6000))
+    raw = st.binary(max_size=64) | st.builds(lambda i, b: b'{"id":%d,' % i + b, st.integers(0, 2**40),
+                                             st.binary(max_size=32))
+    return structured | deep | long_int | raw
+
+
+class _RawControl:
+    """A control connection over a plain socket: frames out, replies and events in."""
+
+    def __init__(self, address: str) -> None:
+        import socket
+
+        host, _, port = address.rpartition(":")
+        self.sock = socket.create_connection((host, int(port)), timeout=WAIT)
+        self.decoder = framing.FrameDecoder("t")
+        self.seen: list[dict] = []
+
+    def send(self, body: bytes) -> None:
+        self.sock.sendall(LENGTH.pack(len(body)) + body)
+
+    def reply(self, mid: int) -> dict:
+        """The reply to `mid` (events and other replies are kept in `seen`); AssertionError
+        if the agent closes the connection first."""
+        while True:
+            for m in self.seen:
+                if m.get("t") == "reply" and m.get("re") == mid:
+                    self.seen.remove(m)
+                    return m
+            data = self.sock.recv(1 << 20)
+            assert data, "the agent closed the control connection"
+            self.seen.extend(self.decoder.feed(data))
+            del self.seen[:-1000]
+
+    def call(self, message: dict) -> dict:
+        mid = next(_PING_IDS)
+        self.send(json.dumps({"id": mid, **message}).encode())
+        return self.reply(mid)
+
+
+def test_no_hostile_message_costs_the_agent_its_connection(simulated):
+    """Property test of the agent protocol: messages with huge and negative numbers, NaN and
+    infinities, integers past any codec's range, nesting 200,000 deep, wrong types, missing
+    fields, unknown types and bytes that are no JSON, each sent on one real control
+    connection (a real AgentServer on 127.0.0.1). Each one with an id the agent can find
+    is answered; none closes the connection; a ping answers after each; and after them all
+    the node serves a well-behaved request to the end, while a request admitted before them
+    all still decodes."""
+    import threading
+
+    from hypothesis import HealthCheck, given, settings
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    server = AgentServer(NodeSpec("n0", "cpu", 10**10), TOKEN, {"cores": 2}, load_roots=["/"])
+    address = asyncio.run_coroutine_threadsafe(server.serve("127.0.0.1:0"), loop).result(60)
+    conn = None
+    try:
+        conn = _RawControl(address)
+        assert conn.call({"t": "hello", "token": TOKEN})["ok"]
+        assert conn.call(InstanceSpec("i1", "m", "/nowhere", 65536, engine="simulated").to_message())["ok"]
+
+        def admit(rid: str, max_tokens: int) -> dict:
+            entry = {"request_id": rid, "instance_id": "i1", "prompt_token_ids": [1, 2, 3], "age_s": 0,
+                     "sampling": sampling_to_dict(Sampling(max_tokens=max_tokens)), "compute": max_tokens < 100}
+            for _ in range(100):  # the instance loads (simulated: 50 ms)
+                result = conn.call({"t": "admit", "requests": [entry]})["results"][0]
+                if result["ok"] or result["code"] != "not_ready":
+                    return result
+                time.sleep(0.05)
+            return result
+
+        # decodes all through the barrage (10 ms a token: 10 minutes; admitted on memory alone, compute=False)
+        assert admit("steady", 60_000)["ok"]
+        answered = {"ok": 0, "refused": 0, "unanswerable": 0}
+
+        @settings(max_examples=300, deadline=None, database=None, derandomize=True,
+                  suppress_health_check=list(HealthCheck))
+        @given(_hostile_strategies())
+        def one(body: bytes) -> None:
+            conn.send(body)
+            mid = framing.message_id(body)
+            if mid is not None and mid < 2**40:
+                reply = conn.reply(mid)
+                answered["ok" if reply["ok"] else "refused"] += 1
+            else:
+                answered["unanswerable"] += 1
+            assert conn.call({"t": "ping"})["ok"]
+
+        one()
+        print(f"hostile messages: {answered}")
+        assert answered["refused"] > 100 and answered["unanswerable"] > 0, answered
+        # the request admitted before them still runs, and one admitted after them all runs to its end
+        assert not any(m.get("t") == "done" and m.get("request_id") == "steady" for m in conn.seen)
+        assert conn.call({"t": "stats"})["running"] == 1
+        assert admit("good", 4)["ok"]
+        deadline = time.monotonic() + WAIT
+        while not any(m.get("t") == "done" and m.get("request_id") == "good" for m in conn.seen):
+            assert time.monotonic() < deadline, conn.seen[-5:]
+            conn.call({"t": "ping"})
+        done = next(m for m in conn.seen if m.get("t") == "done" and m.get("request_id") == "good")
+        assert done["outcome"] == "completed" and done["tokens_out"] == 4, done
+        assert server._writer is not None  # the connection it served all along
+    finally:
+        if conn is not None:
+            conn.sock.close()
+        asyncio.run_coroutine_threadsafe(server.close(), loop).result(60)
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+
+
+def test_stop_strings_cut_streamed_text_exactly_with_a_linear_tail_match():
+    """The stop matcher (engines.detokenize.StopMatcher, KMP partial tails since issue 32)
+    against the plain definition: what it streams is the text up to the first stop string,
+    whatever the deltas, and nothing of a stop string is streamed before it completes."""
+    from hypothesis import given, settings
+    from hypothesis import strategies as st
+
+    from engines.detokenize import MAX_STOP_CHARS, StopMatcher
+
+    alphabet = st.sampled_from("aab\u00e9")  # few letters: overlaps and partial matches are common
+
+    @settings(max_examples=400, deadline=None, database=None, derandomize=True)
+    @given(st.lists(st.text(alphabet, min_size=1, max_size=6), min_size=1, max_size=4),
+           st.lists(st.text(alphabet, max_size=8), max_size=12))
+    def check(stops, deltas):
+        matcher, out = StopMatcher(tuple(stops)), []
+        for delta in deltas:
+            out.append(matcher.feed(delta))
+        out.append(matcher.flush())
+        text = "".join(deltas)
+        cut = min((i for i in (text.find(s) for s in stops) if i >= 0), default=len(text))
+        assert "".join(out) == text[:cut]
+
+    check()
+    # the longest stops a request may give, fed one character at a time: the held tail stays short of them
+    matcher = StopMatcher(("a" * (MAX_STOP_CHARS - 1) + "b",) * 4)
+    assert all(matcher.feed("a") == ("a" if i >= MAX_STOP_CHARS - 1 else "") for i in range(3 * MAX_STOP_CHARS))
+    assert len(matcher.held) == MAX_STOP_CHARS - 1 and matcher.feed("b") == "" and matcher.stopped
+
+
 # ---- the weights port ------------------------------------------------------------------------
 
 def test_weights_port_checks_the_token_before_any_payload_and_bounds_blocks(tmp_path, short_deadline):
@@ -209,6 +386,81 @@ def test_weights_port_refuses_a_block_larger_than_its_manifest_says(tmp_path):
         finally:
             control.close()
             await agent.close()
+
+    asyncio.run(main())
+
+
+def test_a_nodes_weights_port_sends_only_its_own_files_and_tells_no_file_facts(tmp_path):
+    """Issue 32: a token holder's `start` naming a file outside the node's folders (directly,
+    or through a symlink inside that leads out) is refused without reading it; no refusal
+    names a path, a size or a hash; the node's own file is sent."""
+    from mesh.weights.coordinator import MulticastError
+    from mesh.weights.node import NodeWeightsReceiver
+
+    root = tmp_path / "node"
+    outside = tmp_path / "elsewhere" / "secret.bin"
+    outside.parent.mkdir()
+    outside.write_bytes(bytes(range(256)) * 512)
+    m = pack(outside, 64 * 1024)
+    (root / "m").mkdir(parents=True)
+    (root / "m" / "link.bin").symlink_to(outside)
+    own = root / "m" / "own.bin"
+    own.write_bytes(outside.read_bytes())
+    wrong = root / "m" / "wrong.bin"
+    wrong.write_bytes(outside.read_bytes()[:-1] + b"x")
+
+    async def main():
+        source, sink = NodeWeightsReceiver(root, token=WEIGHTS_TOKEN), WeightAgent(token=WEIGHTS_TOKEN)
+        await source.start()
+        await sink.start()
+        try:
+            agents = {"s": ("127.0.0.1", source.port), "a": ("127.0.0.1", sink.port)}
+
+            async def send(path):
+                plan = make_plan("naive", ["s"], ["a"], m.count)
+                return await asyncio.wait_for(multicast(agents, m, plan, {"s": str(path)}, timeout_s=WAIT,
+                                                        token=WEIGHTS_TOKEN), WAIT * 2)
+
+            for path in (outside, root / "m" / "link.bin", root / ".." / "elsewhere" / "secret.bin", "/etc/passwd",
+                         wrong):
+                with pytest.raises(MulticastError) as caught:
+                    await send(path)
+                why = str(caught.value)
+                assert "source file" in why and str(tmp_path) not in why and "/etc" not in why, why
+                assert "sha256" not in why and str(m.total_bytes) not in why, why
+            result = await send(own)
+            assert set(result.completion_s) == {"a"} and not result.dropped, result
+        finally:
+            await source.close()
+            await sink.close()
+
+    asyncio.run(main())
+
+
+def test_an_agent_reads_profiles_only_from_its_own_folders(simulated, tmp_path):
+    """Issue 32: `load` with a calibration profile outside the agent's folders (or a symlink
+    inside leading out) is refused as bad_request, as a model path would be."""
+    from mesh.agent.client import AgentCallError
+
+    models = tmp_path / "models"
+    models.mkdir()
+    (models / "link.json").symlink_to("/etc/passwd")
+
+    async def main():
+        server = AgentServer(NodeSpec("n0", "cpu", 10**9), TOKEN, {"cores": 2}, load_roots=[models])
+        address = await server.serve("127.0.0.1:0")
+        client = AgentClient("n0", lambda m: None, lambda r: None)
+        try:
+            await client.connect(address, TOKEN)
+            for i, profile in enumerate(("/etc/passwd", str(models / "link.json"), str(models / ".." / "x.json"))):
+                spec = InstanceSpec(f"i{i}", "m", str(models / "m.gguf"), 256, profile=profile)
+                with pytest.raises(AgentCallError, match="outside this agent's model folders") as caught:
+                    await client.call(spec.to_message())
+                assert caught.value.code == "bad_request"
+            assert "running" in await client.call({"t": "stats"})
+        finally:
+            await client.close()
+            await server.close()
 
     asyncio.run(main())
 
@@ -406,8 +658,9 @@ def test_uploads_are_capped_by_the_quota_left_and_refuse_encodings(simulated, tm
     from mesh.service import uploads
 
     async def main():
-        async with Http(tmp_path, tmp_path, max_uploads_per_tenant=1) as api:
+        async with Http(tmp_path, tmp_path, max_uploads_per_tenant=1, max_uploads=1) as api:
             key = await api.tenant("a")
+            key_b = await api.tenant("b")
             assert (await api.call("PUT", "/admin/tenants/a/quota", ADMIN, {"model_bytes": 2 << 20}))[0] == 200
             octet = {"Content-Type": "application/octet-stream"}
             q = "/v1/models?name=up&sha256=" + "0" * 64
@@ -443,6 +696,10 @@ def test_uploads_are_capped_by_the_quota_left_and_refuse_encodings(simulated, tm
                 await asyncio.sleep(0.01)
             status, err = await api.call("POST", q.replace("name=up", "name=up2"), key, data=b"GGUF", headers=octet)
             assert status == 429 and err["error"]["code"] == "too_many_uploads"
+            # and one bound for all tenants (max_uploads, 1 here): another tenant's is a 429 too
+            status, err = await api.call("POST", q, key_b, data=b"GGUF", headers=octet)
+            assert status == 429 and err["error"]["code"] == "too_many_uploads", err
+            assert "The server is receiving 1 uploads" in err["error"]["message"]
             gate.set()
             assert (await asyncio.wait_for(first, WAIT))[0] == 400  # its checksum does not match
             # a full disk: a 507, and the partial file is removed
@@ -455,6 +712,82 @@ def test_uploads_are_capped_by_the_quota_left_and_refuse_encodings(simulated, tm
                                          data=body, headers=octet)
             assert status == 507 and err["error"]["code"] == "insufficient_storage"
             assert not any((tmp_path / "uploads").iterdir())
+
+    asyncio.run(main())
+
+
+def test_fields_are_checked_before_a_node_sees_them_and_node_errors_are_redacted(simulated, tmp_path, demo_gguf,
+                                                                                  monkeypatch):
+    """Issue 32: integers past 20 digits (the 400-digit token id, the 4,401-digit max_tokens:
+    a dropped agent connection and a 500 before), NaN, token ids past any vocabulary and stop
+    strings over 256 characters are 400s naming the field, and no node is asked; a tokenizer
+    or a model read that fails answers the tenant without the node's paths. The agent keeps
+    its one connection throughout."""
+    import concurrent.futures
+
+    from engines.protocol import EngineError
+    from mesh.agent import engines as agent_engines
+    from mesh.agent.tokenizers import TokenizerProcess
+
+    secret = str(tmp_path / "secret-place" / "tokenizer.json")
+
+    class _Failing:
+        dead = None
+
+        def call(self, op, **fields):
+            fut = concurrent.futures.Future()
+            fut.set_exception(EngineError(f"cannot read {secret}: no such file (312 bytes expected)"))
+            return fut
+
+    monkeypatch.setattr(TokenizerProcess, "_connection", lambda self: _Failing())
+    allowed = tmp_path / "allowed"
+    for name in ("m.gguf", "n.gguf"):
+        _link(demo_gguf, allowed / "a" / name)
+
+    async def main():
+        async with Http(tmp_path, allowed) as api:
+            key = await api.tenant("a")
+            assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
+            agent = api.placement.agents["cpu-0"]
+            generation = agent.generation
+
+            async def raw(path: str, body: bytes):
+                async with api.session.post(api.url(path), data=body, headers={
+                        "Authorization": f"Bearer {key}", "Content-Type": "application/json"}) as r:
+                    return r.status, await r.json()
+
+            cases = [
+                (b'{"model": "m", "max_tokens": 2, "prompt": [1, 2, 1' + b"0" * 399 + b"]}", "prompt"),
+                (b'{"model": "m", "max_tokens": 1' + b"0" * 4400 + b', "prompt": "hi"}', "max_tokens"),
+                (b'{"model": "m", "max_tokens": 2, "prompt": [1, 2147483648]}', "prompt"),
+                (b'{"model": "m", "max_tokens": 2, "prompt": [1, -5]}', "prompt"),
+                (b'{"model": "m", "max_tokens": 2, "prompt": "hi", "stop": ["' + b"x" * 257 + b'"]}', "stop"),
+                (b'{"model": "m", "max_tokens": 2, "prompt": "hi", "temperature": NaN}', None),
+                (b'{"model": "m", "max_tokens": 1e400, "prompt": "hi"}', "max_tokens"),
+            ]
+            for body, param in cases:
+                status, err = await raw("/v1/completions", body)
+                assert status == 400 and err["error"]["param"] == param, (body[:60], err)
+            # the node's tokenizer fails (its text names a server path): the tenant is told what to do, not where
+            status, err = await api.call("POST", "/v1/completions", key,
+                                         {"model": "m", "prompt": "hi", "max_tokens": 2})
+            assert status == 400 and err["error"]["code"] == "tokenization_failed", err
+            assert "secret-place" not in err["error"]["message"] and str(tmp_path) not in err["error"]["message"]
+            # a model the node cannot read: a 503 without the node's paths (registered, then unreadable)
+            assert (await api.call("POST", "/v1/models", key, {"name": "n", "path": "n.gguf"}))[0] == 201
+
+            def unreadable(spec, on_loaded):
+                raise EngineError(f"{spec.path}: cannot open {secret}")
+
+            await asyncio.sleep(0.5)  # its registration's describe (the first host copy) ends
+            api.placement._models.clear()  # described again, now failing
+            monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, "openvino", unreadable)
+            agent.server.fronts.clear()
+            status, err = await api.call("POST", "/v1/completions", key,
+                                         {"model": "n", "prompt": [1, 2], "max_tokens": 2})
+            assert status == 503 and err["error"]["code"] == "model_load_failed", err
+            assert "secret-place" not in str(err) and str(allowed) not in str(err), err
+            assert agent.generation == generation and agent.up  # one connection all along: no restart
 
     asyncio.run(main())
 
@@ -967,14 +1300,17 @@ def _p99(values: list[float]) -> float:
 
 
 @pytest.mark.slow
-def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, demo_gguf):
+def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, demo_gguf, monkeypatch):
     """Issue 25's attack run: `mesh serve --demo --cpu-nodes 2` (JSON bodies up to 9 MiB, so
     8 MiB prompts are read and parsed; upload and body deadlines of 5 s) while the demo
     tenant streams in a loop. Its TTFT p99 is measured unloaded first, then during the
     attacks: 2^40-byte frames without a token to every agent's ports; 1,000 idle connections
     from 10 addresses with slow heads and bodies; a gzip bomb and a chunked upload over
     quota; 200 8 MiB prompts from a tenant that hangs up; JSON nested 100,000 deep; tenant
-    B registering tenant A's file by path. Each attacker gets a 4xx or a closed connection;
+    B registering tenant A's file by path; and issue 32's: a 400-digit token id (it cost
+    the node its agent), a 4,401-digit max_tokens (a 500), token ids past the model's
+    vocabulary, NaN, over-long stop strings, and a weights-token holder asking each node's
+    weights port to send /etc/passwd. Each attacker gets a 4xx or a closed connection;
     the service and every process stay up, under a stated memory bound; the well-behaved
     tenant gets no error and a TTFT p99 within TTFT_FACTOR of its unloaded one."""
     import gzip
@@ -985,6 +1321,8 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
 
     config = tmp_path / "mesh.toml"
     config.write_text("http_body_timeout_s = 5.0\n")
+    weights_token = "weights-token-of-a-node-holder"
+    monkeypatch.setenv("MESH_WEIGHTS_TOKEN", weights_token)  # the agents' weights ports take it (the attack holds it)
     server = _real_server(tmp_path, demo_gguf, "--max-body-mb", "9", "--config", str(config))
     server.start()
     tenant = sampler = None
@@ -1120,6 +1458,60 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
                 assert await register(path) == missing, path
             return {"answer": missing[0]}
 
+        async def fields_attack(session):
+            """Issue 32: fields no node may see, each a 400 naming it; the agents stay up (checked at the end)."""
+            async def completion(data: bytes):
+                async with session.post(f"{url}/v1/completions", data=data, headers={
+                        "Authorization": f"Bearer {key_b}", "Content-Type": "application/json"}) as r:
+                    return r.status, (await r.json())["error"]
+
+            out = {}
+            for name, body, param in (
+                    ("400-digit token id", b'{"model": "m", "max_tokens": 2, "prompt": [1, 2, 1' + b"0" * 399 + b"]}",
+                     "prompt"),
+                    ("4401-digit max_tokens", b'{"model": "m", "max_tokens": 1' + b"0" * 4400 + b', "prompt": "hi"}',
+                     "max_tokens"),
+                    ("id past the vocabulary", b'{"model": "m", "max_tokens": 2, "prompt": [1, 49152]}', "prompt"),
+                    ("NaN", b'{"model": "m", "max_tokens": 2, "prompt": "hi", "top_p": NaN}', None),
+                    ("257-character stop", b'{"model": "m", "max_tokens": 2, "prompt": "hi", "stop": "'
+                     + b"ab" * 128 + b'c"}', "stop")):
+                status, error = await completion(body)
+                assert status == 400 and error["param"] == param, (name, status, error)
+                out[name] = status
+            assert "vocabulary" in (await completion(b'{"model": "m", "max_tokens": 2, "prompt": [49152]}'))[1][
+                "message"]
+            return out
+
+        async def weights_sources_attack():
+            """A weights-token holder asks each node's weights port to send a file outside its folders."""
+            from mesh.weights.coordinator import MulticastError
+
+            secret = tmp_path / "outside.bin"
+            secret.write_bytes(b"secret" * 1000)
+            manifest = pack(secret, 4096)
+            sink = WeightAgent(token=weights_token)
+            await sink.start()
+            refused = 0
+            try:
+                for node_id, pid in nodes_before.items():
+                    for p in _listening_ports(pid):
+                        plan = make_plan("naive", ["s"], ["a"], manifest.count)
+                        for path in (str(secret), "/etc/passwd"):
+                            try:
+                                await asyncio.wait_for(multicast({"s": ("127.0.0.1", p), "a": ("127.0.0.1", sink.port)},
+                                                                 manifest, plan, {"s": path}, timeout_s=WAIT,
+                                                                 token=weights_token), WAIT * 2)
+                            except (MulticastError, ConnectionError, asyncio.TimeoutError) as exc:
+                                why = str(exc)
+                                assert str(tmp_path) not in why and "/etc" not in why and "6000" not in why, why
+                                refused += "source file cannot be read" in why
+                            else:
+                                raise AssertionError(f"node {node_id} port {p} sent {path}")
+            finally:
+                await sink.close()
+            assert refused == 2 * len(nodes_before), refused  # each node's weights port refused both
+            return {"refused": refused}
+
         async def attacks():
             connector = aiohttp.TCPConnector(local_addr=("127.0.0.4", 0))
             async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300)) as session:
@@ -1127,7 +1519,9 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
                                      ("uploads", lambda: uploads_attack(session)),
                                      ("8 MiB prompts", lambda: prompts_attack(session)),
                                      ("JSON nesting", lambda: nesting_attack(session)),
-                                     ("registration", lambda: registration_attack(session))):
+                                     ("registration", lambda: registration_attack(session)),
+                                     ("fields", lambda: fields_attack(session)),
+                                     ("weights sources", weights_sources_attack)):
                     tenant.phase = name
                     started, rounds = time.monotonic(), 0
                     while rounds < 20 and (rounds == 0 or tenant.count(name) < 5):  # the tenant's TTFT under each

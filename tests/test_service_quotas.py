@@ -75,7 +75,12 @@ def test_bad_quota_settings_are_named(data, bad):
 
 def test_quota_defaults_from_the_config(tmp_path):
     c = build_config({"quota_models": 4, "quota_model_gb": 0.5}, {"quota_requests_per_s": 2.5})
-    assert c.default_quota == Quota(models=4, model_bytes=2**29, requests_per_s=2.5)
+    assert c.default_quota == Quota(models=4, model_bytes=2**29, concurrent_requests=1024, requests_per_s=2.5,
+                                    burst=2000)
+    # finite by default (a shared service), and "none" is no limit, in the file or on the command line
+    assert all(v is not None for v in build_config({}, {}).default_quota.as_dict().values())
+    c = build_config({"quota_models": "none"}, {"quota_burst": "None", "quota_concurrent_requests": "none"})
+    assert (c.default_quota.models, c.default_quota.burst, c.default_quota.concurrent_requests) == (None, None, None)
     with pytest.raises(ConfigError, match="quota_burst"):
         build_config({}, {"quota_burst": 0})
     with pytest.raises(ConfigError, match="quota_model_gb"):

@@ -146,14 +146,17 @@ def test_a_request_the_full_instance_cannot_take_scales_out_by_multicast(tmp_pat
     asyncio.run(main())
 
 
-def test_a_wrong_weights_token_fails_the_load_with_a_clear_error(tmp_path, model_file):
+def test_a_wrong_weights_token_fails_the_load_with_a_clear_error(tmp_path, model_file, caplog):
+    """The operator's log says the token is wrong; the tenant gets a 503 without the
+    transfer's detail (which can name paths and file facts: issue 32)."""
     async def main():
         p = await started(tmp_path, nodes=1, token="not-the-nodes-token")
         m = record(model_file)
         with pytest.raises(ApiError) as e:
             await run(p, m, "r1")
         assert e.value.status == 503 and e.value.code == "weights_unavailable"
-        assert "token" in e.value.message
+        assert "weights token wrong" in caplog.text and "operator's log" in e.value.message
+        assert "token" not in e.value.message and str(tmp_path) not in e.value.message
         assert not list((tmp_path / "nodes" / "cpu-0").rglob("*.gguf"))
         await p.stop()
 

@@ -120,7 +120,8 @@ class AgentClient:
         self._pending[mid] = future
         sent = loop.time()
         try:
-            self._write({**message, "id": mid})
+            # id first: an agent finds it even in a frame it cannot decode (mesh.framing.message_id)
+            self._write({"id": mid, **{k: v for k, v in message.items() if k != "id"}})
             reply = await (asyncio.wait_for(future, timeout_s) if timeout_s else future)
         except asyncio.TimeoutError as exc:
             raise AgentDown(f"agent {self.name} did not answer {message.get('t')} within {timeout_s:.1f} s") from exc
@@ -152,7 +153,8 @@ class AgentClient:
                     break
                 self.frames_in += 1
                 if message["t"] == "reply":
-                    future = self._pending.get(message.get("re"))
+                    re_id = message.get("re")
+                    future = self._pending.get(re_id) if isinstance(re_id, int) else None
                     if future is not None and not future.done():
                         future.set_result(message)
                     continue

@@ -24,7 +24,7 @@ Control -> agent (see docs/service.md for every field):
                                                 tenants in turn; `abort {request_id}` cancels it (dropped
                                                 from the queue if it has not run)
     describe   {model, path, engine, context_window, max_num_seqs?, exact_moves?}
-               -> {weight_bytes, kv_bytes_per_token, context_window}
+               -> {weight_bytes, kv_bytes_per_token, context_window, vocab_size (null: unknown)}
                (an OpenVINO model is then built with those load settings and parked: mesh.agent.park_ahead)
     admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s, done?, prompt_len?,
                  first_token_age_s?, compute?, late_s?}]}
@@ -74,6 +74,7 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Mapping, Union
 
+from engines.detokenize import MAX_STOP_CHARS
 from engines.protocol import Sampling
 from mesh import framing
 from mesh.framing import MAX_HEADER_BYTES as MAX_FRAME_BYTES  # noqa: F401 - part of this protocol's API
@@ -131,6 +132,51 @@ class FrameDecoder(framing.FrameDecoder):
         super().__init__(TYPE_KEY)
 
 
+# ---- bounds every field is checked against (issue 32) ----------------------------------------
+# A message that decodes may still carry hostile values (a count of 10^25, an age of 1e308, NaN
+# from a codec that writes it): each parser below refuses a value outside these bounds with a
+# ProtocolError, answered as `protocol`, before it reaches the node's state.
+MAX_COUNT = 2**31 - 1  # token ids, token counts, lengths, windows, batch sizes
+MAX_BYTES = 2**50  # memory sizes
+MAX_SECONDS = 7 * 86400.0  # ages and durations (no request lives a week)
+MAX_STOPS = 16  # stop strings of one request (the service lets a tenant give 4)
+MAX_BATCH = 1 << 16  # max_num_seqs, max_batch
+
+
+def count_field(value: Any, name: str, low: int = 0, high: int = MAX_COUNT) -> int:
+    """An integer field in [low, high]; a float that is an integer counts (ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ValueError(f"{name} must be an integer, got {type(value).__name__}")
+    if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low}, {high}], got {value:.6g}")
+    return int(value)
+
+
+def number_field(value: Any, name: str, low: float = 0.0, high: float = MAX_SECONDS) -> float:
+    """A finite number field in [low, high] (ValueError otherwise)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
+    if not low <= value <= high:
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value:.6g}")
+    return float(value)
+
+
+def _age(value: Any, name: str) -> float:
+    """An age in seconds: a negative one counts as 0 (the clocks of two processes are never
+    compared), one past MAX_SECONDS or not finite is refused."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 0:
+        value = 0.0
+    return number_field(value, name)
+
+
+def _token_ids(value: Any, name: str) -> list[int]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of token ids")
+    return [count_field(x, name) for x in value]
+
+
 # ---- payloads shared by both sides ---------------------------------------------------------
 
 def sampling_to_dict(s: Sampling) -> dict[str, Any]:
@@ -141,16 +187,20 @@ def sampling_to_dict(s: Sampling) -> dict[str, Any]:
 def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
     """ProtocolError on a malformed sampling object (the control service validated it)."""
     try:
+        stop = d.get("stop") or ()
+        if not isinstance(stop, (list, tuple)) or len(stop) > MAX_STOPS or not all(
+                isinstance(x, str) and len(x) <= MAX_STOP_CHARS for x in stop):
+            raise ValueError(f"stop must be at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters")
         return Sampling(
-            max_tokens=int(d["max_tokens"]),
-            temperature=float(d.get("temperature", 0.0)),
-            top_p=float(d.get("top_p", 1.0)),
-            stop=tuple(str(x) for x in d.get("stop") or ()),
-            seed=None if d.get("seed") is None else int(d["seed"]),
+            max_tokens=count_field(d["max_tokens"], "max_tokens"),
+            temperature=number_field(d.get("temperature", 0.0), "temperature", 0.0, 100.0),
+            top_p=number_field(d.get("top_p", 1.0), "top_p", 0.0, 1.0),
+            stop=tuple(stop),
+            seed=None if d.get("seed") is None else count_field(d["seed"], "seed", 0, 2**64 - 1),
             ignore_eos=bool(d.get("ignore_eos", False)),
         )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ProtocolError(f"bad sampling object {dict(d)!r}: {exc}") from exc
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProtocolError(f"bad sampling object: {exc}") from exc
 
 
 def slo_to_dict(slo: SLO) -> dict[str, float]:
@@ -160,9 +210,11 @@ def slo_to_dict(slo: SLO) -> dict[str, float]:
 
 def slo_from_dict(d: Mapping[str, Any]) -> SLO:
     try:
-        return SLO(float(d["ttft_min_s"]), float(d["ttft_s_per_prompt_token"]), float(d["tpot_s"]))
-    except (KeyError, TypeError, ValueError) as exc:
-        raise ProtocolError(f"bad SLO object {dict(d)!r}: {exc}") from exc
+        return SLO(number_field(d["ttft_min_s"], "ttft_min_s"),
+                   number_field(d["ttft_s_per_prompt_token"], "ttft_s_per_prompt_token"),
+                   number_field(d["tpot_s"], "tpot_s"))
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise ProtocolError(f"bad SLO object: {exc}") from exc
 
 
 def mean_output_to(mean: RunningMean) -> tuple[float, int, float]:
@@ -176,9 +228,10 @@ def mean_output_from(state: Any) -> tuple[float, int, float] | None:
         return None
     try:
         prior, count, total = state
-        return (float(prior), int(count), float(total))
+        return (number_field(prior, "prior", 0.0, MAX_COUNT), count_field(count, "count", 0, 2**62),
+                number_field(total, "total", 0.0, 2.0**62 * MAX_COUNT))
     except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"bad mean_output {state!r}: (prior, count, total) expected") from exc
+        raise ProtocolError(f"bad mean_output {state!r:.80}: (prior, count, total) expected: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,20 +267,31 @@ class InstanceSpec:
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "InstanceSpec":
         try:
+            profile = m.get("profile")
+            if profile is not None and not isinstance(profile, str):
+                raise ValueError(f"profile must be a string, got {type(profile).__name__}")
             spec = cls(
                 instance_id=str(m["instance_id"]), model=str(m["model"]), path=str(m["path"]),
-                context_window=None if m.get("context_window") is None else int(m["context_window"]),
-                slo=dict(m.get("slo") or slo_to_dict(SLO())), max_num_seqs=int(m.get("max_num_seqs", 64)),
-                profile=m.get("profile"), engine=str(m.get("engine", "openvino")),
-                expected_load_s=None if m.get("expected_load_s") is None else float(m["expected_load_s"]),
+                context_window=window(m.get("context_window")),
+                slo=dict(m.get("slo") or slo_to_dict(SLO())),
+                max_num_seqs=count_field(m.get("max_num_seqs", 64), "max_num_seqs", 1, MAX_BATCH),
+                profile=profile, engine=str(m.get("engine", "openvino")),
+                expected_load_s=None if m.get("expected_load_s") is None else number_field(
+                    m["expected_load_s"], "expected_load_s"),
                 exact_moves=bool(m.get("exact_moves", False)),
                 mean_output=mean_output_from(m.get("mean_output")),
-                emulated_load_s=None if m.get("emulated_load_s") is None else float(m["emulated_load_s"]),
+                emulated_load_s=None if m.get("emulated_load_s") is None else number_field(
+                    m["emulated_load_s"], "emulated_load_s"),
             )
-        except (KeyError, TypeError, ValueError) as exc:
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad load message: {exc}") from exc
         slo_from_dict(spec.slo)
         return spec
+
+
+def window(value: Any) -> int | None:
+    """A message's `context_window`: None (the engine's default) or tokens in [1, MAX_COUNT]."""
+    return None if value is None else count_field(value, "context_window", 1)
 
 
 # ---- typed messages at the protocol boundary -----------------------------------------------
@@ -236,6 +300,10 @@ class InstanceSpec:
 
 def _opt_float(value: Any) -> float | None:
     return None if value is None else float(value)
+
+
+def _opt_age(value: Any, name: str) -> float | None:
+    return None if value is None else _age(value, name)
 
 
 MAX_LATE_S = 3600.0  # no cold start is longer: a larger late_s is a bad message
@@ -271,11 +339,11 @@ class Progress:
     @classmethod
     def from_dict(cls, m: Mapping[str, Any]) -> "Progress":
         try:
-            ids = [int(x) for x in m.get("token_ids") or ()]
-            return cls(str(m["request_id"]), int(m.get("tokens_out") or len(ids)), ids,
-                       _opt_float(m.get("first_token_age_s")))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"bad progress {dict(m)!r}: {exc}") from exc
+            ids = _token_ids(m.get("token_ids") or [], "token_ids")
+            return cls(str(m["request_id"]), count_field(m.get("tokens_out") or len(ids), "tokens_out"), ids,
+                       _opt_age(m.get("first_token_age_s"), "first_token_age_s"))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ProtocolError(f"bad progress: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,9 +366,10 @@ class Probe:
     @classmethod
     def from_dict(cls, m: Any) -> "Probe":
         try:
-            return cls(str(m["request_id"]), int(m["prompt_len"]), max(1, int(m["max_tokens"])),
-                       max(0.0, float(m.get("age_s", 0.0))), max(0, int(m.get("done", 0))),
-                       _opt_float(m.get("first_token_age_s")), _late(m))
+            return cls(str(m["request_id"]), count_field(m["prompt_len"], "prompt_len"),
+                       max(1, count_field(m["max_tokens"], "max_tokens")), _age(m.get("age_s", 0.0), "age_s"),
+                       count_field(m.get("done", 0), "done"), _opt_age(m.get("first_token_age_s"), "first_token_age_s"),
+                       _late(m))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad request entry {m!r}: {exc}") from exc
 
@@ -329,14 +398,14 @@ class AdmitEntry:
     @classmethod
     def from_dict(cls, m: Any) -> "AdmitEntry":
         try:
-            ids = [int(x) for x in m["prompt_token_ids"]]
-            done = int(m.get("done", 0))
-            prompt_len = int(m.get("prompt_len", len(ids) - done))
-            if done < 0 or not 1 <= prompt_len <= len(ids):
+            ids = _token_ids(m["prompt_token_ids"], "prompt_token_ids")
+            done = count_field(m.get("done", 0), "done")
+            prompt_len = count_field(m.get("prompt_len", len(ids) - done), "prompt_len", -MAX_COUNT)
+            if not 1 <= prompt_len <= len(ids):
                 raise ValueError(f"done={done}, prompt_len={prompt_len} with {len(ids)} token ids")
             return cls(str(m["request_id"]), str(m["instance_id"]), ids, sampling_from_dict(m["sampling"]),
-                       max(0.0, float(m.get("age_s", 0.0))), done, prompt_len, bool(m.get("compute", True)),
-                       _opt_float(m.get("first_token_age_s")), _late(m))
+                       _age(m.get("age_s", 0.0), "age_s"), done, prompt_len, bool(m.get("compute", True)),
+                       _opt_age(m.get("first_token_age_s"), "first_token_age_s"), _late(m))
         except (KeyError, TypeError, ValueError, AttributeError, ProtocolError) as exc:
             raise ProtocolError(f"bad admit entry: {exc}") from exc
 

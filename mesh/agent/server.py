@@ -24,8 +24,10 @@ Closed by default:
   anyone who can reach the port could otherwise load models and run requests.
 - `load` opens only files inside the agent's model folders: its weights folder
   (`--weights-dir`, default DATA/received/NODE_ID) and each `--models-root DIR` (the
-  embedded agents of `mesh serve` get the service's data folder, its --allowed-dir and the
-  demo model cache). A path elsewhere, or a symlink leading out, is refused as bad_request.
+  embedded agents of `mesh serve` get the service's data folder, its --allowed-dir, its
+  --profile-dir and the demo model cache). A path elsewhere, or a symlink leading out, is
+  refused as bad_request; so is a `profile` (a calibration file) outside them.
+- Every file it creates is its user's only: the agent sets umask 077 at start.
 - An unexpected exception in a handler answers that message with `failed` and leaves the
   connection and every other request as they were.
 """
@@ -52,6 +54,8 @@ from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import profile_to_dict
 from mesh.perf.times import AdaptiveTimes
 from mesh.agent.protocol import (
+    MAX_BATCH,
+    MAX_BYTES,
     PROTOCOL_VERSION,
     READY_PREFIX,
     AdmitEntry,
@@ -69,7 +73,10 @@ from mesh.agent.protocol import (
     mean_output_from,
     read_frame,
     read_hello,
+    count_field,
+    number_field,
     slo_from_dict,
+    window,
 )
 from engines.background_prepare import BackgroundPreparer
 from engines.worker_process import die_with_parent, worker_env
@@ -77,7 +84,7 @@ from engines.openvino_process import OpenVINOProcessEngine
 from engines.parking import ParkingLot
 from mesh.agent.park_ahead import ParkAhead
 from mesh.agent.tokenizers import TokenizerProcess
-from mesh.framing import ConnectionGate
+from mesh.framing import ConnectionGate, UndecodableFrame, is_message_id
 from mesh.perf.speed import MachineSpeed
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase
@@ -124,6 +131,8 @@ class AgentServer:
         if weights is not None and spec.kind == "cpu":
             weights.on_saved = self._received
         self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
+        if weights is not None:  # it sends, as a multicast's source, only files `load` may open
+            weights.source_roots = self.load_roots
         self.token = token
         self.cpu = cpu or {}
         self.node = NodeRuntime(spec, on_evict=self._on_evict, record_iterations=True, deadlines=deadlines,
@@ -247,7 +256,12 @@ class AgentServer:
         self._dispatch(first)
         try:
             while True:
-                message = await read_frame(reader)
+                try:
+                    message = await read_frame(reader)
+                except UndecodableFrame as exc:  # a whole frame that is no message: answered, the rest goes on
+                    log.warning("control connection from %s sent a message that does not decode: %s", peer, exc)
+                    self._refuse(exc.message_id, exc)
+                    continue
                 if message is None:
                     break
                 self._dispatch(message)
@@ -271,6 +285,9 @@ class AgentServer:
     def _dispatch(self, message: dict[str, Any]) -> None:
         kind = message.get("t")
         mid = message.get("id")
+        if mid is not None and not is_message_id(mid):  # no reply can name it: dropped
+            log.warning("a %s message with a bad id %.80r (an integer in [0, 2^63) expected) is dropped", kind, mid)
+            return
         handler = self._handlers.get(kind)
         try:
             if handler is None:
@@ -541,7 +558,7 @@ class AgentServer:
     async def _describe(self, m: dict[str, Any]) -> dict[str, Any]:
         engine = await self._front(m)
         shape = {"weight_bytes": engine.weight_bytes, "kv_bytes_per_token": engine.kv_bytes_per_token,
-                 "context_window": engine.context_window}
+                 "context_window": engine.context_window, "vocab_size": getattr(engine, "vocab_size", None)}
         if str(m.get("engine")) == EMULATED and self.emulation is not None:  # the dispatcher plans with it too
             shape["profile"] = profile_to_dict(self.emulation.profile(str(m.get("path"))))
         return shape
@@ -549,9 +566,12 @@ class AgentServer:
     async def _front(self, m: dict[str, Any]) -> Any:
         """The unloaded engine of the model at m's path (built once: it reads the model's
         shape and tokenizer, loads no weights)."""
-        spec = InstanceSpec("front", str(m.get("model") or "model"), str(m.get("path")),
-                            None if m.get("context_window") is None else int(m["context_window"]),
-                            engine=str(m.get("engine") or "openvino"))
+        try:
+            spec = InstanceSpec("front", str(m.get("model") or "model"), str(m.get("path")),
+                                window(m.get("context_window")), engine=str(m.get("engine") or "openvino"))
+            max_num_seqs = count_field(m.get("max_num_seqs") or 64, "max_num_seqs", 1, MAX_BATCH)
+        except (TypeError, ValueError) as exc:
+            raise ProtocolError(f"bad {m.get('t')} message: {exc}") from exc
         self._check_engine(spec.engine)
         if spec.engine != EMULATED:
             self._check_path(spec.path)
@@ -571,7 +591,7 @@ class AgentServer:
                 built.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
                 # and the instance a load would build is built now and parked (mesh.agent.park_ahead)
                 ahead = InstanceSpec(f"ahead-{spec.model}", spec.model, spec.path, spec.context_window,
-                                     max_num_seqs=int(m.get("max_num_seqs") or 64),
+                                     max_num_seqs=max_num_seqs,
                                      exact_moves=bool(m.get("exact_moves", False)))
                 self.ahead.schedule(ahead, lambda: self._prepared_after(built))
         return self.fronts[key]
@@ -602,6 +622,8 @@ class AgentServer:
         profile on this device (the profile its engine keeps), else mesh.agent.engines'."""
         name = model_of_profile(spec.profile)
         if name is None:
+            if spec.profile:  # a calibration file: read only from the agent's own folders, as models are
+                self._check_path(spec.profile)
             return iteration_times(spec, weight_bytes)
         if self.emulation is None:
             raise EngineError(f"node {self.spec.node_id} does not emulate: it has no times for {spec.profile}")
@@ -725,14 +747,18 @@ class AgentServer:
         try:
             p = m["plan"]
             slo = slo_from_dict(p["slo"])
-            spec = InstanceSpec(str(p["instance_id"]), str(p["model"]), "", int(p["context_window"]),
-                                profile=p.get("profile"))
-            times = self._times(spec, int(p["weight_bytes"]))
-            plan = InstancePlan(spec.instance_id, spec.model, times, slo, int(p["kv_bytes_per_token"]),
-                                int(p["weight_bytes"]), int(p["context_window"]), int(p["context_window"]),
-                                int(p["max_batch"]), self._mean_output(spec.model, mean_output_from(p.get("mean_output"))),
-                                float(p["expected_load_s"]))
-        except (KeyError, TypeError, ValueError) as exc:
+            spec = InstanceSpec(str(p["instance_id"]), str(p["model"]), "",
+                                count_field(p["context_window"], "context_window", 1),
+                                profile=p.get("profile") if isinstance(p.get("profile"), str) else None)
+            weight_bytes = count_field(p["weight_bytes"], "weight_bytes", 0, MAX_BYTES)
+            times = self._times(spec, weight_bytes)
+            plan = InstancePlan(spec.instance_id, spec.model, times, slo,
+                                count_field(p["kv_bytes_per_token"], "kv_bytes_per_token", 0, MAX_BYTES), weight_bytes,
+                                spec.context_window, spec.context_window,
+                                count_field(p["max_batch"], "max_batch", 1, MAX_BATCH),
+                                self._mean_output(spec.model, mean_output_from(p.get("mean_output"))),
+                                number_field(p["expected_load_s"], "expected_load_s"))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad validate_new plan: {exc}") from exc
         except EngineError as exc:
             raise Reply(Code.BAD_REQUEST, str(exc)) from exc
@@ -1020,5 +1046,6 @@ def main(argv: list[str] | None = None) -> int:
                              f"instance fails and its worker is killed; its requests move (default {HUNG_MIN_S:g})")
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
+    os.umask(0o077)  # received weights, parked builds, logs: this user's only (a standalone agent too)
     logging.basicConfig(level=args.log_level, format=f"agent {args.node_id}: %(levelname)s %(message)s")
     return asyncio.run(_amain(args))

@@ -9,6 +9,7 @@ import sys
 from mesh.policy.slo import DeadlineRule
 from mesh.runtime.schedulers import POLICIES
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
+from mesh.service.config import quota_value
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -70,15 +71,17 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--log-level", default=None, help="WARNING (default), INFO, DEBUG")
     parser.add_argument("--tls-cert", default=None, help="PEM certificate (chain): serve HTTPS (with --tls-key)")
     parser.add_argument("--tls-key", default=None, help="PEM private key of --tls-cert")
-    parser.add_argument("--quota-models", type=int, default=None, help="default per-tenant quota: models")
-    parser.add_argument("--quota-model-gb", type=float, default=None,
-                        help="default per-tenant quota: GiB of registered model weights")
-    parser.add_argument("--quota-concurrent-requests", type=int, default=None,
-                        help="default per-tenant quota: open generation requests")
-    parser.add_argument("--quota-requests-per-s", type=float, default=None,
-                        help="default per-tenant quota: generation requests per second (token bucket)")
-    parser.add_argument("--quota-burst", type=int, default=None,
-                        help="bucket size of --quota-requests-per-s (default: one second's worth)")
+    parser.add_argument("--quota-models", type=quota_value(int), default=None,
+                        help="default per-tenant quota: models (default 100; 'none': no limit)")
+    parser.add_argument("--quota-model-gb", type=quota_value(float), default=None,
+                        help="default per-tenant quota: GiB of registered model weights (default 256; 'none')")
+    parser.add_argument("--quota-concurrent-requests", type=quota_value(int), default=None,
+                        help="default per-tenant quota: open generation requests (default 1024; 'none')")
+    parser.add_argument("--quota-requests-per-s", type=quota_value(float), default=None,
+                        help="default per-tenant quota: generation requests per second, a token bucket "
+                             "(default 1000; 'none')")
+    parser.add_argument("--quota-burst", type=quota_value(int), default=None,
+                        help="bucket size of --quota-requests-per-s (default 2000; 'none': one second's worth)")
     parser.add_argument("--no-prepare", action="store_false", default=None, dest="prepare_formats",
                         help="do not prepare models' formats for the other kind of node (by default a GGUF is also "
                              "converted to a Hugging Face folder for GPU nodes when there is one; docs/service.md)")

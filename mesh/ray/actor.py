@@ -6,24 +6,32 @@ The actor is the agent's keeper on its node, not its transport. Created pinned t
 1. runs the hardware probe on that node (`probe()`: kind, memory budget, AMX, CPU model),
    so the head never guesses another machine's hardware;
 2. starts the real node agent there, `python -m mesh.agent`, listening on the node's
-   address (127.0.0.1 in tests) with a control port and a weights port, and the tokens the
-   control service generated (passed in the environment, never on the command line);
+   address (127.0.0.1 in tests) with a control port and a weights port, and its tokens
+   (in the agent's environment, never on its command line), which the actor derives from
+   the cluster secret its node holds (`cluster_secret`); the actor's arguments, which Ray
+   keeps in its control store to restart it, carry no secret;
 3. reports the agent's address (`address()`) and health (`health()`);
 4. exits when the agent process exits, so that Ray restarts the actor (and with it a new
    agent process) on the same node. The agent has `--exit-with-parent`: when the actor's
    worker dies, or its node is removed, the agent goes too and its connection closes.
 
-Tokens and control messages go over Mesh's framed TCP connection between the control
-service and the agent (mesh.agent.client), never through Ray: docs/cluster.md measures why.
+Control messages go over Mesh's framed TCP connection between the control service and the
+agent (mesh.agent.client), never through Ray: docs/cluster.md measures why. Tokens go nowhere:
+the service and each actor derive them from the cluster secret (HMAC-SHA256), so neither Ray's
+store nor its actor calls ever hold one.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import os
+import secrets
 import subprocess
 import sys
 import threading
 import time
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from engines.worker_process import worker_env
@@ -31,12 +39,60 @@ from mesh.agent.protocol import READY_PREFIX
 from mesh.policy.slo import DeadlineRule
 
 
+SECRET_ENV = "MESH_CLUSTER_SECRET"  # the cluster secret itself, in the environment of `ray start` and mesh serve
+SECRET_FILE_ENV = "MESH_CLUSTER_SECRET_FILE"  # else this file (default: DATA/cluster.secret)
+
+
+class ClusterSecretError(RuntimeError):
+    """The node holds no cluster secret; the message says how to give it one."""
+
+
+def secret_file() -> Path:
+    from mesh.paths import data_dir
+
+    return Path(os.environ.get(SECRET_FILE_ENV) or data_dir() / "cluster.secret")
+
+
+def cluster_secret(create: bool = False) -> bytes:
+    """The secret every machine of a Mesh Ray cluster holds: $MESH_CLUSTER_SECRET, else the
+    file $MESH_CLUSTER_SECRET_FILE (default DATA/cluster.secret, DATA being Mesh's data
+    folder: $MESH_DATA_DIR or ~/.local/share/mesh). `create` (the control service): write a
+    new random one there (mode 0600) if there is none; the nodes of a one-machine cluster
+    then share it as they are, the others get a copy of the file (docs/cluster.md)."""
+    value = os.environ.get(SECRET_ENV)
+    if value:
+        return value.encode()
+    path = secret_file()
+    try:
+        data = path.read_bytes().strip()
+    except FileNotFoundError:
+        data = b""
+    if data:
+        return data
+    if not create:
+        raise ClusterSecretError(f"this node holds no cluster secret: set ${SECRET_ENV} in the environment of `ray "
+                                 f"start`, or copy the control service's {path.name} to {path} (docs/cluster.md)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "wb") as f:
+        f.write(secrets.token_urlsafe(32).encode())
+    return path.read_bytes().strip()
+
+
+def agent_token(secret: bytes, node_id: str) -> str:
+    """The hello token of the agent of Mesh node `node_id` (one per node)."""
+    return hmac.new(secret, f"mesh agent token {node_id}".encode(), hashlib.sha256).hexdigest()
+
+
+def weights_token(secret: bytes) -> str:
+    """The weights token of every agent of the cluster (they forward blocks to each other)."""
+    return hmac.new(secret, b"mesh weights token", hashlib.sha256).hexdigest()
+
+
 @dataclass(frozen=True, slots=True)
 class AgentLaunch:
-    """What the control service tells each actor (the same for every node)."""
+    """What the control service tells each actor (the same for every node): no secret."""
 
-    agent_token: str
-    weights_token: str
     log_level: str = "WARNING"
     deadlines: DeadlineRule = DeadlineRule.EQ1
     watchdog_min_s: float | None = None  # the agents' --watchdog-min-s (None: their default)
@@ -89,7 +145,8 @@ class NodeAgentActor:
         self._stopping = False
         self._address = ""
         host = self.info["host"]
-        env = worker_env(MESH_AGENT_TOKEN=self.launch.agent_token, MESH_WEIGHTS_TOKEN=self.launch.weights_token)
+        secret = cluster_secret()  # this node's own (ClusterSecretError: none; the actor fails to start, saying so)
+        env = worker_env(MESH_AGENT_TOKEN=agent_token(secret, node_id), MESH_WEIGHTS_TOKEN=weights_token(secret))
         if kind == "gpu":
             env["MESH_VLLM_DEVICE"] = "cuda"  # Ray set CUDA_VISIBLE_DEVICES to this actor's GPU
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", f"{host}:0", "--node-id", node_id, "--kind", kind,

@@ -29,7 +29,7 @@ from typing import Any, Callable
 
 from mesh.agent.remote import RemoteAgent
 from mesh.agent.supervisor import AgentHandle
-from mesh.ray.actor import AgentLaunch, NodeAgentActor, launch_dict
+from mesh.ray.actor import AgentLaunch, NodeAgentActor, agent_token, launch_dict
 from mesh.runtime.node import NodeSpec
 from mesh.runtime.tasks import cancel_all
 
@@ -64,12 +64,14 @@ class _RayNode:
 
 
 class RayMembership:
-    def __init__(self, placement: Any, launch: AgentLaunch, poll_s: float = 1.0,
+    def __init__(self, placement: Any, launch: AgentLaunch, secret: bytes, poll_s: float = 1.0,
                  on_change: Callable[[], None] | None = None) -> None:
-        """`placement`: a ClusterPlacement (add_node, remove_node); `launch`: the agents' tokens
-        and settings."""
+        """`placement`: a ClusterPlacement (add_node, remove_node); `launch`: the agents'
+        settings; `secret`: the cluster secret (mesh.ray.actor.cluster_secret), from which the
+        agents' tokens are derived here and on their nodes."""
         self.placement = placement
         self.launch = launch
+        self.secret = secret
         self.poll_s = poll_s
         self.on_change = on_change
         self.nodes: dict[str, _RayNode] = {}  # Ray node id -> its agents
@@ -174,7 +176,7 @@ class RayMembership:
                 return await actor.address.remote()
 
             def factory(spec: NodeSpec, *callbacks: Any, source: Any = address, info: dict = info) -> AgentHandle:
-                return RemoteAgent(spec, source, self.launch.agent_token, *callbacks,
+                return RemoteAgent(spec, source, agent_token(self.secret, spec.node_id), *callbacks,
                                    where=f"ray node {ray_id[:12]} at {info['host']}")
 
             spec = NodeSpec(mesh_id, str(info["kind"]), int(info["memory_bytes"]))

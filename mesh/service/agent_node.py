@@ -37,6 +37,7 @@ from mesh.runtime.cluster_node import ClusterNode, InstanceState
 from mesh.runtime.node import Admission, InstancePlan, NodeSpec
 from mesh.runtime.request import Outcome, ServedRequest
 from mesh.policy.kv_demand import RunningMean
+from mesh.service.errors import ApiError
 
 log = logging.getLogger("mesh.service.agent_node")
 
@@ -239,8 +240,10 @@ class AgentNode(ClusterNode):
             await self.agent.client.call(spec.to_message(), CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - weights not placed, memory, engine: not started
             self._instances.pop(plan.instance_id, None)
-            log.warning("starting %s on %s failed: %s", plan.instance_id, self.node_id, exc)
-            self.last_start_error = str(exc)
+            # the operator's detail: an error told to tenants redacted (an ApiError) keeps it as its cause
+            detail = exc.__cause__ if isinstance(exc, ApiError) and exc.__cause__ is not None else exc
+            log.warning("starting %s on %s failed: %s", plan.instance_id, self.node_id, detail)
+            self.last_start_error = str(detail)
             return False
         # the memory budget in use came with the reply (the agent's `node` event follows it in
         # the same write): weights and initial KV cache, as the replay's station counts them

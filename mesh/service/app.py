@@ -203,10 +203,18 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         log.warning("removed %s: a partial upload, or an upload no model names (left by a crash)", orphan)
     memory = int(config.cpu_memory_gb * 2**30) if config.cpu_memory_gb else None
     weights_token = os.environ.get("MESH_WEIGHTS_TOKEN") or secrets.token_urlsafe(24)  # remote agents need it set
+    cluster_secret = None
+    if config.ray is not None:  # Ray agents derive their tokens from the cluster secret, as the service does here
+        from mesh.ray.actor import cluster_secret as read_secret, weights_token as derived_weights_token
+
+        cluster_secret = read_secret(create=True)
+        weights_token = derived_weights_token(cluster_secret)
     from mesh.modelfiles.demo import models_dir
 
-    # Where registered models can be: uploads and node copies (data folder), --allowed-dir, the demo cache.
-    roots = (str(data_dir), *([str(config.allowed_dir)] if config.allowed_dir else []), str(models_dir()))
+    # Where registered models can be: uploads and node copies (data folder), --allowed-dir, the demo cache;
+    # and the calibration profiles agents read (--profile-dir). Agents open no file elsewhere.
+    roots = (str(data_dir), *([str(config.allowed_dir)] if config.allowed_dir else []), str(models_dir()),
+             *([str(config.profile_dir)] if config.profile_dir else []))
     nodes = detect_local_nodes(memory, config.cpu_nodes) if config.ray is None else []  # Ray: agents on its nodes
     emulated: dict[str, str] = {}  # node id -> the device it emulates (mesh serve --emulate)
     if config.emulate:
@@ -235,7 +243,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         return LocalAgent(spec, *callbacks)
 
     def weights(agents: dict) -> WeightsPlane:  # host copies: up to each node's memory budget, on its disk
-        return WeightsPlane(agents, WeightsSettings(plan=config.weights_plan, token=weights_token))
+        return WeightsPlane(agents, WeightsSettings(plan=config.weights_plan, token=weights_token, source_roots=roots))
 
     formats = FormatPreparer(registry, data_dir, enabled=config.prepare_formats)
     placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights, formats=formats)
@@ -250,11 +258,9 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
             print(f"mesh serve: cannot join the Ray cluster at {config.ray}: {exc}", file=sys.stderr)
             registry.close()
             return 1
-        launch = AgentLaunch(agent_token=secrets.token_urlsafe(24), weights_token=weights_token,
-                             log_level=config.log_level, deadlines=config.deadlines,
-                             watchdog_min_s=config.watchdog_min_s,
-                             memory_bytes=memory)
-        membership = RayMembership(placement, launch)
+        launch = AgentLaunch(log_level=config.log_level, deadlines=config.deadlines,
+                             watchdog_min_s=config.watchdog_min_s, memory_bytes=memory)  # no secret: Ray keeps it
+        membership = RayMembership(placement, launch, cluster_secret)
         if config.ray_autoscale:
             from mesh.ray.autoscale import RayAutoscaler
 

@@ -4,9 +4,12 @@ The admin token comes from $MESH_ADMIN_TOKEN, else the config file's `admin_toke
 one, the admin routes answer 401 and a warning says so. The metrics token (for Prometheus:
 `/metrics` takes it or the admin token) comes from $MESH_METRICS_TOKEN, else `metrics_token`.
 
-Tenant quota defaults (mesh.policy.quota; unset: no limit): quota_models, quota_model_gb,
-quota_concurrent_requests, quota_requests_per_s, quota_burst. The operator sets a tenant's
-own with PUT /admin/tenants/{name}/quota.
+Tenant quota defaults (mesh.policy.quota): quota_models (default 100), quota_model_gb (256),
+quota_concurrent_requests (1024), quota_requests_per_s (1000), quota_burst (2000). They are
+finite, so that one tenant of a shared service cannot take all of it by default, and generous,
+so that a benchmark or a demo never meets them; "none" (`--quota-models none`, or the string in
+the config file) is no limit. The operator sets a tenant's own with PUT
+/admin/tenants/{name}/quota.
 
 Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
 max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, ray, ray_autoscale, weights_plan,
@@ -14,7 +17,7 @@ drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
 deadlines, policy, cold_start_s, exact_moves, prepare_formats, emulate, watchdog_min_s (and
 the HTTP limits: http_head_timeout_s, http_body_timeout_s, max_connections,
-max_connections_per_client, max_uploads_per_tenant).
+max_connections_per_client, max_uploads_per_tenant, max_uploads).
 
 `watchdog_min_s` (default 30; `mesh serve --watchdog-min-s`): the node agents' engine
 watchdog fails an instance whose iteration runs past max(this, 20 x its predicted time)
@@ -60,7 +63,7 @@ import os
 import tomllib
 from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from mesh.policy.quota import Quota, QuotaValueError, check_overrides
 from mesh.policy.slo import DeadlineRule
@@ -96,11 +99,12 @@ class ServeConfig:
     tls_cert: Path | None = None  # PEM certificate chain: serve HTTPS (with tls_key)
     tls_key: Path | None = None  # its PEM private key
     metrics_token: str | None = None  # what Prometheus sends to /metrics (the admin token works too)
-    quota_models: int | None = None  # per-tenant defaults; None: no limit
-    quota_model_gb: float | None = None  # GiB of registered model weights
-    quota_concurrent_requests: int | None = None
-    quota_requests_per_s: float | None = None
-    quota_burst: int | None = None  # None: one second of quota_requests_per_s
+    # per-tenant defaults (None: no limit); finite by default, for a shared service (issue 32)
+    quota_models: int | None = 100
+    quota_model_gb: float | None = 256.0  # GiB of registered model weights
+    quota_concurrent_requests: int | None = 1024
+    quota_requests_per_s: float | None = 1000.0
+    quota_burst: int | None = 2000  # None: one second of quota_requests_per_s
     deadlines: DeadlineRule = DeadlineRule.EQ1  # deadline rule of the local agents (mesh.policy.slo)
     policy: str = "mesh"  # the dispatcher's placement policy (mesh.runtime.schedulers)
     # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart); None: 7.5 s,
@@ -116,6 +120,7 @@ class ServeConfig:
     max_connections: int = MAX_CONNECTIONS  # open HTTP connections in all (mesh.service.limits)
     max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT  # ...from one client address
     max_uploads_per_tenant: int = 2  # uploads one tenant may stream at once
+    max_uploads: int = 8  # uploads all tenants together may stream at once (disk and CPU for their sha256)
     watchdog_min_s: float = 30.0  # the engine watchdog's floor (mesh.runtime.node.HUNG_MIN_S)
     # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.agent.emulation; docs/service.md)
     emulate: str | None = None
@@ -135,6 +140,15 @@ class ServeConfig:
 
 
 _PATHS = {"data_dir", "allowed_dir", "profile_dir", "tls_cert", "tls_key"}
+NO_LIMIT = "none"  # a quota setting's value for no limit (the config file has no null)
+
+
+def quota_value(kind: type) -> Callable[[str], Any]:
+    """An argparse type for a --quota-* option: a number of `kind`, or NO_LIMIT."""
+    def parse(text: str) -> Any:
+        return NO_LIMIT if text.strip().lower() == NO_LIMIT else kind(text)
+    parse.__name__ = kind.__name__
+    return parse
 
 
 def read_config_file(path: str | Path) -> dict[str, Any]:
@@ -163,6 +177,8 @@ def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> Ser
         for key, value in source.items():
             if key in _PATHS and value is not None:
                 value = Path(value).expanduser()
+            if key.startswith("quota_") and isinstance(value, str) and value.lower() == NO_LIMIT:
+                value = None
             setattr(config, key, value)
     env_token = os.environ.get("MESH_ADMIN_TOKEN")
     if env_token:
@@ -182,7 +198,7 @@ def _check(c: ServeConfig) -> None:
         value = getattr(c, name)
         if not isinstance(value, (int, float)) or value <= 0:
             raise ConfigError(f"{name} must be a positive number, got {value!r}")
-    for name in ("max_connections", "max_connections_per_client", "max_uploads_per_tenant"):
+    for name in ("max_connections", "max_connections_per_client", "max_uploads_per_tenant", "max_uploads"):
         value = getattr(c, name)
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ConfigError(f"{name} must be an integer of at least 1, got {value!r}")

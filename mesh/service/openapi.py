@@ -19,7 +19,7 @@ from mesh.modelfiles.sampling import FIELDS as SAMPLING_FIELDS
 from mesh.policy.placement import COLD_START_CHOICES
 from mesh.policy.quota import QUOTA_FIELDS
 from mesh.service.registry import MODEL_NAME, TENANT_NAME
-from mesh.service.schema import MAX_STOP, MAX_TOKENS_CAP
+from mesh.service.schema import MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS_CAP
 
 TENANT, ADMIN, METRICS = "tenantKey", "adminToken", "metricsToken"
 
@@ -31,7 +31,8 @@ _COMMON_GENERATION: dict[str, Any] = {
                    "description": "omitted: up to the context window"},
     "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_TOKENS_CAP},
     **_SAMPLING,
-    "stop": {"oneOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}, "maxItems": MAX_STOP},
+    "stop": {"oneOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
+                       {"type": "array", "items": {"type": "string", "maxLength": MAX_STOP_CHARS}, "maxItems": MAX_STOP},
                        {"type": "null"}]},
     "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
     "n": {"type": ["integer", "null"], "const": 1},
@@ -120,7 +121,7 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("POST", "/v1/models"): Operation("register a model from a path in the caller's folder <--allowed-dir>/<tenant>/ "
                                       "(JSON; absent or not the caller's: the same 404), or upload a GGUF "
                                       "(application/octet-stream, settings in the query; no Content-Encoding: 415; capped by what is left "
-                                      "of the quota model_bytes: 413; max_uploads_per_tenant at once: 429)",
+                                      "of the quota model_bytes: 413; max_uploads_per_tenant, or max_uploads of all tenants, at once: 429)",
                                       body=REGISTER_BODY, ok=201,
                                       server_errors={507: "the server's disk is full: the partial upload was removed"}),
     ("GET", "/v1/models/{name}"): Operation("one of the caller's models"),

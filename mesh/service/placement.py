@@ -130,6 +130,7 @@ class _Model:
     front: str  # the node whose agent tokenizes its prompts
     path: str  # its weights as that node sees them
     kinds: tuple[str, ...] = ()  # the kinds of node it was described on (its ModelSpec's profiles)
+    vocab_size: int | None = None  # the smallest vocabulary its described formats report (None: unknown)
 
 
 class ClusterPlacement:
@@ -323,6 +324,7 @@ class ClusterPlacement:
             self._check_servable(record)  # raises the clear 400/503
             raise node_unavailable(f"no node agent that can run {record.name} is up")
         profiles: dict[str, Any] = {}
+        vocabs: list[Any] = []
         front: tuple[AgentNode, str] | None = None
         for kind in kinds:
             # a local agent reads the registry's path
@@ -342,11 +344,14 @@ class ClusterPlacement:
                     continue
                 if isinstance(exc, ApiError):
                     raise
-                if isinstance(exc, AgentCallError):
-                    raise ApiError(503, f"The model cannot be read: {exc}", "server_error", "model",
-                                   "model_load_failed") from exc
+                if isinstance(exc, AgentCallError):  # its text names server paths: logged, not told (issue 32)
+                    log.error("model %s/%s: describing it on %s failed: %s", record.tenant, record.name,
+                              node.node_id, exc)
+                    raise ApiError(503, f"Model {record.name} cannot be read on node {node.node_id}; the operator's "
+                                   "log has the detail.", "server_error", "model", "model_load_failed") from exc
                 raise node_unavailable(str(exc)) from exc
             profiles[kind] = self._profile(record, kind, shape)
+            vocabs.append(shape.get("vocab_size"))
             front = front or (node, path)
         # An emulated model's base is its catalog model ("llama-2-7b"), as a replay's replicas'
         # are: what the policies look up by base (ServerlessLLM's concurrency targets, 8.1)
@@ -354,7 +359,8 @@ class ClusterPlacement:
         base = record.path if record.kind == EMULATED else record.uid
         self.cluster.add_model(record.uid, ModelSpec(base, profiles), MEAN_OUTPUT_PRIOR, record.slo)
         self.cluster.set_cold_start_choice(record.uid, record.cold_start)
-        model = _Model(record, front[0].node_id, front[1], tuple(profiles))
+        known = [int(v) for v in vocabs if isinstance(v, int) and not isinstance(v, bool) and v > 0]
+        model = _Model(record, front[0].node_id, front[1], tuple(profiles), min(known) if known else None)
         self._models[record.uid] = model
         return model
 
@@ -413,9 +419,11 @@ class ClusterPlacement:
             return fmt.path, "registry path" if fmt.native else "prepared path"
         try:
             copy = await self.weights.copy_on(fmt, node.node_id)
-        except WeightsError as exc:
-            raise ApiError(503, f"The model's weights could not reach node {node.node_id}: {exc}", "server_error",
-                           "model", "weights_unavailable") from exc
+        except WeightsError as exc:  # its text names paths and file facts: logged, not told (issue 32)
+            log.error("model %s/%s: its weights could not reach node %s: %s", record.tenant, record.name,
+                      node.node_id, exc)
+            raise ApiError(503, f"The model's weights could not reach node {node.node_id}; the operator's log has "
+                           "the detail. Retry shortly.", "server_error", "model", "weights_unavailable") from exc
         return copy.path, copy.how
 
     async def _load_spec(self, plan: InstancePlan, node: AgentNode) -> InstanceSpec:
@@ -559,6 +567,11 @@ class ClusterPlacement:
         ids = job.prompt_token_ids
         if ids is None:
             ids = await self._tokenize(model, job)
+        elif model.vocab_size is not None:  # checked here, before the ids go to a node (issue 32)
+            bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
+            if bad is not None:
+                raise bad_request(f"Token id {bad} in 'prompt' is outside the vocabulary of {job.model.name} "
+                                  f"(ids 0 to {model.vocab_size - 1}).", "prompt", "invalid_token_id")
         window = job.model.context_length
         if len(ids) + 1 > window:
             raise context_too_long(len(ids), window, "messages" if job.messages is not None else "prompt")
@@ -636,8 +649,14 @@ class ClusterPlacement:
             except AgentCallError as exc:
                 if exc.code in (Code.NO_INSTANCE.value, Code.NOT_READY.value):
                     continue  # the instance left meanwhile: the describing agent tokenizes
-                raise bad_request(str(exc).replace(job.model.uid, job.model.name),
-                                  "messages" if job.messages is not None else "prompt") from exc
+                # the agent's text may name server paths: logged, and the tenant told what to do (issue 32)
+                log.warning("request %s: tokenizing for %s/%s on %s failed: %s", job.request_id, job.model.tenant,
+                            job.model.name, node_id, exc)
+                raise bad_request(f"Model {job.model.name} cannot tokenize this "
+                                  f"{'conversation' if job.messages is not None else 'prompt'}: its tokenizer or chat "
+                                  f"template refused it. Check the input; the operator's log has the detail under "
+                                  f"request {job.request_id}.", "messages" if job.messages is not None else "prompt",
+                                  "tokenization_failed") from exc
             except AgentDown as exc:
                 if node_id != model.front:
                     continue

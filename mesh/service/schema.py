@@ -4,25 +4,33 @@ Supported: `model`, `messages` (chat; content as a string or a list of text part
 `prompt` (completions; a string, a one-element list of strings, token ids, or a
 one-element list of token id lists), `max_tokens` (or `max_completion_tokens`),
 `temperature` [0, 2], `top_p` (0, 1] (omitted: None here, the model's sampling defaults
-later, mesh.modelfiles.sampling), `stop` (a string or up to 4), `seed`, `n` = 1,
+later, mesh.modelfiles.sampling), `stop` (a string or up to 4, of at most 256
+characters each), `seed`, `n` = 1,
 `stream`, `stream_options.include_usage`, and vLLM's `ignore_eos` (generate exactly
 `max_tokens`; benchmarks and `mesh replay --live` use it). Fields that would change the output in ways Mesh
 does not implement (logprobs, echo, penalties, tools, n > 1, ...) are refused with a 400
 instead of being silently ignored; unknown fields are ignored, as OpenAI clients send extras.
+A body is decoded strictly: NaN and Infinity are not JSON, and no integer may have more than
+MAX_INT_DIGITS digits; token ids are checked against the model's vocabulary before anything
+goes to a node (mesh.service.placement).
 """
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 from engines.chat import ROLES
+from engines.detokenize import MAX_STOP_CHARS
+from mesh.framing import MAX_INT_DIGITS, LongInteger, bounded_int, not_a_number
 from mesh.service.errors import ApiError, bad_request
 
 MAX_STOP = 4
 MAX_TOKENS_CAP = 1_000_000
 MAX_JSON_DEPTH = 64  # OpenAI bodies nest 4-5 levels; the C decoder recurses ~1000 deep before RecursionError
+MAX_TOKEN_ID = 2**31 - 1  # no vocabulary is larger; the model's own is checked once it is described
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,9 +55,16 @@ def parse_json(body: bytes) -> dict[str, Any]:
     included: the decoder's recursion must never reach the interpreter's limit, a 500)."""
     if not body:
         raise bad_request("The request body is empty; send a JSON object.", None, "invalid_json")
-    try:
-        data = json.loads(body)
+    try:  # no integer of more than MAX_INT_DIGITS digits (a seed has at most 19), no NaN (mesh.framing)
+        data = json.loads(body, parse_int=bounded_int, parse_constant=not_a_number)
+    except LongInteger as exc:
+        param = _key_before(body, exc.digits)
+        where = f" in {param!r}" if param else ""
+        raise bad_request(f"The request body holds an integer of {len(exc.digits.lstrip('-'))} digits{where}; no "
+                          f"field takes more than {MAX_INT_DIGITS}.", param, "integer_too_long") from None
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise bad_request(f"The request body is not valid JSON: {exc}.", None, "invalid_json") from exc
+    except ValueError as exc:  # NaN, Infinity, -Infinity: not JSON (RFC 8259), though Python's decoder takes them
         raise bad_request(f"The request body is not valid JSON: {exc}.", None, "invalid_json") from exc
     except RecursionError:
         raise _too_deep() from None
@@ -62,6 +77,17 @@ def parse_json(body: bytes) -> dict[str, Any]:
         raise bad_request("The request body holds invalid Unicode (a lone surrogate escape).", None,
                           "invalid_json") from exc
     return data
+
+
+_KEY = re.compile(rb'"([A-Za-z_][A-Za-z0-9_]{0,63})"\s*:')
+
+
+def _key_before(body: bytes, digits: str) -> str | None:
+    """The name of the field nearest before the first occurrence of `digits` in `body` (the
+    field that holds it, or the list it is in), for the error message; None if not found."""
+    at = body.find(digits.encode())
+    keys = list(_KEY.finditer(body, max(0, at - 4096), at)) if at > 0 else []
+    return keys[-1].group(1).decode() if keys else None
 
 
 def _too_deep() -> ApiError:
@@ -184,6 +210,8 @@ def _stop(value: Any) -> tuple[str, ...]:
         raise bad_request("'stop' must be a string or a list of strings.", "stop")
     if len(value) > MAX_STOP:
         raise bad_request(f"'stop' takes at most {MAX_STOP} strings.", "stop")
+    if any(len(s) > MAX_STOP_CHARS for s in value):
+        raise bad_request(f"Each 'stop' string may be at most {MAX_STOP_CHARS} characters long.", "stop")
     return tuple(s for s in value if s)
 
 
@@ -226,7 +254,10 @@ def _prompt(value: Any) -> tuple[str | None, list[int] | None]:
         return value, None
     if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
         if any(t < 0 for t in value):
-            raise bad_request("'prompt' token ids must be non-negative.", "prompt")
+            raise bad_request("'prompt' token ids must be non-negative.", "prompt", "invalid_token_id")
+        if any(t > MAX_TOKEN_ID for t in value):
+            raise bad_request(f"'prompt' token ids must be below {MAX_TOKEN_ID + 1} (and the model's vocabulary "
+                              "size).", "prompt", "invalid_token_id")
         return None, list(value)
     if isinstance(value, list) and len(value) > 1:
         raise bad_request("Only one prompt per request is supported; send separate requests.", "prompt")

@@ -21,7 +21,12 @@ READ_CHUNK = 8 << 20
 
 
 class CorruptBlock(ValueError):
-    """A block's bytes do not match the manifest."""
+    """A block's bytes do not match the manifest. `public`: what is wrong without a path, a
+    size or a hash (what a node tells its peers; its log keeps the whole message)."""
+
+    def __init__(self, message: str, public: str = "it differs") -> None:
+        super().__init__(message)
+        self.public = public
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +126,12 @@ def verify(manifest: Manifest, index: int, data: bytes | memoryview) -> None:
         raise CorruptBlock(f"{manifest.model}: no block {index} (the model has {manifest.count})")
     info = manifest.blocks[index]
     if len(data) != info.size:
-        raise CorruptBlock(f"{manifest.model}: block {index} has {len(data)} B, expected {info.size} B")
+        raise CorruptBlock(f"{manifest.model}: block {index} has {len(data)} B, expected {info.size} B",
+                           f"block {index} has the wrong size")
     got = sha256(data)
     if got != info.sha256:
         raise CorruptBlock(f"{manifest.model}: block {index} checksum mismatch (sha256 {got[:12]}..., "
-                           f"expected {info.sha256[:12]}...)")
+                           f"expected {info.sha256[:12]}...)", f"block {index} checksum mismatch")
 
 
 def holds(path: str | os.PathLike, manifest: Manifest) -> bool:
@@ -149,7 +155,8 @@ def load_blocks(path: str | os.PathLike, manifest: Manifest) -> list[bytes]:
     """Read a packed model into memory (a host copy), verifying every block."""
     p = Path(path)
     if p.stat().st_size != manifest.total_bytes:
-        raise CorruptBlock(f"{p}: {p.stat().st_size} B on disk, the manifest of {manifest.model} says {manifest.total_bytes} B")
+        raise CorruptBlock(f"{p}: {p.stat().st_size} B on disk, the manifest of {manifest.model} says {manifest.total_bytes} B",
+                           "its size differs")
     out = []
     with p.open("rb") as f:
         for info in manifest.blocks:

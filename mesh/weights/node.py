@@ -18,8 +18,10 @@ answered with an `error` ("weights token missing/wrong") and closed before any b
 accepted; the coordinator (`multicast(..., token=)`, `send_model(..., token=)`) and the
 agents forwarding to each other send it, so the nodes of a multicast share one token. A
 transfer may write its output only inside the weights folder (a `start` whose `output_path`
-points elsewhere is answered with an `error`). Source paths are not restricted (a node sends
-what its control service, which knows the token, tells it to send).
+points elsewhere is answered with an `error`), and it sends only files inside that folder (a
+`source_path` elsewhere, or a symlink leading out, is answered with an `error` that names no
+path, size or hash: the node's log has those). Its node agent widens that to the folders its
+`load` may open (its --models-root folders).
 
 The receiver shares the agent's loop: block reads happen between engine iterations, and
 checksums and the file write run in worker threads (sha256 releases the GIL).
@@ -34,7 +36,7 @@ from typing import Any, Mapping, Protocol
 from mesh.policy.multicast import make_plan
 from mesh.weights.blocks import Manifest
 from mesh.weights.coordinator import MulticastResult, multicast
-from mesh.weights.peer import WeightAgent
+from mesh.weights.peer import WeightAgent, inside  # noqa: F401 - inside: part of this module's API
 from mesh.weights.protocol import ProtocolError, send
 
 
@@ -65,20 +67,11 @@ def received_path(root: Path, model: str, file_name: str) -> Path:
     return Path(root) / safe_name(model) / safe_name(Path(file_name).name)
 
 
-def inside(root: Path, path: str | Path) -> bool:
-    """Is `path` (resolved) inside `root` (resolved)?"""
-    try:
-        Path(path).resolve().relative_to(Path(root).resolve())
-    except ValueError:
-        return False
-    return True
-
-
 class NodeWeightsReceiver(WeightAgent):
     """A weights agent that writes received models only under `root`."""
 
     def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> None:
-        super().__init__(host, port, token=token)
+        super().__init__(host, port, token=token, source_roots=[root])  # its agent adds its model folders
         self.root = Path(root)
 
     @property

@@ -51,7 +51,8 @@ import math
 import os
 import sys
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from pathlib import Path
+from typing import Any, Callable, Sequence
 
 from mesh.policy.multicast import Plan
 from mesh.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
@@ -147,11 +148,23 @@ def _sends(plan: Plan, node: str) -> list[tuple[int, str]]:
     return [(t.block, t.receiver) for t in plan.sends(node)]
 
 
+def inside(root: str | os.PathLike, path: str | os.PathLike) -> bool:
+    """Is `path` inside `root`, both resolved (symlinks followed: a link that leads out is out)?"""
+    try:
+        return Path(path).resolve().is_relative_to(Path(root).resolve())
+    except (OSError, ValueError, RuntimeError):  # a NUL byte, a symlink loop
+        return False
+
+
 class WeightAgent:
     def __init__(self, host: str = "127.0.0.1", port: int = 0, link_bytes_per_s: float | None = None,
-                 token: str | None = None) -> None:
+                 token: str | None = None, source_roots: Sequence[str | os.PathLike] | None = None) -> None:
+        """`source_roots`: the folders a transfer's `source_path` must be inside (resolved;
+        None: anywhere, for the standalone transport). Node agents and the service's origin
+        give theirs, so a token holder cannot have any other file of the machine read and sent."""
         self.host, self.port = host, port
         self.token = token or None  # required in the first frame of every connection (None: none)
+        self.source_roots = None if source_roots is None else [Path(r) for r in source_roots]
         self.pacer = Pacer(link_bytes_per_s)
         self.transfers: dict[str, _Transfer] = {}
         self._server: asyncio.Server | None = None
@@ -260,8 +273,18 @@ class WeightAgent:
             st.lookahead = max(0, int(h.get("lookahead", 0)))
             st.corrupt_once = set(h.get("faults", {}).get("corrupt_blocks", ()))
             if h.get("source_path"):
-                st.blocks = dict(enumerate(await asyncio.to_thread(load_blocks, h["source_path"], manifest)))
-        except (CorruptBlock, ProtocolError, OSError, KeyError, ValueError) as exc:
+                source = str(h["source_path"])
+                if self.source_roots is not None and not any(inside(r, source) for r in self.source_roots):
+                    raise OSError(f"source path {source} is outside this node's folders")
+                st.blocks = dict(enumerate(await asyncio.to_thread(load_blocks, source, manifest)))
+        except (CorruptBlock, OSError) as exc:  # its text names paths, sizes, hashes: logged here, not sent
+            print(f"weights agent {self.port}: transfer {tid!r}: {exc}", file=sys.stderr)
+            why = (f"the source file does not match the manifest: {exc.public}" if isinstance(exc, CorruptBlock)
+                   else "the source file cannot be read")
+            await send(control, {"type": "error", "transfer": tid, "node": node, "reason": f"{why} (the node's log "
+                                 "has the detail)"})
+            raise ProtocolError(f"transfer {tid!r}: the source file cannot be read") from exc
+        except (ProtocolError, KeyError, ValueError, TypeError) as exc:
             await send(control, {"type": "error", "transfer": tid, "node": node, "reason": str(exc)})
             raise ProtocolError(f"transfer {tid!r}: {exc}") from exc
         self.transfers[tid] = st
@@ -413,6 +436,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--port", type=int, default=0, help="0: any free port (printed on the READY line)")
     p.add_argument("--link-mbps", type=float, default=None, help="pace this node's uplink to this many Mbit/s")
     a = p.parse_args(argv)
+    os.umask(0o077)  # the files it writes are this user's only
     if a.link_mbps is not None and not a.link_mbps > 0:
         p.error("--link-mbps must be > 0")
     rate = a.link_mbps * 1e6 / 8 if a.link_mbps else None

@@ -94,6 +94,8 @@ class WeightsSettings:
     block_bytes: int = 4 << 20
     timeout_s: float = 600.0
     token: str | None = None  # the weights token every agent was started with
+    # the folders the origin may send files from (the registry's and the prepared copies'; None: any)
+    source_roots: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -185,7 +187,7 @@ class WeightsPlane:
         self.nodes = nodes
         self.host_bytes = dict(host_bytes or {})
         self.pool = ParameterPool()
-        self.origin = WeightAgent(token=self.settings.token)
+        self.origin = WeightAgent(token=self.settings.token, source_roots=self.settings.source_roots)
         self._models: dict[str, _ModelWeights] = {}
         self._registering: dict[str, asyncio.Lock] = {}
         self._lost: dict[str, _ModelWeights] = {}  # models whose last copy left with a node
