@@ -37,6 +37,7 @@ _COMMON_GENERATION: dict[str, Any] = {
     "n": {"type": ["integer", "null"], "const": 1},
     "stream": {"type": ["boolean", "null"]},
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+    "user": {"type": ["string", "null"], "description": "an end-user id (not used)"},
 }
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
@@ -111,6 +112,7 @@ class Operation:
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/healthz"): Operation("liveness and node readiness", auth=None),
+    ("GET", "/health"): Operation("the same as /healthz, under the name vLLM, SGLang and TGI use", auth=None),
     ("GET", "/openapi.json"): Operation("this description", auth=None),
     ("GET", "/metrics"): Operation("Prometheus metrics (metrics or admin token)", auth=METRICS),
     ("POST", "/v1/chat/completions"): Operation("OpenAI chat completion, streamed with stream=true", body=CHAT_BODY),
