@@ -1,5 +1,7 @@
 """Pure placement rules of the cluster dispatcher (mesh.policy.placement) and its waiting
 queue (mesh.policy.queueing)."""
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -96,6 +98,13 @@ def test_queue_expiry_rules():
     assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=5.0, validates=True) == (8.0, "timeout")
     with pytest.raises(ValueError):
         wait_expiry_s(0.0, 1.0, -1.0, False)
+    # admission (issue 33): queue keeps a hopeless request up to the bound, late without one
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="queue") == (33.0, "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=None, validates=True, admission="queue") == (math.inf, "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="late") == (math.inf, "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="reject") == (11.5, "slo")
+    with pytest.raises(ValueError):
+        wait_expiry_s(0.0, 1.0, 1.0, True, admission="wait")
 
 
 def test_waiting_queue_fifo_capacity_and_expiry():

@@ -349,8 +349,10 @@ def test_bad_input_never_gets_a_500(server):
 
 def test_prompt_over_the_context_window_and_unplaceable_requests(server):
     key = _tenant(server, "frank")
+    # --demo's default admission queues (issue 33); this model chooses to turn away what cannot meet its SLO
     status, _ = server.http("POST", "/v1/models", {"name": "strict", "path": "smollm2.gguf", "context_length": 64,
-                                                   "slo": {"ttft_s": 0.001, "ttft_s_per_prompt_token": 0}}, token=key)
+                                                   "slo": {"ttft_s": 0.001, "ttft_s_per_prompt_token": 0},
+                                                   "admission": "reject"}, token=key)
     assert status == 201
     c = server.client(key)
     with pytest.raises(openai.BadRequestError) as e:
@@ -360,6 +362,7 @@ def test_prompt_over_the_context_window_and_unplaceable_requests(server):
     with pytest.raises(openai.RateLimitError) as e:
         server.client(key, max_retries=0).completions.create(model="strict", prompt="Hello", max_tokens=2)
     assert e.value.body["code"] == "slo_unattainable" and "cannot meet its SLO" in e.value.body["message"]
+    assert "admission is 'reject'" in e.value.body["message"]
     assert int(e.value.response.headers["Retry-After"]) >= 1
     metrics = server.http("GET", "/metrics", token=ADMIN)[1]
     assert 'mesh_requests_total{model="strict",outcome="rejected",tenant="frank"} 1.0' in metrics

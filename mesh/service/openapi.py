@@ -16,7 +16,7 @@ from aiohttp import web
 
 from engines.chat import ROLES
 from mesh.modelfiles.sampling import FIELDS as SAMPLING_FIELDS
-from mesh.policy.placement import COLD_START_CHOICES
+from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES
 from mesh.policy.quota import QUOTA_FIELDS
 from mesh.service.registry import MODEL_NAME, TENANT_NAME
 from mesh.service.schema import MAX_STOP, MAX_TOKENS_CAP
@@ -79,6 +79,9 @@ REGISTER_BODY: dict[str, Any] = {
         "sampling_defaults": {"type": ["object", "null"], "additionalProperties": False,
                               "properties": {k: _SAMPLING[k] for k in SAMPLING_FIELDS}},
         "cold_start": _COLD_START,
+        "admission": {"enum": [*ADMISSIONS, None], "description": "a request that can no longer meet its SLO: "
+                      "turned away (reject), queued up to the queue's bound (queue) or served late (late); "
+                      "null: the service's --admission"},
     },
 }
 TENANT_BODY = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string",

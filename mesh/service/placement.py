@@ -355,6 +355,7 @@ class ClusterPlacement:
         base = record.path if record.kind == EMULATED else record.uid
         self.cluster.add_model(record.uid, ModelSpec(base, profiles), MEAN_OUTPUT_PRIOR, record.slo)
         self.cluster.set_cold_start_choice(record.uid, record.cold_start)
+        self.cluster.set_admission(record.uid, record.admission)
         model = _Model(record, front[0].node_id, front[1], tuple(profiles))
         self._models[record.uid] = model
         return model
