@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.perf.profile import ProfileError
-from mesh.policy.placement import ColdStart
+from mesh.policy.placement import ADMISSIONS, ColdStart
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import (
     DEFAULT_CPU_DEVICE,
@@ -113,7 +113,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="seconds a request may wait for capacity (a client timeout, the same for every policy; Mesh "
                     "also turns away at once a request that can no longer meet its SLO), or 'slo': every policy "
                     "turns requests away once they can no longer meet their SLO (default: %(default)s)")
-    cl.add_argument("--admission", default="reject", choices=("reject", "queue", "late"),
+    cl.add_argument("--admission", default="reject", choices=ADMISSIONS,
                     help="what a request that can no longer meet its SLO gets, as `mesh serve --admission`: "
                          "'reject' (LLM-Mesh's rule), 'queue' (waits up to --queue-timeout, served late), 'late' "
                          "(no time bound) (default: %(default)s)")

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from mesh.policy.placement import ADMISSIONS
 from mesh.policy.slo import DeadlineRule
 from mesh.runtime.schedulers import POLICIES
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
@@ -53,7 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--queue-timeout", default=None, dest="queue_timeout_s", type=_queue_timeout,
                         help="seconds a request may wait for capacity, or 'slo': until it can no longer meet its "
                              f"SLO (default {DEFAULT_QUEUE_TIMEOUT_S:g}); Mesh also turns a request away at once when it cannot meet its SLO")
-    parser.add_argument("--admission", default=None, choices=("reject", "queue", "late"),
+    parser.add_argument("--admission", default=None, choices=ADMISSIONS,
                         help="what a request that can no longer meet its SLO gets, for models registered without "
                              "their own choice: 'reject' turns it away (429 with the reason and Retry-After, "
                              "LLM-Mesh's rule), 'queue' keeps it waiting up to --queue-timeout and serves it late, "
