@@ -47,7 +47,8 @@ def rows(label: str, path: Path) -> list[Row]:
 def table(all_rows: list[Row]) -> str:
     lines = ["| server | streams | served | errored | TTFT p50 / p99 | ITL p50 | output tok/s | wall |",
              "|---|---|---|---|---|---|---|---|"]
-    for r in all_rows:
+    labels = list(dict.fromkeys(r.label for r in all_rows))
+    for r in sorted(all_rows, key=lambda r: (labels.index(r.label), r.streams)):
         lines.append(f"| {r.label} | {r.streams} | {r.served} | {r.errored} | {r.ttft_p50_s:.2f} s / {r.ttft_p99_s:.2f} s "
                      f"| {r.itl_p50_ms:.0f} ms | {r.output_tok_s:.1f} | {r.wall_s:.0f} s |")
     return "\n".join(lines)
