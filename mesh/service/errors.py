@@ -13,6 +13,8 @@ from typing import Any
 
 from aiohttp import web
 
+from mesh.policy.placement import ADMIT_LATE, ADMIT_QUEUE, ADMIT_REJECT
+
 
 @dataclass
 class ApiError(Exception):
@@ -93,9 +95,9 @@ def max_tokens_too_large(max_tokens: int, prompt_tokens: int, window: int) -> Ap
                     "invalid_request_error", "max_tokens", "context_length_exceeded")
 
 
-ADMISSION_MEANING = {"reject": "turn away what cannot meet its SLO",
-                     "queue": "wait up to the queue's bound, then be turned away",
-                     "late": "wait, without a time bound, to be served late"}
+ADMISSION_MEANING = {ADMIT_REJECT: "turn away what cannot meet its SLO",
+                     ADMIT_QUEUE: "wait up to the queue's bound, then be turned away",
+                     ADMIT_LATE: "wait, without a time bound, to be served late"}
 
 
 def overloaded(reason: str, retry_after_s: float = 1.0, admission: str | None = None) -> ApiError:
