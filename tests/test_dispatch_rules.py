@@ -168,3 +168,19 @@ def test_tailored_concurrency_target_is_the_largest_batch_within_the_tpot(base, 
     assert 1 <= b <= 512
     assert b == 1 or decode(b) <= tpot
     assert b == 512 or decode(b + 1) > tpot or b == 1 and decode(1) > tpot
+
+
+def test_admission_a_models_own_then_its_tenants_then_the_clusters():
+    from mesh.runtime.cluster import Cluster, ClusterConfig, ClusterError
+
+    cluster = Cluster(ClusterConfig(cpu_nodes=1, gpu_nodes=0, admission="reject"))
+    assert cluster.admission("m", "t") == "reject"
+    cluster.set_tenant_admission("t", "queue")
+    assert cluster.admission("m", "t") == "queue" and cluster.admission("m", "other") == "reject"
+    cluster.set_admission("m", "late")
+    assert cluster.admission("m", "t") == "late"
+    cluster.set_admission("m", None)
+    cluster.set_tenant_admission("t", None)
+    assert cluster.admission("m", "t") == "reject"
+    with pytest.raises(ClusterError):
+        cluster.set_tenant_admission("t", "wait")

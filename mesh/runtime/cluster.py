@@ -194,7 +194,8 @@ class Cluster:
         self._mean_output = {m: RunningMean(mean_output_prior.get(b, 256.0)) for m, b in models.items()}
         self._slo: dict[str, SLO] = {}  # a model's own SLO (the service's per-model SLOs); else config.slo
         self._cold_choice: dict[str, str] = {}  # a model's own cold_start choice; else config.cold_start_choice
-        self._admission: dict[str, str] = {}  # a model's own admission choice; else config.admission
+        self._admission: dict[str, str] = {}  # a model's own admission choice; else its tenant's
+        self._tenant_admission: dict[str, str] = {}  # a tenant's default for its models; else config.admission
         self._by_model: dict[str, list[InstanceRef]] = {}
         self._by_id: dict[str, InstanceRef] = {}
         self._ids = itertools.count()
@@ -263,9 +264,20 @@ class Cluster:
             raise ClusterError(f"cold_start must be one of {', '.join(COLD_START_CHOICES)}, got {choice!r}")
         self._cold_choice[model] = choice
 
-    def admission(self, model: str) -> str:
-        """The model's admission choice (placement.ADMISSIONS): its own, else the cluster's."""
-        return self._admission.get(model, self.config.admission)
+    def admission(self, model: str, tenant: str = "") -> str:
+        """The model's admission choice (placement.ADMISSIONS): its own, else its tenant's
+        default, else the cluster's."""
+        own = self._admission.get(model)
+        return own if own is not None else self._tenant_admission.get(tenant, self.config.admission)
+
+    def set_tenant_admission(self, tenant: str, choice: str | None) -> None:
+        """`tenant`'s default admission choice for its models without their own; None: the cluster's."""
+        if choice is None:
+            self._tenant_admission.pop(tenant, None)
+            return
+        if choice not in ADMISSIONS:
+            raise ClusterError(f"admission must be one of {', '.join(ADMISSIONS)}, got {choice!r}")
+        self._tenant_admission[tenant] = choice
 
     def set_admission(self, model: str, choice: str | None) -> None:
         """The model's own admission choice; None: the cluster's default."""

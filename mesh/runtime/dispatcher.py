@@ -284,10 +284,10 @@ class Dispatcher:
 
     def admission(self, req: ServedRequest) -> str:
         """The admission choice that applies to `req` (mesh.policy.placement.ADMISSIONS): its
-        model's for a fresh request; ADMIT_REJECT's rule for one that had started."""
+        model's (or its tenant's) for a fresh request; ADMIT_REJECT's rule for one that had started."""
         if req.tokens_out or req.first_token_s is not None:
             return ADMIT_REJECT
-        return self.cluster.admission(req.model)
+        return self.cluster.admission(req.model, req.tenant)
 
     def _expiry(self, req: ServedRequest, now: float) -> tuple[float, str, float]:
         """(when the queue turns the request away, why: "slo" or "timeout", when it can no

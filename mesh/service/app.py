@@ -241,6 +241,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
 
     formats = FormatPreparer(registry, data_dir, enabled=config.prepare_formats)
     placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights, formats=formats)
+    for tenant, admission in registry.tenant_admissions().items():  # tenants' defaults (PUT /admin/tenants/{t}/admission)
+        placement.set_tenant_admission(tenant, admission)
     membership = autoscaler = None
     if config.ray is not None:
         from mesh.ray.actor import AgentLaunch

@@ -149,6 +149,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/admin/tenants/{tenant}/quota"): Operation("a tenant's quotas and use", auth=ADMIN),
     ("PUT", "/admin/tenants/{tenant}/quota"): Operation("set a tenant's quotas (null: no limit)", auth=ADMIN,
                                                         body=QUOTA_BODY),
+    ("GET", "/admin/tenants/{tenant}/admission"): Operation("a tenant's default admission choice", auth=ADMIN),
+    ("PUT", "/admin/tenants/{tenant}/admission"): Operation(
+        "set a tenant's default admission choice for its models without their own (null: the service's)",
+        auth=ADMIN, body={"type": "object", "required": ["admission"],
+                          "properties": {"admission": {"enum": [*ADMISSIONS, None]}}}),
 }
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {

@@ -107,6 +107,9 @@ class Placement(Protocol):
 
     def healthy(self) -> bool: ...
 
+    def set_tenant_admission(self, tenant: str, admission: str | None) -> None:
+        """`tenant`'s default admission choice for its models without their own (None: the service's)."""
+
 
 @dataclass(frozen=True, slots=True)
 class PlacementSettings:
@@ -193,6 +196,9 @@ class ClusterPlacement:
         await self.cluster.stop()
         if self.weights is not None:
             await self.weights.stop()
+
+    def set_tenant_admission(self, tenant: str, admission: str | None) -> None:
+        self.cluster.set_tenant_admission(tenant, admission)
 
     def healthy(self) -> bool:
         return all(a.up for a in self.agents.values())

@@ -18,7 +18,8 @@ file gets the table when opened.
 Schema 4 adds `models.cold_start`: what a request gets when its model is cold and cannot
 make its TTFT (`serve_late`, the default, or `reject`; docs/service.md, "Cold starts").
 Schema 5 adds `models.admission`: what a request that can no longer meet its SLO gets
-(`reject`, `queue`, `late`; NULL: the service's `--admission`; docs/service.md, "Admission").
+(`reject`, `queue`, `late`; NULL: the tenant's default, else the service's `--admission`;
+docs/service.md, "Admission"), and `tenant_admission`, each tenant's default for its models.
 """
 from __future__ import annotations
 
@@ -74,6 +75,10 @@ CREATE TABLE IF NOT EXISTS models (
 CREATE TABLE IF NOT EXISTS tenant_quotas (
     tenant TEXT PRIMARY KEY REFERENCES tenants(name) ON DELETE CASCADE,
     settings TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tenant_admission (
+    tenant TEXT PRIMARY KEY REFERENCES tenants(name) ON DELETE CASCADE,
+    admission TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS prepared_formats (
     model_uid TEXT NOT NULL REFERENCES models(uid) ON DELETE CASCADE,
@@ -246,6 +251,20 @@ class Registry:
         """The quotas the operator set for `tenant` (the rest: the service's defaults)."""
         row = self._db.execute("SELECT settings FROM tenant_quotas WHERE tenant = ?", (tenant,)).fetchone()
         return json.loads(row["settings"]) if row else {}
+
+    def tenant_admissions(self) -> dict[str, str]:
+        """Each tenant's default admission choice for its models, where the operator set one."""
+        return {r["tenant"]: r["admission"] for r in self._db.execute("SELECT tenant, admission FROM tenant_admission")}
+
+    def set_tenant_admission(self, tenant: str, admission: str | None) -> None:
+        """Set (None: clear) `tenant`'s default admission choice (mesh.policy.placement.ADMISSIONS)."""
+        if self.tenant(tenant) is None:
+            raise RegistryError(f"no tenant {tenant!r}")
+        if admission is None:
+            self._db.execute("DELETE FROM tenant_admission WHERE tenant = ?", (tenant,))
+            return
+        self._db.execute("INSERT INTO tenant_admission (tenant, admission) VALUES (?, ?) "
+                         "ON CONFLICT(tenant) DO UPDATE SET admission = excluded.admission", (tenant, admission))
 
     def set_quota_settings(self, tenant: str, settings: dict[str, Any]) -> None:
         if self.tenant(tenant) is None:
