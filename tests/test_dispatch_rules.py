@@ -1,5 +1,7 @@
 """Pure placement rules of the cluster dispatcher (mesh.policy.placement) and its waiting
 queue (mesh.policy.queueing)."""
+import math
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -96,6 +98,13 @@ def test_queue_expiry_rules():
     assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=5.0, validates=True) == (8.0, "timeout")
     with pytest.raises(ValueError):
         wait_expiry_s(0.0, 1.0, -1.0, False)
+    # admission (issue 33): queue keeps a hopeless request up to the bound, late without one
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="queue") == (33.0, "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=None, validates=True, admission="queue") == (math.inf, "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="late") == (math.inf, "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="reject") == (11.5, "slo")
+    with pytest.raises(ValueError):
+        wait_expiry_s(0.0, 1.0, 1.0, True, admission="wait")
 
 
 def test_waiting_queue_fifo_capacity_and_expiry():
@@ -159,3 +168,19 @@ def test_tailored_concurrency_target_is_the_largest_batch_within_the_tpot(base, 
     assert 1 <= b <= 512
     assert b == 1 or decode(b) <= tpot
     assert b == 512 or decode(b + 1) > tpot or b == 1 and decode(1) > tpot
+
+
+def test_admission_a_models_own_then_its_tenants_then_the_clusters():
+    from mesh.runtime.cluster import Cluster, ClusterConfig, ClusterError
+
+    cluster = Cluster(ClusterConfig(cpu_nodes=1, gpu_nodes=0, admission="reject"))
+    assert cluster.admission("m", "t") == "reject"
+    cluster.set_tenant_admission("t", "queue")
+    assert cluster.admission("m", "t") == "queue" and cluster.admission("m", "other") == "reject"
+    cluster.set_admission("m", "late")
+    assert cluster.admission("m", "t") == "late"
+    cluster.set_admission("m", None)
+    cluster.set_tenant_admission("t", None)
+    assert cluster.admission("m", "t") == "reject"
+    with pytest.raises(ClusterError):
+        cluster.set_tenant_admission("t", "wait")

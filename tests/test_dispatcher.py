@@ -251,6 +251,39 @@ def test_queue_timeout_baselines_serve_late_mesh_turns_away_at_once(policy):
         assert late.finish_s - late.arrival_s == pytest.approx(2.0 - 0.06, abs=0.06)
 
 
+@pytest.mark.parametrize("admission, timeout", [("reject", 30.0), ("queue", 30.0), ("queue", 3.0), ("late", 3.0)])
+def test_admission_choice_of_a_request_that_cannot_meet_its_slo(admission, timeout):
+    """Mesh, one GPU held for 5 s: a request of another model cannot meet its SLO. 'reject'
+    turns it away at once; 'queue' serves it late once the GPU frees if that is within the
+    queue's bound, else turns it away at the bound; 'late' serves it late whatever the bound.
+    Served late, it still counts as missing its SLO (judged from its arrival)."""
+
+    async def main():
+        cluster, d = await build("mesh-no-share", {"a": "llama-2-7b", "b": "llama-2-7b"},
+                                 config(cpu=0, gpu=1, admission="reject"), queue_timeout_s=timeout)
+        cluster.set_admission("b", admission)
+        d.submit(request("hog", "a", out=100))  # 5 s of decoding on the only node
+        late = request("b1", "b")
+        applied = d.admission(late)
+        d.submit(late)
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return late, d.accounting(), applied
+
+    late, acc, applied = run_virtual(main())
+    assert applied == admission
+    if admission == "reject":
+        assert late.outcome is Outcome.REJECTED and "cannot meet its SLO" in late.detail
+        assert late.finish_s - late.arrival_s == pytest.approx(2.0 - 0.06, abs=0.06)
+    elif admission == "queue" and timeout < 5.0:
+        assert late.outcome is Outcome.REJECTED and "queue timeout" in late.detail
+        assert late.finish_s - late.arrival_s == pytest.approx(timeout)
+    else:
+        assert late.outcome is Outcome.COMPLETED and 5.0 < late.ttft_s < 5.5 + 2.0
+        assert acc["slo_violating"] == 1 and acc["rejected"] == 0
+
+
 def test_queue_timeout_rejects_after_waiting():
     async def main():
         cluster, d = await build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1), queue_timeout_s=3.0)

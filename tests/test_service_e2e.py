@@ -349,8 +349,10 @@ def test_bad_input_never_gets_a_500(server):
 
 def test_prompt_over_the_context_window_and_unplaceable_requests(server):
     key = _tenant(server, "frank")
+    # --demo's default admission queues (issue 33); this model chooses to turn away what cannot meet its SLO
     status, _ = server.http("POST", "/v1/models", {"name": "strict", "path": "smollm2.gguf", "context_length": 64,
-                                                   "slo": {"ttft_s": 0.001, "ttft_s_per_prompt_token": 0}}, token=key)
+                                                   "slo": {"ttft_s": 0.001, "ttft_s_per_prompt_token": 0},
+                                                   "admission": "reject"}, token=key)
     assert status == 201
     c = server.client(key)
     with pytest.raises(openai.BadRequestError) as e:
@@ -360,12 +362,32 @@ def test_prompt_over_the_context_window_and_unplaceable_requests(server):
     with pytest.raises(openai.RateLimitError) as e:
         server.client(key, max_retries=0).completions.create(model="strict", prompt="Hello", max_tokens=2)
     assert e.value.body["code"] == "slo_unattainable" and "cannot meet its SLO" in e.value.body["message"]
+    assert "admission is 'reject'" in e.value.body["message"]
     assert int(e.value.response.headers["Retry-After"]) >= 1
     metrics = server.http("GET", "/metrics", token=ADMIN)[1]
     assert 'mesh_requests_total{model="strict",outcome="rejected",tenant="frank"} 1.0' in metrics
     usage = server.http("GET", "/v1/usage", token=key)[1]["data"]
     (strict,) = [m for m in usage if m["model"] == "strict"]
     assert strict["requests"]["rejected"] == 1 and strict["slo"]["placed"] == 1 and strict["slo"]["attainment"] == 0
+
+
+def test_a_tenants_default_admission(server):
+    """`PUT /admin/tenants/{t}/admission` sets the default for the tenant's models without their
+    own choice: here `reject`, under --demo's service default `queue`; null restores it."""
+    key = _tenant(server, "gina")
+    assert server.admin("GET", "/admin/tenants/gina/admission") == {
+        "tenant": "gina", "admission": None, "service_default": "queue", "effective": "queue"}
+    status, err = server.http("PUT", "/admin/tenants/gina/admission", {"admission": "wait"}, token=ADMIN)
+    assert status == 400 and err["error"]["param"] == "admission"
+    assert server.admin("PUT", "/admin/tenants/gina/admission", {"admission": "reject"})["effective"] == "reject"
+    status, _ = server.http("POST", "/v1/models", {"name": "hopeless", "path": "smollm2.gguf", "context_length": 64,
+                                                   "slo": {"ttft_s": 0.001, "ttft_s_per_prompt_token": 0}}, token=key)
+    assert status == 201
+    with pytest.raises(openai.RateLimitError) as e:
+        server.client(key, max_retries=0).completions.create(model="hopeless", prompt="Hello", max_tokens=2)
+    assert "cannot meet its SLO" in e.value.body["message"] and "admission is 'reject'" in e.value.body["message"]
+    assert int(e.value.response.headers["Retry-After"]) >= 1
+    assert server.admin("PUT", "/admin/tenants/gina/admission", {"admission": None})["effective"] == "queue"
 
 
 def test_ignore_eos_generates_exactly_max_tokens(server):

@@ -127,6 +127,33 @@ def test_a_models_registered_cold_start_choice_decides_a_late_request(monkeypatc
     asyncio.run(main())
 
 
+def test_admission_the_services_default_and_a_models_own():
+    """The service's default admission `queue` keeps a request that cannot meet its SLO
+    waiting up to the queue's bound, then turns it away saying so; a model registered with
+    `admission: reject` has its request turned away at once (mesh.policy.placement.ADMISSIONS)."""
+
+    async def main():
+        p = await started(admission="queue", queue_timeout_s=0.5)
+        hopeless = SLO(ttft_min_s=0.0001, ttft_s_per_prompt_token=0.0)
+        queued = model("m_q", slo=hopeless)
+        strict = ModelRecord("m_r", "t", "name-m_r", "gguf", "/x.gguf", 256, hopeless, 10**6, admission="reject")
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        with pytest.raises(ApiError) as e:
+            await p.submit(job("a", queued))
+        assert loop.time() - t0 >= 0.5 and e.value.status == 429 and "queue timeout" in e.value.message
+        assert "admission is 'queue'" in e.value.message and int(e.value.headers["Retry-After"]) >= 1
+        with pytest.raises(ApiError) as e:
+            await p.submit(job("b", strict))
+        assert e.value.status == 429 and "cannot meet its SLO" in e.value.message
+        assert "admission is 'reject'" in e.value.message
+        assert p.cluster.admission("m_q") == "queue" and p.cluster.admission("m_r") == "reject"
+        assert p.view()["dispatcher"]["admission"] == "queue"
+        await p.stop()
+
+    asyncio.run(main())
+
+
 def test_keep_alive_recycles_idle_instances():
     async def main():
         p = await started(keep_alive_s=0.2)

@@ -218,6 +218,10 @@ def test_error_format_and_statuses():
     assert e.status == 404 and set(e.body()["error"]) == {"message", "type", "param", "code"}
     assert "does not exist or you do not have access" in e.message
     assert errors.overloaded("r").status == 429 and errors.overloaded("r").headers["Retry-After"] == "1"
+    turned = errors.overloaded("cannot meet its SLO: x", 2.2, "reject")
+    assert turned.headers["Retry-After"] == "3" and "admission is 'reject'" in turned.message and "3 s" in turned.message
+    # every 429 says when to retry, those built without a Retry-After included
+    assert errors.over_quota("concurrent_requests", "Over.", 429).response().headers["Retry-After"] == "1"
     assert errors.node_unavailable("x").status == 503
     assert errors.context_too_long(10, 8, "prompt").code == "context_length_exceeded"
     assert errors.too_large(2**20).status == 413
@@ -251,6 +255,11 @@ def test_parse_chat_and_completion():
     assert c.prompt == "once" and c.max_tokens is None and c.temperature is None and c.top_p is None  # model defaults
     assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
     assert parse_completion({"model": "m", "prompt": [[4, 5]]}).prompt_token_ids == [4, 5]
+    # what load generators send (guidellm, vLLM's benchmarks): min_tokens where ignore_eos guarantees it
+    g = parse_completion({"model": "m", "prompt": "a", "max_tokens": 64, "ignore_eos": True, "min_tokens": 64,
+                          "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+                          "n": 1, "seed": 0, "response_format": {"type": "text"}, "user": "u1"})
+    assert g.ignore_eos and g.max_tokens == 64 and g.include_usage
 
 
 @pytest.mark.parametrize("body,param", [
@@ -273,6 +282,14 @@ def test_parse_chat_and_completion():
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": True}, "logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "presence_penalty": 1}, "presence_penalty"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
+     "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 5}, "min_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 9, "max_tokens": 8,
+      "ignore_eos": True}, "min_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": "5"}, "min_tokens"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "user": 7}, "user"),
 ])
 def test_parse_chat_rejects_bad_fields(body, param):
     assert _status(parse_chat, body) == (400, param)

@@ -11,7 +11,7 @@ from typing import Any
 
 from mesh.perf.profile import ProfileError
 from mesh.perf.roofline import host_to_device_bytes_per_s
-from mesh.policy.placement import ColdStart
+from mesh.policy.placement import ADMISSIONS, ColdStart
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import (
     DEFAULT_CPU_DEVICE,
@@ -116,6 +116,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="seconds a request may wait for capacity (a client timeout, the same for every policy; Mesh "
                     "also turns away at once a request that can no longer meet its SLO), or 'slo': every policy "
                     "turns requests away once they can no longer meet their SLO (default: %(default)s)")
+    cl.add_argument("--admission", default="reject", choices=ADMISSIONS,
+                    help="what a request that can no longer meet its SLO gets, as `mesh serve --admission`: "
+                         "'reject' (LLM-Mesh's rule), 'queue' (waits up to --queue-timeout, served late), 'late' "
+                         "(no time bound) (default: %(default)s)")
     cl.add_argument("--retry-interval", type=float, default=DEFAULT_RETRY_INTERVAL_S, help="seconds between retries of waiting requests (default: %(default)s)")
     live = p.add_argument_group("live (docs/evaluation.md, 'Live replay')")
     live.add_argument("--live", metavar="URL",
@@ -220,7 +224,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
         cpu_memory_bytes=int(args.cpu_memory_gib * GIB), gpu_memory_bytes=int(args.gpu_memory_gib * GIB),
         cold_start=cold_start,
         keep_alive_s=1.0 if args.keep_alive is None else args.keep_alive, noise=args.noise, seed=args.seed,
-        deadlines=args.deadlines or DeadlineRule.EQ1,
+        deadlines=args.deadlines or DeadlineRule.EQ1, admission=args.admission,
     )
     for name in policies:
         check_cluster(cluster, catalog, policy_spec(name).kinds, name)
@@ -308,6 +312,7 @@ def describe(args: argparse.Namespace, setup: dict[str, Any]) -> dict[str, Any]:
             "deadlines": c.deadlines.value,
         },
         "deadlines": c.deadlines.value,
+        "admission": c.admission,
         "queue_capacity": setup["config"].queue_capacity,
         "queue_timeout": "slo" if setup["config"].queue_timeout_s is None else setup["config"].queue_timeout_s,
         "retry_interval_s": setup["config"].retry_interval_s,

@@ -114,7 +114,8 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     keep_alive = args.keep_alive if args.keep_alive is not None else LIVE_KEEP_ALIVE_S
     cluster = ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, cpu_memory_bytes=memory.get(CPU, 1),
                             gpu_memory_bytes=memory.get(GPU, 1), cold_start=cold_start, keep_alive_s=keep_alive,
-                            noise=args.noise, seed=args.seed, deadlines=args.deadlines or shape.deadlines, **extra)
+                            noise=args.noise, seed=args.seed, deadlines=args.deadlines or shape.deadlines,
+                            admission=shape.admission, **extra)
     config = ReplayConfig(cluster=cluster, queue_capacity=shape.queue_capacity, retry_interval_s=args.retry_interval,
                           queue_timeout_s=shape.queue_timeout_s, progress=not args.no_progress)
     prior = {base: float(sum(a.output_len for a in workload.arrivals) / max(1, len(workload)))}

@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from mesh.policy.placement import ADMISSIONS
 from mesh.policy.slo import DeadlineRule
 from mesh.runtime.schedulers import POLICIES
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
@@ -54,6 +55,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--queue-timeout", default=None, dest="queue_timeout_s", type=_queue_timeout,
                         help="seconds a request may wait for capacity, or 'slo': until it can no longer meet its "
                              f"SLO (default {DEFAULT_QUEUE_TIMEOUT_S:g}); Mesh also turns a request away at once when it cannot meet its SLO")
+    parser.add_argument("--admission", default=None, choices=ADMISSIONS,
+                        help="what a request that can no longer meet its SLO gets, for models registered without "
+                             "their own choice: 'reject' turns it away (429 with the reason and Retry-After, "
+                             "LLM-Mesh's rule), 'queue' keeps it waiting up to --queue-timeout and serves it late, "
+                             "'late' the same with no time bound (default: queue with --demo, else reject; "
+                             "docs/service.md, \"Admission\")")
     parser.add_argument("--watchdog-min-s", type=float, default=None, dest="watchdog_min_s",
                         help="the node agents' engine watchdog: an iteration running past max(this, 20 x its "
                              "predicted time) has hung; its instance fails, its worker is killed, its requests "
@@ -119,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
                                          "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",
                                          "quota_model_gb", "quota_concurrent_requests", "quota_requests_per_s",
                                          "quota_burst", "prepare_formats", "queue_capacity", "queue_timeout_s",
-                                         "emulate", "watchdog_min_s")}
+                                         "admission", "emulate", "watchdog_min_s")}
     try:
         file_values = read_config_file(args.config) if args.config else {}
         config = build_config(file_values, cli)

@@ -259,7 +259,24 @@ class ColdStart:
         return weight_bytes / (bytes_per_s or self.net_bytes_per_s)
 
 
-def wait_expiry_s(now: float, slo_expiry_s: float, timeout_s: float | None, validates: bool) -> tuple[float, str]:
+# Admission (issue 33): what a fresh request gets once it can no longer meet its SLO, chosen
+# per model (its registration's `admission`), else the service's default (`mesh serve
+# --admission`, `mesh replay --admission`):
+# - ADMIT_REJECT turns it away at once (429 with the reason and a Retry-After): the paper's
+#   rule (LLM-Mesh 5.3: no validation can pass after that), the default of `mesh replay`;
+# - ADMIT_QUEUE keeps it waiting, in arrival order, up to the queue timeout (the bound), and
+#   places it as soon as shadow validation shows everyone else still on time, its own deadlines
+#   running from then (served late; still counted as missing its SLO). vLLM, SGLang and Ollama
+#   queue, and a benchmark user expects it: the default of `mesh serve --demo`;
+# - ADMIT_LATE is the same with no time bound (only the queue's capacity, and the client
+#   going away, end its wait): best effort.
+# A request that had started (evicted, 6.4) follows ADMIT_REJECT's rule under every choice.
+ADMIT_REJECT, ADMIT_QUEUE, ADMIT_LATE = "reject", "queue", "late"
+ADMISSIONS = (ADMIT_REJECT, ADMIT_QUEUE, ADMIT_LATE)
+
+
+def wait_expiry_s(now: float, slo_expiry_s: float, timeout_s: float | None, validates: bool,
+                  admission: str = ADMIT_REJECT) -> tuple[float, str]:
     """When a request that starts waiting now is turned away, and why ("slo" or "timeout").
 
     The queue's rule, the same for every policy: a waiting request is dropped after
@@ -267,10 +284,19 @@ def wait_expiry_s(now: float, slo_expiry_s: float, timeout_s: float | None, vali
     timeout_s None, once it can no longer meet its SLO. A policy that validates (Mesh,
     5.3) also turns a request away as soon as it can no longer meet its SLO, since no
     validation can pass after that; the baselines do not know and keep it waiting, as
-    ServerlessLLM queues (LLM-Mesh 8.2: "long queuing under high load")."""
+    ServerlessLLM queues (LLM-Mesh 8.2: "long queuing under high load").
+
+    `admission` (ADMISSIONS) other than ADMIT_REJECT keeps a request that can no longer meet
+    its SLO waiting: up to `timeout_s` under ADMIT_QUEUE, without a time bound under ADMIT_LATE."""
     if timeout_s is not None and not timeout_s >= 0:
         raise ValueError(f"queue timeout must be >= 0 s, got {timeout_s}")
+    if admission not in ADMISSIONS:
+        raise ValueError(f"admission must be one of {', '.join(ADMISSIONS)}, got {admission!r}")
     timeout_at = math.inf if timeout_s is None else now + timeout_s
+    if admission == ADMIT_LATE:
+        return math.inf, "timeout"
+    if admission == ADMIT_QUEUE:
+        return timeout_at, "timeout"
     if (validates or timeout_s is None) and slo_expiry_s <= timeout_at:
         return slo_expiry_s, "slo"
     return timeout_at, "timeout"

@@ -21,7 +21,7 @@ from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile
 from mesh.policy.cold_starts import ColdStartTable, LoadRecord
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
-from mesh.policy.placement import (COLD_START_CHOICES, CPU, DEFAULT_KEEP_ALIVE_S, GPU, SERVE_LATE, ColdStart,
+from mesh.policy.placement import (ADMISSIONS, ADMIT_REJECT, COLD_START_CHOICES, CPU, DEFAULT_KEEP_ALIVE_S, GPU, SERVE_LATE, ColdStart,
                                    InstanceView, NodeView, keep_alive_expired)
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
@@ -83,6 +83,7 @@ class ClusterConfig:
     seed: int = 0
     max_batch: int = DEFAULT_MAX_BATCH  # requests an instance runs at most (plans, validation, the engine's max_num_seqs)
     cold_start_choice: str = SERVE_LATE  # a cold model's request that cannot make its TTFT (placement.SERVE_LATE)
+    admission: str = ADMIT_REJECT  # a fresh request that can no longer meet its SLO (placement.ADMISSIONS)
 
     def __post_init__(self) -> None:
         for name in ("cpu_nodes", "gpu_nodes"):
@@ -98,6 +99,8 @@ class ClusterConfig:
         if self.cold_start_choice not in COLD_START_CHOICES:
             raise ClusterError(f"cold_start_choice must be one of {', '.join(COLD_START_CHOICES)}, "
                                f"got {self.cold_start_choice!r}")
+        if self.admission not in ADMISSIONS:
+            raise ClusterError(f"admission must be one of {', '.join(ADMISSIONS)}, got {self.admission!r}")
         try:
             object.__setattr__(self, "deadlines", DeadlineRule.parse(self.deadlines))
         except ValueError as exc:
@@ -191,6 +194,8 @@ class Cluster:
         self._mean_output = {m: RunningMean(mean_output_prior.get(b, 256.0)) for m, b in models.items()}
         self._slo: dict[str, SLO] = {}  # a model's own SLO (the service's per-model SLOs); else config.slo
         self._cold_choice: dict[str, str] = {}  # a model's own cold_start choice; else config.cold_start_choice
+        self._admission: dict[str, str] = {}  # a model's own admission choice; else its tenant's
+        self._tenant_admission: dict[str, str] = {}  # a tenant's default for its models; else config.admission
         self._by_model: dict[str, list[InstanceRef]] = {}
         self._by_id: dict[str, InstanceRef] = {}
         self._ids = itertools.count()
@@ -258,6 +263,30 @@ class Cluster:
         if choice not in COLD_START_CHOICES:
             raise ClusterError(f"cold_start must be one of {', '.join(COLD_START_CHOICES)}, got {choice!r}")
         self._cold_choice[model] = choice
+
+    def admission(self, model: str, tenant: str = "") -> str:
+        """The model's admission choice (placement.ADMISSIONS): its own, else its tenant's
+        default, else the cluster's."""
+        own = self._admission.get(model)
+        return own if own is not None else self._tenant_admission.get(tenant, self.config.admission)
+
+    def set_tenant_admission(self, tenant: str, choice: str | None) -> None:
+        """`tenant`'s default admission choice for its models without their own; None: the cluster's."""
+        if choice is None:
+            self._tenant_admission.pop(tenant, None)
+            return
+        if choice not in ADMISSIONS:
+            raise ClusterError(f"admission must be one of {', '.join(ADMISSIONS)}, got {choice!r}")
+        self._tenant_admission[tenant] = choice
+
+    def set_admission(self, model: str, choice: str | None) -> None:
+        """The model's own admission choice; None: the cluster's default."""
+        if choice is None:
+            self._admission.pop(model, None)
+            return
+        if choice not in ADMISSIONS:
+            raise ClusterError(f"admission must be one of {', '.join(ADMISSIONS)}, got {choice!r}")
+        self._admission[model] = choice
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:

@@ -6,7 +6,11 @@ cannot, the request waits in the bounded queue (mesh.policy.queueing) and is ret
 order, whenever capacity frees (a request ends, an instance is recycled). It is rejected,
 with the reason, when the queue is full, after the queue timeout (30 s, the same for every
 policy), or, under Mesh, as soon as it can no longer meet its SLO (no validation can pass
-then; the baselines cannot tell and keep it waiting, LLM-Mesh 8.2). Requests handed back by a node
+then; the baselines cannot tell and keep it waiting, LLM-Mesh 8.2). That last rule is the
+model's admission choice (mesh.policy.placement.ADMISSIONS, issue 33): `reject` as above,
+`queue` keeps it waiting up to the queue timeout and `late` without a time bound, each placed
+once validation shows everyone else on time, its own deadlines running from then (served late).
+Requests handed back by a node
 (evicted when its KV cache outgrew the estimate, 6.4) are rescheduled the same way with
 their progress kept; one that cannot be placed again in time fails.
 
@@ -36,7 +40,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
-from mesh.policy.placement import queue_expiry_s, wait_expiry_s
+from mesh.policy.placement import ADMIT_REJECT, queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.policy.slo import DeadlineRule
 from mesh.runtime.cluster import Cluster
@@ -278,12 +282,20 @@ class Dispatcher:
         prompt, start = req.resumed(req.tokens_out, self.cluster.config.deadlines)
         return start + req.slo.ttft_s(prompt), prompt
 
+    def admission(self, req: ServedRequest) -> str:
+        """The admission choice that applies to `req` (mesh.policy.placement.ADMISSIONS): its
+        model's (or its tenant's) for a fresh request; ADMIT_REJECT's rule for one that had started."""
+        if req.tokens_out or req.first_token_s is not None:
+            return ADMIT_REJECT
+        return self.cluster.admission(req.model, req.tenant)
+
     def _expiry(self, req: ServedRequest, now: float) -> tuple[float, str, float]:
         """(when the queue turns the request away, why: "slo" or "timeout", when it can no
         longer meet its SLO), for a request that starts waiting now."""
         deadline, prompt = self._deadline(req)
         slo_expiry = queue_expiry_s(deadline, self.cluster.fastest_prefill_s(req.model, prompt, self.policy.kinds))
-        return *wait_expiry_s(now, slo_expiry, self.queue_timeout_s, self.policy.validates), slo_expiry
+        return *wait_expiry_s(now, slo_expiry, self.queue_timeout_s, self.policy.validates,
+                              self.admission(req)), slo_expiry
 
     def _expired(self, req: ServedRequest) -> bool:
         now = self._now()
@@ -352,7 +364,7 @@ class Dispatcher:
             if why == "slo":
                 self._turn_away(req, SLO_UNREACHABLE, "waited until it could no longer meet its SLO")
             else:
-                self._turn_away(req, QUEUE_TIMEOUT, f"waited {self.queue_timeout_s:g} s")
+                self._turn_away(req, QUEUE_TIMEOUT, f"waited {self.queue_timeout_s:g} s, the bound of the queue")
         self._arm_expiry()
 
     def _schedule_drain(self) -> None:
@@ -379,9 +391,13 @@ class Dispatcher:
             for entry in list(self.queue.in_order()):
                 if entry.model in blocked or entry.request_id not in self.queue:
                     continue
-                if self.policy.validates and self._now() >= self._slo_expiry[entry.request_id]:
-                    continue  # validation can only fail now; it waits out its timeout
                 req = self._waiting[entry.request_id]
+                now = self._now()
+                if now >= self._slo_expiry[entry.request_id]:
+                    if self.admission(req) != ADMIT_REJECT:  # queue, late: served late, deadlines from now
+                        req.late_s = max(req.late_s, now - req.arrival_s)
+                    elif self.policy.validates:
+                        continue  # validation can only fail now; it waits out its timeout
                 if await self._decide(req, self._avoid.get(entry.request_id, frozenset())):
                     if entry.request_id in self.queue:
                         self.queue.remove(entry.request_id)

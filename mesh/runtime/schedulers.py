@@ -196,14 +196,14 @@ class MeshPolicy(Policy):
 
     async def _admit_late(self, ref: InstanceRef, req: ServedRequest, late_s: float) -> bool:
         """Admit `req` on the instance with its deadlines moved by `late_s` (kept if admitted)."""
-        req.late_s = late_s
+        kept, req.late_s = req.late_s, max(req.late_s, late_s)
         self.stats.validations += 1
         if (await ref.node.try_admit(ref.instance_id, req)).ok:
             self.stats.served_late += 1
             log.debug("%s served late on %s (deadlines %.2f s later)", req.request_id, ref.instance_id, late_s)
             return True
         log.debug("%s not served late on %s (deadlines %.2f s later): refused", req.request_id, ref.instance_id, late_s)
-        req.late_s = 0.0
+        req.late_s = kept
         return False
 
     def _late_on_arrival(self, req: ServedRequest) -> bool:

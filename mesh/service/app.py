@@ -41,7 +41,7 @@ from mesh.service.registry import Registry
 log = logging.getLogger("mesh.service")
 
 ARRIVAL = "mesh_arrival_s"
-UNGUARDED = ("/healthz", "/metrics")
+UNGUARDED = ("/healthz", "/health", "/metrics")
 
 
 @dataclass
@@ -162,6 +162,7 @@ def build_app(service: Service) -> web.Application:
     app = web.Application(middlewares=[error_middleware], client_max_size=service.config.max_body_bytes)
     app[SERVICE] = service
     app.router.add_get("/healthz", healthz)
+    app.router.add_get("/health", healthz)  # the name vLLM, SGLang and TGI answer (load generators check it)
     app.router.add_get("/metrics", metrics)
     routes_openai.add_routes(app)
     routes_models.add_routes(app)
@@ -226,6 +227,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     settings = PlacementSettings(
         policy=config.policy, cold_start_s=config.cold_start_s, keep_alive_s=config.keep_alive_s,
         exact_moves=config.exact_moves, queue_capacity=config.queue_capacity, queue_timeout_s=config.queue_timeout_s,
+        admission=config.admission,
         profile_dir=str(config.profile_dir) if config.profile_dir else None,
         agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
                             weights_root=str(data_dir / "nodes"), weights_token=weights_token,
@@ -247,6 +249,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
 
     formats = FormatPreparer(registry, data_dir, enabled=config.prepare_formats)
     placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights, formats=formats)
+    for tenant, admission in registry.tenant_admissions().items():  # tenants' defaults (PUT /admin/tenants/{t}/admission)
+        placement.set_tenant_admission(tenant, admission)
     membership = autoscaler = None
     if config.ray is not None:
         from mesh.ray.actor import AgentLaunch

@@ -13,6 +13,8 @@ from typing import Any
 
 from aiohttp import web
 
+from mesh.policy.placement import ADMIT_LATE, ADMIT_QUEUE, ADMIT_REJECT
+
 
 @dataclass
 class ApiError(Exception):
@@ -30,7 +32,10 @@ class ApiError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> web.Response:
-        return web.json_response(self.body(), status=self.status, headers=self.headers)
+        headers = self.headers
+        if self.status == 429 and "Retry-After" not in (headers or {}):  # every 429 says when to retry
+            headers = {**(headers or {}), "Retry-After": "1"}
+        return web.json_response(self.body(), status=self.status, headers=headers)
 
     def sse(self) -> bytes:
         """The error as one server-sent event (a stream that fails after it started)."""
@@ -90,12 +95,22 @@ def max_tokens_too_large(max_tokens: int, prompt_tokens: int, window: int) -> Ap
                     "invalid_request_error", "max_tokens", "context_length_exceeded")
 
 
-def overloaded(reason: str, retry_after_s: float = 1.0) -> ApiError:
+ADMISSION_MEANING = {ADMIT_REJECT: "turn away what cannot meet its SLO",
+                     ADMIT_QUEUE: "wait up to the queue's bound, then be turned away",
+                     ADMIT_LATE: "wait, without a time bound, to be served late"}
+
+
+def overloaded(reason: str, retry_after_s: float = 1.0, admission: str | None = None) -> ApiError:
     """A request the dispatcher turned away (its SLO could not be met in time, the queue was
-    full or it waited too long); Retry-After: when it may do better (a cold start's end)."""
-    return ApiError(429, f"The service could not place this request in time for its SLO ({reason}). "
-                    "Retry later.", "rate_limit_error", None, "slo_unattainable",
-                    {"Retry-After": str(max(1, math.ceil(retry_after_s)))})
+    full or it waited too long); Retry-After: when it may do better (a cold start's end).
+    The message names the model's admission choice that applied (mesh.policy.placement.ADMISSIONS)."""
+    retry = max(1, math.ceil(retry_after_s))
+    choice = (f" The model's admission is '{admission}' ({ADMISSION_MEANING.get(admission, admission)}); "
+              "its owner or the operator may choose 'queue' or 'late' instead (docs/service.md, \"Admission\").") \
+        if admission else ""
+    return ApiError(429, f"The service could not place this request in time for its SLO ({reason}).{choice} "
+                    f"Retry in {retry} s.", "rate_limit_error", None, "slo_unattainable",
+                    {"Retry-After": str(retry)})
 
 
 def over_quota(quota: str, message: str, status: int, retry_after_s: float | None = None) -> ApiError:

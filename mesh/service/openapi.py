@@ -16,7 +16,7 @@ from aiohttp import web
 
 from engines.chat import ROLES
 from mesh.modelfiles.sampling import FIELDS as SAMPLING_FIELDS
-from mesh.policy.placement import COLD_START_CHOICES
+from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES
 from mesh.policy.quota import QUOTA_FIELDS
 from mesh.service.registry import MODEL_NAME, TENANT_NAME
 from mesh.service.schema import MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS_CAP
@@ -38,6 +38,7 @@ _COMMON_GENERATION: dict[str, Any] = {
     "n": {"type": ["integer", "null"], "const": 1},
     "stream": {"type": ["boolean", "null"]},
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
+    "user": {"type": ["string", "null"], "description": "an end-user id (not used)"},
 }
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
@@ -79,6 +80,9 @@ REGISTER_BODY: dict[str, Any] = {
         "sampling_defaults": {"type": ["object", "null"], "additionalProperties": False,
                               "properties": {k: _SAMPLING[k] for k in SAMPLING_FIELDS}},
         "cold_start": _COLD_START,
+        "admission": {"enum": [*ADMISSIONS, None], "description": "a request that can no longer meet its SLO: "
+                      "turned away (reject), queued up to the queue's bound (queue) or served late (late); "
+                      "null: the service's --admission"},
     },
 }
 TENANT_BODY = {"type": "object", "required": ["name"], "properties": {"name": {"type": "string",
@@ -112,6 +116,7 @@ class Operation:
 
 OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/healthz"): Operation("liveness and node readiness", auth=None),
+    ("GET", "/health"): Operation("the same as /healthz, under the name vLLM, SGLang and TGI use", auth=None),
     ("GET", "/openapi.json"): Operation("this description", auth=None),
     ("GET", "/metrics"): Operation("Prometheus metrics (metrics or admin token)", auth=METRICS),
     ("POST", "/v1/chat/completions"): Operation("OpenAI chat completion, streamed with stream=true", body=CHAT_BODY),
@@ -145,6 +150,11 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/admin/tenants/{tenant}/quota"): Operation("a tenant's quotas and use", auth=ADMIN),
     ("PUT", "/admin/tenants/{tenant}/quota"): Operation("set a tenant's quotas (null: no limit)", auth=ADMIN,
                                                         body=QUOTA_BODY),
+    ("GET", "/admin/tenants/{tenant}/admission"): Operation("a tenant's default admission choice", auth=ADMIN),
+    ("PUT", "/admin/tenants/{tenant}/admission"): Operation(
+        "set a tenant's default admission choice for its models without their own (null: the service's)",
+        auth=ADMIN, body={"type": "object", "required": ["admission"],
+                          "properties": {"admission": {"enum": [*ADMISSIONS, None]}}}),
 }
 
 ERROR = {"type": "object", "required": ["error"], "properties": {"error": {

@@ -47,7 +47,7 @@ from mesh.agent.emulation import PROFILE_PREFIX, emulated_cold_start
 from mesh.agent.protocol import Code, InstanceSpec, slo_to_dict
 from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.perf.times import prior_profile
-from mesh.policy.placement import CPU, GPU, ColdStart
+from mesh.policy.placement import ADMIT_REJECT, CPU, GPU, ColdStart
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
 from mesh.runtime.dispatcher import Dispatcher
@@ -107,6 +107,9 @@ class Placement(Protocol):
 
     def healthy(self) -> bool: ...
 
+    def set_tenant_admission(self, tenant: str, admission: str | None) -> None:
+        """`tenant`'s default admission choice for its models without their own (None: the service's)."""
+
 
 @dataclass(frozen=True, slots=True)
 class PlacementSettings:
@@ -118,6 +121,7 @@ class PlacementSettings:
     cold_start_s: float = DEFAULT_COLD_START_S  # an instance's start-up besides its weights (ColdStart.fixed_s)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
+    admission: str = ADMIT_REJECT  # the default admission choice (mesh.policy.placement.ADMISSIONS)
     exact_moves: bool = False  # InstanceSpec.exact_moves for every instance (mesh serve --exact-moves)
     agent: AgentSettings = field(default_factory=AgentSettings)
 
@@ -149,7 +153,7 @@ class ClusterPlacement:
         config = ClusterConfig(
             cpu_nodes=sum(n.kind == CPU for n in nodes), gpu_nodes=sum(n.kind == GPU for n in nodes),
             cold_start=_cold_start(s), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines,
-            max_batch=s.max_batch)
+            max_batch=s.max_batch, admission=s.admission)
         self.cluster = Cluster(config)
         self.cluster.holds_copy = self._holds_copy
         self.dispatcher = Dispatcher.for_policy(self.cluster, s.policy, queue_capacity=s.queue_capacity,
@@ -193,6 +197,9 @@ class ClusterPlacement:
         await self.cluster.stop()
         if self.weights is not None:
             await self.weights.stop()
+
+    def set_tenant_admission(self, tenant: str, admission: str | None) -> None:
+        self.cluster.set_tenant_admission(tenant, admission)
 
     def healthy(self) -> bool:
         return all(a.up for a in self.agents.values())
@@ -359,6 +366,7 @@ class ClusterPlacement:
         base = record.path if record.kind == EMULATED else record.uid
         self.cluster.add_model(record.uid, ModelSpec(base, profiles), MEAN_OUTPUT_PRIOR, record.slo)
         self.cluster.set_cold_start_choice(record.uid, record.cold_start)
+        self.cluster.set_admission(record.uid, record.admission)
         known = [int(v) for v in vocabs if isinstance(v, int) and not isinstance(v, bool) and v > 0]
         model = _Model(record, front[0].node_id, front[1], tuple(profiles), min(known) if known else None)
         self._models[record.uid] = model
@@ -606,7 +614,7 @@ class ClusterPlacement:
                 begin(req)
                 stream.push(Finished(req.finish_reason.value if req.finish_reason else "stop", req.tokens_out))
                 return
-            error = (overloaded(_reason(req.detail), self._retry_after_s(req.model))
+            error = (overloaded(_reason(req.detail), self._retry_after_s(req.model), self.dispatcher.admission(req))
                      if req.outcome is Outcome.REJECTED else node_unavailable(_reason(req.detail)))
             if started.done():
                 stream.push(error)
@@ -732,7 +740,7 @@ class ClusterPlacement:
             "weights": self.weights.view() if self.weights is not None else None,
             "dispatcher": {
                 "policy": d.policy.name, "waiting": len(d.queue), "waiting_by_tenant": dict(tenants),
-                "queue_capacity": d.queue.capacity, "queue_timeout_s": d.queue_timeout_s, "placed_by_kind": dict(self.placed_by_kind),
+                "queue_capacity": d.queue.capacity, "queue_timeout_s": d.queue_timeout_s, "admission": self.cluster.config.admission, "placed_by_kind": dict(self.placed_by_kind),
                 "placed_at_arrival": d.stats.placed_at_arrival, "placed_from_queue": d.stats.placed_from_queue,
                 "preemptions": d.policy.stats.preemptions, "moved_requests": d.policy.stats.preempted_requests,
                 "evictions_rescheduled": d.stats.rescheduled, "new_instances": d.policy.stats.new_instances,

@@ -17,6 +17,9 @@ file gets the table when opened.
 
 Schema 4 adds `models.cold_start`: what a request gets when its model is cold and cannot
 make its TTFT (`serve_late`, the default, or `reject`; docs/service.md, "Cold starts").
+Schema 5 adds `models.admission`: what a request that can no longer meet its SLO gets
+(`reject`, `queue`, `late`; NULL: the tenant's default, else the service's `--admission`;
+docs/service.md, "Admission"), and `tenant_admission`, each tenant's default for its models.
 """
 from __future__ import annotations
 
@@ -31,7 +34,7 @@ from typing import Any, Iterator
 from mesh.policy.placement import CPU, GPU, SERVE_LATE, kind_rank
 from mesh.policy.slo import SLO
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")
 
@@ -66,11 +69,16 @@ CREATE TABLE IF NOT EXISTS models (
     created_at INTEGER NOT NULL DEFAULT (CAST(strftime('%s','now') AS INTEGER)),
     sampling_defaults TEXT NOT NULL DEFAULT '{}',
     cold_start TEXT NOT NULL DEFAULT 'serve_late',
+    admission TEXT,
     UNIQUE (tenant, name)
 );
 CREATE TABLE IF NOT EXISTS tenant_quotas (
     tenant TEXT PRIMARY KEY REFERENCES tenants(name) ON DELETE CASCADE,
     settings TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS tenant_admission (
+    tenant TEXT PRIMARY KEY REFERENCES tenants(name) ON DELETE CASCADE,
+    admission TEXT NOT NULL
 );
 CREATE TABLE IF NOT EXISTS prepared_formats (
     model_uid TEXT NOT NULL REFERENCES models(uid) ON DELETE CASCADE,
@@ -152,6 +160,8 @@ class ModelRecord:
     # a request that its cold model cannot serve within its TTFT: served late or turned away
     # (mesh.policy.placement.COLD_START_CHOICES; docs/service.md, "Cold starts")
     cold_start: str = SERVE_LATE
+    # a request that can no longer meet its SLO (mesh.policy.placement.ADMISSIONS); None: the service's default
+    admission: str | None = None
 
     @property
     def native_kind(self) -> str:
@@ -202,6 +212,8 @@ class Registry:
             self._db.execute("ALTER TABLE models ADD COLUMN sampling_defaults TEXT NOT NULL DEFAULT '{}'")
         if "cold_start" not in columns:  # before schema 3
             self._db.execute("ALTER TABLE models ADD COLUMN cold_start TEXT NOT NULL DEFAULT 'serve_late'")
+        if "admission" not in columns:  # before schema 5
+            self._db.execute("ALTER TABLE models ADD COLUMN admission TEXT")
         self._db.execute("INSERT INTO meta (key, value) VALUES ('schema', ?) "
                          "ON CONFLICT(key) DO UPDATE SET value = excluded.value", (str(SCHEMA_VERSION),))
 
@@ -239,6 +251,20 @@ class Registry:
         """The quotas the operator set for `tenant` (the rest: the service's defaults)."""
         row = self._db.execute("SELECT settings FROM tenant_quotas WHERE tenant = ?", (tenant,)).fetchone()
         return json.loads(row["settings"]) if row else {}
+
+    def tenant_admissions(self) -> dict[str, str]:
+        """Each tenant's default admission choice for its models, where the operator set one."""
+        return {r["tenant"]: r["admission"] for r in self._db.execute("SELECT tenant, admission FROM tenant_admission")}
+
+    def set_tenant_admission(self, tenant: str, admission: str | None) -> None:
+        """Set (None: clear) `tenant`'s default admission choice (mesh.policy.placement.ADMISSIONS)."""
+        if self.tenant(tenant) is None:
+            raise RegistryError(f"no tenant {tenant!r}")
+        if admission is None:
+            self._db.execute("DELETE FROM tenant_admission WHERE tenant = ?", (tenant,))
+            return
+        self._db.execute("INSERT INTO tenant_admission (tenant, admission) VALUES (?, ?) "
+                         "ON CONFLICT(tenant) DO UPDATE SET admission = excluded.admission", (tenant, admission))
 
     def set_quota_settings(self, tenant: str, settings: dict[str, Any]) -> None:
         if self.tenant(tenant) is None:
@@ -297,12 +323,12 @@ class Registry:
         try:
             self._db.execute(
                 "INSERT INTO models (uid, tenant, name, kind, path, owned_file, sha256, weight_bytes, context_length, "
-                "ttft_min_s, ttft_s_per_prompt_token, tpot_s, sampling_defaults, cold_start) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                "ttft_min_s, ttft_s_per_prompt_token, tpot_s, sampling_defaults, cold_start, admission) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
                 (record.uid, record.tenant, record.name, record.kind, record.path, int(record.owned_file),
                  record.sha256, record.weight_bytes, record.context_length, slo.ttft_min_s,
                  slo.ttft_s_per_prompt_token, slo.tpot_s, json.dumps(record.sampling_defaults or {}),
-                 record.cold_start))
+                 record.cold_start, record.admission))
         except sqlite3.IntegrityError as exc:
             raise RegistryError(f"model {record.name!r} already exists for tenant {record.tenant!r}") from exc
         return self.model(record.tenant, record.name)
@@ -391,5 +417,5 @@ def _model(row: sqlite3.Row, prepared: tuple[PreparedFormat, ...] | list[Prepare
         slo=SLO(row["ttft_min_s"], row["ttft_s_per_prompt_token"], row["tpot_s"]),
         weight_bytes=row["weight_bytes"], sha256=row["sha256"], owned_file=bool(row["owned_file"]),
         created_at=row["created_at"], sampling_defaults=json.loads(row["sampling_defaults"] or "{}"),
-        prepared=tuple(prepared), cold_start=row["cold_start"],
+        prepared=tuple(prepared), cold_start=row["cold_start"], admission=row["admission"],
     )

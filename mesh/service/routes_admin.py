@@ -18,6 +18,10 @@
     PUT    /admin/tenants/{tenant}/quota  {"models": 3, ...}         set its quotas (mesh.policy.quota): the
                                                                      ones given (null: no limit); the rest
                                                                      follow the service's defaults
+    GET    /admin/tenants/{tenant}/admission                         its default admission choice
+    PUT    /admin/tenants/{tenant}/admission {"admission": "queue"}  set it: reject, queue, late, or null (the
+                                                                     service's --admission); a model's own
+                                                                     choice (its registration) comes first
 """
 from __future__ import annotations
 
@@ -27,9 +31,10 @@ from typing import Any
 
 from aiohttp import web
 
+from mesh.policy.placement import ADMISSIONS
 from mesh.policy.quota import QuotaValueError, check_overrides
 from mesh.service import errors
-from mesh.service.app import service_of
+from mesh.service.app import Service, service_of
 from mesh.service.auth import new_api_key
 from mesh.service.learnt import learnt_view
 from mesh.service.registry import RegistryError
@@ -50,6 +55,8 @@ def add_routes(app: web.Application) -> None:
     app.router.add_post("/admin/scale", scale)
     app.router.add_get("/admin/tenants/{tenant}/quota", get_quota)
     app.router.add_put("/admin/tenants/{tenant}/quota", put_quota)
+    app.router.add_get("/admin/tenants/{tenant}/admission", get_admission)
+    app.router.add_put("/admin/tenants/{tenant}/admission", put_admission)
 
 
 async def get_quota(request: web.Request) -> web.Response:
@@ -70,6 +77,34 @@ async def put_quota(request: web.Request) -> web.Response:
     svc.registry.set_quota_settings(name, settings)
     svc.quotas.changed(name)
     return web.json_response(svc.quotas.view(name))
+
+
+def _admission_view(svc: Service, tenant: str) -> dict[str, Any]:
+    own = svc.registry.tenant_admissions().get(tenant)
+    return {"tenant": tenant, "admission": own, "service_default": svc.config.admission,
+            "effective": own or svc.config.admission}
+
+
+async def get_admission(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    svc.require_admin(request)
+    return web.json_response(_admission_view(svc, _tenant(request)))
+
+
+async def put_admission(request: web.Request) -> web.Response:
+    """A tenant's default admission choice for its models registered without their own
+    (mesh.policy.placement.ADMISSIONS; docs/service.md, "Admission")."""
+    svc = service_of(request)
+    svc.require_admin(request)
+    name = _tenant(request)
+    data = parse_json(await request.read())
+    choice = data.get("admission")
+    if "admission" not in data or (choice is not None and choice not in ADMISSIONS):
+        raise errors.bad_request(f"'admission' must be one of {', '.join(map(repr, ADMISSIONS))}, or null for the "
+                                 "service's default (--admission).", "admission")
+    svc.registry.set_tenant_admission(name, choice)
+    svc.placement.set_tenant_admission(name, choice)
+    return web.json_response(_admission_view(svc, name))
 
 
 async def create_tenant(request: web.Request) -> web.Response:
@@ -109,6 +144,7 @@ async def delete_tenant(request: web.Request) -> web.Response:
     svc.require_admin(request)
     name = _tenant(request)
     models = svc.registry.delete_tenant(name)
+    svc.placement.set_tenant_admission(name, None)
     await forget_files(svc, models)
     return web.json_response({"name": name, "deleted": True, "models_deleted": len(models)})
 

@@ -7,11 +7,14 @@ POST /v1/models with a JSON body registers a model on the server's disk:
      "slo": {"ttft_s": 2.0, "ttft_s_per_prompt_token": 0.002, "tpot_s": 0.25},   # optional
      "sampling_defaults": {"temperature": 0.2, "top_p": 0.9},  # optional: for requests that omit them;
                                                                # else the model's own (mesh.modelfiles.sampling)
-     "cold_start": "serve_late"}  # optional: a request its cold model cannot serve in time is served
+     "cold_start": "serve_late",  # optional: a request its cold model cannot serve in time is served
                                   # late (default) or turned away at once ("reject"); docs/service.md
+     "admission": "queue"}  # optional: a request that can no longer meet its SLO is turned away
+                            # ("reject"), queued up to the queue's bound ("queue") or served late
+                            # ("late"); null: the service's --admission; docs/service.md, "Admission"
 POST /v1/models with `Content-Type: application/octet-stream` uploads a GGUF file as the body;
 the settings go in the query: name, sha256 (required), context_length, ttft_s,
-ttft_s_per_prompt_token, tpot_s, temperature, top_p (sampling defaults), cold_start. The upload is streamed to the data folder under a size
+ttft_s_per_prompt_token, tpot_s, temperature, top_p (sampling defaults), cold_start, admission. The upload is streamed to the data folder under a size
 limit and kept only if its SHA-256 matches.
 Another tenant's model answers exactly like a model that does not exist.
 A tenant registers paths only inside its own folder of the allowed folder,
@@ -42,7 +45,7 @@ from aiohttp import web
 from engines.protocol import DEFAULT_CONTEXT_CAP
 from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES
 from mesh.modelfiles.sampling import SamplingDefaultsError
-from mesh.policy.placement import COLD_START_CHOICES, SERVE_LATE
+from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES, SERVE_LATE
 from mesh.modelfiles.sampling import check as check_sampling
 from mesh.modelfiles.sources import SourceError, SourceInfo, SourceNotFound, inspect_source, resolve_allowed
 from mesh.policy.slo import SLO
@@ -74,7 +77,8 @@ def model_object(svc: Service, m: ModelRecord) -> dict[str, Any]:
                      "context_length": m.context_length, "weight_bytes": m.weight_bytes, "sha256": m.sha256,
                      "slo": {"ttft_s": m.slo.ttft_min_s, "ttft_s_per_prompt_token": m.slo.ttft_s_per_prompt_token,
                              "tpot_s": m.slo.tpot_s},
-                     "sampling_defaults": dict(m.sampling_defaults or {}), "cold_start": m.cold_start}}
+                     "sampling_defaults": dict(m.sampling_defaults or {}), "cold_start": m.cold_start,
+                     "admission": m.admission}}
 
 
 async def usage(request: web.Request) -> web.Response:
@@ -299,8 +303,9 @@ def _query_settings(q: Mapping[str, str]) -> dict[str, Any]:
     sampling = _numbers(q, ("temperature", "top_p"))
     if sampling:
         out["sampling_defaults"] = sampling
-    if "cold_start" in q:
-        out["cold_start"] = q["cold_start"]
+    for key in ("cold_start", "admission"):
+        if key in q:
+            out[key] = q[key]
     return out
 
 
@@ -336,9 +341,15 @@ def _record(tenant: str, name: str, info: SourceInfo, data: Mapping[str, Any], o
         raise errors.bad_request(f"'cold_start' must be one of {', '.join(map(repr, COLD_START_CHOICES))}: what a "
                                  "request gets when its model is cold and cannot answer within its TTFT (served late, "
                                  "or turned away at once).", "cold_start")
+    admission = data.get("admission")
+    if admission is not None and admission not in ADMISSIONS:
+        raise errors.bad_request(f"'admission' must be one of {', '.join(map(repr, ADMISSIONS))} or null (the service's "
+                                 "default): what a request that can no longer meet its SLO gets (turned away at once, "
+                                 "queued up to the queue's bound, or served late without a bound).", "admission")
     return ModelRecord(uid or new_model_uid(), tenant, name, info.kind, str(info.path), int(window),
                        _slo(data.get("slo")), info.weight_bytes, sha256, owned,
-                       sampling_defaults={**(info.sampling_defaults or {}), **given}, cold_start=cold_start)
+                       sampling_defaults={**(info.sampling_defaults or {}), **given}, cold_start=cold_start,
+                       admission=admission)
 
 
 def _slo(value: Any) -> SLO:

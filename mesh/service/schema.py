@@ -6,8 +6,10 @@ one-element list of token id lists), `max_tokens` (or `max_completion_tokens`),
 `temperature` [0, 2], `top_p` (0, 1] (omitted: None here, the model's sampling defaults
 later, mesh.modelfiles.sampling), `stop` (a string or up to 4, of at most 256
 characters each), `seed`, `n` = 1,
-`stream`, `stream_options.include_usage`, and vLLM's `ignore_eos` (generate exactly
-`max_tokens`; benchmarks and `mesh replay --live` use it). Fields that would change the output in ways Mesh
+`stream`, `stream_options.include_usage` (a last chunk with the usage; vLLM's
+`continuous_usage_stats` is ignored), vLLM's `ignore_eos` (generate exactly `max_tokens`;
+benchmarks, guidellm and `mesh replay --live` use it) and `min_tokens` (only where
+`ignore_eos` already guarantees it), and `user` (a string, not used). Fields that would change the output in ways Mesh
 does not implement (logprobs, echo, penalties, tools, n > 1, ...) are refused with a 400
 instead of being silently ignored; unknown fields are ignored, as OpenAI clients send extras.
 A body is decoded strictly: NaN and Infinity are not JSON, and no integer may have more than
@@ -159,6 +161,14 @@ def _common(kind: str, d: Mapping[str, Any], **fields: Any) -> GenerationRequest
         raise bad_request("'ignore_eos' must be true or false.", "ignore_eos")
     if ignore_eos and max_tokens is None:
         raise bad_request("'ignore_eos' needs 'max_tokens': the number of tokens to generate.", "ignore_eos")
+    min_tokens = 0 if d.get("min_tokens") is None else _int(d.get("min_tokens"), "min_tokens", 0, MAX_TOKENS_CAP)
+    if min_tokens > 0 and not (
+            ignore_eos and min_tokens <= max_tokens):
+        raise bad_request("'min_tokens' is supported only with 'ignore_eos': true and 'max_tokens' >= min_tokens "
+                          "(exactly max_tokens are generated then); send those, or omit min_tokens.", "min_tokens",
+                          "unsupported_parameter")
+    if d.get("user") is not None and not isinstance(d.get("user"), str):
+        raise bad_request("'user' must be a string (an end-user id; it is not used).", "user")
     for name in ("presence_penalty", "frequency_penalty"):
         value = _number(d.get(name), name, -2.0, 2.0, 0.0)
         if value != 0.0:
