@@ -247,6 +247,22 @@ class Cluster:
         if slo is not None:
             self._slo[model] = slo
 
+    def forget_model(self, model: str) -> bool:
+        """A deleted model leaves the books: its spec (and its base's, if no other model
+        names it), mean, SLO, cold-start choice and measured loads. Only once it has no
+        instance (requests still in flight are planned with its spec); False until then."""
+        if self._by_model.get(model):
+            return False
+        self._by_model.pop(model, None)
+        base = self.models.pop(model, None)
+        if base is not None and base not in self.models.values():
+            self.catalog.pop(base, None)
+        self._mean_output.pop(model, None)
+        self._slo.pop(model, None)
+        self._cold_choice.pop(model, None)
+        self.cold_starts.forget_model(model)
+        return True
+
     def slo_of(self, model: str) -> SLO:
         return self._slo.get(model, self.config.slo)
 
