@@ -260,6 +260,14 @@ class Dispatcher:
                 st.decision_times.add(took)
                 st.decision_wait_s += start - asked
 
+    def forget_model(self, model: str) -> bool:
+        """A deleted model's decision lock goes, once no request of it is in flight and no
+        decision for it runs; False until then."""
+        if self._deciding(model) or any(r.model == model for r in self.requests.values()):
+            return False
+        self._decisions.pop(model, None)
+        return True
+
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
         self._tasks.add(task)

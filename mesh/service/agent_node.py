@@ -259,6 +259,17 @@ class AgentNode(ClusterNode):
             log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
         await self.refresh()
 
+    async def forget_model(self, model: str) -> None:
+        """A deleted model with no instance left: its mean here and its state on the agent
+        (fronts, tokenizer, learnt times, builds ahead, parked workers) go."""
+        self._means.pop(model, None)
+        if not self.up:  # a restarted agent has nothing of it
+            return
+        try:
+            await self.agent.client.call({"t": "forget", "model": model}, CALL_TIMEOUT_S)
+        except (AgentDown, AgentCallError) as exc:
+            log.warning("node %s could not forget model %s: %s", self.node_id, model, exc)
+
     async def wait_loaded(self, instance_id: str, timeout_s: float) -> bool:
         """Wait until the instance is ready (True) or gone: failed to load, unloaded (False)."""
         inst = self._instances.get(instance_id)
