@@ -419,13 +419,15 @@ class Cluster:
         kind = node.spec.kind
         issued = self._now()
         transfer = not self.holds(plan.model, node)
+        transfer_s = self.transfer_s(plan.model, node)
         if not await node.start_instance(plan):  # the service's node moves the weights there first
             return None
         now = self._now()
-        if transfer:
+        staged = node.staging(plan.instance_id)  # its weights still on their way: the node measures them
+        if transfer and not staged:
             self.cold_starts.record_transfer(plan.weight_bytes, now - issued)
         wait = self.load_wait_s(node)
-        load = self.engine_load_s(plan.model, node)
+        load = self.engine_load_s(plan.model, node) + (transfer_s if staged else 0.0)
         ref = InstanceRef(plan.instance_id, plan.model, self.models[plan.model], node, self.instances_started,
                           ready_at=now + wait + load)
         self._loading[plan.instance_id] = (now, wait, kind)

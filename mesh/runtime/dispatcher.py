@@ -173,6 +173,7 @@ class Dispatcher:
         self._expiry_at: float | None = None
         self._draining = False  # a drain pass is running
         self._decisions: dict[str, asyncio.Lock] = {}  # per model: one placement decision at a time
+        self._skipped: set[str] = set()  # models a drain skipped while their decision was in flight
         self._tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None  # a policy that raised (a bug); replays re-raise it
         cluster.on_capacity = self.capacity_freed
@@ -259,6 +260,9 @@ class Dispatcher:
                 st.decision_max_s = max(st.decision_max_s, took)
                 st.decision_times.add(took)
                 st.decision_wait_s += start - asked
+                if req.model in self._skipped:  # a drain skipped its model's waiting ones meanwhile
+                    self._skipped.discard(req.model)
+                    self._schedule_drain()
 
     def forget_model(self, model: str) -> bool:
         """A deleted model's decision lock goes, once no request of it is in flight and no
@@ -409,12 +413,17 @@ class Dispatcher:
 
     async def _drain(self) -> None:
         """Retry waiting requests in order; a model whose head cannot be placed is skipped
-        for the rest of this pass (FIFO per model)."""
+        for the rest of this pass (FIFO per model), and so is one whose placement decision is
+        in flight (live, a round trip or more: the drain does not wait for it, issue 32)."""
         try:
             self._last_drain = self._now()
             blocked: set[str] = set()
             for entry in list(self.queue.in_order()):
                 if entry.model in blocked or entry.request_id not in self.queue:
+                    continue
+                if self._deciding(entry.model):  # its model's decision is in flight (live): the others go on;
+                    blocked.add(entry.model)  # a pass follows that decision (`_decide`)
+                    self._skipped.add(entry.model)
                     continue
                 if self.policy.validates and self._now() >= self._slo_expiry[entry.request_id]:
                     continue  # validation can only fail now; it waits out its timeout

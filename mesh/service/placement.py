@@ -217,6 +217,9 @@ class ClusterPlacement:
         node.on_down = self._node_down
         node.on_change = self.dispatcher.capacity_freed
         node.on_admitted = self._admitted
+        # a start that must first move the weights there is staged: no decision waits for a transfer
+        node.transfer_first = lambda plan, n: not self._holds_copy(plan.model, n)
+        node.on_transfer = self.cluster.cold_starts.record_transfer
         self.agents[spec.node_id] = node.agent
         return node
 
@@ -578,8 +581,9 @@ class ClusterPlacement:
                 why = node.last_start_error or "its memory budget is full"
                 return {"node": node_id, "ok": False, "error": f"node {node_id} could not start it: {why}"}
             ready = await node.wait_loaded(ref.instance_id, self.settings.start_timeout_s)
-            if not ready:
-                return {"node": node_id, "ok": False, "error": f"instance {ref.instance_id} failed to load"}
+            if not ready:  # (a staged start's transfer or load failed: the node says why)
+                why = f": {node.last_start_error}" if node.last_start_error else ""
+                return {"node": node_id, "ok": False, "error": f"instance {ref.instance_id} failed to load{why}"}
             return {"node": node_id, "ok": True, "instance_id": ref.instance_id,
                     "weights": self._how.get(ref.instance_id, "registry path")}
 
