@@ -136,8 +136,8 @@ class TokenizerProcess:
         try:
             return await job.future
         except asyncio.CancelledError:
-            if not job.started and not job.future.done():
-                job.future.cancel()  # dropped when its turn comes: never run
+            if not job.started:  # its future is cancelled with it: skipped when its turn comes, never run
+                job.future.cancel()
                 job.work = _dropped  # its prompt is freed now, not when its turn comes
                 self.counts.dropped += 1
             raise
