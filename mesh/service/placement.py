@@ -741,6 +741,7 @@ class ClusterPlacement:
                 "running": stats.get("running", 0), "kv_bytes_in_use": stats.get("kv_bytes_in_use", 0),
                 "iterations": stats.get("iterations", 0), "deadlines": stats.get("deadlines"),
                 "emulate": stats.get("emulate"),  # the device an emulated node emulates (mesh serve --emulate)
+                "models": stats.get("models", []),  # the models its agent holds state for (a deleted one: none)
                 "calls": {t: c.view() for t, c in sorted(agent.client.call_times.items())} if agent.client else {},
                 "frames_in": agent.client.frames_in if agent.client else 0,  # from the agent, this connection
                 "instances": instances,
@@ -749,9 +750,12 @@ class ClusterPlacement:
         tenants = Counter(r.tenant for r in d.waiting_requests())
         return {
             "nodes": nodes,
+            # the models the cluster knows (a deleted one leaves once its requests have ended)
+            "described": {uid: {"tenant": m.record.tenant, "name": m.record.name} for uid, m in self._models.items()},
+            "cluster_models": sorted(self.cluster.models),
             "weights": self.weights.view() if self.weights is not None else None,
             "dispatcher": {
-                "policy": d.policy.name, "waiting": len(d.queue), "waiting_by_tenant": dict(tenants),
+                "policy": d.policy.name, "waiting": len(d.queue), "in_flight": len(d.requests), "waiting_by_tenant": dict(tenants),
                 "queue_capacity": d.queue.capacity, "queue_timeout_s": d.queue_timeout_s, "placed_by_kind": dict(self.placed_by_kind),
                 "placed_at_arrival": d.stats.placed_at_arrival, "placed_from_queue": d.stats.placed_from_queue,
                 "preemptions": d.policy.stats.preemptions, "moved_requests": d.policy.stats.preempted_requests,
