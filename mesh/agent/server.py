@@ -145,7 +145,7 @@ class AgentServer:
         # Unloaded engines by (engine, path, window): a model's shape and tokenizer before
         # any instance of it runs here (`describe`, `tokenize` by path).
         self.fronts: dict[tuple[str, str, int | None], Any] = {}
-        self._front_models: dict[tuple[str, str, int | None], tuple[str, str]] = {}  # front key -> (model, path)
+        self._front_models: dict[tuple[str, str, int | None], str] = {}  # front key -> the model it was built for
         self._means: dict[str, RunningMean] = {}  # O_avg per model (_mean_output)
         self._gate = ConnectionGate()  # connections waiting for their hello
         # OpenVINO prompts are tokenized off this process's GIL; every prompt takes its turn there
@@ -574,7 +574,7 @@ class AgentServer:
         if spec.engine != EMULATED:
             self._check_path(spec.path)
         key = (spec.engine, spec.path, spec.context_window)
-        self._front_models.setdefault(key, (spec.model, spec.path))  # whose front it is (forget)
+        self._front_models.setdefault(key, spec.model)  # whose front it is (forget)
         if key not in self.fronts:
             try:
                 self.fronts[key] = (self._emulated(spec) if spec.engine == EMULATED else
@@ -818,7 +818,7 @@ class AgentServer:
     def _models_known(self) -> list[str]:
         """Every model this agent holds state for: fronts, means, learnt times, builds ahead,
         parked workers, instances (what a deleted model must leave none of)."""
-        known = {front_model for front_model, _ in self._front_models.values()}
+        known = set(self._front_models.values())
         known |= set(self._means) | set(self.learning.times) | set(self.ahead.models()) | set(self.parking.models())
         known |= {inst.model for inst in self.node.instances.values()} | {s.model for s in self.specs.values()}
         return sorted(known)
@@ -833,7 +833,7 @@ class AgentServer:
         if any(inst.model == model for inst in self.node.instances.values()):
             raise Reply(Code.BUSY, f"model {model} still has instances on {self.spec.node_id}")
         paths = set()
-        for key, (front_model, _) in list(self._front_models.items()):
+        for key, front_model in list(self._front_models.items()):
             if front_model == model:
                 del self._front_models[key]
                 front = self.fronts.pop(key, None)

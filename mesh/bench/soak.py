@@ -21,9 +21,9 @@ the churn tenant in the admin API, the cluster's books or any agent's state (its
 Outcomes: `ok` (streamed to [DONE]), `turned_away` (a 4xx or 429 answer), `failed` (a 5xx, or
 an error event in the stream: a killed agent's requests end so), `hung_up` (ours), and `lost`
 (no answer: a stream cut without [DONE] or an error event, a connection error or a timeout).
-The target is no request lost. RSS growth is measured from the sample nearest the end of
-the warm-up (`--warmup-minutes`, default 5, at most a third of the run) to the end, for the
-service and for each agent that lived through that span. A table, JSON (`--json`) and a
+The target is no request lost. RSS growth is measured from the end of each process's
+warm-up (`--warmup-minutes` after its start, default 5, at most a third of the run: a
+restarted agent warms up again) to the end, for the service and each node's agent. A table, JSON (`--json`) and a
 plot of RSS and open files over time (`--plot`).
 """
 from __future__ import annotations
@@ -157,21 +157,25 @@ def _role(cmdline: list[str], root: bool) -> str:
     return os.path.basename(cmdline[0]) if cmdline else "?"
 
 
-def growth(samples: list[dict[str, Any]], role: str, after_s: float) -> dict[str, Any] | None:
-    """RSS of the processes of `role` that lived from `after_s` to the end: first and last
-    sample from then, and the growth in percent (the largest over them)."""
+def growth(samples: list[dict[str, Any]], role: str, warmup_s: float) -> dict[str, Any] | None:
+    """RSS and open files of the processes of `role`, each from `warmup_s` after its own
+    start (a restarted agent warms up again) to the end: the largest growth, in percent, of
+    those that lived until the end past their warm-up; None if none did."""
     by_pid: dict[int, list[dict[str, Any]]] = {}
     for s in samples:
         if s["role"] == role:
             by_pid.setdefault(s["pid"], []).append(s)
     end = max((s["t"] for s in samples), default=0.0)
+    step = min((b["t"] - a["t"] for rows in by_pid.values() for a, b in zip(rows, rows[1:])), default=0.0)
     best = None
     for pid, rows in by_pid.items():
-        rows = [r for r in rows if r["t"] >= after_s]
-        if len(rows) < 2 or rows[0]["t"] > after_s + 60 or rows[-1]["t"] < end - 60:
-            continue  # not alive through the span (killed and restarted meanwhile)
-        g = {"pid": pid, "rss_start_mib": rows[0]["rss"] / 2**20, "rss_end_mib": rows[-1]["rss"] / 2**20,
-             "rss_max_mib": max(r["rss"] for r in rows) / 2**20, "growth_pct": 100.0 * (rows[-1]["rss"] / rows[0]["rss"] - 1),
+        warm = rows[0]["t"] + warmup_s if rows[0]["t"] > step else warmup_s  # (the first sample is at 0)
+        rows = [r for r in rows if r["t"] >= warm]
+        if len(rows) < 2 or rows[-1]["t"] < end - 2 * step:
+            continue  # killed before the end, or too young to measure
+        g = {"pid": pid, "from_s": rows[0]["t"], "rss_start_mib": rows[0]["rss"] / 2**20,
+             "rss_end_mib": rows[-1]["rss"] / 2**20, "rss_max_mib": max(r["rss"] for r in rows) / 2**20,
+             "growth_pct": 100.0 * (rows[-1]["rss"] / rows[0]["rss"] - 1),
              "fds_start": rows[0]["fds"], "fds_end": rows[-1]["fds"]}
         if best is None or g["growth_pct"] > best["growth_pct"]:
             best = g
@@ -337,11 +341,12 @@ def run(args: argparse.Namespace) -> int:
     for role in ("service", "agent cpu-0", "agent cpu-1"):
         g = growth(samples, role, warmup_s)
         if g is not None:
-            figures[f"{role} rss MiB (after warm-up -> end)"] = f"{g['rss_start_mib']:.0f} -> {g['rss_end_mib']:.0f}"
+            figures[f"{role} rss MiB (after warm-up -> end)"] = (f"{g['rss_start_mib']:.0f} -> {g['rss_end_mib']:.0f} "
+                                                                 f"(from {g['from_s'] / 60:.1f} min)")
             figures[f"{role} rss growth %"] = round(g["growth_pct"], 2)
             figures[f"{role} open files"] = f"{g['fds_start']} -> {g['fds_end']}"
         else:
-            figures[f"{role} rss growth %"] = "no process lived through the span (restarted)"
+            figures[f"{role} rss growth %"] = "none measured (no process lived past its warm-up to the end)"
     last_t = max((s["t"] for s in samples), default=0.0)
     figures["processes at end"] = sum(1 for s in samples if s["t"] == last_t)
     emit(f"mesh bench soak: {args.minutes:g} min, {args.clients} streaming clients, churn every cycle, a hang-up every "
