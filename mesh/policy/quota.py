@@ -147,20 +147,19 @@ class TokenBucket:
 
 def rate_over(quota: Quota, bucket: TokenBucket | None, now_s: float) -> Over | None:
     """Take a request from the tenant's bucket (None: no rate quota); Over when it is empty."""
-    if quota.requests_per_s is None or bucket is None:
-        return None
-    wait = bucket.take(now_s)
-    if wait > 0:
-        return Over(RATE, quota.requests_per_s, quota.requests_per_s, wait)
-    return None
+    return _bucket_over(RATE, quota.requests_per_s, bucket, now_s)
 
 
 def registration_rate_over(quota: Quota, bucket: TokenBucket | None, now_s: float) -> Over | None:
     """Take a registration from the tenant's registration bucket (None: no limit); Over when
     it is empty."""
-    if quota.registrations_per_min is None or bucket is None:
+    return _bucket_over(REGISTRATIONS, quota.registrations_per_min, bucket, now_s)
+
+
+def _bucket_over(name: str, limit: float | None, bucket: TokenBucket | None, now_s: float) -> Over | None:
+    if limit is None or bucket is None:
         return None
     wait = bucket.take(now_s)
     if wait > 0:
-        return Over(REGISTRATIONS, quota.registrations_per_min, quota.registrations_per_min, wait)
+        return Over(name, limit, limit, wait)
     return None

@@ -755,7 +755,8 @@ class ClusterPlacement:
             "cluster_models": sorted(self.cluster.models),
             "weights": self.weights.view() if self.weights is not None else None,
             "dispatcher": {
-                "policy": d.policy.name, "waiting": len(d.queue), "in_flight": len(d.requests), "waiting_by_tenant": dict(tenants),
+                "policy": d.policy.name, "waiting": len(d.queue), "in_flight": len(d.requests),
+                "waiting_by_tenant": dict(tenants),
                 "queue_capacity": d.queue.capacity, "queue_timeout_s": d.queue_timeout_s, "placed_by_kind": dict(self.placed_by_kind),
                 "placed_at_arrival": d.stats.placed_at_arrival, "placed_from_queue": d.stats.placed_from_queue,
                 "preemptions": d.policy.stats.preemptions, "moved_requests": d.policy.stats.preempted_requests,

@@ -5,8 +5,9 @@ The rules are mesh.policy.quota's; time is the event loop's, passed in by the ca
 Generation requests are checked in the HTTP layer around `placement.submit`
 (mesh.service.routes_openai): over `concurrent_requests` or `requests_per_s` they get 429 with
 Retry-After. Registrations are checked before the model is stored (routes_models): over
-`registrations_per_min` 429 with Retry-After, over `models` 403, over `model_bytes` 413. A tenant's registered bytes are the sum of its models'
-weight bytes, which is what their first host copies hold on the nodes.
+`registrations_per_min` 429 with Retry-After, over `models` 403, over `model_bytes` 413. A
+tenant's registered bytes are the sum of its models' weight bytes, which is what their first
+host copies hold on the nodes.
 """
 from __future__ import annotations
 
