@@ -48,21 +48,13 @@ async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], Gene
     tenant = svc.tenant_of(request)
     body = await read_body(request, svc.limits, _body_cap(svc, tenant))
     if len(body) <= THREAD_PARSE_BYTES:
-        req = parse(parse_json(body))
-        model = svc.registry.model(tenant, req.model)
-        if model is None:
-            raise errors.model_not_found(req.model)
-        _check_prompt_bytes(req, model)  # before any tokenizer sees it
+        req, model = _checked(svc, tenant, parse(parse_json(body)))
         _acquire(svc, tenant, model.name)
     else:  # a large body: the tenant's quota and the prompt's size first, the parse (CPU) last (issue 32)
         _acquire(svc, tenant, _named_model(svc, tenant, body))
         try:
             _check_token_ids(body, svc.registry.max_context_length(tenant))
-            req = parse(await asyncio.to_thread(parse_json, body))  # off the event loop
-            model = svc.registry.model(tenant, req.model)
-            if model is None:
-                raise errors.model_not_found(req.model)
-            _check_prompt_bytes(req, model)
+            req, model = _checked(svc, tenant, parse(await asyncio.to_thread(parse_json, body)))  # off the loop
         except BaseException:
             svc.quotas.release(tenant)
             raise
@@ -70,6 +62,15 @@ async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], Gene
         return await _placed(svc, request, req, tenant, model)
     finally:
         svc.quotas.release(tenant)
+
+
+def _checked(svc: Service, tenant: str, req: GenerationRequest) -> tuple[GenerationRequest, ModelRecord]:
+    """The request with the tenant's model it names; 404 for none, 400 for a prompt too long."""
+    model = svc.registry.model(tenant, req.model)
+    if model is None:
+        raise errors.model_not_found(req.model)
+    _check_prompt_bytes(req, model)  # before any tokenizer sees it
+    return req, model
 
 
 def _acquire(svc: Service, tenant: str, model_name: str | None) -> None:
