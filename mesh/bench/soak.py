@@ -182,7 +182,7 @@ def growth(samples: list[dict[str, Any]], role: str, warmup_s: float) -> dict[st
     return best
 
 
-async def soak(url: str, key: str, token: str, server_pid: int, allowed: Path, args: argparse.Namespace,
+async def soak(url: str, key: str, token: str, server_pid: int, args: argparse.Namespace,
                tally: Tally, samples: list[dict[str, Any]]) -> dict[str, Any]:
     import aiohttp
 
@@ -326,7 +326,7 @@ def run(args: argparse.Namespace) -> int:
         tally, samples = Tally(), []
         t0 = time.monotonic()
         try:
-            left = asyncio.run(soak(url, key, token, proc.pid, allowed, args, tally, samples))
+            left = asyncio.run(soak(url, key, token, proc.pid, args, tally, samples))
         finally:
             stop_server(proc)
         wall = time.monotonic() - t0
