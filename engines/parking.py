@@ -105,6 +105,11 @@ class ParkingLot:
             self._end(parked)
             return None
 
+    def forget(self, model: str) -> None:
+        """A deleted model's parked workers end."""
+        for key in [k for k, p in self._lot.items() if p.model == model]:
+            self._end(self._lot.pop(key))
+
     def _end(self, parked: Parked) -> None:
         task = asyncio.get_running_loop().create_task(parked.conn.shutdown(30))
         self._ending.add(task)

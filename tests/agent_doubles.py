@@ -50,6 +50,7 @@ class InProcessAgent(AgentHandle):
     pid = None
     server: AgentServer | None = None
     weights_root: str | None = None  # set: the agent hosts a weights receiver in <root>/<node id>
+    link_bytes_per_s: float | None = None  # its weights receiver's uplink pace (None: unpaced)
 
     async def start(self) -> None:
         weights = None
@@ -58,7 +59,8 @@ class InProcessAgent(AgentHandle):
 
             from mesh.weights.node import NodeWeightsReceiver
 
-            weights = NodeWeightsReceiver(Path(self.weights_root) / self.node_id, token=WEIGHTS_TOKEN)
+            weights = NodeWeightsReceiver(Path(self.weights_root) / self.node_id, token=WEIGHTS_TOKEN,
+                                          link_bytes_per_s=self.link_bytes_per_s)
         # The double's models are the tests' own files anywhere: it trusts every path ("/").
         self.server = AgentServer(self.spec, TOKEN, weights=weights, load_roots=["/"])
         address = await self.server.serve("127.0.0.1:0")

@@ -124,7 +124,8 @@ def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_
         return InstanceSpec(plan.instance_id, plan.model, str(demo_gguf), window, max_num_seqs=8, exact_moves=True)
 
     async def main():
-        settings = AgentSettings(models_roots=(str(demo_gguf.parent),))
+        # cpu0's memory is sized to the byte: no tokenizer cache reserved in it
+        settings = AgentSettings(models_roots=(str(demo_gguf.parent),), tokenizer_bytes=0)
         nodes = [AgentNode(NodeSpec("cpu0", "cpu", cpu0), LocalAgent, settings, load_spec),
                  AgentNode(NodeSpec("cpu1", "cpu", 4 * GIB), LocalAgent, settings, load_spec)]
         profile = prior_profile("smol", "cpu", w, k, window)

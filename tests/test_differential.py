@@ -157,6 +157,9 @@ async def live(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
                for m, base in workload.models.items()}
     await placement.start()
     loop = asyncio.get_running_loop()
+    submitted: list[ServedRequest] = []  # the dispatcher keeps only requests in flight: the test keeps them all
+    dispatcher_submit = placement.dispatcher.submit
+    placement.dispatcher.submit = lambda req: (submitted.append(req), dispatcher_submit(req))[1]
     errors: list[str] = []
     retry_after: list[int] = []
 
@@ -180,7 +183,7 @@ async def live(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
         start = loop.time() + 0.5
         await asyncio.wait_for(asyncio.gather(*(one(a, start) for a in workload.arrivals)),
                                workload.duration_s + 120.0)
-        requests = list(placement.dispatcher.requests)
+        requests = list(submitted)
         view = placement.view()
     finally:
         await placement.stop()

@@ -1580,3 +1580,119 @@ def test_mesh_clients_never_reuse_a_connection_the_service_may_be_closing():
     from mesh.service.limits import CLIENT_KEEPALIVE_S, HttpLimits
 
     assert 0 < CLIENT_KEEPALIVE_S <= HttpLimits().head_timeout_s / 2
+
+
+# ---- issue 32: admitted work, and nothing left behind ------------------------------------------------------
+
+def test_a_large_token_id_body_meets_quota_and_window_before_it_is_parsed(simulated, tmp_path, demo_gguf,
+                                                                          monkeypatch):
+    """A 5.7 MiB token-id prompt (issue 32: parsed for about 1 s before the quota and context
+    checks) is a 400 from its commas, never parsed; over its concurrency quota the tenant gets
+    its 429 before any parse too; an ordinary request still goes through."""
+    import mesh.service.routes_openai as routes
+
+    parsed: list[int] = []
+    real_parse = routes.parse_json
+    monkeypatch.setattr(routes, "parse_json", lambda body: (parsed.append(len(body)), real_parse(body))[1])
+    allowed = tmp_path / "allowed"
+    _link(demo_gguf, allowed / "a" / "m.gguf")
+
+    async def main():
+        async with Http(tmp_path, allowed) as api:
+            key = await api.tenant("a")
+            assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
+            ids = b",".join(b"%d" % (1000 + i % 9000) for i in range(1_150_000))  # 5.7 MiB of ids
+            body = b'{"model": "m", "max_tokens": 2, "prompt": [' + ids + b"]}"
+            assert len(body) > 5 * 2**20
+            status, err = await api.call("POST", "/v1/completions", key, data=body,
+                                         headers={"Content-Type": "application/json"})
+            assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+            assert parsed == []  # refused from its commas
+            padded = b'{"model": "m", "max_tokens": 2, "prompt": [1' + b" " * (400 << 10) + b"]}"  # one id, 400 KiB
+            status, err = await api.call("POST", "/v1/completions", key, data=padded,
+                                         headers={"Content-Type": "application/json"})
+            assert status == 413 and err["error"]["param"] == "prompt", err
+            assert parsed == []
+            assert (await api.call("PUT", "/admin/tenants/a/quota", ADMIN, {"concurrent_requests": 0}))[0] == 200
+            small = b'{"model": "m", "max_tokens": 2, "prompt": [' + b",".join([b"1000"] * 60_000) + b"]}"  # 300 KiB
+            status, err = await api.call("POST", "/v1/completions", key, data=small,
+                                         headers={"Content-Type": "application/json"})
+            assert status == 429 and err["error"]["param"] == "concurrent_requests", err
+            assert parsed == []
+            assert (await api.call("PUT", "/admin/tenants/a/quota", ADMIN, {"concurrent_requests": None}))[0] == 200
+            status, body = await api.call("POST", "/v1/completions", key, {"model": "m", "prompt": [1, 2, 3],
+                                                                            "max_tokens": 2})
+            assert status == 200, body
+            text = api.service.metrics.render().decode()
+            assert 'mesh_requests_total{model="m",outcome="over_quota",tenant="a"} 1.0' in text
+
+    asyncio.run(main())
+
+
+def test_registrations_are_rate_limited_per_tenant(simulated, tmp_path, demo_gguf):
+    """A tenant registering in a loop gets a 429 with Retry-After once its bucket is empty
+    (registrations_per_min, burst REGISTRATION_BURST); another tenant is not held back."""
+    from mesh.policy.quota import REGISTRATION_BURST
+
+    allowed = tmp_path / "allowed"
+    for tenant in ("a", "b"):
+        _link(demo_gguf, allowed / tenant / "m.gguf")
+
+    async def main():
+        async with Http(tmp_path, allowed) as api:
+            key_a, key_b = await api.tenant("a"), await api.tenant("b")
+            # one a minute (the default is 30): the loop below takes less than a minute
+            assert (await api.call("PUT", "/admin/tenants/a/quota", ADMIN, {"registrations_per_min": 1}))[0] == 200
+            for i in range(REGISTRATION_BURST):
+                assert (await api.call("POST", "/v1/models", key_a, {"name": f"m{i}", "path": "m.gguf"}))[0] == 201
+                assert (await api.call("DELETE", f"/v1/models/m{i}", key_a))[0] == 200
+            async with api.session.post(api.url("/v1/models"), json={"name": "late", "path": "m.gguf"},
+                                        headers={"Authorization": f"Bearer {key_a}"}) as r:
+                err = await r.json()
+                assert r.status == 429 and err["error"]["param"] == "registrations_per_min", err
+                assert 30 <= int(r.headers["Retry-After"]) <= 60  # one a minute
+            assert (await api.call("POST", "/v1/models", key_b, {"name": "m", "path": "m.gguf"}))[0] == 201
+
+    asyncio.run(main())
+
+
+def test_a_deleted_model_leaves_nothing_behind(simulated, tmp_path, demo_gguf):
+    """Registered, served and deleted: the cluster, the dispatcher, the node (its agent's
+    per-model state) and the metrics hold nothing of the model once its requests are done,
+    and the dispatcher holds no request that ended."""
+    allowed = tmp_path / "allowed"
+    _link(demo_gguf, allowed / "a" / "m.gguf")
+
+    async def main():
+        async with Http(tmp_path, allowed) as api:
+            key = await api.tenant("a")
+            assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
+            uid = api.registry.model("a", "m").uid
+            served = 0
+            for _ in range(20):  # (the first may be turned away while its instance starts: 429)
+                status, body = await api.call("POST", "/v1/completions", key, {"model": "m", "prompt": "hi",
+                                                                                "max_tokens": 2})
+                assert status in (200, 429), body
+                served += status == 200
+                if served == 3:
+                    break
+            p = api.placement
+            server = p.agents["cpu-0"].server
+            assert uid in p.cluster.models and uid in server._models_known()
+            assert 'model="m"' in api.service.metrics.render().decode()
+            assert served == 3 and p.dispatcher.requests == {} and p.dispatcher.ended.requests >= 3
+            assert (await api.call("DELETE", "/v1/models/m", key))[0] == 200
+            for _ in range(100):
+                if uid not in server._models_known() and uid not in p.cluster.models:
+                    break
+                await asyncio.sleep(0.05)
+            assert uid not in p.cluster.models and uid not in p.cluster.catalog
+            assert uid not in p.cluster._mean_output and not p.cluster.instances_of(uid)
+            assert uid not in p.dispatcher._decisions
+            assert server._models_known() == [], server._models_known()
+            assert not any(k[1] == uid for k in p.cluster.cold_starts._loads)
+            node = p.cluster.node("cpu-0")
+            assert uid not in node._means
+            assert 'model="m"' not in api.service.metrics.render().decode()
+
+    asyncio.run(main())

@@ -53,6 +53,10 @@ class NodeLearning:
         self.times[model] = times
         return times
 
+    def forget(self, model: str) -> None:
+        """A deleted model's learnt times go."""
+        self.times.pop(model, None)
+
     def view(self) -> dict[str, Any]:
         return {"speed": None if self.speed is None else self.speed.to_dict(), "speed_factors": self.factors.to_dict(),
                 "models": {m: {"base": "prior" if isinstance(t.base, DefaultCpuTimes) else "profile",

@@ -106,6 +106,19 @@ class ParkAhead:
         return {"parked": list(self.parked), "skipped": dict(self.skipped),
                 "building": sorted(self._building)}
 
+    def models(self) -> list[str]:
+        """The models it holds anything for (scheduled, parked or skipped)."""
+        return sorted(set(self._scheduled) | set(self.parked) | set(self.skipped))
+
+    def forget(self, model: str) -> None:
+        """A deleted model: its build ahead stops (scheduled or under way) and its record goes."""
+        task = self._scheduled.pop(model, None)
+        if task is not None and not task.done():
+            task.cancel()
+        if model in self.parked:
+            self.parked.remove(model)
+        self.skipped.pop(model, None)
+
     async def close(self) -> None:
         """Stop the builds (a worker in the middle of one dies with it)."""
         futures = [f for f in self._scheduled.values() if not f.done()]

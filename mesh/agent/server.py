@@ -83,7 +83,8 @@ from engines.worker_process import die_with_parent, worker_env
 from engines.openvino_process import OpenVINOProcessEngine
 from engines.parking import ParkingLot
 from mesh.agent.park_ahead import ParkAhead
-from mesh.agent.tokenizers import TokenizerProcess
+from mesh.agent.tokenizer_worker import DEFAULT_CACHE_BYTES
+from mesh.agent.tokenizers import TokenizerProcess, prompt_size
 from mesh.framing import ConnectionGate, UndecodableFrame, is_message_id
 from mesh.perf.speed import MachineSpeed
 from mesh.policy.kv_demand import RunningMean
@@ -100,6 +101,7 @@ log = logging.getLogger("mesh.agent")
 
 MEAN_OUTPUT_PRIOR = 128  # O_avg before an instance has finished any request (LLM-Mesh 6.1)
 EXPECTED_LOAD_S = 5.0  # what shadow validation assumes while an instance loads
+TOKENIZER_HOLDER = "tokenizers"  # the tokenizer worker's cache in the node's memory budget
 
 
 class Reply(Exception):
@@ -116,7 +118,7 @@ class AgentServer:
     def __init__(self, spec: NodeSpec, token: str | None = None, cpu: dict[str, Any] | None = None,
                  weights: NodeWeightsReceiver | None = None, load_roots: Sequence[str | Path] = (),
                  deadlines: DeadlineRule = DeadlineRule.EQ1, emulation: Emulation | None = None,
-                 park_bytes: int = 0, watchdog_min_s: float = HUNG_MIN_S) -> None:
+                 park_bytes: int = 0, watchdog_min_s: float = HUNG_MIN_S, tokenizer_bytes: int = 0) -> None:
         """`load_roots`: folders whose files `load` may open, besides the weights receiver's.
         `park_bytes`: memory, beside the planned budget, for OpenVINO workers parked when their
         instance stops (engines.parking; 0: none parked).
@@ -124,7 +126,10 @@ class AgentServer:
         default is the paper's Eq. 1. `emulation`: this node emulates its device (`--emulate`):
         it runs emulated models only (mesh.agent.emulation); without it, it refuses them.
         `watchdog_min_s`: the engine watchdog's floor (mesh.runtime.node.hung_bound_s): an
-        iteration that runs past max(this, 20 x its predicted time) has hung."""
+        iteration that runs past max(this, 20 x its predicted time) has hung.
+        `tokenizer_bytes`: the tokenizer worker's cache at most (mesh.agent.tokenizer_worker),
+        reserved in the node's memory budget (a holder of its own, `TOKENIZER_HOLDER`), so
+        instances are planned around it (0: nothing reserved, the worker's default bound)."""
         self.spec = spec
         self.emulation = emulation
         self.weights = weights  # receives model blocks over the network (None: not hosted)
@@ -149,9 +154,18 @@ class AgentServer:
         # Unloaded engines by (engine, path, window): a model's shape and tokenizer before
         # any instance of it runs here (`describe`, `tokenize` by path).
         self.fronts: dict[tuple[str, str, int | None], Any] = {}
+        self._front_models: dict[tuple[str, str, int | None], str] = {}  # front key -> the model it was built for
         self._means: dict[str, RunningMean] = {}  # O_avg per model (_mean_output)
         self._gate = ConnectionGate()  # connections waiting for their hello
-        self.tokenizers = TokenizerProcess()  # OpenVINO prompts are tokenized off this process's GIL
+        # OpenVINO prompts are tokenized off this process's GIL; every prompt takes its turn there
+        self.tokenizers = TokenizerProcess(tokenizer_bytes) if tokenizer_bytes > 0 else TokenizerProcess()
+        if tokenizer_bytes > 0:
+            station = self.node.memory.station
+            issued = station.issue(TOKENIZER_HOLDER, tokenizer_bytes)
+            if issued.op is None:
+                raise ValueError(f"the tokenizer cache ({tokenizer_bytes} bytes) does not fit the node's memory "
+                                 f"({spec.memory_bytes} bytes)")
+            station.complete(issued.op.op_id)
         self.parking = ParkingLot(park_bytes)  # stopped OpenVINO instances, built and warm (issue 23)
         self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
         # models described here are built once before their first request and parked (issue 23)
@@ -173,6 +187,7 @@ class AgentServer:
             "stats": self._stats, "shutdown": self._shutdown, "weights_path": self._weights_path,
             "weights_drop": self._weights_drop, "validate": self._validate, "validate_group": self._validate_group,
             "validate_new": self._validate_new, "take_back": self._take_back, "describe": self._describe,
+            "forget": self._forget,
         }
 
     # ---- lifecycle ---------------------------------------------------------------------
@@ -543,14 +558,17 @@ class AgentServer:
             engine = await self._front(m)
             spec = InstanceSpec("front", "model", str(m.get("path")), engine.context_window,
                                 engine=str(m.get("engine") or "openvino"))
-        messages = m.get("messages")
+        messages, prompt, tenant = m.get("messages"), m.get("prompt"), str(m.get("tenant") or "")
         try:
             if spec.engine == "openvino":
-                ids = await self.tokenizers.encode(spec.path, messages, m.get("prompt"), str(m.get("tenant") or ""))
-            elif messages is not None:
-                ids = engine.encode_chat(messages)
-            else:
-                ids = engine.encode_prompt(m.get("prompt"))
+                ids = await self.tokenizers.encode(spec.path, messages, prompt, tenant)
+            elif spec.engine == EMULATED:  # no tokenizer to run (mesh.agent.emulation)
+                ids = engine.encode_chat(messages) if messages is not None else engine.encode_prompt(prompt)
+            else:  # vLLM's, in its engine's worker: its turn in the node's queue, off this loop (tokenizers)
+                ids = await self.tokenizers.run(
+                    tenant, prompt_size(messages, prompt),
+                    (lambda: engine.encode_chat(messages)) if messages is not None else
+                    (lambda: engine.encode_prompt(prompt)))
         except EngineError as exc:
             raise Reply(Code.BAD_REQUEST, str(exc)) from exc
         return {"ids": ids}
@@ -576,6 +594,7 @@ class AgentServer:
         if spec.engine != EMULATED:
             self._check_path(spec.path)
         key = (spec.engine, spec.path, spec.context_window)
+        self._front_models.setdefault(key, spec.model)  # whose front it is (forget)
         if key not in self.fronts:
             try:
                 self.fronts[key] = (self._emulated(spec) if spec.engine == EMULATED else
@@ -813,12 +832,47 @@ class AgentServer:
                        "pessimistic_bytes": station.pessimistic, "free_bytes": station.free(),
                        "waiting_ops": len(station.waiting())},
             "queue_length": self.node.queue_length(), "running": len(self.requests),
-            "tokenizer": {"waiting": self.tokenizers.waiting, **self.tokenizers.counts.as_dict()},
+            "tokenizer": {"waiting": self.tokenizers.waiting, "cache_bytes": self.tokenizers.cache_bytes,
+                          **self.tokenizers.counts.as_dict()},
+            "models": self._models_known(),  # per-model state held here (a deleted model's is forgotten)
             "busy_s": self.node.busy_s, "iterations": self.node.iteration_count,
             "kv_bytes_in_use": self.node.kv_bytes_in_use(), "deadlines": self.node.deadlines.value,
             "learnt": self.learning.view(), "parked": self.parking.view(), "parked_ahead": self.ahead.view(),
             "emulate": self.emulation.device if self.emulation is not None else None,
         }
+
+    def _models_known(self) -> list[str]:
+        """Every model this agent holds state for: fronts, means, learnt times, builds ahead,
+        parked workers, instances (what a deleted model must leave none of)."""
+        known = set(self._front_models.values())
+        known |= set(self._means) | set(self.learning.times) | set(self.ahead.models()) | set(self.parking.models())
+        known |= {inst.model for inst in self.node.instances.values()} | {s.model for s in self.specs.values()}
+        return sorted(known)
+
+    async def _forget(self, m: dict[str, Any]) -> dict[str, Any]:
+        """A model was deleted from the service: every trace of it here goes (its instances
+        were unloaded first): its fronts and tokenizer, mean, learnt times, build ahead and
+        parked workers."""
+        model = str(m.get("model") or "")
+        if not model:
+            raise Reply(Code.BAD_REQUEST, "forget needs the model")
+        if any(inst.model == model for inst in self.node.instances.values()):
+            raise Reply(Code.BUSY, f"model {model} still has instances on {self.spec.node_id}")
+        paths = set()
+        for key, front_model in list(self._front_models.items()):
+            if front_model == model:
+                del self._front_models[key]
+                front = self.fronts.pop(key, None)
+                paths.add(key[1])
+                if front is not None and hasattr(front, "kill_worker"):
+                    front.kill_worker()
+        self._means.pop(model, None)
+        self.learning.forget(model)
+        self.ahead.forget(model)
+        self.parking.forget(model)
+        for path in paths:
+            await self.tokenizers.forget(path)
+        return {"forgot": model}
 
     def _instance_view(self, inst: Any, now: float | None = None) -> dict[str, Any]:
         engine = inst.engine
@@ -992,7 +1046,8 @@ async def _amain(args: argparse.Namespace) -> int:
     server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights,
                          load_roots=[root, *(args.models_root or ())], deadlines=DeadlineRule(args.deadlines),
                          emulation=emulation, watchdog_min_s=args.watchdog_min_s,
-                         park_bytes=args.memory_bytes // 4 if args.park_bytes is None else args.park_bytes)
+                         park_bytes=args.memory_bytes // 4 if args.park_bytes is None else args.park_bytes,
+                         tokenizer_bytes=_tokenizer_bytes(args))
     address = await server.serve(args.listen)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -1004,6 +1059,16 @@ async def _amain(args: argparse.Namespace) -> int:
         watcher.cancel()
     await server.close()
     return 0
+
+
+def _tokenizer_bytes(args: argparse.Namespace) -> int:
+    """The tokenizer cache reserved on a node that tokenizes in its worker (an OpenVINO CPU
+    node): --tokenizer-bytes, else 1/16 of its memory up to the worker's default."""
+    if args.kind != "cpu" or args.emulate:
+        return 0
+    if args.tokenizer_bytes is not None:
+        return args.tokenizer_bytes
+    return min(DEFAULT_CACHE_BYTES, args.memory_bytes // 16)
 
 
 def _positive_seconds(text: str) -> float:
@@ -1022,6 +1087,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--park-bytes", type=int, help="memory beside --memory-bytes for stopped OpenVINO instances kept "
                         "built and warm, so that the next load of their model is ready at once (engines.parking; "
                         "default: a quarter of --memory-bytes; 0: none)")
+    parser.add_argument("--tokenizer-bytes", type=int, help="memory for the tokenizers the node keeps built (an "
+                        "OpenVINO CPU node; reserved in --memory-bytes; default: 1/16 of it, at most 256 MiB)")
     parser.add_argument("--token-env", default="MESH_AGENT_TOKEN", help="environment variable holding the hello token")
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when stdin closes")
     parser.add_argument("--weights-listen", metavar="HOST:PORT",

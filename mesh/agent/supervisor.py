@@ -90,6 +90,7 @@ class AgentSettings:
     # mesh.agent.emulation): such a node runs emulated models only
     emulate_noise: float | None = None  # their --emulate-noise (None: the replay's noise)
     emulate_profiles: str | None = None  # their --emulate-profiles: calibrated <model>__<device>.json besides the catalog's
+    tokenizer_bytes: int | None = None  # their --tokenizer-bytes (None: theirs, 1/16 of the node's memory up to 256 MiB)
 
 
 class AgentHandle:
@@ -219,6 +220,8 @@ class LocalAgent(AgentHandle):
                "--log-level", self.settings.log_level, "--deadlines", str(self.settings.deadlines)]
         if self.settings.watchdog_min_s is not None:
             cmd += ["--watchdog-min-s", repr(float(self.settings.watchdog_min_s))]
+        if self.settings.tokenizer_bytes is not None:
+            cmd += ["--tokenizer-bytes", str(self.settings.tokenizer_bytes)]
         for root in self.settings.models_roots:
             cmd += ["--models-root", root]
         if device:

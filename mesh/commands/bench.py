@@ -7,7 +7,7 @@ from mesh.commands import register_all
 
 # Benchmark modules in mesh.bench, each with `register(subparsers)`.
 BENCHES = ["closed_loop", "coldstart", "control_plane", "core", "fidelity", "engine", "learning", "multicast", "replay", "serve",
-           "tokens"]
+           "soak", "tokens"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

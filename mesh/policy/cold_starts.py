@@ -33,6 +33,7 @@ from typing import Any, Callable, Iterable, Mapping
 
 FORMAT = "mesh-cold-starts/1"
 WINDOW = 5  # loads kept per (node, model, source): the median of the last few, robust to one slow load
+RECORDS_KEPT = 1024  # the latest loads kept in order (views, export): a service that runs for months keeps no more
 ANY_MODEL = "*"  # in a replay's table: the cold start of any model without its own entry
 PARKED = "parked"  # the source of a load that adopted a parked worker (engines.parking)
 # A load from the parked tier before any was measured: an adoption and the KV cache's resize
@@ -58,7 +59,7 @@ class ColdStartTable:
     _loads: dict[tuple[str, str, str], deque[float]] = field(default_factory=dict)  # (node, model, source)
     _latest: dict[tuple[str, str], LoadRecord] = field(default_factory=dict)  # (node, model) -> latest load
     _transfers: deque[float] = field(default_factory=lambda: deque(maxlen=WINDOW))  # bytes/s
-    records: list[LoadRecord] = field(default_factory=list)  # every load, in order (views, export)
+    records: deque[LoadRecord] = field(default_factory=lambda: deque(maxlen=RECORDS_KEPT))  # the latest loads, in order
 
     def record(self, rec: LoadRecord) -> None:
         if not rec.load_s >= 0:
@@ -110,6 +111,16 @@ class ColdStartTable:
     def transfer_bytes_per_s(self) -> float | None:
         """The median of the recent transfers' throughput; None before the first."""
         return statistics.median(self._transfers) if self._transfers else None
+
+    def forget_model(self, model: str) -> None:
+        """A deleted model's loads leave the table."""
+        for key in [k for k in self._loads if k[1] == model]:
+            del self._loads[key]
+        for key in [k for k in self._latest if k[1] == model]:
+            del self._latest[key]
+        kept = [r for r in self.records if r.model != model]
+        self.records.clear()
+        self.records.extend(kept)
 
     def forget_node(self, node_id: str) -> None:
         for key in [k for k in self._loads if k[0] == node_id]:

@@ -4,7 +4,10 @@ A quota caps one tenant: how many models it registers (`models`), the bytes of t
 (`model_bytes`: each registration pins a first host copy of that size on a node, BlitzScale
 5.3, so a tenant's registered bytes are what it holds of the nodes' host memory), how many of
 its generation requests are open at once (`concurrent_requests`) and how fast it may send
-them (`requests_per_s`, a token bucket of `burst` requests). None means no limit.
+them (`requests_per_s`, a token bucket of `burst` requests), and how fast it registers
+models (`registrations_per_min`, a token bucket of `REGISTRATION_BURST`: each registration
+starts a weights copy, a describe call and a build ahead, issue 32; finite by default). None
+means no limit.
 
 `TokenBucket` is the classic one: it holds up to `burst` tokens, refills at `rate` per second
 and a request takes one; `take(now_s)` says how long to wait when it is empty.
@@ -21,6 +24,9 @@ MODEL_BYTES = "model_bytes"
 CONCURRENT = "concurrent_requests"
 RATE = "requests_per_s"
 BURST = "burst"
+REGISTRATIONS = "registrations_per_min"
+DEFAULT_REGISTRATIONS_PER_MIN = 30.0
+REGISTRATION_BURST = 10  # registrations a tenant may make at once, before the rate applies
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +36,7 @@ class Quota:
     concurrent_requests: int | None = None
     requests_per_s: float | None = None
     burst: int | None = None  # None: one second's worth of requests_per_s (at least 1)
+    registrations_per_min: float | None = DEFAULT_REGISTRATIONS_PER_MIN
 
     def with_overrides(self, overrides: Mapping[str, Any]) -> "Quota":
         """This quota (the defaults) with a tenant's settings on top (a None there: no limit)."""
@@ -64,7 +71,7 @@ def check_overrides(data: Mapping[str, Any]) -> dict[str, Any]:
             out[name] = None
             continue
         number = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-        if name == RATE:
+        if name in (RATE, REGISTRATIONS):
             if not number or value <= 0:
                 raise QuotaValueError(f"'{name}' must be a positive number (or null for no limit)")
             out[name] = float(value)
@@ -95,6 +102,9 @@ class Over:
                     f"({self.limit / 2**30:.2f} GiB).")
         if self.quota == CONCURRENT:
             return f"You have {self.used:.0f} requests open; your quota '{CONCURRENT}' allows {self.limit:.0f}."
+        if self.quota == REGISTRATIONS:
+            return (f"Your quota '{REGISTRATIONS}' allows {self.limit:g} model registrations per minute; retry in "
+                    f"{self.retry_after_s:.2f} s.")
         return f"Your quota '{RATE}' allows {self.limit:g} requests per second; retry in {self.retry_after_s:.2f} s."
 
 
@@ -137,9 +147,19 @@ class TokenBucket:
 
 def rate_over(quota: Quota, bucket: TokenBucket | None, now_s: float) -> Over | None:
     """Take a request from the tenant's bucket (None: no rate quota); Over when it is empty."""
-    if quota.requests_per_s is None or bucket is None:
+    return _bucket_over(RATE, quota.requests_per_s, bucket, now_s)
+
+
+def registration_rate_over(quota: Quota, bucket: TokenBucket | None, now_s: float) -> Over | None:
+    """Take a registration from the tenant's registration bucket (None: no limit); Over when
+    it is empty."""
+    return _bucket_over(REGISTRATIONS, quota.registrations_per_min, bucket, now_s)
+
+
+def _bucket_over(name: str, limit: float | None, bucket: TokenBucket | None, now_s: float) -> Over | None:
+    if limit is None or bucket is None:
         return None
     wait = bucket.take(now_s)
     if wait > 0:
-        return Over(RATE, quota.requests_per_s, quota.requests_per_s, wait)
+        return Over(name, limit, limit, wait)
     return None

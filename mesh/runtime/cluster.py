@@ -252,6 +252,22 @@ class Cluster:
         if slo is not None:
             self._slo[model] = slo
 
+    def forget_model(self, model: str) -> bool:
+        """A deleted model leaves the books: its spec (and its base's, if no other model
+        names it), mean, SLO, cold-start choice and measured loads. Only once it has no
+        instance (requests still in flight are planned with its spec); False until then."""
+        if self._by_model.get(model):
+            return False
+        self._by_model.pop(model, None)
+        base = self.models.pop(model, None)
+        if base is not None and base not in self.models.values():
+            self.catalog.pop(base, None)
+        self._mean_output.pop(model, None)
+        self._slo.pop(model, None)
+        self._cold_choice.pop(model, None)
+        self.cold_starts.forget_model(model)
+        return True
+
     def slo_of(self, model: str) -> SLO:
         return self._slo.get(model, self.config.slo)
 
@@ -432,13 +448,15 @@ class Cluster:
         kind = node.spec.kind
         issued = self._now()
         transfer = not self.holds(plan.model, node)
+        transfer_s = self.transfer_s(plan.model, node)
         if not await node.start_instance(plan):  # the service's node moves the weights there first
             return None
         now = self._now()
-        if transfer:
+        staged = node.staging(plan.instance_id)  # its weights still on their way: the node measures them
+        if transfer and not staged:
             self.cold_starts.record_transfer(plan.weight_bytes, now - issued)
         wait = self.load_wait_s(node)
-        load = self.engine_load_s(plan.model, node)
+        load = self.engine_load_s(plan.model, node) + (transfer_s if staged else 0.0)
         ref = InstanceRef(plan.instance_id, plan.model, self.models[plan.model], node, self.instances_started,
                           ready_at=now + wait + load)
         self._loading[plan.instance_id] = (now, wait, kind)

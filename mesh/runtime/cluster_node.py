@@ -84,6 +84,11 @@ class ClusterNode(ABC):
         """What stopped the node's token-level loop, if anything did (a bug)."""
         return None
 
+    def staging(self, instance_id: str) -> bool:
+        """Is the instance's start staged: its weights still on their way to this node and its
+        load not issued yet (the service's nodes, mesh.service.agent_node)? Never in a replay."""
+        return False
+
     def loaded_from(self, instance_id: str) -> str | None:
         """Where a loaded instance's engine read its model from (OpenVINO: "gguf", "prepared",
         "ir"; mesh.policy.cold_starts keys measured loads by it); None if it does not say."""

@@ -16,6 +16,9 @@ their progress kept; one that cannot be placed again in time fails.
 
 Invariant: every submitted request ends exactly once, completed, rejected or failed; the
 dispatcher counts each (`accounting()`), and `all_done` is set when nothing is in flight.
+It holds a request only while it is in flight: an ended one leaves it and is kept as counts
+(`Accounting`), so a service that runs for months holds nothing per past request (a replay
+keeps its own records for its figures, mesh.replay.driver).
 The same rule applies to every policy, so comparisons are fair.
 
 Work triggered from inside a node's loop (a request completes) is deferred with the event
@@ -73,23 +76,48 @@ def slo_met(req: ServedRequest) -> bool:
     return req.finish_s <= ttft_deadline + req.slo.tpot_s * max(0, req.tokens_out - 1) + 1e-9
 
 
+@dataclass
+class Accounting:
+    """Counts of ended requests by outcome and both SLO readings: what `accounting` reports,
+    kept as each request ends (the dispatcher keeps no ended request)."""
+
+    requests: int = 0
+    outcomes: Counter = field(default_factory=Counter)  # Outcome value (or "none": not ended) -> count
+    slo_compliant: int = 0
+    slo_compliant_strict: int = 0
+
+    def add(self, req: ServedRequest) -> None:
+        self.requests += 1
+        self.outcomes[req.outcome.value if req.outcome is not None else "none"] += 1
+        self.slo_compliant += slo_met(req)
+        self.slo_compliant_strict += req.slo_met
+
+    def counts(self, not_ended: int = 0) -> dict[str, int]:
+        """The counts; raises AssertionError if a request has not ended (`not_ended` more
+        are still in flight)."""
+        completed = self.outcomes[Outcome.COMPLETED.value]
+        out = {
+            "requests": self.requests + not_ended,
+            "completed": completed,
+            "slo_compliant": self.slo_compliant,
+            "slo_violating": completed - self.slo_compliant,
+            "rejected": self.outcomes[Outcome.REJECTED.value],
+            "failed": self.outcomes[Outcome.FAILED.value],
+            "slo_compliant_strict": self.slo_compliant_strict,
+        }
+        never = self.outcomes["none"] + not_ended
+        assert never == 0, f"{never} requests never ended"
+        assert out["requests"] == out["slo_compliant"] + out["slo_violating"] + out["rejected"] + out["failed"], out
+        return out
+
+
 def accounting(requests: Sequence[ServedRequest]) -> dict[str, int]:
     """Counts by outcome, both SLO readings; raises AssertionError if a request has not ended.
     Every request is in `requests`: rejected and failed ones count against the SLO rate."""
-    counts = Counter(r.outcome.value if r.outcome is not None else "none" for r in requests)
-    slo = sum(1 for r in requests if slo_met(r))
-    out = {
-        "requests": len(requests),
-        "completed": counts[Outcome.COMPLETED.value],
-        "slo_compliant": slo,
-        "slo_violating": counts[Outcome.COMPLETED.value] - slo,
-        "rejected": counts[Outcome.REJECTED.value],
-        "failed": counts[Outcome.FAILED.value],
-        "slo_compliant_strict": sum(1 for r in requests if r.slo_met),
-    }
-    assert counts["none"] == 0, f"{counts['none']} requests never ended"
-    assert out["requests"] == out["slo_compliant"] + out["slo_violating"] + out["rejected"] + out["failed"], out
-    return out
+    acc = Accounting()
+    for r in requests:
+        acc.add(r)
+    return acc.counts()
 
 
 class PlacementPolicy(Protocol):
@@ -137,7 +165,8 @@ class Dispatcher:
         self._why: dict[str, str] = {}  # waiting request -> what its expiry is ("slo", "timeout")
         self._avoid: dict[str, frozenset[str]] = {}  # evicted request -> nodes that evicted it
         self.stats = DispatchStats()
-        self.requests: list[ServedRequest] = []
+        self.requests: dict[str, ServedRequest] = {}  # in flight: each leaves when it ends
+        self.ended = Accounting()  # the ended ones, as counts
         self._waiting: dict[str, ServedRequest] = {}
         self._in_flight = 0
         self._closed = False  # no more submissions
@@ -148,6 +177,7 @@ class Dispatcher:
         self._expiry_at: float | None = None
         self._draining = False  # a drain pass is running
         self._decisions: dict[str, asyncio.Lock] = {}  # per model: one placement decision at a time
+        self._skipped: set[str] = set()  # models a drain skipped while their decision was in flight
         self._tasks: set[asyncio.Task] = set()
         self.error: BaseException | None = None  # a policy that raised (a bug); replays re-raise it
         cluster.on_capacity = self.capacity_freed
@@ -176,7 +206,7 @@ class Dispatcher:
         """A request arrives (its arrival_s is now)."""
         if self._closed:
             raise RuntimeError("the dispatcher is closed; no more requests")
-        self.requests.append(req)
+        self.requests[req.request_id] = req
         self._in_flight += 1
         user_done = req.on_done
         req.on_done = lambda r, cb=user_done: self._ended(r, cb)
@@ -234,6 +264,17 @@ class Dispatcher:
                 st.decision_max_s = max(st.decision_max_s, took)
                 st.decision_times.add(took)
                 st.decision_wait_s += start - asked
+                if req.model in self._skipped:  # a drain skipped its model's waiting ones meanwhile
+                    self._skipped.discard(req.model)
+                    self._schedule_drain()
+
+    def forget_model(self, model: str) -> bool:
+        """A deleted model's decision lock goes, once no request of it is in flight and no
+        decision for it runs; False until then."""
+        if self._deciding(model) or any(r.model == model for r in self.requests.values()):
+            return False
+        self._decisions.pop(model, None)
+        return True
 
     def _spawn(self, coro) -> None:
         task = asyncio.get_running_loop().create_task(coro)
@@ -384,12 +425,17 @@ class Dispatcher:
 
     async def _drain(self) -> None:
         """Retry waiting requests in order; a model whose head cannot be placed is skipped
-        for the rest of this pass (FIFO per model)."""
+        for the rest of this pass (FIFO per model), and so is one whose placement decision is
+        in flight (live, a round trip or more: the drain does not wait for it, issue 32)."""
         try:
             self._last_drain = self._now()
             blocked: set[str] = set()
             for entry in list(self.queue.in_order()):
                 if entry.model in blocked or entry.request_id not in self.queue:
+                    continue
+                if self._deciding(entry.model):  # its model's decision is in flight (live): the others go on;
+                    blocked.add(entry.model)  # a pass follows that decision (`_decide`)
+                    self._skipped.add(entry.model)
                     continue
                 req = self._waiting[entry.request_id]
                 now = self._now()
@@ -411,6 +457,8 @@ class Dispatcher:
     # -- requests out ----------------------------------------------------------------
     def _ended(self, req: ServedRequest, user_done) -> None:
         self._in_flight -= 1
+        self.requests.pop(req.request_id, None)
+        self.ended.add(req)
         self._avoid.pop(req.request_id, None)
         if req.request_id in self._waiting:  # ended while waiting (aborted)
             self.queue.remove(req.request_id)
@@ -433,7 +481,7 @@ class Dispatcher:
         for ref in self.cluster.all_instances():
             for rid in list(ref.requests):
                 ref.node.abort(rid, why)
-        for req in self.requests:
+        for req in list(self.requests.values()):
             if req.outcome is None:
                 req.end(Outcome.FAILED, now, why)
 
@@ -447,5 +495,6 @@ class Dispatcher:
             raise RuntimeError(f"the {self.policy.name} policy raised: {self.error!r}") from self.error
 
     def accounting(self) -> dict[str, int]:
-        """Counts by outcome of every request submitted (`accounting`)."""
-        return accounting(self.requests)
+        """Counts by outcome of every request submitted (`accounting`); raises AssertionError
+        while some are in flight."""
+        return self.ended.counts(len(self.requests))

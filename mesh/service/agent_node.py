@@ -59,6 +59,9 @@ class MirroredInstance:
     requests: dict[str, ServedRequest] = field(default_factory=dict)
     loaded: bool = False
     idle_since: float = 0.0
+    # Staged: its weights are still on their way here, its load not issued yet (`start_instance`).
+    staged_bytes: int = 0  # what it will take of the node's memory (0: its load was issued)
+    deferred: list[tuple[ServedRequest, bool]] = field(default_factory=list)  # admitted while staged: (req, compute)
 
 
 AgentFactory = Callable[..., AgentHandle]  # (spec, on_up, on_down, on_event, settings)
@@ -77,6 +80,7 @@ class AgentNode(ClusterNode):
         self.stats: dict[str, Any] = {}  # the agent's last `stats` reply
         self._budget_bytes = 0  # the memory budget in use (reservation station, 6.3)
         self._tasks: list[asyncio.Task] = []
+        self._staging: set[asyncio.Task] = set()  # staged starts under way (`start_instance`)
         # Called when an instance left the node without the dispatcher asking (its load
         # failed, the agent died): the cluster forgets it.
         self.on_instance_gone: Callable[[str], None] | None = None
@@ -89,6 +93,10 @@ class AgentNode(ClusterNode):
         self._load_waiters: dict[str, list[asyncio.Future]] = {}
         self._loaded_from: dict[str, str] = {}  # instance -> the source its agent said it loaded from
         self._stepping: str | None = None  # the instance whose iteration is in flight (the agent's `node` event)
+        # (plan, node) -> must the planned instance's weights reach this node before its load
+        # (the placement's weights plane says)? Then its start is staged (`start_instance`).
+        self.transfer_first: Callable[[InstancePlan, "AgentNode"], bool] | None = None
+        self.on_transfer: Callable[[int, float], None] | None = None  # (bytes, seconds) of a staged start's transfer
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -119,7 +127,12 @@ class AgentNode(ClusterNode):
         return req.tokens_out if req is not None else 0
 
     def used_bytes(self) -> int:
-        return self._budget_bytes
+        """The agent's budget in use, and what the staged instances will take."""
+        return self._budget_bytes + sum(i.staged_bytes for i in self._instances.values())
+
+    def staging(self, instance_id: str) -> bool:
+        inst = self._instances.get(instance_id)
+        return inst is not None and inst.staged_bytes > 0
 
     def loaded_from(self, instance_id: str) -> str | None:
         return self._loaded_from.get(instance_id)
@@ -128,7 +141,7 @@ class AgentNode(ClusterNode):
         return model in self.stats.get("parked", {}).get("models", ())  # as of the last stats
 
     def can_fit(self, instance_bytes: int) -> bool:
-        return self.capacity_bytes - self._budget_bytes >= instance_bytes
+        return self.capacity_bytes - self.used_bytes() >= instance_bytes
 
     # -- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -136,9 +149,10 @@ class AgentNode(ClusterNode):
         self._tasks.append(asyncio.get_running_loop().create_task(self._poll_stats(), name=f"stats {self.node_id}"))
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks, *self._staging]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*tasks, return_exceptions=True)
         await self.agent.stop()
 
     async def _poll_stats(self) -> None:
@@ -191,11 +205,20 @@ class AgentNode(ClusterNode):
         inst = self._instances.get(instance_id)
         if inst is None or not self.up:
             return Admission(False, refusal=f"no instance {instance_id} on {self.node_id}")
+        self._hold(inst, req)  # before the call: its first tokens may overtake the reply
+        if inst.staged_bytes:  # its weights are on their way: sent to the agent once its load is issued
+            inst.deferred.append((req, compute))
+            return Admission(True)
+        return await self._send_admit(inst, req, compute)
+
+    async def _send_admit(self, inst: MirroredInstance, req: ServedRequest, compute: bool,
+                          deferred: bool = False) -> Admission:
+        """The agent's admit of a request held on `inst` (validation and admission in one step)."""
+        instance_id = inst.instance_id
         er = req.engine_request
         entry = AdmitEntry(req.request_id, instance_id, list(er.prompt_token_ids[:er.prompt_len + req.tokens_out]),
                            er.sampling, _age(req.arrival_s), req.tokens_out, er.prompt_len, compute,
                            _age(req.first_token_s), req.late_s)
-        self._hold(inst, req)  # before the call: its first tokens may overtake the reply
         try:
             reply = await self.agent.client.call({"t": "admit", "requests": [entry.to_dict()]}, CALL_TIMEOUT_S)
             result = reply["results"][0]
@@ -205,6 +228,10 @@ class AgentNode(ClusterNode):
             if self.on_admitted is not None:
                 self.on_admitted(req)
             return Admission(True)
+        if deferred:  # the dispatcher counted it placed: it is placed again
+            self._hand_back(req, f"refused by {self.node_id} once its instance loaded: "
+                                 f"{result.get('reason') or result.get('code')}")
+            return Admission(False, refusal=str(result.get("reason") or result.get("code")))
         self._release(req.request_id)
         req.node_id = req.instance_id = None
         log.debug("%s refused %s on %s: %s", self.node_id, req.request_id, instance_id, result)
@@ -229,17 +256,38 @@ class AgentNode(ClusterNode):
         return req
 
     async def start_instance(self, plan: InstancePlan) -> bool:
+        """Issue the planned instance's load. One whose weights must first reach this node
+        (`transfer_first(plan)`: the weights plane multicasts them, seconds to minutes) is
+        staged instead: True at once, its transfer and load go on in the background
+        (`_start_staged`), and the requests admitted to it meanwhile are sent to the agent
+        once its load is issued (issue 32: a scale-out never holds its model's placement
+        decision, nor the queue behind it, for a transfer). Its memory counts as used from
+        now on, so another decision does not plan the same room."""
         if not self.up:
             return False
         inst = MirroredInstance(plan.instance_id, plan.model, idle_since=self._now())
         self._instances[plan.instance_id] = inst  # before the call: its ready event may overtake the reply
+        if self.transfer_first is not None and self.transfer_first(plan, self):
+            inst.staged_bytes = max(1, plan.weight_bytes)
+            task = asyncio.get_running_loop().create_task(self._start_staged(plan, inst),
+                                                          name=f"stage {plan.instance_id}")
+            self._staging.add(task)
+            task.add_done_callback(self._staging.discard)
+            return True
+        return await self._issue(plan, inst)
+
+    async def _issue(self, plan: InstancePlan, inst: MirroredInstance) -> bool:
+        """The load: its spec (the weights placed here first), then the agent's `load`."""
         try:
             spec = dataclasses.replace(await self._load_spec(plan, self), slo=slo_to_dict(plan.slo),
                                        expected_load_s=plan.expected_load_s, mean_output=mean_output_to(plan.mean_output))
             self._means[plan.model] = plan.mean_output
+            if self._instances.get(plan.instance_id) is not inst:  # stopped while its weights moved
+                return False
             await self.agent.client.call(spec.to_message(), CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - weights not placed, memory, engine: not started
-            self._instances.pop(plan.instance_id, None)
+            if self._instances.get(plan.instance_id) is inst:
+                self._instances.pop(plan.instance_id, None)
             # the operator's detail: an error told to tenants redacted (an ApiError) keeps it as its cause
             detail = exc.__cause__ if isinstance(exc, ApiError) and exc.__cause__ is not None else exc
             log.warning("starting %s on %s failed: %s", plan.instance_id, self.node_id, detail)
@@ -249,18 +297,74 @@ class AgentNode(ClusterNode):
         # the same write): weights and initial KV cache, as the replay's station counts them
         return True
 
+    async def _start_staged(self, plan: InstancePlan, inst: MirroredInstance) -> None:
+        """A staged instance's transfer and load, then the requests admitted to it meanwhile
+        go to the agent; if it cannot start (or one is refused there), they are handed back
+        to the dispatcher to be placed again elsewhere, as evicted ones are."""
+        issued = self._now()
+        ok = await self._issue(plan, inst)
+        inst.staged_bytes = 0
+        if ok and self.on_transfer is not None:
+            self.on_transfer(plan.weight_bytes, self._now() - issued)
+        if ok and self._instances.get(plan.instance_id) is not inst:  # stopped while it moved: not kept
+            await self._unload_quietly(plan.instance_id)
+            ok = False
+        deferred, inst.deferred = inst.deferred, []
+        if not ok:
+            ours = self._instances.get(plan.instance_id) is inst  # (not stopped, nor lost with its agent)
+            if ours:
+                self._instances.pop(plan.instance_id, None)
+                self._settled(inst, False)
+            for req, _ in deferred:
+                self._hand_back(req, f"its instance {plan.instance_id} could not start on {self.node_id}: "
+                                     f"{self.last_start_error or 'stopped'}")
+            if ours and self.on_instance_gone is not None:
+                self.on_instance_gone(plan.instance_id)
+            return
+        for req, compute in deferred:
+            if req.outcome is None and req.request_id in inst.requests:
+                await self._send_admit(inst, req, compute, deferred=True)
+
+    async def _unload_quietly(self, instance_id: str) -> None:
+        try:
+            await self.agent.client.call({"t": "unload", "instance_id": instance_id}, CALL_TIMEOUT_S)
+        except (AgentDown, AgentCallError) as exc:
+            log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
+
+    def _hand_back(self, req: ServedRequest, why: str) -> None:
+        """A request admitted to a staged instance that could not take it: placed again."""
+        if self._release(req.request_id) is None or req.outcome is not None:
+            return
+        req.attempts.append(why)
+        req.node_id = req.instance_id = None
+        if self.on_evict is not None:
+            self.on_evict(req)
+        else:
+            req.end(Outcome.FAILED, self._now(), why)
+
     async def stop_instance(self, instance_id: str) -> None:
         inst = self._instances.pop(instance_id, None)
         if inst is None:
             return
         self._settled(inst, False)
-        if not self.up:
+        if not self.up or inst.staged_bytes:  # staged: its load was not issued (`_start_staged` cleans up)
             return
         try:
             await self.agent.client.call({"t": "unload", "instance_id": instance_id}, CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
         await self.refresh()
+
+    async def forget_model(self, model: str) -> None:
+        """A deleted model with no instance left: its mean here and its state on the agent
+        (fronts, tokenizer, learnt times, builds ahead, parked workers) go."""
+        self._means.pop(model, None)
+        if not self.up:  # a restarted agent has nothing of it
+            return
+        try:
+            await self.agent.client.call({"t": "forget", "model": model}, CALL_TIMEOUT_S)
+        except (AgentDown, AgentCallError) as exc:
+            log.warning("node %s could not forget model %s: %s", self.node_id, model, exc)
 
     async def wait_loaded(self, instance_id: str, timeout_s: float) -> bool:
         """Wait until the instance is ready (True) or gone: failed to load, unloaded (False)."""
@@ -290,8 +394,14 @@ class AgentNode(ClusterNode):
             self._lose_instance(inst, why)
 
     def abort(self, request_id: str, why: str) -> None:
-        """Ask the agent to end the request (its `done` event, failed, ends it here)."""
-        if self.up:
+        """Ask the agent to end the request (its `done` event, failed, ends it here); one
+        held for a staged instance ends here."""
+        req = self._requests.get(request_id)
+        inst = self._instances.get(req.instance_id or "") if req is not None else None
+        if inst is not None and any(r is req for r, _ in inst.deferred):
+            inst.deferred = [(r, c) for r, c in inst.deferred if r is not req]
+            self._end_here(request_id, Outcome.FAILED, why)
+        elif self.up:
             self.agent.client.send({"t": "abort", "request_id": request_id})
         else:
             self._end_here(request_id, Outcome.FAILED, why)

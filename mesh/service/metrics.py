@@ -199,6 +199,18 @@ class ServiceMetrics:
                 entry[0] += 1
                 self.slo_met.labels(tenant, model).inc()
 
+    def forget_model(self, tenant: str, model: str) -> None:
+        """A deleted model's series go (a service that runs for months registers and deletes
+        models without end): every (tenant, model) series, each outcome's included."""
+        for metric in (self.ttft, self.tpot, self.slo_met, self.prompt_tokens, self.generated_tokens):
+            try:
+                metric.remove(tenant, model)
+            except KeyError:
+                pass
+        for labels in [k for k in self.requests._metrics if k[:2] == (tenant, model)]:  # noqa: SLF001 - its outcomes
+            self.requests.remove(*labels)
+        self._slo.pop((tenant, model), None)
+
     def usage(self, tenant: str) -> list[dict[str, Any]]:
         """Per model of `tenant`: requests by outcome, tokens, TTFT and TPOT means, SLO attainment."""
         out: dict[str, dict[str, Any]] = {}

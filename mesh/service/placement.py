@@ -89,8 +89,9 @@ class Placement(Protocol):
 
     def abort(self, request_id: str) -> None: ...
 
-    async def forget_model(self, model_uid: str) -> None:
-        """The model was deleted: unload its idle instances."""
+    async def forget_model(self, model_uid: str, then: Callable[[], None] | None = None) -> None:
+        """The model was deleted: unload its idle instances now, its busy ones once idle; every
+        trace of it goes then, and `then()` is called."""
 
     def model_registered(self, model: ModelRecord) -> None:
         """A model was registered: place its first host copy and prepare its format for the
@@ -168,6 +169,7 @@ class ClusterPlacement:
             formats.on_ready = self._format_ready
         self._models: dict[str, _Model] = {}
         self._describing: dict[str, asyncio.Future] = {}
+        self._registering: dict[str, asyncio.Task] = {}  # model -> its registration's copy and description
         self._requests: dict[str, ServedRequest] = {}
         self._begin: dict[str, Callable[[ServedRequest], None]] = {}  # request -> its stream's start, until admitted
         self._how: dict[str, str] = {}  # instance -> where its weights came from
@@ -223,6 +225,9 @@ class ClusterPlacement:
         node.on_down = self._node_down
         node.on_change = self.dispatcher.capacity_freed
         node.on_admitted = self._admitted
+        # a start that must first move the weights there is staged: no decision waits for a transfer
+        node.transfer_first = lambda plan, n: not self._holds_copy(plan.model, n)
+        node.on_transfer = self.cluster.cold_starts.record_transfer
         self.agents[spec.node_id] = node.agent
         return node
 
@@ -472,7 +477,13 @@ class ClusterPlacement:
             return
         if self.formats is not None:
             self.formats.ensure(model)
-        self._spawn(self._first_copy_then_describe(model), f"first copy {ModelFormat.of(model).key}")
+        task = asyncio.get_running_loop().create_task(self._first_copy_then_describe(model),
+                                                      name=f"first copy {ModelFormat.of(model).key}")
+        self._registering[model.uid] = task  # a deletion meanwhile cancels it
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(lambda t, uid=model.uid: self._registering.pop(uid, None)
+                               if self._registering.get(uid) is t else None)
 
     def _format_ready(self, model: ModelRecord, kind: str) -> None:
         """A format prepared for `kind` is ready: it joins the parameter pool (its first host
@@ -499,17 +510,44 @@ class ClusterPlacement:
         except ApiError as exc:  # its first request describes it again, and says why it cannot
             log.warning("describing %s/%s at its registration failed: %s", model.tenant, model.name, exc.message)
 
-    async def forget_model(self, model_uid: str) -> None:
-        # The cluster keeps the model's spec: requests for it still in flight are planned with it.
+    async def forget_model(self, model_uid: str, then: Callable[[], None] | None = None) -> None:
+        """Every trace of a deleted model goes: its registration's work under way, its idle
+        instances now and its busy ones once their requests end; then, with none left, its
+        spec and books in the cluster, its decision lock, and its state on every agent
+        (`_forget_when_idle`), and `then()` is called (the service's metric series go). The
+        cluster keeps its spec until then: requests for it still in flight are planned with it."""
+        registering = self._registering.pop(model_uid, None)
+        if registering is not None:
+            registering.cancel()
         self._models.pop(model_uid, None)
         for ref in list(self.cluster.instances_of(model_uid)):
             if not ref.requests:
                 await self.cluster.stop_instance(ref)
-            # busy: recycled by keep-alive once its requests end
         if self.weights is not None:
             await self.weights.forget(model_uid)
         if self.formats is not None:
             await self.formats.forget(model_uid)
+        self._spawn(self._forget_when_idle(model_uid, then), f"forget {model_uid}")
+
+    async def _forget_when_idle(self, model_uid: str, then: Callable[[], None] | None, every_s: float = 0.5) -> None:
+        """Once the deleted model's requests have ended (its busy instances are stopped as they
+        go idle, not kept alive), it leaves the cluster, the dispatcher and the agents."""
+        while True:
+            pending = self._describing.get(model_uid)
+            if pending is not None:
+                await asyncio.wait([pending])
+            self._models.pop(model_uid, None)  # a description that ended meanwhile
+            for ref in list(self.cluster.instances_of(model_uid)):
+                if not ref.requests:
+                    await self.cluster.stop_instance(ref)
+            # requests in flight first (they are planned with its spec), then its instances
+            if model_uid not in self._describing and self.dispatcher.forget_model(model_uid) \
+                    and self.cluster.forget_model(model_uid):
+                break
+            await asyncio.sleep(every_s)
+        await asyncio.gather(*(node.forget_model(model_uid) for node in self._nodes()))
+        if then is not None:
+            then()
 
     async def preload(self, record: ModelRecord, wait: bool = False) -> None:
         """Start an instance of `record` now where the policy would start a new one
@@ -559,8 +597,9 @@ class ClusterPlacement:
                 why = node.last_start_error or "its memory budget is full"
                 return {"node": node_id, "ok": False, "error": f"node {node_id} could not start it: {why}"}
             ready = await node.wait_loaded(ref.instance_id, self.settings.start_timeout_s)
-            if not ready:
-                return {"node": node_id, "ok": False, "error": f"instance {ref.instance_id} failed to load"}
+            if not ready:  # (a staged start's transfer or load failed: the node says why)
+                why = f": {node.last_start_error}" if node.last_start_error else ""
+                return {"node": node_id, "ok": False, "error": f"instance {ref.instance_id} failed to load{why}"}
             return {"node": node_id, "ok": True, "instance_id": ref.instance_id,
                     "weights": self._how.get(ref.instance_id, "registry path")}
 
@@ -729,6 +768,7 @@ class ClusterPlacement:
                 "running": stats.get("running", 0), "kv_bytes_in_use": stats.get("kv_bytes_in_use", 0),
                 "iterations": stats.get("iterations", 0), "deadlines": stats.get("deadlines"),
                 "emulate": stats.get("emulate"),  # the device an emulated node emulates (mesh serve --emulate)
+                "models": stats.get("models", []),  # the models its agent holds state for (a deleted one: none)
                 "calls": {t: c.view() for t, c in sorted(agent.client.call_times.items())} if agent.client else {},
                 "frames_in": agent.client.frames_in if agent.client else 0,  # from the agent, this connection
                 "instances": instances,
@@ -737,10 +777,15 @@ class ClusterPlacement:
         tenants = Counter(r.tenant for r in d.waiting_requests())
         return {
             "nodes": nodes,
+            # the models the cluster knows (a deleted one leaves once its requests have ended)
+            "described": {uid: {"tenant": m.record.tenant, "name": m.record.name} for uid, m in self._models.items()},
+            "cluster_models": sorted(self.cluster.models),
             "weights": self.weights.view() if self.weights is not None else None,
             "dispatcher": {
-                "policy": d.policy.name, "waiting": len(d.queue), "waiting_by_tenant": dict(tenants),
-                "queue_capacity": d.queue.capacity, "queue_timeout_s": d.queue_timeout_s, "admission": self.cluster.config.admission, "placed_by_kind": dict(self.placed_by_kind),
+                "policy": d.policy.name, "waiting": len(d.queue), "in_flight": len(d.requests),
+                "waiting_by_tenant": dict(tenants),
+                "queue_capacity": d.queue.capacity, "queue_timeout_s": d.queue_timeout_s,
+                "admission": self.cluster.config.admission, "placed_by_kind": dict(self.placed_by_kind),
                 "placed_at_arrival": d.stats.placed_at_arrival, "placed_from_queue": d.stats.placed_from_queue,
                 "preemptions": d.policy.stats.preemptions, "moved_requests": d.policy.stats.preempted_requests,
                 "evictions_rescheduled": d.stats.rescheduled, "new_instances": d.policy.stats.new_instances,

@@ -5,8 +5,9 @@ The rules are mesh.policy.quota's; time is the event loop's, passed in by the ca
 Generation requests are checked in the HTTP layer around `placement.submit`
 (mesh.service.routes_openai): over `concurrent_requests` or `requests_per_s` they get 429 with
 Retry-After. Registrations are checked before the model is stored (routes_models): over
-`models` 403, over `model_bytes` 413. A tenant's registered bytes are the sum of its models'
-weight bytes, which is what their first host copies hold on the nodes.
+`registrations_per_min` 429 with Retry-After, over `models` 403, over `model_bytes` 413. A
+tenant's registered bytes are the sum of its models' weight bytes, which is what their first
+host copies hold on the nodes.
 """
 from __future__ import annotations
 
@@ -15,12 +16,14 @@ from typing import Any
 
 from mesh.policy.quota import (
     MODEL_BYTES,
+    REGISTRATION_BURST,
     Over,
     Quota,
     TokenBucket,
     concurrency_over,
     rate_over,
     registration_over,
+    registration_rate_over,
 )
 from mesh.service import errors
 from mesh.service.registry import Registry
@@ -32,6 +35,7 @@ class Quotas:
         self.defaults = defaults
         self.open: dict[str, int] = defaultdict(int)  # tenant -> generation requests open now
         self._buckets: dict[str, TokenBucket] = {}
+        self._registration_buckets: dict[str, TokenBucket] = {}
 
     def of(self, tenant: str) -> Quota:
         return self.defaults.with_overrides(self.registry.quota_settings(tenant))
@@ -39,12 +43,26 @@ class Quotas:
     def changed(self, tenant: str) -> None:
         """The operator set new quotas: the tenant's bucket starts again, full, at the new rate."""
         self._buckets.pop(tenant, None)
+        self._registration_buckets.pop(tenant, None)
 
     def check_registration(self, tenant: str, new_bytes: int) -> None:
         models, used = self.registry.usage(tenant)
         over = registration_over(self.of(tenant), models, used, new_bytes)
         if over is not None:
             raise errors.over_quota(over.quota, over.message(), 413 if over.quota == MODEL_BYTES else 403)
+
+    def take_registration(self, tenant: str, now_s: float) -> None:
+        """One registration of `tenant` from its bucket; 429 with Retry-After when it is empty."""
+        quota = self.of(tenant)
+        bucket = None
+        if quota.registrations_per_min is not None:
+            rate = quota.registrations_per_min / 60.0
+            bucket = self._registration_buckets.get(tenant)
+            if bucket is None or bucket.rate != rate:
+                bucket = self._registration_buckets[tenant] = TokenBucket.full(rate, REGISTRATION_BURST, now_s)
+        over = registration_rate_over(quota, bucket, now_s)
+        if over is not None:
+            raise self._too_many(over)
 
     def upload_over(self, tenant: str, quota_bytes: int, used: int) -> errors.ApiError:
         """The 413 for an upload larger than what is left of the tenant's `model_bytes`."""

@@ -118,9 +118,13 @@ async def delete_model(request: web.Request) -> web.Response:
 
 
 async def forget_files(svc: Service, records: list[ModelRecord]) -> None:
-    """Unload deleted models' instances and delete their uploaded files."""
+    """Unload deleted models' instances and delete their uploaded files; their metric series
+    go once their last request has ended (and again then: one that ended after this recorded it)."""
     for record in records:
-        await svc.placement.forget_model(record.uid)
+        svc.metrics.forget_model(record.tenant, record.name)
+        await svc.placement.forget_model(  # (unless the name was registered again meanwhile)
+            record.uid, lambda r=record: None if svc.registry.model(r.tenant, r.name) is not None
+            else svc.metrics.forget_model(r.tenant, r.name))
         if record.owned_file:
             Path(record.path).unlink(missing_ok=True)
 
@@ -128,6 +132,7 @@ async def forget_files(svc: Service, records: list[ModelRecord]) -> None:
 async def register_model(request: web.Request) -> web.Response:
     svc = service_of(request)
     tenant = svc.tenant_of(request)
+    svc.quotas.take_registration(tenant, asyncio.get_running_loop().time())  # 429 past its rate
     if request.content_type == "application/octet-stream":
         return await _register_upload(svc, request, tenant)
     data = await read_json(request, svc.limits)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
+import re
 import secrets
 from json.encoder import encode_basestring
 from typing import Any, Callable
@@ -22,8 +23,8 @@ from mesh.service import errors
 from mesh.service.app import ARRIVAL, Service, service_of
 from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord
-from mesh.service.limits import read_json
-from mesh.service.schema import GenerationRequest, parse_chat, parse_completion
+from mesh.service.limits import THREAD_PARSE_BYTES, read_body
+from mesh.service.schema import GenerationRequest, parse_chat, parse_completion, parse_json
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
@@ -45,20 +46,80 @@ async def completions(request: web.Request) -> web.StreamResponse:
 async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], GenerationRequest]) -> web.StreamResponse:
     svc = service_of(request)
     tenant = svc.tenant_of(request)
-    req = parse(await read_json(request, svc.limits, _body_cap(svc, tenant)))
-    model = svc.registry.model(tenant, req.model)
-    if model is None:
-        raise errors.model_not_found(req.model)
-    _check_prompt_bytes(req, model)  # before any tokenizer sees it
-    try:
-        svc.quotas.acquire(tenant, asyncio.get_running_loop().time())  # 429 over the tenant's quota
-    except ApiError:
-        svc.metrics.request_done(tenant, model.name, "over_quota")
-        raise
+    body = await read_body(request, svc.limits, _body_cap(svc, tenant))
+    if len(body) <= THREAD_PARSE_BYTES:
+        req, model = _checked(svc, tenant, parse(parse_json(body)))
+        _acquire(svc, tenant, model.name)
+    else:  # a large body: the tenant's quota and the prompt's size first, the parse (CPU) last (issue 32)
+        _acquire(svc, tenant, _named_model(svc, tenant, body))
+        try:
+            _check_token_ids(body, svc.registry.max_context_length(tenant))
+            req, model = _checked(svc, tenant, parse(await asyncio.to_thread(parse_json, body)))  # off the loop
+        except BaseException:
+            svc.quotas.release(tenant)
+            raise
     try:
         return await _placed(svc, request, req, tenant, model)
     finally:
         svc.quotas.release(tenant)
+
+
+def _checked(svc: Service, tenant: str, req: GenerationRequest) -> tuple[GenerationRequest, ModelRecord]:
+    """The request with the tenant's model it names; 404 for none, 400 for a prompt too long."""
+    model = svc.registry.model(tenant, req.model)
+    if model is None:
+        raise errors.model_not_found(req.model)
+    _check_prompt_bytes(req, model)  # before any tokenizer sees it
+    return req, model
+
+
+def _acquire(svc: Service, tenant: str, model_name: str | None) -> None:
+    """Open a generation request for the tenant: 429 over its quota, counted under the
+    model it names (if it is one of the tenant's)."""
+    try:
+        svc.quotas.acquire(tenant, asyncio.get_running_loop().time())
+    except ApiError:
+        if model_name is not None:
+            svc.metrics.request_done(tenant, model_name, "over_quota")
+        raise
+
+
+_MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
+_TOKEN_IDS = re.compile(rb'"prompt"\s*:\s*\[')
+TOKEN_ID_BYTES = 12  # a token id's JSON text at most, with its comma and a space (vocabularies < 10^10)
+
+
+def _named_model(svc: Service, tenant: str, body: bytes) -> str | None:
+    """The tenant's model a large body names, found without parsing it (for the over-quota
+    metric; None if it names none of the tenant's models: no series for unknown names)."""
+    found = _MODEL_FIELD.search(body)
+    if found is None:
+        return None
+    name = found.group(1).decode("utf-8", "replace")
+    return name if svc.registry.model(tenant, name) is not None else None
+
+
+def _check_token_ids(body: bytes, window: int) -> None:
+    """Before a large body is parsed: a token-id prompt (`"prompt": [ids]`) longer than the
+    tenant's largest context window is a 400 and one whose array's text is larger than that
+    many ids can take a 413, both counted at C speed (its commas), not parsed (a 5.7 MiB
+    token-id prompt parsed for about 1 s before these checks, issue 32). The exact checks
+    follow the parse."""
+    found = _TOKEN_IDS.search(body)
+    if found is None:
+        return
+    end = body.find(b"]", found.end())
+    if end < 0:
+        return  # malformed: the parser says so
+    ids = body.count(b",", found.end(), end) + 1
+    if ids + 1 > window:
+        raise errors.context_too_long(ids, window, "prompt")
+    limit = window * TOKEN_ID_BYTES
+    if end - found.end() > limit:
+        raise ApiError(413, f"The prompt's token ids take {end - found.end()} bytes of JSON, more than {window} token "
+                       f"ids (your models' largest context window) can need ({limit} bytes at {TOKEN_ID_BYTES} "
+                       "bytes per id). Send the ids without padding.", "invalid_request_error", "prompt",
+                       "request_too_large")
 
 
 MAX_TOKEN_BYTES = 256  # no token of a GGUF or Hugging Face vocabulary is longer (Llama/Qwen: 16-128 bytes)

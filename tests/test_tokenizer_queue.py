@@ -1,0 +1,149 @@
+"""Tokenizing is admitted work (issue 32 item 4; mesh.agent.tokenizers): jobs shared between
+tenants by prompt size, a blocking tokenize (vLLM's) off the event loop, a deadline on every
+job with a stuck worker killed and replaced (the real worker process, on the demo model),
+and the worker's tokenizers bounded by bytes."""
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from engines.protocol import EngineError
+from mesh.agent.tokenizer_worker import TokenizerCache
+from mesh.agent.tokenizers import TokenizerProcess
+
+
+class _Recorder:
+    """A stand-in for the worker's connection: each job takes `job_s`, one at a time (the
+    queue sends one at a time); records the prompts in the order they ran."""
+
+    dead = None
+
+    def __init__(self, job_s: float) -> None:
+        self.job_s, self.ran = job_s, []
+
+    def call(self, op, **fields):
+        fut = asyncio.get_running_loop().create_future()
+        self.ran.append(fields["prompt"])
+        asyncio.get_running_loop().call_later(self.job_s, fut.set_result, [1, 2, 3])
+        return fut
+
+
+def test_jobs_are_shared_between_tenants_by_prompt_size(monkeypatch):
+    """A's five 100 kB prompts, then B's five 10-byte ones: B's all run after A's first (the
+    one running when they came), not in turn with A's (the round robin it replaced)."""
+    worker = _Recorder(0.02)
+    monkeypatch.setattr(TokenizerProcess, "_connection", lambda self: worker)
+
+    async def main():
+        tp = TokenizerProcess()
+        a = [asyncio.ensure_future(tp.encode("m", None, f"A{i}" + "a" * 100_000, "a")) for i in range(5)]
+        await asyncio.sleep(0)
+        b = [asyncio.ensure_future(tp.encode("m", None, f"B{i}" + "b" * 8, "b")) for i in range(5)]
+        await asyncio.gather(*a, *b)
+        return [p[:2] for p in worker.ran], tp
+
+    order, tp = asyncio.run(main())
+    assert order == ["A0", "B0", "B1", "B2", "B3", "B4", "A1", "A2", "A3", "A4"], order
+    assert tp.counts.done == 10 and tp.waiting == 0 and not tp._finish  # no tenant left remembered
+
+
+def test_a_blocking_tokenize_runs_off_the_event_loop():
+    """`run` (how the agent tokenizes for vLLM, whose engine answers on a blocking socket):
+    the loop keeps ticking while a 0.5 s call runs, and the calls take their turns."""
+
+    async def main():
+        tp = TokenizerProcess()
+        ticks = 0
+
+        async def ticker():
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        t = asyncio.ensure_future(ticker())
+        start = time.monotonic()
+        ids = await asyncio.gather(tp.run("a", 10, lambda: (time.sleep(0.5), [7])[1]),
+                                   tp.run("b", 10, lambda: (time.sleep(0.5), [8])[1]))
+        took = time.monotonic() - start
+        t.cancel()
+        return ids, ticks, took
+
+    ids, ticks, took = asyncio.run(main())
+    assert ids == [[7], [8]]
+    assert took >= 1.0  # one at a time
+    assert ticks >= 30, ticks  # the loop ran meanwhile (100 ticks if idle; the machine is shared)
+
+
+def test_a_blocking_tokenize_past_its_deadline_fails_clearly():
+    async def main():
+        tp = TokenizerProcess(job_timeout_s=0.3)
+        with pytest.raises(EngineError, match="took over 0.3 s"):
+            await tp.run("a", 10, lambda: (time.sleep(1.0), [1])[1])
+        return await tp.run("a", 10, lambda: [2]), tp.counts
+
+    ids, counts = asyncio.run(main())
+    assert ids == [2] and counts.timed_out == 1
+
+
+@pytest.mark.slow
+def test_a_stuck_tokenizer_worker_is_killed_and_replaced(demo_gguf):
+    """The real worker, stopped (SIGSTOP) as if wedged in a tokenizer build: the job fails
+    at its deadline, the worker is killed, and the next job runs in a new one."""
+
+    async def main():
+        tp = TokenizerProcess(job_timeout_s=120.0)
+        try:
+            first = await tp.encode(str(demo_gguf), None, "Hello there", "a")  # builds the tokenizer: seconds
+            stuck = tp._conn.proc.pid
+            os.kill(stuck, signal.SIGSTOP)
+            tp.job_timeout_s = 1.0
+            start = time.monotonic()
+            with pytest.raises(EngineError, match="took over 1 s"):
+                await tp.encode(str(demo_gguf), None, "Hello there", "a")
+            failed_after = time.monotonic() - start
+            assert tp._conn is None and tp.counts.restarts == 1 and tp.counts.timed_out == 1
+            with pytest.raises(ProcessLookupError):
+                os.kill(stuck, 0)  # killed and reaped
+            tp.job_timeout_s = 120.0
+            again = await tp.encode(str(demo_gguf), None, "Hello there", "a")
+            assert tp._conn.proc.pid != stuck
+            stats = await tp.cache_stats()
+            return first, again, failed_after, stats
+        finally:
+            await tp.close()
+
+    first, again, failed_after, stats = asyncio.run(main())
+    assert first == again and first
+    assert failed_after < 15.0  # the deadline, and the kill
+    assert stats["entries"] == 1 and 0 < stats["held_bytes"] <= stats["budget_bytes"], stats
+
+
+def test_the_tokenizer_cache_is_bounded_by_bytes(monkeypatch):
+    """Entries are charged what the process grew by while they were built; the least recently
+    used go past the budget, the newest always stays."""
+    import mesh.agent.tokenizer_worker as worker
+
+    sizes = iter([100, 250, 400, 650, 900, 1500])  # RSS before/after each build: 150, 250, 600 bytes
+
+    class Front:
+        def __init__(self, path):
+            self.path = path
+
+        def encode_prompt(self, prompt):
+            return [len(prompt)]
+
+    monkeypatch.setattr(worker, "_rss_bytes", lambda: next(sizes))
+    monkeypatch.setattr("engines.openvino_engine.OpenVINOEngine", Front)
+    cache = TokenizerCache(budget_bytes=500)
+    assert cache.encode("a", None, "xy") == [2]
+    assert cache.encode("b", None, "xyz") == [3]
+    assert cache.stats()["held_bytes"] == 400 and cache.stats()["entries"] == 2
+    assert cache.encode("a", None, "x") == [1]  # a hit: no build, a is the most recent now
+    assert cache.encode("c", None, "x") == [1]  # 600 bytes: over the budget alone; b and a go
+    assert cache.stats() == {"entries": 1, "held_bytes": 600, "budget_bytes": 500, "evicted": 2}
+    assert cache.forget("c") and cache.stats()["entries"] == 0
