@@ -309,6 +309,17 @@ class ClusterPlacement:
         raise bad_request(f"{FORMAT_NAMES[record.kind]}s run on {native.upper()} nodes ({ENGINE_OF_KIND[native]}), "
                           f"{why}; " + "; ".join(other) + ".", "model")
 
+    def _describer(self, record: ModelRecord, kind: str) -> AgentNode:
+        """The node of `kind` that describes the model (and so builds it ahead, on a CPU node):
+        one that holds its weights there (the first host copy, BlitzScale 5.3: where the
+        dispatcher's locality puts its first instance, and no copy to make), else a local
+        agent (it reads the registry's path), else any that is up."""
+        up = sorted((n for n in self._nodes() if n.kind == kind and n.up), key=lambda n: n.agent.remote)
+        if self.weights is not None and record.kind != EMULATED:
+            held = set(self.weights.holders(ModelFormat.of(record, kind).key))
+            return next((n for n in up if n.node_id in held), up[0])
+        return up[0]
+
     def model_formats(self, model: ModelRecord) -> dict[str, dict[str, Any]]:
         if self.formats is not None:
             return self.formats.view(model)
@@ -325,8 +336,7 @@ class ClusterPlacement:
         profiles: dict[str, Any] = {}
         front: tuple[AgentNode, str] | None = None
         for kind in kinds:
-            # a local agent reads the registry's path
-            node = sorted((n for n in self._nodes() if n.kind == kind and n.up), key=lambda n: n.agent.remote)[0]
+            node = self._describer(record, kind)
             try:
                 path, _ = await self._copy_on(record, node)
                 shape = await node.agent.client.call(
