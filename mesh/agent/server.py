@@ -630,7 +630,8 @@ class AgentServer:
                 sys.executable, "-m", "mesh.agent.speed_probe", stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL, env=worker_env(), preexec_fn=die_with_parent)
             out, _ = await asyncio.wait_for(proc.communicate(), 120)
-            self.learning.set_speed(MachineSpeed(**json.loads(out)["speed"]))
+            speed = json.loads(out)["speed"]
+            self.learning.set_speed(MachineSpeed(**{**speed, "cores": tuple(speed.get("cores", ()))}))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the probe only sets a starting point
@@ -901,7 +902,8 @@ def _cpu_info() -> dict[str, Any]:
     from mesh.hardware import read_cpuinfo
 
     cpu = read_cpuinfo()
-    return {"model": cpu.model_name, "cores": cpu.cores, "amx": cpu.amx}
+    return {"model": cpu.model_name, "cores": cpu.cores, "amx": cpu.amx,
+            "core_set": sorted(os.sched_getaffinity(0))}  # the cores this node owns (its agent's --cpus)
 
 
 async def _watch_stdin(server: AgentServer) -> None:

@@ -9,7 +9,7 @@ quota_concurrent_requests, quota_requests_per_s, quota_burst. The operator sets 
 own with PUT /admin/tenants/{name}/quota.
 
 Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
-max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, ray, ray_autoscale, weights_plan,
+max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, node_cores, remote_agents, ray, ray_autoscale, weights_plan,
 drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
 deadlines, policy, cold_start_s, exact_moves, prepare_formats, emulate, watchdog_min_s (and
@@ -85,6 +85,9 @@ class ServeConfig:
     keep_alive_s: float = 60.0
     cpu_memory_gb: float | None = None  # None: half the machine's memory, split over the CPU nodes
     cpu_nodes: int = 1  # CPU node agents on this machine (each a node of the weights plane)
+    # the local nodes' core sets, "0;1" or "cpu-0=0-3;cpu-1=4-7;service=8" (mesh.agent.supervisor.parse_node_cores);
+    # None: split among them (core_shares) when there are two or more
+    node_cores: str | None = None
     weights_plan: str = "binomial"  # multicast plan for scale-outs: naive, chain, binomial
     remote_agents: list[str] = field(default_factory=list)  # "ID=HOST:PORT" of agents on other machines
     ray: str | None = None  # "auto" or a Ray cluster's address: node agents on its nodes (docs/cluster.md)
@@ -188,6 +191,8 @@ def _check(c: ServeConfig) -> None:
             raise ConfigError(f"{name} must be an integer of at least 1, got {value!r}")
     if isinstance(c.cpu_nodes, bool) or not isinstance(c.cpu_nodes, int) or not 1 <= c.cpu_nodes <= 64:
         raise ConfigError(f"cpu_nodes must be an integer from 1 to 64, got {c.cpu_nodes!r}")
+    if c.node_cores is not None and (not isinstance(c.node_cores, str) or not c.node_cores.strip()):
+        raise ConfigError(f"node_cores must be core sets like '0;1' or 'cpu-0=0-3;cpu-1=4-7', got {c.node_cores!r}")
     if not isinstance(c.remote_agents, list):
         raise ConfigError(f"remote_agents must be a list of 'ID=HOST:PORT', got {c.remote_agents!r}")
     from mesh.agent.remote import parse_remote
