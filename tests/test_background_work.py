@@ -1,0 +1,69 @@
+"""Background work never competes with serving (issue 31 item 2): it runs at idle CPU
+priority with one compute thread, in the order its models are expected to be needed."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from engines.worker_process import REPO_ROOT, background_env
+
+PROBE = """
+import json, os, threading
+from engines.worker_process import run_as_background
+got = run_as_background()
+seen = {}
+t = threading.Thread(target=lambda: seen.update(policy=os.sched_getscheduler(0)))
+t.start(); t.join()
+print(json.dumps({"got": got, "policy": os.sched_getscheduler(0), "thread": seen["policy"], "nice": os.nice(0),
+                  "omp": os.environ.get("OMP_NUM_THREADS")}))
+"""
+
+
+def test_a_background_process_and_the_threads_it_starts_run_at_idle_priority():
+    out = subprocess.run([sys.executable, "-c", PROBE], env=background_env(), cwd=str(REPO_ROOT),
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    facts = json.loads(out)
+    assert facts["policy"] == os.SCHED_IDLE and facts["thread"] == os.SCHED_IDLE, facts
+    assert facts["nice"] == 19 and facts["got"] == "SCHED_IDLE, nice 19" and facts["omp"] == "1"
+    assert os.sched_getscheduler(0) != os.SCHED_IDLE  # only the child
+
+
+def test_preparations_run_at_idle_priority_in_order_of_expected_need(tmp_path: Path):
+    """Three files that are GGUFs by their magic only (each preparation fails fast, which is
+    all this needs): the one needed first is prepared first, whatever order they came in,
+    each in a child at SCHED_IDLE; a wait for one model does not wait for the others."""
+    from engines.background_prepare import BackgroundPreparer
+
+    files = {}
+    for name in ("late", "now", "soon"):
+        files[name] = tmp_path / f"{name}.gguf"
+        files[name].write_bytes(b"GGUF" + os.urandom(64))
+
+    async def main() -> None:
+        preparer = BackgroundPreparer(tmp_path / "root")
+        now = asyncio.get_running_loop().time()
+        assert preparer.schedule(files["late"], now + 100)
+        assert preparer.schedule(files["now"])
+        assert preparer.schedule(files["soon"], now + 50)
+        assert not preparer.schedule(files["late"], now + 10)  # queued once; it moves up to the earlier need
+        policies = set()
+        waited = asyncio.ensure_future(preparer.wait(files["now"]))
+        while not waited.done():
+            proc = preparer._proc
+            if proc is not None and proc.returncode is None:
+                try:
+                    policies.add(os.sched_getscheduler(proc.pid))
+                except OSError:
+                    pass
+            await asyncio.sleep(0.01)
+        assert str(files["late"].resolve()) not in preparer.done  # its own wait is over before the others run
+        await preparer.wait()
+        assert list(preparer.done) == [str(files[n].resolve()) for n in ("now", "late", "soon")]
+        assert os.SCHED_IDLE in policies
+        await preparer.close()
+
+    asyncio.run(main())
