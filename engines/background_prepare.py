@@ -138,15 +138,19 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="a GGUF file")
     parser.add_argument("--root", help="the node cache's root (default: <data dir>/compiled)")
     parser.add_argument("--no-probe", action="store_true", help="do not probe whether compiled blobs import")
+    parser.add_argument("--normal-priority", action="store_true",
+                        help="run at normal priority with OpenVINO's default threads (`mesh bench interference`'s comparison)")
     args = parser.parse_args(argv)
     from engines.worker_process import die_with_parent, run_as_background
 
     die_with_parent()
-    run_as_background()  # first: OpenVINO's thread pools inherit it
+    if not args.normal_priority:
+        run_as_background()  # first: OpenVINO's thread pools inherit it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds where it can: prepare removes its .tmp
     from engines.node_cache import prepare
 
-    prepared = prepare(args.model, args.root, probe_blobs=not args.no_probe, threads=1)
+    prepared = prepare(args.model, args.root, probe_blobs=not args.no_probe,
+                       threads=None if args.normal_priority else 1)
     print(prepared.path)
     return 0
 

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from engines.worker_process import REPO_ROOT, background_env
 
 PROBE = """
@@ -67,3 +69,22 @@ def test_preparations_run_at_idle_priority_in_order_of_expected_need(tmp_path: P
         await preparer.close()
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_the_interference_benchmark_times_a_real_node_with_and_without_a_preparation_beside_it(demo_gguf, tmp_path):
+    """`mesh bench interference` in small: a real OpenVINO node decodes in every phase, the
+    background job really ran during its windows, and nothing it started outlives it."""
+
+    pytest.importorskip("openvino_genai")
+    from mesh.bench.interference import run
+
+    cores = sorted(os.sched_getaffinity(0))
+    fig = asyncio.run(run(demo_gguf, "prepare", cores, batch=2, tokens=24, repeats=1, normal=True,
+                          work=tmp_path, settle_s=1.0))
+    assert [w.phase for w in fig.windows] == ["alone", "background", "normal"]
+    assert all(w.steps >= 10 and w.tpot_p50_ms > 0 for w in fig.windows)
+    assert fig.windows[0].jobs_started == 0 and all(w.jobs_started >= 1 for w in fig.windows[1:])
+    assert set(fig.rise_pct) == {"background", "normal"}
+    left = subprocess.run(["pgrep", "-f", f"engines.background_prepare .* --root {tmp_path}"], capture_output=True)
+    assert left.returncode == 1, left.stdout  # every job process group was killed

@@ -6,7 +6,7 @@ import argparse
 from mesh.commands import register_all
 
 # Benchmark modules in mesh.bench, each with `register(subparsers)`.
-BENCHES = ["closed_loop", "coldstart", "control_plane", "core", "fidelity", "engine", "learning", "multicast", "replay", "serve",
+BENCHES = ["closed_loop", "coldstart", "control_plane", "core", "fidelity", "engine", "interference", "learning", "multicast", "replay", "serve",
            "tokens"]
 
 
