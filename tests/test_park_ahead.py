@@ -126,7 +126,7 @@ def test_a_build_ahead_waits_for_an_idle_node_and_yields_to_the_first_load(tmp_p
         assert ahead.pending("m") is None  # the model's first load comes first: it builds its own worker
         idle[0] = True
         await _until(lambda: "m" in ahead.skipped, 5)
-        assert "first load" in ahead.skipped["m"] and build.worker_pid is None and not counter.exists()
+        assert "first load came" in ahead.skipped["m"] and build.worker_pid is None and not counter.exists()
         await ahead.close()
 
     asyncio.run(main())

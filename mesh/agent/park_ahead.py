@@ -93,7 +93,7 @@ class ParkAhead:
                 while not self.idle() and spec.model not in self._wanted:
                     await asyncio.sleep(POLL_S)  # a build competes with serving for the node's cores
                 if spec.model in self._wanted:
-                    why = "its first load came before the node was idle"
+                    why = "its first load came before its build could start"
                 else:
                     self._building[spec.model] = building = asyncio.get_running_loop().create_future()
                     try:

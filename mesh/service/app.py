@@ -214,7 +214,13 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     if config.emulate:
         from mesh.agent.emulation import emulated_nodes
 
-        nodes, emulated = emulated_nodes(config.emulate)
+        emulated_specs, emulated = emulated_nodes(config.emulate)
+        if config.mixed_rig and any(n.kind != "cpu" for n in nodes):  # vLLM's nodes would share the GPU kind
+            print(f"mesh serve: the mixed rig (--cpu-nodes with --emulate) emulates the GPU nodes, so it cannot also "
+                  f"run {', '.join(n.node_id for n in nodes if n.kind != 'cpu')} (drop --vllm-cpu)", file=sys.stderr)
+            registry.close()
+            return 2
+        nodes = [*nodes, *emulated_specs] if config.mixed_rig else emulated_specs
     # the local nodes that compute on this machine's cores split them as they split its memory
     # (each one a machine): OpenVINO agents and the vLLM-on-CPU agent, not emulated ones
     computing = [n.node_id for n in nodes if n.node_id not in emulated and (n.kind == "cpu" or n.node_id == CPU_NODE_ID)]

@@ -122,6 +122,9 @@ class ServeConfig:
     watchdog_min_s: float = 30.0  # the engine watchdog's floor (mesh.runtime.node.HUNG_MIN_S)
     # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.agent.emulation; docs/service.md)
     emulate: str | None = None
+    # derived, not a key: emulate with cpu_nodes given too is the mixed rig, this machine's CPU nodes
+    # beside emulated GPU nodes that emulate its real models (mesh.agent.emulation)
+    mixed_rig: bool = False
 
     @property
     def default_quota(self) -> Quota:
@@ -162,6 +165,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> ServeConfig:
     """Merge defaults < config file < command line (None on the command line: not given)."""
     config = ServeConfig()
+    config.mixed_rig = "cpu_nodes" in file_values or cli_values.get("cpu_nodes") is not None  # kept if emulate
     for source in (file_values, {k: v for k, v in cli_values.items() if v is not None}):
         for key, value in source.items():
             if key in _PATHS and value is not None:
@@ -229,8 +233,9 @@ def _check(c: ServeConfig) -> None:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")
     if not isinstance(c.exact_moves, bool):
         raise ConfigError(f"exact_moves must be true or false, got {c.exact_moves!r}")
+    c.mixed_rig = bool(c.emulate) and c.mixed_rig
     if c.cold_start_s is None:
-        c.cold_start_s = 0.0 if c.emulate else 7.5
+        c.cold_start_s = 0.0 if c.emulate and not c.mixed_rig else 7.5
     if isinstance(c.cold_start_s, bool) or not isinstance(c.cold_start_s, (int, float)) or c.cold_start_s < 0:
         raise ConfigError(f"cold_start_s must be a number of seconds >= 0, got {c.cold_start_s!r}")
     if not isinstance(c.prepare_formats, bool):
@@ -239,15 +244,19 @@ def _check(c: ServeConfig) -> None:
         from mesh.agent.emulation import emulated_nodes
         from mesh.perf.profile import ProfileError
 
-        if c.demo:
-            raise ConfigError("emulate runs emulated models only: it cannot serve the demo model (drop --demo)")
+        if c.demo and not c.mixed_rig:
+            raise ConfigError("emulate runs emulated models only: it cannot serve the demo model (drop --demo, or "
+                              "give cpu_nodes too for the mixed rig: this machine's CPU nodes beside emulated GPU nodes)")
         if c.ray is not None or c.remote_agents:
             raise ConfigError("emulate runs its own nodes on this machine: it cannot be combined with ray or "
                               "remote_agents")
         try:
-            emulated_nodes(str(c.emulate))
+            nodes, _devices = emulated_nodes(str(c.emulate))
         except (ValueError, ProfileError) as exc:
             raise ConfigError(f"emulate: {exc}") from None
+        if c.mixed_rig and any(n.kind != "gpu" for n in nodes):
+            raise ConfigError(f"emulate {c.emulate!r} with cpu_nodes is the mixed rig: its CPU nodes are this "
+                              "machine's, so it emulates GPU devices only (e.g. --cpu-nodes 2 --emulate a100-80gb:1)")
     if c.weights_plan not in ("naive", "chain", "binomial"):
         raise ConfigError(f"weights_plan must be naive, chain or binomial, got {c.weights_plan!r}")
     if isinstance(c.watchdog_min_s, bool) or not isinstance(c.watchdog_min_s, (int, float)) or not c.watchdog_min_s > 0:
