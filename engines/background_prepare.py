@@ -1,5 +1,5 @@
 """Preparing models in the background (engines.node_cache.prepare), one at a time, in a
-process of its own at idle CPU priority (SCHED_IDLE, nice 19; engines.worker_process.
+process of its own at idle CPU priority (SCHED_IDLE, nice 19; mesh.background.
 run_as_background) with one compute thread: never on a request's path.
 
     python -m engines.background_prepare GGUF [--root DIR]
@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--normal-priority", action="store_true",
                         help="run at normal priority with OpenVINO's default threads (`mesh bench interference`'s comparison)")
     args = parser.parse_args(argv)
-    from engines.worker_process import die_with_parent, run_as_background
+    from engines.worker_process import die_with_parent
+    from mesh.background import run_as_background
 
     die_with_parent()
     if not args.normal_priority:

@@ -15,7 +15,7 @@ from engines.worker_process import REPO_ROOT, background_env
 
 PROBE = """
 import json, os, threading
-from engines.worker_process import run_as_background
+from mesh.background import run_as_background
 got = run_as_background()
 seen = {}
 t = threading.Thread(target=lambda: seen.update(policy=os.sched_getscheduler(0)))

@@ -9,7 +9,7 @@ iteration (every running request gets one token per iteration), timed from outsi
 engine; the window's p50 is compared between phases:
 - `alone`: nothing else started by the benchmark;
 - `background`: a background job running in a loop on the node's cores, as Mesh runs it
-  (idle priority: SCHED_IDLE and nice 19, one compute thread; engines.worker_process.
+  (idle priority: SCHED_IDLE and nice 19, one compute thread; mesh.background.
   run_as_background);
 - `normal` (with --normal): the same job at normal priority with its default threads, as
   background work ran before issue 31: what the priority buys.

@@ -220,6 +220,12 @@ class ClusterShape:
         cpu = sum(1 for k in self.kinds.values() if k == CPU)
         return cpu, len(self.kinds) - cpu
 
+    @property
+    def mixed(self) -> bool:
+        """The mixed rig (`mesh serve --cpu-nodes N --emulate GPU:M`): real CPU nodes beside
+        emulated GPU nodes, which run the real model emulated from its architecture."""
+        return bool(self.devices) and CPU not in self.devices and self.counts()[0] > 0
+
 
 async def _shape(svc: _Service) -> ClusterShape:
     view = await svc.call("GET", "/admin/cluster", "reading the cluster (is MESH_ADMIN_TOKEN the service's?)")

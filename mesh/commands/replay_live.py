@@ -1,6 +1,11 @@
 """`mesh replay --live URL`: the trace sent to a running service, and the same requests
 replayed in virtual time on a simulated cluster of the service's nodes (mesh.bench.live).
 
+On the mixed rig (`mesh serve --cpu-nodes N --emulate a100-80gb:M`: real OpenVINO agents
+beside emulated GPU nodes) the replay is the real model's, and the twin's GPU profile is the
+one the emulated nodes run it with (the roofline's profile of its architecture on their
+device, mesh.agent.emulation), its CPU side as below.
+
 Against emulated nodes (`mesh serve --emulate DEVICE:N,...`, the service reports each node's
 device at `/admin/cluster`) each function's model is an emulated `--model` (`llama-2-7b`, ...)
 registered by catalog name, the trace's lengths are sent unscaled, and the twin plans and
@@ -39,7 +44,7 @@ from typing import Any
 
 import aiohttp
 
-from engines.protocol import DEFAULT_CONTEXT_CAP
+from engines.protocol import DEFAULT_CONTEXT_CAP, EngineError
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.modelfiles.demo import ModelFetchError
 from mesh.perf.profile import load_profile
@@ -70,12 +75,22 @@ def _model_shape(path: Path) -> tuple[int, int, int]:
     return engine.weight_bytes, engine.kv_bytes_per_token, min(engine.context_window, DEFAULT_CONTEXT_CAP)
 
 
-def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, window: int) -> dict[str, ModelSpec]:
+def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, window: int,
+             emulated: dict[str, str] | None = None, model_path: Path | None = None) -> dict[str, ModelSpec]:
+    """The twin's model: per kind its calibrated profile (--profiles) or prior; on the mixed
+    rig's emulated kinds (`emulated`: kind -> device) the profile its emulated nodes run the
+    model with (mesh.agent.emulation: the roofline's, from its architecture)."""
     profiles = {}
     for kind in (CPU, GPU):
         path = Path(args.profiles) / f"{BASE}__{kind}.json" if args.profiles else None
-        profiles[kind] = (load_profile(path) if path is not None and path.is_file()
-                          else prior_profile(BASE, kind, weight_bytes, kv_per_token, window))
+        if emulated and kind in emulated and model_path is not None:
+            from mesh.agent.emulation import Emulation, shape_name
+            from mesh.modelfiles.shape import architecture_of
+
+            profiles[kind] = Emulation(emulated[kind]).profile(shape_name(architecture_of(model_path, BASE)))
+        else:
+            profiles[kind] = (load_profile(path) if path is not None and path.is_file()
+                              else prior_profile(BASE, kind, weight_bytes, kv_per_token, window))
     return {BASE: ModelSpec(BASE, profiles)}
 
 
@@ -104,7 +119,7 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     memory = shape.memory
     (base,) = catalog
     extra: dict[str, Any] = {} if margin is None else {"margin": margin}
-    if shape.devices:  # emulated nodes: the replay's cold start, the service's instances' batch limit
+    if shape.devices and not shape.mixed:  # emulated nodes: the replay's cold start, the service's batch limit
         cold_start = ColdStart()
         extra["max_batch"] = PlacementSettings().max_batch
     else:
@@ -135,7 +150,8 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
     except aiohttp.ClientError as exc:
         print(f"mesh replay --live: error: cannot reach the service at {args.live}: {exc}", file=sys.stderr)
         return 1
-    if shape.devices:
+    mixed = shape.mixed
+    if shape.devices and not mixed:
         return _run_emulated(args, workload_for, token, shape)
     try:
         model_path = Path(args.model_path) if args.model_path else _demo_path()
@@ -147,9 +163,9 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
             policy_spec(name)
         workload, queue_timeout_s = workload_for(args, {BASE: window}, {BASE: 1.0}, LIVE_LENGTH_SCALE)
         scale = workload.description.get("length_scale", 1.0)
-        catalog = _catalog(args, weight_bytes, kv_per_token, window)
+        catalog = _catalog(args, weight_bytes, kv_per_token, window, shape.devices if mixed else None, model_path)
         cold_start_bytes_per_s(weight_bytes, args.cold_start_s)
-    except (ValueError, OSError, ModelFetchError) as exc:
+    except (ValueError, OSError, ModelFetchError, EngineError) as exc:
         print(f"mesh replay --live: error: {exc}", file=sys.stderr)
         return 2
     d = workload.description

@@ -318,7 +318,7 @@ def main(argv: list[str] | None = None) -> int:
                      help="run at idle priority (SCHED_IDLE, nice 19) with one compute thread: a background job")
     args = parser.parse_args(argv)
     if args.background:
-        from engines.worker_process import BACKGROUND_THREADS, run_as_background
+        from mesh.background import BACKGROUND_THREADS, run_as_background
 
         os.environ.update(BACKGROUND_THREADS)  # before torch loads (and for the export's own process)
         run_as_background()
