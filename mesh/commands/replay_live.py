@@ -111,7 +111,8 @@ def learnt_twin(catalog: dict[str, ModelSpec], learnt: dict[str, Any]) -> tuple[
 
 
 def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape, catalog: dict[str, ModelSpec],
-              policy: str, margin: float | None = None, cold_start_s: float | None = None) -> dict[str, Any]:
+              policy: str, margin: float | None = None, cold_start_s: float | None = None,
+              runs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The twin: the service's nodes, deadline rule and queue settings, simulated; against
     emulated nodes also the service's cold start model and maximum batch; with what the
     service learnt where given (its margin, its measured cold start)."""
@@ -132,7 +133,10 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     config = ReplayConfig(cluster=cluster, queue_capacity=shape.queue_capacity, retry_interval_s=args.retry_interval,
                           queue_timeout_s=shape.queue_timeout_s, progress=not args.no_progress)
     prior = {base: float(sum(a.output_len for a in workload.arrivals) / max(1, len(workload)))}
-    return summarize(run_policy(workload, policy, config, catalog, prior))
+    run = run_policy(workload, policy, config, catalog, prior)
+    if runs is not None:  # --explain compares its requests with the live ones
+        runs[policy] = run
+    return summarize(run)
 
 
 def run(args: argparse.Namespace, workload_for: Any) -> int:
@@ -226,8 +230,12 @@ def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, s
         live = asyncio.run(run_live(workload, config))
         # the twin proper: the same policies with what the service learnt during the run
         twin_catalog, margin, cold_s = learnt_twin(catalog, live.learnt)
-        simulated = ({p: _simulate(args, workload, shape, twin_catalog, p, margin, cold_s)
+        runs: dict[str, Any] = {}
+        simulated = ({p: _simulate(args, workload, shape, twin_catalog, p, margin, cold_s,
+                                   runs if p == shape.policy else None)
                       for p in policies} if live.learnt else prior)
+        if not live.learnt and getattr(args, "explain", False):
+            _simulate(args, workload, shape, catalog, shape.policy, runs=runs)
     except LiveReplayError as exc:
         print(f"mesh replay --live: error: {exc}", file=sys.stderr)
         return 1
@@ -250,6 +258,12 @@ def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, s
     failed = [r.detail for r in live.requests if r.detail]
     if failed:
         print(f"live: {len(failed)} requests not served; the first: {failed[0]}", file=sys.stderr)
+    explained = None
+    if getattr(args, "explain", False) and shape.policy in runs:
+        from mesh.bench.explain import differences, report
+
+        explained = differences(live.requests, runs[shape.policy].requests)
+        print(report(explained, len(live.requests)))
     if args.json:
         sims = {p: json_ready(m) for p, m in simulated.items()}
         out = {"live": {**json_ready(results[f"live ({shape.policy})"]), "policy": shape.policy, "wall_s": live.wall_s,
@@ -257,6 +271,7 @@ def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, s
                         "requests_detail": [_outcome(r) for r in live.requests]},
                "simulated": sims[shape.policy], "simulated_by_policy": sims,
                "simulated_prior": json_ready(prior[shape.policy]),
+               **({"explain": [d.to_dict() for d in explained]} if explained is not None else {}),
                "learnt": {"summary": live.learnt.get("summary"), "nodes": live.learnt.get("nodes"),
                           "twin_margin": margin, "twin_cold_start_s": cold_s},
                "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,

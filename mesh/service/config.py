@@ -27,7 +27,9 @@ this machine's nodes, N emulated nodes of each profiled device (mesh.agent.emula
 node agents whose engines keep the device's profile times on the wall clock. They run only
 emulated models, which the operator registers by catalog name (POST
 /admin/tenants/{tenant}/models {"name", "emulate": "llama-2-7b"}). The cold start then defaults
-to the replay's (the weights' load, no fixed start-up).
+to the replay's (the weights' load, no fixed start-up). With cpu_nodes given too it is the
+mixed rig instead: this machine's CPU nodes beside emulated GPU nodes, which run its real
+models emulated from their architecture (docs/service.md, "The mixed rig"; cold start 7.5 s).
 
 `prepare_formats` (default true; `mesh serve --no-prepare` turns it off): prepare each
 registered model's format for the other kind of node in the background (a GGUF converted to
