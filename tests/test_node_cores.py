@@ -70,3 +70,20 @@ def test_a_real_agent_runs_probes_and_reports_on_its_own_core(tmp_path):
             await agent.stop()
 
     asyncio.run(main())
+
+
+def test_the_mixed_rig_is_cpu_nodes_given_with_emulated_gpu_devices():
+    from mesh.service.config import ConfigError, build_config
+
+    mixed = build_config({}, {"cpu_nodes": 2, "emulate": "a100-80gb:1", "demo": True})
+    assert mixed.mixed_rig and mixed.cold_start_s == 7.5  # its CPU nodes are real: their cold start
+    assert build_config({"cpu_nodes": 2}, {"emulate": "a100-80gb:1"}).mixed_rig  # from the file too
+    emulated = build_config({}, {"emulate": "a100-80gb:1"})
+    assert not emulated.mixed_rig and emulated.cold_start_s == 0.0
+    assert not build_config({}, {"cpu_nodes": 2}).mixed_rig
+    with pytest.raises(ConfigError, match="emulates GPU devices only"):
+        build_config({}, {"cpu_nodes": 2, "emulate": "xeon-6462c:1,a100-80gb:1"})
+    with pytest.raises(ConfigError, match="drop --demo, or give cpu_nodes"):
+        build_config({}, {"emulate": "a100-80gb:1", "demo": True})
+    with pytest.raises(ConfigError, match="node_cores must be core sets"):
+        build_config({"node_cores": 3}, {})
