@@ -73,10 +73,6 @@ class BackgroundPreparer:
             self._task = loop.create_task(self._drain())
         return True
 
-    def pending(self) -> list[str]:
-        """What is queued, in the order it will be prepared (views, tests)."""
-        return [p for _need, _order, p in sorted(self._queue)]
-
     async def _drain(self) -> None:
         from engines.worker_process import background_env
 

@@ -226,10 +226,14 @@ class WorkerConnection:
             while True:
                 reply = recv_msg(self.main)
                 fut = self._pending.popleft()
-                if reply.get("ok"):
-                    fut.set_result(reply.get("value"))
-                else:
-                    fut.set_exception(EngineError(reply.get("error", f"{self.name} worker error")))
+                try:
+                    if reply.get("ok"):
+                        fut.set_result(reply.get("value"))
+                    else:
+                        fut.set_exception(EngineError(reply.get("error", f"{self.name} worker error")))
+                except concurrent.futures.InvalidStateError:
+                    pass  # its waiter was cancelled (asyncio.wrap_future cancels it): the reply has no taker,
+                    # and the replies after it still go to theirs (this thread dying would strand them all)
         except (EOFError, OSError, IndexError) as exc:
             self._fail(f"the {self.name} worker (pid {self.proc.pid}) stopped ({type(exc).__name__})")
 

@@ -88,3 +88,25 @@ def test_the_interference_benchmark_times_a_real_node_with_and_without_a_prepara
     assert set(fig.rise_pct) == {"background", "normal"}
     left = subprocess.run(["pgrep", "-f", f"engines.background_prepare .* --root {tmp_path}"], capture_output=True)
     assert left.returncode == 1, left.stdout  # every job process group was killed
+
+
+def test_a_worker_reply_whose_waiter_was_cancelled_leaves_the_connection_serving(tmp_path):
+    """engines.worker_process: a command whose asyncio waiter was cancelled (a cancelled build
+    ahead, a watchdog's step) had its future cancelled; its reply then raised in the reader
+    thread, which died, and every later reply of that worker was lost."""
+    from engines.protocol import EngineError
+    from engines.worker_process import WorkerConnection, wait, worker_env
+
+    async def main() -> None:
+        conn = WorkerConnection("engines.openvino_worker", sys.executable, worker_env(), tmp_path / "w.log",
+                                name="OpenVINO")
+        try:
+            first = conn.call("no-such-command")
+            assert first.cancel()  # what asyncio.wrap_future does when its waiter is cancelled
+            with pytest.raises(EngineError, match="no init message"):
+                await asyncio.wait_for(wait(conn.call("still-listening")), 60)  # answered: the reader lives on
+            assert first.cancelled() and conn.dead is None
+        finally:
+            await conn.shutdown(10)
+
+    asyncio.run(main())

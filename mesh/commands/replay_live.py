@@ -49,6 +49,7 @@ from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_s
 from mesh.modelfiles.demo import ModelFetchError
 from mesh.perf.profile import load_profile
 from mesh.perf.times import learnt_profile, prior_profile
+from mesh.policy.cold_starts import ANY_MODEL
 from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
@@ -94,18 +95,19 @@ def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, win
     return {BASE: ModelSpec(BASE, profiles)}
 
 
-def learnt_twin(catalog: dict[str, ModelSpec], learnt: dict[str, Any]) -> tuple[dict[str, ModelSpec], float | None,
-                                                                               float | None]:
+def learnt_twin(catalog: dict[str, ModelSpec], learnt: dict[str, Any], cold_kinds: tuple[str, ...] = (CPU, GPU)
+                ) -> tuple[dict[str, ModelSpec], float | None, float | None]:
     """(catalog, margin, cold start s) of the twin that runs with what the service learnt
     (GET /admin/learnt's per-kind summary, issue 23 item 5): each kind's profile times its
     learnt factors per grid region, the learnt margin, the median measured cold start;
-    None where nothing was learnt (the flags' values stand)."""
+    None where nothing was learnt (the flags' values stand). `cold_kinds`: the kinds whose
+    measured cold starts count (the mixed rig's: its real CPU nodes only)."""
     summary = learnt.get("summary") or {}
     (base,) = catalog
     profiles = {kind: (learnt_profile(p, summary[kind]) if (summary.get(kind) or {}).get("observed") else p)
                 for kind, p in catalog[base].profiles.items()}
     margins = [s["margin"] for s in summary.values() if s.get("margin") is not None]
-    colds = [s["cold_start_s"] for s in summary.values() if s.get("cold_start_s")]
+    colds = [s["cold_start_s"] for k, s in summary.items() if k in cold_kinds and s.get("cold_start_s")]
     return ({base: ModelSpec(base, profiles)}, max(margins) if margins else None,
             statistics.median(colds) if colds else None)
 
@@ -126,6 +128,10 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     else:
         bps = cold_start_bytes_per_s(catalog[base].profiles[CPU].weight_bytes, cold_start_s or args.cold_start_s)
         cold_start = ColdStart(bps, bps)
+        if shape.mixed:  # the emulated GPU nodes load as the service has them (Cluster.simulated_load_s: its
+            # cold start model, --cold-start-s plus the weights over PCIe), not at the CPU nodes' measured pace
+            gpu_load = ColdStart(fixed_s=args.cold_start_s).load_s(catalog[base].profiles[GPU].weight_bytes, GPU)
+            cold_start = ColdStart(cpu_load_bytes_per_s=bps, measured={(ANY_MODEL, GPU): gpu_load})
     keep_alive = args.keep_alive if args.keep_alive is not None else LIVE_KEEP_ALIVE_S
     cluster = ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, cpu_memory_bytes=memory.get(CPU, 1),
                             gpu_memory_bytes=memory.get(GPU, 1), cold_start=cold_start, keep_alive_s=keep_alive,
@@ -229,7 +235,7 @@ def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, s
         prior = {p: _simulate(args, workload, shape, catalog, p) for p in policies}
         live = asyncio.run(run_live(workload, config))
         # the twin proper: the same policies with what the service learnt during the run
-        twin_catalog, margin, cold_s = learnt_twin(catalog, live.learnt)
+        twin_catalog, margin, cold_s = learnt_twin(catalog, live.learnt, (CPU,) if shape.mixed else (CPU, GPU))
         runs: dict[str, Any] = {}
         simulated = ({p: _simulate(args, workload, shape, twin_catalog, p, margin, cold_s,
                                    runs if p == shape.policy else None)
