@@ -20,7 +20,9 @@ got = run_as_background()
 seen = {}
 t = threading.Thread(target=lambda: seen.update(policy=os.sched_getscheduler(0)))
 t.start(); t.join()
-print(json.dumps({"got": got, "policy": os.sched_getscheduler(0), "thread": seen["policy"], "nice": os.nice(0),
+import ctypes, platform
+io = ctypes.CDLL(None).syscall({"x86_64": 252, "aarch64": 31}.get(platform.machine(), -1), 1, 0)  # ioprio_get
+print(json.dumps({"got": got, "io_class": io >> 13, "policy": os.sched_getscheduler(0), "thread": seen["policy"], "nice": os.nice(0),
                   "omp": os.environ.get("OMP_NUM_THREADS")}))
 """
 
@@ -30,7 +32,8 @@ def test_a_background_process_and_the_threads_it_starts_run_at_idle_priority():
                          capture_output=True, text=True, timeout=60, check=True).stdout
     facts = json.loads(out)
     assert facts["policy"] == os.SCHED_IDLE and facts["thread"] == os.SCHED_IDLE, facts
-    assert facts["nice"] == 19 and facts["got"] == "SCHED_IDLE, nice 19" and facts["omp"] == "1"
+    assert facts["nice"] == 19 and facts["got"] == "SCHED_IDLE, nice 19, idle I/O" and facts["omp"] == "1"
+    assert facts["io_class"] == 3  # IOPRIO_CLASS_IDLE
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # only the child
 
 
