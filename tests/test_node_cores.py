@@ -87,3 +87,21 @@ def test_the_mixed_rig_is_cpu_nodes_given_with_emulated_gpu_devices():
         build_config({}, {"emulate": "a100-80gb:1", "demo": True})
     with pytest.raises(ConfigError, match="node_cores must be core sets"):
         build_config({"node_cores": 3}, {})
+
+
+def test_a_load_client_on_the_service_machine_moves_to_the_services_cores():
+    """mesh replay --live: where the service keeps cores off its nodes' (it reports them at
+    /admin/cluster), a client on the same machine runs there; a remote service's are not ours."""
+    import json
+    import subprocess
+    import sys
+
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    probe = ("import json, os, sys; from mesh.commands.replay_live import _beside_the_service as b; "
+             "b(sys.argv[1], (int(sys.argv[2]),)); print(json.dumps(sorted(os.sched_getaffinity(0))))")
+    run = lambda url: json.loads(subprocess.run([sys.executable, "-c", probe, url, str(cores[-1])], check=True,  # noqa: E731
+                                                capture_output=True, text=True, timeout=60).stdout)
+    assert run("http://127.0.0.1:8000") == [cores[-1]]
+    assert run("http://10.1.2.3:8000") == cores

@@ -214,6 +214,7 @@ class ClusterShape:
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY  # its dispatcher's queue (`mesh serve --queue-capacity`)
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S  # (`--queue-timeout`; None: 'slo')
     devices: dict[str, str] = field(default_factory=dict)  # kind -> the device its nodes emulate (mesh serve --emulate)
+    service_cores: tuple[int, ...] = ()  # the service process's cores (off its nodes' where the machine allows)
 
     def counts(self) -> tuple[int, int]:
         """(CPU nodes, GPU nodes)."""
@@ -239,7 +240,8 @@ async def _shape(svc: _Service) -> ClusterShape:
                         rules.pop() if len(rules) == 1 else "eq1",
                         int(dispatcher.get("queue_capacity", DEFAULT_QUEUE_CAPACITY)),
                         dispatcher.get("queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S),
-                        {n["kind"]: n["emulate"] for n in view["nodes"] if n.get("emulate")})
+                        {n["kind"]: n["emulate"] for n in view["nodes"] if n.get("emulate")},
+                        tuple((view.get("control_plane") or {}).get("cores") or ()))
 
 
 async def cluster_shape(url: str, admin_token: str) -> ClusterShape:

@@ -160,6 +160,7 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
     except aiohttp.ClientError as exc:
         print(f"mesh replay --live: error: cannot reach the service at {args.live}: {exc}", file=sys.stderr)
         return 1
+    _beside_the_service(args.live, shape.service_cores)
     mixed = shape.mixed
     if shape.devices and not mixed:
         return _run_emulated(args, workload_for, token, shape)
@@ -214,6 +215,20 @@ def _run_emulated(args: argparse.Namespace, workload_for: Any, token: str, shape
     return _compare(args, workload, config, shape, catalog, policies, queue_timeout_s,
                     {"emulated_model": base, "devices": shape.devices,
                      "length_scale": d.get("length_scale", 1.0), "context_window": window})
+
+
+def _beside_the_service(url: str, cores: tuple[int, ...]) -> None:
+    """A load client on the service's machine runs on the service's cores where the service
+    keeps some off its nodes' (mesh serve's default split, or --node-cores service=...): the
+    client then takes nothing from the nodes it measures. Elsewhere it is left where it is."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    mine = os.sched_getaffinity(0)
+    if host in ("127.0.0.1", "localhost", "::1") and cores and set(cores) < mine:
+        os.sched_setaffinity(0, set(cores))
+        print(f"mesh replay --live: the load client runs on the service's cores {','.join(map(str, cores))}, off "
+              "its nodes'", file=sys.stderr)
 
 
 def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, shape: ClusterShape,
