@@ -1,12 +1,20 @@
 """Preparing models in the background (engines.node_cache.prepare), one at a time, in a
-process of its own at low CPU priority: never on a request's path.
+process of its own at idle CPU priority (SCHED_IDLE, nice 19; mesh.background.
+run_as_background) with one compute thread: never on a request's path.
 
     python -m engines.background_prepare GGUF [--root DIR]
 
 Why a process: preparation converts and compiles for seconds while holding the GIL part of
 the time; in the node agent that would stall its event loop (admissions, heartbeats), and
-in an instance's worker it would delay that instance's iterations. Why niced: on a node
-with few cores it competes with serving; it is worth doing only when cores are idle.
+in an instance's worker it would delay that instance's iterations. Why idle priority: on a
+node with few cores it competes with serving; it is worth doing only when cores are idle
+(`mesh bench interference` measures what it still costs a serving instance).
+
+Order: by expected need (`schedule(path, need_at)`): the model whose first load is expected
+first is prepared first. A model received here before any request (its first host copy, at
+registration: its traffic starts soon) is needed now; a model that was loaded here from its
+GGUF is prepared for its next load, which cannot come before its instance stops
+(NEXT_LOAD_S later). Equal needs keep the order they came in.
 The process dies with its parent (PR_SET_PDEATHSIG); a half-written folder it leaves is
 a `.tmp-*` folder that lookups never read and the next preparation removes.
 """
@@ -14,8 +22,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import heapq
+import itertools
 import logging
-import os
 import signal
 import subprocess
 import sys
@@ -23,7 +32,7 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-NICE = 10  # below serving: a load or an iteration always gets the cores first
+NEXT_LOAD_S = 60.0  # a loaded model's next load here: no sooner than its instance's keep-alive (the default's)
 
 
 class BackgroundPreparer:
@@ -31,16 +40,27 @@ class BackgroundPreparer:
 
     def __init__(self, root: str | Path | None = None) -> None:
         self.root = Path(root) if root is not None else None
-        self._queue: list[str] = []
+        self._queue: list[tuple[float, int, str]] = []  # a heap of (need_at, order, path)
+        self._order = itertools.count()
         self._seen: set[str] = set()
+        self._current: str | None = None  # the path being prepared now
         self._task: asyncio.Task[None] | None = None
         self._proc: asyncio.subprocess.Process | None = None
         self.done: dict[str, int] = {}  # path -> the child's exit status
 
-    def schedule(self, path: str | Path) -> bool:
+    def schedule(self, path: str | Path, need_at: float | None = None) -> bool:
         """Queue `path` for preparation unless it is not a GGUF, is prepared already (and
-        this OpenVINO's blob import probed), or was queued before. Needs a running event loop. Returns whether it was queued."""
+        this OpenVINO's blob import probed), or was queued before; `need_at`: the event
+        loop's time of its expected first load here (default now; module docstring). A path
+        queued and not started yet moves up to an earlier need. Needs a running event loop.
+        Returns whether it was queued."""
         p = str(Path(path).resolve())
+        loop = asyncio.get_running_loop()
+        need = loop.time() if need_at is None else need_at
+        queued = next((i for i, q in enumerate(self._queue) if q[2] == p), None)
+        if queued is not None and need < self._queue[queued][0]:
+            self._queue[queued] = (need, self._queue[queued][1], p)
+            heapq.heapify(self._queue)
         if p in self._seen or not _is_gguf(Path(p)):
             return False
         from engines.node_cache import blob_support, find_prepared
@@ -48,20 +68,21 @@ class BackgroundPreparer:
         if find_prepared(p, self.root) is not None and blob_support(self.root, "CPU") is not None:
             return False  # prepared, and the blob probe answered (a killed probe is run again)
         self._seen.add(p)
-        self._queue.append(p)
+        heapq.heappush(self._queue, (need, next(self._order), p))
         if self._task is None or self._task.done():
-            self._task = asyncio.get_running_loop().create_task(self._drain())
+            self._task = loop.create_task(self._drain())
         return True
 
     async def _drain(self) -> None:
-        from engines.worker_process import worker_env
+        from engines.worker_process import background_env
 
         while self._queue:
-            path = self._queue.pop(0)
+            path = heapq.heappop(self._queue)[2]
+            self._current = path
             argv = [sys.executable, "-m", "engines.background_prepare", path]
             if self.root is not None:
                 argv += ["--root", str(self.root)]
-            self._proc = await asyncio.create_subprocess_exec(*argv, env=worker_env(), stdout=subprocess.DEVNULL,
+            self._proc = await asyncio.create_subprocess_exec(*argv, env=background_env(), stdout=subprocess.DEVNULL,
                                                               stderr=subprocess.PIPE)
             _, err = await self._proc.communicate()
             self.done[path] = self._proc.returncode
@@ -69,9 +90,17 @@ class BackgroundPreparer:
                 log.warning("preparing %s failed (%s): %s", path, self._proc.returncode,
                             err.decode(errors="replace")[-1000:])
             self._proc = None
+            self._current = None
 
-    async def wait(self) -> None:
-        """Until everything queued is prepared (tests, benchmarks)."""
+    async def wait(self, path: str | Path | None = None) -> None:
+        """Until everything queued is prepared (tests, benchmarks), or, with `path`, until that
+        model's preparation has ended (at once if it is not queued): a build ahead waits for
+        its own model's IR, not for every other model's."""
+        if path is not None:
+            p = str(Path(path).resolve())
+            while self._current == p or any(q[2] == p for q in self._queue):
+                await asyncio.sleep(0.1)
+            return
         while self._task is not None and not self._task.done():
             await asyncio.shield(self._task)
 
@@ -105,15 +134,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="a GGUF file")
     parser.add_argument("--root", help="the node cache's root (default: <data dir>/compiled)")
     parser.add_argument("--no-probe", action="store_true", help="do not probe whether compiled blobs import")
+    parser.add_argument("--normal-priority", action="store_true",
+                        help="run at normal priority with OpenVINO's default threads (`mesh bench interference`'s comparison)")
     args = parser.parse_args(argv)
     from engines.worker_process import die_with_parent
+    from mesh.background import run_as_background
 
     die_with_parent()
-    os.nice(NICE)
+    if not args.normal_priority:
+        run_as_background()  # first: OpenVINO's thread pools inherit it
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds where it can: prepare removes its .tmp
     from engines.node_cache import prepare
 
-    prepared = prepare(args.model, args.root, probe_blobs=not args.no_probe)
+    prepared = prepare(args.model, args.root, probe_blobs=not args.no_probe,
+                       threads=None if args.normal_priority else 1)
     print(prepared.path)
     return 0
 

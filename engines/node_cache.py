@@ -167,13 +167,14 @@ def tokenizer_path(source: str | Path, root: str | Path | None = None) -> str:
 
 
 def prepare(source: str | Path, root: str | Path | None = None, *, device: str = "CPU",
-            probe_blobs: bool = True) -> PreparedModel:
+            probe_blobs: bool = True, threads: int | None = None) -> PreparedModel:
     """Convert a GGUF to the node's prepared form (IR + tokenizer IR) unless it is there.
 
     Seconds of work (the demo: about 4-6 s on 2 cores); meant for a background process
     (engines.prepare_worker), never a request's path. Atomic: see the module docstring.
     With `probe_blobs`, also finds out once per OpenVINO version and device whether
-    compiled blobs import (`blob_support`)."""
+    compiled blobs import (`blob_support`). `threads`: the compile's inference threads
+    (a background preparation: 1; the IR it writes is the same)."""
     import openvino_genai as ov_genai
 
     source = Path(source).resolve()
@@ -194,7 +195,8 @@ def prepare(source: str | Path, root: str | Path | None = None, *, device: str =
             config = ov_genai.SchedulerConfig()
             config.max_num_batched_tokens, config.max_num_seqs = 256, 1
             pipe = ov_genai.ContinuousBatchingPipeline(str(link), tokenizer, config, device,
-                                                       enable_save_ov_model=True)
+                                                       enable_save_ov_model=True,
+                                                       **({"INFERENCE_NUM_THREADS": threads} if threads else {}))
             del pipe, tokenizer
             link.unlink()
             missing = [n for n in IR_FILES if not (tmp / n).is_file()]

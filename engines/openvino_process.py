@@ -73,6 +73,7 @@ class OpenVINOProcessEngine:
         # A build of this very worker under way on the node (mesh.agent.park_ahead): the load
         # waits for it and adopts its worker instead of building a second one beside it.
         self.parked_soon: asyncio.Future[Any] | None = None
+        self.park_evicts = True  # False: its worker is parked only where it fits beside those parked (a build ahead)
         self._conn: WorkerConnection | None = None
         self._stepping = False  # a step is in the worker (a watchdog's cancelled step leaves it so)
         self._loaded = False
@@ -144,7 +145,8 @@ class OpenVINOProcessEngine:
         """Hand the worker to the node's parking lot (ParkingLot.hand_over); False: end it."""
         if self.parking is None or not await self.parking.hand_over(
                 self._park_key(), self.model_name, self._conn,
-                lambda facts: self.weight_bytes + int(facts["kv_bytes_allocated"]), self._stepping):
+                lambda facts: self.weight_bytes + int(facts["kv_bytes_allocated"]), self._stepping,
+                self.park_evicts):
             return False
         self._conn = None
         return True

@@ -64,10 +64,18 @@ class ParkingLot:
             return None
         return parked
 
-    def park(self, key: Hashable, parked: Parked) -> bool:
+    def room_bytes(self) -> int:
+        """What the lot can take without ending a parked worker."""
+        return self.budget_bytes - self.held_bytes
+
+    def park(self, key: Hashable, parked: Parked, evict: bool = True) -> bool:
         """Keep `parked` under `key`, ending the oldest parked workers to make room; False
-        (the caller ends it) when it alone is over the budget or the lot is closed."""
+        (the caller ends it) when it alone is over the budget or the lot is closed, or, with
+        `evict=False` (a build ahead: it never ends a worker that is parked), when it does
+        not fit beside the workers parked now."""
         if self._closed or parked.conn.dead is not None or parked.nbytes > self.budget_bytes:
+            return False
+        if not evict and parked.nbytes > self.room_bytes() + (self._lot[key].nbytes if key in self._lot else 0):
             return False
         old = self._lot.pop(key, None)
         if old is not None:
@@ -78,12 +86,12 @@ class ParkingLot:
         return True
 
     async def hand_over(self, key: Hashable, model: str, conn: Any, nbytes: Callable[[Mapping[str, Any]], int],
-                        stepping: bool = False) -> bool:
+                        stepping: bool = False, evict: bool = True) -> bool:
         """Park an instance's worker when its instance stops: the worker's `park` command
         drops its requests and answers its facts, from which `nbytes` says what it holds.
         False (the caller ends the worker): not a worker process, dead, in the middle of a
         step (a hung engine the watchdog gave up on, or a failed step), slow to answer, or
-        no room."""
+        no room (`evict`: as in `park`)."""
         if not isinstance(conn, WorkerConnection) or conn.dead is not None or stepping:
             return False
         try:
@@ -91,7 +99,7 @@ class ParkingLot:
                 facts = await wait(conn.call("park"))
         except (EngineError, TimeoutError):
             return False
-        return self.park(key, Parked(model, conn, nbytes(facts)))
+        return self.park(key, Parked(model, conn, nbytes(facts)), evict)
 
     async def adopt(self, key: Hashable, op: str = "facts", **fields: Any) -> tuple[WorkerConnection, Any] | None:
         """The parked worker for `key` and its answer to `op` (its facts, or a resize), now

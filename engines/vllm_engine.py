@@ -352,6 +352,12 @@ class VLLMEngine:
         env.setdefault("TMPDIR", str(tmp))
         if self.device == "cpu":
             env.setdefault("CUDA_VISIBLE_DEVICES", "")
+            # vLLM-CPU binds its OpenMP threads to cores of its own choosing (by default core 0,
+            # with core 1 reserved, whatever the process's affinity): bind them to this node's
+            # core set instead (the agent's --cpus), one thread per core, none reserved
+            cores = sorted(os.sched_getaffinity(0))
+            env.setdefault("VLLM_CPU_OMP_THREADS_BIND", ",".join(map(str, cores)))
+            env.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
         elif self.gpu_index is not None:
             env["CUDA_VISIBLE_DEVICES"] = self.gpu_index
         return env

@@ -47,6 +47,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from engines.protocol import EngineError, FinishReason, StepResult
+from mesh.background import BACKGROUND_THREADS
 from mesh.policy.batching import IterationKind
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -67,6 +68,11 @@ def worker_env(**extra: str) -> dict[str, str]:
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
     return env
+
+
+def background_env(**extra: str) -> dict[str, str]:
+    """`worker_env` for a background job (a conversion, an IR preparation): bounded thread pools."""
+    return worker_env(**BACKGROUND_THREADS, **extra)
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:
@@ -220,10 +226,14 @@ class WorkerConnection:
             while True:
                 reply = recv_msg(self.main)
                 fut = self._pending.popleft()
-                if reply.get("ok"):
-                    fut.set_result(reply.get("value"))
-                else:
-                    fut.set_exception(EngineError(reply.get("error", f"{self.name} worker error")))
+                try:
+                    if reply.get("ok"):
+                        fut.set_result(reply.get("value"))
+                    else:
+                        fut.set_exception(EngineError(reply.get("error", f"{self.name} worker error")))
+                except concurrent.futures.InvalidStateError:
+                    pass  # its waiter was cancelled (asyncio.wrap_future cancels it): the reply has no taker,
+                    # and the replies after it still go to theirs (this thread dying would strand them all)
         except (EOFError, OSError, IndexError) as exc:
             self._fail(f"the {self.name} worker (pid {self.proc.pid}) stopped ({type(exc).__name__})")
 

@@ -3,7 +3,7 @@
 # Figure 13 ablations, the Figure 14 mixes, and a queue-rule sensitivity run.
 #   scripts/evaluation.sh            # everything (about 30-40 min on 2 cores)
 #   scripts/evaluation.sh fig13      # one part: fig12 | fig13 | fig14 | sensitivity | seeds | pace | capacity | live | figures
-# (`live` runs a real service on this machine and is not part of `all`: about 30 min)
+# (`live` runs a real service on this machine and is not part of `all`: 24 five-minute runs, about 2.5 h)
 # JSON goes to docs/eval/, PNG figures to docs/figures/. Every run uses the shared Azure
 # traces (../shared/data), seed 0, 30 minutes, 4 CPU + 4 GPU nodes, the defaults of
 # `mesh replay` otherwise (0.1 rps per function, queue timeout 30 s, noise 5%).
@@ -74,22 +74,36 @@ run_pace() {
 }
 
 run_live() {
-  # The live replay (docs/evaluation.md, "Live replay"): a real `mesh serve` with two CPU
-  # agents and the vLLM-on-CPU agent on this machine under each policy in turn, the trace
-  # through its OpenAI API, beside the same requests simulated under mesh and sllm+cpu.
-  # A fresh service per run: no instance, learnt time factor or cache outlives its trace.
-  local policy seed
-  for seed in 0 1; do
-    for policy in mesh sllm+cpu; do
-      live_under "$policy" "$seed"
+  # The live replays (docs/evaluation.md, "Live replay"): a real `mesh serve` on this machine
+  # under each policy in turn, the trace through its OpenAI API, beside the same requests
+  # simulated (the twin). Rigs: plain (two OpenVINO agents, each on its own share of the
+  # cores) and mixed (those two beside one emulated A100 node). Seeds 0-2, two repeats each:
+  # a fresh service and an empty data folder per run (no instance, learnt factor or cache
+  # outlives its trace). The summary gives min / median / max, live and twin. Override with
+  # LIVE_RIGS, LIVE_SEEDS, LIVE_REPEATS. Figures are valid only on a machine nobody else uses.
+  local rig seed rep policy
+  for rig in ${LIVE_RIGS:-plain mixed}; do
+    for seed in ${LIVE_SEEDS:-0 1 2}; do
+      for rep in ${LIVE_REPEATS:-1 2}; do
+        for policy in mesh sllm+cpu; do
+          live_under "$rig" "$policy" "$seed" "$rep" || echo "live: $rig $policy seed $seed repeat $rep failed" >&2
+        done
+      done
     done
   done
+  python -m mesh.bench.live_summary "$EVAL"/live_rig-*.json | tee "$EVAL/live_summary.md"
 }
 
 live_under() {
-  local policy=$1 seed=$2 data port=8765 token pid
+  local rig=$1 policy=$2 seed=$3 rep=$4 data port=8765 token pid nodes
+  case "$rig" in
+    plain) nodes="--cpu-nodes 2" ;;
+    mixed) nodes="--cpu-nodes 2 --emulate a100-80gb:1" ;;
+    *) echo "unknown rig $rig" >&2; return 2 ;;
+  esac
   data=$(mktemp -d) token=$(python -c "import secrets; print(secrets.token_hex(16))")
-  MESH_ADMIN_TOKEN=$token python -m mesh serve --port $port --data-dir "$data" --cpu-nodes 2 --vllm-cpu \
+  # shellcheck disable=SC2086 # $nodes is several flags
+  MESH_ADMIN_TOKEN=$token python -m mesh serve --port $port --data-dir "$data" $nodes \
     --policy "$policy" > "$data/serve.log" 2>&1 &
   pid=$!
   # expanded now: the trap also fires when the caller returns, after these locals are gone
@@ -100,7 +114,7 @@ live_under() {
   done
   MESH_ADMIN_TOKEN=$token python -m mesh replay --no-progress --live "http://127.0.0.1:$port" --functions 4 \
     --minutes 5 --target-rps 0.4 --seed "$seed" --policies mesh,sllm+cpu \
-    --json "$EVAL/live_${policy/+/-}_f4_m5_s$seed.json"
+    --json "$EVAL/live_rig-${rig}_${policy/+/-}_s${seed}_r${rep}.json"
 }
 
 run_capacity() {

@@ -362,3 +362,47 @@ def test_an_emulated_models_base_is_its_catalog_model_so_sllm_uses_the_papers_ta
             await placement.stop()
 
     asyncio.run(main())
+
+
+# ---- the mixed rig: real OpenVINO agents beside an emulated GPU node (issue 31 item 4) ----------
+
+@pytest.mark.slow
+def test_the_mixed_rig_serves_a_real_model_on_real_cpu_agents_and_emulated_on_the_gpu_node(tmp_path):
+    """`mesh serve --demo --cpu-nodes 2 --emulate a100-80gb:1`: two real OpenVINO agents, each on
+    its own cores, and an emulated A100 that runs the demo model emulated from its shape (the
+    roofline's profile of its architecture): Mesh places on a real CPU node first, and a
+    scale-out to the GPU node starts an emulated instance that streams at the A100's pace."""
+    openai = pytest.importorskip("openai")
+    from mesh.agent.emulation import Emulation, shape_name
+    from mesh.modelfiles.demo import demo_gguf_path
+    from mesh.modelfiles.shape import architecture_of
+
+    allowed = tmp_path / "allowed"
+    allowed.mkdir()
+    server = Server(tmp_path / "data", allowed, tmp_path / "serve.log",
+                    ("--cpu-nodes", "2", "--emulate", "a100-80gb:1"))
+    server.start()
+    try:
+        view = server.admin("GET", "/admin/cluster")
+        nodes = {n["node_id"]: (n["kind"], n.get("emulate")) for n in view["nodes"]}
+        assert nodes == {"cpu-0": ("cpu", None), "cpu-1": ("cpu", None), "gpu-0": ("gpu", "a100-80gb")}
+        client = server.client()
+        chat = client.chat.completions.create(model="demo/smollm2", max_tokens=8,
+                                              messages=[{"role": "user", "content": "Say hello."}])
+        assert chat.usage.completion_tokens >= 1 and chat.choices[0].message.content.strip()
+        view = server.admin("GET", "/admin/cluster")
+        assert view["dispatcher"]["placed_by_kind"] == {"cpu": 1}  # CPU first, on a real engine
+        served = [n["node_id"] for n in view["nodes"] for i in n["instances"] if i["model"] == "demo/smollm2"]
+        assert served and served[0].startswith("cpu-")
+
+        result = server.admin("POST", "/admin/scale", {"tenant": "demo", "model": "demo/smollm2", "nodes": ["gpu-0"]})
+        assert result["results"][0]["ok"] and result["results"][0]["weights"] == "emulated", result
+        status, listed = server.http("GET", "/v1/models", token=server.key)
+        model = next(m for m in listed["data"] if m["id"] == "demo/smollm2")
+        assert status == 200 and model["mesh"]["node_kinds"] == ["cpu"]  # no GPU format was made: it is emulated
+        gpu = next(n for n in server.admin("GET", "/admin/cluster")["nodes"] if n["node_id"] == "gpu-0")
+        profile = Emulation("a100-80gb").profile(shape_name(architecture_of(demo_gguf_path(fetch=False))))
+        assert gpu["instances"][0]["weight_bytes"] == profile.weight_bytes  # the roofline's bf16 weights
+    finally:
+        server.stop()
+    assert server.proc.returncode == 0

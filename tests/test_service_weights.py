@@ -267,3 +267,30 @@ def test_a_target_that_fails_does_not_fail_the_others(tmp_path, model_file):
         await p.stop()
 
     asyncio.run(main())
+
+
+def test_registration_describes_the_model_on_the_node_that_holds_its_first_host_copy(tmp_path, model_file):
+    """Issue 32 item 6: the node that describes a model at its registration (and builds it
+    ahead there, on a CPU node) is the one its first host copy went to, not the first node up."""
+    async def main():
+        class Agent(InProcessAgent):
+            weights_root = str(tmp_path / "nodes")
+
+        specs = [NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(3)]
+        hosts = {"cpu-0": 10**8, "cpu-1": 10**8, "cpu-2": 10**9}  # most free host memory: cpu-2
+        plane = WeightsSettings(plan="binomial", block_bytes=1 << 20, token=WEIGHTS_TOKEN)
+        p = ClusterPlacement(specs, PlacementSettings(cold_start_s=0.0), agent_factory=Agent,
+                             weights=lambda agents: WeightsPlane(agents, plane, hosts))
+        await p.start()
+        m = record(model_file)
+        p.model_registered(m)
+        for _ in range(300):
+            if m.uid in p._models:
+                break
+            await asyncio.sleep(0.02)
+        assert p.view()["weights"]["models"][m.uid]["host_copies"] == ["cpu-2"]
+        assert p._models[m.uid].front == "cpu-2"
+        assert sorted(p.weights.holders(m.uid)) == ["cpu-2"]  # described where it is: no second copy made
+        await p.stop()
+
+    asyncio.run(main())

@@ -15,11 +15,19 @@ An emulated model is a catalog name (`llama-2-7b`, ...): its instances take the 
 the lookup the replay's catalog makes (mesh.perf.profile), with the replay's noise. The
 service names it as the instance's path and as its profile (`emulated:NAME`), which each
 agent resolves on its own device. An agent started without `--emulate` refuses both.
+
+A real model (a GGUF or a Hugging Face folder) runs emulated too, on the emulated nodes of
+the mixed rig (`mesh serve --cpu-nodes 2 --emulate a100-80gb:1`: real OpenVINO agents beside
+emulated GPU nodes): its name is then `shape:` and its architecture as JSON
+(`shape_name`, from mesh.modelfiles.shape.architecture_of), and its profile on the device is
+the roofline's (mesh.perf.roofline: the same model as the packaged reference profiles), so
+that CPU-first placement, GPU fallback and moves run live on the real CPU engines.
 """
 from __future__ import annotations
 
+import json
 import zlib
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -27,13 +35,31 @@ from engines.emulated import EmulatedEngine, WallPace
 from engines.protocol import EngineError
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile, ProfileError, catalog_models, catalog_profile, device_kind
-from mesh.perf.roofline import HARDWARE, host_to_device_bytes_per_s
+from mesh.perf.roofline import HARDWARE, Architecture, host_to_device_bytes_per_s, roofline_profile
 from mesh.policy.placement import CPU, ColdStart
 from mesh.runtime.cluster import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BYTES, SIMULATED_NOISE
 from mesh.runtime.node import NodeSpec
 
 ENGINE = "emulated"  # InstanceSpec.engine of an emulated instance
 PROFILE_PREFIX = "emulated:"  # InstanceSpec.profile of an emulated instance: "emulated:<catalog name>"
+SHAPE_PREFIX = "shape:"  # the name of a real model emulated from its architecture: "shape:<JSON>"
+
+
+def shape_name(arch: Architecture) -> str:
+    """The emulated name of a real model of architecture `arch` (module docstring)."""
+    return SHAPE_PREFIX + json.dumps(asdict(arch), sort_keys=True, separators=(",", ":"))
+
+
+def _shape_profile(name: str, device: str) -> Profile:
+    """The roofline profile of the architecture in `name` on `device`; ProfileError if either is unusable."""
+    try:
+        arch = Architecture(**json.loads(name[len(SHAPE_PREFIX):]))
+    except (ValueError, TypeError) as exc:
+        raise ProfileError(f"not an architecture: {exc}") from None
+    hardware = HARDWARE.get(device)
+    if hardware is None:
+        raise ProfileError(f"the roofline has no {device} (it has {', '.join(sorted(HARDWARE))})")
+    return roofline_profile(arch, hardware)
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,9 +75,12 @@ class Emulation:
     def profile(self, model: str) -> Profile:
         """The catalog's profile of `model` on this device; EngineError names what is wrong."""
         try:
+            if model.startswith(SHAPE_PREFIX):
+                return _shape_profile(model, self.device)
             return catalog_profile(model, self.device, self.profile_dir)
         except ProfileError as exc:
-            raise EngineError(f"cannot emulate {model!r} on {self.device}: {exc}") from exc
+            shown = "a real model" if model.startswith(SHAPE_PREFIX) else repr(model)
+            raise EngineError(f"cannot emulate {shown} on {self.device}: {exc}") from exc
 
     def engine(self, instance_id: str, model: str, uid: str, context_window: int | None, max_batch: int,
                load_s: float | None) -> EmulatedEngine:

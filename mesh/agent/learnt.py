@@ -13,6 +13,7 @@ starts are measured by the service, per node, model and source: mesh.policy.cold
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -59,5 +60,6 @@ class NodeLearning:
 
     def view(self) -> dict[str, Any]:
         return {"speed": None if self.speed is None else self.speed.to_dict(), "speed_factors": self.factors.to_dict(),
+                "cores": sorted(os.sched_getaffinity(0)),  # what the factors describe: the node's core set
                 "models": {m: {"base": "prior" if isinstance(t.base, DefaultCpuTimes) else "profile",
                                "time_factors": t.drift()} for m, t in self.times.items()}}

@@ -78,7 +78,7 @@ from mesh.agent.protocol import (
     slo_from_dict,
     window,
 )
-from engines.background_prepare import BackgroundPreparer
+from engines.background_prepare import NEXT_LOAD_S, BackgroundPreparer
 from engines.worker_process import die_with_parent, worker_env
 from engines.openvino_process import OpenVINOProcessEngine
 from engines.parking import ParkingLot
@@ -485,8 +485,9 @@ class AgentServer:
         """The engine's load callback: a failure is reported here (success by `_ready`)."""
         if exc is None:
             spec = self.specs.get(instance_id)
-            if spec is not None and spec.engine == "openvino":  # loaded: prepare its GGUF for the next loads
-                self.preparer.schedule(spec.path)
+            if spec is not None and spec.engine == "openvino":  # loaded: prepare its GGUF for the next loads,
+                # which come no sooner than its instance stops (after models a first load still waits for)
+                self.preparer.schedule(spec.path, asyncio.get_running_loop().time() + NEXT_LOAD_S)
             return
         self._tokenizers_ready.pop(instance_id, None)
         log.error("loading instance %s failed: %s", instance_id, exc)
@@ -612,14 +613,14 @@ class AgentServer:
                 ahead = InstanceSpec(f"ahead-{spec.model}", spec.model, spec.path, spec.context_window,
                                      max_num_seqs=max_num_seqs,
                                      exact_moves=bool(m.get("exact_moves", False)))
-                self.ahead.schedule(ahead, lambda: self._prepared_after(built))
+                self.ahead.schedule(ahead, lambda: self._prepared_after(built, spec.path))
         return self.fronts[key]
 
-    async def _prepared_after(self, tokenizer: asyncio.Future) -> None:
-        """Until the model's tokenizer is built and the node's background preparation
-        (the IR a build reads) has ended."""
+    async def _prepared_after(self, tokenizer: asyncio.Future, path: str) -> None:
+        """Until the model's tokenizer is built and its background preparation (the IR a
+        build reads) has ended; not other models' preparations, which may take minutes."""
         await asyncio.wait([tokenizer])
-        await self.preparer.wait()
+        await self.preparer.wait(path)
 
     def _check_engine(self, engine: str) -> None:
         """An emulating node runs emulated models only, and only an emulating node runs them."""
@@ -671,7 +672,8 @@ class AgentServer:
                 sys.executable, "-m", "mesh.agent.speed_probe", stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.DEVNULL, env=worker_env(), preexec_fn=die_with_parent)
             out, _ = await asyncio.wait_for(proc.communicate(), 120)
-            self.learning.set_speed(MachineSpeed(**json.loads(out)["speed"]))
+            speed = json.loads(out)["speed"]
+            self.learning.set_speed(MachineSpeed(**{**speed, "cores": tuple(speed.get("cores", ()))}))
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - the probe only sets a starting point
@@ -981,7 +983,8 @@ def _cpu_info() -> dict[str, Any]:
     from mesh.hardware import read_cpuinfo
 
     cpu = read_cpuinfo()
-    return {"model": cpu.model_name, "cores": cpu.cores, "amx": cpu.amx}
+    return {"model": cpu.model_name, "cores": cpu.cores, "amx": cpu.amx,
+            "core_set": sorted(os.sched_getaffinity(0))}  # the cores this node owns (its agent's --cpus)
 
 
 async def _watch_stdin(server: AgentServer) -> None:

@@ -5,7 +5,7 @@ was measured).
 
 Two kernels on one core, each the median of a few timed repetitions after one warm-up, so
 one preempted repetition on shared cores does not decide it, times the cores of this
-process's affinity (the engine's threads):
+process's affinity (the engine's threads: the node's own core set, which it records):
 - prefill's stand-in: small square float32 GEMMs (compute-bound, like a prompt's matmuls;
   small enough that BLAS runs them on one thread);
 - decode's stand-in: one pass summing a 64 MiB array (memory-bound: a decode step reads
@@ -56,9 +56,10 @@ def probe_speed(repeats: int = REPEATS, seed: int = 0) -> MachineSpeed:
     gemm_s = _median_s(gemms, repeats) / GEMM_CALLS
     w = rng.standard_normal(STREAM_BYTES // 4, dtype=np.float32)
     stream_s = _median_s(lambda: np.add.reduce(w), repeats)
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    core_set = tuple(sorted(os.sched_getaffinity(0))) if hasattr(os, "sched_getaffinity") else ()
+    cores = len(core_set) or (os.cpu_count() or 1)
     return MachineSpeed(gemm_gflops=cores * 2 * GEMM_N**3 / gemm_s / 1e9, stream_gbps=cores * w.nbytes / stream_s / 1e9,
-                        threads=cores, seconds=time.perf_counter() - start)
+                        threads=cores, cores=core_set, seconds=time.perf_counter() - start)
 
 
 def main() -> None:

@@ -56,18 +56,66 @@ def detect_local_nodes(cpu_memory_bytes: int | None = None, cpu_nodes: int = 1) 
     return [*(NodeSpec(f"cpu-{i}", "cpu", memory) for i in range(cpu_nodes)), *vllm_node_specs()]
 
 
+SERVICE = "service"  # the key of the service's own cores in core_shares / parse_node_cores
+
+
 def core_shares(node_ids: list[str], cores: list[int] | None = None) -> dict[str, tuple[int, ...]]:
-    """The machine's cores split among its local CPU nodes, as its memory is: node i of N
-    gets the i-th of N equal slices of the cores this process may use (each node then
-    stands in for a machine of its own, which is what the cluster's simulated twin
-    assumes). With more nodes than cores, nodes share cores round-robin."""
+    """The machine's cores split among its local nodes that compute on them (OpenVINO agents,
+    the vLLM-on-CPU agent), as its memory is: node i of N gets the i-th of N equal slices of
+    the cores this process may use (each node then stands in for a machine of its own,
+    which is what the cluster's simulated twin assumes). Where every node still gets two
+    cores or more, one core is kept out of the slices for the service, its emulated agents,
+    its background conversions and a load client (key SERVICE); otherwise they share the
+    nodes' cores (docs/service.md). With more nodes than cores, nodes share cores round-robin."""
     cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
     n = len(node_ids)
     if n == 0:
         return {}
     if n > len(cores):
         return {node: (cores[i % len(cores)],) for i, node in enumerate(node_ids)}
-    return {node: tuple(cores[i * len(cores) // n:(i + 1) * len(cores) // n]) for i, node in enumerate(node_ids)}
+    shares: dict[str, tuple[int, ...]] = {}
+    if len(cores) - 1 >= 2 * n:
+        shares[SERVICE], cores = (cores[-1],), cores[:-1]
+    shares.update({node: tuple(cores[i * len(cores) // n:(i + 1) * len(cores) // n]) for i, node in enumerate(node_ids)})
+    return shares
+
+
+def parse_node_cores(text: str, node_ids: list[str], allowed: set[int] | None = None) -> dict[str, tuple[int, ...]]:
+    """`mesh serve --node-cores`: "0;1" (the nodes' core sets in order) or "cpu-0=0-3;cpu-1=4,5;
+    service=6" (by name; `service`: the service's own). A node not named runs on every core
+    (a named node's set is its alone only if no other set holds it). ValueError says what is
+    wrong."""
+    allowed = set(os.sched_getaffinity(0)) if allowed is None else allowed
+    parts = [p.strip() for p in text.split(";") if p.strip()]
+    if not parts:
+        raise ValueError("node_cores needs core sets separated by ';', e.g. '0;1' or 'cpu-0=0-3;cpu-1=4-7'")
+    named = all("=" in p for p in parts)
+    if not named and any("=" in p for p in parts):
+        raise ValueError(f"node_cores {text!r}: name every set (NODE=CORES) or none")
+    if not named and len(parts) > len(node_ids):
+        raise ValueError(f"node_cores {text!r} gives {len(parts)} core sets for {len(node_ids)} local nodes "
+                         f"({', '.join(node_ids)})")
+    out: dict[str, tuple[int, ...]] = {}
+    for i, part in enumerate(parts):
+        node, _, spec = part.rpartition("=") if named else (node_ids[i], "=", part)
+        node = node.strip()
+        if node not in node_ids and node != SERVICE:
+            raise ValueError(f"node_cores {text!r}: no local node {node!r}; the nodes are {', '.join(node_ids)} "
+                             f"(and {SERVICE})")
+        cores: set[int] = set()
+        for item in (x.strip() for x in spec.split(",") if x.strip()):
+            lo, _, hi = item.partition("-")
+            try:
+                cores.update(range(int(lo), int(hi or lo) + 1))
+            except ValueError:
+                raise ValueError(f"node_cores {text!r}: {item!r} is not a core or a range of cores (e.g. 0-3)") from None
+        if not cores:
+            raise ValueError(f"node_cores {text!r}: {node} has no cores")
+        if not cores <= allowed:
+            raise ValueError(f"node_cores {text!r}: {node} names cores {sorted(cores - allowed)} this process may not "
+                             f"use (it may use {sorted(allowed)})")
+        out[node] = tuple(sorted(cores))
+    return out
 
 
 @dataclass

@@ -215,11 +215,18 @@ class ClusterShape:
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S  # (`--queue-timeout`; None: 'slo')
     devices: dict[str, str] = field(default_factory=dict)  # kind -> the device its nodes emulate (mesh serve --emulate)
     admission: str = "reject"  # its default admission choice (`mesh serve --admission`)
+    service_cores: tuple[int, ...] = ()  # the service process's cores (off its nodes' where the machine allows)
 
     def counts(self) -> tuple[int, int]:
         """(CPU nodes, GPU nodes)."""
         cpu = sum(1 for k in self.kinds.values() if k == CPU)
         return cpu, len(self.kinds) - cpu
+
+    @property
+    def mixed(self) -> bool:
+        """The mixed rig (`mesh serve --cpu-nodes N --emulate GPU:M`): real CPU nodes beside
+        emulated GPU nodes, which run the real model emulated from its architecture."""
+        return bool(self.devices) and CPU not in self.devices and self.counts()[0] > 0
 
 
 async def _shape(svc: _Service) -> ClusterShape:
@@ -235,7 +242,8 @@ async def _shape(svc: _Service) -> ClusterShape:
                         int(dispatcher.get("queue_capacity", DEFAULT_QUEUE_CAPACITY)),
                         dispatcher.get("queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S),
                         {n["kind"]: n["emulate"] for n in view["nodes"] if n.get("emulate")},
-                        dispatcher.get("admission", "reject"))
+                        dispatcher.get("admission", "reject"),
+                        tuple((view.get("control_plane") or {}).get("cores") or ()))
 
 
 async def cluster_shape(url: str, admin_token: str) -> ClusterShape:

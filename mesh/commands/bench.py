@@ -6,8 +6,8 @@ import argparse
 from mesh.commands import register_all
 
 # Benchmark modules in mesh.bench, each with `register(subparsers)`.
-BENCHES = ["closed_loop", "coldstart", "control_plane", "core", "fidelity", "engine", "learning", "multicast", "replay", "serve",
-           "soak", "tokens"]
+BENCHES = ["closed_loop", "coldstart", "control_plane", "core", "fidelity", "engine", "interference", "learning", "multicast",
+           "replay", "serve", "soak", "tokens"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

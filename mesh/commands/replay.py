@@ -126,6 +126,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                       help="send the trace to the Mesh service at URL through its OpenAI API (MESH_ADMIN_TOKEN in the "
                            "environment: a tenant of its own is created, one model registered per function, deleted "
                            "at the end), and replay the same requests in virtual time beside it")
+    live.add_argument("--explain", action="store_true",
+                      help="with --live: list every request whose outcome differs between live and its twin, with "
+                           "the decision that differed (admission, failure, first token, pace) and why")
     live.add_argument("--model-path", metavar="FILE", help="the GGUF each function's model is a copy of (default: the demo model)")
     live.add_argument("--length-scale", type=float, default=None,
                       help="divide the trace's prompt and output lengths by this (default: 1; with --live 8)")

@@ -1,6 +1,11 @@
 """`mesh replay --live URL`: the trace sent to a running service, and the same requests
 replayed in virtual time on a simulated cluster of the service's nodes (mesh.bench.live).
 
+On the mixed rig (`mesh serve --cpu-nodes N --emulate a100-80gb:M`: real OpenVINO agents
+beside emulated GPU nodes) the replay is the real model's, and the twin's GPU profile is the
+one the emulated nodes run it with (the roofline's profile of its architecture on their
+device, mesh.agent.emulation), its CPU side as below.
+
 Against emulated nodes (`mesh serve --emulate DEVICE:N,...`, the service reports each node's
 device at `/admin/cluster`) each function's model is an emulated `--model` (`llama-2-7b`, ...)
 registered by catalog name, the trace's lengths are sent unscaled, and the twin plans and
@@ -39,12 +44,13 @@ from typing import Any
 
 import aiohttp
 
-from engines.protocol import DEFAULT_CONTEXT_CAP
+from engines.protocol import DEFAULT_CONTEXT_CAP, EngineError
 from mesh.agent.emulation import emulated_cold_start
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.modelfiles.demo import ModelFetchError
 from mesh.perf.profile import load_profile
 from mesh.perf.times import learnt_profile, prior_profile
+from mesh.policy.cold_starts import ANY_MODEL
 from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
@@ -71,33 +77,45 @@ def _model_shape(path: Path) -> tuple[int, int, int]:
     return engine.weight_bytes, engine.kv_bytes_per_token, min(engine.context_window, DEFAULT_CONTEXT_CAP)
 
 
-def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, window: int) -> dict[str, ModelSpec]:
+def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, window: int,
+             emulated: dict[str, str] | None = None, model_path: Path | None = None) -> dict[str, ModelSpec]:
+    """The twin's model: per kind its calibrated profile (--profiles) or prior; on the mixed
+    rig's emulated kinds (`emulated`: kind -> device) the profile its emulated nodes run the
+    model with (mesh.agent.emulation: the roofline's, from its architecture)."""
     profiles = {}
     for kind in (CPU, GPU):
         path = Path(args.profiles) / f"{BASE}__{kind}.json" if args.profiles else None
-        profiles[kind] = (load_profile(path) if path is not None and path.is_file()
-                          else prior_profile(BASE, kind, weight_bytes, kv_per_token, window))
+        if emulated and kind in emulated and model_path is not None:
+            from mesh.agent.emulation import Emulation, shape_name
+            from mesh.modelfiles.shape import architecture_of
+
+            profiles[kind] = Emulation(emulated[kind]).profile(shape_name(architecture_of(model_path, BASE)))
+        else:
+            profiles[kind] = (load_profile(path) if path is not None and path.is_file()
+                              else prior_profile(BASE, kind, weight_bytes, kv_per_token, window))
     return {BASE: ModelSpec(BASE, profiles)}
 
 
-def learnt_twin(catalog: dict[str, ModelSpec], learnt: dict[str, Any]) -> tuple[dict[str, ModelSpec], float | None,
-                                                                               float | None]:
+def learnt_twin(catalog: dict[str, ModelSpec], learnt: dict[str, Any], cold_kinds: tuple[str, ...] = (CPU, GPU)
+                ) -> tuple[dict[str, ModelSpec], float | None, float | None]:
     """(catalog, margin, cold start s) of the twin that runs with what the service learnt
     (GET /admin/learnt's per-kind summary, issue 23 item 5): each kind's profile times its
     learnt factors per grid region, the learnt margin, the median measured cold start;
-    None where nothing was learnt (the flags' values stand)."""
+    None where nothing was learnt (the flags' values stand). `cold_kinds`: the kinds whose
+    measured cold starts count (the mixed rig's: its real CPU nodes only)."""
     summary = learnt.get("summary") or {}
     (base,) = catalog
     profiles = {kind: (learnt_profile(p, summary[kind]) if (summary.get(kind) or {}).get("observed") else p)
                 for kind, p in catalog[base].profiles.items()}
     margins = [s["margin"] for s in summary.values() if s.get("margin") is not None]
-    colds = [s["cold_start_s"] for s in summary.values() if s.get("cold_start_s")]
+    colds = [s["cold_start_s"] for k, s in summary.items() if k in cold_kinds and s.get("cold_start_s")]
     return ({base: ModelSpec(base, profiles)}, max(margins) if margins else None,
             statistics.median(colds) if colds else None)
 
 
 def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape, catalog: dict[str, ModelSpec],
-              policy: str, margin: float | None = None, cold_start_s: float | None = None) -> dict[str, Any]:
+              policy: str, margin: float | None = None, cold_start_s: float | None = None,
+              runs: dict[str, Any] | None = None) -> dict[str, Any]:
     """The twin: the service's nodes, deadline rule and queue settings, simulated; against
     emulated nodes also the service's cold start model and maximum batch; with what the
     service learnt where given (its margin, its measured cold start)."""
@@ -105,12 +123,16 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     memory = shape.memory
     (base,) = catalog
     extra: dict[str, Any] = {} if margin is None else {"margin": margin}
-    if shape.devices:  # emulated nodes: the replay's cold start, the service's instances' batch limit
+    if shape.devices and not shape.mixed:  # emulated nodes: the replay's cold start, the service's batch limit
         cold_start = emulated_cold_start(shape.devices.values(), args.profiles)
         extra["max_batch"] = PlacementSettings().max_batch
     else:
         bps = cold_start_bytes_per_s(catalog[base].profiles[CPU].weight_bytes, cold_start_s or args.cold_start_s)
         cold_start = ColdStart(bps, bps)
+        if shape.mixed:  # the emulated GPU nodes load as the service has them (Cluster.simulated_load_s: its
+            # cold start model, --cold-start-s plus the weights over PCIe), not at the CPU nodes' measured pace
+            gpu_load = ColdStart(fixed_s=args.cold_start_s).load_s(catalog[base].profiles[GPU].weight_bytes, GPU)
+            cold_start = ColdStart(cpu_load_bytes_per_s=bps, measured={(ANY_MODEL, GPU): gpu_load})
     keep_alive = args.keep_alive if args.keep_alive is not None else LIVE_KEEP_ALIVE_S
     cluster = ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, cpu_memory_bytes=memory.get(CPU, 1),
                             gpu_memory_bytes=memory.get(GPU, 1), cold_start=cold_start, keep_alive_s=keep_alive,
@@ -119,7 +141,10 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     config = ReplayConfig(cluster=cluster, queue_capacity=shape.queue_capacity, retry_interval_s=args.retry_interval,
                           queue_timeout_s=shape.queue_timeout_s, progress=not args.no_progress)
     prior = {base: float(sum(a.output_len for a in workload.arrivals) / max(1, len(workload)))}
-    return summarize(run_policy(workload, policy, config, catalog, prior))
+    run = run_policy(workload, policy, config, catalog, prior)
+    if runs is not None:  # --explain compares its requests with the live ones
+        runs[policy] = run
+    return summarize(run)
 
 
 def run(args: argparse.Namespace, workload_for: Any) -> int:
@@ -137,7 +162,9 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
     except aiohttp.ClientError as exc:
         print(f"mesh replay --live: error: cannot reach the service at {args.live}: {exc}", file=sys.stderr)
         return 1
-    if shape.devices:
+    _beside_the_service(args.live, shape.service_cores)
+    mixed = shape.mixed
+    if shape.devices and not mixed:
         return _run_emulated(args, workload_for, token, shape)
     try:
         model_path = Path(args.model_path) if args.model_path else _demo_path()
@@ -149,9 +176,9 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
             policy_spec(name)
         workload, queue_timeout_s = workload_for(args, {BASE: window}, {BASE: 1.0}, LIVE_LENGTH_SCALE)
         scale = workload.description.get("length_scale", 1.0)
-        catalog = _catalog(args, weight_bytes, kv_per_token, window)
+        catalog = _catalog(args, weight_bytes, kv_per_token, window, shape.devices if mixed else None, model_path)
         cold_start_bytes_per_s(weight_bytes, args.cold_start_s)
-    except (ValueError, OSError, ModelFetchError) as exc:
+    except (ValueError, OSError, ModelFetchError, EngineError) as exc:
         print(f"mesh replay --live: error: {exc}", file=sys.stderr)
         return 2
     d = workload.description
@@ -192,6 +219,20 @@ def _run_emulated(args: argparse.Namespace, workload_for: Any, token: str, shape
                      "length_scale": d.get("length_scale", 1.0), "context_window": window})
 
 
+def _beside_the_service(url: str, cores: tuple[int, ...]) -> None:
+    """A load client on the service's machine runs on the service's cores where the service
+    keeps some off its nodes' (mesh serve's default split, or --node-cores service=...): the
+    client then takes nothing from the nodes it measures. Elsewhere it is left where it is."""
+    from urllib.parse import urlsplit
+
+    host = urlsplit(url).hostname or ""
+    mine = os.sched_getaffinity(0)
+    if host in ("127.0.0.1", "localhost", "::1") and cores and set(cores) < mine:
+        os.sched_setaffinity(0, set(cores))
+        print(f"mesh replay --live: the load client runs on the service's cores {','.join(map(str, cores))}, off "
+              "its nodes'", file=sys.stderr)
+
+
 def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, shape: ClusterShape,
              catalog: dict[str, ModelSpec], policies: list[str], queue_timeout_s: float | None,
              about: dict[str, Any]) -> int:
@@ -211,9 +252,13 @@ def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, s
         prior = {p: _simulate(args, workload, shape, catalog, p) for p in policies}
         live = asyncio.run(run_live(workload, config))
         # the twin proper: the same policies with what the service learnt during the run
-        twin_catalog, margin, cold_s = learnt_twin(catalog, live.learnt)
-        simulated = ({p: _simulate(args, workload, shape, twin_catalog, p, margin, cold_s)
+        twin_catalog, margin, cold_s = learnt_twin(catalog, live.learnt, (CPU,) if shape.mixed else (CPU, GPU))
+        runs: dict[str, Any] = {}
+        simulated = ({p: _simulate(args, workload, shape, twin_catalog, p, margin, cold_s,
+                                   runs if p == shape.policy else None)
                       for p in policies} if live.learnt else prior)
+        if not live.learnt and getattr(args, "explain", False):
+            _simulate(args, workload, shape, catalog, shape.policy, runs=runs)
     except LiveReplayError as exc:
         print(f"mesh replay --live: error: {exc}", file=sys.stderr)
         return 1
@@ -236,6 +281,12 @@ def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, s
     failed = [r.detail for r in live.requests if r.detail]
     if failed:
         print(f"live: {len(failed)} requests not served; the first: {failed[0]}", file=sys.stderr)
+    explained = None
+    if getattr(args, "explain", False) and shape.policy in runs:
+        from mesh.bench.explain import differences, report
+
+        explained = differences(live.requests, runs[shape.policy].requests)
+        print(report(explained, len(live.requests)))
     if args.json:
         sims = {p: json_ready(m) for p, m in simulated.items()}
         out = {"live": {**json_ready(results[f"live ({shape.policy})"]), "policy": shape.policy, "wall_s": live.wall_s,
@@ -243,6 +294,7 @@ def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, s
                         "requests_detail": [_outcome(r) for r in live.requests]},
                "simulated": sims[shape.policy], "simulated_by_policy": sims,
                "simulated_prior": json_ready(prior[shape.policy]),
+               **({"explain": [d.to_dict() for d in explained]} if explained is not None else {}),
                "learnt": {"summary": live.learnt.get("summary"), "nodes": live.learnt.get("nodes"),
                           "twin_margin": margin, "twin_cold_start_s": cold_s},
                "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,

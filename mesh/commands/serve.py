@@ -30,6 +30,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="memory budget of the CPU node for weights and KV (default: half of RAM)")
     parser.add_argument("--cpu-nodes", type=int, default=None,
                         help="CPU node agents to run on this machine (default 1); models reach them by multicast")
+    parser.add_argument("--node-cores", default=None, metavar="SETS",
+                        help="the cores of each local node agent and its engines: '0;1' (in node order: cpu-0, "
+                             "cpu-1, ..., vllm-cpu-0) or 'cpu-0=0-3;cpu-1=4-7;service=8'; default: with two or more "
+                             "local nodes, the machine's cores split evenly among them, one kept for the service "
+                             "where each node still gets two (docs/service.md)")
     parser.add_argument("--remote-agent", action="append", dest="remote_agents", metavar="ID=HOST:PORT",
                         help="a node agent on another machine (`python -m mesh.agent --listen 0.0.0.0:PORT "
                              "--node-id ID --weights-listen 0.0.0.0:PORT2 ...`), same MESH_AGENT_TOKEN and "
@@ -120,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     from mesh.service.config import ConfigError, build_config, read_config_file
 
     cli = {k: getattr(args, k) for k in ("host", "port", "data_dir", "demo", "allowed_dir", "max_body_mb",
-                                         "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "remote_agents", "ray", "ray_autoscale",
+                                         "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "node_cores", "remote_agents", "ray", "ray_autoscale",
                                          "weights_plan", "deadlines", "policy", "cold_start_s", "exact_moves",
                                          "drain_timeout_s",
                                          "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",

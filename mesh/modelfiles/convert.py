@@ -1,7 +1,10 @@
 """Convert a model into the format the other kind of node runs.
 
-    python -m mesh.modelfiles.convert gguf-to-hf MODEL.gguf OUT_DIR [--dtype bfloat16] [--nice 10]
-    python -m mesh.modelfiles.convert hf-to-ir HF_DIR OUT_DIR [--weight-format fp32] [--nice 10]
+    python -m mesh.modelfiles.convert gguf-to-hf MODEL.gguf OUT_DIR [--dtype bfloat16] [--background]
+    python -m mesh.modelfiles.convert hf-to-ir HF_DIR OUT_DIR [--weight-format fp32] [--background]
+
+`--background`: at idle CPU priority (SCHED_IDLE, nice 19) with one compute thread (torch's,
+and the export it runs), as the service runs it: serving always preempts it.
 
 `gguf-to-hf`: a GGUF file (what OpenVINO serves on CPU nodes) to a Hugging Face folder
 (what vLLM serves on GPU nodes): vLLM 0.32's CPU build cannot load GGUF at all
@@ -303,14 +306,23 @@ def main(argv: list[str] | None = None) -> int:
     g2h.add_argument("gguf", help="the GGUF model file")
     g2h.add_argument("out", help="the folder to create (must not exist)")
     g2h.add_argument("--dtype", default="bfloat16", choices=DTYPES, help="dtype of the saved weights")
-    g2h.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by N (a background job)")
+    g2h.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by N")
+    g2h.add_argument("--background", action="store_true",
+                     help="run at idle priority (SCHED_IDLE, nice 19) with one compute thread: a background job")
     h2i = sub.add_parser("hf-to-ir", help="a Hugging Face folder -> an OpenVINO IR folder (for OpenVINO)")
     h2i.add_argument("folder", help="the Hugging Face model folder")
     h2i.add_argument("out", help="the folder to create (must not exist)")
     h2i.add_argument("--weight-format", default="fp32", choices=WEIGHT_FORMATS, help="weights of the IR")
-    h2i.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by N (a background job)")
+    h2i.add_argument("--nice", type=int, default=0, help="lower this process's CPU priority by N")
+    h2i.add_argument("--background", action="store_true",
+                     help="run at idle priority (SCHED_IDLE, nice 19) with one compute thread: a background job")
     args = parser.parse_args(argv)
-    if args.nice:
+    if args.background:
+        from mesh.background import BACKGROUND_THREADS, run_as_background
+
+        os.environ.update(BACKGROUND_THREADS)  # before torch loads (and for the export's own process)
+        run_as_background()
+    elif args.nice:
         os.nice(args.nice)
     try:
         if args.command == "hf-to-ir":

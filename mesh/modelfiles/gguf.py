@@ -69,15 +69,32 @@ class ArrayInfo(tuple):
 def read_gguf_metadata(path: str | Path, keep_arrays: bool = False) -> dict[str, Any]:
     """Return the key-value metadata of a GGUF file (arrays as ArrayInfo unless keep_arrays)."""
     with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise GGUFError(f"{path} is not a GGUF file (bad magic)")
-        version = _unpack(f, "<I")
-        if version < 2:
-            raise GGUFError(f"{path}: GGUF version {version} is too old (need 2 or later)")
-        _unpack(f, "<Q")  # tensor count
-        n_kv = _unpack(f, "<Q")
-        meta: dict[str, Any] = {"GGUF.version": version}
-        for _ in range(n_kv):
-            key = _string(f)
-            meta[key] = _value(f, _unpack(f, "<I"), keep_arrays)
-        return meta
+        return _metadata(f, path, keep_arrays)[0]
+
+
+def _metadata(f: BinaryIO, path: str | Path, keep_arrays: bool) -> tuple[dict[str, Any], int]:
+    """The metadata and the tensor count; `f` is left at the tensor index."""
+    if f.read(4) != GGUF_MAGIC:
+        raise GGUFError(f"{path} is not a GGUF file (bad magic)")
+    version = _unpack(f, "<I")
+    if version < 2:
+        raise GGUFError(f"{path}: GGUF version {version} is too old (need 2 or later)")
+    n_tensors = _unpack(f, "<Q")
+    n_kv = _unpack(f, "<Q")
+    meta: dict[str, Any] = {"GGUF.version": version}
+    for _ in range(n_kv):
+        key = _string(f)
+        meta[key] = _value(f, _unpack(f, "<I"), keep_arrays)
+    return meta, n_tensors
+
+
+def read_tensor_names(path: str | Path) -> list[str]:
+    """The names of a GGUF file's tensors, from its tensor index (no tensor data is read)."""
+    with open(path, "rb") as f:
+        _meta, n_tensors = _metadata(f, path, False)
+        names = []
+        for _ in range(n_tensors):
+            names.append(_string(f))
+            n_dims = _unpack(f, "<I")
+            f.seek(8 * n_dims + 4 + 8, 1)  # dims (u64 each), type (u32), offset (u64)
+        return names

@@ -97,3 +97,43 @@ def _value_bytes(head_dim: int, precision: str) -> float:
     if precision == "u8":
         return head_dim + 8
     raise ValueError(f"unsupported value cache precision {precision!r} (use u8, bf16, f16, f32)")
+
+
+def architecture_of(path: str | Path, name: str = "") -> "Architecture":
+    """The roofline's Llama-style architecture of the model at `path` (a GGUF file, or a folder
+    with a config.json): what an emulated node needs to emulate a real model from its shape
+    (mesh.agent.emulation; the mixed rig of `mesh serve --cpu-nodes N --emulate DEVICE:M`).
+    ValueError says what the file lacks."""
+    from mesh.perf.roofline import Architecture
+
+    p = Path(path)
+    if p.is_dir():
+        cfg = json.loads((p / "config.json").read_text())
+        cfg = cfg.get("text_config", cfg)
+        shape = shape_from_config(p / "config.json")
+        try:
+            hidden, intermediate, vocab = int(cfg["hidden_size"]), int(cfg["intermediate_size"]), int(cfg["vocab_size"])
+        except KeyError as exc:
+            raise ValueError(f"{p / 'config.json'} lacks {exc.args[0]}") from None
+        tied = bool(cfg.get("tie_word_embeddings", False))
+    else:
+        meta = read_gguf_metadata(p)
+        arch = str(meta.get("general.architecture", "llama"))
+        shape = shape_from_gguf(p)
+        hidden = int(meta.get(f"{arch}.embedding_length") or shape.attention_heads * shape.head_dim)
+        intermediate = meta.get(f"{arch}.feed_forward_length")
+        tokens = meta.get("tokenizer.ggml.tokens")  # a skipped array: (type, count)
+        vocab = meta.get(f"{arch}.vocab_size") or (tokens[1] if isinstance(tokens, tuple) else None)
+        if intermediate is None or vocab is None:
+            raise ValueError(f"{p}: GGUF metadata lacks {arch}.feed_forward_length or the vocabulary size")
+        intermediate, vocab = int(intermediate), int(vocab)
+        tied = "output.weight" not in _tensor_names(p)
+    return Architecture(name or p.stem, shape.layers, hidden, intermediate, shape.attention_heads, shape.kv_heads,
+                        vocab, min(shape.context_length, 8192), tied_embeddings=tied)
+
+
+def _tensor_names(path: Path) -> set[str]:
+    """The names of a GGUF file's tensors (its tensor index, after the metadata)."""
+    from mesh.modelfiles.gguf import read_tensor_names
+
+    return set(read_tensor_names(path))

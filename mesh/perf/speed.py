@@ -23,6 +23,7 @@ class MachineSpeed:
     gemm_gflops: float
     stream_gbps: float
     threads: int = 0  # cores the probe ran on (the process's affinity)
+    cores: tuple[int, ...] = ()  # which ones: the node's core set (mesh serve --node-cores; empty: not recorded)
     seconds: float = 0.0  # how long the probe took
 
     def to_dict(self) -> dict[str, Any]:

@@ -176,7 +176,9 @@ def build_app(service: Service) -> web.Application:
 async def run_service(config: ServeConfig, ready: Any = print) -> int:
     """Start everything, print the ready line, serve until SIGINT/SIGTERM, drain, stop."""
     from mesh.agent.remote import RemoteAgent, parse_remote
-    from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent, core_shares, detect_local_nodes
+    from mesh.agent.supervisor import (SERVICE, AgentHandle, AgentSettings, LocalAgent, core_shares,
+                                       detect_local_nodes, parse_node_cores)
+    from mesh.agent.vllm_nodes import CPU_NODE_ID
     from mesh.runtime.node import NodeSpec
     from mesh.service.demo import ensure_demo, ready_line
     from mesh.service.preparation import FormatPreparer
@@ -221,9 +223,29 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     if config.emulate:
         from mesh.agent.emulation import emulated_nodes
 
-        nodes, emulated = emulated_nodes(config.emulate)
-    # local CPU nodes split this machine's cores as they split its memory (each one a machine)
-    cores = core_shares([n.node_id for n in nodes if n.kind == "cpu"]) if config.cpu_nodes > 1 else {}
+        emulated_specs, emulated = emulated_nodes(config.emulate)
+        if config.mixed_rig and any(n.kind != "cpu" for n in nodes):  # vLLM's nodes would share the GPU kind
+            print(f"mesh serve: the mixed rig (--cpu-nodes with --emulate) emulates the GPU nodes, so it cannot also "
+                  f"run {', '.join(n.node_id for n in nodes if n.kind != 'cpu')} (drop --vllm-cpu)", file=sys.stderr)
+            registry.close()
+            return 2
+        nodes = [*nodes, *emulated_specs] if config.mixed_rig else emulated_specs
+    # the local nodes that compute on this machine's cores split them as they split its memory
+    # (each one a machine): OpenVINO agents and the vLLM-on-CPU agent, not emulated ones
+    computing = [n.node_id for n in nodes if n.node_id not in emulated and (n.kind == "cpu" or n.node_id == CPU_NODE_ID)]
+    if config.node_cores:
+        try:
+            cores = parse_node_cores(config.node_cores, computing)
+        except ValueError as exc:
+            print(f"mesh serve: {exc}", file=sys.stderr)
+            registry.close()
+            return 2
+    else:
+        cores = core_shares(computing) if len(computing) > 1 else {}
+    if cores.get(SERVICE):  # the service, its emulated agents and its conversions stay off the nodes' cores
+        os.sched_setaffinity(0, set(cores[SERVICE]))
+    if cores:
+        log.info("cores: %s", ", ".join(f"{k} {','.join(map(str, v))}" for k, v in cores.items()))
     settings = PlacementSettings(
         policy=config.policy, cold_start_s=config.cold_start_s, keep_alive_s=config.keep_alive_s,
         exact_moves=config.exact_moves, queue_capacity=config.queue_capacity, queue_timeout_s=config.queue_timeout_s,

@@ -12,7 +12,7 @@ the config file) is no limit. The operator sets a tenant's own with PUT
 /admin/tenants/{name}/quota.
 
 Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
-max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, remote_agents, ray, ray_autoscale, weights_plan,
+max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, node_cores, remote_agents, ray, ray_autoscale, weights_plan,
 drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
 deadlines, policy, cold_start_s, exact_moves, prepare_formats, emulate, watchdog_min_s (and
@@ -30,7 +30,9 @@ this machine's nodes, N emulated nodes of each profiled device (mesh.agent.emula
 node agents whose engines keep the device's profile times on the wall clock. They run only
 emulated models, which the operator registers by catalog name (POST
 /admin/tenants/{tenant}/models {"name", "emulate": "llama-2-7b"}). The cold start then defaults
-to the replay's (the weights' load, no fixed start-up).
+to the replay's (the weights' load, no fixed start-up). With cpu_nodes given too it is the
+mixed rig instead: this machine's CPU nodes beside emulated GPU nodes, which run its real
+models emulated from their architecture (docs/service.md, "The mixed rig"; cold start 7.5 s).
 
 `prepare_formats` (default true; `mesh serve --no-prepare` turns it off): prepare each
 registered model's format for the other kind of node in the background (a GGUF converted to
@@ -88,6 +90,9 @@ class ServeConfig:
     keep_alive_s: float = 60.0
     cpu_memory_gb: float | None = None  # None: half the machine's memory, split over the CPU nodes
     cpu_nodes: int = 1  # CPU node agents on this machine (each a node of the weights plane)
+    # the local nodes' core sets, "0;1" or "cpu-0=0-3;cpu-1=4-7;service=8" (mesh.agent.supervisor.parse_node_cores);
+    # None: split among them (core_shares) when there are two or more
+    node_cores: str | None = None
     weights_plan: str = "binomial"  # multicast plan for scale-outs: naive, chain, binomial
     remote_agents: list[str] = field(default_factory=list)  # "ID=HOST:PORT" of agents on other machines
     ray: str | None = None  # "auto" or a Ray cluster's address: node agents on its nodes (docs/cluster.md)
@@ -127,6 +132,9 @@ class ServeConfig:
     watchdog_min_s: float = 30.0  # the engine watchdog's floor (mesh.runtime.node.HUNG_MIN_S)
     # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.agent.emulation; docs/service.md)
     emulate: str | None = None
+    # derived, not a key: emulate with cpu_nodes given too is the mixed rig, this machine's CPU nodes
+    # beside emulated GPU nodes that emulate its real models (mesh.agent.emulation)
+    mixed_rig: bool = False
 
     @property
     def default_quota(self) -> Quota:
@@ -176,6 +184,7 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
 def build_config(file_values: dict[str, Any], cli_values: dict[str, Any]) -> ServeConfig:
     """Merge defaults < config file < command line (None on the command line: not given)."""
     config = ServeConfig()
+    config.mixed_rig = "cpu_nodes" in file_values or cli_values.get("cpu_nodes") is not None  # kept if emulate
     for source in (file_values, {k: v for k, v in cli_values.items() if v is not None}):
         for key, value in source.items():
             if key in _PATHS and value is not None:
@@ -207,6 +216,8 @@ def _check(c: ServeConfig) -> None:
             raise ConfigError(f"{name} must be an integer of at least 1, got {value!r}")
     if isinstance(c.cpu_nodes, bool) or not isinstance(c.cpu_nodes, int) or not 1 <= c.cpu_nodes <= 64:
         raise ConfigError(f"cpu_nodes must be an integer from 1 to 64, got {c.cpu_nodes!r}")
+    if c.node_cores is not None and (not isinstance(c.node_cores, str) or not c.node_cores.strip()):
+        raise ConfigError(f"node_cores must be core sets like '0;1' or 'cpu-0=0-3;cpu-1=4-7', got {c.node_cores!r}")
     if not isinstance(c.remote_agents, list):
         raise ConfigError(f"remote_agents must be a list of 'ID=HOST:PORT', got {c.remote_agents!r}")
     from mesh.agent.remote import parse_remote
@@ -249,8 +260,9 @@ def _check(c: ServeConfig) -> None:
         raise ConfigError(f"policy must be one of {', '.join(POLICIES)}, got {c.policy!r}")
     if not isinstance(c.exact_moves, bool):
         raise ConfigError(f"exact_moves must be true or false, got {c.exact_moves!r}")
+    c.mixed_rig = bool(c.emulate) and c.mixed_rig
     if c.cold_start_s is None:
-        c.cold_start_s = 0.0 if c.emulate else 7.5
+        c.cold_start_s = 0.0 if c.emulate and not c.mixed_rig else 7.5
     if isinstance(c.cold_start_s, bool) or not isinstance(c.cold_start_s, (int, float)) or c.cold_start_s < 0:
         raise ConfigError(f"cold_start_s must be a number of seconds >= 0, got {c.cold_start_s!r}")
     if not isinstance(c.prepare_formats, bool):
@@ -259,15 +271,19 @@ def _check(c: ServeConfig) -> None:
         from mesh.agent.emulation import emulated_nodes
         from mesh.perf.profile import ProfileError
 
-        if c.demo:
-            raise ConfigError("emulate runs emulated models only: it cannot serve the demo model (drop --demo)")
+        if c.demo and not c.mixed_rig:
+            raise ConfigError("emulate runs emulated models only: it cannot serve the demo model (drop --demo, or "
+                              "give cpu_nodes too for the mixed rig: this machine's CPU nodes beside emulated GPU nodes)")
         if c.ray is not None or c.remote_agents:
             raise ConfigError("emulate runs its own nodes on this machine: it cannot be combined with ray or "
                               "remote_agents")
         try:
-            emulated_nodes(str(c.emulate))
+            nodes, _devices = emulated_nodes(str(c.emulate))
         except (ValueError, ProfileError) as exc:
             raise ConfigError(f"emulate: {exc}") from None
+        if c.mixed_rig and any(n.kind != "gpu" for n in nodes):
+            raise ConfigError(f"emulate {c.emulate!r} with cpu_nodes is the mixed rig: its CPU nodes are this "
+                              "machine's, so it emulates GPU devices only (e.g. --cpu-nodes 2 --emulate a100-80gb:1)")
     if c.weights_plan not in ("naive", "chain", "binomial"):
         raise ConfigError(f"weights_plan must be naive, chain or binomial, got {c.weights_plan!r}")
     if isinstance(c.watchdog_min_s, bool) or not isinstance(c.watchdog_min_s, (int, float)) or not c.watchdog_min_s > 0:

@@ -47,7 +47,7 @@ from mesh.agent.emulation import PROFILE_PREFIX, emulated_cold_start
 from mesh.agent.protocol import Code, InstanceSpec, slo_to_dict
 from mesh.agent.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.perf.times import prior_profile
-from mesh.policy.placement import ADMIT_REJECT, CPU, GPU, ColdStart
+from mesh.policy.placement import ADMIT_REJECT, CPU, GPU, ColdStart, kind_rank
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
 from mesh.runtime.dispatcher import Dispatcher
@@ -160,12 +160,18 @@ class ClusterPlacement:
         self.dispatcher = Dispatcher.for_policy(self.cluster, s.policy, queue_capacity=s.queue_capacity,
                                                 queue_timeout_s=s.queue_timeout_s)
         self.agents: dict[str, AgentHandle] = {}  # node id -> its agent (the weights plane reads it)
+        # The mixed rig (`mesh serve --cpu-nodes N --emulate DEVICE:M`): kinds of node whose nodes all
+        # emulate, beside real ones; they run real models emulated from their shape (mesh.agent.emulation)
+        emulating = set(s.agent.emulate)
+        real = {n.kind for n in nodes if n.node_id not in emulating}
+        self.emulated_kinds = frozenset({n.kind for n in nodes if n.node_id in emulating} - real) if real else frozenset()
+        self._shapes: dict[str, str] = {}  # model uid -> its emulated name on those kinds
         for spec in nodes:
             self._add(spec, agent_factory)
         self.weights = weights(self.agents) if weights is not None else None
         self.formats = formats
         if formats is not None:
-            formats.kinds = lambda: {n.kind for n in self._nodes()}
+            formats.kinds = lambda: {n.kind for n in self._nodes()} - self.emulated_kinds  # emulated: no format
             formats.on_ready = self._format_ready
         self._models: dict[str, _Model] = {}
         self._describing: dict[str, asyncio.Future] = {}
@@ -290,7 +296,36 @@ class ClusterPlacement:
         """The kinds of node that can run the model now: it has a format ready for them and
         one of their agents is up; CPU first."""
         up = {n.kind for n in self._nodes() if n.up}
-        return [k for k in record.node_kinds if k in up]
+        return [k for k in self._runnable_kinds(record) if k in up]
+
+    def _runnable_kinds(self, record: ModelRecord) -> tuple[str, ...]:
+        """The kinds of node that can run the model once up: its formats' (ModelRecord.node_kinds)
+        and, in the mixed rig, the emulated kinds, which emulate a real model from its shape."""
+        if not self.emulated_kinds:
+            return record.node_kinds
+        if record.kind == EMULATED:  # a catalog model runs on the emulated nodes only
+            return tuple(k for k in record.node_kinds if k in self.emulated_kinds)
+        return tuple(sorted({*record.node_kinds, *self.emulated_kinds}, key=kind_rank))
+
+    def _emulates(self, record: ModelRecord, kind: str) -> bool:
+        """Do nodes of `kind` run this real model emulated (the mixed rig)?"""
+        return record.kind != EMULATED and kind in self.emulated_kinds
+
+    def _engine(self, record: ModelRecord, kind: str) -> str:
+        return EMULATED if self._emulates(record, kind) else engine_for(record.kind, kind)
+
+    def _shape(self, record: ModelRecord) -> str:
+        """A real model's emulated name: its architecture, read once from its registered file."""
+        if record.uid not in self._shapes:
+            from mesh.agent.emulation import shape_name
+            from mesh.modelfiles.shape import architecture_of
+
+            try:
+                self._shapes[record.uid] = shape_name(architecture_of(record.path, record.uid))
+            except (OSError, ValueError) as exc:
+                raise ApiError(503, f"The model's shape cannot be read for its emulated nodes: {exc}", "server_error",
+                               "model", "model_load_failed") from exc
+        return self._shapes[record.uid]
 
     def _check_servable(self, record: ModelRecord) -> None:
         """Raise unless a kind of node the policy uses can run the model now: a 503 while
@@ -300,7 +335,7 @@ class ClusterPlacement:
         if any(k in usable for k in self._kinds_up(record)):
             return
         here = {n.kind for n in self._nodes()}
-        ready = [k for k in record.node_kinds if k in usable and k in here]
+        ready = [k for k in self._runnable_kinds(record) if k in usable and k in here]
         if ready:
             states = ", ".join(f"{n.node_id} {n.agent.state}" for n in self._nodes() if n.kind in ready)
             raise node_unavailable(f"no {'/'.join(k.upper() for k in ready)} node agent is up ({states})")
@@ -322,6 +357,20 @@ class ClusterPlacement:
         raise bad_request(f"{FORMAT_NAMES[record.kind]}s run on {native.upper()} nodes ({ENGINE_OF_KIND[native]}), "
                           f"{why}; " + "; ".join(other) + ".", "model")
 
+    def _describer(self, record: ModelRecord, kind: str) -> AgentNode:
+        """The node of `kind` that describes the model (and so builds it ahead, on a CPU node):
+        one that holds its weights there (the first host copy, BlitzScale 5.3: where the
+        dispatcher's locality puts its first instance, and no copy to make), else a local
+        agent (it reads the registry's path), else any that is up."""
+        up = sorted((n for n in self._nodes() if n.kind == kind and n.up), key=lambda n: n.agent.remote)
+        if self.weights is not None and record.kind != EMULATED and not self._emulates(record, kind):
+            try:
+                held = set(self.weights.holders(ModelFormat.of(record, kind).key))
+            except KeyError:  # no format for that kind (yet)
+                return up[0]
+            return next((n for n in up if n.node_id in held), up[0])
+        return up[0]
+
     def model_formats(self, model: ModelRecord) -> dict[str, dict[str, Any]]:
         if self.formats is not None:
             return self.formats.view(model)
@@ -339,12 +388,11 @@ class ClusterPlacement:
         vocabs: list[Any] = []
         front: tuple[AgentNode, str] | None = None
         for kind in kinds:
-            # a local agent reads the registry's path
-            node = sorted((n for n in self._nodes() if n.kind == kind and n.up), key=lambda n: n.agent.remote)[0]
+            node = self._describer(record, kind)
             try:
                 path, _ = await self._copy_on(record, node)
                 shape = await node.agent.client.call(
-                    {"t": "describe", "model": record.uid, "path": path, "engine": engine_for(record.kind, kind),
+                    {"t": "describe", "model": record.uid, "path": path, "engine": self._engine(record, kind),
                      "context_window": record.context_length,
                      # what a load would ask for: the agent builds that instance ahead and parks it
                      "max_num_seqs": self.cluster.config.max_batch, "exact_moves": self.settings.exact_moves},
@@ -400,6 +448,8 @@ class ClusterPlacement:
         model = self._models.get(model_uid)
         if model is not None and model.record.kind == EMULATED:
             return PROFILE_PREFIX + model.record.path
+        if model is not None and self._emulates(model.record, kind):
+            return PROFILE_PREFIX + self._shape(model.record)
         if not self.settings.profile_dir:
             return None
         for name in (f"{model_uid}.{kind}.json", f"{model_uid}.json"):
@@ -427,6 +477,8 @@ class ClusterPlacement:
         plane, the registry's (or the prepared) path."""
         if record.kind == EMULATED:  # a catalog name: nothing to carry, the node emulates it
             return record.path, EMULATED
+        if self._emulates(record, node.kind):  # its shape: nothing to carry either
+            return self._shape(record), EMULATED
         fmt = ModelFormat.of(record, node.kind)
         if self.weights is None or not self.weights.carries(fmt):
             return fmt.path, "registry path" if fmt.native else "prepared path"
@@ -443,17 +495,18 @@ class ClusterPlacement:
         """How `node`'s agent loads the planned instance (the dispatcher chose the node)."""
         record = self._models[plan.model].record
         path, self._how[plan.instance_id] = await self._copy_on(record, node)
-        emulated = self.cluster.simulated_load_s(plan, node.kind) if record.kind == EMULATED else None
+        emulates = record.kind == EMULATED or self._emulates(record, node.kind)
+        emulated = self.cluster.simulated_load_s(plan, node.kind) if emulates else None
         return InstanceSpec(plan.instance_id, record.uid, path, record.context_length, slo_to_dict(record.slo),
                             plan.max_batch, self._profile_for(record.uid, node.kind),
-                            engine_for(record.kind, node.kind), exact_moves=self.settings.exact_moves,
+                            self._engine(record, node.kind), exact_moves=self.settings.exact_moves,
                             emulated_load_s=emulated)  # an emulated load takes the replay's engine's
 
     def _holds_copy(self, model_uid: str, node: Any) -> bool:
         """Does `node` hold the model's weights for its kind (no transfer before a load)? Yes
         without a weights plane (nodes read the registry's path)."""
         model = self._models.get(model_uid)
-        if self.weights is None or model is None or model.record.kind == EMULATED:
+        if self.weights is None or model is None or model.record.kind == EMULATED or node.kind in self.emulated_kinds:
             return True
         try:
             fmt = ModelFormat.of(model.record, node.kind)
@@ -520,6 +573,7 @@ class ClusterPlacement:
         if registering is not None:
             registering.cancel()
         self._models.pop(model_uid, None)
+        self._shapes.pop(model_uid, None)
         for ref in list(self.cluster.instances_of(model_uid)):
             if not ref.requests:
                 await self.cluster.stop_instance(ref)
@@ -570,7 +624,7 @@ class ClusterPlacement:
         unknown = [n for n in nodes if n not in self.agents]
         if unknown:
             raise bad_request(f"unknown nodes {unknown}; this server's nodes: {sorted(self.agents)}", "nodes")
-        kinds = record.node_kinds
+        kinds = self._runnable_kinds(record)
         wrong = [n for n in nodes if self.cluster.node(n).kind not in kinds]
         if wrong:
             formats = self.model_formats(record)

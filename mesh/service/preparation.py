@@ -24,7 +24,8 @@ the parameter pool (its first host copy on a node of its kind, multicasts from t
 the model's `ModelRecord.node_kinds` includes that kind: the placement describes the model
 on it, the dispatcher gets a profile for it and chooses the kind (mesh.service.placement).
 
-Conversions run one at a time, at low CPU priority (nice 10), each with a log in
+Conversions run one at a time, at idle CPU priority (SCHED_IDLE, nice 19) with one compute
+thread (convert --background), each with a log in
 `<data dir>/logs/prepare-<model uid>-<kind>.log`. A model whose registered file has the same
 sha256 as one whose copy is ready (the same model registered again, by another tenant or as
 a live replay's replicas) gets that copy's files as hard links instead of a conversion (22 s
@@ -80,7 +81,7 @@ class ConvertTool:
     """Runs `python -m mesh.modelfiles.convert` in a subprocess with the Python that has what the
     conversion needs. Tests replace `run` with a fake converter."""
 
-    nice: int = 10
+    background: bool = True  # idle priority and one compute thread (convert --background)
     timeout_s: float = 3600.0
 
     def python(self, conversion: Conversion) -> tuple[str | None, str]:
@@ -107,10 +108,11 @@ class ConvertTool:
     async def run(self, conversion: Conversion, python: str, source: str, out: Path, log_path: Path) -> dict[str, Any]:
         """Convert `source` into `out` (created atomically by the converter); the
         converter's summary, or ConversionFailed."""
-        from engines.worker_process import REPO_ROOT, worker_env
+        from engines.worker_process import REPO_ROOT, background_env, worker_env
 
-        cmd = [python, "-m", "mesh.modelfiles.convert", str(conversion.command), source, str(out), "--nice", str(self.nice)]
-        env = worker_env(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        cmd = [python, "-m", "mesh.modelfiles.convert", str(conversion.command), source, str(out)]
+        cmd += ["--background"] if self.background else []
+        env = (background_env if self.background else worker_env)(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log_file:
             log_file.write(f"$ {' '.join(cmd)}\n".encode())

@@ -197,7 +197,8 @@ async def cluster(request: web.Request) -> web.Response:
     view["models"] = len(svc.registry.models())
     view["tenants"] = len(svc.registry.tenants())
     view["open_requests"] = svc.generating
-    view["control_plane"] = {"pid": os.getpid(), "loop_lag": svc.loop_lag.view()}  # mesh bench control-plane
+    view["control_plane"] = {"pid": os.getpid(), "loop_lag": svc.loop_lag.view(),  # mesh bench control-plane
+                             "cores": sorted(os.sched_getaffinity(0))}  # the service's own (mesh serve --node-cores)
     return web.json_response(view)
 
 

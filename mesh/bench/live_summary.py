@@ -1,0 +1,105 @@
+"""Live replays summarised over seeds and repeats (issue 31 item 6; `scripts/evaluation.sh live`).
+
+    python -m mesh.bench.live_summary docs/eval/live_rig-*.json
+
+Each file is one `mesh replay --live ... --json` run of a fresh service; its rig, seed and
+repeat come from its name (`live_rig-<rig>_<policy>_s<seed>_r<repeat>.json`), its policy from
+the run itself. Per rig and policy it prints the live SLO attainment (every request counted:
+rejected and failed ones in the denominator) and its twin's (the same requests simulated
+under the same policy, `simulated_by_policy`) as minimum / median / maximum over the runs,
+the largest live-twin gap, the largest spread between repeats of one seed, and, per rig,
+in how many paired runs (same seed and repeat) Mesh served at least as many requests within
+their SLO as sllm+cpu. A single run is never a figure.
+"""
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+NAME = re.compile(r"live_rig-(?P<rig>[a-z0-9-]+)_(?P<policy>[a-z0-9-]+)_s(?P<seed>\d+)_r(?P<repeat>\d+)\.json$")
+
+
+@dataclass(frozen=True)
+class LiveRun:
+    rig: str
+    policy: str
+    seed: int
+    repeat: int
+    requests: int
+    served: int  # within their SLO
+    live_pct: float
+    twin_pct: float
+
+
+def read_run(path: str | Path) -> LiveRun:
+    """One run's figures; ValueError if its name or content is not a live replay's."""
+    path = Path(path)
+    m = NAME.search(path.name)
+    if m is None:
+        raise ValueError(f"{path.name}: not named live_rig-<rig>_<policy>_s<seed>_r<repeat>.json")
+    data = json.loads(path.read_text())
+    live = data["live"]
+    policy = live.get("policy") or m["policy"]
+    twin = (data.get("simulated_by_policy") or {}).get(policy) or data["simulated"]
+    return LiveRun(m["rig"], policy, int(m["seed"]), int(m["repeat"]), int(live["requests"]),
+                   int(live["slo_compliant"]), 100.0 * float(live["slo_rate"]), 100.0 * float(twin["slo_rate"]))
+
+
+def _mmm(values: list[float]) -> str:
+    return f"{min(values):.1f} / {statistics.median(values):.1f} / {max(values):.1f}"
+
+
+def summary(runs: Iterable[LiveRun]) -> str:
+    """The markdown table (module docstring)."""
+    runs = sorted(runs, key=lambda r: (r.rig, r.policy, r.seed, r.repeat))
+    lines = ["| rig | policy | runs | live SLO % (min / median / max) | twin SLO % (min / median / max) | "
+             "max abs(live - twin) | max repeat spread |", "|---|---|---|---|---|---|---|"]
+    groups: dict[tuple[str, str], list[LiveRun]] = {}
+    for r in runs:
+        groups.setdefault((r.rig, r.policy), []).append(r)
+    for (rig, policy), group in groups.items():
+        by_seed: dict[int, list[float]] = {}
+        for r in group:
+            by_seed.setdefault(r.seed, []).append(r.live_pct)
+        spread = max((max(v) - min(v) for v in by_seed.values() if len(v) > 1), default=None)
+        gap = max(abs(r.live_pct - r.twin_pct) for r in group)
+        lines.append(f"| {rig} | {policy} | {len(group)} | {_mmm([r.live_pct for r in group])} | "
+                     f"{_mmm([r.twin_pct for r in group])} | {gap:.1f} | "
+                     f"{'-' if spread is None else f'{spread:.1f}'} |")
+    pairs: dict[str, list[bool]] = {}
+    index = {(r.rig, r.policy, r.seed, r.repeat): r for r in runs}
+    for (rig, policy, seed, repeat), r in index.items():
+        other = index.get((rig, "sllm+cpu", seed, repeat))
+        if policy == "mesh" and other is not None:
+            pairs.setdefault(rig, []).append(r.served >= other.served)
+    for rig, wins in sorted(pairs.items()):
+        lines.append(f"\n{rig}: Mesh served at least as many requests within their SLO as sllm+cpu in "
+                     f"{sum(wins)} of {len(wins)} paired runs")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    paths = sys.argv[1:] if argv is None else argv
+    if not paths:
+        print("usage: python -m mesh.bench.live_summary live_rig-*.json", file=sys.stderr)
+        return 2
+    runs = []
+    for p in paths:
+        try:
+            runs.append(read_run(p))
+        except (OSError, ValueError, KeyError) as exc:
+            print(f"skipped {p}: {exc}", file=sys.stderr)
+    if not runs:
+        print("no live replay runs to summarise", file=sys.stderr)
+        return 1
+    print(summary(runs))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
