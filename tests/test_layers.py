@@ -19,7 +19,7 @@ PACKAGES = ("mesh", "engines", "calibration", "workloads")
 
 # Bottom first. A module may import from its own layer and the layers below it.
 LAYERS: list[tuple[str, ...]] = [
-    ("mesh", "mesh.paths", "mesh.framing", "mesh.hardware", "workloads"),  # base: no Mesh imports
+    ("mesh", "mesh.paths", "mesh.framing", "mesh.hardware", "mesh.background", "workloads"),  # base: no Mesh imports
     ("mesh.policy",),  # the pure policy core: batching vocabulary, scheduling and placement rules
     ("mesh.perf",),  # profiles, performance models, every iteration-time model
     ("mesh.modelfiles",),  # model files and their formats: GGUF metadata, shapes, sources, converters
