@@ -1336,7 +1336,9 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
         key_b = admin("POST", "/admin/tenants/b/keys", {"label": "attacker"})["key"]
         assert server.http("POST", "/v1/models", {"name": "m", "path": "m.gguf"}, token=key_b)[0] == 201
         used = admin("GET", "/admin/tenants/b/quota")["usage"]["model_bytes"]
-        admin("PUT", "/admin/tenants/b/quota", {"model_bytes": used + (1 << 20)})  # 1 MiB left
+        # 1 MiB left; the attacker's many registration attempts below each test another bound,
+        # so its registration rate is lifted (test_registrations_are_rate_limited_per_tenant has it)
+        admin("PUT", "/admin/tenants/b/quota", {"model_bytes": used + (1 << 20), "registrations_per_min": None})
         nodes_before = {n["node_id"]: n["pid"] for n in admin("GET", "/admin/cluster")["nodes"]}
         sampler = _Sampler(server.proc.pid)
         tenant = _WellBehaved(server.url, server.key, tmp_path)
