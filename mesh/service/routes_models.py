@@ -132,7 +132,6 @@ async def forget_files(svc: Service, records: list[ModelRecord]) -> None:
 async def register_model(request: web.Request) -> web.Response:
     svc = service_of(request)
     tenant = svc.tenant_of(request)
-    svc.quotas.take_registration(tenant, asyncio.get_running_loop().time())  # 429 past its rate
     if request.content_type == "application/octet-stream":
         return await _register_upload(svc, request, tenant)
     data = await read_json(request, svc.limits)
@@ -144,6 +143,7 @@ async def register_model(request: web.Request) -> web.Response:
     if svc.registry.model(tenant, name) is not None:
         raise errors.conflict(f"You already have a model named '{name}'; delete it first or pick another name.",
                               "name", "model_exists")
+    svc.quotas.take_registration(tenant, asyncio.get_running_loop().time())  # 429 past its rate, before the work
     record = await _by_path(svc, tenant, name, data, confined=True)
     return _created(svc, record)
 
@@ -224,6 +224,7 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
                               "takes. Retry shortly.", "rate_limit_error", None, "too_many_uploads",
                               {"Retry-After": "5"})
     settings = _query_settings(q)
+    svc.quotas.take_registration(tenant, asyncio.get_running_loop().time())  # 429 past its rate, before the body
     uid = new_model_uid()
     target = svc.data_dir / "uploads" / f"{uid}.gguf"
     svc.uploading[tenant] = svc.uploading.get(tenant, 0) + 1
