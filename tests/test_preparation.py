@@ -27,7 +27,7 @@ from mesh.runtime.node import NodeSpec
 from mesh.service.errors import ApiError
 from mesh.service.placement import ClusterPlacement, PlacementSettings
 from mesh.service.preparation import ConversionFailed, ConvertTool, FormatPreparer
-from mesh.service.registry import ModelRecord, PreparedFormat, Registry, RegistryError
+from mesh.service.registry import SCHEMA_VERSION, ModelRecord, PreparedFormat, Registry, RegistryError
 from mesh.service.streams import Finished, Job
 from mesh.weights.plane import ModelFormat, WeightsPlane, WeightsSettings
 
@@ -98,7 +98,7 @@ def test_a_schema_2_registry_gains_the_prepared_formats_table_in_place(tmp_path)
     (old,) = r.models()
     assert (old.uid, old.kind, old.path, old.context_length) == ("m_old", "gguf", "/models/old.gguf", 2048)
     assert old.prepared == () and old.node_kinds == ("cpu",) and old.cold_start == "serve_late"
-    assert r._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0] == "4"
+    assert r._db.execute("SELECT value FROM meta WHERE key = 'schema'").fetchone()[0] == str(SCHEMA_VERSION)
     assert r.set_prepared("m_old", PreparedFormat("gpu", "hf", "/p", "ready", weight_bytes=7))
     r.close()
     reopened = Registry(path)  # opening a schema-4 file changes nothing

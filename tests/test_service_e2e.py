@@ -252,7 +252,7 @@ def test_tenant_isolation_and_model_registration(server):
 def test_registration_refuses_path_escapes(server, demo_gguf):
     """A path out of the tenant's folder answers exactly what a missing file does (404)."""
     key = _tenant(server, "carol")
-    # a refused registration takes from the tenant's registration rate too (a prober's attempts
+    # a registration refused for its path takes from the tenant's registration rate too (a prober's attempts
     # count): this test's dozen would empty the default burst, so the operator lifts it here
     server.admin("PUT", "/admin/tenants/carol/quota", {"registrations_per_min": None})
     os.symlink(demo_gguf, server.allowed / "carol" / "outside-link.gguf")  # points outside the allowed folder
