@@ -288,21 +288,11 @@ class Cluster:
 
     def set_tenant_admission(self, tenant: str, choice: str | None) -> None:
         """`tenant`'s default admission choice for its models without their own; None: the cluster's."""
-        if choice is None:
-            self._tenant_admission.pop(tenant, None)
-            return
-        if choice not in ADMISSIONS:
-            raise ClusterError(f"admission must be one of {', '.join(ADMISSIONS)}, got {choice!r}")
-        self._tenant_admission[tenant] = choice
+        _set_admission(self._tenant_admission, tenant, choice)
 
     def set_admission(self, model: str, choice: str | None) -> None:
-        """The model's own admission choice; None: the cluster's default."""
-        if choice is None:
-            self._admission.pop(model, None)
-            return
-        if choice not in ADMISSIONS:
-            raise ClusterError(f"admission must be one of {', '.join(ADMISSIONS)}, got {choice!r}")
-        self._admission[model] = choice
+        """The model's own admission choice; None: its tenant's default, else the cluster's."""
+        _set_admission(self._admission, model, choice)
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
@@ -557,3 +547,13 @@ class Cluster:
         await ref.node.stop_instance(ref.instance_id)
         if self.on_capacity is not None:
             self.on_capacity()
+
+
+def _set_admission(choices: dict[str, str], key: str, choice: str | None) -> None:
+    """Set (or, for None, clear) one admission choice, refusing a name placement.ADMISSIONS lacks."""
+    if choice is None:
+        choices.pop(key, None)
+    elif choice not in ADMISSIONS:
+        raise ClusterError(f"admission must be one of {', '.join(ADMISSIONS)}, got {choice!r}")
+    else:
+        choices[key] = choice
