@@ -1,6 +1,6 @@
 """Background work (issue 31 item 2): a process that runs only on cycles serving leaves idle.
 
-Used by the jobs Mesh runs beside serving (engines.background_prepare, mesh.modelfiles.convert
+Used by the jobs Mesh runs beside serving (mesh.engines.background_prepare, mesh.modelfiles.convert
 --background); a base module, so that every layer may use it.
 """
 from __future__ import annotations

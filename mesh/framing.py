@@ -14,8 +14,8 @@ connections a port holds before they authenticate, so a stranger's idle or slow 
 cannot use up the process's memory or file descriptors.
 
 Each protocol names its type key and whether it carries payloads; the messages are its own:
-- the node agent protocol (mesh.agent.protocol): type key `t`, no payloads;
-- the weights transport (mesh.weights.protocol): type key `type`, a block's bytes as
+- the node agent protocol (mesh.wire.agent_protocol): type key `t`, no payloads;
+- the weights transport (mesh.weights.frames): type key `type`, a block's bytes as
   the payload of a `block` frame.
 """
 from __future__ import annotations
@@ -156,7 +156,7 @@ def is_message_id(value: Any) -> bool:
 
 _TOKENS = re.compile(rb'"(?:[^"\\]|\\.)*"|[{}\[\]:,]|[^\s{}\[\]:,"]+')
 _ID = re.compile(rb"\d{1,18}")
-ID_SCAN_BYTES = 65536  # a sender puts `id` first (mesh.agent.client); it is looked for this far at most
+ID_SCAN_BYTES = 65536  # a sender puts `id` first (mesh.control.agent_client); it is looked for this far at most
 
 
 def message_id(body: bytes) -> int | None:

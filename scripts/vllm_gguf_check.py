@@ -23,7 +23,7 @@ def openvino_reference(out_path: str) -> None:
     import openvino as ov
     import openvino_genai as ov_genai
 
-    from engines.chat import PromptEncoder
+    from mesh.engines.chat import PromptEncoder
     sc = ov_genai.SchedulerConfig()
     sc.cache_size = 1
     pipe = ov_genai.ContinuousBatchingPipeline(str(demo_gguf_path()), sc, "CPU")

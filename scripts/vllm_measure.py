@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from calibration.vllm_calibration import resolve_model_arg  # noqa: E402
-from engines.protocol import EngineRequest, Sampling  # noqa: E402
-from engines.vllm_engine import VLLMEngine  # noqa: E402
+from mesh.calibration.vllm_calibration import resolve_model_arg  # noqa: E402
+from mesh.engines.engine_api import EngineRequest, Sampling  # noqa: E402
+from mesh.engines.vllm_engine import VLLMEngine  # noqa: E402
 
 
 def ids(n: int, k: int = 0) -> list[int]:

@@ -7,12 +7,12 @@ import asyncio
 from typing import Any
 
 from doubles import LinearTimes
-from engines.simulated import SimulatedEngine
-from mesh.agent import engines as agent_engines
-from mesh.agent.client import AgentClient
-from mesh.agent.protocol import InstanceSpec
-from mesh.agent.server import AgentServer
-from mesh.agent.supervisor import AgentHandle
+from mesh.engines.simulated import SimulatedEngine
+from mesh.node import engine_host as agent_engines
+from mesh.control.agent_client import AgentClient
+from mesh.wire.agent_protocol import InstanceSpec
+from mesh.node.agent_server import AgentServer
+from mesh.control.supervisor import AgentHandle
 
 TOKEN = "secret"
 WEIGHTS_TOKEN = "weights-secret"
@@ -36,7 +36,7 @@ def simulated_factory(spec: InstanceSpec, on_loaded: Any) -> LoadReportingEngine
 
 def use_simulated_engines(monkeypatch: Any) -> None:
     """Every engine an in-process agent builds is simulated, with LinearTimes as its times."""
-    import mesh.agent.server as server_module
+    import mesh.node.agent_server as server_module
 
     for name in ("simulated", "openvino"):
         monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, name, simulated_factory)
@@ -57,7 +57,7 @@ class InProcessAgent(AgentHandle):
         if self.weights_root is not None:
             from pathlib import Path
 
-            from mesh.weights.node import NodeWeightsReceiver
+            from mesh.weights.receiver import NodeWeightsReceiver
 
             weights = NodeWeightsReceiver(Path(self.weights_root) / self.node_id, token=WEIGHTS_TOKEN,
                                           link_bytes_per_s=self.link_bytes_per_s)

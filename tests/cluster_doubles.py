@@ -5,13 +5,13 @@ import asyncio
 from typing import Callable
 
 from mesh.perf.profile import Profile, profile_from_dict
-from engines.protocol import EngineRequest, Sampling
+from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.policy.placement import ColdStart
 from mesh.policy.slo import SLO
 from mesh.replay.simulator import simulated_cluster
-from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
-from mesh.runtime.dispatcher import Dispatcher
-from mesh.runtime.request import ServedRequest
+from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
+from mesh.control.dispatcher import Dispatcher
+from mesh.node.request import ServedRequest
 
 GB = 10**9
 KV_PER_TOKEN = 100_000  # bytes
@@ -72,7 +72,7 @@ async def build(
     cfg: ClusterConfig,
     catalog: dict[str, ModelSpec] | None = None,
     **dispatcher_kw,
-) -> tuple[Cluster, Dispatcher]:
+) -> tuple[ClusterView, Dispatcher]:
     """A started cluster and dispatcher (call inside a running loop)."""
     catalog = catalog or {b: spec(b) for b in set(models.values())}
     cluster = simulated_cluster(cfg, catalog, models, {b: 100.0 for b in catalog})

@@ -9,11 +9,11 @@ import asyncio
 import pytest
 
 from agent_doubles import TOKEN, use_simulated_engines
-from engines.protocol import Sampling
-from mesh.agent.client import AgentCallError, AgentClient, AgentDown
-from mesh.agent.protocol import Code, InstanceSpec, sampling_to_dict
-from mesh.agent.server import AgentServer
-from mesh.runtime.node import NodeSpec
+from mesh.engines.engine_api import Sampling
+from mesh.control.agent_client import AgentCallError, AgentClient, AgentDown
+from mesh.wire.agent_protocol import Code, InstanceSpec, sampling_to_dict
+from mesh.node.agent_server import AgentServer
+from mesh.node.runtime import NodeSpec
 
 
 @pytest.fixture
@@ -215,8 +215,8 @@ def test_a_handler_exception_fails_that_call_only(simulated):
 def test_exact_moves_reach_the_openvino_engine_as_its_exact_numerics(demo_gguf):
     """`mesh serve --exact-moves` travels in the load message and becomes the engine's
     EXACT_RECOMPUTE properties (an f16 KV cache: more bytes per token than the default u8)."""
-    from engines.openvino_engine import EXACT_RECOMPUTE
-    from mesh.agent.engines import make_engine
+    from mesh.engines.openvino_engine import EXACT_RECOMPUTE
+    from mesh.node.engine_host import make_engine
 
     spec = InstanceSpec("i1", "m", str(demo_gguf), exact_moves=True)
     assert InstanceSpec.from_message(spec.to_message()).exact_moves is True
@@ -232,7 +232,7 @@ def test_openvino_prompts_are_tokenized_in_the_agents_tokenizer_process(demo_ggu
     tokenizer process: this process builds no tokenizer (building one holds the GIL for
     seconds, which would stall the agent's event loop). A bad chat message is a clear 400-style
     refusal, and the process goes on serving."""
-    from engines.openvino_engine import OpenVINOEngine, standalone_encoder
+    from mesh.engines.openvino_engine import OpenVINOEngine, standalone_encoder
 
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     by_path = {"t": "tokenize", "model": "m", "path": str(demo_gguf), "engine": "openvino"}

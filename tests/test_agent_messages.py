@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engines.protocol import Sampling
-from mesh.agent.protocol import (
+from mesh.engines.engine_api import Sampling
+from mesh.wire.agent_protocol import (
     AdmitEntry,
     DoneEvent,
     EvictedEvent,

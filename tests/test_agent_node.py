@@ -1,6 +1,6 @@
 """The cluster dispatcher and the replay's policies driving node agents over their real
 loopback connections (mesh.service.agent_node.AgentNode): the same Dispatcher and
-MeshPolicy as the replay, two agents in this process with simulated engines (fast).
+MeshScheduler as the replay, two agents in this process with simulated engines (fast).
 Proactive preemption (7.1) moves a running request to the other node with its progress,
 an eviction (6.4) goes back to the dispatcher and finishes elsewhere."""
 from __future__ import annotations
@@ -12,15 +12,15 @@ import pytest
 from agent_doubles import TIMES, InProcessAgent, until, use_simulated_engines
 from cluster_doubles import linear_profile
 from doubles import LinearTimes
-from engines.protocol import EngineRequest, Sampling
-from mesh.agent.protocol import InstanceSpec
+from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.wire.agent_protocol import InstanceSpec
 from mesh.policy.slo import SLO
-from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
-from mesh.runtime.dispatcher import Dispatcher
-from mesh.runtime.request import Outcome, ServedRequest
+from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
+from mesh.control.dispatcher import Dispatcher
+from mesh.node.request import Outcome, ServedRequest
 from mesh.service.agent_node import AgentNode
-from mesh.agent.supervisor import AgentSettings
-from mesh.runtime.node import NodeSpec
+from mesh.control.supervisor import AgentSettings
+from mesh.node.runtime import NodeSpec
 
 # The agents' simulated engines (agent_doubles): decode 10 ms a step, 1,000 bytes of KV per token.
 SLO_TIGHT = SLO(ttft_min_s=0.5, ttft_s_per_prompt_token=0.0, tpot_s=0.015)
@@ -30,7 +30,7 @@ SLO_TIGHT = SLO(ttft_min_s=0.5, ttft_s_per_prompt_token=0.0, tpot_s=0.015)
 def simulated(monkeypatch):
     """Simulated engines whose predicted times stay the profile's (no learning), so the
     decisions below do not depend on how fast this machine runs the simulation."""
-    import mesh.agent.server as server_module
+    import mesh.node.agent_server as server_module
     from agent_doubles import TIMES
     from mesh.perf.times import AdaptiveTimes
 
@@ -49,7 +49,7 @@ async def _cluster(models: list[str], memory: int = 10**9, slo: SLO = SLO_TIGHT,
     profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
                              decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
     catalog = {"base": ModelSpec("base", {"cpu": profile})}
-    cluster = Cluster(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=memory, slo=slo), catalog,
+    cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=memory, slo=slo), catalog,
                       {m: "base" for m in models}, {"base": 100.0}, nodes=nodes)
     d = Dispatcher.for_policy(cluster, policy)
     await cluster.start()
@@ -252,7 +252,7 @@ def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkey
                                  decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
         cfg = ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=10**9, slo=SLO_TIGHT,
                             cold_start=ColdStart(cpu_load_bytes_per_s=1e18, fixed_s=1.5))
-        cluster = Cluster(cfg, {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0},
+        cluster = ClusterView(cfg, {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0},
                           nodes=nodes)
         d = Dispatcher.for_policy(cluster, "mesh")
         await cluster.start()

@@ -14,17 +14,17 @@ import asyncio
 import pytest
 
 from agent_doubles import until
-from engines.protocol import EngineRequest, Sampling
+from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.perf.times import prior_profile
-from mesh.agent.server import MEAN_OUTPUT_PRIOR
-from mesh.agent.protocol import InstanceSpec
-from mesh.agent.supervisor import AgentSettings, LocalAgent
+from mesh.node.agent_server import MEAN_OUTPUT_PRIOR
+from mesh.wire.agent_protocol import InstanceSpec
+from mesh.control.supervisor import AgentSettings, LocalAgent
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, kv_require_bytes, recommend_bytes
 from mesh.policy.slo import SLO
-from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
-from mesh.runtime.dispatcher import Dispatcher
-from mesh.runtime.node import NodeSpec
-from mesh.runtime.request import Outcome, ServedRequest
+from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
+from mesh.control.dispatcher import Dispatcher
+from mesh.node.runtime import NodeSpec
+from mesh.node.request import Outcome, ServedRequest
 from mesh.service.agent_node import AgentNode
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ QUESTION = [{"role": "user", "content": "Name three colours of the rainbow and s
 
 
 def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf):
-    from engines.openvino_engine import OpenVINOEngine
+    from mesh.engines.openvino_engine import OpenVINOEngine
 
     shape = OpenVINOEngine(demo_gguf)  # reads the model's shape and tokenizer; loads nothing
     ids = shape.encode_chat(QUESTION)
@@ -49,7 +49,7 @@ def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf)
         settings = AgentSettings(models_roots=(str(demo_gguf.parent),))
         nodes = [AgentNode(NodeSpec(f"cpu{i}", "cpu", 4 * GIB), LocalAgent, settings, load_spec) for i in range(2)]
         profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
-        cluster = Cluster(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE),
+        cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE),
                           {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0},
                           nodes=nodes)
         d = Dispatcher.for_policy(cluster, "mesh")
@@ -97,14 +97,14 @@ def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf)
 
 
 def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_output(demo_gguf):
-    """Proactive preemption (7.1) chosen by MeshPolicy on real agents. cpu0 runs X (model m,
+    """Proactive preemption (7.1) chosen by MeshScheduler on real agents. cpu0 runs X (model m,
     two streams) and Y (model n, one stream) and has memory for exactly that (the weights and
     the KV sizes its memory subsystem gives them, Eq. 2 and the watermark, computed below with
     the same functions). A third request for m needs X's cache to grow: it fails validation
     on X, validates with Y preempted, and Y's stream validates on a new instance on cpu1. So
     the dispatcher preempts Y: its stream is recomputed on cpu1 and goes on, and its tokens
     are those of the same request run alone there afterwards."""
-    from engines.openvino_engine import EXACT_RECOMPUTE, OpenVINOEngine
+    from mesh.engines.openvino_engine import EXACT_RECOMPUTE, OpenVINOEngine
 
     window = 256
     shape = OpenVINOEngine(demo_gguf, context_window=window, properties=EXACT_RECOMPUTE)
@@ -129,7 +129,7 @@ def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_
         nodes = [AgentNode(NodeSpec("cpu0", "cpu", cpu0), LocalAgent, settings, load_spec),
                  AgentNode(NodeSpec("cpu1", "cpu", 4 * GIB), LocalAgent, settings, load_spec)]
         profile = prior_profile("smol", "cpu", w, k, window)
-        cluster = Cluster(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE,
+        cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE,
                                         keep_alive_s=600.0),  # X and Y wait idle for their requests
                           {"smol": ModelSpec("smol", {"cpu": profile})}, {"m": "smol", "n": "smol"},
                           {"smol": float(MEAN_OUTPUT_PRIOR)}, nodes=nodes)

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from agent_doubles import TOKEN
-from engines.protocol import Sampling
-from mesh.agent.client import AgentCallError, AgentClient
-from mesh.agent.protocol import READY_PREFIX, Code, InstanceSpec, sampling_to_dict
-from mesh.agent.server import AgentServer
-from mesh.weights.node import NodeWeightsReceiver, inside, received_path, safe_name, send_model
+from mesh.engines.engine_api import Sampling
+from mesh.control.agent_client import AgentCallError, AgentClient
+from mesh.wire.agent_protocol import READY_PREFIX, Code, InstanceSpec, sampling_to_dict
+from mesh.node.agent_server import AgentServer
+from mesh.weights.receiver import NodeWeightsReceiver, inside, received_path, safe_name, send_model
 from mesh.policy.multicast import make_plan
-from mesh.runtime.node import NodeSpec
+from mesh.node.runtime import NodeSpec
 from mesh.weights.peer import WeightAgent
 from mesh.weights.blocks import pack
 from mesh.weights.coordinator import MulticastError, multicast
@@ -216,7 +216,7 @@ def test_an_agent_on_loopback_or_with_a_token_starts(tmp_path):
 # The real agent program with one fault injected: its `stats` handler raises, as a bug would.
 FAULTY_AGENT = """
 import sys
-import mesh.agent.server as server
+import mesh.node.agent_server as server
 
 def stats(self, message):
     raise RuntimeError("injected fault in stats")

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engines.worker_process import REPO_ROOT, background_env
+from mesh.engines.worker_process import REPO_ROOT, background_env
 
 PROBE = """
 import json, os, threading
@@ -41,7 +41,7 @@ def test_preparations_run_at_idle_priority_in_order_of_expected_need(tmp_path: P
     """Three files that are GGUFs by their magic only (each preparation fails fast, which is
     all this needs): the one needed first is prepared first, whatever order they came in,
     each in a child at SCHED_IDLE; a wait for one model does not wait for the others."""
-    from engines.background_prepare import BackgroundPreparer
+    from mesh.engines.background_prepare import BackgroundPreparer
 
     files = {}
     for name in ("late", "now", "soon"):
@@ -89,19 +89,19 @@ def test_the_interference_benchmark_times_a_real_node_with_and_without_a_prepara
     assert all(w.steps >= 10 and w.tpot_p50_ms > 0 for w in fig.windows)
     assert fig.windows[0].jobs_started == 0 and all(w.jobs_started >= 1 for w in fig.windows[1:])
     assert set(fig.rise_pct) == {"background", "normal"}
-    left = subprocess.run(["pgrep", "-f", f"engines.background_prepare .* --root {tmp_path}"], capture_output=True)
+    left = subprocess.run(["pgrep", "-f", f"mesh.engines.background_prepare .* --root {tmp_path}"], capture_output=True)
     assert left.returncode == 1, left.stdout  # every job process group was killed
 
 
 def test_a_worker_reply_whose_waiter_was_cancelled_leaves_the_connection_serving(tmp_path):
-    """engines.worker_process: a command whose asyncio waiter was cancelled (a cancelled build
+    """mesh.engines.worker_process: a command whose asyncio waiter was cancelled (a cancelled build
     ahead, a watchdog's step) had its future cancelled; its reply then raised in the reader
     thread, which died, and every later reply of that worker was lost."""
-    from engines.protocol import EngineError
-    from engines.worker_process import WorkerConnection, wait, worker_env
+    from mesh.engines.engine_api import EngineError
+    from mesh.engines.worker_process import WorkerConnection, wait, worker_env
 
     async def main() -> None:
-        conn = WorkerConnection("engines.openvino_worker", sys.executable, worker_env(), tmp_path / "w.log",
+        conn = WorkerConnection("mesh.engines.openvino_worker", sys.executable, worker_env(), tmp_path / "w.log",
                                 name="OpenVINO")
         try:
             first = conn.call("no-such-command")

@@ -14,8 +14,8 @@ import asyncio
 import pytest
 
 from doubles import LinearTimes
-from engines.protocol import EngineRequest, Sampling
-from engines.simulated import SimulatedEngine
+from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.engines.simulated import SimulatedEngine
 from mesh.policy.batching import IterationKind
 
 WINDOW = 256  # context window and prefill token budget of both engines
@@ -69,7 +69,7 @@ def simulated() -> SimulatedEngine:
 
 
 def test_simulated_engine_follows_the_scripted_rule():
-    from mesh.runtime.virtual_loop import run_virtual
+    from mesh.replay.virtual_loop import run_virtual
 
     steps = _kinds(run_virtual(run_script(simulated(), lambda n, rid: None)))
     assert steps == EXPECTED
@@ -79,10 +79,10 @@ def test_simulated_engine_follows_the_scripted_rule():
 
 @pytest.mark.slow
 def test_openvino_engine_runs_the_same_iteration_sequence_as_the_simulated_one():
-    from calibration.openvino_calibration import TokenPrompts
-    from engines.openvino_engine import OpenVINOEngine
+    from mesh.calibration.openvino_calibration import TokenPrompts
+    from mesh.engines.openvino_engine import OpenVINOEngine
     from mesh.modelfiles.demo import demo_gguf_path
-    from mesh.runtime.virtual_loop import run_virtual
+    from mesh.replay.virtual_loop import run_virtual
 
     sim_steps = _kinds(run_virtual(run_script(simulated(), lambda n, rid: None)))
 

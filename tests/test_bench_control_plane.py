@@ -1,5 +1,5 @@
 """`mesh bench control-plane`'s pieces: the latency histograms and the loop-lag probe
-(mesh.runtime.latency), the ramp's stop rule and the step figures, and the load generator's
+(mesh.control.latency), the ramp's stop rule and the step figures, and the load generator's
 token counting against a small SSE server."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from aiohttp import web
 
 from mesh.bench import control_plane as cp
-from mesh.runtime.latency import (BUCKETS_PER_OCTAVE, FIRST_EDGE_S, NUM_BUCKETS, LogHistogram, LoopLagProbe, between,
+from mesh.control.latency import (BUCKETS_PER_OCTAVE, FIRST_EDGE_S, NUM_BUCKETS, LogHistogram, LoopLagProbe, between,
                                   bucket_of, edge, export_buckets, quantile)
 
 
@@ -224,7 +224,7 @@ def test_the_load_counts_streamed_tokens_and_429s():
 
 
 def test_metrics_export_the_loop_lag_and_decision_histograms():
-    from mesh.service.metrics import ServiceMetrics
+    from mesh.service.prometheus import ServiceMetrics
 
     lag, decisions = LogHistogram(), LogHistogram()
     for v in (0.001, 0.002, 0.03):

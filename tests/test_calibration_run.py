@@ -1,4 +1,4 @@
-"""Calibration runs (calibration.runner, mesh calibrate): grids, profile, held-out MAPE,
+"""Calibration runs (mesh.calibration.runner, mesh calibrate): grids, profile, held-out MAPE,
 resuming after an interruption, the vLLM error; fast tests on a fake engine, slow ones on
 the real OpenVINO engine with the demo model."""
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from mesh.perf import PerformanceModel, load_profile
-from calibration.runner import (
+from mesh.calibration.runner import (
     CalibrationError,
     Grid,
     Point,
@@ -21,7 +21,7 @@ from calibration.runner import (
     powers_of_two,
     state_path_for,
 )
-from engines.protocol import EngineRequest, FinishReason, StepResult
+from mesh.engines.engine_api import EngineRequest, FinishReason, StepResult
 from mesh.policy.batching import IterationKind
 from mesh.cli import main
 
@@ -218,8 +218,8 @@ def test_passes_pool_samples_in_alternating_order(tmp_path: Path) -> None:
 
 
 def test_vllm_engine_not_built_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:
-    monkeypatch.setitem(sys.modules, "engines.vllm_engine", None)  # as if the module did not exist
-    monkeypatch.delitem(sys.modules, "calibration.vllm_calibration", raising=False)  # imported afresh
+    monkeypatch.setitem(sys.modules, "mesh.engines.vllm_engine", None)  # as if the module did not exist
+    monkeypatch.delitem(sys.modules, "mesh.calibration.vllm_calibration", raising=False)  # imported afresh
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     code = main(["calibrate", "--engine", "vllm", "--model", str(model), "--quick", "--out", str(tmp_path / "p.json")])
@@ -271,7 +271,7 @@ def test_quick_calibration_of_the_demo_model(demo_gguf: Path, tmp_path: Path, ca
 @pytest.mark.slow
 def test_interrupted_cli_calibration_resumes(demo_gguf: Path, tmp_path: Path, monkeypatch, capsys) -> None:
     """Interrupt `mesh calibrate` after 2 points, run it again: only the rest is measured."""
-    import calibration.runner as runner
+    import mesh.calibration.runner as runner
 
     out = tmp_path / "tiny.json"
     args = ["calibrate", "--model", str(demo_gguf), "--out", str(out), "--max-prompt", "32", "--max-batch", "2",
@@ -299,12 +299,12 @@ def test_interrupted_cli_calibration_resumes(demo_gguf: Path, tmp_path: Path, mo
 
 
 def test_vllm_calibration_without_vllm_is_a_clear_error(tmp_path: Path, monkeypatch, capsys) -> None:
-    import calibration.vllm_calibration
+    import mesh.calibration.vllm_calibration
 
     def vllm_target(*args, **kwargs):
         raise ModuleNotFoundError("No module named 'vllm'", name="vllm")
 
-    monkeypatch.setattr(calibration.vllm_calibration, "VLLMTarget", vllm_target)
+    monkeypatch.setattr(mesh.calibration.vllm_calibration, "VLLMTarget", vllm_target)
     model = tmp_path / "m.gguf"
     model.write_bytes(b"GGUF")
     assert main(["calibrate", "--engine", "vllm", "--model", str(model), "--quick"]) == 2
@@ -313,7 +313,7 @@ def test_vllm_calibration_without_vllm_is_a_clear_error(tmp_path: Path, monkeypa
 
 
 def test_measured_overheads_are_medians_of_the_extras_never_below_zero():
-    from calibration.runner import measured_overheads
+    from mesh.calibration.runner import measured_overheads
 
     results = [{"after_prefill_extra_s": 0.004, "batch_change_extra_s": None},
                {"after_prefill_extra_s": 0.006, "batch_change_extra_s": -0.001},

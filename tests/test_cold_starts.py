@@ -11,15 +11,15 @@ import json
 import pytest
 
 from cluster_doubles import GB, WEIGHTS, build, config, request, run_until, spec
-from engines.simulated import SimulatedEngine
-from mesh.perf.memory import GIB, RESIZE_UP_S_PER_GIB
+from mesh.engines.simulated import SimulatedEngine
+from mesh.perf.memory_times import GIB, RESIZE_UP_S_PER_GIB
 from mesh.policy.cold_starts import ANY_MODEL, PARKED, PARKED_PRIOR_S, ColdStartTable, LoadRecord, cold_start_times
 from mesh.policy.placement import ColdStart, NodeView, new_instance_order
 from mesh.replay.simulator import simulated_cluster
-from mesh.runtime.dispatcher import Dispatcher
-from mesh.runtime.virtual_loop import run_virtual
+from mesh.control.dispatcher import Dispatcher
+from mesh.replay.virtual_loop import run_virtual
 from mesh.service.errors import overloaded
-from mesh.service.placement import ClusterPlacement, PlacementSettings
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 
 
 # -- the pure table ----------------------------------------------------------------------------
@@ -48,7 +48,7 @@ def test_a_parked_load_predicts_only_a_node_that_has_the_model_parked():
     assert t.expected_load_s("n1", "m", peers=["n0"]) == 3.7
     t.record(LoadRecord("n2", "cpu", "p", PARKED, 0.02, 3.0))  # only parked loads: nothing for an unparked node
     assert t.expected_load_s("n2", "p") is None and t.expected_load_s("n2", "p", parked=True) == 0.02
-    # parked ahead of its first load (mesh.agent.park_ahead): the parked tier's prior, not a build's
+    # parked ahead of its first load (mesh.node.park_ahead): the parked tier's prior, not a build's
     assert t.expected_load_s("n3", "new", parked=True) == PARKED_PRIOR_S and t.expected_load_s("n3", "new") is None
     assert cold_start_times(t.to_dict()) == {("m", "cpu"): 3.7, (ANY_MODEL, "cpu"): 3.7}  # a replay parks nothing
 

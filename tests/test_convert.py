@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from engines.protocol import EngineRequest, Sampling
-from engines.worker_process import REPO_ROOT
+from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.engines.worker_process import REPO_ROOT
 
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
@@ -76,7 +76,7 @@ def greedy(engine: Any, ids: list[int], max_tokens: int = 20) -> tuple[str, list
 def _converter_python() -> str:
     """The vLLM environment's Python, if it has what the conversion needs; else skip (fail
     under MESH_REQUIRE_VLLM=1)."""
-    from engines.vllm_engine import find_vllm_python
+    from mesh.engines.vllm_engine import find_vllm_python
 
     python = find_vllm_python()
     why = "vLLM is not installed (.venv-vllm)" if python is None else ""
@@ -139,8 +139,8 @@ def test_the_demo_gguf_becomes_a_complete_hugging_face_folder(converted):
 
 @pytest.mark.slow
 def test_vllm_serves_the_converted_folder_with_openvinos_token_ids(converted, demo_gguf):
-    from engines.openvino_engine import standalone_encoder
-    from engines.vllm_engine import VLLMEngine
+    from mesh.engines.openvino_engine import standalone_encoder
+    from mesh.engines.vllm_engine import VLLMEngine
 
     out, _, _ = converted
     openvino = standalone_encoder(str(demo_gguf))
@@ -162,7 +162,7 @@ def test_vllm_serves_the_converted_folder_with_openvinos_token_ids(converted, de
 def test_the_converted_folder_exports_to_an_ir_openvino_serves(converted, tmp_path, demo_gguf):
     """HF folder -> OpenVINO IR (the export environment, .venv-export): the IR OpenVINO
     serves, with the GGUF's token ids and the same answer."""
-    from engines.openvino_engine import OpenVINOEngine, standalone_encoder
+    from mesh.engines.openvino_engine import OpenVINOEngine, standalone_encoder
 
     python = export_python()
     folder, _, _ = converted

@@ -11,18 +11,18 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from doubles import LinearTimes
-from engines.protocol import EngineRequest, Sampling
-from engines.simulated import SimulatedEngine
+from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.engines.simulated import SimulatedEngine
 from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem, Iteration
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase, shadow_validate
 from mesh.policy.slo import SLO, DeadlineRule
-from mesh.runtime.cluster import ClusterConfig, ClusterError
-from mesh.runtime.dispatcher import slo_met as eq1_slo_met
-from mesh.runtime.node import NodeRuntime, NodeSpec
-from mesh.runtime.request import Outcome, ServedRequest
-from mesh.runtime.virtual_loop import run_virtual
+from mesh.control.cluster_view import ClusterConfig, ClusterError
+from mesh.control.dispatcher import slo_met as eq1_slo_met
+from mesh.node.runtime import NodeRuntime, NodeSpec
+from mesh.node.request import Outcome, ServedRequest
+from mesh.replay.virtual_loop import run_virtual
 
 EQ1, PACE = DeadlineRule.EQ1, DeadlineRule.PACE
 times_s = st.floats(min_value=-100.0, max_value=100.0, allow_nan=False)
@@ -283,7 +283,7 @@ def test_what_validation_admits_meets_the_reading_of_its_rule(plan):
 def test_a_local_agent_process_runs_the_rule_it_is_given(rule):
     """The supervisor starts a real agent process with the service's rule (AgentSettings,
     from `mesh serve --deadlines`, default pace); its hello and stats say which it runs."""
-    from mesh.agent.supervisor import AgentSettings, LocalAgent
+    from mesh.control.supervisor import AgentSettings, LocalAgent
 
     async def main() -> tuple[str, str]:
         agent = LocalAgent(NodeSpec("cpu-0", "cpu", 10**9), lambda a: None, lambda a, why: None, lambda a, m: None,

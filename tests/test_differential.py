@@ -36,18 +36,18 @@ from typing import Any
 
 import pytest
 
-from engines.protocol import Sampling
-from mesh.agent.emulation import emulated_nodes
-from mesh.agent.supervisor import AgentSettings
+from mesh.engines.engine_api import Sampling
+from mesh.node.emulation import emulated_nodes
+from mesh.control.supervisor import AgentSettings
 from mesh.perf.profile import catalog_profile, save_profile
 from mesh.policy.placement import ColdStart
 from mesh.policy.slo import SLO
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
-from mesh.runtime.cluster import ClusterConfig
-from mesh.runtime.dispatcher import accounting
-from mesh.runtime.request import Outcome, ServedRequest
+from mesh.control.cluster_view import ClusterConfig
+from mesh.control.dispatcher import accounting
+from mesh.node.request import Outcome, ServedRequest
 from mesh.service.errors import ApiError
-from mesh.service.placement import MEAN_OUTPUT_PRIOR, ClusterPlacement, PlacementSettings
+from mesh.service.cluster_placement import MEAN_OUTPUT_PRIOR, ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Job
 from workloads.workload import Arrival, Workload

@@ -171,9 +171,9 @@ def test_tailored_concurrency_target_is_the_largest_batch_within_the_tpot(base, 
 
 
 def test_admission_a_models_own_then_its_tenants_then_the_clusters():
-    from mesh.runtime.cluster import Cluster, ClusterConfig, ClusterError
+    from mesh.control.cluster_view import ClusterView, ClusterConfig, ClusterError
 
-    cluster = Cluster(ClusterConfig(cpu_nodes=1, gpu_nodes=0, admission="reject"))
+    cluster = ClusterView(ClusterConfig(cpu_nodes=1, gpu_nodes=0, admission="reject"))
     assert cluster.admission("m", "t") == "reject"
     cluster.set_tenant_admission("t", "queue")
     assert cluster.admission("m", "t") == "queue" and cluster.admission("m", "other") == "reject"

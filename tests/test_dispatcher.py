@@ -8,12 +8,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_doubles import GB, build, config, request, run_until, spec
-from mesh.perf.memory import GIB, RESIZE_UP_S_PER_GIB
+from mesh.perf.memory_times import GIB, RESIZE_UP_S_PER_GIB
 from mesh.policy.placement import ColdStart
 from mesh.policy.slo import SLO
-from mesh.runtime.schedulers import POLICIES, UnknownPolicy, policy_spec
-from mesh.runtime.request import Outcome
-from mesh.runtime.virtual_loop import run_virtual
+from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
+from mesh.node.request import Outcome
+from mesh.replay.virtual_loop import run_virtual
 
 KV0_S = 100_000 * 1024 * 1.2 / GIB * RESIZE_UP_S_PER_GIB  # initial KV cache (L_min = 1024 tokens, w = 0.2)
 
@@ -338,8 +338,8 @@ def test_sllm_gives_each_instance_a_whole_node():
 
 
 def test_unknown_policy_lists_the_valid_ones():
-    with pytest.raises(UnknownPolicy, match="mesh, sllm, sllm\\+cpu, mesh-no-share, mesh-no-cpu, mesh-no-defrag"):
-        policy_spec("vllm")
+    with pytest.raises(UnknownScheduler, match="mesh, sllm, sllm\\+cpu, mesh-no-share, mesh-no-cpu, mesh-no-defrag"):
+        scheduler_spec("vllm")
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from engines.emulated import EmulatedEngine, byte_ids
-from engines.protocol import EngineRequest, FinishReason, Sampling
-from mesh.agent.emulation import Emulation, emulated_nodes, emulated_profiles, parse_emulate
+from mesh.engines.emulated import EmulatedEngine, byte_ids
+from mesh.engines.engine_api import EngineRequest, FinishReason, Sampling
+from mesh.node.emulation import Emulation, emulated_nodes, emulated_profiles, parse_emulate
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import catalog_profile
 from mesh.policy.batching import IterationKind
@@ -29,7 +29,7 @@ def _engine(noise: float, device: str = "xeon-6462c", seed: int = 0) -> Emulated
 
 def _recorded_sleeps(monkeypatch: pytest.MonkeyPatch) -> list[float]:
     """The seconds every simulated iteration sleeps (the engine's wall time, without waiting it)."""
-    import engines.simulated as simulated
+    import mesh.engines.simulated as simulated
 
     slept: list[float] = []
 
@@ -133,10 +133,10 @@ def test_emulate_accepts_the_probed_h200_and_h100_with_their_memory_and_host_lin
 
 
 def test_an_agent_refuses_emulated_models_unless_it_emulates():
-    from mesh.agent.client import AgentCallError, AgentClient
-    from mesh.agent.protocol import Code, InstanceSpec
-    from mesh.agent.server import AgentServer
-    from mesh.runtime.node import NodeSpec
+    from mesh.control.agent_client import AgentCallError, AgentClient
+    from mesh.wire.agent_protocol import Code, InstanceSpec
+    from mesh.node.agent_server import AgentServer
+    from mesh.node.runtime import NodeSpec
 
     async def main() -> None:
         for emulation in (None, Emulation("xeon-6462c")):
@@ -225,11 +225,11 @@ def test_an_emulated_load_takes_the_replays_engine_load_not_the_prediction():
     which already counts the initial KV cache allocation that the node runtime then
     performs again (and, once loads are measured, the measured one: each start longer than
     the one before). It takes what the replay's simulated engine takes
-    (InstanceSpec.emulated_load_s, Cluster.simulated_load_s), the KV allocation after it."""
-    from mesh.agent.client import AgentClient
-    from mesh.agent.protocol import InstanceSpec
-    from mesh.agent.server import AgentServer
-    from mesh.runtime.node import NodeSpec
+    (InstanceSpec.emulated_load_s, ClusterView.simulated_load_s), the KV allocation after it."""
+    from mesh.control.agent_client import AgentClient
+    from mesh.wire.agent_protocol import InstanceSpec
+    from mesh.node.agent_server import AgentServer
+    from mesh.node.runtime import NodeSpec
 
     async def main() -> list[float]:
         server = AgentServer(NodeSpec("n0", "cpu", 10**12), "tok", {}, load_roots=["/"],
@@ -269,7 +269,7 @@ def test_emulated_iterations_keep_the_profiles_pace_through_the_nodes_lag():
     iteration) would add to every emulated iteration, which a replay's virtual time does
     not (issue 24's differential test): back-to-back iterations of a node's engines end
     when the profile says, counted from the first one's start."""
-    from engines.emulated import WallPace
+    from mesh.engines.emulated import WallPace
 
     times = PerformanceModel(catalog_profile("llama-2-7b", "a100-80gb"))
 
@@ -298,10 +298,10 @@ def test_an_emulated_instance_plans_with_its_profile_and_the_nodes_margin():
     a margin from it (what it would learn is the host's lag: a margin of 5% after 32
     iterations where the replay validates with 10%, the differential test's largest
     divergence); the instance's validation plans as the replay's does."""
-    from mesh.agent.client import AgentClient
-    from mesh.agent.protocol import AdmitEntry, InstanceSpec
-    from mesh.agent.server import AgentServer
-    from mesh.runtime.node import NodeSpec
+    from mesh.control.agent_client import AgentClient
+    from mesh.wire.agent_protocol import AdmitEntry, InstanceSpec
+    from mesh.node.agent_server import AgentServer
+    from mesh.node.runtime import NodeSpec
 
     async def main():
         server = AgentServer(NodeSpec("n0", "gpu", 10**12), "tok", {}, load_roots=["/"],
@@ -342,10 +342,10 @@ def test_an_emulated_models_base_is_its_catalog_model_so_sllm_uses_the_papers_ta
     one for llama-2-7b) where the replay, whose replicas share the base "llama-2-7b", uses
     the paper's 15 and 32: live sllm+cpu admitted twice the requests per instance and
     scaled out less than its twin. Now every emulated replica's base is its catalog model."""
-    from mesh.agent.supervisor import AgentSettings
+    from mesh.control.supervisor import AgentSettings
     from mesh.policy.placement import CONCURRENCY_TARGETS
     from mesh.policy.slo import SLO
-    from mesh.service.placement import ClusterPlacement, PlacementSettings
+    from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
     from mesh.service.registry import ModelRecord
 
     async def main() -> None:
@@ -373,7 +373,7 @@ def test_the_mixed_rig_serves_a_real_model_on_real_cpu_agents_and_emulated_on_th
     roofline's profile of its architecture): Mesh places on a real CPU node first, and a
     scale-out to the GPU node starts an emulated instance that streams at the A100's pace."""
     openai = pytest.importorskip("openai")
-    from mesh.agent.emulation import Emulation, shape_name
+    from mesh.node.emulation import Emulation, shape_name
     from mesh.modelfiles.demo import demo_gguf_path
     from mesh.modelfiles.shape import architecture_of
 

@@ -5,8 +5,8 @@ import math
 
 import pytest
 
-from mesh.bench.serve import Result, exit_status
-from mesh.bench.serve import summarize as serve_summarize
+from mesh.bench.serve_load import Result, exit_status
+from mesh.bench.serve_load import summarize as serve_summarize
 from mesh.cli import main
 from mesh.replay.capacity import MAX_FACTOR, RunCache, search_capacity
 from mesh.replay.metrics import json_ready, table, ttft_all_percentiles

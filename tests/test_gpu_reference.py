@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.agent.emulation import emulated_cold_start
+from mesh.node.emulation import emulated_cold_start
 from mesh.perf.gpu_reference import (PROBE_DIR, PROBE_MODEL, PROBES, ProbeError, comparison_table, fit_device,
                                      fit_probe, load_probe, predicted_s, read_probe)
 from mesh.perf.model import PerformanceModel

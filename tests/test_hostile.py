@@ -13,12 +13,12 @@ import pytest
 
 from agent_doubles import TOKEN, WEIGHTS_TOKEN, use_simulated_engines
 from mesh import framing
-from mesh.agent.client import AgentClient
-from mesh.agent.protocol import InstanceSpec, sampling_to_dict
-from mesh.agent.server import AgentServer
-from engines.protocol import Sampling
+from mesh.control.agent_client import AgentClient
+from mesh.wire.agent_protocol import InstanceSpec, sampling_to_dict
+from mesh.node.agent_server import AgentServer
+from mesh.engines.engine_api import Sampling
 from mesh.framing import LENGTH, encode_frame
-from mesh.runtime.node import NodeSpec
+from mesh.node.runtime import NodeSpec
 from mesh.weights.blocks import load_blocks, pack
 from mesh.weights.coordinator import multicast
 from mesh.policy.multicast import make_plan
@@ -283,13 +283,13 @@ def test_no_hostile_message_costs_the_agent_its_connection(simulated):
 
 
 def test_stop_strings_cut_streamed_text_exactly_with_a_linear_tail_match():
-    """The stop matcher (engines.detokenize.StopMatcher, KMP partial tails since issue 32)
+    """The stop matcher (mesh.engines.detokenize.StopMatcher, KMP partial tails since issue 32)
     against the plain definition: what it streams is the text up to the first stop string,
     whatever the deltas, and nothing of a stop string is streamed before it completes."""
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from engines.detokenize import MAX_STOP_CHARS, StopMatcher
+    from mesh.engines.detokenize import MAX_STOP_CHARS, StopMatcher
 
     alphabet = st.sampled_from("aab\u00e9")  # few letters: overlaps and partial matches are common
 
@@ -395,7 +395,7 @@ def test_a_nodes_weights_port_sends_only_its_own_files_and_tells_no_file_facts(t
     or through a symlink inside that leads out) is refused without reading it; no refusal
     names a path, a size or a hash; the node's own file is sent."""
     from mesh.weights.coordinator import MulticastError
-    from mesh.weights.node import NodeWeightsReceiver
+    from mesh.weights.receiver import NodeWeightsReceiver
 
     root = tmp_path / "node"
     outside = tmp_path / "elsewhere" / "secret.bin"
@@ -440,7 +440,7 @@ def test_a_nodes_weights_port_sends_only_its_own_files_and_tells_no_file_facts(t
 def test_an_agent_reads_profiles_only_from_its_own_folders(simulated, tmp_path):
     """Issue 32: `load` with a calibration profile outside the agent's folders (or a symlink
     inside leading out) is refused as bad_request, as a model path would be."""
-    from mesh.agent.client import AgentCallError
+    from mesh.control.agent_client import AgentCallError
 
     models = tmp_path / "models"
     models.mkdir()
@@ -518,8 +518,8 @@ class Http:
         from mesh.service.app import Service, build_app
         from mesh.service.config import ServeConfig
         from mesh.service.limits import listen
-        from mesh.service.metrics import ServiceMetrics
-        from mesh.service.placement import ClusterPlacement, PlacementSettings
+        from mesh.service.prometheus import ServiceMetrics
+        from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
         from mesh.service.registry import Registry
 
         cfg = ServeConfig(admin_token=ADMIN, allowed_dir=self.allowed, data_dir=self.tmp_path, **self.config)
@@ -725,9 +725,9 @@ def test_fields_are_checked_before_a_node_sees_them_and_node_errors_are_redacted
     its one connection throughout."""
     import concurrent.futures
 
-    from engines.protocol import EngineError
-    from mesh.agent import engines as agent_engines
-    from mesh.agent.tokenizers import TokenizerProcess
+    from mesh.engines.engine_api import EngineError
+    from mesh.node import engine_host as agent_engines
+    from mesh.node.tokenizers import TokenizerProcess
 
     secret = str(tmp_path / "secret-place" / "tokenizer.json")
 
@@ -897,7 +897,7 @@ def test_path_registration_is_confined_to_the_tenants_folder_with_one_404(simula
 
 
 class _SerialTokenizer:
-    """A stand-in for the agent's tokenizer worker (mesh.agent.tokenizers): one job at a
+    """A stand-in for the agent's tokenizer worker (mesh.node.tokenizers): one job at a
     time, each `job_s` long, as the real worker runs them; records the prompts it ran."""
 
     dead = None
@@ -932,7 +932,7 @@ def test_tokenizer_jobs_take_tenants_in_turn_and_leave_with_their_client(simulat
     jobs that had not run when it hung up never reach the worker."""
     import time
 
-    from mesh.agent.tokenizers import TokenizerProcess
+    from mesh.node.tokenizers import TokenizerProcess
 
     worker = _SerialTokenizer(0.2)
     monkeypatch.setattr(TokenizerProcess, "_connection", lambda self: worker)
@@ -1044,7 +1044,7 @@ def _running(pid: int) -> bool:
 
 
 def _engine_workers(agent_pid: int) -> list[int]:
-    return [p for p in _tree(agent_pid) if "engines.openvino_worker" in _cmdline(p)]
+    return [p for p in _tree(agent_pid) if "mesh.engines.openvino_worker" in _cmdline(p)]
 
 
 async def _sse(session, url: str, key: str, body: dict) -> dict:

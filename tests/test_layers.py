@@ -15,23 +15,26 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("mesh", "engines", "calibration", "workloads")
+PACKAGES = ("mesh", "workloads")
 
-# Bottom first. A module may import from its own layer and the layers below it.
+# Bottom first. A module may import from its own layer and the layers below it. Packages
+# follow processes: mesh.node runs in a node agent, mesh.control in the control service,
+# mesh.wire is what crosses between them (docs/design.md, "The map").
 LAYERS: list[tuple[str, ...]] = [
-    ("mesh", "mesh.paths", "mesh.framing", "mesh.hardware", "mesh.background", "workloads"),  # base: no Mesh imports
+    ("mesh", "mesh.paths", "mesh.framing", "mesh.hardware", "mesh.background", "mesh.tasks", "workloads"),  # base: no Mesh imports
     ("mesh.policy",),  # the pure policy core: batching vocabulary, scheduling and placement rules
     ("mesh.perf",),  # profiles, performance models, every iteration-time model
     ("mesh.modelfiles",),  # model files and their formats: GGUF metadata, shapes, sources, converters
-    ("engines",),  # the engine protocol and the engines
-    ("mesh.runtime",),  # the asyncio runtime: node runtime, cluster, dispatcher, schedulers
-    ("mesh.weights",),  # weights: blocks, transport, plans' execution
-    ("mesh.agent",),  # the node agent process and its protocol
-    ("mesh.replay",),  # virtual-time replays and the simulator they assemble
-    ("calibration",),  # calibration runs (above the engines they measure)
+    ("mesh.engines",),  # the engine protocol (engine_api), the engines and their worker processes
+    ("mesh.wire",),  # what crosses between the control service and a node agent: typed messages
+    ("mesh.weights",),  # weights by network: blocks, frames, the node's transport and receiver
+    ("mesh.node",),  # the node agent process: token-level loop, agent server, tokenizers, builds ahead
+    ("mesh.control",),  # the control service's decisions: cluster view, dispatcher, schedulers, agent clients
+    ("mesh.replay",),  # virtual-time replays and the simulator they assemble (local nodes, virtual loop)
+    ("mesh.calibration",),  # calibration runs (above the engines they measure)
     ("mesh.ray",),  # Mesh on a Ray cluster
     ("mesh.service",),  # the HTTP control service
-    ("mesh.bench", "mesh.commands", "mesh.cli", "mesh.__main__"),  # benchmarks and the command line
+    ("mesh.bench", "mesh.commands", "mesh.cli", "mesh.__main__", "mesh.agent"),  # benchmarks and the command line
 ]
 
 
@@ -119,14 +122,14 @@ def test_no_module_imports_from_a_layer_above_its_own():
 
 @pytest.mark.parametrize("module,layer", [
     ("mesh.policy.batching", "mesh.policy"), ("mesh.perf.times", "mesh.perf"), ("mesh.modelfiles.demo", "mesh.modelfiles"),
-    ("engines.simulated", "engines"), ("mesh.runtime.cluster", "mesh.runtime"), ("mesh.replay.simulator", "mesh.replay"),
-    ("calibration.runner", "calibration"), ("mesh.framing", "mesh"), ("mesh.commands.replay", "mesh.bench"),
+    ("mesh.engines.simulated", "mesh.engines"), ("mesh.control.cluster_view", "mesh.control"), ("mesh.replay.simulator", "mesh.replay"),
+    ("mesh.calibration.runner", "mesh.calibration"), ("mesh.node.runtime", "mesh.node"), ("mesh.framing", "mesh"), ("mesh.commands.replay", "mesh.bench"), ("mesh.agent", "mesh.bench"),
 ])
 def test_the_longest_prefix_places_a_module(module, layer):
     assert LAYERS[layer_of(module)][0] == layer
 
 
-@pytest.mark.parametrize("module", ["mesh.newpackage", "mesh.newpackage.part", "enginesx", "meshy"])
+@pytest.mark.parametrize("module", ["mesh.newpackage", "mesh.newpackage.part", "engines", "meshy"])
 def test_a_package_no_layer_names_is_unplaced(module):
     """The base layer's `mesh` places the package's `__init__` only: a new `mesh.x` fails
     `test_every_module_has_a_layer` until it is placed on purpose."""

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.agent.learnt import NodeLearning
+from mesh.node.learning import NodeLearning
 from mesh.bench.learning import Iteration, learning_figures, window_errors, within_after
 from mesh.commands.replay_live import BASE, learnt_twin
 from mesh.perf.speed import PROBE_MAX, PROBE_MIN, MachineSpeed, SpeedFactors
 from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes, learnt_profile, prior_profile
 from mesh.policy.batching import IterationKind
-from mesh.runtime.cluster import ModelSpec
-from mesh.service.learnt import summarize_kind
+from mesh.control.cluster_view import ModelSpec
+from mesh.service.routes_learnt import summarize_kind
 
 DEMO = 98_362_432
 
@@ -92,12 +92,12 @@ def test_learning_figures_count_iterations_until_within_10_percent() -> None:
 
 
 def test_a_cpu_agent_probes_its_machine_in_a_process_of_its_own() -> None:
-    """The probe runs as `python -m mesh.agent.speed_probe` (its BLAS threads never share the
+    """The probe runs as `python -m mesh.node.speed_probe` (its BLAS threads never share the
     agent's process) and its figures reach the agent's learning."""
     import asyncio
 
-    from mesh.agent.server import AgentServer
-    from mesh.runtime.node import NodeSpec
+    from mesh.node.agent_server import AgentServer
+    from mesh.node.runtime import NodeSpec
 
     async def main():
         agent = AgentServer(NodeSpec("cpu-0", "cpu", 10**9), "token")

@@ -1,4 +1,4 @@
-"""engines.node_cache: a node's prepared models (GGUF -> IR + tokenizer IR) and the keys of
+"""mesh.engines.node_cache: a node's prepared models (GGUF -> IR + tokenizer IR) and the keys of
 its compiled-blob cache. Fast tests on fake folders; slow ones on the real demo model."""
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from engines import node_cache
-from engines.node_cache import IR_FILES, MANIFEST, blob_cache_dir, find_prepared, prepared_path
+from mesh.engines import node_cache
+from mesh.engines.node_cache import IR_FILES, MANIFEST, blob_cache_dir, find_prepared, prepared_path
 
 V1, V2 = "2026.4.1-22982-e213a147257-releases/2026/4", "2026.5.0-1-abc-releases/2026/5"
 
@@ -119,7 +119,7 @@ def prepared(demo_gguf: Path, tmp_path_factory: pytest.TempPathFactory) -> node_
 
 
 def _greedy(engine, messages, max_tokens: int = 16) -> list[int]:
-    from engines.protocol import EngineRequest, Sampling
+    from mesh.engines.engine_api import EngineRequest, Sampling
 
     ids = engine.encode_chat(messages)
     engine.add_request(EngineRequest("r", len(ids), Sampling(max_tokens=max_tokens, temperature=0), ids))
@@ -132,7 +132,7 @@ def _greedy(engine, messages, max_tokens: int = 16) -> list[int]:
 
 @pytest.mark.slow
 def test_prepare_writes_the_ir_and_a_load_uses_it(demo_gguf: Path, prepared: node_cache.PreparedModel) -> None:
-    from engines.openvino_engine import OpenVINOEngine
+    from mesh.engines.openvino_engine import OpenVINOEngine
 
     root = prepared.path.parent.parent
     assert all((prepared.path / name).stat().st_size > 0 for name in IR_FILES)
@@ -163,7 +163,7 @@ def test_prepare_writes_the_ir_and_a_load_uses_it(demo_gguf: Path, prepared: nod
 def test_the_prepared_tokenizer_gives_identical_ids(demo_gguf: Path, prepared: node_cache.PreparedModel) -> None:
     import openvino_genai as ov_genai
 
-    from engines.chat import PromptEncoder
+    from mesh.engines.chat import PromptEncoder
 
     root = prepared.path.parent.parent
     assert node_cache.tokenizer_path(demo_gguf, root) == str(prepared.path)
@@ -183,7 +183,7 @@ def test_the_prepared_tokenizer_gives_identical_ids(demo_gguf: Path, prepared: n
 @pytest.mark.slow
 def test_a_damaged_entry_is_ignored_and_rebuilt(demo_gguf: Path, prepared: node_cache.PreparedModel,
                                                 tmp_path: Path) -> None:
-    from engines.openvino_engine import OpenVINOEngine
+    from mesh.engines.openvino_engine import OpenVINOEngine
 
     root = tmp_path / "cache"
     damaged = prepared_path(demo_gguf, root)
@@ -205,7 +205,7 @@ def test_a_damaged_entry_is_ignored_and_rebuilt(demo_gguf: Path, prepared: node_
 @pytest.mark.slow
 def test_the_worker_engine_loads_the_prepared_form(demo_gguf: Path, prepared: node_cache.PreparedModel,
                                                    tmp_path: Path) -> None:
-    from engines.openvino_process import OpenVINOProcessEngine
+    from mesh.engines.openvino_process import OpenVINOProcessEngine
 
     engine = OpenVINOProcessEngine(demo_gguf, context_window=256, max_num_seqs=4, log_dir=tmp_path,
                                    cache_root=prepared.path.parent.parent)
@@ -222,7 +222,7 @@ def test_the_worker_engine_loads_the_prepared_form(demo_gguf: Path, prepared: no
 
 @pytest.mark.slow
 def test_the_background_preparer_prepares_once_and_stops_at_close(demo_gguf: Path, tmp_path: Path) -> None:
-    from engines.background_prepare import BackgroundPreparer
+    from mesh.engines.background_prepare import BackgroundPreparer
 
     root = tmp_path / "cache"
 

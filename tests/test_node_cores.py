@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from mesh.agent.supervisor import SERVICE, core_shares, parse_node_cores
+from mesh.control.supervisor import SERVICE, core_shares, parse_node_cores
 
 
 def test_cores_split_evenly_and_one_is_kept_for_the_service_where_each_node_still_gets_two():
@@ -40,8 +40,8 @@ def test_the_operator_sets_the_cores_by_position_or_by_name():
 def test_a_real_agent_runs_probes_and_reports_on_its_own_core(tmp_path):
     """`python -m mesh.agent --cpus C`: the agent process is pinned to C, its speed probe ran
     there and records it, and its learnt view and hello say so."""
-    from mesh.agent.supervisor import AgentSettings, LocalAgent
-    from mesh.runtime.node import NodeSpec
+    from mesh.control.supervisor import AgentSettings, LocalAgent
+    from mesh.node.runtime import NodeSpec
 
     core = max(os.sched_getaffinity(0))
 

@@ -8,16 +8,16 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from doubles import LinearTimes
-from engines.protocol import EngineRequest, Sampling
-from engines.simulated import SimulatedEngine
+from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.engines.simulated import SimulatedEngine
 from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem, Iteration
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase, quick_reject, shadow_validate
 from mesh.policy.slo import SLO, DeadlineRule
-from mesh.runtime.node import InstancePlan, NodeRuntime, NodeSpec
-from mesh.runtime.request import Outcome, ServedRequest
-from mesh.runtime.virtual_loop import run_virtual
+from mesh.node.runtime import InstancePlan, NodeRuntime, NodeSpec
+from mesh.node.request import Outcome, ServedRequest
+from mesh.replay.virtual_loop import run_virtual
 
 KV = 1000
 W = 10**6

@@ -4,14 +4,14 @@ import asyncio
 import pytest
 
 from doubles import LinearTimes
-from engines.protocol import EngineRequest, FinishReason, Sampling
+from mesh.engines.engine_api import EngineRequest, FinishReason, Sampling
 from mesh.policy.batching import IterationKind
-from engines.simulated import SimulatedEngine
+from mesh.engines.simulated import SimulatedEngine
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.slo import SLO
-from mesh.runtime.node import NodeRuntime, NodeSpec
-from mesh.runtime.request import Outcome, ServedRequest
-from mesh.runtime.virtual_loop import run_virtual
+from mesh.node.runtime import NodeRuntime, NodeSpec
+from mesh.node.request import Outcome, ServedRequest
+from mesh.replay.virtual_loop import run_virtual
 
 KV_PER_TOKEN = 1000
 WEIGHTS = 10**6
@@ -233,7 +233,7 @@ def test_overheads_are_charged_by_the_simulated_engine_exactly_as_the_node_predi
     instance switch, step overhead): in virtual time every iteration takes exactly its prediction."""
     from dataclasses import dataclass
 
-    from engines.simulated import SharedCore
+    from mesh.engines.simulated import SharedCore
 
     @dataclass(frozen=True)
     class WithOverheads(LinearTimes):
@@ -309,7 +309,7 @@ def test_a_crashed_token_level_loop_is_logged_places_its_requests_again_and_rest
         await node.stop()
         return second
 
-    with caplog.at_level("ERROR", logger="mesh.runtime.node"):
+    with caplog.at_level("ERROR", logger="mesh.node.runtime"):
         second = run_virtual(main())
     assert second.outcome is Outcome.COMPLETED and second.tokens_out == 5
     assert "token-level loop crashed" in caplog.text

@@ -1,10 +1,10 @@
-"""Parking ahead without races (mesh.agent.park_ahead, issue 32 item 6): a build ahead
+"""Parking ahead without races (mesh.node.park_ahead, issue 32 item 6): a build ahead
 stops while the node serves and goes on when it is idle, runs whatever the node does once
 a load waits for it, never starts after the model's first load, and parks only where the
 worker fits beside those parked (weights and KV cache, never ending one of them).
 
 The build here is a real process in a session of its own, as an OpenVINO worker is
-(engines.worker_process), that counts into a file: what is checked is whether the kernel
+(mesh.engines.worker_process), that counts into a file: what is checked is whether the kernel
 runs it, not what it computes (the real worker's build ahead: tests/test_parking.py)."""
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from engines.parking import Parked, ParkingLot
-from mesh.agent.park_ahead import ParkAhead
-from mesh.agent.protocol import InstanceSpec
+from mesh.engines.parking import Parked, ParkingLot
+from mesh.node.park_ahead import ParkAhead
+from mesh.wire.agent_protocol import InstanceSpec
 
 COUNT = """
 import sys, time

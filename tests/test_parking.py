@@ -1,4 +1,4 @@
-"""Parked instances (engines.parking, issue 23): a stopped OpenVINO instance's worker kept
+"""Parked instances (mesh.engines.parking, issue 23): a stopped OpenVINO instance's worker kept
 built and warm within the node's parking budget, and adopted by the next load of the same
 model with the same settings; never a worker in the middle of a step."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from engines.parking import Parked, ParkingLot
+from mesh.engines.parking import Parked, ParkingLot
 
 
 class FakeConn:
@@ -54,8 +54,8 @@ def test_a_stopped_instance_is_adopted_by_the_next_load_of_its_model(demo_gguf, 
     """The real OpenVINO worker: parked on unload, adopted (same process) by a load with the
     same settings, and it generates what a fresh one does; a different window does not match;
     a worker caught in a step is ended, never parked."""
-    from engines.openvino_process import OpenVINOProcessEngine
-    from engines.protocol import EngineRequest, Sampling
+    from mesh.engines.openvino_process import OpenVINOProcessEngine
+    from mesh.engines.engine_api import EngineRequest, Sampling
 
     async def generate(engine: Any, ids: list[int]) -> list[int]:
         engine.add_request(EngineRequest("r", len(ids), Sampling(max_tokens=8, temperature=0), ids))
@@ -96,16 +96,16 @@ def test_a_stopped_instance_is_adopted_by_the_next_load_of_its_model(demo_gguf, 
 
 
 async def _one_agent_cluster(demo_gguf: Any) -> tuple[Any, Any]:
-    """A started Cluster over one AgentNode (a real agent process) that loads the demo
+    """A started ClusterView over one AgentNode (a real agent process) that loads the demo
     model as "smol" (8 requests at most, window 2048)."""
-    from mesh.agent.protocol import InstanceSpec
-    from mesh.agent.supervisor import AgentSettings, LocalAgent
+    from mesh.wire.agent_protocol import InstanceSpec
+    from mesh.control.supervisor import AgentSettings, LocalAgent
     from mesh.perf.times import prior_profile
     from mesh.policy.slo import SLO
-    from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
-    from mesh.runtime.node import NodeSpec
+    from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
+    from mesh.node.runtime import NodeSpec
     from mesh.service.agent_node import AgentNode
-    from engines.openvino_engine import OpenVINOEngine
+    from mesh.engines.openvino_engine import OpenVINOEngine
 
     gib = 2**30
     shape = OpenVINOEngine(demo_gguf)
@@ -116,7 +116,7 @@ async def _one_agent_cluster(demo_gguf: Any) -> tuple[Any, Any]:
     node = AgentNode(NodeSpec("cpu0", "cpu", 4 * gib), LocalAgent,
                      AgentSettings(models_roots=(str(demo_gguf.parent),)), load_spec)
     profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
-    cluster = Cluster(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=4 * gib, slo=SLO(60.0, 5.0)),
+    cluster = ClusterView(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=4 * gib, slo=SLO(60.0, 5.0)),
                       {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0},
                       nodes=[node])
     await cluster.start()
@@ -166,7 +166,7 @@ def test_a_real_agent_parks_a_stopped_instance_and_the_cluster_predicts_its_next
 
 @pytest.mark.slow
 def test_a_model_described_on_a_real_agent_is_parked_ahead_and_its_first_load_adopts_it(demo_gguf):
-    """mesh.agent.park_ahead: describing a model (what registration does) builds the instance
+    """mesh.node.park_ahead: describing a model (what registration does) builds the instance
     a load would build, with the load's settings, and parks it; the cluster predicts the
     parked tier's load there, and the model's first load adopts the worker."""
     from agent_doubles import until

@@ -18,18 +18,18 @@ from typing import Any
 import pytest
 
 from agent_doubles import WEIGHTS_TOKEN, InProcessAgent, simulated_factory, use_simulated_engines
-from engines.protocol import Sampling
-from mesh.agent import engines as agent_engines
+from mesh.engines.engine_api import Sampling
+from mesh.node import engine_host as agent_engines
 from mesh.modelfiles.formats import Conversion
 from mesh.policy.placement import InstanceView, sllm_pick
 from mesh.policy.slo import SLO
-from mesh.runtime.node import NodeSpec
+from mesh.node.runtime import NodeSpec
 from mesh.service.errors import ApiError
-from mesh.service.placement import ClusterPlacement, PlacementSettings
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.preparation import ConversionFailed, ConvertTool, FormatPreparer
 from mesh.service.registry import SCHEMA_VERSION, ModelRecord, PreparedFormat, Registry, RegistryError
 from mesh.service.streams import Finished, Job
-from mesh.weights.plane import ModelFormat, WeightsPlane, WeightsSettings
+from mesh.control.weights_plane import ModelFormat, WeightsPlane, WeightsSettings
 
 SCHEMA_2 = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);
@@ -422,7 +422,7 @@ def test_the_model_views_show_each_kinds_format_and_scale_takes_either_kind(tmp_
 
     from mesh.service.app import Service, build_app
     from mesh.service.config import ServeConfig
-    from mesh.service.metrics import ServiceMetrics
+    from mesh.service.prometheus import ServiceMetrics
 
     allowed = tmp_path / "allowed"
     (allowed / "acme").mkdir(parents=True)  # the tenant's folder: its paths are relative to it

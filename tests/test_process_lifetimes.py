@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from agent_doubles import until
-from engines.worker_process import SECRET_ENV
-from mesh.agent.protocol import InstanceSpec
-from mesh.agent.supervisor import AgentSettings, LocalAgent
-from mesh.runtime.node import NodeSpec
+from mesh.engines.worker_process import SECRET_ENV
+from mesh.wire.agent_protocol import InstanceSpec
+from mesh.control.supervisor import AgentSettings, LocalAgent
+from mesh.node.runtime import NodeSpec
 
 
 def _stat(pid: int) -> tuple[int, str] | None:
@@ -91,7 +91,7 @@ def test_a_sigkilled_agent_leaves_no_process_behind(demo_gguf, monkeypatch):
             found = descendants(first)
             workers = {pid: started for pid, (started, _) in found.items()}
             commands = " ".join(cmd for _, cmd in found.values())
-            assert "engines.openvino_worker" in commands and "mesh.agent.tokenizer_worker" in commands, commands
+            assert "mesh.engines.openvino_worker" in commands and "mesh.node.tokenizer_worker" in commands, commands
             agent_env = environment(first)
             assert agent_env.get("MESH_AGENT_TOKEN") and "MESH_ADMIN_TOKEN" not in agent_env
             assert "MESH_METRICS_TOKEN" not in agent_env
@@ -111,8 +111,8 @@ def test_a_sigkilled_agent_leaves_no_process_behind(demo_gguf, monkeypatch):
 
 _SERVICE = """
 import asyncio, sys
-from mesh.agent.supervisor import LocalAgent
-from mesh.runtime.node import NodeSpec
+from mesh.control.supervisor import LocalAgent
+from mesh.node.runtime import NodeSpec
 
 async def main():
     agent = LocalAgent(NodeSpec("cpu-0", "cpu", 10**9), lambda a: None, lambda a, why: None, lambda a, m: None)

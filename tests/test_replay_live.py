@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from engines.protocol import Sampling
-from mesh.agent.protocol import sampling_from_dict, sampling_to_dict
+from mesh.engines.engine_api import Sampling
+from mesh.wire.agent_protocol import sampling_from_dict, sampling_to_dict
 from mesh.bench.live import function_name, prompt_ids
 from mesh.service.errors import ApiError
 from mesh.service.schema import parse_completion

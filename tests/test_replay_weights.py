@@ -6,7 +6,7 @@ import pytest
 
 from mesh.policy.multicast import CostModel, estimate
 from mesh.replay.driver import build_catalog
-from mesh.weights.cold_start import WeightsConfig, live_capacity, live_finish, prefix_fractions, stop_the_world_s
+from mesh.replay.cold_start_modes import WeightsConfig, live_capacity, live_finish, prefix_fractions, stop_the_world_s
 from mesh.replay.weights_compare import compare, table
 from workloads.workload import Arrival, Workload
 
@@ -76,7 +76,7 @@ def test_overlapping_multicasts_queue_on_the_source_uplink() -> None:
     import asyncio
     from types import SimpleNamespace
 
-    from mesh.weights.cold_start import WeightsModel
+    from mesh.replay.cold_start_modes import WeightsModel
 
     nodes = [SimpleNamespace(node_id=f"gpu{i}") for i in range(4)]
     cluster = SimpleNamespace(nodes=nodes, config=SimpleNamespace(noise=0.0), instances_of=lambda model: [])
@@ -100,7 +100,7 @@ def test_overlapping_multicasts_queue_on_the_source_uplink() -> None:
         assert w.pool.host_copies("m") == ["gpu0"] and w.stats.multicasts == 2
         return ready
 
-    from mesh.runtime.virtual_loop import run_virtual
+    from mesh.replay.virtual_loop import run_virtual
 
     ready = run_virtual(main())
     # 10 blocks of 0.1 s: binomial 1 -> 2 takes b + 1 = 11 rounds for both, and gpu0 sends in
@@ -150,8 +150,8 @@ def test_an_unused_warm_up_is_recycled_after_its_load() -> None:
     (1 s) from the end of its load, then goes; it is not recycled in the middle of its load."""
     from mesh.policy.placement import ColdStart
     from mesh.replay.driver import ReplayConfig, run_policy
-    from mesh.weights.cold_start import Engines
-    from mesh.runtime.cluster import ClusterConfig
+    from mesh.replay.cold_start_modes import Engines
+    from mesh.control.cluster_view import ClusterConfig
 
     catalog = build_catalog(["llama-2-7b"])
     weight_bytes = catalog["llama-2-7b"].profiles["gpu"].weight_bytes

@@ -10,11 +10,11 @@ import asyncio
 import pytest
 
 from agent_doubles import InProcessAgent, until, use_simulated_engines
-from engines.protocol import Sampling
+from mesh.engines.engine_api import Sampling
 from mesh.policy.slo import SLO
-from mesh.runtime.node import NodeSpec
+from mesh.node.runtime import NodeSpec
 from mesh.service.errors import ApiError
-from mesh.service.placement import ClusterPlacement, PlacementSettings
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
 
@@ -101,7 +101,7 @@ def test_a_models_registered_cold_start_choice_decides_a_late_request(monkeypatc
     on the instance loading for it and served; the `reject` model's is not, and is turned
     away once it can no longer make its TTFT."""
     import agent_doubles
-    import mesh.agent.engines as agent_engines
+    import mesh.node.engine_host as agent_engines
 
     def slow(spec, on_loaded):
         e = agent_doubles.simulated_factory(spec, on_loaded)
@@ -255,8 +255,8 @@ def test_every_cpu_policy_serves(policy):
 def test_serve_and_replay_build_the_same_dispatcher(monkeypatch):
     """One brain: `mesh serve` and `mesh replay` both build Dispatcher.for_policy."""
     from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
-    from mesh.runtime.cluster import ClusterConfig
-    from mesh.runtime.dispatcher import Dispatcher
+    from mesh.control.cluster_view import ClusterConfig
+    from mesh.control.dispatcher import Dispatcher
     from workloads.workload import Arrival, Workload
 
     built: list[tuple[type, str]] = []
@@ -279,4 +279,4 @@ def test_serve_and_replay_build_the_same_dispatcher(monkeypatch):
     run = run_policy(workload, "sllm+cpu", ReplayConfig(ClusterConfig(cpu_nodes=1, gpu_nodes=1), progress=False),
                      build_catalog(["llama-2-7b"]))
     assert run.accounting["completed"] == 1
-    assert built == [(Dispatcher, "SllmPolicy", "sllm+cpu")] * 2
+    assert built == [(Dispatcher, "SllmScheduler", "sllm+cpu")] * 2

@@ -23,11 +23,11 @@ from mesh.policy.quota import (
     rate_over,
     registration_over,
 )
-from mesh.runtime.node import NodeSpec
+from mesh.node.runtime import NodeSpec
 from mesh.service.app import Service, build_app
 from mesh.service.config import ConfigError, ServeConfig, build_config
-from mesh.service.metrics import ServiceMetrics
-from mesh.service.placement import ClusterPlacement, PlacementSettings
+from mesh.service.prometheus import ServiceMetrics
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import Registry
 
 ADMIN = "admin-secret"

@@ -10,10 +10,10 @@ import struct
 
 import pytest
 
-from engines.protocol import Sampling
+from mesh.engines.engine_api import Sampling
 from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes
 from mesh.policy.batching import IterationKind
-from mesh.agent.protocol import (
+from mesh.wire.agent_protocol import (
     MAX_FRAME_BYTES,
     Code,
     FrameDecoder,

@@ -1,10 +1,10 @@
-"""mesh.runtime.tasks.cancel_all ends a task that swallowed its cancellation, as
+"""mesh.tasks.cancel_all ends a task that swallowed its cancellation, as
 asyncio.wait_for can before Python 3.12 (a single cancel and gather would wait forever)."""
 from __future__ import annotations
 
 import asyncio
 
-from mesh.runtime.tasks import cancel_all
+from mesh.tasks import cancel_all
 
 
 def test_a_task_that_swallows_one_cancellation_still_ends():

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from engines.protocol import Sampling
+from mesh.engines.engine_api import Sampling
 from mesh.policy.slo import SLO
 from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord

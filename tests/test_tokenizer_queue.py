@@ -1,4 +1,4 @@
-"""Tokenizing is admitted work (issue 32 item 4; mesh.agent.tokenizers): jobs shared between
+"""Tokenizing is admitted work (issue 32 item 4; mesh.node.tokenizers): jobs shared between
 tenants by prompt size, a blocking tokenize (vLLM's) off the event loop, a deadline on every
 job with a stuck worker killed and replaced (the real worker process, on the demo model),
 and the worker's tokenizers bounded by bytes."""
@@ -11,9 +11,9 @@ import time
 
 import pytest
 
-from engines.protocol import EngineError
-from mesh.agent.tokenizer_worker import TokenizerCache
-from mesh.agent.tokenizers import TokenizerProcess
+from mesh.engines.engine_api import EngineError
+from mesh.node.tokenizer_worker import TokenizerCache
+from mesh.node.tokenizers import TokenizerProcess
 
 
 class _Recorder:
@@ -126,7 +126,7 @@ def test_a_stuck_tokenizer_worker_is_killed_and_replaced(demo_gguf):
 def test_the_tokenizer_cache_is_bounded_by_bytes(monkeypatch):
     """Entries are charged what the process grew by while they were built; the least recently
     used go past the budget, the newest always stays."""
-    import mesh.agent.tokenizer_worker as worker
+    import mesh.node.tokenizer_worker as worker
 
     sizes = iter([100, 250, 400, 650, 900, 1500])  # RSS before/after each build: 150, 250, 600 bytes
 
@@ -138,7 +138,7 @@ def test_the_tokenizer_cache_is_bounded_by_bytes(monkeypatch):
             return [len(prompt)]
 
     monkeypatch.setattr(worker, "_rss_bytes", lambda: next(sizes))
-    monkeypatch.setattr("engines.openvino_engine.OpenVINOEngine", Front)
+    monkeypatch.setattr("mesh.engines.openvino_engine.OpenVINOEngine", Front)
     cache = TokenizerCache(budget_bytes=500)
     assert cache.encode("a", None, "xy") == [2]
     assert cache.encode("b", None, "xyz") == [3]

@@ -25,8 +25,8 @@ from mesh.modelfiles.local import (
     write_shape_folder,
     write_tiny_llama,
 )
-from engines.protocol import Engine, EngineError, EngineRequest, FinishReason, Sampling
-from engines.vllm_engine import VLLMEngine, find_vllm_python, resolve_hf_model
+from mesh.engines.engine_api import Engine, EngineError, EngineRequest, FinishReason, Sampling
+from mesh.engines.vllm_engine import VLLMEngine, find_vllm_python, resolve_hf_model
 from mesh.policy.batching import IterationKind
 
 WINDOW = 256
@@ -354,10 +354,10 @@ def test_resize_keeps_running_requests_correct(engine: VLLMEngine) -> None:
 @needs_vllm
 @pytest.mark.slow
 def test_a_stopped_cpu_instance_is_parked_and_adopted(tiny_models: tuple[Path, Path]) -> None:
-    """engines.parking on vLLM's CPU build: an unloaded instance's worker is kept (its
+    """mesh.engines.parking on vLLM's CPU build: an unloaded instance's worker is kept (its
     requests dropped), a load with the same settings adopts it (same process, then sized
     by the node's resize) and generates what the first did; other settings build anew."""
-    from engines.parking import ParkingLot
+    from mesh.engines.parking import ParkingLot
 
     async def main() -> None:
         lot = ParkingLot(1 << 30)
@@ -415,8 +415,8 @@ def test_two_models_on_one_node_stepped_alternately(tiny_models: tuple[Path, Pat
     from doubles import LinearTimes
     from mesh.policy.kv_demand import RunningMean
     from mesh.policy.slo import SLO
-    from mesh.runtime.node import NodeRuntime, NodeSpec
-    from mesh.runtime.request import Outcome, ServedRequest
+    from mesh.node.runtime import NodeRuntime, NodeSpec
+    from mesh.node.request import Outcome, ServedRequest
 
     prompts = {"m0": [prompt(40), prompt(25, 3)], "m1": [prompt(33, 1), prompt(50, 2)]}
 
@@ -496,4 +496,4 @@ def test_mesh_calibrate_vllm_writes_a_profile(tmp_path: Path, tiny_models: tuple
     assert profile.kv_bytes_per_token == 1024 and profile.max_context == 64
     assert profile.prefill_lengths == (16, 32) and profile.decode_batches == (1, 2)
     assert all(t > 0 for t in profile.prefill_s) and all(t > 0 for row in profile.decode_s for t in row)
-    assert profile.provenance["engine"]["scheduler"].startswith("engines.vllm_scheduler.PhasedScheduler")
+    assert profile.provenance["engine"]["scheduler"].startswith("mesh.engines.vllm_scheduler.PhasedScheduler")

@@ -14,7 +14,7 @@ from mesh.weights.blocks import CorruptBlock, Manifest, cut, load_blocks, pack, 
 from mesh.weights.coordinator import MulticastError, multicast
 from mesh.weights.peer import WeightAgent
 from mesh.weights.launch import running_agents, token_of
-from mesh.weights.protocol import ProtocolError, frame, read_message, send
+from mesh.weights.frames import ProtocolError, frame, read_message, send
 
 KB = 1 << 10
 

@@ -1,6 +1,6 @@
-"""`python -m mesh.agent`: run a node agent (see mesh.agent.server)."""
+"""`python -m mesh.agent`: run a node agent (see mesh.node.agent_server)."""
 import sys
 
-from mesh.agent.server import main
+from mesh.node.agent_server import main
 
 sys.exit(main())

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 from mesh.bench.report import write_json
-from mesh.service.demo import DEMO_TENANT
+from mesh.service.demo_mode import DEMO_TENANT
 
 TURNED_AWAY_STATUSES = (429, 503)
 SERVED, TURNED_AWAY, FAILED = "served", "turned_away", "failed"

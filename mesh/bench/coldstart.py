@@ -3,16 +3,16 @@ each source a node can load from.
 
 Sources (rows):
 - gguf: the GGUF itself, no node cache (what every load did before issue 23);
-- ir: the node's prepared form (engines.node_cache: IR + tokenizer IR), no compiled blob;
+- ir: the node's prepared form (mesh.engines.node_cache: IR + tokenizer IR), no compiled blob;
 - ir+blob: the prepared form with a CACHE_DIR that one untimed load filled first (the
   node's own blob cache). `blob` says whether the timed load left the blob as it was
   (imported) or wrote it again (OpenVINO could not import it and compiled).
-- parked: the node's memory tier (engines.parking): an instance of the model stopped on the
+- parked: the node's memory tier (mesh.engines.parking): an instance of the model stopped on the
   node earlier, its worker kept built and warm; the load adopts it. Timed in this process
   (a node agent's), from `load()` to ready, then the first token; the other stages are none.
 With `--vllm-hf FOLDER` (a Hugging Face folder, e.g. the demo GGUF converted by
 `python -m mesh.modelfiles.convert gguf-to-hf`), vLLM's cold start on this machine's vLLM
-build is timed too (engines.vllm_engine, a fresh worker per run): start + import (spawn to
+build is timed too (mesh.engines.vllm_engine, a fresh worker per run): start + import (spawn to
 vLLM imported), build (weights, KV cache, vLLM's own warm-up and, on a GPU, torch.compile and
 CUDA graph capture), ready, first token.
 A copy received by multicast from another node is not a row yet (the transfer is timed by
@@ -44,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from engines.parking import ParkingLot
+from mesh.engines.parking import ParkingLot
 from mesh.bench.report import write_json
 
 SOURCES = ("gguf", "ir", "ir+blob")  # each run a fresh process; "parked" is timed in this one
@@ -60,9 +60,9 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     p0 = time.perf_counter()
     import openvino_genai  # noqa: F401 - the runtime's import is a stage of its own
 
-    from engines.openvino_engine import OpenVINOEngine
-    from engines.protocol import EngineRequest, Sampling
-    from engines import node_cache
+    from mesh.engines.openvino_engine import OpenVINOEngine
+    from mesh.engines.engine_api import EngineRequest, Sampling
+    from mesh.engines import node_cache
 
     p1 = time.perf_counter()
     stages["import"] = p1 - p0
@@ -123,7 +123,7 @@ def _spawn(*argv: str) -> dict[str, Any]:
 
 def _prepare_child(args: argparse.Namespace) -> dict[str, Any]:
     t0 = time.perf_counter()
-    from engines import node_cache
+    from mesh.engines import node_cache
 
     prepared = node_cache.prepare(args.model, args.root, probe_blobs=False)
     return {"prepare": time.perf_counter() - t0, "path": str(prepared.path)}
@@ -164,7 +164,7 @@ async def _parked_runs(make: Callable[[ParkingLot], Any], runs: int) -> list[dic
     """Loads that adopt a parked worker: one load builds it (untimed) and each unload parks
     it. `make(lot)` is a new engine using the lot; ready includes the KV sizing a node does
     right after a load (a vLLM worker's cache is re-initialised to the asked size)."""
-    from engines.protocol import EngineRequest, Sampling
+    from mesh.engines.engine_api import EngineRequest, Sampling
 
     async def load(engine: Any) -> None:
         await engine.load()
@@ -193,14 +193,14 @@ async def _parked_runs(make: Callable[[ParkingLot], Any], runs: int) -> list[dic
 
 
 def _openvino(model: Path, root: Path) -> Callable[[ParkingLot], Any]:
-    from engines.openvino_process import OpenVINOProcessEngine
+    from mesh.engines.openvino_process import OpenVINOProcessEngine
 
     return lambda lot: OpenVINOProcessEngine(model, context_window=2048, max_num_seqs=16, cache_root=root,
                                              log_dir=root / "logs", parking=lot)
 
 
 def _vllm(folder: Path) -> Callable[[ParkingLot], Any]:
-    from engines.vllm_engine import VLLMEngine
+    from mesh.engines.vllm_engine import VLLMEngine
 
     def make(lot: ParkingLot) -> Any:
         engine = VLLMEngine(folder, context_window=2048, max_num_seqs=16)
@@ -214,9 +214,9 @@ VLLM_STAGES = ("start_import", "build", "ready", "first_token")
 
 async def _vllm_runs(folder: Path, runs: int) -> list[dict[str, Any]]:
     """vLLM loads, each in a fresh worker: `load()` without a KV size only starts the worker
-    and imports vLLM; the KV resize then builds the engine (engines.vllm_engine)."""
-    from engines.protocol import EngineRequest, Sampling
-    from engines.vllm_engine import VLLMEngine
+    and imports vLLM; the KV resize then builds the engine (mesh.engines.vllm_engine)."""
+    from mesh.engines.engine_api import EngineRequest, Sampling
+    from mesh.engines.vllm_engine import VLLMEngine
 
     out = []
     for _ in range(runs):
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blob-dir")
     p.add_argument("--spawned-at", type=float, default=time.time())
     args = p.parse_args(argv)
-    from engines.worker_process import die_with_parent
+    from mesh.engines.worker_process import die_with_parent
 
     die_with_parent()  # never outlive the bench
     result = _prepare_child(args) if args.child_prepare else _child(args)

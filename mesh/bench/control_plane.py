@@ -18,7 +18,7 @@ settles for `--settle-s`, then is measured for `--step-s`. Per step:
   each response's usage), requests completed / rejected (429) / errors;
 - the service process's CPU (psutil): per 1,000 streamed tokens and as a share of one core;
   the agents' CPU (the service's child processes) and the load generator's, the same way;
-- the service's event-loop lag p50/p99 (mesh.runtime.latency.LoopLagProbe: a 20 ms sleep's
+- the service's event-loop lag p50/p99 (mesh.control.latency.LoopLagProbe: a 20 ms sleep's
   lateness, read from /admin/cluster as log-bucket histograms and subtracted between the
   step's two reads), with the p99 of its bound of what the service's own work caused (the
   rest is the process waiting for a core), and placement decisions' durations p50/p99;
@@ -47,7 +47,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
-from mesh.runtime.latency import between
+from mesh.control.latency import between
 from mesh.bench.report import write_json
 from mesh.service.limits import CLIENT_KEEPALIVE_S
 
@@ -510,7 +510,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The load generator's side: `python -m mesh.bench.control_plane '<json args>'`."""
-    from engines.worker_process import die_with_parent
+    from mesh.engines.worker_process import die_with_parent
 
     die_with_parent()  # never outlive the bench
     asyncio.run(_worker(json.loads((argv or sys.argv[1:])[0])))

@@ -1,6 +1,6 @@
 """`mesh bench fidelity`: does the simulator tell the truth about this machine?
 
-One small workload runs twice through the same node runtime (mesh.runtime.node):
+One small workload runs twice through the same node runtime (mesh.node.runtime):
 - live: real OpenVINO engines on the real clock (asyncio.run);
 - simulated: SimulatedEngine on the virtual clock (run_virtual), its iteration times from
   the profile calibrated on this machine (`--profile`, else the quick grid is calibrated
@@ -122,12 +122,12 @@ async def run_node(work: list[Item], make_engine: Callable[[str], Any], times: A
     margin, as in a node agent (mesh.perf.times.AdaptiveTimes)."""
     from mesh.perf.times import AdaptiveTimes
     from mesh.policy.shadow import DEFAULT_MARGIN, instance_margin
-    from calibration.runner import CpuMeter
-    from engines.protocol import EngineRequest, Sampling
+    from mesh.calibration.runner import CpuMeter
+    from mesh.engines.engine_api import EngineRequest, Sampling
     from mesh.policy.kv_demand import RunningMean
     from mesh.policy.slo import SLO
-    from mesh.runtime.node import NodeRuntime, NodeSpec
-    from mesh.runtime.request import Outcome, ServedRequest
+    from mesh.node.runtime import NodeRuntime, NodeSpec
+    from mesh.node.request import Outcome, ServedRequest
 
     loop = asyncio.get_running_loop()
     node = NodeRuntime(NodeSpec("fidelity", "cpu", NODE_MEMORY), record_iterations=True)
@@ -199,8 +199,8 @@ async def run_node(work: list[Item], make_engine: Callable[[str], Any], times: A
 # ---- the two runs ---------------------------------------------------------------------------
 
 def live_run(work: list[Item], model_path: Path, perf: Any) -> RunResult:
-    from calibration.openvino_calibration import TokenPrompts
-    from engines.openvino_engine import OpenVINOEngine
+    from mesh.calibration.openvino_calibration import TokenPrompts
+    from mesh.engines.openvino_engine import OpenVINOEngine
 
     prompts: dict[str, TokenPrompts] = {}
     engines: dict[str, OpenVINOEngine] = {}
@@ -223,8 +223,8 @@ async def _probe(engine: Any, perf: Any) -> dict[str, float]:
     (a 128-token prefill; decode at batch 4, context 128) measured as calibration measures
     them, divided by the profile's values. A shared VM drifts by 10-20% over tens of
     seconds; this tells how far it drifted since the profile was taken."""
-    from calibration.openvino_calibration import TokenPrompts
-    from calibration.runner import Point, Settings, _Measurer
+    from mesh.calibration.openvino_calibration import TokenPrompts
+    from mesh.calibration.runner import Point, Settings, _Measurer
 
     class _Target:
         def __init__(self) -> None:
@@ -259,8 +259,8 @@ async def _warm_up(engine: Any, tokens: int) -> None:
     """Grow the engine's KV cache (it grows on demand, copying) to what the workload may
     hold at once (at most all its tokens), so the measured run sees a warm instance, as a
     serving instance would be."""
-    from calibration.openvino_calibration import TokenPrompts
-    from engines.protocol import EngineRequest, Sampling
+    from mesh.calibration.openvino_calibration import TokenPrompts
+    from mesh.engines.engine_api import EngineRequest, Sampling
 
     tp = TokenPrompts.for_engine(engine)
     k = 0
@@ -275,8 +275,8 @@ async def _warm_up(engine: Any, tokens: int) -> None:
 
 
 def simulated_run(work: list[Item], profile: Any, perf: Any) -> RunResult:
-    from engines.simulated import SharedCore, SimulatedEngine
-    from mesh.runtime.virtual_loop import run_virtual
+    from mesh.engines.simulated import SharedCore, SimulatedEngine
+    from mesh.replay.virtual_loop import run_virtual
 
     core = SharedCore()  # the node's engines share its cores: an instance switch costs the profile's term
 
@@ -332,9 +332,9 @@ def ensure_profile(profile_path: str | None, model_path: Path, recalibrate: bool
     calibrated with the quick grid (two passes pooled) if missing (or if --recalibrate)."""
     if profile_path:
         return Path(profile_path)
-    from calibration.openvino_calibration import cores_used, cpu_slug
-    from calibration.runner import QUICK, calibrate, format_heldout
-    from calibration.targets import make_target
+    from mesh.calibration.openvino_calibration import cores_used, cpu_slug
+    from mesh.calibration.runner import QUICK, calibrate, format_heldout
+    from mesh.calibration.targets import make_target
     from mesh.hardware import read_cpuinfo
     from mesh.paths import data_dir
 
@@ -359,7 +359,7 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
         max_prompt: int = 512, max_output: int = 128, wait_quiet_s: float = 60.0, tries: int = 3,
         live_repeats: int = 2, trace_out: str | Path | None = None, prompt_scale: float = 1.0) -> dict[str, Any]:
     from mesh.perf import PerformanceModel, load_profile
-    from calibration.runner import wait_for_quiet
+    from mesh.calibration.runner import wait_for_quiet
     from mesh.modelfiles.demo import demo_gguf_path
     from mesh.policy.shadow import DEFAULT_MARGIN
 

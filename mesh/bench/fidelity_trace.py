@@ -1,7 +1,7 @@
 """Iteration logs of `mesh bench fidelity`, side by side (`--trace-out DIR`).
 
 The live and the simulated run of the same workload each leave an iteration log
-(mesh.runtime.node.IterationRecord: instance, kind, batch size, prompt tokens or mean
+(mesh.node.runtime.IterationRecord: instance, kind, batch size, prompt tokens or mean
 context, start, duration, predicted duration). This module writes both logs (JSON lines),
 finds where the two sequences of iterations first differ and says why as far as the logs
 and the workload tell (`divergence.md`), and draws two figures: live iteration time

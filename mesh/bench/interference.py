@@ -1,7 +1,7 @@
 """`mesh bench interference`: what background work on the same machine costs a serving node
 (issue 31 item 2: at most +5% of its TPOT).
 
-A serving node: a real OpenVINO instance of the demo model (engines.openvino_process, its
+A serving node: a real OpenVINO instance of the demo model (mesh.engines.openvino_process, its
 own worker, as a node agent runs it) on the node's core set (`--node-cores`, default all
 the cores this process may use; OpenVINO with as many inference threads), decoding a batch
 of `--batch` requests of `--tokens` tokens each. Its TPOT is the time of each decode
@@ -13,7 +13,7 @@ engine; the window's p50 is compared between phases:
   run_as_background);
 - `normal` (with --normal): the same job at normal priority with its default threads, as
   background work ran before issue 31: what the priority buys.
-Jobs (`--job`): `prepare`, the node's IR preparation of the model (engines.background_prepare,
+Jobs (`--job`): `prepare`, the node's IR preparation of the model (mesh.engines.background_prepare,
 into a fresh folder each time: it converts and compiles every time); `convert`, the
 GGUF-to-Hugging-Face conversion for vLLM nodes (mesh.modelfiles.convert in .venv-vllm, 57 s
 of CPU for the demo model), what the service runs at registration.
@@ -108,13 +108,13 @@ class JobLoop:
 
 def _job_argv(job: str, model: Path, background: bool) -> tuple[list[str], dict[str, str]] | str:
     """The job's command ({out}: a fresh folder per run) and environment, or why it cannot run."""
-    from engines.worker_process import background_env, worker_env
+    from mesh.engines.worker_process import background_env, worker_env
 
     env = background_env() if background else worker_env()
     if job == "prepare":
-        argv = [sys.executable, "-m", "engines.background_prepare", str(model), "--root", "{out}", "--no-probe"]
+        argv = [sys.executable, "-m", "mesh.engines.background_prepare", str(model), "--root", "{out}", "--no-probe"]
         return argv + ([] if background else ["--normal-priority"]), env
-    from engines.vllm_engine import find_vllm_python
+    from mesh.engines.vllm_engine import find_vllm_python
 
     python = find_vllm_python()
     if python is None:
@@ -125,7 +125,7 @@ def _job_argv(job: str, model: Path, background: bool) -> tuple[list[str], dict[
 
 async def _window(engine: Any, batch: int, tokens: int, prompt: list[int], tag: str) -> list[float]:
     """Decode `batch` requests of `tokens` tokens; the decode iterations' times in seconds."""
-    from engines.protocol import EngineRequest, Sampling
+    from mesh.engines.engine_api import EngineRequest, Sampling
     from mesh.policy.batching import IterationKind
 
     loop = asyncio.get_running_loop()
@@ -151,7 +151,7 @@ def _p(values: list[float], q: float) -> float:
 
 async def run(model: Path, job: str, cores: list[int], batch: int, tokens: int, repeats: int, normal: bool,
               work: Path, settle_s: float) -> Figures:
-    from engines.openvino_process import OpenVINOProcessEngine
+    from mesh.engines.openvino_process import OpenVINOProcessEngine
 
     os.sched_setaffinity(0, set(cores))  # the node's cores: its worker, and the job, inherit them
     phases = [p for p in PHASES if p != "normal" or normal]
@@ -215,7 +215,7 @@ def _cores(text: str | None) -> list[int]:
     allowed = sorted(os.sched_getaffinity(0))
     if not text:
         return allowed
-    from mesh.agent.supervisor import parse_node_cores
+    from mesh.control.supervisor import parse_node_cores
 
     return list(parse_node_cores(text, ["node"], set(allowed))["node"])
 

@@ -7,7 +7,7 @@ lengths and decodes of batch 1 up to `--requests` interleave) through a NodeRunt
 every iteration is recorded (kind, batch, tokens, seconds). The records are then fed, in
 order, to AdaptiveTimes started three ways, each predicting an iteration before observing it:
 - `prior`: DefaultCpuTimes as it is (factors 1.0), what agents did before the probe;
-- `probe`: the prior scaled by this machine's speed probe (mesh.agent.speed_probe);
+- `probe`: the prior scaled by this machine's speed probe (mesh.node.speed_probe);
 - `oracle`: the prior scaled by the factors the run ends with (the best a probe could do).
 `within_10pct_after` is the first iteration from which the predicted time of a run of
 `--window` iterations is within 10% of the real one in at least half the later runs (their median error <= 10%)
@@ -97,11 +97,11 @@ def learning_figures(iterations: list[Iteration], starts: dict[str, tuple[float,
 
 
 async def _serve(engine: Any, prompts: list[list[int]], output_len: int, gap_s: float) -> list[Iteration]:
-    from engines.protocol import EngineRequest, Sampling
+    from mesh.engines.engine_api import EngineRequest, Sampling
     from mesh.policy.kv_demand import RunningMean
     from mesh.policy.slo import SLO
-    from mesh.runtime.node import NodeRuntime, NodeSpec
-    from mesh.runtime.request import ServedRequest
+    from mesh.node.runtime import NodeRuntime, NodeSpec
+    from mesh.node.request import ServedRequest
 
     loop = asyncio.get_running_loop()
     node = NodeRuntime(NodeSpec("bench", "cpu", 64 * 2**30), record_iterations=True)
@@ -133,9 +133,9 @@ async def _serve(engine: Any, prompts: list[list[int]], output_len: int, gap_s: 
 
 def run(requests: int = 16, output_len: int = 48, gap_s: float = 0.4, model: str | None = None,
         window: int = 8) -> dict[str, Any]:
-    from calibration.openvino_calibration import TokenPrompts
-    from engines.openvino_engine import OpenVINOEngine
-    from mesh.agent.speed_probe import probe_speed
+    from mesh.calibration.openvino_calibration import TokenPrompts
+    from mesh.engines.openvino_engine import OpenVINOEngine
+    from mesh.node.speed_probe import probe_speed
     from mesh.modelfiles.demo import demo_gguf_path
     from mesh.perf.speed import PRIOR_MACHINE, SpeedFactors
 

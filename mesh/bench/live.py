@@ -28,10 +28,10 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from engines.protocol import EngineRequest, Sampling
+from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.slo import SLO
-from mesh.runtime.request import Outcome, ServedRequest
+from mesh.node.request import Outcome, ServedRequest
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.service.limits import CLIENT_KEEPALIVE_S
 from workloads.workload import Workload

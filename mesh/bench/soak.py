@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.report import emit, write_json
-from mesh.bench.serve import start_server, stop_server
+from mesh.bench.serve_load import start_server, stop_server
 
 CHURN = "churn"
 
@@ -147,12 +147,12 @@ def _role(cmdline: list[str], root: bool) -> str:
     if root:
         return "service"
     text = " ".join(cmdline)
-    if "mesh.agent.tokenizer_worker" in text:
+    if "mesh.node.tokenizer_worker" in text:
         return "tokenizer worker"
     if "mesh.agent" in text and "--node-id" in cmdline:
         return f"agent {cmdline[cmdline.index('--node-id') + 1]}"
     for arg in cmdline:
-        if arg.startswith(("engines.", "mesh.")) and arg != "-m":
+        if arg.startswith("mesh.") and arg != "-m":
             return arg.rsplit(".", 1)[-1].replace("_", " ")
     return os.path.basename(cmdline[0]) if cmdline else "?"
 

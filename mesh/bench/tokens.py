@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Any
 
-from mesh.agent.protocol import encode_frame, read_frame
+from mesh.wire.agent_protocol import encode_frame, read_frame
 from mesh.bench.report import write_json
 
 

@@ -8,7 +8,7 @@ Grids of powers of two (LLM-Mesh 5.2) up to the limits, warm-up and timed repeti
 point, medians, a progress bar; interrupted runs resume from `<out>.state.json`. See
 docs/calibration.md.
 
---gpu-reference runs the GPU probe instead (calibration/gpu_probe.py, docs/roofline.md "GPU
+--gpu-reference runs the GPU probe instead (mesh/calibration/gpu_probe.py, docs/roofline.md "GPU
 reference"), where a CUDA GPU and PyTorch are: a Llama-2-7B-shaped decoder in PyTorch and the
 host-to-GPU copies, into the JSON that mesh.perf.gpu_reference fits the GPU roofline to.
 """
@@ -62,8 +62,8 @@ def run(args: argparse.Namespace) -> int:
         print("mesh calibrate: --model is required (a GGUF file, an OpenVINO IR folder or 'demo'), "
               "unless --gpu-reference", file=sys.stderr)
         return 2
-    from calibration.runner import FULL, QUICK, CalibrationError, Settings, calibrate, format_heldout, state_path_for
-    from calibration.targets import make_target
+    from mesh.calibration.runner import FULL, QUICK, CalibrationError, Settings, calibrate, format_heldout, state_path_for
+    from mesh.calibration.targets import make_target
     from mesh.modelfiles.demo import ModelFetchError
     from mesh.paths import data_dir
 
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def gpu_reference(out: str, python: str, tiny: bool = False) -> int:
-    """Run calibration/gpu_probe.py with `python`, after checking that it has PyTorch and
+    """Run mesh/calibration/gpu_probe.py with `python`, after checking that it has PyTorch and
     (unless `tiny`) sees a CUDA GPU; a clear message and exit 2 where it does not."""
     import json
     import os
@@ -131,9 +131,9 @@ def gpu_reference(out: str, python: str, tiny: bool = False) -> int:
               "(torch.cuda.is_available() is False). The probe measures a GPU: run it on a machine with one "
               "(--quick runs its tiny configuration on the CPU, to check the probe itself).", file=sys.stderr)
         return 2
-    root = str(Path(__file__).resolve().parents[2])  # the checkout: calibration/ beside mesh/
+    root = str(Path(__file__).resolve().parents[2])  # the checkout, where `python -m mesh...` finds the package
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    command = [python, "-m", "calibration.gpu_probe", "--out", out] + (["--tiny"] if tiny else [])
+    command = [python, "-m", "mesh.calibration.gpu_probe", "--out", out] + (["--tiny"] if tiny else [])
     rc = subprocess.run(command, env=env).returncode
     if rc == 0:
         print(f"wrote {out}; to fit the roofline to it, copy it into mesh/perf/gpu_reference/ and name it in "

@@ -26,10 +26,11 @@ from mesh.replay.driver import (
 from mesh.policy.slo import DeadlineRule
 from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
 from mesh.replay.metrics import aligned, json_ready, summarize, table
-from mesh.runtime.cluster import SIMULATED_NOISE, ClusterConfig, check_cluster
-from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S
-from mesh.runtime.schedulers import POLICIES, UnknownPolicy, policy_spec
-from mesh.weights.cold_start import MODES as WEIGHT_MODES, Engines, WeightsConfig
+from mesh.control.cluster_view import ClusterConfig, check_cluster
+from mesh.engines.simulated import SIMULATED_NOISE
+from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S
+from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
+from mesh.replay.cold_start_modes import MODES as WEIGHT_MODES, Engines, WeightsConfig
 from workloads.azure_functions import load_function_trace
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR, FUNCTIONS_FILE
@@ -190,9 +191,9 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
     args.policies = args.policies or DEFAULT_POLICIES
     policies = [p.strip() for p in args.policies.split(",") if p.strip()]
     if not policies:
-        raise UnknownPolicy(f"--policies is empty; valid policies: {', '.join(POLICIES)}")
+        raise UnknownScheduler(f"--policies is empty; valid policies: {', '.join(POLICIES)}")
     for name in policies:
-        policy_spec(name)
+        scheduler_spec(name)
     if len(set(policies)) != len(policies):
         raise ReplayInputError(f"--policies lists a policy twice: {args.policies}")
     mix = parse_mix(args.mix) if args.mix else {args.model: 1.0}
@@ -230,7 +231,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
         deadlines=args.deadlines or DeadlineRule.EQ1, admission=args.admission,
     )
     for name in policies:
-        check_cluster(cluster, catalog, policy_spec(name).kinds, name)
+        check_cluster(cluster, catalog, scheduler_spec(name).kinds, name)
     max_total = {b: spec.profiles["gpu"].max_context for b, spec in catalog.items()}
     workload, timeout = workload_for(args, max_total, mix)
     lengths = load_lengths(_inputs(args)[1])
@@ -330,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         return replay_live.run(args, workload_for)
     try:
         setup = configure(args)
-    except (ValueError, OSError) as exc:  # TraceFormatError, ProfileError, ClusterError, UnknownPolicy, ...
+    except (ValueError, OSError) as exc:  # TraceFormatError, ProfileError, ClusterError, UnknownScheduler, ...
         print(f"mesh replay: error: {exc}", file=sys.stderr)
         return 2
     w = setup["workload"]

@@ -4,7 +4,7 @@ replayed in virtual time on a simulated cluster of the service's nodes (mesh.ben
 On the mixed rig (`mesh serve --cpu-nodes N --emulate a100-80gb:M`: real OpenVINO agents
 beside emulated GPU nodes) the replay is the real model's, and the twin's GPU profile is the
 one the emulated nodes run it with (the roofline's profile of its architecture on their
-device, mesh.agent.emulation), its CPU side as below.
+device, mesh.node.emulation), its CPU side as below.
 
 Against emulated nodes (`mesh serve --emulate DEVICE:N,...`, the service reports each node's
 device at `/admin/cluster`) each function's model is an emulated `--model` (`llama-2-7b`, ...)
@@ -44,8 +44,8 @@ from typing import Any
 
 import aiohttp
 
-from engines.protocol import DEFAULT_CONTEXT_CAP, EngineError
-from mesh.agent.emulation import emulated_cold_start
+from mesh.engines.engine_api import DEFAULT_CONTEXT_CAP, EngineError
+from mesh.node.emulation import emulated_cold_start
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.modelfiles.demo import ModelFetchError
 from mesh.perf.profile import load_profile
@@ -54,24 +54,24 @@ from mesh.policy.cold_starts import ANY_MODEL
 from mesh.policy.placement import CPU, GPU, ColdStart
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
-from mesh.runtime.cluster import ClusterConfig, ModelSpec
-from mesh.runtime.request import ServedRequest
-from mesh.runtime.schedulers import policy_spec
-from mesh.service.placement import PlacementSettings
+from mesh.control.cluster_view import ClusterConfig, ModelSpec
+from mesh.node.request import ServedRequest
+from mesh.control.schedulers import scheduler_spec
+from mesh.service.cluster_placement import PlacementSettings
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from workloads.workload import Workload
 
 BASE = "smollm2-135m"  # the base model name of every replica (one model file, one profile)
 LIVE_LENGTH_SCALE = 8.0  # the trace's lengths / 8 suit a 135M model on a small CPU (as `mesh bench fidelity`)
-LIVE_KEEP_ALIVE_S = 60.0  # the service's default (mesh.service.placement.PlacementSettings)
+LIVE_KEEP_ALIVE_S = 60.0  # the service's default (mesh.service.cluster_placement.PlacementSettings)
 LIVE_COLD_START_S = 7.5  # measured: the demo model starts in 7.0-7.9 s on a 2-core node (docs/evaluation.md)
 
 
 def _model_shape(path: Path) -> tuple[int, int, int]:
     """(weight bytes, KV bytes per token, context window as registered) of the model file,
     read from the engine a CPU agent builds for it (its KV cache precision included)."""
-    from mesh.agent.engines import make_engine
-    from mesh.agent.protocol import InstanceSpec
+    from mesh.node.engine_host import make_engine
+    from mesh.wire.agent_protocol import InstanceSpec
 
     engine = make_engine(InstanceSpec("twin", BASE, str(path)), lambda _exc: None)  # reads the shape; loads nothing
     return engine.weight_bytes, engine.kv_bytes_per_token, min(engine.context_window, DEFAULT_CONTEXT_CAP)
@@ -81,12 +81,12 @@ def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, win
              emulated: dict[str, str] | None = None, model_path: Path | None = None) -> dict[str, ModelSpec]:
     """The twin's model: per kind its calibrated profile (--profiles) or prior; on the mixed
     rig's emulated kinds (`emulated`: kind -> device) the profile its emulated nodes run the
-    model with (mesh.agent.emulation: the roofline's, from its architecture)."""
+    model with (mesh.node.emulation: the roofline's, from its architecture)."""
     profiles = {}
     for kind in (CPU, GPU):
         path = Path(args.profiles) / f"{BASE}__{kind}.json" if args.profiles else None
         if emulated and kind in emulated and model_path is not None:
-            from mesh.agent.emulation import Emulation, shape_name
+            from mesh.node.emulation import Emulation, shape_name
             from mesh.modelfiles.shape import architecture_of
 
             profiles[kind] = Emulation(emulated[kind]).profile(shape_name(architecture_of(model_path, BASE)))
@@ -129,7 +129,7 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     else:
         bps = cold_start_bytes_per_s(catalog[base].profiles[CPU].weight_bytes, cold_start_s or args.cold_start_s)
         cold_start = ColdStart(bps, bps)
-        if shape.mixed:  # the emulated GPU nodes load as the service has them (Cluster.simulated_load_s: its
+        if shape.mixed:  # the emulated GPU nodes load as the service has them (ClusterView.simulated_load_s: its
             # cold start model, --cold-start-s plus the weights over PCIe), not at the CPU nodes' measured pace
             gpu_load = ColdStart(fixed_s=args.cold_start_s).load_s(catalog[base].profiles[GPU].weight_bytes, GPU)
             cold_start = ColdStart(cpu_load_bytes_per_s=bps, measured={(ANY_MODEL, GPU): gpu_load})
@@ -173,7 +173,7 @@ def run(args: argparse.Namespace, workload_for: Any) -> int:
         weight_bytes, kv_per_token, window = _model_shape(model_path)
         policies = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
         for name in policies:
-            policy_spec(name)
+            scheduler_spec(name)
         workload, queue_timeout_s = workload_for(args, {BASE: window}, {BASE: 1.0}, LIVE_LENGTH_SCALE)
         scale = workload.description.get("length_scale", 1.0)
         catalog = _catalog(args, weight_bytes, kv_per_token, window, shape.devices if mixed else None, model_path)
@@ -203,7 +203,7 @@ def _run_emulated(args: argparse.Namespace, workload_for: Any, token: str, shape
         window = min(min(p.max_context for p in catalog[base].profiles.values()), DEFAULT_CONTEXT_CAP)
         policies = [p.strip() for p in (args.policies or "").split(",") if p.strip()]
         for name in policies:
-            policy_spec(name)
+            scheduler_spec(name)
         workload, queue_timeout_s = workload_for(args, {base: window}, {base: 1.0}, 1.0)
     except (ValueError, OSError, ProfileError) as exc:
         print(f"mesh replay --live: error: {exc}", file=sys.stderr)
@@ -262,7 +262,7 @@ def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, s
     except LiveReplayError as exc:
         print(f"mesh replay --live: error: {exc}", file=sys.stderr)
         return 1
-    except ValueError as exc:  # ClusterError, UnknownPolicy: this cluster cannot run a policy
+    except ValueError as exc:  # ClusterError, UnknownScheduler: this cluster cannot run a policy
         print(f"mesh replay --live: error: {exc}", file=sys.stderr)
         return 2
     except aiohttp.ClientError as exc:

@@ -8,7 +8,7 @@ import sys
 
 from mesh.policy.placement import ADMISSIONS
 from mesh.policy.slo import DeadlineRule
-from mesh.runtime.schedulers import POLICIES
+from mesh.control.schedulers import POLICIES
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.service.config import quota_value
 
@@ -141,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
     if config.data_dir is None:
         config.data_dir = data_dir()
     if args.vllm_cpu:
-        os.environ["MESH_VLLM_CPU_NODE"] = "1"  # read by mesh.agent.vllm_nodes
+        os.environ["MESH_VLLM_CPU_NODE"] = "1"  # read by mesh.control.vllm_nodes
     logging.basicConfig(level=config.log_level, format="mesh serve: %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(run_service(config, ready=lambda line: print(line, flush=True)))

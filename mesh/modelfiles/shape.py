@@ -102,7 +102,7 @@ def _value_bytes(head_dim: int, precision: str) -> float:
 def architecture_of(path: str | Path, name: str = "") -> "Architecture":
     """The roofline's Llama-style architecture of the model at `path` (a GGUF file, or a folder
     with a config.json): what an emulated node needs to emulate a real model from its shape
-    (mesh.agent.emulation; the mixed rig of `mesh serve --cpu-nodes N --emulate DEVICE:M`).
+    (mesh.node.emulation; the mixed rig of `mesh serve --cpu-nodes N --emulate DEVICE:M`).
     ValueError says what the file lacks."""
     from mesh.perf.roofline import Architecture
 

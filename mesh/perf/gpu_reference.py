@@ -1,6 +1,6 @@
 """The GPU roofline factors fitted to a real GPU's probe (docs/roofline.md, "GPU reference").
 
-A probe (`calibration/gpu_probe.py`, `mesh calibrate --gpu-reference`) times a
+A probe (`mesh/calibration/gpu_probe.py`, `mesh calibrate --gpu-reference`) times a
 Llama-2-7B-shaped decoder in PyTorch (bf16, random weights, CUDA graphs, PyTorch's SDPA) and
 the host-to-GPU copies a cold start makes, and writes one JSON. The committed probes are in
 `mesh/perf/gpu_reference/` (measured on a lent H200 and H100; ../shared/data/README.md).
@@ -92,12 +92,12 @@ class GpuFit:
 
 def _get(data: Mapping[str, Any], key: str, source: str) -> Any:
     if key not in data:
-        raise ProbeError(f"{source}: no {key!r}; a probe from calibration/gpu_probe.py has it")
+        raise ProbeError(f"{source}: no {key!r}; a probe from mesh/calibration/gpu_probe.py has it")
     return data[key]
 
 
 def read_probe(data: Mapping[str, Any], source: str = "<probe>") -> Probe:
-    """The points of a probe JSON (as calibration/gpu_probe.py writes it)."""
+    """The points of a probe JSON (as mesh/calibration/gpu_probe.py writes it)."""
     config = _get(data, "config", source)
     arch = ARCHITECTURES[PROBE_MODEL]
     want = {"layers": arch.layers, "hidden": arch.hidden, "inter": arch.intermediate, "heads": arch.heads,

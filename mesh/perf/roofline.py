@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from mesh.perf.memory import GIB
+from mesh.perf.memory_times import GIB
 from mesh.perf.profile import Profile, profile_from_dict, save_profile
 
 DTYPE_BYTES = 2  # 16-bit weights and KV cache (LLM-Mesh 3.1, 8.1)
@@ -108,7 +108,7 @@ class Hardware:
     engine_overhead_s: float  # fixed per iteration in the engine: scheduling, input preparation, sampling
     peak_note: str
     origin: str = ""  # where the factors come from (docs/roofline.md has each number's source)
-    memory_bytes: int = 0  # device memory; 0: the replay's default for its kind (mesh.runtime.cluster)
+    memory_bytes: int = 0  # device memory; 0: the replay's default for its kind (mesh.control.cluster_view)
     host_to_device_bytes_per_s: float | None = None  # pinned host memory -> device: a GPU cold start
     host_to_device_pageable_bytes_per_s: float | None = None  # the same from pageable host memory
 

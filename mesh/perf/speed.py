@@ -2,7 +2,7 @@
 
 `DefaultCpuTimes` (mesh.perf.times) was fitted to the demo model's iteration times on one
 machine; machines of this kind differ 2-3x. A node agent measures `MachineSpeed` with a
-short probe when it starts (mesh.agent.speed_probe) and scales the prior by
+short probe when it starts (mesh.node.speed_probe) and scales the prior by
 `SpeedFactors.against(PRIOR_MACHINE)`: prefill, compute-bound, by the square GEMM's
 throughput; decode, bound by reading the weights, by the skinny GEMM's (LLM-Mesh 5.2's
 two models, one factor each). AdaptiveTimes then starts from these factors instead of 1.
@@ -30,7 +30,7 @@ class MachineSpeed:
         return asdict(self)
 
 
-# Measured by `python -m mesh.agent.speed_probe` on the machine DefaultCpuTimes was fitted on
+# Measured by `python -m mesh.node.speed_probe` on the machine DefaultCpuTimes was fitted on
 # (2-core AMD EPYC, AVX-512, shared with other jobs, both cores): runs gave 17.7, 53.4 and
 # 54.0 GFLOP/s and 20.0, 41.4 and 31.3 GB/s; the medians.
 PRIOR_MACHINE = MachineSpeed(gemm_gflops=53.4, stream_gbps=31.3, threads=2)

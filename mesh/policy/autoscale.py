@@ -5,7 +5,7 @@ instance (loading or ready) or a request. Mesh asks for the nodes in use, plus o
 requests wait refused for capacity (the placement would scale out if it had a node), and at
 least `min_nodes`. A node that has held nothing for `idle_release_s` is released (beyond
 `min_nodes`), so the cluster shrinks when Mesh packs models onto fewer nodes. Pure rules: the
-caller measures idle times and acts (mesh.ray.autoscale).
+caller measures idle times and acts (mesh.ray.node_autoscaler).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 An iteration is a prefill or a decode, never both (`IterationKind`). Every engine follows
 the same batching rule, so the compute subsystem can predict it: `prefill_take` is that
 rule, the one implementation the simulated engine and the compute subsystem share (the
-rule in words: engines.protocol). `IterationTimes` is what the policy core needs of an
+rule in words: mesh.engines.engine_api). `IterationTimes` is what the policy core needs of an
 iteration-time model (the models themselves: mesh.perf), and `extra_s` the one rule for
 what an iteration costs beyond its grid time.
 """

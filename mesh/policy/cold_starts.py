@@ -14,7 +14,7 @@ node's IR cache) or `ir`), and predicts a node's next load of a model from the s
 latest load there (preparation only ever makes the next source faster, and one load is
 enough to learn it), else from the same model's latest loads on the node's peers (nodes of
 its kind), else nothing: the caller's prior. A load that adopted a parked worker (source
-`parked`, engines.parking: a built, warm pipeline kept after its instance stopped) predicts
+`parked`, mesh.engines.parking: a built, warm pipeline kept after its instance stopped) predicts
 only the loads of a node that says it has the model parked now: a parked worker can be gone
 by the next load. Transfers are measured likewise, as bytes per
 second over every transfer to any node.
@@ -35,7 +35,7 @@ FORMAT = "mesh-cold-starts/1"
 WINDOW = 5  # loads kept per (node, model, source): the median of the last few, robust to one slow load
 RECORDS_KEPT = 1024  # the latest loads kept in order (views, export): a service that runs for months keeps no more
 ANY_MODEL = "*"  # in a replay's table: the cold start of any model without its own entry
-PARKED = "parked"  # the source of a load that adopted a parked worker (engines.parking)
+PARKED = "parked"  # the source of a load that adopted a parked worker (mesh.engines.parking)
 # A load from the parked tier before any was measured: an adoption and the KV cache's resize
 # (mesh bench coldstart's parked row: 0.6 ms to ready, median of 5; the resize allocates).
 PARKED_PRIOR_S = 0.5
@@ -88,7 +88,7 @@ class ColdStartTable:
         loaded the model; from the parked tier first if the node has the model `parked`
         (`PARKED_PRIOR_S` before any parked load was measured); None: never loaded on any of
         them (the caller's prior)."""
-        if parked:  # a parked worker waits there (parked ahead: mesh.agent.park_ahead); its build is done
+        if parked:  # a parked worker waits there (parked ahead: mesh.node.park_ahead); its build is done
             measured = self._median(self._parked_s, node_id, model, peers)
             return PARKED_PRIOR_S if measured is None else measured
         return self._median(self.node_load_s, node_id, model, peers)
@@ -144,7 +144,7 @@ def cold_start_times(table: Mapping[str, Any]) -> dict[tuple[str, str], float]:
     """A replay's cold starts from an exported table (`ColdStartTable.to_dict`): per (model,
     node kind) the median of its nodes' medians, and per kind under `ANY_MODEL` the median
     over all its models (for a replay whose models the service never loaded). Loads from the
-    parked tier are left out: a replay's nodes park nothing (engines.parking)."""
+    parked tier are left out: a replay's nodes park nothing (mesh.engines.parking)."""
     if table.get("format") != FORMAT:
         raise ValueError(f"not a cold-start table: format {table.get('format')!r}, expected {FORMAT!r}")
     by: dict[tuple[str, str], list[float]] = {}

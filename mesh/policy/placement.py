@@ -224,7 +224,7 @@ class ColdStart:
     The initial KV cache allocation is added by the engine (resize time, LLM-Mesh Figure 8).
     A node loads one instance at a time (its weights cross one PCIe link or memory bus, and
     its engine's start-up runs on the node's cores): a load issued while others are under way
-    there starts when they end (mesh.runtime.cluster.Cluster.load_wait_s). Live, on one core
+    there starts when they end (mesh.control.cluster_view.ClusterView.load_wait_s). Live, on one core
     per node, two demo-model instances warmed up together on one node served their first
     tokens about 16 s after their first requests; one per node, after about 10 and 12 s.
     """
@@ -233,7 +233,7 @@ class ColdStart:
     cpu_load_bytes_per_s: float = 50e9
     fixed_s: float = 0.0
     measured: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (model, kind) -> load s
-    net_bytes_per_s: float = 200e9 / 8  # 200 Gbit/s RDMA (BlitzScale's setups; mesh.weights.cold_start)
+    net_bytes_per_s: float = 200e9 / 8  # 200 Gbit/s RDMA (BlitzScale's setups; mesh.replay.cold_start_modes)
 
     def __post_init__(self) -> None:
         if not (self.pcie_bytes_per_s > 0 and self.cpu_load_bytes_per_s > 0 and self.fixed_s >= 0

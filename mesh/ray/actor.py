@@ -16,7 +16,7 @@ The actor is the agent's keeper on its node, not its transport. Created pinned t
    worker dies, or its node is removed, the agent goes too and its connection closes.
 
 Control messages go over Mesh's framed TCP connection between the control service and the
-agent (mesh.agent.client), never through Ray: docs/cluster.md measures why. Tokens go nowhere:
+agent (mesh.control.agent_client), never through Ray: docs/cluster.md measures why. Tokens go nowhere:
 the service and each actor derive them from the cluster secret (HMAC-SHA256), so neither Ray's
 store nor its actor calls ever hold one.
 """
@@ -34,8 +34,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from engines.worker_process import worker_env
-from mesh.agent.protocol import READY_PREFIX
+from mesh.engines.worker_process import worker_env
+from mesh.wire.agent_protocol import READY_PREFIX
 from mesh.policy.slo import DeadlineRule
 
 
@@ -103,7 +103,7 @@ class AgentLaunch:
 
 def probe_node(kind: str, gpu_memory: int | None, launch: AgentLaunch) -> dict[str, Any]:
     """This node's hardware, as the agent will report it: kind, memory budget, AMX, CPU."""
-    from mesh.agent.supervisor import total_memory_bytes
+    from mesh.control.supervisor import total_memory_bytes
     from mesh.hardware import read_cpuinfo
 
     cpu = read_cpuinfo()
@@ -119,7 +119,7 @@ def _gpu_memory() -> int:
     """The memory of the GPU Ray gave this actor (nvidia-smi lists every GPU of the node)."""
     import ray
 
-    from mesh.agent.vllm_nodes import gpu_memory_bytes
+    from mesh.control.vllm_nodes import gpu_memory_bytes
 
     ids, sizes = ray.get_gpu_ids(), gpu_memory_bytes()
     try:

@@ -8,7 +8,7 @@ nodes equal to the live Ray nodes:
   per GPU it offers: a `NodeAgentActor` (mesh.ray.actor) pinned to the node
   (NodeAffinitySchedulingStrategy, soft=False) with `max_restarts=-1`, whose hardware probe
   on the node gives the node's kind and memory; the placement connects to the agent over
-  Mesh's framed TCP (mesh.agent.remote.RemoteAgent, with the actor as its address source:
+  Mesh's framed TCP (mesh.control.remote_agents.RemoteAgent, with the actor as its address source:
   after Ray restarts the actor, the agent has a new port and the actor says which);
 - a Ray node that died or was removed leaves the placement (`ClusterPlacement.remove_node`):
   its streams end with an error event, its queued requests go to other nodes, its copies
@@ -17,7 +17,7 @@ nodes equal to the live Ray nodes:
 Ray does membership, placement of agent processes, their restarts and health; weights go by
 Mesh's multicast between the agents' weights receivers, tokens by the agents' connections.
 
-Autoscaling (`--ray-autoscale`, mesh.ray.autoscale) asks Ray's autoscaler for the nodes
+Autoscaling (`--ray-autoscale`, mesh.ray.node_autoscaler) asks Ray's autoscaler for the nodes
 the placement uses and releases idle ones.
 """
 from __future__ import annotations
@@ -27,11 +27,11 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from mesh.agent.remote import RemoteAgent
-from mesh.agent.supervisor import AgentHandle
+from mesh.control.remote_agents import RemoteAgent
+from mesh.control.supervisor import AgentHandle
 from mesh.ray.actor import AgentLaunch, NodeAgentActor, agent_token, launch_dict
-from mesh.runtime.node import NodeSpec
-from mesh.runtime.tasks import cancel_all
+from mesh.node.runtime import NodeSpec
+from mesh.tasks import cancel_all
 
 log = logging.getLogger("mesh.cluster.ray")
 

@@ -2,7 +2,7 @@
 
 The cluster is the real runtime (NodeRuntime per node, the dispatcher, the policy) with a
 SimulatedEngine per instance whose iteration times come from the calibrated profiles, on
-mesh.runtime.virtual_loop: the waiting is skipped, the decisions are the ones a live
+mesh.replay.virtual_loop: the waiting is skipped, the decisions are the ones a live
 cluster would make. Wall time is measured with time.perf_counter (only here).
 """
 from __future__ import annotations
@@ -17,15 +17,15 @@ import numpy as np
 from tqdm import tqdm
 
 from mesh.perf.profile import ProfileError, catalog_profile, reference_profiles
-from engines.protocol import EngineRequest, Sampling
+from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.simulator import EngineFactory, Simulator
-from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec, check_cluster
-from mesh.runtime.dispatcher import DEFAULT_RETRY_INTERVAL_S, DispatchStats, Dispatcher
-from mesh.runtime.schedulers import PolicyStats, policy_spec
-from mesh.runtime.request import ServedRequest
-from mesh.runtime.virtual_loop import run_virtual
+from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec, check_cluster
+from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S, DispatchStats, Dispatcher
+from mesh.control.schedulers import SchedulerStats, scheduler_spec
+from mesh.node.request import ServedRequest
+from mesh.replay.virtual_loop import run_virtual
 from workloads.workload import Workload
 
 DEFAULT_CPU_DEVICE = "xeon-6462c"
@@ -40,7 +40,7 @@ class ReplayConfig:
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S  # None: turned away once it cannot meet its SLO
     drain_limit_s: float = 600.0  # virtual time after the window for in-flight requests to end
     progress: bool = True
-    engines: Callable[[Cluster], EngineFactory] | None = None  # per run: its engines (e.g. mesh.weights.cold_start.Engines)
+    engines: Callable[[ClusterView], EngineFactory] | None = None  # per run: its engines (e.g. mesh.replay.cold_start_modes.Engines)
 
 
 @dataclass
@@ -65,7 +65,7 @@ class PolicyRun:
     usage: list[tuple[float, int, int]]  # (time, CPU nodes in use, GPU nodes in use), change points
     nodes: list[NodeStats]
     dispatch: DispatchStats
-    policy_stats: PolicyStats
+    policy_stats: SchedulerStats
     instances_started: int
     instances_recycled: int
     queue_peak: int
@@ -193,8 +193,8 @@ def run_policy(
     catalog: dict[str, ModelSpec],
     prior: dict[str, float] | None = None,
 ) -> PolicyRun:
-    """Replay `workload` under `policy`; raises ClusterError/UnknownPolicy before running."""
-    spec = policy_spec(policy)
+    """Replay `workload` under `policy`; raises ClusterError/UnknownScheduler before running."""
+    spec = scheduler_spec(policy)
     check_cluster(config.cluster, catalog, spec.kinds, policy)
     prior = prior if prior is not None else mean_output_prior(workload)
     t0 = time.perf_counter()

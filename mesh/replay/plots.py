@@ -11,7 +11,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
 from mesh.replay.driver import PolicyRun  # noqa: E402
-from mesh.runtime.request import Outcome  # noqa: E402
+from mesh.node.request import Outcome  # noqa: E402
 
 
 def ttft_cdf(runs: dict[str, PolicyRun], path: str | Path, title: str = "") -> Path:

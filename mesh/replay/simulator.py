@@ -1,29 +1,29 @@
 """The replay's simulated cluster: one simulated node per node of a ClusterConfig.
 
-The runtime (mesh.runtime.cluster) schedules whatever nodes it is given and builds none;
-a replay gives it LocalNodes whose instances are engines.simulated.SimulatedEngines, with
+The runtime (mesh.control.cluster_view) schedules whatever nodes it is given and builds none;
+a replay gives it LocalNodes whose instances are mesh.engines.simulated.SimulatedEngines, with
 iteration times from the catalog's profiles, the config's noise, and a seed per instance
 derived from the config's seed and the instance's id (so a replay is the same for the
 same seed). `engine_factory` replaces the simulated engine of every new instance (e.g.
-mesh.weights.cold_start.Engines, or a test's double).
+mesh.replay.cold_start_modes.Engines, or a test's double).
 """
 from __future__ import annotations
 
 import zlib
 from typing import Callable
 
-from engines.protocol import Engine
-from engines.simulated import SimulatedEngine
-from mesh.runtime.cluster import Cluster, ClusterConfig, ModelSpec
-from mesh.runtime.cluster_node import LocalNode
-from mesh.runtime.node import InstancePlan, NodeRuntime
+from mesh.engines.engine_api import Engine
+from mesh.engines.simulated import SimulatedEngine
+from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
+from mesh.replay.local_node import LocalNode
+from mesh.node.runtime import InstancePlan, NodeRuntime
 
 # (plan, node kind, load seconds, seed) -> the engine of a new instance
 EngineFactory = Callable[[InstancePlan, str, float, int], Engine]
 
 
 class Simulator:
-    """A Cluster of simulated nodes (`cluster`) and the factory of their engines."""
+    """A ClusterView of simulated nodes (`cluster`) and the factory of their engines."""
 
     def __init__(self, config: ClusterConfig, catalog: dict[str, ModelSpec], models: dict[str, str],
                  mean_output_prior: dict[str, float], *, on_capacity: Callable[[], None] | None = None,
@@ -33,7 +33,7 @@ class Simulator:
         nodes = [LocalNode(NodeRuntime(spec, margin=config.margin, watermark=config.watermark,
                                        deadlines=config.deadlines), self._engine_for)
                  for spec in config.node_specs()]
-        self.cluster = Cluster(config, catalog, models, mean_output_prior, on_capacity=on_capacity, nodes=nodes)
+        self.cluster = ClusterView(config, catalog, models, mean_output_prior, on_capacity=on_capacity, nodes=nodes)
 
     def _engine_for(self, plan: InstancePlan, kind: str) -> Engine:
         """The engine of a new instance on a simulated node (the run's engine factory)."""
@@ -50,6 +50,6 @@ class Simulator:
 
 
 def simulated_cluster(config: ClusterConfig, catalog: dict[str, ModelSpec], models: dict[str, str],
-                      mean_output_prior: dict[str, float], **kwargs) -> Cluster:
-    """A Cluster of simulated nodes (Simulator's)."""
+                      mean_output_prior: dict[str, float], **kwargs) -> ClusterView:
+    """A ClusterView of simulated nodes (Simulator's)."""
     return Simulator(config, catalog, models, mean_output_prior, **kwargs).cluster

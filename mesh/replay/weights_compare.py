@@ -1,4 +1,4 @@
-"""Compare cold-start modes (mesh.weights.cold_start) on a bursty single-model trace.
+"""Compare cold-start modes (mesh.replay.cold_start_modes) on a bursty single-model trace.
 
     python -m mesh.replay.weights_compare --model llama-2-7b --gpu-nodes 8 --minutes 5 \
         --time-scale 0.1 --json out.json
@@ -17,12 +17,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from mesh.perf.memory import GIB
+from mesh.perf.memory_times import GIB
 from mesh.policy.placement import ColdStart
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy, trace_mean_output
 from mesh.replay.metrics import node_seconds, summarize
-from mesh.weights.cold_start import MODES, Engines, WeightsConfig
-from mesh.runtime.cluster import ClusterConfig
+from mesh.replay.cold_start_modes import MODES, Engines, WeightsConfig
+from mesh.control.cluster_view import ClusterConfig
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR
 from workloads.workload import Workload, bursty_single_model

@@ -1,8 +1,8 @@
 """A node agent as the cluster dispatcher sees it: `AgentNode`, the service's `ClusterNode`.
 
-The dispatcher and the policies (mesh.runtime.dispatcher, mesh.runtime.schedulers) decide;
+The dispatcher and the policies (mesh.control.dispatcher, mesh.control.schedulers) decide;
 this class carries each decision to one node agent process (local or on another machine)
-over its control connection (mesh.agent.protocol) and keeps the dispatcher's view of the
+over its control connection (mesh.wire.agent_protocol) and keeps the dispatcher's view of the
 node current from the agent's events:
 
 - validation (`validate`, `validate_group`, `validate_new`) runs in the agent, against its
@@ -26,16 +26,16 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 
-from engines.protocol import FinishReason
-from mesh.agent.client import AgentCallError, AgentDown
-from mesh.agent.protocol import AdmitEntry, Code, DoneEvent, EvictedEvent, InstanceEvent, InstanceSpec, Probe
-from mesh.agent.protocol import NodeEvent
-from mesh.agent.protocol import Progress, ProtocolError, TokensEvent, event_from_message, mean_output_to, slo_to_dict
-from mesh.agent.supervisor import AgentHandle
+from mesh.engines.engine_api import FinishReason
+from mesh.control.agent_client import AgentCallError, AgentDown
+from mesh.wire.agent_protocol import AdmitEntry, Code, DoneEvent, EvictedEvent, InstanceEvent, InstanceSpec, Probe
+from mesh.wire.agent_protocol import NodeEvent
+from mesh.wire.agent_protocol import Progress, ProtocolError, TokensEvent, event_from_message, mean_output_to, slo_to_dict
+from mesh.control.supervisor import AgentHandle
 from mesh.policy.shadow import DEFAULT_MARGIN
-from mesh.runtime.cluster_node import ClusterNode, InstanceState
-from mesh.runtime.node import Admission, InstancePlan, NodeSpec
-from mesh.runtime.request import Outcome, ServedRequest
+from mesh.control.cluster_node import ClusterNode, InstanceState
+from mesh.node.runtime import Admission, InstancePlan, NodeSpec
+from mesh.node.request import Outcome, ServedRequest
 from mesh.policy.kv_demand import RunningMean
 from mesh.service.errors import ApiError
 
@@ -530,7 +530,7 @@ def _age(t: float | None) -> float | None:
 
 def _resume_from(req: ServedRequest, progress: Progress, note: str) -> None:
     """A request off its node: its produced tokens follow its prompt, to be recomputed
-    where it resumes (mesh.runtime.node NodeRuntime.take_back does the same in-process)."""
+    where it resumes (mesh.node.runtime NodeRuntime.take_back does the same in-process)."""
     er = req.engine_request
     req.engine_request = dataclasses.replace(er, prompt_token_ids=list(er.prompt_token_ids[:er.prompt_len])
                                              + progress.token_ids)

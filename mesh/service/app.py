@@ -27,14 +27,14 @@ from typing import Any
 
 from aiohttp import web
 
-from mesh.runtime.latency import LoopLagProbe
+from mesh.control.latency import LoopLagProbe
 from mesh.service import errors
 from mesh.service.auth import admin_token_ok, bearer_token, hash_key
 from mesh.service.config import ServeConfig
 from mesh.service.errors import ApiError
 from mesh.service.limits import HttpLimits, listen
-from mesh.service.metrics import CONTENT_TYPE, ServiceMetrics
-from mesh.service.placement import Placement
+from mesh.service.prometheus import CONTENT_TYPE, ServiceMetrics
+from mesh.service.cluster_placement import Placement
 from mesh.service.quotas import Quotas
 from mesh.service.registry import Registry
 
@@ -175,15 +175,15 @@ def build_app(service: Service) -> web.Application:
 
 async def run_service(config: ServeConfig, ready: Any = print) -> int:
     """Start everything, print the ready line, serve until SIGINT/SIGTERM, drain, stop."""
-    from mesh.agent.remote import RemoteAgent, parse_remote
-    from mesh.agent.supervisor import (SERVICE, AgentHandle, AgentSettings, LocalAgent, core_shares,
+    from mesh.control.remote_agents import RemoteAgent, parse_remote
+    from mesh.control.supervisor import (SERVICE, AgentHandle, AgentSettings, LocalAgent, core_shares,
                                        detect_local_nodes, parse_node_cores)
-    from mesh.agent.vllm_nodes import CPU_NODE_ID
-    from mesh.runtime.node import NodeSpec
-    from mesh.service.demo import ensure_demo, ready_line
+    from mesh.control.vllm_nodes import CPU_NODE_ID
+    from mesh.node.runtime import NodeSpec
+    from mesh.service.demo_mode import ensure_demo, ready_line
     from mesh.service.preparation import FormatPreparer
-    from mesh.service.placement import ClusterPlacement, PlacementSettings
-    from mesh.weights.plane import WeightsPlane, WeightsSettings
+    from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+    from mesh.control.weights_plane import WeightsPlane, WeightsSettings
 
     loop = asyncio.get_running_loop()
     tls = None
@@ -221,7 +221,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     nodes = detect_local_nodes(memory, config.cpu_nodes) if config.ray is None else []  # Ray: agents on its nodes
     emulated: dict[str, str] = {}  # node id -> the device it emulates (mesh serve --emulate)
     if config.emulate:
-        from mesh.agent.emulation import emulated_nodes
+        from mesh.node.emulation import emulated_nodes
 
         emulated_specs, emulated = emulated_nodes(config.emulate)
         if config.mixed_rig and any(n.kind != "cpu" for n in nodes):  # vLLM's nodes would share the GPU kind
@@ -288,7 +288,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
                              watchdog_min_s=config.watchdog_min_s, memory_bytes=memory)  # no secret: Ray keeps it
         membership = RayMembership(placement, launch, cluster_secret)
         if config.ray_autoscale:
-            from mesh.ray.autoscale import RayAutoscaler
+            from mesh.ray.node_autoscaler import RayAutoscaler
 
             autoscaler = RayAutoscaler(placement, membership)
     service = Service(config, registry, placement, ServiceMetrics(placement.view), data_dir)

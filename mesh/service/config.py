@@ -21,12 +21,12 @@ max_connections_per_client, max_uploads_per_tenant, max_uploads).
 
 `watchdog_min_s` (default 30; `mesh serve --watchdog-min-s`): the node agents' engine
 watchdog fails an instance whose iteration runs past max(this, 20 x its predicted time)
-(mesh.runtime.node.hung_bound_s): its worker is killed and restarted on demand, and its
+(mesh.node.runtime.hung_bound_s): its worker is killed and restarted on demand, and its
 requests are placed again, as evictions. Lower it to see a hung worker caught sooner (the
 tests do); on a busy shared machine a low floor can take a slow iteration for a hung one.
 
 `emulate` ("DEVICE:N,...", e.g. "xeon-6462c:4,a100-80gb:4"; `mesh serve --emulate`): instead of
-this machine's nodes, N emulated nodes of each profiled device (mesh.agent.emulation): real
+this machine's nodes, N emulated nodes of each profiled device (mesh.node.emulation): real
 node agents whose engines keep the device's profile times on the wall clock. They run only
 emulated models, which the operator registers by catalog name (POST
 /admin/tenants/{tenant}/models {"name", "emulate": "llama-2-7b"}). The cold start then defaults
@@ -40,12 +40,12 @@ a Hugging Face folder for vLLM on GPU nodes; mesh.service.preparation), so the d
 run it on either kind.
 
 `policy` (default `mesh`): the cluster dispatcher's placement policy, one of those `mesh
-replay` evaluates (mesh.runtime.schedulers): mesh, sllm, sllm+cpu, mesh-no-share, mesh-no-cpu,
+replay` evaluates (mesh.control.schedulers): mesh, sllm, sllm+cpu, mesh-no-share, mesh-no-cpu,
 mesh-no-defrag. `cold_start_s` (default 7.5, the demo model measured on a 2-core node): the
 start-up of a new instance besides moving its weights, which validation counts in a
 request's TTFT. `exact_moves` (default false): CPU instances compute so that a stream
 moved to another node (preemption, eviction) continues exactly as it would have, at about
-2x the compute (engines.openvino_engine.EXACT_RECOMPUTE); off, a moved stream loses,
+2x the compute (mesh.engines.openvino_engine.EXACT_RECOMPUTE); off, a moved stream loses,
 repeats and reorders nothing but may continue differently at a near-tie.
 
 `deadlines` (default `eq1`, the paper's Eq. 1, as `mesh replay` evaluates by default): when
@@ -90,7 +90,7 @@ class ServeConfig:
     keep_alive_s: float = 60.0
     cpu_memory_gb: float | None = None  # None: half the machine's memory, split over the CPU nodes
     cpu_nodes: int = 1  # CPU node agents on this machine (each a node of the weights plane)
-    # the local nodes' core sets, "0;1" or "cpu-0=0-3;cpu-1=4-7;service=8" (mesh.agent.supervisor.parse_node_cores);
+    # the local nodes' core sets, "0;1" or "cpu-0=0-3;cpu-1=4-7;service=8" (mesh.control.supervisor.parse_node_cores);
     # None: split among them (core_shares) when there are two or more
     node_cores: str | None = None
     weights_plan: str = "binomial"  # multicast plan for scale-outs: naive, chain, binomial
@@ -111,7 +111,7 @@ class ServeConfig:
     quota_requests_per_s: float | None = 1000.0
     quota_burst: int | None = 2000  # None: one second of quota_requests_per_s
     deadlines: DeadlineRule = DeadlineRule.EQ1  # deadline rule of the local agents (mesh.policy.slo)
-    policy: str = "mesh"  # the dispatcher's placement policy (mesh.runtime.schedulers)
+    policy: str = "mesh"  # the dispatcher's placement policy (mesh.control.schedulers)
     # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart); None: 7.5 s,
     # or 0 under `emulate` (the replay's cold start: the weights' load alone)
     cold_start_s: float | None = None
@@ -129,11 +129,11 @@ class ServeConfig:
     max_connections_per_client: int = MAX_CONNECTIONS_PER_CLIENT  # ...from one client address
     max_uploads_per_tenant: int = 2  # uploads one tenant may stream at once
     max_uploads: int = 8  # uploads all tenants together may stream at once (disk and CPU for their sha256)
-    watchdog_min_s: float = 30.0  # the engine watchdog's floor (mesh.runtime.node.HUNG_MIN_S)
-    # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.agent.emulation; docs/service.md)
+    watchdog_min_s: float = 30.0  # the engine watchdog's floor (mesh.node.runtime.HUNG_MIN_S)
+    # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.node.emulation; docs/service.md)
     emulate: str | None = None
     # derived, not a key: emulate with cpu_nodes given too is the mixed rig, this machine's CPU nodes
-    # beside emulated GPU nodes that emulate its real models (mesh.agent.emulation)
+    # beside emulated GPU nodes that emulate its real models (mesh.node.emulation)
     mixed_rig: bool = False
 
     @property
@@ -220,7 +220,7 @@ def _check(c: ServeConfig) -> None:
         raise ConfigError(f"node_cores must be core sets like '0;1' or 'cpu-0=0-3;cpu-1=4-7', got {c.node_cores!r}")
     if not isinstance(c.remote_agents, list):
         raise ConfigError(f"remote_agents must be a list of 'ID=HOST:PORT', got {c.remote_agents!r}")
-    from mesh.agent.remote import parse_remote
+    from mesh.control.remote_agents import parse_remote
 
     ids = []
     for entry in c.remote_agents:
@@ -249,7 +249,7 @@ def _check(c: ServeConfig) -> None:
                                           or not isinstance(c.queue_timeout_s, (int, float)) or c.queue_timeout_s < 0):
         raise ConfigError(f"queue_timeout_s must be a number of seconds >= 0 or 'slo', got {c.queue_timeout_s!r}")
     from mesh.policy.placement import ADMISSIONS, ADMIT_QUEUE, ADMIT_REJECT
-    from mesh.runtime.schedulers import POLICIES
+    from mesh.control.schedulers import POLICIES
 
     if c.admission is None:
         c.admission = ADMIT_QUEUE if c.demo else ADMIT_REJECT
@@ -268,7 +268,7 @@ def _check(c: ServeConfig) -> None:
     if not isinstance(c.prepare_formats, bool):
         raise ConfigError(f"prepare_formats must be true or false, got {c.prepare_formats!r}")
     if c.emulate is not None:
-        from mesh.agent.emulation import emulated_nodes
+        from mesh.node.emulation import emulated_nodes
         from mesh.perf.profile import ProfileError
 
         if c.demo and not c.mixed_rig:

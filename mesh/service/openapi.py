@@ -14,7 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
-from engines.chat import ROLES
+from mesh.engines.chat import ROLES
 from mesh.modelfiles.sampling import FIELDS as SAMPLING_FIELDS
 from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES
 from mesh.policy.quota import QUOTA_FIELDS

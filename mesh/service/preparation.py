@@ -6,7 +6,7 @@ format in the background after registration (and, for models that lack it, when 
 service starts or on the model's first use):
 
 - GGUF -> Hugging Face folder for GPU nodes: `python -m mesh.modelfiles.convert gguf-to-hf`, run
-  with the vLLM environment's Python (engines.vllm_engine.find_vllm_python: it needs torch,
+  with the vLLM environment's Python (mesh.engines.vllm_engine.find_vllm_python: it needs torch,
   transformers, gguf and accelerate, which Mesh's own environment does not have), when the
   server has a GPU node (or `--vllm-cpu`'s node) and that Python exists;
 - Hugging Face folder -> OpenVINO IR for CPU nodes: `python -m mesh.modelfiles.convert hf-to-ir`
@@ -22,7 +22,7 @@ restarts; it is deleted with the model. A failed preparation is tried again at t
 start of the service, not on every request. Once ready, the placement puts the copy into
 the parameter pool (its first host copy on a node of its kind, multicasts from there), and
 the model's `ModelRecord.node_kinds` includes that kind: the placement describes the model
-on it, the dispatcher gets a profile for it and chooses the kind (mesh.service.placement).
+on it, the dispatcher gets a profile for it and chooses the kind (mesh.service.cluster_placement).
 
 Conversions run one at a time, at idle CPU priority (SCHED_IDLE, nice 19) with one compute
 thread (convert --background), each with a log in
@@ -97,7 +97,7 @@ class ConvertTool:
                               "in its own environment, which is not installed: run `MESH_WITH_EXPORT=1 "
                               "scripts/setup.sh` (creates .venv-export) or set MESH_EXPORT_PYTHON")
             return python, ""
-        from engines.vllm_engine import find_vllm_python
+        from mesh.engines.vllm_engine import find_vllm_python
 
         python = find_vllm_python()
         if python is None:
@@ -108,7 +108,7 @@ class ConvertTool:
     async def run(self, conversion: Conversion, python: str, source: str, out: Path, log_path: Path) -> dict[str, Any]:
         """Convert `source` into `out` (created atomically by the converter); the
         converter's summary, or ConversionFailed."""
-        from engines.worker_process import REPO_ROOT, background_env, worker_env
+        from mesh.engines.worker_process import REPO_ROOT, background_env, worker_env
 
         cmd = [python, "-m", "mesh.modelfiles.convert", str(conversion.command), source, str(out)]
         cmd += ["--background"] if self.background else []

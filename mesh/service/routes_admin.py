@@ -36,7 +36,7 @@ from mesh.policy.quota import QuotaValueError, check_overrides
 from mesh.service import errors
 from mesh.service.app import Service, service_of
 from mesh.service.auth import new_api_key
-from mesh.service.learnt import learnt_view
+from mesh.service.routes_learnt import learnt_view
 from mesh.service.registry import RegistryError
 from mesh.service.routes_models import forget_files, model_object
 from mesh.service.schema import parse_json
@@ -203,7 +203,7 @@ async def cluster(request: web.Request) -> web.Response:
 
 
 async def learnt(request: web.Request) -> web.Response:
-    """What the service learnt about its machines (mesh.service.learnt), for the live replay's twin."""
+    """What the service learnt about its machines (mesh.service.routes_learnt), for the live replay's twin."""
     svc = service_of(request)
     svc.require_admin(request)
     return web.json_response(learnt_view(svc.placement))

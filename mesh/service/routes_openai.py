@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from aiohttp import web
 
-from engines.protocol import Sampling
+from mesh.engines.engine_api import Sampling
 from mesh.modelfiles.sampling import resolve as resolve_sampling
 from mesh.service import errors
 from mesh.service.app import ARRIVAL, Service, service_of

@@ -14,7 +14,7 @@ does not implement (logprobs, echo, penalties, tools, n > 1, ...) are refused wi
 instead of being silently ignored; unknown fields are ignored, as OpenAI clients send extras.
 A body is decoded strictly: NaN and Infinity are not JSON, and no integer may have more than
 MAX_INT_DIGITS digits; token ids are checked against the model's vocabulary before anything
-goes to a node (mesh.service.placement).
+goes to a node (mesh.service.cluster_placement).
 """
 from __future__ import annotations
 
@@ -24,8 +24,8 @@ import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from engines.chat import ROLES
-from engines.detokenize import MAX_STOP_CHARS
+from mesh.engines.chat import ROLES
+from mesh.engines.detokenize import MAX_STOP_CHARS
 from mesh.framing import MAX_INT_DIGITS, LongInteger, bounded_int, not_a_number
 from mesh.service.errors import ApiError, bad_request
 

@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from engines.protocol import Sampling
+from mesh.engines.engine_api import Sampling
 from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord
 

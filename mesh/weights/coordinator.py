@@ -21,7 +21,7 @@ from typing import Any, Callable, Mapping
 
 from mesh.policy.multicast import InvalidPlan, Plan, repair, validate
 from mesh.weights.blocks import Manifest
-from mesh.weights.protocol import STREAM_LIMIT, ProtocolError, read_message, send
+from mesh.weights.frames import STREAM_LIMIT, ProtocolError, read_message, send
 
 MAX_CORRUPT_RETRIES = 3
 _ids = itertools.count()

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
-from engines.worker_process import worker_env
+from mesh.engines.worker_process import worker_env
 from mesh.weights.peer import TOKEN_ENV
 
 

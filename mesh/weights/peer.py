@@ -57,7 +57,7 @@ from typing import Any, Callable, Sequence
 from mesh.policy.multicast import Plan
 from mesh.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
 from mesh.framing import ConnectionGate, read_payload, skip_payload
-from mesh.weights.protocol import STREAM_LIMIT, ProtocolError, frame, read_first, read_header, read_message, send
+from mesh.weights.frames import STREAM_LIMIT, ProtocolError, frame, read_first, read_header, read_message, send
 
 CHUNK = 1 << 20  # sends go out in chunks of this size (paced per chunk)
 TOKEN_ENV = "MESH_WEIGHTS_TOKEN"  # where the agent commands read the weights token

@@ -1,0 +1,140 @@
+"""A node as the cluster dispatcher sees it: the one interface between the decisions
+(mesh.control.dispatcher, mesh.control.schedulers) and whatever runs the node.
+
+The dispatcher and the policies never touch a node's runtime directly. They ask a
+`ClusterNode` to validate a candidate (shadow validation on both subsystems, LLM-Mesh 5.3
+and 6.4), to admit a request, to start or stop an instance, and to give a running request
+back (preemption 7.1, eviction 6.4), and they read its instances and memory budget. Two
+implementations, so the replay evaluates exactly what serves tenants:
+
+- `LocalNode` (mesh.replay.local_node): a NodeRuntime in this process. The replays run it with simulated
+  engines on the virtual-time loop; its calls complete without suspending, so a replay's
+  decisions are atomic.
+- `AgentNode` (mesh.service.agent_node): a node agent process, local or on another
+  machine, over its control connection. Validation and admission run in the agent against
+  its live state, so each verb is one message; admission is validate + admit in one step
+  of the agent's loop, hence atomic there too.
+
+The verbs that reach the node are coroutines; what the dispatcher reads of a node's state
+(instances, their requests, the memory budget) is plain attributes, kept current by the
+implementation.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Callable, Collection, Mapping, Protocol, Sequence
+
+from mesh.node.runtime import Admission, InstancePlan, NodeSpec
+from mesh.node.request import ServedRequest
+
+
+class InstanceState(Protocol):
+    """What the dispatcher reads of one instance (NodeInstance satisfies it)."""
+
+    instance_id: str
+    model: str
+    requests: dict[str, ServedRequest]  # requests it holds (waiting for prefill or decoding)
+    loaded: bool
+    idle_since: float
+
+
+class ClusterNode(ABC):
+    spec: NodeSpec
+    margin: float  # shadow validation's overestimate of each iteration (5.3)
+    on_evict: Callable[[ServedRequest], None] | None = None  # a request evicted here (6.4), to place again
+    on_loaded: Callable[[str], None] | None = None  # an instance finished loading (its id)
+    on_instance_gone: Callable[[str], None] | None = None  # an instance left without being asked (load failed, node lost)
+
+    @property
+    def node_id(self) -> str:
+        return self.spec.node_id
+
+    @property
+    def kind(self) -> str:
+        return self.spec.kind
+
+    # -- state the dispatcher reads ------------------------------------------------------
+    @property
+    @abstractmethod
+    def instances(self) -> Mapping[str, InstanceState]: ...
+
+    @property
+    def stepping(self) -> str | None:
+        """The instance whose iteration is in flight, when known (it is not preempted)."""
+        return None
+
+    @property
+    def up(self) -> bool:
+        return True
+
+    @abstractmethod
+    def progress(self, request_id: str) -> int:
+        """Tokens the request has produced so far (here and before it came here)."""
+
+    @abstractmethod
+    def used_bytes(self) -> int:
+        """Memory budget in use (the reservation station's optimistic budget, 6.3)."""
+
+    @abstractmethod
+    def can_fit(self, instance_bytes: int) -> bool:
+        """Could a new instance of `instance_bytes` (weights and initial KV cache) start now?"""
+
+    def failure(self) -> BaseException | None:
+        """What stopped the node's token-level loop, if anything did (a bug)."""
+        return None
+
+    def staging(self, instance_id: str) -> bool:
+        """Is the instance's start staged: its weights still on their way to this node and its
+        load not issued yet (the service's nodes, mesh.service.agent_node)? Never in a replay."""
+        return False
+
+    def loaded_from(self, instance_id: str) -> str | None:
+        """Where a loaded instance's engine read its model from (OpenVINO: "gguf", "prepared",
+        "ir"; mesh.policy.cold_starts keys measured loads by it); None if it does not say."""
+        return None
+
+    def parked(self, model: str) -> bool:
+        """Does the node keep a stopped instance of `model` built and warm (mesh.engines.parking),
+        so that its next load adopts it? Nodes that park nothing say False."""
+        return False
+
+    # -- verbs -------------------------------------------------------------------------
+    @abstractmethod
+    async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:
+        """Would `req` (with its progress) meet its SLO on the instance, with the instances
+        in `exclude` preempted first (7.1)? Changes nothing."""
+
+    @abstractmethod
+    async def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
+        """Would all of `reqs`, having produced `done` tokens each, fit the instance?"""
+
+    @abstractmethod
+    async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
+        """Would a new instance started now, its cold start counted, serve all of `reqs`?"""
+
+    @abstractmethod
+    async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True) -> Admission:
+        """Validate and admit in one step (compute=False: memory only, the baselines)."""
+
+    @abstractmethod
+    async def take_back(self, request_id: str, why: str) -> ServedRequest | None:
+        """Take a running request off the node with its progress kept, not ended: the
+        caller places it elsewhere, where it is prefilled again with its prompt and the
+        tokens it produced (7.1). None if the node no longer holds it."""
+
+    @abstractmethod
+    async def start_instance(self, plan: InstancePlan) -> bool:
+        """Issue the planned instance's load; False if the node's memory refuses it."""
+
+    @abstractmethod
+    async def stop_instance(self, instance_id: str) -> None:
+        """Unload an instance that holds no requests."""
+
+    @abstractmethod
+    def abort(self, request_id: str, why: str) -> None:
+        """End a request held here as failed (the replay's time limit, shutdown)."""
+
+    async def start(self) -> None:
+        """Start serving (the node's loop, its connection)."""
+
+    async def stop(self) -> None: ...

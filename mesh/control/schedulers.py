@@ -1,0 +1,422 @@
+"""Placement policies behind one interface, chosen by name.
+
+- `mesh`: LLM-Mesh (4, 7): candidate instances CPU first and highest batch first (7.2),
+  validated on both subsystems (5.3, 6.4); if all fail, proactive defragmentation (7.1);
+  then a new instance on a node that validates, with its cold start; failing that, if the
+  cold start alone stands in the way, a warm-up instance for the requests to come
+  (placement.warm_up_allowed), while the request itself waits or is turned away by the
+  queue's rule. Instances share nodes.
+- `mesh-no-share`, `mesh-no-cpu`, `mesh-no-defrag`: the ablations of 8.3 (one instance per
+  node; GPU nodes only; no preemption and spread instead of bin-packing).
+- `sllm`, `sllm+cpu`: ServerlessLLM as the paper ran it (8.1): a whole node per instance,
+  first-fit, scale out when an instance's in-flight requests reach its concurrency target;
+  requests are not validated, they wait. `sllm` uses GPU nodes only.
+
+Keep-alive recycling and the bounded waiting queue are common (mesh.control.dispatcher,
+mesh.control.cluster_view).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field, replace
+from typing import Callable
+
+from mesh.policy.placement import (
+    CONCURRENCY_TARGETS,
+    CPU,
+    GPU,
+    MAX_WARMING_PER_MODEL,
+    SERVE_LATE,
+    InstanceView,
+    candidate_order,
+    concurrency_target,
+    late_by_s,
+    new_instance_order,
+    queue_expiry_s,
+    sllm_pick,
+    tailored_concurrency_target,
+    victim_order,
+    warm_up_allowed,
+)
+from mesh.control.cluster_view import ClusterView, InstanceRef
+from mesh.control.cluster_node import ClusterNode
+from mesh.node.runtime import InstancePlan
+from mesh.node.request import ServedRequest
+
+log = logging.getLogger("mesh.control.schedulers")
+
+
+class UnknownScheduler(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class SchedulerSpec:
+    name: str
+    family: str  # "mesh" | "sllm"
+    kinds: tuple[str, ...]  # node kinds it uses, in preference order
+    share: bool = True  # several instances per node
+    defrag: bool = True  # proactive (7.1) and reactive (7.2) defragmentation
+    description: str = ""
+
+
+POLICIES: dict[str, SchedulerSpec] = {
+    p.name: p
+    for p in (
+        SchedulerSpec("mesh", "mesh", (CPU, GPU), description="LLM-Mesh: shared CPU and GPU nodes, shadow validation, defragmentation"),
+        SchedulerSpec("sllm", "sllm", (GPU,), share=False, defrag=False,
+                   description="ServerlessLLM: GPU nodes only, a whole node per instance, concurrency-target scale-out"),
+        SchedulerSpec("sllm+cpu", "sllm", (CPU, GPU), share=False, defrag=False,
+                   description="ServerlessLLM also using CPU nodes"),
+        SchedulerSpec("mesh-no-share", "mesh", (CPU, GPU), share=False, description="Mesh with one instance per node"),
+        SchedulerSpec("mesh-no-cpu", "mesh", (GPU,), description="Mesh on GPU nodes only"),
+        SchedulerSpec("mesh-no-defrag", "mesh", (CPU, GPU), defrag=False,
+                   description="Mesh without preemption, spreading requests over a model's instances"),
+    )
+}
+
+
+def scheduler_spec(name: str) -> SchedulerSpec:
+    if name not in POLICIES:
+        raise UnknownScheduler(f"unknown policy {name!r}; valid policies: {', '.join(POLICIES)}")
+    return POLICIES[name]
+
+
+@dataclass
+class SchedulerStats:
+    new_instances: int = 0
+    preemptions: int = 0  # instances preempted (7.1)
+    preempted_requests: int = 0  # requests moved by preemption
+    validations: int = 0  # candidate checks made
+    warm_ups: int = 0  # instances started for a request their cold start could not serve in time
+    served_late: int = 0  # requests admitted late on a loading instance (placement.SERVE_LATE)
+
+
+@dataclass
+class _Home:
+    """Where a preempted instance's requests go: an existing instance or a new one."""
+
+    node: ClusterNode
+    ref: InstanceRef | None = None
+    plan: InstancePlan | None = None
+
+
+@dataclass
+class Scheduler:
+    """One placement policy over a cluster: `place` a request or report that it cannot."""
+
+    spec: SchedulerSpec
+    cluster: ClusterView
+    reschedule: Callable[[ServedRequest], None]
+    stats: SchedulerStats = field(default_factory=SchedulerStats)
+    validates = True  # checks requests by shadow validation (else they queue, as sllm)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return self.spec.kinds
+
+    async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+        raise NotImplementedError
+
+    async def prestart(self, model: str) -> InstanceRef | None:
+        """Start an instance of `model` holding no request (a warm start, e.g. the service's
+        demo model) on the first node a new instance of it would go to
+        (placement.new_instance_order) that can host it; None if no node can now."""
+        views = self.cluster.node_views()
+        for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share,
+                                     exclude=self.cluster.hosts(model), holding=self.cluster.holding(model)):
+            node = self.cluster.node(nv.node_id)
+            if self.cluster.can_host(model, node):
+                ref = await self.cluster.start_instance(self.cluster.plan(model, node), node)
+                if ref is not None:
+                    return ref
+        return None
+
+
+@dataclass
+class MeshScheduler(Scheduler):
+    """LLM-Mesh and its ablations (4, 7, 8.3)."""
+
+    async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+        """Candidates, then preemption, then a new instance (4); never on nodes in `avoid`
+        (one that just evicted the request for lack of memory, 6.4)."""
+        refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
+        by_id = {r.instance_id: r for r in refs}
+        views = [r.view() for r in refs]
+        for v in candidate_order(views, defrag=self.spec.defrag):
+            self.stats.validations += 1
+            ref = by_id[v.instance_id]
+            if (await ref.node.try_admit(v.instance_id, req)).ok:
+                return True
+        if self.spec.defrag and self.spec.share and views and await self._preempt_for(req, views, by_id):
+            return True
+        return await self._scale_out(req, avoid)
+
+    # -- a new instance (4) -------------------------------------------------------------
+    async def _scale_out(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+        exclude = self.cluster.hosts(req.model) | avoid
+        home = await self._new_instance_home(req.model, [req], [req.tokens_out], exclude)
+        if home is None:
+            await self._warm_up(req, exclude)
+            return await self._serve_late(req, avoid)
+        return await self._start_and_admit(home, [req]) == []
+
+    async def _serve_late(self, req: ServedRequest, avoid: frozenset[str]) -> bool:
+        """Its model cold (an instance of it loading, none that could make its TTFT) and its
+        choice SERVE_LATE (placement): admit a fresh request on the loading instance ready
+        first, its deadlines moved to that instance's predicted ready time (now, if the load
+        runs over its prediction), if the node's shadow validation shows everyone else there
+        still on time (5.3 cases 2 and 3) and its own prefill on time from then (case 1). A fresh request that reached the
+        dispatcher already past its TTFT (late on arrival: the live service tokenizes before
+        placing, and a cold model's tokenizer is built first) is admitted the same way on an
+        instance of its model that is loaded, its deadlines running from now."""
+        if self.cluster.cold_start_choice(req.model) != SERVE_LATE or req.tokens_out or req.first_token_s is not None:
+            return False
+        refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
+        now = asyncio.get_running_loop().time()
+        for ref in sorted((r for r in refs if not r.inst.loaded), key=lambda r: r.ready_at):
+            # a load running over its prediction ends no sooner than now: deadlines from then
+            if await self._admit_late(ref, req, late_by_s(req.arrival_s, max(ref.ready_at, now))):
+                return True
+        if self._late_on_arrival(req):
+            # it reached the dispatcher past its TTFT (the service built a cold model's tokenizer
+            # to tokenize it, seconds, while the instance loaded): its deadlines run from now,
+            # on an instance of its model where no one else is hurt
+            by_id = {r.instance_id: r for r in refs}
+            late_s = asyncio.get_running_loop().time() - req.arrival_s
+            for v in candidate_order([r.view() for r in refs if r.inst.loaded], defrag=self.spec.defrag):
+                if await self._admit_late(by_id[v.instance_id], req, late_s):
+                    return True
+        return False
+
+    async def _admit_late(self, ref: InstanceRef, req: ServedRequest, late_s: float) -> bool:
+        """Admit `req` on the instance with its deadlines moved by `late_s` (kept if admitted)."""
+        kept, req.late_s = req.late_s, max(req.late_s, late_s)
+        self.stats.validations += 1
+        if (await ref.node.try_admit(ref.instance_id, req)).ok:
+            self.stats.served_late += 1
+            log.debug("%s served late on %s (deadlines %.2f s later)", req.request_id, ref.instance_id, late_s)
+            return True
+        log.debug("%s not served late on %s (deadlines %.2f s later): refused", req.request_id, ref.instance_id, late_s)
+        req.late_s = kept
+        return False
+
+    def _late_on_arrival(self, req: ServedRequest) -> bool:
+        """A fresh request placed for the first time (it never waited in the queue) that can no
+        longer meet its TTFT: what the queue would turn away at once."""
+        if req.tokens_out or req.first_token_s is not None or any(a.startswith("waited") for a in req.attempts):
+            return False
+        prompt, start = req.resumed(0, self.cluster.config.deadlines)
+        deadline = start + req.slo.ttft_s(prompt)
+        now = asyncio.get_running_loop().time()
+        return now >= queue_expiry_s(deadline, self.cluster.fastest_prefill_s(req.model, prompt, self.kinds))
+
+    async def _warm_up(self, req: ServedRequest, exclude: set[str]) -> None:
+        """No new instance would serve `req` in time: start one anyway, holding no request,
+        on the node where it is ready first (the fewest loads under way; bin-packing order
+        among equals) of those where it would serve `req` if it were already loaded, when
+        placement.warm_up_allowed says so (the cold start is longer than any request of this
+        prompt length could wait, it is the only obstacle, and no other instance of the
+        model is loading)."""
+        warming = sum(1 for r in self.cluster.instances_of(req.model) if not r.inst.loaded)
+        if warming >= MAX_WARMING_PER_MODEL:
+            return
+        prompt, _ = req.resumed(req.tokens_out, self.cluster.config.deadlines)
+        order = [self.cluster.node(nv.node_id) for nv in new_instance_order(
+            self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude,
+            holding=self.cluster.holding(req.model))]
+        # ready first: the fewest loads under way and no transfer (stable: bin-packing among equals)
+        for node in sorted(order, key=lambda n: self.cluster.load_wait_s(n) + self.cluster.transfer_s(req.model, n)):
+            if not self.cluster.can_host(req.model, node):
+                log.debug("no warm-up of %s on %s for %s: it cannot host it", req.model, node.node_id, req.request_id)
+                continue
+            cold = self.cluster.expected_load_s(req.model, node)
+            times = self.cluster.catalog[self.cluster.models[req.model]].times[node.spec.kind]
+            slack = req.slo.ttft_s(prompt) - times.prefill_s(prompt) * (1 + node.margin)
+            if not warm_up_allowed(cold, slack, True, warming):
+                log.debug("no warm-up of %s on %s for %s: cold start %.2f s fits the slack %.2f s", req.model,
+                          node.node_id, req.request_id, cold, slack)
+                continue  # a fresh request would start an instance here the usual way
+            plan = self.cluster.plan(req.model, node)
+            self.stats.validations += 1
+            kept = req.late_s
+            if req.tokens_out == 0 and req.first_token_s is None and not self.cluster.instances_of(req.model):
+                # the model has no instance: validated as if it arrived now, since what a fresh
+                # request waited before its placement (the service builds a cold model's tokenizer
+                # to tokenize it, seconds) is cold start too, not a reason to leave the model cold
+                # (issue 23's single-node workload)
+                req.late_s = max(kept, asyncio.get_running_loop().time() - req.arrival_s)
+            try:
+                ok = (await node.validate_new(replace(plan, expected_load_s=0.0), [req], [req.tokens_out])).ok
+            finally:
+                req.late_s = kept
+            if not warm_up_allowed(cold, slack, ok, warming):
+                log.debug("no warm-up of %s on %s for %s: cold start %.2f s, slack %.2f s, validates loaded %s",
+                          req.model, node.node_id, req.request_id, cold, slack, ok)
+                continue
+            if await self.cluster.start_instance(plan, node) is None:
+                continue
+            self.stats.new_instances += 1
+            self.stats.warm_ups += 1  # if unused, recycled keep-alive after its load ends (ClusterView.note_idle)
+            return
+
+    async def _new_instance_home(
+        self, model: str, reqs: list[ServedRequest], done: list[int], exclude: set[str]
+    ) -> _Home | None:
+        """The first node (placement.new_instance_order) where a new instance of `model`
+        would serve all of `reqs` within SLO, counting its cold start."""
+        views = self.cluster.node_views()
+        for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share, exclude=exclude,
+                                     holding=self.cluster.holding(model)):
+            node = self.cluster.node(nv.node_id)
+            if not self.cluster.can_host(model, node):
+                continue
+            plan = self.cluster.plan(model, node)
+            self.stats.validations += 1
+            if (await node.validate_new(plan, reqs, done)).ok:
+                return _Home(node, plan=plan)
+        return None
+
+    async def _start_and_admit(self, home: _Home, reqs: list[ServedRequest]) -> list[ServedRequest]:
+        """Start the home's instance if new and admit `reqs`; returns those not admitted."""
+        ref = home.ref
+        if ref is None:
+            ref = await self.cluster.start_instance(home.plan, home.node)
+            if ref is None:
+                return list(reqs)
+            self.stats.new_instances += 1
+        left = [q for q in reqs if not (await home.node.try_admit(ref.instance_id, q)).ok]
+        if home.ref is None and not ref.requests:
+            await self.cluster.stop_instance(ref)  # started for nothing
+        return left
+
+    # -- proactive defragmentation (7.1) --------------------------------------------------
+    async def _preempt_for(self, req: ServedRequest, views: list[InstanceView], by_id: dict[str, InstanceRef]) -> bool:
+        """Fit `req` into one of its model's instances by preempting lower-batch neighbours
+        (lowest first), only if the preempted requests validate where they would go."""
+        for x in candidate_order(views):
+            node = by_id[x.instance_id].node
+            neighbours = [r.view() for r in self.cluster.instances_on(node)]
+            # An instance in the middle of an iteration is not preempted (it is stopped).
+            victims = [v for v in victim_order(x, neighbours) if v.instance_id != node.stepping]
+            if not victims:
+                continue
+            self.stats.validations += 1
+            if not (await node.validate(x.instance_id, req, exclude=[v.instance_id for v in victims])).ok:
+                continue  # even preempting every candidate would not make room
+            chosen: list[tuple[InstanceRef, list[ServedRequest], list[int], _Home]] = []
+            used = {node.node_id}
+            for y in victims:
+                yref = self.cluster.instance(y.instance_id)
+                group = list(yref.requests.values())
+                done = [node.progress(q.request_id) for q in group]
+                home = await self._home_for(y.model, group, done, used)
+                if home is None:
+                    continue
+                chosen.append((yref, group, done, home))
+                used.add(home.node.node_id)
+                self.stats.validations += 1
+                if (await node.validate(x.instance_id, req, exclude=[c[0].instance_id for c in chosen])).ok:
+                    return await self._commit(req, by_id[x.instance_id], chosen)
+        return False
+
+    async def _home_for(self, model: str, group: list[ServedRequest], done: list[int], used: set[str]) -> _Home | None:
+        """An instance of `model` on another node where all of `group` validate: an
+        existing one (highest batch first), else a new one."""
+        refs = {r.instance_id: r for r in self.cluster.instances_of(model) if r.node.node_id not in used}
+        for v in candidate_order([r.view() for r in refs.values()]):
+            ref = refs[v.instance_id]
+            self.stats.validations += 1
+            if (await ref.node.validate_group(v.instance_id, group, done)).ok:
+                return _Home(ref.node, ref=ref)
+        return await self._new_instance_home(model, group, done, used | self.cluster.hosts(model))
+
+    async def _commit(self, req: ServedRequest, target: InstanceRef, chosen: list[tuple[InstanceRef, list[ServedRequest], list[int], _Home]]) -> bool:
+        """Preempt the chosen neighbours, admit `req`, and move their requests to their homes
+        (rescheduled through the dispatcher if a home no longer validates)."""
+        node = target.node
+        moved: list[list[ServedRequest]] = []
+        for yref, group, _, _ in chosen:
+            taken = [q for q in [await node.take_back(q.request_id, f"preempted by {target.instance_id} (7.1)")
+                                 for q in group] if q is not None]
+            moved.append(taken)
+            if not yref.requests:
+                await self.cluster.stop_instance(yref)
+            self.stats.preemptions += 1
+            self.stats.preempted_requests += len(taken)
+        placed = (await node.try_admit(target.instance_id, req)).ok
+        for (_, _, _, home), group in zip(chosen, moved):
+            for q in await self._start_and_admit(home, group):
+                self.reschedule(q)
+        if not placed:
+            return await self._scale_out(req)
+        return True
+
+
+@dataclass
+class SllmScheduler(Scheduler):
+    """ServerlessLLM (8.1): whole node per instance, first-fit, concurrency targets."""
+
+    def __post_init__(self) -> None:
+        # base model -> (its spec, node kind -> target): models come and go, and a model's spec
+        # is replaced when it gains a kind of node (the service's prepared formats)
+        self._targets: dict[str, tuple[object, dict[str, int]]] = {}
+
+    def _targets_of(self, base: str) -> dict[str, int]:
+        spec = self.cluster.catalog[base]
+        known = self._targets.get(base)
+        if known is None or known[0] is not spec:
+            known = self._targets[base] = (spec, {k: self._target(base, k) for k in self.spec.kinds
+                                                  if k in spec.profiles})
+        return known[1]
+
+    def _target(self, base: str, kind: str) -> int:
+        """The paper's target (8.1), else one tailored to the model's profile on that kind
+        of node, at the profile's mid-window context."""
+        if base in CONCURRENCY_TARGETS[kind]:
+            return concurrency_target(base, kind)
+        spec = self.cluster.catalog[base]
+        context = spec.profiles[kind].max_context / 2
+        return tailored_concurrency_target(lambda b: spec.times[kind].decode_s(b, context),
+                                           self.cluster.config.slo.tpot_s)
+
+    validates = False
+
+    async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+        refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
+        targets = self._targets_of(self.cluster.models[req.model])
+        by_id = {r.instance_id: r for r in refs}
+        views = [r.view() for r in refs]
+        while views:
+            v = sllm_pick(views, targets)
+            if v is None:
+                break
+            self.stats.validations += 1
+            if (await by_id[v.instance_id].node.try_admit(v.instance_id, req, compute=False)).ok:
+                return True
+            views = [w for w in views if w.instance_id != v.instance_id]  # memory full: next
+        # Scale out: the first free node (first-fit, CPU first) that can hold the model.
+        for nv in new_instance_order(self.cluster.node_views(), self.kinds, exclusive=True, exclude=avoid,
+                                     holding=self.cluster.holding(req.model)):
+            node = self.cluster.node(nv.node_id)
+            if not self.cluster.can_host(req.model, node):
+                continue
+            ref = await self.cluster.start_instance(self.cluster.plan(req.model, node), node)
+            if ref is None:
+                continue
+            self.stats.new_instances += 1
+            if (await node.try_admit(ref.instance_id, req, compute=False)).ok:
+                return True
+            await self.cluster.stop_instance(ref)
+        return False
+
+
+def make_scheduler(name: str, cluster: ClusterView, reschedule: Callable[[ServedRequest], None]) -> Scheduler:
+    spec = scheduler_spec(name)
+    cls = MeshScheduler if spec.family == "mesh" else SllmScheduler
+    return cls(spec, cluster, reschedule)

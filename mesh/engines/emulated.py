@@ -1,0 +1,130 @@
+"""An emulated engine: the simulated engine on the wall clock, with tokens to stream.
+
+Emulated nodes (`mesh serve --emulate DEVICE:N,...`, mesh.node.emulation) are real node
+agents whose instances compute nothing: each iteration sleeps what the model's profile says
+on the node's device (mesh.engines.simulated.SimulatedEngine, the replay's engine, noise
+included), so the control plane, the dispatcher and the node's own scheduling run for real
+at the scale of the paper's testbed on a small machine (what llm-d's vLLM simulator is for).
+
+What a real engine adds, and how it is made up here:
+- Tokenization needs no tokenizer: one token per UTF-8 byte of the prompt (ids 0-255; a
+  chat is "role: content\\n" per message). It over-counts a BPE tokenizer about 4x on
+  English text; load tests send token ids (OpenAI's `prompt` as a list of ints), which
+  are taken as they are.
+- Generated ids are a function of the request and the token's position (`GENERATED_BASE`
+  upwards), each detokenized to a short word, so a stream is the same every run.
+- An emulated model never stops on its own: a request produces `max_tokens` tokens, fewer
+  only where the context window ends (`output_len` of a replay's request wins).
+- The wall clock is not virtual time: a sleep ends late by the event loop's lag, and the
+  node's own work between two iterations (scheduling, streaming) takes time that a replay's
+  does not. A node's emulated engines share a `WallPace` that makes that up: back-to-back
+  iterations end when the profile says, counted from the first one's start, so the node
+  keeps the profile's pace (and its agent does not learn the host's lag into its times).
+"""
+from __future__ import annotations
+
+import asyncio
+import math
+import zlib
+from typing import Any, Mapping, Sequence
+
+from mesh.engines.engine_api import EngineError, EngineRequest, FinishReason, StepResult
+from mesh.engines.simulated import SimulatedEngine
+
+GENERATED_BASE = 256  # generated ids start above the byte ids of prompts
+WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "mesh", "token", "emulated", "node", "model", "cloud", "serve",
+         "fast", "slow", "batch", "queue")
+
+
+def byte_ids(text: str) -> list[int]:
+    """The emulated tokenization: one token per UTF-8 byte."""
+    return list(text.encode("utf-8"))
+
+
+def chat_text(messages: Sequence[Mapping[str, Any]]) -> str:
+    """A chat as one text, "role: content" a line, then the assistant's turn."""
+    lines = []
+    for m in messages:
+        content = m.get("content")
+        if isinstance(content, list):  # OpenAI content parts: their texts
+            content = "".join(str(p.get("text", "")) for p in content if isinstance(p, Mapping))
+        lines.append(f"{m.get('role', 'user')}: {content or ''}")
+    return "\n".join(lines) + "\nassistant:"
+
+
+def generated_id(request_id: str, position: int) -> int:
+    """The id of a request's `position`-th generated token (deterministic)."""
+    return GENERATED_BASE + (zlib.crc32(f"{request_id}:{position}".encode()) % len(WORDS))
+
+
+def token_text(token_id: int) -> str:
+    """A token's text: a generated id's word with a leading space; a byte id its character."""
+    if token_id >= GENERATED_BASE:
+        return " " + WORDS[(token_id - GENERATED_BASE) % len(WORDS)]
+    return chr(token_id) if 32 <= token_id < 127 else " "
+
+
+class WallPace:
+    """One node's emulated iterations at the profile's pace on the wall clock: an iteration
+    that starts within `catch_up_s` of the end the previous one was due (back to back, the
+    node's lag and own work between them) ends `seconds` after that due end, not after its
+    own late start; one that starts later (the node was idle) runs its full time from now."""
+
+    def __init__(self, catch_up_s: float = 0.05) -> None:
+        self.catch_up_s = catch_up_s
+        self.due: float | None = None  # when the last iteration was due to end
+
+    async def sleep(self, seconds: float) -> None:
+        now = asyncio.get_running_loop().time()
+        late = now - self.due if self.due is not None else math.inf
+        self.due = (self.due if 0.0 <= late <= self.catch_up_s else now) + seconds
+        await asyncio.sleep(max(0.0, self.due - now))
+
+
+class EmulatedEngine(SimulatedEngine):
+    """A SimulatedEngine whose iterations also give each request a token id and its text."""
+
+    loaded_from = "emulated"  # what the agent reports as the load's source
+
+    def __init__(self, *args: Any, pace: WallPace | None = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.pace = pace  # the node's (shared by its engines); None: each iteration sleeps its time
+        self._position: dict[str, int] = {}  # request -> tokens generated so far
+
+    async def _pause(self, seconds: float) -> None:
+        if self.pace is None:
+            await super()._pause(seconds)
+        else:
+            await self.pace.sleep(seconds)
+
+    def encode_prompt(self, prompt: Any) -> list[int]:
+        if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+            return list(prompt)
+        if not isinstance(prompt, str):
+            raise EngineError("the prompt must be a string or a list of token ids")
+        return byte_ids(prompt)
+
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+        return byte_ids(chat_text(messages))
+
+    def add_request(self, request: EngineRequest) -> None:
+        super().add_request(request)
+        if request.output_len is None:  # no end of its own: it ran to max_tokens or the window
+            prompt, target, _reason = self._pending[request.request_id]
+            self._pending[request.request_id] = (prompt, target, FinishReason.LENGTH)
+        self._position[request.request_id] = 0
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        self._position.pop(request_id, None)
+
+    async def step(self) -> StepResult:
+        result = await super().step()
+        ids = []
+        for rid in result.request_ids:
+            position = self._position.get(rid, 0)
+            ids.append(generated_id(rid, position))
+            self._position[rid] = position + 1
+        for rid in result.finished:
+            self._position.pop(rid, None)
+        return StepResult(result.kind, result.request_ids, ids, [token_text(t) for t in ids], result.finished)

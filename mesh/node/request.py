@@ -1,0 +1,88 @@
+"""A request as the runtime serves it: what it asked for, and what happened to it."""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Callable, Sequence
+
+from mesh.engines.engine_api import EngineRequest, FinishReason
+from mesh.policy.slo import SLO, DeadlineRule
+
+
+class Outcome(str, Enum):
+    COMPLETED = "completed"
+    REJECTED = "rejected"  # never placed: no node could meet its SLO in time
+    FAILED = "failed"  # placed, then lost (engine or node failure)
+
+
+OutputCallback = Callable[["ServedRequest", Sequence[int] | None, Sequence[str] | None], None]
+DoneCallback = Callable[["ServedRequest"], None]
+
+
+@dataclass(eq=False, slots=True)
+class ServedRequest:
+    engine_request: EngineRequest
+    model: str
+    arrival_s: float  # ST in Eq. 1
+    slo: SLO
+    on_output: OutputCallback | None = None  # every new token (live streaming)
+    on_done: DoneCallback | None = None  # once, when the request ends
+    node_id: str | None = None
+    instance_id: str | None = None
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    tokens_out: int = 0
+    outcome: Outcome | None = None
+    finish_reason: FinishReason | None = None
+    detail: str = ""  # why it was rejected or failed
+    evictions: int = 0  # times the memory subsystem evicted and rescheduled it (6.4)
+    tenant: str = ""  # whose share of the waiting queue it counts against ("" : its model's)
+    attempts: list[str] = field(default_factory=list)
+    # Served late because its model was cold (mesh.policy.placement.SERVE_LATE): its deadlines
+    # run from arrival + late_s, as if it had arrived when its instance is ready; its SLO is
+    # still judged from its arrival (slo_met, ttft_s).
+    late_s: float = 0.0
+    # Taken off a node that failed (its engine hung, mesh.node.runtime's watchdog), not moved by
+    # a decision: the stall was the node's, so when it is placed again its next token is due as
+    # if it resumed now (the dispatcher shifts late_s); its SLO is still judged from arrival.
+    fault: bool = False
+
+    @property
+    def request_id(self) -> str:
+        return self.engine_request.request_id
+
+    @property
+    def prompt_len(self) -> int:
+        return self.engine_request.prompt_len
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s if self.first_token_s is not None else math.nan
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first (nan with fewer than two tokens)."""
+        if self.finish_s is None or self.first_token_s is None or self.tokens_out < 2:
+            return math.nan
+        return (self.finish_s - self.first_token_s) / (self.tokens_out - 1)
+
+    @property
+    def slo_met(self) -> bool:
+        """Completed with TTFT and mean TPOT within their SLOs."""
+        if self.outcome is not Outcome.COMPLETED:
+            return False
+        tpot_ok = self.tokens_out < 2 or self.tpot_s <= self.slo.tpot_s + 1e-9
+        return self.ttft_s <= self.slo.ttft_s(self.prompt_len) + 1e-9 and tpot_ok
+
+    def resumed(self, done: int, rule: DeadlineRule) -> tuple[int, float]:
+        """(prompt length, ST) under which this request is scheduled after `done` tokens
+        produced elsewhere (DeadlineRule.resumed)."""
+        return rule.resumed(self.slo, self.arrival_s + self.late_s, self.prompt_len, done, self.first_token_s)
+
+    def end(self, outcome: Outcome, now: float, detail: str = "", reason: FinishReason | None = None) -> None:
+        if self.outcome is not None:
+            return
+        self.outcome, self.finish_s, self.detail, self.finish_reason = outcome, now, detail, reason
+        if self.on_done is not None:
+            self.on_done(self)

@@ -1,0 +1,703 @@
+"""The node runtime: one node's compute and memory subsystems driving its engine instances.
+
+An asyncio task runs the token-level loop (LLM-Mesh 5.1): ask the compute subsystem which
+instance is most urgent, run one iteration of its engine, apply what it produced, repeat.
+Memory operations (6.3) run as their own tasks when the reservation station starts them,
+and report back when they finish. Time comes only from the event loop, so the same code
+runs live and, on mesh.replay.virtual_loop, in virtual time.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Collection, Sequence
+
+from mesh.engines.engine_api import Engine, EngineError, EngineRequest, StepResult
+from mesh.policy.batching import IterationKind, IterationTimes
+from mesh.policy.compute import ComputeSubsystem
+from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, recommend_bytes
+from mesh.policy.memory import InstanceMemory, MemoryPlan, MemorySubsystem
+from mesh.policy.reservation import Issued, MemoryOp, OpKind
+from mesh.policy.shadow import DEFAULT_MARGIN, Verdict, quick_reject, shadow_validate
+from mesh.policy.slo import SLO, DeadlineRule
+from mesh.node.request import Outcome, ServedRequest
+from mesh.tasks import cancel_all
+
+log = logging.getLogger("mesh.node.runtime")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSpec:
+    node_id: str
+    kind: str  # "cpu" or "gpu"
+    memory_bytes: int
+
+
+@dataclass(eq=False)
+class NodeInstance:
+    instance_id: str
+    model: str
+    engine: Engine
+    slo: SLO
+    memory: InstanceMemory
+    requests: dict[str, ServedRequest] = field(default_factory=dict)
+    loaded: bool = False
+    idle_since: float = 0.0  # when it last became empty (keep-alive, LLM-Mesh 4)
+    # Requests admitted while the instance loads (validated with its cold start, LLM-Mesh 4):
+    # a real engine takes requests only once loaded, so they reach it when the load ends.
+    deferred: dict[str, EngineRequest] = field(default_factory=dict)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.requests)
+
+
+@dataclass(frozen=True, slots=True)
+class InstancePlan:
+    """An instance that is not started yet, for validating requests on it (LLM-Mesh 4: a
+    new instance is created on a node that validates). `expected_load_s` is the predicted
+    cold start (weights in place plus the initial KV cache), `load_wait_s` of which waits for
+    the loads already under way on the node (ClusterView.load_wait_s)."""
+
+    instance_id: str
+    model: str
+    times: IterationTimes
+    slo: SLO
+    kv_bytes_per_token: int
+    weight_bytes: int
+    context_window: int
+    prefill_token_budget: int
+    max_batch: int
+    mean_output: RunningMean
+    expected_load_s: float
+    load_wait_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Admission:
+    """Both subsystems' answer to "may this request join this instance?" (LLM-Mesh 4)."""
+
+    ok: bool
+    compute: Verdict | None = None
+    memory: MemoryPlan | None = None
+    refusal: str = ""
+
+    def reason(self) -> str:
+        if self.ok:
+            return "ok"
+        if self.refusal:
+            return self.refusal
+        if self.memory is not None and not self.memory.ok:
+            return self.memory.reason()
+        return self.compute.reason() if self.compute is not None else "refused"
+
+
+@dataclass(frozen=True, slots=True)
+class IterationRecord:
+    """One iteration as it ran (the iteration log): what the engine did (`kind`,
+    `batch_size`: requests that got a token) and how long it took, next to what the compute
+    subsystem predicted before it ran (`predicted_kind`, `predicted_batch`, `tokens`: prompt
+    tokens of a prefill or mean context of a decode, `predicted_s`)."""
+
+    instance_id: str
+    kind: IterationKind
+    batch_size: int
+    start_s: float
+    duration_s: float
+    predicted_s: float
+    tokens: int = 0
+    predicted_kind: IterationKind | None = None
+    predicted_batch: int = 0
+
+
+# The engine watchdog (node agents): an iteration that takes this long has hung (a stopped or
+# wedged worker): far beyond any prediction, and beyond the pauses a shared machine causes.
+HUNG_FACTOR = 20.0  # times the iteration's predicted time
+HUNG_MIN_S = 30.0  # and never less than this (the default floor: `mesh serve --watchdog-min-s`)
+
+
+def hung_bound_s(predicted_s: float, min_s: float = HUNG_MIN_S) -> float:
+    """How long an iteration predicted to take `predicted_s` may run before it has hung."""
+    return max(min_s, HUNG_FACTOR * predicted_s)
+
+
+class NodeRuntime:
+    def __init__(
+        self,
+        spec: NodeSpec,
+        *,
+        margin: float = DEFAULT_MARGIN,
+        watermark: float = DEFAULT_WATERMARK,
+        on_evict: Callable[[ServedRequest], None] | None = None,
+        record_iterations: bool = False,
+        deadlines: DeadlineRule = DeadlineRule.EQ1,
+        watchdog: bool = False,
+        hung_min_s: float = HUNG_MIN_S,
+    ) -> None:
+        """`deadlines`: when a request's tokens after the first are due (mesh.policy.slo):
+        the paper's Eq. 1, or `pace` (from the first token), which the service runs.
+        `watchdog`: an iteration running past hung_bound_s (at least `hung_min_s`) fails its
+        instance, whose requests are evicted with their progress (a node agent's real engines;
+        simulated ones never hang)."""
+        self.spec = spec
+        self.margin = margin
+        self.compute = ComputeSubsystem(deadlines)
+        self.memory = MemorySubsystem(spec.memory_bytes, watermark)
+        self.instances: dict[str, NodeInstance] = {}
+        self.on_evict = on_evict
+        self.on_loaded: Callable[[str], None] | None = None  # an instance's load completed (its id)
+        self.watchdog = watchdog
+        self.hung_min_s = hung_min_s
+        self.on_hung: Callable[[str, str], None] | None = None  # an instance hung (its id, why): it is gone
+        self.iterations: list[IterationRecord] | None = [] if record_iterations else None
+        self.on_iteration: Callable[[IterationRecord], None] | None = None  # each record, as it is made
+        self.iteration_count = 0
+        self.busy_s = 0.0
+        self.decode_tokens = 0  # tokens produced by decode iterations (throughput per node)
+        self.prefill_tokens = 0  # prompt tokens prefilled
+        # Tokens a request produced before this node took it (preempted or evicted
+        # elsewhere and rescheduled here, LLM-Mesh 6.4, 7.1); absent for fresh requests.
+        self._carried: dict[str, int] = {}
+        # Token ids produced here by requests that carry prompt token ids (real engines), so
+        # a request taken back can resume elsewhere with prompt + produced ids (recompute).
+        self._produced: dict[str, list[int]] = {}
+        self.stepping: str | None = None  # the instance whose iteration is in flight
+        # Called when an iteration starts (its instance) and ends (None): a node agent tells
+        # the control service, whose preemption skips the stepping instance as a replay's does.
+        self.on_stepping: Callable[[str | None], None] | None = None
+        self._wake = asyncio.Event()
+        self._step_ended: list[asyncio.Future] = []  # waiting for the iteration in flight to end
+        self._tasks: set[asyncio.Task] = set()
+        self._loop_task: asyncio.Task | None = None
+        self.crash: BaseException | None = None  # the first exception that ended the token-level loop
+        self._unloading: dict[str, NodeInstance] = {}
+
+    @property
+    def node_id(self) -> str:
+        return self.spec.node_id
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._run(), name=f"node {self.node_id}")
+        self._loop_task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task) -> None:
+        """The token-level loop ended by an exception (a bug): without this its requests'
+        streams would wait for good while the node still answered pings. It is logged, the
+        node's requests are evicted as a fault (placed again elsewhere, 6.4), and the loop
+        starts again; `failure()` keeps the first crash, which a replay raises."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.crash = self.crash or exc
+        log.error("node %s: its token-level loop crashed; its requests are placed again", self.node_id, exc_info=exc)
+        why = f"node {self.node_id}'s token-level loop failed: {exc!r}"
+        try:
+            self._end_step()
+            for inst in list(self.instances.values()):
+                for rid in list(inst.requests):
+                    try:
+                        self.evict(rid, why, fault=True)
+                    except Exception:  # noqa: BLE001 - the state is suspect: fail it rather than leave it waiting
+                        log.exception("node %s: evicting %s failed", self.node_id, rid)
+                        self.abort(rid, Outcome.FAILED, why)
+        finally:
+            self.start()
+
+    async def stop(self) -> None:
+        await cancel_all([self._loop_task, *self._tasks])
+
+    def _now(self) -> float:
+        return asyncio.get_running_loop().time()
+
+    def failure(self) -> BaseException | None:
+        """The first exception that ended the token-level loop (restarted since), if any."""
+        return self.crash
+
+    # -- instances -----------------------------------------------------------------
+    def instance_memory(self, instance_id: str, engine: Engine, mean_output: RunningMean) -> InstanceMemory:
+        return InstanceMemory(instance_id, engine.kv_bytes_per_token, engine.weight_bytes, engine.context_window, mean_output)
+
+    def can_start(self, instance_id: str, engine: Engine, mean_output: RunningMean) -> bool:
+        return self.memory.can_load(self.instance_memory(instance_id, engine, mean_output))
+
+    def start_instance(
+        self,
+        instance_id: str,
+        model: str,
+        engine: Engine,
+        times: IterationTimes,
+        slo: SLO,
+        mean_output: RunningMean,
+        expected_load_s: float,
+    ) -> Issued:
+        """Issue the model load; the instance is scheduled once the load completes.
+        `expected_load_s` is what shadow validation assumes until then."""
+        mem = self.instance_memory(instance_id, engine, mean_output)
+        issued = self.memory.load(mem)
+        if not issued.accepted:
+            return issued
+        now = self._now()
+        self.instances[instance_id] = NodeInstance(instance_id, model, engine, slo, mem, idle_since=now)
+        self.compute.add_instance(
+            instance_id, times, slo, engine.prefill_token_budget, ready_at=now + expected_load_s, loaded=False
+        )
+        self._launch(issued.started)
+        return issued
+
+    def stop_instance(self, instance_id: str) -> None:
+        """Recycle an idle instance: unload its weights and KV cache."""
+        inst = self.instances[instance_id]
+        if inst.requests:
+            raise ValueError(f"instance {instance_id!r} still serves {len(inst.requests)} requests")
+        self.compute.remove_instance(instance_id)
+        del self.instances[instance_id]
+        self._unloading[instance_id] = inst
+        self._launch(self.memory.unload(instance_id).started)
+
+    def _launch(self, ops: tuple[MemoryOp, ...] | list[MemoryOp]) -> None:
+        loop = asyncio.get_running_loop()
+        for op in ops:
+            task = loop.create_task(self._execute(op))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+
+    async def _execute(self, op: MemoryOp) -> None:
+        inst = self.instances.get(op.holder) or self._unloading[op.holder]
+        kind = op.kind
+        try:
+            if kind is OpKind.LOAD:
+                await inst.engine.load()
+            if kind is OpKind.UNLOAD:
+                await inst.engine.unload()
+            else:
+                await inst.engine.resize_kv(op.new_bytes - inst.memory.weight_bytes)
+        except Exception as exc:  # an engine failed a memory operation: its requests fail
+            self._fail_instance(inst, f"{kind.value} failed on node {self.node_id}: {exc}")
+        finally:
+            started = self.memory.station.complete(op.op_id)
+        if kind is OpKind.LOAD and op.holder in self.instances:
+            inst.loaded = True
+            now = self._now()
+            self.compute.set_loaded(op.holder, now)
+            self._add_deferred(inst)
+            if not inst.requests:
+                inst.idle_since = now  # keep-alive counts from when it can serve (LLM-Mesh 4)
+            if self.on_loaded is not None:
+                self.on_loaded(op.holder)
+            self._wake.set()
+        if kind is OpKind.UNLOAD:
+            self._unloading.pop(op.holder, None)
+        self._launch(started)
+
+    # -- admission -----------------------------------------------------------------
+    def demand(self, instance_id: str) -> list[tuple[int, int]]:
+        """(I_r, O_r) of every request on the instance (Eq. 2); a resumed request's input
+        includes the tokens it produced before it came here (they are prefilled again)."""
+        carried = self._carried
+        return [
+            (r.prompt_len + carried.get(rid, 0), self.compute.tokens_out(rid))
+            for rid, r in self.instances[instance_id].requests.items()
+        ]
+
+    @property
+    def deadlines(self) -> DeadlineRule:
+        return self.compute.deadlines
+
+    def progress(self, request_id: str) -> int:
+        """Tokens the request has produced so far (on this node and before)."""
+        return self._carried.get(request_id, 0) + self.compute.tokens_out(request_id)
+
+    def validate(
+        self,
+        instance_id: str,
+        req: ServedRequest,
+        *,
+        compute: bool = True,
+        exclude: Collection[str] = (),
+        done: int | None = None,
+    ) -> Admission:
+        """Shadow validation on both subsystems (5.3, 6.4); changes nothing.
+
+        compute=False checks memory only (the baselines, which queue rather than validate).
+        exclude: instances on this node validated as gone (preempted first, 7.1).
+        done: tokens the request already produced (default: req.tokens_out)."""
+        inst = self.instances[instance_id]
+        done = req.tokens_out if done is None else done
+        prompt, start = req.resumed(done, self.deadlines)
+        if prompt + 1 > inst.engine.context_window:
+            return Admission(False, refusal=f"prompt of {prompt} tokens exceeds the context window of {inst.engine.context_window}")
+        if inst.batch_size >= inst.engine.max_batch:
+            return Admission(False, refusal=f"instance {instance_id} holds its maximum batch of {inst.engine.max_batch}")
+        freed = sum(self.memory.station.size(i) for i in exclude)
+        plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), (prompt, 0)], freed)
+        if not plan.ok or not compute:
+            return Admission(plan.ok, memory=plan)
+        now = self._now()
+        quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin, exclude)
+        if quick is not None:
+            return Admission(False, Verdict((quick,)), plan)
+        verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin, exclude,
+                                  resumed=done > 0)
+        return Admission(verdict.ok, verdict, plan)
+
+    def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
+        """Would all of `reqs` (having produced `done` tokens each) fit this instance, added
+        one after another? Used to check where preempted requests go (7.1). Changes nothing."""
+        pairs = [r.resumed(d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
+        inst = self.instances[instance_id]
+        window = inst.engine.context_window
+        if any(p + 1 > window for p, _ in pairs):
+            return Admission(False, refusal=f"a prompt exceeds the context window of {window}")
+        if inst.batch_size + len(reqs) > inst.engine.max_batch:
+            return Admission(False, refusal=f"instance {instance_id} would exceed its maximum batch of {inst.engine.max_batch}")
+        plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), *((p, 0) for p, _ in pairs)])
+        if not plan.ok:
+            return Admission(False, memory=plan)
+        verdict = self._validate_sequence(instance_id, reqs, pairs, done)
+        return Admission(verdict.ok, verdict, plan)
+
+    def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int] | None = None) -> Admission:
+        """Would a new instance started now (cold start `plan.expected_load_s`) serve all of
+        `reqs` within SLO, and does the node have the memory for it? Changes nothing."""
+        done = [r.tokens_out for r in reqs] if done is None else done
+        pairs = [r.resumed(d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
+        if any(p + 1 > plan.context_window for p, _ in pairs):
+            return Admission(False, refusal=f"a prompt exceeds the context window of {plan.context_window}")
+        if len(reqs) > plan.max_batch:
+            return Admission(False, refusal=f"{len(reqs)} requests exceed the maximum batch of {plan.max_batch}")
+        mem = InstanceMemory(plan.instance_id, plan.kv_bytes_per_token, plan.weight_bytes, plan.context_window, plan.mean_output)
+        need = plan.weight_bytes + max(
+            recommend_bytes(mem.require(()), self.memory.watermark), mem.require([(p, 0) for p, _ in pairs])
+        )
+        station = self.memory.station
+        if not station.can_resize(plan.instance_id, need):
+            short = need - station.size(plan.instance_id) - station.free()
+            return Admission(False, memory=MemoryPlan(False, shortfall_bytes=short))
+        self.compute.add_instance(
+            plan.instance_id, plan.times, plan.slo, plan.prefill_token_budget,
+            ready_at=self._now() + plan.expected_load_s, loaded=False,
+        )
+        try:
+            verdict = self._validate_sequence(plan.instance_id, reqs, pairs, done)
+        finally:
+            self.compute.remove_instance(plan.instance_id)
+        return Admission(verdict.ok, verdict, MemoryPlan(True))
+
+    def _validate_sequence(
+        self, instance_id: str, reqs: Sequence[ServedRequest], pairs: list[tuple[int, float]], done: Sequence[int]
+    ) -> Verdict:
+        """Shadow-validate each request with the ones before it tentatively added."""
+        added: list[str] = []
+        now = self._now()
+        try:
+            verdict = Verdict()
+            for req, (prompt, start), d in zip(reqs, pairs, done):
+                quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin)
+                if quick is not None:
+                    verdict = Verdict((quick,))
+                    break
+                verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin,
+                                          resumed=d > 0)
+                if not verdict.ok:
+                    break
+                self.compute.add_request(instance_id, req.request_id, prompt, start, resumed=d > 0)
+                added.append(req.request_id)
+        finally:
+            for rid in added:
+                self.compute.remove_request(rid)
+        return verdict
+
+    def _engine_request(self, req: ServedRequest, done: int) -> EngineRequest:
+        """What the engine is given: the request itself, or, for a resumed request, its
+        prompt plus the tokens already produced (recomputed) and the rest to produce.
+        Simulated engines need only the lengths; a real engine gets the prompt's token ids
+        followed by those the request produced (kept by take_back)."""
+        er = req.engine_request
+        if done <= 0:
+            return er
+        sampling = dataclasses.replace(er.sampling, max_tokens=max(1, er.sampling.max_tokens - done))
+        out = None if er.output_len is None else max(1, er.output_len - done)
+        ids = er.prompt_token_ids  # after take_back: the prompt's ids then the produced ones
+        ids = list(ids[: er.prompt_len + done]) if ids is not None and len(ids) >= er.prompt_len + done else None
+        return EngineRequest(er.request_id, er.prompt_len + done, sampling, ids, out)
+
+    def admit(self, instance_id: str, req: ServedRequest, admission: Admission) -> None:
+        """Add a validated request to the instance (engine, compute and memory state). A
+        request that already produced `req.tokens_out` tokens elsewhere resumes here."""
+        inst = self.instances[instance_id]
+        done = req.tokens_out
+        prompt, start = req.resumed(done, self.deadlines)
+        er = self._engine_request(req, done)
+        if inst.loaded:
+            inst.engine.add_request(er)  # raises EngineError before any state changes
+        else:
+            inst.deferred[req.request_id] = er
+        if admission.memory is not None and admission.memory.kv_bytes is not None:
+            issued = self.memory.resize_kv(instance_id, admission.memory.kv_bytes)
+            self._launch(issued.started)
+        self.compute.add_request(instance_id, req.request_id, prompt, start, resumed=done > 0)
+        if done > 0:
+            self._carried[req.request_id] = done
+        inst.requests[req.request_id] = req
+        req.node_id, req.instance_id = self.node_id, instance_id
+        self._wake.set()
+
+    def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True) -> Admission:
+        admission = self.validate(instance_id, req, compute=compute)
+        if admission.ok:
+            self.admit(instance_id, req, admission)
+        return admission
+
+    def abort(self, request_id: str, outcome: Outcome, detail: str) -> ServedRequest | None:
+        """Take a request off this node (client gone, eviction, failure)."""
+        req = self._detach(request_id)
+        if req is not None:
+            req.end(outcome, self._now(), detail)
+        return req
+
+    def _detach(self, request_id: str) -> ServedRequest | None:
+        r = self.compute.requests.get(request_id)
+        if r is None:
+            return None
+        inst = self.instances[r.instance_id]
+        if inst.deferred.pop(request_id, None) is None:
+            inst.engine.abort(request_id)
+        self.compute.remove_request(request_id)
+        self._carried.pop(request_id, None)
+        self._produced.pop(request_id, None)
+        req = inst.requests.pop(request_id)
+        if not inst.requests:
+            inst.idle_since = self._now()
+        return req
+
+    def can_take_back(self, instance_id: str) -> bool:
+        """Requests can leave an instance at any time but during its prefill iteration (the
+        engine has taken them into a batch whose result is still to be applied)."""
+        flight = self.compute.in_flight
+        return not (flight is not None and flight.instance_id == instance_id and flight.kind is IterationKind.PREFILL)
+
+    def _tell_stepping(self, instance_id: str | None) -> None:
+        """on_stepping, which must never stop the token-level loop (a node agent's report)."""
+        if self.on_stepping is not None:
+            try:
+                self.on_stepping(instance_id)
+            except Exception:  # noqa: BLE001 - a report failed; the node goes on
+                log.exception("node %s: the stepping report failed", self.node_id)
+
+    def _end_step(self) -> None:
+        self.stepping = self.compute.in_flight = None
+        self._tell_stepping(None)
+        waiters, self._step_ended = self._step_ended, []
+        for waiter in waiters:
+            if not waiter.done():
+                waiter.set_result(None)
+
+    async def take_back_after_prefill(self, request_id: str, why: str) -> ServedRequest | None:
+        """take_back, once the request's instance is not in the middle of a prefill (it waits
+        for that iteration to end, milliseconds to a second, rather than refuse): a node
+        agent's take-back cannot be atomic with the dispatcher's choice of victims, as it is
+        in a replay, which never picks the stepping instance (7.1). None: the request is not
+        here (any more)."""
+        while True:
+            r = self.compute.requests.get(request_id)
+            if r is None:
+                return None
+            if self.can_take_back(r.instance_id):
+                return self.take_back(request_id, why)
+            waiter = asyncio.get_running_loop().create_future()
+            self._step_ended.append(waiter)
+            await waiter
+
+    def take_back(self, request_id: str, why: str) -> ServedRequest | None:
+        """Take a request off this node to be rescheduled elsewhere (preemption 7.1,
+        eviction 6.4), keeping its progress: `tokens_out` becomes the tokens it produced so
+        far, and its first-token time stays. It is not ended; the caller places it."""
+        r = self.compute.requests.get(request_id)
+        if r is None:
+            return None
+        if not self.can_take_back(r.instance_id):
+            raise ValueError(f"request {request_id!r}: its instance {r.instance_id} is in the middle of a prefill")
+        done = self.progress(request_id)
+        produced = self._produced.get(request_id)
+        carried = self._carried.get(request_id, 0)
+        req = self._detach(request_id)
+        er = req.engine_request
+        if produced is not None and er.prompt_token_ids is not None:
+            kept = list(er.prompt_token_ids[: er.prompt_len + carried]) + produced
+            req.engine_request = dataclasses.replace(er, prompt_token_ids=kept)
+        req.tokens_out = done
+        req.attempts.append(f"taken from {self.node_id}/{req.instance_id} after {done} tokens: {why}")
+        req.node_id = req.instance_id = None
+        return req
+
+    def evict(self, request_id: str, why: str, fault: bool = False) -> None:
+        """Evict and reschedule (6.4); without a dispatcher to take it, the request fails.
+        The request keeps its progress (see take_back). `fault`: the node failed it (a hung
+        engine), so its deadlines restart where it is placed again (ServedRequest.fault)."""
+        req = self.take_back(request_id, f"evicted: {why}")
+        if req is None:
+            return
+        req.evictions += 1
+        req.fault = fault
+        if self.on_evict is not None:
+            self.on_evict(req)
+        else:
+            req.end(Outcome.FAILED, self._now(), why)
+
+    def _add_deferred(self, inst: NodeInstance) -> None:
+        """The load ended: the requests admitted meanwhile go to the engine, in order."""
+        deferred, inst.deferred = inst.deferred, {}
+        for rid, er in deferred.items():
+            try:
+                inst.engine.add_request(er)
+            except EngineError as exc:  # its prompt, checked by the engine only now
+                self.abort(rid, Outcome.FAILED, f"{exc}")
+
+    def _hung(self, inst: NodeInstance, why: str) -> None:
+        """The watchdog fired: the instance's requests are evicted with their progress, to be
+        placed again (6.4), and the instance goes: its engine's worker is killed at once (a
+        stopped process answers no shutdown), and a new instance starts where one is needed."""
+        log.error("instance %s: %s", inst.instance_id, why)
+        for rid in list(inst.requests):
+            self.evict(rid, why, fault=True)
+        if self.on_hung is not None:
+            self.on_hung(inst.instance_id, why)
+        kill = getattr(inst.engine, "kill_worker", None)
+        if kill is not None:  # a stopped worker would not answer the unload's shutdown: killed now
+            try:
+                kill()
+            except Exception:  # noqa: BLE001 - the unload below still ends it
+                log.exception("instance %s: killing its hung worker failed", inst.instance_id)
+        self.stop_instance(inst.instance_id)
+
+    def _fail_instance(self, inst: NodeInstance, why: str) -> None:
+        for rid in list(inst.requests):
+            self.abort(rid, Outcome.FAILED, why)
+
+    # -- the token-level loop ------------------------------------------------------
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        compute = self.compute
+        while True:
+            it = compute.next_iteration(loop.time())
+            if it is None:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            inst = self.instances[it.instance_id]
+            start = loop.time()
+            compute.busy_until = start + it.predicted_s
+            compute.in_flight = it
+            self.stepping = it.instance_id
+            self._tell_stepping(it.instance_id)
+            try:
+                # asyncio.timeout, not wait_for: the step runs in this task, at once (a task of
+                # its own would start a loop turn later, after an abort could empty its batch)
+                async with asyncio.timeout(hung_bound_s(it.predicted_s, self.hung_min_s) if self.watchdog else None):
+                    result = await inst.engine.step()
+            except TimeoutError:
+                self._end_step()
+                self._hung(inst, f"an iteration on node {self.node_id} ran over {hung_bound_s(it.predicted_s, self.hung_min_s):.0f} s "
+                                 f"(predicted {it.predicted_s:.3f} s): its engine hung")
+                continue
+            except EngineError as exc:
+                self._end_step()
+                self._fail_instance(inst, f"engine step failed on node {self.node_id}: {exc}")
+                continue
+            self._end_step()
+            now = loop.time()
+            self.busy_s += now - start
+            self.iteration_count += 1
+            if result.kind is IterationKind.DECODE:
+                self.decode_tokens += len(result.request_ids)
+            else:
+                self.prefill_tokens += it.tokens
+            if self.iterations is not None or self.on_iteration is not None:
+                record = IterationRecord(it.instance_id, result.kind, len(result.request_ids), start, now - start,
+                                         it.predicted_s, it.tokens, it.kind, it.batch_size)
+                if self.iterations is not None:
+                    self.iterations.append(record)
+                if self.on_iteration is not None:
+                    self.on_iteration(record)
+            if self.instances.get(it.instance_id) is not inst:
+                continue  # stopped during the iteration (its requests were taken elsewhere)
+            self._apply(inst, result, now)
+            if getattr(inst.engine, "blocks_event_loop", False):
+                # The iteration held the loop (a real engine computes in step() itself):
+                # let arrivals, aborts and agent messages in before the next decision.
+                # Twice: asyncio's loop appends the timers that fell due during the step to
+                # its ready queue after this task's wake-up, so after one yield the node
+                # would decide before they ran, and a request that arrived during an
+                # iteration would join one iteration later than on the virtual clock
+                # (where it arrives during the simulated engine's sleep).
+                await asyncio.sleep(0)
+                await asyncio.sleep(0)
+
+    def _apply(self, inst: NodeInstance, result: StepResult, now: float) -> None:
+        requests = inst.requests
+        if result.kind is IterationKind.PREFILL:
+            for rid in result.request_ids:
+                req = requests.get(rid)
+                if req is not None and req.first_token_s is None:
+                    req.first_token_s = now
+        if result.token_ids is not None or result.texts is not None:
+            self._stream(requests, result)
+        done = []
+        for rid, reason in result.finished.items():
+            req = requests.pop(rid, None)
+            if req is not None:
+                req.tokens_out = self._carried.pop(rid, 0) + self.compute.tokens_out(rid) + 1
+                self._produced.pop(rid, None)
+                done.append((req, reason))
+        self.compute.complete_iteration(inst.instance_id, result.kind, result.request_ids, result.finished, now)
+        if done:
+            for req, reason in done:
+                inst.memory.mean_output.add(req.tokens_out)
+                req.end(Outcome.COMPLETED, now, reason=reason)
+            if requests:
+                scale_down = self.memory.lazy_scale_down(inst.instance_id, self.demand(inst.instance_id))
+                if scale_down is not None:
+                    self._launch(scale_down.started)
+            else:
+                inst.idle_since = now
+        if result.kind is IterationKind.DECODE and requests:
+            self._check_kv(inst)
+
+    def _stream(self, requests: dict[str, ServedRequest], result: StepResult) -> None:
+        for i, rid in enumerate(result.request_ids):
+            req = requests.get(rid)
+            if req is not None and result.token_ids is not None and req.engine_request.prompt_token_ids is not None:
+                self._produced.setdefault(rid, []).append(result.token_ids[i])
+            if req is not None and req.on_output is not None:
+                tokens = None if result.token_ids is None else result.token_ids[i : i + 1]
+                texts = None if result.texts is None else result.texts[i : i + 1]
+                req.on_output(req, tokens, texts)
+
+    def _check_kv(self, inst: NodeInstance) -> None:
+        """An estimate fell short (6.4): scale up again, else evict the request with the
+        longest headroom and let the dispatcher reschedule it."""
+        state = self.compute.instances[inst.instance_id]
+        need = state.context_sum + len(state.running) + sum(r.prompt_len + 1 for r in state.pending.values())
+        if need <= self.memory.kv_capacity_tokens(inst.instance_id):
+            return
+        issued = self.memory.grow_for(inst.instance_id, need)
+        if issued is not None and issued.accepted:
+            self._launch(issued.started)
+            return
+        now = self._now()
+        victim = max(inst.requests, key=lambda rid: self.compute.headroom(rid, now))
+        self.evict(victim, f"KV cache of {inst.instance_id} outgrew its estimate and node memory is short")
+
+    # -- views ---------------------------------------------------------------------
+    def kv_bytes_in_use(self) -> int:
+        return sum(i.engine.kv_bytes_in_use() for i in self.instances.values())
+
+    def queue_length(self) -> int:
+        return sum(len(s.pending) for s in self.compute.instances.values())
+
+    def headroom_min(self, now: float) -> float:
+        return min((self.compute.headroom(rid, now) for rid in self.compute.requests), default=math.inf)

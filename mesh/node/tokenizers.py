@@ -1,0 +1,244 @@
+"""Prompt tokenization for OpenVINO models, in a process of the agent's own.
+
+Building an OpenVINO GenAI tokenizer holds the Python GIL for seconds (2.6 s for the demo
+GGUF here; longer on a core shared with loading instances), and a thread does not help: the
+agent's event loop would stop answering admissions, validations and pings meanwhile (in a
+live replay a node agent with three models to tokenize missed its 10 s heartbeat and was
+restarted). So the agent tokenizes OpenVINO prompts in one worker process
+(`python -m mesh.node.tokenizer_worker`) that builds each model's tokenizer once and keeps
+it; the agent awaits the ids. vLLM models tokenize in their engine's worker (mesh.engines.vllm_engine).
+
+Tokenizing is admitted work (issue 32), on every engine kind:
+- Jobs wait in the agent, not in the worker's socket: one job runs at a time, and the
+  waiting ones are shared fairly between tenants weighted by prompt size (weighted fair
+  queueing: each job is tagged with its tenant's virtual finish, max(now, the tenant's last
+  tag) + its prompt's characters, and the smallest tag runs next), so a tenant sending large
+  prompts takes the tokenizer in proportion to their size, not per job (the round robin it
+  replaced let 1 MB prompts take turns with 10-character ones).
+- A job whose caller stops waiting (its client hung up: the service sends `abort`) is
+  dropped before it runs; one already running finishes and its ids are discarded (issue 25:
+  a tenant sending many large prompts and hanging up held the FIFO for everyone).
+- Every job has a deadline (`JOB_TIMEOUT_S` from when it starts): a worker that runs past
+  it is stuck, and is killed; the job fails with a clear error and the next job starts a
+  fresh worker.
+- vLLM models tokenize in their engine's worker (mesh.engines.vllm_engine, a blocking call on
+  its sync socket): they take their turn in the same queue (`run`), and the call runs in a
+  thread, never on the agent's event loop. A stuck one fails at its deadline (its engine's
+  worker is its instance's: the node's watchdog judges that one).
+
+The worker is an engine worker like the others (mesh.engines.worker_process): it dies with the
+agent (its socket's end, and PR_SET_PDEATHSIG), and gets no secret of the agent's. A
+`ProcessPoolExecutor` worker did neither: it held its own queue's write end, so it never saw
+the agent go, and outlived every agent killed.
+"""
+from __future__ import annotations
+
+import asyncio
+import heapq
+import itertools
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Awaitable, Callable, Mapping, Sequence
+
+from mesh.engines.engine_api import EngineError
+from mesh.engines.worker_process import WorkerConnection, wait, worker_env
+from mesh.node.tokenizer_worker import CACHE_BYTES_ENV, DEFAULT_CACHE_BYTES
+
+log = logging.getLogger("mesh.node.tokenizers")
+
+# A job's deadline once it runs. A first job builds the model's tokenizer (2.6 s for the demo
+# GGUF here, more on a core shared with loading instances); a 5.7 MiB prompt tokenizes in ~1 s.
+JOB_TIMEOUT_S = 30.0
+
+
+@dataclass(eq=False)
+class _Job:
+    tenant: str
+    size: int  # the prompt's characters (its weight in the fair share)
+    work: Callable[[], Awaitable[list[int]]]
+    future: asyncio.Future
+    started: bool = False
+    uses_worker: bool = True  # runs in this process's worker (killed if stuck), else a call of its own
+
+
+async def _dropped() -> list[int]:
+    return []
+
+
+def prompt_size(messages: Sequence[Mapping[str, Any]] | None, prompt: Any) -> int:
+    """A job's weight: its prompt's characters (chat messages as their JSON), at least 1."""
+    if messages is not None:
+        return max(1, len(json.dumps(list(messages), default=str)))
+    return max(1, len(prompt) if isinstance(prompt, str) else 1)
+
+
+@dataclass
+class TokenizerCounts:
+    done: int = 0  # jobs the worker ran for a caller still waiting
+    dropped: int = 0  # jobs whose caller left before they ran: never sent to the worker
+    discarded: int = 0  # jobs whose caller left while they ran: their ids were thrown away
+    timed_out: int = 0  # jobs that ran past their deadline (their worker was killed)
+    restarts: int = 0  # workers killed as stuck
+
+    def as_dict(self) -> dict[str, int]:
+        return {"done": self.done, "dropped": self.dropped, "discarded": self.discarded,
+                "timed_out": self.timed_out, "restarts": self.restarts}
+
+
+class TokenizerProcess:
+    """One worker process (started on first use) that tokenizes for the agent, and the queue
+    of every tokenize job on the node: one at a time, shared fairly between tenants by
+    prompt size, each with a deadline (module docstring)."""
+
+    def __init__(self, cache_bytes: int = DEFAULT_CACHE_BYTES, job_timeout_s: float = JOB_TIMEOUT_S) -> None:
+        self.cache_bytes = cache_bytes  # the worker's tokenizers at most (the agent reserves it)
+        self.job_timeout_s = job_timeout_s
+        self._conn: WorkerConnection | None = None
+        self._heap: list[tuple[float, int, _Job]] = []  # (virtual finish tag, arrival order, job)
+        self._finish: dict[str, float] = {}  # tenant -> its last job's tag (tenants with jobs waiting)
+        self._vtime = 0.0  # the tag of the job that started last
+        self._seq = itertools.count()
+        self._pump: asyncio.Task | None = None
+        self._running: _Job | None = None
+        self.counts = TokenizerCounts()
+
+    @property
+    def waiting(self) -> int:
+        return sum(1 for _, _, job in self._heap if not job.future.done())
+
+    async def encode(self, path: str, messages: Sequence[Mapping[str, Any]] | None, prompt: str | None,
+                     tenant: str = "") -> list[int]:
+        """The prompt's token ids (chat `messages` with the model's template, else `prompt`),
+        in the worker; EngineError for what the model's tokenizer refuses, if the worker
+        died, or ran past the job's deadline. Cancelled (the caller left), the job is
+        dropped if it has not started."""
+        fields = {"path": path, "prompt": prompt, "messages": None if messages is None else list(messages)}
+        return await self._queued(tenant, prompt_size(messages, prompt),
+                                  lambda: wait(self._connection().call("encode", **fields)), True)
+
+    async def run(self, tenant: str, size: int, call: Callable[[], list[int]]) -> list[int]:
+        """`call()` (a blocking tokenize: a vLLM engine's), in a thread when its turn comes."""
+        return await self._queued(tenant, max(1, size), lambda: asyncio.to_thread(call), False)
+
+    async def _queued(self, tenant: str, size: int, work: Callable[[], Awaitable[list[int]]],
+                      uses_worker: bool) -> list[int]:
+        loop = asyncio.get_running_loop()
+        job = _Job(tenant, size, work, loop.create_future(), uses_worker=uses_worker)
+        tag = max(self._vtime, self._finish.get(tenant, 0.0)) + size  # weighted fair queueing by size
+        self._finish[tenant] = tag
+        heapq.heappush(self._heap, (tag, next(self._seq), job))
+        if self._pump is None or self._pump.done():
+            self._pump = loop.create_task(self._run())
+        try:
+            return await job.future
+        except asyncio.CancelledError:
+            if not job.started:  # its future is cancelled with it: skipped when its turn comes, never run
+                job.future.cancel()
+                job.work = _dropped  # its prompt is freed now, not when its turn comes
+                self.counts.dropped += 1
+            raise
+
+    async def _run(self) -> None:
+        """Run the waiting jobs one at a time, the smallest tag first."""
+        while self._heap:
+            tag, _, job = heapq.heappop(self._heap)
+            self._vtime = max(self._vtime, tag)
+            if not any(j.tenant == job.tenant for _, _, j in self._heap) and self._finish.get(job.tenant) == tag:
+                del self._finish[job.tenant]  # no job of its waits: nothing to remember
+            if job.future.done():  # cancelled meanwhile (counted then)
+                continue
+            job.started = True
+            self._running = job
+            try:
+                ids = await asyncio.wait_for(job.work(), self.job_timeout_s)
+            except asyncio.TimeoutError:
+                self.counts.timed_out += 1
+                if job.uses_worker:
+                    await self._kill_worker(f"a job ran past its {self.job_timeout_s:g} s deadline")
+                if not job.future.done():
+                    job.future.set_exception(EngineError(
+                        f"tokenizing took over {self.job_timeout_s:g} s and was stopped; try again, or send a "
+                        "shorter prompt"))
+                continue
+            except Exception as exc:  # noqa: BLE001 - EngineError, or the worker could not start: the caller's
+                if not job.future.done():
+                    job.future.set_exception(exc if isinstance(exc, EngineError) else EngineError(str(exc)))
+                continue
+            finally:
+                self._running = None
+            if job.future.done():
+                self.counts.discarded += 1
+            else:
+                self.counts.done += 1
+                job.future.set_result(ids)
+
+    async def _kill_worker(self, why: str) -> None:
+        """A stuck worker is killed; the next job starts a fresh one."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        log.warning("the tokenizer worker is stuck (%s): killed; the next job starts a new one", why)
+        self.counts.restarts += 1
+        await asyncio.to_thread(conn.kill)
+
+    async def forget(self, path: str) -> None:
+        """A deleted model's tokenizer leaves the worker (if one runs)."""
+        conn = self._conn
+        if conn is not None and conn.dead is None:
+            try:
+                await asyncio.wait_for(wait(conn.call("forget", path=path)), self.job_timeout_s)
+            except (EngineError, asyncio.TimeoutError) as exc:
+                log.warning("the tokenizer worker could not forget %s: %s", path, exc)
+
+    async def cache_stats(self) -> dict[str, Any] | None:
+        """The worker's tokenizers (entries, bytes); None if no worker runs."""
+        conn = self._conn
+        if conn is None or conn.dead is not None:
+            return None
+        try:
+            return await asyncio.wait_for(wait(conn.call("stats")), 5.0)
+        except (EngineError, asyncio.TimeoutError):
+            return None
+
+    async def prepare(self, path: str) -> None:
+        """Build the model's tokenizer now (an instance of it is loading), so that its first
+        request is not tokenized with the process's start and the tokenizer's build in its
+        TTFT (several seconds: a first request was turned away for it)."""
+        await self.encode(path, None, "")
+
+    def _connection(self) -> WorkerConnection:
+        conn = self._conn
+        if conn is not None and conn.dead is None:
+            return conn
+        if conn is not None:  # it died (killed, out of memory): a fresh one; the calls it had failed
+            conn.close(timeout=1.0)
+        env = {**worker_env(), CACHE_BYTES_ENV: str(self.cache_bytes)}
+        self._conn = WorkerConnection("mesh.node.tokenizer_worker", sys.executable, env, self._log_path(),
+                                      name="tokenizer")
+        return self._conn
+
+    @staticmethod
+    def _log_path() -> Path:
+        """Where the worker's output goes: Mesh's data folder, logs/."""
+        from mesh.paths import data_dir
+
+        return data_dir() / "logs" / f"tokenizer-{os.getpid()}.log"
+
+    async def close(self) -> None:
+        """End the worker (the tokenizers it built go with it); waiting jobs fail."""
+        if self._pump is not None:
+            self._pump.cancel()
+        jobs = [job for _, _, job in self._heap] + ([self._running] if self._running else [])
+        for job in jobs:
+            if not job.future.done():
+                job.future.set_exception(EngineError("the node agent is shutting down"))
+        self._heap.clear()
+        self._finish.clear()
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await conn.shutdown(5.0)
+

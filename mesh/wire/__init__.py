@@ -1,0 +1,1 @@
+"""What crosses between processes: the node agent protocol's typed messages."""
