@@ -41,7 +41,7 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from mesh.policy.placement import ADMIT_REJECT, queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
@@ -50,6 +50,9 @@ from mesh.control.cluster_view import ClusterView
 from mesh.control.cluster_node import ClusterNode
 from mesh.control.latency import LogHistogram
 from mesh.node.request import Outcome, ServedRequest
+
+if TYPE_CHECKING:
+    from mesh.control.schedulers import Scheduler
 
 log = logging.getLogger("mesh.control.dispatcher")
 
@@ -118,18 +121,6 @@ def accounting(requests: Sequence[ServedRequest]) -> dict[str, int]:
     for r in requests:
         acc.add(r)
     return acc.counts()
-
-
-class Scheduler(Protocol):
-    """How a policy places one request (mesh.control.schedulers)."""
-
-    name: str
-    kinds: tuple[str, ...]  # node kinds it uses
-    validates: bool  # admits only requests shadow validation shows on time (Mesh)
-
-    async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
-        """Place `req` on some instance now (starting one if the policy wants), not on the
-        nodes in `avoid`; False if it cannot be placed at the moment."""
 
 
 @dataclass
