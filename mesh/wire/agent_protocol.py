@@ -291,7 +291,7 @@ REPLY = "reply"  # the type of every reply frame
 
 @dataclass(frozen=True, slots=True)
 class Ack:
-    """The reply with no fields (ping, unload, shutdown)."""
+    """The reply with no fields (ping, unload, shutdown, abort)."""
 
     def to_fields(self) -> dict[str, Any]:
         return {}
@@ -565,7 +565,7 @@ R = TypeVar("R")
 
 class Request(Generic[R]):
     """A message the control service sends an agent: its type `T`, the type of its reply
-    (`REPLY`; None: it gets none), `to_message()` and a validating `from_message()`."""
+    (`REPLY`), `to_message()` and a validating `from_message()`."""
 
     __slots__ = ()
     T: ClassVar[str]
@@ -1158,11 +1158,12 @@ class TakeBack(Request[Progress]):
 
 
 @dataclass(frozen=True, slots=True)
-class Abort(Request[None]):
-    """End a request (failed), or cancel its tokenize still under way. No reply."""
+class Abort(Request[Ack]):
+    """End a request (failed), or cancel its tokenize still under way. Sent without an id:
+    no reply (with one, an empty one)."""
 
     T: ClassVar[str] = "abort"
-    REPLY: ClassVar[Any] = None
+    REPLY: ClassVar[Any] = Ack
     request_id: str
 
     def to_message(self) -> dict[str, Any]:
