@@ -49,7 +49,7 @@ from typing import Any, Callable, Sequence
 from mesh.engines.engine_api import EngineError, EngineRequest, Sampling
 from mesh.node.emulation import ENGINE as EMULATED, Emulation, model_of_profile
 from mesh.node.engine_host import iteration_times, make_engine
-from mesh.node.learning import NodeLearning
+from mesh.node.node_learning import NodeLearning
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import profile_to_dict
 from mesh.perf.times import AdaptiveTimes
