@@ -134,3 +134,13 @@ def test_a_package_no_layer_names_is_unplaced(module):
     """The base layer's `mesh` places the package's `__init__` only: a new `mesh.x` fails
     `test_every_module_has_a_layer` until it is placed on purpose."""
     assert layer_of(module) is None
+
+
+def test_no_two_modules_share_a_file_name():
+    """One home per noun (issue 34 item 5): a file name says what a module holds, once."""
+    seen: dict[str, list[str]] = {}
+    for module, path in modules().items():
+        if path.name not in ("__init__.py", "__main__.py"):
+            seen.setdefault(path.name, []).append(module)
+    shared = {name: found for name, found in seen.items() if len(found) > 1}
+    assert not shared, f"modules that share a file name: {shared}"

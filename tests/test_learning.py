@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.node.learning import NodeLearning
+from mesh.node.node_learning import NodeLearning
 from mesh.bench.learning import Iteration, learning_figures, window_errors, within_after
 from mesh.commands.replay_live import BASE, learnt_twin
 from mesh.perf.speed import PROBE_MAX, PROBE_MIN, MachineSpeed, SpeedFactors

@@ -5,9 +5,9 @@ import argparse
 
 from mesh.commands import register_all
 
-# Benchmark modules in mesh.bench, each with `register(subparsers)`.
-BENCHES = ["closed_loop", "coldstart", "control_plane", "core", "fidelity", "engine", "interference", "learning", "multicast",
-           "replay", "serve", "soak", "tokens"]
+# Benchmark modules in mesh.bench, each with `register(subparsers)` (which names its subcommand).
+BENCHES = ["closed_loop", "coldstart", "control_plane", "core", "fidelity", "engine", "interference", "learning", "weights_multicast",
+           "replay_speed", "serve_load", "soak", "tokens"]
 
 
 def register(sub: argparse._SubParsersAction) -> None:

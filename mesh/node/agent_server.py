@@ -52,7 +52,7 @@ from mesh.node.emulation import Emulation
 from mesh.node.engine_host import make_engine
 from mesh.node.instance_host import MEAN_OUTPUT_PRIOR  # noqa: F401 - the prior O_avg, as tests read it here
 from mesh.node.instance_host import InstanceHost
-from mesh.node.learning import NodeLearning
+from mesh.node.node_learning import NodeLearning
 from mesh.node.model_fronts import ModelFronts
 from mesh.node.node_requests import NodeRequests
 from mesh.node.park_ahead import ParkAhead

@@ -22,7 +22,7 @@ from mesh.engines.parking import ParkingLot
 from mesh.node.control_connection import Refused
 from mesh.node.emulation import ENGINE as EMULATED, Emulation, model_of_profile
 from mesh.node.engine_host import iteration_times, make_engine
-from mesh.node.learning import NodeLearning
+from mesh.node.node_learning import NodeLearning
 from mesh.node.park_ahead import ParkAhead
 from mesh.node.request import Outcome
 from mesh.node.runtime import NodeRuntime, NodeSpec
