@@ -143,6 +143,16 @@ MAX_STOPS = 16  # stop strings of one request (the service lets a tenant give 4)
 MAX_BATCH = 1 << 16  # max_num_seqs, max_batch
 
 
+def shown(value: Any, limit: int = 40) -> str:
+    """A value as an error message shows it: short, and never the repr of a deep structure
+    or the digits of a huge integer (either can cost more than the message is worth)."""
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)[:limit]
+
+
 def count_field(value: Any, name: str, low: int = 0, high: int = MAX_COUNT) -> int:
     """An integer field in [low, high]; a float that is an integer counts (ValueError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -150,16 +160,16 @@ def count_field(value: Any, name: str, low: int = 0, high: int = MAX_COUNT) -> i
     if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value:.6g}")
+        raise ValueError(f"{name} must be in [{low}, {high}], got {shown(value)}")
     return int(value)
 
 
 def number_field(value: Any, name: str, low: float = 0.0, high: float = MAX_SECONDS) -> float:
     """A finite number field in [low, high] (ValueError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
+        raise ValueError(f"{name} must be a finite number, got {shown(value)}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value:.6g}")
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {shown(value)}")
     return float(value)
 
 
@@ -231,7 +241,7 @@ def mean_output_from(state: Any) -> tuple[float, int, float] | None:
         return (number_field(prior, "prior", 0.0, MAX_COUNT), count_field(count, "count", 0, 2**62),
                 number_field(total, "total", 0.0, 2.0**62 * MAX_COUNT))
     except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"bad mean_output {state!r:.80}: (prior, count, total) expected: {exc}") from exc
+        raise ProtocolError(f"bad mean_output {shown(state)}: (prior, count, total) expected: {exc}") from exc
 
 
 # ---- decoding helpers for the typed messages ----------------------------------------------
@@ -244,7 +254,7 @@ def malformed(what: str) -> Iterator[None]:
         yield
     except ProtocolError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, RecursionError) as exc:
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError, RecursionError) as exc:
         raise ProtocolError(f"bad {what}: {exc}") from exc
 
 
@@ -454,7 +464,7 @@ class Verdict:
     @classmethod
     def from_fields(cls, m: Mapping[str, Any]) -> "Verdict":
         with malformed("validation reply"):
-            return cls(flag_field(m["admit"], "admit"), str(m.get("reason")))
+            return cls(flag_field(m["admit"], "admit"), text_field(m.get("reason") or "", "reason"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -641,10 +651,6 @@ def window(value: Any) -> int | None:
 # Each side builds these and puts them on the wire with `to_message()`; the receiving side
 # reads them back with `from_message()`, which raises ProtocolError on a malformed message.
 
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
 def _opt_age(value: Any, name: str) -> float | None:
     return None if value is None else _age(value, name)
 
@@ -690,7 +696,7 @@ class Progress:
     def from_dict(cls, m: Mapping[str, Any]) -> "Progress":
         try:
             ids = _token_ids(m.get("token_ids") or [], "token_ids")
-            return cls(str(m["request_id"]), count_field(m.get("tokens_out") or len(ids), "tokens_out"), ids,
+            return cls(text_field(m["request_id"], "request_id"), count_field(m.get("tokens_out") or len(ids), "tokens_out"), ids,
                        _opt_age(m.get("first_token_age_s"), "first_token_age_s"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad progress: {exc}") from exc
@@ -721,7 +727,7 @@ class Probe:
                        count_field(m.get("done", 0), "done"), _opt_age(m.get("first_token_age_s"), "first_token_age_s"),
                        _late(m))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ProtocolError(f"bad request entry {m!r}: {exc}") from exc
+            raise ProtocolError(f"bad request entry: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -772,10 +778,9 @@ class TokensEvent:
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "TokensEvent":
-        try:
-            return cls([(str(rid), [int(x) for x in ids or ()], str(text or "")) for rid, ids, text in m["items"]])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"bad tokens event: {exc}") from exc
+        with malformed("tokens event"):
+            return cls([(text_field(rid, "request_id"), _token_ids(ids or [], "token ids"), text_field(text or "", "text"))
+                        for rid, ids, text in list_field(m["items"], "items")])
 
 
 @dataclass(frozen=True, slots=True)
@@ -796,12 +801,11 @@ class DoneEvent:
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "DoneEvent":
-        try:
-            return cls(str(m["request_id"]), str(m.get("outcome") or "failed"),
-                       None if m.get("reason") is None else str(m["reason"]), str(m.get("detail") or ""),
-                       int(m.get("tokens_out") or 0), _opt_float(m.get("ttft_s")), _opt_float(m.get("tpot_s")))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"bad done event: {exc}") from exc
+        with malformed("done event"):
+            return cls(text_field(m["request_id"], "request_id"), text_field(m.get("outcome") or "failed", "outcome"),
+                       opt_text(m.get("reason"), "reason"), text_field(m.get("detail") or "", "detail"),
+                       count_field(m.get("tokens_out") or 0, "tokens_out"), _opt(m.get("ttft_s"), number_field, "ttft_s", -MAX_SECONDS),
+                       _opt(m.get("tpot_s"), number_field, "tpot_s", -MAX_SECONDS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -822,11 +826,9 @@ class InstanceEvent:
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "InstanceEvent":
-        try:
-            return cls(str(m["instance_id"]), str(m["state"]), str(m.get("error") or ""),
-                       str(m.get("loaded_from") or ""))
-        except (KeyError, TypeError) as exc:
-            raise ProtocolError(f"bad instance event: {exc}") from exc
+        with malformed("instance event"):
+            return cls(text_field(m["instance_id"], "instance_id"), text_field(m["state"], "state"),
+                       text_field(m.get("error") or "", "error"), text_field(m.get("loaded_from") or "", "loaded_from"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -844,7 +846,8 @@ class EvictedEvent:
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "EvictedEvent":
-        return cls(str(m.get("why") or "evicted"), Progress.from_dict(m), m.get("fault") is True)
+        with malformed("evicted event"):
+            return cls(text_field(m.get("why") or "evicted", "why"), Progress.from_dict(m), m.get("fault") is True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -865,11 +868,9 @@ class NodeEvent:
     def from_message(cls, m: Mapping[str, Any]) -> "NodeEvent":
         stepping = m.get("stepping")
         if stepping is not None and not isinstance(stepping, str):
-            raise ProtocolError(f"bad node event: stepping {stepping!r}")
-        try:
-            return cls(stepping, int(m["budget_bytes"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"bad node event: {exc}") from exc
+            raise ProtocolError(f"bad node event: stepping {shown(stepping)}")
+        with malformed("node event"):
+            return cls(stepping, count_field(m["budget_bytes"], "budget_bytes", 0, MAX_BYTES))
 
 
 Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent]
@@ -880,7 +881,7 @@ def event_from_message(m: Mapping[str, Any]) -> Event:
     """The typed event in an agent's message; ProtocolError for an unknown or malformed one."""
     kind = EVENTS.get(str(m.get("t")))
     if kind is None:
-        raise ProtocolError(f"unknown event {m.get('t')!r}")
+        raise ProtocolError(f"unknown event {shown(m.get(TYPE_KEY))}")
     return kind.from_message(m)
 
 
@@ -1245,5 +1246,5 @@ def request_from_message(m: Mapping[str, Any]) -> Request[Any]:
     kind = m.get(TYPE_KEY)
     request = REQUESTS.get(kind) if isinstance(kind, str) else None
     if request is None:
-        raise ProtocolError(f"unknown message type {kind!r:.80}")
+        raise ProtocolError(f"unknown message type {shown(kind, 80)}")
     return request.from_message(m)
