@@ -34,6 +34,7 @@ Closed by default:
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import asyncio
 import json
 import logging
@@ -50,7 +51,6 @@ from mesh.engines.worker_process import die_with_parent, worker_env
 from mesh.node.control_connection import ControlConnection, Refused
 from mesh.node.emulation import Emulation
 from mesh.node.engine_host import make_engine
-from mesh.node.instance_host import MEAN_OUTPUT_PRIOR  # noqa: F401 - the prior O_avg, as tests read it here
 from mesh.node.instance_host import InstanceHost
 from mesh.node.node_learning import NodeLearning
 from mesh.node.model_fronts import ModelFronts

@@ -24,7 +24,6 @@ from mesh.wire.agent_protocol import (
     Hello,
     NodeEvent,
     ProtocolError,
-    Request,
     TokensEvent,
     encode_frame,
     failure_message,
