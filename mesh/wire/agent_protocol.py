@@ -45,6 +45,7 @@ Control -> agent (see docs/service.md for every field):
     weights_path {model, file, manifest?}    -> {path, complete?} where a multicast to this node writes the
                                                 model's file (mesh.weights.receiver); `load` it from there
     weights_drop {model}                     -> {dropped} delete the model's received files (it was deleted)
+    forget     {model}                       -> {forgot} drop everything held for the model (it was deleted)
 
 Agent -> control (events):
     tokens     {items: [[request_id, [token ids], text], ...]}   one frame per iteration
@@ -59,11 +60,19 @@ Agent -> control (events):
 
 Reply codes when `ok` is false: see Code. Admission results use the same codes.
 
-Typed at the boundary (the dataclasses at the end of this module): the events (TokensEvent,
-DoneEvent, InstanceEvent, EvictedEvent, NodeEvent), a request off its node (Progress), a request as
-shadow validation sees it (Probe, the R above), an admit entry (AdmitEntry) and `load`
-(InstanceSpec). Each is built by its sender and read back by its receiver with
-`from_message`/`from_dict`, which raise ProtocolError on a malformed message.
+Every message is one dataclass here (issue 34), built by its sender and read back by its
+receiver, whose decoder bounds every field and raises ProtocolError on anything else:
+- requests (REQUESTS, by type; each a Request naming its reply type, REPLY): Hello, Ping,
+  InstanceSpec (`load`), Unload, Tokenize, Describe, Admit (of AdmitEntry), Validate,
+  ValidateGroup, ValidateNew (a NewInstance; R above is Probe), TakeBack, Abort, Stats,
+  Shutdown, WeightsPath, WeightsDrop, Forget: `to_message()` / `from_message()`
+  (request_from_message picks the type);
+- replies (REPLIES): Ack, HelloReply, LoadReply, DescribeReply, TokenizeReply, AdmitReply (of
+  AdmitResult), Verdict, Progress (`take_back`), StatsReply, WeightsPathReply,
+  WeightsDropReply, ForgetReply, and Failure for ok=false: `to_fields()` / `from_fields()`,
+  framed by reply_message / failure_message;
+- events (EVENTS): TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent:
+  `to_message()` / event_from_message.
 """
 from __future__ import annotations
 
