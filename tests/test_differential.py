@@ -179,7 +179,7 @@ async def live(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
 
     try:
         for record in {r.uid: r for r in records.values()}.values():  # described before the clock starts
-            await placement._model(record)
+            await placement.catalogue.described(record)
         start = loop.time() + 0.5
         await asyncio.wait_for(asyncio.gather(*(one(a, start) for a in workload.arrivals)),
                                workload.duration_s + 120.0)
