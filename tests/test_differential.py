@@ -47,7 +47,8 @@ from mesh.control.cluster_view import ClusterConfig
 from mesh.control.dispatcher import accounting
 from mesh.node.request import Outcome, ServedRequest
 from mesh.service.errors import ApiError
-from mesh.service.cluster_placement import MEAN_OUTPUT_PRIOR, ClusterPlacement, PlacementSettings
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.model_catalogue import MEAN_OUTPUT_PRIOR
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Job
 from workloads.workload import Arrival, Workload
