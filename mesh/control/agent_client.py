@@ -106,10 +106,6 @@ class AgentClient:
         self.frames_in = 0  # frames read from the agent (replies and events): the token path's cost
 
     @property
-    def info(self) -> dict[str, Any]:  # TRANSITIONAL
-        return self.hello.to_fields() if self.hello is not None else {}
-
-    @property
     def up(self) -> bool:
         return self._writer is not None and self.closed_reason is None
 
@@ -133,8 +129,6 @@ class AgentClient:
 
     async def call(self, request: Request[R], timeout_s: float | None = None) -> R:
         """Send a request and await its reply, decoded into the request's reply type."""
-        if isinstance(request, dict):  # TRANSITIONAL (removed once every sender is typed)
-            return await self.call_message(request, timeout_s)  # type: ignore[return-value]
         fields = await self.call_message(request.to_message(), timeout_s)
         try:
             return request.REPLY.from_fields(fields)
@@ -171,7 +165,7 @@ class AgentClient:
     def send(self, request: Request[Any]) -> None:
         """Send without waiting for a reply (ignored when the connection is down)."""
         if self.up:
-            self._write(request if isinstance(request, dict) else request.to_message())  # TRANSITIONAL
+            self._write(request.to_message())
 
     def _write(self, message: dict[str, Any]) -> None:
         try:
