@@ -496,8 +496,8 @@ class StatsReply:
     kv_bytes_in_use: int
     deadlines: str
     learnt: dict[str, Any]
-    parked: Any
-    parked_ahead: Any
+    parked: dict[str, Any]
+    parked_ahead: dict[str, Any]
     emulate: str | None
 
     def to_fields(self) -> dict[str, Any]:
@@ -515,8 +515,9 @@ class StatsReply:
                 [text_field(x, "model") for x in list_field(m["models"], "models")],
                 number_field(m["busy_s"], "busy_s", 0.0, math.inf), count_field(m["iterations"], "iterations", 0, 2**62),
                 count_field(m["kv_bytes_in_use"], "kv_bytes_in_use", 0, MAX_BYTES),
-                text_field(m["deadlines"], "deadlines"), object_field(m["learnt"], "learnt"), m["parked"],
-                m["parked_ahead"], opt_text(m.get("emulate"), "emulate"))
+                text_field(m["deadlines"], "deadlines"), object_field(m["learnt"], "learnt"),
+                object_field(m["parked"], "parked"), object_field(m["parked_ahead"], "parked_ahead"),
+                opt_text(m.get("emulate"), "emulate"))
 
 
 @dataclass(frozen=True, slots=True)
