@@ -4,8 +4,8 @@
 request (a mesh.wire.agent_protocol request type) and awaits its reply, decoded into the
 request's reply type (AgentCallError when the agent says ok=false, or answers with a
 malformed reply); `send()` sends without waiting (abort). `call_message()` speaks raw
-frames, for tests and tools that must send what no request type writes. Events (tokens, done, instance) go to `on_event`. When the
-connection ends - EOF, a reset, a protocol error, or no reply to a ping within
+frames, for tests and tools that must send what no request type writes. Events (tokens,
+done, instance) go to `on_event`. When the connection ends - EOF, a reset, a protocol error, or no reply to a ping within
 `heartbeat_timeout_s` - every pending call fails with AgentDown and `on_close(reason)` runs
 once. A killed agent process closes its socket, so that is noticed at once; the heartbeat
 catches an agent that hangs or a peer that vanished from the network.
@@ -110,7 +110,7 @@ class AgentClient:
         return self._writer is not None and self.closed_reason is None
 
     async def connect(self, address: str, token: str | None, timeout_s: float = 10.0) -> HelloReply:
-        """Connect to "host:port" or "unix:path" and say hello; return the agent's info."""
+        """Connect to "host:port" or "unix:path" and say hello; return the agent's HelloReply."""
         self.address = address
         if address.startswith("unix:"):
             opening = asyncio.open_unix_connection(address[len("unix:"):], limit=2**20)

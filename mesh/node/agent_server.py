@@ -6,6 +6,12 @@ on stdout, and serves one control connection at a time (a new connection replace
 one, whose requests are aborted). The first message must be `hello` with the token from
 $MESH_AGENT_TOKEN when that is set. Messages are in mesh.wire.agent_protocol.
 
+The agent is put together here from its parts: the control connection
+(mesh.node.control_connection: frames, the hello gate and token, a handler picked by the
+decoded request's type, replies), the instances (mesh.node.instance_host), the models known
+here (mesh.node.model_fronts: describe, tokenize, forget) and the requests it serves
+(mesh.node.node_requests: admit, validate, take back, abort and their events).
+
 Everything runs on one asyncio loop: the node's token-level loop (one engine iteration at a
 time, LLM-Mesh 5.1) and the connection. Engines yield after each iteration, so admissions,
 aborts and pings are handled between iterations; an iteration itself holds the GIL.
