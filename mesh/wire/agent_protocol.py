@@ -994,7 +994,7 @@ class Describe(Request[DescribeReply]):
             return cls(text_field(m["model"], "model"), text_field(m["path"], "path"),
                        text_field(m.get("engine") or "openvino", "engine"), window(m.get("context_window")),
                        count_field(m.get("max_num_seqs") or 64, "max_num_seqs", 1, MAX_BATCH),
-                       flag_field(m.get("exact_moves") or False, "exact_moves"))
+                       flag_field(m.get("exact_moves", False), "exact_moves"))
 
 
 @dataclass(frozen=True, slots=True)
