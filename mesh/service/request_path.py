@@ -104,7 +104,7 @@ class RequestPath:
                 begin(req)
                 stream.push(Finished(req.finish_reason.value if req.finish_reason else "stop", req.tokens_out))
                 return
-            error = (overloaded(_reason(req.detail), self.retry_after_s(req.model), self.dispatcher.admission(req))
+            error = (overloaded(_reason(req.detail), retry_after_s(self.cluster, req.model), self.dispatcher.admission(req))
                      if req.outcome is Outcome.REJECTED else node_unavailable(_reason(req.detail)))
             if started.done():
                 stream.push(error)
@@ -168,13 +168,6 @@ class RequestPath:
         if begin is not None:
             begin(req)
 
-    def retry_after_s(self, model_uid: str) -> float:
-        """When a turned-away request of this model may do better: once the cold start of
-        an instance of it under way ends (the time left of its predicted load), else in a
-        second. The header rounds it up to whole seconds, at least 1."""
-        left = self.cluster.cold_start_left_s(model_uid)
-        return 1.0 if left is None else left
-
     def abort(self, request_id: str) -> None:
         """The client went away: stop the request wherever it is (waiting, or on a node)."""
         req = self._requests.get(request_id)
@@ -208,6 +201,14 @@ class RequestPath:
             "decision_wait_s_mean": d.stats.decision_wait_s / max(1, d.stats.decisions),
             "decision_times": d.stats.decision_times.snapshot(),  # seconds, log buckets (mesh.control.latency)
         }
+
+
+def retry_after_s(cluster: ClusterView, model_uid: str) -> float:
+    """When a turned-away request of this model may do better: once the cold start of an
+    instance of it under way ends (the time left of its predicted load), else in a second.
+    The header rounds it up to whole seconds, at least 1."""
+    left = cluster.cold_start_left_s(model_uid)
+    return 1.0 if left is None else left
 
 
 def _reason(detail: str) -> str:
