@@ -398,13 +398,16 @@ class AgentServer:
 
     def _learn_times(self) -> None:
         records = self.node.iterations
-        if not records:
-            return
-        for rec in records:
+        for rec in records or ():
             times = self.times.get(rec.instance_id)
             if times is not None:
-                times.observe(rec.kind, rec.predicted_s, rec.duration_s, rec.batch_size, rec.tokens)
-        records.clear()
+                times.observe(rec.kind, rec.predicted_s, rec.duration_s, rec.batch_size, rec.tokens,
+                              rec.start_s + rec.duration_s)
+        if records:
+            records.clear()
+        now = asyncio.get_running_loop().time()
+        for times in self.times.values():  # slowness no iteration confirmed lately fades (AdaptiveTimes.relax)
+            times.relax(now)
 
     # ---- handlers ------------------------------------------------------------------------
     def _ping(self, m: dict[str, Any]) -> dict[str, Any]:
