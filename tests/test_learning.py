@@ -125,8 +125,8 @@ def test_slowness_no_iteration_confirms_fades_back_to_the_start() -> None:
 
     base = DefaultCpuTimes()
     times = AdaptiveTimes(base, start=(1.5, 1.5))
-    times.relax(1000.0)  # nothing learnt yet: nothing to forget
-    assert times.prefill_factor == times.decode_factor == 1.5
+    times.relax(0.0)  # nothing learnt yet: nothing to forget
+    assert times.prefill_factor == times.decode_factor == 1.5 and times.start == (1.5, 1.5)
     for k in range(40):  # 8x slower than predicted, under load
         times.observe(IterationKind.PREFILL, times.prefill_s(158), 8 * times.prefill_s(158), 1, 158, at_s=k * 0.1)
         times.observe(IterationKind.DECODE, times.decode_s(1, 200), 8 * times.decode_s(1, 200), 1, 200, at_s=k * 0.1)
@@ -149,3 +149,19 @@ def test_slowness_no_iteration_confirms_fades_back_to_the_start() -> None:
     after = times.decode_factor
     times.relax(500.0 + RELAX_AFTER_S - 1)
     assert times.decode_factor == after  # fresh evidence holds again
+
+
+def test_factors_set_without_an_iteration_fade_from_the_first_relax() -> None:
+    """An instance that starts from slow factors learnt by others (NodeLearning.adopt) and
+    has run nothing fades toward the node's probed speed, counted from its first relax()."""
+    from mesh.perf.times import RELAX_AFTER_S, RELAX_HALF_LIFE_S
+
+    learning = NodeLearning()
+    slow = learning.adopt("other", AdaptiveTimes(DefaultCpuTimes()))
+    for k in range(40):
+        slow.observe(IterationKind.DECODE, slow.decode_s(1, 200), 8 * slow.decode_s(1, 200), 1, 200, at_s=k * 0.1)
+    fresh = learning.adopt("m", AdaptiveTimes(DefaultCpuTimes()))
+    assert fresh.decode_factor > 6 and fresh.start == (learning.factors.prefill, learning.factors.decode)
+    fresh.relax(100.0)
+    fresh.relax(100.0 + RELAX_AFTER_S + 20 * RELAX_HALF_LIFE_S)
+    assert fresh.decode_factor == pytest.approx(learning.factors.decode, rel=0.01)

@@ -76,7 +76,8 @@ class AdaptiveTimes:
     while other jobs took its cores predicts a lone 158-token prompt past the 2 s TTFT SLO
     (with the margin), so every request waits and none runs to correct it, long after
     the other jobs left (docs/benchmarking.md, "Where a token's time goes"). Past
-    RELAX_AFTER_S without an iteration the factors move back toward `start` (half-life
+    RELAX_AFTER_S without an iteration (or since the first `relax` where none ran yet) the
+    factors move back toward `start`, the node's probed speed for the prior (half-life
     RELAX_HALF_LIFE_S); the next iterations learn the machine as it is then.
     """
 
@@ -94,7 +95,7 @@ class AdaptiveTimes:
         self.min_factor, self.max_factor = min_factor, max_factor
         self.prefill_factor = self._clamp(start[0])
         self.decode_factor = self._clamp(start[1])
-        self._start = (self.prefill_factor, self.decode_factor)
+        self.start = (self.prefill_factor, self.decode_factor)  # what relax() returns to
         self._evidence_s: float | None = None  # when the last iteration ended (observe's at_s)
         self._relaxed_s = -math.inf  # up to when relax() has moved the factors
         self.prefill_regions: dict[int, float] = {}  # floor(log2 prompt) -> factor
@@ -153,13 +154,13 @@ class AdaptiveTimes:
     def relax(self, now_s: float) -> None:
         """Move the factors back toward their start for the time past RELAX_AFTER_S since the
         last iteration (class docstring); `now_s` on the clock `observe`'s at_s used."""
-        if self._evidence_s is None:
-            return
+        if self._evidence_s is None:  # nothing observed here yet (factors set or warm-started): fade from now
+            self._evidence_s = now_s
         since = max(self._evidence_s + RELAX_AFTER_S, self._relaxed_s)
         if now_s <= since:
             return
         keep = 0.5 ** ((now_s - since) / RELAX_HALF_LIFE_S)
-        p0, d0 = self._start
+        p0, d0 = self.start
         self.prefill_factor = p0 * (self.prefill_factor / p0) ** keep
         self.decode_factor = d0 * (self.decode_factor / d0) ** keep
         self.prefill_regions = {c: p0 * (f / p0) ** keep for c, f in self.prefill_regions.items()}
@@ -175,6 +176,7 @@ class AdaptiveTimes:
         self._ratios.extend(learnt._ratios)
         self.observed, self._margin = learnt.observed, learnt._margin
         self._evidence_s, self._relaxed_s = learnt._evidence_s, learnt._relaxed_s  # stale stays stale
+        self.start = learnt.start
 
     @property
     def margin(self) -> float | None:
