@@ -114,3 +114,54 @@ def test_a_cpu_agent_probes_its_machine_in_a_process_of_its_own() -> None:
     speed, factors = asyncio.run(main())
     assert speed is not None and speed.gemm_gflops > 0 and speed.stream_gbps > 0 and speed.threads >= 1
     assert 0.5 <= factors.prefill <= 4.0 and 0.5 <= factors.decode <= 4.0
+
+
+def test_slowness_no_iteration_confirms_fades_back_to_the_start() -> None:
+    """A node that learnt a slowdown under other jobs' load and then runs nothing (its
+    admissions, driven by that slowdown, refuse everything) forgets it: after RELAX_AFTER_S
+    without an iteration the factors halve their log distance to the start every
+    RELAX_HALF_LIFE_S; an iteration stops the fading and teaches again."""
+    from mesh.perf.times import RELAX_AFTER_S, RELAX_HALF_LIFE_S
+
+    base = DefaultCpuTimes()
+    times = AdaptiveTimes(base, start=(1.5, 1.5))
+    times.relax(0.0)  # nothing learnt yet: nothing to forget
+    assert times.prefill_factor == times.decode_factor == 1.5 and times.start == (1.5, 1.5)
+    for k in range(40):  # 8x slower than predicted, under load
+        times.observe(IterationKind.PREFILL, times.prefill_s(158), 8 * times.prefill_s(158), 1, 158, at_s=k * 0.1)
+        times.observe(IterationKind.DECODE, times.decode_s(1, 200), 8 * times.decode_s(1, 200), 1, 200, at_s=k * 0.1)
+    learnt = times.prefill_factor, times.decode_factor, times.prefill_s(158)
+    assert min(learnt[:2]) > 6
+    last = 3.9
+    times.relax(last + RELAX_AFTER_S - 1)
+    assert (times.prefill_factor, times.decode_factor, times.prefill_s(158)) == learnt  # a pause between requests
+    times.relax(last + RELAX_AFTER_S + RELAX_HALF_LIFE_S)
+    assert times.prefill_factor == pytest.approx(1.5 * (learnt[0] / 1.5) ** 0.5)
+    assert times.decode_factor == pytest.approx(1.5 * (learnt[1] / 1.5) ** 0.5)
+    assert times.prefill_s(158) < 0.6 * learnt[2]  # the region learnt fades too
+    times.relax(last + RELAX_AFTER_S + RELAX_HALF_LIFE_S)  # the same time again: no second step
+    assert times.prefill_factor == pytest.approx(1.5 * (learnt[0] / 1.5) ** 0.5)
+    times.relax(last + RELAX_AFTER_S + 10 * RELAX_HALF_LIFE_S)
+    assert times.prefill_factor == pytest.approx(1.5, rel=0.01)
+    before = times.decode_factor
+    times.observe(IterationKind.DECODE, times.decode_s(1, 200), 4 * times.decode_s(1, 200), 1, 200, at_s=500.0)
+    assert times.decode_factor > before
+    after = times.decode_factor
+    times.relax(500.0 + RELAX_AFTER_S - 1)
+    assert times.decode_factor == after  # fresh evidence holds again
+
+
+def test_factors_set_without_an_iteration_fade_from_the_first_relax() -> None:
+    """An instance that starts from slow factors learnt by others (NodeLearning.adopt) and
+    has run nothing fades toward the node's probed speed, counted from its first relax()."""
+    from mesh.perf.times import RELAX_AFTER_S, RELAX_HALF_LIFE_S
+
+    learning = NodeLearning()
+    slow = learning.adopt("other", AdaptiveTimes(DefaultCpuTimes()))
+    for k in range(40):
+        slow.observe(IterationKind.DECODE, slow.decode_s(1, 200), 8 * slow.decode_s(1, 200), 1, 200, at_s=k * 0.1)
+    fresh = learning.adopt("m", AdaptiveTimes(DefaultCpuTimes()))
+    assert fresh.decode_factor > 6 and fresh.start == (learning.factors.prefill, learning.factors.decode)
+    fresh.relax(100.0)
+    fresh.relax(100.0 + RELAX_AFTER_S + 20 * RELAX_HALF_LIFE_S)
+    assert fresh.decode_factor == pytest.approx(learning.factors.decode, rel=0.01)

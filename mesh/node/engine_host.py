@@ -34,6 +34,11 @@ def _make_openvino(spec: InstanceSpec, on_loaded: LoadCallback) -> Any:
     from mesh.engines.openvino_process import OpenVINOProcessEngine
 
     properties: dict[str, Any] = dict(EXACT_RECOMPUTE) if spec.exact_moves else {}
+    # OpenVINO pins its compute threads to cores by default (ENABLE_CPU_PINNING): on cores
+    # shared with other work (the service, the tokenizer, other tenants' processes), a pinned
+    # thread waits for its core while another is free, and every barrier of the iteration
+    # waits for it. Unpinned, the kernel moves it within the node's core set (docs/benchmarking.md).
+    properties["ENABLE_CPU_PINNING"] = False
     cores = len(os.sched_getaffinity(0))
     if cores < (os.cpu_count() or cores):  # an agent pinned to its share (--cpus): as many threads as cores
         properties["INFERENCE_NUM_THREADS"] = cores

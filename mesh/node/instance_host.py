@@ -245,13 +245,15 @@ class InstanceHost:
     def learn_times(self) -> None:
         """What the node's iterations took, into each instance's times (at every flush)."""
         records = self.node.iterations
-        if not records:
-            return
         for rec in records:
             times = self.times.get(rec.instance_id)
             if times is not None:
-                times.observe(rec.kind, rec.predicted_s, rec.duration_s, rec.batch_size, rec.tokens)
+                times.observe(rec.kind, rec.predicted_s, rec.duration_s, rec.batch_size, rec.tokens,
+                              rec.start_s + rec.duration_s)
         records.clear()
+        now = asyncio.get_running_loop().time()
+        for times in self.times.values():  # slowness no iteration confirmed lately fades (AdaptiveTimes.relax)
+            times.relax(now)
 
     def view(self, inst: Any, now: float | None = None) -> dict[str, Any]:
         """An instance as `hello` and `stats` show it."""

@@ -20,6 +20,10 @@ from mesh.perf.profile import Profile
 from mesh.policy.batching import IterationKind, IterationTimes
 
 MARGIN_EVERY = 8  # AdaptiveTimes recomputes its learnt margin every this many iterations
+# AdaptiveTimes.relax: after this long without an iteration, the learnt factors move back
+# toward their start, halving their (log) distance every RELAX_HALF_LIFE_S.
+RELAX_AFTER_S = 10.0
+RELAX_HALF_LIFE_S = 30.0
 DEMO_WEIGHT_BYTES = 98_362_432  # SmolLM2-135M Q4_1, the model DefaultCpuTimes was fitted on
 
 
@@ -66,6 +70,15 @@ class AdaptiveTimes:
     `margin_quantile` of actual/predicted over the last `margin_window` iterations, minus 1,
     bounded to [min_margin, max_margin], recomputed every MARGIN_EVERY iterations; None before that (shadow validation then uses the
     node's margin, LLM-Mesh's 10%). Shadow validation reads it per instance.
+
+    Stale slowness fades (`relax`): factors are learnt only from iterations, and the
+    admissions they drive decide whether iterations run. A node that learnt a 7-8x slowdown
+    while other jobs took its cores predicts a lone 158-token prompt past the 2 s TTFT SLO
+    (with the margin), so every request waits and none runs to correct it, long after
+    the other jobs left (docs/benchmarking.md, "Where a token's time goes"). Past
+    RELAX_AFTER_S without an iteration (or since the first `relax` where none ran yet) the
+    factors move back toward `start`, the node's probed speed for the prior (half-life
+    RELAX_HALF_LIFE_S); the next iterations learn the machine as it is then.
     """
 
     def __init__(self, base: IterationTimes, alpha: float = 0.2, prefill_alpha: float = 0.4,
@@ -82,6 +95,9 @@ class AdaptiveTimes:
         self.min_factor, self.max_factor = min_factor, max_factor
         self.prefill_factor = self._clamp(start[0])
         self.decode_factor = self._clamp(start[1])
+        self.start = (self.prefill_factor, self.decode_factor)  # what relax() returns to
+        self._evidence_s: float | None = None  # when the last iteration ended (observe's at_s)
+        self._relaxed_s = -math.inf  # up to when relax() has moved the factors
         self.prefill_regions: dict[int, float] = {}  # floor(log2 prompt) -> factor
         self.decode_regions: dict[tuple[int, int], float] = {}  # (floor(log2 batch), floor(log2 context)) -> factor
         self.margin_quantile, self.margin_after = margin_quantile, margin_after
@@ -107,11 +123,14 @@ class AdaptiveTimes:
         return self._decode_factor(batch, avg_context) * self.base.decode_s(batch, avg_context)
 
     def observe(self, kind: IterationKind, predicted_s: float, actual_s: float, batch: int = 0,
-                tokens: float = 0) -> None:
+                tokens: float = 0, at_s: float | None = None) -> None:
         """One iteration: its kind, predicted and real seconds, batch size and tokens (prompt
-        tokens of a prefill, mean context of a decode; 0: no region, the instance-wide factor only)."""
+        tokens of a prefill, mean context of a decode; 0: no region, the instance-wide factor only);
+        `at_s`: when it ended (the event loop's clock), for `relax`."""
         if not (predicted_s > 0 and actual_s > 0 and math.isfinite(actual_s)):
             return
+        if at_s is not None:
+            self._evidence_s = at_s if self._evidence_s is None else max(self._evidence_s, at_s)
         ratio = actual_s / predicted_s
         self.observed += 1
         self._ratios.append(ratio)
@@ -132,6 +151,22 @@ class AdaptiveTimes:
                 self.decode_regions[cell] = self._clamp(used * ratio ** self.alpha)
             self.decode_factor = self._clamp(self.decode_factor * ratio ** self.alpha)
 
+    def relax(self, now_s: float) -> None:
+        """Move the factors back toward their start for the time past RELAX_AFTER_S since the
+        last iteration (class docstring); `now_s` on the clock `observe`'s at_s used."""
+        if self._evidence_s is None:  # nothing observed here yet (factors set or warm-started): fade from now
+            self._evidence_s = now_s
+        since = max(self._evidence_s + RELAX_AFTER_S, self._relaxed_s)
+        if now_s <= since:
+            return
+        keep = 0.5 ** ((now_s - since) / RELAX_HALF_LIFE_S)
+        p0, d0 = self.start
+        self.prefill_factor = p0 * (self.prefill_factor / p0) ** keep
+        self.decode_factor = d0 * (self.decode_factor / d0) ** keep
+        self.prefill_regions = {c: p0 * (f / p0) ** keep for c, f in self.prefill_regions.items()}
+        self.decode_regions = {c: d0 * (f / d0) ** keep for c, f in self.decode_regions.items()}
+        self._relaxed_s = now_s
+
     def warm_start(self, learnt: "AdaptiveTimes") -> None:
         """Start from what an earlier instance of the same model on this node learnt (its
         factors, regions and recent ratios, hence its margin once it had one): a model's
@@ -140,6 +175,8 @@ class AdaptiveTimes:
         self.prefill_regions, self.decode_regions = dict(learnt.prefill_regions), dict(learnt.decode_regions)
         self._ratios.extend(learnt._ratios)
         self.observed, self._margin = learnt.observed, learnt._margin
+        self._evidence_s, self._relaxed_s = learnt._evidence_s, learnt._relaxed_s  # stale stays stale
+        self.start = learnt.start
 
     @property
     def margin(self) -> float | None:
