@@ -90,7 +90,7 @@ class ClusterNode(ABC):
 
     def loaded_from(self, instance_id: str) -> str | None:
         """Where a loaded instance's engine read its model from (OpenVINO: "gguf", "prepared",
-        "ir"; mesh.policy.cold_starts keys measured loads by it); None if it does not say."""
+        "ir"; mesh.perf.load_times.ColdStartTable keys measured loads by it); None if it does not say."""
         return None
 
     def parked(self, model: str) -> bool:

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Sequence
 
-from mesh.perf.memory_times import GIB
+from mesh.perf.load_times import GIB, PCIE_BYTES_PER_S
 from mesh.perf.profile import Profile, profile_from_dict, save_profile
 
 DTYPE_BYTES = 2  # 16-bit weights and KV cache (LLM-Mesh 3.1, 8.1)
@@ -190,7 +190,7 @@ HARDWARE: dict[str, Hardware] = {
         peak_note="datasheet: 312 TFLOPS bf16 dense tensor core, 2039 GB/s HBM2e",
         origin="GPU side: the mean of the h200 and h100 fits, assumed to carry over to the A100",
         memory_bytes=80 * GIB,
-        host_to_device_bytes_per_s=25e9,  # PCIe 4.0 x16 with pinned memory, assumed (mesh.policy.placement.ColdStart)
+        host_to_device_bytes_per_s=PCIE_BYTES_PER_S,  # PCIe 4.0 x16 with pinned memory, assumed (mesh.perf.load_times)
     ),
     "xeon-6462c": Hardware(
         device="xeon-6462c",

@@ -47,7 +47,8 @@ from mesh.node.emulation import PROFILE_PREFIX, emulated_cold_start
 from mesh.wire.agent_protocol import Code, InstanceSpec, slo_to_dict
 from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.perf.times import prior_profile
-from mesh.policy.placement import ADMIT_REJECT, CPU, GPU, ColdStart, kind_rank
+from mesh.perf.load_times import ColdStart
+from mesh.policy.placement import ADMIT_REJECT, CPU, GPU, kind_rank
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
 from mesh.control.dispatcher import Dispatcher
