@@ -37,7 +37,7 @@ once: the metrics are percentages taken while the step is scheduled, so they sti
 a request cancelled (aborted, or ended by a stop string) just before the step. The pipeline
 frees a cancelled request's blocks at its next step; an idle engine takes that step at once.
 `kv_bytes_per_token` comes from the model shape and the cache precision (u8 keys per
-channel and u8 values per token on CPU, see mesh.modelfiles.shape): 13,680 bytes for the demo
+channel and u8 values per token on CPU, see mesh.perf.roofline.kv_bytes_per_token): 13,680 bytes for the demo
 model; `load()` checks it against the size of a real block.
 """
 from __future__ import annotations
@@ -54,7 +54,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from mesh.engines.chat import PromptEncoder
 from mesh.engines.detokenize import Detokenizer, StopMatcher
 from mesh.engines.engine_api import checked_request, engine_limits, EngineError, EngineRequest, FinishReason, RequestOutput, Sampling, StepResult, step_result
-from mesh.modelfiles.shape import ModelShape, kv_bytes_per_token, shape_from_config, shape_from_gguf
+from mesh.modelfiles.shape import ModelShape, shape_from_config, shape_from_gguf
+from mesh.perf.roofline import kv_bytes_per_token
 from mesh.policy.batching import IterationKind
 
 log = logging.getLogger(__name__)
