@@ -24,7 +24,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, Collection, Mapping, Protocol, Sequence
 
-from mesh.node.runtime import Admission, InstancePlan, NodeSpec
+from mesh.node.runtime import InstancePlan, NodeSpec
+from mesh.node.shadow_admission import Admission
 from mesh.node.request import ServedRequest
 
 
