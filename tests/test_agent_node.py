@@ -1,5 +1,5 @@
 """The cluster dispatcher and the replay's policies driving node agents over their real
-loopback connections (mesh.service.agent_node.AgentNode): the same Dispatcher and
+loopback connections (mesh.control.agent_node.AgentNode): the same Dispatcher and
 MeshScheduler as the replay, two agents in this process with simulated engines (fast).
 Proactive preemption (7.1) moves a running request to the other node with its progress,
 an eviction (6.4) goes back to the dispatcher and finishes elsewhere."""
@@ -18,7 +18,7 @@ from mesh.policy.slo import SLO
 from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
 from mesh.control.dispatcher import Dispatcher
 from mesh.node.request import Outcome, ServedRequest
-from mesh.service.agent_node import AgentNode
+from mesh.control.agent_node import AgentNode
 from mesh.control.supervisor import AgentSettings
 from mesh.node.runtime import NodeSpec
 

@@ -25,7 +25,7 @@ from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
 from mesh.control.dispatcher import Dispatcher
 from mesh.node.runtime import NodeSpec
 from mesh.node.request import Outcome, ServedRequest
-from mesh.service.agent_node import AgentNode
+from mesh.control.agent_node import AgentNode
 
 pytestmark = pytest.mark.slow
 

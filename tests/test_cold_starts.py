@@ -135,9 +135,9 @@ def test_retry_after_is_the_time_left_of_the_load_under_way():
         left = cluster.cold_start_left_s("m")
         placement = ClusterPlacement([], PlacementSettings())
         placement.cluster = cluster
-        retry = placement._retry_after_s("m")
+        retry = placement.requests.retry_after_s("m")
         await asyncio.sleep(3.0)  # loaded: a second
-        after = placement._retry_after_s("m")
+        after = placement.requests.retry_after_s("m")
         await cluster.stop()
         return left, retry, after
 

@@ -47,7 +47,8 @@ from mesh.control.cluster_view import ClusterConfig
 from mesh.control.dispatcher import accounting
 from mesh.node.request import Outcome, ServedRequest
 from mesh.service.errors import ApiError
-from mesh.service.cluster_placement import MEAN_OUTPUT_PRIOR, ClusterPlacement, PlacementSettings
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.model_catalogue import MEAN_OUTPUT_PRIOR
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Job
 from workloads.workload import Arrival, Workload
@@ -179,7 +180,7 @@ async def live(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
 
     try:
         for record in {r.uid: r for r in records.values()}.values():  # described before the clock starts
-            await placement._model(record)
+            await placement.catalogue.described(record)
         start = loop.time() + 0.5
         await asyncio.wait_for(asyncio.gather(*(one(a, start) for a in workload.arrivals)),
                                workload.duration_s + 120.0)

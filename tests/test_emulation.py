@@ -354,7 +354,7 @@ def test_an_emulated_models_base_is_its_catalog_model_so_sllm_uses_the_papers_ta
         await placement.start()
         try:
             for uid in ("u-f000", "u-f001"):
-                await placement._model(ModelRecord(uid, "t", uid, "emulated", "llama-2-7b", 4096, SLO()))
+                await placement.catalogue.described(ModelRecord(uid, "t", uid, "emulated", "llama-2-7b", 4096, SLO()))
                 assert placement.cluster.models[uid] == "llama-2-7b"
             assert placement.dispatcher.policy._targets_of("llama-2-7b") == {
                 k: CONCURRENCY_TARGETS[k]["llama-2-7b"] for k in ("cpu", "gpu")}

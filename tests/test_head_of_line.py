@@ -65,7 +65,7 @@ def test_a_paced_scale_out_of_one_model_does_not_delay_another_models_queue(tmp_
         try:
             for record in (a, b):
                 await p.weights.register(record)
-                await p._model(record)
+                await p.catalogue.described(record)
             assert p.weights.holders(a.uid) == ["cpu-0"]
 
             def job(record: ModelRecord, rid: str) -> Job:

@@ -780,7 +780,7 @@ def test_fields_are_checked_before_a_node_sees_them_and_node_errors_are_redacted
                 raise EngineError(f"{spec.path}: cannot open {secret}")
 
             await asyncio.sleep(0.5)  # its registration's describe (the first host copy) ends
-            api.placement._models.clear()  # described again, now failing
+            api.placement.catalogue.models.clear()  # described again, now failing
             monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, "openvino", unreadable)
             agent.server.fronts.clear()
             status, err = await api.call("POST", "/v1/completions", key,

@@ -104,7 +104,7 @@ async def _one_agent_cluster(demo_gguf: Any) -> tuple[Any, Any]:
     from mesh.policy.slo import SLO
     from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
     from mesh.node.runtime import NodeSpec
-    from mesh.service.agent_node import AgentNode
+    from mesh.control.agent_node import AgentNode
     from mesh.engines.openvino_engine import OpenVINOEngine
 
     gib = 2**30

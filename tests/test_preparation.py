@@ -504,11 +504,11 @@ def test_each_kind_of_node_gets_its_own_calibration_profile(tmp_path):
         save_profile(prior_profile("m_1", "cpu", 10**6, 1000, 256), profiles / "m_1.json")
         p = ClusterPlacement([NodeSpec("cpu-0", "cpu", 10**9), NodeSpec("gpu-0", "gpu", 10**9)],
                              PlacementSettings(profile_dir=str(profiles)), agent_factory=InProcessAgent)
-        assert p._profile_for("m_1", "cpu") == str(profiles / "m_1.json")
-        assert p._profile_for("m_1", "gpu") is None  # a CPU profile never plans a GPU instance
+        assert p.catalogue.profile_for("m_1", "cpu") == str(profiles / "m_1.json")
+        assert p.catalogue.profile_for("m_1", "gpu") is None  # a CPU profile never plans a GPU instance
         save_profile(prior_profile("m_1", "gpu", 10**6, 1000, 256), profiles / "m_1.gpu.json")
-        assert p._profile_for("m_1", "gpu") == str(profiles / "m_1.gpu.json")
-        assert p._profile_for("m_1", "cpu") == str(profiles / "m_1.json")
-        assert p._profile_for("m_2", "cpu") is None
+        assert p.catalogue.profile_for("m_1", "gpu") == str(profiles / "m_1.gpu.json")
+        assert p.catalogue.profile_for("m_1", "cpu") == str(profiles / "m_1.json")
+        assert p.catalogue.profile_for("m_2", "cpu") is None
 
     asyncio.run(main())

@@ -285,11 +285,11 @@ def test_registration_describes_the_model_on_the_node_that_holds_its_first_host_
         m = record(model_file)
         p.model_registered(m)
         for _ in range(300):
-            if m.uid in p._models:
+            if m.uid in p.catalogue.models:
                 break
             await asyncio.sleep(0.02)
         assert p.view()["weights"]["models"][m.uid]["host_copies"] == ["cpu-2"]
-        assert p._models[m.uid].front == "cpu-2"
+        assert p.catalogue.models[m.uid].front == "cpu-2"
         assert sorted(p.weights.holders(m.uid)) == ["cpu-2"]  # described where it is: no second copy made
         await p.stop()
 

@@ -10,7 +10,7 @@ implementations, so the replay evaluates exactly what serves tenants:
 - `LocalNode` (mesh.replay.local_node): a NodeRuntime in this process. The replays run it with simulated
   engines on the virtual-time loop; its calls complete without suspending, so a replay's
   decisions are atomic.
-- `AgentNode` (mesh.service.agent_node): a node agent process, local or on another
+- `AgentNode` (mesh.control.agent_node): a node agent process, local or on another
   machine, over its control connection. Validation and admission run in the agent against
   its live state, so each verb is one message; admission is validate + admit in one step
   of the agent's loop, hence atomic there too.
@@ -86,7 +86,7 @@ class ClusterNode(ABC):
 
     def staging(self, instance_id: str) -> bool:
         """Is the instance's start staged: its weights still on their way to this node and its
-        load not issued yet (the service's nodes, mesh.service.agent_node)? Never in a replay."""
+        load not issued yet (the service's nodes, mesh.control.agent_node)? Never in a replay."""
         return False
 
     def loaded_from(self, instance_id: str) -> str | None:

@@ -14,57 +14,46 @@ node current from the agent's events:
 - tokens and `done` events update the request the dispatcher holds (`ServedRequest`:
   first-token time, progress, outcome), whose `on_output`/`on_done` feed the client.
 
-The mirror of the node's instances and requests changes before a call goes out (and is
-undone on refusal), so an event that overtakes the reply to its own call still finds its
-request.
+The node's instances and the requests placed on them are its book (mesh.control.node_book),
+which changes before a call goes out (and is undone on refusal), so an event that overtakes
+the reply to its own call still finds its request.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 
-from mesh.engines.engine_api import FinishReason
 from mesh.control.agent_client import AgentCallError, AgentDown
-from mesh.wire.agent_protocol import AdmitEntry, Code, DoneEvent, EvictedEvent, InstanceEvent, InstanceSpec, Probe
-from mesh.wire.agent_protocol import NodeEvent
-from mesh.wire.agent_protocol import Progress, ProtocolError, TokensEvent, event_from_message, mean_output_to, slo_to_dict
-from mesh.control.supervisor import AgentHandle
-from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.control.cluster_node import ClusterNode, InstanceState
-from mesh.node.runtime import Admission, InstancePlan, NodeSpec
+from mesh.control.node_book import MirroredInstance, NodeBook, resume_from
+from mesh.control.supervisor import AgentHandle
 from mesh.node.request import Outcome, ServedRequest
-from mesh.policy.kv_demand import RunningMean
-from mesh.service.errors import ApiError
+from mesh.node.runtime import InstancePlan, NodeSpec
+from mesh.node.shadow_admission import Admission
+from mesh.policy.shadow import DEFAULT_MARGIN
+from mesh.wire.agent_protocol import (AdmitEntry, Code, DoneEvent, EvictedEvent, InstanceEvent, InstanceSpec, NodeEvent,
+                                      Probe, Progress, ProtocolError, TokensEvent, event_from_message, mean_output_to,
+                                      slo_to_dict)
 
-log = logging.getLogger("mesh.service.agent_node")
+log = logging.getLogger("mesh.control.agent_node")
 
 CALL_TIMEOUT_S = 30.0
 STATS_EVERY_S = 1.0
 
 # (plan, node) -> how the agent loads the planned instance (its weights placed on that
-# node first, when the service multicasts them); raises to refuse the start.
+# node first, when the service multicasts them); raises to refuse the start: the error's
+# text is the operator's detail (`last_start_error`, logged).
 LoadSpecFor = Callable[[InstancePlan, "AgentNode"], Awaitable[InstanceSpec]]
 ProfileFor = Callable[[str, str], str | None]  # (model, node kind) -> its calibration profile file, if any
 
-
-@dataclass(eq=False)
-class MirroredInstance:
-    """The dispatcher's view of one instance on the agent (an InstanceState)."""
-
-    instance_id: str
-    model: str
-    requests: dict[str, ServedRequest] = field(default_factory=dict)
-    loaded: bool = False
-    idle_since: float = 0.0
-    # Staged: its weights are still on their way here, its load not issued yet (`start_instance`).
-    staged_bytes: int = 0  # what it will take of the node's memory (0: its load was issued)
-    deferred: list[tuple[ServedRequest, bool]] = field(default_factory=list)  # admitted while staged: (req, compute)
-
-
 AgentFactory = Callable[..., AgentHandle]  # (spec, on_up, on_down, on_event, settings)
+
+
+class StartRefused(Exception):
+    """A `LoadSpecFor` that cannot make the spec: its text is the operator's detail (an error
+    told to tenants is redacted; this one is logged and kept as `last_start_error`)."""
 
 
 class AgentNode(ClusterNode):
@@ -74,9 +63,8 @@ class AgentNode(ClusterNode):
         self.agent = agent_factory(spec, self._agent_up, self._agent_down, self._agent_event, settings)
         self._load_spec = load_spec
         self._profile_for = profile_for
-        self._instances: dict[str, MirroredInstance] = {}
-        self._means: dict[str, RunningMean] = {}  # O_avg per model: the cluster's, shared by every node (6.1)
-        self._requests: dict[str, ServedRequest] = {}
+        self._book = NodeBook(self)  # its instances and the requests placed on them
+        self._instances = self._book.instances
         self.stats: dict[str, Any] = {}  # the agent's last `stats` reply
         self._budget_bytes = 0  # the memory budget in use (reservation station, 6.3)
         self._tasks: list[asyncio.Task] = []
@@ -90,8 +78,6 @@ class AgentNode(ClusterNode):
         self.on_instance_stopped: Callable[[str, str], None] | None = None  # (model, instance) unloaded or lost
         self.last_start_error = ""  # why the last instance start failed (for the operator)
         self.busy_fraction = 0.0  # of the last stats interval, the node's engines were stepping
-        self._load_waiters: dict[str, list[asyncio.Future]] = {}
-        self._loaded_from: dict[str, str] = {}  # instance -> the source its agent said it loaded from
         self._stepping: str | None = None  # the instance whose iteration is in flight (the agent's `node` event)
         # (plan, node) -> must the planned instance's weights reach this node before its load
         # (the placement's weights plane says)? Then its start is staged (`start_instance`).
@@ -123,7 +109,7 @@ class AgentNode(ClusterNode):
         return int(self.stats.get("memory", {}).get("capacity_bytes", self.spec.memory_bytes))
 
     def progress(self, request_id: str) -> int:
-        req = self._requests.get(request_id)
+        req = self._book.requests.get(request_id)
         return req.tokens_out if req is not None else 0
 
     def used_bytes(self) -> int:
@@ -135,7 +121,7 @@ class AgentNode(ClusterNode):
         return inst is not None and inst.staged_bytes > 0
 
     def loaded_from(self, instance_id: str) -> str | None:
-        return self._loaded_from.get(instance_id)
+        return self._book.loaded_from.get(instance_id)
 
     def parked(self, model: str) -> bool:
         return model in self.stats.get("parked", {}).get("models", ())  # as of the last stats
@@ -205,7 +191,7 @@ class AgentNode(ClusterNode):
         inst = self._instances.get(instance_id)
         if inst is None or not self.up:
             return Admission(False, refusal=f"no instance {instance_id} on {self.node_id}")
-        self._hold(inst, req)  # before the call: its first tokens may overtake the reply
+        self._book.hold(inst, req)  # before the call: its first tokens may overtake the reply
         if inst.staged_bytes:  # its weights are on their way: sent to the agent once its load is issued
             inst.deferred.append((req, compute))
             return Admission(True)
@@ -232,13 +218,13 @@ class AgentNode(ClusterNode):
             self._hand_back(req, f"refused by {self.node_id} once its instance loaded: "
                                  f"{result.get('reason') or result.get('code')}")
             return Admission(False, refusal=str(result.get("reason") or result.get("code")))
-        self._release(req.request_id)
+        self._book.release(req.request_id)
         req.node_id = req.instance_id = None
         log.debug("%s refused %s on %s: %s", self.node_id, req.request_id, instance_id, result)
         return Admission(False, refusal=str(result.get("reason") or result.get("code")))
 
     async def take_back(self, request_id: str, why: str) -> ServedRequest | None:
-        req = self._requests.get(request_id)
+        req = self._book.requests.get(request_id)
         if req is None or not self.up:
             return None
         try:
@@ -251,8 +237,8 @@ class AgentNode(ClusterNode):
         except ProtocolError as exc:
             log.warning("take_back of %s from %s: %s", request_id, self.node_id, exc)
             return None
-        self._release(request_id)
-        _resume_from(req, progress, f"taken from {self.node_id} after {progress.tokens_out} tokens: {why}")
+        self._book.release(request_id)
+        resume_from(req, progress, f"taken from {self.node_id} after {progress.tokens_out} tokens: {why}")
         return req
 
     async def start_instance(self, plan: InstancePlan) -> bool:
@@ -281,17 +267,15 @@ class AgentNode(ClusterNode):
         try:
             spec = dataclasses.replace(await self._load_spec(plan, self), slo=slo_to_dict(plan.slo),
                                        expected_load_s=plan.expected_load_s, mean_output=mean_output_to(plan.mean_output))
-            self._means[plan.model] = plan.mean_output
+            self._book.means[plan.model] = plan.mean_output
             if self._instances.get(plan.instance_id) is not inst:  # stopped while its weights moved
                 return False
             await self.agent.client.call(spec.to_message(), CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - weights not placed, memory, engine: not started
             if self._instances.get(plan.instance_id) is inst:
                 self._instances.pop(plan.instance_id, None)
-            # the operator's detail: an error told to tenants redacted (an ApiError) keeps it as its cause
-            detail = exc.__cause__ if isinstance(exc, ApiError) and exc.__cause__ is not None else exc
-            log.warning("starting %s on %s failed: %s", plan.instance_id, self.node_id, detail)
-            self.last_start_error = str(detail)
+            log.warning("starting %s on %s failed: %s", plan.instance_id, self.node_id, exc)
+            self.last_start_error = str(exc)  # the operator's detail (`LoadSpecFor`)
             return False
         # the memory budget in use came with the reply (the agent's `node` event follows it in
         # the same write): weights and initial KV cache, as the replay's station counts them
@@ -314,7 +298,7 @@ class AgentNode(ClusterNode):
             ours = self._instances.get(plan.instance_id) is inst  # (not stopped, nor lost with its agent)
             if ours:
                 self._instances.pop(plan.instance_id, None)
-                self._settled(inst, False)
+                self._book.settled(inst, False)
             for req, _ in deferred:
                 self._hand_back(req, f"its instance {plan.instance_id} could not start on {self.node_id}: "
                                      f"{self.last_start_error or 'stopped'}")
@@ -333,7 +317,7 @@ class AgentNode(ClusterNode):
 
     def _hand_back(self, req: ServedRequest, why: str) -> None:
         """A request admitted to a staged instance that could not take it: placed again."""
-        if self._release(req.request_id) is None or req.outcome is not None:
+        if self._book.release(req.request_id) is None or req.outcome is not None:
             return
         req.attempts.append(why)
         req.node_id = req.instance_id = None
@@ -346,7 +330,7 @@ class AgentNode(ClusterNode):
         inst = self._instances.pop(instance_id, None)
         if inst is None:
             return
-        self._settled(inst, False)
+        self._book.settled(inst, False)
         if not self.up or inst.staged_bytes:  # staged: its load was not issued (`_start_staged` cleans up)
             return
         try:
@@ -358,7 +342,7 @@ class AgentNode(ClusterNode):
     async def forget_model(self, model: str) -> None:
         """A deleted model with no instance left: its mean here and its state on the agent
         (fronts, tokenizer, learnt times, builds ahead, parked workers) go."""
-        self._means.pop(model, None)
+        self._book.means.pop(model, None)
         if not self.up:  # a restarted agent has nothing of it
             return
         try:
@@ -368,65 +352,24 @@ class AgentNode(ClusterNode):
 
     async def wait_loaded(self, instance_id: str, timeout_s: float) -> bool:
         """Wait until the instance is ready (True) or gone: failed to load, unloaded (False)."""
-        inst = self._instances.get(instance_id)
-        if inst is None or inst.loaded:
-            return inst is not None
-        future = asyncio.get_running_loop().create_future()
-        self._load_waiters.setdefault(instance_id, []).append(future)
-        try:
-            return await asyncio.wait_for(future, timeout_s)
-        except asyncio.TimeoutError:
-            return False
-
-    def _settled(self, inst: MirroredInstance, loaded: bool) -> None:
-        """The instance is ready (loaded=True) or no longer here: wake its waiters."""
-        if not loaded:
-            self._loaded_from.pop(inst.instance_id, None)
-        for future in self._load_waiters.pop(inst.instance_id, ()):
-            if not future.done():
-                future.set_result(loaded)
-        if not loaded and self.on_instance_stopped is not None:
-            self.on_instance_stopped(inst.model, inst.instance_id)
+        return await self._book.wait_loaded(instance_id, timeout_s)
 
     def fail_all(self, why: str) -> None:
         """The node left: every request it holds fails with `why`, its instances are gone."""
-        for inst in list(self._instances.values()):
-            self._lose_instance(inst, why)
+        self._book.lose_all(why)
 
     def abort(self, request_id: str, why: str) -> None:
         """Ask the agent to end the request (its `done` event, failed, ends it here); one
         held for a staged instance ends here."""
-        req = self._requests.get(request_id)
+        req = self._book.requests.get(request_id)
         inst = self._instances.get(req.instance_id or "") if req is not None else None
         if inst is not None and any(r is req for r, _ in inst.deferred):
             inst.deferred = [(r, c) for r, c in inst.deferred if r is not req]
-            self._end_here(request_id, Outcome.FAILED, why)
+            self._book.end_here(request_id, Outcome.FAILED, why)
         elif self.up:
             self.agent.client.send({"t": "abort", "request_id": request_id})
         else:
-            self._end_here(request_id, Outcome.FAILED, why)
-
-    # -- the mirror ----------------------------------------------------------------------------
-    def _hold(self, inst: MirroredInstance, req: ServedRequest) -> None:
-        inst.requests[req.request_id] = req
-        self._requests[req.request_id] = req
-        req.node_id, req.instance_id = self.node_id, inst.instance_id
-
-    def _release(self, request_id: str) -> ServedRequest | None:
-        req = self._requests.pop(request_id, None)
-        if req is None:
-            return None
-        inst = self._instances.get(req.instance_id or "")
-        if inst is not None:
-            inst.requests.pop(request_id, None)
-            if not inst.requests:
-                inst.idle_since = self._now()
-        return req
-
-    def _end_here(self, request_id: str, outcome: Outcome, detail: str, reason: FinishReason | None = None) -> None:
-        req = self._release(request_id)
-        if req is not None:
-            req.end(outcome, self._now(), detail, reason)  # node_id stays: the dispatcher notes the node idle
+            self._book.end_here(request_id, Outcome.FAILED, why)
 
     # -- agent events ------------------------------------------------------------------------------
     def _agent_event(self, _agent: AgentHandle, m: dict[str, Any]) -> None:
@@ -435,63 +378,17 @@ class AgentNode(ClusterNode):
         except ProtocolError as exc:
             log.warning("node %s sent a malformed event: %s", self.node_id, exc)
             return
-        now = self._now()
         if isinstance(event, TokensEvent):
-            for rid, token_ids, text in event.items:
-                req = self._requests.get(rid)
-                if req is None:
-                    continue
-                if req.first_token_s is None:
-                    req.first_token_s = now
-                req.tokens_out += len(token_ids) or 1  # one item per token (simulated engines send no ids)
-                if req.on_output is not None:
-                    req.on_output(req, token_ids, [text] if text else [])
+            self._book.tokens(event)
         elif isinstance(event, DoneEvent):
-            req = self._requests.get(event.request_id)
-            if req is None:
-                return
-            req.tokens_out = event.tokens_out or req.tokens_out
-            outcome = Outcome.COMPLETED if event.outcome == Outcome.COMPLETED.value else Outcome.FAILED
-            if outcome is Outcome.COMPLETED and req.model in self._means:  # O_avg, as a LocalNode's runtime adds it
-                self._means[req.model].add(req.tokens_out)
-            reason = FinishReason(event.reason) if event.reason in FinishReason._value2member_map_ else None
-            self._end_here(event.request_id, outcome, event.detail, reason)
+            self._book.done(event)
         elif isinstance(event, EvictedEvent):
-            req = self._release(event.progress.request_id)
-            if req is None:
-                return
-            req.evictions += 1
-            req.fault = event.fault
-            _resume_from(req, event.progress, f"evicted from {self.node_id}: {event.why}")
-            if self.on_evict is not None:
-                self.on_evict(req)
-            else:
-                req.end(Outcome.FAILED, now, event.why)
+            self._book.evicted(event)
         elif isinstance(event, NodeEvent):
             self._stepping = event.stepping
             self._budget_bytes = event.budget_bytes
         elif isinstance(event, InstanceEvent):
-            inst = self._instances.get(event.instance_id)
-            if inst is None:
-                return
-            if event.state == "ready":
-                if event.loaded_from:
-                    self._loaded_from[inst.instance_id] = event.loaded_from
-                inst.loaded = True
-                inst.idle_since = now
-                self._settled(inst, True)
-                if self.on_loaded is not None:
-                    self.on_loaded(inst.instance_id)
-            else:
-                self._lose_instance(inst, f"instance {inst.instance_id} failed to load: {event.error}")
-
-    def _lose_instance(self, inst: MirroredInstance, why: str) -> None:
-        self._instances.pop(inst.instance_id, None)
-        self._settled(inst, False)
-        for rid in list(inst.requests):
-            self._end_here(rid, Outcome.FAILED, why)
-        if self.on_instance_gone is not None:
-            self.on_instance_gone(inst.instance_id)
+            self._book.instance(event)
 
     def _agent_up(self, agent: AgentHandle) -> None:
         log.warning("node agent %s is up (generation %d)", agent.node_id, agent.generation)
@@ -505,8 +402,7 @@ class AgentNode(ClusterNode):
 
     def _agent_down(self, agent: AgentHandle, reason: str) -> None:
         why = f"node agent {agent.node_id} died ({reason}); it is being restarted"
-        for inst in list(self._instances.values()):
-            self._lose_instance(inst, why)
+        self._book.lose_all(why)
         self.stats = {}
         self._stepping = None
         if self.on_down is not None:
@@ -526,16 +422,3 @@ def _probe(req: ServedRequest, done: int) -> dict[str, Any]:
 def _age(t: float | None) -> float | None:
     """A time as seconds ago, for the agent's clock (the pace rule runs from the first token)."""
     return None if t is None else max(0.0, asyncio.get_running_loop().time() - t)
-
-
-def _resume_from(req: ServedRequest, progress: Progress, note: str) -> None:
-    """A request off its node: its produced tokens follow its prompt, to be recomputed
-    where it resumes (mesh.node.runtime NodeRuntime.take_back does the same in-process)."""
-    er = req.engine_request
-    req.engine_request = dataclasses.replace(er, prompt_token_ids=list(er.prompt_token_ids[:er.prompt_len])
-                                             + progress.token_ids)
-    req.tokens_out = progress.tokens_out
-    if req.first_token_s is None and progress.first_token_age_s is not None:  # no tokens streamed here
-        req.first_token_s = asyncio.get_running_loop().time() - progress.first_token_age_s
-    req.attempts.append(note)
-    req.node_id = req.instance_id = None

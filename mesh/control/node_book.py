@@ -1,0 +1,175 @@
+"""The dispatcher's book of one node agent: its instances and the requests placed on them
+(what `ClusterNode.instances` shows the dispatcher and the policies), kept current from the
+agent's events (mesh.wire.agent_protocol): tokens and `done` update the request the
+dispatcher holds (`ServedRequest`: first-token time, progress, outcome), whose
+`on_output`/`on_done` feed the client; `evicted` hands a request back with the tokens it
+produced (6.4); an instance's `ready` or failed load settles who waits for it.
+
+`AgentNode` (mesh.control.agent_node) carries the dispatcher's verbs to the agent and
+changes the book before a call goes out (undone on refusal), so an event that overtakes
+the reply to its own call still finds its request.
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from mesh.engines.engine_api import FinishReason
+from mesh.node.request import Outcome, ServedRequest
+from mesh.policy.kv_demand import RunningMean
+from mesh.wire.agent_protocol import DoneEvent, EvictedEvent, InstanceEvent, Progress, TokensEvent
+
+if TYPE_CHECKING:
+    from mesh.control.agent_node import AgentNode
+
+
+@dataclass(eq=False)
+class MirroredInstance:
+    """The dispatcher's view of one instance on the agent (an InstanceState)."""
+
+    instance_id: str
+    model: str
+    requests: dict[str, ServedRequest] = field(default_factory=dict)
+    loaded: bool = False
+    idle_since: float = 0.0
+    # Staged: its weights are still on their way here, its load not issued yet (`start_instance`).
+    staged_bytes: int = 0  # what it will take of the node's memory (0: its load was issued)
+    deferred: list[tuple[ServedRequest, bool]] = field(default_factory=list)  # admitted while staged: (req, compute)
+
+
+class NodeBook:
+    def __init__(self, node: "AgentNode") -> None:
+        self.node = node
+        self.instances: dict[str, MirroredInstance] = {}
+        self.requests: dict[str, ServedRequest] = {}
+        self.means: dict[str, RunningMean] = {}  # O_avg per model: the cluster's, shared by every node (6.1)
+        self.loaded_from: dict[str, str] = {}  # instance -> the source its agent said it loaded from
+        self._load_waiters: dict[str, list[asyncio.Future]] = {}
+
+    # -- requests placed here ----------------------------------------------------------------
+    def hold(self, inst: MirroredInstance, req: ServedRequest) -> None:
+        inst.requests[req.request_id] = req
+        self.requests[req.request_id] = req
+        req.node_id, req.instance_id = self.node.node_id, inst.instance_id
+
+    def release(self, request_id: str) -> ServedRequest | None:
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        inst = self.instances.get(req.instance_id or "")
+        if inst is not None:
+            inst.requests.pop(request_id, None)
+            if not inst.requests:
+                inst.idle_since = _now()
+        return req
+
+    def end_here(self, request_id: str, outcome: Outcome, detail: str, reason: FinishReason | None = None) -> None:
+        req = self.release(request_id)
+        if req is not None:
+            req.end(outcome, _now(), detail, reason)  # node_id stays: the dispatcher notes the node idle
+
+    # -- instances -----------------------------------------------------------------------------
+    async def wait_loaded(self, instance_id: str, timeout_s: float) -> bool:
+        """Wait until the instance is ready (True) or gone: failed to load, unloaded (False)."""
+        inst = self.instances.get(instance_id)
+        if inst is None or inst.loaded:
+            return inst is not None
+        future = asyncio.get_running_loop().create_future()
+        self._load_waiters.setdefault(instance_id, []).append(future)
+        try:
+            return await asyncio.wait_for(future, timeout_s)
+        except asyncio.TimeoutError:
+            return False
+
+    def settled(self, inst: MirroredInstance, loaded: bool) -> None:
+        """The instance is ready (loaded=True) or no longer here: wake its waiters."""
+        if not loaded:
+            self.loaded_from.pop(inst.instance_id, None)
+        for future in self._load_waiters.pop(inst.instance_id, ()):
+            if not future.done():
+                future.set_result(loaded)
+        if not loaded and self.node.on_instance_stopped is not None:
+            self.node.on_instance_stopped(inst.model, inst.instance_id)
+
+    def lose(self, inst: MirroredInstance, why: str) -> None:
+        """The instance left the node unasked (its load failed, its agent died): its requests fail."""
+        self.instances.pop(inst.instance_id, None)
+        self.settled(inst, False)
+        for rid in list(inst.requests):
+            self.end_here(rid, Outcome.FAILED, why)
+        if self.node.on_instance_gone is not None:
+            self.node.on_instance_gone(inst.instance_id)
+
+    def lose_all(self, why: str) -> None:
+        for inst in list(self.instances.values()):
+            self.lose(inst, why)
+
+    # -- the agent's events ----------------------------------------------------------------------
+    def tokens(self, event: TokensEvent) -> None:
+        now = _now()
+        for rid, token_ids, text in event.items:
+            req = self.requests.get(rid)
+            if req is None:
+                continue
+            if req.first_token_s is None:
+                req.first_token_s = now
+            req.tokens_out += len(token_ids) or 1  # one item per token (simulated engines send no ids)
+            if req.on_output is not None:
+                req.on_output(req, token_ids, [text] if text else [])
+
+    def done(self, event: DoneEvent) -> None:
+        req = self.requests.get(event.request_id)
+        if req is None:
+            return
+        req.tokens_out = event.tokens_out or req.tokens_out
+        outcome = Outcome.COMPLETED if event.outcome == Outcome.COMPLETED.value else Outcome.FAILED
+        if outcome is Outcome.COMPLETED and req.model in self.means:  # O_avg, as a LocalNode's runtime adds it
+            self.means[req.model].add(req.tokens_out)
+        reason = FinishReason(event.reason) if event.reason in FinishReason._value2member_map_ else None
+        self.end_here(event.request_id, outcome, event.detail, reason)
+
+    def evicted(self, event: EvictedEvent) -> None:
+        req = self.release(event.progress.request_id)
+        if req is None:
+            return
+        req.evictions += 1
+        req.fault = event.fault
+        resume_from(req, event.progress, f"evicted from {self.node.node_id}: {event.why}")
+        if self.node.on_evict is not None:
+            self.node.on_evict(req)
+        else:
+            req.end(Outcome.FAILED, _now(), event.why)
+
+    def instance(self, event: InstanceEvent) -> None:
+        inst = self.instances.get(event.instance_id)
+        if inst is None:
+            return
+        if event.state != "ready":
+            self.lose(inst, f"instance {inst.instance_id} failed to load: {event.error}")
+            return
+        if event.loaded_from:
+            self.loaded_from[inst.instance_id] = event.loaded_from
+        inst.loaded = True
+        inst.idle_since = _now()
+        self.settled(inst, True)
+        if self.node.on_loaded is not None:
+            self.node.on_loaded(inst.instance_id)
+
+
+def resume_from(req: ServedRequest, progress: Progress, note: str) -> None:
+    """A request off its node: its produced tokens follow its prompt, to be recomputed
+    where it resumes (mesh.node.runtime NodeRuntime.take_back does the same in-process)."""
+    er = req.engine_request
+    req.engine_request = dataclasses.replace(er, prompt_token_ids=list(er.prompt_token_ids[:er.prompt_len])
+                                             + progress.token_ids)
+    req.tokens_out = progress.tokens_out
+    if req.first_token_s is None and progress.first_token_age_s is not None:  # no tokens streamed here
+        req.first_token_s = asyncio.get_running_loop().time() - progress.first_token_age_s
+    req.attempts.append(note)
+    req.node_id = req.instance_id = None
+
+
+def _now() -> float:
+    return asyncio.get_running_loop().time()
