@@ -185,6 +185,8 @@ class LoadRecord:
 
 @dataclass
 class ColdStartTable:
+    """Measured loads per (node, model, source) and measured transfers (the comment above)."""
+
     window: int = WINDOW
     _loads: dict[tuple[str, str, str], deque[float]] = field(default_factory=dict)  # (node, model, source)
     _latest: dict[tuple[str, str], LoadRecord] = field(default_factory=dict)  # (node, model) -> latest load
@@ -379,6 +381,12 @@ def schedule(plan: Plan, cost: CostModel = BLOCK_TIME, block_sizes: Sequence[int
     return Schedule(tuple(timed), done)
 
 
+def block_sizes(model_bytes: int, block_bytes: int) -> list[int]:
+    """A model of `model_bytes` cut into blocks of `block_bytes`, the last one the rest."""
+    nblocks = -(-model_bytes // block_bytes)
+    return [block_bytes] * (nblocks - 1) + [model_bytes - block_bytes * (nblocks - 1)]
+
+
 def estimate(name: str, model_bytes: int, targets: int, cost: CostModel, sources: int = 1) -> Schedule:
     """Predicted multicast of a model of `model_bytes` to `targets` new nodes from `sources`
     holders, in blocks of cost.block_bytes (for replays: cold starts by network)."""
@@ -386,7 +394,6 @@ def estimate(name: str, model_bytes: int, targets: int, cost: CostModel, sources
         raise ValueError("need model_bytes > 0, targets >= 0, sources >= 1")
     if targets == 0:
         return Schedule((), {})
-    nblocks = -(-model_bytes // cost.block_bytes)
-    sizes = [cost.block_bytes] * (nblocks - 1) + [model_bytes - cost.block_bytes * (nblocks - 1)]
-    plan = make_plan(name, [f"s{i}" for i in range(sources)], [f"t{i}" for i in range(targets)], nblocks)
+    sizes = block_sizes(model_bytes, cost.block_bytes)
+    plan = make_plan(name, [f"s{i}" for i in range(sources)], [f"t{i}" for i in range(targets)], len(sizes))
     return schedule(plan, cost, sizes)

@@ -53,7 +53,7 @@ from typing import TYPE_CHECKING, Sequence
 from mesh.engines.engine_api import Engine
 from mesh.engines.simulated import SimulatedEngine
 from mesh.policy.batching import IterationTimes
-from mesh.perf.load_times import NET_BYTES_PER_S, PCIE_BYTES_PER_S, CostModel, schedule, weights_load_s
+from mesh.perf.load_times import NET_BYTES_PER_S, PCIE_BYTES_PER_S, CostModel, block_sizes, schedule, weights_load_s
 from mesh.policy.multicast import make_plan
 from mesh.policy.param_pool import ParameterPool
 from mesh.node.runtime import InstancePlan
@@ -310,9 +310,8 @@ class WeightsModel:
         if not free:
             free = [min(sources, key=lambda n: (self._uplink_free[n], n))]
         begin = max(now, *(self._uplink_free.get(n, -math.inf) for n in free))
-        nblocks = -(-size // cfg.block_bytes)
-        sizes = [cfg.block_bytes] * (nblocks - 1) + [size - cfg.block_bytes * (nblocks - 1)]
-        sched = schedule(make_plan(cfg.plan, free, targets, nblocks),
+        sizes = block_sizes(size, cfg.block_bytes)
+        sched = schedule(make_plan(cfg.plan, free, targets, len(sizes)),
                          CostModel(cfg.block_bytes, cfg.net_bytes_per_s, cfg.latency_s), sizes)
         for tt in sched.transfers:
             sender = tt.transfer.sender
