@@ -23,7 +23,7 @@ import ssl
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -37,6 +37,9 @@ from mesh.service.prometheus import CONTENT_TYPE, ServiceMetrics
 from mesh.service.cluster_placement import Placement
 from mesh.service.quotas import Quotas
 from mesh.service.registry import Registry
+
+if TYPE_CHECKING:
+    from mesh.node.runtime import NodeSpec
 
 log = logging.getLogger("mesh.service")
 
@@ -207,7 +210,8 @@ def _open_registry(data_dir: Path) -> Registry:
     return registry
 
 
-def _local_nodes(config: ServeConfig, memory: int | None) -> tuple[list[Any], dict[str, str], dict[str, Any]]:
+def _local_nodes(config: ServeConfig, memory: int | None) -> tuple[list[NodeSpec], dict[str, str],
+                                                                  dict[str, tuple[int, ...]]]:
     """The nodes this machine runs (none with --ray: agents on its nodes), the devices the
     emulated ones emulate (node id -> device, mesh serve --emulate), and the cores of each
     computing node and of the service (mesh.control.supervisor.core_shares)."""
