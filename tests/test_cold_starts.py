@@ -134,7 +134,7 @@ def test_retry_after_is_the_time_left_of_the_load_under_way():
         await asyncio.sleep(5.0)
         left = cluster.cold_start_left_s("m")
         placement = ClusterPlacement([], PlacementSettings())
-        placement.cluster = cluster
+        placement.requests.cluster = cluster  # the request path answers Retry-After from this cluster's loads
         retry = placement.requests.retry_after_s("m")
         await asyncio.sleep(3.0)  # loaded: a second
         after = placement.requests.retry_after_s("m")
