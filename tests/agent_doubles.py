@@ -36,7 +36,7 @@ def simulated_factory(spec: InstanceSpec, on_loaded: Any) -> LoadReportingEngine
 
 def use_simulated_engines(monkeypatch: Any) -> None:
     """Every engine an in-process agent builds is simulated, with LinearTimes as its times."""
-    import mesh.node.agent_server as server_module
+    import mesh.node.instance_host as server_module
 
     for name in ("simulated", "openvino"):
         monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, name, simulated_factory)
@@ -81,8 +81,8 @@ class InProcessAgent(AgentHandle):
 
     async def kill(self) -> None:
         server = self.server
-        if server is not None and server._writer is not None:
-            server._writer.transport.abort()
+        if server is not None and server.connection.writer is not None:
+            server.connection.writer.transport.abort()
         await server.close()
         for _ in range(100):
             if self.state != "up":

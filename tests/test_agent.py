@@ -11,7 +11,7 @@ import pytest
 from agent_doubles import TOKEN, use_simulated_engines
 from mesh.engines.engine_api import Sampling
 from mesh.control.agent_client import AgentCallError, AgentClient, AgentDown
-from mesh.wire.agent_protocol import Code, InstanceSpec, sampling_to_dict
+from mesh.wire.agent_protocol import Abort, Code, Describe, InstanceSpec, Stats, WeightsPath, sampling_to_dict
 from mesh.node.agent_server import AgentServer
 from mesh.node.runtime import NodeSpec
 
@@ -39,14 +39,14 @@ def test_agent_serves_requests_over_the_protocol(simulated):
         closed: list[str] = []
         client = AgentClient("n0", events.append, closed.append)
         info = await client.connect(address, TOKEN)
-        assert info["node_id"] == "n0" and info["memory_bytes"] == 10**9 and info["instances"] == []
-        assert info["deadlines"] == "eq1"  # the service's default deadline rule (mesh.policy.slo)
+        assert info.node_id == "n0" and info.memory_bytes == 10**9 and info.instances == []
+        assert info.deadlines == "eq1"  # the service's default deadline rule (mesh.policy.slo)
 
         spec = InstanceSpec("i1", "m", "/nowhere", 256, engine="simulated", max_num_seqs=2)
-        reply = await client.call(spec.to_message())
+        reply = await client.call_message(spec.to_message())
         assert reply["context_window"] == 256
         with pytest.raises(AgentCallError) as e:
-            await client.call({"t": "tokenize", "instance_id": "i1", "prompt": "x"})
+            await client.call_message({"t": "tokenize", "instance_id": "i1", "prompt": "x"})
         assert e.value.code == Code.NOT_READY.value and e.value.retryable
         for _ in range(100):
             if any(ev["t"] == "instance" for ev in events):
@@ -55,15 +55,15 @@ def test_agent_serves_requests_over_the_protocol(simulated):
         assert {"t": "instance", "instance_id": "i1", "state": "ready"} in events
 
         # three requests, max batch 2: the third is refused (retryable), order kept
-        reply = await client.call({"t": "admit", "requests": [_entry("a", "i1"), _entry("b", "i1", max_tokens=10**4),
+        reply = await client.call_message({"t": "admit", "requests": [_entry("a", "i1"), _entry("b", "i1", max_tokens=10**4),
                                                                _entry("c", "i1"), _entry("d", "nope")]})
         codes = [r.get("code") if not r["ok"] else "ok" for r in reply["results"]]
         assert codes == ["ok", "ok", Code.BATCH_FULL.value, Code.NO_INSTANCE.value]
         with pytest.raises(AgentCallError) as e:
-            await client.call({"t": "unload", "instance_id": "i1"})
+            await client.call_message({"t": "unload", "instance_id": "i1"})
         assert e.value.code == Code.BUSY.value
         await asyncio.sleep(0.1)  # b decodes (the simulated engine cannot abort inside a prefill)
-        client.send({"t": "abort", "request_id": "b"})
+        client.send(Abort("b"))
         for _ in range(200):
             if sum(ev["t"] == "done" for ev in events) == 2:
                 break
@@ -71,13 +71,13 @@ def test_agent_serves_requests_over_the_protocol(simulated):
         done = {ev["request_id"]: ev for ev in events if ev["t"] == "done"}
         assert done["a"]["outcome"] == "completed" and done["a"]["tokens_out"] == 5
         assert done["b"]["outcome"] == "failed" and "aborted" in done["b"]["detail"]
-        stats = await client.call({"t": "stats"})
+        stats = await client.call_message({"t": "stats"})
         assert stats["running"] == 0 and stats["iterations"] > 0 and stats["instances"][0]["loaded"]
         assert stats["memory"]["capacity_bytes"] == 10**9 and stats["memory"]["budget_bytes"] > 10**6
-        await client.call({"t": "unload", "instance_id": "i1"})
-        assert (await client.call({"t": "stats"}))["instances"] == []
+        await client.call_message({"t": "unload", "instance_id": "i1"})
+        assert (await client.call_message({"t": "stats"}))["instances"] == []
         with pytest.raises(AgentCallError) as e:
-            await client.call({"t": "bogus"})
+            await client.call_message({"t": "bogus"})
         assert e.value.code == Code.PROTOCOL.value
         await client.close()
         assert closed
@@ -95,10 +95,10 @@ def test_agent_refuses_a_wrong_token_and_a_load_over_memory(simulated):
         client = AgentClient("n0", lambda m: None, lambda r: None)
         await client.connect(address, TOKEN)
         with pytest.raises(AgentCallError) as e:
-            await client.call(InstanceSpec("i1", "m", "/x", 256, engine="simulated").to_message())
-        assert e.value.code == Code.MEMORY.value and e.value.reply["shortfall_bytes"] > 0
+            await client.call_message(InstanceSpec("i1", "m", "/x", 256, engine="simulated").to_message())
+        assert e.value.code == Code.MEMORY.value and e.value.failure.shortfall_bytes > 0
         with pytest.raises(AgentCallError) as e:
-            await client.call(InstanceSpec("i2", "m", "/x", 256, engine="unknown").to_message())
+            await client.call_message(InstanceSpec("i2", "m", "/x", 256, engine="unknown").to_message())
         assert e.value.code == Code.BAD_REQUEST.value
         await client.close()
         await server.close()
@@ -113,22 +113,22 @@ def test_lost_connection_aborts_requests_and_fails_calls(simulated):
         closed: list[str] = []
         client = AgentClient("n0", events.append, closed.append)
         await client.connect(address, TOKEN)
-        await client.call(InstanceSpec("i1", "m", "/x", 256, engine="simulated").to_message())
+        await client.call_message(InstanceSpec("i1", "m", "/x", 256, engine="simulated").to_message())
         await asyncio.sleep(0.2)
-        reply = await client.call({"t": "admit", "requests": [_entry("a", "i1", max_tokens=10_000)]})
+        reply = await client.call_message({"t": "admit", "requests": [_entry("a", "i1", max_tokens=10_000)]})
         assert reply["results"][0]["ok"]
         await asyncio.sleep(0.05)
-        assert server.requests  # running
+        assert server.requests.requests  # running
         await client.close()
         await asyncio.sleep(0.1)
-        assert not server.requests  # the agent aborted it when the control connection went away
+        assert not server.requests.requests  # the agent aborted it when the control connection went away
         with pytest.raises(AgentDown):
-            await client.call({"t": "ping"})
+            await client.call_message({"t": "ping"})
         # the server side closing: the client notices at once
         client2 = AgentClient("n0", lambda m: None, closed.append)
         await client2.connect(address, TOKEN)
         await server.close()
-        server._writer.close() if server._writer else None
+        server.connection.writer.close() if server.connection.writer else None
         for _ in range(100):
             if not client2.up:
                 break
@@ -151,10 +151,10 @@ def test_load_opens_only_files_inside_the_agents_model_folders(simulated, tmp_pa
         await client.connect(address, TOKEN)
         for i, path in enumerate((outside, root / ".." / "secret.gguf", root / "link.gguf", "/etc/passwd")):
             with pytest.raises(AgentCallError) as e:
-                await client.call(InstanceSpec(f"x{i}", "m", str(path), 256, engine="simulated").to_message())
+                await client.call_message(InstanceSpec(f"x{i}", "m", str(path), 256, engine="simulated").to_message())
             assert e.value.code == Code.BAD_REQUEST.value and "outside this agent's model folders" in str(e.value)
             assert "--models-root" in str(e.value)
-        reply = await client.call(InstanceSpec("ok", "m", str(root / "m.gguf"), 256, engine="simulated").to_message())
+        reply = await client.call_message(InstanceSpec("ok", "m", str(root / "m.gguf"), 256, engine="simulated").to_message())
         assert reply["context_window"] == 256
         assert set(server.node.instances) == {"ok"}
         await client.close()
@@ -172,12 +172,12 @@ def test_a_handler_exception_fails_that_call_only(simulated):
         closed: list[str] = []
         client = AgentClient("n0", events.append, closed.append)
         await client.connect(address, TOKEN)
-        await client.call(InstanceSpec("i1", "m", "/x", 256, engine="simulated").to_message())
+        await client.call_message(InstanceSpec("i1", "m", "/x", 256, engine="simulated").to_message())
         for _ in range(100):
             if any(ev["t"] == "instance" for ev in events):
                 break
             await asyncio.sleep(0.01)
-        reply = await client.call({"t": "admit", "requests": [_entry("long", "i1", max_tokens=60)]})
+        reply = await client.call_message({"t": "admit", "requests": [_entry("long", "i1", max_tokens=60)]})
         assert reply["results"][0]["ok"]
         await asyncio.sleep(0.05)
 
@@ -188,16 +188,16 @@ def test_a_handler_exception_fails_that_call_only(simulated):
             await asyncio.sleep(0)
             raise RuntimeError("injected async bug")
 
-        server._handlers["stats"] = broken
-        server._handlers["weights_path"] = broken_async
-        for kind, what in (("stats", "KeyError"), ("weights_path", "RuntimeError")):
+        server.connection.handlers[Stats] = broken
+        server.connection.handlers[WeightsPath] = broken_async
+        for request, what in ((Stats(), "KeyError"), (WeightsPath("m", "f"), "RuntimeError")):
             with pytest.raises(AgentCallError) as e:
-                await client.call({"t": kind})
+                await client.call(request)
             assert e.value.code == Code.FAILED.value and what in str(e.value)
         assert client.up and not closed
-        assert "long" in server.requests and not any(ev["t"] == "done" for ev in events)  # still decoding
-        assert await client.call({"t": "ping"}) is not None
-        reply = await client.call({"t": "admit", "requests": [_entry("after", "i1", max_tokens=5)]})
+        assert "long" in server.requests.requests and not any(ev["t"] == "done" for ev in events)  # still decoding
+        assert await client.call_message({"t": "ping"}) is not None
+        reply = await client.call_message({"t": "admit", "requests": [_entry("after", "i1", max_tokens=5)]})
         assert reply["results"][0]["ok"]
         for _ in range(500):
             if {ev["request_id"] for ev in events if ev["t"] == "done"} >= {"long", "after"}:
@@ -241,11 +241,11 @@ def test_openvino_prompts_are_tokenized_in_the_agents_tokenizer_process(demo_ggu
         server, address = await _start(roots=(str(demo_gguf.parent),))
         client = AgentClient("n0", lambda _ev: None, lambda _why: None)
         await client.connect(address, TOKEN)
-        chat = (await client.call({**by_path, "messages": messages}))["ids"]
-        plain = (await client.call({**by_path, "prompt": "Hello"}))["ids"]
+        chat = (await client.call_message({**by_path, "messages": messages}))["ids"]
+        plain = (await client.call_message({**by_path, "prompt": "Hello"}))["ids"]
         with pytest.raises(AgentCallError) as e:
-            await client.call({**by_path, "messages": [{"role": "user"}]})
-        again = (await client.call({**by_path, "messages": messages}))["ids"]
+            await client.call_message({**by_path, "messages": [{"role": "user"}]})
+        again = (await client.call_message({**by_path, "messages": messages}))["ids"]
         await client.close()
         await server.close()
         return chat, plain, e.value, again
@@ -269,10 +269,10 @@ def test_a_model_described_here_gets_its_tokenizer_built_in_the_background(demo_
 
     async def main() -> None:
         server = AgentServer(NodeSpec("n0", "cpu", 10**9), TOKEN, {"cores": 2}, load_roots=[str(demo_gguf.parent)])
-        server.tokenizers = Tokenizers()
-        m = {"model": "smol", "path": str(demo_gguf), "engine": "openvino"}
-        front = await server._front(m)
-        assert await server._front(m) is front  # described once
+        server.models.tokenizers = Tokenizers()
+        m = Describe("smol", str(demo_gguf), "openvino")
+        front = await server.models.front(m)
+        assert await server.models.front(m) is front  # described once
         await asyncio.sleep(0)
         assert built == [str(demo_gguf)]
 

@@ -30,7 +30,7 @@ SLO_TIGHT = SLO(ttft_min_s=0.5, ttft_s_per_prompt_token=0.0, tpot_s=0.015)
 def simulated(monkeypatch):
     """Simulated engines whose predicted times stay the profile's (no learning), so the
     decisions below do not depend on how fast this machine runs the simulation."""
-    import mesh.node.agent_server as server_module
+    import mesh.node.instance_host as server_module
     from agent_doubles import TIMES
     from mesh.perf.times import AdaptiveTimes
 

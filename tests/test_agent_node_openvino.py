@@ -16,7 +16,7 @@ import pytest
 from agent_doubles import until
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.perf.times import prior_profile
-from mesh.node.agent_server import MEAN_OUTPUT_PRIOR
+from mesh.node.instance_host import MEAN_OUTPUT_PRIOR
 from mesh.wire.agent_protocol import InstanceSpec
 from mesh.control.supervisor import AgentSettings, LocalAgent
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, kv_require_bytes, recommend_bytes

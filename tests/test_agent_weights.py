@@ -66,14 +66,14 @@ def test_an_agent_receives_a_model_into_its_folder(tmp_path: Path) -> None:
         client, other = AgentClient("n1", lambda m: None, lambda r: None), AgentClient("n2", lambda m: None, lambda r: None)
         try:
             info = await client.connect(address, TOKEN)
-            assert info["weights"]["dir"] == str(tmp_path / "n1")
-            assert (await other.connect(bare_address, TOKEN))["weights"] is None
+            assert info.weights["dir"] == str(tmp_path / "n1")
+            assert (await other.connect(bare_address, TOKEN)).weights is None
             with pytest.raises(AgentCallError) as e:
-                await other.call({"t": "weights_path", "model": "org/m", "file": "model.bin"})
+                await other.call_message({"t": "weights_path", "model": "org/m", "file": "model.bin"})
             assert e.value.code == Code.BAD_REQUEST.value
-            out = (await client.call({"t": "weights_path", "model": "org/m", "file": "model.bin"}))["path"]
+            out = (await client.call_message({"t": "weights_path", "model": "org/m", "file": "model.bin"}))["path"]
             assert out == str(tmp_path / "n1" / "org_m" / "model.bin")
-            agents = {"s": ("127.0.0.1", source.port), "n1": _addr(info["weights"]["address"])}
+            agents = {"s": ("127.0.0.1", source.port), "n1": _addr(info.weights["address"])}
             plan = make_plan("chain", ["s"], ["n1"], manifest.count)
             # the weights port requires its token: none or a wrong one is refused, nothing written
             for token, why in ((None, "weights token missing"), ("wrong", "weights token wrong")):
@@ -119,7 +119,7 @@ async def _spawn(node: str, weights_dir: Path, weights_token: str, models_root: 
 
 
 async def _greedy(client: AgentClient, events: list[dict], path: str, iid: str, prompt: str) -> list[int]:
-    await client.call(InstanceSpec(iid, "smollm2", path, 512, max_num_seqs=2).to_message())
+    await client.call_message(InstanceSpec(iid, "smollm2", path, 512, max_num_seqs=2).to_message())
     for _ in range(1200):
         states = [e for e in events if e["t"] == "instance" and e["instance_id"] == iid]
         if states:
@@ -128,10 +128,10 @@ async def _greedy(client: AgentClient, events: list[dict], path: str, iid: str, 
         await asyncio.sleep(0.1)
     else:
         raise AssertionError(f"instance {iid} did not load")
-    ids = (await client.call({"t": "tokenize", "instance_id": iid, "prompt": prompt}))["ids"]
+    ids = (await client.call_message({"t": "tokenize", "instance_id": iid, "prompt": prompt}))["ids"]
     entry = {"request_id": f"r-{iid}", "instance_id": iid, "prompt_token_ids": ids,
              "sampling": sampling_to_dict(Sampling(max_tokens=16, temperature=0.0)), "age_s": 0.0}
-    assert (await client.call({"t": "admit", "requests": [entry]}))["results"][0]["ok"]
+    assert (await client.call_message({"t": "admit", "requests": [entry]}))["results"][0]["ok"]
     for _ in range(1200):
         if any(e["t"] == "done" and e["request_id"] == f"r-{iid}" for e in events):
             break
@@ -156,7 +156,7 @@ def test_a_scale_out_by_network_serves_from_the_received_file(demo_gguf: Path, t
                                                     demo_gguf.parent if node == "a" else None)
                 clients[node] = AgentClient(node, events[node].append, lambda r: None, heartbeat_timeout_s=60)
                 info = await clients[node].connect(address, TOKEN)
-                assert info["weights"]["dir"] == str(tmp_path / node)
+                assert info.weights["dir"] == str(tmp_path / node)
             out = str(tmp_path / "b" / "smollm2" / demo_gguf.name)
             assert not Path(out).exists()
             with pytest.raises(MulticastError, match="weights token missing"):
@@ -238,21 +238,21 @@ def test_a_real_agent_answers_a_handler_exception_and_keeps_streaming(demo_gguf:
         client = AgentClient("a", events.append, closed.append, heartbeat_timeout_s=60)
         try:
             await client.connect(address, TOKEN)
-            await client.call(InstanceSpec("i", "smollm2", str(demo_gguf), 512, max_num_seqs=2).to_message())
+            await client.call_message(InstanceSpec("i", "smollm2", str(demo_gguf), 512, max_num_seqs=2).to_message())
             for _ in range(1200):
                 if any(e["t"] == "instance" for e in events):
                     break
                 await asyncio.sleep(0.1)
-            ids = (await client.call({"t": "tokenize", "instance_id": "i", "prompt": "Once upon a time"}))["ids"]
+            ids = (await client.call_message({"t": "tokenize", "instance_id": "i", "prompt": "Once upon a time"}))["ids"]
             entry = {"request_id": "long", "instance_id": "i", "prompt_token_ids": ids,
                      "sampling": sampling_to_dict(Sampling(max_tokens=48, temperature=0.0)), "age_s": 0.0}
-            assert (await client.call({"t": "admit", "requests": [entry]}))["results"][0]["ok"]
+            assert (await client.call_message({"t": "admit", "requests": [entry]}))["results"][0]["ok"]
             for _ in range(3):
                 with pytest.raises(AgentCallError) as e:
-                    await client.call({"t": "stats"})
+                    await client.call_message({"t": "stats"})
                 assert e.value.code == Code.FAILED.value and "injected fault in stats" in str(e.value)
             assert client.up and not closed and not any(ev["t"] == "done" for ev in events)  # still decoding
-            assert await client.call({"t": "ping"}) == {}
+            assert await client.call_message({"t": "ping"}) == {}
             for _ in range(1200):
                 if any(ev["t"] == "done" for ev in events):
                     break

@@ -148,13 +148,13 @@ def test_an_agent_refuses_emulated_models_unless_it_emulates():
                 spec = InstanceSpec("i1", "t/m", "llama-2-7b", 2048, engine="emulated", profile="emulated:llama-2-7b")
                 if emulation is None:
                     with pytest.raises(AgentCallError) as e:
-                        await client.call(spec.to_message())
+                        await client.call_message(spec.to_message())
                     assert e.value.code == Code.BAD_REQUEST.value and "--emulate" in str(e.value)
                 else:
-                    reply = await client.call(spec.to_message())
+                    reply = await client.call_message(spec.to_message())
                     assert reply["weight_bytes"] == catalog_profile("llama-2-7b", "xeon-6462c").weight_bytes
                     with pytest.raises(AgentCallError) as e:  # and an emulating node runs nothing else
-                        await client.call(InstanceSpec("i2", "t/x", "/x.gguf", 256).to_message())
+                        await client.call_message(InstanceSpec("i2", "t/x", "/x.gguf", 256).to_message())
                     assert e.value.code == Code.BAD_REQUEST.value
             finally:
                 await client.close()
@@ -246,7 +246,7 @@ def test_an_emulated_load_takes_the_replays_engine_load_not_the_prediction():
                 spec = InstanceSpec(iid, "t/m", "llama-3.2-3b", 2048, engine="emulated", profile="emulated:llama-3.2-3b",
                                     expected_load_s=4.0, emulated_load_s=emulated)
                 start = loop.time()
-                await client.call(spec.to_message())
+                await client.call_message(spec.to_message())
                 for _ in range(400):
                     if iid in ready:
                         break
@@ -312,20 +312,20 @@ def test_an_emulated_instance_plans_with_its_profile_and_the_nodes_margin():
             await client.connect(address, "tok")
             spec = InstanceSpec("i1", "t/m", "llama-3.2-3b", 2048, engine="emulated", profile="emulated:llama-3.2-3b",
                                 emulated_load_s=0.01)
-            await client.call(spec.to_message())
+            await client.call_message(spec.to_message())
             for _ in range(200):
                 if server.node.instances["i1"].loaded:
                     break
                 await asyncio.sleep(0.01)
             entry = AdmitEntry("r", "i1", list(range(16)), Sampling(max_tokens=80), 0.0, prompt_len=16)
-            result = (await client.call({"t": "admit", "requests": [entry.to_dict()]}))["results"][0]
+            result = (await client.call_message({"t": "admit", "requests": [entry.to_dict()]}))["results"][0]
             assert result["ok"], result
             for _ in range(500):
-                if "r" not in server.requests:
+                if "r" not in server.requests.requests:
                     break
                 await asyncio.sleep(0.01)
-            server._flush()  # what the agent learns, it learns at a flush
-            return server.times["i1"]
+            server.connection.flush()  # what the agent learns, it learns at a flush
+            return server.host.times["i1"]
         finally:
             await client.close()
             server.stop()

@@ -99,8 +99,8 @@ def test_control_port_authenticates_first_in_a_small_frame_soon(simulated, short
             writer.close()
             # the well-behaved client is served
             client = AgentClient("n0", lambda m: None, lambda r: None)
-            assert (await client.connect(address, TOKEN))["node_id"] == "n0"
-            assert "running" in await client.call({"t": "stats"})
+            assert (await client.connect(address, TOKEN)).node_id == "n0"
+            assert "running" in await client.call_message({"t": "stats"})
             await client.close()
         finally:
             await server.close()
@@ -111,25 +111,25 @@ def test_control_port_authenticates_first_in_a_small_frame_soon(simulated, short
 def test_control_port_bounds_connections_waiting_for_their_hello(simulated):
     async def main():
         server = AgentServer(NodeSpec("n0", "cpu", 10**9), TOKEN, {"cores": 2}, load_roots=["/"])
-        server._gate.limit = 5
+        server.connection.gate.limit = 5
         address = await server.serve("127.0.0.1:0")
         port = int(address.rpartition(":")[2])
         idle = [await asyncio.open_connection("127.0.0.1", port) for _ in range(5)]
         try:
             await asyncio.sleep(0.1)  # the five are accepted and wait for their hello
-            assert server._gate.pending == 5
+            assert server.connection.gate.pending == 5
             extra_reader, extra_writer = await asyncio.open_connection("127.0.0.1", port)
             assert await _closed_after(extra_reader) == b""  # a sixth is closed at once
             extra_writer.close()
-            assert server._gate.refused >= 1
+            assert server.connection.gate.refused >= 1
             for _, w in idle:  # the idle ones leave: a client gets in again
                 w.close()
             for _ in range(100):
-                if server._gate.pending == 0:
+                if server.connection.gate.pending == 0:
                     break
                 await asyncio.sleep(0.02)
             client = AgentClient("n0", lambda m: None, lambda r: None)
-            assert (await client.connect(address, TOKEN))["node_id"] == "n0"
+            assert (await client.connect(address, TOKEN)).node_id == "n0"
             await client.close()
         finally:
             for _, w in idle:
@@ -273,7 +273,7 @@ def test_no_hostile_message_costs_the_agent_its_connection(simulated):
             conn.call({"t": "ping"})
         done = next(m for m in conn.seen if m.get("t") == "done" and m.get("request_id") == "good")
         assert done["outcome"] == "completed" and done["tokens_out"] == 4, done
-        assert server._writer is not None  # the connection it served all along
+        assert server.connection.writer is not None  # the connection it served all along
     finally:
         if conn is not None:
             conn.sock.close()
@@ -455,9 +455,9 @@ def test_an_agent_reads_profiles_only_from_its_own_folders(simulated, tmp_path):
             for i, profile in enumerate(("/etc/passwd", str(models / "link.json"), str(models / ".." / "x.json"))):
                 spec = InstanceSpec(f"i{i}", "m", str(models / "m.gguf"), 256, profile=profile)
                 with pytest.raises(AgentCallError, match="outside this agent's model folders") as caught:
-                    await client.call(spec.to_message())
+                    await client.call_message(spec.to_message())
                 assert caught.value.code == "bad_request"
-            assert "running" in await client.call({"t": "stats"})
+            assert "running" in await client.call_message({"t": "stats"})
         finally:
             await client.close()
             await server.close()
@@ -782,7 +782,7 @@ def test_fields_are_checked_before_a_node_sees_them_and_node_errors_are_redacted
             await asyncio.sleep(0.5)  # its registration's describe (the first host copy) ends
             api.placement.catalogue.models.clear()  # described again, now failing
             monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, "openvino", unreadable)
-            agent.server.fronts.clear()
+            agent.server.models.fronts.clear()
             status, err = await api.call("POST", "/v1/completions", key,
                                          {"model": "n", "prompt": [1, 2], "max_tokens": 2})
             assert status == 503 and err["error"]["code"] == "model_load_failed", err
@@ -1680,18 +1680,18 @@ def test_a_deleted_model_leaves_nothing_behind(simulated, tmp_path, demo_gguf):
                     break
             p = api.placement
             server = p.agents["cpu-0"].server
-            assert uid in p.cluster.models and uid in server._models_known()
+            assert uid in p.cluster.models and uid in server.models.models_known()
             assert 'model="m"' in api.service.metrics.render().decode()
             assert served == 3 and p.dispatcher.requests == {} and p.dispatcher.ended.requests >= 3
             assert (await api.call("DELETE", "/v1/models/m", key))[0] == 200
             for _ in range(100):
-                if uid not in server._models_known() and uid not in p.cluster.models:
+                if uid not in server.models.models_known() and uid not in p.cluster.models:
                     break
                 await asyncio.sleep(0.05)
             assert uid not in p.cluster.models and uid not in p.cluster.catalog
             assert uid not in p.cluster._mean_output and not p.cluster.instances_of(uid)
             assert uid not in p.dispatcher._decisions
-            assert server._models_known() == [], server._models_known()
+            assert server.models.models_known() == [], server.models.models_known()
             assert not any(k[1] == uid for k in p.cluster.cold_starts._loads)
             node = p.cluster.node("cpu-0")
             assert uid not in node._means

@@ -81,11 +81,11 @@ def test_a_sigkilled_agent_leaves_no_process_behind(demo_gguf, monkeypatch):
         try:
             assert await agent.wait_up(60)
             first = agent.pid
-            await agent.client.call(InstanceSpec("i1", "smollm2", str(demo_gguf), 512, max_num_seqs=2).to_message())
+            await agent.client.call_message(InstanceSpec("i1", "smollm2", str(demo_gguf), 512, max_num_seqs=2).to_message())
             await until(lambda: any(e["t"] == "instance" and e["instance_id"] == "i1" for e in events), 180)
             (state,) = [e["state"] for e in events if e["t"] == "instance"]
             assert state == "ready", events
-            ids = (await agent.client.call({"t": "tokenize", "instance_id": "i1", "prompt": "Hello"}))["ids"]
+            ids = (await agent.client.call_message({"t": "tokenize", "instance_id": "i1", "prompt": "Hello"}))["ids"]
             assert ids
 
             found = descendants(first)
@@ -102,7 +102,7 @@ def test_a_sigkilled_agent_leaves_no_process_behind(demo_gguf, monkeypatch):
             left = await asyncio.to_thread(still_running, workers, 10.0)
             assert not left, f"the killed agent's processes still run: {[found[pid][1] for pid in left]}"
             await until(lambda: agent.up and agent.pid not in (None, first), 60)  # restarted
-            await agent.client.call({"t": "ping"})  # it answers
+            await agent.client.call_message({"t": "ping"})  # it answers
         finally:
             await agent.stop()
 

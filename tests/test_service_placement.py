@@ -162,7 +162,7 @@ def test_keep_alive_recycles_idle_instances():
         assert len(p.cluster.all_instances()) == 1
         await until(lambda: p.cluster.all_instances() == [], 10.0)  # polled: a loaded machine is slower
         for _ in range(100):  # the agent unloads it too
-            if (await p.agents["cpu-0"].client.call({"t": "stats"}))["instances"] == []:
+            if (await p.agents["cpu-0"].client.call_message({"t": "stats"}))["instances"] == []:
                 break
             await asyncio.sleep(0.1)
         else:

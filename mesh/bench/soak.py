@@ -35,7 +35,7 @@ import os
 import signal
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -122,6 +122,17 @@ async def _call(session: Any, url: str, token: str, method: str, path: str, body
             return resp.status, await resp.text()
 
 
+@dataclass(frozen=True)
+class ProcessSample:
+    """One process at one time of a soak (a row of its samples file)."""
+
+    t: float  # seconds since the soak started
+    pid: int
+    role: str
+    rss: int  # bytes
+    fds: int  # open files
+
+
 def sample_processes(root_pid: int, t: float) -> list[dict[str, Any]]:
     """RSS and open files of the server and every process under it."""
     import psutil
@@ -135,8 +146,8 @@ def sample_processes(root_pid: int, t: float) -> list[dict[str, Any]]:
     for proc in procs:
         try:
             with proc.oneshot():
-                out.append({"t": round(t, 1), "pid": proc.pid, "role": _role(proc.cmdline(), proc.pid == root_pid),
-                            "rss": proc.memory_info().rss, "fds": proc.num_fds()})
+                out.append(asdict(ProcessSample(round(t, 1), proc.pid, _role(proc.cmdline(), proc.pid == root_pid),
+                                                proc.memory_info().rss, proc.num_fds())))
         except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
             continue
     return out

@@ -16,7 +16,7 @@ import statistics
 import time
 from typing import Any
 
-from mesh.wire.agent_protocol import encode_frame, read_frame
+from mesh.wire.agent_protocol import Ping, TokensEvent, encode_frame, read_frame
 from mesh.bench.report import write_json
 
 
@@ -28,7 +28,7 @@ async def _framed(tokens: int, repeat: int) -> list[float]:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while (await read_frame(reader)) is not None:
             for i in range(tokens):
-                writer.write(encode_frame({"t": "tokens", "items": [_item(i)]}))
+                writer.write(encode_frame(TokensEvent([_item(i)]).to_message()))
                 await writer.drain()
         writer.close()
 
@@ -38,7 +38,7 @@ async def _framed(tokens: int, repeat: int) -> list[float]:
     times = []
     for _ in range(repeat + 1):
         t0 = time.perf_counter()
-        writer.write(encode_frame({"t": "go"}))
+        writer.write(encode_frame(Ping().to_message()))  # any frame starts a stream
         for _ in range(tokens):
             await read_frame(reader)
         times.append(time.perf_counter() - t0)

@@ -1,9 +1,11 @@
 """The control service's side of one agent connection: calls with replies, events, liveness.
 
-`AgentClient.connect()` opens the connection and says hello. `call(message)` sends a
-request and awaits its reply (AgentCallError when the agent says ok=false); `send()` sends
-without waiting (abort). Events (tokens, done, instance) go to `on_event`. When the
-connection ends - EOF, a reset, a protocol error, or no reply to a ping within
+`AgentClient.connect()` opens the connection and says hello. `call(request)` sends a
+request (a mesh.wire.agent_protocol request type) and awaits its reply, decoded into the
+request's reply type (AgentCallError when the agent says ok=false, or answers with a
+malformed reply); `send()` sends without waiting (abort). `call_message()` speaks raw
+frames, for tests and tools that must send what no request type writes. Events (tokens,
+done, instance) go to `on_event`. When the connection ends - EOF, a reset, a protocol error, or no reply to a ping within
 `heartbeat_timeout_s` - every pending call fails with AgentDown and `on_close(reason)` runs
 once. A killed agent process closes its socket, so that is noticed at once; the heartbeat
 catches an agent that hangs or a peer that vanished from the network.
@@ -14,12 +16,26 @@ import asyncio
 import itertools
 import logging
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
-from mesh.wire.agent_protocol import PROTOCOL_VERSION, Code, ProtocolError, encode_frame, read_frame
+from mesh.wire.agent_protocol import (
+    REPLY,
+    TYPE_KEY,
+    Code,
+    Failure,
+    Hello,
+    HelloReply,
+    Ping,
+    ProtocolError,
+    Request,
+    encode_frame,
+    read_frame,
+    reply_fields,
+)
 
 log = logging.getLogger("mesh.control.agent_client")
 
+R = TypeVar("R")
 EventCallback = Callable[[dict[str, Any]], None]
 CloseCallback = Callable[[str], None]
 
@@ -31,9 +47,10 @@ class AgentDown(ConnectionError):
 class AgentCallError(RuntimeError):
     """The agent answered ok=false."""
 
-    def __init__(self, code: str, message: str, reply: dict[str, Any]) -> None:
-        super().__init__(message)
-        self.code, self.reply = code, reply
+    def __init__(self, failure: Failure) -> None:
+        super().__init__(failure.error)
+        self.failure = failure
+        self.code = failure.code
 
     @property
     def retryable(self) -> bool:
@@ -77,7 +94,7 @@ class AgentClient:
         self.on_close = on_close
         self.heartbeat_s = heartbeat_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self.info: dict[str, Any] = {}
+        self.hello: HelloReply | None = None  # who the agent said it is
         self.address = ""  # what connect() reached: "host:port" or "unix:path"
         self.closed_reason: str | None = None
         self._reader: asyncio.StreamReader | None = None
@@ -92,8 +109,8 @@ class AgentClient:
     def up(self) -> bool:
         return self._writer is not None and self.closed_reason is None
 
-    async def connect(self, address: str, token: str | None, timeout_s: float = 10.0) -> dict[str, Any]:
-        """Connect to "host:port" or "unix:path" and say hello; return the agent's info."""
+    async def connect(self, address: str, token: str | None, timeout_s: float = 10.0) -> HelloReply:
+        """Connect to "host:port" or "unix:path" and say hello; return the agent's HelloReply."""
         self.address = address
         if address.startswith("unix:"):
             opening = asyncio.open_unix_connection(address[len("unix:"):], limit=2**20)
@@ -106,12 +123,21 @@ class AgentClient:
             raise AgentDown(f"cannot connect to agent {self.name} at {address}: {exc}") from exc
         loop = asyncio.get_running_loop()
         self._tasks.append(loop.create_task(self._read_loop(), name=f"agent {self.name} reader"))
-        self.info = await self.call({"t": "hello", "token": token, "protocol": PROTOCOL_VERSION}, timeout_s)
+        self.hello = await self.call(Hello(token), timeout_s)
         self._tasks.append(loop.create_task(self._heartbeat(), name=f"agent {self.name} heartbeat"))
-        return self.info
+        return self.hello
 
-    async def call(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
-        """Send a request and await its reply (the reply's fields, without t/re/ok)."""
+    async def call(self, request: Request[R], timeout_s: float | None = None) -> R:
+        """Send a request and await its reply, decoded into the request's reply type."""
+        fields = await self.call_message(request.to_message(), timeout_s)
+        try:
+            return request.REPLY.from_fields(fields)
+        except ProtocolError as exc:
+            raise AgentCallError(Failure(Code.PROTOCOL.value, f"agent {self.name} answered {request.T} with a "
+                                         f"malformed reply: {exc}")) from exc
+
+    async def call_message(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
+        """Send a message as it is and await its reply (the reply's fields, without t/re/ok)."""
         if not self.up:
             raise AgentDown(f"agent {self.name} is down: {self.closed_reason or 'not connected'}")
         mid = next(self._ids)
@@ -124,18 +150,22 @@ class AgentClient:
             self._write({"id": mid, **{k: v for k, v in message.items() if k != "id"}})
             reply = await (asyncio.wait_for(future, timeout_s) if timeout_s else future)
         except asyncio.TimeoutError as exc:
-            raise AgentDown(f"agent {self.name} did not answer {message.get('t')} within {timeout_s:.1f} s") from exc
+            raise AgentDown(f"agent {self.name} did not answer {message.get(TYPE_KEY)} within {timeout_s:.1f} s") from exc
         finally:
             self._pending.pop(mid, None)
-        self.call_times.setdefault(str(message.get("t")), CallTimes()).add(loop.time() - sent)
+        self.call_times.setdefault(str(message.get(TYPE_KEY)), CallTimes()).add(loop.time() - sent)
         if not reply.get("ok"):
-            raise AgentCallError(str(reply.get("code")), str(reply.get("error", "failed")), reply)
-        return {k: v for k, v in reply.items() if k not in ("t", "re", "ok")}
+            try:
+                failure = Failure.from_fields(reply)
+            except ProtocolError as exc:
+                failure = Failure(Code.PROTOCOL.value, f"agent {self.name} failed a call with a malformed reply: {exc}")
+            raise AgentCallError(failure)
+        return reply_fields(reply)
 
-    def send(self, message: dict[str, Any]) -> None:
+    def send(self, request: Request[Any]) -> None:
         """Send without waiting for a reply (ignored when the connection is down)."""
         if self.up:
-            self._write(message)
+            self._write(request.to_message())
 
     def _write(self, message: dict[str, Any]) -> None:
         try:
@@ -152,7 +182,7 @@ class AgentClient:
                 if message is None:
                     break
                 self.frames_in += 1
-                if message["t"] == "reply":
+                if message[TYPE_KEY] == REPLY:
                     re_id = message.get("re")
                     future = self._pending.get(re_id) if isinstance(re_id, int) else None
                     if future is not None and not future.done():
@@ -161,7 +191,7 @@ class AgentClient:
                 try:
                     self.on_event(message)
                 except Exception:  # noqa: BLE001 - a bad event handler must not kill the connection
-                    log.exception("agent %s: event handler failed on %s", self.name, message.get("t"))
+                    log.exception("agent %s: event handler failed on %s", self.name, message.get(TYPE_KEY))
         except (ProtocolError, ConnectionError) as exc:
             reason = f"connection failed: {exc}"
         except asyncio.CancelledError:
@@ -174,7 +204,7 @@ class AgentClient:
         while self.up:
             await asyncio.sleep(self.heartbeat_s)
             try:
-                await self.call({"t": "ping"}, self.heartbeat_timeout_s)
+                await self.call(Ping(), self.heartbeat_timeout_s)
             except AgentDown as exc:
                 self._close(f"heartbeat failed: {exc}")
                 return

@@ -33,9 +33,10 @@ from mesh.node.request import Outcome, ServedRequest
 from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.node.shadow_admission import Admission
 from mesh.policy.shadow import DEFAULT_MARGIN
-from mesh.wire.agent_protocol import (AdmitEntry, Code, DoneEvent, EvictedEvent, InstanceEvent, InstanceSpec, NodeEvent,
-                                      Probe, Progress, ProtocolError, TokensEvent, event_from_message, mean_output_to,
-                                      slo_to_dict)
+from mesh.wire.agent_protocol import (Abort, Admit, AdmitEntry, AdmitResult, Code, DoneEvent, EvictedEvent, Forget,
+                                      InstanceEvent, InstanceSpec, NewInstance, NodeEvent, Probe, ProtocolError, Stats,
+                                      TakeBack, TokensEvent, Unload, Validate, ValidateGroup, ValidateNew,
+                                      event_from_message, mean_output_to, slo_to_dict)
 
 log = logging.getLogger("mesh.control.agent_node")
 
@@ -65,7 +66,7 @@ class AgentNode(ClusterNode):
         self._profile_for = profile_for
         self._book = NodeBook(self)  # its instances and the requests placed on them
         self._instances = self._book.instances
-        self.stats: dict[str, Any] = {}  # the agent's last `stats` reply
+        self.stats: dict[str, Any] = {}  # the agent's last `stats` reply (StatsReply), as /admin/cluster shows it
         self._budget_bytes = 0  # the memory budget in use (reservation station, 6.3)
         self._tasks: list[asyncio.Task] = []
         self._staging: set[asyncio.Task] = set()  # staged starts under way (`start_instance`)
@@ -151,41 +152,37 @@ class AgentNode(ClusterNode):
         if not self.up:
             return
         try:
-            stats = await self.agent.client.call({"t": "stats"}, CALL_TIMEOUT_S)
+            stats = await self.agent.client.call(Stats(), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError):
             return
         prev = self.stats
-        if prev and stats.get("uptime_s", 0) > prev.get("uptime_s", 0):
-            self.busy_fraction = min(1.0, (stats["busy_s"] - prev["busy_s"]) / (stats["uptime_s"] - prev["uptime_s"]))
-        self.stats = stats
-        self._budget_bytes = int(stats.get("memory", {}).get("budget_bytes", self._budget_bytes))
+        if prev and stats.uptime_s > prev.get("uptime_s", 0):
+            self.busy_fraction = min(1.0, (stats.busy_s - prev["busy_s"]) / (stats.uptime_s - prev["uptime_s"]))
+        self.stats = stats.to_fields()
+        self._budget_bytes = int(stats.memory.get("budget_bytes", self._budget_bytes))
 
     # -- verbs -------------------------------------------------------------------------------
-    async def _ask(self, message: dict[str, Any]) -> Admission:
-        """A validation the agent answers with {admit, reason}; a node that cannot answer refuses."""
+    async def _ask(self, request: Validate | ValidateGroup | ValidateNew) -> Admission:
+        """A validation the agent answers with a Verdict; a node that cannot answer refuses."""
         try:
-            reply = await self.agent.client.call(message, CALL_TIMEOUT_S) if self.up else None
+            verdict = await self.agent.client.call(request, CALL_TIMEOUT_S) if self.up else None
         except (AgentDown, AgentCallError) as exc:
             return Admission(False, refusal=f"node {self.node_id}: {exc}")
-        if reply is None:
+        if verdict is None:
             return Admission(False, refusal=f"node {self.node_id} is {self.agent.state}")
-        return Admission(bool(reply.get("admit")), refusal="" if reply.get("admit") else str(reply.get("reason")))
+        return Admission(verdict.admit, refusal="" if verdict.admit else verdict.reason)
 
     async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:
-        return await self._ask({"t": "validate", "instance_id": instance_id, "request": _probe(req, req.tokens_out),
-                                "exclude": list(exclude)})
+        return await self._ask(Validate(instance_id, _probe(req, req.tokens_out), list(exclude)))
 
     async def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
-        return await self._ask({"t": "validate_group", "instance_id": instance_id,
-                                "requests": [_probe(r, d) for r, d in zip(reqs, done, strict=True)]})
+        return await self._ask(ValidateGroup(instance_id, [_probe(r, d) for r, d in zip(reqs, done, strict=True)]))
 
     async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
-        p = {"instance_id": plan.instance_id, "model": plan.model, "weight_bytes": plan.weight_bytes,
-             "kv_bytes_per_token": plan.kv_bytes_per_token, "context_window": plan.context_window,
-             "max_batch": plan.max_batch, "slo": slo_to_dict(plan.slo), "expected_load_s": plan.expected_load_s,
-             "profile": self._profile_for(plan.model, self.spec.kind), "mean_output": mean_output_to(plan.mean_output)}
-        return await self._ask({"t": "validate_new", "plan": p,
-                                "requests": [_probe(r, d) for r, d in zip(reqs, done, strict=True)]})
+        p = NewInstance(plan.instance_id, plan.model, plan.weight_bytes, plan.kv_bytes_per_token, plan.context_window,
+                        plan.max_batch, plan.slo, plan.expected_load_s, self._profile_for(plan.model, self.spec.kind),
+                        mean_output_to(plan.mean_output))
+        return await self._ask(ValidateNew(p, [_probe(r, d) for r, d in zip(reqs, done, strict=True)]))
 
     async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True) -> Admission:
         inst = self._instances.get(instance_id)
@@ -206,36 +203,29 @@ class AgentNode(ClusterNode):
                            er.sampling, _age(req.arrival_s), req.tokens_out, er.prompt_len, compute,
                            _age(req.first_token_s), req.late_s)
         try:
-            reply = await self.agent.client.call({"t": "admit", "requests": [entry.to_dict()]}, CALL_TIMEOUT_S)
-            result = reply["results"][0]
-        except (AgentDown, AgentCallError, KeyError, IndexError) as exc:
-            result = {"ok": False, "code": Code.FAILED.value, "reason": f"node {self.node_id}: {exc}"}
-        if result.get("ok"):
+            result = (await self.agent.client.call(Admit([entry]), CALL_TIMEOUT_S)).results[0]
+        except (AgentDown, AgentCallError, IndexError) as exc:
+            result = AdmitResult(False, Code.FAILED.value, f"node {self.node_id}: {exc}")
+        if result.ok:
             if self.on_admitted is not None:
                 self.on_admitted(req)
             return Admission(True)
         if deferred:  # the dispatcher counted it placed: it is placed again
-            self._hand_back(req, f"refused by {self.node_id} once its instance loaded: "
-                                 f"{result.get('reason') or result.get('code')}")
-            return Admission(False, refusal=str(result.get("reason") or result.get("code")))
+            self._hand_back(req, f"refused by {self.node_id} once its instance loaded: {result.reason or result.code}")
+            return Admission(False, refusal=str(result.reason or result.code))
         self._book.release(req.request_id)
         req.node_id = req.instance_id = None
         log.debug("%s refused %s on %s: %s", self.node_id, req.request_id, instance_id, result)
-        return Admission(False, refusal=str(result.get("reason") or result.get("code")))
+        return Admission(False, refusal=str(result.reason or result.code))
 
     async def take_back(self, request_id: str, why: str) -> ServedRequest | None:
         req = self._book.requests.get(request_id)
         if req is None or not self.up:
             return None
         try:
-            reply = await self.agent.client.call({"t": "take_back", "request_id": request_id, "why": why}, CALL_TIMEOUT_S)
-        except (AgentDown, AgentCallError) as exc:  # it ended meanwhile, or the node is gone
+            progress = await self.agent.client.call(TakeBack(request_id, why), CALL_TIMEOUT_S)
+        except (AgentDown, AgentCallError) as exc:  # it ended meanwhile, or the node is gone (or a malformed reply)
             log.info("take_back of %s from %s: %s", request_id, self.node_id, exc)
-            return None
-        try:
-            progress = Progress.from_dict(reply)
-        except ProtocolError as exc:
-            log.warning("take_back of %s from %s: %s", request_id, self.node_id, exc)
             return None
         self._book.release(request_id)
         resume_from(req, progress, f"taken from {self.node_id} after {progress.tokens_out} tokens: {why}")
@@ -270,7 +260,7 @@ class AgentNode(ClusterNode):
             self._book.means[plan.model] = plan.mean_output
             if self._instances.get(plan.instance_id) is not inst:  # stopped while its weights moved
                 return False
-            await self.agent.client.call(spec.to_message(), CALL_TIMEOUT_S)
+            await self.agent.client.call(spec, CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - weights not placed, memory, engine: not started
             if self._instances.get(plan.instance_id) is inst:
                 self._instances.pop(plan.instance_id, None)
@@ -311,7 +301,7 @@ class AgentNode(ClusterNode):
 
     async def _unload_quietly(self, instance_id: str) -> None:
         try:
-            await self.agent.client.call({"t": "unload", "instance_id": instance_id}, CALL_TIMEOUT_S)
+            await self.agent.client.call(Unload(instance_id), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
 
@@ -334,7 +324,7 @@ class AgentNode(ClusterNode):
         if not self.up or inst.staged_bytes:  # staged: its load was not issued (`_start_staged` cleans up)
             return
         try:
-            await self.agent.client.call({"t": "unload", "instance_id": instance_id}, CALL_TIMEOUT_S)
+            await self.agent.client.call(Unload(instance_id), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
         await self.refresh()
@@ -346,7 +336,7 @@ class AgentNode(ClusterNode):
         if not self.up:  # a restarted agent has nothing of it
             return
         try:
-            await self.agent.client.call({"t": "forget", "model": model}, CALL_TIMEOUT_S)
+            await self.agent.client.call(Forget(model), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             log.warning("node %s could not forget model %s: %s", self.node_id, model, exc)
 
@@ -367,7 +357,7 @@ class AgentNode(ClusterNode):
             inst.deferred = [(r, c) for r, c in inst.deferred if r is not req]
             self._book.end_here(request_id, Outcome.FAILED, why)
         elif self.up:
-            self.agent.client.send({"t": "abort", "request_id": request_id})
+            self.agent.client.send(Abort(request_id))
         else:
             self._book.end_here(request_id, Outcome.FAILED, why)
 
@@ -393,8 +383,9 @@ class AgentNode(ClusterNode):
     def _agent_up(self, agent: AgentHandle) -> None:
         log.warning("node agent %s is up (generation %d)", agent.node_id, agent.generation)
         # A reconnected agent that kept running holds instances nobody here knows: unload them.
-        for view in (agent.client.info.get("instances") or []) if agent.client is not None else []:
-            agent.client.send({"t": "unload", "instance_id": view.get("instance_id")})
+        hello = agent.client.hello if agent.client is not None else None
+        for view in hello.instances if hello is not None else []:
+            agent.client.send(Unload(str(view.get("instance_id"))))
         self._budget_bytes = 0
         self._stepping = None  # until the agent says
         if self.on_change is not None:
@@ -413,10 +404,10 @@ class AgentNode(ClusterNode):
         return asyncio.get_running_loop().time()
 
 
-def _probe(req: ServedRequest, done: int) -> dict[str, Any]:
+def _probe(req: ServedRequest, done: int) -> Probe:
     """A request as the agent's validation needs it."""
     return Probe(req.request_id, req.prompt_len, req.engine_request.sampling.max_tokens,
-                 _age(req.arrival_s), done, _age(req.first_token_s), req.late_s).to_dict()
+                 _age(req.arrival_s), done, _age(req.first_token_s), req.late_s)
 
 
 def _age(t: float | None) -> float | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import replace
-from typing import Any, Awaitable, Callable, Union
+from typing import Awaitable, Callable, Union
 
 from mesh.control.agent_client import AgentClient
 from mesh.control.supervisor import AgentHandle, AgentSettings, DownCallback, EventCallback, UpCallback
@@ -107,10 +107,10 @@ class RemoteAgent(AgentHandle):
             self.address = await asyncio.wait_for(self._source(), self.settings.start_timeout_s)
         client = AgentClient(self.node_id, lambda m: self.on_event(self, m), lambda reason: self._gone.set(),
                              self.settings.heartbeat_s, self.settings.heartbeat_timeout_s)
-        info: dict[str, Any] = await client.connect(self.address, self._token, self.settings.start_timeout_s)
-        if info.get("node_id") != self.node_id:
+        hello = await client.connect(self.address, self._token, self.settings.start_timeout_s)
+        if hello.node_id != self.node_id:
             await client.close()
-            raise ValueError(f"the agent at {self.address} is node {info.get('node_id')!r}, not {self.node_id!r}")
-        self.spec = replace(self.spec, kind=str(info["kind"]), memory_bytes=int(info["memory_bytes"]))
+            raise ValueError(f"the agent at {self.address} is node {hello.node_id!r}, not {self.node_id!r}")
+        self.spec = replace(self.spec, kind=hello.kind, memory_bytes=hello.memory_bytes)
         self.generation += 1
         self.client = client

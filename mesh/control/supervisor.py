@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mesh.control.agent_client import AgentClient, AgentDown
-from mesh.wire.agent_protocol import READY_PREFIX
+from mesh.wire.agent_protocol import READY_PREFIX, Shutdown
 from mesh.policy.slo import DeadlineRule
 from mesh.node.runtime import NodeSpec
 from mesh.tasks import cancel_all
@@ -208,7 +208,7 @@ class LocalAgent(AgentHandle):
         self._stopping = True
         if self.client is not None and self.client.up:
             try:
-                await self.client.call({"t": "shutdown"}, 2.0)
+                await self.client.call(Shutdown(), 2.0)
             except (AgentDown, Exception):  # noqa: BLE001 - it is going away either way
                 pass
         await self._reap(timeout_s)

@@ -53,6 +53,7 @@ from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast
 from mesh.weights.receiver import AgentClient, weights_address
 from mesh.weights.peer import WeightAgent
+from mesh.wire.agent_protocol import WeightsDrop, WeightsPath
 
 
 class ModelRecord(Protocol):
@@ -380,15 +381,14 @@ class WeightsPlane:
             need: dict[str, str] = {}
             for node in [t for t in targets if t not in failed]:
                 try:
-                    reply = await self._client(node).call(
-                        {"t": "weights_path", "model": fmt.key, "file": f.name, "manifest": f.manifest.to_dict()},
-                        self.settings.timeout_s)
+                    reply = await self._client(node).call(WeightsPath(fmt.key, f.name, f.manifest.to_dict()),
+                                                          self.settings.timeout_s)
                 except Exception as exc:  # AgentDown, AgentCallError: the node cannot take it now
                     failed[node] = f"its agent did not answer: {exc}"
                     continue
-                entry.file_paths[(node, f.name)] = str(reply["path"])
-                if not reply.get("complete"):
-                    need[node] = str(reply["path"])
+                entry.file_paths[(node, f.name)] = reply.path
+                if not reply.complete:
+                    need[node] = reply.path
             if not need:
                 continue
             try:
@@ -440,7 +440,7 @@ class WeightsPlane:
             entry.forget(node)
         if self._up(node):
             try:
-                await self.nodes[node].client.call({"t": "weights_drop", "model": key}, CALL_TIMEOUT_S)
+                await self.nodes[node].client.call(WeightsDrop(key), CALL_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - a leftover file must not fail the caller
                 log.warning("node %s kept the files of %s: %s", node, key, exc)
 

@@ -39,7 +39,7 @@ from mesh.service.errors import ApiError, bad_request, model_preparing, node_una
 from mesh.service.preparation import FormatPreparer, formats_view
 from mesh.service.registry import ModelRecord
 from mesh.tasks import cancel_all
-from mesh.wire.agent_protocol import InstanceSpec, slo_to_dict
+from mesh.wire.agent_protocol import Describe, DescribeReply, InstanceSpec, slo_to_dict
 
 log = logging.getLogger("mesh.service.model_catalogue")
 
@@ -230,12 +230,10 @@ class ModelCatalogue:
             node = self._describer(record, kind)
             try:
                 path, _ = await self._copy_on(record, node)
-                shape = await node.agent.client.call(
-                    {"t": "describe", "model": record.uid, "path": path, "engine": self._engine(record, kind),
-                     "context_window": record.context_length,
-                     # what a load would ask for: the agent builds that instance ahead and parks it
-                     "max_num_seqs": self.cluster.config.max_batch, "exact_moves": self.exact_moves},
-                    CALL_TIMEOUT_S)
+                shape = await node.agent.client.call(Describe(
+                    record.uid, path, self._engine(record, kind), record.context_length,
+                    # what a load would ask for: the agent builds that instance ahead and parks it
+                    self.cluster.config.max_batch, self.exact_moves), CALL_TIMEOUT_S)
             except (ApiError, AgentCallError, AgentDown) as exc:
                 if front is not None:  # the kinds described so far serve; this one is left out
                     log.warning("model %s/%s is not run on %s nodes: describing it on %s failed: %s", record.tenant,
@@ -250,7 +248,7 @@ class ModelCatalogue:
                                    "log has the detail.", "server_error", "model", "model_load_failed") from exc
                 raise node_unavailable(str(exc)) from exc
             profiles[kind] = self._profile(record, kind, shape)
-            vocabs.append(shape.get("vocab_size"))
+            vocabs.append(shape.vocab_size)
             front = front or (node, path)
         # An emulated model's base is its catalog model ("llama-2-7b"), as a replay's replicas'
         # are: what the policies look up by base (ServerlessLLM's concurrency targets, 8.1)
@@ -264,20 +262,19 @@ class ModelCatalogue:
         self.models[record.uid] = model
         return model
 
-    def _profile(self, record: ModelRecord, kind: str, shape: dict[str, Any]) -> Any:
+    def _profile(self, record: ModelRecord, kind: str, shape: DescribeReply) -> Any:
         """What the dispatcher plans the model's instances with: its calibration profile
         if there is one for this kind of node, else the prior the agents validate with."""
-        if "profile" in shape:  # an emulated model: its catalog profile on the node's device (mesh.node.emulation)
+        if shape.profile is not None:  # an emulated model: its catalog profile on the node's device (mesh.node.emulation)
             from mesh.perf.profile import profile_from_dict
 
-            return profile_from_dict(shape["profile"], f"{record.name} on {kind} nodes")
+            return profile_from_dict(shape.profile, f"{record.name} on {kind} nodes")
         path = self.profile_for(record.uid, kind)
         if path is not None:
             from mesh.perf.profile import load_profile
 
             return load_profile(path)
-        return prior_profile(record.uid, kind, int(shape["weight_bytes"]), int(shape["kv_bytes_per_token"]),
-                             int(shape["context_window"]))
+        return prior_profile(record.uid, kind, shape.weight_bytes, shape.kv_bytes_per_token, shape.context_window)
 
     def profile_for(self, model_uid: str, kind: str) -> str | None:
         """The model's calibration profile for `kind` nodes (issue 4): `<dir>/<uid>.<kind>.json`,

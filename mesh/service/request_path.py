@@ -38,7 +38,7 @@ from mesh.service.errors import bad_request, context_too_long, max_tokens_too_la
 from mesh.service.model_catalogue import DescribedModel, ModelCatalogue
 from mesh.service.preparation import FormatPreparer
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
-from mesh.wire.agent_protocol import Code
+from mesh.wire.agent_protocol import Abort, Code, Tokenize
 
 log = logging.getLogger("mesh.service.request_path")
 
@@ -126,14 +126,14 @@ class RequestPath:
     async def _tokenize(self, model: DescribedModel, job: Job) -> list[int]:
         """On an agent with a loaded instance of the model (its engine's tokenizer is built),
         else on the describing agent, which builds the tokenizer alone (once, seconds)."""
-        text = {"messages": job.messages} if job.messages is not None else {"prompt": job.prompt}
         # an abort of the request cancels its tokenize (its client left); the tenant takes its turn there
-        text = {**text, "request_id": job.request_id, "tenant": job.model.tenant}
-        front = {"t": "tokenize", "model": model.record.uid, "path": model.path,
-                 "engine": engine_for(model.record.kind, self.cluster.node(model.front).kind),
-                 "context_window": model.record.context_length, **text}
+        text = Tokenize(messages=job.messages, prompt=job.prompt if job.messages is None else None,
+                        request_id=job.request_id, tenant=job.model.tenant)
+        front = replace(text, model=model.record.uid, path=model.path,
+                                    engine=engine_for(model.record.kind, self.cluster.node(model.front).kind),
+                                    context_window=model.record.context_length)
         ready = [r for r in self.cluster.instances_of(model.record.uid) if r.node.up and r.inst.loaded]
-        tries = [(r.node.node_id, {"t": "tokenize", "instance_id": r.instance_id, **text}) for r in ready[:1]]
+        tries = [(r.node.node_id, replace(text, instance_id=r.instance_id)) for r in ready[:1]]
         for node_id, message in [*tries, (model.front, front)]:
             agent = self.agents.get(node_id)
             try:
@@ -142,7 +142,7 @@ class RequestPath:
                 try:
                     reply = await agent.client.call(message, CALL_TIMEOUT_S)
                 except (asyncio.CancelledError, AgentDown):  # the client left (or no answer in time):
-                    agent.client.send({"t": "abort", "request_id": job.request_id})  # its job leaves the queue
+                    agent.client.send(Abort(job.request_id))  # its job leaves the queue
                     raise
             except AgentCallError as exc:
                 if exc.code in (Code.NO_INSTANCE.value, Code.NOT_READY.value):
@@ -160,7 +160,7 @@ class RequestPath:
                     continue
                 self.catalogue.models.pop(model.record.uid, None)  # described again on a node that is up
                 raise node_unavailable(str(exc)) from exc
-            return [int(t) for t in reply["ids"]]
+            return reply.ids
         raise node_unavailable(f"node {model.front} cannot tokenize for {job.model.name}")
 
     def admitted(self, req: ServedRequest) -> None:

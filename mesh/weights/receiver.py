@@ -31,24 +31,27 @@ from __future__ import annotations
 import asyncio
 import re
 from pathlib import Path
-from typing import Any, Mapping, Protocol
+from typing import Any, Mapping, Protocol, TypeVar
 
 from mesh.policy.multicast import make_plan
 from mesh.weights.blocks import Manifest
 from mesh.weights.coordinator import MulticastResult, multicast
 from mesh.weights.peer import WeightAgent, inside  # noqa: F401 - inside: part of this module's API
 from mesh.weights.frames import ProtocolError, send
+from mesh.wire.agent_protocol import HelloReply, Request, WeightsPath
+
+R = TypeVar("R")
 
 
 class AgentClient(Protocol):
     """What the weights need of a connection to a node agent (mesh.control.agent_client.AgentClient):
-    its name and address, the agent's hello (`info`), and a call."""
+    its name and address, the agent's hello, and a call."""
 
     name: str
     address: str
-    info: dict[str, Any]
+    hello: HelloReply | None
 
-    async def call(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]: ...
+    async def call(self, request: Request[R], timeout_s: float | None = None) -> R: ...
 
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]+")
@@ -109,7 +112,7 @@ def parse_listen(listen: str) -> tuple[str, int]:
 def weights_address(client: AgentClient) -> tuple[str, int]:
     """The weights receiver of a connected agent; ValueError if it hosts none. A receiver on
     an unspecified host (0.0.0.0, ::) is reached at the host the agent itself was reached at."""
-    info = client.info.get("weights")
+    info = client.hello.weights if client.hello is not None else None
     if not info:
         raise ValueError(f"node {client.name} receives no weights (its agent runs without --weights-listen)")
     host, port = parse_listen(str(info["address"]))
@@ -126,8 +129,7 @@ async def send_model(manifest: Manifest, file_name: str, sources: Mapping[str, t
     token: the nodes' weights token (their MESH_WEIGHTS_TOKEN; None: they run without one)."""
     agents = {n: weights_address(c) for n, (c, _) in sources.items()}
     agents.update({n: weights_address(c) for n, c in targets.items()})
-    outputs = {n: str((await c.call({"t": "weights_path", "model": manifest.model, "file": file_name}))["path"])
-               for n, c in targets.items()}
+    outputs = {n: (await c.call(WeightsPath(manifest.model, file_name))).path for n, c in targets.items()}
     chosen = make_plan(plan, list(sources), list(targets), manifest.count)
     return await multicast(agents, manifest, chosen, {n: path for n, (_, path) in sources.items()}, outputs,
                            timeout_s=timeout_s, token=token)

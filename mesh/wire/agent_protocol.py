@@ -7,9 +7,8 @@ protocol has no payloads. Frames longer than MAX_FRAME_BYTES are a protocol erro
 the connection.
 
 Every message has a type `t`. The control service sends requests; a request that carries
-an integer `id` gets exactly one reply `{"t": "reply", "re": id, "ok": true, ...}` or
-`{"t": "reply", "re": id, "ok": false, "code": ..., "error": ...}`; a request without `id`
-(abort) gets none. The agent also sends events on its own (tokens, done, instance).
+an integer `id` gets exactly one reply, of type `reply`: {re: id, ok: true, ...its fields} or
+{re: id, ok: false, code, error}; a request without `id` (abort) gets none. The agent also sends events on its own (tokens, done, instance).
 
 Control -> agent (see docs/service.md for every field):
     hello      {token, protocol}             -> {node_id, kind, memory_bytes, cpu, pid, instances,
@@ -46,6 +45,7 @@ Control -> agent (see docs/service.md for every field):
     weights_path {model, file, manifest?}    -> {path, complete?} where a multicast to this node writes the
                                                 model's file (mesh.weights.receiver); `load` it from there
     weights_drop {model}                     -> {dropped} delete the model's received files (it was deleted)
+    forget     {model}                       -> {forgot} drop everything held for the model (it was deleted)
 
 Agent -> control (events):
     tokens     {items: [[request_id, [token ids], text], ...]}   one frame per iteration
@@ -60,19 +60,28 @@ Agent -> control (events):
 
 Reply codes when `ok` is false: see Code. Admission results use the same codes.
 
-Typed at the boundary (the dataclasses at the end of this module): the events (TokensEvent,
-DoneEvent, InstanceEvent, EvictedEvent, NodeEvent), a request off its node (Progress), a request as
-shadow validation sees it (Probe, the R above), an admit entry (AdmitEntry) and `load`
-(InstanceSpec). Each is built by its sender and read back by its receiver with
-`from_message`/`from_dict`, which raise ProtocolError on a malformed message.
+Every message is one dataclass here (issue 34), built by its sender and read back by its
+receiver, whose decoder bounds every field and raises ProtocolError on anything else:
+- requests (REQUESTS, by type; each a Request naming its reply type, REPLY): Hello, Ping,
+  InstanceSpec (`load`), Unload, Tokenize, Describe, Admit (of AdmitEntry), Validate,
+  ValidateGroup, ValidateNew (a NewInstance; R above is Probe), TakeBack, Abort, Stats,
+  Shutdown, WeightsPath, WeightsDrop, Forget: `to_message()` / `from_message()`
+  (request_from_message picks the type);
+- replies (REPLIES): Ack, HelloReply, LoadReply, DescribeReply, TokenizeReply, AdmitReply (of
+  AdmitResult), Verdict, Progress (`take_back`), StatsReply, WeightsPathReply,
+  WeightsDropReply, ForgetReply, and Failure for ok=false: `to_fields()` / `from_fields()`,
+  framed by reply_message / failure_message;
+- events (EVENTS): TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent:
+  `to_message()` / event_from_message.
 """
 from __future__ import annotations
 
 import asyncio
 import math
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from enum import Enum
-from typing import Any, ClassVar, Mapping, Union
+from typing import Any, ClassVar, Generic, Iterator, Mapping, TypeVar, Union
 
 from mesh.engines.detokenize import MAX_STOP_CHARS
 from mesh.engines.engine_api import Sampling
@@ -143,6 +152,16 @@ MAX_STOPS = 16  # stop strings of one request (the service lets a tenant give 4)
 MAX_BATCH = 1 << 16  # max_num_seqs, max_batch
 
 
+def shown(value: Any, limit: int = 40) -> str:
+    """A value as an error message shows it: short, and never the repr of a deep structure
+    or the digits of a huge integer (either can cost more than the message is worth)."""
+    if isinstance(value, (list, tuple, dict)):
+        return f"a {type(value).__name__} of {len(value)}"
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return f"an integer of {value.bit_length()} bits"
+    return repr(value)[:limit]
+
+
 def count_field(value: Any, name: str, low: int = 0, high: int = MAX_COUNT) -> int:
     """An integer field in [low, high]; a float that is an integer counts (ValueError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -150,16 +169,16 @@ def count_field(value: Any, name: str, low: int = 0, high: int = MAX_COUNT) -> i
     if isinstance(value, float) and not (math.isfinite(value) and value.is_integer()):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low}, {high}], got {value:.6g}")
+        raise ValueError(f"{name} must be in [{low}, {high}], got {shown(value)}")
     return int(value)
 
 
 def number_field(value: Any, name: str, low: float = 0.0, high: float = MAX_SECONDS) -> float:
     """A finite number field in [low, high] (ValueError otherwise)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite number, got {value!r:.40}")
+        raise ValueError(f"{name} must be a finite number, got {shown(value)}")
     if not low <= value <= high:
-        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {value:.6g}")
+        raise ValueError(f"{name} must be in [{low:g}, {high:g}], got {shown(value)}")
     return float(value)
 
 
@@ -231,13 +250,357 @@ def mean_output_from(state: Any) -> tuple[float, int, float] | None:
         return (number_field(prior, "prior", 0.0, MAX_COUNT), count_field(count, "count", 0, 2**62),
                 number_field(total, "total", 0.0, 2.0**62 * MAX_COUNT))
     except (TypeError, ValueError) as exc:
-        raise ProtocolError(f"bad mean_output {state!r:.80}: (prior, count, total) expected: {exc}") from exc
+        raise ProtocolError(f"bad mean_output {shown(state)}: (prior, count, total) expected: {exc}") from exc
+
+
+# ---- decoding helpers for the typed messages ----------------------------------------------
+
+@contextmanager
+def malformed(what: str) -> Iterator[None]:
+    """Turn what a decoder meets in a malformed message (a missing key, a wrong type, a value
+    out of bounds) into a ProtocolError naming the message."""
+    try:
+        yield
+    except ProtocolError:
+        raise
+    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError, RecursionError) as exc:
+        raise ProtocolError(f"bad {what}: {exc}") from exc
+
+
+def text_field(value: Any, name: str) -> str:
+    """A string field (ValueError otherwise)."""
+    if not isinstance(value, str):
+        raise ValueError(f"{name} must be a string, got {type(value).__name__}")
+    return value
+
+
+def opt_text(value: Any, name: str) -> str | None:
+    return None if value is None else text_field(value, name)
+
+
+def flag_field(value: Any, name: str) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be true or false, got {type(value).__name__}")
+    return value
+
+
+def object_field(value: Any, name: str) -> dict[str, Any]:
+    """A JSON object field, passed on as it is (a view, or a payload another module validates)."""
+    if not isinstance(value, Mapping):
+        raise ValueError(f"{name} must be an object, got {type(value).__name__}")
+    return dict(value)
+
+
+def list_field(value: Any, name: str) -> list[Any]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list, got {type(value).__name__}")
+    return list(value)
+
+
+def _opt(value: Any, parse: Any, *args: Any) -> Any:
+    return None if value is None else parse(value, *args)
+
+
+# ---- replies: the fields of a `reply` frame {re: id, ok: true, ...} -------------------------
+# Each reply type writes its fields with `to_fields()` and is read back with `from_fields()`
+# (ProtocolError when malformed); reply_message / failure_message put them in their frame.
+
+REPLY = "reply"  # the type of every reply frame
 
 
 @dataclass(frozen=True, slots=True)
-class InstanceSpec:
+class Ack:
+    """The reply with no fields (ping, unload, shutdown, abort)."""
+
+    def to_fields(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "Ack":
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Failure:
+    """An ok=false reply: why (a Code's value) and what went wrong; a `load` refused for
+    memory says by how much."""
+
+    code: str
+    error: str
+    shortfall_bytes: int | None = None
+
+    def to_fields(self) -> dict[str, Any]:
+        out = {"code": self.code, "error": self.error}
+        return out if self.shortfall_bytes is None else {**out, "shortfall_bytes": self.shortfall_bytes}
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "Failure":
+        with malformed("failure reply"):
+            return cls(str(m.get("code")), str(m.get("error", "failed")),
+                       _opt(m.get("shortfall_bytes"), count_field, "shortfall_bytes", 0, MAX_BYTES))
+
+
+@dataclass(frozen=True, slots=True)
+class HelloReply:
+    """Who the agent is: its node, memory, machine (cpu), process, the deadline rule it runs,
+    the device it emulates, where it receives weights ({address, dir}; None: it does not)
+    and the instances it already runs (a reconnect finds them)."""
+
+    node_id: str
+    kind: str
+    memory_bytes: int
+    cpu: dict[str, Any]
+    pid: int
+    protocol: int
+    deadlines: str
+    emulate: str | None
+    weights: dict[str, Any] | None
+    instances: list[dict[str, Any]]
+
+    def to_fields(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "HelloReply":
+        with malformed("hello reply"):
+            return cls(text_field(m["node_id"], "node_id"), text_field(m["kind"], "kind"),
+                       count_field(m["memory_bytes"], "memory_bytes", 0, MAX_BYTES), object_field(m["cpu"], "cpu"),
+                       count_field(m["pid"], "pid"), count_field(m["protocol"], "protocol"),
+                       text_field(m["deadlines"], "deadlines"), opt_text(m.get("emulate"), "emulate"),
+                       _opt(m.get("weights"), object_field, "weights"),
+                       [object_field(i, "instance") for i in list_field(m["instances"], "instances")])
+
+
+@dataclass(frozen=True, slots=True)
+class LoadReply:
+    """`load` issued: the instance's shape as its engine read it (an `instance` event follows)."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    context_window: int
+
+    def to_fields(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "LoadReply":
+        with malformed("load reply"):
+            return cls(count_field(m["weight_bytes"], "weight_bytes", 0, MAX_BYTES),
+                       count_field(m["kv_bytes_per_token"], "kv_bytes_per_token", 0, MAX_BYTES),
+                       count_field(m["context_window"], "context_window", 1))
+
+
+@dataclass(frozen=True, slots=True)
+class DescribeReply:
+    """A model's shape before any instance of it runs; an emulated model's profile too
+    (mesh.perf.profile's dict: the dispatcher plans with it)."""
+
+    weight_bytes: int
+    kv_bytes_per_token: int
+    context_window: int
+    vocab_size: int | None
+    profile: dict[str, Any] | None = None
+
+    def to_fields(self) -> dict[str, Any]:
+        out = {"weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
+               "context_window": self.context_window, "vocab_size": self.vocab_size}
+        return out if self.profile is None else {**out, "profile": self.profile}
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "DescribeReply":
+        with malformed("describe reply"):
+            return cls(count_field(m["weight_bytes"], "weight_bytes", 0, MAX_BYTES),
+                       count_field(m["kv_bytes_per_token"], "kv_bytes_per_token", 0, MAX_BYTES),
+                       count_field(m["context_window"], "context_window", 1),
+                       _opt(m.get("vocab_size"), count_field, "vocab_size"),
+                       _opt(m.get("profile"), object_field, "profile"))
+
+
+@dataclass(frozen=True, slots=True)
+class TokenizeReply:
+    ids: list[int]
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"ids": self.ids}
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "TokenizeReply":
+        with malformed("tokenize reply"):
+            return cls(_token_ids(m["ids"], "ids"))
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitResult:
+    """One entry's answer in an `admit` reply: ok, or a Code's value and why."""
+
+    ok: bool
+    code: str | None = None
+    reason: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"ok": True} if self.ok else {"ok": False, "code": self.code, "reason": self.reason}
+
+    @classmethod
+    def from_dict(cls, m: Any) -> "AdmitResult":
+        with malformed("admit result"):
+            ok = flag_field(m["ok"], "ok")
+            return cls(True) if ok else cls(False, opt_text(m.get("code"), "code"), opt_text(m.get("reason"), "reason"))
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitReply:
+    results: list[AdmitResult]
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"results": [r.to_dict() for r in self.results]}
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "AdmitReply":
+        with malformed("admit reply"):
+            return cls([AdmitResult.from_dict(r) for r in list_field(m["results"], "results")])
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """Shadow validation's answer (validate, validate_group, validate_new)."""
+
+    admit: bool
+    reason: str
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"admit": self.admit, "reason": self.reason}
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "Verdict":
+        with malformed("validation reply"):
+            return cls(flag_field(m["admit"], "admit"), text_field(m.get("reason") or "", "reason"))
+
+
+@dataclass(frozen=True, slots=True)
+class StatsReply:
+    """The node's state as /admin/cluster shows it and the dispatcher reads it between calls
+    (memory's budget, busy time): the top-level fields typed, the views under them as the
+    agent's modules write them."""
+
+    node_id: str
+    kind: str
+    uptime_s: float
+    instances: list[dict[str, Any]]
+    memory: dict[str, Any]
+    queue_length: int
+    running: int
+    tokenizer: dict[str, Any]
+    models: list[str]
+    busy_s: float
+    iterations: int
+    kv_bytes_in_use: int
+    deadlines: str
+    learnt: dict[str, Any]
+    parked: dict[str, Any]
+    parked_ahead: dict[str, Any]
+    emulate: str | None
+
+    def to_fields(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "StatsReply":
+        with malformed("stats reply"):
+            return cls(
+                text_field(m["node_id"], "node_id"), text_field(m["kind"], "kind"),
+                number_field(m["uptime_s"], "uptime_s", 0.0, math.inf),
+                [object_field(i, "instance") for i in list_field(m["instances"], "instances")],
+                object_field(m["memory"], "memory"), count_field(m["queue_length"], "queue_length"),
+                count_field(m["running"], "running"), object_field(m["tokenizer"], "tokenizer"),
+                [text_field(x, "model") for x in list_field(m["models"], "models")],
+                number_field(m["busy_s"], "busy_s", 0.0, math.inf), count_field(m["iterations"], "iterations", 0, 2**62),
+                count_field(m["kv_bytes_in_use"], "kv_bytes_in_use", 0, MAX_BYTES),
+                text_field(m["deadlines"], "deadlines"), object_field(m["learnt"], "learnt"),
+                object_field(m["parked"], "parked"), object_field(m["parked_ahead"], "parked_ahead"),
+                opt_text(m.get("emulate"), "emulate"))
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsPathReply:
+    """Where the node writes the model's file; with a manifest asked about, whether the file
+    there already is that model (None: not asked)."""
+
+    path: str
+    complete: bool | None = None
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"path": self.path} if self.complete is None else {"path": self.path, "complete": self.complete}
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "WeightsPathReply":
+        with malformed("weights_path reply"):
+            return cls(text_field(m["path"], "path"), _opt(m.get("complete"), flag_field, "complete"))
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsDropReply:
+    dropped: bool  # there were files to delete
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"dropped": self.dropped}
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "WeightsDropReply":
+        with malformed("weights_drop reply"):
+            return cls(flag_field(m["dropped"], "dropped"))
+
+
+@dataclass(frozen=True, slots=True)
+class ForgetReply:
+    forgot: str  # the model
+
+    def to_fields(self) -> dict[str, Any]:
+        return {"forgot": self.forgot}
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "ForgetReply":
+        with malformed("forget reply"):
+            return cls(text_field(m["forgot"], "forgot"))
+
+
+def reply_message(re: int, body: Any) -> dict[str, Any]:
+    """The frame of an ok=true reply to request `re` (body: a reply type's instance)."""
+    return {TYPE_KEY: REPLY, "re": re, "ok": True, **body.to_fields()}
+
+
+def failure_message(re: Any, failure: Failure) -> dict[str, Any]:
+    """The frame of an ok=false reply to request `re`."""
+    return {TYPE_KEY: REPLY, "re": re, "ok": False, **failure.to_fields()}
+
+
+def reply_fields(m: Mapping[str, Any]) -> dict[str, Any]:
+    """A reply frame's fields (without t, re, ok)."""
+    return {k: v for k, v in m.items() if k not in (TYPE_KEY, "re", "ok")}
+
+
+# ---- requests: control -> agent ------------------------------------------------------------
+
+R = TypeVar("R")
+
+
+class Request(Generic[R]):
+    """A message the control service sends an agent: its type `T`, the type of its reply
+    (`REPLY`), `to_message()` and a validating `from_message()`."""
+
+    __slots__ = ()
+    T: ClassVar[str]
+    REPLY: ClassVar[Any]
+
+    def to_message(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceSpec(Request[LoadReply]):
     """What an agent needs to start one model instance (the `load` message)."""
 
+    T: ClassVar[str] = "load"
+    REPLY: ClassVar[Any] = LoadReply
     instance_id: str
     model: str  # the model's global id (registry uid); also the engine's model_name
     path: str  # GGUF file or OpenVINO IR folder, as the agent's machine sees it
@@ -262,7 +625,7 @@ class InstanceSpec:
     emulated_load_s: float | None = None
 
     def to_message(self) -> dict[str, Any]:
-        return {"t": "load", **asdict(self)}
+        return {TYPE_KEY: self.T, **asdict(self)}
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "InstanceSpec":
@@ -298,10 +661,6 @@ def window(value: Any) -> int | None:
 # Each side builds these and puts them on the wire with `to_message()`; the receiving side
 # reads them back with `from_message()`, which raises ProtocolError on a malformed message.
 
-def _opt_float(value: Any) -> float | None:
-    return None if value is None else float(value)
-
-
 def _opt_age(value: Any, name: str) -> float | None:
     return None if value is None else _age(value, name)
 
@@ -336,11 +695,18 @@ class Progress:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    def to_fields(self) -> dict[str, Any]:  # as the reply to take_back
+        return self.to_dict()
+
+    @classmethod
+    def from_fields(cls, m: Mapping[str, Any]) -> "Progress":
+        return cls.from_dict(m)
+
     @classmethod
     def from_dict(cls, m: Mapping[str, Any]) -> "Progress":
         try:
             ids = _token_ids(m.get("token_ids") or [], "token_ids")
-            return cls(str(m["request_id"]), count_field(m.get("tokens_out") or len(ids), "tokens_out"), ids,
+            return cls(text_field(m["request_id"], "request_id"), count_field(m.get("tokens_out") or len(ids), "tokens_out"), ids,
                        _opt_age(m.get("first_token_age_s"), "first_token_age_s"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad progress: {exc}") from exc
@@ -371,7 +737,7 @@ class Probe:
                        count_field(m.get("done", 0), "done"), _opt_age(m.get("first_token_age_s"), "first_token_age_s"),
                        _late(m))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ProtocolError(f"bad request entry {m!r}: {exc}") from exc
+            raise ProtocolError(f"bad request entry: {exc}") from exc
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,14 +784,13 @@ class TokensEvent:
     items: list[tuple[str, list[int], str]]
 
     def to_message(self) -> dict[str, Any]:
-        return {"t": self.T, "items": [list(item) for item in self.items]}
+        return {TYPE_KEY: self.T, "items": [list(item) for item in self.items]}
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "TokensEvent":
-        try:
-            return cls([(str(rid), [int(x) for x in ids or ()], str(text or "")) for rid, ids, text in m["items"]])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"bad tokens event: {exc}") from exc
+        with malformed("tokens event"):
+            return cls([(text_field(rid, "request_id"), _token_ids(ids or [], "token ids"), text_field(text or "", "text"))
+                        for rid, ids, text in list_field(m["items"], "items")])
 
 
 @dataclass(frozen=True, slots=True)
@@ -442,16 +807,15 @@ class DoneEvent:
     tpot_s: float | None
 
     def to_message(self) -> dict[str, Any]:
-        return {"t": self.T, **asdict(self)}
+        return {TYPE_KEY: self.T, **asdict(self)}
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "DoneEvent":
-        try:
-            return cls(str(m["request_id"]), str(m.get("outcome") or "failed"),
-                       None if m.get("reason") is None else str(m["reason"]), str(m.get("detail") or ""),
-                       int(m.get("tokens_out") or 0), _opt_float(m.get("ttft_s")), _opt_float(m.get("tpot_s")))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"bad done event: {exc}") from exc
+        with malformed("done event"):
+            return cls(text_field(m["request_id"], "request_id"), text_field(m.get("outcome") or "failed", "outcome"),
+                       opt_text(m.get("reason"), "reason"), text_field(m.get("detail") or "", "detail"),
+                       count_field(m.get("tokens_out") or 0, "tokens_out"), _opt(m.get("ttft_s"), number_field, "ttft_s", -MAX_SECONDS),
+                       _opt(m.get("tpot_s"), number_field, "tpot_s", -MAX_SECONDS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -465,18 +829,16 @@ class InstanceEvent:
     loaded_from: str = ""  # ready: where the engine read the model from ("gguf", "prepared", "ir"; "" unknown)
 
     def to_message(self) -> dict[str, Any]:
-        out = {"t": self.T, "instance_id": self.instance_id, "state": self.state}
+        out = {TYPE_KEY: self.T, "instance_id": self.instance_id, "state": self.state}
         if self.loaded_from:
             out["loaded_from"] = self.loaded_from
         return {**out, "error": self.error} if self.error else out
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "InstanceEvent":
-        try:
-            return cls(str(m["instance_id"]), str(m["state"]), str(m.get("error") or ""),
-                       str(m.get("loaded_from") or ""))
-        except (KeyError, TypeError) as exc:
-            raise ProtocolError(f"bad instance event: {exc}") from exc
+        with malformed("instance event"):
+            return cls(text_field(m["instance_id"], "instance_id"), text_field(m["state"], "state"),
+                       text_field(m.get("error") or "", "error"), text_field(m.get("loaded_from") or "", "loaded_from"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -490,11 +852,12 @@ class EvictedEvent:
     fault: bool = False  # the node failed it (a hung engine): its deadlines restart where it resumes
 
     def to_message(self) -> dict[str, Any]:
-        return {"t": self.T, "why": self.why, **self.progress.to_dict(), **({"fault": True} if self.fault else {})}
+        return {TYPE_KEY: self.T, "why": self.why, **self.progress.to_dict(), **({"fault": True} if self.fault else {})}
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "EvictedEvent":
-        return cls(str(m.get("why") or "evicted"), Progress.from_dict(m), m.get("fault") is True)
+        with malformed("evicted event"):
+            return cls(text_field(m.get("why") or "evicted", "why"), Progress.from_dict(m), m.get("fault") is True)
 
 
 @dataclass(frozen=True, slots=True)
@@ -509,17 +872,15 @@ class NodeEvent:
     budget_bytes: int
 
     def to_message(self) -> dict[str, Any]:
-        return {"t": self.T, "stepping": self.stepping, "budget_bytes": self.budget_bytes}
+        return {TYPE_KEY: self.T, "stepping": self.stepping, "budget_bytes": self.budget_bytes}
 
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "NodeEvent":
         stepping = m.get("stepping")
         if stepping is not None and not isinstance(stepping, str):
-            raise ProtocolError(f"bad node event: stepping {stepping!r}")
-        try:
-            return cls(stepping, int(m["budget_bytes"]))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ProtocolError(f"bad node event: {exc}") from exc
+            raise ProtocolError(f"bad node event: stepping {shown(stepping)}")
+        with malformed("node event"):
+            return cls(stepping, count_field(m["budget_bytes"], "budget_bytes", 0, MAX_BYTES))
 
 
 Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent]
@@ -530,5 +891,370 @@ def event_from_message(m: Mapping[str, Any]) -> Event:
     """The typed event in an agent's message; ProtocolError for an unknown or malformed one."""
     kind = EVENTS.get(str(m.get("t")))
     if kind is None:
-        raise ProtocolError(f"unknown event {m.get('t')!r}")
+        raise ProtocolError(f"unknown event {shown(m.get(TYPE_KEY))}")
     return kind.from_message(m)
+
+
+# ---- requests: control -> agent (InstanceSpec, the `load`, is above) -------------------------
+
+@dataclass(frozen=True, slots=True)
+class Hello(Request[HelloReply]):
+    """A connection's first message: the agent token ($MESH_AGENT_TOKEN) and the protocol spoken."""
+
+    T: ClassVar[str] = "hello"
+    REPLY: ClassVar[Any] = HelloReply
+    token: str | None
+    protocol: int | None = PROTOCOL_VERSION
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, "token": self.token, "protocol": self.protocol}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "Hello":
+        with malformed("hello message"):
+            return cls(opt_text(m.get("token"), "token"), _opt(m.get("protocol"), count_field, "protocol"))
+
+
+@dataclass(frozen=True, slots=True)
+class _Bare(Request[Ack]):
+    """A request with no fields."""
+
+    REPLY: ClassVar[Any] = Ack
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> Any:
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Ping(_Bare):
+    T: ClassVar[str] = "ping"
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown(_Bare):
+    """Stop the agent (it exits once the reply is out)."""
+
+    T: ClassVar[str] = "shutdown"
+
+
+@dataclass(frozen=True, slots=True)
+class Stats(Request[StatsReply]):
+    T: ClassVar[str] = "stats"
+    REPLY: ClassVar[Any] = StatsReply
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "Stats":
+        return cls()
+
+
+@dataclass(frozen=True, slots=True)
+class Unload(Request[Ack]):
+    """Stop an instance that serves no request (busy otherwise)."""
+
+    T: ClassVar[str] = "unload"
+    REPLY: ClassVar[Any] = Ack
+    instance_id: str
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, "instance_id": self.instance_id}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "Unload":
+        with malformed("unload message"):
+            return cls(text_field(m["instance_id"], "instance_id"))
+
+
+@dataclass(frozen=True, slots=True)
+class Describe(Request[DescribeReply]):
+    """A model's shape, read by an unloaded engine of it (its `front`); an OpenVINO model is
+    then built with these load settings and parked (mesh.node.park_ahead)."""
+
+    T: ClassVar[str] = "describe"
+    REPLY: ClassVar[Any] = DescribeReply
+    model: str
+    path: str
+    engine: str = "openvino"
+    context_window: int | None = None
+    max_num_seqs: int = 64
+    exact_moves: bool = False
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, **asdict(self)}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "Describe":
+        with malformed("describe message"):
+            return cls(text_field(m["model"], "model"), text_field(m["path"], "path"),
+                       text_field(m.get("engine") or "openvino", "engine"), window(m.get("context_window")),
+                       count_field(m.get("max_num_seqs") or 64, "max_num_seqs", 1, MAX_BATCH),
+                       flag_field(m.get("exact_moves", False), "exact_moves"))
+
+
+@dataclass(frozen=True, slots=True)
+class Tokenize(Request[TokenizeReply]):
+    """A prompt's (or a conversation's) ids, with the tokenizer of a loaded instance
+    (`instance_id`) or, before any instance runs there, of the model at `path`. With a
+    `request_id`, an Abort of it cancels the job; `tenant` takes its turn in the queue."""
+
+    T: ClassVar[str] = "tokenize"
+    REPLY: ClassVar[Any] = TokenizeReply
+    instance_id: str | None = None
+    model: str | None = None
+    path: str | None = None
+    engine: str | None = None
+    context_window: int | None = None
+    messages: list[dict[str, Any]] | None = None
+    prompt: str | None = None
+    request_id: str | None = None
+    tenant: str | None = None
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, **{k: v for k, v in asdict(self).items() if v is not None}}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "Tokenize":
+        with malformed("tokenize message"):
+            messages = m.get("messages")
+            out = cls(opt_text(m.get("instance_id"), "instance_id"), opt_text(m.get("model"), "model"),
+                      opt_text(m.get("path"), "path"), opt_text(m.get("engine"), "engine"),
+                      window(m.get("context_window")),
+                      None if messages is None else [object_field(x, "message") for x in list_field(messages, "messages")],
+                      opt_text(m.get("prompt"), "prompt"), opt_text(m.get("request_id"), "request_id"),
+                      opt_text(m.get("tenant"), "tenant"))
+            if out.instance_id is None and out.path is None:
+                raise ValueError("give the instance_id of a loaded instance or the model's path")
+            return out
+
+    def front(self) -> Describe:
+        """The model (by path) whose unloaded engine tokenizes when no instance is named."""
+        return Describe(self.model or "model", str(self.path), self.engine or "openvino", self.context_window)
+
+
+@dataclass(frozen=True, slots=True)
+class Admit(Request[AdmitReply]):
+    """Validate and admit each entry in one step of the node's loop (results in order)."""
+
+    T: ClassVar[str] = "admit"
+    REPLY: ClassVar[Any] = AdmitReply
+    requests: list[AdmitEntry]
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, "requests": [e.to_dict() for e in self.requests]}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "Admit":
+        with malformed("admit message"):
+            return cls([AdmitEntry.from_dict(r) for r in list_field(m["requests"], "requests")])
+
+
+@dataclass(frozen=True, slots=True)
+class Validate(Request[Verdict]):
+    """Would the request meet its SLO on the instance, with the instances in `exclude`
+    preempted first (shadow validation, 5.3, 6.4, 7.1)?"""
+
+    T: ClassVar[str] = "validate"
+    REPLY: ClassVar[Any] = Verdict
+    instance_id: str
+    request: Probe
+    exclude: list[str] = field(default_factory=list)
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, "instance_id": self.instance_id, "request": self.request.to_dict(),
+                "exclude": list(self.exclude)}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "Validate":
+        with malformed("validate message"):
+            return cls(text_field(m["instance_id"], "instance_id"), Probe.from_dict(m["request"]),
+                       [text_field(i, "exclude") for i in list_field(m.get("exclude") or [], "exclude")])
+
+
+@dataclass(frozen=True, slots=True)
+class ValidateGroup(Request[Verdict]):
+    """Would the instance serve all of `requests` (a group moved there together)?"""
+
+    T: ClassVar[str] = "validate_group"
+    REPLY: ClassVar[Any] = Verdict
+    instance_id: str
+    requests: list[Probe]
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, "instance_id": self.instance_id, "requests": [r.to_dict() for r in self.requests]}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "ValidateGroup":
+        with malformed("validate_group message"):
+            return cls(text_field(m["instance_id"], "instance_id"),
+                       [Probe.from_dict(r) for r in list_field(m.get("requests") or [], "requests")])
+
+
+@dataclass(frozen=True, slots=True)
+class NewInstance:
+    """The instance a `validate_new` plans: its model's shape, batch, SLO, cold start, the
+    calibration profile its times come from (None: the default for its weights) and O_avg."""
+
+    instance_id: str
+    model: str
+    weight_bytes: int
+    kv_bytes_per_token: int
+    context_window: int
+    max_batch: int
+    slo: SLO
+    expected_load_s: float
+    profile: str | None = None
+    mean_output: tuple[float, int, float] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"instance_id": self.instance_id, "model": self.model, "weight_bytes": self.weight_bytes,
+                "kv_bytes_per_token": self.kv_bytes_per_token, "context_window": self.context_window,
+                "max_batch": self.max_batch, "slo": slo_to_dict(self.slo), "expected_load_s": self.expected_load_s,
+                "profile": self.profile, "mean_output": self.mean_output}
+
+    @classmethod
+    def from_dict(cls, p: Any) -> "NewInstance":
+        with malformed("validate_new plan"):
+            return cls(text_field(p["instance_id"], "instance_id"), text_field(p["model"], "model"),
+                       count_field(p["weight_bytes"], "weight_bytes", 0, MAX_BYTES),
+                       count_field(p["kv_bytes_per_token"], "kv_bytes_per_token", 0, MAX_BYTES),
+                       count_field(p["context_window"], "context_window", 1),
+                       count_field(p["max_batch"], "max_batch", 1, MAX_BATCH), slo_from_dict(p["slo"]),
+                       number_field(p["expected_load_s"], "expected_load_s"), opt_text(p.get("profile"), "profile"),
+                       mean_output_from(p.get("mean_output")))
+
+
+@dataclass(frozen=True, slots=True)
+class ValidateNew(Request[Verdict]):
+    """Would a new instance of the planned model, started now with its cold start, serve
+    all of `requests`?"""
+
+    T: ClassVar[str] = "validate_new"
+    REPLY: ClassVar[Any] = Verdict
+    plan: NewInstance
+    requests: list[Probe]
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, "plan": self.plan.to_dict(), "requests": [r.to_dict() for r in self.requests]}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "ValidateNew":
+        with malformed("validate_new message"):
+            return cls(NewInstance.from_dict(m["plan"]),
+                       [Probe.from_dict(r) for r in list_field(m.get("requests") or [], "requests")])
+
+
+@dataclass(frozen=True, slots=True)
+class TakeBack(Request[Progress]):
+    """Take a running request off the node, not ended, with its progress (preemption 7.1)."""
+
+    T: ClassVar[str] = "take_back"
+    REPLY: ClassVar[Any] = Progress
+    request_id: str
+    why: str = "taken back by the control service"
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, "request_id": self.request_id, "why": self.why}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "TakeBack":
+        with malformed("take_back message"):
+            return cls(text_field(m["request_id"], "request_id"),
+                       text_field(m.get("why") or "taken back by the control service", "why"))
+
+
+@dataclass(frozen=True, slots=True)
+class Abort(Request[Ack]):
+    """End a request (failed), or cancel its tokenize still under way. Sent without an id:
+    no reply (with one, an empty one)."""
+
+    T: ClassVar[str] = "abort"
+    REPLY: ClassVar[Any] = Ack
+    request_id: str
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, "request_id": self.request_id}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "Abort":
+        with malformed("abort message"):
+            return cls(text_field(m["request_id"], "request_id"))
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsPath(Request[WeightsPathReply]):
+    """Where a multicast to the node writes the model's file (mesh.weights.receiver); with a
+    manifest (mesh.weights.blocks.Manifest's dict, read by the receiving node), also whether
+    the file there already is it."""
+
+    T: ClassVar[str] = "weights_path"
+    REPLY: ClassVar[Any] = WeightsPathReply
+    model: str
+    file: str
+    manifest: dict[str, Any] | None = None
+
+    def to_message(self) -> dict[str, Any]:
+        out = {TYPE_KEY: self.T, "model": self.model, "file": self.file}
+        return out if self.manifest is None else {**out, "manifest": self.manifest}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "WeightsPath":
+        with malformed("weights_path message"):
+            return cls(text_field(m["model"], "model"), text_field(m["file"], "file"),
+                       _opt(m.get("manifest"), object_field, "manifest"))
+
+
+@dataclass(frozen=True, slots=True)
+class WeightsDrop(Request[WeightsDropReply]):
+    """Delete the model's received files (the model was deleted)."""
+
+    T: ClassVar[str] = "weights_drop"
+    REPLY: ClassVar[Any] = WeightsDropReply
+    model: str
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, "model": self.model}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "WeightsDrop":
+        with malformed("weights_drop message"):
+            return cls(text_field(m["model"], "model"))
+
+
+@dataclass(frozen=True, slots=True)
+class Forget(Request[ForgetReply]):
+    """The model was deleted: every trace of it on the node goes (its instances are unloaded
+    first). An empty model is refused as bad_request."""
+
+    T: ClassVar[str] = "forget"
+    REPLY: ClassVar[Any] = ForgetReply
+    model: str
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, "model": self.model}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> "Forget":
+        with malformed("forget message"):
+            return cls(text_field(m.get("model") or "", "model"))
+
+
+REQUESTS: dict[str, Any] = {r.T: r for r in (
+    Hello, Ping, InstanceSpec, Unload, Tokenize, Describe, Admit, Validate, ValidateGroup, ValidateNew, TakeBack,
+    Abort, Stats, Shutdown, WeightsPath, WeightsDrop, Forget)}
+REPLIES: tuple[Any, ...] = (Ack, Failure, HelloReply, LoadReply, DescribeReply, TokenizeReply, AdmitReply, Verdict,
+                            Progress, StatsReply, WeightsPathReply, WeightsDropReply, ForgetReply)
+
+
+def request_from_message(m: Mapping[str, Any]) -> Request[Any]:
+    """The typed request in a message; ProtocolError for an unknown or malformed one."""
+    kind = m.get(TYPE_KEY)
+    request = REQUESTS.get(kind) if isinstance(kind, str) else None
+    if request is None:
+        raise ProtocolError(f"unknown message type {shown(kind, 80)}")
+    return request.from_message(m)
