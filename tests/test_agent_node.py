@@ -84,7 +84,8 @@ def test_proactive_preemption_moves_a_running_request_to_another_agent(simulated
     request for m validates on X only with Y preempted; Y's request validates on a new
     instance on cpu1, so the dispatcher preempts Y and the request resumes on cpu1 with the
     tokens it produced, and all of them finish with every token. (The request arrives
-    while X, not the victim Y, steps: X's iterations really take 0.3 s then.)"""
+    while X, not the victim Y, steps: X's iterations really take 0.3 s then.) The moved
+    request's one admitted event fires at each admission, where it then runs."""
 
     async def main():
         cluster, d = await _cluster(["m", "n"])
@@ -93,6 +94,8 @@ def test_proactive_preemption_moves_a_running_request_to_another_agent(simulated
         y = await _instance(cluster, "n", a)
         first = [_request(f"m{k}", "m") for k in range(2)]
         moved = _request("n0", "n")
+        admitted = []
+        moved.on_admitted = lambda q: admitted.append((q.node_id, q.instance_id))
         for r in first:
             assert (await a.try_admit(x, r, compute=False)).ok
         assert (await a.try_admit(y, moved, compute=False)).ok
@@ -110,12 +113,13 @@ def test_proactive_preemption_moves_a_running_request_to_another_agent(simulated
         assert d.policy.stats.preemptions == 1 and carried
         await until(lambda: all(q.outcome is not None for q in [*first, moved, r]), 30.0)
         await cluster.stop()
-        return first, moved, r
+        return first, moved, r, admitted, y
 
-    first, moved, r = asyncio.run(main())
+    first, moved, r, admitted, y = asyncio.run(main())
     for q in [*first, moved, r]:
         assert q.outcome is Outcome.COMPLETED and q.tokens_out == 200, (q.request_id, q.outcome, q.detail)
     assert moved.node_id == "cpu1"
+    assert admitted == [("cpu0", y), ("cpu1", moved.instance_id)]
 
 
 def test_an_agent_node_knows_which_instance_steps():

@@ -19,7 +19,7 @@ from mesh.replay.simulator import simulated_cluster
 from mesh.control.dispatcher import Dispatcher
 from mesh.replay.virtual_loop import run_virtual
 from mesh.service.errors import overloaded
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.request_path import retry_after_s
 
 
 # -- the pure table ----------------------------------------------------------------------------
@@ -133,11 +133,9 @@ def test_retry_after_is_the_time_left_of_the_load_under_way():
         await cluster.start_instance(cluster.plan("m", node), node)
         await asyncio.sleep(5.0)
         left = cluster.cold_start_left_s("m")
-        placement = ClusterPlacement([], PlacementSettings())
-        placement.requests.cluster = cluster  # the request path answers Retry-After from this cluster's loads
-        retry = placement.requests.retry_after_s("m")
+        retry = retry_after_s(cluster, "m")
         await asyncio.sleep(3.0)  # loaded: a second
-        after = placement.requests.retry_after_s("m")
+        after = retry_after_s(cluster, "m")
         await cluster.stop()
         return left, retry, after
 

@@ -1694,7 +1694,7 @@ def test_a_deleted_model_leaves_nothing_behind(simulated, tmp_path, demo_gguf):
             assert server.models.models_known() == [], server.models.models_known()
             assert not any(k[1] == uid for k in p.cluster.cold_starts._loads)
             node = p.cluster.node("cpu-0")
-            assert uid not in node._means
+            assert uid not in node._book.means
             assert 'model="m"' not in api.service.metrics.render().decode()
 
     asyncio.run(main())

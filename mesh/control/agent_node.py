@@ -27,7 +27,7 @@ from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.cluster_node import ClusterNode, InstanceState
-from mesh.control.node_book import MirroredInstance, NodeBook, resume_from
+from mesh.control.node_book import AgentInstance, NodeBook, resume_from
 from mesh.control.supervisor import AgentHandle
 from mesh.node.request import Outcome, ServedRequest
 from mesh.node.runtime import InstancePlan, NodeSpec
@@ -75,7 +75,6 @@ class AgentNode(ClusterNode):
         self.on_instance_gone: Callable[[str], None] | None = None
         self.on_change: Callable[[], None] | None = None  # capacity may have changed (agent up)
         self.on_down: Callable[["AgentNode"], None] | None = None  # the agent went down
-        self.on_admitted: Callable[[ServedRequest], None] | None = None  # a request now runs here
         self.on_instance_stopped: Callable[[str, str], None] | None = None  # (model, instance) unloaded or lost
         self.last_start_error = ""  # why the last instance start failed (for the operator)
         self.busy_fraction = 0.0  # of the last stats interval, the node's engines were stepping
@@ -110,7 +109,7 @@ class AgentNode(ClusterNode):
         return int(self.stats.get("memory", {}).get("capacity_bytes", self.spec.memory_bytes))
 
     def progress(self, request_id: str) -> int:
-        req = self._book.requests.get(request_id)
+        req = self._book.get(request_id)
         return req.tokens_out if req is not None else 0
 
     def used_bytes(self) -> int:
@@ -194,7 +193,7 @@ class AgentNode(ClusterNode):
             return Admission(True)
         return await self._send_admit(inst, req, compute)
 
-    async def _send_admit(self, inst: MirroredInstance, req: ServedRequest, compute: bool,
+    async def _send_admit(self, inst: AgentInstance, req: ServedRequest, compute: bool,
                           deferred: bool = False) -> Admission:
         """The agent's admit of a request held on `inst` (validation and admission in one step)."""
         instance_id = inst.instance_id
@@ -207,11 +206,11 @@ class AgentNode(ClusterNode):
         except (AgentDown, AgentCallError, IndexError) as exc:
             result = AdmitResult(False, Code.FAILED.value, f"node {self.node_id}: {exc}")
         if result.ok:
-            if self.on_admitted is not None:
-                self.on_admitted(req)
+            if req.on_admitted is not None:  # the one admitted event (the service's stream starts)
+                req.on_admitted(req)
             return Admission(True)
         if deferred:  # the dispatcher counted it placed: it is placed again
-            self._hand_back(req, f"refused by {self.node_id} once its instance loaded: {result.reason or result.code}")
+            self._hand_back(inst, req, f"refused by {self.node_id} once its instance loaded: {result.reason or result.code}")
             return Admission(False, refusal=str(result.reason or result.code))
         self._book.release(req.request_id)
         req.node_id = req.instance_id = None
@@ -219,7 +218,7 @@ class AgentNode(ClusterNode):
         return Admission(False, refusal=str(result.reason or result.code))
 
     async def take_back(self, request_id: str, why: str) -> ServedRequest | None:
-        req = self._book.requests.get(request_id)
+        req = self._book.get(request_id)
         if req is None or not self.up:
             return None
         try:
@@ -241,7 +240,7 @@ class AgentNode(ClusterNode):
         now on, so another decision does not plan the same room."""
         if not self.up:
             return False
-        inst = MirroredInstance(plan.instance_id, plan.model, idle_since=self._now())
+        inst = AgentInstance(plan.instance_id, plan.model, idle_since=self._now())
         self._instances[plan.instance_id] = inst  # before the call: its ready event may overtake the reply
         if self.transfer_first is not None and self.transfer_first(plan, self):
             inst.staged_bytes = max(1, plan.weight_bytes)
@@ -252,7 +251,7 @@ class AgentNode(ClusterNode):
             return True
         return await self._issue(plan, inst)
 
-    async def _issue(self, plan: InstancePlan, inst: MirroredInstance) -> bool:
+    async def _issue(self, plan: InstancePlan, inst: AgentInstance) -> bool:
         """The load: its spec (the weights placed here first), then the agent's `load`."""
         try:
             spec = dataclasses.replace(await self._load_spec(plan, self), slo=slo_to_dict(plan.slo),
@@ -271,7 +270,7 @@ class AgentNode(ClusterNode):
         # the same write): weights and initial KV cache, as the replay's station counts them
         return True
 
-    async def _start_staged(self, plan: InstancePlan, inst: MirroredInstance) -> None:
+    async def _start_staged(self, plan: InstancePlan, inst: AgentInstance) -> None:
         """A staged instance's transfer and load, then the requests admitted to it meanwhile
         go to the agent; if it cannot start (or one is refused there), they are handed back
         to the dispatcher to be placed again elsewhere, as evicted ones are."""
@@ -290,7 +289,7 @@ class AgentNode(ClusterNode):
                 self._instances.pop(plan.instance_id, None)
                 self._book.settled(inst, False)
             for req, _ in deferred:
-                self._hand_back(req, f"its instance {plan.instance_id} could not start on {self.node_id}: "
+                self._hand_back(inst, req, f"its instance {plan.instance_id} could not start on {self.node_id}: "
                                      f"{self.last_start_error or 'stopped'}")
             if ours and self.on_instance_gone is not None:
                 self.on_instance_gone(plan.instance_id)
@@ -305,9 +304,9 @@ class AgentNode(ClusterNode):
         except (AgentDown, AgentCallError) as exc:
             log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
 
-    def _hand_back(self, req: ServedRequest, why: str) -> None:
+    def _hand_back(self, inst: AgentInstance, req: ServedRequest, why: str) -> None:
         """A request admitted to a staged instance that could not take it: placed again."""
-        if self._book.release(req.request_id) is None or req.outcome is not None:
+        if self._book.release(req.request_id, inst) is None or req.outcome is not None:
             return
         req.attempts.append(why)
         req.node_id = req.instance_id = None
@@ -351,8 +350,7 @@ class AgentNode(ClusterNode):
     def abort(self, request_id: str, why: str) -> None:
         """Ask the agent to end the request (its `done` event, failed, ends it here); one
         held for a staged instance ends here."""
-        req = self._book.requests.get(request_id)
-        inst = self._instances.get(req.instance_id or "") if req is not None else None
+        inst, req = self._book.find(request_id) or (None, None)
         if inst is not None and any(r is req for r, _ in inst.deferred):
             inst.deferred = [(r, c) for r, c in inst.deferred if r is not req]
             self._book.end_here(request_id, Outcome.FAILED, why)

@@ -5,6 +5,10 @@ dispatcher holds (`ServedRequest`: first-token time, progress, outcome), whose
 `on_output`/`on_done` feed the client; `evicted` hands a request back with the tokens it
 produced (6.4); an instance's `ready` or failed load settles who waits for it.
 
+The service holds each request once, as the dispatcher's `ServedRequest` (issue 34): an
+instance here lists the ones placed on it, and the book keeps no other copy or index of them
+(the agent process holds its own, for its token loop).
+
 `AgentNode` (mesh.control.agent_node) carries the dispatcher's verbs to the agent and
 changes the book before a call goes out (undone on refusal), so an event that overtakes
 the reply to its own call still finds its request.
@@ -26,8 +30,9 @@ if TYPE_CHECKING:
 
 
 @dataclass(eq=False)
-class MirroredInstance:
-    """The dispatcher's view of one instance on the agent (an InstanceState)."""
+class AgentInstance:
+    """One instance on the agent as the dispatcher reads it (an InstanceState): the requests
+    placed on it are the dispatcher's own records."""
 
     instance_id: str
     model: str
@@ -42,27 +47,38 @@ class MirroredInstance:
 class NodeBook:
     def __init__(self, node: "AgentNode") -> None:
         self.node = node
-        self.instances: dict[str, MirroredInstance] = {}
-        self.requests: dict[str, ServedRequest] = {}
+        self.instances: dict[str, AgentInstance] = {}
         self.means: dict[str, RunningMean] = {}  # O_avg per model: the cluster's, shared by every node (6.1)
         self.loaded_from: dict[str, str] = {}  # instance -> the source its agent said it loaded from
         self._load_waiters: dict[str, list[asyncio.Future]] = {}
 
     # -- requests placed here ----------------------------------------------------------------
-    def hold(self, inst: MirroredInstance, req: ServedRequest) -> None:
+    def find(self, request_id: str) -> tuple[AgentInstance, ServedRequest] | None:
+        """The instance here that holds the request, and the request."""
+        for inst in self.instances.values():
+            req = inst.requests.get(request_id)
+            if req is not None:
+                return inst, req
+        return None
+
+    def get(self, request_id: str) -> ServedRequest | None:
+        found = self.find(request_id)
+        return found[1] if found is not None else None
+
+    def hold(self, inst: AgentInstance, req: ServedRequest) -> None:
         inst.requests[req.request_id] = req
-        self.requests[req.request_id] = req
         req.node_id, req.instance_id = self.node.node_id, inst.instance_id
 
-    def release(self, request_id: str) -> ServedRequest | None:
-        req = self.requests.pop(request_id, None)
-        if req is None:
-            return None
-        inst = self.instances.get(req.instance_id or "")
-        if inst is not None:
-            inst.requests.pop(request_id, None)
-            if not inst.requests:
-                inst.idle_since = _now()
+    def release(self, request_id: str, inst: AgentInstance | None = None) -> ServedRequest | None:
+        """The request leaves its instance here (`inst`: one no longer on the node)."""
+        if inst is None:
+            found = self.find(request_id)
+            if found is None:
+                return None
+            inst = found[0]
+        req = inst.requests.pop(request_id, None)
+        if req is not None and not inst.requests:
+            inst.idle_since = _now()
         return req
 
     def end_here(self, request_id: str, outcome: Outcome, detail: str, reason: FinishReason | None = None) -> None:
@@ -83,7 +99,7 @@ class NodeBook:
         except asyncio.TimeoutError:
             return False
 
-    def settled(self, inst: MirroredInstance, loaded: bool) -> None:
+    def settled(self, inst: AgentInstance, loaded: bool) -> None:
         """The instance is ready (loaded=True) or no longer here: wake its waiters."""
         if not loaded:
             self.loaded_from.pop(inst.instance_id, None)
@@ -93,12 +109,13 @@ class NodeBook:
         if not loaded and self.node.on_instance_stopped is not None:
             self.node.on_instance_stopped(inst.model, inst.instance_id)
 
-    def lose(self, inst: MirroredInstance, why: str) -> None:
+    def lose(self, inst: AgentInstance, why: str) -> None:
         """The instance left the node unasked (its load failed, its agent died): its requests fail."""
         self.instances.pop(inst.instance_id, None)
         self.settled(inst, False)
-        for rid in list(inst.requests):
-            self.end_here(rid, Outcome.FAILED, why)
+        for req in list(inst.requests.values()):
+            if inst.requests.pop(req.request_id, None) is req:
+                req.end(Outcome.FAILED, _now(), why)
         if self.node.on_instance_gone is not None:
             self.node.on_instance_gone(inst.instance_id)
 
@@ -110,7 +127,7 @@ class NodeBook:
     def tokens(self, event: TokensEvent) -> None:
         now = _now()
         for rid, token_ids, text in event.items:
-            req = self.requests.get(rid)
+            req = self.get(rid)
             if req is None:
                 continue
             if req.first_token_s is None:
@@ -120,7 +137,7 @@ class NodeBook:
                 req.on_output(req, token_ids, [text] if text else [])
 
     def done(self, event: DoneEvent) -> None:
-        req = self.requests.get(event.request_id)
+        req = self.get(event.request_id)
         if req is None:
             return
         req.tokens_out = event.tokens_out or req.tokens_out

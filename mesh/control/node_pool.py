@@ -22,7 +22,6 @@ from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
 from mesh.control.supervisor import AgentHandle, AgentSettings
 from mesh.control.weights_plane import WeightsPlane
-from mesh.node.request import ServedRequest
 from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.wire.agent_protocol import InstanceSpec
 
@@ -73,7 +72,6 @@ class NodePool:
         self.start_timeout_s = start_timeout_s
         self.agents: dict[str, AgentHandle] = {}  # node id -> its agent (the weights plane reads it)
         self.weights: WeightsPlane | None = None  # once made (it reads `agents`)
-        self.on_admitted: Callable[[ServedRequest], None] | None = None  # a request now runs on a node
         self._started = False
 
     def nodes(self) -> list[AgentNode]:
@@ -101,7 +99,6 @@ class NodePool:
         node.on_instance_stopped = self._instance_stopped
         node.on_down = self._node_down
         node.on_change = self.dispatcher.capacity_freed
-        node.on_admitted = self.on_admitted
         # a start that must first move the weights there is staged: no decision waits for a transfer
         node.transfer_first = lambda plan, n: not self.models.holds_copy(plan.model, n)
         node.on_transfer = self.cluster.cold_starts.record_transfer

@@ -18,6 +18,7 @@ class Outcome(str, Enum):
 
 OutputCallback = Callable[["ServedRequest", Sequence[int] | None, Sequence[str] | None], None]
 DoneCallback = Callable[["ServedRequest"], None]
+AdmittedCallback = Callable[["ServedRequest"], None]
 
 
 @dataclass(eq=False, slots=True)
@@ -28,6 +29,9 @@ class ServedRequest:
     slo: SLO
     on_output: OutputCallback | None = None  # every new token (live streaming)
     on_done: DoneCallback | None = None  # once, when the request ends
+    # each time a node agent admitted it (its node_id and instance_id say where): the service's
+    # stream starts at the first (mesh.service.request_path); replays set none
+    on_admitted: AdmittedCallback | None = None
     node_id: str | None = None
     instance_id: str | None = None
     first_token_s: float | None = None

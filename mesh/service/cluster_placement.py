@@ -130,7 +130,6 @@ class ClusterPlacement:
         self.cluster.holds_copy = self.catalogue.holds_copy
         self.pool = NodePool(self.cluster, self.dispatcher, s.agent, agent_factory, self.catalogue, s.start_timeout_s)
         self.requests = RequestPath(self.cluster, self.dispatcher, self.catalogue, self.pool.agents, formats)
-        self.pool.on_admitted = self.requests.admitted
         for spec in nodes:
             self.pool.add(spec)
         self.weights = weights(self.pool.agents) if weights is not None else None

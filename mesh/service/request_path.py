@@ -25,7 +25,7 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import replace
-from typing import Any, Callable
+from typing import Any
 
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.cluster_view import ClusterView
@@ -53,8 +53,6 @@ class RequestPath:
         self.catalogue = catalogue
         self.agents = agents  # node id -> its agent (the node pool's)
         self.formats = formats
-        self._requests: dict[str, ServedRequest] = {}
-        self._begin: dict[str, Callable[[ServedRequest], None]] = {}  # request -> its stream's start, until admitted
         self.placed_by_kind: Counter[str] = Counter()  # requests by the kind of node that first admitted them
 
     async def submit(self, job: Job) -> RequestStream:
@@ -83,7 +81,7 @@ class RequestPath:
         started: asyncio.Future = loop.create_future()  # admitted on a node, or ended before
 
         def begin(req: ServedRequest) -> None:
-            """Admitted (or ended without a node): the HTTP response starts."""
+            """Admitted (its one admitted event), or ended: the HTTP response starts at the first."""
             if not started.done():
                 node = self.cluster.node(req.node_id) if req.node_id in self.cluster.node_seq else None
                 self.placed_by_kind[node.kind if node is not None else "unknown"] += 1
@@ -98,13 +96,11 @@ class RequestPath:
             stream.push(Tokens("".join(texts or ()), list(token_ids or ())))
 
         def done(req: ServedRequest) -> None:
-            self._requests.pop(req.request_id, None)
-            self._begin.pop(req.request_id, None)
             if req.outcome is Outcome.COMPLETED:
                 begin(req)
                 stream.push(Finished(req.finish_reason.value if req.finish_reason else "stop", req.tokens_out))
                 return
-            error = (overloaded(_reason(req.detail), self.retry_after_s(req.model), self.dispatcher.admission(req))
+            error = (overloaded(_reason(req.detail), retry_after_s(self.cluster, req.model), self.dispatcher.admission(req))
                      if req.outcome is Outcome.REJECTED else node_unavailable(_reason(req.detail)))
             if started.done():
                 stream.push(error)
@@ -112,10 +108,9 @@ class RequestPath:
                 started.set_exception(error)
 
         req = ServedRequest(EngineRequest(job.request_id, len(ids), sampling, list(ids)), job.model.uid,
-                            job.arrival_s, job.model.slo, on_output=output, on_done=done, tenant=job.model.tenant)
-        self._requests[job.request_id] = req
-        self._begin[job.request_id] = begin
-        self.dispatcher.submit(req)
+                            job.arrival_s, job.model.slo, on_output=output, on_done=done, on_admitted=begin,
+                            tenant=job.model.tenant)
+        self.dispatcher.submit(req)  # the one record of the request: the dispatcher's, until it ends
         try:
             await asyncio.shield(started)
         except asyncio.CancelledError:
@@ -163,21 +158,9 @@ class RequestPath:
             return reply.ids
         raise node_unavailable(f"node {model.front} cannot tokenize for {job.model.name}")
 
-    def admitted(self, req: ServedRequest) -> None:
-        begin = self._begin.pop(req.request_id, None)
-        if begin is not None:
-            begin(req)
-
-    def retry_after_s(self, model_uid: str) -> float:
-        """When a turned-away request of this model may do better: once the cold start of
-        an instance of it under way ends (the time left of its predicted load), else in a
-        second. The header rounds it up to whole seconds, at least 1."""
-        left = self.cluster.cold_start_left_s(model_uid)
-        return 1.0 if left is None else left
-
     def abort(self, request_id: str) -> None:
         """The client went away: stop the request wherever it is (waiting, or on a node)."""
-        req = self._requests.get(request_id)
+        req = self.dispatcher.requests.get(request_id)
         if req is None or req.outcome is not None:
             return
         if req.node_id is not None and req.node_id in self.cluster.node_seq:
@@ -208,6 +191,14 @@ class RequestPath:
             "decision_wait_s_mean": d.stats.decision_wait_s / max(1, d.stats.decisions),
             "decision_times": d.stats.decision_times.snapshot(),  # seconds, log buckets (mesh.control.latency)
         }
+
+
+def retry_after_s(cluster: ClusterView, model_uid: str) -> float:
+    """When a turned-away request of this model may do better: once the cold start of an
+    instance of it under way ends (the time left of its predicted load), else in a second.
+    The header rounds it up to whole seconds, at least 1."""
+    left = cluster.cold_start_left_s(model_uid)
+    return 1.0 if left is None else left
 
 
 def _reason(detail: str) -> str:
