@@ -6,7 +6,7 @@ from typing import Callable
 
 from mesh.perf.profile import Profile, profile_from_dict
 from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.policy.placement import ColdStart
+from mesh.perf.load_times import ColdStart
 from mesh.policy.slo import SLO
 from mesh.replay.simulator import simulated_cluster
 from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec

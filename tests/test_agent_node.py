@@ -240,7 +240,7 @@ def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkey
     of a cold model whose load outlasts the TTFT SLO was turned away (issue 23's single-node
     workload)."""
     import agent_doubles
-    from mesh.policy.placement import ColdStart
+    from mesh.perf.load_times import ColdStart
 
     def slow(spec, on_loaded):  # a load of 1.5 s, about what the service predicts
         e = agent_doubles.simulated_factory(spec, on_loaded)

@@ -40,7 +40,7 @@ from mesh.engines.engine_api import Sampling
 from mesh.node.emulation import emulated_nodes
 from mesh.control.supervisor import AgentSettings
 from mesh.perf.profile import catalog_profile, save_profile
-from mesh.policy.placement import ColdStart
+from mesh.perf.load_times import ColdStart
 from mesh.policy.slo import SLO
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
 from mesh.control.cluster_view import ClusterConfig

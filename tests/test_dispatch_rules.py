@@ -6,8 +6,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from mesh.perf.load_times import ColdStart
 from mesh.policy.placement import (
-    ColdStart,
     InstanceView,
     NodeView,
     candidate_order,

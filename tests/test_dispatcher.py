@@ -8,8 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_doubles import GB, build, config, request, run_until, spec
-from mesh.perf.memory_times import GIB, RESIZE_UP_S_PER_GIB
-from mesh.policy.placement import ColdStart
+from mesh.perf.load_times import GIB, RESIZE_UP_S_PER_GIB, ColdStart
 from mesh.policy.slo import SLO
 from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
 from mesh.node.request import Outcome

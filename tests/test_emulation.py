@@ -16,7 +16,7 @@ from mesh.node.emulation import Emulation, emulated_nodes, emulated_profiles, pa
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import catalog_profile
 from mesh.policy.batching import IterationKind
-from mesh.policy.placement import ColdStart
+from mesh.perf.load_times import ColdStart
 from test_service_e2e import ADMIN, Server
 
 

@@ -16,7 +16,7 @@ from mesh.perf.gpu_reference import (PROBE_DIR, PROBE_MODEL, PROBES, ProbeError,
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import reference_profile
 from mesh.perf.roofline import ARCHITECTURES, FITTED_GPUS, HARDWARE, VLLM_STEP_OVERHEAD_S, decode_seconds
-from mesh.policy.placement import ColdStart
+from mesh.perf.load_times import ColdStart
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "roofline.md"
 FIELDS = ("eff_gemm", "eff_attn", "eff_bw", "eff_kv", "device_overhead_s", "host_to_device_bytes_per_s",

@@ -170,7 +170,7 @@ def test_a_model_described_on_a_real_agent_is_parked_ahead_and_its_first_load_ad
     a load would build, with the load's settings, and parks it; the cluster predicts the
     parked tier's load there, and the model's first load adopts the worker."""
     from agent_doubles import until
-    from mesh.policy.cold_starts import PARKED_PRIOR_S
+    from mesh.perf.load_times import PARKED_PRIOR_S
 
     async def main() -> None:
         node, cluster = await _one_agent_cluster(demo_gguf)

@@ -354,23 +354,15 @@ def ensure_profile(profile_path: str | None, model_path: Path, recalibrate: bool
     return out
 
 
-def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0, profile: str | None = None,
-        model: str | None = None, recalibrate: bool = False, trace: str | Path = DEFAULT_TRACE,
-        max_prompt: int = 512, max_output: int = 128, wait_quiet_s: float = 60.0, tries: int = 3,
-        live_repeats: int = 2, trace_out: str | Path | None = None, prompt_scale: float = 1.0) -> dict[str, Any]:
-    from mesh.perf import PerformanceModel, load_profile
+def _live_runs(work: list[Item], model_path: Path, perf: Any, repeats: int, tries: int,
+               wait_quiet_s: float) -> tuple[list[RunResult], float | None, list[float | None]]:
+    """`repeats` live runs of the workload, each the least disturbed of up to `tries` (a run
+    disturbed by other jobs is run again); with the machine's share taken by others before
+    the last one and during each try."""
     from mesh.calibration.runner import wait_for_quiet
-    from mesh.modelfiles.demo import demo_gguf_path
-    from mesh.policy.shadow import DEFAULT_MARGIN
 
-    model_path = Path(model) if model else demo_gguf_path(fetch=True)
-    prof_path = ensure_profile(profile, model_path, recalibrate, max_wait_s=2 * wait_quiet_s)
-    prof = load_profile(prof_path)
-    perf = PerformanceModel(prof)
-    work = build_workload(n, duration_s, scale, seed, trace, max_prompt, max_output, prompt_scale=prompt_scale)
-    load_start = os.getloadavg()
     lives, quiet, shares = [], None, []
-    for _ in range(max(1, live_repeats)):
+    for _ in range(max(1, repeats)):
         best = None
         for attempt in range(max(1, tries)):  # a live run disturbed by other jobs is run again
             quiet = wait_for_quiet(wait_quiet_s) if wait_quiet_s > 0 else None
@@ -381,6 +373,42 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
             if result.others_cpu_share is None or result.others_cpu_share <= DISTURBED:
                 break
         lives.append(best)
+    return lives, quiet, shares
+
+
+def _live_run_row(r: RunResult, sim: RunResult) -> dict[str, Any]:
+    """One live run's own figures, and the simulation's errors against it."""
+    from mesh.policy.shadow import DEFAULT_MARGIN
+
+    row: dict[str, Any] = {}
+    for metric, lv, sv in (("ttft", r.ttft_s, sim.ttft_s), ("tpot", r.tpot_s, sim.tpot_s)):
+        for q in (50, 99):
+            row[f"{metric}_p{q}_s"] = round(_pct(lv, q), 5)
+            row[f"sim_{metric}_p{q}_err"] = round(_err(_pct(sv, q), _pct(lv, q)), 4)
+    row["over_margin_fraction"] = round(over_margin(r.iterations, r.margins)["all"][0], 4)
+    row["over_margin_fraction_fixed"] = round(over_margin(r.iterations, DEFAULT_MARGIN)["all"][0], 4)
+    if r.probe:
+        row["speed_vs_profile_prefill"] = round(r.probe["prefill"], 3)
+        row["speed_vs_profile_decode"] = round(r.probe["decode"], 3)
+    row["others_cpu_share"] = r.others_cpu_share
+    return row
+
+
+def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0, profile: str | None = None,
+        model: str | None = None, recalibrate: bool = False, trace: str | Path = DEFAULT_TRACE,
+        max_prompt: int = 512, max_output: int = 128, wait_quiet_s: float = 60.0, tries: int = 3,
+        live_repeats: int = 2, trace_out: str | Path | None = None, prompt_scale: float = 1.0) -> dict[str, Any]:
+    from mesh.perf import PerformanceModel, load_profile
+    from mesh.modelfiles.demo import demo_gguf_path
+    from mesh.policy.shadow import DEFAULT_MARGIN
+
+    model_path = Path(model) if model else demo_gguf_path(fetch=True)
+    prof_path = ensure_profile(profile, model_path, recalibrate, max_wait_s=2 * wait_quiet_s)
+    prof = load_profile(prof_path)
+    perf = PerformanceModel(prof)
+    work = build_workload(n, duration_s, scale, seed, trace, max_prompt, max_output, prompt_scale=prompt_scale)
+    load_start = os.getloadavg()
+    lives, quiet, shares = _live_runs(work, model_path, perf, live_repeats, tries, wait_quiet_s)
     load_end = os.getloadavg()
     sim = simulated_run(work, prof, perf)
     # The live reference pools the requests of every live run (one run is one sample of a
@@ -397,20 +425,7 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
             figures[f"{metric}_p{q}_sim_s"] = sim_q
             figures[f"{metric}_p{q}_err"] = _err(sim_q, live_q)
             figures[f"{metric}_p{q}_signed_err"] = (sim_q - live_q) / live_q if live_q else math.nan
-    runs = []
-    for r in lives:
-        row: dict[str, Any] = {}
-        for metric, lv, sv in (("ttft", r.ttft_s, sim.ttft_s), ("tpot", r.tpot_s, sim.tpot_s)):
-            for q in (50, 99):
-                row[f"{metric}_p{q}_s"] = round(_pct(lv, q), 5)
-                row[f"sim_{metric}_p{q}_err"] = round(_err(_pct(sv, q), _pct(lv, q)), 4)
-        row["over_margin_fraction"] = round(over_margin(r.iterations, r.margins)["all"][0], 4)
-        row["over_margin_fraction_fixed"] = round(over_margin(r.iterations, DEFAULT_MARGIN)["all"][0], 4)
-        if r.probe:
-            row["speed_vs_profile_prefill"] = round(r.probe["prefill"], 3)
-            row["speed_vs_profile_decode"] = round(r.probe["decode"], 3)
-        row["others_cpu_share"] = r.others_cpu_share
-        runs.append(row)
+    runs = [_live_run_row(r, sim) for r in lives]
     figures["live_runs"] = runs
     if len(lives) > 1:  # the noise floor: how much two live runs of the same workload differ
         for metric in ("ttft", "tpot"):

@@ -28,7 +28,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mesh.policy.multicast import PLANS, CostModel, make_plan, naive, schedule
+from mesh.perf.load_times import CostModel, schedule
+from mesh.policy.multicast import PLANS, make_plan, naive
 from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast
 from mesh.weights.launch import new_token, spawn_agents, stop_agents

@@ -11,7 +11,8 @@ from typing import Any
 
 from mesh.perf.profile import ProfileError
 from mesh.perf.roofline import host_to_device_bytes_per_s
-from mesh.policy.placement import ADMISSIONS, ColdStart
+from mesh.perf.load_times import PCIE_BYTES_PER_S, ColdStart
+from mesh.policy.placement import ADMISSIONS
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import (
     DEFAULT_CPU_DEVICE,
@@ -93,7 +94,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--cpu-load-gbps", type=float, default=50.0, help="CPU instance start-up pass over cached weights, GB/s (default: %(default)s)")
     cl.add_argument("--cold-starts", metavar="FILE", default=None,
                     help="take instances' loads from a measured cold-start table (JSON, format mesh-cold-starts/1, "
-                         "mesh.policy.cold_starts): per model and node kind, '*' for models it does not name; "
+                         "mesh.perf.load_times.ColdStartTable): per model and node kind, '*' for models it does not name; "
                          "the weights' bandwidths then apply only to kinds it has no entry for")
     cl.add_argument("--weights", default="cached", choices=("cached", *WEIGHT_MODES),
                     help="where a cold start gets its weights: 'cached' (the paper's setup: host memory over PCIe on GPU "
@@ -205,14 +206,14 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
     catalog = build_catalog(list(mix), cpu_device=args.cpu_device, gpu_device=args.gpu_device, profile_dir=args.profiles)
     measured: dict[tuple[str, str], float] = {}
     if args.cold_starts:
-        from mesh.policy.cold_starts import cold_start_times
+        from mesh.perf.load_times import cold_start_times
 
         try:
             measured = cold_start_times(json.loads(Path(args.cold_starts).read_text()))
         except (OSError, ValueError) as exc:
             raise ReplayInputError(f"--cold-starts {args.cold_starts}: {exc}") from None
     if args.pcie_gbps is None:
-        args.pcie_gbps = host_to_device_bytes_per_s(args.gpu_device, ColdStart().pcie_bytes_per_s) / 1e9
+        args.pcie_gbps = host_to_device_bytes_per_s(args.gpu_device, PCIE_BYTES_PER_S) / 1e9
     cold_start, engines = ColdStart(args.pcie_gbps * 1e9, args.cpu_load_gbps * 1e9, measured=measured), None
     if args.weights != "cached":
         try:

@@ -50,8 +50,8 @@ from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_s
 from mesh.modelfiles.demo import ModelFetchError
 from mesh.perf.profile import load_profile
 from mesh.perf.times import learnt_profile, prior_profile
-from mesh.policy.cold_starts import ANY_MODEL
-from mesh.policy.placement import CPU, GPU, ColdStart
+from mesh.perf.load_times import ANY_MODEL, ColdStart
+from mesh.policy.placement import CPU, GPU
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
 from mesh.control.cluster_view import ClusterConfig, ModelSpec

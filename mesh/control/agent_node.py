@@ -30,7 +30,8 @@ from mesh.control.cluster_node import ClusterNode, InstanceState
 from mesh.control.node_book import AgentInstance, NodeBook, resume_from
 from mesh.control.supervisor import AgentHandle
 from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import Admission, InstancePlan, NodeSpec
+from mesh.node.runtime import InstancePlan, NodeSpec
+from mesh.node.shadow_admission import Admission
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.wire.agent_protocol import (Abort, Admit, AdmitEntry, AdmitResult, Code, DoneEvent, EvictedEvent, Forget,
                                       InstanceEvent, InstanceSpec, NewInstance, NodeEvent, Probe, ProtocolError, Stats,

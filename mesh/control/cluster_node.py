@@ -24,7 +24,8 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from typing import Callable, Collection, Mapping, Protocol, Sequence
 
-from mesh.node.runtime import Admission, InstancePlan, NodeSpec
+from mesh.node.runtime import InstancePlan, NodeSpec
+from mesh.node.shadow_admission import Admission
 from mesh.node.request import ServedRequest
 
 
@@ -90,7 +91,7 @@ class ClusterNode(ABC):
 
     def loaded_from(self, instance_id: str) -> str | None:
         """Where a loaded instance's engine read its model from (OpenVINO: "gguf", "prepared",
-        "ir"; mesh.policy.cold_starts keys measured loads by it); None if it does not say."""
+        "ir"; mesh.perf.load_times.ColdStartTable keys measured loads by it); None if it does not say."""
         return None
 
     def parked(self, model: str) -> bool:

@@ -1,7 +1,7 @@
 """A cluster of nodes and the model instances on them (LLM-Mesh 4, 8.1).
 
 The cluster owns one NodeRuntime per node, knows which instances of which model run where,
-starts instances with a modelled cold start (mesh.policy.placement.ColdStart: weights from
+starts instances with a modelled cold start (mesh.perf.load_times.ColdStart: weights from
 host memory over PCIe to a GPU, or already in a CPU node's memory), recycles instances
 idle past keep-alive, and records how many nodes of each kind are in use over time. It
 decides nothing about placement: the policies (mesh.control.schedulers) do.
@@ -16,12 +16,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mesh.perf.memory_times import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BYTES, GIB, RESIZE_UP_S_PER_GIB
+from mesh.perf.load_times import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BYTES, GIB, ColdStart, ColdStartTable, LoadRecord
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile
-from mesh.policy.cold_starts import ColdStartTable, LoadRecord
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
-from mesh.policy.placement import (ADMISSIONS, ADMIT_REJECT, COLD_START_CHOICES, CPU, DEFAULT_KEEP_ALIVE_S, GPU, SERVE_LATE, ColdStart,
+from mesh.policy.placement import (ADMISSIONS, ADMIT_REJECT, COLD_START_CHOICES, CPU, DEFAULT_KEEP_ALIVE_S, GPU, SERVE_LATE,
                                    InstanceView, NodeView, keep_alive_expired)
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
@@ -200,7 +199,7 @@ class ClusterView:
         self.cold_start_s = 0.0  # summed predicted cold starts
         self._loads_end: dict[str, float] = {}  # node id -> when the loads issued on it are predicted to end
         # Cold starts measured, not assumed (issue 23 item 3): every node's loads per model and
-        # source, and the weights transfers (mesh.policy.cold_starts).
+        # source, and the weights transfers (mesh.perf.load_times.ColdStartTable).
         self.cold_starts = ColdStartTable()
         self._loading: dict[str, tuple[float, float, str]] = {}  # instance -> (issued, its wait, node kind)
         # Does `node` hold a copy of the model's weights (the service's weights plane)? None:
@@ -375,19 +374,15 @@ class ClusterView:
             return measured
         base = self.models[model]
         spec = self.catalog[base]
-        p = spec.profiles[kind]
-        prior = self.config.cold_start.measured_s(base, kind)
-        if prior is not None:
-            return prior
-        kv0 = spec.min_bytes(kind, self.config.watermark) - p.weight_bytes
-        return self.config.cold_start.load_s(p.weight_bytes, kind) + kv0 / GIB * RESIZE_UP_S_PER_GIB
+        weight_bytes = spec.profiles[kind].weight_bytes
+        kv0 = spec.min_bytes(kind, self.config.watermark) - weight_bytes
+        return self.config.cold_start.instance_load_s(weight_bytes, kind, base, kv0)
 
     def simulated_load_s(self, plan: InstancePlan, kind: str) -> float:
-        """How long a simulated (or emulated) engine's load of the planned instance takes:
-        the wait for the loads under way on its node, then ColdStart's load of its weights (a
-        node loads one instance at a time). The node runtime allocates the initial KV cache
-        after it; `expected_load_s` predicts both."""
-        return plan.load_wait_s + self.config.cold_start.load_s(plan.weight_bytes, kind, self.models.get(plan.model))
+        """How long a simulated (or emulated) engine's load of the planned instance takes
+        (ColdStart.simulated_load_s, after the wait for the loads under way on its node)."""
+        return self.config.cold_start.simulated_load_s(plan.load_wait_s, plan.weight_bytes, kind,
+                                                       self.models.get(plan.model))
 
     def holds(self, model: str, node: ClusterNode) -> bool:
         """Does `node` hold a copy of `model`'s weights (no transfer before its load)?"""

@@ -37,7 +37,7 @@ once: the metrics are percentages taken while the step is scheduled, so they sti
 a request cancelled (aborted, or ended by a stop string) just before the step. The pipeline
 frees a cancelled request's blocks at its next step; an idle engine takes that step at once.
 `kv_bytes_per_token` comes from the model shape and the cache precision (u8 keys per
-channel and u8 values per token on CPU, see mesh.modelfiles.shape): 13,680 bytes for the demo
+channel and u8 values per token on CPU, see mesh.perf.roofline.kv_bytes_per_token): 13,680 bytes for the demo
 model; `load()` checks it against the size of a real block.
 """
 from __future__ import annotations
@@ -54,7 +54,8 @@ from typing import Any, Iterable, Mapping, Sequence
 from mesh.engines.chat import PromptEncoder
 from mesh.engines.detokenize import Detokenizer, StopMatcher
 from mesh.engines.engine_api import checked_request, engine_limits, EngineError, EngineRequest, FinishReason, RequestOutput, Sampling, StepResult, step_result
-from mesh.modelfiles.shape import ModelShape, kv_bytes_per_token, shape_from_config, shape_from_gguf
+from mesh.modelfiles.shape import ModelShape, shape_from_config, shape_from_gguf
+from mesh.perf.roofline import kv_bytes_per_token
 from mesh.policy.batching import IterationKind
 
 log = logging.getLogger(__name__)
@@ -139,6 +140,40 @@ class _Live:
     @property
     def kv_tokens(self) -> int:
         return self.prompt_len + self.generated - 1 if self.generated else 0
+
+    def read(self) -> list[Any] | None:
+        """The request's new outputs this step (None if it has nothing to read)."""
+        handle = self.handle
+        return list(handle.read().values()) if handle.can_read() else None
+
+    def collect(self, outputs: list[Any] | None) -> tuple[int | None, str, FinishReason | None]:
+        """What one request got this step: (token, text delta, finish reason)."""
+        import openvino_genai as ov_genai
+
+        handle = self.handle
+        if outputs is None:
+            status = handle.get_status()
+            if status in (ov_genai.GenerationStatus.IGNORED, ov_genai.GenerationStatus.CANCEL):
+                return None, "", FinishReason.ABORT  # the pipeline gave up on it (no cache)
+            return None, "", None
+        token, text, reason = None, "", None
+        for output in outputs:  # one sequence: num_return_sequences=1
+            for token in output.generated_ids:
+                self.generated += 1
+                delta = self.detok.push(token)
+                text += self.stop.feed(delta) if self.stop else delta
+            if output.finish_reason == ov_genai.GenerationFinishReason.STOP:
+                reason = FinishReason.STOP
+            elif output.finish_reason == ov_genai.GenerationFinishReason.LENGTH:
+                reason = FinishReason.LENGTH
+        if self.stop and self.stop.stopped:
+            return token, text, FinishReason.STOP  # our stop string: the pipeline is cancelled
+        if reason is None and handle.get_status() == ov_genai.GenerationStatus.FINISHED:
+            reason = FinishReason.STOP
+        if reason is not None:
+            tail = self.detok.flush()
+            text += (self.stop.feed(tail) + self.stop.flush()) if self.stop else tail
+        return token, text, reason
 
 
 class OpenVINOEngine:
@@ -331,7 +366,7 @@ class OpenVINOEngine:
         import openvino as ov
         import numpy as np
 
-        config = self._generation_config(Sampling(max_tokens=1), 1, seed=0)
+        config = generation_config(Sampling(max_tokens=1), 1, 0, self.ignore_eos)
         handle = self._pipe.add_request(next(self._ids), ov.Tensor(np.array([[0]], dtype=np.int64)), config)
         while self._pipe.has_non_finished_requests():
             self._pipe.step()
@@ -375,7 +410,7 @@ class OpenVINOEngine:
         sampling = request.sampling
         max_tokens = min(sampling.max_tokens, self.context_window - len(ids))  # fits the window
         pipe_id = next(self._ids)
-        config = self._generation_config(sampling, max_tokens, seed=pipe_id)
+        config = generation_config(sampling, max_tokens, pipe_id, self.ignore_eos)
         import numpy as np
         import openvino as ov
 
@@ -383,26 +418,6 @@ class OpenVINOEngine:
         stops = tuple(s for s in sampling.stop if s)
         self._live[rid] = _Live(rid, handle, len(ids), Detokenizer(self._stream_decode),
                                 StopMatcher(stops) if stops else None)
-
-    def _generation_config(self, sampling: Sampling, max_tokens: int, seed: int) -> Any:
-        import openvino_genai as ov_genai
-
-        if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
-            raise EngineError(f"need temperature >= 0 and 0 < top_p <= 1, got temperature="
-                              f"{sampling.temperature}, top_p={sampling.top_p}")
-        config = ov_genai.GenerationConfig()
-        config.max_new_tokens = max_tokens
-        config.num_return_sequences = 1
-        config.ignore_eos = self.ignore_eos or sampling.ignore_eos
-        if sampling.temperature == 0:
-            config.do_sample = False  # greedy
-        else:
-            config.do_sample = True
-            config.temperature = sampling.temperature
-            config.top_p = sampling.top_p
-            config.top_k = 0  # OpenAI semantics: no top-k cut
-            config.rng_seed = sampling.seed if sampling.seed is not None else seed
-        return config
 
     # ---- iterations -----------------------------------------------------------------------
 
@@ -420,10 +435,10 @@ class OpenVINOEngine:
         self._pipe.step()
         outputs: list[RequestOutput] = []
         prefilled = cancelled = False
-        reads = {rid: self._read(live) for rid, live in self._live.items()}
+        reads = {rid: live.read() for rid, live in self._live.items()}
         self._predecode(reads)
         for rid, live in list(self._live.items()):
-            token, text, reason = self._collect(live, reads[rid])
+            token, text, reason = live.collect(reads[rid])
             outputs.append((rid, token, text, reason))
             if token is not None or reason is not None:
                 prefilled |= rid in waiting
@@ -432,12 +447,6 @@ class OpenVINOEngine:
         if cancelled and not self._live:
             self._pipe.step()  # empty step: the pipeline frees cancelled requests' blocks now
         return step_result(IterationKind.PREFILL if prefilled else IterationKind.DECODE, outputs)
-
-    @staticmethod
-    def _read(live: _Live) -> list[Any] | None:
-        """The request's new outputs this step (None if it has nothing to read)."""
-        handle = live.handle
-        return list(handle.read().values()) if handle.can_read() else None
 
     def _predecode(self, reads: Mapping[str, list[Any] | None]) -> None:
         """Decode, in one tokenizer call, the token windows every Detokenizer.push of this
@@ -469,35 +478,6 @@ class OpenVINOEngine:
         """The Detokenizers' decode: this step's batch-decoded text, else one decode call."""
         text = self._decoded.get(tuple(token_ids))
         return text if text is not None else self._encoder.decode(token_ids)
-
-    def _collect(self, live: _Live, outputs: list[Any] | None) -> tuple[int | None, str, FinishReason | None]:
-        """What one request got this step: (token, text delta, finish reason)."""
-        import openvino_genai as ov_genai
-
-        handle = live.handle
-        if outputs is None:
-            status = handle.get_status()
-            if status in (ov_genai.GenerationStatus.IGNORED, ov_genai.GenerationStatus.CANCEL):
-                return None, "", FinishReason.ABORT  # the pipeline gave up on it (no cache)
-            return None, "", None
-        token, text, reason = None, "", None
-        for output in outputs:  # one sequence: num_return_sequences=1
-            for token in output.generated_ids:
-                live.generated += 1
-                delta = live.detok.push(token)
-                text += live.stop.feed(delta) if live.stop else delta
-            if output.finish_reason == ov_genai.GenerationFinishReason.STOP:
-                reason = FinishReason.STOP
-            elif output.finish_reason == ov_genai.GenerationFinishReason.LENGTH:
-                reason = FinishReason.LENGTH
-        if live.stop and live.stop.stopped:
-            return token, text, FinishReason.STOP  # our stop string: the pipeline is cancelled
-        if reason is None and handle.get_status() == ov_genai.GenerationStatus.FINISHED:
-            reason = FinishReason.STOP
-        if reason is not None:
-            tail = live.detok.flush()
-            text += (live.stop.feed(tail) + live.stop.flush()) if live.stop else tail
-        return token, text, reason
 
     def _finish(self, request_id: str) -> bool:
         """Forget a finished request; cancel it in the pipeline if only Mesh saw it end
@@ -554,6 +534,29 @@ class OpenVINOEngine:
         if self._standalone_encoder is None:  # tokenizing before load: the model's tokenizer alone
             self._standalone_encoder = standalone_encoder(str(self.source.path))
         return self._standalone_encoder
+
+
+def generation_config(sampling: Sampling, max_tokens: int, seed: int, ignore_eos: bool = False) -> Any:
+    """OpenVINO's GenerationConfig of a request: its sampling (OpenAI semantics), `max_tokens`, and
+    `seed` where the request gives none; `ignore_eos` generates exactly max_tokens."""
+    import openvino_genai as ov_genai
+
+    if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
+        raise EngineError(f"need temperature >= 0 and 0 < top_p <= 1, got temperature="
+                          f"{sampling.temperature}, top_p={sampling.top_p}")
+    config = ov_genai.GenerationConfig()
+    config.max_new_tokens = max_tokens
+    config.num_return_sequences = 1
+    config.ignore_eos = ignore_eos or sampling.ignore_eos
+    if sampling.temperature == 0:
+        config.do_sample = False  # greedy
+    else:
+        config.do_sample = True
+        config.temperature = sampling.temperature
+        config.top_p = sampling.top_p
+        config.top_k = 0  # OpenAI semantics: no top-k cut
+        config.rng_seed = sampling.seed if sampling.seed is not None else seed
+    return config
 
 
 @functools.lru_cache(maxsize=32)

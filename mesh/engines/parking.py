@@ -14,7 +14,7 @@ The lot's memory is its own budget (`budget_bytes`: the agent's `--park-bytes`),
 memory the dispatcher plans on the node (`--memory-bytes`): parking never takes memory an
 instance was promised. Within it, the least recently parked worker is ended first. What is
 parked is reported (`models()`), so that the cold-start table predicts a load from the
-parked tier only where one waits (mesh.policy.cold_starts).
+parked tier only where one waits (mesh.perf.load_times.ColdStartTable).
 """
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 It follows the batching rule of mesh.engines.engine_api exactly, and produces `output_len` tokens
 per request (from a trace), capped by max_tokens and the context window. Memory operations
 take modeled time: a load `load_s`; a KV resize proportional to the bytes it changes
-(mesh.perf.memory_times: LLM-Mesh Figure 8 on an A100, 32 -> 64 GB in 1.9 s, 32 -> 16 GB in 0.3 s).
+(mesh.perf.load_times.kv_resize_s: LLM-Mesh Figure 8 on an A100, 32 -> 64 GB in 1.9 s, 32 -> 16 GB in 0.3 s).
 An iteration takes its grid time plus the profile's overheads for what ran before it
 (mesh.policy.batching.extra_s: a prefill of a new token count, a decode right after a
 prefill, a changed decode batch, and,
@@ -17,7 +17,7 @@ import random
 from collections import defaultdict
 
 from mesh.engines.engine_api import EngineError, EngineRequest, FinishReason, StepResult
-from mesh.perf.memory_times import GIB, RESIZE_DOWN_S_PER_GIB, RESIZE_UP_S_PER_GIB
+from mesh.perf.load_times import kv_resize_s
 from mesh.policy.batching import IterationKind, IterationTimes, extra_s, prefill_take
 
 # Relative std-dev of a simulated iteration's time: `mesh replay --noise`'s default and what
@@ -78,10 +78,9 @@ class SimulatedEngine:
         self._kv_capacity = 0
 
     async def resize_kv(self, capacity_bytes: int) -> None:
-        delta = capacity_bytes - self._kv_capacity
-        per_gib = RESIZE_UP_S_PER_GIB if delta > 0 else RESIZE_DOWN_S_PER_GIB
+        resize_s = kv_resize_s(self._kv_capacity, capacity_bytes)
         self._kv_capacity = capacity_bytes
-        await asyncio.sleep(abs(delta) / GIB * per_gib)
+        await asyncio.sleep(resize_s)
 
     # -- requests ------------------------------------------------------------------
     def add_request(self, request: EngineRequest) -> None:

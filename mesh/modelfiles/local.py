@@ -28,6 +28,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from mesh.perf.roofline import llama_params
+
 SHAPES_DIR = Path(__file__).with_name("shapes")
 SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 CHAT_TEMPLATE = (
@@ -145,13 +147,11 @@ def llama_weight_shapes(cfg: dict[str, Any]) -> dict[str, tuple[int, ...]]:
 
 
 def llama_parameter_count(cfg: dict[str, Any]) -> int:
-    total = 0
-    for shape in llama_weight_shapes(cfg).values():
-        n = 1
-        for d in shape:
-            n *= d
-        total += n
-    return total
+    """The parameters of a Llama checkpoint's config (mesh.perf.roofline.llama_params)."""
+    heads = cfg["num_attention_heads"]
+    return llama_params(cfg["num_hidden_layers"], cfg["hidden_size"], cfg["intermediate_size"], heads,
+                        cfg.get("num_key_value_heads") or heads, cfg.get("head_dim") or cfg["hidden_size"] // heads,
+                        cfg["vocab_size"], cfg.get("tie_word_embeddings", False))
 
 
 def write_safetensors(path: Path, tensors: dict[str, Any]) -> None:

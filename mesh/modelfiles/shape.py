@@ -1,4 +1,5 @@
-"""The shape of a decoder-only model as far as KV memory is concerned, and its KV bytes per token.
+"""The shape of a decoder-only model as far as KV memory is concerned (its KV bytes per token:
+mesh.perf.roofline.kv_bytes_per_token).
 
 Read from GGUF metadata (`<arch>.block_count`, `<arch>.attention.head_count_kv`, ...) or an
 HF-style `config.json` (which optimum-intel copies into OpenVINO IR folders).
@@ -59,44 +60,6 @@ def shape_from_config(config_json: str | Path) -> ModelShape:
         context_length=int(cfg.get("max_position_embeddings") or 2048),
         architecture=str(cfg.get("model_type", "")),
     )
-
-
-def kv_bytes_per_token(
-    shape: ModelShape,
-    key_precision: str = "u8",
-    value_precision: str = "u8",
-    block_size: int = 32,
-) -> int:
-    """KV bytes one token holds across all layers, as OpenVINO's CPU plugin stores them.
-
-    Float caches hold 2 x layers x kv_heads x head_dim x element size. The u8 caches (the
-    CPU default) add quantization parameters, measured on OpenVINO 2026.4: keys are
-    quantized per channel with an f32 scale and zero point per channel per block, values
-    per token with an f32 scale and zero point per token. Per head and token that is
-    head_dim + 8*head_dim/block_size bytes of key and head_dim + 8 bytes of value.
-    """
-    per_head = _key_bytes(shape.head_dim, key_precision, block_size)
-    per_head += _value_bytes(shape.head_dim, value_precision)
-    return int(round(shape.layers * shape.kv_heads * per_head))
-
-
-_FLOAT_SIZES = {"f32": 4, "f16": 2, "bf16": 2}
-
-
-def _key_bytes(head_dim: int, precision: str, block_size: int) -> float:
-    if precision in _FLOAT_SIZES:
-        return head_dim * _FLOAT_SIZES[precision]
-    if precision == "u8":
-        return head_dim + 8 * head_dim / block_size
-    raise ValueError(f"unsupported key cache precision {precision!r} (use u8, bf16, f16, f32)")
-
-
-def _value_bytes(head_dim: int, precision: str) -> float:
-    if precision in _FLOAT_SIZES:
-        return head_dim * _FLOAT_SIZES[precision]
-    if precision == "u8":
-        return head_dim + 8
-    raise ValueError(f"unsupported value cache precision {precision!r} (use u8, bf16, f16, f32)")
 
 
 def architecture_of(path: str | Path, name: str = "") -> "Architecture":

@@ -36,9 +36,9 @@ from mesh.engines.engine_api import EngineError
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile, ProfileError, catalog_models, catalog_profile, device_kind
 from mesh.perf.roofline import HARDWARE, Architecture, host_to_device_bytes_per_s, roofline_profile
-from mesh.policy.placement import CPU, ColdStart
+from mesh.policy.placement import CPU
 from mesh.engines.simulated import SIMULATED_NOISE
-from mesh.perf.memory_times import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BYTES
+from mesh.perf.load_times import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BYTES, PCIE_BYTES_PER_S, ColdStart
 from mesh.node.runtime import NodeSpec
 
 ENGINE = "emulated"  # InstanceSpec.engine of an emulated instance
@@ -104,9 +104,8 @@ def emulated_cold_start(devices: Iterable[str], profile_dir: str | Path | None =
     weights from pinned host memory at the emulated GPU's measured (or assumed) bandwidth,
     the slowest of them if they differ (mesh.perf.roofline.host_to_device_bytes_per_s);
     `kwargs` go to ColdStart as they are."""
-    default = ColdStart().pcie_bytes_per_s
-    gpus = [host_to_device_bytes_per_s(d, default) for d in devices if device_kind(d, profile_dir) != CPU]
-    return ColdStart(pcie_bytes_per_s=min(gpus, default=default), **kwargs)
+    gpus = [host_to_device_bytes_per_s(d, PCIE_BYTES_PER_S) for d in devices if device_kind(d, profile_dir) != CPU]
+    return ColdStart(pcie_bytes_per_s=min(gpus, default=PCIE_BYTES_PER_S), **kwargs)
 
 
 def model_of_profile(profile: str | None) -> str | None:

@@ -9,7 +9,7 @@ per instance, so it outlives the instances that learnt it.
   weight size from one fit, so how far off it is on this machine carries over), else from
   the probe.
 `view()` is what the agent's stats carry and `GET /admin/learnt` exports for the twin. (Cold
-starts are measured by the service, per node, model and source: mesh.policy.cold_starts.)
+starts are measured by the service, per node, model and source: mesh.perf.load_times.ColdStartTable.)
 """
 from __future__ import annotations
 

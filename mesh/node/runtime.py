@@ -3,7 +3,8 @@
 An asyncio task runs the token-level loop (LLM-Mesh 5.1): ask the compute subsystem which
 instance is most urgent, run one iteration of its engine, apply what it produced, repeat.
 Memory operations (6.3) run as their own tasks when the reservation station starts them,
-and report back when they finish. Time comes only from the event loop, so the same code
+and report back when they finish (mesh.node.memory_operations); shadow validation (5.3)
+checks a request against an instance before it joins (mesh.node.shadow_admission). Time comes only from the event loop, so the same code
 runs live and, on mesh.replay.virtual_loop, in virtual time.
 """
 from __future__ import annotations
@@ -12,18 +13,19 @@ import asyncio
 import dataclasses
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Collection, Sequence
+from dataclasses import dataclass
+from typing import Callable
 
-from mesh.engines.engine_api import Engine, EngineError, EngineRequest, StepResult
+from mesh.engines.engine_api import EngineError, EngineRequest, StepResult
+from mesh.node.memory_operations import MemoryOperations, NodeInstance
+from mesh.node.request import Outcome, ServedRequest
+from mesh.node.shadow_admission import Admission, ShadowAdmission
 from mesh.policy.batching import IterationKind, IterationTimes
 from mesh.policy.compute import ComputeSubsystem
-from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, recommend_bytes
-from mesh.policy.memory import InstanceMemory, MemoryPlan, MemorySubsystem
-from mesh.policy.reservation import Issued, MemoryOp, OpKind
-from mesh.policy.shadow import DEFAULT_MARGIN, Verdict, quick_reject, shadow_validate
+from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean
+from mesh.policy.memory import MemorySubsystem
+from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
-from mesh.node.request import Outcome, ServedRequest
 from mesh.tasks import cancel_all
 
 log = logging.getLogger("mesh.node.runtime")
@@ -34,25 +36,6 @@ class NodeSpec:
     node_id: str
     kind: str  # "cpu" or "gpu"
     memory_bytes: int
-
-
-@dataclass(eq=False)
-class NodeInstance:
-    instance_id: str
-    model: str
-    engine: Engine
-    slo: SLO
-    memory: InstanceMemory
-    requests: dict[str, ServedRequest] = field(default_factory=dict)
-    loaded: bool = False
-    idle_since: float = 0.0  # when it last became empty (keep-alive, LLM-Mesh 4)
-    # Requests admitted while the instance loads (validated with its cold start, LLM-Mesh 4):
-    # a real engine takes requests only once loaded, so they reach it when the load ends.
-    deferred: dict[str, EngineRequest] = field(default_factory=dict)
-
-    @property
-    def batch_size(self) -> int:
-        return len(self.requests)
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,25 +57,6 @@ class InstancePlan:
     mean_output: RunningMean
     expected_load_s: float
     load_wait_s: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """Both subsystems' answer to "may this request join this instance?" (LLM-Mesh 4)."""
-
-    ok: bool
-    compute: Verdict | None = None
-    memory: MemoryPlan | None = None
-    refusal: str = ""
-
-    def reason(self) -> str:
-        if self.ok:
-            return "ok"
-        if self.refusal:
-            return self.refusal
-        if self.memory is not None and not self.memory.ok:
-            return self.memory.reason()
-        return self.compute.reason() if self.compute is not None else "refused"
 
 
 @dataclass(frozen=True, slots=True)
@@ -124,7 +88,10 @@ def hung_bound_s(predicted_s: float, min_s: float = HUNG_MIN_S) -> float:
     return max(min_s, HUNG_FACTOR * predicted_s)
 
 
-class NodeRuntime:
+class NodeRuntime(MemoryOperations, ShadowAdmission):
+    """One node: its instances' memory operations (MemoryOperations), shadow validation
+    (ShadowAdmission), the requests' moves on and off it, and the token-level loop."""
+
     def __init__(
         self,
         spec: NodeSpec,
@@ -217,200 +184,7 @@ class NodeRuntime:
         """The first exception that ended the token-level loop (restarted since), if any."""
         return self.crash
 
-    # -- instances -----------------------------------------------------------------
-    def instance_memory(self, instance_id: str, engine: Engine, mean_output: RunningMean) -> InstanceMemory:
-        return InstanceMemory(instance_id, engine.kv_bytes_per_token, engine.weight_bytes, engine.context_window, mean_output)
-
-    def can_start(self, instance_id: str, engine: Engine, mean_output: RunningMean) -> bool:
-        return self.memory.can_load(self.instance_memory(instance_id, engine, mean_output))
-
-    def start_instance(
-        self,
-        instance_id: str,
-        model: str,
-        engine: Engine,
-        times: IterationTimes,
-        slo: SLO,
-        mean_output: RunningMean,
-        expected_load_s: float,
-    ) -> Issued:
-        """Issue the model load; the instance is scheduled once the load completes.
-        `expected_load_s` is what shadow validation assumes until then."""
-        mem = self.instance_memory(instance_id, engine, mean_output)
-        issued = self.memory.load(mem)
-        if not issued.accepted:
-            return issued
-        now = self._now()
-        self.instances[instance_id] = NodeInstance(instance_id, model, engine, slo, mem, idle_since=now)
-        self.compute.add_instance(
-            instance_id, times, slo, engine.prefill_token_budget, ready_at=now + expected_load_s, loaded=False
-        )
-        self._launch(issued.started)
-        return issued
-
-    def stop_instance(self, instance_id: str) -> None:
-        """Recycle an idle instance: unload its weights and KV cache."""
-        inst = self.instances[instance_id]
-        if inst.requests:
-            raise ValueError(f"instance {instance_id!r} still serves {len(inst.requests)} requests")
-        self.compute.remove_instance(instance_id)
-        del self.instances[instance_id]
-        self._unloading[instance_id] = inst
-        self._launch(self.memory.unload(instance_id).started)
-
-    def _launch(self, ops: tuple[MemoryOp, ...] | list[MemoryOp]) -> None:
-        loop = asyncio.get_running_loop()
-        for op in ops:
-            task = loop.create_task(self._execute(op))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
-
-    async def _execute(self, op: MemoryOp) -> None:
-        inst = self.instances.get(op.holder) or self._unloading[op.holder]
-        kind = op.kind
-        try:
-            if kind is OpKind.LOAD:
-                await inst.engine.load()
-            if kind is OpKind.UNLOAD:
-                await inst.engine.unload()
-            else:
-                await inst.engine.resize_kv(op.new_bytes - inst.memory.weight_bytes)
-        except Exception as exc:  # an engine failed a memory operation: its requests fail
-            self._fail_instance(inst, f"{kind.value} failed on node {self.node_id}: {exc}")
-        finally:
-            started = self.memory.station.complete(op.op_id)
-        if kind is OpKind.LOAD and op.holder in self.instances:
-            inst.loaded = True
-            now = self._now()
-            self.compute.set_loaded(op.holder, now)
-            self._add_deferred(inst)
-            if not inst.requests:
-                inst.idle_since = now  # keep-alive counts from when it can serve (LLM-Mesh 4)
-            if self.on_loaded is not None:
-                self.on_loaded(op.holder)
-            self._wake.set()
-        if kind is OpKind.UNLOAD:
-            self._unloading.pop(op.holder, None)
-        self._launch(started)
-
-    # -- admission -----------------------------------------------------------------
-    def demand(self, instance_id: str) -> list[tuple[int, int]]:
-        """(I_r, O_r) of every request on the instance (Eq. 2); a resumed request's input
-        includes the tokens it produced before it came here (they are prefilled again)."""
-        carried = self._carried
-        return [
-            (r.prompt_len + carried.get(rid, 0), self.compute.tokens_out(rid))
-            for rid, r in self.instances[instance_id].requests.items()
-        ]
-
-    @property
-    def deadlines(self) -> DeadlineRule:
-        return self.compute.deadlines
-
-    def progress(self, request_id: str) -> int:
-        """Tokens the request has produced so far (on this node and before)."""
-        return self._carried.get(request_id, 0) + self.compute.tokens_out(request_id)
-
-    def validate(
-        self,
-        instance_id: str,
-        req: ServedRequest,
-        *,
-        compute: bool = True,
-        exclude: Collection[str] = (),
-        done: int | None = None,
-    ) -> Admission:
-        """Shadow validation on both subsystems (5.3, 6.4); changes nothing.
-
-        compute=False checks memory only (the baselines, which queue rather than validate).
-        exclude: instances on this node validated as gone (preempted first, 7.1).
-        done: tokens the request already produced (default: req.tokens_out)."""
-        inst = self.instances[instance_id]
-        done = req.tokens_out if done is None else done
-        prompt, start = req.resumed(done, self.deadlines)
-        if prompt + 1 > inst.engine.context_window:
-            return Admission(False, refusal=f"prompt of {prompt} tokens exceeds the context window of {inst.engine.context_window}")
-        if inst.batch_size >= inst.engine.max_batch:
-            return Admission(False, refusal=f"instance {instance_id} holds its maximum batch of {inst.engine.max_batch}")
-        freed = sum(self.memory.station.size(i) for i in exclude)
-        plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), (prompt, 0)], freed)
-        if not plan.ok or not compute:
-            return Admission(plan.ok, memory=plan)
-        now = self._now()
-        quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin, exclude)
-        if quick is not None:
-            return Admission(False, Verdict((quick,)), plan)
-        verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin, exclude,
-                                  resumed=done > 0)
-        return Admission(verdict.ok, verdict, plan)
-
-    def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
-        """Would all of `reqs` (having produced `done` tokens each) fit this instance, added
-        one after another? Used to check where preempted requests go (7.1). Changes nothing."""
-        pairs = [r.resumed(d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
-        inst = self.instances[instance_id]
-        window = inst.engine.context_window
-        if any(p + 1 > window for p, _ in pairs):
-            return Admission(False, refusal=f"a prompt exceeds the context window of {window}")
-        if inst.batch_size + len(reqs) > inst.engine.max_batch:
-            return Admission(False, refusal=f"instance {instance_id} would exceed its maximum batch of {inst.engine.max_batch}")
-        plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), *((p, 0) for p, _ in pairs)])
-        if not plan.ok:
-            return Admission(False, memory=plan)
-        verdict = self._validate_sequence(instance_id, reqs, pairs, done)
-        return Admission(verdict.ok, verdict, plan)
-
-    def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int] | None = None) -> Admission:
-        """Would a new instance started now (cold start `plan.expected_load_s`) serve all of
-        `reqs` within SLO, and does the node have the memory for it? Changes nothing."""
-        done = [r.tokens_out for r in reqs] if done is None else done
-        pairs = [r.resumed(d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
-        if any(p + 1 > plan.context_window for p, _ in pairs):
-            return Admission(False, refusal=f"a prompt exceeds the context window of {plan.context_window}")
-        if len(reqs) > plan.max_batch:
-            return Admission(False, refusal=f"{len(reqs)} requests exceed the maximum batch of {plan.max_batch}")
-        mem = InstanceMemory(plan.instance_id, plan.kv_bytes_per_token, plan.weight_bytes, plan.context_window, plan.mean_output)
-        need = plan.weight_bytes + max(
-            recommend_bytes(mem.require(()), self.memory.watermark), mem.require([(p, 0) for p, _ in pairs])
-        )
-        station = self.memory.station
-        if not station.can_resize(plan.instance_id, need):
-            short = need - station.size(plan.instance_id) - station.free()
-            return Admission(False, memory=MemoryPlan(False, shortfall_bytes=short))
-        self.compute.add_instance(
-            plan.instance_id, plan.times, plan.slo, plan.prefill_token_budget,
-            ready_at=self._now() + plan.expected_load_s, loaded=False,
-        )
-        try:
-            verdict = self._validate_sequence(plan.instance_id, reqs, pairs, done)
-        finally:
-            self.compute.remove_instance(plan.instance_id)
-        return Admission(verdict.ok, verdict, MemoryPlan(True))
-
-    def _validate_sequence(
-        self, instance_id: str, reqs: Sequence[ServedRequest], pairs: list[tuple[int, float]], done: Sequence[int]
-    ) -> Verdict:
-        """Shadow-validate each request with the ones before it tentatively added."""
-        added: list[str] = []
-        now = self._now()
-        try:
-            verdict = Verdict()
-            for req, (prompt, start), d in zip(reqs, pairs, done):
-                quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin)
-                if quick is not None:
-                    verdict = Verdict((quick,))
-                    break
-                verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin,
-                                          resumed=d > 0)
-                if not verdict.ok:
-                    break
-                self.compute.add_request(instance_id, req.request_id, prompt, start, resumed=d > 0)
-                added.append(req.request_id)
-        finally:
-            for rid in added:
-                self.compute.remove_request(rid)
-        return verdict
-
+    # -- requests ------------------------------------------------------------------
     def _engine_request(self, req: ServedRequest, done: int) -> EngineRequest:
         """What the engine is given: the request itself, or, for a resumed request, its
         prompt plus the tokens already produced (recomputed) and the rest to produce.
@@ -548,15 +322,6 @@ class NodeRuntime:
         else:
             req.end(Outcome.FAILED, self._now(), why)
 
-    def _add_deferred(self, inst: NodeInstance) -> None:
-        """The load ended: the requests admitted meanwhile go to the engine, in order."""
-        deferred, inst.deferred = inst.deferred, {}
-        for rid, er in deferred.items():
-            try:
-                inst.engine.add_request(er)
-            except EngineError as exc:  # its prompt, checked by the engine only now
-                self.abort(rid, Outcome.FAILED, f"{exc}")
-
     def _hung(self, inst: NodeInstance, why: str) -> None:
         """The watchdog fired: the instance's requests are evicted with their progress, to be
         placed again (6.4), and the instance goes: its engine's worker is killed at once (a
@@ -573,10 +338,6 @@ class NodeRuntime:
             except Exception:  # noqa: BLE001 - the unload below still ends it
                 log.exception("instance %s: killing its hung worker failed", inst.instance_id)
         self.stop_instance(inst.instance_id)
-
-    def _fail_instance(self, inst: NodeInstance, why: str) -> None:
-        for rid in list(inst.requests):
-            self.abort(rid, Outcome.FAILED, why)
 
     # -- the token-level loop ------------------------------------------------------
     async def _run(self) -> None:
@@ -676,21 +437,6 @@ class NodeRuntime:
                 tokens = None if result.token_ids is None else result.token_ids[i : i + 1]
                 texts = None if result.texts is None else result.texts[i : i + 1]
                 req.on_output(req, tokens, texts)
-
-    def _check_kv(self, inst: NodeInstance) -> None:
-        """An estimate fell short (6.4): scale up again, else evict the request with the
-        longest headroom and let the dispatcher reschedule it."""
-        state = self.compute.instances[inst.instance_id]
-        need = state.context_sum + len(state.running) + sum(r.prompt_len + 1 for r in state.pending.values())
-        if need <= self.memory.kv_capacity_tokens(inst.instance_id):
-            return
-        issued = self.memory.grow_for(inst.instance_id, need)
-        if issued is not None and issued.accepted:
-            self._launch(issued.started)
-            return
-        now = self._now()
-        victim = max(inst.requests, key=lambda rid: self.compute.headroom(rid, now))
-        self.evict(victim, f"KV cache of {inst.instance_id} outgrew its estimate and node memory is short")
 
     # -- views ---------------------------------------------------------------------
     def kv_bytes_in_use(self) -> int:

@@ -22,15 +22,81 @@ from __future__ import annotations
 import argparse
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Protocol, Sequence
 
-from mesh.perf.memory_times import GIB
+from mesh.perf.load_times import GIB, PCIE_BYTES_PER_S
 from mesh.perf.profile import Profile, profile_from_dict, save_profile
 
-DTYPE_BYTES = 2  # 16-bit weights and KV cache (LLM-Mesh 3.1, 8.1)
+DTYPE, DTYPE_BYTES = "bf16", 2  # 16-bit weights and KV cache (LLM-Mesh 3.1, 8.1)
 BATCH_SIZES = tuple(2**k for k in range(0, 9))  # 1..256 (LLM-Mesh 5.2, B_max = 256)
 MIN_LENGTH = 16
 SIGNIFICANT_DIGITS = 6  # times are rounded so the JSON is short and regenerates exactly
+
+
+# --- model arithmetic: the one home of a Llama-style model's sizes ------------------------------
+# (mesh.modelfiles.local counts a checkpoint's parameters with llama_params, the OpenVINO engine
+# sizes its KV cache with kv_bytes_per_token.)
+
+def llama_layer_matmul_params(hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int) -> int:
+    """Matmul weights of one decoder layer: Q and O, K and V (GQA), the SwiGLU MLP."""
+    q_o = 2 * hidden * heads * head_dim
+    k_v = 2 * hidden * kv_heads * head_dim
+    mlp = 3 * hidden * intermediate  # gate, up, down
+    return q_o + k_v + mlp
+
+
+def llama_params(layers: int, hidden: int, intermediate: int, heads: int, kv_heads: int, head_dim: int, vocab: int,
+                 tied_embeddings: bool) -> int:
+    """All parameters: layers with their two RMSNorms, embedding, final norm, LM head
+    (none of its own with tied embeddings)."""
+    norms = (2 * layers + 1) * hidden
+    embeddings = vocab * hidden * (1 if tied_embeddings else 2)
+    return layers * llama_layer_matmul_params(hidden, intermediate, heads, kv_heads, head_dim) + norms + embeddings
+
+
+class KVShape(Protocol):
+    """What a model's KV cache size depends on (mesh.modelfiles.shape.ModelShape, Architecture)."""
+
+    @property
+    def layers(self) -> int: ...
+    @property
+    def kv_heads(self) -> int: ...
+    @property
+    def head_dim(self) -> int: ...
+
+
+_FLOAT_SIZES = {"f32": 4, "f16": 2, "bf16": 2}
+
+
+def kv_bytes_per_token(shape: KVShape, key_precision: str = "u8", value_precision: str = "u8",
+                       block_size: int = 32) -> int:
+    """KV bytes one token holds across all layers.
+
+    Float caches hold 2 x layers x kv_heads x head_dim x element size. The u8 caches (the
+    default of OpenVINO's CPU plugin) add quantization parameters, measured on OpenVINO
+    2026.4: keys are quantized per channel with an f32 scale and zero point per channel per
+    block, values per token with an f32 scale and zero point per token. Per head and token that
+    is head_dim + 8*head_dim/block_size bytes of key and head_dim + 8 bytes of value.
+    """
+    per_head = _key_bytes(shape.head_dim, key_precision, block_size)
+    per_head += _value_bytes(shape.head_dim, value_precision)
+    return int(round(shape.layers * shape.kv_heads * per_head))
+
+
+def _key_bytes(head_dim: int, precision: str, block_size: int) -> float:
+    if precision in _FLOAT_SIZES:
+        return head_dim * _FLOAT_SIZES[precision]
+    if precision == "u8":
+        return head_dim + 8 * head_dim / block_size
+    raise ValueError(f"unsupported key cache precision {precision!r} (use u8, bf16, f16, f32)")
+
+
+def _value_bytes(head_dim: int, precision: str) -> float:
+    if precision in _FLOAT_SIZES:
+        return head_dim * _FLOAT_SIZES[precision]
+    if precision == "u8":
+        return head_dim + 8
+    raise ValueError(f"unsupported value cache precision {precision!r} (use u8, bf16, f16, f32)")
 
 
 @dataclass(frozen=True)
@@ -53,10 +119,7 @@ class Architecture:
 
     @property
     def layer_matmul_params(self) -> int:
-        q_o = 2 * self.hidden * self.hidden
-        k_v = 2 * self.hidden * self.kv_heads * self.head_dim
-        mlp = 3 * self.hidden * self.intermediate  # gate, up, down
-        return q_o + k_v + mlp
+        return llama_layer_matmul_params(self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim)
 
     @property
     def body_matmul_params(self) -> int:
@@ -69,10 +132,9 @@ class Architecture:
 
     @property
     def params(self) -> int:
-        """All parameters: layers with their two RMSNorms, embedding, final norm, LM head."""
-        norms = (2 * self.layers + 1) * self.hidden
-        embeddings = self.vocab * self.hidden * (1 if self.tied_embeddings else 2)
-        return self.body_matmul_params + norms + embeddings
+        """All parameters (llama_params)."""
+        return llama_params(self.layers, self.hidden, self.intermediate, self.heads, self.kv_heads, self.head_dim,
+                            self.vocab, self.tied_embeddings)
 
     @property
     def weight_bytes(self) -> int:
@@ -87,7 +149,7 @@ class Architecture:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.layers * self.kv_heads * self.head_dim * DTYPE_BYTES  # K and V
+        return kv_bytes_per_token(self, DTYPE, DTYPE)  # 16-bit K and V
 
 
 @dataclass(frozen=True)
@@ -190,7 +252,7 @@ HARDWARE: dict[str, Hardware] = {
         peak_note="datasheet: 312 TFLOPS bf16 dense tensor core, 2039 GB/s HBM2e",
         origin="GPU side: the mean of the h200 and h100 fits, assumed to carry over to the A100",
         memory_bytes=80 * GIB,
-        host_to_device_bytes_per_s=25e9,  # PCIe 4.0 x16 with pinned memory, assumed (mesh.policy.placement.ColdStart)
+        host_to_device_bytes_per_s=PCIE_BYTES_PER_S,  # PCIe 4.0 x16 with pinned memory, assumed (mesh.perf.load_times)
     ),
     "xeon-6462c": Hardware(
         device="xeon-6462c",

@@ -1,4 +1,4 @@
-"""Multicast plans for model weights (BlitzScale 5.1, lambdaScale 4.2), with a cost model.
+"""Multicast plans for model weights (BlitzScale 5.1, lambdaScale 4.2).
 
 A model is cut into `b` blocks. A plan is a list of block transfers, each in a round:
 `Transfer(round, sender, receiver, block)`. Plans are pure data, built by pure functions:
@@ -32,17 +32,13 @@ at most one block (it may do both, as the pairs of the binomial pipeline do). `v
 checks this, that a node only sends blocks it holds at the start of the round, that nobody
 receives a block twice, and that every target ends with every block.
 
-Cost model: a transfer of `nbytes` from i to j takes latency + nbytes / min(BW_i, BW_j)
-(BlitzScale 5.1 models a link between two nodes of a leaf as min(BW_i, BW_j)). `schedule`
-runs a plan self-timed, as the transport does: a transfer starts as soon as the sender holds
-the block, its previous send is done and the receiver's previous receive is done. With
-equal bandwidths and no latency this is exactly rounds x block time.
+How long a plan takes (the cost model, BlitzScale 5.1, and `schedule`, the plan run
+self-timed as the transport runs it) is mesh.perf.load_times'.
 """
 from __future__ import annotations
 
 import math
-from collections import defaultdict
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Iterable, Mapping, Sequence
 
 
@@ -411,93 +407,3 @@ def lower_bound_rounds(nodes: int, blocks: int) -> int:
     if nodes < 2:
         return 0
     return blocks + math.ceil(math.log2(nodes)) - 1
-
-
-# --- cost model ----------------------------------------------------------------------------
-
-@dataclass(frozen=True, slots=True)
-class CostModel:
-    """Per-node link bandwidth (bytes/s) and per-transfer latency. A link between i and j
-    runs at min(BW_i, BW_j) (BlitzScale 5.1). `node_bandwidth` overrides `bandwidth` per node."""
-
-    block_bytes: int
-    bandwidth: float
-    latency_s: float = 0.0
-    node_bandwidth: Mapping[str, float] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        if self.block_bytes <= 0 or not self.bandwidth > 0 or self.latency_s < 0:
-            raise ValueError(f"cost model needs block_bytes > 0, bandwidth > 0, latency >= 0: {self}")
-        if any(not v > 0 for v in self.node_bandwidth.values()):
-            raise ValueError("every node bandwidth must be > 0")
-
-    def link(self, sender: str, receiver: str) -> float:
-        return min(self.node_bandwidth.get(sender, self.bandwidth), self.node_bandwidth.get(receiver, self.bandwidth))
-
-    def transfer_s(self, sender: str, receiver: str, nbytes: int | None = None) -> float:
-        return self.latency_s + (self.block_bytes if nbytes is None else nbytes) / self.link(sender, receiver)
-
-    @property
-    def block_s(self) -> float:
-        """One block over a default link."""
-        return self.latency_s + self.block_bytes / self.bandwidth
-
-
-#: Unit costs: times come out in block times.
-BLOCK_TIME = CostModel(block_bytes=1, bandwidth=1.0)
-
-
-@dataclass(frozen=True, slots=True)
-class TimedTransfer:
-    transfer: Transfer
-    start_s: float
-    finish_s: float
-
-
-@dataclass(frozen=True)
-class Schedule:
-    transfers: tuple[TimedTransfer, ...]
-    completion_s: Mapping[str, float]  # per target: when it holds every block
-
-    @property
-    def total_s(self) -> float:
-        return max(self.completion_s.values(), default=0.0)
-
-
-def schedule(plan: Plan, cost: CostModel = BLOCK_TIME, block_sizes: Sequence[int] | None = None) -> Schedule:
-    """Self-timed execution of `plan` (as the transport runs it): each transfer starts when
-    its sender holds the block and has finished its previous send, and its receiver has
-    finished its previous receive. `block_sizes` (bytes per block) defaults to
-    cost.block_bytes each."""
-    if block_sizes is not None and len(block_sizes) != plan.blocks:
-        raise ValueError(f"{len(block_sizes)} block sizes for a plan of {plan.blocks} blocks")
-    send_free: dict[str, float] = defaultdict(float)
-    recv_free: dict[str, float] = defaultdict(float)
-    held: dict[tuple[str, int], float] = {(n, b): 0.0 for n, h in plan.holdings.items() for b in h}
-    timed = []
-    done: dict[str, float] = {t: 0.0 for t in plan.targets}
-    for t in sorted(plan.transfers):
-        ready = held.get((t.sender, t.block))
-        if ready is None:
-            raise InvalidPlan(f"plan {plan.name!r}: {t.sender} sends block {t.block} it never receives")
-        start = max(ready, send_free[t.sender], recv_free[t.receiver])
-        finish = start + cost.transfer_s(t.sender, t.receiver, None if block_sizes is None else block_sizes[t.block])
-        send_free[t.sender] = recv_free[t.receiver] = finish
-        held[(t.receiver, t.block)] = min(finish, held.get((t.receiver, t.block), math.inf))
-        if t.receiver in done:
-            done[t.receiver] = max(done[t.receiver], finish)
-        timed.append(TimedTransfer(t, start, finish))
-    return Schedule(tuple(timed), done)
-
-
-def estimate(name: str, model_bytes: int, targets: int, cost: CostModel, sources: int = 1) -> Schedule:
-    """Predicted multicast of a model of `model_bytes` to `targets` new nodes from `sources`
-    holders, in blocks of cost.block_bytes (for replays: cold starts by network)."""
-    if model_bytes <= 0 or targets < 0 or sources < 1:
-        raise ValueError("need model_bytes > 0, targets >= 0, sources >= 1")
-    if targets == 0:
-        return Schedule((), {})
-    nblocks = -(-model_bytes // cost.block_bytes)
-    sizes = [cost.block_bytes] * (nblocks - 1) + [model_bytes - cost.block_bytes * (nblocks - 1)]
-    plan = make_plan(name, [f"s{i}" for i in range(sources)], [f"t{i}" for i in range(targets)], nblocks)
-    return schedule(plan, cost, sizes)

@@ -15,16 +15,16 @@ Mesh (LLM-Mesh 4, 7):
 ServerlessLLM baselines (8.1): a whole node per instance, first-fit (CPU nodes first when
 they may be used), scale out when in-flight requests exceed the concurrency target.
 
-Common to every policy: keep-alive recycling, the cold-start time of a new instance, and
-the deadline after which a queued request can no longer meet its SLO.
+Common to every policy: keep-alive recycling and the deadline after which a queued request
+can no longer meet its SLO. How long a new instance's cold start takes is mesh.perf.load_times'.
 
 No I/O and no clock: times are arguments.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Callable, Collection, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Callable, Collection, Iterable, Sequence
 
 CPU, GPU = "cpu", "gpu"
 NODE_KINDS = (CPU, GPU)
@@ -200,63 +200,6 @@ def warm_up_allowed(
 def keep_alive_expired(idle_since: float, now: float, keep_alive_s: float) -> bool:
     """LLM-Mesh 4: an instance idle (no requests) for keep-alive is recycled."""
     return now - idle_since >= keep_alive_s - 1e-9
-
-
-@dataclass(frozen=True, slots=True)
-class ColdStart:
-    """Cold-start model (LLM-Mesh 4, 8.1: every model is cached in host memory).
-
-    - GPU node: weights copied host -> GPU over PCIe from pinned host memory (ServerlessLLM's
-      loader, BlitzScale). Default 25 GB/s: PCIe 4.0 x16 is 32 GB/s raw per direction,
-      about 25 GB/s effective with pinned memory (the A100's host link, assumed). Callers
-      that know the GPU pass its figure (mesh.perf.roofline.host_to_device_bytes_per_s:
-      55.3 GB/s measured on an H200, 54.6 on an H100; pageable memory reaches 7-8 GB/s
-      there, docs/roofline.md "Cold start").
-    - CPU node: weights already in that node's memory; the OpenVINO instance still maps and
-      lays them out, modelled as one pass over the weights at 50 GB/s (a quarter of the
-      node's ~200 GB/s effective DDR5 bandwidth, docs/roofline.md): 0.27 s for Llama-2-7B.
-    - plus a fixed engine start-up per instance (default 0; `mesh serve --cold-start-s`).
-    - `measured`: loads measured elsewhere, by (model, node kind) (mesh.policy.cold_starts:
-      a service's table, for a replay; `ANY_MODEL` for any model): they replace the model
-      above for that model (the engine start-up and the initial KV cache included).
-    - `net_bytes_per_s`: the weights transfer to a node that holds no copy, before one was
-      measured (mesh.policy.cold_starts.ColdStartTable.transfer_bytes_per_s).
-    The initial KV cache allocation is added by the engine (resize time, LLM-Mesh Figure 8).
-    A node loads one instance at a time (its weights cross one PCIe link or memory bus, and
-    its engine's start-up runs on the node's cores): a load issued while others are under way
-    there starts when they end (mesh.control.cluster_view.ClusterView.load_wait_s). Live, on one core
-    per node, two demo-model instances warmed up together on one node served their first
-    tokens about 16 s after their first requests; one per node, after about 10 and 12 s.
-    """
-
-    pcie_bytes_per_s: float = 25e9
-    cpu_load_bytes_per_s: float = 50e9
-    fixed_s: float = 0.0
-    measured: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (model, kind) -> load s
-    net_bytes_per_s: float = 200e9 / 8  # 200 Gbit/s RDMA (BlitzScale's setups; mesh.replay.cold_start_modes)
-
-    def __post_init__(self) -> None:
-        if not (self.pcie_bytes_per_s > 0 and self.cpu_load_bytes_per_s > 0 and self.fixed_s >= 0
-                and self.net_bytes_per_s > 0):
-            raise ValueError(f"cold-start bandwidths must be positive and the fixed time >= 0, got {self}")
-
-    def measured_s(self, model: str | None, node_kind: str) -> float | None:
-        """A measured load of `model` (else of any model) on `node_kind` nodes, if given."""
-        if not self.measured:
-            return None
-        found = self.measured.get((model, node_kind)) if model is not None else None
-        return found if found is not None else self.measured.get(("*", node_kind))
-
-    def load_s(self, weight_bytes: int, node_kind: str, model: str | None = None) -> float:
-        measured = self.measured_s(model, node_kind)
-        if measured is not None:
-            return measured
-        bandwidth = self.pcie_bytes_per_s if node_kind == GPU else self.cpu_load_bytes_per_s
-        return self.fixed_s + weight_bytes / bandwidth
-
-    def transfer_s(self, weight_bytes: int, bytes_per_s: float | None = None) -> float:
-        """Moving the weights to a node without a copy, at `bytes_per_s` (measured) or the prior."""
-        return weight_bytes / (bytes_per_s or self.net_bytes_per_s)
 
 
 # Admission (issue 33): what a fresh request gets once it can no longer meet its SLO, chosen

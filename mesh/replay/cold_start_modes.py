@@ -13,7 +13,7 @@ Four modes (`WeightsConfig.mode`), all for GPU instances of one model:
   instances of a model whose loads start at the same instant form one multicast; its
   sources are the pool's host copies and the nodes with a fully loaded instance of the
   model; the plan (`binomial` or `chain`, mesh.policy.multicast) is timed by
-  `schedule()` under `CostModel(block_bytes, net_bw, latency)`, GPUDirect (the blocks land in
+  `schedule()` (mesh.perf.load_times) under `CostModel(block_bytes, net_bw, latency)`, GPUDirect (the blocks land in
   GPU memory, no PCIe hop); a target's load time is its completion time. A node's uplink
   carries one multicast at a time: a multicast uses the sources whose uplink is free, else
   waits for the one that frees first (overlapping multicasts queue rather than share).
@@ -53,7 +53,8 @@ from typing import TYPE_CHECKING, Sequence
 from mesh.engines.engine_api import Engine
 from mesh.engines.simulated import SimulatedEngine
 from mesh.policy.batching import IterationTimes
-from mesh.policy.multicast import CostModel, make_plan, schedule
+from mesh.perf.load_times import NET_BYTES_PER_S, PCIE_BYTES_PER_S, CostModel, block_sizes, schedule, weights_load_s
+from mesh.policy.multicast import make_plan
 from mesh.policy.param_pool import ParameterPool
 from mesh.node.runtime import InstancePlan
 
@@ -72,8 +73,8 @@ HOST_MEMORY_BYTES = 2 * 10**12  # per GPU node, for the pool's host copies (far 
 class WeightsConfig:
     mode: str = "ssd"
     ssd_bytes_per_s: float = 3e9  # one NVMe drive, about 3 GB/s sequential read
-    pcie_bytes_per_s: float = 25e9  # PCIe 4.0 x16, pinned memory (mesh.policy.placement.ColdStart)
-    net_bytes_per_s: float = 200e9 / 8  # 200 Gbit/s RDMA per GPU (BlitzScale's setups: 100-200 Gbps)
+    pcie_bytes_per_s: float = PCIE_BYTES_PER_S  # PCIe 4.0 x16, pinned memory (mesh.perf.load_times)
+    net_bytes_per_s: float = NET_BYTES_PER_S  # 200 Gbit/s RDMA per GPU (BlitzScale's setups: 100-200 Gbps)
     block_bytes: int = 256 * 2**20
     plan: str = "binomial"
     latency_s: float = 10e-6  # per block transfer
@@ -97,7 +98,7 @@ class WeightsConfig:
 
 def stop_the_world_s(config: WeightsConfig, weight_bytes: int, from_host: bool) -> float:
     """A load that serves only once every byte is in: from host memory over PCIe, or the SSD."""
-    return config.fixed_s + weight_bytes / (config.pcie_bytes_per_s if from_host else config.ssd_bytes_per_s)
+    return weights_load_s(weight_bytes, config.pcie_bytes_per_s if from_host else config.ssd_bytes_per_s, config.fixed_s)
 
 
 def live_capacity(fraction: float) -> float:
@@ -309,9 +310,8 @@ class WeightsModel:
         if not free:
             free = [min(sources, key=lambda n: (self._uplink_free[n], n))]
         begin = max(now, *(self._uplink_free.get(n, -math.inf) for n in free))
-        nblocks = -(-size // cfg.block_bytes)
-        sizes = [cfg.block_bytes] * (nblocks - 1) + [size - cfg.block_bytes * (nblocks - 1)]
-        sched = schedule(make_plan(cfg.plan, free, targets, nblocks),
+        sizes = block_sizes(size, cfg.block_bytes)
+        sched = schedule(make_plan(cfg.plan, free, targets, len(sizes)),
                          CostModel(cfg.block_bytes, cfg.net_bytes_per_s, cfg.latency_s), sizes)
         for tt in sched.transfers:
             sender = tt.transfer.sender

@@ -8,7 +8,8 @@ from typing import Callable, Collection, Mapping, Sequence
 from mesh.control.cluster_node import ClusterNode, InstanceState
 from mesh.engines.engine_api import Engine
 from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import Admission, InstancePlan, NodeRuntime
+from mesh.node.runtime import InstancePlan, NodeRuntime
+from mesh.node.shadow_admission import Admission
 
 
 EngineMaker = Callable[[InstancePlan, str], Engine]  # (plan, node kind) -> an engine to load

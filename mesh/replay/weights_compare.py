@@ -17,8 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from mesh.perf.memory_times import GIB
-from mesh.policy.placement import ColdStart
+from mesh.perf.load_times import GIB, ColdStart
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy, trace_mean_output
 from mesh.replay.metrics import node_seconds, summarize
 from mesh.replay.cold_start_modes import MODES, Engines, WeightsConfig

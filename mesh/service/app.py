@@ -23,7 +23,7 @@ import ssl
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 
@@ -37,6 +37,9 @@ from mesh.service.prometheus import CONTENT_TYPE, ServiceMetrics
 from mesh.service.cluster_placement import Placement
 from mesh.service.quotas import Quotas
 from mesh.service.registry import Registry
+
+if TYPE_CHECKING:
+    from mesh.node.runtime import NodeSpec
 
 log = logging.getLogger("mesh.service")
 
@@ -173,12 +176,142 @@ def build_app(service: Service) -> web.Application:
 
 # ---- running it ------------------------------------------------------------------------------
 
+class _CannotStart(Exception):
+    """Why `mesh serve` cannot start (said on stderr) and its exit status."""
+
+    def __init__(self, message: str, status: int) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+def _tls_context(config: ServeConfig) -> ssl.SSLContext | None:
+    """The server's TLS context from --tls-cert/--tls-key, if given."""
+    if config.tls_cert is None:
+        return None
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    try:
+        tls.load_cert_chain(config.tls_cert, config.tls_key)
+    except (OSError, ssl.SSLError) as exc:  # SSLError: not PEM, or the key is not the certificate's
+        raise _CannotStart(f"mesh serve: cannot use the TLS certificate {config.tls_cert} with the key "
+                           f"{config.tls_key}: {exc}", 1) from None
+    return tls
+
+
+def _open_registry(data_dir: Path) -> Registry:
+    """The data folder (this user's only) and its registry, swept of orphaned uploads."""
+    from mesh.service.uploads import sweep_orphans
+
+    os.umask(0o077)  # uploads, the registry, node copies and the agents' files: this user's only
+    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+    data_dir.chmod(0o700)  # also a folder an older version made with the default umask
+    registry = Registry(data_dir / "registry.sqlite3")
+    for orphan in sweep_orphans(data_dir / "uploads", [m.path for m in registry.models() if m.owned_file]):
+        log.warning("removed %s: a partial upload, or an upload no model names (left by a crash)", orphan)
+    return registry
+
+
+def _local_nodes(config: ServeConfig, memory: int | None) -> tuple[list[NodeSpec], dict[str, str],
+                                                                  dict[str, tuple[int, ...]]]:
+    """The nodes this machine runs (none with --ray: agents on its nodes), the devices the
+    emulated ones emulate (node id -> device, mesh serve --emulate), and the cores of each
+    computing node and of the service (mesh.control.supervisor.core_shares)."""
+    from mesh.control.supervisor import SERVICE, core_shares, detect_local_nodes, parse_node_cores
+    from mesh.control.vllm_nodes import CPU_NODE_ID
+
+    nodes = detect_local_nodes(memory, config.cpu_nodes) if config.ray is None else []  # Ray: agents on its nodes
+    emulated: dict[str, str] = {}  # node id -> the device it emulates (mesh serve --emulate)
+    if config.emulate:
+        from mesh.node.emulation import emulated_nodes
+
+        emulated_specs, emulated = emulated_nodes(config.emulate)
+        if config.mixed_rig and any(n.kind != "cpu" for n in nodes):  # vLLM's nodes would share the GPU kind
+            raise _CannotStart(f"mesh serve: the mixed rig (--cpu-nodes with --emulate) emulates the GPU nodes, so it "
+                               f"cannot also run {', '.join(n.node_id for n in nodes if n.kind != 'cpu')} (drop "
+                               f"--vllm-cpu)", 2)
+        nodes = [*nodes, *emulated_specs] if config.mixed_rig else emulated_specs
+    # the local nodes that compute on this machine's cores split them as they split its memory
+    # (each one a machine): OpenVINO agents and the vLLM-on-CPU agent, not emulated ones
+    computing = [n.node_id for n in nodes if n.node_id not in emulated and (n.kind == "cpu" or n.node_id == CPU_NODE_ID)]
+    if config.node_cores:
+        try:
+            cores = parse_node_cores(config.node_cores, computing)
+        except ValueError as exc:
+            raise _CannotStart(f"mesh serve: {exc}", 2) from None
+    else:
+        cores = core_shares(computing) if len(computing) > 1 else {}
+    if cores.get(SERVICE):  # the service, its emulated agents and its conversions stay off the nodes' cores
+        os.sched_setaffinity(0, set(cores[SERVICE]))
+    if cores:
+        log.info("cores: %s", ", ".join(f"{k} {','.join(map(str, v))}" for k, v in cores.items()))
+    return nodes, emulated, cores
+
+
+def _join_ray(config: ServeConfig, placement: Any, memory: int | None, cluster_secret: Any) -> tuple[Any, Any]:
+    """With --ray: the Ray cluster's membership (its agents) and, with --ray-autoscale, its autoscaler."""
+    if config.ray is None:
+        return None, None
+    from mesh.ray.actor import AgentLaunch
+    from mesh.ray.membership import RayMembership, connect
+
+    try:
+        connect(config.ray)
+    except Exception as exc:  # noqa: BLE001 - ConnectionError, ValueError...: say why and stop
+        raise _CannotStart(f"mesh serve: cannot join the Ray cluster at {config.ray}: {exc}", 1) from None
+    launch = AgentLaunch(log_level=config.log_level, deadlines=config.deadlines,
+                         watchdog_min_s=config.watchdog_min_s, memory_bytes=memory)  # no secret: Ray keeps it
+    membership = RayMembership(placement, launch, cluster_secret)
+    if not config.ray_autoscale:
+        return membership, None
+    from mesh.ray.node_autoscaler import RayAutoscaler
+
+    return membership, RayAutoscaler(placement, membership)
+
+
+def _warn_of_config(config: ServeConfig, service: Service) -> None:
+    """Say what the configuration leaves off or short: admin routes, /metrics, file descriptors."""
+    if not config.admin_token:
+        print("mesh serve: no admin token (set MESH_ADMIN_TOKEN or admin_token in --config): admin routes are off",
+              file=sys.stderr)
+    if not config.admin_token and not config.metrics_token:
+        print("mesh serve: no metrics token (set MESH_METRICS_TOKEN or metrics_token in --config): /metrics is off",
+              file=sys.stderr)
+    fds = service.limits.fit_fd_limit()
+    if fds < service.limits.max_connections:
+        print(f"mesh serve: this process may open {fds} files, fewer than max_connections "
+              f"({service.limits.max_connections}); lower max_connections or raise `ulimit -n`", file=sys.stderr)
+
+
+async def _serve_until_signalled(config: ServeConfig, service: Service) -> None:
+    """Serve until SIGINT/SIGTERM, then drain the open requests (a second signal stops waiting).
+    The signal handlers stay the service's until its caller has stopped it."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal() -> None:
+        nonlocal signals
+        signals += 1
+        stop.set()
+        if signals > 1:
+            service.idle.set()  # a second signal: stop waiting for open streams
+
+    for sig in (signal.SIGINT, signal.SIGTERM):  # the caller removes them once the service has stopped
+        loop.add_signal_handler(sig, on_signal)
+    await stop.wait()
+    service.draining = True
+    if service.generating:
+        print(f"mesh serve: draining {service.generating} open requests (up to {config.drain_timeout_s:.0f} s)",
+              file=sys.stderr)
+        try:
+            await asyncio.wait_for(service.idle.wait(), config.drain_timeout_s)
+        except asyncio.TimeoutError:
+            print("mesh serve: drain timed out; closing the remaining requests", file=sys.stderr)
+
+
 async def run_service(config: ServeConfig, ready: Any = print) -> int:
     """Start everything, print the ready line, serve until SIGINT/SIGTERM, drain, stop."""
     from mesh.control.remote_agents import RemoteAgent, parse_remote
-    from mesh.control.supervisor import (SERVICE, AgentHandle, AgentSettings, LocalAgent, core_shares,
-                                       detect_local_nodes, parse_node_cores)
-    from mesh.control.vllm_nodes import CPU_NODE_ID
+    from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
     from mesh.node.runtime import NodeSpec
     from mesh.service.demo_mode import ensure_demo, ready_line
     from mesh.service.preparation import FormatPreparer
@@ -186,24 +319,13 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     from mesh.control.weights_plane import WeightsPlane, WeightsSettings
 
     loop = asyncio.get_running_loop()
-    tls = None
-    if config.tls_cert is not None:
-        tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-        try:
-            tls.load_cert_chain(config.tls_cert, config.tls_key)
-        except (OSError, ssl.SSLError) as exc:  # SSLError: not PEM, or the key is not the certificate's
-            print(f"mesh serve: cannot use the TLS certificate {config.tls_cert} with the key {config.tls_key}: {exc}",
-                  file=sys.stderr)
-            return 1
+    try:
+        tls = _tls_context(config)
+    except _CannotStart as exc:
+        print(exc, file=sys.stderr)
+        return exc.status
     data_dir = config.data_dir
-    os.umask(0o077)  # uploads, the registry, node copies and the agents' files: this user's only
-    data_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
-    data_dir.chmod(0o700)  # also a folder an older version made with the default umask
-    registry = Registry(data_dir / "registry.sqlite3")
-    from mesh.service.uploads import sweep_orphans
-
-    for orphan in sweep_orphans(data_dir / "uploads", [m.path for m in registry.models() if m.owned_file]):
-        log.warning("removed %s: a partial upload, or an upload no model names (left by a crash)", orphan)
+    registry = _open_registry(data_dir)
     memory = int(config.cpu_memory_gb * 2**30) if config.cpu_memory_gb else None
     weights_token = os.environ.get("MESH_WEIGHTS_TOKEN") or secrets.token_urlsafe(24)  # remote agents need it set
     cluster_secret = None
@@ -218,34 +340,12 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     # and the calibration profiles agents read (--profile-dir). Agents open no file elsewhere.
     roots = (str(data_dir), *([str(config.allowed_dir)] if config.allowed_dir else []), str(models_dir()),
              *([str(config.profile_dir)] if config.profile_dir else []))
-    nodes = detect_local_nodes(memory, config.cpu_nodes) if config.ray is None else []  # Ray: agents on its nodes
-    emulated: dict[str, str] = {}  # node id -> the device it emulates (mesh serve --emulate)
-    if config.emulate:
-        from mesh.node.emulation import emulated_nodes
-
-        emulated_specs, emulated = emulated_nodes(config.emulate)
-        if config.mixed_rig and any(n.kind != "cpu" for n in nodes):  # vLLM's nodes would share the GPU kind
-            print(f"mesh serve: the mixed rig (--cpu-nodes with --emulate) emulates the GPU nodes, so it cannot also "
-                  f"run {', '.join(n.node_id for n in nodes if n.kind != 'cpu')} (drop --vllm-cpu)", file=sys.stderr)
-            registry.close()
-            return 2
-        nodes = [*nodes, *emulated_specs] if config.mixed_rig else emulated_specs
-    # the local nodes that compute on this machine's cores split them as they split its memory
-    # (each one a machine): OpenVINO agents and the vLLM-on-CPU agent, not emulated ones
-    computing = [n.node_id for n in nodes if n.node_id not in emulated and (n.kind == "cpu" or n.node_id == CPU_NODE_ID)]
-    if config.node_cores:
-        try:
-            cores = parse_node_cores(config.node_cores, computing)
-        except ValueError as exc:
-            print(f"mesh serve: {exc}", file=sys.stderr)
-            registry.close()
-            return 2
-    else:
-        cores = core_shares(computing) if len(computing) > 1 else {}
-    if cores.get(SERVICE):  # the service, its emulated agents and its conversions stay off the nodes' cores
-        os.sched_setaffinity(0, set(cores[SERVICE]))
-    if cores:
-        log.info("cores: %s", ", ".join(f"{k} {','.join(map(str, v))}" for k, v in cores.items()))
+    try:
+        nodes, emulated, cores = _local_nodes(config, memory)
+    except _CannotStart as exc:
+        print(exc, file=sys.stderr)
+        registry.close()
+        return exc.status
     settings = PlacementSettings(
         policy=config.policy, cold_start_s=config.cold_start_s, keep_alive_s=config.keep_alive_s,
         exact_moves=config.exact_moves, queue_capacity=config.queue_capacity, queue_timeout_s=config.queue_timeout_s,
@@ -273,24 +373,12 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights, formats=formats)
     for tenant, admission in registry.tenant_admissions().items():  # tenants' defaults (PUT /admin/tenants/{t}/admission)
         placement.set_tenant_admission(tenant, admission)
-    membership = autoscaler = None
-    if config.ray is not None:
-        from mesh.ray.actor import AgentLaunch
-        from mesh.ray.membership import RayMembership, connect
-
-        try:
-            connect(config.ray)
-        except Exception as exc:  # noqa: BLE001 - ConnectionError, ValueError...: say why and stop
-            print(f"mesh serve: cannot join the Ray cluster at {config.ray}: {exc}", file=sys.stderr)
-            registry.close()
-            return 1
-        launch = AgentLaunch(log_level=config.log_level, deadlines=config.deadlines,
-                             watchdog_min_s=config.watchdog_min_s, memory_bytes=memory)  # no secret: Ray keeps it
-        membership = RayMembership(placement, launch, cluster_secret)
-        if config.ray_autoscale:
-            from mesh.ray.node_autoscaler import RayAutoscaler
-
-            autoscaler = RayAutoscaler(placement, membership)
+    try:
+        membership, autoscaler = _join_ray(config, placement, memory, cluster_secret)
+    except _CannotStart as exc:
+        print(exc, file=sys.stderr)
+        registry.close()
+        return exc.status
     service = Service(config, registry, placement, ServiceMetrics(placement.view), data_dir)
     service.wall_offset = registry.now() - loop.time()
     service.idle.set()
@@ -299,16 +387,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     demo_key = demo_model = None
     if config.demo:
         demo_key, demo_model = await ensure_demo(registry, data_dir)
-    if not config.admin_token:
-        print("mesh serve: no admin token (set MESH_ADMIN_TOKEN or admin_token in --config): admin routes are off",
-              file=sys.stderr)
-    if not config.admin_token and not config.metrics_token:
-        print("mesh serve: no metrics token (set MESH_METRICS_TOKEN or metrics_token in --config): /metrics is off",
-              file=sys.stderr)
-    fds = service.limits.fit_fd_limit()
-    if fds < service.limits.max_connections:
-        print(f"mesh serve: this process may open {fds} files, fewer than max_connections "
-              f"({service.limits.max_connections}); lower max_connections or raise `ulimit -n`", file=sys.stderr)
+    _warn_of_config(config, service)
     app = build_app(service)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
                            **service.limits.runner_options())
@@ -334,28 +413,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     scheme = "https" if tls is not None else "http"
     ready(ready_line(f"{scheme}://{host}:{port}", demo_key, demo_model.name if demo_model else None))
     sys.stdout.flush()
-
-    stop = asyncio.Event()
-    signals = 0
-
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        stop.set()
-        if signals > 1:
-            service.idle.set()  # a second signal: stop waiting for open streams
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, on_signal)
-    await stop.wait()
-    service.draining = True
-    if service.generating:
-        print(f"mesh serve: draining {service.generating} open requests (up to {config.drain_timeout_s:.0f} s)",
-              file=sys.stderr)
-        try:
-            await asyncio.wait_for(service.idle.wait(), config.drain_timeout_s)
-        except asyncio.TimeoutError:
-            print("mesh serve: drain timed out; closing the remaining requests", file=sys.stderr)
+    await _serve_until_signalled(config, service)
     await runner.cleanup()
     await _stop_cluster(placement, membership, autoscaler)
     await service.loop_lag.stop()

@@ -34,7 +34,8 @@ from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.control.weights_plane import WeightsPlane
 from mesh.node.emulation import emulated_cold_start
 from mesh.node.runtime import NodeSpec
-from mesh.policy.placement import ADMIT_REJECT, CPU, GPU, ColdStart
+from mesh.perf.load_times import ColdStart
+from mesh.policy.placement import ADMIT_REJECT, CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.service.errors import ApiError, bad_request
 from mesh.service.model_catalogue import ModelCatalogue

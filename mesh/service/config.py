@@ -112,7 +112,7 @@ class ServeConfig:
     quota_burst: int | None = 2000  # None: one second of quota_requests_per_s
     deadlines: DeadlineRule = DeadlineRule.EQ1  # deadline rule of the local agents (mesh.policy.slo)
     policy: str = "mesh"  # the dispatcher's placement policy (mesh.control.schedulers)
-    # a new instance's start-up besides its weights (mesh.policy.placement.ColdStart); None: 7.5 s,
+    # a new instance's start-up besides its weights (mesh.perf.load_times.ColdStart); None: 7.5 s,
     # or 0 under `emulate` (the replay's cold start: the weights' load alone)
     cold_start_s: float | None = None
     exact_moves: bool = False  # CPU instances recompute moved streams exactly, at ~2x compute

@@ -5,7 +5,7 @@ Per node (from the agents' stats, mesh.node.node_learning.NodeLearning.view): th
 its factors, per model the learnt time factors of its newest instance (AdaptiveTimes.drift:
 instance-wide and per grid region, the margin, iterations observed; kept after the instance
 is recycled). Per model: the profiles the dispatcher plans with. `cold_starts`: the loads
-the service measured per node, model and source (mesh.policy.cold_starts). `summary`, per kind of node: the factors and margin over every model and node,
+the service measured per node, model and source (mesh.perf.load_times.ColdStartTable). `summary`, per kind of node: the factors and margin over every model and node,
 weighted by iterations observed, and the median measured cold start: what a twin of one
 model replicated many times (the live replay's) needs.
 """
