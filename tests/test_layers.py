@@ -144,3 +144,22 @@ def test_no_two_modules_share_a_file_name():
             seen.setdefault(path.name, []).append(module)
     shared = {name: found for name, found in seen.items() if len(found) > 1}
     assert not shared, f"modules that share a file name: {shared}"
+
+
+MAX_CLASS_LINES = 400
+MAX_FUNCTION_LINES = 120
+
+
+def test_no_product_class_or_function_does_everything():
+    """Issue 34: a class that grows past 400 lines, or a function past 120, is split along
+    its seams (the agent server's connection, instances and requests; the placement's
+    membership, catalogue and request path)."""
+    found = []
+    for module, path in modules().items():
+        for node in ast.walk(parse(path)):
+            lines = (node.end_lineno or node.lineno) - node.lineno + 1 if hasattr(node, "lineno") else 0
+            if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name} has {lines} lines")
+            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > MAX_FUNCTION_LINES:
+                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: function {node.name} has {lines} lines")
+    assert not found, "\n".join(found)

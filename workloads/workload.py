@@ -274,14 +274,8 @@ def build_workload(
       per base model, or None for no limit) and input, output >= 1.
     """
     seed = _check_seed(seed)
-    if isinstance(minutes, bool) or not isinstance(minutes, (int, np.integer)):
-        raise ValueError(f"minutes must be an integer number of trace minutes, got {minutes!r}")
-    if isinstance(functions, bool) or not isinstance(functions, (int, np.integer)):
-        raise ValueError(f"functions must be an integer, got {functions!r}")
-    minutes, functions = int(minutes), int(functions)
+    minutes, functions = _check_shape(minutes, functions, arrivals)
     mix = dict(models) if models is not None else {"llama-2-7b": 1.0}
-    if arrivals not in ARRIVAL_PROCESSES:
-        raise ValueError(f"arrivals must be one of {ARRIVAL_PROCESSES}, got {arrivals!r}")
     cols = trace.window(minutes, start_minute)
     window_minutes = trace.minutes[cols]
     rows = sample_functions(trace, functions, seed)
@@ -290,75 +284,20 @@ def build_workload(
     raw_total = int(raw.sum())
     duration_s = 60.0 * minutes
 
-    # Rate scaling.
-    if isinstance(rate_scale, str):
-        if rate_scale != "auto":
-            raise ValueError(f"rate_scale must be a positive number or 'auto', got {rate_scale!r}")
-        target = default_target_rps(functions) if target_rps is None else float(target_rps)
-        scale = rate_scale_for_target(
-            trace, function_ids, minutes, target, start_minute=int(window_minutes[0])
-        )
-        scale_reason = (
-            f"auto: scaled so the mean aggregate rate is {target:g} rps"
-            + (
-                f" = {functions} functions x DEFAULT_TARGET_RPS_PER_FUNCTION "
-                f"({DEFAULT_TARGET_RPS_PER_FUNCTION:g} rps)"
-                if target_rps is None
-                else " (target_rps given)"
-            )
-            + f"; the raw sample holds {raw_total} invocations = {raw_total / duration_s:.4g} rps"
-        )
-    else:
-        if target_rps is not None:
-            raise ValueError("target_rps applies only to rate_scale='auto'")
-        scale = float(rate_scale)
-        if not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"rate_scale must be a positive number or 'auto', got {rate_scale!r}")
-        target = None
-        scale_reason = f"explicit rate_scale={scale:g} given by the caller"
+    scale, target, scale_reason = _rate_scale(trace, function_ids, functions, minutes, int(window_minutes[0]),
+                                              rate_scale, target_rps, raw_total, duration_s)
 
-    # Model replicas.
-    mix_counts = model_mix_counts(mix, functions)
-    bases = [b for b, c in mix_counts.items() for _ in range(c)]
-    assigned = [bases[i] for i in _rng(seed, _STREAM_MODELS).permutation(functions)]
-    width = max(3, len(str(functions - 1)))
-    replicas = [f"{b}/f{i:0{width}d}" for i, b in enumerate(assigned)]
+    mix_counts, assigned, replicas = _replicas(mix, functions, seed)
     replica_models = dict(zip(replicas, assigned))
     windows = _resolve_max_total(max_total, [b for b, c in mix_counts.items() if c > 0])
 
-    # Counts per (function, minute) cell, then arrival times.
-    expected = raw.astype(np.float64) * scale
-    if arrivals == "poisson":
-        n = _rng(seed, _STREAM_COUNTS).poisson(expected).astype(np.int64)
-    else:
-        n = stochastic_round(expected, _rng(seed, _STREAM_COUNTS))
-    flat = n.ravel()
-    cell = np.repeat(np.arange(flat.size), flat)
-    f_idx = cell // minutes
-    m_idx = cell % minutes
-    times = 60.0 * m_idx + 60.0 * _rng(seed, _STREAM_TIMES).random(cell.size)
-    order = np.lexsort((f_idx, times))
-    times, f_idx = times[order], f_idx[order]
+    expected, n, times, f_idx = _arrival_times(raw, scale, arrivals, minutes, seed)
 
     # Lengths, per base model.
-    prompt = np.zeros(times.size, dtype=np.int64)
-    output = np.zeros(times.size, dtype=np.int64)
     base_names = sorted(windows)
     base_code = np.array([base_names.index(b) for b in assigned], dtype=np.int64)
     req_code = base_code[f_idx]
-    length_rng = _rng(seed, _STREAM_LENGTHS)
-    length_info: dict[str, Any] = {}
-    for k, b in enumerate(base_names):
-        mask = req_code == k
-        s = lengths.sample(int(mask.sum()), length_rng, windows[b])
-        prompt[mask] = s.prompt_tokens
-        output[mask] = s.output_tokens
-        length_info[b] = {
-            "max_total": windows[b],
-            "excluded_fraction": s.excluded_fraction,
-            "excluded_requests_of_trace": s.excluded,
-            "eligible_requests_of_trace": s.eligible,
-        }
+    prompt, output, length_info = _draw_lengths(lengths, req_code, base_names, windows, seed)
 
     arrival_list = _arrival_list(
         times,
@@ -369,23 +308,9 @@ def build_workload(
     )
 
     per_function_requests = n.sum(axis=1)
-    per_model: dict[str, Any] = {}
-    for b in windows:
-        sel = base_code == base_names.index(b)
-        req_mask = req_code == base_names.index(b)
-        count = int(per_function_requests[sel].sum())
-        per_model[b] = {
-            "weight": float(mix[b]),
-            "replicas": int(sel.sum()),
-            "raw_invocations": int(raw[sel].sum()),
-            "expected_requests": float(expected[sel].sum()),
-            "requests": count,
-            "mean_rps": count / duration_s,
-            "mean_prompt_len": float(prompt[req_mask].mean()) if count else 0.0,
-            "mean_output_len": float(output[req_mask].mean()) if count else 0.0,
-            **length_info[b],
-        }
-    total = int(flat.sum())
+    per_model = _per_model(mix, windows, base_names, base_code, req_code, per_function_requests, raw, expected,
+                           prompt, output, length_info, duration_s)
+    total = int(n.sum())
     description: dict[str, Any] = {
         "kind": "azure_functions",
         "function_trace": str(trace.path),
@@ -428,14 +353,8 @@ def build_workload(
             "requests": [int(v) for v in n.sum(axis=0)],
         },
         "per_function": [
-            {
-                "replica": replicas[i],
-                "function": function_ids[i],
-                "trigger": trace.triggers[rows[i]],
-                "base_model": assigned[i],
-                "raw_invocations": int(raw[i].sum()),
-                "requests": int(per_function_requests[i]),
-            }
+            {"replica": replicas[i], "function": function_ids[i], "trigger": trace.triggers[rows[i]],
+             "base_model": assigned[i], "raw_invocations": int(raw[i].sum()), "requests": int(per_function_requests[i])}
             for i in range(functions)
         ],
         "lengths": {
@@ -444,6 +363,118 @@ def build_workload(
         },
     }
     return Workload(arrivals=arrival_list, models=replica_models, description=description)
+
+
+def _rate_scale(trace: FunctionTrace, function_ids: list[str], functions: int, minutes: int, start_minute: int,
+                rate_scale: float | str, target_rps: float | None, raw_total: int,
+                duration_s: float) -> tuple[float, float | None, str]:
+    """The factor every per-minute count is multiplied by, the target rate it meets (None
+    for an explicit factor) and why (build_workload's "Rate")."""
+    if isinstance(rate_scale, str):
+        if rate_scale != "auto":
+            raise ValueError(f"rate_scale must be a positive number or 'auto', got {rate_scale!r}")
+        target = default_target_rps(functions) if target_rps is None else float(target_rps)
+        scale = rate_scale_for_target(trace, function_ids, minutes, target, start_minute=start_minute)
+        scale_reason = (
+            f"auto: scaled so the mean aggregate rate is {target:g} rps"
+            + (
+                f" = {functions} functions x DEFAULT_TARGET_RPS_PER_FUNCTION "
+                f"({DEFAULT_TARGET_RPS_PER_FUNCTION:g} rps)"
+                if target_rps is None
+                else " (target_rps given)"
+            )
+            + f"; the raw sample holds {raw_total} invocations = {raw_total / duration_s:.4g} rps"
+        )
+        return scale, target, scale_reason
+    if target_rps is not None:
+        raise ValueError("target_rps applies only to rate_scale='auto'")
+    scale = float(rate_scale)
+    if not (math.isfinite(scale) and scale > 0):
+        raise ValueError(f"rate_scale must be a positive number or 'auto', got {rate_scale!r}")
+    return scale, None, f"explicit rate_scale={scale:g} given by the caller"
+
+
+def _arrival_times(raw: np.ndarray, scale: float, arrivals: str, minutes: int,
+                   seed: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Counts per (function, minute) cell, then arrival times: (expected counts, counts,
+    sorted arrival times, each arrival's function index)."""
+    expected = raw.astype(np.float64) * scale
+    if arrivals == "poisson":
+        n = _rng(seed, _STREAM_COUNTS).poisson(expected).astype(np.int64)
+    else:
+        n = stochastic_round(expected, _rng(seed, _STREAM_COUNTS))
+    flat = n.ravel()
+    cell = np.repeat(np.arange(flat.size), flat)
+    f_idx = cell // minutes
+    m_idx = cell % minutes
+    times = 60.0 * m_idx + 60.0 * _rng(seed, _STREAM_TIMES).random(cell.size)
+    order = np.lexsort((f_idx, times))
+    return expected, n, times[order], f_idx[order]
+
+
+def _draw_lengths(lengths: LengthTrace, req_code: np.ndarray, base_names: list[str], windows: Mapping[str, Any],
+                  seed: int) -> tuple[np.ndarray, np.ndarray, dict[str, Any]]:
+    """Each request's (prompt_len, output_len), drawn per base model within its max_total."""
+    prompt = np.zeros(req_code.size, dtype=np.int64)
+    output = np.zeros(req_code.size, dtype=np.int64)
+    length_rng = _rng(seed, _STREAM_LENGTHS)
+    length_info: dict[str, Any] = {}
+    for k, b in enumerate(base_names):
+        mask = req_code == k
+        s = lengths.sample(int(mask.sum()), length_rng, windows[b])
+        prompt[mask] = s.prompt_tokens
+        output[mask] = s.output_tokens
+        length_info[b] = {
+            "max_total": windows[b],
+            "excluded_fraction": s.excluded_fraction,
+            "excluded_requests_of_trace": s.excluded,
+            "eligible_requests_of_trace": s.eligible,
+        }
+    return prompt, output, length_info
+
+
+def _per_model(mix: Mapping[str, float], windows: Mapping[str, Any], base_names: list[str], base_code: np.ndarray,
+               req_code: np.ndarray, per_function_requests: np.ndarray, raw: np.ndarray, expected: np.ndarray,
+               prompt: np.ndarray, output: np.ndarray, length_info: Mapping[str, Any],
+               duration_s: float) -> dict[str, Any]:
+    """build_workload's description of each base model: replicas, invocations, requests, lengths."""
+    per_model: dict[str, Any] = {}
+    for b in windows:
+        sel = base_code == base_names.index(b)
+        req_mask = req_code == base_names.index(b)
+        count = int(per_function_requests[sel].sum())
+        per_model[b] = {
+            "weight": float(mix[b]),
+            "replicas": int(sel.sum()),
+            "raw_invocations": int(raw[sel].sum()),
+            "expected_requests": float(expected[sel].sum()),
+            "requests": count,
+            "mean_rps": count / duration_s,
+            "mean_prompt_len": float(prompt[req_mask].mean()) if count else 0.0,
+            "mean_output_len": float(output[req_mask].mean()) if count else 0.0,
+            **length_info[b],
+        }
+    return per_model
+
+
+def _check_shape(minutes: Any, functions: Any, arrivals: str) -> tuple[int, int]:
+    if isinstance(minutes, bool) or not isinstance(minutes, (int, np.integer)):
+        raise ValueError(f"minutes must be an integer number of trace minutes, got {minutes!r}")
+    if isinstance(functions, bool) or not isinstance(functions, (int, np.integer)):
+        raise ValueError(f"functions must be an integer, got {functions!r}")
+    if arrivals not in ARRIVAL_PROCESSES:
+        raise ValueError(f"arrivals must be one of {ARRIVAL_PROCESSES}, got {arrivals!r}")
+    return int(minutes), int(functions)
+
+
+def _replicas(mix: Mapping[str, float], functions: int, seed: int) -> tuple[dict[str, int], list[str], list[str]]:
+    """Model replicas: base models in exact proportion to `mix` by largest remainder, shuffled
+    with the seed; (counts per base, each function's base, each function's replica name)."""
+    mix_counts = model_mix_counts(mix, functions)
+    bases = [b for b, c in mix_counts.items() for _ in range(c)]
+    assigned = [bases[i] for i in _rng(seed, _STREAM_MODELS).permutation(functions)]
+    width = max(3, len(str(functions - 1)))
+    return mix_counts, assigned, [f"{b}/f{i:0{width}d}" for i, b in enumerate(assigned)]
 
 
 def bursty_single_model(
