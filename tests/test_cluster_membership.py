@@ -174,7 +174,7 @@ def test_a_remote_agent_asks_its_address_source_at_every_connection():
         # The agent restarts elsewhere (Ray restarted its actor): a new port, which the source gives.
         servers.append(AgentServer(spec, TOKEN, load_roots=["/"]))
         addresses.append(await servers[1].serve("127.0.0.1:0"))
-        servers[0]._writer.transport.abort()
+        servers[0].connection.writer.transport.abort()
         await servers[0].close()
         for _ in range(200):
             if len(ups) == 2:
