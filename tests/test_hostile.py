@@ -1631,6 +1631,44 @@ def test_a_large_token_id_body_meets_quota_and_window_before_it_is_parsed(simula
     asyncio.run(main())
 
 
+def test_the_large_body_check_counts_the_requests_own_prompt_only(simulated, tmp_path, demo_gguf, monkeypatch):
+    """The check before the parse counts the ids of the body's own top-level `prompt`: a long
+    `prompt` array nested in another field (or `"prompt": [` inside a string) is not it, so
+    the request is parsed and served; a short nested one before a long own prompt does not
+    hide it, which is refused unparsed."""
+    import mesh.service.routes_openai as routes
+
+    parsed: list[int] = []
+    real_parse = routes.parse_json
+    monkeypatch.setattr(routes, "parse_json", lambda body: (parsed.append(len(body)), real_parse(body))[1])
+    allowed = tmp_path / "allowed"
+    _link(demo_gguf, allowed / "a" / "m.gguf")
+    ids = b",".join([b"1000"] * 60_000)  # 300 KiB of ids: the large-body path, past the window
+
+    async def main():
+        async with Http(tmp_path, allowed) as api:
+            key = await api.tenant("a")
+            assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
+            decoy = (b'{"model": "m", "metadata": {"prompt": [' + ids + b']}, "user": "\\"prompt\\": [1,2", '
+                     b'"max_tokens": 2, "prompt": [1, 2, 3]}')
+            assert len(decoy) > routes.THREAD_PARSE_BYTES
+            for _ in range(20):  # (the first may be turned away while its instance starts: 429)
+                status, body = await api.call("POST", "/v1/completions", key, data=decoy,
+                                              headers={"Content-Type": "application/json"})
+                if status != 429:
+                    break
+            assert status == 200 and body["usage"]["prompt_tokens"] == 3, body
+            assert parsed, "the request was parsed"
+            parsed.clear()
+            hidden = b'{"model": "m", "metadata": {"prompt": [1]}, "max_tokens": 2, "prompt": [' + ids + b"]}"
+            status, err = await api.call("POST", "/v1/completions", key, data=hidden,
+                                         headers={"Content-Type": "application/json"})
+            assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+            assert parsed == []
+
+    asyncio.run(main())
+
+
 def test_registrations_are_rate_limited_per_tenant(simulated, tmp_path, demo_gguf):
     """A tenant registering in a loop gets a 429 with Retry-After once its bucket is empty
     (registrations_per_min, burst REGISTRATION_BURST); another tenant is not held back."""
