@@ -1696,6 +1696,53 @@ def test_registrations_are_rate_limited_per_tenant(simulated, tmp_path, demo_ggu
     asyncio.run(main())
 
 
+def test_a_model_deleted_while_its_instance_loads_leaves_nothing_behind(simulated, tmp_path, demo_gguf, monkeypatch):
+    """The race seen in the soak: a model deleted while its instance is being built on the
+    agent (its engine still being made, so the deletion finds no instance in the cluster's
+    books and the agent none to unload), whose load then finishes after the delete. Nothing
+    of it may stay: no instance on the agent or in the cluster, no agent state (the cluster
+    crashed with a KeyError here, and the instance was left on the agent)."""
+    import threading
+
+    import agent_doubles
+    from agent_doubles import until
+    from mesh.node import engine_host
+
+    gate = threading.Event()
+    real = agent_doubles.simulated_factory
+
+    def gated(spec, on_loaded):  # runs in the agent's thread (asyncio.to_thread(make_engine, ...))
+        if spec.instance_id != "front" and not spec.instance_id.startswith("ahead-"):
+            gate.wait(WAIT)
+        return real(spec, on_loaded)
+
+    for name in ("simulated", "openvino"):
+        monkeypatch.setitem(engine_host.ENGINE_FACTORIES, name, gated)
+    allowed = tmp_path / "allowed"
+    _link(demo_gguf, allowed / "a" / "m.gguf")
+
+    async def main():
+        async with Http(tmp_path, allowed) as api:
+            key = await api.tenant("a")
+            assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
+            record = api.registry.model("a", "m")
+            p = api.placement
+            server = p.agents["cpu-0"].server
+            started = asyncio.ensure_future(p.preload(record))  # an instance started where a request would start it
+            await until(lambda: any(s.model == record.uid for s in server.specs.values()), 60.0)  # being made
+            assert not server.node.instances
+            assert (await api.call("DELETE", "/v1/models/m", key))[0] == 200
+            await asyncio.sleep(0.2)  # the deletion's work has reached the agent
+            gate.set()  # the load finishes after the delete
+            await asyncio.wait_for(started, WAIT)
+            await until(lambda: not server.node.instances and not server.specs and record.uid not in p.cluster.models
+                        and server._models_known() == [], 5.0)
+            assert not p.cluster.instances_of(record.uid) and record.uid not in p.dispatcher._decisions
+            assert p.dispatcher.requests == {}
+
+    asyncio.run(main())
+
+
 def test_a_deleted_model_leaves_nothing_behind(simulated, tmp_path, demo_gguf):
     """Registered, served and deleted: the cluster, the dispatcher, the node (its agent's
     per-model state) and the metrics hold nothing of the model once its requests are done,

@@ -194,6 +194,7 @@ class ClusterView:
         self._in_use = {CPU: 0, GPU: 0}
         self._unloads: set[asyncio.Task] = set()
         self._on_node: Counter[str] = Counter()  # instances per node (a node is in use while it has one)
+        self._starting: Counter[str] = Counter()  # loads being issued, by model (not yet in the books)
         self.usage: list[tuple[float, int, int]] = [(0.0, 0, 0)]  # (time, CPU nodes in use, GPU nodes in use)
         self.instances_started = 0
         self.instances_recycled = 0
@@ -247,8 +248,9 @@ class ClusterView:
     def forget_model(self, model: str) -> bool:
         """A deleted model leaves the books: its spec (and its base's, if no other model
         names it), mean, SLO, cold-start choice and measured loads. Only once it has no
-        instance (requests still in flight are planned with its spec); False until then."""
-        if self._by_model.get(model):
+        instance (requests still in flight are planned with its spec) and no load of it is
+        being issued (its instance would be known to no one once it loads); False until then."""
+        if self._by_model.get(model) or model in self._starting:
             return False
         self._by_model.pop(model, None)
         base = self.models.pop(model, None)
@@ -431,8 +433,14 @@ class ClusterView:
         issued = self._now()
         transfer = not self.holds(plan.model, node)
         transfer_s = self.transfer_s(plan.model, node)
-        if not await node.start_instance(plan):  # the service's node moves the weights there first
-            return None
+        self._starting[plan.model] += 1  # a deletion meanwhile waits for it (forget_model), then stops it
+        try:
+            if not await node.start_instance(plan):  # the service's node moves the weights there first
+                return None
+        finally:
+            self._starting[plan.model] -= 1
+            if not self._starting[plan.model]:
+                del self._starting[plan.model]
         now = self._now()
         staged = node.staging(plan.instance_id)  # its weights still on their way: the node measures them
         if transfer and not staged:

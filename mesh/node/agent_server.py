@@ -598,10 +598,14 @@ class AgentServer:
         self._front_models.setdefault(key, spec.model)  # whose front it is (forget)
         if key not in self.fronts:
             try:
-                self.fronts[key] = (self._emulated(spec) if spec.engine == EMULATED else
-                                    await asyncio.to_thread(make_engine, spec, lambda _exc: None))
+                front = (self._emulated(spec) if spec.engine == EMULATED else
+                         await asyncio.to_thread(make_engine, spec, lambda _exc: None))
             except EngineError as exc:
                 raise Reply(Code.BAD_REQUEST, str(exc)) from exc
+            if key not in self._front_models:  # its model was forgotten while it was made: nothing of it is kept
+                getattr(front, "kill_worker", lambda: None)()
+                raise Reply(Code.BAD_REQUEST, f"model {spec.model} was deleted while it was described")
+            self.fronts[key] = front
             if isinstance(self.fronts[key], OpenVINOProcessEngine):
                 # a model new to this node (described at registration, or at its first request):
                 # its tokenizer is built now, in the background, not in its first requests' TTFT
@@ -873,6 +877,7 @@ class AgentServer:
         self.ahead.forget(model)
         self.parking.forget(model)
         for path in paths:
+            self.preparer.forget(path)
             await self.tokenizers.forget(path)
         return {"forgot": model}
 
