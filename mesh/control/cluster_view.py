@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -30,6 +30,7 @@ from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.node.request import ServedRequest
 
 DEFAULT_MAX_BATCH = 256  # B_max of the profiles (LLM-Mesh 5.2)
+LIVE_USAGE_ENTRIES = 4096  # a live service's node-usage change points kept (nothing reads them there; bounded)
 
 
 class ClusterError(ValueError):
@@ -168,12 +169,15 @@ class ClusterView:
         *,
         on_capacity: Callable[[], None] | None = None,
         nodes: list[ClusterNode] = (),
+        usage_entries: int | None = None,
     ) -> None:
         """`models` maps each model (replica) to its base model in `catalog`;
         `mean_output_prior` gives O_avg's starting value per base model (6.1). `nodes`:
         the nodes to schedule (the service's agents; a replay's simulated nodes,
         mesh.replay.simulator). Models and nodes may be added and removed later (the
-        service: registrations, Ray membership)."""
+        service: registrations, Ray membership). `usage_entries`: the most change points of
+        `usage` kept, the oldest going first (a service that runs for months; LIVE_USAGE_ENTRIES);
+        None keeps them all (a replay's node-seconds read every one)."""
         catalog, models, mean_output_prior = catalog or {}, models or {}, mean_output_prior or {}
         unknown = sorted({b for b in models.values() if b not in catalog})
         if unknown:
@@ -195,7 +199,8 @@ class ClusterView:
         self._unloads: set[asyncio.Task] = set()
         self._on_node: Counter[str] = Counter()  # instances per node (a node is in use while it has one)
         self._starting: Counter[str] = Counter()  # loads being issued, by model (not yet in the books)
-        self.usage: list[tuple[float, int, int]] = [(0.0, 0, 0)]  # (time, CPU nodes in use, GPU nodes in use)
+        # (time, CPU nodes in use, GPU nodes in use) at each change
+        self.usage: deque[tuple[float, int, int]] = deque([(0.0, 0, 0)], maxlen=usage_entries)
         self.instances_started = 0
         self.instances_recycled = 0
         self.cold_start_s = 0.0  # summed predicted cold starts
@@ -290,7 +295,8 @@ class ClusterView:
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        self.usage = [(self._now(), 0, 0)]
+        self.usage.clear()
+        self.usage.append((self._now(), 0, 0))
         for node in self.nodes:
             await node.start()
 

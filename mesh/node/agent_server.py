@@ -864,6 +864,10 @@ class AgentServer:
             raise Reply(Code.BAD_REQUEST, "forget needs the model")
         if any(inst.model == model for inst in self.node.instances.values()):
             raise Reply(Code.BUSY, f"model {model} still has instances on {self.spec.node_id}")
+        for _ in range(200):  # its instances' unloads end first: an unload parks its worker (forgotten below)
+            if not any(inst.model == model for inst in self.node._unloading.values()):
+                break
+            await asyncio.sleep(0.05)
         paths = set()
         for key, front_model in list(self._front_models.items()):
             if front_model == model:

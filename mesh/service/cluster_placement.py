@@ -49,7 +49,7 @@ from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.perf.times import prior_profile
 from mesh.policy.placement import ADMIT_REJECT, CPU, GPU, ColdStart, kind_rank
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
-from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
+from mesh.control.cluster_view import LIVE_USAGE_ENTRIES, ClusterView, ClusterConfig, ModelSpec
 from mesh.control.dispatcher import Dispatcher
 from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.node.request import Outcome, ServedRequest
@@ -155,7 +155,7 @@ class ClusterPlacement:
             cpu_nodes=sum(n.kind == CPU for n in nodes), gpu_nodes=sum(n.kind == GPU for n in nodes),
             cold_start=_cold_start(s), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines,
             max_batch=s.max_batch, admission=s.admission)
-        self.cluster = ClusterView(config)
+        self.cluster = ClusterView(config, usage_entries=LIVE_USAGE_ENTRIES)  # bounded: a months-long run
         self.cluster.holds_copy = self._holds_copy
         self.dispatcher = Dispatcher.for_policy(self.cluster, s.policy, queue_capacity=s.queue_capacity,
                                                 queue_timeout_s=s.queue_timeout_s)
