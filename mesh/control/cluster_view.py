@@ -250,6 +250,10 @@ class ClusterView:
         if slo is not None:
             self._slo[model] = slo
 
+    def issuing(self, model: str) -> bool:
+        """Is a load of `model` being issued (its instance not yet in the books)?"""
+        return model in self._starting
+
     def forget_model(self, model: str) -> bool:
         """A deleted model leaves the books: its spec (and its base's, if no other model
         names it), mean, SLO, cold-start choice and measured loads. Only once it has no
