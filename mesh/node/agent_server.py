@@ -657,11 +657,17 @@ class AgentServer:
         return AdaptiveTimes(PerformanceModel(self.emulation.profile(name)), alpha=0.0, prefill_alpha=0.0,
                              margin_after=EMULATED_NEVER_LEARNS)
 
-    def _mean_output(self, model: str, state: tuple[float, int, float] | None) -> RunningMean:
+    def _mean_output(self, model: str, state: tuple[float, int, float] | None, keep: bool = True) -> RunningMean:
         """O_avg of `model` on this node: one mean shared by its instances and plans (6.1),
         set to the control service's state where a message brings it (the service's counts
-        every node's completions; this node's own are added here until the next one)."""
-        mean = self._means.setdefault(model, RunningMean(MEAN_OUTPUT_PRIOR))
+        every node's completions; this node's own are added here until the next one).
+        `keep=False` (a plan validated, no instance here): a model new here is not kept (a
+        deleted model's plan validated after its forget would keep its mean)."""
+        mean = self._means.get(model)
+        if mean is None:
+            mean = RunningMean(MEAN_OUTPUT_PRIOR)
+            if keep:
+                self._means[model] = mean
         if state is not None:
             mean.prior, mean.count, mean.total = state
         return mean
@@ -781,7 +787,7 @@ class AgentServer:
                                 count_field(p["kv_bytes_per_token"], "kv_bytes_per_token", 0, MAX_BYTES), weight_bytes,
                                 spec.context_window, spec.context_window,
                                 count_field(p["max_batch"], "max_batch", 1, MAX_BATCH),
-                                self._mean_output(spec.model, mean_output_from(p.get("mean_output"))),
+                                self._mean_output(spec.model, mean_output_from(p.get("mean_output")), keep=False),
                                 number_field(p["expected_load_s"], "expected_load_s"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad validate_new plan: {exc}") from exc
