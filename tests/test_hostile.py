@@ -1631,6 +1631,44 @@ def test_a_large_token_id_body_meets_quota_and_window_before_it_is_parsed(simula
     asyncio.run(main())
 
 
+def test_the_large_body_check_counts_the_requests_own_prompt_only(simulated, tmp_path, demo_gguf, monkeypatch):
+    """The check before the parse counts the ids of the body's own top-level `prompt`: a long
+    `prompt` array nested in another field (or `"prompt": [` inside a string) is not it, so
+    the request is parsed and served; a short nested one before a long own prompt does not
+    hide it, which is refused unparsed."""
+    import mesh.service.routes_openai as routes
+
+    parsed: list[int] = []
+    real_parse = routes.parse_json
+    monkeypatch.setattr(routes, "parse_json", lambda body: (parsed.append(len(body)), real_parse(body))[1])
+    allowed = tmp_path / "allowed"
+    _link(demo_gguf, allowed / "a" / "m.gguf")
+    ids = b",".join([b"1000"] * 60_000)  # 300 KiB of ids: the large-body path, past the window
+
+    async def main():
+        async with Http(tmp_path, allowed) as api:
+            key = await api.tenant("a")
+            assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
+            decoy = (b'{"model": "m", "metadata": {"prompt": [' + ids + b']}, "user": "\\"prompt\\": [1,2", '
+                     b'"max_tokens": 2, "prompt": [1, 2, 3]}')
+            assert len(decoy) > routes.THREAD_PARSE_BYTES
+            for _ in range(20):  # (the first may be turned away while its instance starts: 429)
+                status, body = await api.call("POST", "/v1/completions", key, data=decoy,
+                                              headers={"Content-Type": "application/json"})
+                if status != 429:
+                    break
+            assert status == 200 and body["usage"]["prompt_tokens"] == 3, body
+            assert parsed, "the request was parsed"
+            parsed.clear()
+            hidden = b'{"model": "m", "metadata": {"prompt": [1]}, "max_tokens": 2, "prompt": [' + ids + b"]}"
+            status, err = await api.call("POST", "/v1/completions", key, data=hidden,
+                                         headers={"Content-Type": "application/json"})
+            assert status == 400 and err["error"]["code"] == "context_length_exceeded", err
+            assert parsed == []
+
+    asyncio.run(main())
+
+
 def test_registrations_are_rate_limited_per_tenant(simulated, tmp_path, demo_gguf):
     """A tenant registering in a loop gets a 429 with Retry-After once its bucket is empty
     (registrations_per_min, burst REGISTRATION_BURST); another tenant is not held back."""
@@ -1654,6 +1692,53 @@ def test_registrations_are_rate_limited_per_tenant(simulated, tmp_path, demo_ggu
                 assert r.status == 429 and err["error"]["param"] == "registrations_per_min", err
                 assert 30 <= int(r.headers["Retry-After"]) <= 60  # one a minute
             assert (await api.call("POST", "/v1/models", key_b, {"name": "m", "path": "m.gguf"}))[0] == 201
+
+    asyncio.run(main())
+
+
+def test_a_model_deleted_while_its_instance_loads_leaves_nothing_behind(simulated, tmp_path, demo_gguf, monkeypatch):
+    """The race seen in the soak: a model deleted while its instance is being built on the
+    agent (its engine still being made, so the deletion finds no instance in the cluster's
+    books and the agent none to unload), whose load then finishes after the delete. Nothing
+    of it may stay: no instance on the agent or in the cluster, no agent state (the cluster
+    crashed with a KeyError here, and the instance was left on the agent)."""
+    import threading
+
+    import agent_doubles
+    from agent_doubles import until
+    from mesh.node import engine_host
+
+    gate = threading.Event()
+    real = agent_doubles.simulated_factory
+
+    def gated(spec, on_loaded):  # runs in the agent's thread (asyncio.to_thread(make_engine, ...))
+        if spec.instance_id != "front" and not spec.instance_id.startswith("ahead-"):
+            gate.wait(WAIT)
+        return real(spec, on_loaded)
+
+    for name in ("simulated", "openvino"):
+        monkeypatch.setitem(engine_host.ENGINE_FACTORIES, name, gated)
+    allowed = tmp_path / "allowed"
+    _link(demo_gguf, allowed / "a" / "m.gguf")
+
+    async def main():
+        async with Http(tmp_path, allowed) as api:
+            key = await api.tenant("a")
+            assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
+            record = api.registry.model("a", "m")
+            p = api.placement
+            server = p.agents["cpu-0"].server
+            started = asyncio.ensure_future(p.preload(record))  # an instance started where a request would start it
+            await until(lambda: any(s.model == record.uid for s in server.specs.values()), 60.0)  # being made
+            assert not server.node.instances
+            assert (await api.call("DELETE", "/v1/models/m", key))[0] == 200
+            await asyncio.sleep(0.2)  # the deletion's work has reached the agent
+            gate.set()  # the load finishes after the delete
+            await asyncio.wait_for(started, WAIT)
+            await until(lambda: not server.node.instances and not server.specs and record.uid not in p.cluster.models
+                        and server._models_known() == [], 5.0)
+            assert not p.cluster.instances_of(record.uid) and record.uid not in p.dispatcher._decisions
+            assert p.dispatcher.requests == {}
 
     asyncio.run(main())
 

@@ -74,6 +74,23 @@ def test_gguf_metadata_and_kv_bytes(tmp_path: Path) -> None:
         read_gguf_metadata(tmp_path / "bad.gguf")
 
 
+def test_gguf_string_arrays_are_skipped_across_reads_and_a_truncated_one_is_refused(tmp_path: Path) -> None:
+    """Skipped string arrays (a vocabulary) are walked by their lengths in 1 MiB reads: strings
+    that straddle a read, and one longer than a read, leave the reader at the next key."""
+    import mesh.modelfiles.gguf as gguf
+
+    tokens = [f"t{i}" * (i % 7) for i in range(300_000)] + ["x" * (3 << 20)] + ["y", ""]
+    path = write_tiny_gguf(tmp_path / "m.gguf", **{"tokenizer.ggml.tokens": tokens, "general.name": "after"})
+    meta = read_gguf_metadata(path)
+    assert meta["tokenizer.ggml.tokens"] == (8, len(tokens)) and meta["general.name"] == "after"
+    assert read_gguf_metadata(path, keep_arrays=True)["tokenizer.ggml.tokens"] == tokens
+    data = path.read_bytes()
+    (tmp_path / "cut.gguf").write_bytes(data[:len(data) // 2])
+    with pytest.raises(GGUFError, match="ends early"):
+        read_gguf_metadata(tmp_path / "cut.gguf")
+    assert gguf._CHUNK < len(data) // 2  # (the walk crossed reads)
+
+
 def test_shape_from_hf_config(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(
         '{"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,'

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,6 +29,7 @@ from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.node.request import ServedRequest
 
 DEFAULT_MAX_BATCH = 256  # B_max of the profiles (LLM-Mesh 5.2)
+LIVE_USAGE_ENTRIES = 4096  # a live service's node-usage change points kept (nothing reads them there; bounded)
 
 
 class ClusterError(ValueError):
@@ -167,12 +168,15 @@ class ClusterView:
         *,
         on_capacity: Callable[[], None] | None = None,
         nodes: list[ClusterNode] = (),
+        usage_entries: int | None = None,
     ) -> None:
         """`models` maps each model (replica) to its base model in `catalog`;
         `mean_output_prior` gives O_avg's starting value per base model (6.1). `nodes`:
         the nodes to schedule (the service's agents; a replay's simulated nodes,
         mesh.replay.simulator). Models and nodes may be added and removed later (the
-        service: registrations, Ray membership)."""
+        service: registrations, Ray membership). `usage_entries`: the most change points of
+        `usage` kept, the oldest going first (a service that runs for months; LIVE_USAGE_ENTRIES);
+        None keeps them all (a replay's node-seconds read every one)."""
         catalog, models, mean_output_prior = catalog or {}, models or {}, mean_output_prior or {}
         unknown = sorted({b for b in models.values() if b not in catalog})
         if unknown:
@@ -193,7 +197,9 @@ class ClusterView:
         self._in_use = {CPU: 0, GPU: 0}
         self._unloads: set[asyncio.Task] = set()
         self._on_node: Counter[str] = Counter()  # instances per node (a node is in use while it has one)
-        self.usage: list[tuple[float, int, int]] = [(0.0, 0, 0)]  # (time, CPU nodes in use, GPU nodes in use)
+        self._starting: Counter[str] = Counter()  # loads being issued, by model (not yet in the books)
+        # (time, CPU nodes in use, GPU nodes in use) at each change
+        self.usage: deque[tuple[float, int, int]] = deque([(0.0, 0, 0)], maxlen=usage_entries)
         self.instances_started = 0
         self.instances_recycled = 0
         self.cold_start_s = 0.0  # summed predicted cold starts
@@ -243,11 +249,16 @@ class ClusterView:
         if slo is not None:
             self._slo[model] = slo
 
+    def issuing(self, model: str) -> bool:
+        """Is a load of `model` being issued (its instance not yet in the books)?"""
+        return model in self._starting
+
     def forget_model(self, model: str) -> bool:
         """A deleted model leaves the books: its spec (and its base's, if no other model
         names it), mean, SLO, cold-start choice and measured loads. Only once it has no
-        instance (requests still in flight are planned with its spec); False until then."""
-        if self._by_model.get(model):
+        instance (requests still in flight are planned with its spec) and no load of it is
+        being issued (its instance would be known to no one once it loads); False until then."""
+        if self._by_model.get(model) or model in self._starting:
             return False
         self._by_model.pop(model, None)
         base = self.models.pop(model, None)
@@ -287,7 +298,8 @@ class ClusterView:
 
     # -- lifecycle -------------------------------------------------------------------
     async def start(self) -> None:
-        self.usage = [(self._now(), 0, 0)]
+        self.usage.clear()
+        self.usage.append((self._now(), 0, 0))
         for node in self.nodes:
             await node.start()
 
@@ -426,8 +438,14 @@ class ClusterView:
         issued = self._now()
         transfer = not self.holds(plan.model, node)
         transfer_s = self.transfer_s(plan.model, node)
-        if not await node.start_instance(plan):  # the service's node moves the weights there first
-            return None
+        self._starting[plan.model] += 1  # a deletion meanwhile waits for it (forget_model), then stops it
+        try:
+            if not await node.start_instance(plan):  # the service's node moves the weights there first
+                return None
+        finally:
+            self._starting[plan.model] -= 1
+            if not self._starting[plan.model]:
+                del self._starting[plan.model]
         now = self._now()
         staged = node.staging(plan.instance_id)  # its weights still on their way: the node measures them
         if transfer and not staged:

@@ -85,12 +85,27 @@ class BackgroundPreparer:
             self._proc = await asyncio.create_subprocess_exec(*argv, env=background_env(), stdout=subprocess.DEVNULL,
                                                               stderr=subprocess.PIPE)
             _, err = await self._proc.communicate()
+            if path not in self._seen:  # forgotten meanwhile (its model was deleted): killed, not recorded
+                self._proc = self._current = None
+                continue
             self.done[path] = self._proc.returncode
             if self._proc.returncode != 0:
                 log.warning("preparing %s failed (%s): %s", path, self._proc.returncode,
                             err.decode(errors="replace")[-1000:])
             self._proc = None
             self._current = None
+
+    def forget(self, path: str | Path) -> None:
+        """A deleted model's file: it leaves the queue and the records (they grew by every
+        model ever received), and its preparation under way is killed (its CPU is not spent on
+        a file that is going away)."""
+        p = str(Path(path).resolve())
+        self._queue = [q for q in self._queue if q[2] != p]
+        heapq.heapify(self._queue)
+        self._seen.discard(p)
+        self.done.pop(p, None)
+        if self._current == p and self._proc is not None and self._proc.returncode is None:
+            self._proc.kill()
 
     async def wait(self, path: str | Path | None = None) -> None:
         """Until everything queued is prepared (tests, benchmarks), or, with `path`, until that

@@ -233,11 +233,17 @@ class InstanceHost:
         return AdaptiveTimes(PerformanceModel(self.emulation.profile(name)), alpha=0.0, prefill_alpha=0.0,
                              margin_after=EMULATED_NEVER_LEARNS)
 
-    def mean_output(self, model: str, state: tuple[float, int, float] | None) -> RunningMean:
+    def mean_output(self, model: str, state: tuple[float, int, float] | None, keep: bool = True) -> RunningMean:
         """O_avg of `model` on this node: one mean shared by its instances and plans (6.1),
         set to the control service's state where a message brings it (the service's counts
-        every node's completions; this node's own are added here until the next one)."""
-        mean = self.means.setdefault(model, RunningMean(MEAN_OUTPUT_PRIOR))
+        every node's completions; this node's own are added here until the next one).
+        `keep=False` (a plan validated, no instance here): a model new here is not kept (a
+        deleted model's plan validated after its forget would keep its mean)."""
+        mean = self.means.get(model)
+        if mean is None:
+            mean = RunningMean(MEAN_OUTPUT_PRIOR)
+            if keep:
+                self.means[model] = mean
         if state is not None:
             mean.prior, mean.count, mean.total = state
         return mean

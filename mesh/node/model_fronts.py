@@ -114,10 +114,14 @@ class ModelFronts:
         self._front_models.setdefault(key, spec.model)  # whose front it is (forget)
         if key not in self.fronts:
             try:
-                self.fronts[key] = (self.host.emulated(spec) if spec.engine == EMULATED else
-                                    await asyncio.to_thread(make_engine, spec, lambda _exc: None))
+                front = (self.host.emulated(spec) if spec.engine == EMULATED else
+                         await asyncio.to_thread(make_engine, spec, lambda _exc: None))
             except EngineError as exc:
                 raise Refused(Code.BAD_REQUEST, str(exc)) from exc
+            if key not in self._front_models:  # its model was forgotten while it was made: nothing of it is kept
+                getattr(front, "kill_worker", lambda: None)()
+                raise Refused(Code.BAD_REQUEST, f"model {spec.model} was deleted while it was described")
+            self.fronts[key] = front
             if isinstance(self.fronts[key], OpenVINOProcessEngine):
                 # a model new to this node (described at registration, or at its first request):
                 # its tokenizer is built now, in the background, not in its first requests' TTFT
@@ -155,6 +159,10 @@ class ModelFronts:
             raise Refused(Code.BAD_REQUEST, "forget needs the model")
         if any(inst.model == model for inst in self.host.node.instances.values()):
             raise Refused(Code.BUSY, f"model {model} still has instances on {self.host.spec.node_id}")
+        for _ in range(200):  # its instances' unloads end first: an unload parks its worker (forgotten below)
+            if not any(inst.model == model for inst in self.host.node._unloading.values()):
+                break
+            await asyncio.sleep(0.05)
         paths = set()
         for key, front_model in list(self._front_models.items()):
             if front_model == model:
@@ -168,5 +176,6 @@ class ModelFronts:
         self.host.ahead.forget(model)
         self.host.parking.forget(model)
         for path in paths:
+            self.preparer.forget(path)
             await self.tokenizers.forget(path)
         return ForgetReply(model)

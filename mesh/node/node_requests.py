@@ -123,7 +123,7 @@ class NodeRequests:
             raise Refused(Code.BAD_REQUEST, str(exc)) from exc
         plan = InstancePlan(p.instance_id, p.model, times, p.slo, p.kv_bytes_per_token, p.weight_bytes,
                             p.context_window, p.context_window, p.max_batch,
-                            self.host.mean_output(p.model, p.mean_output), p.expected_load_s)
+                            self.host.mean_output(p.model, p.mean_output, keep=False), p.expected_load_s)
         reqs = [self._probe(r, p.slo) for r in m.requests]
         return _verdict(self.node.validate_new(plan, reqs, [r.tokens_out for r in reqs]))
 

@@ -393,8 +393,9 @@ class ModelCatalogue:
 
     async def forget_model(self, model_uid: str, then: Callable[[], None] | None = None) -> None:
         """Every trace of a deleted model goes: its registration's work under way, its idle
-        instances now and its busy ones once their requests end; then, with none left, its
-        spec and books in the cluster, its decision lock, and its state on every agent
+        instances now and its busy ones once their requests end, its node copies when no
+        instance reads them (now, or once a busy one or a load being issued has ended: a copy
+        removed under a load failed it); then, with none left, its spec and books in the cluster, its decision lock, and its state on every agent
         (`_forget_when_idle`), and `then()` is called (the service's metric series go). The
         cluster keeps its spec until then: requests for it still in flight are planned with it."""
         registering = self._registering.pop(model_uid, None)
@@ -405,7 +406,8 @@ class ModelCatalogue:
         for ref in list(self.cluster.instances_of(model_uid)):
             if not ref.requests:
                 await self.cluster.stop_instance(ref)
-        if self.weights is not None:
+        if self.weights is not None and not self.cluster.instances_of(model_uid) \
+                and not self.cluster.issuing(model_uid):  # else once no instance reads them (_forget_when_idle)
             await self.weights.forget(model_uid)
         if self.formats is not None:
             await self.formats.forget(model_uid)
@@ -427,6 +429,8 @@ class ModelCatalogue:
                     and self.cluster.forget_model(model_uid):
                 break
             await asyncio.sleep(every_s)
+        if self.weights is not None:  # its node copies, if a busy instance or a load being issued kept them
+            await self.weights.forget(model_uid)
         await asyncio.gather(*(node.forget_model(model_uid) for node in self._nodes()))
         if then is not None:
             then()

@@ -12,12 +12,14 @@ import json
 import math
 import re
 import secrets
+from json.decoder import scanstring
 from json.encoder import encode_basestring
 from typing import Any, Callable
 
 from aiohttp import web
 
 from mesh.engines.engine_api import Sampling
+from mesh.framing import bounded_int, not_a_number
 from mesh.modelfiles.sampling import resolve as resolve_sampling
 from mesh.service import errors
 from mesh.service.app import ARRIVAL, Service, service_of
@@ -85,7 +87,6 @@ def _acquire(svc: Service, tenant: str, model_name: str | None) -> None:
 
 
 _MODEL_FIELD = re.compile(rb'"model"\s*:\s*"([^"\\]{1,256})"')
-_TOKEN_IDS = re.compile(rb'"prompt"\s*:\s*\[')
 TOKEN_ID_BYTES = 12  # a token id's JSON text at most, with its comma and a space (vocabularies < 10^10)
 
 
@@ -100,26 +101,72 @@ def _named_model(svc: Service, tenant: str, body: bytes) -> str | None:
 
 
 def _check_token_ids(body: bytes, window: int) -> None:
-    """Before a large body is parsed: a token-id prompt (`"prompt": [ids]`) longer than the
-    tenant's largest context window is a 400 and one whose array's text is larger than that
-    many ids can take a 413, both counted at C speed (its commas), not parsed (a 5.7 MiB
-    token-id prompt parsed for about 1 s before these checks, issue 32). The exact checks
-    follow the parse."""
-    found = _TOKEN_IDS.search(body)
-    if found is None:
+    """Before a large body is parsed: a token-id prompt (the body's own `"prompt": [ids]`)
+    longer than the tenant's largest context window is a 400 and one whose array's text is
+    larger than that many ids can take a 413, both counted at C speed (its commas), not
+    parsed (a 5.7 MiB token-id prompt parsed for about 1 s before these checks, issue 32).
+    The exact checks follow the parse."""
+    if b'"prompt"' not in body:
         return
-    end = body.find(b"]", found.end())
-    if end < 0:
-        return  # malformed: the parser says so
-    ids = body.count(b",", found.end(), end) + 1
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError:
+        return  # the parser says so
+    span = _top_level_ids(text)
+    if span is None:
+        return
+    start, end = span
+    ids = text.count(",", start, end) + 1
     if ids + 1 > window:
         raise errors.context_too_long(ids, window, "prompt")
     limit = window * TOKEN_ID_BYTES
-    if end - found.end() > limit:
-        raise ApiError(413, f"The prompt's token ids take {end - found.end()} bytes of JSON, more than {window} token "
+    if end - start > limit:
+        raise ApiError(413, f"The prompt's token ids take {end - start} bytes of JSON, more than {window} token "
                        f"ids (your models' largest context window) can need ({limit} bytes at {TOKEN_ID_BYTES} "
                        "bytes per id). Send the ids without padding.", "invalid_request_error", "prompt",
                        "request_too_large")
+
+
+_SPACE = re.compile(r"[ \t\n\r]*")
+_DECODER = json.JSONDecoder(parse_int=bounded_int, parse_constant=not_a_number)
+
+
+def _top_level_ids(text: str) -> tuple[int, int] | None:
+    """Where the array of the body's own top-level `"prompt"` key (the last one, as the parse
+    keeps) lies between its brackets, if it is a flat array (token ids); None if there is
+    none or the body is malformed (the parser says so). A walk of the top-level object at C
+    speed, in one pass: keys by json's string scanner, other fields' values by its decoder
+    (no more than the parse does with them), a flat array by its closing bracket. A `prompt`
+    key nested in another field, or text that reads `"prompt": [`, is not the prompt."""
+    found = None
+    try:
+        i = _SPACE.match(text).end()
+        if text[i:i + 1] != "{":
+            return None
+        i = _SPACE.match(text, i + 1).end()
+        if text[i:i + 1] == "}":
+            return None
+        while text[i:i + 1] == '"':
+            key, i = scanstring(text, i + 1)
+            i = _SPACE.match(text, i).end()
+            if text[i:i + 1] != ":":
+                return None
+            i = _SPACE.match(text, i + 1).end()
+            end = text.find("]", i) if key == "prompt" and text[i:i + 1] == "[" else -1
+            if end >= 0 and all(text.find(c, i + 1, end) < 0 for c in '[{"'):
+                found, i = (i + 1, end), end + 1
+            else:
+                found = None if key == "prompt" else found
+                i = _DECODER.raw_decode(text, i)[1]
+            i = _SPACE.match(text, i).end()
+            if text[i:i + 1] == "}":
+                return found
+            if text[i:i + 1] != ",":
+                return None
+            i = _SPACE.match(text, i + 1).end()
+    except (ValueError, RecursionError):  # malformed, a long integer, NaN, too deep: the parser says so
+        return None
+    return None
 
 
 MAX_TOKEN_BYTES = 256  # no token of a GGUF or Hugging Face vocabulary is longer (Llama/Qwen: 16-128 bytes)
