@@ -1729,14 +1729,14 @@ def test_a_model_deleted_while_its_instance_loads_leaves_nothing_behind(simulate
             p = api.placement
             server = p.agents["cpu-0"].server
             started = asyncio.ensure_future(p.preload(record))  # an instance started where a request would start it
-            await until(lambda: any(s.model == record.uid for s in server.specs.values()), 60.0)  # being made
+            await until(lambda: any(s.model == record.uid for s in server.host.specs.values()), 60.0)  # being made
             assert not server.node.instances
             assert (await api.call("DELETE", "/v1/models/m", key))[0] == 200
             await asyncio.sleep(0.2)  # the deletion's work has reached the agent
             gate.set()  # the load finishes after the delete
             await asyncio.wait_for(started, WAIT)
-            await until(lambda: not server.node.instances and not server.specs and record.uid not in p.cluster.models
-                        and server._models_known() == [], 5.0)
+            await until(lambda: not server.node.instances and not server.host.specs and record.uid not in p.cluster.models
+                        and server.models.models_known() == [], 5.0)
             assert not p.cluster.instances_of(record.uid) and record.uid not in p.dispatcher._decisions
             assert p.dispatcher.requests == {}
 
