@@ -29,12 +29,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.shared_processes]  # the module's Ra
 
 @pytest.fixture(scope="module")
 def ray_cluster(tmp_path_factory):
-    from ray.cluster_utils import ClusterView
+    from ray.cluster_utils import Cluster
 
     saved = {k: os.environ.get(k) for k in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "MESH_DATA_DIR")}
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # keep Ray on 127.0.0.1
     os.environ["MESH_DATA_DIR"] = str(tmp_path_factory.mktemp("nodes"))  # the agents' weights folders
-    cluster = ClusterView(initialize_head=True, head_node_args={
+    cluster = Cluster(initialize_head=True, head_node_args={
         "num_cpus": 0, "node_ip_address": "127.0.0.1", "include_dashboard": False})
     try:
         for _ in range(2):
