@@ -26,7 +26,7 @@ import logging
 from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 
 from mesh.control.agent_client import AgentCallError, AgentDown
-from mesh.control.cluster_node import ClusterNode, InstanceState
+from mesh.control.cluster_node import ClusterNode, HostedInstance
 from mesh.control.node_book import AgentInstance, NodeBook, resume_from
 from mesh.control.supervisor import AgentHandle
 from mesh.node.request import Outcome, ServedRequest
@@ -91,7 +91,7 @@ class AgentNode(ClusterNode):
         return self.agent.spec
 
     @property
-    def instances(self) -> Mapping[str, InstanceState]:
+    def instances(self) -> Mapping[str, HostedInstance]:
         return self._instances
 
     @property

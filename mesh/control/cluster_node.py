@@ -29,7 +29,7 @@ from mesh.node.shadow_admission import Admission
 from mesh.node.request import ServedRequest
 
 
-class InstanceState(Protocol):
+class HostedInstance(Protocol):
     """What the dispatcher reads of one instance (NodeInstance satisfies it)."""
 
     instance_id: str
@@ -57,7 +57,7 @@ class ClusterNode(ABC):
     # -- state the dispatcher reads ------------------------------------------------------
     @property
     @abstractmethod
-    def instances(self) -> Mapping[str, InstanceState]: ...
+    def instances(self) -> Mapping[str, HostedInstance]: ...
 
     @property
     def stepping(self) -> str | None:

@@ -24,7 +24,7 @@ from mesh.policy.placement import (ADMISSIONS, ADMIT_REJECT, COLD_START_CHOICES,
                                    InstanceView, NodeView, keep_alive_expired)
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
-from mesh.control.cluster_node import ClusterNode, InstanceState
+from mesh.control.cluster_node import ClusterNode, HostedInstance
 from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.node.request import ServedRequest
 
@@ -140,7 +140,7 @@ class InstanceRef:
     ready_at: float = 0.0  # when its load is predicted to end (issue + its predicted cold start)
 
     @property
-    def inst(self) -> InstanceState:
+    def inst(self) -> HostedInstance:
         return self.node.instances[self.instance_id]
 
     @property

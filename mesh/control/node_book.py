@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 
 @dataclass(eq=False)
 class AgentInstance:
-    """One instance on the agent as the dispatcher reads it (an InstanceState): the requests
+    """One instance on the agent as the dispatcher reads it (an HostedInstance): the requests
     placed on it are the dispatcher's own records."""
 
     instance_id: str

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Callable, Collection, Mapping, Sequence
 
-from mesh.control.cluster_node import ClusterNode, InstanceState
+from mesh.control.cluster_node import ClusterNode, HostedInstance
 from mesh.engines.engine_api import Engine
 from mesh.node.request import Outcome, ServedRequest
 from mesh.node.runtime import InstancePlan, NodeRuntime
@@ -37,7 +37,7 @@ class LocalNode(ClusterNode):
             self.on_loaded(instance_id)
 
     @property
-    def instances(self) -> Mapping[str, InstanceState]:
+    def instances(self) -> Mapping[str, HostedInstance]:
         return self.runtime.instances
 
     @property
