@@ -163,3 +163,11 @@ def test_no_product_class_or_function_does_everything():
             elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > MAX_FUNCTION_LINES:
                 found.append(f"{path.relative_to(ROOT)}:{node.lineno}: function {node.name} has {lines} lines")
     assert not found, "\n".join(found)
+
+
+def test_the_repository_root_is_where_the_workers_run():
+    """Worker processes run `python -m mesh...` from the checkout (PYTHONPATH, cwd) and find
+    `.venv-vllm` beside it: REPO_ROOT must be the checkout, wherever its module lives."""
+    from mesh.engines.worker_process import REPO_ROOT
+
+    assert REPO_ROOT == ROOT and (REPO_ROOT / "mesh" / "__init__.py").is_file()

@@ -50,7 +50,7 @@ from mesh.engines.engine_api import EngineError, FinishReason, StepResult
 from mesh.background import BACKGROUND_THREADS
 from mesh.policy.batching import IterationKind
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # <repo>/mesh/engines/worker_process.py
 
 log = logging.getLogger("mesh.engines.worker_process")
 
