@@ -63,7 +63,7 @@ _PR_SET_PDEATHSIG = 1
 
 def worker_env(**extra: str) -> dict[str, str]:
     """This process's environment for a child: without SECRET_ENV, the repository on
-    PYTHONPATH (workers run `python -m engines...` from any folder), and `extra` on top."""
+    PYTHONPATH (workers run `python -m mesh...` from any folder), and `extra` on top."""
     env = {k: v for k, v in os.environ.items() if k not in SECRET_ENV}
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(REPO_ROOT), env.get("PYTHONPATH", "")) if p)
     env.update(extra)
