@@ -50,6 +50,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from mesh import native_heap
 from mesh.engines.background_prepare import BackgroundPreparer
 from mesh.engines.parking import ParkingLot
 from mesh.engines.simulated import SIMULATED_NOISE
@@ -438,5 +439,6 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--log-level", default="WARNING")
     args = parser.parse_args(argv)
     os.umask(0o077)  # received weights, parked builds, logs: this user's only (a standalone agent too)
+    native_heap.map_large_blocks()  # received models' blocks are unmapped when freed, not kept on the heap
     logging.basicConfig(level=args.log_level, format=f"agent {args.node_id}: %(levelname)s %(message)s")
     return asyncio.run(_amain(args))

@@ -54,6 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from mesh import native_heap
 from mesh.policy.multicast import Plan
 from mesh.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
 from mesh.framing import ConnectionGate, read_payload, skip_payload
@@ -302,6 +303,7 @@ class WeightAgent:
             w.close()
         st.conns.clear()
         st.blocks.clear()
+        await asyncio.to_thread(native_heap.release)  # the model's blocks go back to the system
 
     async def _event(self, st: _Transfer, header: dict[str, Any]) -> None:
         with contextlib.suppress(ConnectionError):
