@@ -24,6 +24,27 @@ def worker(tmp_path: Path):
     conn.kill()  # SIGKILL ends it stopped or not; reaped
 
 
+def stop_process(pid: int, timeout_s: float = 30.0) -> None:
+    """SIGSTOP `pid` and wait until every thread of it has stopped. The kernel stops a
+    process's threads one by one, starting from one it picks; on a busy machine that one may
+    wait for a core, and meanwhile another thread can still answer a call (a vLLM worker busy
+    importing answered a tokenize after its SIGSTOP here, twice, before this wait)."""
+    os.kill(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + timeout_s
+    tasks = Path(f"/proc/{pid}/task")
+    while True:
+        states = set()
+        for task in tasks.iterdir():
+            try:
+                states.add((task / "stat").read_text().rpartition(")")[2].split()[0])
+            except OSError:  # the thread ended meanwhile
+                continue
+        if states <= {"T", "t"}:
+            return
+        assert time.monotonic() < deadline, f"pid {pid} did not stop: its threads are {states}"
+        time.sleep(0.01)
+
+
 def _answered(conn: WorkerConnection) -> None:
     """A sync call the worker answers (with an error: no model was named): the socket works."""
     with pytest.raises(EngineError, match="model_path") as e:
@@ -34,7 +55,7 @@ def _answered(conn: WorkerConnection) -> None:
 @pytest.mark.timeout(60)
 def test_a_sync_call_to_a_stopped_worker_ends_at_its_deadline_and_the_socket_is_closed_for_good(worker):
     _answered(worker)  # started and answering
-    os.kill(worker.pid, signal.SIGSTOP)
+    stop_process(worker.pid)
     start = time.monotonic()
     with pytest.raises(WorkerStuck, match=r"answered no decode within 0.5 s: it is stuck"):
         worker.call_sync("decode", 0.5, ids=[1])
@@ -55,7 +76,7 @@ def test_killing_a_worker_frees_a_thread_blocked_on_its_sync_socket(worker):
     """A kill (the node's, when a tokenize job ran past its deadline) wakes a thread still in
     a sync call at once, long before that call's own deadline."""
     _answered(worker)
-    os.kill(worker.pid, signal.SIGSTOP)
+    stop_process(worker.pid)
     failed: list[BaseException] = []
 
     def call() -> None:
