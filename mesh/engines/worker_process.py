@@ -310,7 +310,7 @@ class WorkerConnection:
             if self.sync_stuck is not None:
                 raise WorkerStuck(self.sync_stuck)
             try:
-                self.sync.settimeout(deadline_s)  # sendall's whole send; recv_msg sets what is left
+                self.sync.settimeout(max(1e-3, deadline - time.monotonic()))  # sendall's whole send
                 send_msg(self.sync, {"op": op, **fields})
                 reply = recv_msg(self.sync, deadline)
             except TimeoutError as exc:  # socket.timeout too
