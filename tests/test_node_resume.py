@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings, strategies as st
 
 from doubles import LinearTimes
-from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.engines.engine_api import EngineError, EngineRequest, Sampling
 from mesh.engines.simulated import SimulatedEngine
 from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem, Iteration
@@ -280,3 +280,78 @@ def test_the_watchdog_evicts_the_requests_of_a_hung_engine(watchdog):
     # goes back to the dispatcher with its 5 tokens, and the instance is gone
     assert evicted == [r] and r.tokens_out == 5 and r.outcome is None and r.evictions == 1
     assert [iid for iid, _ in hung] == ["i"] and "ran over 30 s" in hung[0][1] and not still_there
+
+
+class KillableHangingEngine(HangingEngine):
+    """HangingEngine whose worker can be killed (as a real one's `kill_worker`): its hung
+    step then fails, as a real worker's step does when its socket closes."""
+
+    killed = False
+
+    async def step(self):
+        if self.steps_left == 0:
+            self._kill = asyncio.Event()
+            await self._kill.wait()
+            raise EngineError("the worker was killed")
+        return await super().step()
+
+    def kill_worker(self) -> None:
+        self.killed = True
+        if hasattr(self, "_kill"):
+            self._kill.set()
+
+
+@pytest.mark.parametrize("steps_before_hang", [0, 5])
+def test_a_stuck_worker_fails_its_instance_the_watchdogs_way_even_mid_iteration(steps_before_hang):
+    """mesh.node.runtime.worker_stuck (a vLLM tokenize ran past its deadline: the worker is
+    stuck): at once, long before any watchdog, the instance's requests go back with their
+    progress, even from the middle of a prefill (0 tokens) or a decode (5), its worker is
+    killed, the instance is gone, and the node goes on serving its other instances."""
+    times = LinearTimes(prefill_per_token=0.001, decode_base=0.05)
+
+    async def main():
+        evicted, hung = [], []
+        node = NodeRuntime(NodeSpec("a", "cpu", 10**9), on_evict=evicted.append, watchdog=False)
+        node.on_hung = lambda iid, why: hung.append((iid, why))
+        node.start()
+        stuck = KillableHangingEngine("m", times, kv_bytes_per_token=KV, weight_bytes=W, context_window=2048,
+                                      steps_before_hang=steps_before_hang)
+        node.start_instance("i", "m", stuck, times, SLO(), RunningMean(10), 0.0)
+        node.start_instance("j", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
+        await asyncio.sleep(0.01)
+        r = req("r", 100, 50, 0.0)
+        assert node.try_admit("i", r).ok
+        await asyncio.sleep(5)
+        assert node.stepping == "i" and node.can_take_back("i") == (steps_before_hang > 0)  # 0: a prefill
+        assert node.worker_stuck("i", "its tokenizer is stuck")
+        assert node.stepping is None and "i" not in node.instances and stuck.killed
+        assert not node.worker_stuck("i", "again")  # gone: nothing to fail
+        other = req("o", 10, 3, asyncio.get_running_loop().time())
+        assert node.try_admit("j", other).ok
+        await asyncio.sleep(5)
+        await node.stop()
+        return r, other, evicted, hung, node.failure()
+
+    r, other, evicted, hung, crash = run_virtual(main())
+    assert evicted == [r] and r.tokens_out == steps_before_hang and r.outcome is None and r.evictions == 1 and r.fault
+    assert hung == [("i", "its tokenizer is stuck")]
+    assert other.outcome is Outcome.COMPLETED and crash is None  # the loop went on
+
+
+def test_a_stuck_idle_worker_fails_its_instance():
+    times = LinearTimes(prefill_per_token=0.001, decode_base=0.05)
+
+    async def main():
+        hung = []
+        node = NodeRuntime(NodeSpec("a", "cpu", 10**9), watchdog=True)
+        node.on_hung = lambda iid, why: hung.append((iid, why))
+        node.start()
+        stuck = KillableHangingEngine("m", times, kv_bytes_per_token=KV, weight_bytes=W, context_window=2048,
+                                      steps_before_hang=0)
+        node.start_instance("i", "m", stuck, times, SLO(), RunningMean(10), 0.0)
+        await asyncio.sleep(1)
+        assert node.worker_stuck("i", "its tokenizer is stuck")
+        await node.stop()
+        return hung, "i" in node.instances, stuck.killed
+
+    assert run_virtual(main()) == ([("i", "its tokenizer is stuck")], False, True)

@@ -51,13 +51,19 @@ def test_jobs_are_shared_between_tenants_by_prompt_size(monkeypatch):
     assert tp.counts.done == 10 and tp.waiting == 0 and not tp._finish  # no tenant left remembered
 
 
+async def _never_stuck(why: str) -> bool:
+    raise AssertionError(f"no job should be stuck: {why}")
+
+
 def test_a_blocking_tokenize_runs_off_the_event_loop():
     """`run` (how the agent tokenizes for vLLM, whose engine answers on a blocking socket):
-    the loop keeps ticking while a 0.5 s call runs, and the calls take their turns."""
+    the loop keeps ticking while a 0.5 s call runs, and the calls take their turns, each
+    given the job's deadline."""
 
     async def main():
-        tp = TokenizerProcess()
+        tp = TokenizerProcess(job_timeout_s=7.0)
         ticks = 0
+        deadlines = []
 
         async def ticker():
             nonlocal ticks
@@ -65,31 +71,54 @@ def test_a_blocking_tokenize_runs_off_the_event_loop():
                 await asyncio.sleep(0.01)
                 ticks += 1
 
+        def call(ids):
+            def tokenize(deadline_s):
+                deadlines.append(deadline_s)
+                time.sleep(0.5)
+                return ids
+            return tokenize
+
         t = asyncio.ensure_future(ticker())
         start = time.monotonic()
-        ids = await asyncio.gather(tp.run("a", 10, lambda: (time.sleep(0.5), [7])[1]),
-                                   tp.run("b", 10, lambda: (time.sleep(0.5), [8])[1]))
+        ids = await asyncio.gather(tp.run("a", 10, call([7]), _never_stuck), tp.run("b", 10, call([8]), _never_stuck))
         took = time.monotonic() - start
         t.cancel()
-        return ids, ticks, took
+        return ids, ticks, took, deadlines
 
-    ids, ticks, took = asyncio.run(main())
-    assert ids == [[7], [8]]
+    ids, ticks, took, deadlines = asyncio.run(main())
+    assert ids == [[7], [8]] and deadlines == [7.0, 7.0]
     assert took >= 1.0  # one at a time
     assert ticks >= 30, ticks  # the loop ran meanwhile (100 ticks if idle; the machine is shared)
 
 
-def test_a_blocking_tokenize_past_its_deadline_fails_clearly():
+@pytest.mark.parametrize("stuck_by", ["the queue's deadline", "the call's own deadline"])
+def test_a_blocking_tokenize_past_its_deadline_fails_clearly_and_its_worker_is_killed(stuck_by):
+    """Past the job's deadline (the queue gives up on the thread, or the call itself raises
+    WorkerStuck, whichever comes first), the job fails clearly, `on_stuck` kills the worker
+    it waited on (counted as a restart), and the next job runs."""
+    from mesh.engines.worker_process import WorkerStuck
+
+    def stuck(deadline_s):
+        if stuck_by == "the queue's deadline":
+            time.sleep(deadline_s + 0.5)
+            return [1]
+        raise WorkerStuck(f"the vLLM worker answered no encode_prompt within {deadline_s:g} s: it is stuck")
+
     async def main():
         tp = TokenizerProcess(job_timeout_s=0.3)
+        killed = []
+
+        async def kill(why):
+            killed.append(why)
+            return True
+
         with pytest.raises(EngineError, match="took over 0.3 s"):
-            await tp.run("a", 10, lambda: (time.sleep(1.0), [1])[1])
-        return await tp.run("a", 10, lambda: [2]), tp.counts
+            await tp.run("a", 10, stuck, kill)
+        return await tp.run("a", 10, lambda _deadline_s: [2], _never_stuck), tp.counts, killed
 
-    ids, counts = asyncio.run(main())
-    assert ids == [2] and counts.timed_out == 1
-
-
+    ids, counts, killed = asyncio.run(main())
+    assert ids == [2] and counts.timed_out == 1 and counts.restarts == 1 and counts.done == 1
+    assert killed == ["a tokenize job ran past its 0.3 s deadline"]
 @pytest.mark.slow
 def test_a_stuck_tokenizer_worker_is_killed_and_replaced(demo_gguf):
     """The real worker, stopped (SIGSTOP) as if wedged in a tokenizer build: the job fails

@@ -497,3 +497,88 @@ def test_mesh_calibrate_vllm_writes_a_profile(tmp_path: Path, tiny_models: tuple
     assert profile.prefill_lengths == (16, 32) and profile.decode_batches == (1, 2)
     assert all(t > 0 for t in profile.prefill_s) and all(t > 0 for row in profile.decode_s for t in row)
     assert profile.provenance["engine"]["scheduler"].startswith("mesh.engines.vllm_scheduler.PhasedScheduler")
+
+
+@needs_vllm
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_stuck_vllm_tokenizer_is_killed_and_restarted_through_the_agent(tiny_models: tuple[Path, Path]) -> None:
+    """Issue 32 item 4, vLLM's way: a node agent (its real control port and client) tokenizes
+    with the model's front, then with its loaded instance; each time the worker is stopped
+    (SIGSTOP): the tokenize fails with a clear error at the job's deadline, the worker is
+    killed, and a front's next tokenize runs in a fresh worker; the instance fails (the
+    service places a new one), its requests would go back with their progress
+    (tests/test_node_resume.py)."""
+    import time
+
+    from test_worker_process import stop_process
+
+    from mesh.control.agent_client import AgentCallError, AgentClient
+    from mesh.node.agent_server import AgentServer
+    from mesh.node.runtime import NodeSpec
+    from mesh.wire.agent_protocol import InstanceSpec
+
+    token = "vllm-stuck-token"
+    path = str(tiny_models[0])
+    front_msg = {"t": "tokenize", "model": "tiny", "path": path, "engine": "vllm", "context_window": WINDOW,
+                 "prompt": "Hello there", "tenant": "a"}
+
+    def reaped(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        return False
+
+    async def stuck_tokenize(server: AgentServer, client: AgentClient, pid: int, msg: dict) -> float:
+        stop_process(pid)
+        server.tokenizers.job_timeout_s = 2.0
+        start = time.monotonic()
+        with pytest.raises(AgentCallError, match="tokenizing took over 2 s and was stopped"):
+            await client.call_message(msg)
+        took = time.monotonic() - start
+        server.tokenizers.job_timeout_s = 300.0  # a first call in a fresh worker imports and builds: seconds
+        return took
+
+    async def main() -> None:
+        server = AgentServer(NodeSpec("g0", "gpu", 8 * 2**30), token, load_roots=[str(tiny_models[0].parent)])
+        server.tokenizers.job_timeout_s = 300.0
+        events: list[dict] = []
+        client = AgentClient("g0", events.append, lambda _why: None)
+        try:
+            await client.connect(await server.serve("127.0.0.1:0"), token)
+            first = (await client.call_message(front_msg))["ids"]
+            (front,) = server.models.fronts.values()
+            stuck = front.worker_pid
+            took = await stuck_tokenize(server, client, stuck, front_msg)
+            assert took < 20.0, took  # the 2 s deadline and the kill, not for ever (a shared machine)
+            assert reaped(stuck) and not server.models.fronts  # killed, and the front dropped
+            counts = server.tokenizers.counts
+            assert (counts.timed_out, counts.restarts) == (1, 1)
+            assert (await client.call_message(front_msg))["ids"] == first  # a fresh front and worker
+            (fresh,) = server.models.fronts.values()
+            assert fresh is not front and fresh.worker_pid not in (None, stuck)
+
+            spec = InstanceSpec("i1", "tiny", path, WINDOW, engine="vllm", max_num_seqs=4)
+            await client.call_message(spec.to_message())
+            for _ in range(3000):
+                if any(ev.get("t") == "instance" for ev in events):
+                    break
+                await asyncio.sleep(0.1)
+            assert {"t": "instance", "instance_id": "i1", "state": "ready"} in events, events
+            by_instance = {"t": "tokenize", "instance_id": "i1", "prompt": "Hello there", "tenant": "a"}
+            assert (await client.call_message(by_instance))["ids"] == first
+            worker = server.node.instances["i1"].engine.worker_pid
+            took = await stuck_tokenize(server, client, worker, by_instance)
+            assert took < 20.0, took
+            assert reaped(worker) and "i1" not in server.node.instances
+            failed = [ev for ev in events if ev.get("t") == "instance" and ev.get("state") == "failed"]
+            assert [ev["instance_id"] for ev in failed] == ["i1"] and "tokenizer is stuck" in failed[0]["error"], failed
+            assert (counts.timed_out, counts.restarts) == (2, 2)
+        finally:
+            await client.close()
+            await server.close()
+            for engine in server.models.fronts.values():
+                await engine.unload()
+
+    asyncio.run(main())

@@ -68,7 +68,8 @@ from mesh.engines.engine_api import (
 )
 from mesh.engines.vllm_core import CoreSettings
 from mesh.engines.parking import ParkingLot
-from mesh.engines.worker_process import REPO_ROOT, WorkerConnection, WorkerRequests, wait, worker_env
+from mesh.engines.worker_process import (REPO_ROOT, SYNC_CALL_DEADLINE_S, WorkerConnection, WorkerRequests, wait,
+                                         worker_env)
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +194,8 @@ class _InProcess:
             fut.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"{type(exc).__name__}: {exc}"))
         return fut
 
-    def call_sync(self, op: str, **fields: Any) -> Any:
+    def call_sync(self, op: str, deadline_s: float = SYNC_CALL_DEADLINE_S, **fields: Any) -> Any:
+        """In this thread (no worker to wait on: `deadline_s` has nothing to bound)."""
         if op == "encode_prompt":
             return self.core.encode_prompt(fields["text"])
         if op == "encode_chat":
@@ -457,7 +459,8 @@ class VLLMEngine:
         return blocks * self.block_size * self.kv_bytes_per_token
 
     def kill_worker(self) -> None:
-        """The engine hung (mesh.node.runtime's watchdog): kill its worker process at once."""
+        """The engine hung (mesh.node.runtime's watchdog), or its tokenizer did (WorkerStuck):
+        kill its worker process at once; a later call starts a new one."""
         if isinstance(self._conn, WorkerConnection):
             conn, self._conn = self._conn, None
             conn.kill()
@@ -507,16 +510,22 @@ class VLLMEngine:
 
     # ---- requests ------------------------------------------------------------------------
 
-    def encode_prompt(self, prompt: str) -> list[int]:
+    # The tokenizer calls block their thread (the node agent runs them in one: mesh.node.tokenizers)
+    # for at most `deadline_s`; a worker that answers nothing by then is stuck: WorkerStuck
+    # (mesh.engines.worker_process), and the caller kills it (`kill_worker`).
+
+    def encode_prompt(self, prompt: str, deadline_s: float = SYNC_CALL_DEADLINE_S) -> list[int]:
         """Token ids of a plain prompt (the tokenizer adds its special tokens, if any)."""
-        return self._connection().call_sync("encode_prompt", text=prompt, model_path=str(self.path))
+        return self._connection().call_sync("encode_prompt", deadline_s, text=prompt, model_path=str(self.path))
 
-    def encode_chat(self, messages: Sequence[Mapping[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: Sequence[Mapping[str, Any]], deadline_s: float = SYNC_CALL_DEADLINE_S) -> list[int]:
         """Token ids of chat messages with the model's template and the assistant prompt."""
-        return self._connection().call_sync("encode_chat", messages=list(messages), model_path=str(self.path))
+        return self._connection().call_sync("encode_chat", deadline_s, messages=list(messages),
+                                            model_path=str(self.path))
 
-    def decode(self, token_ids: Sequence[int]) -> str:
-        return self._connection().call_sync("decode", ids=[int(t) for t in token_ids], model_path=str(self.path))
+    def decode(self, token_ids: Sequence[int], deadline_s: float = SYNC_CALL_DEADLINE_S) -> str:
+        return self._connection().call_sync("decode", deadline_s, ids=[int(t) for t in token_ids],
+                                            model_path=str(self.path))
 
     def add_request(self, request: EngineRequest) -> None:
         """Queue a request; it is prefilled at a coming step.

@@ -14,6 +14,12 @@ thread, used by vLLM's tokenizer).
   concurrent future resolved by its reply, in command order (a reader thread reads the
   replies); `wait(future)` awaits one from asyncio. Commands sent without waiting (add,
   abort) are still executed in order before the next step.
+- Parent, sync socket: `call_sync(op, deadline_s=..., **fields)` blocks its thread for the
+  reply, at most `deadline_s` (default `SYNC_CALL_DEADLINE_S`, the node's tokenize-job
+  deadline: mesh.node.tokenizers). A worker that answers nothing by then is stuck: the
+  call raises `WorkerStuck`, and the sync socket is closed for good (a late reply would
+  answer the next call); the caller kills the worker (the node agent does:
+  mesh.node.model_fronts).
 - Child (`WorkerLoop`): a reader thread queues the commands as they arrive (so the parent
   never blocks on a full socket while an iteration runs), the main thread executes them in
   order with `handle(op, msg)` and answers {"ok": True, "value": ...} or {"ok": False,
@@ -41,6 +47,7 @@ import struct
 import subprocess
 import sys
 import threading
+import time
 import traceback
 from collections import deque
 from pathlib import Path
@@ -59,6 +66,17 @@ _LEN = struct.Struct("!I")
 # Mesh's secrets: what only the control service and its agents' ports need, never a worker.
 SECRET_ENV = ("MESH_ADMIN_TOKEN", "MESH_METRICS_TOKEN", "MESH_AGENT_TOKEN", "MESH_WEIGHTS_TOKEN")
 _PR_SET_PDEATHSIG = 1
+
+# How long a call on a worker's sync socket (vLLM's tokenizer) may take, and the node's tokenize
+# job deadline (mesh.node.tokenizers.JOB_TIMEOUT_S is this number). A first call builds the
+# tokenizer (2.6 s for the demo GGUF here, more on a core shared with loading instances); a
+# 5.7 MiB prompt tokenizes in ~1 s.
+SYNC_CALL_DEADLINE_S = 30.0
+
+
+class WorkerStuck(EngineError):
+    """A worker answered no call on its sync socket within the call's deadline: it is stuck
+    (wedged or stopped), and its sync socket is closed; the caller kills it."""
 
 
 def worker_env(**extra: str) -> dict[str, str]:
@@ -95,15 +113,21 @@ def send_msg(sock: socket.socket, obj: Any) -> None:
     sock.sendall(_LEN.pack(len(data)) + data)
 
 
-def recv_msg(sock: socket.socket) -> Any:
-    """One message; EOFError when the other side closed the socket."""
-    header = _recv_exact(sock, _LEN.size)
-    return pickle.loads(_recv_exact(sock, _LEN.unpack(header)[0]))
+def recv_msg(sock: socket.socket, deadline: float | None = None) -> Any:
+    """One message; EOFError when the other side closed the socket. `deadline` (a
+    time.monotonic() instant; the socket must have a timeout): TimeoutError past it."""
+    header = _recv_exact(sock, _LEN.size, deadline)
+    return pickle.loads(_recv_exact(sock, _LEN.unpack(header)[0], deadline))
 
 
-def _recv_exact(sock: socket.socket, n: int) -> bytes:
+def _recv_exact(sock: socket.socket, n: int, deadline: float | None = None) -> bytes:
     chunks = []
     while n:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError("the reply did not come in time")
+            sock.settimeout(left)
         chunk = sock.recv(min(n, 1 << 20))
         if not chunk:
             raise EOFError("socket closed")
@@ -213,6 +237,7 @@ class WorkerConnection:
         self._pending: deque[concurrent.futures.Future] = deque()
         self._send_lock = threading.Lock()
         self._sync_lock = threading.Lock()
+        self.sync_stuck: str | None = None  # why the sync socket is closed for good (WorkerStuck)
         self.dead: str | None = None
         self._reader = threading.Thread(target=self._read, name=f"{name}-conn-{self.proc.pid}", daemon=True)
         self._reader.start()
@@ -269,18 +294,34 @@ class WorkerConnection:
                 self._fail(f"cannot reach the {self.name} worker: {exc}")
         return fut
 
-    def call_sync(self, op: str, **fields: Any) -> Any:
-        """A call on the sync socket (answered by a worker thread while the main one steps)."""
+    def call_sync(self, op: str, deadline_s: float = SYNC_CALL_DEADLINE_S, **fields: Any) -> Any:
+        """A call on the sync socket (answered by a worker thread while the main one steps),
+        blocking for at most `deadline_s`: past it, WorkerStuck, and the sync socket is
+        closed for good (module docstring)."""
         if self.dead is not None:
             raise EngineError(self.dead)
         if self.sync is None:
             raise EngineError(f"the {self.name} worker has no sync socket")
-        with self._sync_lock:
+        deadline = time.monotonic() + deadline_s
+        if not self._sync_lock.acquire(timeout=deadline_s):  # a call before this one is stuck (it fails soon)
+            raise WorkerStuck(f"the {self.name} worker (pid {self.proc.pid}) answered no {op} within {deadline_s:g} s: "
+                              "a call before it is stuck")
+        try:
+            if self.sync_stuck is not None:
+                raise WorkerStuck(self.sync_stuck)
             try:
+                self.sync.settimeout(max(1e-3, deadline - time.monotonic()))  # sendall's whole send
                 send_msg(self.sync, {"op": op, **fields})
-                reply = recv_msg(self.sync)
+                reply = recv_msg(self.sync, deadline)
+            except TimeoutError as exc:  # socket.timeout too
+                self.sync_stuck = (f"the {self.name} worker (pid {self.proc.pid}) answered no {op} within "
+                                   f"{deadline_s:g} s: it is stuck")
+                _shut(self.sync)  # its reply, if it ever comes, would answer the next call
+                raise WorkerStuck(self.sync_stuck) from exc
             except (EOFError, OSError) as exc:
                 raise EngineError(f"the {self.name} worker's sync socket is unreachable: {exc}") from exc
+        finally:
+            self._sync_lock.release()
         if not reply.get("ok"):
             raise EngineError(reply.get("error", f"{self.name} worker error"))
         return reply.get("value")
@@ -305,19 +346,24 @@ class WorkerConnection:
         self.close(timeout=10.0)
 
     def close(self, timeout: float = 30.0) -> None:
-        try:
-            self.main.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
-        for s in (self.main, self.sync):
+        for s in (self.main, self.sync):  # shut first: a thread blocked on one wakes up (close alone leaves it)
             if s is not None:
-                s.close()
+                _shut(s)
         try:
             self.proc.wait(timeout)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(10)
         self._log.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    """Shut a socket down both ways (a thread blocked on it wakes up), then close it."""
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+    sock.close()
 
 
 class WorkerLoop:

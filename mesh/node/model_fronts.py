@@ -97,11 +97,28 @@ class ModelFronts:
             else:  # vLLM's, in its engine's worker: its turn in the node's queue, off this loop (tokenizers)
                 ids = await self.tokenizers.run(
                     tenant, prompt_size(messages, prompt),
-                    (lambda: engine.encode_chat(messages)) if messages is not None else
-                    (lambda: engine.encode_prompt(prompt)))
+                    (lambda deadline_s: engine.encode_chat(messages, deadline_s)) if messages is not None else
+                    (lambda deadline_s: engine.encode_prompt(prompt, deadline_s)),
+                    lambda why: self._restart(m.instance_id, engine, why))
         except EngineError as exc:
             raise Refused(Code.BAD_REQUEST, str(exc)) from exc
         return TokenizeReply(ids)
+
+    async def _restart(self, instance_id: str | None, engine: Any, why: str) -> bool:
+        """A vLLM tokenize ran past its deadline (mesh.node.tokenizers): its worker is stuck.
+        An instance's fails the watchdog's way (mesh.node.runtime `worker_stuck`: its requests
+        are placed again, its worker killed, a new instance starts where needed); a front's
+        worker is killed and the front dropped (the next describe or tokenize builds a fresh
+        one). Whether a worker was killed."""
+        if instance_id is not None:
+            inst = self.host.node.instances.get(instance_id)
+            return inst is not None and inst.engine is engine and self.host.node.worker_stuck(
+                instance_id, f"its tokenizer is stuck ({why})")
+        for key, front in list(self.fronts.items()):
+            if front is engine:
+                del self.fronts[key]
+        await asyncio.to_thread(engine.kill_worker)
+        return True
 
     async def front(self, m: Describe) -> Any:
         """The unloaded engine of the model at m's path (built once: it reads the model's

@@ -339,6 +339,20 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
                 log.exception("instance %s: killing its hung worker failed", inst.instance_id)
         self.stop_instance(inst.instance_id)
 
+    def worker_stuck(self, instance_id: str, why: str) -> bool:
+        """The instance's worker is stuck outside an iteration (its tokenizer answered no call
+        by the job's deadline: mesh.node.tokenizers): the watchdog's path (`_hung`), now.
+        Mid-iteration, the iteration is given up first (its result, if one comes, is dropped:
+        the instance is gone), so that its requests, even in a prefill, leave with their
+        progress. False: no such instance (it stopped meanwhile)."""
+        inst = self.instances.get(instance_id)
+        if inst is None:
+            return False
+        if self.stepping == instance_id:
+            self._end_step()
+        self._hung(inst, why)
+        return True
+
     # -- the token-level loop ------------------------------------------------------
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()

@@ -19,12 +19,17 @@ Tokenizing is admitted work (issue 32), on every engine kind:
   dropped before it runs; one already running finishes and its ids are discarded (issue 25:
   a tenant sending many large prompts and hanging up held the FIFO for everyone).
 - Every job has a deadline (`JOB_TIMEOUT_S` from when it starts): a worker that runs past
-  it is stuck, and is killed; the job fails with a clear error and the next job starts a
-  fresh worker.
+  it is stuck, and is killed (counted in `restarts`); the job fails with a clear error and
+  the next job starts a fresh worker.
 - vLLM models tokenize in their engine's worker (mesh.engines.vllm_engine, a blocking call on
   its sync socket): they take their turn in the same queue (`run`), and the call runs in a
-  thread, never on the agent's event loop. A stuck one fails at its deadline (its engine's
-  worker is its instance's: the node's watchdog judges that one).
+  thread, never on the agent's event loop. The call is given the job's deadline: a worker
+  that answers nothing by then frees the thread (its sync socket is closed for good:
+  `WorkerStuck`, mesh.engines.worker_process), and the job's `on_stuck` kills that worker:
+  an instance's goes the node watchdog's way (its requests are evicted with their progress
+  and placed again, the instance fails, a new one starts where needed: mesh.node.runtime
+  `worker_stuck`); an unloaded front's is killed and the front dropped, so the next
+  describe or tokenize builds a fresh one (mesh.node.model_fronts).
 
 The worker is an engine worker like the others (mesh.engines.worker_process): it dies with the
 agent (its socket's end, and PR_SET_PDEATHSIG), and gets no secret of the agent's. A
@@ -45,14 +50,17 @@ from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from mesh.engines.engine_api import EngineError
-from mesh.engines.worker_process import WorkerConnection, wait, worker_env
+from mesh.engines.worker_process import SYNC_CALL_DEADLINE_S, WorkerConnection, WorkerStuck, wait, worker_env
 from mesh.node.tokenizer_worker import CACHE_BYTES_ENV, DEFAULT_CACHE_BYTES
 
 log = logging.getLogger("mesh.node.tokenizers")
 
-# A job's deadline once it runs. A first job builds the model's tokenizer (2.6 s for the demo
-# GGUF here, more on a core shared with loading instances); a 5.7 MiB prompt tokenizes in ~1 s.
-JOB_TIMEOUT_S = 30.0
+# A job's deadline once it runs: the deadline of a worker's sync call, by default (one number,
+# kept where both the engines and this queue read it: mesh.engines.worker_process).
+JOB_TIMEOUT_S = SYNC_CALL_DEADLINE_S
+
+# What a job past its deadline calls (why): kill the worker it waits on; True if it killed one.
+OnStuck = Callable[[str], Awaitable[bool]]
 
 
 @dataclass(eq=False)
@@ -61,8 +69,8 @@ class _Job:
     size: int  # the prompt's characters (its weight in the fair share)
     work: Callable[[], Awaitable[list[int]]]
     future: asyncio.Future
+    on_stuck: OnStuck
     started: bool = False
-    uses_worker: bool = True  # runs in this process's worker (killed if stuck), else a call of its own
 
 
 async def _dropped() -> list[int]:
@@ -118,16 +126,18 @@ class TokenizerProcess:
         dropped if it has not started."""
         fields = {"path": path, "prompt": prompt, "messages": None if messages is None else list(messages)}
         return await self._queued(tenant, prompt_size(messages, prompt),
-                                  lambda: wait(self._connection().call("encode", **fields)), True)
+                                  lambda: wait(self._connection().call("encode", **fields)), self._kill_worker)
 
-    async def run(self, tenant: str, size: int, call: Callable[[], list[int]]) -> list[int]:
-        """`call()` (a blocking tokenize: a vLLM engine's), in a thread when its turn comes."""
-        return await self._queued(tenant, max(1, size), lambda: asyncio.to_thread(call), False)
+    async def run(self, tenant: str, size: int, call: Callable[[float], list[int]], on_stuck: OnStuck) -> list[int]:
+        """`call(deadline_s)` (a blocking tokenize: a vLLM engine's, bounded by `deadline_s`, the
+        job's deadline), in a thread when its turn comes. Past the deadline (or WorkerStuck
+        from the call) `on_stuck(why)` kills the worker it waited on (module docstring)."""
+        return await self._queued(tenant, max(1, size), lambda: asyncio.to_thread(call, self.job_timeout_s), on_stuck)
 
     async def _queued(self, tenant: str, size: int, work: Callable[[], Awaitable[list[int]]],
-                      uses_worker: bool) -> list[int]:
+                      on_stuck: OnStuck) -> list[int]:
         loop = asyncio.get_running_loop()
-        job = _Job(tenant, size, work, loop.create_future(), uses_worker=uses_worker)
+        job = _Job(tenant, size, work, loop.create_future(), on_stuck)
         tag = max(self._vtime, self._finish.get(tenant, 0.0)) + size  # weighted fair queueing by size
         self._finish[tenant] = tag
         heapq.heappush(self._heap, (tag, next(self._seq), job))
@@ -155,10 +165,13 @@ class TokenizerProcess:
             self._running = job
             try:
                 ids = await asyncio.wait_for(job.work(), self.job_timeout_s)
-            except asyncio.TimeoutError:
+            except (asyncio.TimeoutError, WorkerStuck):  # past the deadline here, or by the call's own
                 self.counts.timed_out += 1
-                if job.uses_worker:
-                    await self._kill_worker(f"a job ran past its {self.job_timeout_s:g} s deadline")
+                try:
+                    if await job.on_stuck(f"a tokenize job ran past its {self.job_timeout_s:g} s deadline"):
+                        self.counts.restarts += 1
+                except Exception:  # noqa: BLE001 - the job fails below either way
+                    log.exception("killing a stuck tokenizer failed")
                 if not job.future.done():
                     job.future.set_exception(EngineError(
                         f"tokenizing took over {self.job_timeout_s:g} s and was stopped; try again, or send a "
@@ -176,14 +189,14 @@ class TokenizerProcess:
                 self.counts.done += 1
                 job.future.set_result(ids)
 
-    async def _kill_worker(self, why: str) -> None:
+    async def _kill_worker(self, why: str) -> bool:
         """A stuck worker is killed; the next job starts a fresh one."""
         conn, self._conn = self._conn, None
         if conn is None:
-            return
+            return False
         log.warning("the tokenizer worker is stuck (%s): killed; the next job starts a new one", why)
-        self.counts.restarts += 1
         await asyncio.to_thread(conn.kill)
+        return True
 
     async def forget(self, path: str) -> None:
         """A deleted model's tokenizer leaves the worker (if one runs)."""
