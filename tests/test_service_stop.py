@@ -9,7 +9,9 @@ started it"):
   once the stop's bound has passed, and a further signal during the stop cuts it at once;
 - a second signal during the drain ends the drain;
 - a benchmark that dies (SIGKILL) takes the service it started (mesh.bench.serve_process)
-  and its agents along.
+  and its agents along;
+- a step of the stop that ignores its cancellation, and an exit that waits for it, cannot
+  keep the process alive: a thread ends it, its agents killed.
 
 Every process here is the real one: `mesh serve` (with the demo model where requests
 stream), its node agents, clients with the OpenAI SDK in their own processes. Each test
@@ -34,8 +36,6 @@ import pytest
 
 from mesh.bench.serve_process import ServiceProcess, start_service, stop_service
 from mesh.service.app import CLUSTER_STOP_S, HTTP_CLOSE_S, HURRY_S
-
-pytestmark = pytest.mark.slow  # real services, several starts of them
 
 MARK = "MESH_STOP_TEST"
 STOP_S = HTTP_CLOSE_S + CLUSTER_STOP_S  # the stop's bound after the drain
@@ -183,6 +183,7 @@ def node_pid(service: ServiceProcess) -> int:
         return json.loads(resp.read())["nodes"][0]["pid"]
 
 
+@pytest.mark.slow  # a real service (or several)
 def test_streaming_clients_that_vanish_do_not_hold_the_stop(tmp_path, mark, demo_gguf):
     """Four streams open, their client process killed, SIGTERM at once: the service exits 0
     well before its 60 s drain timeout, and its agent with it."""
@@ -204,6 +205,7 @@ def test_streaming_clients_that_vanish_do_not_hold_the_stop(tmp_path, mark, demo
         stop_service(service, drain=False, grace_s=5)
 
 
+@pytest.mark.slow  # a real service (or several)
 @pytest.mark.parametrize("delay_s", [0.0, 0.5])
 def test_sigterm_while_an_agent_restarts(tmp_path, mark, delay_s):
     """An agent killed with SIGKILL, the service signalled `delay_s` later (its supervisor
@@ -222,6 +224,7 @@ def test_sigterm_while_an_agent_restarts(tmp_path, mark, delay_s):
         stop_service(service, drain=False, grace_s=5)
 
 
+@pytest.mark.slow  # a real service (or several)
 @pytest.mark.parametrize("cut", [False, True])
 def test_a_wedged_agent_cannot_hold_the_stop(tmp_path, mark, cut):
     """The agent stopped with SIGSTOP (it answers nothing and reads no stdin; a SIGTERM stays
@@ -249,6 +252,7 @@ def test_a_wedged_agent_cannot_hold_the_stop(tmp_path, mark, cut):
         stop_service(service, drain=False, grace_s=5)
 
 
+@pytest.mark.slow  # a real service (or several)
 def test_a_second_signal_ends_the_drain(tmp_path, mark, demo_gguf):
     """A live client streams (minutes of tokens) and the drain timeout is 300 s: a second
     SIGTERM ends the drain, and the service stops at once (its stream is cut)."""
@@ -272,6 +276,7 @@ def test_a_second_signal_ends_the_drain(tmp_path, mark, demo_gguf):
         stop_service(service, drain=False, grace_s=5)
 
 
+@pytest.mark.slow  # a real service (or several)
 def test_a_bench_killed_takes_its_service_along(tmp_path, mark):
     """A bench-like parent starts `mesh serve` through mesh.bench.serve_process and is
     killed with SIGKILL: the service gets SIGTERM from the kernel, stops and exits, and its
@@ -287,3 +292,41 @@ def test_a_bench_killed_takes_its_service_along(tmp_path, mark):
         assert "mesh serve: stopped" in (tmp_path / "serve.log").read_text()  # it stopped, not died
     finally:
         bench.kill()
+
+
+_STUBBORN_STOP = """
+import asyncio, os, signal, types
+from mesh.service import app
+app.EXIT_GRACE_S = 1.0
+service = types.SimpleNamespace(config=types.SimpleNamespace(drain_timeout_s=1.0), draining=False, generating=0,
+                                idle=None)
+
+async def stubborn():
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            pass  # every cancellation ignored
+
+async def main():
+    service.idle = asyncio.Event()
+    signals = app._Signals(service, lambda: print("agents killed", flush=True))
+    os.kill(os.getpid(), signal.SIGTERM)
+    await signals.stop.wait()
+    await signals.drain()
+    print("step in time:", await app._stop_step("a stubborn step", stubborn(), 1.0, signals.hurry), flush=True)
+    signals.remove()
+
+asyncio.run(main())  # its end cancels the stubborn step and waits for it, for ever
+"""
+
+
+def test_a_stop_step_that_ignores_its_cancellation_cannot_keep_the_process_alive():
+    """`mesh serve`'s stop machinery (mesh.service.app) with a step that ignores every
+    cancellation: the step is left after its bound, and when asyncio.run's end waits for
+    it, the thread armed by the signal kills the agents and ends the process (status 1)."""
+    proc = subprocess.run([sys.executable, "-c", _STUBBORN_STOP], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, (proc.stdout, proc.stderr)
+    assert proc.stdout.splitlines() == ["step in time: False", "agents killed"], (proc.stdout, proc.stderr)
+    assert "a stubborn step did not end within 1 s" in proc.stderr
+    assert "the stop overran its bound (1 s)" in proc.stderr

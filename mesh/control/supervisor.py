@@ -192,7 +192,7 @@ class AgentHandle:
     async def _supervise(self) -> None:
         raise NotImplementedError
 
-    def kill(self) -> None:
+    def kill_process(self) -> None:
         """End the agent's process now, if this service runs it (a stop cut short); a remote
         agent is not ours to end."""
 
@@ -229,13 +229,14 @@ class LocalAgent(AgentHandle):
             await self.client.close()
         self.state = "stopped"
 
-    def kill(self) -> None:
-        """SIGKILL the agent's process now (a stop cut short); its engine and tokenizer
-        workers die with it (PR_SET_PDEATHSIG)."""
+    def kill_process(self) -> None:
+        """SIGKILL the agent's process now (a stop cut short; also from another thread); its
+        engine and tokenizer workers die with it (PR_SET_PDEATHSIG)."""
         self._stopping = True
-        if self.process is not None and self.process.returncode is None:
+        process = self.process
+        if process is not None and process.returncode is None:  # not reaped: its pid is still its own
             try:
-                self.process.kill()
+                os.kill(process.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
 

@@ -167,8 +167,8 @@ class ClusterPlacement:
             await self.weights.stop()
 
     def kill_agents(self) -> None:
-        for agent in self.pool.agents.values():
-            agent.kill()
+        for agent in list(self.pool.agents.values()):  # (also from the stop's watchdog thread)
+            agent.kill_process()
 
     def set_tenant_admission(self, tenant: str, admission: str | None) -> None:
         self.cluster.set_tenant_admission(tenant, admission)
