@@ -7,6 +7,7 @@ stops its node agents and exits instead of running on under init (a bench stoppe
 SIGTERM or SIGKILL runs no `finally`). It waits for the service's ready line (within a time
 limit) and then keeps reading the service's stdout, so a full pipe never blocks it.
 `stop_service` stops it: SIGTERM (drain) or two (no drain), then SIGKILL past a grace time.
+It runs in a session of its own: a Ctrl-C reaches the bench, which stops it in order.
 
 The death signal belongs to the thread that started the child: call `start_service` from the
 bench's main thread (a worker thread that ends would stop the service with it).

@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("mesh.service")
 
 ARRIVAL = "mesh_arrival_s"
-# The stop after the drain, step by step (_Signals.step): each gets this long, then the next
+# The stop after the drain, step by step (_stop_step): each gets this long, then the next
 # runs; node agents still running then are killed. HTTP: aiohttp's own close waits up to its
 # shutdown_timeout twice (for a handler to finish, then for it to end once cancelled); the
 # agents: LocalAgent.stop's shutdown call, wait, SIGTERM and SIGKILL, about 18 s at worst.
