@@ -28,7 +28,7 @@ from typing import IO, Sequence
 
 READY = re.compile(r"ready url=(\S+)(?: api_key=(\S+))?")
 READY_TIMEOUT_S = 600.0  # a cold machine converts and warms the demo model first
-SIGNAL_GAP_S = 0.5
+SIGNAL_GAP_S = 1.0  # more than mesh.service.app.SIGNAL_BURST_S: two signals, not one burst
 
 
 @dataclass
@@ -92,7 +92,7 @@ def stop_service(service: ServiceProcess | subprocess.Popen, drain: bool = True,
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         if not drain:
-            try:  # apart: two signals pending at once would arrive as one
+            try:  # apart: the service counts a burst of signals as one
                 proc.wait(SIGNAL_GAP_S)
             except subprocess.TimeoutExpired:
                 proc.send_signal(signal.SIGTERM)

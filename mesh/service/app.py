@@ -56,6 +56,10 @@ CLUSTER_STOP_S = 30.0
 EXIT_GRACE_S = 10.0  # then asyncio.run's own end (its tasks cancelled, its threads joined)
 HURRY_S = 5.0  # a signal during the stop: the process is gone within this
 CANCEL_GRACE_S = 1.0  # a step that overran: how long its cancellation may take before the stop goes on
+# Signals less than this apart count as one: a parent that dies with several threads may send
+# its PR_SET_PDEATHSIG once per thread as they exit (mesh.bench.serve_process), which must not
+# read as an operator's second and third signal (skip the drain, cut the stop).
+SIGNAL_BURST_S = 0.5
 UNGUARDED = ("/healthz", "/health", "/metrics")
 
 
@@ -295,7 +299,8 @@ def _warn_of_config(config: ServeConfig, service: Service) -> None:
 
 class _Signals:
     """SIGINT and SIGTERM while the service runs. The first stops it: the drain, then the stop.
-    A further one cuts the wait it arrives in: during the drain, the drain (the stop that follows
+    A further one (not in the same burst, SIGNAL_BURST_S) cuts the wait it arrives in: during
+    the drain, the drain (the stop that follows
     still shuts the agents down); during the stop, the stop (the agents are killed and the
     process exits). A thread ends the process (and kills its agents) should its exit overrun
     the bound the first signal sets (the drain, the stop's steps, EXIT_GRACE_S) or, after a
@@ -312,6 +317,7 @@ class _Signals:
         self.hurry = asyncio.Event()  # a signal during the stop
         self._timer: threading.Timer | None = None
         self._loop = asyncio.get_running_loop()
+        self._last = float("-inf")  # loop time of the last signal
         for sig in (signal.SIGINT, signal.SIGTERM):
             self._loop.add_signal_handler(sig, self._on_signal)
 
@@ -324,6 +330,10 @@ class _Signals:
             self._exit_within(EXIT_GRACE_S)
 
     def _on_signal(self) -> None:
+        now = self._loop.time()
+        burst, self._last = now - self._last < SIGNAL_BURST_S, now
+        if burst:
+            return  # the same request again (see SIGNAL_BURST_S)
         self.received += 1
         if self.received == 1:
             self.stop.set()
