@@ -239,7 +239,7 @@ def test_a_wedged_agent_cannot_hold_the_stop(tmp_path, mark, cut):
             time.sleep(3.0)  # into the agents' stop: their shutdown call (2 s) is unanswered
             assert service.proc.poll() is None, "the stop did not wait for the wedged agent"
             service.proc.send_signal(signal.SIGTERM)
-        status, took = exit_within(service, (HURRY_S if cut else STOP_S) + SLACK_S)
+        status, took = exit_within(service, HURRY_S + 3.0 if cut else STOP_S + SLACK_S)
         assert status == 0, f"exit {status} after {took:.1f} s:\n{log_of(service)[-3000:]}"
         assert not left_after(mark, GONE_S), "processes outlived the service"
         if cut:
