@@ -202,7 +202,7 @@ def test_streaming_clients_that_vanish_do_not_hold_the_stop(tmp_path, mark, demo
     finally:
         if client is not None:
             client.kill()
-        stop_service(service, drain=False, grace_s=5)
+        stop_service(service, grace_s=5)
 
 
 @pytest.mark.slow  # a real service (or several)
@@ -221,7 +221,7 @@ def test_sigterm_while_an_agent_restarts(tmp_path, mark, delay_s):
         assert status == 0, f"exit {status} after {took:.1f} s:\n{log_of(service)[-3000:]}"
         assert not left_after(mark, GONE_S), "processes outlived the service"
     finally:
-        stop_service(service, drain=False, grace_s=5)
+        stop_service(service, grace_s=5)
 
 
 @pytest.mark.slow  # a real service (or several)
@@ -249,7 +249,7 @@ def test_a_wedged_agent_cannot_hold_the_stop(tmp_path, mark, cut):
             os.kill(pid, signal.SIGCONT)
         except ProcessLookupError:
             pass
-        stop_service(service, drain=False, grace_s=5)
+        stop_service(service, grace_s=5)
 
 
 @pytest.mark.slow  # a real service (or several)
@@ -277,7 +277,7 @@ def test_a_second_signal_ends_the_drain(tmp_path, mark, demo_gguf):
     finally:
         if client is not None:
             client.kill()
-        stop_service(service, drain=False, grace_s=5)
+        stop_service(service, grace_s=5)
 
 
 @pytest.mark.slow  # a real service (or several)

@@ -374,7 +374,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for w in workers:
             w.stop()
         if mesh is not None:
-            stop_service(mesh, drain=False)
+            stop_service(mesh)  # (its load stopped above: nothing to drain)
         tmp.cleanup()
     best = best_under(steps, lag_limit_s)
     return {"emulate": args.emulate, "policy": args.policy, "model": args.model, "models": args.models,

@@ -6,7 +6,7 @@ tied to the bench: the kernel sends it SIGTERM when the bench dies, however it d
 stops its node agents and exits instead of running on under init (a bench stopped with
 SIGTERM or SIGKILL runs no `finally`). It waits for the service's ready line (within a time
 limit) and then keeps reading the service's stdout, so a full pipe never blocks it.
-`stop_service` stops it: SIGTERM (drain) or two (no drain), then SIGKILL past a grace time.
+`stop_service` stops it: SIGTERM (it drains and stops), then SIGKILL past a grace time.
 It runs in a session of its own: a Ctrl-C reaches the bench, which stops it in order.
 
 The death signal belongs to the thread that started the child: call `start_service` from the
@@ -28,7 +28,6 @@ from typing import IO, Sequence
 
 READY = re.compile(r"ready url=(\S+)(?: api_key=(\S+))?")
 READY_TIMEOUT_S = 600.0  # a cold machine converts and warms the demo model first
-SIGNAL_GAP_S = 1.0  # more than mesh.service.app.SIGNAL_BURST_S: two signals, not one burst
 
 
 @dataclass
@@ -78,24 +77,20 @@ def start_service(data_dir: Path, args: Sequence[str] = (), log: Path | None = N
     threading.Thread(target=read, name=f"mesh serve {proc.pid} stdout", daemon=True).start()
     if not seen.wait(ready_timeout_s) or not ready:
         why = f"exited with status {proc.poll()}" if proc.poll() is not None else f"was not ready in {ready_timeout_s:g} s"
-        stop_service(proc, drain=False)
+        proc.kill()  # (no handlers yet: SIGTERM would end it as abruptly; its agents exit on EOF)
+        proc.wait(30)
         raise RuntimeError(f"mesh serve {why} before its ready line" + (f"; its log ends:\n{_tail(log)}" if log else ""))
     m = ready[0]
     return ServiceProcess(proc, m.group(1).rstrip("/"), m.group(2) or "", token, log)
 
 
-def stop_service(service: ServiceProcess | subprocess.Popen, drain: bool = True, grace_s: float = 90.0) -> int | None:
-    """Stop it: SIGTERM (it drains its open requests up to its --drain-timeout), or with
-    `drain=False` a second SIGTERM shortly after (no drain); SIGKILL if it has not exited
-    after `grace_s`. Its exit status (None if it could not be reaped)."""
-    proc = service.proc if isinstance(service, ServiceProcess) else service
+def stop_service(service: ServiceProcess, grace_s: float = 90.0) -> int | None:
+    """Stop it: SIGTERM (it drains its open requests, up to its --drain-timeout, and stops its
+    agents); SIGKILL if it has not exited after `grace_s`. Its exit status (None if it could
+    not be reaped)."""
+    proc = service.proc
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
-        if not drain:
-            try:  # apart: the service counts a burst of signals as one
-                proc.wait(SIGNAL_GAP_S)
-            except subprocess.TimeoutExpired:
-                proc.send_signal(signal.SIGTERM)
     try:
         return proc.wait(grace_s)
     except subprocess.TimeoutExpired:
