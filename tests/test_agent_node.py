@@ -13,7 +13,7 @@ from agent_doubles import TIMES, InProcessAgent, until, use_simulated_engines
 from cluster_doubles import linear_profile
 from doubles import LinearTimes
 from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.wire.agent_protocol import InstanceSpec
+from mesh.wire.agent_protocol import REPLY, TYPE_KEY, InstanceSpec
 from mesh.policy.slo import SLO
 from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
 from mesh.control.dispatcher import Dispatcher
@@ -270,3 +270,39 @@ def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkey
     assert stats.warm_ups == 1 and stats.served_late == 1
     assert r.outcome is Outcome.COMPLETED, r.detail
     assert r.late_s > 1.0  # its deadlines ran from the instance's predicted ready time
+
+
+def test_a_stop_ends_when_the_stats_reply_comes_with_its_cancellation():
+    """asyncio.wait_for before Python 3.12 returns a result that arrives in the same loop turn
+    as its task's cancellation, and the cancellation is lost (CPython gh-86296). The node's
+    stats poll then went on polling, and a stop that cancelled it once and gathered it waited
+    forever: the service's stop hung there, its supervisor still restarting the node's agent.
+    Here the poll's stats reply (the agent's own answer) lands just after the stop's cancel,
+    before the poll runs again; the stop still ends."""
+    async def main() -> None:
+        node = AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec)
+        await node.start()
+        client = node.agent.client
+        try:
+            await until(lambda: node.stats, 5)  # the poll reads stats once a second
+            held: list[int] = []
+            write = client._write
+
+            def hold_one_stats_call(message: dict) -> None:
+                if message.get(TYPE_KEY) == "stats" and not held:
+                    held.append(message["id"])  # not sent: its reply is given below
+                    return
+                write(message)
+
+            client._write = hold_one_stats_call
+            await until(lambda: held, 5)
+            client._write = write
+            answer = await client.call_message({TYPE_KEY: "stats"})  # what the agent answers to stats
+            stop = asyncio.ensure_future(node.stop())
+            await asyncio.sleep(0)  # the stop has cancelled the poll, which has not run since
+            client._pending[held[0]].set_result({TYPE_KEY: REPLY, "re": held[0], "ok": True, **answer})
+            await asyncio.wait_for(stop, 10)
+        finally:
+            await node.agent.stop()
+
+    asyncio.run(main())

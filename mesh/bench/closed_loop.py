@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import math
 import os
@@ -54,7 +53,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import urllib.error
 import urllib.request
@@ -62,6 +60,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 from mesh.bench.report import write_json
+from mesh.bench.serve_process import ServiceProcess, start_service, stop_service
 from mesh.service.demo_mode import DEMO_TENANT
 
 TURNED_AWAY_STATUSES = (429, 503)
@@ -370,36 +369,13 @@ def _stop(proc: subprocess.Popen | None, grace_s: float = 60.0) -> None:
         proc.wait(30)
 
 
-@dataclass
-class MeshService:
-    proc: subprocess.Popen
-    url: str
-    key: str
-    log: Path
-    admin_token: str = ""
-
-
-def start_mesh(workdir: Path, allowed: Path, cpu_nodes: int, extra: Sequence[str]) -> MeshService:
-    """`mesh serve --demo --allowed-dir ALLOWED` on a fresh data folder; waits for its ready line."""
-    token = hashlib.sha256(os.urandom(16)).hexdigest()
+def start_mesh(workdir: Path, allowed: Path, cpu_nodes: int, extra: Sequence[str]) -> ServiceProcess:
+    """`mesh serve --demo --allowed-dir ALLOWED` on a fresh data folder, its log in the
+    work folder; waits for its ready line (mesh.bench.serve_process: it dies with the bench)."""
     data = workdir / "mesh-data"
     data.mkdir()
-    log = workdir / "mesh-serve.log"
-    cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--demo",
-           "--data-dir", str(data), "--allowed-dir", str(allowed), "--cpu-nodes", str(cpu_nodes), *extra]
-    with open(log, "w") as err:
-        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True,
-                                env=dict(os.environ, MESH_ADMIN_TOKEN=token))
-    try:
-        for line in proc.stdout:  # type: ignore[union-attr]
-            m = re.search(r"ready url=(\S+) api_key=(\S+)", line)
-            if m:
-                threading.Thread(target=lambda: [None for _ in proc.stdout], daemon=True).start()  # drain
-                return MeshService(proc, m.group(1).rstrip("/"), m.group(2), log, token)
-        raise RuntimeError(f"mesh serve exited ({proc.wait()}) before its ready line; its log: {_tail(log)}")
-    except BaseException:
-        _stop(proc)
-        raise
+    return start_service(data, ["--demo", "--allowed-dir", str(allowed), "--cpu-nodes", str(cpu_nodes), *extra],
+                         log=workdir / "mesh-serve.log")
 
 
 def _tail(path: Path, lines: int = 15) -> str:
@@ -409,7 +385,7 @@ def _tail(path: Path, lines: int = 15) -> str:
         return "(no log)"
 
 
-def register_copies(service: MeshService, allowed: Path, demo: Path, copies: int) -> list[str]:
+def register_copies(service: ServiceProcess, allowed: Path, demo: Path, copies: int) -> list[str]:
     """Copy the demo GGUF `copies` times into the demo tenant's folder of `allowed` (a
     tenant registers paths under <allowed-dir>/<tenant>/) and register each by path.
     Returns the names."""
@@ -541,7 +517,7 @@ def run(args: argparse.Namespace) -> int:
     names: list[str] = list(args.model)
     tmp = tempfile.TemporaryDirectory(prefix="mesh-bench-closed-loop-")
     workdir = Path(tmp.name)
-    service: MeshService | None = None
+    service: ServiceProcess | None = None
     vllm = VllmServers()
     try:
         if args.url:
@@ -564,7 +540,7 @@ def run(args: argparse.Namespace) -> int:
             targets = targets_for([service.url], names, service.key)
             _round(rounds, "mesh-cold", targets, args)
             _round(rounds, "mesh-warm", targets, args)
-            _stop(service.proc)
+            stop_service(service)
             service = None
         if args.vllm:
             python = args.vllm_python or default_vllm_python()
@@ -590,7 +566,7 @@ def run(args: argparse.Namespace) -> int:
         return 1
     finally:
         if service is not None:
-            _stop(service.proc)
+            stop_service(service)
         for proc in vllm.procs:
             _stop(proc)
         if args.logs:

@@ -32,12 +32,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -49,6 +47,7 @@ from typing import Any, Sequence
 
 from mesh.control.latency import between
 from mesh.bench.report import write_json
+from mesh.bench.serve_process import ServiceProcess, start_service, stop_service
 from mesh.service.limits import CLIENT_KEEPALIVE_S
 
 # doubling, then steps of 1.5x past 128 streams, where the knee of a 2-core machine lies (a
@@ -283,30 +282,11 @@ def _call(url: str, token: str, method: str, path: str, body: Any = None) -> Any
     return json.loads(raw) if raw else None
 
 
-def start_service(data_dir: Path, emulate: str, extra: Sequence[str] = ()) -> tuple[subprocess.Popen, str, str]:
-    """`mesh serve --emulate EMULATE` on a free port: (process, url, admin token)."""
-    token = hashlib.sha256(os.urandom(16)).hexdigest()
+def start_emulated(data_dir: Path, emulate: str, extra: Sequence[str] = ()) -> ServiceProcess:
+    """`mesh serve --emulate EMULATE` on a free port (mesh.bench.serve_process: it dies with the bench)."""
     config = data_dir / "bench.json"  # every stream comes from this one address: lift the per-client bound
     config.write_text(json.dumps({"max_connections": 65536, "max_connections_per_client": 65536}))
-    cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--data-dir",
-           str(data_dir / "data"), "--config", str(config), "--emulate", emulate, *extra]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, MESH_ADMIN_TOKEN=token))
-    for line in proc.stdout:
-        m = re.search(r"ready url=(\S+)", line)
-        if m:
-            return proc, m.group(1), token
-    raise RuntimeError(f"mesh serve exited ({proc.wait()}) before its ready line")
-
-
-def stop_service(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGINT)
-        proc.send_signal(signal.SIGINT)  # a second signal: no drain
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return start_service(data_dir / "data", ["--config", str(config), "--emulate", emulate, *extra])
 
 
 def set_up(url: str, token: str, model: str, count: int, tpot_slo_s: float | None) -> tuple[str, list[str]]:
@@ -359,14 +339,15 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     streams = parse_streams(args.streams)
     lag_limit_s = args.lag_limit_ms / 1000.0
     tmp = tempfile.TemporaryDirectory(prefix="mesh-bench-cp-")
-    proc = None
+    mesh = None
     workers: list[_Worker] = []
     steps: list[dict[str, Any]] = []
     try:
         serve_args = ["--policy", args.policy, *(args.serve_arg or ())]
-        proc, url, token = start_service(Path(tmp.name), args.emulate, serve_args)
-        service = psutil.Process(proc.pid)
-        print(f"mesh bench control-plane: service pid {proc.pid} at {url}", file=sys.stderr, flush=True)
+        mesh = start_emulated(Path(tmp.name), args.emulate, serve_args)
+        url, token = mesh.url, mesh.admin_token
+        service = psutil.Process(mesh.pid)
+        print(f"mesh bench control-plane: service pid {mesh.pid} at {url}", file=sys.stderr, flush=True)
         key, models = set_up(url, token, args.model, args.models, args.tpot_slo_s)
         per = max(1, math.ceil(len(models) / args.load_processes))
         for w in range(args.load_processes):
@@ -387,13 +368,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     step[why] = b["client"][why]
             steps.append(step)
             _progress(step)
-            if over_limit(step, lag_limit_s) or proc.poll() is not None:
+            if over_limit(step, lag_limit_s) or mesh.proc.poll() is not None:
                 break
     finally:
         for w in workers:
             w.stop()
-        if proc is not None:
-            stop_service(proc)
+        if mesh is not None:
+            stop_service(mesh)  # (its load stopped above: nothing to drain)
         tmp.cleanup()
     best = best_under(steps, lag_limit_s)
     return {"emulate": args.emulate, "policy": args.policy, "model": args.model, "models": args.models,

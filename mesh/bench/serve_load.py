@@ -8,7 +8,7 @@ request within its SLO), errors (any other status, an error event, a broken stre
 lost (a stream that ended without [DONE] and without an error: the target is zero).
 
 Without `--url` it starts its own server (`mesh serve --demo --port 0`, temporary data
-folder) and stops it afterwards. TTFT percentiles are given over served requests (`ttft_p99_served_s`) and over all requests
+folder; mesh.bench.serve_process: it dies with the bench) and stops it afterwards. TTFT percentiles are given over served requests (`ttft_p99_served_s`) and over all requests
 (`ttft_p99_all_s`, a 429 or error counted as never served). Exit status 1 when any request
 errored or was lost, or fewer than `--min-completed` (default 0.9) of them completed.
 `--ttft-slo S` registers a copy of the demo model with a
@@ -20,14 +20,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import hashlib
 import json
 import math
-import os
 import re
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -35,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from mesh.bench.report import emit
+from mesh.bench.serve_process import start_service, stop_service
 from mesh.service.limits import CLIENT_KEEPALIVE_S
 
 
@@ -206,26 +203,10 @@ def _admin(url: str, token: str, method: str, path: str, body: Any = None, key: 
         return json.loads(resp.read())
 
 
-def start_server(data_dir: Path, allowed: Path | None, cpu_nodes: int = 1) -> tuple[subprocess.Popen, str, str, str]:
-    token = hashlib.sha256(os.urandom(16)).hexdigest()
-    cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0", "--demo",
-           "--data-dir", str(data_dir), "--cpu-nodes", str(cpu_nodes)]
-    if allowed is not None:
-        cmd += ["--allowed-dir", str(allowed)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True, env=dict(os.environ, MESH_ADMIN_TOKEN=token))
-    for line in proc.stdout:
-        m = re.search(r"ready url=(\S+) api_key=(\S+)", line)
-        if m:
-            return proc, m.group(1), m.group(2), token
-    raise RuntimeError(f"mesh serve exited ({proc.wait()}) before its ready line")
-
-
-def stop_server(proc: subprocess.Popen) -> None:
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+def server_args(allowed: Path | None, cpu_nodes: int = 1) -> list[str]:
+    """`mesh serve`'s arguments for the load benchmarks (this one and `mesh bench soak`): the
+    demo model, `cpu_nodes` CPU node agents, `allowed` as --allowed-dir."""
+    return ["--demo", "--cpu-nodes", str(cpu_nodes), *(["--allowed-dir", str(allowed)] if allowed is not None else [])]
 
 
 def _scale_outs(cluster: dict[str, Any]) -> dict[str, Any]:
@@ -249,7 +230,7 @@ def _wait_warm(url: str, key: str, model: str) -> None:
 def run(args: argparse.Namespace) -> int:
     from mesh.modelfiles.demo import demo_gguf_path
 
-    proc = None
+    service = None
     tmp = None
     model = args.model
     try:
@@ -261,8 +242,9 @@ def run(args: argparse.Namespace) -> int:
         else:
             tmp = tempfile.TemporaryDirectory(prefix="mesh-bench-serve-")
             demo = demo_gguf_path()
-            proc, url, key, token = start_server(Path(tmp.name), demo.parent if args.ttft_slo else None,
-                                                 args.cpu_nodes)
+            service = start_service(Path(tmp.name), server_args(demo.parent if args.ttft_slo else None,
+                                                                 args.cpu_nodes))
+            url, key, token = service.url, service.key, service.admin_token
             if args.ttft_slo:
                 model = "bench/smollm2-relaxed"
                 _admin(url, token, "POST", "/v1/models", {"name": model, "path": demo.name,
@@ -273,7 +255,7 @@ def run(args: argparse.Namespace) -> int:
         figures["clients"] = args.clients
         figures["max_tokens"] = args.max_tokens
         figures["model"] = model
-        if proc is not None:
+        if service is not None:
             figures.update(_scale_outs(_admin(url, token, "GET", "/admin/cluster")))
         emit(f"mesh bench serve: {args.clients} concurrent streaming clients, {args.requests} requests, "
              f"max_tokens {args.max_tokens}, model {model}", figures, args.json,
@@ -287,7 +269,7 @@ def run(args: argparse.Namespace) -> int:
                   f"{figures['errors']} errors, {figures['lost']} lost", file=sys.stderr)
         return status
     finally:
-        if proc is not None:
-            stop_server(proc)
+        if service is not None:
+            stop_service(service)
         if tmp is not None:
             tmp.cleanup()

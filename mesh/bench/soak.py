@@ -1,7 +1,7 @@
 """`mesh bench soak`: a real service run for a set time under churn, watched for growth and loss.
 
 It starts `mesh serve --demo --cpu-nodes 2` (real node agents, the OpenVINO engine, the demo
-model), then for `--minutes` (default 30):
+model; it dies with the bench, mesh.bench.serve_process), then for `--minutes` (default 30):
 
 - well-behaved tenants stream: `--clients` clients of the demo tenant send streaming chat
   completions back to back (`--max-tokens` each);
@@ -53,7 +53,8 @@ from pathlib import Path
 from typing import Any, Callable
 
 from mesh.bench.report import emit, write_json
-from mesh.bench.serve_load import start_server, stop_server
+from mesh.bench.serve_load import server_args
+from mesh.bench.serve_process import start_service, stop_service
 
 CHURN = "churn"  # the churn tenants are churn-0, churn-1, ...
 THIRTY_MINUTES = """\
@@ -624,13 +625,13 @@ def run(args: argparse.Namespace) -> int:
                 import shutil
 
                 shutil.copy(demo_gguf_path(), allowed / f"{CHURN}-{i}" / "m.gguf")
-        proc, url, key, token = start_server(Path(tmp) / "data", allowed, cpu_nodes=2)
+        service = start_service(Path(tmp) / "data", server_args(allowed, cpu_nodes=2))
         tally, samples = Tally(), []
         t0 = time.monotonic()
         try:
-            left = asyncio.run(soak(url, key, token, proc.pid, args, tally, samples))
+            left = asyncio.run(soak(service.url, service.key, service.admin_token, service.pid, args, tally, samples))
         finally:
-            stop_server(proc)
+            stop_service(service)
         wall = time.monotonic() - t0
     loads = [s["load1"] for s in samples if "load1" in s]
     figures = summarize(args, tally, samples, left, wall, loads)

@@ -33,6 +33,7 @@ from mesh.node.request import Outcome, ServedRequest
 from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.node.shadow_admission import Admission
 from mesh.policy.shadow import DEFAULT_MARGIN
+from mesh.tasks import cancel_all
 from mesh.wire.agent_protocol import (Abort, Admit, AdmitEntry, AdmitResult, Code, DoneEvent, EvictedEvent, Forget,
                                       InstanceEvent, InstanceSpec, NewInstance, NodeEvent, Probe, ProtocolError, Stats,
                                       TakeBack, TokensEvent, Unload, Validate, ValidateGroup, ValidateNew,
@@ -135,10 +136,9 @@ class AgentNode(ClusterNode):
         self._tasks.append(asyncio.get_running_loop().create_task(self._poll_stats(), name=f"stats {self.node_id}"))
 
     async def stop(self) -> None:
-        tasks = [*self._tasks, *self._staging]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        # cancel_all: a stats poll whose reply came with its cancellation would go on polling
+        # (asyncio.wait_for before Python 3.12, mesh.tasks), and a gather on it wait forever
+        await cancel_all([*self._tasks, *self._staging])
         await self.agent.stop()
 
     async def _poll_stats(self) -> None:

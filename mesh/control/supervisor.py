@@ -141,6 +141,9 @@ class AgentSettings:
     tokenizer_bytes: int | None = None  # their --tokenizer-bytes (None: theirs, 1/16 of the node's memory up to 256 MiB)
 
 
+ABANDONED_START_S = 2.0  # an agent stopped while it starts: its wait for EOF on stdin before SIGTERM
+
+
 class AgentHandle:
     """What the placement holds of one node agent: its connection (`client`), state
     (starting, up, down, stopped), the generation its instances belong to, and callbacks for
@@ -189,6 +192,10 @@ class AgentHandle:
     async def _supervise(self) -> None:
         raise NotImplementedError
 
+    def kill_process(self) -> None:
+        """End the agent's process now, if this service runs it (a stop cut short); a remote
+        agent is not ours to end."""
+
 
 class LocalAgent(AgentHandle):
     """One local agent process and its connection, kept alive."""
@@ -205,17 +212,33 @@ class LocalAgent(AgentHandle):
         return self.process.pid if self.process is not None and self.process.returncode is None else None
 
     async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the agent for good, within about `timeout_s` + 10 s: no restart from now on (a
+        start under way is abandoned); a connected agent is asked to shut down (its engines
+        unload) and gets `timeout_s` to exit, one still starting `ABANDONED_START_S`; then
+        SIGTERM, then SIGKILL."""
         self._stopping = True
-        if self.client is not None and self.client.up:
+        connected = self.client is not None and self.client.up
+        if connected:
             try:
                 await self.client.call(Shutdown(), 2.0)
             except (AgentDown, Exception):  # noqa: BLE001 - it is going away either way
                 pass
-        await self._reap(timeout_s)
-        await cancel_all([self._task])
+        await cancel_all([self._task])  # first: a restart must not spawn a process after the reap below
+        await self._reap(timeout_s if connected else ABANDONED_START_S)
         if self.client is not None:
             await self.client.close()
         self.state = "stopped"
+
+    def kill_process(self) -> None:
+        """SIGKILL the agent's process now (a stop cut short; also from another thread); its
+        engine and tokenizer workers die with it (PR_SET_PDEATHSIG)."""
+        self._stopping = True
+        process = self.process
+        if process is not None and process.returncode is None:  # not reaped: its pid is still its own
+            try:
+                os.kill(process.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
 
     # ---- supervision -------------------------------------------------------------------
     async def _supervise(self) -> None:

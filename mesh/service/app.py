@@ -9,8 +9,10 @@ time; the registry's database clock gives it once at start, and `Service.unix_no
 advances it with the loop clock.
 
 Shutdown (SIGINT or SIGTERM): new requests get 503 while open generations finish (up to
-`drain_timeout_s`), then the HTTP server closes and the node agents are stopped. A second
-signal skips the wait.
+`drain_timeout_s`), then the HTTP server closes and the node agents are stopped, each step
+within its bound (HTTP_CLOSE_S, CLUSTER_STOP_S; agents still running then are killed). A
+second signal skips the drain; a signal during the stop cuts it (agents killed, exit at
+once). Past the whole bound a thread ends the process (`_Signals`).
 """
 from __future__ import annotations
 
@@ -21,9 +23,10 @@ import secrets
 import signal
 import ssl
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from aiohttp import web
 
@@ -44,6 +47,19 @@ if TYPE_CHECKING:
 log = logging.getLogger("mesh.service")
 
 ARRIVAL = "mesh_arrival_s"
+# The stop after the drain, step by step (_stop_step): each gets this long, then the next
+# runs; node agents still running then are killed. HTTP: aiohttp's own close waits up to its
+# shutdown_timeout twice (for a handler to finish, then for it to end once cancelled); the
+# agents: LocalAgent.stop's shutdown call, wait, SIGTERM and SIGKILL, about 18 s at worst.
+HTTP_CLOSE_S = 15.0
+CLUSTER_STOP_S = 30.0
+EXIT_GRACE_S = 10.0  # then asyncio.run's own end (its tasks cancelled, its threads joined)
+HURRY_S = 5.0  # a signal during the stop: the process is gone within this
+CANCEL_GRACE_S = 1.0  # a step that overran: how long its cancellation may take before the stop goes on
+# Signals less than this apart count as one: a parent that dies with several threads may send
+# its PR_SET_PDEATHSIG once per thread as they exit (mesh.bench.serve_process), which must not
+# read as an operator's second and third signal (skip the drain, cut the stop).
+SIGNAL_BURST_S = 0.5
 UNGUARDED = ("/healthz", "/health", "/metrics")
 
 
@@ -281,35 +297,122 @@ def _warn_of_config(config: ServeConfig, service: Service) -> None:
               f"({service.limits.max_connections}); lower max_connections or raise `ulimit -n`", file=sys.stderr)
 
 
-async def _serve_until_signalled(config: ServeConfig, service: Service) -> None:
-    """Serve until SIGINT/SIGTERM, then drain the open requests (a second signal stops waiting).
-    The signal handlers stay the service's until its caller has stopped it."""
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    signals = 0
+class _Signals:
+    """SIGINT and SIGTERM while the service runs. The first stops it: the drain, then the stop.
+    A further one (not in the same burst, SIGNAL_BURST_S) cuts the wait it arrives in: during
+    the drain, the drain (the stop that follows
+    still shuts the agents down); during the stop, the stop (the agents are killed and the
+    process exits). A thread ends the process (and kills its agents) should its exit overrun
+    the bound the first signal sets (the drain, the stop's steps, EXIT_GRACE_S) or, after a
+    signal that cut the stop, HURRY_S: nothing awaited on the stop path, nor a task that ignores
+    its cancellation, nor a thread the event loop waits for at exit, can keep it alive. The
+    handlers stay the service's until its caller has stopped it (`remove`)."""
 
-    def on_signal() -> None:
-        nonlocal signals
-        signals += 1
-        stop.set()
-        if signals > 1:
-            service.idle.set()  # a second signal: stop waiting for open streams
+    def __init__(self, service: Service, kill_agents: Callable[[], None]) -> None:
+        self.service = service
+        self.kill_agents = kill_agents
+        self.received = 0
+        self.stopping = False  # the drain is over: a signal now cuts the stop
+        self.stop = asyncio.Event()  # the first signal
+        self.hurry = asyncio.Event()  # a signal during the stop
+        self._timer: threading.Timer | None = None
+        self._loop = asyncio.get_running_loop()
+        self._last = float("-inf")  # loop time of the last signal
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            self._loop.add_signal_handler(sig, self._on_signal)
 
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the caller removes them once the service has stopped
-        loop.add_signal_handler(sig, on_signal)
-    await stop.wait()
-    service.draining = True
-    if service.generating:
-        print(f"mesh serve: draining {service.generating} open requests (up to {config.drain_timeout_s:.0f} s)",
-              file=sys.stderr)
+    def remove(self) -> None:
+        """The service has stopped: the handlers go back to the caller, and the process (whose
+        main `run_service` is) has EXIT_GRACE_S left to exit."""
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the service's while it runs, not its caller's afterwards
+            self._loop.remove_signal_handler(sig)
+        if not self.hurry.is_set():
+            self._exit_within(EXIT_GRACE_S)
+
+    def _on_signal(self) -> None:
+        now = self._loop.time()
+        burst, self._last = now - self._last < SIGNAL_BURST_S, now
+        if burst:
+            return  # the same request again (see SIGNAL_BURST_S)
+        self.received += 1
+        if self.received == 1:
+            self.stop.set()
+            self._exit_within(self.service.config.drain_timeout_s + HTTP_CLOSE_S + CLUSTER_STOP_S + EXIT_GRACE_S)
+        elif not self.stopping:
+            print("mesh serve: a second signal: not waiting for the open requests", file=sys.stderr)
+            self.service.idle.set()
+        else:
+            print("mesh serve: another signal: the node agents are killed and the service exits now", file=sys.stderr)
+            self.hurry.set()
+            self._exit_within(HURRY_S)
+
+    def _exit_within(self, seconds: float) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = threading.Timer(seconds, self._force_exit, (seconds,))
+        self._timer.daemon = True  # a process that exits in time does not wait for it
+        self._timer.start()
+
+    def _force_exit(self, seconds: float) -> None:
+        print(f"mesh serve: the stop overran its bound ({seconds:.0f} s); the node agents are killed and the "
+              f"service exits now", file=sys.stderr, flush=True)
         try:
-            await asyncio.wait_for(service.idle.wait(), config.drain_timeout_s)
-        except asyncio.TimeoutError:
-            print("mesh serve: drain timed out; closing the remaining requests", file=sys.stderr)
+            self.kill_agents()
+        finally:
+            os._exit(1)
+
+    async def drain(self) -> None:
+        """New requests get 503 while the open ones finish, up to drain_timeout_s."""
+        service = self.service
+        service.draining = True
+        if service.generating:
+            timeout_s = service.config.drain_timeout_s
+            print(f"mesh serve: draining {service.generating} open requests (up to {timeout_s:.0f} s)",
+                  file=sys.stderr)
+            try:
+                await asyncio.wait_for(service.idle.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                print("mesh serve: drain timed out; closing the remaining requests", file=sys.stderr)
+        self.stopping = True
+
+
+async def _stop(runner: web.AppRunner, placement: Any, membership: Any, autoscaler: Any,
+                hurry: asyncio.Event | None = None) -> bool:
+    """Close HTTP, then stop the cluster, each step within its bound (or until `hurry` is
+    set); node agents still running after are killed. True if every step ended in time."""
+    closed = await _stop_step("closing HTTP", runner.cleanup(), HTTP_CLOSE_S, hurry)
+    stopped = await _stop_step("stopping the node agents", _stop_cluster(placement, membership, autoscaler),
+                               CLUSTER_STOP_S, hurry)
+    if not stopped:
+        placement.kill_agents()  # none outlives the service
+    return closed and stopped
+
+
+async def _stop_step(what: str, work: Awaitable[None], timeout_s: float, hurry: asyncio.Event | None) -> bool:
+    """Run one step of the stop within `timeout_s`, or until `hurry` is set; True if it ended
+    in time without an error. One that did not is cancelled (and left, if it ignores that:
+    the process exits without it)."""
+    task = asyncio.ensure_future(work)
+    cut = asyncio.ensure_future(hurry.wait() if hurry is not None else asyncio.Event().wait())
+    try:
+        await asyncio.wait({task, cut}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        cut.cancel()
+    if task.done():
+        if not task.cancelled() and task.exception() is None:
+            return True
+        log.error("%s failed", what, exc_info=None if task.cancelled() else task.exception())
+        return False
+    if hurry is None or not hurry.is_set():
+        print(f"mesh serve: {what} did not end within {timeout_s:.0f} s; going on", file=sys.stderr)
+    task.cancel()
+    await asyncio.wait({task}, timeout=CANCEL_GRACE_S)
+    return False
 
 
 async def run_service(config: ServeConfig, ready: Any = print) -> int:
-    """Start everything, print the ready line, serve until SIGINT/SIGTERM, drain, stop."""
+    """Start everything, print the ready line, serve until SIGINT/SIGTERM, drain, stop. The
+    process's main (`mesh serve`): once it is signalled, the process ends within a bound (`_Signals`)."""
     from mesh.control.remote_agents import RemoteAgent, parse_remote
     from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
     from mesh.node.runtime import NodeSpec
@@ -402,8 +505,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         await listen(runner, config.host, config.port, service.limits, tls)
     except (OSError, RuntimeError) as exc:
         print(f"mesh serve: cannot start: {exc}", file=sys.stderr)
-        await runner.cleanup()
-        await _stop_cluster(placement, membership, autoscaler)
+        await _stop(runner, placement, membership, autoscaler)
         await service.loop_lag.stop()
         registry.close()
         return 1
@@ -413,15 +515,15 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     scheme = "https" if tls is not None else "http"
     ready(ready_line(f"{scheme}://{host}:{port}", demo_key, demo_model.name if demo_model else None))
     sys.stdout.flush()
-    await _serve_until_signalled(config, service)
-    await runner.cleanup()
-    await _stop_cluster(placement, membership, autoscaler)
+    signals = _Signals(service, placement.kill_agents)
+    await signals.stop.wait()
+    await signals.drain()
+    in_time = await _stop(runner, placement, membership, autoscaler, signals.hurry)
     await service.loop_lag.stop()
     registry.close()
-    for sig in (signal.SIGINT, signal.SIGTERM):  # the service's while it runs, not its caller's afterwards
-        loop.remove_signal_handler(sig)
-    print("mesh serve: stopped", file=sys.stderr)
-    return 0
+    signals.remove()
+    print("mesh serve: stopped" if in_time else "mesh serve: stopped (node agents killed)", file=sys.stderr)
+    return 0 if in_time or signals.hurry.is_set() else 1
 
 
 async def _stop_cluster(placement: Any, membership: Any, autoscaler: Any) -> None:

@@ -62,6 +62,10 @@ class Placement(Protocol):
 
     async def stop(self) -> None: ...
 
+    def kill_agents(self) -> None:
+        """End the agent processes this service runs now (a stop that overran its time or
+        was cut short by a signal)."""
+
     async def submit(self, job: Job) -> RequestStream:
         """Place a request; raises ApiError (400 prompt too long, 429 not placeable in time,
         503 no node) or returns its stream of tokens."""
@@ -161,6 +165,10 @@ class ClusterPlacement:
         await self.cluster.stop()
         if self.weights is not None:
             await self.weights.stop()
+
+    def kill_agents(self) -> None:
+        for agent in list(self.pool.agents.values()):  # (also from the stop's watchdog thread)
+            agent.kill_process()
 
     def set_tenant_admission(self, tenant: str, admission: str | None) -> None:
         self.cluster.set_tenant_admission(tenant, admission)

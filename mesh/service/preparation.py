@@ -44,6 +44,7 @@ from typing import Any, Callable
 
 from mesh.modelfiles.formats import CONVERSIONS, EMULATED, ENGINE_OF_KIND, FORMAT_NAMES, Conversion
 from mesh.service.registry import ModelRecord, PreparedFormat, Registry
+from mesh.tasks import cancel_all
 
 log = logging.getLogger("mesh.service.preparation")
 
@@ -298,10 +299,7 @@ class FormatPreparer:
 
     async def stop(self) -> None:
         """Stop the conversions under way (their rows stay `preparing`: the next start prepares again)."""
-        tasks = list(self._tasks.values())
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all(list(self._tasks.values()))  # (a cancellation one swallowed is sent again)
 
     async def wait(self) -> None:
         """Until no preparation is under way (tests)."""
