@@ -1,6 +1,6 @@
 """Tables and a plot from guidellm's JSON reports (docs/benchmarking.md).
 
-    python scripts/guidellm_table.py LABEL=report.json [LABEL=report.json ...] [--plot out.png]
+    python scripts/guidellm_table.py LABEL=report.json[.gz] [LABEL=report.json ...] [--plot out.png]
 
 One row per benchmark of each report (a concurrency sweep has one per stream count): requests
 served and errored (every request counts: errored ones are in the total), TTFT p50 and p99,
@@ -11,6 +11,7 @@ against concurrency, one line per label.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +32,8 @@ class Row:
 
 def rows(label: str, path: Path) -> list[Row]:
     out = []
-    for b in json.loads(path.read_text())["benchmarks"]:
+    text = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()  # reports kept gzipped
+    for b in json.loads(text)["benchmarks"]:
         m = b["metrics"]
         totals = m["request_totals"]
         ttft = m["time_to_first_token_ms"]["successful"]["percentiles"]
