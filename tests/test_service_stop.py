@@ -131,13 +131,16 @@ def serve(tmp_path: Path, *args: str) -> ServiceProcess:
                          ready_timeout_s=300)
 
 
-def exit_within(service: ServiceProcess, limit_s: float) -> tuple[int | None, float]:
-    """(exit status or None if it still runs, seconds waited)."""
+def assert_exits_0(service: ServiceProcess, limit_s: float) -> None:
+    """The service exits with status 0 within `limit_s` (else its status, None if it still
+    runs, and its log's tail)."""
     t0 = time.monotonic()
     try:
-        return service.proc.wait(limit_s), time.monotonic() - t0
+        status = service.proc.wait(limit_s)
     except subprocess.TimeoutExpired:
-        return None, time.monotonic() - t0
+        status = None
+    took = time.monotonic() - t0
+    assert status == 0, f"exit {status} after {took:.1f} s:\n{log_of(service)[-3000:]}"
 
 
 def log_of(service: ServiceProcess) -> str:
@@ -211,8 +214,7 @@ def test_streaming_clients_that_vanish_do_not_hold_the_stop(tmp_path, mark, demo
         client.kill()
         client.wait(10)
         service.proc.send_signal(signal.SIGTERM)
-        status, took = exit_within(service, STOP_S + SLACK_S)
-        assert status == 0, f"exit {status} after {took:.1f} s:\n{log_of(service)[-3000:]}"
+        assert_exits_0(service, STOP_S + SLACK_S)
         assert "mesh serve: stopped" in log_of(service)
         assert not left_after(mark, GONE_S), "processes outlived the service"
     finally:
@@ -233,8 +235,7 @@ def test_sigterm_while_an_agent_restarts(tmp_path, mark, delay_s):
         os.kill(pid, signal.SIGKILL)
         time.sleep(delay_s)
         service.proc.send_signal(signal.SIGTERM)
-        status, took = exit_within(service, STOP_S + SLACK_S)
-        assert status == 0, f"exit {status} after {took:.1f} s:\n{log_of(service)[-3000:]}"
+        assert_exits_0(service, STOP_S + SLACK_S)
         assert not left_after(mark, GONE_S), "processes outlived the service"
     finally:
         stop_service(service, grace_s=5)
@@ -255,8 +256,7 @@ def test_a_wedged_agent_cannot_hold_the_stop(tmp_path, mark, cut):
             time.sleep(3.0)  # into the agents' stop: their shutdown call (2 s) is unanswered
             assert service.proc.poll() is None, "the stop did not wait for the wedged agent"
             service.proc.send_signal(signal.SIGTERM)
-        status, took = exit_within(service, HURRY_S + 3.0 if cut else STOP_S + SLACK_S)
-        assert status == 0, f"exit {status} after {took:.1f} s:\n{log_of(service)[-3000:]}"
+        assert_exits_0(service, HURRY_S + 3.0 if cut else STOP_S + SLACK_S)
         assert not left_after(mark, GONE_S), "processes outlived the service"
         if cut:
             assert "another signal" in log_of(service)
@@ -285,8 +285,7 @@ def test_a_second_signal_ends_the_drain(tmp_path, mark, demo_gguf):
         assert service.proc.poll() is None, "the service did not wait for the open stream"
         assert "a second signal" not in log_of(service)
         service.proc.send_signal(signal.SIGTERM)
-        status, took = exit_within(service, STOP_S + SLACK_S)
-        assert status == 0, f"exit {status} after {took:.1f} s:\n{log_of(service)[-3000:]}"
+        assert_exits_0(service, STOP_S + SLACK_S)
         assert "a second signal" in log_of(service)
         assert client.wait(30) is not None  # its stream ended with the service
         assert not left_after(mark, GONE_S), "processes outlived the service"
