@@ -13,7 +13,7 @@ from typing import Iterable
 RECANCEL_S = 0.5
 
 
-async def cancel_all(tasks: Iterable[asyncio.Task | None]) -> None:
+async def cancel_all(tasks: Iterable[asyncio.Future | None]) -> None:
     """Cancel `tasks` and wait until every one has ended, cancelling again those that
     swallowed the cancellation."""
     pending = [t for t in tasks if t is not None]

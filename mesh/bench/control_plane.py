@@ -49,6 +49,7 @@ from mesh.control.latency import between
 from mesh.bench.report import write_json
 from mesh.bench.serve_process import ServiceProcess, start_service, stop_service
 from mesh.service.limits import CLIENT_KEEPALIVE_S
+from mesh.tasks import cancel_all
 
 # doubling, then steps of 1.5x past 128 streams, where the knee of a 2-core machine lies (a
 # doubling ramp stepped from 14.9k tokens/s at lag p99 10 ms to 25-27k at 28-55 ms there)
@@ -145,9 +146,7 @@ class Load:
 
     async def close(self) -> None:
         self.target = 0
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_all(self._tasks)
         if self._session is not None:
             await self._session.close()
 

@@ -40,6 +40,7 @@ import signal
 from typing import Any, Awaitable, Callable, TypeVar
 
 from mesh.engines.parking import ParkingLot
+from mesh.tasks import cancel_all
 from mesh.wire.agent_protocol import InstanceSpec
 
 log = logging.getLogger("mesh.node.park_ahead")
@@ -180,10 +181,7 @@ class ParkAhead:
 
     async def close(self) -> None:
         """Stop the builds (a worker in the middle of one dies with it)."""
-        futures = [f for f in self._scheduled.values() if not f.done()]
-        for fut in futures:
-            fut.cancel()
-        await asyncio.gather(*futures, return_exceptions=True)
+        await cancel_all(self._scheduled.values())
 
 
 def _signal_group(pid: int, sig: int) -> bool:

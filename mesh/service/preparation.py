@@ -290,10 +290,7 @@ class FormatPreparer:
     async def forget(self, model_uid: str) -> None:
         """The model was deleted: stop its preparations and delete its prepared copies (the
         registry's rows went with the model)."""
-        tasks = [t for (uid, _), t in self._tasks.items() if uid == model_uid]
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all([t for (uid, _), t in self._tasks.items() if uid == model_uid])
         self._tried = {k for k in self._tried if k[0] != model_uid}
         await asyncio.to_thread(shutil.rmtree, self.folder(model_uid), True)
 

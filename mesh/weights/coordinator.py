@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping
 
 from mesh.policy.multicast import InvalidPlan, Plan, repair, validate
+from mesh.tasks import cancel_all
 from mesh.weights.blocks import Manifest
 from mesh.weights.frames import STREAM_LIMIT, ProtocolError, read_message, send
 
@@ -232,6 +233,4 @@ class _Run:
     async def close(self) -> None:
         for w in self.writers.values():
             w.close()
-        for t in self.readers.values():
-            t.cancel()
-        await asyncio.gather(*self.readers.values(), return_exceptions=True)
+        await cancel_all(self.readers.values())

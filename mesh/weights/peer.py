@@ -56,6 +56,7 @@ from typing import Any, Callable, Sequence
 
 from mesh import native_heap
 from mesh.policy.multicast import Plan
+from mesh.tasks import cancel_all
 from mesh.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
 from mesh.framing import ConnectionGate, read_payload, skip_payload
 from mesh.weights.frames import STREAM_LIMIT, ProtocolError, frame, read_first, read_header, read_message, send
@@ -295,10 +296,7 @@ class WeightAgent:
     async def _forget(self, st: _Transfer) -> None:
         if self.transfers.get(st.id) is st:
             del self.transfers[st.id]
-        tasks = [t for t in (st.sender, *st.tasks) if t is not None]
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await cancel_all([st.sender, *st.tasks])
         for w in st.conns.values():
             w.close()
         st.conns.clear()
