@@ -35,3 +35,27 @@ def test_runs_are_summarised_per_rig_and_policy_with_the_twin_of_the_same_policy
     out = capsys.readouterr()
     assert "skipped" in out.err and "| plain | mesh |" in out.out
     assert main([]) == 2
+
+
+def test_first_requests_of_models_registered_a_minute_ahead_are_checked_against_their_ttft_slo(tmp_path):
+    """Issue 31 item 3: a model's first request that arrives at least LEAD_S after the
+    replay registered it must get its first token within its TTFT SLO; earlier ones are a
+    cold start nobody could hide and are not counted."""
+    def req(model: str, at: float, ttft: float | None, outcome: str = "completed") -> dict:
+        return {"model": model, "arrival_s": at, "ttft_s": ttft, "ttft_slo_s": 2.0, "outcome": outcome}
+
+    path = _run(tmp_path, "plain", "mesh", 0, 1, 90, 92)
+    data = json.loads(path.read_text())
+    data["live"]["requests_detail"] = [
+        req("a", 4.0, 15.0),            # cold, registered 4 s before: not counted
+        req("b", 81.0, 0.2), req("b", 70.0, 3.5),  # b's first is the one at 70 s: late
+        req("c", 90.0, None, "rejected"),  # turned away: late
+        req("d", 120.0, 1.9),           # within its SLO
+    ]
+    path.write_text(json.dumps(data))
+    run = read_run(path)
+    assert run.firsts == 3
+    assert run.late_firsts == ("b at 70 s: TTFT 3.50 s (SLO 2.0 s)", "c at 90 s: rejected (SLO 2.0 s)")
+    table = summary([run])
+    assert "registered at least 60 s before them: 1 of 3 within their TTFT SLO" in table
+    assert "- late: plain mesh seed 0 repeat 1: b at 70 s: TTFT 3.50 s" in table

@@ -9,7 +9,9 @@ rejected and failed ones in the denominator) and its twin's (the same requests s
 under the same policy, `simulated_by_policy`) as minimum / median / maximum over the runs,
 the largest live-twin gap, the largest spread between repeats of one seed, and, per rig,
 in how many paired runs (same seed and repeat) Mesh served at least as many requests within
-their SLO as sllm+cpu. A single run is never a figure.
+their SLO as sllm+cpu, and the first requests of models registered at least `LEAD_S` before
+their traffic (issue 31 item 3): how many got their first token within the TTFT SLO, and
+which did not. A single run is never a figure.
 """
 from __future__ import annotations
 
@@ -21,6 +23,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
 
+# A replay registers every model before its clock starts, so a model whose first request
+# arrives at >= LEAD_S on that clock was registered at least LEAD_S before it.
+LEAD_S = 60.0
 NAME = re.compile(r"live_rig-(?P<rig>[a-z0-9-]+)_(?P<policy>[a-z0-9-]+)_s(?P<seed>\d+)_r(?P<repeat>\d+)\.json$")
 
 
@@ -34,6 +39,25 @@ class LiveRun:
     served: int  # within their SLO
     live_pct: float
     twin_pct: float
+    late_firsts: tuple[str, ...] = ()  # first requests (>= LEAD_S) past their TTFT SLO: "model at t s: TTFT x s"
+    firsts: int = 0  # first requests at >= LEAD_S
+
+
+def _first_requests(detail: list[dict]) -> tuple[int, tuple[str, ...]]:
+    """(how many models' first requests arrived at >= LEAD_S, those of them not served
+    within their TTFT SLO), from the run's `requests_detail`."""
+    first: dict[str, dict] = {}
+    for r in sorted(detail, key=lambda r: r["arrival_s"]):
+        first.setdefault(r["model"], r)
+    late = []
+    for model, r in sorted(first.items()):
+        if r["arrival_s"] < LEAD_S:
+            continue
+        ttft = r.get("ttft_s")
+        if r["outcome"] != "completed" or ttft is None or ttft > r["ttft_slo_s"]:
+            what = f"TTFT {ttft:.2f} s" if ttft is not None else r["outcome"]
+            late.append(f"{model} at {r['arrival_s']:.0f} s: {what} (SLO {r['ttft_slo_s']:.1f} s)")
+    return sum(1 for r in first.values() if r["arrival_s"] >= LEAD_S), tuple(late)
 
 
 def read_run(path: str | Path) -> LiveRun:
@@ -46,8 +70,10 @@ def read_run(path: str | Path) -> LiveRun:
     live = data["live"]
     policy = live.get("policy") or m["policy"]
     twin = (data.get("simulated_by_policy") or {}).get(policy) or data["simulated"]
+    firsts, late = _first_requests(live.get("requests_detail") or [])
     return LiveRun(m["rig"], policy, int(m["seed"]), int(m["repeat"]), int(live["requests"]),
-                   int(live["slo_compliant"]), 100.0 * float(live["slo_rate"]), 100.0 * float(twin["slo_rate"]))
+                   int(live["slo_compliant"]), 100.0 * float(live["slo_rate"]), 100.0 * float(twin["slo_rate"]),
+                   late, firsts)
 
 
 def _mmm(values: list[float]) -> str:
@@ -80,6 +106,11 @@ def summary(runs: Iterable[LiveRun]) -> str:
     for rig, wins in sorted(pairs.items()):
         lines.append(f"\n{rig}: Mesh served at least as many requests within their SLO as sllm+cpu in "
                      f"{sum(wins)} of {len(wins)} paired runs")
+    firsts = sum(r.firsts for r in runs)
+    late = [f"{r.rig} {r.policy} seed {r.seed} repeat {r.repeat}: {x}" for r in runs for x in r.late_firsts]
+    lines.append(f"\nFirst requests of models registered at least {LEAD_S:.0f} s before them: "
+                 f"{firsts - len(late)} of {firsts} within their TTFT SLO")
+    lines.extend(f"- late: {x}" for x in late)
     return "\n".join(lines)
 
 
