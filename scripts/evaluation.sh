@@ -80,7 +80,7 @@ run_live() {
   # cores) and mixed (those two beside one emulated A100 node). Seeds 0-2, two repeats each:
   # a fresh service and an empty data folder per run (no instance, learnt factor or cache
   # outlives its trace). The summary gives min / median / max, live and twin. Override with
-  # LIVE_RIGS, LIVE_SEEDS, LIVE_REPEATS. Figures are valid only on a machine nobody else uses.
+  # LIVE_RIGS, LIVE_SEEDS, LIVE_REPEATS (LIVE_LOGS: keep the services' logs there). Figures are valid only on a machine nobody else uses.
   local rig seed rep policy
   for rig in ${LIVE_RIGS:-plain mixed}; do
     for seed in ${LIVE_SEEDS:-0 1 2}; do
@@ -102,19 +102,21 @@ live_under() {
     *) echo "unknown rig $rig" >&2; return 2 ;;
   esac
   data=$(mktemp -d) token=$(python -c "import secrets; print(secrets.token_hex(16))")
+  name="live_rig-${rig}_${policy/+/-}_s${seed}_r${rep}"
   # shellcheck disable=SC2086 # $nodes is several flags
   MESH_ADMIN_TOKEN=$token python -m mesh serve --port $port --data-dir "$data" $nodes \
-    --policy "$policy" > "$data/serve.log" 2>&1 &
+    --policy "$policy" --log-level INFO > "$data/serve.log" 2>&1 &
   pid=$!
-  # expanded now: the trap also fires when the caller returns, after these locals are gone
-  trap "kill $pid 2>/dev/null; wait $pid 2>/dev/null; rm -rf '$data'; trap - RETURN" RETURN
+  # expanded now: the trap also fires when the caller returns, after these locals are gone;
+  # LIVE_LOGS: a folder that keeps each run's service log (placements, parking, cold starts)
+  trap "kill $pid 2>/dev/null; wait $pid 2>/dev/null; ${LIVE_LOGS:+cp '$data/serve.log' '$LIVE_LOGS/$name.log';} rm -rf '$data'; trap - RETURN" RETURN
   until grep -q "ready url=" "$data/serve.log"; do
     kill -0 $pid 2>/dev/null || { cat "$data/serve.log" >&2; return 1; }
     sleep 2
   done
   MESH_ADMIN_TOKEN=$token python -m mesh replay --no-progress --live "http://127.0.0.1:$port" --functions 4 \
     --minutes 5 --target-rps 0.4 --seed "$seed" --policies mesh,sllm+cpu \
-    --json "$EVAL/live_rig-${rig}_${policy/+/-}_s${seed}_r${rep}.json"
+    --json "$EVAL/$name.json"
 }
 
 run_capacity() {
