@@ -70,15 +70,18 @@ def test_summary_and_twin_use_what_was_learnt() -> None:
                                                 "prefill_regions": {"64": 2.0}, "decode_regions": {}}},
                          "b": {"time_factors": {"prefill": 2.0, "decode": 1.0, "observed": 100, "margin": 0.4,
                                                 "prefill_regions": {}, "decode_regions": {}}}}}]
-    s = summarize_kind(views, [1.0, 3.0, 2.0])  # the loads the service measured on the kind's nodes
+    # the loads the service measured on the kind's nodes: builds, and adoptions of parked workers
+    s = summarize_kind(views, [1.0, 3.0, 2.0], [0.01, 0.03])
     assert s["decode"] == pytest.approx(4.0 ** 0.75, rel=1e-3) and s["prefill"] == pytest.approx(2.0)
     assert s["margin"] == pytest.approx(0.25) and s["cold_start_s"] == 2.0 and s["observed"] == 400
+    assert s["parked_load_s"] == pytest.approx(0.02) and s["parked_loads"] == 2
     p = prior_profile(BASE, "cpu", DEMO, 9216, 2048)
-    catalog, margin, cold = learnt_twin({BASE: ModelSpec(BASE, {"cpu": p})}, {"summary": {"cpu": s}})
-    assert margin == pytest.approx(0.25) and cold == 2.0
-    assert catalog[BASE].profiles["cpu"].decode_s[0][0] == pytest.approx(p.decode_s[0][0] * s["decode"])
-    same, none_margin, none_cold = learnt_twin({BASE: ModelSpec(BASE, {"cpu": p})}, {})
-    assert same[BASE].profiles["cpu"] == p and none_margin is None and none_cold is None
+    twin = learnt_twin({BASE: ModelSpec(BASE, {"cpu": p})}, {"summary": {"cpu": s}})
+    assert twin.margin == pytest.approx(0.25) and twin.cold_start_s == 2.0 and twin.parked_s == pytest.approx(0.02)
+    assert twin.catalog[BASE].profiles["cpu"].decode_s[0][0] == pytest.approx(p.decode_s[0][0] * s["decode"])
+    none = learnt_twin({BASE: ModelSpec(BASE, {"cpu": p})}, {})
+    assert none.catalog[BASE].profiles["cpu"] == p and none.margin is None
+    assert none.cold_start_s is None and none.parked_s is None
 
 
 def test_learning_figures_count_iterations_until_within_10_percent() -> None:

@@ -216,6 +216,7 @@ class ClusterShape:
     devices: dict[str, str] = field(default_factory=dict)  # kind -> the device its nodes emulate (mesh serve --emulate)
     admission: str = "reject"  # its default admission choice (`mesh serve --admission`)
     service_cores: tuple[int, ...] = ()  # the service process's cores (off its nodes' where the machine allows)
+    park_bytes: int = 0  # the smallest parking budget of its real CPU nodes (0: they park nothing)
 
     def counts(self) -> tuple[int, int]:
         """(CPU nodes, GPU nodes)."""
@@ -236,6 +237,8 @@ async def _shape(svc: _Service) -> ClusterShape:
         cap = int(n["memory"]["capacity_bytes"])
         memory[n["kind"]] = min(memory.get(n["kind"], cap), cap)
     rules = {n.get("deadlines") for n in view["nodes"]} - {None}
+    parking = [int((n.get("parked") or {}).get("budget_bytes") or 0) for n in view["nodes"]
+               if n["kind"] == CPU and not n.get("emulate")]
     dispatcher = view.get("dispatcher") or {}
     return ClusterShape({n["node_id"]: n["kind"] for n in view["nodes"]}, memory, dispatcher.get("policy", "mesh"),
                         rules.pop() if len(rules) == 1 else "eq1",
@@ -243,7 +246,7 @@ async def _shape(svc: _Service) -> ClusterShape:
                         dispatcher.get("queue_timeout_s", DEFAULT_QUEUE_TIMEOUT_S),
                         {n["kind"]: n["emulate"] for n in view["nodes"] if n.get("emulate")},
                         dispatcher.get("admission", "reject"),
-                        tuple((view.get("control_plane") or {}).get("cores") or ()))
+                        tuple((view.get("control_plane") or {}).get("cores") or ()), min(parking, default=0))
 
 
 async def cluster_shape(url: str, admin_token: str) -> ClusterShape:

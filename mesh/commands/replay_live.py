@@ -50,7 +50,7 @@ from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_s
 from mesh.modelfiles.demo import ModelFetchError
 from mesh.perf.profile import load_profile
 from mesh.perf.times import learnt_profile, prior_profile
-from mesh.perf.load_times import ANY_MODEL, ColdStart
+from mesh.perf.load_times import ANY_MODEL, PARKED_PRIOR_S, ColdStart
 from mesh.policy.placement import CPU, GPU
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
@@ -96,29 +96,46 @@ def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, win
     return {BASE: ModelSpec(BASE, profiles)}
 
 
+@dataclasses.dataclass(frozen=True)
+class LearntTwin:
+    """What the twin runs with from what the service learnt (`learnt_twin`); None where
+    nothing was learnt (the flags' values stand)."""
+
+    catalog: dict[str, ModelSpec]
+    margin: float | None
+    cold_start_s: float | None  # the median measured build (every load but parked ones)
+    parked_s: float | None  # the median measured load from the parked tier
+
+
 def learnt_twin(catalog: dict[str, ModelSpec], learnt: dict[str, Any], cold_kinds: tuple[str, ...] = (CPU, GPU)
-                ) -> tuple[dict[str, ModelSpec], float | None, float | None]:
-    """(catalog, margin, cold start s) of the twin that runs with what the service learnt
-    (GET /admin/learnt's per-kind summary, issue 23 item 5): each kind's profile times its
-    learnt factors per grid region, the learnt margin, the median measured cold start;
-    None where nothing was learnt (the flags' values stand). `cold_kinds`: the kinds whose
-    measured cold starts count (the mixed rig's: its real CPU nodes only)."""
+                ) -> LearntTwin:
+    """The twin that runs with what the service learnt (GET /admin/learnt's per-kind summary,
+    issue 23 item 5): each kind's profile times its learnt factors per grid region, the
+    learnt margin, the median measured cold start of each tier (a build, an adopted parked
+    worker: issue 31 item 5). `cold_kinds`: the kinds whose measured cold starts count (the
+    mixed rig's: its real CPU nodes only)."""
     summary = learnt.get("summary") or {}
     (base,) = catalog
     profiles = {kind: (learnt_profile(p, summary[kind]) if (summary.get(kind) or {}).get("observed") else p)
                 for kind, p in catalog[base].profiles.items()}
     margins = [s["margin"] for s in summary.values() if s.get("margin") is not None]
-    colds = [s["cold_start_s"] for k, s in summary.items() if k in cold_kinds and s.get("cold_start_s")]
-    return ({base: ModelSpec(base, profiles)}, max(margins) if margins else None,
-            statistics.median(colds) if colds else None)
+
+    def tier(key: str) -> float | None:
+        found = [s[key] for k, s in summary.items() if k in cold_kinds and s.get(key) is not None]
+        return statistics.median(found) if found else None
+
+    return LearntTwin({base: ModelSpec(base, profiles)}, max(margins) if margins else None,
+                      tier("cold_start_s") or None, tier("parked_load_s"))
 
 
 def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape, catalog: dict[str, ModelSpec],
               policy: str, margin: float | None = None, cold_start_s: float | None = None,
-              runs: dict[str, Any] | None = None) -> dict[str, Any]:
+              runs: dict[str, Any] | None = None, parked_s: float | None = None) -> dict[str, Any]:
     """The twin: the service's nodes, deadline rule and queue settings, simulated; against
-    emulated nodes also the service's cold start model and maximum batch; with what the
-    service learnt where given (its margin, its measured cold start)."""
+    emulated nodes also the service's cold start model and maximum batch; against real CPU
+    nodes their parking (the budget the service reports: stopped instances parked, models
+    built ahead where their first host copy lands, mesh.replay.local_node); with what the
+    service learnt where given (its margin, its measured cold start of each tier)."""
     cpu, gpu = shape.counts()
     memory = shape.memory
     (base,) = catalog
@@ -128,11 +145,13 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
         extra["max_batch"] = PlacementSettings().max_batch
     else:
         bps = cold_start_bytes_per_s(catalog[base].profiles[CPU].weight_bytes, cold_start_s or args.cold_start_s)
-        cold_start = ColdStart(bps, bps)
+        parked = PARKED_PRIOR_S if parked_s is None else parked_s
+        cold_start = ColdStart(bps, bps, parked_s=parked)
         if shape.mixed:  # the emulated GPU nodes load as the service has them (ClusterView.simulated_load_s: its
             # cold start model, --cold-start-s plus the weights over PCIe), not at the CPU nodes' measured pace
             gpu_load = ColdStart(fixed_s=args.cold_start_s).load_s(catalog[base].profiles[GPU].weight_bytes, GPU)
-            cold_start = ColdStart(cpu_load_bytes_per_s=bps, measured={(ANY_MODEL, GPU): gpu_load})
+            cold_start = ColdStart(cpu_load_bytes_per_s=bps, measured={(ANY_MODEL, GPU): gpu_load}, parked_s=parked)
+        extra["park_bytes"] = shape.park_bytes
     keep_alive = args.keep_alive if args.keep_alive is not None else LIVE_KEEP_ALIVE_S
     cluster = ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, cpu_memory_bytes=memory.get(CPU, 1),
                             gpu_memory_bytes=memory.get(GPU, 1), cold_start=cold_start, keep_alive_s=keep_alive,
@@ -252,10 +271,10 @@ def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, s
         prior = {p: _simulate(args, workload, shape, catalog, p) for p in policies}
         live = asyncio.run(run_live(workload, config))
         # the twin proper: the same policies with what the service learnt during the run
-        twin_catalog, margin, cold_s = learnt_twin(catalog, live.learnt, (CPU,) if shape.mixed else (CPU, GPU))
+        twin = learnt_twin(catalog, live.learnt, (CPU,) if shape.mixed else (CPU, GPU))
         runs: dict[str, Any] = {}
-        simulated = ({p: _simulate(args, workload, shape, twin_catalog, p, margin, cold_s,
-                                   runs if p == shape.policy else None)
+        simulated = ({p: _simulate(args, workload, shape, twin.catalog, p, twin.margin, twin.cold_start_s,
+                                   runs if p == shape.policy else None, twin.parked_s)
                       for p in policies} if live.learnt else prior)
         if not live.learnt and getattr(args, "explain", False):
             _simulate(args, workload, shape, catalog, shape.policy, runs=runs)
@@ -296,7 +315,8 @@ def _compare(args: argparse.Namespace, workload: Workload, config: LiveConfig, s
                "simulated_prior": json_ready(prior[shape.policy]),
                **({"explain": [d.to_dict() for d in explained]} if explained is not None else {}),
                "learnt": {"summary": live.learnt.get("summary"), "nodes": live.learnt.get("nodes"),
-                          "twin_margin": margin, "twin_cold_start_s": cold_s},
+                          "twin_margin": twin.margin, "twin_cold_start_s": twin.cold_start_s,
+                          "twin_parked_load_s": twin.parked_s, "twin_park_bytes": shape.park_bytes},
                "replay": {"command": "mesh replay " + " ".join(sys.argv[2:]), "url": args.live,
                           "workload": d, **about,
                           "deadlines": args.deadlines or shape.deadlines,

@@ -76,6 +76,10 @@ class ClusterConfig:
     max_batch: int = DEFAULT_MAX_BATCH  # requests an instance runs at most (plans, validation, the engine's max_num_seqs)
     cold_start_choice: str = SERVE_LATE  # a cold model's request that cannot make its TTFT (placement.SERVE_LATE)
     admission: str = ADMIT_REJECT  # a fresh request that can no longer meet its SLO (placement.ADMISSIONS)
+    # A replay's CPU nodes' parking budget beside their memory (the agent's --park-bytes): where
+    # > 0 they park stopped instances and build ahead the models whose first host copy they
+    # hold, as the service's OpenVINO nodes do (mesh.replay.local_node); 0: they park nothing.
+    park_bytes: int = 0
 
     def __post_init__(self) -> None:
         for name in ("cpu_nodes", "gpu_nodes"):
@@ -88,6 +92,8 @@ class ClusterConfig:
             raise ClusterError(f"max batch must be a positive integer, got {self.max_batch!r}")
         if self.keep_alive_s < 0:
             raise ClusterError(f"keep-alive must be >= 0 s, got {self.keep_alive_s}")
+        if self.park_bytes < 0:
+            raise ClusterError(f"a parking budget is >= 0 bytes, got {self.park_bytes}")
         if self.cold_start_choice not in COLD_START_CHOICES:
             raise ClusterError(f"cold_start_choice must be one of {', '.join(COLD_START_CHOICES)}, "
                                f"got {self.cold_start_choice!r}")
@@ -390,11 +396,12 @@ class ClusterView:
         kv0 = spec.min_bytes(kind, self.config.watermark) - weight_bytes
         return self.config.cold_start.instance_load_s(weight_bytes, kind, base, kv0)
 
-    def simulated_load_s(self, plan: InstancePlan, kind: str) -> float:
+    def simulated_load_s(self, plan: InstancePlan, kind: str, adopted_s: float | None = None) -> float:
         """How long a simulated (or emulated) engine's load of the planned instance takes
-        (ColdStart.simulated_load_s, after the wait for the loads under way on its node)."""
+        (ColdStart.simulated_load_s, after the wait for the loads under way on its node;
+        `adopted_s`: it adopts a parked worker, built in that many seconds more)."""
         return self.config.cold_start.simulated_load_s(plan.load_wait_s, plan.weight_bytes, kind,
-                                                       self.models.get(plan.model))
+                                                       self.models.get(plan.model), adopted_s)
 
     def holds(self, model: str, node: ClusterNode) -> bool:
         """Does `node` hold a copy of `model`'s weights (no transfer before its load)?"""

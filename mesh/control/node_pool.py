@@ -178,6 +178,7 @@ class NodePool:
             "iterations": stats.get("iterations", 0), "deadlines": stats.get("deadlines"),
             "emulate": stats.get("emulate"),  # the device an emulated node emulates (mesh serve --emulate)
             "models": stats.get("models", []),  # the models its agent holds state for (a deleted one: none)
+            "parked": stats.get("parked"),  # its parking lot: budget, bytes held, models (mesh.engines.parking)
             "calls": {t: c.view() for t, c in sorted(agent.client.call_times.items())} if agent.client else {},
             "frames_in": agent.client.frames_in if agent.client else 0,  # from the agent, this connection
             "instances": instances,

@@ -69,6 +69,12 @@ class SimulatedEngine:
         self.core = core
         self._last: tuple[IterationKind, int] | None = None  # previous iteration (kind, batch)
         self._shapes: set[int] = set()  # prompt-token totals prefilled so far
+        self.loaded_from: str | None = None  # the cold start's tier, where a node says (mesh.replay.local_node)
+
+    @property
+    def kv_capacity_bytes(self) -> int:
+        """The KV cache it holds now (what a parked instance keeps, beside its weights)."""
+        return self._kv_capacity
 
     # -- memory operations ---------------------------------------------------------
     async def load(self) -> None:

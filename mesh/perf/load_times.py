@@ -59,6 +59,11 @@ def kv_resize_s(from_bytes: int, to_bytes: int) -> float:
     return abs(delta) / GIB * per_gib
 
 
+# A load from the parked tier before any was measured: an adoption and the KV cache's resize
+# (mesh bench coldstart's parked row: 0.6 ms to ready, median of 5; the resize allocates).
+PARKED_PRIOR_S = 0.5
+
+
 # --- weights ---------------------------------------------------------------------------------
 
 # PCIe 4.0 x16 is 32 GB/s raw per direction, about 25 GB/s effective from pinned host memory
@@ -92,6 +97,9 @@ class ColdStart:
       above for that model (the engine start-up and the initial KV cache included).
     - `net_bytes_per_s`: the weights transfer to a node that holds no copy, before one was
       measured (ColdStartTable.transfer_bytes_per_s).
+    - `parked_s`: a load that adopts a parked worker (mesh.engines.parking), the fastest tier
+      (ServerlessLLM 4.1); a replay's nodes park only where their ClusterConfig gives them a
+      parking budget (the live replay's twin), and then load from it in this time.
     The initial KV cache allocation is added by the engine (resize time, LLM-Mesh Figure 8).
     A node loads one instance at a time (its weights cross one PCIe link or memory bus, and
     its engine's start-up runs on the node's cores): a load issued while others are under way
@@ -105,10 +113,11 @@ class ColdStart:
     fixed_s: float = 0.0
     measured: Mapping[tuple[str, str], float] = field(default_factory=dict)  # (model, kind) -> load s
     net_bytes_per_s: float = NET_BYTES_PER_S
+    parked_s: float = PARKED_PRIOR_S  # before any parked load was measured
 
     def __post_init__(self) -> None:
         if not (self.pcie_bytes_per_s > 0 and self.cpu_load_bytes_per_s > 0 and self.fixed_s >= 0
-                and self.net_bytes_per_s > 0):
+                and self.net_bytes_per_s > 0 and self.parked_s >= 0):
             raise ValueError(f"cold-start bandwidths must be positive and the fixed time >= 0, got {self}")
 
     def measured_s(self, model: str | None, node_kind: str) -> float | None:
@@ -135,10 +144,15 @@ class ColdStart:
             return measured
         return self.load_s(weight_bytes, node_kind) + kv_resize_s(0, kv_bytes)
 
-    def simulated_load_s(self, load_wait_s: float, weight_bytes: int, node_kind: str, model: str | None) -> float:
+    def simulated_load_s(self, load_wait_s: float, weight_bytes: int, node_kind: str, model: str | None,
+                         adopted_s: float | None = None) -> float:
         """How long a simulated (or emulated) engine's load takes: the wait for the loads under
-        way on its node, then the load of its weights. The node runtime allocates the initial KV
-        cache after it (the engine's resize, `kv_resize_s`); `instance_load_s` predicts both."""
+        way on its node, then the load of its weights, or, where it adopts a parked worker
+        (`adopted_s`: what is left of that worker's build, 0 once parked), that and `parked_s`.
+        The node runtime allocates the initial KV cache after it (the engine's resize,
+        `kv_resize_s`); `instance_load_s` predicts both."""
+        if adopted_s is not None:
+            return load_wait_s + adopted_s + self.parked_s
         return load_wait_s + self.load_s(weight_bytes, node_kind, model)
 
     def transfer_s(self, weight_bytes: int, bytes_per_s: float | None = None) -> float:
@@ -166,9 +180,6 @@ WINDOW = 5  # loads kept per (node, model, source): the median of the last few, 
 RECORDS_KEPT = 1024  # the latest loads kept in order (views, export): a service that runs for months keeps no more
 ANY_MODEL = "*"  # in a replay's table: the cold start of any model without its own entry
 PARKED = "parked"  # the source of a load that adopted a parked worker (mesh.engines.parking)
-# A load from the parked tier before any was measured: an adoption and the KV cache's resize
-# (mesh bench coldstart's parked row: 0.6 ms to ready, median of 5; the resize allocates).
-PARKED_PRIOR_S = 0.5
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,10 @@ import zlib
 from typing import Callable
 
 from mesh.engines.engine_api import Engine
+from mesh.engines.parking import ParkingLot
 from mesh.engines.simulated import SimulatedEngine
+from mesh.policy.placement import CPU
+from mesh.policy.param_pool import ParameterPool
 from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
 from mesh.replay.local_node import LocalNode
 from mesh.node.runtime import InstancePlan, NodeRuntime
@@ -31,13 +34,35 @@ class Simulator:
         self.config = config
         self.engine_factory: EngineFactory = engine_factory or self.simulated_engine
         nodes = [LocalNode(NodeRuntime(spec, margin=config.margin, watermark=config.watermark,
-                                       deadlines=config.deadlines), self._engine_for)
+                                       deadlines=config.deadlines), self._engine_for,
+                           ParkingLot(config.park_bytes) if config.park_bytes and spec.kind == CPU else None)
                  for spec in config.node_specs()]
         self.cluster = ClusterView(config, catalog, models, mean_output_prior, on_capacity=on_capacity, nodes=nodes)
+        if config.park_bytes:
+            self._build_ahead(nodes, catalog, models)
 
-    def _engine_for(self, plan: InstancePlan, kind: str) -> Engine:
-        """The engine of a new instance on a simulated node (the run's engine factory)."""
-        load_s = self.cluster.simulated_load_s(plan, kind)
+    def _build_ahead(self, nodes: list[LocalNode], catalog: dict[str, ModelSpec], models: dict[str, str]) -> None:
+        """Every model registered at the start, in name order as a live replay registers them:
+        its first host copy on the CPU node the parameter pool chooses (BlitzScale 5.3), which
+        builds it ahead in the time of a load and parks it (mesh.replay.local_node)."""
+        cpus = {n.node_id: n for n in nodes if n.kind == CPU}
+        pool = ParameterPool()
+        for node in cpus.values():
+            pool.add_node(node.node_id, node.spec.memory_bytes)
+        cold = self.config.cold_start
+        for model in sorted(models):
+            spec = catalog[models[model]]
+            if CPU not in spec.profiles:
+                continue
+            weights = spec.profiles[CPU].weight_bytes
+            nbytes = spec.min_bytes(CPU, self.config.watermark)
+            node = pool.register(model, weights, among=cpus)
+            cpus[node].build_ahead(model, cold.instance_load_s(weights, CPU, models[model], nbytes - weights), nbytes)
+
+    def _engine_for(self, plan: InstancePlan, kind: str, adopted_s: float | None = None) -> Engine:
+        """The engine of a new instance on a simulated node (the run's engine factory);
+        `adopted_s`: it adopts a parked worker (LocalNode)."""
+        load_s = self.cluster.simulated_load_s(plan, kind, adopted_s)
         seed = zlib.crc32(f"{self.config.seed}:{plan.instance_id}".encode())
         return self.engine_factory(plan, kind, load_s, seed)
 
