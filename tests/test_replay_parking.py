@@ -16,14 +16,16 @@ COLD_S = 10.0  # every build: a load from scratch, or a build ahead
 PARKED_S = 0.05  # a load that adopts a parked worker
 
 
-def _run(arrivals: list[tuple[float, str]], park_bytes: int, keep_alive_s: float = 5.0):
+def _run(arrivals: list[tuple[float, str]], park_bytes: int, keep_alive_s: float = 5.0, policy: str = "mesh",
+         host_copies: bool = True):
     models = {f"{BASE}/{f}": BASE for f in ("f000", "f001")}
     work = Workload([Arrival(f"r{i}", t, f, f"{BASE}/{f}", 64, 8) for i, (t, f) in enumerate(arrivals)],
                     models, {"duration_s": max(t for t, _ in arrivals) + 30})
     cluster = ClusterConfig(cpu_nodes=2, gpu_nodes=1, keep_alive_s=keep_alive_s, park_bytes=park_bytes,
+                            host_copies=host_copies,
                             cold_start=ColdStart(measured={(ANY_MODEL, "cpu"): COLD_S, (ANY_MODEL, "gpu"): COLD_S},
                                                  parked_s=PARKED_S))
-    return run_policy(work, "mesh", ReplayConfig(cluster=cluster, progress=False), build_catalog([BASE]))
+    return run_policy(work, policy, ReplayConfig(cluster=cluster, progress=False), build_catalog([BASE]))
 
 
 def test_models_registered_a_minute_ahead_are_built_ahead_and_parked_where_their_first_copy_is():
@@ -46,6 +48,17 @@ def test_a_request_during_the_build_ahead_adopts_it_and_a_stopped_instance_is_pa
     first, later = run.requests
     assert COLD_S - 4.0 <= first.ttft_s < COLD_S  # the build's 6 s left, not a new 10 s build
     assert later.ttft_s < 2.0 and run.instances_recycled >= 1 and run.instances_started == 2
+
+
+def test_a_node_holding_the_first_host_copy_goes_first_among_empty_nodes():
+    """sllm+cpu takes the first empty CPU node, those holding a host copy first (placement.
+    new_instance_order, as live): f001's first copy, and its build ahead, are on cpu1, so its
+    request goes there and adopts the parked worker. A twin where every node holds every
+    model (host_copies=False) sends it to cpu0, which has nothing parked: a cold start."""
+    held = _run([(60.0, "f001")], park_bytes=64 * 2**30, policy="sllm+cpu")
+    assert held.requests[0].ttft_s < 2.0
+    everywhere = _run([(60.0, "f001")], park_bytes=64 * 2**30, policy="sllm+cpu", host_copies=False)
+    assert everywhere.requests[0].ttft_s >= COLD_S
 
 
 def test_a_lot_too_small_parks_nothing():

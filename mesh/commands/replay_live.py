@@ -151,7 +151,7 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
             # cold start model, --cold-start-s plus the weights over PCIe), not at the CPU nodes' measured pace
             gpu_load = ColdStart(fixed_s=args.cold_start_s).load_s(catalog[base].profiles[GPU].weight_bytes, GPU)
             cold_start = ColdStart(cpu_load_bytes_per_s=bps, measured={(ANY_MODEL, GPU): gpu_load}, parked_s=parked)
-        extra["park_bytes"] = shape.park_bytes
+        extra.update(park_bytes=shape.park_bytes, host_copies=True)
     keep_alive = args.keep_alive if args.keep_alive is not None else LIVE_KEEP_ALIVE_S
     cluster = ClusterConfig(cpu_nodes=cpu, gpu_nodes=gpu, cpu_memory_bytes=memory.get(CPU, 1),
                             gpu_memory_bytes=memory.get(GPU, 1), cold_start=cold_start, keep_alive_s=keep_alive,

@@ -80,6 +80,12 @@ class ClusterConfig:
     # > 0 they park stopped instances and build ahead the models whose first host copy they
     # hold, as the service's OpenVINO nodes do (mesh.replay.local_node); 0: they park nothing.
     park_bytes: int = 0
+    # A replay's CPU nodes hold host copies as the service's weights plane places them: the
+    # first where the parameter pool puts it at registration (BlitzScale 5.3), then one on
+    # every node that started an instance (the multicast's copy stays); a load where none is
+    # held waits for the transfer (ClusterView.transfer_s). False: every node holds every
+    # model (LLM-Mesh 8.1: all models cached in host memory).
+    host_copies: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cpu_nodes", "gpu_nodes"):

@@ -62,6 +62,7 @@ class LocalNode(ClusterNode):
         self.margin = runtime.margin
         self._make_engine = make_engine
         self.parking = parking
+        self.copies: set[str] = set()  # the models whose weights it holds (ClusterConfig.host_copies)
         self._ahead: list[_Build] = []  # in the order described
         self._builder: asyncio.Task[None] | None = None
         runtime.on_evict = self._evicted
@@ -145,6 +146,7 @@ class LocalNode(ClusterNode):
         return self.runtime.take_back(request_id, why)
 
     async def start_instance(self, plan: InstancePlan) -> bool:
+        self.copies.add(plan.model)  # the weights came with the load (ClusterView.transfer_s) and stay
         adopted_s = self._adopt(plan.model)
         engine = self._make_engine(plan, self.kind, adopted_s)
         if adopted_s is not None and hasattr(engine, "loaded_from"):

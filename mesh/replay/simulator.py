@@ -38,13 +38,16 @@ class Simulator:
                            ParkingLot(config.park_bytes) if config.park_bytes and spec.kind == CPU else None)
                  for spec in config.node_specs()]
         self.cluster = ClusterView(config, catalog, models, mean_output_prior, on_capacity=on_capacity, nodes=nodes)
-        if config.park_bytes:
-            self._build_ahead(nodes, catalog, models)
+        if config.park_bytes or config.host_copies:
+            self._register(nodes, catalog, models)
+        if config.host_copies:
+            self.cluster.holds_copy = lambda model, node: node.kind != CPU or model in node.copies
 
-    def _build_ahead(self, nodes: list[LocalNode], catalog: dict[str, ModelSpec], models: dict[str, str]) -> None:
+    def _register(self, nodes: list[LocalNode], catalog: dict[str, ModelSpec], models: dict[str, str]) -> None:
         """Every model registered at the start, in name order as a live replay registers them:
         its first host copy on the CPU node the parameter pool chooses (BlitzScale 5.3), which
-        builds it ahead in the time of a load and parks it (mesh.replay.local_node)."""
+        holds it and, where it parks, builds it ahead in the time of a load and parks it
+        (mesh.replay.local_node)."""
         cpus = {n.node_id: n for n in nodes if n.kind == CPU}
         pool = ParameterPool()
         for node in cpus.values():
@@ -52,12 +55,13 @@ class Simulator:
         cold = self.config.cold_start
         for model in sorted(models):
             spec = catalog[models[model]]
-            if CPU not in spec.profiles:
+            if CPU not in spec.profiles or not cpus:
                 continue
             weights = spec.profiles[CPU].weight_bytes
             nbytes = spec.min_bytes(CPU, self.config.watermark)
-            node = pool.register(model, weights, among=cpus)
-            cpus[node].build_ahead(model, cold.instance_load_s(weights, CPU, models[model], nbytes - weights), nbytes)
+            node = cpus[pool.register(model, weights, among=cpus)]
+            node.copies.add(model)
+            node.build_ahead(model, cold.instance_load_s(weights, CPU, models[model], nbytes - weights), nbytes)
 
     def _engine_for(self, plan: InstancePlan, kind: str, adopted_s: float | None = None) -> Engine:
         """The engine of a new instance on a simulated node (the run's engine factory);
