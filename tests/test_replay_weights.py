@@ -126,6 +126,13 @@ def test_warm_up_rule() -> None:
     assert not warm_up_allowed(4.5, 1.8, True, 1)  # one unvalidated load of the model at a time
 
 
+def test_a_warm_up_never_builds_beside_requests_a_cpu_node_serves() -> None:
+    from mesh.policy.placement import warm_up_node_allowed
+
+    assert warm_up_node_allowed("cpu", serving=False) and warm_up_node_allowed("gpu", serving=True)
+    assert not warm_up_node_allowed("cpu", serving=True)  # its build would take the cores they run on
+
+
 @pytest.mark.parametrize("policy", ["mesh-no-cpu", "mesh"])
 def test_mesh_scales_out_when_the_ssd_load_exceeds_the_slo(policy: str) -> None:
     """7B from SSD at 3 GB/s: 4.5 s, past the 2 s TTFT SLO. Mesh used to refuse every new

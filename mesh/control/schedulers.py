@@ -38,6 +38,7 @@ from mesh.policy.placement import (
     tailored_concurrency_target,
     victim_order,
     warm_up_allowed,
+    warm_up_node_allowed,
 )
 from mesh.control.cluster_view import ClusterView, InstanceRef
 from mesh.control.cluster_node import ClusterNode
@@ -234,6 +235,10 @@ class MeshScheduler(Scheduler):
         for node in sorted(order, key=lambda n: self.cluster.load_wait_s(n) + self.cluster.transfer_s(req.model, n)):
             if not self.cluster.can_host(req.model, node):
                 log.debug("no warm-up of %s on %s for %s: it cannot host it", req.model, node.node_id, req.request_id)
+                continue
+            if not warm_up_node_allowed(node.kind, serving=any(i.requests for i in node.instances.values())):
+                log.debug("no warm-up of %s on %s for %s: its build would take the cores of the requests it serves",
+                          req.model, node.node_id, req.request_id)
                 continue
             cold = self.cluster.expected_load_s(req.model, node)
             times = self.cluster.catalog[self.cluster.models[req.model]].times[node.spec.kind]

@@ -166,6 +166,18 @@ def late_by_s(arrival_s: float, ready_at_s: float) -> float:
 MAX_WARMING_PER_MODEL = 1  # instances of one model loading at once, for a warm-up to start
 
 
+def warm_up_node_allowed(node_kind: str, serving: bool) -> bool:
+    """May a warm-up (warm_up_allowed) start on a node of `node_kind` that is `serving`
+    requests now? Not on a CPU node that serves: the build of an instance runs on the node's
+    own cores (compile, weights layout, warm-up), beside the requests it serves, and a
+    warm-up, which no request waits for, is background work, which never competes with
+    serving (issue 31 item 2). Live, on one core per node, each warm-up built beside a
+    serving instance slowed that instance's iterations until its requests missed their SLO
+    and more warm-ups followed (mesh 84-96% where sllm+cpu, which never warms up, served
+    97-100%). A GPU's load is a copy over PCIe beside the GPU's kernels, so it may."""
+    return node_kind != CPU or not serving
+
+
 def warm_up_allowed(
     cold_start_s: float, fresh_slack_s: float, validates_without_cold_start: bool, warming: int,
     limit: int = MAX_WARMING_PER_MODEL,
