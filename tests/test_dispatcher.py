@@ -496,32 +496,34 @@ def test_a_warm_up_goes_to_the_node_that_loads_it_first_and_waits_for_its_models
 
 
 def test_a_warm_up_skips_a_cpu_node_that_serves():
-    """Issue 31 item 2: a warm-up is background work. Two CPU nodes, cold starts longer than
-    the TTFT SLO: with model a serving on one node (a long decode), b's warm-up goes to the
-    other; with a and c serving on both, none starts (its build would slow the requests
-    there) and b's request is turned away, as it would be anyway."""
-    async def main(busy: tuple[str, ...]):
-        cluster, d = await build("mesh", {"a": "llama-2-7b", "b": "llama-2-7b", "c": "llama-2-7b"},
-                                 config(cpu=2, gpu=0, cold_start=ColdStart(20 * GB, 0.5 * GB)))
-        for model in busy:
-            d.submit(request(f"{model}1", model, prompt=100, out=4000))  # a cold start, then a long decode
-            await asyncio.sleep(0.05)
+    """Issue 31 item 2: a warm-up that scales a model out is background work. Two CPU nodes,
+    cold starts longer than the TTFT SLO, model b already running on one of them: with model
+    a serving on the other, b's second instance is not warmed up there (its build would
+    slow a's requests); with that node empty, it is. A model's first instance is warmed up
+    even beside others (else it would never be served)."""
+    async def main(with_a: bool):
+        cluster, d = await build("mesh", {"a": "llama-2-7b", "b": "llama-2-7b"},  # one request per instance
+                                 config(cpu=2, gpu=0, cold_start=ColdStart(20 * GB, 0.5 * GB), max_batch=1))
+        d.submit(request("b1", "b", prompt=100, out=4000))  # b's first instance: a cold start, then a long decode
+        await asyncio.sleep(0.05)
+        if with_a:
+            d.submit(request("a1", "a", prompt=100, out=4000))  # a's first instance, on the other node
         await asyncio.sleep(20.0)  # loaded and serving
-        serving = {m: sorted(cluster.hosts(m)) for m in busy}
+        hosts = {m: sorted(cluster.hosts(m)) for m in ("a", "b")}
         before = d.policy.stats.warm_ups
-        d.submit(request("b1", "b", prompt=100, out=3))
+        d.submit(request("b2", "b", prompt=100, out=3))  # b's instance is full (max_batch=1)
         await asyncio.sleep(0.1)
-        hosts_b, warm_ups = sorted(cluster.hosts("b")), d.policy.stats.warm_ups - before
+        after, warm_ups = sorted(cluster.hosts("b")), d.policy.stats.warm_ups - before
         d.close()
         await d.all_done.wait()
         await cluster.stop()
-        return serving, hosts_b, warm_ups
+        return hosts, after, warm_ups
 
-    serving, hosts_b, warm_ups = run_virtual(main(("a",)))
-    assert warm_ups == 1 and hosts_b and hosts_b != serving["a"]  # the empty node
-    serving, hosts_b, warm_ups = run_virtual(main(("a", "c")))
-    assert serving["a"] != serving["c"]  # both nodes serve
-    assert warm_ups == 0 and hosts_b == []
+    hosts, after, warm_ups = run_virtual(main(with_a=True))
+    assert hosts["a"] and hosts["b"] and hosts["a"] != hosts["b"]  # both first instances started: one per node
+    assert warm_ups == 0 and after == hosts["b"]  # no second b beside a
+    hosts, after, warm_ups = run_virtual(main(with_a=False))
+    assert warm_ups == 1 and len(after) == 2  # the empty node warms b's second instance up
 
 
 def test_arrivals_during_a_slow_decision_wait_in_the_bounded_queue():

@@ -129,8 +129,9 @@ def test_warm_up_rule() -> None:
 def test_a_warm_up_never_builds_beside_requests_a_cpu_node_serves() -> None:
     from mesh.policy.placement import warm_up_node_allowed
 
-    assert warm_up_node_allowed("cpu", serving=False) and warm_up_node_allowed("gpu", serving=True)
-    assert not warm_up_node_allowed("cpu", serving=True)  # its build would take the cores they run on
+    assert warm_up_node_allowed("cpu", False, True) and warm_up_node_allowed("gpu", True, True)
+    assert not warm_up_node_allowed("cpu", True, True)  # a scale-out: its build would take the cores they run on
+    assert warm_up_node_allowed("cpu", True, False)  # the model's first instance: else it is never served
 
 
 @pytest.mark.parametrize("policy", ["mesh-no-cpu", "mesh"])

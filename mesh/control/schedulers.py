@@ -236,8 +236,8 @@ class MeshScheduler(Scheduler):
             if not self.cluster.can_host(req.model, node):
                 log.debug("no warm-up of %s on %s for %s: it cannot host it", req.model, node.node_id, req.request_id)
                 continue
-            if not warm_up_node_allowed(node.kind, serving=any(i.requests for i in node.instances.values())):
-                log.debug("no warm-up of %s on %s for %s: its build would take the cores of the requests it serves",
+            if not warm_up_node_allowed(node.kind, bool(node.instances), bool(self.cluster.instances_of(req.model))):
+                log.debug("no warm-up of %s on %s for %s: its build would take the cores of the instances there",
                           req.model, node.node_id, req.request_id)
                 continue
             cold = self.cluster.expected_load_s(req.model, node)

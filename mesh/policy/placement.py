@@ -166,16 +166,18 @@ def late_by_s(arrival_s: float, ready_at_s: float) -> float:
 MAX_WARMING_PER_MODEL = 1  # instances of one model loading at once, for a warm-up to start
 
 
-def warm_up_node_allowed(node_kind: str, serving: bool) -> bool:
-    """May a warm-up (warm_up_allowed) start on a node of `node_kind` that is `serving`
-    requests now? Not on a CPU node that serves: the build of an instance runs on the node's
-    own cores (compile, weights layout, warm-up), beside the requests it serves, and a
-    warm-up, which no request waits for, is background work, which never competes with
-    serving (issue 31 item 2). Live, on one core per node, each warm-up built beside a
-    serving instance slowed that instance's iterations until its requests missed their SLO
-    and more warm-ups followed (mesh 84-96% where sllm+cpu, which never warms up, served
-    97-100%). A GPU's load is a copy over PCIe beside the GPU's kernels, so it may."""
-    return node_kind != CPU or not serving
+def warm_up_node_allowed(node_kind: str, node_holds_instances: bool, model_has_instances: bool) -> bool:
+    """May a warm-up (warm_up_allowed) start on a node of `node_kind`? Not one that scales a
+    model out (the model has instances already) on a CPU node that holds an instance: the
+    build runs on the node's own cores (compile, weights layout, warm-up), beside whatever
+    that node serves in the seconds it takes, and a warm-up, which no request waits for, is
+    background work, which never competes with serving (issue 31 item 2; the same rule as a
+    build ahead, mesh.node.park_ahead: only on a node that holds no instance). Live, on one
+    core per node, each such warm-up slowed the node's own instance until its requests missed
+    their SLO and more warm-ups followed (mesh 83-96% where sllm+cpu, which never warms up,
+    served 97-100%). A model's first instance may start anywhere (without it the model is
+    never served), and a GPU's load is a copy over PCIe beside the GPU's kernels."""
+    return node_kind != CPU or not node_holds_instances or not model_has_instances
 
 
 def warm_up_allowed(
