@@ -13,8 +13,9 @@ from mesh.bench.live_summary import main, read_run, summary
 def _run(folder: Path, rig: str, policy: str, seed: int, repeat: int, served: int, twin_served: int,
          requests: int = 100) -> Path:
     name = f"live_rig-{rig}_{policy.replace('+', '-')}_s{seed}_r{repeat}.json"
-    twin = {"slo_rate": twin_served / requests}
-    data = {"live": {"policy": policy, "requests": requests, "slo_compliant": served, "slo_rate": served / requests},
+    twin = {"slo_rate": twin_served / requests, "cpu_nodes_avg": 1.2}
+    data = {"live": {"policy": policy, "requests": requests, "slo_compliant": served, "slo_rate": served / requests,
+                     "cpu_nodes_avg": 1.0, "gpu_nodes_avg": 0.5},
             "simulated": {"slo_rate": 0.0}, "simulated_by_policy": {policy: twin, "other": {"slo_rate": 0.0}}}
     path = folder / name
     path.write_text(json.dumps(data))
@@ -28,8 +29,8 @@ def test_runs_are_summarised_per_rig_and_policy_with_the_twin_of_the_same_policy
     runs = [read_run(p) for p in paths]
     assert runs[0].policy == "mesh" and runs[0].twin_pct == pytest.approx(92.0)  # its own policy's twin
     table = summary(runs)
-    assert "| plain | mesh | 3 | 84.0 / 90.0 / 96.0 | 90.0 / 92.0 / 95.0 | 6.0 | 6.0 |" in table
-    assert "| plain | sllm+cpu | 2 | 70.0 / 80.5 / 91.0 | 88.0 / 88.0 / 88.0 | 18.0 | 21.0 |" in table
+    assert "| plain | mesh | 3 | 84.0 / 90.0 / 96.0 | 90.0 / 92.0 / 95.0 | 6.0 | 6.0 | 1.50 / 1.20 |" in table
+    assert "| plain | sllm+cpu | 2 | 70.0 / 80.5 / 91.0 | 88.0 / 88.0 / 88.0 | 18.0 | 21.0 | 1.50 / 1.20 |" in table
     assert "in 1 of 2 paired runs" in table  # seed 0 repeat 1: 90 < 91; repeat 2: 84 >= 70
     assert main([*map(str, paths), str(tmp_path / "live_other.json")]) == 0
     out = capsys.readouterr()

@@ -7,7 +7,8 @@ repeat come from its name (`live_rig-<rig>_<policy>_s<seed>_r<repeat>.json`), it
 the run itself. Per rig and policy it prints the live SLO attainment (every request counted:
 rejected and failed ones in the denominator) and its twin's (the same requests simulated
 under the same policy, `simulated_by_policy`) as minimum / median / maximum over the runs,
-the largest live-twin gap, the largest spread between repeats of one seed, and, per rig,
+the largest live-twin gap, the largest spread between repeats of one seed, the median nodes
+in use (the cost) live and in the twin, and, per rig,
 in how many paired runs (same seed and repeat) Mesh served at least as many requests within
 their SLO as sllm+cpu, and the first requests of models registered at least `LEAD_S` before
 their traffic (issue 31 item 3): how many got their first token within the TTFT SLO, and
@@ -41,6 +42,8 @@ class LiveRun:
     twin_pct: float
     late_firsts: tuple[str, ...] = ()  # first requests (>= LEAD_S) past their TTFT SLO: "model at t s: TTFT x s"
     firsts: int = 0  # first requests at >= LEAD_S
+    live_nodes: float = 0.0  # nodes in use on average (CPU + GPU), live
+    twin_nodes: float = 0.0  # and in the twin
 
 
 def _first_requests(detail: list[dict]) -> tuple[int, tuple[str, ...]]:
@@ -73,7 +76,11 @@ def read_run(path: str | Path) -> LiveRun:
     firsts, late = _first_requests(live.get("requests_detail") or [])
     return LiveRun(m["rig"], policy, int(m["seed"]), int(m["repeat"]), int(live["requests"]),
                    int(live["slo_compliant"]), 100.0 * float(live["slo_rate"]), 100.0 * float(twin["slo_rate"]),
-                   late, firsts)
+                   late, firsts, _nodes(live), _nodes(twin))
+
+
+def _nodes(figures: dict) -> float:
+    return float(figures.get("cpu_nodes_avg") or 0.0) + float(figures.get("gpu_nodes_avg") or 0.0)
 
 
 def _mmm(values: list[float]) -> str:
@@ -84,7 +91,8 @@ def summary(runs: Iterable[LiveRun]) -> str:
     """The markdown table (module docstring)."""
     runs = sorted(runs, key=lambda r: (r.rig, r.policy, r.seed, r.repeat))
     lines = ["| rig | policy | runs | live SLO % (min / median / max) | twin SLO % (min / median / max) | "
-             "max abs(live - twin) | max repeat spread |", "|---|---|---|---|---|---|---|"]
+             "max abs(live - twin) | max repeat spread | nodes in use, live / twin (median) |",
+             "|---|---|---|---|---|---|---|---|"]
     groups: dict[tuple[str, str], list[LiveRun]] = {}
     for r in runs:
         groups.setdefault((r.rig, r.policy), []).append(r)
@@ -96,7 +104,9 @@ def summary(runs: Iterable[LiveRun]) -> str:
         gap = max(abs(r.live_pct - r.twin_pct) for r in group)
         lines.append(f"| {rig} | {policy} | {len(group)} | {_mmm([r.live_pct for r in group])} | "
                      f"{_mmm([r.twin_pct for r in group])} | {gap:.1f} | "
-                     f"{'-' if spread is None else f'{spread:.1f}'} |")
+                     f"{'-' if spread is None else f'{spread:.1f}'} | "
+                     f"{statistics.median(r.live_nodes for r in group):.2f} / "
+                     f"{statistics.median(r.twin_nodes for r in group):.2f} |")
     pairs: dict[str, list[bool]] = {}
     index = {(r.rig, r.policy, r.seed, r.repeat): r for r in runs}
     for (rig, policy, seed, repeat), r in index.items():
