@@ -17,8 +17,8 @@ PARKED_S = 0.05  # a load that adopts a parked worker
 
 
 def _run(arrivals: list[tuple[float, str]], park_bytes: int, keep_alive_s: float = 5.0, policy: str = "mesh",
-         host_copies: bool = True):
-    models = {f"{BASE}/{f}": BASE for f in ("f000", "f001")}
+         host_copies: bool = True, functions: tuple[str, ...] = ("f000", "f001")):
+    models = {f"{BASE}/{f}": BASE for f in functions}
     work = Workload([Arrival(f"r{i}", t, f, f"{BASE}/{f}", 64, 8) for i, (t, f) in enumerate(arrivals)],
                     models, {"duration_s": max(t for t, _ in arrivals) + 30})
     cluster = ClusterConfig(cpu_nodes=2, gpu_nodes=1, keep_alive_s=keep_alive_s, park_bytes=park_bytes,
@@ -59,6 +59,35 @@ def test_a_node_holding_the_first_host_copy_goes_first_among_empty_nodes():
     assert held.requests[0].ttft_s < 2.0
     everywhere = _run([(60.0, "f001")], park_bytes=64 * 2**30, policy="sllm+cpu", host_copies=False)
     assert everywhere.requests[0].ttft_s >= COLD_S
+
+
+def test_a_build_ahead_uses_the_gaps_between_another_models_requests():
+    """f002's first host copy lands on cpu0 (cpu0, cpu1, cpu0 in name order), which serves
+    f000 from 1 s on, one short request every 4 s, its instance kept alive between them.
+    The build runs only while cpu0 is idle (NodeRuntime.idle: no load, no request), so it
+    takes the gaps and f002 is parked well before its first request at 80 s."""
+    trickle = [(1.0 + 4 * i, "f000") for i in range(19)]
+    run = _run([*trickle, (80.0, "f002")], park_bytes=64 * 2**30, keep_alive_s=60.0,
+               functions=("f000", "f001", "f002"))
+    first = next(r for r in run.requests if r.model.endswith("f002"))
+    assert first.ttft_s < 2.0
+    assert {r.node_id for r in run.requests if r.model.endswith("f000")} == {"cpu0"}  # the node it was built on
+
+
+def test_the_node_is_idle_only_with_nothing_loading_and_no_request():
+    """NodeRuntime.idle, what builds ahead may run in (the agents' and the twin's)."""
+    from types import SimpleNamespace
+
+    from mesh.node.runtime import NodeRuntime, NodeSpec
+
+    runtime = NodeRuntime(NodeSpec("cpu0", "cpu", 2**34))
+    assert runtime.idle()  # nothing at all
+    runtime.instances = {"a": SimpleNamespace(loaded=False, requests={})}
+    assert not runtime.idle()  # a load under way
+    runtime.instances = {"a": SimpleNamespace(loaded=True, requests={})}
+    assert runtime.idle()  # kept alive between requests: its cores are free
+    runtime.instances["b"] = SimpleNamespace(loaded=True, requests={"r": object()})
+    assert not runtime.idle()  # serving
 
 
 def test_a_lot_too_small_parks_nothing():

@@ -143,7 +143,7 @@ class AgentServer:
         self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
         # models described here are built once before their first request and parked (issue 23)
         self.ahead = ParkAhead(self.parking, lambda spec: asyncio.to_thread(make_engine, spec, lambda _exc: None),
-                               lambda: not self.node.instances and not self.host.specs)
+                               lambda: self.node.idle() and not self.host.specs)
         self.connection = ControlConnection(self.node, token, self._handlers(), self._abort_all)
         send = self.connection.send_event
         self.host = InstanceHost(spec, self.node, send, emulation=emulation, weights=weights, load_roots=load_roots,

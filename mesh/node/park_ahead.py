@@ -13,10 +13,12 @@ it, so that the first load adopts it.
 It spends only what is idle (issue 32 item 6):
 - One build at a time on the node, after the model's tokenizer and its background
   preparation (mesh.engines.background_prepare: the build then reads the IR).
-- Only while the node runs and loads no instance, and that is checked all along, not once:
-  the build waits for the node to be idle before it starts, and its worker process (its
-  whole process group) is stopped (SIGSTOP) as soon as the node serves or loads another
-  model, and continued (SIGCONT) when the node is idle again. A stopped build takes no
+- Only while the node is idle: it loads no instance and none of its instances holds a
+  request (NodeRuntime.idle; an instance kept alive between requests leaves the cores idle,
+  issue 31), and that is checked all along, not once: the build waits for the node to be
+  idle before it starts, and its worker process (its whole process group) is stopped
+  (SIGSTOP) as soon as the node serves or loads another model, and continued (SIGCONT) when
+  the node is idle again. A stopped build takes no
   cycles from serving; it keeps its memory, which is the parking budget's, outside what
   the dispatcher plans. (Why not idle priority: an unprivileged process that drops to
   SCHED_IDLE or nice 19 may not come back, and the worker built here is the one that
@@ -55,7 +57,7 @@ class ParkAhead:
     def __init__(self, parking: ParkingLot, build: Callable[[InstanceSpec], Awaitable[Any]],
                  idle: Callable[[], bool]) -> None:
         """`build(spec)`: an unloaded engine for the load `spec` (the agent's make_engine);
-        `idle()`: the node runs and loads no instance now."""
+        `idle()`: the node loads no instance and serves no request now."""
         self.parking = parking
         self.build = build
         self.idle = idle

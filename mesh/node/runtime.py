@@ -453,6 +453,11 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
                 req.on_output(req, tokens, texts)
 
     # -- views ---------------------------------------------------------------------
+    def idle(self) -> bool:
+        """No instance loading and none holding a request: cycles a background build may use
+        (mesh.node.park_ahead, and the twin's, mesh.replay.local_node), until this changes."""
+        return all(i.loaded and not i.requests for i in self.instances.values())
+
     def kv_bytes_in_use(self) -> int:
         return sum(i.engine.kv_bytes_in_use() for i in self.instances.values())
 

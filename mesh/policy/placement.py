@@ -171,8 +171,9 @@ def warm_up_node_allowed(node_kind: str, node_holds_instances: bool, model_has_i
     model out (the model has instances already) on a CPU node that holds an instance: the
     build runs on the node's own cores (compile, weights layout, warm-up), beside whatever
     that node serves in the seconds it takes, and a warm-up, which no request waits for, is
-    background work, which never competes with serving (issue 31 item 2; the same rule as a
-    build ahead, mesh.node.park_ahead: only on a node that holds no instance). Live, on one
+    background work, which never competes with serving (issue 31 item 2; unlike a build
+    ahead, mesh.node.park_ahead, it cannot be paused whenever the node serves, since requests
+    wait for it once it loads, so it needs a node that holds no instance at all). Live, on one
     core per node, each such warm-up slowed the node's own instance until its requests missed
     their SLO and more warm-ups followed (mesh 83-96% where sllm+cpu, which never warms up,
     served 97-100%). A model's first instance may start anywhere (without it the model is

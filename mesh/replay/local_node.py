@@ -6,7 +6,7 @@ Given a parking lot (the live replay's twin of the service's OpenVINO nodes, iss
 5), a node keeps the memory tier of ServerlessLLM's loading hierarchy (4.1) as those nodes
 do, by their rules and with their lot (mesh.engines.parking.ParkingLot): a loaded instance
 that stops is parked; the models whose first host copy the node holds are built ahead, one
-at a time and only while the node holds no instance, and parked where the lot has room
+at a time and only while the node loads no instance and serves no request, and parked where the lot has room
 without ending a parked one (mesh.node.park_ahead); a load adopts a parked worker (the
 cold start's parked tier, ColdStart.parked_s), or the build ahead under way (its rest, then
 the parked tier), and a load that comes before its model's build starts drops that build.
@@ -76,13 +76,13 @@ class LocalNode(ClusterNode):
 
     async def _build_ahead(self) -> None:
         """mesh.node.park_ahead's rules, in the replay's time: one build at a time, each
-        advancing only while the node holds no instance (checked every POLL_S), parked
+        advancing only while the node is idle (NodeRuntime.idle, checked every POLL_S), parked
         without ending a parked worker; a load may take a build over (start_instance)."""
         assert self.parking is not None
         while self._ahead:
             build = self._ahead[0]
             while build.left_s > 0 and self._ahead and self._ahead[0] is build:
-                if self.runtime.instances:
+                if not self.runtime.idle():
                     await asyncio.sleep(POLL_S)
                     continue
                 step = min(POLL_S, build.left_s)
