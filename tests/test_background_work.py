@@ -37,6 +37,26 @@ def test_a_background_process_and_the_threads_it_starts_run_at_idle_priority():
     assert os.sched_getscheduler(0) != os.SCHED_IDLE  # only the child
 
 
+def test_a_background_session_leader_lowers_its_autogroup():
+    """With autogroups on, CFS shares the CPU between sessions before priorities count: a job
+    in a session of its own (as Mesh starts its workers) also sets its session's autogroup to
+    nice 19, else it takes half of a serving core whatever its policy. A job in its parent's
+    session leaves the autogroup alone (it would lower the parent too): the test above."""
+    try:
+        enabled = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        enabled = False
+    if not enabled:
+        pytest.skip("this kernel does not group tasks by session (no /proc/sys/kernel/sched_autogroup_enabled = 1)")
+    probe = PROBE + "\nprint(open('/proc/self/autogroup').read().strip())"
+    out = subprocess.run([sys.executable, "-c", probe], env=background_env(), cwd=str(REPO_ROOT), capture_output=True,
+                         text=True, timeout=60, check=True, start_new_session=True).stdout.splitlines()
+    facts = json.loads(out[0])
+    assert facts["got"] == "SCHED_IDLE, nice 19, idle I/O, autogroup nice 19", facts
+    assert out[1].endswith("nice 19"), out[1]
+    assert not Path("/proc/self/autogroup").read_text().strip().endswith("nice 19")  # the test's own: untouched
+
+
 def test_preparations_run_at_idle_priority_in_order_of_expected_need(tmp_path: Path):
     """Three files that are GGUFs by their magic only (each preparation fails fast, which is
     all this needs): the one needed first is prepared first, whatever order they came in,

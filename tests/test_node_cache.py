@@ -16,7 +16,7 @@ from mesh.engines.node_cache import IR_FILES, MANIFEST, blob_cache_dir, find_pre
 V1, V2 = "2026.4.1-22982-e213a147257-releases/2026/4", "2026.5.0-1-abc-releases/2026/5"
 
 
-def _fake_prepared(source: Path, root: Path, version: str) -> Path:
+def _fake_prepared(source: Path, root: Path, version: str, **manifest) -> Path:
     """A complete prepared folder as `prepare` would leave it (files' contents made up)."""
     folder = prepared_path(source, root, version)
     folder.mkdir(parents=True)
@@ -26,8 +26,28 @@ def _fake_prepared(source: Path, root: Path, version: str) -> Path:
         files[name] = 100 + k
     (folder / MANIFEST).write_text(json.dumps({"format": node_cache.FORMAT, "openvino": version, "files": files,
                                                "source": {"name": source.name, "size": source.stat().st_size,
-                                                          "mtime_ns": source.stat().st_mtime_ns}}))
+                                                          "mtime_ns": source.stat().st_mtime_ns}, **manifest}))
     return folder
+
+
+def test_prepared_models_whose_source_is_gone_are_pruned(tmp_path: Path) -> None:
+    """Every received copy is a new file and a new folder: prune keeps the cache to the
+    sources still on the node (a day-old folder of an older manifest, which names none, goes)."""
+    root = tmp_path / "cache"
+    files = {}
+    for name in ("kept", "deleted", "rewritten", "old", "recent"):
+        files[name] = tmp_path / f"{name}.gguf"
+        files[name].write_bytes(b"GGUF" + name.encode())
+    folders = {n: _fake_prepared(f, root, V1, **({"source_path": str(f)} if n not in ("old", "recent") else {}),
+                                 prepared_at=1000.0 if n == "old" else 100000.0)
+               for n, f in files.items()}
+    files["deleted"].unlink()
+    os.utime(files["rewritten"], ns=(0, files["rewritten"].stat().st_mtime_ns + 10**9))
+    removed = node_cache.prune(root, now=100000.0 + 3600)
+    assert sorted(removed) == sorted(folders[n] for n in ("deleted", "rewritten", "old"))
+    assert {f.name for f in (root / "models").iterdir()} == {folders[n].name for n in ("kept", "recent")}
+    assert find_prepared(files["kept"], root, V1) is not None
+    assert node_cache.prune(root, now=100000.0 + 3600) == []  # nothing more
 
 
 @pytest.fixture
@@ -138,6 +158,9 @@ def test_prepare_writes_the_ir_and_a_load_uses_it(demo_gguf: Path, prepared: nod
     assert all((prepared.path / name).stat().st_size > 0 for name in IR_FILES)
     assert not list(prepared.path.parent.glob(".tmp-*"))  # nothing half-written left behind
     assert find_prepared(demo_gguf, root) == prepared
+    manifest = json.loads((prepared.path / MANIFEST).read_text())
+    assert manifest["source_path"] == str(demo_gguf.resolve())  # what prune checks
+    assert node_cache.prune(root) == [] and find_prepared(demo_gguf, root) == prepared  # its source is there
     assert node_cache.prepare(demo_gguf, root) == prepared  # prepared once: the second call finds it
 
     fresh = OpenVINOEngine(demo_gguf, context_window=256, max_num_seqs=4, cache_root=root, use_node_cache=False)

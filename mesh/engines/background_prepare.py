@@ -157,7 +157,7 @@ def main(argv: list[str] | None = None) -> int:
 
     die_with_parent()
     if not args.normal_priority:
-        run_as_background()  # first: OpenVINO's thread pools inherit it
+        run_as_background(own_session=True)  # first: OpenVINO's thread pools inherit it; it dies with the agent
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds where it can: prepare removes its .tmp
     from mesh.engines.node_cache import prepare
 

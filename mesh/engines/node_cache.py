@@ -26,6 +26,13 @@ compiles again and rewrites the 135 MB blob at every load, which costs more than
 So `prepare` tries to import one blob once per OpenVINO version and device, records the
 answer, and loads pass CACHE_DIR only where the import works (a later OpenVINO).
 
+Bounded: every copy a node receives is a new file (a new mtime, so a new folder here), and
+nothing else ever removed a folder, so a node that received models for a day held 51 GB of
+them (issue 31). Each folder's manifest names its source's path; before a new preparation,
+`prune` removes the folders whose source is gone or changed (the model deleted, its copy
+dropped, the file rewritten), and those of older manifests without a path once they are a
+day old. A folder whose source is still there is kept: any load of it may use it.
+
 Atomic writes: a model is prepared in a temporary folder beside its final place, its
 manifest written last, then renamed into place; a crash leaves only a `.tmp-*` folder,
 which lookups never read. A folder whose manifest is missing, unreadable, or whose files
@@ -52,6 +59,7 @@ IR_FILES = ("openvino_model.xml", "openvino_model.bin", "openvino_tokenizer.xml"
             "openvino_detokenizer.xml", "openvino_detokenizer.bin")
 _TMP = ".tmp-"
 _STALE_TMP_S = 3600.0  # a .tmp folder this old belongs to a preparation that died
+_STALE_UNNAMED_S = 86400.0  # a prepared folder whose manifest names no source path, pruned at this age
 
 
 @dataclass(frozen=True, slots=True)
@@ -186,6 +194,7 @@ def prepare(source: str | Path, root: str | Path | None = None, *, device: str =
         final = prepared_path(source, root, version)
         final.parent.mkdir(parents=True, exist_ok=True)
         _remove_stale_tmp(final.parent)
+        prune(root)
         tmp = final.parent / f"{_TMP}{final.name}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         tmp.mkdir()
         try:
@@ -206,7 +215,7 @@ def prepare(source: str | Path, root: str | Path | None = None, *, device: str =
                 raise RuntimeError(f"{source} changed while it was prepared")
             files = {n: (tmp / n).stat().st_size for n in IR_FILES}
             _write_json(tmp / MANIFEST, {"format": FORMAT, "openvino": version, "source": asdict(ident),
-                                         "files": files, "prepared_at": time.time()})
+                                         "source_path": str(source), "files": files, "prepared_at": time.time()})
             _fsync_dir(tmp)
             if final.exists():  # incomplete, or another OpenVINO build's leftovers under our name
                 shutil.rmtree(final, ignore_errors=True)
@@ -224,6 +233,34 @@ def prepare(source: str | Path, root: str | Path | None = None, *, device: str =
     if probe_blobs and blob_support(root, device, version) is None:
         probe_blob_import(found, root, device)
     return found
+
+
+def prune(root: str | Path | None = None, now: float | None = None) -> list[Path]:
+    """Remove the prepared folders whose source file is gone or changed, and those whose
+    manifest names no source and which are over a day old (module docstring); returns them."""
+    models = (Path(root) if root is not None else default_root()) / "models"
+    now = time.time() if now is None else now
+    removed = []
+    try:
+        folders = [f for f in models.iterdir() if f.is_dir() and not f.name.startswith(_TMP)]
+    except OSError:
+        return removed
+    for folder in folders:
+        try:
+            data = json.loads((folder / MANIFEST).read_text())
+            path = data.get("source_path")
+            if path is None:
+                orphan = now - float(data.get("prepared_at", 0.0)) > _STALE_UNNAMED_S
+            else:
+                orphan = not Path(path).is_file() or SourceIdentity.of(Path(path)) != SourceIdentity(**data["source"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue  # unreadable, or its source vanished between the checks: the next prune decides
+        if orphan:
+            shutil.rmtree(folder, ignore_errors=True)
+            removed.append(folder)
+    if removed:
+        log.info("node cache %s: removed %d prepared models whose source is gone", models, len(removed))
+    return removed
 
 
 def blob_cache_dir(root: str | Path | None, device: str, properties: Mapping[str, Any], version: str | None = None,
