@@ -22,10 +22,9 @@ def run_as_background(own_session: bool = False) -> str:
     leaves idle. SCHED_IDLE where the kernel has it (a runnable serving thread always
     preempts it, whatever its nice), nice 19 as well (where SCHED_IDLE is refused, and for
     what reads nice), the idle I/O class (a conversion writes hundreds of MB), and its
-    session's autogroup at nice 19 (`_idle_autogroup`: else the other two act only within
-    its session); threads
-    and children started after this inherit all three, so call it first thing, before a
-    library starts its thread pool. One way only: an unprivileged process cannot raise its
+    session's autogroup at nice 19 (`_idle_autogroup`: else the first two act only within
+    its session); threads and children started after this inherit them all, so call it
+    first thing, before a library starts its thread pool. One way only: an unprivileged process cannot raise its
     priority back. `own_session`: the caller dies with its parent (PR_SET_PDEATHSIG) and may
     leave its parent's session for one of its own, whose autogroup it then lowers. Returns
     what it got ("SCHED_IDLE, nice 19, idle I/O, autogroup nice 19")."""
