@@ -191,6 +191,22 @@ def gguf_to_hf(gguf: str | Path, out: str | Path, dtype: str = "bfloat16") -> Co
                      round(time.perf_counter() - started, 2), round(load_s, 2), round(save_s, 2))
 
 
+# optimum-cli's main, with OpenVINO's telemetry silenced first: its GA4 sender forks a process
+# from a thread pool (multiprocessing's fork), and a fork while the main thread imports can
+# deadlock on the import and logging locks; a CI run's export hung so, every thread in a futex
+# wait (py-spy: GA4Backend.send in Popen._launch, the main thread in logging._acquireLock).
+# Nothing is sent from these machines anyway (no internet).
+EXPORT_MAIN = (
+    "try:\n"
+    "    from openvino_telemetry.backend.backend_ga4 import GA4Backend\n"
+    "    GA4Backend.send = lambda self, *args, **kwargs: None\n"
+    "except ImportError:\n"
+    "    pass\n"
+    "from optimum.commands.optimum_cli import main\n"
+    "main()\n"
+)
+
+
 def hf_to_ir(folder: str | Path, out: str | Path, weight_format: str = "fp32") -> Converted:
     """Export the Hugging Face folder to an OpenVINO IR folder at `out` (module docstring)."""
     import subprocess
@@ -210,7 +226,7 @@ def hf_to_ir(folder: str | Path, out: str | Path, weight_format: str = "fp32") -
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
 
     def write(tmp: Path) -> None:
-        cli = [sys.executable, "-c", "from optimum.commands.optimum_cli import main; main()", "export", "openvino",
+        cli = [sys.executable, "-c", EXPORT_MAIN, "export", "openvino",
                "--model", str(folder), "--task", "text-generation-with-past", "--weight-format", weight_format,
                str(tmp)]
         done = subprocess.run(cli, capture_output=True, text=True, env=env)
