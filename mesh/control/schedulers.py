@@ -224,7 +224,8 @@ class MeshScheduler(Scheduler):
         placement.warm_up_allowed says so (the cold start is longer than any request of this
         prompt length could wait, it is the only obstacle, and no other instance of the
         model is loading)."""
-        warming = sum(1 for r in self.cluster.instances_of(req.model) if not r.inst.loaded)
+        instances = self.cluster.instances_of(req.model)
+        warming = sum(1 for r in instances if not r.inst.loaded)
         if warming >= MAX_WARMING_PER_MODEL:
             return
         prompt, _ = req.resumed(req.tokens_out, self.cluster.config.deadlines)
@@ -236,7 +237,7 @@ class MeshScheduler(Scheduler):
             if not self.cluster.can_host(req.model, node):
                 log.debug("no warm-up of %s on %s for %s: it cannot host it", req.model, node.node_id, req.request_id)
                 continue
-            if not warm_up_node_allowed(node.kind, bool(node.instances), bool(self.cluster.instances_of(req.model))):
+            if not warm_up_node_allowed(node.kind, bool(node.instances), bool(instances)):
                 log.debug("no warm-up of %s on %s for %s: its build would take the cores of the instances there",
                           req.model, node.node_id, req.request_id)
                 continue
@@ -250,7 +251,7 @@ class MeshScheduler(Scheduler):
             plan = self.cluster.plan(req.model, node)
             self.stats.validations += 1
             kept = req.late_s
-            if req.tokens_out == 0 and req.first_token_s is None and not self.cluster.instances_of(req.model):
+            if req.tokens_out == 0 and req.first_token_s is None and not instances:
                 # the model has no instance: validated as if it arrived now, since what a fresh
                 # request waited before its placement (the service builds a cold model's tokenizer
                 # to tokenize it, seconds) is cold start too, not a reason to leave the model cold
