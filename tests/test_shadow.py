@@ -1,11 +1,13 @@
 """Shadow validation (LLM-Mesh 5.3): each of Figure 6's three rejection cases, with
 explicit times and hand-checkable iteration times (10% overestimate)."""
+from dataclasses import dataclass
+
 import pytest
 
 from doubles import LinearTimes
 from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem
-from mesh.policy.shadow import FailureCase, shadow_validate
+from mesh.policy.shadow import FailureCase, Padding, shadow_validate
 from mesh.policy.slo import SLO
 
 
@@ -146,3 +148,39 @@ def test_a_request_served_late_on_an_instance_loading_for_20_s_validates_behind_
     v = shadow_validate(c, "loading", "late", 50, start_s=15.0, now=0.0)
     f = v.failed(FailureCase.OWN_PREFILL_LATE)
     assert f is not None and f.by_s == pytest.approx(20.0 - (15.0 + SLO().ttft_s(50)), abs=0.1)
+
+
+def test_a_margin_up_to_the_papers_pads_every_iteration_in_full():
+    pad = Padding()
+    assert sum(pad.add(0.5, 0.10) for _ in range(4)) == pytest.approx(4 * 0.5 * 1.10)
+    assert Padding().add(0.5, 0.05) == pytest.approx(0.5 * 1.05)
+
+
+def test_a_learnt_margin_pads_one_iteration_in_full_and_a_run_by_its_spread_in_quadrature():
+    assert Padding().add(0.3, 0.4) == pytest.approx(0.3 * 1.4)
+    pad = Padding()
+    total = sum(pad.add(0.3, 0.4) for _ in range(5))
+    assert total == pytest.approx(1.5 * 1.1 + 0.3 * 0.3 * 5 ** 0.5)
+    assert total < 1.5 * 1.4
+
+
+@dataclass(frozen=True)
+class NoisyTimes(LinearTimes):
+    margin: float = 0.4  # learnt, as mesh.perf.times.AdaptiveTimes has it on a busy machine
+
+
+def test_a_burst_behind_a_learnt_margin_is_not_predicted_at_its_tail_on_every_prefill():
+    """Four 100-token prompts wait (0.3 s each, one per iteration); a fifth arrives with
+    them. Each prefill at its 95th percentile (x1.4) puts its first token at 2.1 s, past its
+    2 s TTFT SLO; the run of five, 10% each plus 30% in quadrature, at 1.85 s."""
+    c = ComputeSubsystem()
+    c.add_instance("i", NoisyTimes(prefill_per_token=0.003, decode_base=0.0), SLO(), 100)
+    for k in range(4):
+        c.add_request("i", f"r{k}", 100, 0.0)
+    v = shadow_validate(c, "i", "new", 100, start_s=0.0, now=0.0)
+    assert v.ok, v.reason()
+    assert v.candidate_first_token_s == pytest.approx(1.5 * 1.1 + 0.3 * 0.3 * 5 ** 0.5)
+    c.add_request("i", "r4", 100, 0.0)
+    c.add_request("i", "r5", 100, 0.0)
+    late = shadow_validate(c, "i", "new", 100, start_s=0.0, now=0.0)  # seventh: 2.1 x 1.1 > 2 s
+    assert late.failed(FailureCase.OWN_PREFILL_LATE) is not None

@@ -40,6 +40,7 @@ from mesh.policy.placement import (
     warm_up_allowed,
     warm_up_node_allowed,
 )
+from mesh.policy.shadow import Padding
 from mesh.control.cluster_view import ClusterView, InstanceRef
 from mesh.control.cluster_node import ClusterNode
 from mesh.node.runtime import InstancePlan
@@ -243,7 +244,7 @@ class MeshScheduler(Scheduler):
                 continue
             cold = self.cluster.expected_load_s(req.model, node)
             times = self.cluster.catalog[self.cluster.models[req.model]].times[node.spec.kind]
-            slack = req.slo.ttft_s(prompt) - times.prefill_s(prompt) * (1 + node.margin)
+            slack = req.slo.ttft_s(prompt) - Padding().add(times.prefill_s(prompt), node.margin)
             if not warm_up_allowed(cold, slack, True, warming):
                 log.debug("no warm-up of %s on %s for %s: cold start %.2f s fits the slack %.2f s", req.model,
                           node.node_id, req.request_id, cold, slack)
