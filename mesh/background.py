@@ -25,7 +25,7 @@ def run_as_background(own_session: bool = False) -> str:
     session's autogroup at nice 19 (`_idle_autogroup`: else the first two act only within
     its session); threads and children started after this inherit them all, so call it
     first thing, before a library starts its thread pool. One way only: an unprivileged process cannot raise its
-    priority back. `own_session`: the caller dies with its parent (PR_SET_PDEATHSIG) and may
+    priority back. `own_session`: the caller dies with its parent (mesh.lifetime.die_with_parent) and may
     leave its parent's session for one of its own, whose autogroup it then lowers. Returns
     what it got ("SCHED_IDLE, nice 19, idle I/O, autogroup nice 19")."""
     if own_session and os.getsid(0) != os.getpid():

@@ -133,3 +133,44 @@ def test_a_worker_reply_whose_waiter_was_cancelled_leaves_the_connection_serving
             await conn.shutdown(10)
 
     asyncio.run(main())
+
+
+@pytest.mark.slow
+def test_the_services_conversion_runs_in_an_idle_session_of_its_own(demo_gguf, tmp_path):
+    """The service's GGUF-to-HF conversion (mesh.service.preparation.ConvertTool, as the
+    service runs it) leads a session of its own at SCHED_IDLE with that session's autogroup
+    at nice 19: in the service's session it would compete for the CPU as the service's
+    autogroup, half a serving core (test_a_background_session_leader_lowers_its_autogroup)."""
+    import psutil
+
+    from mesh.modelfiles.formats import CONVERSIONS
+    from mesh.service.preparation import ConvertTool
+
+    tool = ConvertTool()
+    python, why = tool.python(CONVERSIONS["gguf"])
+    if python is None:
+        pytest.skip(why)
+
+    async def observe() -> dict:
+        run = asyncio.create_task(tool.run(CONVERSIONS["gguf"], python, str(demo_gguf), tmp_path / "hf",
+                                           tmp_path / "convert.log"))
+        try:
+            for _ in range(200):
+                await asyncio.sleep(0.05)
+                kids = [p for p in psutil.Process().children() if "mesh.modelfiles.convert" in " ".join(p.cmdline())]
+                if kids:
+                    pid = kids[0].pid
+                    await asyncio.sleep(1.0)  # past its argument parsing
+                    return {"pid": pid, "sid": os.getsid(pid), "policy": os.sched_getscheduler(pid),
+                            "autogroup": Path(f"/proc/{pid}/autogroup").read_text().strip()}
+            raise AssertionError("no conversion process started")
+        finally:
+            run.cancel()
+            await asyncio.gather(run, return_exceptions=True)
+
+    facts = asyncio.run(observe())
+    assert facts["sid"] == facts["pid"] and facts["sid"] != os.getsid(0), facts
+    assert facts["policy"] == os.SCHED_IDLE, facts
+    if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+        assert facts["autogroup"].endswith("nice 19"), facts
+    assert not psutil.Process().children(), "the conversion outlived its run"

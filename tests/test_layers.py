@@ -21,7 +21,7 @@ PACKAGES = ("mesh", "workloads")
 # follow processes: mesh.node runs in a node agent, mesh.control in the control service,
 # mesh.wire is what crosses between them (docs/design.md, "The map").
 LAYERS: list[tuple[str, ...]] = [
-    ("mesh", "mesh.paths", "mesh.framing", "mesh.hardware", "mesh.background", "mesh.tasks", "mesh.native_heap", "workloads"),  # base: no Mesh imports
+    ("mesh", "mesh.paths", "mesh.framing", "mesh.hardware", "mesh.background", "mesh.lifetime", "mesh.tasks", "mesh.native_heap", "workloads"),  # base: no Mesh imports
     ("mesh.policy",),  # the pure policy core: batching vocabulary, scheduling and placement rules
     ("mesh.perf",),  # profiles, performance models, every iteration-time model
     ("mesh.modelfiles",),  # model files and their formats: GGUF metadata, shapes, sources, converters

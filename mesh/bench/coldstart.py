@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--blob-dir")
     p.add_argument("--spawned-at", type=float, default=time.time())
     args = p.parse_args(argv)
-    from mesh.engines.worker_process import die_with_parent
+    from mesh.lifetime import die_with_parent
 
     die_with_parent()  # never outlive the bench
     result = _prepare_child(args) if args.child_prepare else _child(args)

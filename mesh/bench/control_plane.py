@@ -490,7 +490,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """The load generator's side: `python -m mesh.bench.control_plane '<json args>'`."""
-    from mesh.engines.worker_process import die_with_parent
+    from mesh.lifetime import die_with_parent
 
     die_with_parent()  # never outlive the bench
     asyncio.run(_worker(json.loads((argv or sys.argv[1:])[0])))

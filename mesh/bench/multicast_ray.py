@@ -30,7 +30,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from mesh.engines.worker_process import die_with_parent, worker_env
+from mesh.engines.worker_process import worker_env
+from mesh.lifetime import die_with_parent
 from mesh.bench.report import write_json
 
 MB = 10**6

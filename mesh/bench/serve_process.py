@@ -2,7 +2,7 @@
 
 `start_service` runs `mesh serve --host 127.0.0.1 --port 0 --data-dir DATA ARGS...` as a child
 tied to the bench: the kernel sends it SIGTERM when the bench dies, however it dies
-(`PR_SET_PDEATHSIG`, mesh.engines.worker_process.die_with_parent), so the service drains,
+(`PR_SET_PDEATHSIG`, mesh.lifetime.die_with_parent), so the service drains,
 stops its node agents and exits instead of running on under init (a bench stopped with
 SIGTERM or SIGKILL runs no `finally`). It waits for the service's ready line (within a time
 limit) and then keeps reading the service's stdout, so a full pipe never blocks it.
@@ -53,7 +53,7 @@ def start_service(data_dir: Path, args: Sequence[str] = (), log: Path | None = N
     token = secrets.token_hex(32)
     cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0",
            "--data-dir", str(data_dir), *args]
-    from mesh.engines.worker_process import die_with_parent
+    from mesh.lifetime import die_with_parent
 
     err: IO | None = open(log, "a") if log is not None else None
     try:

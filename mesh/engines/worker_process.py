@@ -36,12 +36,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import ctypes
 import logging
 import os
 import pickle
 import queue
-import signal
 import socket
 import struct
 import subprocess
@@ -55,6 +53,7 @@ from typing import Any, Callable
 
 from mesh.engines.engine_api import EngineError, FinishReason, StepResult
 from mesh.background import BACKGROUND_THREADS
+from mesh.lifetime import die_with_parent
 from mesh.policy.batching import IterationKind
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # <repo>/mesh/engines/worker_process.py
@@ -65,7 +64,6 @@ _LEN = struct.Struct("!I")
 
 # Mesh's secrets: what only the control service and its agents' ports need, never a worker.
 SECRET_ENV = ("MESH_ADMIN_TOKEN", "MESH_METRICS_TOKEN", "MESH_AGENT_TOKEN", "MESH_WEIGHTS_TOKEN")
-_PR_SET_PDEATHSIG = 1
 
 # How long a call on a worker's sync socket (vLLM's tokenizer) may take, and the node's tokenize
 # job deadline (mesh.node.tokenizers.JOB_TIMEOUT_S is this number). A first call builds the
@@ -91,21 +89,6 @@ def worker_env(**extra: str) -> dict[str, str]:
 def background_env(**extra: str) -> dict[str, str]:
     """`worker_env` for a background job (a conversion, an IR preparation): bounded thread pools."""
     return worker_env(**BACKGROUND_THREADS, **extra)
-
-
-def die_with_parent(sig: int = signal.SIGKILL) -> None:
-    """Have the kernel send `sig` to this process when its parent dies (Linux; elsewhere a
-    no-op, and the parent's socket closing still ends a worker). Called first thing in a
-    child: if the parent is already gone (the reparenting happened before the call), exit."""
-    parent = os.getppid()
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0) != 0:
-            return
-    except (OSError, AttributeError):
-        return
-    if parent == 1 or os.getppid() != parent:
-        os._exit(0)
 
 
 def send_msg(sock: socket.socket, obj: Any) -> None:

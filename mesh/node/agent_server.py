@@ -54,7 +54,8 @@ from mesh import native_heap
 from mesh.engines.background_prepare import BackgroundPreparer
 from mesh.engines.parking import ParkingLot
 from mesh.engines.simulated import SIMULATED_NOISE
-from mesh.engines.worker_process import die_with_parent, worker_env
+from mesh.engines.worker_process import worker_env
+from mesh.lifetime import die_with_parent
 from mesh.node.control_connection import ControlConnection, Refused
 from mesh.node.emulation import Emulation
 from mesh.node.engine_host import make_engine

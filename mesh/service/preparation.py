@@ -25,7 +25,8 @@ the model's `ModelRecord.node_kinds` includes that kind: the placement describes
 on it, the dispatcher gets a profile for it and chooses the kind (mesh.service.cluster_placement).
 
 Conversions run one at a time, at idle CPU priority (SCHED_IDLE, nice 19) with one compute
-thread (convert --background), each with a log in
+thread, in a session of their own whose autogroup is at nice 19 and ending with the service
+(convert --background, mesh.background), each with a log in
 `<data dir>/logs/prepare-<model uid>-<kind>.log`. A model whose registered file has the same
 sha256 as one whose copy is ready (the same model registered again, by another tenant or as
 a live replay's replicas) gets that copy's files as hard links instead of a conversion (22 s
