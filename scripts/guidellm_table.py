@@ -73,7 +73,7 @@ def plot(all_rows: list[Row], path: Path) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.suptitle("guidellm, prompt 128 / output 64 tokens (shared 2-core machine)")
+    fig.suptitle("guidellm, prompt 128 / output 64 tokens (one 2-core machine)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
