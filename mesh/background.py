@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import os
 
+from mesh.lifetime import die_with_parent
+
 # A background job's thread pools: one thread each (OpenMP, BLAS, torch, HF tokenizers); set
 # before the libraries load, in the job's environment (background_env).
 BACKGROUND_THREADS = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1",
@@ -25,14 +27,17 @@ def run_as_background(own_session: bool = False) -> str:
     session's autogroup at nice 19 (`_idle_autogroup`: else the first two act only within
     its session); threads and children started after this inherit them all, so call it
     first thing, before a library starts its thread pool. One way only: an unprivileged process cannot raise its
-    priority back. `own_session`: the caller dies with its parent (mesh.lifetime.die_with_parent) and may
-    leave its parent's session for one of its own, whose autogroup it then lowers. Returns
-    what it got ("SCHED_IDLE, nice 19, idle I/O, autogroup nice 19")."""
-    if own_session and os.getsid(0) != os.getpid():
-        try:
-            os.setsid()
-        except OSError:
-            pass
+    priority back. `own_session`: leave the parent's session for one of its own, whose
+    autogroup it then lowers, and die with the parent (mesh.lifetime.die_with_parent: a
+    session of its own gets no hangup from the parent's). Returns what it got ("SCHED_IDLE,
+    nice 19, idle I/O, autogroup nice 19")."""
+    if own_session:
+        die_with_parent()
+        if os.getsid(0) != os.getpid():
+            try:
+                os.setsid()
+            except OSError:
+                pass
     got = []
     try:
         os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))

@@ -155,8 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     from mesh.lifetime import die_with_parent
     from mesh.background import run_as_background
 
-    die_with_parent()
-    if not args.normal_priority:
+    if args.normal_priority:
+        die_with_parent()
+    else:
         run_as_background(own_session=True)  # first: OpenVINO's thread pools inherit it; it dies with the agent
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # unwinds where it can: prepare removes its .tmp
     from mesh.engines.node_cache import prepare

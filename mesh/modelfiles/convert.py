@@ -335,10 +335,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.background:
         from mesh.background import BACKGROUND_THREADS, run_as_background
-        from mesh.lifetime import die_with_parent
 
         os.environ.update(BACKGROUND_THREADS)  # before torch loads (and for the export's own process)
-        die_with_parent()  # a session of its own gets no hangup from its parent's: it ends with its parent
         run_as_background(own_session=True)  # its own session, whose autogroup it lowers (else it competes as the service's)
     elif args.nice:
         os.nice(args.nice)
