@@ -194,7 +194,7 @@ def _finish_in_flight(s: _Sim, kind: IterationKind, batch_size: int, ends_s: flo
 
 
 def _simulate(
-    sims: list[_Sim], t: float, margin: float, candidate_id: str | None, until_s: float, max_iterations: int,
+    sims: list[_Sim], t: float, candidate_id: str | None, until_s: float, max_iterations: int,
     free_until: float = -math.inf,
 ) -> _Outcome:
     """Token-level scheduling forward from `t`. Stops at the horizon described above, or,
@@ -333,7 +333,7 @@ def shadow_validate(
     n_pending = sum(len(i.pending) for i in compute.instances.values())
     max_iterations = 256 + 8 * len(compute.instances) + 4 * n_pending
     sims = _snapshot(compute, (instance_id, request_id, prompt_len, deadline, resumed), exclude, margin)
-    with_cand = _simulate(sims, t0, margin, request_id, math.inf, max_iterations, inst.ready_at)
+    with_cand = _simulate(sims, t0, request_id, math.inf, max_iterations, inst.ready_at)
 
     failures: list[Failure] = []
     if with_cand.candidate_late_s > 0:
@@ -347,7 +347,7 @@ def shadow_validate(
         # TPOT late: a node already behind must not take load that pushes it further
         # behind, or lateness cascades (each new request is "not newly late" for the
         # requests already late, and their delays grow without bound).
-        base = _simulate(_snapshot(compute, None, exclude, margin), t0, margin, None, with_cand.end_s, max_iterations,
+        base = _simulate(_snapshot(compute, None, exclude, margin), t0, None, with_cand.end_s, max_iterations,
                          inst.ready_at)
         newly_late = {
             rid: v for rid, v in with_cand.late.items()
