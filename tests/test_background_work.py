@@ -27,6 +27,14 @@ print(json.dumps({"got": got, "io_class": io >> 13, "policy": os.sched_getschedu
 """
 
 
+def _autogroups_on() -> bool:
+    """Whether this kernel groups tasks by session (sched(7), autogroup)."""
+    try:
+        return Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
+    except OSError:
+        return False
+
+
 def test_a_background_process_and_the_threads_it_starts_run_at_idle_priority():
     out = subprocess.run([sys.executable, "-c", PROBE], env=background_env(), cwd=str(REPO_ROOT),
                          capture_output=True, text=True, timeout=60, check=True).stdout
@@ -42,11 +50,7 @@ def test_a_background_session_leader_lowers_its_autogroup():
     in a session of its own (as Mesh starts its workers) also sets its session's autogroup to
     nice 19, else it takes half of a serving core whatever its policy. A job in its parent's
     session leaves the autogroup alone (it would lower the parent too): the test above."""
-    try:
-        enabled = Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1"
-    except OSError:
-        enabled = False
-    if not enabled:
+    if not _autogroups_on():
         pytest.skip("this kernel does not group tasks by session (no /proc/sys/kernel/sched_autogroup_enabled = 1)")
     probe = PROBE + "\nprint(open('/proc/self/autogroup').read().strip())"
     out = subprocess.run([sys.executable, "-c", probe], env=background_env(), cwd=str(REPO_ROOT), capture_output=True,
@@ -171,6 +175,6 @@ def test_the_services_conversion_runs_in_an_idle_session_of_its_own(demo_gguf, t
     facts = asyncio.run(observe())
     assert facts["sid"] == facts["pid"] and facts["sid"] != os.getsid(0), facts
     assert facts["policy"] == os.SCHED_IDLE, facts
-    if Path("/proc/sys/kernel/sched_autogroup_enabled").read_text().strip() == "1":
+    if _autogroups_on():
         assert facts["autogroup"].endswith("nice 19"), facts
     assert not psutil.Process().children(), "the conversion outlived its run"
