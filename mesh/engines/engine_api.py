@@ -213,3 +213,144 @@ class Engine(Protocol):
 
     def kv_bytes_in_use(self) -> int:
         """KV cache bytes the running requests hold now."""
+
+
+# --- Layer ranges (BlitzScale 5.2, λScale 4.3) ---------------------------------------------
+# An engine that can run a contiguous range [start, stop) of a model's decoder layers takes
+# token ids (its range starts at layer 0: it embeds them) or the hidden states a previous
+# range produced, and gives hidden states (to the next range) or next tokens (its range ends
+# at the last layer: it norms, projects and samples). It keeps the KV cache of its own layers
+# only. An engine that cannot (OpenVINO compiles whole models; vLLM; the simulated engine)
+# has `runs_layer_ranges = False`, and no scheduler asks it.
+
+DTYPE_BYTES: dict[str, int] = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True, slots=True)
+class LayerRange:
+    """Decoder layers [start, stop) of a model with `num_layers` layers."""
+
+    start: int
+    stop: int
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.start < self.stop <= self.num_layers:
+            raise EngineError(f"layer range [{self.start}, {self.stop}) is not a non-empty range inside the model's "
+                              f"{self.num_layers} layers; use 0 <= start < stop <= {self.num_layers}")
+
+    @classmethod
+    def whole(cls, num_layers: int) -> "LayerRange":
+        return cls(0, num_layers, num_layers)
+
+    @property
+    def count(self) -> int:
+        return self.stop - self.start
+
+    @property
+    def first(self) -> bool:
+        """The range embeds token ids (it starts at layer 0)."""
+        return self.start == 0
+
+    @property
+    def last(self) -> bool:
+        """The range ends the model: final norm, LM head, sampling."""
+        return self.stop == self.num_layers
+
+
+@dataclass(frozen=True, slots=True)
+class TokenBatch:
+    """Token ids into a first range: for each request, its tokens at positions
+    `positions[i]`, `positions[i] + 1`, ... (a prefill starts at 0; a decode step sends one
+    token at the request's current length)."""
+
+    request_ids: tuple[str, ...]
+    positions: tuple[int, ...]
+    token_ids: tuple[tuple[int, ...], ...]
+
+    def __post_init__(self) -> None:
+        if not len(self.request_ids) == len(self.positions) == len(self.token_ids):
+            raise EngineError(f"token batch: {len(self.request_ids)} request ids, {len(self.positions)} positions and "
+                              f"{len(self.token_ids)} token lists; give one of each per request")
+        if any(not ids for ids in self.token_ids):
+            raise EngineError("token batch: a request has no tokens; send at least one per request")
+
+    @property
+    def token_counts(self) -> tuple[int, ...]:
+        return tuple(len(ids) for ids in self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class HiddenStates:
+    """Activations crossing a layer boundary: the input of layer `layer` for every token of
+    a batch, requests one after another (request i holds `token_counts[i]` rows starting at
+    position `positions[i]`). `data` is the C-contiguous tensor of shape (tokens,
+    hidden_size) in `dtype`, as bytes, so it can be framed over a connection as it is."""
+
+    layer: int
+    request_ids: tuple[str, ...]
+    positions: tuple[int, ...]
+    token_counts: tuple[int, ...]
+    hidden_size: int
+    dtype: str
+    data: bytes
+
+    def __post_init__(self) -> None:
+        if not len(self.request_ids) == len(self.positions) == len(self.token_counts):
+            raise EngineError(f"hidden states: {len(self.request_ids)} request ids, {len(self.positions)} positions "
+                              f"and {len(self.token_counts)} token counts; give one of each per request")
+        if self.dtype not in DTYPE_BYTES:
+            raise EngineError(f"hidden states in {self.dtype!r}: use one of {', '.join(DTYPE_BYTES)}")
+        if any(n < 1 for n in self.token_counts) or any(p < 0 for p in self.positions):
+            raise EngineError("hidden states: every request needs at least one token at a position >= 0")
+        if len(self.data) != self.nbytes:
+            raise EngineError(f"hidden states carry {len(self.data)} B, but {self.tokens} tokens x {self.hidden_size} "
+                              f"x {self.dtype} make {self.nbytes} B")
+
+    @property
+    def tokens(self) -> int:
+        return sum(self.token_counts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.tokens, self.hidden_size)
+
+    @property
+    def nbytes(self) -> int:
+        """hidden size x tokens x dtype bytes: what one hop of this batch costs on the network."""
+        return self.tokens * self.hidden_size * DTYPE_BYTES[self.dtype]
+
+
+@dataclass(frozen=True, slots=True)
+class NextTokens:
+    """What a last range gives: one sampled token per request, in batch order."""
+
+    request_ids: tuple[str, ...]
+    token_ids: tuple[int, ...]
+
+
+@runtime_checkable
+class LayerRangeEngine(Protocol):
+    """An engine running decoder layers `layer_range` of a model (see the section above)."""
+
+    runs_layer_ranges: bool  # True
+    layer_range: LayerRange
+    hidden_size: int
+
+    def layers_ready(self) -> int:
+        """How many layers of the range, from its start, hold their weights (all of them
+        once loaded; fewer while the blocks of a layer-ordered file still arrive)."""
+
+    def run_layers(self, batch: TokenBatch | HiddenStates,
+                   sampling: dict[str, Sampling] | None = None) -> HiddenStates | NextTokens:
+        """One forward pass of the range over a batch; `sampling` for a last range (greedy
+        for requests it does not name). Each request's position must equal the tokens this
+        engine holds in its KV cache for it (0 for a new request)."""
+
+    def release(self, request_id: str) -> None:
+        """Free a request's KV cache (it ended or was aborted). Unknown ids are ignored."""
+
+
+def can_run_layers(engine: object) -> bool:
+    """Can the scheduler give `engine` a layer range? Only an engine that says so."""
+    return bool(getattr(engine, "runs_layer_ranges", False)) and isinstance(engine, LayerRangeEngine)

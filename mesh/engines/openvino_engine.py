@@ -180,6 +180,7 @@ class OpenVINOEngine:
     """One model instance on OpenVINO GenAI (CPU), implementing mesh.engines.engine_api.Engine."""
 
     blocks_event_loop = True  # step() computes in place: the node yields after each one
+    runs_layer_ranges = False  # OpenVINO compiles the whole model (engine_api, layer ranges)
 
     def __init__(
         self,

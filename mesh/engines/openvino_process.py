@@ -40,6 +40,7 @@ class OpenVINOProcessEngine:
     """The same arguments and behaviour as OpenVINOEngine; the pipeline runs in a worker."""
 
     blocks_event_loop = False  # step() awaits the worker
+    runs_layer_ranges = False  # OpenVINO compiles the whole model (engine_api, layer ranges)
 
     def __init__(self, model_path: str | Path, *, model_name: str | None = None, context_window: int | None = None,
                  prefill_token_budget: int | None = None, max_num_seqs: int = 64, device: str = "CPU",

@@ -34,6 +34,8 @@ class SharedCore:
 
 
 class SimulatedEngine:
+    runs_layer_ranges = False  # a whole instance's iteration times (engine_api, layer ranges)
+
     def __init__(
         self,
         model_name: str,

@@ -213,6 +213,8 @@ class _InProcess:
 class VLLMEngine:
     """One model instance on vLLM, implementing mesh.engines.engine_api.Engine (module docstring)."""
 
+    runs_layer_ranges = False  # vLLM runs whole models (engine_api, layer ranges)
+
     def __init__(
         self,
         model_path: str | Path,
