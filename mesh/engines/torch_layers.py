@@ -358,7 +358,9 @@ class TorchLayerEngine:
                    stop: int | None = None) -> HiddenStates | NextTokens:
         """One forward pass of layers [start, stop) (the whole range: None) over `batch`
         (see LayerRangeEngine.run_layers). A `stop` short of the range's end gives hidden
-        states for layer `stop`: a loading instance runs the layers it holds."""
+        states for layer `stop`: a loading instance runs the layers it holds. Hidden states
+        start at their own layer, anywhere in the range: a partner holding the whole model runs
+        the layers [T, L) a loading instance left (BlitzScale 5.2)."""
         torch, r = self.torch, self.layer_range
         stop = r.stop if stop is None else stop
         if not r.start < stop <= r.stop:
@@ -378,24 +380,26 @@ class TorchLayerEngine:
                     raise EngineError(f"a token id is outside {self.model_name}'s vocabulary of {self.shape.vocab_size}")
                 x = self._embed[ids]  # type: ignore[index]
                 counts = batch.token_counts
+                start = r.start
             else:
-                if batch.layer != r.start:
-                    raise EngineError(f"hidden states for layer {batch.layer} sent to layers [{r.start}, {r.stop}); "
-                                      f"send them to the range that starts at layer {batch.layer}")
+                if not r.start <= batch.layer < stop:
+                    raise EngineError(f"hidden states for layer {batch.layer} sent to layers [{r.start}, {stop}); "
+                                      f"send them to the range that holds layer {batch.layer}")
+                start = batch.layer
                 if batch.hidden_size != self.hidden_size:
                     raise EngineError(f"hidden states of size {batch.hidden_size}, the model's is {self.hidden_size}")
                 x = self._from_bytes(batch)
                 counts = batch.token_counts
             positions = batch.positions
-            kvs = self._caches(batch.request_ids, positions, counts, r.start, stop)
+            kvs = self._caches(batch.request_ids, positions, counts, start, stop)
             pos = torch.cat([torch.arange(p, p + n, dtype=torch.float64) for p, n in zip(positions, counts)])
             freqs = pos[:, None] * self._inv_freq[None, :]
             cos = torch.cos(freqs).to(self.device, self._tdtype)
             sin = torch.sin(freqs).to(self.device, self._tdtype)
-            for layer in range(r.start, stop):
+            for layer in range(start, stop):
                 x = self._layer(layer - r.start, x, cos, sin, kvs, positions, counts)
             for kv, n in zip(kvs, counts):
-                for i in range(r.start, stop):
+                for i in range(start, stop):
                     kv.lengths[i - r.start] += n
             if stop < r.num_layers:
                 return self._to_hidden(stop, batch.request_ids, positions, counts, x)

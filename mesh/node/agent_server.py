@@ -60,6 +60,7 @@ from mesh.node.control_connection import ControlConnection, Refused
 from mesh.node.emulation import Emulation
 from mesh.node.engine_host import make_engine
 from mesh.node.instance_host import InstanceHost
+from mesh.node.layer_host import LAYERS_PREFIX, LayerHost
 from mesh.node.node_learning import NodeLearning
 from mesh.node.model_fronts import ModelFronts
 from mesh.node.node_requests import NodeRequests
@@ -344,6 +345,9 @@ def open_ports_refused(args: argparse.Namespace, agent_token: str | None, weight
         return (f"refusing to receive weights on {args.weights_listen} without a token: anyone who reaches it could "
                 "write files into the weights folder. Set $MESH_WEIGHTS_TOKEN (the control service's), or listen "
                 "on 127.0.0.1")
+    if args.layers_listen and not loopback(args.layers_listen) and not agent_token:
+        return (f"refusing to run layers on {args.layers_listen} without a token: anyone who reaches it could run "
+                f"the node's models. Set ${args.token_env}, or listen on 127.0.0.1")
     return None
 
 
@@ -366,7 +370,8 @@ async def _amain(args: argparse.Namespace) -> int:
     root = Path(args.weights_dir) if args.weights_dir else data_dir() / "received" / args.node_id
     if args.weights_listen:
         host, port = parse_listen(args.weights_listen)
-        weights = NodeWeightsReceiver(root, host, port, token=token_from_env())  # MESH_WEIGHTS_TOKEN
+        link = args.link_mbps * 1e6 / 8 if args.link_mbps else None
+        weights = NodeWeightsReceiver(root, host, port, token=token_from_env(), link_bytes_per_s=link)
     emulation = (Emulation(args.emulate, args.emulate_noise, args.emulate_seed, args.emulate_profiles)
                  if args.emulate else None)
     server = AgentServer(NodeSpec(args.node_id, args.kind, args.memory_bytes), token, _cpu_info(), weights,
@@ -375,6 +380,13 @@ async def _amain(args: argparse.Namespace) -> int:
                          park_bytes=args.memory_bytes // 4 if args.park_bytes is None else args.park_bytes,
                          tokenizer_bytes=_tokenizer_bytes(args))
     address = await server.serve(args.listen)
+    layers = None
+    if args.layers_listen:  # decoder layer ranges and activations between agents (mesh.node.layer_host)
+        layers = LayerHost(token, roots=(root, *map(Path, args.models_root or ())))
+        if weights is not None:
+            weights.on_block = layers.on_block
+        host, port = parse_listen(args.layers_listen)
+        print(f"{LAYERS_PREFIX}{await layers.start(host, port)}", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.stop)
@@ -384,6 +396,8 @@ async def _amain(args: argparse.Namespace) -> int:
     if watcher is not None:
         watcher.cancel()
     await server.close()
+    if layers is not None:
+        await layers.close()
     return 0
 
 
@@ -419,6 +433,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--exit-with-parent", action="store_true", help="exit when stdin closes")
     parser.add_argument("--weights-listen", metavar="HOST:PORT",
                         help="receive model weight blocks here (port 0: any); token: env MESH_WEIGHTS_TOKEN")
+    parser.add_argument("--link-mbps", type=float, help="pace the weights this node sends to this many megabits per "
+                        "second (a NIC of that speed, emulated on loopback)")
+    parser.add_argument("--layers-listen", metavar="HOST:PORT", help="also run decoder layer ranges for peers there "
+                        "(mesh.node.layer_host: live scaling, activations between agents); needs the layers extra")
     parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
     parser.add_argument("--models-root", action="append", metavar="DIR",
                         help="`load` may also open models under DIR (repeatable); the weights folder always counts")

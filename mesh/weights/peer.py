@@ -173,6 +173,10 @@ class WeightAgent:
         # Called with a received file's path once it is written (a node agent prepares it
         # for its engine then, off the request path: issue 23 item 1).
         self.on_saved: Callable[[str], None] | None = None
+        # Called with (the transfer's output path, its manifest, the block's index, its bytes) as
+        # each verified block arrives, so a layer host runs a model's layers before the file is
+        # whole (BlitzScale 5.2, mesh.node.layer_host).
+        self.on_block: Callable[[str, Manifest, int, bytes], None] | None = None
         self._gate = ConnectionGate()  # connections waiting for their first frame
 
     async def start(self) -> int:
@@ -338,6 +342,8 @@ class WeightAgent:
         now = asyncio.get_running_loop().time()
         st.arrived[k] = now if link_done_at is None else min(now, float(link_done_at))
         st.wake.set()
+        if self.on_block is not None and st.output:
+            self.on_block(st.output, st.manifest, k, payload)
         await self._event(st, {"type": "have", "block": k, "sender": sender, "at": st.arrived[k] - st.go_at})
         if len(st.blocks) == st.manifest.count and not st.complete:
             st.complete = True
