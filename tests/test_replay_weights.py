@@ -6,32 +6,9 @@ import pytest
 
 from mesh.perf.load_times import CostModel, estimate
 from mesh.replay.driver import build_catalog
-from mesh.replay.cold_start_modes import WeightsConfig, live_capacity, live_finish, prefix_fractions, stop_the_world_s
+from mesh.replay.cold_start_modes import WeightsConfig, stop_the_world_s
 from mesh.replay.weights_compare import compare, table
 from workloads.workload import Arrival, Workload
-
-
-def test_live_capacity_is_the_pairs_gain() -> None:
-    assert live_capacity(0.0) == 0.0
-    assert live_capacity(0.25) == pytest.approx(1 / 3)  # pair: 1/(1-f) = 4/3 of an instance
-    assert live_capacity(0.5) == 1.0  # half the layers: the pair serves two instances' worth
-    assert live_capacity(0.9) == 1.0 and live_capacity(1.0) == 1.0
-
-
-def test_live_finish_integrates_capacity_over_arrivals() -> None:
-    steps = [(0.0, 0.25), (10.0, 1.0)]
-    assert live_finish(0.0, 1.0, steps) == pytest.approx(3.0)  # at 1/3 speed
-    assert live_finish(0.0, 5.0, steps) == pytest.approx(10.0 + 5.0 - 10.0 / 3)  # crosses the arrival
-    assert live_finish(12.0, 2.0, steps) == pytest.approx(14.0)  # all layers in: full speed
-    assert live_finish(5.0, 0.0, steps) == 5.0
-    with pytest.raises(ValueError):
-        live_finish(0.0, 1.0, [(0.0, 0.0)])
-
-
-def test_prefix_fractions_need_blocks_in_order() -> None:
-    # block 1 before block 0: nothing runs until block 0 is in; sizes weigh the fraction
-    assert prefix_fractions([(1.0, 1), (2.0, 0), (3.0, 2)], [1, 1, 2]) == [(2.0, 0.5), (3.0, 1.0)]
-    assert prefix_fractions([(1.0, 2)], [1, 1, 2]) == []
 
 
 def test_stop_the_world_times() -> None:
@@ -63,7 +40,8 @@ def test_the_four_modes_on_a_burst() -> None:
     assert mc["load_s_max"] < weight_bytes / 3e9 and mc["load_s_max"] >= one * 0.99
     # live: serving from the first block on, for the instances that had a partner
     assert live["loads"].get("live", 0) >= 1
-    assert live["load_s_min"] == pytest.approx(cfg.block_bytes / 25e9 + cfg.latency_s)  # block 0 is in
+    # the first layer ends in block 1 (block 0: the first 256 MiB of 13 GB, under one layer's bytes)
+    assert live["load_s_min"] == pytest.approx(2 * (cfg.block_bytes / 25e9 + cfg.latency_s))
     assert mc["load_s_min"] == pytest.approx(min(weight_bytes / 25e9, one))
     # the faster the weights, the shorter the tail
     assert mc["ttft_p99_s"] < ssd["ttft_p99_s"]
