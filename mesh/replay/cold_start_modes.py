@@ -63,15 +63,13 @@ the engines read time only from the event loop.
 from __future__ import annotations
 
 import asyncio
-import json
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
 from typing import TYPE_CHECKING, Sequence
 
 from mesh.engines.engine_api import Engine, StepResult
 from mesh.engines.simulated import SimulatedEngine
-from mesh.modelfiles.local import SHAPES_DIR
+from mesh.modelfiles.shape import layers_and_hidden
 from mesh.perf.load_times import NET_BYTES_PER_S, PCIE_BYTES_PER_S, CostModel, block_sizes, schedule, weights_load_s
 from mesh.policy.live_scaling import (
     LayerArrivals, Stage, ZigZagRequest, ZigZagState, activation_bytes, activation_s, block_layer_ends,
@@ -121,17 +119,6 @@ class WeightsConfig:
     def nominal_bytes_per_s(self) -> float:
         """The bandwidth of one uncontended cold start (for the policy's expected load time)."""
         return {"ssd": self.ssd_bytes_per_s, "host": self.pcie_bytes_per_s}.get(self.mode, self.net_bytes_per_s)
-
-
-@lru_cache(maxsize=None)
-def model_shape(model: str, default_layers: int, default_hidden: int) -> tuple[int, int]:
-    """(decoder layers, hidden size) of `model` ("base" or "base/function") from its shape
-    file in mesh/modelfiles/shapes, else the defaults."""
-    path = SHAPES_DIR / f"{model.split('/')[0]}.json"
-    if not path.is_file():
-        return default_layers, default_hidden
-    cfg = json.loads(path.read_text())
-    return int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
 
 
 # --- pure models ---------------------------------------------------------------------------
@@ -508,7 +495,7 @@ class WeightsModel:
         for tt in sched.transfers:
             if tt.transfer.receiver in arrivals:
                 arrivals[tt.transfer.receiver].append((now + cfg.fixed_s + tt.finish_s, tt.transfer.block))
-        layers, hidden = model_shape(model, cfg.layers, cfg.hidden_size)
+        layers, hidden = layers_and_hidden(model, cfg.layers, cfg.hidden_size)
         ends = block_layer_ends(sizes, layers)
         partners = [r.instance_id for r in full if r.instance_id not in self._partners.values()]
         alone: list[tuple[str, str]] = []
