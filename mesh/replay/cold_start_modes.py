@@ -36,7 +36,7 @@ Four modes (`WeightsConfig.mode`), all for GPU instances of one model:
     chain: one per chain) form pipelines; from the first instant the members' held blocks
     cover the model (`stage_ranges`), each member serves, every iteration taking
     `pipeline_iteration_s` (W plus one activation hop per stage boundary, or the slowest
-    stage times the members' batches in flight), or the member alone if sooner. When every
+    stage times the batches in flight: the members with work), or the member alone if sooner. When every
     member holds the model, the mode switch (4.4): the pipeline's running requests are
     spread with `switch_assignment` and each member recomputes the KV cache of its share
     (prefills of prompt + tokens so far) before its next iteration.
@@ -313,7 +313,9 @@ class WeightsEngine(SimulatedEngine):
         stages = pipe.stages(start)
         end = alone
         if stages is not None:
-            through = start + pipeline_iteration_s(work, stages, hop, len(pipe.members))
+            engines = self._weights.engines
+            batches = sum(1 for m in pipe.members if m in engines and engines[m].has_work())  # in flight
+            through = start + pipeline_iteration_s(work, stages, hop, max(1, batches))
             if through < alone:
                 end = through
                 self._weights.stats.activation_bytes += (len(stages) - 1) * activation_bytes(
