@@ -406,3 +406,35 @@ def test_the_mixed_rig_serves_a_real_model_on_real_cpu_agents_and_emulated_on_th
     finally:
         server.stop()
     assert server.proc.returncode == 0
+
+
+def test_an_emulated_engine_runs_a_layer_range_at_its_fraction_of_the_time():
+    """BlitzScale 5.2 / lambdaScale 4.3: layers [8, 32) of 32 take 3/4 of the profile's
+    time, and the range takes in one hop of hidden states (4096 x tokens x 2 bytes)."""
+    from mesh.replay.virtual_loop import run_virtual
+
+    times = PerformanceModel(catalog_profile("llama-2-7b", "xeon-6462c"))
+
+    def run(layer_range: tuple[int, int] | None) -> tuple[float, int]:
+        engine = _engine(noise=0.0)
+        assert engine.runs_layer_ranges and engine.num_layers == 32
+        if layer_range is not None:
+            engine.set_layer_range(*layer_range)
+
+        async def main() -> float:
+            loop = asyncio.get_running_loop()
+            engine.add_request(EngineRequest("a", 8, Sampling(max_tokens=100), list(range(8))))
+            t0 = loop.time()
+            await engine.step()
+            await engine.step()
+            return loop.time() - t0
+
+        return run_virtual(main()), engine.activation_bytes
+
+    whole, whole_bytes = run(None)
+    part, part_bytes = run((8, 32))
+    assert whole == pytest.approx(times.prefill_s(8) + times.decode_s(1, 9), rel=1e-6)
+    assert part == pytest.approx(whole * 24 / 32, rel=1e-6)
+    assert whole_bytes == 0 and part_bytes == 4096 * 2 * (8 + 1)
+    with pytest.raises(Exception):
+        _engine(noise=0.0).set_layer_range(5, 40)

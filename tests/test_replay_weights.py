@@ -6,32 +6,9 @@ import pytest
 
 from mesh.perf.load_times import CostModel, estimate
 from mesh.replay.driver import build_catalog
-from mesh.replay.cold_start_modes import WeightsConfig, live_capacity, live_finish, prefix_fractions, stop_the_world_s
+from mesh.replay.cold_start_modes import WeightsConfig, stop_the_world_s
 from mesh.replay.weights_compare import compare, table
 from workloads.workload import Arrival, Workload
-
-
-def test_live_capacity_is_the_pairs_gain() -> None:
-    assert live_capacity(0.0) == 0.0
-    assert live_capacity(0.25) == pytest.approx(1 / 3)  # pair: 1/(1-f) = 4/3 of an instance
-    assert live_capacity(0.5) == 1.0  # half the layers: the pair serves two instances' worth
-    assert live_capacity(0.9) == 1.0 and live_capacity(1.0) == 1.0
-
-
-def test_live_finish_integrates_capacity_over_arrivals() -> None:
-    steps = [(0.0, 0.25), (10.0, 1.0)]
-    assert live_finish(0.0, 1.0, steps) == pytest.approx(3.0)  # at 1/3 speed
-    assert live_finish(0.0, 5.0, steps) == pytest.approx(10.0 + 5.0 - 10.0 / 3)  # crosses the arrival
-    assert live_finish(12.0, 2.0, steps) == pytest.approx(14.0)  # all layers in: full speed
-    assert live_finish(5.0, 0.0, steps) == 5.0
-    with pytest.raises(ValueError):
-        live_finish(0.0, 1.0, [(0.0, 0.0)])
-
-
-def test_prefix_fractions_need_blocks_in_order() -> None:
-    # block 1 before block 0: nothing runs until block 0 is in; sizes weigh the fraction
-    assert prefix_fractions([(1.0, 1), (2.0, 0), (3.0, 2)], [1, 1, 2]) == [(2.0, 0.5), (3.0, 1.0)]
-    assert prefix_fractions([(1.0, 2)], [1, 1, 2]) == []
 
 
 def test_stop_the_world_times() -> None:
@@ -63,7 +40,8 @@ def test_the_four_modes_on_a_burst() -> None:
     assert mc["load_s_max"] < weight_bytes / 3e9 and mc["load_s_max"] >= one * 0.99
     # live: serving from the first block on, for the instances that had a partner
     assert live["loads"].get("live", 0) >= 1
-    assert live["load_s_min"] == pytest.approx(cfg.block_bytes / 25e9 + cfg.latency_s)  # block 0 is in
+    # the first layer ends in block 1 (block 0: the first 256 MiB of 13 GB, under one layer's bytes)
+    assert live["load_s_min"] == pytest.approx(2 * (cfg.block_bytes / 25e9 + cfg.latency_s))
     assert mc["load_s_min"] == pytest.approx(min(weight_bytes / 25e9, one))
     # the faster the weights, the shorter the tail
     assert mc["ttft_p99_s"] < ssd["ttft_p99_s"]
@@ -173,3 +151,122 @@ def test_an_unused_warm_up_is_recycled_after_its_load() -> None:
     assert run.accounting["rejected"] == 2 and run.policy_stats.warm_ups == 2
     loaded = 1.0 + weight_bytes / 3e9  # the weights are in (the KV cache's allocation is quick)
     assert loaded + 1.0 <= gpus[2][0] <= loaded + 1.2
+
+
+# --- live scaling by mesh.policy.live_scaling's rules -------------------------------------------
+
+def _azure_minute():
+    from pathlib import Path
+
+    from mesh.replay.driver import trace_mean_output
+    from workloads.azure_llm import load_lengths
+    from workloads.datasets import CONVERSATION_FILE, DATA_DIR
+    from workloads.workload import bursty_single_model
+
+    lengths = load_lengths(Path(DATA_DIR) / CONVERSATION_FILE)
+    max_total = build_catalog(["llama-2-13b"])["llama-2-13b"].profiles["gpu"].max_context
+    workload = bursty_single_model(lengths, model="llama-2-13b", minutes=1.0, seed=0, max_total=max_total)
+    return workload, {"llama-2-13b": trace_mean_output(lengths, max_total)}
+
+
+@pytest.mark.parametrize("policy", ["sllm", "mesh-no-cpu"])
+def test_live_scaling_cuts_the_tail_of_a_burst_and_never_serves_a_validated_request_late_for_layers(policy: str) -> None:
+    """The bursty Azure minute (docs/multicast.md's replay, 13B, 8 GPUs): instances that
+    serve from their first layer, with ZigZag pulls by their partner, cut TTFT p99 against
+    stop-the-world multicast (1.92 -> 1.25 s under sllm, 1.67 -> 1.25 s under Mesh); under
+    Mesh, whose shadow validation predicts live instances from their layers, no request
+    admitted to be on time is served late after waiting for layers."""
+    workload, prior = _azure_minute()
+    res = compare(workload, "llama-2-13b", ["multicast", "multicast-live"], WeightsConfig(), gpu_nodes=8,
+                  policy=policy, prior=prior)
+    mc, live = res["multicast"], res["multicast-live"]
+    assert live["loads"].get("live", 0) >= 1 and live["live_pulls"] >= 1 and live["activation_bytes"] > 0
+    assert live["ttft_p99_s"] < 0.8 * mc["ttft_p99_s"]
+    assert live["slo_rate"] >= mc["slo_rate"]
+    assert live["late_missing_layers"] == 0 and mc["late_missing_layers"] == 0
+
+
+def test_a_scale_from_zero_forms_an_execution_pipeline_and_switches() -> None:
+    """lambdaScale 4.3-4.4: three receivers of one binomial multicast from the pool's host
+    copy, no loaded instance: they form one pipeline (Algorithm 2, one sub-group), serve
+    from the instant their blocks together cover the model, before any of them holds it all,
+    and the switch to full instances comes when all of them do."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from mesh.replay.cold_start_modes import WeightsModel
+    from mesh.replay.virtual_loop import run_virtual
+
+    nodes = [SimpleNamespace(node_id=f"gpu{i}") for i in range(4)]
+    cluster = SimpleNamespace(nodes=nodes, config=SimpleNamespace(noise=0.0), instances_of=lambda model: [])
+    cfg = WeightsConfig(mode="multicast-live", net_bytes_per_s=1e9, block_bytes=10**8, latency_s=0.0, layers=40)
+
+    async def main():
+        w = WeightsModel(cfg, cluster)
+        w.pool.register("m", 10**9)
+        host = w.pool.host_copies("m")[0]
+        targets = [n.node_id for n in nodes if n.node_id != host]
+        plans = [SimpleNamespace(model="m", instance_id=f"m@{n}#0", weight_bytes=10**9, times=None) for n in targets]
+        for p, n in zip(plans, targets):
+            w._join(p, n)
+        return w, [w.loading(p, n) for p, n in zip(plans, targets)]
+
+    w, out = run_virtual(main())
+    roles = [role for _, role in out]
+    assert all(r is not None and r.pipeline is not None for r in roles) and w.stats.pipelines == 1
+    pipe = roles[0].pipeline
+    ready = out[0][0]
+    assert all(t == ready for t, _ in out) and ready == pytest.approx(pipe.cover_s())
+    assert ready < min(r.arrivals.full_s for r in roles)  # before any member holds the model
+    assert pipe.switch_s() == pytest.approx(max(r.arrivals.full_s for r in roles))
+    assert w.stats.loads == {"pipeline": 3}
+
+
+def test_pipeline_members_serve_through_the_pipeline_then_recompute_their_kv() -> None:
+    """Engines of a pipeline: an iteration before the switch takes W plus one activation
+    hop per stage boundary (or the member alone, if sooner); after the switch each member
+    first recomputes the KV cache of its requests (prompt + tokens so far) as a prefill."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from doubles import LinearTimes
+    from mesh.engines.engine_api import EngineRequest, Sampling
+    from mesh.replay.cold_start_modes import WeightsModel
+    from mesh.policy.live_scaling import pipeline_iteration_s, solo_finish
+    from mesh.replay.virtual_loop import run_virtual
+
+    nodes = [SimpleNamespace(node_id=f"gpu{i}") for i in range(4)]
+    cluster = SimpleNamespace(nodes=nodes, config=SimpleNamespace(noise=0.0), instances_of=lambda model: [])
+    cfg = WeightsConfig(mode="multicast-live", net_bytes_per_s=1e9, block_bytes=10**8, latency_s=0.0, layers=40)
+    times = LinearTimes(prefill_per_token=1e-4, decode_base=0.02)
+
+    async def main():
+        loop = asyncio.get_running_loop()
+        w = WeightsModel(cfg, cluster)
+        w.pool.register("m", 10**9)
+        targets = [n.node_id for n in nodes if n.node_id not in w.pool.host_copies("m")]
+        make = w.factory()
+        engines = [make(SimpleNamespace(model="m", instance_id=f"m@{n}#0", weight_bytes=10**9, times=times,
+                                        kv_bytes_per_token=1, context_window=4096, prefill_token_budget=4096,
+                                        max_batch=8), "gpu", 0.0, 0) for n in targets]
+        await asyncio.gather(*(e.load() for e in engines))
+        e = engines[0]
+        start = loop.time()
+        e.add_request(EngineRequest("r", 1000, Sampling(max_tokens=50), output_len=50))
+        await e.step()  # the prefill, through the pipeline
+        first = loop.time() - start
+        stages = e.role.pipeline.stages(start)
+        alone = solo_finish(start, 0.1, e.role.arrivals) - start
+        switch = e.role.pipeline.switch_s()
+        await asyncio.sleep(max(0.0, switch - loop.time()))
+        before = loop.time()
+        await e.step()  # the switch's recompute (1001 tokens), then one decode
+        return first, stages, alone, loop.time() - before, w.stats
+
+    first, stages, alone, after, stats = run_virtual(main())
+    hop = 4096 * 1000 * 2 / 1e9
+    assert stages is not None and len(stages) >= 2
+    assert first == pytest.approx(pipeline_iteration_s(0.1, stages, hop, 1), rel=1e-6)  # one batch in flight
+    assert 0.1 <= first < alone and stats.activation_bytes == (len(stages) - 1) * 4096 * 1000 * 2
+    assert stats.recompute_tokens == 1001
+    assert after == pytest.approx(1001 * 1e-4 + 0.02, rel=1e-6)

@@ -184,3 +184,23 @@ def test_a_burst_behind_a_learnt_margin_is_not_predicted_at_its_tail_on_every_pr
     c.add_request("i", "r5", 100, 0.0)
     late = shadow_validate(c, "i", "new", 100, start_s=0.0, now=0.0)  # seventh: 2.1 x 1.1 > 2 s
     assert late.failed(FailureCase.OWN_PREFILL_LATE) is not None
+
+
+def test_a_live_instance_is_predicted_from_the_layers_it_holds():
+    """LLM-Mesh 5.3 with BlitzScale 5.2: a live instance holding 4 of 40 layers, the rest due
+    at 3 s, cannot prefill a 1000-token prompt before its 2 s TTFT deadline; the same
+    instance with every layer admits it (1.1 s). Once the layers are in, full speed again."""
+    from mesh.policy.live_scaling import LayerArrivals
+
+    times = LinearTimes(prefill_per_token=0.001)
+    full, live = ComputeSubsystem(), ComputeSubsystem()
+    full.add_instance("i", times, SLO(), 4096)
+    live.add_instance("i", times, SLO(), 4096, ready_at=0.0, loaded=False)
+    live.set_loaded("i", 0.0, LayerArrivals(40, ((0.0, 4), (3.0, 40))))
+    assert shadow_validate(full, "i", "r", 1000, 0.0, 0.0).ok
+    v = shadow_validate(live, "i", "r", 1000, 0.0, 0.0)
+    f = v.failed(FailureCase.OWN_PREFILL_LATE)
+    # layers 0-3 by 0.11 s, layers 4-39 from 3 s: 36 x 1.1 s / 40 = 0.99 s more
+    assert f is not None and v.candidate_first_token_s == pytest.approx(3.0 + 1.1 * 36 / 40)
+    later = shadow_validate(live, "i", "r", 1000, start_s=3.0, now=3.0)
+    assert later.ok and later.candidate_first_token_s == pytest.approx(3.0 + 1.1)

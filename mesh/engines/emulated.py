@@ -20,6 +20,12 @@ What a real engine adds, and how it is made up here:
   does not. A node's emulated engines share a `WallPace` that makes that up: back-to-back
   iterations end when the profile says, counted from the first one's start, so the node
   keeps the profile's pace (and its agent does not learn the host's lag into its times).
+- Layer ranges (BlitzScale 5.2, lambdaScale 4.3): an emulated engine can be given a
+  contiguous range [start, stop) of the model's layers (`set_layer_range`); an iteration
+  then takes the profile's time times the range's fraction of the layers
+  (mesh.policy.live_scaling.layer_range_s), and the hidden states it would hand on (a range
+  that stops before the last layer) or take in (one that starts after the first) are
+  counted in `activation_bytes` (hidden size x tokens x 2 bytes a hop).
 """
 from __future__ import annotations
 
@@ -30,6 +36,7 @@ from typing import Any, Mapping, Sequence
 
 from mesh.engines.engine_api import EngineError, EngineRequest, FinishReason, StepResult
 from mesh.engines.simulated import SimulatedEngine
+from mesh.policy.live_scaling import activation_bytes, layer_range_s
 
 GENERATED_BASE = 256  # generated ids start above the byte ids of prompts
 WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "mesh", "token", "emulated", "node", "model", "cloud", "serve",
@@ -85,13 +92,46 @@ class EmulatedEngine(SimulatedEngine):
     """A SimulatedEngine whose iterations also give each request a token id and its text."""
 
     loaded_from = "emulated"  # what the agent reports as the load's source
+    runs_layer_ranges = True
 
-    def __init__(self, *args: Any, pace: WallPace | None = None, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, pace: WallPace | None = None, num_layers: int = 32, hidden_size: int = 4096,
+                 **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pace = pace  # the node's (shared by its engines); None: each iteration sleeps its time
         self._position: dict[str, int] = {}  # request -> tokens generated so far
+        self.num_layers = num_layers
+        self.hidden_size = hidden_size
+        self.layer_range: tuple[int, int] = (0, num_layers)
+        self.activation_bytes = 0  # hidden states handed on or taken in, all iterations
+        self._tokens = 0  # the tokens of the iteration about to run
+
+    def set_layer_range(self, start: int, stop: int) -> None:
+        """Run layers [start, stop) from the next iteration on."""
+        if not 0 <= start < stop <= self.num_layers:
+            raise EngineError(f"layer range [{start}, {stop}) is not inside the model's {self.num_layers} layers")
+        self.layer_range = (start, stop)
+
+    def layers_ready(self) -> int:
+        """Layers of its range it can run (all: an emulated engine loads whole)."""
+        return self.layer_range[1] - self.layer_range[0]
+
+    def range_s(self, seconds: float) -> float:
+        """An iteration of the whole model's `seconds`, over the engine's layer range."""
+        return layer_range_s(seconds, *self.layer_range, self.num_layers)
+
+    async def _prefill(self, take: int, switched: bool) -> StepResult:
+        self._tokens = sum(p for p, _, _ in list(self._pending.values())[:take])
+        return await super()._prefill(take, switched)
+
+    async def _decode(self, switched: bool) -> StepResult:
+        self._tokens = len(self._running)
+        return await super()._decode(switched)
 
     async def _pause(self, seconds: float) -> None:
+        start, stop = self.layer_range
+        hops = (start > 0) + (stop < self.num_layers)
+        self.activation_bytes += hops * activation_bytes(self.hidden_size, self._tokens)
+        seconds = self.range_s(seconds)
         if self.pace is None:
             await super()._pause(seconds)
         else:

@@ -100,3 +100,14 @@ def _tensor_names(path: Path) -> set[str]:
     from mesh.modelfiles.gguf import read_tensor_names
 
     return set(read_tensor_names(path))
+
+
+def layers_and_hidden(model: str, default_layers: int = 32, default_hidden: int = 4096) -> tuple[int, int]:
+    """(decoder layers, hidden size) of a catalog model ("base" or "base/function") from its
+    config in mesh/modelfiles/shapes, else the defaults (Llama-2-7B's)."""
+    path = Path(__file__).with_name("shapes") / f"{model.split('/')[0]}.json"
+    if not path.is_file():
+        return default_layers, default_hidden
+    cfg = json.loads(path.read_text())
+    return int(cfg["num_hidden_layers"]), int(cfg["hidden_size"])
+

@@ -33,6 +33,7 @@ from typing import Any, Iterable
 
 from mesh.engines.emulated import EmulatedEngine, WallPace
 from mesh.engines.engine_api import EngineError
+from mesh.modelfiles.shape import layers_and_hidden
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile, ProfileError, catalog_models, catalog_profile, device_kind
 from mesh.perf.roofline import HARDWARE, Architecture, host_to_device_bytes_per_s, roofline_profile
@@ -91,11 +92,12 @@ class Emulation:
         allocation, which the node runtime does after it), else ColdStart's load of its weights."""
         p = self.profile(model)
         window = min(context_window or p.max_context, p.max_context)
+        layers, hidden = layers_and_hidden(model)
         if load_s is None:
             load_s = emulated_cold_start([self.device], self.profile_dir).load_s(p.weight_bytes, p.device_kind)
         return EmulatedEngine(uid, PerformanceModel(p), kv_bytes_per_token=p.kv_bytes_per_token,
                               weight_bytes=p.weight_bytes, context_window=window, max_batch=max_batch,
-                              load_s=load_s, noise=self.noise, pace=self.pace,
+                              load_s=load_s, noise=self.noise, pace=self.pace, num_layers=layers, hidden_size=hidden,
                               seed=zlib.crc32(f"{self.seed}:{instance_id}".encode()))
 
 

@@ -124,7 +124,7 @@ class MemoryOperations:
         if kind is OpKind.LOAD and op.holder in self.instances:
             inst.loaded = True
             now = self._now()
-            self.compute.set_loaded(op.holder, now)
+            self.compute.set_loaded(op.holder, now, getattr(inst.engine, "layer_arrivals", None))  # live: layers still coming
             self._add_deferred(inst)
             if not inst.requests:
                 inst.idle_since = now  # keep-alive counts from when it can serve (LLM-Mesh 4)

@@ -34,6 +34,7 @@ from typing import Iterable, Protocol, Sequence
 from sortedcontainers import SortedKeyList, SortedList
 
 from mesh.policy.batching import IterationKind, IterationTimes, extra_s, prefill_take
+from mesh.policy.live_scaling import LayerArrivals
 from mesh.policy.slo import SLO, DeadlineRule
 
 
@@ -74,6 +75,7 @@ class InstanceState:
     order_entry: tuple | None = None  # this instance's entry in the node's order, if any
     last: tuple[IterationKind, int] | None = None  # its previous iteration (kind, batch size), for extra_s
     shapes: set[int] = field(default_factory=set)  # prompt-token totals it has prefilled, for extra_s
+    layers: LayerArrivals | None = None  # a live instance: its usable layers over time (None: all held)
 
     @property
     def tpot(self) -> float:
@@ -141,9 +143,10 @@ class ComputeSubsystem:
         self.instances[instance_id] = inst
         return inst
 
-    def set_loaded(self, instance_id: str, now: float) -> None:
+    def set_loaded(self, instance_id: str, now: float, layers: LayerArrivals | None = None) -> None:
+        """The instance can run from `now`; `layers`: a live instance's layers still arriving."""
         inst = self.instances[instance_id]
-        inst.loaded, inst.ready_at = True, now
+        inst.loaded, inst.ready_at, inst.layers = True, now, layers
 
     def remove_instance(self, instance_id: str) -> None:
         inst = self.instances[instance_id]

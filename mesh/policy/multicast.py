@@ -326,6 +326,15 @@ def _binomial_group(source: str, receivers: Sequence[str], order: Sequence[int])
     return best
 
 
+def sub_groups(sources: Sequence[str], targets: Sequence[str],
+               bandwidth: Mapping[str, float] | None = None) -> list[list[str]]:
+    """The receivers' k sub-groups of the binomial plan (lambdaScale 4.2): targets in
+    decreasing bandwidth dealt over k = min(sources, targets) groups; group i is fed by the
+    i-th fastest source in the i-th k-way order."""
+    k = min(len(sources), max(1, len(targets)))
+    return _split(_by_bandwidth(targets, bandwidth), k)
+
+
 def binomial(sources: Sequence[str], targets: Sequence[str], blocks: int,
              bandwidth: Mapping[str, float] | None = None) -> Plan:
     """The binomial pipeline with the k-way transmission order (lambdaScale 4.2): k sources,
@@ -333,7 +342,7 @@ def binomial(sources: Sequence[str], targets: Sequence[str], blocks: int,
     in the i-th circular shift of the k chunks."""
     _check_nodes(sources, targets, blocks)
     srcs = _by_bandwidth(sources, bandwidth)
-    groups = _split(_by_bandwidth(targets, bandwidth), min(len(srcs), max(1, len(targets))))
+    groups = sub_groups(sources, targets, bandwidth)
     orders = k_way_orders(blocks, len(groups))
     transfers = []
     for src, group, order in zip(srcs, groups, orders):

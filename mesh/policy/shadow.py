@@ -46,6 +46,7 @@ from typing import Collection
 
 from mesh.policy.batching import IterationKind, prefill_take, IterationTimes
 from mesh.policy.compute import ComputeSubsystem
+from mesh.policy.live_scaling import LayerArrivals, solo_finish
 from mesh.policy.slo import DeadlineRule
 
 DEFAULT_MARGIN = 0.10
@@ -107,6 +108,12 @@ class _Sim:
     rule: DeadlineRule
     head: int = 0  # pending[head:] still wait for prefill
     margin: float = DEFAULT_MARGIN  # for this instance's iterations (instance_margin)
+    layers: LayerArrivals | None = None  # a live instance's usable layers over time
+
+    def end_s(self, t: float, padded_s: float) -> float:
+        """When an iteration of `padded_s` at full speed, started at `t`, ends: a live
+        instance runs the layers it holds and waits for the others (live_iteration_end)."""
+        return live_iteration_end(self.layers, t, padded_s)
 
     def next_deadline(self) -> float:
         best = self.min_key + self.tpot * self.rounds if self.n else math.inf
@@ -129,6 +136,15 @@ class _Outcome:
     candidate_first_token_s: float = math.nan
     candidate_late_s: float = -math.inf  # first token time minus TTFT deadline
     end_s: float = 0.0
+
+
+def live_iteration_end(layers: LayerArrivals | None, t: float, padded_s: float) -> float:
+    """A live instance's iteration, predicted from the layers it holds (LLM-Mesh 5.3 with
+    BlitzScale 5.2): the instance alone runs each layer once it is in (the partner's help,
+    which it gives only when idle, is never counted on); a full instance: `t + padded_s`."""
+    if layers is None or t >= layers.full_s:
+        return t + padded_s
+    return solo_finish(t, padded_s, layers)
 
 
 def instance_margin(times: IterationTimes, margin: float) -> float:
@@ -172,7 +188,7 @@ def _snapshot(
             inst.instance_id, inst.times, inst.tpot, inst.prefill_token_budget, inst.ready_at,
             pending, len(inst.running), inst.context_sum, inst.decode_rounds,
             first.key if first else math.inf, first.request_id if first else None, compute.deadlines,
-            margin=instance_margin(inst.times, margin),
+            margin=instance_margin(inst.times, margin), layers=inst.layers,
         )
         if flight is not None and flight.instance_id == inst.instance_id:
             _finish_in_flight(sim, flight.kind, flight.batch_size, compute.busy_until)
@@ -231,7 +247,7 @@ def _simulate(
             take = prefill_take((e[1] for e in s.pending[s.head :]), s.budget, math.inf)
             batch = s.pending[s.head : s.head + take]
             tokens = sum(e[1] for e in batch)
-            t += pad.add(s.times.prefill_s(tokens), s.margin)
+            t = s.end_s(t, pad.add(s.times.prefill_s(tokens), s.margin))
             s.head += len(batch)
             for rid, prompt_len, deadline, resumed in batch:
                 if rid == candidate_id:
@@ -245,7 +261,7 @@ def _simulate(
             if candidate_id is not None and prefills_left <= 0 and waiting_decode is None:
                 waiting_decode = {x.instance_id for x in sims if x.n}
         else:  # decode iteration: every running request gets a token
-            t += pad.add(s.times.decode_s(s.n, s.ctx / s.n), s.margin)
+            t = s.end_s(t, pad.add(s.times.decode_s(s.n, s.ctx / s.n), s.margin))
             deadline = s.min_key + s.tpot * s.rounds
             if t > deadline and s.min_rid is not None and s.min_rid != candidate_id:
                 late = out.late.get(s.min_rid, (0.0, ""))[0]

@@ -17,31 +17,48 @@ Four modes (`WeightsConfig.mode`), all for GPU instances of one model:
   GPU memory, no PCIe hop); a target's load time is its completion time. A node's uplink
   carries one multicast at a time: a multicast uses the sources whose uplink is free, else
   waits for the one that frees first (overlapping multicasts queue rather than share).
-- `multicast-live`: `multicast` plus live scaling after BlitzScale 5.2 (cooperative
-  execution with an overloaded instance). What is modelled, exactly: a new instance whose
-  multicast starts while a fully loaded instance of the model (its partner) is free to
-  cooperate - at most one new instance per loaded instance - starts serving as soon as
-  block 0 arrives. While it holds the first fraction `f` of the layers (the longest prefix
-  of blocks 0..l-1 it has, since layers run in order), the pair (partner + new instance)
-  can serve `min(2, 1/(1-f))` instances' worth of requests with the best split of layers
-  (the partner runs layers l..L of the new instance's requests), so the new instance adds
-  `c(f) = min(1, f/(1-f))` of an instance: its iteration of full-speed duration W takes
-  until the integral of c over time reaches W, re-evaluated at every block arrival. The
-  partner's own iterations are not slowed (its lost capacity is already subtracted: c(f)
-  is the pair's gain, not the new instance's own speed). Without a free partner the new
-  instance waits for all its blocks (stop-the-world), as in `multicast`.
+- `multicast-live`: `multicast` plus live scaling, by the rules of mesh.policy.live_scaling
+  (the ones a live runtime uses). Block arrivals come from the multicast's schedule; a
+  receiver's usable layers are its longest prefix of blocks (layers of equal bytes, the
+  model's shape from mesh/modelfiles/shapes, else `WeightsConfig.layers`/`hidden_size`).
+  * ZigZag (BlitzScale 5.2, Fig. 16): a new instance whose multicast starts while a fully
+    loaded instance of the model (its partner) is not already partnered serves from its first
+    layer on. Each of its iterations (full-speed time W) runs layer by layer on it as the
+    layers arrive (`target_next`: W/L a layer); whenever the partner has no request waiting
+    for prefill of its own (`source_pull`), it pulls the iteration with its activation
+    (hidden x tokens x 2 bytes at the network bandwidth) and runs the remaining layers in
+    (1 - f) W once its own iteration in flight ends, if that ends no later than the new
+    instance alone would (`pull_helps`); the partner's next iteration then waits for it.
+    From the last layer on, full speed; requests that had iterations pulled recompute their
+    KV cache (prompt + tokens so far, as prefills) at the new instance's next iteration.
+  * Execution pipelines (lambdaScale 4.3, Algorithm 2) for the receivers without a partner
+    (a scale from zero): the multicast's sub-groups (binomial: `sub_groups`, one per source;
+    chain: one per chain) form pipelines; from the first instant the members' held blocks
+    cover the model (`stage_ranges`), each member serves, every iteration taking
+    `pipeline_iteration_s` (W plus one activation hop per stage boundary, or the slowest
+    stage times the batches in flight: the members with work), or the member alone if sooner. When every
+    member holds the model, the mode switch (4.4): the pipeline's running requests are
+    spread with `switch_assignment` and each member recomputes the KV cache of its share
+    (prefills of prompt + tokens so far) before its next iteration.
+  * Shadow validation predicts a live instance's iterations from its layers (the instance
+    alone, mesh.policy.shadow.live_iteration_end): the engine gives its `layer_arrivals`.
 
 What this does not model (docs/multicast.md, "Weights by network"): contention on the
-receivers' downlinks or with serving traffic; bandwidth sharing (overlapping multicasts
-queue on a source's uplink instead); the
-activation transfers between partner and new instance; ZigZag's request reordering
-(ignored: the pair capacity used is its upper bound under the best split); lambdaScale's
-execution pipelines across several receivers (4.3) and KV recomputation at mode switch
-(4.4); the shadow validation of the policy still assumes the full-speed iteration times of
-a live instance.
+receivers' downlinks or with serving traffic, including the activations' (their bytes are
+counted, their time is a hop at full bandwidth); bandwidth sharing (overlapping multicasts
+queue on a source's uplink instead); the runtime runs one iteration of an instance at a
+time, so ZigZag's queue holds one batch (the live instance's current iteration) and two
+batches never overlap across the pair (Fig. 15b's overlap of one request's layers with
+another's on the partner); the KV cache the partner keeps for pulled layers (the twin
+recomputes it at the end instead); a pipeline member's work for the other members' batches
+is not charged to its node (balanced stages make the 2D pipeline's per-node work that of a
+full instance, `pipeline_iteration_s` bounds the rest); the switch keeps requests on the
+instance that admitted them (the runtime cannot move them), only the recompute cost follows
+`switch_assignment`; shadow validation does not predict the partner's lent time or the
+switch's recomputation.
 
-Pure functions (`stop_the_world_s`, `live_capacity`, `live_finish`, `prefix_fractions`)
-have no clock; the engines read time only from the event loop.
+Pure functions (`stop_the_world_s`, and mesh.policy.live_scaling's rules) have no clock;
+the engines read time only from the event loop.
 """
 from __future__ import annotations
 
@@ -50,11 +67,16 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from mesh.engines.engine_api import Engine
+from mesh.engines.engine_api import Engine, StepResult
 from mesh.engines.simulated import SimulatedEngine
-from mesh.policy.batching import IterationTimes
+from mesh.modelfiles.shape import layers_and_hidden
 from mesh.perf.load_times import NET_BYTES_PER_S, PCIE_BYTES_PER_S, CostModel, block_sizes, schedule, weights_load_s
-from mesh.policy.multicast import make_plan
+from mesh.policy.live_scaling import (
+    LayerArrivals, Stage, ZigZagRequest, ZigZagState, activation_bytes, activation_s, block_layer_ends,
+    execution_pipelines, pipeline_iteration_s, pull_helps, pulled_finish, recompute_tokens, solo_finish,
+    source_pull, stage_ranges, switch_assignment, target_next,
+)
+from mesh.policy.multicast import chains, make_plan, sub_groups
 from mesh.policy.param_pool import ParameterPool
 from mesh.node.runtime import InstancePlan
 
@@ -67,6 +89,7 @@ if TYPE_CHECKING:
 
 MODES: tuple[str, ...] = ("ssd", "host", "multicast", "multicast-live")
 HOST_MEMORY_BYTES = 2 * 10**12  # per GPU node, for the pool's host copies (far more than needed)
+_EPS = 1e-9
 
 
 @dataclass(frozen=True)
@@ -79,6 +102,8 @@ class WeightsConfig:
     plan: str = "binomial"
     latency_s: float = 10e-6  # per block transfer
     fixed_s: float = 0.0  # engine start-up per instance, on top of the weights
+    layers: int = 32  # a model without a shape file (mesh/modelfiles/shapes): Llama-2-7B's
+    hidden_size: int = 4096
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -86,8 +111,10 @@ class WeightsConfig:
         if self.plan not in ("binomial", "chain", "naive"):
             raise ValueError(f"unknown plan {self.plan!r}: binomial, chain or naive")
         if not (self.ssd_bytes_per_s > 0 and self.pcie_bytes_per_s > 0 and self.net_bytes_per_s > 0
-                and self.block_bytes > 0 and self.latency_s >= 0 and self.fixed_s >= 0):
-            raise ValueError(f"bandwidths and block size must be > 0, latency and fixed time >= 0: {self}")
+                and self.block_bytes > 0 and self.latency_s >= 0 and self.fixed_s >= 0
+                and self.layers >= 1 and self.hidden_size >= 1):
+            raise ValueError(f"bandwidths, block size, layers and hidden size must be > 0, latency and fixed "
+                             f"time >= 0: {self}")
 
     def nominal_bytes_per_s(self) -> float:
         """The bandwidth of one uncontended cold start (for the policy's expected load time)."""
@@ -101,106 +128,232 @@ def stop_the_world_s(config: WeightsConfig, weight_bytes: int, from_host: bool) 
     return weights_load_s(weight_bytes, config.pcie_bytes_per_s if from_host else config.ssd_bytes_per_s, config.fixed_s)
 
 
-def live_capacity(fraction: float) -> float:
-    """Instances' worth of serving a live instance adds to its partner when it holds the first
-    `fraction` of the layers (BlitzScale 5.2, best split): min(1, f / (1 - f))."""
-    if fraction >= 1.0:
-        return 1.0
-    if fraction <= 0.0:
-        return 0.0
-    return min(1.0, fraction / (1.0 - fraction))
-
-
-def prefix_fractions(arrivals: Sequence[tuple[float, int]], sizes: Sequence[int]) -> list[tuple[float, float]]:
-    """(time, fraction of the model's bytes in the longest held prefix of blocks), at each
-    time the prefix grows; `arrivals` are (time, block)."""
-    total = float(sum(sizes))
-    held: set[int] = set()
-    nxt, prefix = 0, 0
-    out: list[tuple[float, float]] = []
-    for t, block in sorted(arrivals):
-        held.add(block)
-        grew = False
-        while nxt in held:
-            prefix += sizes[nxt]
-            nxt += 1
-            grew = True
-        if grew:
-            if out and out[-1][0] == t:
-                out[-1] = (t, prefix / total)
-            else:
-                out.append((t, prefix / total))
-    return out
-
-
-def live_finish(start: float, work_s: float, steps: Sequence[tuple[float, float]]) -> float:
-    """When an iteration of full-speed duration `work_s`, started at `start`, ends on a live
-    instance whose prefix fraction follows `steps` ((time, fraction), increasing): the time
-    at which the integral of live_capacity(fraction(t)) from `start` reaches `work_s`."""
-    if work_s <= 0:
-        return start
-    frac = 0.0
-    for t, f in steps:
-        if t <= start:
-            frac = f
-    t = start
-    left = work_s
-    for t_next, f_next in steps:
-        if t_next <= t:
-            continue
-        rate = live_capacity(frac)
-        if rate > 0 and left <= rate * (t_next - t):
-            return t + left / rate
-        left -= rate * (t_next - t)
-        t, frac = t_next, f_next
-    rate = live_capacity(frac)
-    if rate <= 0:
-        raise ValueError("a live iteration can never finish: no layer ever arrives")
-    return t + left / rate
+def recompute_s(times, token_counts: Sequence[int], budget: int) -> float:
+    """The KV recomputation of requests of `token_counts` tokens, as prefills of at most
+    `budget` tokens each (lambdaScale 4.4)."""
+    total, left = 0.0, sum(token_counts)
+    while left > 0:
+        chunk = min(left, budget)
+        total += times.prefill_s(chunk)
+        left -= chunk
+    return total
 
 
 # --- the replay side -----------------------------------------------------------------------
 
-class LiveTimes:
-    """Iteration times of a live instance: the full-speed times, stretched by live_finish
-    while its layers arrive (reads the event loop's clock when an iteration starts)."""
+@dataclass
+class Pipeline:
+    """An execution pipeline of receivers (lambdaScale 4.3): members (instance ids, in
+    Algorithm 2's order), each member's block arrivals (time, block), and the layer each
+    block ends on."""
 
-    def __init__(self, base: IterationTimes, steps: Sequence[tuple[float, float]]) -> None:
-        self.base = base
-        self.steps = list(steps)
-        self.full_at = steps[-1][0] if steps else 0.0
+    members: list[str]
+    blocks: dict[str, list[tuple[float, int]]]
+    layer_ends: tuple[int, ...]
+    assignment: dict[str, list[str]] | None = None  # the mode switch's, once made
 
-    def _stretch(self, work: float) -> float:
-        now = asyncio.get_running_loop().time()
-        if now >= self.full_at:
-            return work
-        return live_finish(now, work, self.steps) - now
+    def stages(self, t: float) -> list[Stage] | None:
+        held = {m: {b for s, b in arr if s <= t} for m, arr in self.blocks.items()}
+        return stage_ranges(self.members, held, self.layer_ends)
 
-    def prefill_s(self, prompt_len: int) -> float:
-        return self._stretch(self.base.prefill_s(prompt_len))
+    def cover_s(self) -> float:
+        """The first instant the members together hold every layer."""
+        for t in sorted({s for arr in self.blocks.values() for s, _ in arr}):
+            if self.stages(t) is not None:
+                return t
+        return math.inf
 
-    def decode_s(self, batch: int, avg_context: float) -> float:
-        return self._stretch(self.base.decode_s(batch, avg_context))
+    def switch_s(self) -> float:
+        """When every member holds the whole model (the mode switch, 4.4)."""
+        return max(max(s for s, _ in arr) for arr in self.blocks.values())
+
+
+@dataclass
+class LiveRole:
+    """How a new instance serves before its last layer: its own usable layers over time,
+    and its ZigZag partner or its pipeline."""
+
+    arrivals: LayerArrivals
+    hidden_size: int
+    link_bytes_per_s: float
+    partner: str | None = None
+    pipeline: Pipeline | None = None
+
+    @property
+    def until_s(self) -> float:
+        """When it serves as a full instance (after the switch's recomputation)."""
+        return self.pipeline.switch_s() if self.pipeline is not None else self.arrivals.full_s
 
 
 class WeightsEngine(SimulatedEngine):
-    """A simulated engine whose load time (and, live, early iteration times) the weights
-    model decides when the load starts."""
+    """A simulated engine whose load time (and, live, early iterations) the weights model
+    decides when the load starts. Every engine of a run is one, so that a partner can lend
+    its time to a live instance's iterations (`lent_until`)."""
 
     def __init__(self, model_weights: "WeightsModel", plan: InstancePlan, node_id: str, **kwargs) -> None:
         super().__init__(plan.model, plan.times, **kwargs)
         self._weights = model_weights
         self._plan = plan
         self._node_id = node_id
+        self.role: LiveRole | None = None
+        self.busy_until = -math.inf  # the end of its iteration in flight
+        self.lent_until = -math.inf  # the end of the live instance's layers it runs (ZigZag)
+        self.changed = asyncio.Event()  # set after each iteration (a partner may turn idle)
+        self._tokens = 0  # tokens of the iteration about to run (its activation's rows)
+        self._batch: list[str] = []
+        self._pulled: set[str] = set()  # requests whose layers the partner ran (KV there)
+        self._switched = False
+
+    @property
+    def layer_arrivals(self) -> LayerArrivals | None:
+        """For shadow validation (mesh.node.memory_operations): a live instance's layers."""
+        return self.role.arrivals if self.role is not None else None
 
     async def load(self) -> None:
         await asyncio.sleep(0)  # instances placed in the same instant join one multicast
-        ready_at, times = self._weights.loading(self._plan, self._node_id)
-        if times is not None:
-            self.times = times
+        ready_at, role = self._weights.loading(self._plan, self._node_id, self)
+        self.role = role
         delay = ready_at - asyncio.get_running_loop().time()
         if delay > 0:
             await asyncio.sleep(delay)
+
+    async def unload(self) -> None:
+        await super().unload()
+        self._weights.engines.pop(self._plan.instance_id, None)
+
+    # -- ZigZag's source side ------------------------------------------------------------
+    def zigzag_idle(self) -> bool:
+        """No request of its own waits for prefill (BlitzScale Fig. 16, line 5)."""
+        return not self._pending
+
+    def free_at(self, now: float) -> float:
+        return max(now, self.busy_until, self.lent_until)
+
+    # -- iterations ------------------------------------------------------------------------
+    async def step(self) -> StepResult:
+        loop = asyncio.get_running_loop()
+        if self.lent_until > loop.time():  # running a live instance's layers first
+            await asyncio.sleep(self.lent_until - loop.time())
+        if self.role is not None and loop.time() >= self.role.until_s:
+            await self._switch()
+        try:
+            return await super().step()
+        finally:
+            self.changed.set()
+            self.changed = asyncio.Event()
+
+    async def _prefill(self, take: int, switched: bool) -> StepResult:
+        self._batch = list(self._pending)[:take]
+        self._tokens = sum(self._pending[r][0] for r in self._batch)
+        return await super()._prefill(take, switched)
+
+    async def _decode(self, switched: bool) -> StepResult:
+        self._batch = list(self._running)
+        self._tokens = len(self._batch)
+        return await super()._decode(switched)
+
+    async def _pause(self, seconds: float) -> None:
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        role = self.role
+        if role is None or start >= role.until_s or start >= role.arrivals.full_s and role.pipeline is None:
+            self.busy_until = start + seconds
+            await asyncio.sleep(seconds)
+            return
+        hop = activation_s(role.hidden_size, max(1, self._tokens), role.link_bytes_per_s)
+        if role.pipeline is not None:
+            await self._pipelined(start, seconds, hop)
+        else:
+            await self._zigzag(start, seconds, hop)
+        if loop.time() > start + seconds + hop + _EPS:  # it waited for layers
+            self._weights.stats.waited.update(self._batch)
+
+    async def _zigzag(self, start: float, work: float, hop: float) -> None:
+        """One iteration as the target of ZigZag (module docstring)."""
+        loop = asyncio.get_running_loop()
+        role = self.role
+        arr, layers = role.arrivals, role.arrivals.layers
+        done, t = 0, start
+        while done < layers:
+            partner = self._weights.engines.get(role.partner or "")
+            state = ZigZagState(layers, arr.held_at(t), (ZigZagRequest("iteration", 0, done),),
+                                None, partner is not None and partner.zigzag_idle())
+            pull = source_pull(state)
+            if pull is not None and pull_helps(t, work, done, arr, partner.free_at(t), hop):
+                end = pulled_finish(t, work, done, layers, partner.free_at(t), hop)
+                partner.lent_until = max(partner.lent_until, end)
+                stats = self._weights.stats
+                stats.pulls += 1
+                if done:
+                    stats.activation_bytes += activation_bytes(role.hidden_size, max(1, self._tokens))
+                self._pulled.update(self._batch)
+                self.busy_until = end
+                await asyncio.sleep(end - t)
+                return
+            if target_next(state) is not None:
+                self.busy_until = t + work / layers
+                await asyncio.sleep(work / layers)
+                done += 1
+            else:
+                wait = arr.layer_at(done) - t
+                if partner is None:
+                    await asyncio.sleep(wait)
+                else:
+                    try:
+                        await asyncio.wait_for(partner.changed.wait(), wait)
+                    except asyncio.TimeoutError:
+                        pass
+            t = loop.time()
+
+    async def _pipelined(self, start: float, work: float, hop: float) -> None:
+        """One iteration as a member of an execution pipeline (module docstring)."""
+        role = self.role
+        pipe = role.pipeline
+        alone = solo_finish(start, work, role.arrivals)
+        stages = pipe.stages(start)
+        end = alone
+        if stages is not None:
+            engines = self._weights.engines
+            batches = sum(1 for m in pipe.members if m in engines and engines[m].has_work())  # in flight
+            through = start + pipeline_iteration_s(work, stages, hop, max(1, batches))
+            if through < alone:
+                end = through
+                self._weights.stats.activation_bytes += (len(stages) - 1) * activation_bytes(
+                    role.hidden_size, max(1, self._tokens))
+        self.busy_until = end
+        await asyncio.sleep(end - start)
+
+    def _recompute_share(self) -> list[str]:
+        """The requests whose KV cache this instance recomputes at the switch (4.4)."""
+        pipe = self.role.pipeline
+        if pipe is None:
+            return [r for r in self._running if r in self._pulled]
+        if pipe.assignment is None:
+            engines = self._weights.engines
+            reqs = [(rid, m) for m in pipe.members if m in engines for rid in engines[m]._running]
+            live = [m for m in pipe.members if m in engines]
+            pipe.assignment = switch_assignment(reqs, live) if live else {}
+            self._weights.stats.switch_moves += sum(
+                1 for m, rids in pipe.assignment.items() for rid in rids if rid not in engines[m]._running)
+        return pipe.assignment.get(self._plan.instance_id, [])
+
+    async def _switch(self) -> None:
+        """Full instance from now: recompute the KV cache of its share (lambdaScale 4.4)."""
+        share = self._recompute_share()
+        engines = self._weights.engines
+        tokens = []
+        for rid in share:
+            for eng in engines.values():
+                entry = eng._running.get(rid)
+                if entry is not None:
+                    tokens.append(recompute_tokens(entry[0], eng._rounds - entry[2] + 1))
+                    break
+        self.role = None
+        if tokens:
+            self._weights.stats.recompute_tokens += sum(tokens)
+            wait = recompute_s(self.times, tokens, self.prefill_token_budget)
+            self.busy_until = asyncio.get_running_loop().time() + wait
+            await asyncio.sleep(wait)
 
 
 @dataclass
@@ -208,15 +361,21 @@ class _Group:
     model: str
     started: float
     targets: list[tuple[str, str, int]] = field(default_factory=list)  # (instance id, node, bytes)
-    result: dict[str, tuple[float, list[tuple[float, float]] | None]] | None = None
+    result: dict[str, tuple[float, LiveRole | None]] | None = None
 
 
 @dataclass
 class WeightsStats:
-    loads: dict[str, int] = field(default_factory=dict)  # how -> count (ssd, host, multicast, live)
+    loads: dict[str, int] = field(default_factory=dict)  # how -> count (ssd, host, multicast, live, pipeline)
     multicasts: int = 0
     multicast_targets: int = 0
     load_s: list[float] = field(default_factory=list)  # per instance: load start -> serving
+    pulls: int = 0  # live iterations the partner finished (ZigZag)
+    pipelines: int = 0  # execution pipelines formed (of two members or more)
+    activation_bytes: int = 0  # hidden states across the network
+    recompute_tokens: int = 0  # KV recomputed at switches
+    switch_moves: int = 0  # requests switch_assignment would move to another member
+    waited: set[str] = field(default_factory=set)  # requests in iterations that waited for layers
 
 
 class WeightsModel:
@@ -229,6 +388,7 @@ class WeightsModel:
         for node in cluster.nodes:
             self.pool.add_node(node.node_id, HOST_MEMORY_BYTES)
         self.stats = WeightsStats()
+        self.engines: dict[str, WeightsEngine] = {}  # instance id -> its engine, while loaded
         self._group: _Group | None = None
         self._by_instance: dict[str, _Group] = {}
         self._live: set[str] = set()  # instances serving before their last layer
@@ -241,10 +401,12 @@ class WeightsModel:
             node_id = plan.instance_id.rsplit("@", 1)[1].rsplit("#", 1)[0]
             self._join(plan, node_id)
             c = self.cluster.config
-            return WeightsEngine(self, plan, node_id, kv_bytes_per_token=plan.kv_bytes_per_token,
-                                 weight_bytes=plan.weight_bytes, context_window=plan.context_window,
-                                 prefill_token_budget=plan.prefill_token_budget, max_batch=plan.max_batch,
-                                 load_s=0.0, noise=c.noise, seed=seed)
+            engine = WeightsEngine(self, plan, node_id, kv_bytes_per_token=plan.kv_bytes_per_token,
+                                   weight_bytes=plan.weight_bytes, context_window=plan.context_window,
+                                   prefill_token_budget=plan.prefill_token_budget, max_batch=plan.max_batch,
+                                   load_s=0.0, noise=c.noise, seed=seed)
+            self.engines[plan.instance_id] = engine
+            return engine
         return make
 
     def _now(self) -> float:
@@ -263,10 +425,13 @@ class WeightsModel:
     def _count(self, how: str) -> None:
         self.stats.loads[how] = self.stats.loads.get(how, 0) + 1
 
-    def loading(self, plan: InstancePlan, node_id: str) -> tuple[float, LiveTimes | None]:
-        """When the instance can serve, and its live iteration times (None: full speed)."""
+    def loading(self, plan: InstancePlan, node_id: str, engine: WeightsEngine | None = None
+                ) -> tuple[float, LiveRole | None]:
+        """When the instance can serve, and how it serves before its last layer (None: it waits)."""
         now = self._now()
         mode = self.config.mode
+        if engine is not None:
+            self.engines[plan.instance_id] = engine
         if mode in ("ssd", "host"):
             cached = mode == "host" and (plan.model, node_id) in self._cached
             self._count("host" if cached else "ssd")
@@ -278,11 +443,20 @@ class WeightsModel:
         g = self._by_instance.pop(plan.instance_id)
         if g.result is None:
             g.result = self._multicast(g)
-        ready, steps = g.result[plan.instance_id]
+        ready, role = g.result[plan.instance_id]
         self.stats.load_s.append(ready - now)
-        return ready, (LiveTimes(plan.times, steps) if steps else None)
+        return ready, role
 
-    def _multicast(self, g: _Group) -> dict[str, tuple[float, list[tuple[float, float]] | None]]:
+    def _groups(self, sources: list[str], targets: list[str]) -> list[list[str]]:
+        """The plan's receiver groups, for Algorithm 2: binomial sub-groups, chains, or one
+        group per target (naive: every target alone)."""
+        if self.config.plan == "binomial":
+            return sub_groups(sources, targets)
+        if self.config.plan == "chain":
+            return [ch[1:] for ch in chains(sources, targets)]
+        return [[t] for t in targets]
+
+    def _multicast(self, g: _Group) -> dict[str, tuple[float, LiveRole | None]]:
         cfg = self.config
         model = g.model
         size = g.targets[0][2]
@@ -290,7 +464,7 @@ class WeightsModel:
             self.pool.register(model, size)
         hosts = set(self.pool.host_copies(model))
         now = g.started
-        out: dict[str, tuple[float, list[tuple[float, float]] | None]] = {}
+        out: dict[str, tuple[float, LiveRole | None]] = {}
         by_net: list[tuple[str, str]] = []
         for iid, node, nbytes in g.targets:
             if node in hosts:
@@ -322,21 +496,54 @@ class WeightsModel:
         arrivals: dict[str, list[tuple[float, int]]] = {t: [] for t in targets}
         for tt in sched.transfers:
             if tt.transfer.receiver in arrivals:
-                arrivals[tt.transfer.receiver].append((tt.finish_s, tt.transfer.block))
+                arrivals[tt.transfer.receiver].append((now + cfg.fixed_s + tt.finish_s, tt.transfer.block))
+        layers, hidden = layers_and_hidden(model, cfg.layers, cfg.hidden_size)
+        ends = block_layer_ends(sizes, layers)
         partners = [r.instance_id for r in full if r.instance_id not in self._partners.values()]
+        alone: list[tuple[str, str]] = []
         for iid, node in by_net:
             done = now + cfg.fixed_s + sched.completion_s[node]
             if cfg.mode == "multicast-live" and partners:
-                self._partners[iid] = partners.pop(0)
-                steps = [(now + cfg.fixed_s + t, f) for t, f in prefix_fractions(arrivals[node], sizes)]
+                partner = partners.pop(0)
+                self._partners[iid] = partner
+                role = LiveRole(LayerArrivals.from_blocks(arrivals[node], ends), hidden, cfg.net_bytes_per_s,
+                                partner=partner)
                 self._count("live")
                 self._live.add(iid)
                 asyncio.get_running_loop().call_at(done, self._end_live, iid)
-                out[iid] = (steps[0][0], steps)
+                out[iid] = (role.arrivals.first_s, role)
             else:
-                self._count("multicast")
+                alone.append((iid, node))
                 out[iid] = (done, None)
+        if cfg.mode == "multicast-live" and len(alone) > 1:
+            self._pipelines(alone, arrivals, ends, hidden, free, out)
+        for iid, _ in alone:
+            self._count("multicast" if out[iid][1] is None else "pipeline")
         return out
+
+    def _pipelines(self, alone: list[tuple[str, str]], arrivals: dict[str, list[tuple[float, int]]],
+                   ends: tuple[int, ...], hidden: int, sources: list[str],
+                   out: dict[str, tuple[float, LiveRole | None]]) -> None:
+        """lambdaScale 4.3: receivers without a partner form execution pipelines (Algorithm 2
+        over the plan's groups); a pipeline serves from when its members cover the model."""
+        iid_of = dict((node, iid) for iid, node in reversed(alone))  # one instance per node
+        nodes = [n for n in dict.fromkeys(node for _, node in alone)]
+        groups = [[n for n in grp if n in iid_of] for grp in self._groups(sources, nodes)]
+        for members in execution_pipelines(groups):
+            if len(members) < 2:
+                continue
+            pipe = Pipeline([iid_of[n] for n in members], {iid_of[n]: arrivals[n] for n in members}, ends)
+            cover = pipe.cover_s()
+            if not cover < min(out[iid_of[n]][0] for n in members):
+                continue
+            self.stats.pipelines += 1
+            for n in members:
+                iid = iid_of[n]
+                self._live.add(iid)  # not a source nor a partner before its last block
+                asyncio.get_running_loop().call_at(out[iid][0], self._end_live, iid)
+                role = LiveRole(LayerArrivals.from_blocks(arrivals[n], ends), hidden, self.config.net_bytes_per_s,
+                                pipeline=pipe)
+                out[iid] = (cover, role)
 
     def _end_live(self, iid: str) -> None:
         self._live.discard(iid)

@@ -22,10 +22,18 @@ from mesh.replay.driver import ReplayConfig, build_catalog, run_policy, trace_me
 from mesh.replay.metrics import node_seconds, summarize
 from mesh.replay.cold_start_modes import MODES, Engines, WeightsConfig
 from mesh.control.cluster_view import ClusterConfig
+from mesh.node.request import Outcome
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR
 from workloads.workload import Workload, bursty_single_model
 
+
+
+def late_for_missing_layers(requests, waited: set[str]) -> int:
+    """Requests served (completed) past their SLO, though placed to be on time (not served
+    late on purpose), with an iteration that waited for layers on a live instance."""
+    return sum(1 for r in requests if r.request_id in waited and r.outcome is Outcome.COMPLETED
+               and not r.slo_met and r.late_s == 0)
 
 
 def compare(workload: Workload, base: str, modes: Sequence[str], weights: WeightsConfig, gpu_nodes: int,
@@ -53,6 +61,9 @@ def compare(workload: Workload, base: str, modes: Sequence[str], weights: Weight
             "gpu_nodes_max": s["gpu_nodes_max"], "instances_started": s["instances_started"],
             "warm_ups": s.get("warm_ups", 0),
             "loads": dict(stats.loads), "multicasts": stats.multicasts,
+            "live_pulls": stats.pulls, "pipelines": stats.pipelines, "activation_bytes": stats.activation_bytes,
+            "recompute_tokens": stats.recompute_tokens,
+            "late_missing_layers": late_for_missing_layers(run.requests, stats.waited),
             "load_s_min": loads[0] if loads else None, "load_s_median": loads[len(loads) // 2] if loads else None, "load_s_max": loads[-1] if loads else None,
         }
     return out
