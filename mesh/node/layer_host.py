@@ -258,8 +258,9 @@ class LayerHost:
         model = self._model(m.model)
         pulled = 0
         batch = m.batch
-        if batch is None:
-            assert m.pull is not None
+        if batch is None and m.pull is None:  # what this host kept: no hop
+            batch = self._take(m.model, m.pull_ids)
+        elif batch is None:
             batch = await self._pull(m.pull, m.model, m.pull_ids)
             pulled = batch.nbytes
         elif isinstance(batch, HiddenStates):

@@ -16,13 +16,15 @@ connection's first frame is `auth {token}` (the agent's token; any when it has n
                                                  transfer to this node as they arrive (path
                                                  names the transfer's output file)
     status   {model}                          -> {layers, ready, head}
-    run      {model, start, stop, batch, keep?, pull?}
+    run      {model, start, stop, tokens | hidden | pull, keep?}
                                               -> {next: NextTokens} or {hidden: meta} + payload, or
                                                  {kept: true} when `keep`: the output stays here
                                                  for a peer to `take` (the new instance's queue,
-                                                 BlitzScale Fig. 16); `pull: {address, token}`:
-                                                 the input hidden states are taken from that peer
-                                                 first (agent to agent, never through the caller)
+                                                 BlitzScale Fig. 16); `pull: {request_ids,
+                                                 address?, token?}`: the input is what that peer
+                                                 kept for them, taken first (agent to agent,
+                                                 never through the caller), or what this host
+                                                 kept (no address)
     take     {model, request_ids}             -> {hidden: meta} + payload: kept outputs, removed
     release  {model, request_ids}             -> {}: free their KV caches (ended, moved)
     counters {}                               -> LayerCounters
@@ -168,8 +170,10 @@ class ModelState:
 @dataclass(frozen=True, slots=True)
 class Run:
     """Run layers [start, stop) of `model` over a batch: token ids (start 0), hidden states
-    (carried as the payload), or, with `pull`, the hidden states that peer kept for these
-    requests. `keep`: hold the output here for a peer's `take` instead of sending it back."""
+    (carried as the payload), or (batch None) the hidden states kept for `pull_ids` by the
+    peer `pull`, or by this host itself when `pull` is None (a loading instance going on
+    with a request once more layers are in). `keep`: hold the output here for a peer's
+    `take` instead of sending it back."""
 
     model: str
     start: int
@@ -188,8 +192,10 @@ class Run:
         elif isinstance(self.batch, HiddenStates):
             h["hidden"], payload = hidden_meta(self.batch), self.batch.data
             h["nbytes"] = len(payload)
-        if self.pull is not None:
-            h["pull"] = {"address": self.pull.address, "token": self.pull.token, "request_ids": list(self.pull_ids)}
+        if self.batch is None:  # from a peer's kept outputs, or this host's own (pull None)
+            h["pull"] = {"request_ids": list(self.pull_ids)}
+            if self.pull is not None:
+                h["pull"].update(address=self.pull.address, token=self.pull.token)
         return h, payload
 
     @classmethod
@@ -205,8 +211,9 @@ class Run:
             batch = hidden_from(h["hidden"], payload)
         elif isinstance(h.get("pull"), Mapping):
             p = h["pull"]
-            token = p.get("token")
-            pull = Peer(_str(p, "address"), token if isinstance(token, str) else None)
+            if p.get("address") is not None:
+                token = p.get("token")
+                pull = Peer(_str(p, "address"), token if isinstance(token, str) else None)
             pull_ids = _ids(p.get("request_ids"))
         else:
             raise ProtocolError("run: give tokens, hidden states or a peer to pull them from")
