@@ -37,6 +37,7 @@ from mesh.node.layer_host import LAYERS_PREFIX
 from mesh.policy.multicast import make_plan
 from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast
+from mesh.weights.launch import AgentProcess
 from mesh.wire.agent_protocol import READY_PREFIX
 from mesh.wire.layers import LayerConnection, LayerCounters, Open, Peer, Release, Run, RunResult
 
@@ -159,6 +160,7 @@ class RunResult_:
     target_runs: int
     recomputed: int
     activation_bytes: int  # sent by the target, taken by the source
+    streams_split: int = 0  # streams some step of which ran on both agents
     streams_checked: int = 0
     streams_equal: int = 0
 
@@ -201,10 +203,10 @@ async def reference(conn: LayerConnection, model: str, layers: int, prompt: tupl
     return out
 
 
-async def run_once(prepared: Prepared, source: LayerAgent, target: LayerAgent, live: bool, cfg: RunConfig,
-                   weights_token: str) -> RunResult_:
-    """One scale-out under load (module docstring) on agents that hold nothing of the model
-    but the source's file."""
+async def run_once(prepared: Prepared, source: LayerAgent, target: LayerAgent, pool: AgentProcess, live: bool,
+                   cfg: RunConfig) -> RunResult_:
+    """One scale-out under load (module docstring). The multicast's source is `pool`, the
+    parameter pool's host copy (BlitzScale 5.3), a weights agent of its own on a paced link."""
     loop = asyncio.get_running_loop()
     model = f"m-{secrets.token_hex(3)}"
     layers = prepared.layers
@@ -241,11 +243,11 @@ async def run_once(prepared: Prepared, source: LayerAgent, target: LayerAgent, l
     try:
         await asyncio.sleep(cfg.warm_s)
         scale_out = loop.time() - t0
-        plan = make_plan("chain", [source.node], [target.node], prepared.manifest.count)
+        plan = make_plan("chain", [pool.node], [target.node], prepared.manifest.count)
         pair.begin_scale_out()
-        sending = asyncio.create_task(multicast({source.node: source.weights, target.node: target.weights},
-                                                prepared.manifest, plan, {source.node: str(prepared.path)},
-                                                {target.node: str(out_path)}, token=weights_token,
+        sending = asyncio.create_task(multicast({pool.node: pool.address, target.node: target.weights},
+                                                prepared.manifest, plan, {pool.node: str(prepared.path)},
+                                                {target.node: str(out_path)}, token=pool.token,
                                                 timeout_s=cfg.arrive_s * 10 + 60))
         ready: list[tuple[float, int]] = []
         last = -1
@@ -266,8 +268,10 @@ async def run_once(prepared: Prepared, source: LayerAgent, target: LayerAgent, l
     loading = [firsts[r] - begun[r] for r in firsts if scale_out <= begun[r] < full]
     result = RunResult_(live, cfg.seed, scale_out, full, tokens, ready, loading, pair.counters.pulls,
                         pair.counters.target_runs, pair.counters.recomputed, counters.bytes_out)
-    if cfg.check:  # the streams begun while the weights arrived, the ones live scaling split
-        for s in [s for s in all_streams if s.done and scale_out <= begun[s.request_id] < full][:cfg.check_max]:
+    result.streams_split = sum(s.was_split for s in all_streams)
+    if cfg.check:  # the streams live scaling split first, then those begun while the weights arrived
+        during = [s for s in all_streams if s.done and scale_out <= begun[s.request_id] < full]
+        for s in sorted(during, key=lambda s: not s.was_split)[:cfg.check_max]:
             want = await reference(src, model, layers, s.prompt, s.max_tokens, f"check-{s.request_id}")
             result.streams_checked += 1
             result.streams_equal += want == s.tokens

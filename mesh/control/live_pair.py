@@ -56,6 +56,7 @@ class Stream:
     split: int | None = None  # T: layers [0, T) on the target, for a pair stream past its prefill
     at_layer: int = 0  # the target's progress on the stream's current step (activations kept there)
     in_kv: int = 0  # tokens the stream's KV holds (its next position)
+    was_split: bool = False  # some step of it ran on both sides (activations crossed)
     busy: bool = False  # a side is running it now
     ready_s: float = 0.0  # when its current step became ready (FCFS)
 
@@ -189,29 +190,28 @@ class LivePair:
                 self._wake.set()
 
     def _next_work(self, side: str) -> tuple[Run, list[Stream]] | None:
-        """What `side` runs next: its own streams' step (prefills first), else its ZigZag part."""
+        """What `side` runs next: its own streams' step (prefills first), else its ZigZag part.
+        A side with streams of its own to run is busy: the source pulls only when it has none
+        (BlitzScale Fig. 16, line 5)."""
         if self.switching:
             return None
         free = [s for s in self.live_streams() if not s.busy]
-        own = [s for s in free if s.home == side]
-        if side == TARGET and not self.target_full:
-            own = []
+        own = [s for s in free if s.home == side] if side == SOURCE or self.target_full else []
         prefills = [s for s in own if s.in_kv == 0]
-        if prefills:
-            return self._whole(prefills), prefills
-        pair = [s for s in free if s.home == "pair"]
-        zig = self._zigzag(side, pair, idle=not prefills)
-        if own and (zig is None or min(s.ready_s for s in own) <= min(s.ready_s for s in zig[1])):
-            return self._whole(own), own
-        return zig
+        if own:
+            return self._whole(prefills or own), prefills or own
+        return self._zigzag(side, [s for s in free if s.home == "pair"])
 
     def _whole(self, streams: list[Stream]) -> Run:
         positions, ids = zip(*(s.step_tokens() for s in streams))
         return Run(self.model, 0, self.layers, TokenBatch(tuple(s.request_id for s in streams), positions, ids))
 
-    def _zigzag(self, side: str, pair: list[Stream], idle: bool) -> tuple[Run, list[Stream]] | None:
+    def _zigzag(self, side: str, pair: list[Stream]) -> tuple[Run, list[Stream]] | None:
         """The ZigZag part of `side` (BlitzScale 5.2, Fig. 16) over the pair's free streams.
-        A stream in decode may be pulled only once the target ran its split (its KV there)."""
+        A stream in decode may be pulled only once the target ran its split (its KV there).
+        The target batches its front stream with the others at the same point, at most half
+        the pair's streams, so the source has a batch to finish while the target runs the
+        next one (the overlap of Fig. 15b)."""
         if not pair:
             return None
         order = {s.request_id: i for i, s in enumerate(sorted(pair, key=lambda s: s.ready_s))}
@@ -225,8 +225,9 @@ class LivePair:
                 return None
             front = by_id[pick.request_id]
             stop = loaded if front.split is None else front.split
-            group = [s for s in pair if s.at_layer == front.at_layer and (s.split is None) == (front.split is None)
-                     and (loaded if s.split is None else s.split) == stop]
+            group = [s for s in sorted(pair, key=lambda s: s.ready_s) if s.at_layer == front.at_layer
+                     and (s.split is None) == (front.split is None) and (loaded if s.split is None else s.split) == stop]
+            group = [front] + [s for s in group if s is not front][:max(0, (len(pair) + 1) // 2 - 1)]
             ids = tuple(s.request_id for s in group)
             if front.at_layer == 0:
                 positions, tokens = zip(*(s.step_tokens() for s in group))
@@ -235,7 +236,7 @@ class LivePair:
             return Run(self.model, front.at_layer, stop, None, None, ids, keep=True), group
         queue_streams = [s for s in pair if s.split is None or s.at_layer == s.split]
         queue = tuple(ZigZagRequest(s.request_id, order[s.request_id], s.at_layer) for s in queue_streams)
-        pull = source_pull(ZigZagState(self.layers, self.target_ready, queue, None, idle))
+        pull = source_pull(ZigZagState(self.layers, self.target_ready, queue, None, source_idle=True))
         if pull is None:
             return None
         front = by_id[pull.request_id]
@@ -264,6 +265,7 @@ class LivePair:
             s.in_kv = position + len(ids)
             if s.home == "pair" and s.split is None:
                 s.split = run.start  # its prefill was pulled here: its split for life
+            s.was_split = s.was_split or run.start > 0
             s.at_layer = 0
             s.tokens.append(got[s.request_id])
             s.token_times.append(now)

@@ -382,6 +382,9 @@ async def _amain(args: argparse.Namespace) -> int:
     address = await server.serve(args.listen)
     layers = None
     if args.layers_listen:  # decoder layer ranges and activations between agents (mesh.node.layer_host)
+        # its forward passes run in a thread of this process and hold the GIL between torch's
+        # kernels: a short switch interval keeps the loop (weights, replies) waiting less for it
+        sys.setswitchinterval(0.0005)
         layers = LayerHost(token, roots=(root, *map(Path, args.models_root or ())))
         if weights is not None:
             weights.on_block = layers.on_block

@@ -91,6 +91,9 @@ class LayerHost:
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+        """Listen; the engine's import (torch, seconds) starts now, off the loop, so the first
+        block of a model is not held up by it."""
+        self._spawn(asyncio.to_thread(self._engine))
         self._server = await asyncio.start_server(self._connection, host, port, limit=STREAM_LIMIT)
         bound = self._server.sockets[0].getsockname()
         return f"{bound[0]}:{bound[1]}"
@@ -105,6 +108,7 @@ class LayerHost:
             task.cancel()
 
     def _engine(self) -> Any:
+        """The engine class, imported on first use (a warm-up thread does it at start)."""
         if self._engine_cls is None:
             from mesh.engines.torch_layers import TorchLayerEngine  # torch is imported on first use
             self._engine_cls = TorchLayerEngine
@@ -201,8 +205,8 @@ class LayerHost:
             return self._state(Status.from_header(h).model), b""
         if kind == "release":
             m = Release.from_header(h)
-            model = self._model(m.model)
-            for rid in m.request_ids:
+            model = self.models.get(m.model)  # a model not open (yet) holds nothing
+            for rid in m.request_ids if model is not None else ():
                 model.engine.release(rid)
                 model.kept.pop(rid, None)
             return {}, b""
