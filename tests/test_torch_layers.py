@@ -373,3 +373,45 @@ def test_demo_blocks_in_layer_order_serve_before_the_last_arrives(demo_hf, demo_
     assert not e.ready()
     assert e.receive_block(len(data) - 1, data[-1]) == layers and e.ready()
     assert generate([e], PROMPTS, 8) == demo_expected
+
+
+def test_a_whole_instance_follows_the_engine_protocol_and_batching_rule(tiny):
+    _torch()
+    import asyncio
+
+    from mesh.engines.engine_api import Engine, EngineRequest, FinishReason, Sampling
+    from mesh.engines.torch_engine import TorchEngine
+    from mesh.engines.torch_layers import TorchLayerEngine
+    from mesh.policy.batching import IterationKind
+
+    expected = generate([TorchLayerEngine.from_folder(tiny, device="cpu")], TINY_PROMPTS, 6)
+    e = TorchEngine(tiny, context_window=64, max_num_seqs=2, device="cpu", ignore_eos=True)
+    assert isinstance(e, Engine) and e.kv_bytes_per_token == 2 * 4 * 2 * 16 * 4
+    asyncio.run(e.load())
+    assert e.weight_bytes == e.layers.weight_bytes
+    for rid, n in (("a", 6), ("b", 3), ("c", 2)):
+        e.add_request(EngineRequest(rid, len(TINY_PROMPTS.get(rid, [1, 2])), Sampling(max_tokens=n),
+                                    TINY_PROMPTS.get(rid, [1, 2])))
+    with pytest.raises(EngineError, match="already running"):
+        e.add_request(EngineRequest("a", 1, Sampling(), [1]))
+    steps, tokens = [], {}
+
+    async def run() -> None:
+        while e.has_work():
+            r = await e.step()
+            steps.append((r.kind, tuple(r.request_ids), dict(r.finished)))
+            for rid, t in zip(r.request_ids, r.token_ids):
+                tokens.setdefault(rid, []).append(t)
+
+    asyncio.run(run())
+    P, D = IterationKind.PREFILL, IterationKind.DECODE
+    assert steps[:4] == [(P, ("a", "b"), {}), (D, ("a", "b"), {}), (D, ("a", "b"), {"b": FinishReason.LENGTH}),
+                         (P, ("c",), {})]  # c waits for room (max_num_seqs=2), then is prefilled alone
+    assert tokens["a"] == expected["a"] and tokens["b"] == expected["b"][:3] and len(tokens["c"]) == 2
+    assert e.kv_bytes_in_use() == 0 and not e.layers.request_ids
+    e.add_request(EngineRequest("d", 3, Sampling(max_tokens=5), [1, 2, 3]))
+    asyncio.run(e.step())
+    assert e.kv_bytes_in_use() == 3 * e.kv_bytes_per_token
+    e.abort("d")
+    assert not e.has_work() and e.kv_bytes_in_use() == 0
+    asyncio.run(e.unload())
