@@ -26,7 +26,8 @@ import pytest
 from mesh.engines.engine_api import (EngineError, HiddenStates, LayerRange, NextTokens, TokenBatch, can_run_layers)
 from mesh.policy.layer_prefix import LayerSpans, complete_layers, usable_layers
 
-PROMPTS = {"a": [1, 504, 3458, 282, 4649, 314], "b": [1, 9690, 28, 638, 253]}  # "The capital of France is" etc.
+# the demo tokenizer's ids of "The capital of France is" and "Once upon a time, there was"
+PROMPTS = {"a": [504, 3575, 282, 4649, 314], "b": [6403, 1980, 253, 655, 28, 665, 436]}
 
 
 def _torch():
@@ -414,4 +415,30 @@ def test_a_whole_instance_follows_the_engine_protocol_and_batching_rule(tiny):
     assert e.kv_bytes_in_use() == 3 * e.kv_bytes_per_token
     e.abort("d")
     assert not e.has_work() and e.kv_bytes_in_use() == 0
+    asyncio.run(e.unload())
+
+
+@pytest.mark.slow
+def test_demo_as_a_whole_instance_answers_with_its_tokenizer(demo_hf):
+    _torch()
+    import asyncio
+
+    from mesh.engines.engine_api import EngineRequest, Sampling
+    from mesh.engines.torch_engine import TorchEngine
+
+    pytest.importorskip("tokenizers", reason="no tokenizers package: the engine has no text")
+    e = TorchEngine(demo_hf, context_window=256, device="cpu")
+    asyncio.run(e.load())
+    ids = e.encode_prompt("The capital of France is")
+    assert ids == PROMPTS["a"]
+    e.add_request(EngineRequest("q", len(ids), Sampling(max_tokens=8, stop=("\n",)), ids))
+    text = ""
+
+    async def run() -> None:
+        nonlocal text
+        while e.has_work():
+            text += "".join((await e.step()).texts)
+
+    asyncio.run(run())
+    assert text == " Paris."  # greedy; the stop string cut the rest
     asyncio.run(e.unload())
