@@ -52,24 +52,26 @@ VPY=.venv/bin/python
 echo "set-up: Mesh is installed in .venv ($("$VPY" -V)); run it as .venv/bin/mesh or through make" >&2
 
 # The bench extra: guidellm, the field's load generator (docs/benchmarking.md), with the CPU
-# build of torch it imports. The CPU torch wheels are on PyTorch's index, not PyPI: where
+# build of torch it imports; and the layers extra, the layer-range engine (torch and
+# safetensors; mesh/engines/torch_layers.py). The CPU torch wheels are on PyTorch's index, not PyPI: where
 # pip is not configured for it, PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
-# A failed install does not fail the set-up (tests/test_guidellm.py skips, saying why).
+# A failed install does not fail the set-up (tests/test_guidellm.py and
+# tests/test_torch_layers.py skip, saying why).
 setup_bench() {
     local stamp=.venv/.mesh-bench want
     want="bench $(sha256sum pyproject.toml | cut -c1-16)"
     [ "${MESH_SKIP_BENCH:-0}" = 1 ] && return 0
-    if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$VPY" -c "import guidellm" 2>/dev/null; then
+    if [ "$(cat "$stamp" 2>/dev/null)" = "$want" ] && "$VPY" -c "import guidellm, torch, safetensors" 2>/dev/null; then
         return 0
     fi
-    if ! "$VPY" -m pip install --quiet -e ".[test,cluster,bench]"; then
-        echo "set-up: pip could not install the bench extra (guidellm and torch==2.13.0+cpu; see pip's message above)." >&2
+    if ! "$VPY" -m pip install --quiet -e ".[test,cluster,bench,layers]"; then
+        echo "set-up: pip could not install the bench and layers extras (guidellm, torch==2.13.0+cpu, safetensors; see pip's message above)." >&2
         echo "set-up: the CPU torch wheel is on PyTorch's index: PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu make setup" >&2
         return 1
     fi
     echo "$want" > "$stamp"
 }
-setup_bench || echo "set-up: continuing without guidellm: Mesh works, and the guidellm test skips" >&2
+setup_bench || echo "set-up: continuing without guidellm and torch: Mesh works, and the guidellm and layer-range engine tests skip" >&2
 
 # vLLM (the GPU engine; its CPU build runs the engine's tests without a GPU) goes into
 # .venv-vllm, not into Mesh's environment: it brings about 2.5 GB (torch, transformers

@@ -118,3 +118,20 @@ def demo_gguf() -> Path:
         if os.environ.get("MESH_REQUIRE_DEMO") == "1":
             raise
         pytest.skip(f"demo model unavailable: {exc}")
+
+
+@pytest.fixture(scope="session")
+def demo_hf(tmp_path_factory, demo_gguf) -> Path:
+    """The demo GGUF as a Hugging Face folder (bfloat16 safetensors), converted once per
+    session with the vLLM or export environment's Python (tests/test_convert.py's helpers:
+    they skip, or fail where CI requires the environment). MESH_DEMO_HF names a folder
+    converted before, to skip the conversion (about a minute on two cores)."""
+    given = os.environ.get("MESH_DEMO_HF")
+    if given:
+        return Path(given)
+    from test_convert import _converter_python, convert
+
+    out = tmp_path_factory.mktemp("demo-hf") / "smollm2-hf"
+    r = convert(_converter_python(), demo_gguf, out)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out

@@ -310,6 +310,24 @@ class TorchLayerEngine:
             raise EngineError(f"{self.model_name}: the weights lack the embedding, final norm or LM head that "
                               f"layers [{r.start}, {r.stop}) need")
 
+    def share(self, layer_range: LayerRange) -> "TorchLayerEngine":
+        """An engine for `layer_range`, a part of this one's, over the same weight tensors
+        (no copy) with a KV cache of its own: a node holding the whole model runs any range."""
+        r = self.layer_range
+        if not (r.start <= layer_range.start and layer_range.stop <= r.start + self.layers_ready()
+                and layer_range.num_layers == r.num_layers):
+            raise EngineError(f"layers [{layer_range.start}, {layer_range.stop}) are not among the loaded layers "
+                              f"[{r.start}, {r.start + self.layers_ready()}) of this engine")
+        if layer_range.last and not self.head_ready():
+            raise EngineError("the range ends the model, but this engine holds no final norm and LM head")
+        if layer_range.first and self._embed is None:
+            raise EngineError("the range starts the model, but this engine holds no embedding")
+        out = TorchLayerEngine(self.shape, layer_range, device=str(self.device), dtype=self.dtype,
+                               model_name=self.model_name)
+        out._embed, out._norm, out._head = self._embed, self._norm, self._head
+        out._blocks = self._blocks[layer_range.start - r.start:layer_range.stop - r.start]
+        return out
+
     def layers_ready(self) -> int:
         """Layers of the range, from its start, whose weights are in (and the embedding, for a first range)."""
         if self.layer_range.first and self._embed is None:
