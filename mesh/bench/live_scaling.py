@@ -157,6 +157,7 @@ class RunResult_:
     ready: list[tuple[float, int]]  # (time, layers the target held)
     ttft_loading: list[float]  # first-token times of the streams begun while the weights arrived
     pulls: int
+    failed: int  # streams ended with an error
     target_runs: int
     recomputed: int
     activation_bytes: int  # sent by the target, taken by the source
@@ -267,10 +268,10 @@ async def run_once(prepared: Prepared, source: LayerAgent, target: LayerAgent, p
     firsts = {s.request_id: s.token_times[0] - t0 for s in all_streams if s.token_times}
     loading = [firsts[r] - begun[r] for r in firsts if scale_out <= begun[r] < full]
     result = RunResult_(live, cfg.seed, scale_out, full, tokens, ready, loading, pair.counters.pulls,
-                        pair.counters.target_runs, pair.counters.recomputed, counters.bytes_out)
+                        sum(s.error is not None for s in all_streams), pair.counters.target_runs, pair.counters.recomputed, counters.bytes_out)
     result.streams_split = sum(s.was_split for s in all_streams)
     if cfg.check:  # the streams live scaling split first, then those begun while the weights arrived
-        during = [s for s in all_streams if s.done and scale_out <= begun[s.request_id] < full]
+        during = [s for s in all_streams if s.done and s.error is None and scale_out <= begun[s.request_id] < full]
         for s in sorted(during, key=lambda s: not s.was_split)[:cfg.check_max]:
             want = await reference(src, model, layers, s.prompt, s.max_tokens, f"check-{s.request_id}")
             result.streams_checked += 1

@@ -9,8 +9,9 @@ requests are redirected to the new instance), and the two sides follow ZigZag, I
 
 - the target forwards the front stream of its queue through the layers it holds
   (`target_next`; its priority is `zigzag_order`), keeping the activations on its agent;
-- the source, whenever it has no prefill of its own waiting, pulls the earliest stream with
-  its activation (`source_pull`), straight from the target's agent, and runs the rest.
+- the source, whenever it has no stream of its own to run, pulls the earliest stream with
+  its activation (`source_pull`), straight from the target's agent, and runs the rest; a
+  stream the target can start is left to it (`left_to_target`).
 
 A stream's split (T layers on the target, S = L - T on the source) is set where its prefill
 was pulled and kept for its decode steps, so each layer's KV cache lives on one agent; a
@@ -33,8 +34,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mesh.engines.engine_api import NextTokens, TokenBatch
-from mesh.policy.live_scaling import ZigZagRequest, ZigZagState, source_pull, switch_assignment, target_next
-from mesh.wire.layers import LayerConnection, Peer, Release, Run, RunResult, Status
+from mesh.policy.live_scaling import (ZigZagRequest, ZigZagState, left_to_target, source_pull, switch_assignment,
+                                     target_next)
+from mesh.framing import ProtocolError
+from mesh.wire.layers import LayerCallFailed, LayerConnection, Peer, Release, Run, RunResult, Status
 
 log = logging.getLogger("mesh.control.live_pair")
 
@@ -57,12 +60,13 @@ class Stream:
     at_layer: int = 0  # the target's progress on the stream's current step (activations kept there)
     in_kv: int = 0  # tokens the stream's KV holds (its next position)
     was_split: bool = False  # some step of it ran on both sides (activations crossed)
+    error: str | None = None  # why it ended without its tokens (an agent refused or was lost)
     busy: bool = False  # a side is running it now
     ready_s: float = 0.0  # when its current step became ready (FCFS)
 
     @property
     def done(self) -> bool:
-        return len(self.tokens) >= self.max_tokens
+        return self.error is not None or len(self.tokens) >= self.max_tokens
 
     def step_tokens(self) -> tuple[int, tuple[int, ...]]:
         """(position, token ids) of its next step: with no KV cache, a prefill of the prompt
@@ -79,6 +83,7 @@ class PairCounters:
     layer_passes_target: int = 0
     switched_s: float | None = None
     recomputed: int = 0
+    failed: int = 0
 
 
 class LivePair:
@@ -184,6 +189,11 @@ class LivePair:
             try:
                 reply, payload = await self.conns[side].call(*run.to_header(0))
                 self._finish(side, run, streams, RunResult.from_fields(reply, payload))
+            except (LayerCallFailed, ProtocolError, ConnectionError, OSError) as exc:
+                log.warning("%s refused %s: %s", side, [s.request_id for s in streams], exc)
+                for s in streams:  # they end with the reason, never silently
+                    s.error = f"the {side} agent could not run layers [{run.start}, {run.stop}): {exc}"
+                    self.counters.failed += 1
             finally:
                 for s in streams:
                     s.busy = False
@@ -234,8 +244,10 @@ class LivePair:
                 return Run(self.model, 0, stop, TokenBatch(ids, positions, tokens), keep=True), group
             # back to a stream once more layers are in: from what the target kept (Fig. 15b)
             return Run(self.model, front.at_layer, stop, None, None, ids, keep=True), group
-        queue_streams = [s for s in pair if s.split is None or s.at_layer == s.split]
-        queue = tuple(ZigZagRequest(s.request_id, order[s.request_id], s.at_layer) for s in queue_streams)
+        ready = [s for s in pair if s.split is None or s.at_layer == s.split]
+        queue = tuple(r for r in (ZigZagRequest(s.request_id, order[s.request_id], s.at_layer) for s in ready)
+                      if not left_to_target(r, self.target_ready))
+        queue_streams = [s for s in ready if s.request_id in {r.request_id for r in queue}]
         pull = source_pull(ZigZagState(self.layers, self.target_ready, queue, None, source_idle=True))
         if pull is None:
             return None

@@ -91,9 +91,9 @@ class LayerHost:
 
     # --- lifecycle -------------------------------------------------------------------------
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Listen; the engine's import (torch, seconds) starts now, off the loop, so the first
-        block of a model is not held up by it."""
-        self._spawn(asyncio.to_thread(self._engine))
+        """Import the engine (torch: seconds, off the loop), then listen: a host that answers
+        can run layers at once, and a model's first block is not held up by the import."""
+        await asyncio.to_thread(self._engine)
         self._server = await asyncio.start_server(self._connection, host, port, limit=STREAM_LIMIT)
         bound = self._server.sockets[0].getsockname()
         return f"{bound[0]}:{bound[1]}"
@@ -108,7 +108,7 @@ class LayerHost:
             task.cancel()
 
     def _engine(self) -> Any:
-        """The engine class, imported on first use (a warm-up thread does it at start)."""
+        """The engine class (imported by `start`)."""
         if self._engine_cls is None:
             from mesh.engines.torch_layers import TorchLayerEngine  # torch is imported on first use
             self._engine_cls = TorchLayerEngine

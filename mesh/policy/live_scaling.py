@@ -234,6 +234,15 @@ def source_pull(state: ZigZagState) -> SourcePull | None:
     return None
 
 
+def left_to_target(req: ZigZagRequest, loaded: int) -> bool:
+    """A request no layer of which ran yet, whose first layer the target holds, is the
+    target's to start: the source pulling it would run the whole model while the new
+    instance's layers stood idle. Mesh's rule beside Figure 16 (the paper's source pulls the
+    earliest request; with a source that is idle only between its own streams, that left
+    the new instance nothing to run)."""
+    return req.next_layer == 0 and loaded > 0
+
+
 def pulled_finish(now: float, work_s: float, from_layer: int, layers: int, source_free_s: float,
                   transfer_s: float) -> float:
     """When a pulled request's remaining layers end on the source: once the source is free,
