@@ -23,6 +23,7 @@ extra installs it (pip install -e '.[layers]').
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -197,13 +198,13 @@ class TorchLayerEngine:
         engine = cls(shape, layer_range or LayerRange.whole(shape.num_layers), device=device, dtype=dtype,
                      model_name=model_name or p.name)
         where: dict[str, Any] = {}
-        handles = [safe_open(str(f), "pt") for f in files]
-        for h in handles:
-            for name in h.keys():
-                where[name] = h
-        with torch.inference_mode():
-            engine._load(lambda name: where[name].get_tensor(name) if name in where else None,
-                         layers=range(engine.layer_range.count))
+        with contextlib.ExitStack() as stack:
+            for f in files:
+                h = stack.enter_context(safe_open(str(f), "pt"))
+                where.update(dict.fromkeys(h.keys(), h))
+            with torch.inference_mode():
+                engine._load(lambda name: where[name].get_tensor(name) if name in where else None,
+                             layers=range(engine.layer_range.count))
         return engine
 
     @classmethod
