@@ -494,7 +494,7 @@ class TorchLayerEngine:
         """Write a request's new keys and values of layer i at rows p.. of its cache; return
         rows [0, p + n) of both."""
         torch = self.torch
-        n, end = k.shape[0], p + k.shape[0]
+        end = p + k.shape[0]
         cur = kv.keys[i]
         if cur is None or cur.shape[0] < end:
             cap = max(end, 16, 2 * (cur.shape[0] if cur is not None else 0))
