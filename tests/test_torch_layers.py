@@ -224,6 +224,34 @@ def test_tiny_model_split_at_every_layer_and_the_switch_match_whole(tiny):
         assert generate([full], TINY_PROMPTS, n, start=piped) == expected, f"switch after {k} tokens"
 
 
+def test_tiny_model_samples_with_a_seed_the_same_whole_or_split(tiny):
+    _torch()
+    from mesh.engines.engine_api import Sampling
+    from mesh.engines.torch_layers import TorchLayerEngine
+
+    whole = TorchLayerEngine.from_folder(tiny, device="cpu")
+    assert can_run_layers(whole)
+    hot = {"a": Sampling(temperature=1.5, top_p=0.9, seed=5), "b": Sampling(temperature=1.5, seed=6)}
+
+    def sample(stages: list) -> dict[str, list[int]]:
+        out = {}
+        for rid in ("a", "b"):  # one request at a time: a request's generator lives with its KV
+            x, toks = TokenBatch((rid,), (0,), (tuple(TINY_PROMPTS[rid]),)), []
+            for _ in range(12):
+                for s in stages:
+                    x = s.run_layers(x, hot)
+                toks.append(x.token_ids[0])
+                x = TokenBatch((rid,), (len(TINY_PROMPTS[rid]) + len(toks) - 1,), ((toks[-1],),))
+            out[rid] = toks
+        release_all(*stages)
+        return out
+
+    once = sample([whole])
+    assert once == sample([whole]) == sample([whole.share(LayerRange(0, 2, 4)), whole.share(LayerRange(2, 4, 4))])
+    assert once != generate([whole], TINY_PROMPTS, 12)  # not greedy
+    assert all(0 <= t < TINY["vocab_size"] for t in once["a"] + once["b"])
+
+
 def test_tiny_model_refuses_a_wrong_position_layer_or_missing_layers(tiny):
     _torch()
     from mesh.engines.torch_layers import TorchLayerEngine

@@ -21,7 +21,7 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Container, Iterable, Protocol, Sequence, runtime_checkable
+from typing import Container, Iterable, Mapping, Protocol, Sequence, runtime_checkable
 
 from mesh.policy.batching import IterationKind
 
@@ -341,11 +341,12 @@ class LayerRangeEngine(Protocol):
         """How many layers of the range, from its start, hold their weights (all of them
         once loaded; fewer while the blocks of a layer-ordered file still arrive)."""
 
-    def run_layers(self, batch: TokenBatch | HiddenStates,
-                   sampling: dict[str, Sampling] | None = None) -> HiddenStates | NextTokens:
-        """One forward pass of the range over a batch; `sampling` for a last range (greedy
-        for requests it does not name). Each request's position must equal the tokens this
-        engine holds in its KV cache for it (0 for a new request)."""
+    def run_layers(self, batch: TokenBatch | HiddenStates, sampling: Mapping[str, Sampling] | None = None,
+                   stop: int | None = None) -> HiddenStates | NextTokens:
+        """One forward pass of layers [start, stop) over a batch (the whole range: stop
+        None; a loading instance runs the layers it holds, BlitzScale 5.2). `sampling` for
+        a last range (greedy for requests it does not name). Each request's position must
+        equal the tokens each of those layers holds in its KV cache for it (0: a new request)."""
 
     def release(self, request_id: str) -> None:
         """Free a request's KV cache (it ended or was aborted). Unknown ids are ignored."""

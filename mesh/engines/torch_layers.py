@@ -23,6 +23,7 @@ extra installs it (pip install -e '.[layers]').
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass, field
@@ -197,13 +198,13 @@ class TorchLayerEngine:
         engine = cls(shape, layer_range or LayerRange.whole(shape.num_layers), device=device, dtype=dtype,
                      model_name=model_name or p.name)
         where: dict[str, Any] = {}
-        handles = [safe_open(str(f), "pt") for f in files]
-        for h in handles:
-            for name in h.keys():
-                where[name] = h
-        with torch.inference_mode():
-            engine._load(lambda name: where[name].get_tensor(name) if name in where else None,
-                         layers=range(engine.layer_range.count))
+        with contextlib.ExitStack() as stack:
+            for f in files:
+                h = stack.enter_context(safe_open(str(f), "pt"))
+                where.update(dict.fromkeys(h.keys(), h))
+            with torch.inference_mode():
+                engine._load(lambda name: where[name].get_tensor(name) if name in where else None,
+                             layers=range(engine.layer_range.count))
         return engine
 
     @classmethod
@@ -497,7 +498,7 @@ class TorchLayerEngine:
         """Write a request's new keys and values of layer i at rows p.. of its cache; return
         rows [0, p + n) of both."""
         torch = self.torch
-        n, end = k.shape[0], p + k.shape[0]
+        end = p + k.shape[0]
         cur = kv.keys[i]
         if cur is None or cur.shape[0] < end:
             cap = max(end, 16, 2 * (cur.shape[0] if cur is not None else 0))
