@@ -48,7 +48,7 @@ def test_a_run_frame_carries_hidden_states_as_its_payload_and_refuses_a_wrong_si
 
 
 async def _scale_out(hf: Path, root: Path, live: bool, cfg_kw: dict, arrive_s: float):
-    from mesh.bench.live_scaling import RunConfig, prepare, run_once, spawn_layer_agent
+    from mesh.bench.live_scale_out import RunConfig, prepare, run_once, spawn_layer_agent
     from mesh.weights.launch import spawn_agent
 
     prepared = prepare(hf, root / "prepared", blocks=6)

@@ -12,7 +12,7 @@ from mesh.policy.live_scaling import (
     LayerArrivals, Stage, ZigZagRequest, ZigZagState, activation_bytes, activation_s, best_effort_layers,
     block_layer_ends, execution_pipelines, held_runs, layer_range_s, pipeline_iteration_s, pipeline_split,
     pull_helps, pulled_finish, recompute_tokens, solo_finish, source_pull, stage_ranges, switch_assignment,
-    target_next, usable_layers, zigzag_order,
+    target_next, prefix_layers, zigzag_order,
 )
 from mesh.policy.multicast import k_way_orders, sub_groups
 
@@ -22,9 +22,9 @@ from mesh.policy.multicast import k_way_orders, sub_groups
 def test_layers_of_blocks_count_only_in_order() -> None:
     ends = block_layer_ends([10, 10, 10, 10], 8)
     assert ends == (2, 4, 6, 8)
-    assert usable_layers({0, 1}, ends) == 4
-    assert usable_layers({1, 2, 3}, ends) == 0  # block 0 missing: nothing runs
-    assert usable_layers({0, 2, 3}, ends) == 2  # block 2 out of order waits for block 1
+    assert prefix_layers({0, 1}, ends) == 4
+    assert prefix_layers({1, 2, 3}, ends) == 0  # block 0 missing: nothing runs
+    assert prefix_layers({0, 2, 3}, ends) == 2  # block 2 out of order waits for block 1
     assert held_runs({0, 2, 3}, ends) == [(0, 2), (4, 8)]
     assert block_layer_ends([3, 1], 40) == (30, 40)
 
@@ -55,7 +55,7 @@ def test_prefix_properties(sizes: list[int], layers: int, rnd, work: float) -> N
     held: set[int] = set()
     for t, b in arrivals:
         held.add(b)
-        assert arr.held_at(t) == usable_layers(held, ends)  # the prefix, never a later block
+        assert arr.held_at(t) == prefix_layers(held, ends)  # the prefix, never a later block
     assert arr.full_s == float(len(sizes) - 1)
     start = 0.0
     fin = solo_finish(start, work, arr)

@@ -34,7 +34,7 @@ import math
 import zlib
 from typing import Any, Mapping, Sequence
 
-from mesh.engines.engine_api import EngineError, EngineRequest, FinishReason, StepResult
+from mesh.engines.engine_api import EngineError, EngineRequest, FinishReason, LayerRange, StepResult
 from mesh.engines.simulated import SimulatedEngine
 from mesh.policy.live_scaling import activation_bytes, layer_range_s
 
@@ -101,23 +101,21 @@ class EmulatedEngine(SimulatedEngine):
         self._position: dict[str, int] = {}  # request -> tokens generated so far
         self.num_layers = num_layers
         self.hidden_size = hidden_size
-        self.layer_range: tuple[int, int] = (0, num_layers)
+        self.layer_range = LayerRange.whole(num_layers)
         self.activation_bytes = 0  # hidden states handed on or taken in, all iterations
         self._tokens = 0  # the tokens of the iteration about to run
 
     def set_layer_range(self, start: int, stop: int) -> None:
         """Run layers [start, stop) from the next iteration on."""
-        if not 0 <= start < stop <= self.num_layers:
-            raise EngineError(f"layer range [{start}, {stop}) is not inside the model's {self.num_layers} layers")
-        self.layer_range = (start, stop)
+        self.layer_range = LayerRange(start, stop, self.num_layers)  # EngineError when it is not inside
 
     def layers_ready(self) -> int:
         """Layers of its range it can run (all: an emulated engine loads whole)."""
-        return self.layer_range[1] - self.layer_range[0]
+        return self.layer_range.count
 
     def range_s(self, seconds: float) -> float:
         """An iteration of the whole model's `seconds`, over the engine's layer range."""
-        return layer_range_s(seconds, *self.layer_range, self.num_layers)
+        return layer_range_s(seconds, self.layer_range.start, self.layer_range.stop, self.num_layers)
 
     async def _prefill(self, take: int, switched: bool) -> StepResult:
         self._tokens = sum(p for p, _, _ in list(self._pending.values())[:take])
@@ -128,7 +126,7 @@ class EmulatedEngine(SimulatedEngine):
         return await super()._decode(switched)
 
     async def _pause(self, seconds: float) -> None:
-        start, stop = self.layer_range
+        start, stop = self.layer_range.start, self.layer_range.stop
         hops = (start > 0) + (stop < self.num_layers)
         self.activation_bytes += hops * activation_bytes(self.hidden_size, self._tokens)
         seconds = self.range_s(seconds)

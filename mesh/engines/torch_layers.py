@@ -519,23 +519,25 @@ class TorchLayerEngine:
         h = self._norm_rows(x[last], self._norm)  # type: ignore[arg-type]
         head = self._head if self._head is not None else self._embed
         logits = (h @ head.T).float()  # type: ignore[union-attr]
-        tokens = []
-        for j, rid in enumerate(request_ids):
-            sp = sampling.get(rid)
-            if sp is None or sp.temperature == 0:
-                tokens.append(int(torch.argmax(logits[j])))
-                continue
-            probs = torch.softmax(logits[j] / sp.temperature, dim=-1)
-            if sp.top_p < 1:
-                sorted_p, order = torch.sort(probs, descending=True)
-                keep = torch.cumsum(sorted_p, 0) - sorted_p < sp.top_p
-                probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
-            kv = self._kv[rid]
-            if kv.generator is None:
-                kv.generator = torch.Generator(device=self.device)
-                kv.generator.manual_seed(sp.seed if sp.seed is not None else int(torch.seed()))
-            tokens.append(int(torch.multinomial(probs, 1, generator=kv.generator)))
+        tokens = [_pick(torch, logits[j], sampling.get(rid), self._kv[rid], self.device)
+                  for j, rid in enumerate(request_ids)]
         return NextTokens(tuple(request_ids), tuple(tokens))
+
+
+def _pick(torch: Any, logits: "torch.Tensor", sp: Sampling | None, kv: _KV, device: Any) -> int:
+    """One request's next token: greedy, or temperature and top-p with the request's own
+    seeded generator (kept with its KV cache)."""
+    if sp is None or sp.temperature == 0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits / sp.temperature, dim=-1)
+    if sp.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True)
+        keep = torch.cumsum(sorted_p, 0) - sorted_p < sp.top_p
+        probs = torch.zeros_like(probs).scatter(0, order[keep], sorted_p[keep])
+    if kv.generator is None:
+        kv.generator = torch.Generator(device=device)
+        kv.generator.manual_seed(sp.seed if sp.seed is not None else int(torch.seed()))
+    return int(torch.multinomial(probs, 1, generator=kv.generator))
 
 
 def _rope(torch: Any, x: "torch.Tensor", cos: "torch.Tensor", sin: "torch.Tensor") -> "torch.Tensor":

@@ -4,7 +4,7 @@ Pure rules, no I/O and no clock: every function takes times and state and return
 
 - Layers held (docs/multicast.md, "Weights by network"): blocks travel in layer order, so a
   receiver can run the layers of the longest prefix of blocks it holds; a block that arrives
-  out of order counts only once the ones before it are in (`usable_layers`, `LayerArrivals`).
+  out of order counts only once the ones before it are in (`prefix_layers`, `LayerArrivals`).
 - ZigZag scheduling, the ILP-free version (BlitzScale 5.2, Figure 16): the new (target)
   instance keeps a priority queue of requests, FCFS with the requests whose next layer is
   loaded first (`zigzag_order`); it forwards one layer of the front request (`target_next`);
@@ -29,6 +29,8 @@ import math
 from dataclasses import dataclass
 from typing import Collection, Mapping, Sequence
 
+from mesh.policy.layer_prefix import contiguous_blocks
+
 DTYPE_BYTES = 2  # 16-bit activations
 
 
@@ -49,17 +51,11 @@ def block_layer_ends(block_bytes: Sequence[int], layers: int) -> tuple[int, ...]
     return tuple(ends)
 
 
-def usable_blocks(held: Collection[int]) -> int:
-    """How many blocks the longest held prefix 0, 1, ... has."""
-    n = 0
-    while n in held:
-        n += 1
-    return n
-
-
-def usable_layers(held: Collection[int], layer_ends: Sequence[int]) -> int:
-    """Layers a receiver can run: those of its longest prefix of held blocks."""
-    n = usable_blocks(held)
+def prefix_layers(held: Collection[int], layer_ends: Sequence[int]) -> int:
+    """Layers a receiver can run, for blocks that end on the layers `layer_ends`: those of
+    its gap-free prefix of blocks (mesh.policy.layer_prefix.contiguous_blocks, the one rule
+    for real files and replays alike)."""
+    n = contiguous_blocks(held, len(layer_ends))
     return layer_ends[n - 1] if n else 0
 
 
@@ -95,7 +91,7 @@ class LayerArrivals:
         steps: list[tuple[float, int]] = []
         for t, block in sorted(arrivals):
             held.add(block)
-            n = usable_layers(held, layer_ends)
+            n = prefix_layers(held, layer_ends)
             if n > (steps[-1][1] if steps else 0):
                 if steps and steps[-1][0] == t:
                     steps[-1] = (t, n)
