@@ -23,21 +23,22 @@ import os
 import random
 import secrets
 import statistics
+import subprocess
 import sys
 import tempfile
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from mesh.control.agent_client import AgentClient
-from mesh.control.live_pair import SOURCE, LivePair, Stream
+from mesh.control.live_pair import LivePair, Stream
 from mesh.engines.engine_api import NextTokens, TokenBatch
 from mesh.modelfiles.layer_order import LayerLayout, write_layer_ordered
 from mesh.node.layer_host import LAYERS_PREFIX
 from mesh.policy.multicast import make_plan
 from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast
-from mesh.weights.launch import AgentProcess
+from mesh.weights.launch import AgentProcess, spawn_agent
 from mesh.wire.agent_protocol import READY_PREFIX
 from mesh.wire.layers import LayerConnection, LayerCounters, Open, Peer, Release, Run, RunResult
 
@@ -162,6 +163,8 @@ class RunResult_:
     recomputed: int
     activation_bytes: int  # sent by the target, taken by the source
     streams_split: int = 0  # streams some step of which ran on both agents
+    layers: int = 0
+    after_window: float = 0.0  # seconds of the run after the switch counted as "after"
     streams_checked: int = 0
     streams_equal: int = 0
 
@@ -232,7 +235,8 @@ async def run_once(prepared: Prepared, source: LayerAgent, target: LayerAgent, p
         while not stop.is_set():
             rid = f"s{k}-{n}"
             prompt = prompts[(k * 997 + n) % len(prompts)]
-            s = Stream(rid, prompt, cfg.max_tokens, loop.time() - t0)
+            wanted = cfg.max_tokens - (k * 7 + n * 3) % max(1, cfg.max_tokens // 2)  # streams fall out of step
+            s = Stream(rid, prompt, wanted, loop.time() - t0)
             begun[rid] = loop.time() - t0
             all_streams.append(s)
             pair.submit(s)
@@ -270,6 +274,7 @@ async def run_once(prepared: Prepared, source: LayerAgent, target: LayerAgent, p
     result = RunResult_(live, cfg.seed, scale_out, full, tokens, ready, loading, pair.counters.pulls,
                         sum(s.error is not None for s in all_streams), pair.counters.target_runs, pair.counters.recomputed, counters.bytes_out)
     result.streams_split = sum(s.was_split for s in all_streams)
+    result.layers, result.after_window = layers, max(0.0, cfg.after_s - 1.0)
     if cfg.check:  # the streams live scaling split first, then those begun while the weights arrived
         during = [s for s in all_streams if s.done and s.error is None and scale_out <= begun[s.request_id] < full]
         for s in sorted(during, key=lambda s: not s.was_split)[:cfg.check_max]:
@@ -280,3 +285,148 @@ async def run_once(prepared: Prepared, source: LayerAgent, target: LayerAgent, p
     await src.close()
     await tgt.close()
     return result
+
+
+def demo_hf_folder() -> Path:
+    """The demo model as a Hugging Face folder, converted once into Mesh's data folder (the
+    converter runs with the vLLM environment's Python, which has transformers and gguf)."""
+    from mesh.engines.vllm_engine import find_vllm_python
+    from mesh.modelfiles.demo import demo_gguf_path
+    from mesh.paths import data_dir
+
+    out = data_dir() / "live-scaling" / "smollm2-hf"
+    if (out / "config.json").is_file():
+        return out
+    python = find_vllm_python()
+    if python is None:
+        raise SystemExit("mesh bench live-scaling: the demo's Hugging Face folder is made by the converter, which needs "
+                         "the vLLM environment (scripts/setup.sh); or give a folder with --hf")
+    done = subprocess.run([python, "-m", "mesh.modelfiles.convert", "gguf-to-hf", str(demo_gguf_path(fetch=True)),
+                           str(out)], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise SystemExit(f"mesh bench live-scaling: converting the demo model failed:\n{done.stderr[-2000:]}")
+    return out
+
+
+async def _one(hf: Path, live: bool, cfg: RunConfig, blocks: int) -> RunResult_:
+    """A run on fresh agents in a fresh folder (cold starts included)."""
+    with tempfile.TemporaryDirectory(prefix="mesh-live-scaling-") as tmp:
+        root = Path(tmp)
+        prepared = prepare(hf, root / "prepared", blocks)
+        token, weights_token = secrets.token_hex(16), secrets.token_hex(16)
+        mbps = prepared.path.stat().st_size * 8 / 1e6 / cfg.arrive_s
+        pool = await spawn_agent("pool", mbps, token=weights_token)
+        agents: list[LayerAgent] = []
+        try:
+            cores = sorted(os.sched_getaffinity(0))
+            for i, node in enumerate(("source", "target")):  # a core each, where there are two
+                cpus = str(cores[i]) if len(cores) >= 2 else None
+                agents.append(await spawn_layer_agent(node, root, root / "prepared", token, weights_token, cpus=cpus))
+            result = await run_once(prepared, agents[0], agents[1], pool, live, cfg)
+            result.layers = prepared.layers
+            return result
+        finally:
+            for agent in agents:
+                await agent.stop()
+            pool.kill()
+            await pool.process.wait()
+
+
+def summary(run: RunResult_) -> dict[str, float]:
+    """One run's figures (tokens/s count output tokens; TTFT covers the streams begun while
+    the weights arrived, every one of which was served)."""
+    bands = run.rate_by_fraction(run.layers)
+    ttft = sorted(run.ttft_loading)
+    q = (lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))] if ttft else float("nan"))
+    return {"weights_s": run.full_s - run.scale_out_s, "tok_s_before": run.rate(1.0, run.scale_out_s),
+            "tok_s_loading": run.rate(run.scale_out_s, run.full_s), "tok_s_0_33": bands[0], "tok_s_33_67": bands[1],
+            "tok_s_67_100": bands[2], "tok_s_after": run.rate(run.full_s + 1.0, run.full_s + 1.0 + run.after_window),
+            "ttft_p50_s": q(0.5), "ttft_p99_s": q(0.99), "pulls": run.pulls, "activation_mb": run.activation_bytes / 1e6,
+            "streams_split": run.streams_split, "failed": run.failed,
+            "checked_equal": f"{run.streams_equal}/{run.streams_checked}"}
+
+
+def _table(rows: dict[str, list[dict[str, Any]]]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    keys = [k for k in next(iter(rows.values()))[0] if k != "checked_equal"]
+    table = Table(title="live scaling on two real CPU agents: min / median / max over repeats")
+    table.add_column("figure")
+    for mode in rows:
+        table.add_column(mode, justify="right")
+    for key in keys:
+        cells = []
+        for runs in rows.values():
+            vals = sorted(float(r[key]) for r in runs)
+            cells.append(f"{vals[0]:.2f} / {statistics.median(vals):.2f} / {vals[-1]:.2f}")
+        table.add_row(key, *cells)
+    table.add_row("greedy tokens = whole model", *(" ".join(r["checked_equal"] for r in runs) for runs in rows.values()))
+    Console().print(table)
+
+
+def _plot(runs: dict[str, RunResult_], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(8, 2.6 * len(runs)), sharex=True)
+    for ax, (mode, run) in zip(axes, runs.items()):
+        end = max(t for t, _ in run.tokens)
+        bins = [i * 0.5 for i in range(int(end / 0.5) + 2)]
+        ax.hist([t - run.scale_out_s for t, _ in run.tokens], bins=[b - run.scale_out_s for b in bins],
+                weights=[2.0] * len(run.tokens), color="tab:blue", alpha=0.7)
+        ax.set_ylabel("tokens/s")
+        ax.set_title(mode, fontsize=10)
+        twin = ax.twinx()
+        steps = [(run.scale_out_s, 0), *run.ready, (run.full_s, run.layers), (end, run.layers)]
+        twin.step([t - run.scale_out_s for t, _ in steps], [n for _, n in steps], where="post", color="tab:red")
+        twin.set_ylabel("target's layers", color="tab:red")
+        ax.axvline(0, color="grey", ls=":")
+    axes[-1].set_xlabel("seconds from the scale-out (the multicast's start)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("live-scaling", help="a scale-out under load on two real CPU agents, live scaling on and off")
+    p.add_argument("--hf", type=Path, help="a Llama-family Hugging Face folder (default: the demo model, converted once)")
+    p.add_argument("--repeats", type=int, default=3, help="runs per mode, seeds 0..R-1 (default 3)")
+    p.add_argument("--streams", type=int, default=RunConfig.streams, help="concurrent greedy streams (closed loop)")
+    p.add_argument("--prompt-tokens", type=int, default=RunConfig.prompt_tokens)
+    p.add_argument("--max-tokens", type=int, default=RunConfig.max_tokens)
+    p.add_argument("--arrive-s", type=float, default=RunConfig.arrive_s, help="the multicast's duration on the paced link")
+    p.add_argument("--warm-s", type=float, default=RunConfig.warm_s)
+    p.add_argument("--after-s", type=float, default=RunConfig.after_s)
+    p.add_argument("--blocks", type=int, default=8, help="blocks the model is cut into (on layer boundaries)")
+    p.add_argument("--json", type=Path, help="write every run's figures and timelines as JSON")
+    p.add_argument("--plot", type=Path, help="tokens/s over time and the target's layers, one repeat per mode (PNG)")
+
+    def go(a: argparse.Namespace) -> int:
+        from tqdm import tqdm
+
+        hf = a.hf or demo_hf_folder()
+        rows: dict[str, list[dict[str, Any]]] = {"live": [], "stop-the-world": []}
+        last: dict[str, RunResult_] = {}
+        raw = []
+        with tqdm(total=2 * a.repeats, desc="runs", unit="run", file=sys.stderr) as bar:
+            for seed in range(a.repeats):
+                for live in ((True, False) if seed % 2 == 0 else (False, True)):
+                    cfg = RunConfig(a.streams, a.prompt_tokens, a.max_tokens, a.warm_s, a.arrive_s, a.after_s, seed)
+                    run = asyncio.run(_one(hf, live, cfg, a.blocks))
+                    mode = "live" if live else "stop-the-world"
+                    rows[mode].append(summary(run))
+                    last[mode] = run
+                    raw.append({"mode": mode, "seed": seed, **summary(run), "tokens": run.tokens, "ready": run.ready,
+                                "scale_out_s": run.scale_out_s, "full_s": run.full_s})
+                    bar.update()
+        _table(rows)
+        if a.json:
+            a.json.write_text(json.dumps({"config": {k: v for k, v in vars(a).items() if k != "func"}, "runs": raw},
+                                         default=str, indent=1) + "\n")
+        if a.plot:
+            _plot(last, a.plot)
+        return 0
+
+    p.set_defaults(func=go)

@@ -89,8 +89,10 @@ class PairCounters:
 class LivePair:
     def __init__(self, model: str, layers: int, source: Peer, target: Peer, *, live: bool = True,
                  on_token: Callable[[Stream, int], None] | None = None) -> None:
+        """`layers`: the model's decoder layers; `source`, `target`: the two agents' layer ports."""
         self.model, self.layers, self.live = model, layers, live
         self.peers = {SOURCE: source, TARGET: target}
+        self.chunk = max(1, layers // 8)  # layers a target run advances a prefill
         self.conns: dict[str, LayerConnection] = {}
         self.streams: list[Stream] = []
         self.counters = PairCounters()
@@ -234,9 +236,11 @@ class LivePair:
             if pick is None:
                 return None
             front = by_id[pick.request_id]
-            stop = loaded if front.split is None else front.split
+            # a prefill goes one chunk of layers a run, so an idle source can pull it between
+            # runs (Fig. 16 forwards one layer at a time; a chunk keeps the calls few)
+            stop = min(loaded, front.at_layer + self.chunk) if front.split is None else front.split
             group = [s for s in sorted(pair, key=lambda s: s.ready_s) if s.at_layer == front.at_layer
-                     and (s.split is None) == (front.split is None) and (loaded if s.split is None else s.split) == stop]
+                     and s.split == front.split]
             group = [front] + [s for s in group if s is not front][:max(0, (len(pair) + 1) // 2 - 1)]
             ids = tuple(s.request_id for s in group)
             if front.at_layer == 0:
