@@ -9,9 +9,10 @@ requests are redirected to the new instance), and the two sides follow ZigZag, I
 
 - the target forwards the front stream of its queue through the layers it holds
   (`target_next`; its priority is `zigzag_order`), keeping the activations on its agent;
-- the source, whenever it has no stream of its own to run, pulls the earliest stream with
-  its activation (`source_pull`), straight from the target's agent, and runs the rest; a
-  stream the target can start is left to it (`left_to_target`).
+- the source serves first come first served: its own streams' step, or, when the pair's
+  earliest stream came first, pulls it with its activation (`source_pull`) straight from the
+  target's agent and runs the rest; a stream the target can start is left to it
+  (`left_to_target`).
 
 A stream's split (T layers on the target, S = L - T on the source) is set where its prefill
 was pulled and kept for its decode steps, so each layer's KV cache lives on one agent; a
@@ -202,17 +203,19 @@ class LivePair:
                 self._wake.set()
 
     def _next_work(self, side: str) -> tuple[Run, list[Stream]] | None:
-        """What `side` runs next: its own streams' step (prefills first), else its ZigZag part.
-        A side with streams of its own to run is busy: the source pulls only when it has none
-        (BlitzScale Fig. 16, line 5)."""
+        """What `side` runs next, first come first served: its own streams' step (their
+        prefills first) or its ZigZag part, whichever became ready first. The source pulls
+        when its own streams are not the earlier work (BlitzScale Fig. 16, line 5: it pulls
+        when it has no pending work of its own)."""
         if self.switching:
             return None
         free = [s for s in self.live_streams() if not s.busy]
         own = [s for s in free if s.home == side] if side == SOURCE or self.target_full else []
-        prefills = [s for s in own if s.in_kv == 0]
-        if own:
-            return self._whole(prefills or own), prefills or own
-        return self._zigzag(side, [s for s in free if s.home == "pair"])
+        own = [s for s in own if s.in_kv == 0] or own
+        zig = self._zigzag(side, [s for s in free if s.home == "pair"])
+        if own and (zig is None or min(s.ready_s for s in own) <= min(s.ready_s for s in zig[1])):
+            return self._whole(own), own
+        return zig
 
     def _whole(self, streams: list[Stream]) -> Run:
         positions, ids = zip(*(s.step_tokens() for s in streams))
