@@ -40,7 +40,7 @@ from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast
 from mesh.weights.launch import AgentProcess, spawn_agent
 from mesh.wire.agent_protocol import READY_PREFIX
-from mesh.wire.layers import LayerConnection, LayerCounters, Open, Peer, Release, Run, RunResult
+from mesh.wire.layers import Counters, LayerConnection, LayerCounters, Open, Peer, Release, Run, RunResult
 
 AGENT_START_S = 120.0
 
@@ -149,7 +149,7 @@ class RunConfig:
 
 
 @dataclass
-class RunResult_:
+class ScaleOutRun:
     live: bool
     seed: int
     scale_out_s: float  # when the multicast began (run time, s)
@@ -208,7 +208,7 @@ async def reference(conn: LayerConnection, model: str, layers: int, prompt: tupl
 
 
 async def run_once(prepared: Prepared, source: LayerAgent, target: LayerAgent, pool: AgentProcess, live: bool,
-                   cfg: RunConfig) -> RunResult_:
+                   cfg: RunConfig) -> ScaleOutRun:
     """One scale-out under load (module docstring). The multicast's source is `pool`, the
     parameter pool's host copy (BlitzScale 5.3), a weights agent of its own on a paced link."""
     loop = asyncio.get_running_loop()
@@ -267,11 +267,11 @@ async def run_once(prepared: Prepared, source: LayerAgent, target: LayerAgent, p
     finally:
         stop.set()
         await asyncio.gather(*clients, return_exceptions=True)
-        counters = LayerCounters.from_fields((await tgt.call({"t": "counters"}))[0])
+        counters = LayerCounters.from_fields((await tgt.call(Counters().to_header(0)))[0])
         await pair.close()
     firsts = {s.request_id: s.token_times[0] - t0 for s in all_streams if s.token_times}
     loading = [firsts[r] - begun[r] for r in firsts if scale_out <= begun[r] < full]
-    result = RunResult_(live, cfg.seed, scale_out, full, tokens, ready, loading, pair.counters.pulls,
+    result = ScaleOutRun(live, cfg.seed, scale_out, full, tokens, ready, loading, pair.counters.pulls,
                         sum(s.error is not None for s in all_streams), pair.counters.target_runs, pair.counters.recomputed, counters.bytes_out)
     result.streams_split = sum(s.was_split for s in all_streams)
     result.layers, result.after_window = layers, max(0.0, cfg.after_s - 1.0)
@@ -308,7 +308,7 @@ def demo_hf_folder() -> Path:
     return out
 
 
-async def _one(hf: Path, live: bool, cfg: RunConfig, blocks: int) -> RunResult_:
+async def _one(hf: Path, live: bool, cfg: RunConfig, blocks: int) -> ScaleOutRun:
     """A run on fresh agents in a fresh folder (cold starts included)."""
     with tempfile.TemporaryDirectory(prefix="mesh-live-scaling-") as tmp:
         root = Path(tmp)
@@ -332,7 +332,7 @@ async def _one(hf: Path, live: bool, cfg: RunConfig, blocks: int) -> RunResult_:
             await pool.process.wait()
 
 
-def summary(run: RunResult_) -> dict[str, float]:
+def summary(run: ScaleOutRun) -> dict[str, float]:
     """One run's figures (tokens/s count output tokens; TTFT covers the streams begun while
     the weights arrived, every one of which was served)."""
     bands = run.rate_by_fraction(run.layers)
@@ -365,7 +365,7 @@ def _table(rows: dict[str, list[dict[str, Any]]]) -> None:
     Console().print(table)
 
 
-def _plot(runs: dict[str, RunResult_], path: Path) -> None:
+def _plot(runs: dict[str, ScaleOutRun], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -408,7 +408,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
         hf = a.hf or demo_hf_folder()
         rows: dict[str, list[dict[str, Any]]] = {"live": [], "stop-the-world": []}
-        last: dict[str, RunResult_] = {}
+        last: dict[str, ScaleOutRun] = {}
         raw = []
         with tqdm(total=2 * a.repeats, desc="runs", unit="run", file=sys.stderr) as bar:
             for seed in range(a.repeats):

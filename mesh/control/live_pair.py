@@ -38,7 +38,7 @@ from mesh.engines.engine_api import NextTokens, TokenBatch
 from mesh.policy.live_scaling import (ZigZagRequest, ZigZagState, left_to_target, source_pull, switch_assignment,
                                      target_next)
 from mesh.framing import ProtocolError
-from mesh.wire.layers import LayerCallFailed, LayerConnection, Peer, Release, Run, RunResult, Status
+from mesh.wire.layers import LayerCallFailed, LayerConnection, ModelState, Peer, Release, Run, RunResult, Status
 
 log = logging.getLogger("mesh.control.live_pair")
 
@@ -143,12 +143,11 @@ class LivePair:
     # --- the target's layers -------------------------------------------------------------------
     async def _watch_target(self) -> None:
         while not self.target_full:
-            reply, _ = await self.conns[TARGET].call(Status(self.model).to_header(0))
-            ready = int(reply.get("ready", 0))
-            if ready != self.target_ready:
-                self.target_ready = ready
+            state = ModelState.from_fields((await self.conns[TARGET].call(Status(self.model).to_header(0)))[0])
+            if state.ready != self.target_ready:
+                self.target_ready = state.ready
                 self._wake.set()
-            if ready >= self.layers and reply.get("head"):
+            if state.ready >= self.layers and state.head:
                 await self._switch()
                 return
             await asyncio.sleep(POLL_S)

@@ -28,7 +28,7 @@ from mesh.framing import ConnectionGate, ProtocolError, read_first_frame, read_f
 from mesh.modelfiles.layer_order import LayerFileError, header_length, read_layout
 from mesh.weights.blocks import Manifest
 from mesh.wire.layers import (STREAM_LIMIT, TYPE_KEY, LayerCallFailed, LayerConnection, LayerCounters,
-                              Open, Peer, Release, Run, RunResult, Status, Take, failure_frame, hidden_from,
+                              ModelState, Open, Peer, Release, Run, RunResult, Status, Take, failure_frame, hidden_from,
                               hidden_meta, reply_frame)
 
 log = logging.getLogger("mesh.node.layer_host")
@@ -222,10 +222,10 @@ class LayerHost:
 
     def _state(self, name: str) -> dict[str, Any]:
         model = self.models.get(name)
-        if model is None:  # opened from a multicast whose block 0 is not here yet
-            return {"layers": 1, "ready": 0, "head": False, "waiting": True}
+        if model is None:  # opened from a multicast whose block 0 is not here yet: nothing runs
+            return ModelState(0, 0, False).to_fields()
         engine = model.engine
-        return {"layers": engine.layer_range.num_layers, "ready": engine.layers_ready(), "head": engine.head_ready()}
+        return ModelState(engine.layer_range.num_layers, engine.layers_ready(), engine.head_ready()).to_fields()
 
     async def _open(self, m: Open) -> str:
         if m.model in self.models or self.by_path.get(m.path) == m.model:

@@ -162,9 +162,12 @@ class ModelState:
     ready: int
     head: bool
 
+    def to_fields(self) -> dict[str, Any]:
+        return asdict(self)
+
     @classmethod
     def from_fields(cls, h: Mapping[str, Any]) -> "ModelState":
-        return cls(_int(h, "layers", 1, 1 << 16), _int(h, "ready", 0, 1 << 16), bool(h.get("head")))
+        return cls(_int(h, "layers", 0, 1 << 16), _int(h, "ready", 0, 1 << 16), bool(h.get("head")))
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,6 +249,14 @@ class Release:
         return cls(_str(h, "model"), _ids(h.get("request_ids")))
 
 
+@dataclass(frozen=True, slots=True)
+class Counters:
+    """Ask for the host's LayerCounters."""
+
+    def to_header(self, mid: int) -> dict[str, Any]:
+        return {"t": "counters", "id": mid}
+
+
 @dataclass(slots=True)
 class LayerCounters:
     """What an agent's layer host has done: activation bytes in and out (one hop each),
@@ -297,7 +308,6 @@ class RunResult:
         return cls(output, float(h.get("compute_s", 0.0)), int(h.get("pulled_bytes", 0)))
 
 
-REQUESTS: dict[str, Any] = {"open": Open, "status": Status, "run": Run, "take": Take, "release": Release}
 
 
 class LayerCallFailed(RuntimeError):
