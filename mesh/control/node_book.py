@@ -29,6 +29,15 @@ if TYPE_CHECKING:
     from mesh.control.agent_node import AgentNode
 
 
+# Why a node lost its requests (ServedRequest.lost; the dispatcher counts resumed and failed ones by it).
+EXITED = "exited"  # its agent process exited (killed, crashed)
+CONNECTION = "connection"  # its connection ended or failed, the agent's process not known to have exited
+HEARTBEAT = "heartbeat"  # its agent stopped answering pings (frozen, or its network went quiet)
+REMOVED = "removed"  # the node left the cluster (a Ray node removed or dead)
+ENGINE_HUNG = "engine_hung"  # the agent's watchdog failed a hung engine (an `evicted` event marked fault)
+LOSS_CAUSES = (EXITED, CONNECTION, HEARTBEAT, REMOVED, ENGINE_HUNG)
+
+
 @dataclass(eq=False)
 class AgentInstance:
     """One instance on the agent as the dispatcher reads it (an HostedInstance): the requests
@@ -66,6 +75,9 @@ class NodeBook:
         return found[1] if found is not None else None
 
     def hold(self, inst: AgentInstance, req: ServedRequest) -> None:
+        er = req.engine_request
+        if er.prompt_token_ids is not None:  # its own list, which its streamed tokens extend (`tokens`)
+            er.prompt_token_ids = list(er.prompt_token_ids)
         inst.requests[req.request_id] = req
         req.node_id, req.instance_id = self.node.node_id, inst.instance_id
 
@@ -123,6 +135,29 @@ class NodeBook:
         for inst in list(self.instances.values()):
             self.lose(inst, why)
 
+    def lose_node(self, why: str, cause: str) -> list[ServedRequest]:
+        """The node is gone (its agent died, froze, left the cluster, or its network went):
+        its instances are gone, and every request they held (running, waiting for a prefill,
+        or held for a staged instance) leaves the node with the progress this service saw
+        (its prompt and the tokens streamed to its client), not ended. Returns them, for the
+        dispatcher to place again (`AgentNode.on_evict`)."""
+        taken: list[ServedRequest] = []
+        for inst in list(self.instances.values()):
+            self.instances.pop(inst.instance_id, None)
+            inst.deferred = []
+            requests, inst.requests = list(inst.requests.values()), {}
+            self.settled(inst, False)
+            for req in requests:
+                if req.outcome is not None:
+                    continue
+                req.fault, req.lost = True, cause  # the stall is the node's: deadlines restart where it resumes
+                req.attempts.append(f"lost on {self.node.node_id} after {req.tokens_out} tokens: {why}")
+                req.node_id = req.instance_id = None
+                taken.append(req)
+            if self.node.on_instance_gone is not None:
+                self.node.on_instance_gone(inst.instance_id)
+        return taken
+
     # -- the agent's events ----------------------------------------------------------------------
     def tokens(self, event: TokensEvent) -> None:
         now = _now()
@@ -132,6 +167,9 @@ class NodeBook:
                 continue
             if req.first_token_s is None:
                 req.first_token_s = now
+            ids = req.engine_request.prompt_token_ids
+            if token_ids and isinstance(ids, list) and len(ids) == req.prompt_len + req.tokens_out:
+                ids.extend(token_ids)  # the progress this service holds: its prompt, then every token streamed
             req.tokens_out += len(token_ids) or 1  # one item per token (simulated engines send no ids)
             if req.on_output is not None:
                 req.on_output(req, token_ids, [text] if text else [])
@@ -153,6 +191,8 @@ class NodeBook:
             return
         req.evictions += 1
         req.fault = event.fault
+        if event.fault:
+            req.lost = ENGINE_HUNG
         resume_from(req, event.progress, f"evicted from {self.node.node_id}: {event.why}")
         if self.node.on_evict is not None:
             self.node.on_evict(req)
