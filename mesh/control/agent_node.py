@@ -27,8 +27,8 @@ from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.cluster_node import ClusterNode, HostedInstance
-from mesh.control.node_book import (CONNECTION, ENGINE_HUNG, EXITED, HEARTBEAT, LOSS_CAUSES, REMOVED,  # noqa: F401
-                                    AgentInstance, NodeBook, resume_from)
+from mesh.control.cluster_node import CONNECTION, EXITED, HEARTBEAT
+from mesh.control.node_book import AgentInstance, NodeBook, resume_from
 from mesh.control.supervisor import AgentHandle
 from mesh.node.request import Outcome, ServedRequest
 from mesh.node.runtime import InstancePlan, NodeSpec
@@ -351,19 +351,11 @@ class AgentNode(ClusterNode):
     def lose(self, why: str, cause: str) -> int:
         """The node is lost (`cause`, one of LOSS_CAUSES; `why` for the operator): its instances
         are gone, and every request it held goes back to the dispatcher with the progress this
-        service saw (`on_evict`, the path of a request evicted or preempted: placed again, its
-        stream goes on from the next token); without a dispatcher they fail with `why`.
-        Returns how many went back."""
-        taken = self._book.lose_node(why, cause)
-        for req in taken:
-            if self.on_evict is not None:
-                self.on_evict(req)
-            else:
-                req.end(Outcome.FAILED, self._now(), why)
-        if taken:
-            log.warning("node %s lost (%s): %d requests placed again with their progress", self.node_id, cause,
-                        len(taken))
-        return len(taken)
+        service saw (`hand_back_lost`). Returns how many."""
+        n = self.hand_back_lost(self._book.lose_node(why), why, cause)
+        if n:
+            log.warning("node %s lost (%s): %d requests placed again with their progress", self.node_id, cause, n)
+        return n
 
     def abort(self, request_id: str, why: str) -> None:
         """Ask the agent to end the request (its `done` event, failed, ends it here); one

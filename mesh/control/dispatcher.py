@@ -51,9 +51,8 @@ from mesh.policy.placement import ADMIT_QUEUE, ADMIT_REJECT, queue_expiry_s, wai
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.policy.slo import DeadlineRule
 from mesh.control.cluster_view import ClusterView
-from mesh.control.cluster_node import ClusterNode
+from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode
 from mesh.control.latency import LogHistogram
-from mesh.control.node_book import ENGINE_HUNG
 from mesh.node.request import Outcome, ServedRequest
 
 if TYPE_CHECKING:

@@ -20,6 +20,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mesh.control.cluster_node import ENGINE_HUNG
 from mesh.engines.engine_api import FinishReason
 from mesh.node.request import Outcome, ServedRequest
 from mesh.policy.kv_demand import RunningMean
@@ -27,15 +28,6 @@ from mesh.wire.agent_protocol import DoneEvent, EvictedEvent, InstanceEvent, Pro
 
 if TYPE_CHECKING:
     from mesh.control.agent_node import AgentNode
-
-
-# Why a node lost its requests (ServedRequest.lost; the dispatcher counts resumed and failed ones by it).
-EXITED = "exited"  # its agent process exited (killed, crashed)
-CONNECTION = "connection"  # its connection ended or failed, the agent's process not known to have exited
-HEARTBEAT = "heartbeat"  # its agent stopped answering pings (frozen, or its network went quiet)
-REMOVED = "removed"  # the node left the cluster (a Ray node removed or dead)
-ENGINE_HUNG = "engine_hung"  # the agent's watchdog failed a hung engine (an `evicted` event marked fault)
-LOSS_CAUSES = (EXITED, CONNECTION, HEARTBEAT, REMOVED, ENGINE_HUNG)
 
 
 @dataclass(eq=False)
@@ -135,25 +127,19 @@ class NodeBook:
         for inst in list(self.instances.values()):
             self.lose(inst, why)
 
-    def lose_node(self, why: str, cause: str) -> list[ServedRequest]:
+    def lose_node(self, why: str) -> list[ServedRequest]:
         """The node is gone (its agent died, froze, left the cluster, or its network went):
         its instances are gone, and every request they held (running, waiting for a prefill,
         or held for a staged instance) leaves the node with the progress this service saw
-        (its prompt and the tokens streamed to its client), not ended. Returns them, for the
-        dispatcher to place again (`AgentNode.on_evict`)."""
+        (its prompt and the tokens streamed to its client), not ended. Returns them, for
+        `ClusterNode.hand_back_lost`."""
         taken: list[ServedRequest] = []
         for inst in list(self.instances.values()):
             self.instances.pop(inst.instance_id, None)
             inst.deferred = []
             requests, inst.requests = list(inst.requests.values()), {}
             self.settled(inst, False)
-            for req in requests:
-                if req.outcome is not None:
-                    continue
-                req.fault, req.lost = True, cause  # the stall is the node's: deadlines restart where it resumes
-                req.attempts.append(f"lost on {self.node.node_id} after {req.tokens_out} tokens: {why}")
-                req.node_id = req.instance_id = None
-                taken.append(req)
+            taken += [req for req in requests if req.outcome is None]
             if self.node.on_instance_gone is not None:
                 self.node.on_instance_gone(inst.instance_id)
         return taken

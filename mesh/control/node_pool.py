@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 from typing import Any, Callable, Protocol
 
-from mesh.control.agent_node import REMOVED, AgentNode
+from mesh.control.agent_node import AgentNode
+from mesh.control.cluster_node import REMOVED
 from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
 from mesh.control.supervisor import AgentHandle, AgentSettings

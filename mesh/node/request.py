@@ -52,7 +52,7 @@ class ServedRequest:
     # if it resumed now (the dispatcher shifts late_s); its SLO is still judged from arrival.
     fault: bool = False
     # Why a node lost it while it held it (its agent died, froze, was removed, lost its network:
-    # mesh.control.agent_node.LOSS_CAUSES), "" if none did: placed again with its progress, it waits
+    # mesh.control.cluster_node.LOSS_CAUSES), "" if none did: placed again with its progress, it waits
     # for a node up to the queue timeout, whatever its model's admission choice (the dispatcher).
     lost: str = ""
 

@@ -30,7 +30,7 @@ from typing import Any
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
-from mesh.control.node_book import LOSS_CAUSES
+from mesh.control.cluster_node import LOSS_CAUSES
 from mesh.control.supervisor import AgentHandle
 from mesh.engines.engine_api import EngineRequest
 from mesh.modelfiles.formats import engine_for
@@ -198,7 +198,7 @@ class RequestPath:
 
 
 def _by_cause(counts: Counter) -> dict[str, int]:
-    """Counts by loss cause, every cause listed (mesh.control.node_book.LOSS_CAUSES)."""
+    """Counts by loss cause, every cause listed (mesh.control.cluster_node.LOSS_CAUSES)."""
     return {cause: int(counts[cause]) for cause in LOSS_CAUSES}
 
 
