@@ -308,6 +308,19 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
         req.node_id = req.instance_id = None
         return req
 
+    def lose_all(self, why: str) -> list[ServedRequest]:
+        """The node is lost (the simulated twin of a node agent that died): the iteration in
+        flight gives nothing, every request leaves with the tokens it produced before it
+        (`take_back`), and every instance goes. Returns the requests, not ended, for the
+        dispatcher to place again."""
+        if self.stepping is not None:
+            self._end_step()
+        taken = [self.take_back(rid, f"lost: {why}") for inst in list(self.instances.values())
+                 for rid in list(inst.requests)]
+        for instance_id in list(self.instances):
+            self.stop_instance(instance_id)
+        return [req for req in taken if req is not None]
+
     def evict(self, request_id: str, why: str, fault: bool = False) -> None:
         """Evict and reschedule (6.4); without a dispatcher to take it, the request fails.
         The request keeps its progress (see take_back). `fault`: the node failed it (a hung
