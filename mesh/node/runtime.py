@@ -197,7 +197,7 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
         out = None if er.output_len is None else max(1, er.output_len - done)
         ids = er.prompt_token_ids  # after take_back: the prompt's ids then the produced ones
         ids = list(ids[: er.prompt_len + done]) if ids is not None and len(ids) >= er.prompt_len + done else None
-        return EngineRequest(er.request_id, er.prompt_len + done, sampling, ids, out)
+        return EngineRequest(er.request_id, er.prompt_len + done, sampling, ids, out, done if ids is not None else 0)
 
     def admit(self, instance_id: str, req: ServedRequest, admission: Admission) -> None:
         """Add a validated request to the instance (engine, compute and memory state). A
