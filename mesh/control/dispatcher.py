@@ -386,6 +386,10 @@ class Dispatcher:
         self._slo_expiry[req.request_id] = slo_expiry
         self._why[req.request_id] = why
         self._arm_expiry()
+        if req.lost and now < slo_expiry < expiry:
+            # a lost request is tried again once it can no longer meet its SLO, when it may be
+            # served late (`_drain`), even if nothing else happens meanwhile (a single node restarting)
+            asyncio.get_running_loop().call_at(slo_expiry, self._schedule_drain)
 
     def _turn_away(self, req: ServedRequest, reason: str, detail: str) -> None:
         """Reject a request never served; fail one that had started (it lost its place)."""
