@@ -1,9 +1,11 @@
 """The dispatcher's book of one node agent: its instances and the requests placed on them
 (what `ClusterNode.instances` shows the dispatcher and the policies), kept current from the
 agent's events (mesh.wire.agent_protocol): tokens and `done` update the request the
-dispatcher holds (`ServedRequest`: first-token time, progress, outcome), whose
-`on_output`/`on_done` feed the client; `evicted` hands a request back with the tokens it
-produced (6.4); an instance's `ready` or failed load settles who waits for it.
+dispatcher holds (`ServedRequest`: first-token time, progress (its prompt token ids grow by
+each token streamed), outcome), whose `on_output`/`on_done` feed the client; `evicted` hands
+a request back with the tokens it produced (6.4); an instance's `ready` or failed load
+settles who waits for it; a lost node's requests leave with the progress streamed
+(`lose_node`).
 
 The service holds each request once, as the dispatcher's `ServedRequest` (issue 34): an
 instance here lists the ones placed on it, and the book keeps no other copy or index of them
@@ -114,7 +116,7 @@ class NodeBook:
             self.node.on_instance_stopped(inst.model, inst.instance_id)
 
     def lose(self, inst: AgentInstance, why: str) -> None:
-        """The instance left the node unasked (its load failed, its agent died): its requests fail."""
+        """The instance failed to load: its requests fail (a lost node's go on elsewhere: `lose_node`)."""
         self.instances.pop(inst.instance_id, None)
         self.settled(inst, False)
         for req in list(inst.requests.values()):
@@ -122,10 +124,6 @@ class NodeBook:
                 req.end(Outcome.FAILED, _now(), why)
         if self.node.on_instance_gone is not None:
             self.node.on_instance_gone(inst.instance_id)
-
-    def lose_all(self, why: str) -> None:
-        for inst in list(self.instances.values()):
-            self.lose(inst, why)
 
     def lose_node(self, why: str) -> list[ServedRequest]:
         """The node is gone (its agent died, froze, left the cluster, or its network went):
