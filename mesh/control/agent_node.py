@@ -10,7 +10,9 @@ node current from the agent's events:
 - `try_admit` is the agent's `admit`, validate + admit in one step of its loop;
 - `take_back` and the agent's `evicted` event return a running request with the tokens it
   produced, so the dispatcher can resume it on another node (7.1, 6.4): its prompt plus
-  those tokens are prefilled there, and its stream goes on where it stopped;
+  those tokens are prefilled there, and its stream goes on where it stopped; a lost node
+  (`lose`: its agent died, froze, left, or its network went) returns every request it held
+  the same way, with the tokens the service had streamed;
 - tokens and `done` events update the request the dispatcher holds (`ServedRequest`:
   first-token time, progress, outcome), whose `on_output`/`on_done` feed the client.
 
@@ -26,8 +28,7 @@ import logging
 from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 
 from mesh.control.agent_client import AgentCallError, AgentDown
-from mesh.control.cluster_node import ClusterNode, HostedInstance
-from mesh.control.cluster_node import CONNECTION, EXITED, HEARTBEAT
+from mesh.control.cluster_node import CONNECTION, EXITED, HEARTBEAT, ClusterNode, HostedInstance
 from mesh.control.node_book import AgentInstance, NodeBook, resume_from
 from mesh.control.supervisor import AgentHandle
 from mesh.node.request import Outcome, ServedRequest
