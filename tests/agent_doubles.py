@@ -104,3 +104,61 @@ async def until(cond: Any, limit_s: float = 10.0, poll_s: float = 0.01) -> None:
             return
         await asyncio.sleep(poll_s)
     raise AssertionError("condition not reached")
+
+
+def next_token(seq: list[int]) -> int:
+    """The token `SequenceEngine` gives after `seq`: a function of the whole sequence so far
+    (prompt and output), so a stream resumed from the wrong place, or with a token lost or
+    repeated, goes on differently."""
+    return (sum(seq[-3:]) * 31 + len(seq)) % 4999 + 1
+
+
+def expected_tokens(prompt: list[int], n: int) -> list[int]:
+    """What an undisturbed stream of `n` tokens after `prompt` gives on a SequenceEngine."""
+    seq = list(prompt)
+    for _ in range(n):
+        seq.append(next_token(seq))
+    return seq[len(prompt):]
+
+
+class SequenceEngine(LoadReportingEngine):
+    """A simulated engine (its times and batching) whose tokens have ids and text: each is
+    `next_token` of the request's sequence (its prompt token ids, then what it produced)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.seqs: dict[str, list[int]] = {}
+
+    def add_request(self, request: Any) -> None:
+        super().add_request(request)
+        self.seqs[request.request_id] = list(request.prompt_token_ids or range(request.prompt_len))
+
+    def abort(self, request_id: str) -> None:
+        super().abort(request_id)
+        self.seqs.pop(request_id, None)
+
+    async def step(self) -> Any:
+        result = await super().step()
+        ids: list[int] = []
+        for rid in result.request_ids:
+            seq = self.seqs[rid]
+            seq.append(next_token(seq))
+            ids.append(seq[-1])
+        for rid in result.finished:
+            self.seqs.pop(rid, None)
+        result.token_ids, result.texts = ids, [f"{t} " for t in ids]
+        return result
+
+
+def sequence_factory(spec: InstanceSpec, on_loaded: Any) -> SequenceEngine:
+    e = SequenceEngine(spec.model, TIMES, kv_bytes_per_token=1000, weight_bytes=10**6,
+                       context_window=spec.context_window or 256, load_s=0.05, max_batch=spec.max_num_seqs)
+    e.on_loaded = on_loaded
+    return e
+
+
+def use_sequence_engines(monkeypatch: Any) -> None:
+    """use_simulated_engines, with SequenceEngines: tokens with ids and text."""
+    use_simulated_engines(monkeypatch)
+    for name in ("simulated", "openvino"):
+        monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, name, sequence_factory)

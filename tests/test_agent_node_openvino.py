@@ -96,6 +96,70 @@ def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf)
     assert moved.tokens_out == still.tokens_out
 
 
+def test_a_stream_whose_agent_is_killed_keeps_its_greedy_output(demo_gguf):
+    """The node's agent process SIGKILLed mid-stream: the request goes back to the dispatcher
+    with the tokens the service had streamed (AgentNode.lose), resumes on the other agent,
+    and its tokens and text are those of a stream that was never disturbed."""
+    import os
+    import signal
+
+    from mesh.engines.openvino_engine import OpenVINOEngine
+
+    shape = OpenVINOEngine(demo_gguf)
+    ids = shape.encode_chat(QUESTION)
+
+    async def load_spec(plan, node) -> InstanceSpec:
+        return InstanceSpec(plan.instance_id, plan.model, str(demo_gguf), plan.context_window, max_num_seqs=8,
+                            exact_moves=True)
+
+    async def main():
+        settings = AgentSettings(models_roots=(str(demo_gguf.parent),))
+        nodes = [AgentNode(NodeSpec(f"cpu{i}", "cpu", 4 * GIB), LocalAgent, settings, load_spec) for i in range(2)]
+        profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
+        cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE),
+                              {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0},
+                              nodes=nodes)
+        d = Dispatcher.for_policy(cluster, "mesh")
+        await cluster.start()
+        for n in nodes:
+            assert await n.agent.wait_up(60), n.agent.last_error
+        out: dict[str, tuple[list[int], list[str], list[str]]] = {}
+
+        def collect(req, tokens, texts):
+            ids_, texts_, nodes_ = out.setdefault(req.request_id, ([], [], []))
+            ids_.extend(tokens or ())
+            texts_.extend(texts or ())
+            nodes_.append(req.node_id)
+
+        def request(rid: str) -> ServedRequest:
+            return ServedRequest(EngineRequest(rid, len(ids), Sampling(max_tokens=48, temperature=0.0), list(ids)),
+                                 "smol", asyncio.get_running_loop().time(), SLO_LOOSE, on_output=collect)
+
+        still = request("still")
+        d.submit(still)
+        await until(lambda: still.outcome is not None, REAL_ENGINE_S)
+        lost = request("lost")
+        d.submit(lost)
+        await until(lambda: lost.tokens_out >= 12 or lost.outcome is not None, REAL_ENGINE_S)
+        assert lost.outcome is None, (lost.outcome, lost.detail, lost.attempts)
+        first_node = lost.node_id
+        os.kill(cluster.node(first_node).agent.pid, signal.SIGKILL)
+        await until(lambda: lost.outcome is not None, REAL_ENGINE_S)
+        stats = d.stats
+        await cluster.stop()
+        return still, lost, first_node, out, stats
+
+    still, lost, first_node, out, stats = asyncio.run(main())
+    assert still.outcome is Outcome.COMPLETED and lost.outcome is Outcome.COMPLETED, lost.detail
+    assert lost.node_id != first_node and lost.lost in ("exited", "connection")
+    assert stats.resumed[lost.lost] == 1
+    ref_ids, ref_text, _ = out["still"]
+    got_ids, got_text, where = out["lost"]
+    assert {first_node, lost.node_id} <= set(where)  # streamed from both nodes
+    assert got_ids == ref_ids and "".join(got_text) == "".join(ref_text)  # nothing lost, repeated or changed
+    assert lost.tokens_out == still.tokens_out == 48
+
+
 def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_output(demo_gguf):
     """Proactive preemption (7.1) chosen by MeshScheduler on real agents. cpu0 runs X (model m,
     two streams) and Y (model n, one stream) and has memory for exactly that (the weights and

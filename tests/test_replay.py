@@ -160,3 +160,17 @@ def test_deadline_rule_is_an_option_and_the_output_names_it(traces, tmp_path, ca
     with pytest.raises(SystemExit) as e:
         replay(traces, *args, "--deadlines", "strict")
     assert e.value.code == 2 and "invalid choice: 'strict'" in capsys.readouterr().err
+
+
+def test_a_node_lost_during_a_replay_is_counted_by_cause(traces, tmp_path, capsys):
+    """`--fail-node`: the node's requests go back with their progress (tests/test_replay_node_loss.py);
+    the JSON counts them lost, resumed and failed by cause."""
+    out = tmp_path / "r.json"
+    assert replay(traces, "--functions", "4", "--minutes", "2", "--policies", "mesh", "--cpu-nodes", "2",
+                  "--gpu-nodes", "1", "--fail-node", "cpu0@20+2", "--fail-node", "gpu0@40", "--json", str(out)) == 0
+    m = json.loads(out.read_text())["mesh"]
+    assert set(m["lost_by_cause"]) <= {"exited"} and m["resumed_by_cause"].get("exited", 0) <= m["lost_by_cause"].get(
+        "exited", 0)
+    assert m["requests"] == m["slo_compliant"] + m["slo_violating"] + m["rejected"] + m["failed"]
+    assert replay(traces, "--functions", "4", "--minutes", "2", "--policies", "mesh", "--fail-node", "cpu0") != 0
+    assert "--fail-node is NODE@SECONDS[+DOWN]" in capsys.readouterr().err

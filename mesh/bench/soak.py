@@ -127,7 +127,11 @@ class Tally:
     cycles: list[Cycle] = field(default_factory=list)  # churn models registered and deleted
     churn_refused: dict[str, int] = field(default_factory=dict)  # status -> count (a 429 past the rate, ...)
     kills: list[str] = field(default_factory=list)
-    started: int = 0  # cycles begun (numbers the models, picks those that serve)
+    kill_times: list[float] = field(default_factory=list)  # when each kill was sent (loop time)
+    # the demo tenant's streams that ended ok: (start, end, TTFT, TPOT) in loop time and seconds
+    timings: list[tuple[float, float, float, float]] = field(default_factory=list)
+    started: int = 0  # cycles begun
+    resumed: dict[str, dict[str, int]] = field(default_factory=dict)  # the service's lost/resumed/lost_failed by cause (numbers the models, picks those that serve)
 
     def add(self, outcome: str, detail: str = "") -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -138,10 +142,15 @@ class Tally:
 
 
 async def stream_once(session: Any, url: str, key: str, model: str, max_tokens: int, i: int,
-                      hang_up: bool = False, timeout_s: float = 300.0) -> tuple[str, str]:
-    """One streaming chat completion: (outcome, detail) as the module docstring defines them."""
+                      hang_up: bool = False, timeout_s: float = 300.0,
+                      timing: list[float] | None = None) -> tuple[str, str]:
+    """One streaming chat completion: (outcome, detail) as the module docstring defines them.
+    `timing` gets the loop times of its start and of each chunk of text."""
     import aiohttp
 
+    loop = asyncio.get_running_loop()
+    if timing is not None:
+        timing.append(loop.time())
     body = {"model": model, "max_tokens": max_tokens, "stream": True, "seed": i,
             "messages": [{"role": "user", "content": f"Say something about the number {i}."}]}
     try:
@@ -161,6 +170,8 @@ async def stream_once(session: Any, url: str, key: str, model: str, max_tokens: 
                 chunk = json.loads(data)
                 if "error" in chunk:
                     return "failed", f"stream error: {chunk['error'].get('message', '')[:200]}"
+                if timing is not None and any((c.get("delta") or {}).get("content") for c in chunk.get("choices", ())):
+                    timing.append(loop.time())
                 if hang_up:
                     resp.close()  # the client goes away mid-stream
                     return "hung_up", ""
@@ -365,8 +376,13 @@ async def soak(url: str, key: str, token: str, server_pid: int, args: argparse.N
 
         async def client() -> None:
             while loop.time() < end:
-                outcome, detail = await stream_once(session, url, key, "demo/smollm2", args.max_tokens, next(counter))
+                times: list[float] = []
+                outcome, detail = await stream_once(session, url, key, "demo/smollm2", args.max_tokens, next(counter),
+                                                    timing=times)
                 tally.add(outcome, detail)
+                if outcome == "ok" and len(times) >= 3:
+                    tally.timings.append((times[0], times[-1], times[1] - times[0],
+                                          (times[-1] - times[1]) / (len(times) - 2)))
                 if outcome != "ok":
                     await asyncio.sleep(0.5)
 
@@ -433,6 +449,7 @@ async def soak(url: str, key: str, token: str, server_pid: int, args: argparse.N
                 turn += 1
                 try:
                     os.kill(node["pid"], signal.SIGKILL)
+                    tally.kill_times.append(loop.time())
                     tally.kills.append(f"{node['node_id']} pid {node['pid']} at {loop.time() - start:.0f} s")
                 except ProcessLookupError:
                     pass
@@ -448,6 +465,8 @@ async def soak(url: str, key: str, token: str, server_pid: int, args: argparse.N
         samples.extend(await asyncio.to_thread(sample_processes, server_pid, loop.time() - start))
         for task in background:
             task.cancel()
+        _, view = await _call(session, url, token, "GET", "/admin/cluster")
+        tally.resumed = {k: view["dispatcher"].get(k, {}) for k in ("lost", "resumed", "lost_failed")}
         return await left_behind(session, url, token)
     finally:
         await session.close()
@@ -513,6 +532,11 @@ def _seconds(values: list[float]) -> dict[str, float]:
                                                                                  int(0.95 * len(ordered)))], 3)}
 
 
+def _timing(streams: list[tuple[float, float, float, float]]) -> dict[str, Any]:
+    """Count, TTFT and TPOT (mean, p50, p95) of streams given as (start, end, TTFT, TPOT)."""
+    return {"n": len(streams), "ttft_s": _seconds([t[2] for t in streams]), "tpot_s": _seconds([t[3] for t in streams])}
+
+
 def _cycle_s(c: Cycle) -> float:
     return c.register_s + (c.ready_s or 0) + (c.serve_s or 0) + c.delete_s + (c.clean_s or 0)
 
@@ -545,7 +569,14 @@ def summarize(args: argparse.Namespace, tally: Tally, samples: list[dict[str, An
         "phase_serve_s": _seconds([c.serve_s for c in cycles if c.serve_s is not None]),
         "phase_delete_s": _seconds([c.delete_s for c in cycles]),
         "phase_clean_s": _seconds([c.clean_s for c in cycles if c.clean_s is not None]),
-        "agent_kills": len(tally.kills), "spare_agent": args.spare, "left_behind_clean": left["clean"],
+        "agent_kills": len(tally.kills), "spare_agent": args.spare,
+        # requests of the killed agents, as the service counts them (by cause), and the demo
+        # tenant's streams in flight across a kill (they include the resumed ones) beside all
+        "service_lost": tally.resumed.get("lost", {}), "service_resumed": tally.resumed.get("resumed", {}),
+        "service_lost_failed": tally.resumed.get("lost_failed", {}),
+        "streams_ok": _timing([t for t in tally.timings]),
+        "streams_ok_across_a_kill": _timing([t for t in tally.timings
+                                             if any(t[0] < k < t[1] for k in tally.kill_times)]), "left_behind_clean": left["clean"],
         "load_average_1min": {"min": min(loads, default=0.0), "mean": round(statistics.fmean(loads), 2) if loads
                               else 0.0, "max": max(loads, default=0.0)},
         "warmup_min": warmup_s / 60,
@@ -579,6 +610,14 @@ def markdown(args: argparse.Namespace, f: dict[str, Any], procs: list[dict[str, 
            "| figure | value |", "|---|---|"]
     outcomes = ", ".join(f"{f.get('outcome_' + k, 0):,} {k}" for k in ("ok", "hung_up", "turned_away", "failed"))
     out.append(f"| requests | {f['requests']:,}: {outcomes}, **{f['lost']} lost** |")
+    resumed, lost = sum(f["service_resumed"].values()), sum(f["service_lost"].values())
+    across, every = f["streams_ok_across_a_kill"], f["streams_ok"]
+    out.append(f"| killed agents' requests | {lost} handed back, **{resumed} resumed**, "
+               f"{sum(f['service_lost_failed'].values())} failed (the service's counts) |")
+    out.append(f"| streams across a kill (ok) | {across['n']}: TTFT mean {across['ttft_s']['mean']:.2f} s "
+               f"(p95 {across['ttft_s']['p95']:.2f}), TPOT mean {across['tpot_s']['mean']:.3f} s (p95 "
+               f"{across['tpot_s']['p95']:.3f}); all ok streams: {every['n']}, TTFT mean {every['ttft_s']['mean']:.2f} s, "
+               f"TPOT mean {every['tpot_s']['mean']:.3f} s |")
     cs, ph = f["cycle_s"], {k: f[f"phase_{k}_s"] for k in ("register", "ready", "serve", "delete", "clean")}
     kinds = ", ".join(f"{n} {k}" for k, n in f["cycles_by_kind"].items())
     out.append(f"| register/delete cycles | {f['register_delete_cycles']:,} in {args.minutes:g} min "

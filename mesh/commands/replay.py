@@ -17,6 +17,7 @@ from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import (
     DEFAULT_CPU_DEVICE,
     DEFAULT_GPU_DEVICE,
+    NodeFailure,
     PolicyRun,
     ReplayConfig,
     build_catalog,
@@ -122,6 +123,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="what a request that can no longer meet its SLO gets, as `mesh serve --admission`: "
                          "'reject' (LLM-Mesh's rule), 'queue' (waits up to --queue-timeout, served late), 'late' "
                          "(no time bound) (default: %(default)s)")
+    cl.add_argument("--fail-node", action="append", default=[], metavar="NODE@SECONDS[+DOWN]",
+                    help="lose a node at that time of the workload, as a node agent is lost live: its requests go "
+                         "back to the dispatcher with their progress and it takes nothing for DOWN seconds (its "
+                         "agent restarting; default 1), e.g. cpu0@120+2; repeat for several")
     cl.add_argument("--retry-interval", type=float, default=DEFAULT_RETRY_INTERVAL_S, help="seconds between retries of waiting requests (default: %(default)s)")
     live = p.add_argument_group("live (docs/evaluation.md, 'Live replay')")
     live.add_argument("--live", metavar="URL",
@@ -240,6 +245,7 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
     config = ReplayConfig(
         cluster=cluster, queue_capacity=args.queue_capacity, retry_interval_s=args.retry_interval,
         queue_timeout_s=timeout, progress=not args.no_progress, engines=engines,
+        failures=tuple(parse_failure(text) for text in args.fail_node),
     )
     if args.capacity and not (0 < args.capacity_target <= 1 and args.capacity_tol > 0 and args.capacity_growth > 1):
         raise ReplayInputError("--capacity-target must be in (0, 1], --capacity-tol > 0 and --capacity-growth > 1")
@@ -250,6 +256,19 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
 
     return {"policies": policies, "catalog": catalog, "workload": workload, "prior": prior, "config": config, "mix": mix,
             "build": build}
+
+
+def parse_failure(text: str) -> NodeFailure:
+    """`--fail-node NODE@SECONDS[+DOWN]`; ReplayInputError says what is wrong."""
+    node, at, rest = text.partition("@")
+    at_s, _, down = rest.partition("+")
+    try:
+        failure = NodeFailure(node, float(at_s), float(down) if down else 1.0)
+    except ValueError:
+        failure = None
+    if not node or not at or failure is None or not failure.at_s >= 0 or not failure.down_s >= 0:
+        raise ReplayInputError(f"--fail-node is NODE@SECONDS[+DOWN] (e.g. cpu0@120+2), got {text!r}")
+    return failure
 
 
 def workload_for(args: argparse.Namespace, max_total: dict[str, int], mix: dict[str, float],

@@ -10,7 +10,9 @@ node current from the agent's events:
 - `try_admit` is the agent's `admit`, validate + admit in one step of its loop;
 - `take_back` and the agent's `evicted` event return a running request with the tokens it
   produced, so the dispatcher can resume it on another node (7.1, 6.4): its prompt plus
-  those tokens are prefilled there, and its stream goes on where it stopped;
+  those tokens are prefilled there, and its stream goes on where it stopped; a lost node
+  (`lose`: its agent died, froze, left, or its network went) returns every request it held
+  the same way, with the tokens the service had streamed;
 - tokens and `done` events update the request the dispatcher holds (`ServedRequest`:
   first-token time, progress, outcome), whose `on_output`/`on_done` feed the client.
 
@@ -26,7 +28,7 @@ import logging
 from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
 
 from mesh.control.agent_client import AgentCallError, AgentDown
-from mesh.control.cluster_node import ClusterNode, HostedInstance
+from mesh.control.cluster_node import CONNECTION, EXITED, HEARTBEAT, ClusterNode, HostedInstance
 from mesh.control.node_book import AgentInstance, NodeBook, resume_from
 from mesh.control.supervisor import AgentHandle
 from mesh.node.request import Outcome, ServedRequest
@@ -209,6 +211,10 @@ class AgentNode(ClusterNode):
             if req.on_admitted is not None:  # the one admitted event (the service's stream starts)
                 req.on_admitted(req)
             return Admission(True)
+        if inst.requests.get(req.request_id) is not req:
+            # it left the node during the call (the node was lost, `lose`; or it ended): whoever
+            # took it places it again, so it must not be placed from here too
+            return Admission(True)
         if deferred:  # the dispatcher counted it placed: it is placed again
             self._hand_back(inst, req, f"refused by {self.node_id} once its instance loaded: {result.reason or result.code}")
             return Admission(False, refusal=str(result.reason or result.code))
@@ -343,9 +349,14 @@ class AgentNode(ClusterNode):
         """Wait until the instance is ready (True) or gone: failed to load, unloaded (False)."""
         return await self._book.wait_loaded(instance_id, timeout_s)
 
-    def fail_all(self, why: str) -> None:
-        """The node left: every request it holds fails with `why`, its instances are gone."""
-        self._book.lose_all(why)
+    def lose(self, why: str, cause: str) -> int:
+        """The node is lost (`cause`, one of LOSS_CAUSES; `why` for the operator): its instances
+        are gone, and every request it held goes back to the dispatcher with the progress this
+        service saw (`hand_back_lost`). Returns how many."""
+        n = self.hand_back_lost(self._book.lose_node(why), why, cause)
+        if n:
+            log.warning("node %s lost (%s): %d requests placed again with their progress", self.node_id, cause, n)
+        return n
 
     def abort(self, request_id: str, why: str) -> None:
         """Ask the agent to end the request (its `done` event, failed, ends it here); one
@@ -391,7 +402,7 @@ class AgentNode(ClusterNode):
 
     def _agent_down(self, agent: AgentHandle, reason: str) -> None:
         why = f"node agent {agent.node_id} died ({reason}); it is being restarted"
-        self._book.lose_all(why)
+        self.lose(why, loss_cause(reason))
         self.stats = {}
         self._stepping = None
         if self.on_down is not None:
@@ -400,6 +411,16 @@ class AgentNode(ClusterNode):
     @staticmethod
     def _now() -> float:
         return asyncio.get_running_loop().time()
+
+
+def loss_cause(reason: str) -> str:
+    """The cause of a node loss from its agent handle's reason (mesh.control.agent_client's
+    close reasons; the supervisor adds the exit status of a process it saw end)."""
+    if "heartbeat" in reason:
+        return HEARTBEAT
+    if "exit status" in reason or "process exited" in reason:
+        return EXITED
+    return CONNECTION
 
 
 def _probe(req: ServedRequest, done: int) -> Probe:

@@ -21,12 +21,22 @@ implementation.
 """
 from __future__ import annotations
 
+import asyncio
 from abc import ABC, abstractmethod
 from typing import Callable, Collection, Mapping, Protocol, Sequence
 
 from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.node.shadow_admission import Admission
-from mesh.node.request import ServedRequest
+from mesh.node.request import Outcome, ServedRequest
+
+
+# Why a node lost its requests (ServedRequest.lost; the dispatcher counts resumed and failed ones by it).
+EXITED = "exited"  # its agent process exited (killed, crashed)
+CONNECTION = "connection"  # its connection ended or failed, the agent's process not known to have exited
+HEARTBEAT = "heartbeat"  # its agent stopped answering pings (frozen, or its network went quiet)
+REMOVED = "removed"  # the node left the cluster (a Ray node removed or dead)
+ENGINE_HUNG = "engine_hung"  # the node's watchdog failed a hung engine (an eviction marked fault)
+LOSS_CAUSES = (EXITED, CONNECTION, HEARTBEAT, REMOVED, ENGINE_HUNG)
 
 
 class HostedInstance(Protocol):
@@ -98,6 +108,22 @@ class ClusterNode(ABC):
         """Does the node keep a stopped instance of `model` built and warm (mesh.engines.parking),
         so that its next load adopts it? Nodes that park nothing say False."""
         return False
+
+    def hand_back_lost(self, reqs: Sequence[ServedRequest], why: str, cause: str) -> int:
+        """Requests this node held when it was lost (`cause`, one of LOSS_CAUSES; `why` for the
+        operator), with their progress, not ended: each goes back to the dispatcher (`on_evict`,
+        the path of an evicted or preempted request: placed again, its stream goes on from the
+        next token, its deadlines restarting from now: `fault`); without one, each fails.
+        Returns how many."""
+        for req in reqs:
+            req.fault, req.lost = True, cause
+            req.attempts.append(f"lost on {self.node_id} after {req.tokens_out} tokens: {why}")
+            req.node_id = req.instance_id = None
+            if self.on_evict is not None:
+                self.on_evict(req)
+            else:
+                req.end(Outcome.FAILED, asyncio.get_running_loop().time(), why)
+        return len(reqs)
 
     # -- verbs -------------------------------------------------------------------------
     @abstractmethod

@@ -12,7 +12,11 @@ model's admission choice (mesh.policy.placement.ADMISSIONS, issue 33): `reject` 
 once validation shows everyone else on time, its own deadlines running from then (served late).
 Requests handed back by a node
 (evicted when its KV cache outgrew the estimate, 6.4) are rescheduled the same way with
-their progress kept; one that cannot be placed again in time fails.
+their progress kept; one that cannot be placed again in time fails. So are the requests of
+a node that is lost (its agent killed, frozen, removed, its network gone: `on_evict` with
+`req.lost` set, mesh.control.agent_node): their deadlines restart from the loss, and they
+wait for a node up to the queue timeout whatever their model's admission choice; the
+stats count them resumed and failed by cause.
 
 Invariant: every submitted request ends exactly once, completed, rejected or failed; the
 dispatcher counts each (`accounting()`), and `all_done` is set when nothing is in flight.
@@ -43,11 +47,11 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
-from mesh.policy.placement import ADMIT_REJECT, queue_expiry_s, wait_expiry_s
+from mesh.policy.placement import ADMIT_QUEUE, ADMIT_REJECT, queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.policy.slo import DeadlineRule
 from mesh.control.cluster_view import ClusterView
-from mesh.control.cluster_node import ClusterNode
+from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode
 from mesh.control.latency import LogHistogram
 from mesh.node.request import Outcome, ServedRequest
 
@@ -129,6 +133,11 @@ class DispatchStats:
     queued: int = 0  # requests that waited at least once
     placed_from_queue: int = 0
     rescheduled: int = 0  # handed back by a node (eviction) and placed again
+    # requests a node lost (ServedRequest.lost, by cause): placed again with their progress
+    # (each placement after a loss counts once), and turned away because no node took them in time
+    lost: Counter = field(default_factory=Counter)  # handed back by a node that was lost
+    resumed: Counter = field(default_factory=Counter)
+    lost_failed: Counter = field(default_factory=Counter)
     rejected: Counter = field(default_factory=Counter)  # reason -> count
     failed: Counter = field(default_factory=Counter)
     decisions: int = 0  # placement decisions taken (a request placed, or found unplaceable for now)
@@ -286,13 +295,25 @@ class Dispatcher:
     async def _reschedule(self, req: ServedRequest) -> None:
         if await self._decide(req, self._avoid.get(req.request_id, frozenset())):
             self.stats.rescheduled += 1
+            self._placed_again(req)
         elif req.outcome is None:
             self._enqueue(req)
 
+    def _placed_again(self, req: ServedRequest) -> None:
+        """A request placed from the queue or handed back: one a node had lost is resumed."""
+        if req.lost and req.outcome is None:
+            self.stats.resumed[req.lost] += 1
+
     def on_evict(self, req: ServedRequest, node: ClusterNode) -> None:
-        """A node evicted a request (6.4); called inside the node's loop, so deferred."""
-        self._avoid[req.request_id] = self._avoid.get(req.request_id, frozenset()) | {node.node_id}
-        if req.fault:  # the node failed (a hung engine): the stall is not the request's, its deadlines restart
+        """A node evicted a request (6.4), or lost it (the node failed: `req.fault`, its cause
+        in `req.lost`), its progress kept; called inside the node's loop, so deferred. An
+        evicted request avoids that node; a lost one may go back to it (a restarted agent,
+        the node of a single-node service)."""
+        if not (req.lost and req.fault) or req.lost == ENGINE_HUNG:
+            self._avoid[req.request_id] = self._avoid.get(req.request_id, frozenset()) | {node.node_id}
+        if req.fault and req.lost:
+            self.stats.lost[req.lost] += 1
+        if req.fault:  # the node failed: the stall is not the request's, its deadlines restart
             req.fault = False
             rule = self.cluster.config.deadlines
             _, resume_s = req.resumed(req.tokens_out, rule)
@@ -316,7 +337,11 @@ class Dispatcher:
 
     def admission(self, req: ServedRequest) -> str:
         """The admission choice that applies to `req` (mesh.policy.placement.ADMISSIONS): its
-        model's (or its tenant's) for a fresh request; ADMIT_REJECT's rule for one that had started."""
+        model's (or its tenant's) for a fresh request; ADMIT_REJECT's rule for one that had started;
+        ADMIT_QUEUE for one a node lost (it waits for a node up to the queue timeout: a restarted
+        agent, an instance loading elsewhere), whatever it had done."""
+        if req.lost:  # its node was lost: it waits for another up to the queue timeout
+            return ADMIT_QUEUE
         if req.tokens_out or req.first_token_s is not None:
             return ADMIT_REJECT
         return self.cluster.admission(req.model, req.tenant)
@@ -361,17 +386,24 @@ class Dispatcher:
         self._slo_expiry[req.request_id] = slo_expiry
         self._why[req.request_id] = why
         self._arm_expiry()
+        if req.lost and now < slo_expiry < expiry:
+            # a lost request is tried again once it can no longer meet its SLO, when it may be
+            # served late (`_drain`), even if nothing else happens meanwhile (a single node restarting)
+            asyncio.get_running_loop().call_at(slo_expiry, self._schedule_drain)
 
     def _turn_away(self, req: ServedRequest, reason: str, detail: str) -> None:
         """Reject a request never served; fail one that had started (it lost its place)."""
         log.debug("%s of %s turned away: %s: %s (attempts %s)", req.request_id, req.model, reason, detail,
                   req.attempts)
-        if req.first_token_s is None and req.tokens_out == 0:
+        if req.first_token_s is None and req.tokens_out == 0 and not req.lost:
             self.stats.rejected[reason] += 1
             req.end(Outcome.REJECTED, self._now(), f"rejected: {reason}: {detail}")
         else:
             self.stats.failed[reason] += 1
-            req.end(Outcome.FAILED, self._now(), f"failed after {req.tokens_out} tokens: {reason}: {detail}")
+            lost = f"its node was lost ({req.lost}), then " if req.lost else ""
+            req.end(Outcome.FAILED, self._now(), f"failed after {req.tokens_out} tokens: {lost}{reason}: {detail}")
+        if req.lost:
+            self.stats.lost_failed[req.lost] += 1
 
     def _arm_expiry(self) -> None:
         t = self.queue.next_expiry()
@@ -440,6 +472,7 @@ class Dispatcher:
                         self.queue.remove(entry.request_id)
                         self._forget_waiting(entry.request_id)
                     self.stats.placed_from_queue += 1
+                    self._placed_again(req)
                 else:
                     blocked.add(entry.model)
         finally:

@@ -1,9 +1,11 @@
 """The dispatcher's book of one node agent: its instances and the requests placed on them
 (what `ClusterNode.instances` shows the dispatcher and the policies), kept current from the
 agent's events (mesh.wire.agent_protocol): tokens and `done` update the request the
-dispatcher holds (`ServedRequest`: first-token time, progress, outcome), whose
-`on_output`/`on_done` feed the client; `evicted` hands a request back with the tokens it
-produced (6.4); an instance's `ready` or failed load settles who waits for it.
+dispatcher holds (`ServedRequest`: first-token time, progress (its prompt token ids grow by
+each token streamed), outcome), whose `on_output`/`on_done` feed the client; `evicted` hands
+a request back with the tokens it produced (6.4); an instance's `ready` or failed load
+settles who waits for it; a lost node's requests leave with the progress streamed
+(`lose_node`).
 
 The service holds each request once, as the dispatcher's `ServedRequest` (issue 34): an
 instance here lists the ones placed on it, and the book keeps no other copy or index of them
@@ -20,6 +22,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from mesh.control.cluster_node import ENGINE_HUNG
 from mesh.engines.engine_api import FinishReason
 from mesh.node.request import Outcome, ServedRequest
 from mesh.policy.kv_demand import RunningMean
@@ -66,6 +69,9 @@ class NodeBook:
         return found[1] if found is not None else None
 
     def hold(self, inst: AgentInstance, req: ServedRequest) -> None:
+        er = req.engine_request
+        if er.prompt_token_ids is not None:  # its own list, which its streamed tokens extend (`tokens`)
+            er.prompt_token_ids = list(er.prompt_token_ids)
         inst.requests[req.request_id] = req
         req.node_id, req.instance_id = self.node.node_id, inst.instance_id
 
@@ -110,7 +116,7 @@ class NodeBook:
             self.node.on_instance_stopped(inst.model, inst.instance_id)
 
     def lose(self, inst: AgentInstance, why: str) -> None:
-        """The instance left the node unasked (its load failed, its agent died): its requests fail."""
+        """The instance failed to load: its requests fail (a lost node's go on elsewhere: `lose_node`)."""
         self.instances.pop(inst.instance_id, None)
         self.settled(inst, False)
         for req in list(inst.requests.values()):
@@ -119,9 +125,22 @@ class NodeBook:
         if self.node.on_instance_gone is not None:
             self.node.on_instance_gone(inst.instance_id)
 
-    def lose_all(self, why: str) -> None:
+    def lose_node(self, why: str) -> list[ServedRequest]:
+        """The node is gone (its agent died, froze, left the cluster, or its network went):
+        its instances are gone, and every request they held (running, waiting for a prefill,
+        or held for a staged instance) leaves the node with the progress this service saw
+        (its prompt and the tokens streamed to its client), not ended. Returns them, for
+        `ClusterNode.hand_back_lost`."""
+        taken: list[ServedRequest] = []
         for inst in list(self.instances.values()):
-            self.lose(inst, why)
+            self.instances.pop(inst.instance_id, None)
+            inst.deferred = []
+            requests, inst.requests = list(inst.requests.values()), {}
+            self.settled(inst, False)
+            taken += [req for req in requests if req.outcome is None]
+            if self.node.on_instance_gone is not None:
+                self.node.on_instance_gone(inst.instance_id)
+        return taken
 
     # -- the agent's events ----------------------------------------------------------------------
     def tokens(self, event: TokensEvent) -> None:
@@ -132,6 +151,9 @@ class NodeBook:
                 continue
             if req.first_token_s is None:
                 req.first_token_s = now
+            ids = req.engine_request.prompt_token_ids
+            if token_ids and isinstance(ids, list) and len(ids) == req.prompt_len + req.tokens_out:
+                ids.extend(token_ids)  # the progress this service holds: its prompt, then every token streamed
             req.tokens_out += len(token_ids) or 1  # one item per token (simulated engines send no ids)
             if req.on_output is not None:
                 req.on_output(req, token_ids, [text] if text else [])
@@ -153,6 +175,8 @@ class NodeBook:
             return
         req.evictions += 1
         req.fault = event.fault
+        if event.fault:
+            req.lost = ENGINE_HUNG
         resume_from(req, event.progress, f"evicted from {self.node.node_id}: {event.why}")
         if self.node.on_evict is not None:
             self.node.on_evict(req)

@@ -5,8 +5,8 @@ in the cluster view the dispatcher decides on.
 mesh.control.supervisor, mesh.control.remote_agents), adds and removes nodes while serving
 (`add_node`, `remove_node`: the Ray cluster's membership, mesh.ray.membership), tells the
 weights plane which instances and agents come and go (mesh.control.weights_plane), and draws
-the nodes for /admin/cluster (`view`). A removed node's streams end with an error event and
-its copies leave the parameter pool.
+the nodes for /admin/cluster (`view`). A removed node's requests are placed again with their
+progress (`AgentNode.lose`) and its copies leave the parameter pool.
 
 What a node asks about the models it loads (how an instance loads, its calibration profile,
 whether its weights are here) the model catalogue answers (`NodeModels`; the service's is
@@ -18,6 +18,7 @@ import logging
 from typing import Any, Callable, Protocol
 
 from mesh.control.agent_node import AgentNode
+from mesh.control.cluster_node import REMOVED
 from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
 from mesh.control.supervisor import AgentHandle, AgentSettings
@@ -117,12 +118,12 @@ class NodePool:
         return node
 
     async def remove_node(self, node_id: str, reason: str) -> None:
-        """A node left (its machine died or was removed): its streams end with an error event,
-        its instances are gone and its copies leave the parameter pool; /admin/cluster no
-        longer lists it."""
+        """A node left (its machine died or was removed): its requests are placed again with
+        their progress (`AgentNode.lose`), its instances are gone and its copies leave the
+        parameter pool; /admin/cluster no longer lists it."""
         if node_id not in self.cluster.node_seq:
             return
-        self.cluster.node(node_id).fail_all(f"node {node_id} left the cluster ({reason})")
+        self.cluster.node(node_id).lose(f"node {node_id} left the cluster ({reason})", REMOVED)
         node: AgentNode = self.cluster.remove_node(node_id)  # type: ignore[assignment]
         del self.agents[node_id]
         self.models.node_left(node_id)

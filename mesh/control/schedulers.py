@@ -176,8 +176,10 @@ class MeshScheduler(Scheduler):
         still on time (5.3 cases 2 and 3) and its own prefill on time from then (case 1). A fresh request that reached the
         dispatcher already past its TTFT (late on arrival: the live service tokenizes before
         placing, and a cold model's tokenizer is built first) is admitted the same way on an
-        instance of its model that is loaded, its deadlines running from now."""
-        if self.cluster.cold_start_choice(req.model) != SERVE_LATE or req.tokens_out or req.first_token_s is not None:
+        instance of its model that is loaded, its deadlines running from now. A request whose
+        node was lost counts as fresh here, its progress kept: an instance loads for it too."""
+        started = (req.tokens_out or req.first_token_s is not None) and not req.lost
+        if self.cluster.cold_start_choice(req.model) != SERVE_LATE or started:
             return False
         refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
         now = asyncio.get_running_loop().time()

@@ -141,6 +141,7 @@ class AgentSettings:
     tokenizer_bytes: int | None = None  # their --tokenizer-bytes (None: theirs, 1/16 of the node's memory up to 256 MiB)
 
 
+EXIT_SETTLE_S = 0.2  # a lost connection: how long to wait for its process's exit to be seen (`_settle_exit`)
 ABANDONED_START_S = 2.0  # an agent stopped while it starts: its wait for EOF on stdin before SIGTERM
 
 
@@ -259,6 +260,7 @@ class LocalAgent(AgentHandle):
                 self._up.set()
                 self.on_up(self)
                 await self._gone.wait()
+                await self._settle_exit()
                 reason = self.client.closed_reason if self.client and self.client.closed_reason else "process exited"
                 if self.process is not None and self.process.returncode is not None:
                     reason = f"{reason} (exit status {self.process.returncode})"
@@ -277,6 +279,15 @@ class LocalAgent(AgentHandle):
             backoff = self.settings.restart_backoff_s if loop.time() - started > 30 else min(
                 backoff * 2, self.settings.restart_backoff_max_s)
             await asyncio.sleep(backoff)
+
+    async def _settle_exit(self) -> None:
+        """The connection ended: give a process that is exiting (the kernel closes a killed
+        process's socket as it ends it) up to EXIT_SETTLE_S to be seen gone, so the reason
+        says whether it exited (mesh.control.agent_node.loss_cause)."""
+        loop = asyncio.get_running_loop()
+        until = loop.time() + EXIT_SETTLE_S
+        while self.process is not None and self.process.returncode is None and loop.time() < until:
+            await asyncio.sleep(0.01)
 
     async def _spawn_and_connect(self) -> None:
         from mesh.engines.worker_process import worker_env

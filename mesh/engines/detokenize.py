@@ -94,6 +94,19 @@ class StopMatcher:
         return best
 
 
+def resume_text(detok: Detokenizer, stop: StopMatcher | None, produced: Sequence[int]) -> None:
+    """Bring a resumed request's detokenizer and stop matcher to where they were on the node
+    that produced `produced` (the tokens it streamed there): each is pushed and fed as it
+    was, its text discarded (it was streamed), so what was held back (an incomplete
+    character, a tail that may start a stop string) is held back here too."""
+    for token in produced:
+        delta = detok.push(token)
+        if stop is not None:
+            stop.feed(delta)
+    if stop is not None:
+        stop.stopped = False  # (a stop string ends a request where it is found: never in streamed text)
+
+
 def _prefix_table(pattern: str) -> list[int]:
     """KMP's failure function: table[i] is the length of the longest proper prefix of
     pattern[:i + 1] that is also its suffix."""

@@ -51,7 +51,7 @@ class EngineRequest:
     """A request as an engine sees it.
 
     `prompt_token_ids` is the tokenized prompt (chat template already applied) for real
-    engines; the simulated engine needs only `prompt_len` and `output_len`, the number of
+    engines (a resumed request's: its prompt, then the `resumed` tokens it produced); the simulated engine needs only `prompt_len` and `output_len`, the number of
     tokens the simulated model will produce (taken from a trace; real engines ignore it).
     """
 
@@ -60,6 +60,12 @@ class EngineRequest:
     sampling: Sampling = field(default_factory=Sampling)
     prompt_token_ids: Sequence[int] | None = None
     output_len: int | None = None
+    # A request resumed here with its progress (moved, evicted, its node lost): the last
+    # `resumed` of prompt_token_ids are output it produced and streamed elsewhere. A real
+    # engine replays them through its detokenizer and stop matcher (detokenize.resume_text),
+    # so the text they held back (an incomplete character, the start of a stop string) is
+    # not lost and a stop string counts from the request's start.
+    resumed: int = 0
 
 
 @dataclass(slots=True)

@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence
 
 from mesh.engines.chat import PromptEncoder
-from mesh.engines.detokenize import Detokenizer, StopMatcher
+from mesh.engines.detokenize import Detokenizer, StopMatcher, resume_text
 from mesh.engines.engine_api import checked_request, engine_limits, EngineError, EngineRequest, FinishReason, RequestOutput, Sampling, StepResult, step_result
 from mesh.modelfiles.shape import ModelShape, shape_from_config, shape_from_gguf
 from mesh.perf.roofline import kv_bytes_per_token
@@ -417,8 +417,10 @@ class OpenVINOEngine:
 
         handle = self._pipe.add_request(pipe_id, ov.Tensor(np.asarray([ids], dtype=np.int64)), config)
         stops = tuple(s for s in sampling.stop if s)
-        self._live[rid] = _Live(rid, handle, len(ids), Detokenizer(self._stream_decode),
-                                StopMatcher(stops) if stops else None)
+        live = _Live(rid, handle, len(ids), Detokenizer(self._stream_decode), StopMatcher(stops) if stops else None)
+        if request.resumed:
+            resume_text(live.detok, live.stop, ids[len(ids) - request.resumed:])
+        self._live[rid] = live
 
     # ---- iterations -----------------------------------------------------------------------
 

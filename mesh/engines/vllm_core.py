@@ -39,7 +39,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence
 
-from mesh.engines.detokenize import Detokenizer, StopMatcher
+from mesh.engines.detokenize import Detokenizer, StopMatcher, resume_text
 from mesh.engines.engine_api import EngineError, FinishReason, RequestOutput, Sampling, StepResult, step_result
 from mesh.policy.batching import IterationKind
 
@@ -342,7 +342,9 @@ class VLLMCore:
 
     # ---- requests --------------------------------------------------------------------
 
-    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: Sampling) -> None:
+    def add(self, request_id: str, prompt_ids: Sequence[int], sampling: Sampling, resumed: int = 0) -> None:
+        """Queue a request; `resumed`: its last prompt ids are output streamed elsewhere
+        (EngineRequest.resumed), replayed through its detokenizer and stop matcher."""
         if self.engine is None:
             raise EngineError("the vLLM engine is not built; give it a KV size (resize_kv) first")
         if request_id in self._live:
@@ -355,6 +357,8 @@ class VLLMCore:
         stops = tuple(x for x in sampling.stop if x)
         live = _Live(request_id, "", ids, sampling, max_tokens, Detokenizer(self.decode),
                      StopMatcher(stops) if stops else None)
+        if resumed:
+            resume_text(live.detok, live.stop, ids[len(ids) - resumed:])
         self._submit(live, ids, max_tokens)
 
     def _submit(self, live: _Live, prompt_ids: list[int], max_tokens: int) -> None:

@@ -176,7 +176,7 @@ class _InProcess:
             elif op == "resize":
                 value = {**core.resize(int(fields["kv_bytes"]), fields.get("mode", "reinit")), **core.facts()}
             elif op == "add":
-                value = core.add(fields["rid"], fields["ids"], fields["sampling"])
+                value = core.add(fields["rid"], fields["ids"], fields["sampling"], fields.get("resumed", 0))
             elif op == "abort":
                 value = core.abort(fields["rid"])
             elif op == "step":
@@ -541,7 +541,8 @@ class VLLMEngine:
         rid = request.request_id
         ids = checked_request(request, model_name=self.model_name, context_window=self.context_window,
                               vocab_size=self.vocab_size, running=self._live)
-        self._requests.added(rid, len(ids), self._connection().call("add", rid=rid, ids=ids, sampling=request.sampling))
+        self._requests.added(rid, len(ids), self._connection().call("add", rid=rid, ids=ids, sampling=request.sampling,
+                                                                     resumed=request.resumed))
         self._gone.discard(rid)
 
     def abort(self, request_id: str) -> None:

@@ -74,7 +74,7 @@ class Worker(WorkerLoop):
             done = core.resize(int(msg["kv_bytes"]), msg.get("mode", "reinit"))
             return {**done, **core.facts()}
         if op == "add":
-            core.add(msg["rid"], msg["ids"], msg["sampling"])
+            core.add(msg["rid"], msg["ids"], msg["sampling"], msg.get("resumed", 0))
             return None
         if op == "abort":
             core.abort(msg["rid"])

@@ -51,6 +51,10 @@ class ServedRequest:
     # a decision: the stall was the node's, so when it is placed again its next token is due as
     # if it resumed now (the dispatcher shifts late_s); its SLO is still judged from arrival.
     fault: bool = False
+    # Why a node lost it while it held it (its agent died, froze, was removed, lost its network:
+    # mesh.control.cluster_node.LOSS_CAUSES), "" if none did: placed again with its progress, it waits
+    # for a node up to the queue timeout, whatever its model's admission choice (the dispatcher).
+    lost: str = ""
 
     @property
     def request_id(self) -> str:

@@ -197,7 +197,7 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
         out = None if er.output_len is None else max(1, er.output_len - done)
         ids = er.prompt_token_ids  # after take_back: the prompt's ids then the produced ones
         ids = list(ids[: er.prompt_len + done]) if ids is not None and len(ids) >= er.prompt_len + done else None
-        return EngineRequest(er.request_id, er.prompt_len + done, sampling, ids, out)
+        return EngineRequest(er.request_id, er.prompt_len + done, sampling, ids, out, done if ids is not None else 0)
 
     def admit(self, instance_id: str, req: ServedRequest, admission: Admission) -> None:
         """Add a validated request to the instance (engine, compute and memory state). A
@@ -307,6 +307,19 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
         req.attempts.append(f"taken from {self.node_id}/{req.instance_id} after {done} tokens: {why}")
         req.node_id = req.instance_id = None
         return req
+
+    def lose_all(self, why: str) -> list[ServedRequest]:
+        """The node is lost (the simulated twin of a node agent that died): the iteration in
+        flight gives nothing, every request leaves with the tokens it produced before it
+        (`take_back`), and every instance goes. Returns the requests, not ended, for the
+        dispatcher to place again."""
+        if self.stepping is not None:
+            self._end_step()
+        taken = [self.take_back(rid, f"lost: {why}") for inst in list(self.instances.values())
+                 for rid in list(inst.requests)]
+        for instance_id in list(self.instances):
+            self.stop_instance(instance_id)
+        return [req for req in taken if req is not None]
 
     def evict(self, request_id: str, why: str, fault: bool = False) -> None:
         """Evict and reschedule (6.4); without a dispatcher to take it, the request fails.

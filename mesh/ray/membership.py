@@ -11,7 +11,8 @@ nodes equal to the live Ray nodes:
   Mesh's framed TCP (mesh.control.remote_agents.RemoteAgent, with the actor as its address source:
   after Ray restarts the actor, the agent has a new port and the actor says which);
 - a Ray node that died or was removed leaves the placement (`ClusterPlacement.remove_node`):
-  its streams end with an error event, its queued requests go to other nodes, its copies
+  its requests are placed again with their progress (their streams go on from the next
+  token on another node), its queued requests go to other nodes, its copies
   leave the parameter pool, and /admin/cluster no longer lists it.
 
 Ray does membership, placement of agent processes, their restarts and health; weights go by

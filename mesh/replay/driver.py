@@ -21,6 +21,7 @@ from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.simulator import EngineFactory, Simulator
+from mesh.control.cluster_node import EXITED
 from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec, check_cluster
 from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S, DispatchStats, Dispatcher
 from mesh.control.schedulers import SchedulerStats, scheduler_spec
@@ -33,6 +34,19 @@ DEFAULT_GPU_DEVICE = "a100-80gb"
 
 
 @dataclass(frozen=True)
+class NodeFailure:
+    """A node lost during a replay, as a node agent is lost live (mesh.replay.local_node
+    LocalNode.lose): at `at_s` seconds into the workload, its requests go back to the
+    dispatcher with their progress, and it takes nothing for `down_s` seconds (its agent
+    restarting)."""
+
+    node_id: str
+    at_s: float
+    down_s: float = 1.0
+    cause: str = EXITED
+
+
+@dataclass(frozen=True)
 class ReplayConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
@@ -41,6 +55,7 @@ class ReplayConfig:
     drain_limit_s: float = 600.0  # virtual time after the window for in-flight requests to end
     progress: bool = True
     engines: Callable[[ClusterView], EngineFactory] | None = None  # per run: its engines (e.g. mesh.replay.cold_start_modes.Engines)
+    failures: tuple[NodeFailure, ...] = ()  # nodes lost during the run
 
 
 @dataclass
@@ -127,6 +142,7 @@ async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: d
         queue_timeout_s=config.queue_timeout_s,
     )
     pol = dispatcher.policy
+    lost = [(f, cluster.node(f.node_id)) for f in config.failures]  # ClusterError for a node it does not have
     await cluster.start()
     requests = _served(workload, config.cluster.slo)
     duration = workload.duration_s
@@ -147,6 +163,9 @@ async def _run(workload: Workload, policy: str, config: ReplayConfig, catalog: d
 
     ticker = loop.create_task(progress())
     start = loop.time()
+    for failure, node in lost:
+        loop.call_at(start + failure.at_s, lambda f=failure, n=node: n.lose(
+            f"node {f.node_id} lost at {f.at_s:g} s of the replay", f.cause, f.down_s, dispatcher.capacity_freed))
     try:
         for req in requests:
             delay = start + req.arrival_s - loop.time()

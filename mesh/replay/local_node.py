@@ -14,6 +14,7 @@ the parked tier), and a load that comes before its model's build starts drops th
 from __future__ import annotations
 
 import asyncio
+import math
 from dataclasses import dataclass
 from typing import Callable, Collection, Mapping, Sequence
 
@@ -59,6 +60,7 @@ class LocalNode(ClusterNode):
         """`parking`: the node parks (module docstring); None: it parks nothing."""
         self.runtime = runtime
         self.spec = runtime.spec
+        self._down_until = -math.inf  # lost, and taking nothing until then (`lose`)
         self.margin = runtime.margin
         self._make_engine = make_engine
         self.parking = parking
@@ -92,6 +94,34 @@ class LocalNode(ClusterNode):
             if self._ahead and self._ahead[0] is build:
                 self._ahead.pop(0)
                 self.parking.park(build.model, Parked(build.model, SimulatedWorker(), build.nbytes), evict=False)
+
+    # -- loss (the twin of a node agent that died: mesh.control.agent_node AgentNode.lose) -----------
+    def lose(self, why: str, cause: str, down_s: float, on_back: Callable[[], None] | None = None) -> int:
+        """The node is lost now: its requests go back to the dispatcher with their progress
+        (`hand_back_lost`), its instances and its parked workers are gone, and it takes
+        nothing for `down_s` seconds (its agent restarting); then `on_back()` (the dispatcher
+        retries what waits). Returns how many requests went back."""
+        loop = asyncio.get_running_loop()
+        self._down_until = loop.time() + down_s
+        if self.parking is not None:
+            for model in list(self.parking.models()):  # the workers died with the agent
+                self.parking.take(model)
+        gone = list(self.runtime.instances)
+        taken = self.runtime.lose_all(why)
+        for instance_id in gone:  # the cluster forgets them, as it does a lost agent's
+            if self.on_instance_gone is not None:
+                self.on_instance_gone(instance_id)
+        if on_back is not None:
+            loop.call_at(self._down_until, on_back)
+        return self.hand_back_lost(taken, why, cause)
+
+    @property
+    def up(self) -> bool:
+        return self._down_until == -math.inf or asyncio.get_running_loop().time() >= self._down_until
+
+    def _down(self) -> Admission | None:
+        """A refusal while the node is down (lost, not back yet), else None."""
+        return None if self.up else Admission(False, refusal=f"node {self.node_id} is down")
 
     def parked(self, model: str) -> bool:
         return self.parking is not None and model in self.parking.models()
@@ -131,21 +161,23 @@ class LocalNode(ClusterNode):
         return getattr(inst.engine, "loaded_from", None) if inst is not None else None
 
     async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:
-        return self.runtime.validate(instance_id, req, exclude=exclude)
+        return self._down() or self.runtime.validate(instance_id, req, exclude=exclude)
 
     async def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
-        return self.runtime.validate_group(instance_id, reqs, done)
+        return self._down() or self.runtime.validate_group(instance_id, reqs, done)
 
     async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
-        return self.runtime.validate_new(plan, reqs, done)
+        return self._down() or self.runtime.validate_new(plan, reqs, done)
 
     async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True) -> Admission:
-        return self.runtime.try_admit(instance_id, req, compute=compute)
+        return self._down() or self.runtime.try_admit(instance_id, req, compute=compute)
 
     async def take_back(self, request_id: str, why: str) -> ServedRequest | None:
         return self.runtime.take_back(request_id, why)
 
     async def start_instance(self, plan: InstancePlan) -> bool:
+        if not self.up:
+            return False
         self.copies.add(plan.model)  # the weights came with the load (ClusterView.transfer_s) and stay
         adopted_s = self._adopt(plan.model)
         engine = self._make_engine(plan, self.kind, adopted_s)

@@ -122,6 +122,9 @@ def summarize(run: PolicyRun) -> dict[str, Any]:
         "virtual_s": run.end_s,
         "rejected_by_reason": dict(run.dispatch.rejected),
         "failed_by_reason": dict(run.dispatch.failed),
+        # requests of nodes lost during the run (--fail-node), by cause: handed back, placed again, turned away
+        "lost_by_cause": dict(run.dispatch.lost), "resumed_by_cause": dict(run.dispatch.resumed),
+        "lost_failed_by_cause": dict(run.dispatch.lost_failed),
         "placed_at_arrival": run.dispatch.placed_at_arrival,
         "queued": run.dispatch.queued,
         "queue_peak": run.queue_peak,

@@ -11,7 +11,8 @@ instance): the iteration-time factors the agent learnt against the profile, the 
 drift (largest deviation over grid regions) and the learnt shadow-validation margin. The
 cluster dispatcher (`mesh_dispatcher_*`): waiting requests per tenant, placements by node
 kind, preemptions, moved requests, evictions rescheduled, new, warm-up and recycled
-instances, rejections and failures by reason, decisions' durations
+instances, rejections and failures by reason, the requests of lost nodes by cause (handed
+back, resumed, failed: `mesh_dispatcher_lost`, `_resumed`, `_lost_failed`), decisions' durations
 (`mesh_dispatcher_decision_seconds`). The service's event-loop lag
 (`mesh_event_loop_lag_seconds`, mesh.control.latency). HTTP responses by route and status.
 
@@ -63,6 +64,15 @@ def _dispatcher_families(d: dict[str, Any] | None) -> Iterator[GaugeMetricFamily
         c = CounterMetricFamily(f"mesh_dispatcher_{key}", doc, labels=["reason"])
         for reason, n in sorted(d[key].items()):
             c.add_metric([reason], float(n))
+        yield c
+    for key, doc in (("lost", "requests a lost node held (its agent died, froze, left, lost its network; a hung "
+                              "engine), handed back with their progress, by cause"),
+                     ("resumed", "requests a lost node held, placed again with their progress (their streams go on), "
+                                 "by cause"),
+                     ("lost_failed", "requests a lost node held that no node took in time, by cause")):
+        c = CounterMetricFamily(f"mesh_dispatcher_{key}", doc, labels=["cause"])
+        for cause, n in sorted(d.get(key, {}).items()):
+            c.add_metric([cause], float(n))
         yield c
     if d.get("decision_times") is not None:
         yield _histogram("mesh_dispatcher_decision_seconds", "placement decisions' durations (node round trips "

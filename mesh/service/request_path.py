@@ -30,6 +30,7 @@ from typing import Any
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.cluster_node import LOSS_CAUSES
 from mesh.control.supervisor import AgentHandle
 from mesh.engines.engine_api import EngineRequest
 from mesh.modelfiles.formats import engine_for
@@ -186,11 +187,19 @@ class RequestPath:
             "evictions_rescheduled": d.stats.rescheduled, "new_instances": d.policy.stats.new_instances,
             "warm_ups": d.policy.stats.warm_ups, "instances_recycled": self.cluster.instances_recycled,
             "rejected": dict(d.stats.rejected), "failed": dict(d.stats.failed),
+            # requests of nodes that were lost, by cause: handed back, placed again, turned away
+            "lost": _by_cause(d.stats.lost), "resumed": _by_cause(d.stats.resumed),
+            "lost_failed": _by_cause(d.stats.lost_failed),
             "decisions": d.stats.decisions, "decision_s_mean": d.stats.decision_s / max(1, d.stats.decisions),
             "decision_s_max": d.stats.decision_max_s,
             "decision_wait_s_mean": d.stats.decision_wait_s / max(1, d.stats.decisions),
             "decision_times": d.stats.decision_times.snapshot(),  # seconds, log buckets (mesh.control.latency)
         }
+
+
+def _by_cause(counts: Counter) -> dict[str, int]:
+    """Counts by loss cause, every cause listed (mesh.control.cluster_node.LOSS_CAUSES)."""
+    return {cause: int(counts[cause]) for cause in LOSS_CAUSES}
 
 
 def retry_after_s(cluster: ClusterView, model_uid: str) -> float:

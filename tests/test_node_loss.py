@@ -1,0 +1,143 @@
+"""A lost node costs its requests nothing but time (fast: in-process agents, simulated engines
+whose tokens are a function of the sequence so far, mesh.control.agent_node `lose`): every
+request the node held goes back to the dispatcher with the progress the service saw, is
+placed again, and its stream goes on from the next token, with no token lost or repeated
+and max_tokens counted from the start; the same whether the agent's connection dropped or
+the node left the cluster; one no node takes within the queue timeout ends with one error
+event, and the dispatcher counts both by cause."""
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from agent_doubles import InProcessAgent, expected_tokens, until, use_sequence_engines
+from mesh.engines.engine_api import Sampling
+from mesh.node.runtime import NodeSpec
+from mesh.policy.slo import SLO
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.errors import ApiError
+from mesh.service.registry import ModelRecord
+from mesh.service.streams import Finished, Job, RequestStream, Tokens
+
+PROMPT = list(range(1, 21))
+SLO_LOOSE = SLO(ttft_min_s=5.0, tpot_s=0.5)
+
+
+@pytest.fixture(autouse=True)
+def engines(monkeypatch):
+    use_sequence_engines(monkeypatch)
+
+
+def model() -> ModelRecord:
+    return ModelRecord("m_1", "t", "name-m_1", "gguf", "/x.gguf", 256, SLO_LOOSE, 10**6)
+
+
+def job(rid: str, m: ModelRecord, max_tokens: int) -> Job:
+    return Job(rid, m, asyncio.get_running_loop().time(), Sampling(max_tokens=max_tokens, ignore_eos=True),
+               prompt_token_ids=list(PROMPT))
+
+
+async def started(nodes: int, **settings) -> ClusterPlacement:
+    settings.setdefault("cold_start_s", 0.0)  # simulated engines load at once
+    p = ClusterPlacement([NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(nodes)], PlacementSettings(**settings),
+                         agent_factory=InProcessAgent)
+    await p.start()
+    return p
+
+
+class Reader:
+    """One stream read to its end: its token ids, its text, how it ended."""
+
+    def __init__(self, stream: RequestStream) -> None:
+        self.ids: list[int] = []
+        self.text = ""
+        self.end: Finished | ApiError | None = None
+        self.task = asyncio.ensure_future(self._read(stream))
+
+    async def _read(self, stream: RequestStream) -> None:
+        try:
+            async for event in stream.events():
+                if isinstance(event, Tokens):
+                    self.ids += event.token_ids
+                    self.text += event.text
+                else:
+                    self.end = event
+        except ApiError as exc:
+            self.end = exc
+
+
+def serving_node(p: ClusterPlacement) -> str:
+    (node,) = {r.node.node_id for r in p.cluster.all_instances() if r.requests}
+    return node
+
+
+@pytest.mark.parametrize("how", ["connection", "removed"])
+def test_a_lost_nodes_streams_go_on_elsewhere_from_the_next_token(how):
+    """Eight streams on one node; its agent's connection drops (a killed agent, a network
+    gone) or the node leaves the cluster (a Ray node removed) mid-stream: every stream ends
+    with exactly its max_tokens, the tokens an undisturbed run gives (none lost or repeated),
+    and the dispatcher counts eight resumed by that cause."""
+    async def main():
+        p = await started(2)
+        m = model()
+        await p.scale_out(m, ["cpu-0", "cpu-1"])
+        readers = [Reader(await p.submit(job(f"r{i}", m, max_tokens=120))) for i in range(8)]
+        await until(lambda: all(len(r.ids) >= 10 for r in readers), 30.0)
+        node = serving_node(p)  # reactive defragmentation (7.2): one instance takes them all
+        assert all(len(r.ids) < 120 for r in readers)
+        if how == "connection":
+            await p.agents[node].kill()
+        else:
+            await p.remove_node(node, "test")
+        await asyncio.wait_for(asyncio.gather(*(r.task for r in readers)), 60.0)
+        want = expected_tokens(PROMPT, 120)
+        for r in readers:
+            assert isinstance(r.end, Finished) and r.end.tokens_out == 120, r.end
+            assert r.ids == want and r.text == "".join(f"{t} " for t in want)
+        d = p.view()["dispatcher"]
+        assert d["lost"][how] == 8 and d["resumed"][how] == 8 and sum(d["lost_failed"].values()) == 0
+        assert d["failed"] == {} and d["rejected"] == {}
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_a_single_nodes_streams_wait_for_its_agent_to_come_back():
+    """A lost request may go back to the node that lost it (a restarted agent), so a
+    single-node service loses no stream to an agent restart."""
+    async def main():
+        p = await started(1)
+        m = model()
+        readers = [Reader(await p.submit(job(f"r{i}", m, max_tokens=60))) for i in range(3)]
+        await until(lambda: all(len(r.ids) >= 5 for r in readers), 30.0)
+        await p.agents["cpu-0"].kill()
+        await asyncio.sleep(0.3)  # down for a while: the requests wait in the dispatcher's queue
+        assert all(r.end is None for r in readers) and p.waiting() == 3
+        await p.agents["cpu-0"].start()  # "restarted": the next placement loads the model again
+        await asyncio.wait_for(asyncio.gather(*(r.task for r in readers)), 60.0)
+        want = expected_tokens(PROMPT, 60)
+        assert all(isinstance(r.end, Finished) and r.ids == want for r in readers)
+        assert p.view()["dispatcher"]["resumed"]["connection"] == 3
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_a_lost_request_no_node_takes_in_time_ends_with_one_error_event():
+    async def main():
+        p = await started(1, queue_timeout_s=0.5)
+        m = model()
+        reader = Reader(await p.submit(job("r", m, max_tokens=200)))
+        await until(lambda: len(reader.ids) >= 5, 30.0)
+        await p.agents["cpu-0"].kill()  # and it does not come back
+        await asyncio.wait_for(reader.task, 10.0)
+        assert isinstance(reader.end, ApiError) and reader.end.status == 503
+        assert "its node was lost (connection)" in reader.end.message and "Retry" in reader.end.message
+        assert reader.ids == expected_tokens(PROMPT, len(reader.ids))  # what it streamed before was right
+        d = p.view()["dispatcher"]
+        assert d["lost"]["connection"] == 1 and d["lost_failed"]["connection"] == 1 and d["resumed"]["connection"] == 0
+        assert d["failed"] == {"queue timeout": 1}
+        await p.stop()
+
+    asyncio.run(main())

@@ -1,0 +1,70 @@
+"""The twin counts a lost node as the service does: a replay with a node failure at a given
+time (ReplayConfig.failures) hands every request that node held back to the same dispatcher
+with its progress (mesh.replay.local_node LocalNode.lose, ClusterNode.hand_back_lost, as
+AgentNode.lose live), places them again, and counts them lost and resumed by cause; the
+node takes nothing until it is back."""
+from __future__ import annotations
+
+import pytest
+
+from mesh.control.cluster_view import ClusterConfig
+from mesh.perf.load_times import ANY_MODEL, ColdStart
+from mesh.replay.driver import NodeFailure, ReplayConfig, build_catalog, run_policy
+from workloads.workload import Arrival, Workload
+
+BASE = "llama-3.2-3b"
+MODEL = f"{BASE}/f000"
+OUTPUT = 200
+LOST_AT_S = 6.0
+
+
+def _run(failures: tuple[NodeFailure, ...]):
+    arrivals = [Arrival(f"r{i}", 0.5 * i, "f000", MODEL, 256, OUTPUT) for i in range(8)]
+    arrivals.append(Arrival("late", 30.0, "f000", MODEL, 256, OUTPUT))  # after the node is back
+    work = Workload(arrivals, {MODEL: BASE}, {"duration_s": 60.0})
+    cluster = ClusterConfig(cpu_nodes=2, gpu_nodes=0, keep_alive_s=60.0,
+                            cold_start=ColdStart(measured={(ANY_MODEL, "cpu"): 1.0}))
+    return run_policy(work, "mesh", ReplayConfig(cluster=cluster, progress=False, failures=failures),
+                      build_catalog([BASE]))
+
+
+def held_at(run, node: str) -> set[str]:
+    return {r.request_id for r in run.requests if any(a.startswith(f"lost on {node} ") for a in r.attempts)}
+
+
+def test_a_replay_with_a_node_lost_resumes_every_request_it_held():
+    calm = _run(())
+    assert all(r.tokens_out == OUTPUT for r in calm.requests)
+    # the undisturbed run's requests in flight at LOST_AT_S: they are the ones the lost node holds
+    in_flight = {r.request_id for r in calm.requests if r.arrival_s <= LOST_AT_S < r.finish_s}
+    assert len(in_flight) >= 4
+    run = _run((NodeFailure("cpu0", LOST_AT_S, down_s=5.0),))
+    lost = held_at(run, "cpu0")
+    assert lost == in_flight  # reactive defragmentation (7.2): one instance, on cpu0, held them all
+    d = run.dispatch
+    assert d.lost["exited"] == d.resumed["exited"] == len(lost) and not d.lost_failed
+    assert run.accounting["failed"] == run.accounting["rejected"] == 0
+    for r in run.requests:
+        assert r.tokens_out == OUTPUT, (r.request_id, r.attempts)  # max_tokens counted from the start
+    by_id = {r.request_id: r for r in run.requests}
+    for rid in lost:  # they went on elsewhere, and kept their arrival (SLO accounting) and first token
+        assert by_id[rid].arrival_s == next(r.arrival_s for r in calm.requests if r.request_id == rid)
+        assert by_id[rid].first_token_s is not None and by_id[rid].first_token_s < LOST_AT_S
+    again = _run((NodeFailure("cpu0", LOST_AT_S, down_s=5.0),))  # the twin is deterministic
+    assert held_at(again, "cpu0") == lost and [r.finish_s for r in again.requests] == [r.finish_s for r in run.requests]
+
+
+def test_a_lost_node_takes_nothing_until_it_is_back():
+    run = _run((NodeFailure("cpu0", LOST_AT_S, down_s=5.0), NodeFailure("cpu1", LOST_AT_S + 3.0, down_s=5.0)))
+    # cpu1 took them, then was lost too while cpu0 was still down: they waited for cpu0's return
+    lost0, lost1 = held_at(run, "cpu0"), held_at(run, "cpu1")
+    assert lost0 and lost1 == lost0
+    d = run.dispatch
+    assert d.resumed["exited"] == 2 * len(lost0) and run.accounting["failed"] == 0
+    assert all(r.tokens_out == OUTPUT for r in run.requests)
+    assert all(r.finish_s > LOST_AT_S + 5.0 for r in run.requests if r.request_id in lost1)
+
+
+def test_a_failure_of_a_node_the_cluster_lacks_is_refused():
+    with pytest.raises(Exception, match="cpu9"):
+        _run((NodeFailure("cpu9", 1.0),))
