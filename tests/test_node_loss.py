@@ -11,6 +11,7 @@ import asyncio
 
 import pytest
 
+import agent_doubles
 from agent_doubles import InProcessAgent, expected_tokens, until, use_sequence_engines
 from mesh.engines.engine_api import Sampling
 from mesh.node.runtime import NodeSpec
@@ -98,6 +99,45 @@ def test_a_lost_nodes_streams_go_on_elsewhere_from_the_next_token(how):
         d = p.view()["dispatcher"]
         assert d["lost"][how] == 8 and d["resumed"][how] == 8 and sum(d["lost_failed"].values()) == 0
         assert d["failed"] == {} and d["rejected"] == {}
+        await p.stop()
+
+    asyncio.run(main())
+
+
+@pytest.mark.parametrize("how", ["connection", "removed"])
+def test_a_lost_nodes_streams_wait_for_a_cold_start_on_a_node_that_holds_no_instance(how, monkeypatch):
+    """The survivor holds no instance of the model (never loaded there, or recycled at
+    keep-alive): the lost streams wait for a cold start there, longer than their TTFT slack
+    (SERVE_LATE for a lost request), and go on from the next token. The node that left was the
+    one whose agent described the model: the lost requests still load it (nothing waits for a
+    new request to describe it again)."""
+    slow = agent_doubles.sequence_factory
+
+    def slow_loading(spec, on_loaded):
+        engine = slow(spec, on_loaded)
+        engine.load_s = 1.5  # a real wait, past the 1 s TTFT
+        return engine
+
+    for name in ("simulated", "openvino"):
+        monkeypatch.setitem(agent_doubles.agent_engines.ENGINE_FACTORIES, name, slow_loading)
+
+    async def main():
+        p = await started(2, keep_alive_s=1.0, cold_start_s=3.0)
+        m = ModelRecord("m_1", "t", "name-m_1", "gguf", "/x.gguf", 256, SLO(ttft_min_s=1.0, tpot_s=0.5), 10**6)
+        await p.scale_out(m, ["cpu-0"])  # warm on one node only
+        readers = [Reader(await p.submit(job(f"r{i}", m, max_tokens=60))) for i in range(8)]
+        await until(lambda: all(len(r.ids) >= 5 for r in readers), 30.0)
+        assert serving_node(p) == "cpu-0" and not p.cluster.node("cpu-1").instances
+        if how == "connection":
+            await p.agents["cpu-0"].kill()
+        else:
+            await p.remove_node("cpu-0", "test")
+        await asyncio.wait_for(asyncio.gather(*(r.task for r in readers)), 60.0)
+        want = expected_tokens(PROMPT, 60)
+        for r in readers:
+            assert isinstance(r.end, Finished) and r.end.tokens_out == 60 and r.ids == want, r.end
+        d = p.view()["dispatcher"]
+        assert d["resumed"][how] == 8 and sum(d["lost_failed"].values()) == 0 and d["failed"] == {}, d
         await p.stop()
 
     asyncio.run(main())

@@ -40,7 +40,7 @@ class Server:
     def start(self, timeout: float = 180.0) -> None:
         demo = () if self.allowed is None else ("--demo", "--allowed-dir", str(self.allowed), "--max-body-mb", "1")
         cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--data-dir", str(self.data_dir), *demo, "--log-level", "INFO", *self.extra]
+               "--data-dir", str(self.data_dir), *demo, "--log-level", os.environ.get("MESH_TEST_LOG_LEVEL", "INFO"), *self.extra]
         env = dict(os.environ, MESH_ADMIN_TOKEN=ADMIN)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.log, "a"), text=True, env=env)
         found: list[str] = []

@@ -56,9 +56,6 @@ class NodeModels(Protocol):
 
     def instance_stopped(self, instance_id: str) -> None: ...
 
-    def node_left(self, node_id: str) -> None:
-        """Models described on the node are described again on another."""
-
 
 class NodePool:
     def __init__(self, cluster: ClusterView, dispatcher: Dispatcher, settings: AgentSettings,
@@ -126,7 +123,6 @@ class NodePool:
         self.cluster.node(node_id).lose(f"node {node_id} left the cluster ({reason})", REMOVED)
         node: AgentNode = self.cluster.remove_node(node_id)  # type: ignore[assignment]
         del self.agents[node_id]
-        self.models.node_left(node_id)
         if self.weights is not None:
             self.weights.node_removed(node_id)
         await node.stop()

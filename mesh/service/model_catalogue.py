@@ -103,10 +103,6 @@ class ModelCatalogue:
     def instance_stopped(self, instance_id: str) -> None:
         self._origins.pop(instance_id, None)
 
-    def node_left(self, node_id: str) -> None:
-        for model in [m for m in self.models.values() if m.front == node_id]:
-            self.models.pop(model.record.uid, None)  # described again on another node
-
     def view(self) -> dict[str, dict[str, str]]:
         """The models the cluster knows (a deleted one leaves once its requests have ended)."""
         return {uid: {"tenant": m.record.tenant, "name": m.record.name} for uid, m in self.models.items()}
@@ -116,7 +112,10 @@ class ModelCatalogue:
         """The model in the cluster, described on first use (once, however many ask), and
         again when it changed (a format became ready) or a kind of node it can run on came up."""
         known = self.models.get(record.uid)
-        if known is not None and known.record == record and set(self._kinds_up(record)) <= set(known.kinds):
+        # a model whose front node left is described again on another; until then it keeps its
+        # record, so that its requests in flight (a lost node's, placed again) still load it
+        if (known is not None and known.record == record and known.front in self.cluster.node_seq
+                and set(self._kinds_up(record)) <= set(known.kinds)):
             return known
         pending = self._describing.get(record.uid)
         if pending is None:
