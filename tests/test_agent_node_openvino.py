@@ -10,6 +10,10 @@ itself lost, repeated or reordered nothing."""
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 
 import pytest
 
@@ -22,7 +26,7 @@ from mesh.control.supervisor import AgentSettings, LocalAgent
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, kv_require_bytes, recommend_bytes
 from mesh.policy.slo import SLO
 from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
-from mesh.control.dispatcher import Dispatcher
+from mesh.control.dispatcher import DispatchStats, Dispatcher
 from mesh.node.runtime import NodeSpec
 from mesh.node.request import Outcome, ServedRequest
 from mesh.control.agent_node import AgentNode
@@ -35,7 +39,24 @@ REAL_ENGINE_S = 120.0  # how long a condition may take with real engines on this
 QUESTION = [{"role": "user", "content": "Name three colours of the rainbow and say one thing about each."}]
 
 
-def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf):
+Stream = tuple[list[int], list[str], list[str]]  # (token ids, texts, the node of each output)
+
+
+@dataclass
+class Disturbed:
+    """A greedy stream run undisturbed (`still`), then the same request disturbed mid-stream
+    (`disturbed`), on two real agents driven by the Mesh policy: what each streamed, where."""
+
+    still: ServedRequest
+    disturbed: ServedRequest
+    first_node: str
+    out: dict[str, Stream]
+    stats: DispatchStats
+
+
+def disturbed_run(demo_gguf, disturb: Callable[[Dispatcher, ClusterView, ServedRequest], Awaitable[None]]) -> Disturbed:
+    """Two agent processes load the demo model with `exact_moves`; `disturb(dispatcher,
+    cluster, request)` is called once the second request has streamed 12 tokens."""
     from mesh.engines.openvino_engine import OpenVINOEngine
 
     shape = OpenVINOEngine(demo_gguf)  # reads the model's shape and tokenizer; loads nothing
@@ -45,74 +66,7 @@ def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf)
         return InstanceSpec(plan.instance_id, plan.model, str(demo_gguf), plan.context_window, max_num_seqs=8,
                             exact_moves=True)
 
-    async def main():
-        settings = AgentSettings(models_roots=(str(demo_gguf.parent),))
-        nodes = [AgentNode(NodeSpec(f"cpu{i}", "cpu", 4 * GIB), LocalAgent, settings, load_spec) for i in range(2)]
-        profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
-        cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE),
-                          {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0},
-                          nodes=nodes)
-        d = Dispatcher.for_policy(cluster, "mesh")
-        await cluster.start()
-        for n in nodes:
-            assert await n.agent.wait_up(60), n.agent.last_error
-        out: dict[str, tuple[list[int], list[str], list[str]]] = {}
-
-        def collect(req, tokens, texts):
-            ids_, texts_, nodes_ = out.setdefault(req.request_id, ([], [], []))
-            ids_.extend(tokens or ())
-            texts_.extend(texts or ())
-            nodes_.append(req.node_id)
-
-        def request(rid: str) -> ServedRequest:
-            return ServedRequest(EngineRequest(rid, len(ids), Sampling(max_tokens=48, temperature=0.0), list(ids)),
-                                 "smol", asyncio.get_running_loop().time(), SLO_LOOSE, on_output=collect)
-
-        still = request("still")
-        d.submit(still)
-        await until(lambda: still.outcome is not None, REAL_ENGINE_S)
-        moved = request("moved")
-        d.submit(moved)
-        await until(lambda: moved.tokens_out >= 12 or moved.outcome is not None, REAL_ENGINE_S)
-        assert moved.outcome is None, (moved.outcome, moved.detail, moved.attempts, d.stats, d.policy.stats)
-        first_node = moved.node_id
-        node = cluster.node(first_node)
-        taken = await node.take_back("moved", "moved by the test")
-        assert taken is moved and moved.node_id is None and moved.outcome is None
-        d.on_evict(moved, node)  # placed again by the dispatcher, not on the node it left
-        await until(lambda: moved.outcome is not None, REAL_ENGINE_S)
-        await cluster.stop()
-        return still, moved, first_node, out
-
-    still, moved, first_node, out = asyncio.run(main())
-    assert still.outcome is Outcome.COMPLETED and moved.outcome is Outcome.COMPLETED, moved.detail
-    assert first_node == "cpu0" and moved.node_id == "cpu1"
-    ref_ids, ref_text, _ = out["still"]
-    got_ids, got_text, where = out["moved"]
-    assert {"cpu0", "cpu1"} <= set(where)  # streamed from both nodes
-    assert len(ref_ids) == still.tokens_out > 12
-    assert got_ids == ref_ids  # nothing lost, repeated or reordered
-    assert "".join(got_text) == "".join(ref_text)
-    assert moved.tokens_out == still.tokens_out
-
-
-def test_a_stream_whose_agent_is_killed_keeps_its_greedy_output(demo_gguf):
-    """The node's agent process SIGKILLed mid-stream: the request goes back to the dispatcher
-    with the tokens the service had streamed (AgentNode.lose), resumes on the other agent,
-    and its tokens and text are those of a stream that was never disturbed."""
-    import os
-    import signal
-
-    from mesh.engines.openvino_engine import OpenVINOEngine
-
-    shape = OpenVINOEngine(demo_gguf)
-    ids = shape.encode_chat(QUESTION)
-
-    async def load_spec(plan, node) -> InstanceSpec:
-        return InstanceSpec(plan.instance_id, plan.model, str(demo_gguf), plan.context_window, max_num_seqs=8,
-                            exact_moves=True)
-
-    async def main():
+    async def main() -> Disturbed:
         settings = AgentSettings(models_roots=(str(demo_gguf.parent),))
         nodes = [AgentNode(NodeSpec(f"cpu{i}", "cpu", 4 * GIB), LocalAgent, settings, load_spec) for i in range(2)]
         profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
@@ -123,7 +77,7 @@ def test_a_stream_whose_agent_is_killed_keeps_its_greedy_output(demo_gguf):
         await cluster.start()
         for n in nodes:
             assert await n.agent.wait_up(60), n.agent.last_error
-        out: dict[str, tuple[list[int], list[str], list[str]]] = {}
+        out: dict[str, Stream] = {}
 
         def collect(req, tokens, texts):
             ids_, texts_, nodes_ = out.setdefault(req.request_id, ([], [], []))
@@ -138,26 +92,47 @@ def test_a_stream_whose_agent_is_killed_keeps_its_greedy_output(demo_gguf):
         still = request("still")
         d.submit(still)
         await until(lambda: still.outcome is not None, REAL_ENGINE_S)
-        lost = request("lost")
-        d.submit(lost)
-        await until(lambda: lost.tokens_out >= 12 or lost.outcome is not None, REAL_ENGINE_S)
-        assert lost.outcome is None, (lost.outcome, lost.detail, lost.attempts)
-        first_node = lost.node_id
-        os.kill(cluster.node(first_node).agent.pid, signal.SIGKILL)
-        await until(lambda: lost.outcome is not None, REAL_ENGINE_S)
-        stats = d.stats
+        disturbed = request("disturbed")
+        d.submit(disturbed)
+        await until(lambda: disturbed.tokens_out >= 12 or disturbed.outcome is not None, REAL_ENGINE_S)
+        assert disturbed.outcome is None, (disturbed.outcome, disturbed.detail, disturbed.attempts, d.stats)
+        first_node = disturbed.node_id
+        await disturb(d, cluster, disturbed)
+        await until(lambda: disturbed.outcome is not None, REAL_ENGINE_S)
         await cluster.stop()
-        return still, lost, first_node, out, stats
+        return Disturbed(still, disturbed, first_node, out, d.stats)
 
-    still, lost, first_node, out, stats = asyncio.run(main())
-    assert still.outcome is Outcome.COMPLETED and lost.outcome is Outcome.COMPLETED, lost.detail
-    assert lost.node_id != first_node and lost.lost in ("exited", "connection")
-    assert stats.resumed[lost.lost] == 1
-    ref_ids, ref_text, _ = out["still"]
-    got_ids, got_text, where = out["lost"]
-    assert {first_node, lost.node_id} <= set(where)  # streamed from both nodes
+    run = asyncio.run(main())
+    assert run.still.outcome is Outcome.COMPLETED and run.disturbed.outcome is Outcome.COMPLETED, run.disturbed.detail
+    ref_ids, ref_text, _ = run.out["still"]
+    got_ids, got_text, where = run.out["disturbed"]
+    assert {run.first_node, run.disturbed.node_id} <= set(where)  # streamed from both nodes
     assert got_ids == ref_ids and "".join(got_text) == "".join(ref_text)  # nothing lost, repeated or changed
-    assert lost.tokens_out == still.tokens_out == 48
+    assert run.disturbed.tokens_out == run.still.tokens_out == 48
+    return run
+
+
+def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf):
+    async def take_back(d: Dispatcher, cluster: ClusterView, req: ServedRequest) -> None:
+        node = cluster.node(req.node_id)
+        taken = await node.take_back(req.request_id, "moved by the test")
+        assert taken is req and req.node_id is None and req.outcome is None
+        d.on_evict(req, node)  # placed again by the dispatcher, not on the node it left
+
+    run = disturbed_run(demo_gguf, take_back)
+    assert run.first_node == "cpu0" and run.disturbed.node_id == "cpu1"
+
+
+def test_a_stream_whose_agent_is_killed_keeps_its_greedy_output(demo_gguf):
+    """The node's agent process SIGKILLed mid-stream: the request goes back to the dispatcher
+    with the tokens the service had streamed (AgentNode.lose), resumes on the other agent,
+    and its tokens and text are those of a stream that was never disturbed."""
+    async def kill(d: Dispatcher, cluster: ClusterView, req: ServedRequest) -> None:
+        os.kill(cluster.node(req.node_id).agent.pid, signal.SIGKILL)
+
+    run = disturbed_run(demo_gguf, kill)
+    assert run.disturbed.node_id != run.first_node and run.disturbed.lost in ("exited", "connection")
+    assert run.stats.resumed[run.disturbed.lost] == 1
 
 
 def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_output(demo_gguf):
