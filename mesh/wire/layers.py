@@ -36,8 +36,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import asdict, dataclass
-from typing import Any, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, ClassVar, Mapping
 
 from mesh import framing
 from mesh.engines.engine_api import DTYPE_BYTES, HiddenStates, NextTokens, TokenBatch
@@ -129,29 +129,37 @@ class Peer:
     token: str | None = None
 
 
+class _Named:
+    """A message of names only: its fields are strings, or tuples of request ids, sent under
+    their own names (one codec for open, status, take, release and counters)."""
+
+    __slots__ = ()
+    TAG: ClassVar[str]
+
+    def to_header(self, mid: int) -> dict[str, Any]:
+        h: dict[str, Any] = {TYPE_KEY: self.TAG, "id": mid}
+        for f in fields(self):  # type: ignore[arg-type]
+            value = getattr(self, f.name)
+            h[f.name] = list(value) if isinstance(value, tuple) else value
+        return h
+
+    @classmethod
+    def from_header(cls, h: Mapping[str, Any]) -> Any:
+        return cls(*(_ids(h.get(f.name)) if f.type.startswith("tuple") else _str(h, f.name)  # type: ignore[call-arg]
+                     for f in fields(cls)))  # type: ignore[arg-type]
+
+
 @dataclass(frozen=True, slots=True)
-class Open:
+class Open(_Named):
+    TAG = "open"
     model: str
     path: str
 
-    def to_header(self, mid: int) -> dict[str, Any]:
-        return {"t": "open", "id": mid, "model": self.model, "path": self.path}
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> "Open":
-        return cls(_str(h, "model"), _str(h, "path"))
-
 
 @dataclass(frozen=True, slots=True)
-class Status:
+class Status(_Named):
+    TAG = "status"
     model: str
-
-    def to_header(self, mid: int) -> dict[str, Any]:
-        return {"t": "status", "id": mid, "model": self.model}
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> "Status":
-        return cls(_str(h, "model"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,37 +232,24 @@ class Run:
 
 
 @dataclass(frozen=True, slots=True)
-class Take:
+class Take(_Named):
+    TAG = "take"
     model: str
     request_ids: tuple[str, ...]
 
-    def to_header(self, mid: int) -> dict[str, Any]:
-        return {"t": "take", "id": mid, "model": self.model, "request_ids": list(self.request_ids)}
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> "Take":
-        return cls(_str(h, "model"), _ids(h.get("request_ids")))
-
 
 @dataclass(frozen=True, slots=True)
-class Release:
+class Release(_Named):
+    TAG = "release"
     model: str
     request_ids: tuple[str, ...]
 
-    def to_header(self, mid: int) -> dict[str, Any]:
-        return {"t": "release", "id": mid, "model": self.model, "request_ids": list(self.request_ids)}
-
-    @classmethod
-    def from_header(cls, h: Mapping[str, Any]) -> "Release":
-        return cls(_str(h, "model"), _ids(h.get("request_ids")))
-
 
 @dataclass(frozen=True, slots=True)
-class Counters:
+class Counters(_Named):
     """Ask for the host's LayerCounters."""
 
-    def to_header(self, mid: int) -> dict[str, Any]:
-        return {"t": "counters", "id": mid}
+    TAG = "counters"
 
 
 @dataclass(slots=True)
