@@ -112,9 +112,7 @@ class ModelCatalogue:
         """The model in the cluster, described on first use (once, however many ask), and
         again when it changed (a format became ready) or a kind of node it can run on came up."""
         known = self.models.get(record.uid)
-        # a model whose front node left is described again on another; until then it keeps its
-        # record, so that its requests in flight (a lost node's, placed again) still load it
-        if (known is not None and known.record == record and known.front in self.cluster.node_seq
+        if (known is not None and known.record == record and self._front_up(known)
                 and set(self._kinds_up(record)) <= set(known.kinds)):
             return known
         pending = self._describing.get(record.uid)
@@ -129,6 +127,12 @@ class ModelCatalogue:
             finally:
                 self._describing.pop(record.uid, None)
         return await asyncio.shield(pending)
+
+    def _front_up(self, model: DescribedModel) -> bool:
+        """Is the agent that tokenizes the model's prompts there and up? A model whose front
+        left or went down is described again on another node; until then it keeps its record,
+        so that its requests in flight (a lost node's, placed again) still load it."""
+        return model.front in self.cluster.node_seq and self.cluster.node(model.front).up
 
     def _kinds_up(self, record: ModelRecord) -> list[str]:
         """The kinds of node that can run the model now: it has a format ready for them and

@@ -154,7 +154,6 @@ class RequestPath:
             except AgentDown as exc:
                 if node_id != model.front:
                     continue
-                self.catalogue.models.pop(model.record.uid, None)  # described again on a node that is up
                 raise node_unavailable(str(exc)) from exc
             return reply.ids
         raise node_unavailable(f"node {model.front} cannot tokenize for {job.model.name}")
