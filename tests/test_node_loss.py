@@ -181,3 +181,22 @@ def test_a_lost_request_no_node_takes_in_time_ends_with_one_error_event():
         await p.stop()
 
     asyncio.run(main())
+
+
+def test_a_deleted_models_state_leaves_the_agents_only_after_its_arriving_requests():
+    """A request between its arrival and the dispatcher (described, tokenized on an agent)
+    may touch the agent's state of its model: a deletion meanwhile completes (its state
+    leaves every agent, `then` is called) only once that request has gone on."""
+    async def main():
+        p = await started(1)
+        m = model()
+        forgotten = asyncio.Event()
+        with p.catalogue.arriving(m.uid):
+            await p.forget_model(m.uid, forgotten.set)
+            await asyncio.sleep(1.2)  # two passes of the deletion's wait
+            assert not forgotten.is_set()
+        await asyncio.wait_for(forgotten.wait(), 5.0)
+        assert m.uid not in p.catalogue._arriving
+        await p.stop()
+
+    asyncio.run(main())

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import Counter
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.agent_node import AgentNode, StartRefused
@@ -75,6 +77,9 @@ class ModelCatalogue:
         self.weights: WeightsPlane | None = None  # once made (None: nodes load models from the registry's path)
         self.models: dict[str, DescribedModel] = {}
         self._describing: dict[str, asyncio.Future] = {}
+        # requests of each model between their arrival and the dispatcher (described, tokenized
+        # on an agent): a deleted model's state leaves the agents only once none is left
+        self._arriving: Counter[str] = Counter()
         self._registering: dict[str, asyncio.Task] = {}  # model -> its registration's copy and description
         self._shapes: dict[str, str] = {}  # model uid -> its emulated name on those kinds
         self._origins: dict[str, str] = {}  # instance -> where its weights came from
@@ -127,6 +132,18 @@ class ModelCatalogue:
             finally:
                 self._describing.pop(record.uid, None)
         return await asyncio.shield(pending)
+
+    @contextmanager
+    def arriving(self, model_uid: str) -> Iterator[None]:
+        """A request of the model on its way to the dispatcher (its description and tokenizing
+        may touch an agent's state of the model): a deletion meanwhile waits for it."""
+        self._arriving[model_uid] += 1
+        try:
+            yield
+        finally:
+            self._arriving[model_uid] -= 1
+            if not self._arriving[model_uid]:
+                del self._arriving[model_uid]
 
     def _front_up(self, model: DescribedModel) -> bool:
         """Is the agent that tokenizes the model's prompts there and up? A model whose front
@@ -428,7 +445,8 @@ class ModelCatalogue:
                 if not ref.requests:
                     await self.cluster.stop_instance(ref)
             # requests in flight first (they are planned with its spec), then its instances
-            if model_uid not in self._describing and self.dispatcher.forget_model(model_uid) \
+            if model_uid not in self._describing and model_uid not in self._arriving \
+                    and self.dispatcher.forget_model(model_uid) \
                     and self.cluster.forget_model(model_uid):
                 break
             await asyncio.sleep(every_s)

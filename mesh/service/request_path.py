@@ -57,6 +57,10 @@ class RequestPath:
         self.placed_by_kind: Counter[str] = Counter()  # requests by the kind of node that first admitted them
 
     async def submit(self, job: Job) -> RequestStream:
+        with self.catalogue.arriving(job.model.uid):
+            return await self._submit(job)
+
+    async def _submit(self, job: Job) -> RequestStream:
         if self.formats is not None:
             self.formats.ensure(job.model)  # a model that lacks a format gets it prepared on first use
         self.catalogue.check_servable(job.model)  # none up: a 503 now rather than a wait
