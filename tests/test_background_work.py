@@ -99,6 +99,29 @@ def test_preparations_run_at_idle_priority_in_order_of_expected_need(tmp_path: P
 
 
 @pytest.mark.slow
+def test_a_file_removed_before_its_preparation_is_neither_recorded_nor_a_warning(tmp_path: Path, caplog):
+    """A deleted model's copy can go before the agent is told to forget it: its queued
+    preparation then fails on a missing file, which is no error (no traceback in the log)."""
+    from mesh.engines.background_prepare import BackgroundPreparer
+
+    kept, gone = tmp_path / "kept.gguf", tmp_path / "gone.gguf"
+    for f in (kept, gone):
+        f.write_bytes(b"GGUF" + os.urandom(64))
+
+    async def main() -> None:
+        preparer = BackgroundPreparer(tmp_path / "root")
+        assert preparer.schedule(kept) and preparer.schedule(gone)
+        gone.unlink()  # before its turn
+        await preparer.wait()
+        assert list(preparer.done) == [str(kept.resolve())]  # the kept one ran (and failed: not a model)
+        await preparer.close()
+
+    with caplog.at_level("INFO", logger="mesh.engines.background_prepare"):
+        asyncio.run(main())
+    assert any("its file was removed" in r.message for r in caplog.records)
+    assert not any(r.levelname == "WARNING" and "gone.gguf" in r.message for r in caplog.records)
+
+
 def test_the_interference_benchmark_times_a_real_node_with_and_without_a_preparation_beside_it(demo_gguf, tmp_path):
     """`mesh bench interference` in small: a real OpenVINO node decodes in every phase, the
     background job really ran during its windows, and nothing it started outlives it."""
