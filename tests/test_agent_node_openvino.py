@@ -58,7 +58,7 @@ def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf)
             assert await n.agent.wait_up(60), n.agent.last_error
         out: dict[str, tuple[list[int], list[str], list[str]]] = {}
 
-        def collect(req, tokens, texts):
+        def collect(req, tokens, texts, _logprobs):
             ids_, texts_, nodes_ = out.setdefault(req.request_id, ([], [], []))
             ids_.extend(tokens or ())
             texts_.extend(texts or ())
@@ -125,7 +125,7 @@ def test_a_stream_whose_agent_is_killed_keeps_its_greedy_output(demo_gguf):
             assert await n.agent.wait_up(60), n.agent.last_error
         out: dict[str, tuple[list[int], list[str], list[str]]] = {}
 
-        def collect(req, tokens, texts):
+        def collect(req, tokens, texts, _logprobs):
             ids_, texts_, nodes_ = out.setdefault(req.request_id, ([], [], []))
             ids_.extend(tokens or ())
             texts_.extend(texts or ())
@@ -204,7 +204,7 @@ def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_
         a, b = nodes
         out: dict[str, list[int]] = {}
 
-        def collect(req, tokens, texts):
+        def collect(req, tokens, texts, _logprobs):
             out.setdefault(req.request_id, []).extend(tokens or ())
 
         def request(rid: str, model: str) -> ServedRequest:

@@ -32,6 +32,7 @@ class Job:
 class Tokens:
     text: str
     token_ids: list[int]
+    logprobs: list[float] | None = None  # one per token id, where the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
