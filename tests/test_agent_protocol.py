@@ -43,7 +43,8 @@ view = st.dictionaries(text, st.none() | st.booleans() | count | text, max_size=
 sampling = st.builds(Sampling, max_tokens=count, temperature=st.floats(0, 100), top_p=st.floats(0, 1),
                      stop=st.lists(st.text(max_size=8), max_size=4).map(tuple), seed=st.none() | st.integers(0, 2**64 - 1),
                      ignore_eos=st.booleans(), logprobs=st.booleans(), presence_penalty=st.floats(-100, 100),
-                     frequency_penalty=st.floats(-100, 100), repetition_penalty=st.floats(1e-3, 100))
+                     frequency_penalty=st.floats(-100, 100), repetition_penalty=st.floats(1e-3, 100),
+                     json_schema=st.none() | st.text(max_size=20))
 slo = st.builds(SLO, st.floats(1e-3, 1e3), st.floats(0, 1.0), st.floats(1e-3, 1e3))
 mean_output = st.none() | st.tuples(st.floats(0, ap.MAX_COUNT), st.integers(0, 2**62), st.floats(0, 2.0**62))
 probe = st.builds(ap.Probe, text, count, positive, seconds, count, age, st.floats(0, ap.MAX_LATE_S))

@@ -268,6 +268,16 @@ def test_parse_chat_and_completion():
     assert q.logprobs and q.n == 1 and q.repetition_penalty == 1.0
     assert not parse_completion({"model": "m", "prompt": "a"}).logprobs
     assert not parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": False}).logprobs
+    # structured output: the schema's compact JSON; json_object is any object; text is none
+    person = {"type": "object", "title": "P", "properties": {"name": {"type": "string", "maxLength": 20},
+              "age": {"type": ["integer", "null"], "minimum": 0}, "tags": {"type": "array", "items": {"enum": ["a", 1]}}},
+              "required": ["name"], "additionalProperties": False}
+    j = parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}],
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "P", "schema": person, "strict": True}}})
+    assert json.loads(j.json_schema) == person
+    assert parse_completion({"model": "m", "prompt": "a", "response_format": {"type": "json_object"}}).json_schema == \
+        '{"type": "object"}'
+    assert parse_completion({"model": "m", "prompt": "a", "response_format": {"type": "text"}}).json_schema is None
 
 
 @pytest.mark.parametrize("body,param", [
@@ -298,8 +308,15 @@ def test_parse_chat_and_completion():
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 0}, "top_logprobs"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
-     "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "a+"}}}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}}}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "array", "items": {"anyOf": [{"minLength": -1}]}}}}}, "response_format"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 5}, "min_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 9, "max_tokens": 8,
       "ignore_eos": True}, "min_tokens"),

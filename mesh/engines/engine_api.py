@@ -48,6 +48,7 @@ class Sampling:
     presence_penalty: float = 0.0  # OpenAI's: subtracted from a token's logit once it occurred
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence
     repetition_penalty: float = 1.0  # vLLM's / Hugging Face's multiplicative penalty; 1 is none
+    json_schema: str | None = None  # structured output: the answer is JSON valid under this schema (its text)
 
     def features(self) -> frozenset[str]:
         """The request fields beyond plain sampling that this request uses, by their OpenAI
@@ -55,6 +56,8 @@ class Sampling:
         used = {"logprobs"} if self.logprobs else set()
         used |= {name for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                                          ("repetition_penalty", 1.0)) if getattr(self, name) != off}
+        if self.json_schema is not None:
+            used.add("response_format")
         return frozenset(used)
 
 

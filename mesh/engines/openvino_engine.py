@@ -545,8 +545,8 @@ class OpenVINOEngine:
 
 
 def generation_config(sampling: Sampling, max_tokens: int, seed: int, ignore_eos: bool = False) -> Any:
-    """OpenVINO's GenerationConfig of a request: its sampling (OpenAI semantics, penalties and
-    the chosen token's log probability included), `max_tokens`, and `seed` where the request
+    """OpenVINO's GenerationConfig of a request: its sampling (OpenAI semantics, penalties, the
+    chosen token's log probability and a JSON schema's structured output included), `max_tokens`, and `seed` where the request
     gives none; `ignore_eos` generates exactly max_tokens."""
     import openvino_genai as ov_genai
 
@@ -561,6 +561,8 @@ def generation_config(sampling: Sampling, max_tokens: int, seed: int, ignore_eos
     config.presence_penalty = sampling.presence_penalty
     config.frequency_penalty = sampling.frequency_penalty
     config.repetition_penalty = sampling.repetition_penalty
+    if sampling.json_schema is not None:  # checked by the service (mesh.service.json_schema): a schema the grammar
+        config.structured_output_config = ov_genai.StructuredOutputConfig(json_schema=sampling.json_schema)
     if sampling.temperature == 0:
         config.do_sample = False  # greedy
     else:

@@ -23,7 +23,8 @@ EMULATED = "emulated"
 # engine honours. The vLLM node does not yet pass them to vLLM: requests that use them go to
 # CPU nodes only (the dispatcher), and where no kind can serve them the service answers 400.
 ENGINE_FEATURES: dict[str, frozenset[str]] = {
-    "openvino": frozenset({"logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty"}),
+    "openvino": frozenset({"logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                           "response_format"}),
     "vllm": frozenset(),
     EMULATED: frozenset(),
 }

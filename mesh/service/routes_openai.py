@@ -213,7 +213,7 @@ async def _placed(svc: Service, request: web.Request, req: GenerationRequest, te
     sampling = Sampling(max_tokens=req.max_tokens or 0, temperature=temperature, top_p=top_p, stop=req.stop,
                         seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
-                        repetition_penalty=req.repetition_penalty)
+                        repetition_penalty=req.repetition_penalty, json_schema=req.json_schema)
     request_id = prefix + secrets.token_hex(12)
     jobs = [Job(request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model,
                 arrival_s=request[ARRIVAL], sampling=_sibling(sampling, i), messages=req.messages, prompt=req.prompt,

@@ -8,11 +8,12 @@ later, mesh.modelfiles.sampling), `stop` (a string or up to 4, of at most 256
 characters each), `seed`, `n` (1 to MAX_N choices, served as n sibling requests),
 `logprobs` (chat: true/false; completions: 0) with `top_logprobs` 0 (each chosen token's log
 probability; alternatives are refused), `presence_penalty` and `frequency_penalty` [-2, 2],
-vLLM's `repetition_penalty` (0, 10], `stream`, `stream_options.include_usage` (a last chunk with the usage; vLLM's
+vLLM's `repetition_penalty` (0, 10], `response_format` (text, json_object, json_schema of
+a checked subset: mesh.service.structured), `stream`, `stream_options.include_usage` (a last chunk with the usage; vLLM's
 `continuous_usage_stats` is ignored), vLLM's `ignore_eos` (generate exactly `max_tokens`;
 benchmarks, guidellm and `mesh replay --live` use it) and `min_tokens` (only where
 `ignore_eos` already guarantees it), and `user` (a string, not used). Fields that would change the output in ways Mesh
-does not implement (top logprobs, echo, tools, response_format, ...) are refused with a 400
+does not implement (top logprobs, echo, tools, ...) are refused with a 400
 instead of being silently ignored; unknown fields are ignored, as OpenAI clients send extras.
 A body is decoded strictly: NaN and Infinity are not JSON, and no integer may have more than
 MAX_INT_DIGITS digits; token ids are checked against the model's vocabulary before anything
@@ -30,6 +31,7 @@ from mesh.engines.chat import ROLES
 from mesh.engines.detokenize import MAX_STOP_CHARS
 from mesh.framing import MAX_INT_DIGITS, LongInteger, bounded_int, not_a_number
 from mesh.service.errors import ApiError, bad_request
+from mesh.service.structured import response_schema
 
 MAX_STOP = 4
 MAX_N = 16  # choices of one request (each one is a request of its own in quotas and placement)
@@ -59,6 +61,7 @@ class GenerationRequest:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    json_schema: str | None = None  # response_format: the schema the answer follows (mesh.service.structured)
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -187,13 +190,12 @@ def _common(kind: str, d: Mapping[str, Any], **fields: Any) -> GenerationRequest
         raise _unsupported("logit_bias")
     if d.get("tools") or d.get("functions") or d.get("tool_choice") not in (None, "none", "auto"):
         raise _unsupported("tools")
-    fmt = d.get("response_format")
-    if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") in (None, "text")):
-        raise _unsupported("response_format")
+    json_schema = response_schema(d.get("response_format"))
     return GenerationRequest(kind, model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              stop=_stop(d.get("stop")), seed=seed, stream=stream, include_usage=include_usage,
                              ignore_eos=ignore_eos, n=n, logprobs=logprobs, presence_penalty=presence_penalty,
-                             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty, **fields)
+                             frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
+                             json_schema=json_schema, **fields)
 
 
 def _logprobs(kind: str, d: Mapping[str, Any]) -> bool:

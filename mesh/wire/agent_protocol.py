@@ -200,6 +200,7 @@ def _token_ids(value: Any, name: str) -> list[int]:
 # ---- payloads shared by both sides ---------------------------------------------------------
 
 MAX_PENALTY = 100.0  # presence / frequency penalties in [-MAX_PENALTY, MAX_PENALTY]; repetition in (0, MAX_PENALTY]
+MAX_SCHEMA_CHARS = 64 * 1024  # a structured output's JSON schema, as text
 MIN_LOGPROB = -1e6  # a log probability on the wire (an engine's -inf is sent as this)
 
 
@@ -207,7 +208,7 @@ def sampling_to_dict(s: Sampling) -> dict[str, Any]:
     return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
             "stop": list(s.stop), "seed": s.seed, "ignore_eos": s.ignore_eos, "logprobs": s.logprobs,
             "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
-            "repetition_penalty": s.repetition_penalty}
+            "repetition_penalty": s.repetition_penalty, "json_schema": s.json_schema}
 
 
 def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
@@ -229,6 +230,7 @@ def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
             frequency_penalty=number_field(d.get("frequency_penalty", 0.0), "frequency_penalty", -MAX_PENALTY,
                                            MAX_PENALTY),
             repetition_penalty=_repetition(d.get("repetition_penalty", 1.0)),
+            json_schema=_json_schema(d.get("json_schema")),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(f"bad sampling object: {exc}") from exc
@@ -238,6 +240,15 @@ def _repetition(value: Any) -> float:
     value = number_field(value, "repetition_penalty", 0.0, MAX_PENALTY)
     if value == 0.0:
         raise ValueError("repetition_penalty must be greater than 0")
+    return value
+
+
+def _json_schema(value: Any) -> str | None:
+    if value is None:
+        return None
+    value = text_field(value, "json_schema")
+    if len(value) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"json_schema is longer than {MAX_SCHEMA_CHARS} characters")
     return value
 
 
