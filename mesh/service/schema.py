@@ -30,6 +30,7 @@ from typing import Any, Mapping
 from mesh.engines.chat import ROLES
 from mesh.engines.detokenize import MAX_STOP_CHARS
 from mesh.framing import MAX_INT_DIGITS, LongInteger, bounded_int, not_a_number
+from mesh.modelfiles.sampling import MIN_POSITIVE
 from mesh.service.errors import ApiError, bad_request
 from mesh.service.structured import response_schema
 
@@ -185,6 +186,7 @@ def _common(kind: str, d: Mapping[str, Any], **fields: Any) -> GenerationRequest
     if repetition_penalty == 0.0:
         raise bad_request(f"'repetition_penalty' must be greater than 0 and at most {MAX_REPETITION_PENALTY:g} "
                           "(1 is no penalty).", "repetition_penalty")
+    repetition_penalty = max(repetition_penalty, MIN_POSITIVE)  # not 0 in an engine's float32
     logprobs = _logprobs(kind, d)
     if d.get("logit_bias"):
         raise _unsupported("logit_bias")
