@@ -440,7 +440,10 @@ class OpenVINOEngine:
         if not self._live:
             raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
         waiting = {rid for rid, r in self._live.items() if r.generated == 0}
-        self._pipe.step()
+        try:
+            self._pipe.step()
+        except RuntimeError as exc:  # e.g. a grammar its structured output compiler refused: the pipeline is broken
+            raise EngineError(f"{self.model_name}: OpenVINO's pipeline step failed: {str(exc)[-300:]}") from exc
         outputs: list[RequestOutput] = []
         prefilled = cancelled = False
         reads = {rid: live.read() for rid, live in self._live.items()}
