@@ -63,7 +63,6 @@ def reference(demo_gguf):
         return tokens, float(result.m_scores[0]), pipe.get_tokenizer().decode(tokens, skip_special_tokens=True)
 
     yield run
-    del pipe
 
 
 def test_completion_logprobs_are_the_engines_own(server, reference):
