@@ -79,7 +79,7 @@ class RequestPath:
         elif sampling.max_tokens > window - len(ids):
             raise max_tokens_too_large(sampling.max_tokens, len(ids), window)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(job.request_id, len(ids), on_abort=self.abort)
+        stream = RequestStream(job.request_id, len(ids), list(ids), on_abort=self.abort)
         started: asyncio.Future = loop.create_future()  # admitted on a node, or ended before
 
         def begin(req: ServedRequest) -> None:

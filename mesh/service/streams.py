@@ -45,6 +45,7 @@ class Finished:
 class RequestStream:
     request_id: str
     prompt_tokens: int
+    prompt_token_ids: list[int] | None = None  # as tokenized (a request's other choices reuse them)
     node_id: str = ""
     instance_id: str = ""
     on_abort: Callable[[str], None] | None = None
