@@ -79,7 +79,7 @@ def disturbed_run(demo_gguf, disturb: Callable[[Dispatcher, ClusterView, ServedR
             assert await n.agent.wait_up(60), n.agent.last_error
         out: dict[str, Stream] = {}
 
-        def collect(req, tokens, texts):
+        def collect(req, tokens, texts, _logprobs):
             ids_, texts_, nodes_ = out.setdefault(req.request_id, ([], [], []))
             ids_.extend(tokens or ())
             texts_.extend(texts or ())
@@ -179,7 +179,7 @@ def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_
         a, b = nodes
         out: dict[str, list[int]] = {}
 
-        def collect(req, tokens, texts):
+        def collect(req, tokens, texts, _logprobs):
             out.setdefault(req.request_id, []).extend(tokens or ())
 
         def request(rid: str, model: str) -> ServedRequest:

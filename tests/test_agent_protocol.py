@@ -42,7 +42,9 @@ window = st.none() | positive
 view = st.dictionaries(text, st.none() | st.booleans() | count | text, max_size=3)  # a JSON object shown as it is
 sampling = st.builds(Sampling, max_tokens=count, temperature=st.floats(0, 100), top_p=st.floats(0, 1),
                      stop=st.lists(st.text(max_size=8), max_size=4).map(tuple), seed=st.none() | st.integers(0, 2**64 - 1),
-                     ignore_eos=st.booleans())
+                     ignore_eos=st.booleans(), logprobs=st.booleans(), presence_penalty=st.floats(-100, 100),
+                     frequency_penalty=st.floats(-100, 100), repetition_penalty=st.floats(1e-3, 100),
+                     json_schema=st.none() | st.text(max_size=20))
 slo = st.builds(SLO, st.floats(1e-3, 1e3), st.floats(0, 1.0), st.floats(1e-3, 1e3))
 mean_output = st.none() | st.tuples(st.floats(0, ap.MAX_COUNT), st.integers(0, 2**62), st.floats(0, 2.0**62))
 probe = st.builds(ap.Probe, text, count, positive, seconds, count, age, st.floats(0, ap.MAX_LATE_S))
@@ -105,7 +107,9 @@ MESSAGES: dict[type, Any] = {
     ap.WeightsDropReply: st.builds(ap.WeightsDropReply, st.booleans()),
     ap.ForgetReply: st.builds(ap.ForgetReply, text),
     # agent -> control: events
-    ap.TokensEvent: st.builds(ap.TokensEvent, st.lists(st.tuples(text, ids, text), max_size=3)),
+    ap.TokensEvent: st.builds(ap.TokensEvent, st.lists(st.tuples(text, ids, text) | ids.flatmap(
+        lambda i: st.tuples(text, st.just(i), text, st.lists(st.floats(ap.MIN_LOGPROB, 0), min_size=len(i),
+                                                             max_size=len(i)))), max_size=3)),
     ap.DoneEvent: st.builds(ap.DoneEvent, text, st.sampled_from(["completed", "failed"]),
                             st.none() | st.sampled_from(["stop", "length"]), text, count, age, age),
     ap.InstanceEvent: st.builds(ap.InstanceEvent, text, st.sampled_from(["ready", "failed"]), text, text),

@@ -260,6 +260,24 @@ def test_parse_chat_and_completion():
                           "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True},
                           "n": 1, "seed": 0, "response_format": {"type": "text"}, "user": "u1"})
     assert g.ignore_eos and g.max_tokens == 64 and g.include_usage
+    # logprobs (each chosen token's), penalties and n choices
+    p = parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 0,
+                    "presence_penalty": 1, "frequency_penalty": -0.5, "repetition_penalty": 1.3, "n": 3})
+    assert p.logprobs and p.n == 3 and (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (1.0, -0.5, 1.3)
+    q = parse_completion({"model": "m", "prompt": "a", "logprobs": 0})
+    assert q.logprobs and q.n == 1 and q.repetition_penalty == 1.0
+    assert not parse_completion({"model": "m", "prompt": "a"}).logprobs
+    assert not parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": False}).logprobs
+    # structured output: the schema's compact JSON; json_object is any object; text is none
+    person = {"type": "object", "title": "P", "properties": {"name": {"type": "string", "maxLength": 20},
+              "age": {"type": ["integer", "null"], "minimum": 0}, "tags": {"type": "array", "items": {"enum": ["a", 1]}}},
+              "required": ["name"], "additionalProperties": False}
+    j = parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}],
+                    "response_format": {"type": "json_schema", "json_schema": {"name": "P", "schema": person, "strict": True}}})
+    assert json.loads(j.json_schema) == person
+    assert parse_completion({"model": "m", "prompt": "a", "response_format": {"type": "json_object"}}).json_schema == \
+        '{"type": "object"}'
+    assert parse_completion({"model": "m", "prompt": "a", "response_format": {"type": "text"}}).json_schema is None
 
 
 @pytest.mark.parametrize("body,param", [
@@ -277,14 +295,28 @@ def test_parse_chat_and_completion():
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "stop": [1]}, "stop"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "seed": -1}, "seed"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 2}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 0}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 17}, "n"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 1.5}, "n"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "stream": "yes"}, "stream"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": True}, "logprobs"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "presence_penalty": 1}, "presence_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": 1}, "logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "presence_penalty": 2.5}, "presence_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "frequency_penalty": "x"}, "frequency_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "repetition_penalty": 0}, "repetition_penalty"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "repetition_penalty": 11}, "repetition_penalty"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 2}, "logprobs"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_object"}},
-     "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 0}, "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema"}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "a+"}}}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}}}}, "response_format"),
+    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {
+        "type": "array", "items": {"anyOf": [{"minLength": -1}]}}}}}, "response_format"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 5}, "min_tokens"),
     ({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 9, "max_tokens": 8,
       "ignore_eos": True}, "min_tokens"),
@@ -302,6 +334,9 @@ def test_parse_chat_rejects_bad_fields(body, param):
     ({"model": "m", "prompt": {"x": 1}}, "prompt"),
     ({"model": "m", "prompt": "a", "echo": True}, "echo"),
     ({"model": "m", "prompt": "a", "best_of": 3}, "best_of"),
+    ({"model": "m", "prompt": "a", "logprobs": 1}, "logprobs"),
+    ({"model": "m", "prompt": "a", "logprobs": 6}, "logprobs"),
+    ({"model": "m", "prompt": "a", "logprobs": True}, "logprobs"),
 ])
 def test_parse_completion_rejects_bad_fields(body, param):
     assert _status(parse_completion, body) == (400, param)

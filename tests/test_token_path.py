@@ -26,7 +26,7 @@ def _answer(kind: str, include_usage: bool) -> _Answer:
     model = ModelRecord("u1", "acme", "acme/m", "emulated", "llama-2-7b", 4096, SLO())
     job = Job("chatcmpl-0123abcd", model, 0.0, Sampling(max_tokens=8))
     svc = SimpleNamespace(unix_now=lambda: 1_700_000_000)
-    return _Answer(svc, None, req, model, job, RequestStream(job.request_id, 3))
+    return _Answer(svc, None, req, model, job, [RequestStream(job.request_id, 3)])
 
 
 @pytest.mark.parametrize("kind", ["chat", "completion"])

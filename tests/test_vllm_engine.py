@@ -439,7 +439,7 @@ def test_two_models_on_one_node_stepped_alternately(tiny_models: tuple[Path, Pat
             for j, ids in enumerate(ps):
                 rid = f"{model}-{j}"
                 r = ServedRequest(req(rid, ids, max_tokens=8), model, now, slo,
-                                  on_output=lambda r, toks, _t: out.setdefault(r.request_id, []).extend(toks),
+                                  on_output=lambda r, toks, _t, _lp: out.setdefault(r.request_id, []).extend(toks),
                                   on_done=done.append)
                 assert node.try_admit(model, r).ok
         while len(done) < 4:

@@ -57,7 +57,7 @@ async def _mesh_round(engine: Any, prompts: list[list[int]], output_len: int) ->
     left = len(prompts)
     streamed = 0
 
-    def on_output(_req: ServedRequest, tokens: Any, texts: Any) -> None:
+    def on_output(_req: ServedRequest, tokens: Any, texts: Any, _logprobs: Any) -> None:
         nonlocal streamed
         streamed += len(tokens)
 

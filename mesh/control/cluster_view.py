@@ -14,8 +14,9 @@ import asyncio
 import itertools
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Sequence
 
+from mesh.modelfiles.formats import ENGINE_OF_KIND, unhonoured
 from mesh.perf.load_times import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BYTES, GIB, ColdStart, ColdStartTable, LoadRecord
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile
@@ -575,3 +576,13 @@ def _set_admission(choices: dict[str, str], key: str, choice: str | None) -> Non
         raise ClusterError(f"admission must be one of {', '.join(ADMISSIONS)}, got {choice!r}")
     else:
         choices[key] = choice
+
+
+def unable_nodes(nodes: Sequence[ClusterNode], reqs: Sequence[ServedRequest]) -> frozenset[str]:
+    """Nodes whose engine cannot honour a field one of `reqs` uses (logprobs, penalties:
+    mesh.modelfiles.formats.ENGINE_FEATURES): none of them is placed there."""
+    features = frozenset().union(*(r.engine_request.sampling.features() for r in reqs))
+    if not features:
+        return frozenset()
+    return frozenset(n.node_id for n in nodes
+                     if n.kind in ENGINE_OF_KIND and unhonoured(ENGINE_OF_KIND[n.kind], features))

@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Sequence
 from mesh.policy.placement import ADMIT_QUEUE, ADMIT_REJECT, queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.policy.slo import DeadlineRule
-from mesh.control.cluster_view import ClusterView
+from mesh.control.cluster_view import ClusterView, unable_nodes
 from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode
 from mesh.control.latency import LogHistogram
 from mesh.node.request import Outcome, ServedRequest
@@ -247,7 +247,7 @@ class Dispatcher:
             if req.outcome is not None:  # ended (aborted, expired) while it waited for its turn
                 return False
             try:
-                return await self.policy.place(req, avoid)
+                return await self.policy.place(req, avoid | unable_nodes(self.cluster.nodes, [req]))
             except Exception as exc:  # noqa: BLE001 - every request must still end
                 log.exception("placing %s failed", req.request_id)
                 self.error = self.error or exc

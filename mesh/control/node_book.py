@@ -145,7 +145,7 @@ class NodeBook:
     # -- the agent's events ----------------------------------------------------------------------
     def tokens(self, event: TokensEvent) -> None:
         now = _now()
-        for rid, token_ids, text in event.items:
+        for rid, token_ids, text, *logprobs in event.items:
             req = self.get(rid)
             if req is None:
                 continue
@@ -156,7 +156,7 @@ class NodeBook:
                 ids.extend(token_ids)  # the progress this service holds: its prompt, then every token streamed
             req.tokens_out += len(token_ids) or 1  # one item per token (simulated engines send no ids)
             if req.on_output is not None:
-                req.on_output(req, token_ids, [text] if text else [])
+                req.on_output(req, token_ids, [text] if text else [], logprobs[0] if logprobs else None)
 
     def done(self, event: DoneEvent) -> None:
         req = self.get(event.request_id)

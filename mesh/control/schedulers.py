@@ -41,7 +41,7 @@ from mesh.policy.placement import (
     warm_up_node_allowed,
 )
 from mesh.policy.shadow import Padding
-from mesh.control.cluster_view import ClusterView, InstanceRef
+from mesh.control.cluster_view import ClusterView, InstanceRef, unable_nodes
 from mesh.control.cluster_node import ClusterNode
 from mesh.node.runtime import InstancePlan
 from mesh.node.request import ServedRequest
@@ -324,7 +324,7 @@ class MeshScheduler(Scheduler):
                 yref = self.cluster.instance(y.instance_id)
                 group = list(yref.requests.values())
                 done = [node.progress(q.request_id) for q in group]
-                home = await self._home_for(y.model, group, done, used)
+                home = await self._home_for(y.model, group, done, used | unable_nodes(self.cluster.nodes, group))
                 if home is None:
                     continue
                 chosen.append((yref, group, done, home))

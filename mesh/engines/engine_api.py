@@ -44,6 +44,21 @@ class Sampling:
     stop: tuple[str, ...] = ()
     seed: int | None = None
     ignore_eos: bool = False  # run to max_tokens (vLLM's extension; benchmarks and live replays)
+    logprobs: bool = False  # give each produced token's log probability (of the model's distribution)
+    presence_penalty: float = 0.0  # OpenAI's: subtracted from a token's logit once it occurred
+    frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence
+    repetition_penalty: float = 1.0  # vLLM's / Hugging Face's multiplicative penalty; 1 is none
+    json_schema: str | None = None  # structured output: the answer is JSON valid under this schema (its text)
+
+    def features(self) -> frozenset[str]:
+        """The request fields beyond plain sampling that this request uses, by their OpenAI
+        names: an engine kind must honour each (mesh.modelfiles.formats.ENGINE_FEATURES)."""
+        used = {"logprobs"} if self.logprobs else set()
+        used |= {name for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
+                                         ("repetition_penalty", 1.0)) if getattr(self, name) != off}
+        if self.json_schema is not None:
+            used.add("response_format")
+        return frozenset(used)
 
 
 @dataclass(slots=True)
@@ -73,8 +88,9 @@ class StepResult:
     """What one iteration produced.
 
     `request_ids` are the requests that received one new token each, in batch order;
-    `token_ids` and `texts` run parallel to it (None where an engine has no token ids or
-    text, as the simulated engine). `finished` maps the requests that ended in this
+    `token_ids`, `texts` and `logprobs` run parallel to it (None where an engine has no
+    token ids or text, as the simulated engine; a logprob is None for a request that did
+    not ask for it, Sampling.logprobs). `finished` maps the requests that ended in this
     iteration to their reason; their last token is in `request_ids` too.
     """
 
@@ -83,11 +99,13 @@ class StepResult:
     token_ids: Sequence[int] | None = None
     texts: Sequence[str] | None = None
     finished: dict[str, FinishReason] = field(default_factory=dict)
+    logprobs: Sequence[float | None] | None = None
 
 
-RequestOutput = tuple[str, int | None, str, FinishReason | None]
+RequestOutput = tuple[str, int | None, str, FinishReason | None] | tuple[str, int | None, str, FinishReason | None,
+                                                                         float | None]
 """What one request got in an iteration: (request id, its new token or None, the text delta,
-the finish reason if it ended)."""
+the finish reason if it ended[, the new token's log probability if it was asked for])."""
 
 
 def step_result(kind: IterationKind, outputs: Iterable[RequestOutput]) -> StepResult:
@@ -97,15 +115,19 @@ def step_result(kind: IterationKind, outputs: Iterable[RequestOutput]) -> StepRe
     request_ids: list[str] = []
     token_ids: list[int] = []
     texts: list[str] = []
+    logprobs: list[float | None] = []
     finished: dict[str, FinishReason] = {}
-    for request_id, token, text, reason in outputs:
+    for output in outputs:
+        request_id, token, text, reason = output[:4]
         if token is not None:
             request_ids.append(request_id)
             token_ids.append(token)
             texts.append(text)
+            logprobs.append(output[4] if len(output) > 4 else None)
         if reason is not None:
             finished[request_id] = reason
-    return StepResult(kind, request_ids, token_ids, texts, finished)
+    return StepResult(kind, request_ids, token_ids, texts, finished,
+                      logprobs if any(lp is not None for lp in logprobs) else None)
 
 
 class EngineError(RuntimeError):

@@ -136,6 +136,8 @@ class _Live:
     detok: Detokenizer
     stop: StopMatcher | None
     generated: int = 0
+    logprobs: bool = False  # the request asked for its tokens' log probabilities
+    logprob: float | None = None  # the newest token's
 
     @property
     def kv_tokens(self) -> int:
@@ -158,6 +160,8 @@ class _Live:
             return None, "", None
         token, text, reason = None, "", None
         for output in outputs:  # one sequence: num_return_sequences=1
+            if self.logprobs:
+                self.logprob = float(output.generated_log_probs[-1]) if len(output.generated_log_probs) else None
             for token in output.generated_ids:
                 self.generated += 1
                 delta = self.detok.push(token)
@@ -417,7 +421,8 @@ class OpenVINOEngine:
 
         handle = self._pipe.add_request(pipe_id, ov.Tensor(np.asarray([ids], dtype=np.int64)), config)
         stops = tuple(s for s in sampling.stop if s)
-        live = _Live(rid, handle, len(ids), Detokenizer(self._stream_decode), StopMatcher(stops) if stops else None)
+        live = _Live(rid, handle, len(ids), Detokenizer(self._stream_decode), StopMatcher(stops) if stops else None,
+                     logprobs=sampling.logprobs)
         if request.resumed:
             resume_text(live.detok, live.stop, ids[len(ids) - request.resumed:])
         self._live[rid] = live
@@ -435,14 +440,17 @@ class OpenVINOEngine:
         if not self._live:
             raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
         waiting = {rid for rid, r in self._live.items() if r.generated == 0}
-        self._pipe.step()
+        try:
+            self._pipe.step()
+        except RuntimeError as exc:  # e.g. a grammar its structured output compiler refused: the pipeline is broken
+            raise EngineError(f"{self.model_name}: OpenVINO's pipeline step failed: {str(exc)[-300:]}") from exc
         outputs: list[RequestOutput] = []
         prefilled = cancelled = False
         reads = {rid: live.read() for rid, live in self._live.items()}
         self._predecode(reads)
         for rid, live in list(self._live.items()):
             token, text, reason = live.collect(reads[rid])
-            outputs.append((rid, token, text, reason))
+            outputs.append((rid, token, text, reason, live.logprob) if live.logprobs else (rid, token, text, reason))
             if token is not None or reason is not None:
                 prefilled |= rid in waiting
             if reason is not None:
@@ -540,8 +548,9 @@ class OpenVINOEngine:
 
 
 def generation_config(sampling: Sampling, max_tokens: int, seed: int, ignore_eos: bool = False) -> Any:
-    """OpenVINO's GenerationConfig of a request: its sampling (OpenAI semantics), `max_tokens`, and
-    `seed` where the request gives none; `ignore_eos` generates exactly max_tokens."""
+    """OpenVINO's GenerationConfig of a request: its sampling (OpenAI semantics, penalties, the
+    chosen token's log probability and a JSON schema's structured output included), `max_tokens`, and `seed` where the request
+    gives none; `ignore_eos` generates exactly max_tokens."""
     import openvino_genai as ov_genai
 
     if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:
@@ -551,6 +560,12 @@ def generation_config(sampling: Sampling, max_tokens: int, seed: int, ignore_eos
     config.max_new_tokens = max_tokens
     config.num_return_sequences = 1
     config.ignore_eos = ignore_eos or sampling.ignore_eos
+    config.logprobs = 1 if sampling.logprobs else 0  # the chosen token's, of the model's own distribution
+    config.presence_penalty = sampling.presence_penalty
+    config.frequency_penalty = sampling.frequency_penalty
+    config.repetition_penalty = sampling.repetition_penalty
+    if sampling.json_schema is not None:  # checked by the service (mesh.service.json_schema): a schema the grammar
+        config.structured_output_config = ov_genai.StructuredOutputConfig(json_schema=sampling.json_schema)
     if sampling.temperature == 0:
         config.do_sample = False  # greedy
     else:

@@ -179,7 +179,8 @@ class WorkerRequests:
             result = StepResult(result.kind, [result.request_ids[i] for i in keep],
                                 [result.token_ids[i] for i in keep] if result.token_ids is not None else None,
                                 [result.texts[i] for i in keep] if result.texts is not None else None,
-                                {k: v for k, v in result.finished.items() if k in live})
+                                {k: v for k, v in result.finished.items() if k in live},
+                                [result.logprobs[i] for i in keep] if result.logprobs is not None else None)
         elif any(rid not in live for rid in result.finished):
             result.finished = {k: v for k, v in result.finished.items() if k in live}
         for rid in result.request_ids:

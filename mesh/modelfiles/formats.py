@@ -19,6 +19,22 @@ ENGINE_OF_KIND = {CPU: "openvino", GPU: "vllm"}  # CPU nodes run OpenVINO, GPU n
 EMULATED = "emulated"
 
 
+# The request fields beyond plain sampling (mesh.engines.engine_api.Sampling.features) each
+# engine honours. The vLLM node does not yet pass them to vLLM: requests that use them go to
+# CPU nodes only (the dispatcher), and where no kind can serve them the service answers 400.
+ENGINE_FEATURES: dict[str, frozenset[str]] = {
+    "openvino": frozenset({"logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                           "response_format"}),
+    "vllm": frozenset(),
+    EMULATED: frozenset(),
+}
+
+
+def unhonoured(engine: str, features: frozenset[str]) -> frozenset[str]:
+    """The `features` a request uses that `engine` cannot honour (empty: it can serve it)."""
+    return features - ENGINE_FEATURES.get(engine, frozenset())
+
+
 def engine_for(model_kind: str, node_kind: str) -> str:
     """The engine a node of `node_kind` runs a model registered as `model_kind` with."""
     return EMULATED if model_kind == EMULATED else ENGINE_OF_KIND[node_kind]

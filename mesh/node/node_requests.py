@@ -30,6 +30,7 @@ from mesh.wire.agent_protocol import (
     Probe,
     Progress,
     TakeBack,
+    MIN_LOGPROB,
     TokensEvent,
     Validate,
     ValidateGroup,
@@ -150,8 +151,11 @@ class NodeRequests:
             self.node.abort(rid, Outcome.FAILED, why)
 
     # ---- request callbacks (called by the node runtime) ------------------------------------
-    def _on_output(self, req: ServedRequest, tokens: Any, texts: Any) -> None:
-        self.send(TokensEvent([(req.request_id, list(tokens or ()), "".join(texts or ()))]))
+    def _on_output(self, req: ServedRequest, tokens: Any, texts: Any, logprobs: Any) -> None:
+        item = (req.request_id, list(tokens or ()), "".join(texts or ()))
+        if logprobs is not None and any(lp is not None for lp in logprobs):
+            item += ([max(lp, MIN_LOGPROB) for lp in logprobs if lp is not None],)  # -inf is not JSON
+        self.send(TokensEvent([item]))
 
     def _on_done(self, req: ServedRequest) -> None:
         self.requests.pop(req.request_id, None)

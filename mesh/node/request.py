@@ -16,7 +16,9 @@ class Outcome(str, Enum):
     FAILED = "failed"  # placed, then lost (engine or node failure)
 
 
-OutputCallback = Callable[["ServedRequest", Sequence[int] | None, Sequence[str] | None], None]
+# (request, new token ids, their text, their log probabilities: None where not asked for)
+OutputCallback = Callable[["ServedRequest", Sequence[int] | None, Sequence[str] | None,
+                           Sequence[float | None] | None], None]
 DoneCallback = Callable[["ServedRequest"], None]
 AdmittedCallback = Callable[["ServedRequest"], None]
 

@@ -463,7 +463,8 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
             if req is not None and req.on_output is not None:
                 tokens = None if result.token_ids is None else result.token_ids[i : i + 1]
                 texts = None if result.texts is None else result.texts[i : i + 1]
-                req.on_output(req, tokens, texts)
+                logprobs = None if result.logprobs is None else result.logprobs[i : i + 1]
+                req.on_output(req, tokens, texts, logprobs)
 
     # -- views ---------------------------------------------------------------------
     def idle(self) -> bool:

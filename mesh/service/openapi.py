@@ -19,7 +19,7 @@ from mesh.modelfiles.sampling import FIELDS as SAMPLING_FIELDS
 from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES
 from mesh.policy.quota import QUOTA_FIELDS
 from mesh.service.registry import MODEL_NAME, TENANT_NAME
-from mesh.service.schema import MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS_CAP
+from mesh.service.schema import MAX_N, MAX_REPETITION_PENALTY, MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS_CAP
 
 TENANT, ADMIN, METRICS = "tenantKey", "adminToken", "metricsToken"
 
@@ -35,7 +35,16 @@ _COMMON_GENERATION: dict[str, Any] = {
                        {"type": "array", "items": {"type": "string", "maxLength": MAX_STOP_CHARS}, "maxItems": MAX_STOP},
                        {"type": "null"}]},
     "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
-    "n": {"type": ["integer", "null"], "const": 1},
+    "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N,
+          "description": "choices, each served as a request of its own (counted n times in quotas)"},
+    "presence_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "frequency_penalty": {"type": ["number", "null"], "minimum": -2, "maximum": 2},
+    "repetition_penalty": {"type": ["number", "null"], "exclusiveMinimum": 0, "maximum": MAX_REPETITION_PENALTY},
+    "response_format": {"type": ["object", "null"], "required": ["type"], "properties": {
+        "type": {"enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "required": ["schema"], "properties": {
+            "name": {"type": "string"}, "strict": {"type": ["boolean", "null"]},
+            "schema": {"type": "object", "description": "a subset of JSON Schema (docs/service.md)"}}}}},
     "stream": {"type": ["boolean", "null"]},
     "stream_options": {"type": ["object", "null"], "properties": {"include_usage": {"type": "boolean"}}},
     "user": {"type": ["string", "null"], "description": "an end-user id (not used)"},
@@ -46,6 +55,9 @@ CHAT_BODY: dict[str, Any] = {
     "type": "object", "required": ["model", "messages"],
     "properties": {
         **_COMMON_GENERATION,
+        "logprobs": {"type": ["boolean", "null"], "description": "each chosen token's log probability"},
+        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 0,
+                         "description": "alternatives are not served"},
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role"],
             "properties": {"role": {"enum": list(ROLES)},
@@ -57,6 +69,8 @@ COMPLETION_BODY: dict[str, Any] = {
     "type": "object", "required": ["model", "prompt"],
     "properties": {
         **_COMMON_GENERATION,
+        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 0,
+                     "description": "0: each chosen token's log probability; alternatives are not served"},
         "prompt": {"oneOf": [
             {"type": "string", "minLength": 1},
             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},

@@ -70,17 +70,21 @@ class Quotas:
         return errors.over_quota(MODEL_BYTES, f"This upload is larger than the {left} bytes ({left / 2**30:.2f} GiB) "
                                  f"left of your quota '{MODEL_BYTES}' ({quota_bytes} bytes, {used} in use).", 413)
 
-    def acquire(self, tenant: str, now_s: float) -> None:
-        """Open one generation request for `tenant` (release it with `release`); 429 naming the
-        quota when it is over. A request refused for concurrency takes no token from the bucket."""
+    def acquire(self, tenant: str, now_s: float, count: int = 1) -> None:
+        """Open `count` generation requests for `tenant` (a request's n choices count n; release
+        them with `release`); 429 naming the quota when it is over. A request refused for
+        concurrency takes no token from the bucket; one refused for rate keeps those it took."""
         quota = self.of(tenant)
-        over = concurrency_over(quota, self.open[tenant]) or rate_over(quota, self._bucket(tenant, quota, now_s), now_s)
+        over = concurrency_over(quota, self.open[tenant] + count - 1)
+        bucket = self._bucket(tenant, quota, now_s)
+        for _ in range(count):
+            over = over or rate_over(quota, bucket, now_s)
         if over is not None:
             raise self._too_many(over)
-        self.open[tenant] += 1
+        self.open[tenant] += count
 
-    def release(self, tenant: str) -> None:
-        self.open[tenant] -= 1
+    def release(self, tenant: str, count: int = 1) -> None:
+        self.open[tenant] -= count
         if self.open[tenant] <= 0:
             del self.open[tenant]
 

@@ -33,7 +33,7 @@ from mesh.control.dispatcher import Dispatcher
 from mesh.control.cluster_node import LOSS_CAUSES
 from mesh.control.supervisor import AgentHandle
 from mesh.engines.engine_api import EngineRequest
-from mesh.modelfiles.formats import engine_for
+from mesh.modelfiles.formats import ENGINE_FEATURES, engine_for, unhonoured
 from mesh.node.request import Outcome, ServedRequest
 from mesh.service.errors import bad_request, context_too_long, max_tokens_too_large, node_unavailable, overloaded
 from mesh.service.model_catalogue import DescribedModel, ModelCatalogue
@@ -64,6 +64,7 @@ class RequestPath:
         if self.formats is not None:
             self.formats.ensure(job.model)  # a model that lacks a format gets it prepared on first use
         self.catalogue.check_servable(job.model)  # none up: a 503 now rather than a wait
+        self._check_features(job)
         model = await self.catalogue.described(job.model)
         ids = job.prompt_token_ids
         if ids is None:
@@ -82,7 +83,7 @@ class RequestPath:
         elif sampling.max_tokens > window - len(ids):
             raise max_tokens_too_large(sampling.max_tokens, len(ids), window)
         loop = asyncio.get_running_loop()
-        stream = RequestStream(job.request_id, len(ids), on_abort=self.abort)
+        stream = RequestStream(job.request_id, len(ids), list(ids), on_abort=self.abort)
         started: asyncio.Future = loop.create_future()  # admitted on a node, or ended before
 
         def begin(req: ServedRequest) -> None:
@@ -93,12 +94,12 @@ class RequestPath:
                 stream.node_id, stream.instance_id = req.node_id or "", req.instance_id or ""
                 started.set_result(True)
 
-        def output(req: ServedRequest, token_ids: Any, texts: Any) -> None:
+        def output(req: ServedRequest, token_ids: Any, texts: Any, logprobs: Any) -> None:
             if req.outcome is not None:  # ended (aborted) while it was being placed: stop it there
                 if req.node_id is not None:
                     self.cluster.node(req.node_id).abort(req.request_id, "the client went away")
                 return
-            stream.push(Tokens("".join(texts or ()), list(token_ids or ())))
+            stream.push(Tokens("".join(texts or ()), list(token_ids or ()), None if logprobs is None else list(logprobs)))
 
         def done(req: ServedRequest) -> None:
             if req.outcome is Outcome.COMPLETED:
@@ -122,6 +123,24 @@ class RequestPath:
             self.abort(job.request_id)
             raise
         return stream
+
+    def _check_features(self, job: Job) -> None:
+        """400 naming the field when no engine of the cluster's node kinds honours a field the
+        request uses (mesh.modelfiles.formats.ENGINE_FEATURES); the dispatcher places it only
+        on nodes whose engine does (ClusterView.unable)."""
+        features = job.sampling.features()
+        if not features:
+            return
+        engines = sorted({engine_for(job.model.kind, n.kind) for n in self.cluster.nodes
+                          if n.kind in self.dispatcher.policy.kinds})
+        left = [unhonoured(e, features) for e in engines]
+        if engines and any(not missing for missing in left):
+            return
+        field = sorted(min(left, key=len) if left else features)[0]
+        able = sorted(e for e, honoured in ENGINE_FEATURES.items() if field in honoured)
+        raise bad_request(f"'{field}' is not supported for model {job.model.name}: the engines that serve it here "
+                          f"({', '.join(engines) or 'none'}) do not honour it (only {', '.join(able)} does). "
+                          f"Omit '{field}'.", field, "unsupported_parameter")
 
     async def _tokenize(self, model: DescribedModel, job: Job) -> list[int]:
         """On an agent with a loaded instance of the model (its engine's tokenizer is built),

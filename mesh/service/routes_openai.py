@@ -14,7 +14,8 @@ import re
 import secrets
 from json.decoder import scanstring
 from json.encoder import encode_basestring
-from typing import Any, Callable
+from dataclasses import replace
+from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
@@ -51,19 +52,21 @@ async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], Gene
     body = await read_body(request, svc.limits, _body_cap(svc, tenant))
     if len(body) <= THREAD_PARSE_BYTES:
         req, model = _checked(svc, tenant, parse(parse_json(body)))
-        _acquire(svc, tenant, model.name)
+        _acquire(svc, tenant, model.name, req.n)
     else:  # a large body: the tenant's quota and the prompt's size first, the parse (CPU) last (issue 32)
         _acquire(svc, tenant, _named_model(svc, tenant, body))
         try:
             _check_token_ids(body, svc.registry.max_context_length(tenant))
             req, model = _checked(svc, tenant, parse(await asyncio.to_thread(parse_json, body)))  # off the loop
+            if req.n > 1:
+                _acquire(svc, tenant, model.name, req.n - 1)
         except BaseException:
             svc.quotas.release(tenant)
             raise
     try:
         return await _placed(svc, request, req, tenant, model)
     finally:
-        svc.quotas.release(tenant)
+        svc.quotas.release(tenant, req.n)
 
 
 def _checked(svc: Service, tenant: str, req: GenerationRequest) -> tuple[GenerationRequest, ModelRecord]:
@@ -75,11 +78,12 @@ def _checked(svc: Service, tenant: str, req: GenerationRequest) -> tuple[Generat
     return req, model
 
 
-def _acquire(svc: Service, tenant: str, model_name: str | None) -> None:
-    """Open a generation request for the tenant: 429 over its quota, counted under the
-    model it names (if it is one of the tenant's)."""
+def _acquire(svc: Service, tenant: str, model_name: str | None, count: int = 1) -> None:
+    """Open `count` generation requests for the tenant (a request's n choices are n
+    requests): 429 over its quota, counted under the model it names (if it is one of the
+    tenant's)."""
     try:
-        svc.quotas.acquire(tenant, asyncio.get_running_loop().time())
+        svc.quotas.acquire(tenant, asyncio.get_running_loop().time(), count)
     except ApiError:
         if model_name is not None:
             svc.metrics.request_done(tenant, model_name, "over_quota")
@@ -206,15 +210,18 @@ async def _placed(svc: Service, request: web.Request, req: GenerationRequest, te
                   model: ModelRecord) -> web.StreamResponse:
     prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
     temperature, top_p = resolve_sampling(req.temperature, req.top_p, model.sampling_defaults)
-    job = Job(
-        request_id=prefix + secrets.token_hex(12), model=model, arrival_s=request[ARRIVAL],
-        sampling=Sampling(max_tokens=req.max_tokens or 0, temperature=temperature, top_p=top_p,
-                          stop=req.stop, seed=req.seed, ignore_eos=req.ignore_eos),
-        messages=req.messages, prompt=req.prompt, prompt_token_ids=req.prompt_token_ids)
+    sampling = Sampling(max_tokens=req.max_tokens or 0, temperature=temperature, top_p=top_p, stop=req.stop,
+                        seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+                        presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
+                        repetition_penalty=req.repetition_penalty, json_schema=req.json_schema)
+    request_id = prefix + secrets.token_hex(12)
+    jobs = [Job(request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model,
+                arrival_s=request[ARRIVAL], sampling=_sibling(sampling, i), messages=req.messages, prompt=req.prompt,
+                prompt_token_ids=req.prompt_token_ids) for i in range(req.n)]
     svc.begin_generation()
     try:
         try:
-            stream = await svc.placement.submit(job)
+            streams = await _submit(svc, jobs)
         except ApiError as exc:
             outcome = "rejected" if exc.status == 429 else ("failed" if exc.status >= 500 else "invalid")
             svc.metrics.request_done(tenant, model.name, outcome, placed=exc.status == 429)
@@ -222,79 +229,168 @@ async def _placed(svc: Service, request: web.Request, req: GenerationRequest, te
         except asyncio.CancelledError:
             svc.metrics.request_done(tenant, model.name, "aborted")
             raise
-        answer = _Answer(svc, request, req, model, job, stream)
+        answer = _Answer(svc, request, req, model, jobs[0], streams, request_id)
         try:
             if req.stream:
                 return await answer.sse()
             return await answer.whole()
         finally:
-            stream.abort()  # no-op once finished; stops generation if the client went away
+            for stream in streams:
+                stream.abort()  # no-op once finished; stops generation if the client went away
             answer.record()
     finally:
         svc.end_generation()
 
 
+def _sibling(sampling: Sampling, index: int) -> Sampling:
+    """The sampling of choice `index` of a request with n > 1: its own seed where the request
+    gives one (seed + index), so seeded choices differ and repeat."""
+    if index == 0 or sampling.seed is None:
+        return sampling
+    return replace(sampling, seed=(sampling.seed + index) % 2**63)
+
+
+async def _submit(svc: Service, jobs: list[Job]) -> list[RequestStream]:
+    """Place every choice's request (n > 1: n sibling requests, each placed, validated and
+    counted on its own; the first is tokenized, the others carry its token ids); if one cannot
+    be placed, the others are stopped and its error is raised."""
+    first = await svc.placement.submit(jobs[0])
+    if len(jobs) == 1:
+        return [first]
+    ids = first.prompt_token_ids  # tokenized once: the other choices carry its ids
+    tasks = [asyncio.ensure_future(svc.placement.submit(replace(job, prompt_token_ids=ids) if ids else job))
+             for job in jobs[1:]]
+    try:
+        return [first, *await asyncio.gather(*tasks)]
+    except BaseException:
+        first.abort()
+        for task in tasks:
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        for task in tasks:
+            if not task.cancelled() and task.exception() is None:
+                task.result().abort()
+        raise
+
+
 class _Answer:
-    """One placed request's response, and its metrics once it ends."""
+    """One placed request's response (its n choices), and its metrics once it ends."""
 
     def __init__(self, svc: Service, request: web.Request, req: GenerationRequest, model: ModelRecord, job: Job,
-                 stream: RequestStream) -> None:
-        self.svc, self.request, self.req, self.model, self.job, self.stream = svc, request, req, model, job, stream
+                 streams: list[RequestStream], request_id: str | None = None) -> None:
+        self.svc, self.request, self.req, self.model, self.job, self.streams = svc, request, req, model, job, streams
+        self.request_id = request_id or job.request_id
         self.created = svc.unix_now()
-        self.tokens_out = 0
-        self.finish: Finished | None = None
+        self.tokens_out = [0] * len(streams)  # per choice
+        self.finishes: list[Finished | None] = [None] * len(streams)
         self.outcome = "aborted"
         self.end_s: float | None = None
-        self._template: tuple[bytes, bytes] | None = None  # a token chunk's bytes before and after its text
+        self._templates: dict[int, tuple[bytes, bytes]] = {}  # per choice: a token chunk's bytes before and after its text
+        self._offsets = [0] * len(streams)  # per choice: the text sent so far (completions' text_offset)
+
+    @property
+    def finish(self) -> Finished | None:
+        return self.finishes[0]
+
+    async def _events(self) -> AsyncIterator[list[tuple[int, Tokens | Finished]]]:
+        """The choices' events as they arrive, each time as many as wait, tagged with their
+        choice's index; an ApiError of any choice is raised (the others are stopped by the caller)."""
+        if len(self.streams) == 1:
+            async for batch in self.streams[0].batches():
+                yield [(0, event) for event in batch]
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(index: int, stream: RequestStream) -> None:
+            try:
+                async for batch in stream.batches():
+                    queue.put_nowait((index, batch, None))
+            except ApiError as exc:
+                queue.put_nowait((index, None, exc))
+
+        pumps = [asyncio.create_task(pump(i, stream)) for i, stream in enumerate(self.streams)]
+        try:
+            left = len(pumps)
+            while left:
+                index, batch, error = await queue.get()
+                if error is not None:
+                    raise error
+                left -= sum(1 for event in batch if isinstance(event, Finished))
+                yield [(index, event) for event in batch]
+        finally:
+            for task in pumps:
+                task.cancel()
 
     # ---- whole response ---------------------------------------------------------------------
     async def whole(self) -> web.Response:
-        parts = []
+        parts: list[list[str]] = [[] for _ in self.streams]
+        logprobs: list[list[tuple[str, float]]] = [[] for _ in self.streams]
         try:
-            async for event in self.stream.events():
-                if isinstance(event, Tokens):
-                    parts.append(event.text)
-                    self.tokens_out += max(1, len(event.token_ids))
-                else:
-                    self._finished(event)
+            async for batch in self._events():
+                for index, event in batch:
+                    if isinstance(event, Tokens):
+                        parts[index].append(event.text)
+                        logprobs[index] += _entries(event)
+                        self.tokens_out[index] += max(1, len(event.token_ids))
+                    else:
+                        self._finished(index, event)
         except ApiError:
             self.outcome = "failed"
             raise
-        text = "".join(parts)
-        usage = self._usage()
-        if self.req.kind == "chat":
-            body = {"id": self.job.request_id, "object": "chat.completion", "created": self.created,
-                    "model": self.req.model, "system_fingerprint": None,
-                    "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                                 "logprobs": None, "finish_reason": self.finish.reason}],
-                    "usage": usage}
-        else:
-            body = {"id": self.job.request_id, "object": "text_completion", "created": self.created,
-                    "model": self.req.model, "system_fingerprint": None,
-                    "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish.reason}],
-                    "usage": usage}
+        choices = []
+        for index, finish in enumerate(self.finishes):
+            text = "".join(parts[index])
+            lp = self._logprobs(index, logprobs[index]) if self.req.logprobs else None
+            if self.req.kind == "chat":
+                choices.append({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
+                                "finish_reason": finish.reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": finish.reason})
+        obj = "chat.completion" if self.req.kind == "chat" else "text_completion"
+        body = {"id": self.request_id, "object": obj, "created": self.created, "model": self.req.model,
+                "system_fingerprint": None, "choices": choices, "usage": self._usage()}
         return web.json_response(body)
+
+    def _logprobs(self, index: int, entries: list[tuple[str, float]]) -> dict[str, Any]:
+        """A choice's `logprobs` object for `entries` (token text, log probability), as OpenAI
+        shapes it: chat's `content` list; completions' parallel lists, offsets into the
+        choice's text. A token's text is what it added to the output (empty where a character
+        spans tokens or a possible stop string is held back, the text then comes with a later token)."""
+        if self.req.kind == "chat":
+            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "surrogatepass")),
+                                 "top_logprobs": []} for t, lp in entries]}
+        offsets = []
+        for t, _ in entries:
+            offsets.append(self._offsets[index])
+            self._offsets[index] += len(t)
+        return {"tokens": [t for t, _ in entries], "token_logprobs": [lp for _, lp in entries],
+                "top_logprobs": None, "text_offset": offsets}
 
     # ---- streaming --------------------------------------------------------------------------
     async def sse(self) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(self.request)
-        first = True
+        first = [True] * len(self.streams)
         try:
-            async for batch in self.stream.batches():  # what arrived together goes out in one write
+            async for batch in self._events():  # what arrived together goes out in one write
                 out = []
-                for event in batch:
+                for index, event in batch:
                     if isinstance(event, Tokens):
-                        self.tokens_out += max(1, len(event.token_ids))
-                        if event.text or first:
-                            out.append(self._chunk(event.text, None, first) if first else self._text_chunk(event.text))
-                            first = False
+                        self.tokens_out[index] += max(1, len(event.token_ids))
+                        entries = _entries(event) if self.req.logprobs else []
+                        if entries or first[index]:
+                            out.append(self._chunk(event.text, None, first[index], index, entries))
+                        elif event.text:
+                            out.append(self._text_chunk(event.text, index))
+                        first[index] = False
                     else:
-                        self._finished(event)
-                        out.append(self._chunk("", event.reason, first))
-                        if self.req.include_usage:
-                            out.append(self._usage_chunk())
-                        out.append(b"data: [DONE]\n\n")
+                        self._finished(index, event)
+                        out.append(self._chunk("", event.reason, first[index], index))
+                        if all(f is not None for f in self.finishes):
+                            if self.req.include_usage:
+                                out.append(self._usage_chunk())
+                            out.append(b"data: [DONE]\n\n")
                 if out:
                     await response.write(b"".join(out))
         except ApiError as exc:
@@ -312,32 +408,34 @@ class _Answer:
             pass
         return response
 
-    def _text_chunk(self, text: str) -> bytes:
-        """`_chunk(text, None, False)`, from a template made once per request: only the text is
-        encoded per token (json.dumps of the whole chunk was about a tenth of the service's CPU
-        under load)."""
-        if self._template is None:
+    def _text_chunk(self, text: str, index: int = 0) -> bytes:
+        """`_chunk(text, None, False, index)`, from a template made once per choice: only the
+        text is encoded per token (json.dumps of the whole chunk was about a tenth of the
+        service's CPU under load)."""
+        template = self._templates.get(index)
+        if template is None:
             marker = "\ue000mesh-text\ue000"  # a private-use character: no token text is this
-            whole = self._chunk(marker, None, False)
+            whole = self._chunk(marker, None, False, index)
             quoted = json.dumps(marker, ensure_ascii=False).encode()
             if whole.count(quoted) != 1:  # cannot happen (ids and names are plain); be safe
-                return self._chunk(text, None, False)
-            head, tail = whole.split(quoted)
-            self._template = (head, tail)
-        head, tail = self._template
+                return self._chunk(text, None, False, index)
+            template = self._templates[index] = tuple(whole.split(quoted))
+        head, tail = template
         return head + encode_basestring(text).encode() + tail
 
-    def _chunk(self, text: str, finish_reason: str | None, first: bool) -> bytes:
+    def _chunk(self, text: str, finish_reason: str | None, first: bool, index: int = 0,
+               entries: list[tuple[str, float]] | None = None) -> bytes:
+        logprobs = self._logprobs(index, entries) if entries else None
         if self.req.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if finish_reason is not None and not first:
                 delta = {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "text_completion"
-        chunk: dict[str, Any] = {"id": self.job.request_id, "object": obj, "created": self.created,
+        chunk: dict[str, Any] = {"id": self.request_id, "object": obj, "created": self.created,
                                  "model": self.req.model, "system_fingerprint": None, "choices": [choice]}
         if self.req.include_usage:
             chunk["usage"] = None
@@ -345,32 +443,47 @@ class _Answer:
 
     def _usage_chunk(self) -> bytes:
         obj = "chat.completion.chunk" if self.req.kind == "chat" else "text_completion"
-        chunk = {"id": self.job.request_id, "object": obj, "created": self.created, "model": self.req.model,
+        chunk = {"id": self.request_id, "object": obj, "created": self.created, "model": self.req.model,
                  "system_fingerprint": None, "choices": [], "usage": self._usage()}
         return f"data: {json.dumps(chunk)}\n\n".encode()
 
+    def _choice_tokens(self, index: int) -> int:
+        finish = self.finishes[index]
+        return finish.tokens_out if finish is not None and finish.tokens_out else self.tokens_out[index]
+
     def _usage(self) -> dict[str, int]:
-        prompt = self.stream.prompt_tokens
-        done = self.finish.tokens_out if self.finish is not None and self.finish.tokens_out else self.tokens_out
+        """The prompt once, the completion tokens of every choice (as OpenAI counts n)."""
+        prompt = self.streams[0].prompt_tokens
+        done = sum(self._choice_tokens(i) for i in range(len(self.streams)))
         return {"prompt_tokens": prompt, "completion_tokens": done, "total_tokens": prompt + done}
 
-    def _finished(self, event: Finished) -> None:
-        self.finish = event
-        self.outcome = "completed"
-        self.end_s = asyncio.get_running_loop().time()
+    def _finished(self, index: int, event: Finished) -> None:
+        self.finishes[index] = event
+        if all(f is not None for f in self.finishes):
+            self.outcome = "completed"
+            self.end_s = asyncio.get_running_loop().time()
 
     # ---- metrics ----------------------------------------------------------------------------------
     def record(self) -> None:
-        first = self.stream.first_token_s
+        firsts = [s.first_token_s for s in self.streams if s.first_token_s is not None]
+        first = min(firsts) if firsts else None
         ttft = first - self.job.arrival_s if first is not None else None
-        out = self.finish.tokens_out if self.finish is not None and self.finish.tokens_out else self.tokens_out
+        out = sum(self._choice_tokens(i) for i in range(len(self.streams)))
+        longest = max(self._choice_tokens(i) for i in range(len(self.streams)))
         tpot = None
-        if self.end_s is not None and first is not None and out >= 2:
-            tpot = (self.end_s - first) / (out - 1)
+        if self.end_s is not None and first is not None and longest >= 2:
+            tpot = (self.end_s - first) / (longest - 1)
         slo = self.model.slo
-        met = (self.outcome == "completed" and ttft is not None and ttft <= slo.ttft_s(self.stream.prompt_tokens)
+        met = (self.outcome == "completed" and ttft is not None and ttft <= slo.ttft_s(self.streams[0].prompt_tokens)
                and (tpot is None or tpot <= slo.tpot_s))
         self.svc.metrics.request_done(
-            self.model.tenant, self.model.name, self.outcome, prompt_tokens=self.stream.prompt_tokens,
+            self.model.tenant, self.model.name, self.outcome, prompt_tokens=self.streams[0].prompt_tokens,
             tokens_out=out, ttft_s=ttft, tpot_s=tpot if tpot is not None and math.isfinite(tpot) else None,
             slo_met=met, placed=True)
+
+
+def _entries(event: Tokens) -> list[tuple[str, float]]:
+    """(token text, log probability) of an event's tokens: its text goes with its first token."""
+    if not event.logprobs:
+        return []
+    return [(event.text if i == 0 else "", lp) for i, lp in enumerate(event.logprobs)]

@@ -32,6 +32,7 @@ class Job:
 class Tokens:
     text: str
     token_ids: list[int]
+    logprobs: list[float] | None = None  # one per token id, where the request asked for them
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,7 @@ class Finished:
 class RequestStream:
     request_id: str
     prompt_tokens: int
+    prompt_token_ids: list[int] | None = None  # as tokenized (a request's other choices reuse them)
     node_id: str = ""
     instance_id: str = ""
     on_abort: Callable[[str], None] | None = None

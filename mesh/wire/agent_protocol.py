@@ -48,7 +48,8 @@ Control -> agent (see docs/service.md for every field):
     forget     {model}                       -> {forgot} drop everything held for the model (it was deleted)
 
 Agent -> control (events):
-    tokens     {items: [[request_id, [token ids], text], ...]}   one frame per iteration
+    tokens     {items: [[request_id, [token ids], text, [logprobs]?], ...]}   one frame per iteration; the
+                                             logprobs (one per token id) only for a request that asked for them
     done       {request_id, outcome, reason, detail, tokens_out, ttft_s, tpot_s}
     instance   {instance_id, state: "ready" | "failed", error}
     evicted    {request_id, why, tokens_out, token_ids, first_token_age_s, fault?}   the memory subsystem evicted it (6.4),
@@ -198,9 +199,16 @@ def _token_ids(value: Any, name: str) -> list[int]:
 
 # ---- payloads shared by both sides ---------------------------------------------------------
 
+MAX_PENALTY = 100.0  # presence / frequency penalties in [-MAX_PENALTY, MAX_PENALTY]; repetition in (0, MAX_PENALTY]
+MAX_SCHEMA_CHARS = 64 * 1024  # a structured output's JSON schema, as text
+MIN_LOGPROB = -1e6  # a log probability on the wire (an engine's -inf is sent as this)
+
+
 def sampling_to_dict(s: Sampling) -> dict[str, Any]:
     return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
-            "stop": list(s.stop), "seed": s.seed, "ignore_eos": s.ignore_eos}
+            "stop": list(s.stop), "seed": s.seed, "ignore_eos": s.ignore_eos, "logprobs": s.logprobs,
+            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
+            "repetition_penalty": s.repetition_penalty, "json_schema": s.json_schema}
 
 
 def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
@@ -217,9 +225,39 @@ def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
             stop=tuple(stop),
             seed=None if d.get("seed") is None else count_field(d["seed"], "seed", 0, 2**64 - 1),
             ignore_eos=bool(d.get("ignore_eos", False)),
+            logprobs=d.get("logprobs") is True,
+            presence_penalty=number_field(d.get("presence_penalty", 0.0), "presence_penalty", -MAX_PENALTY, MAX_PENALTY),
+            frequency_penalty=number_field(d.get("frequency_penalty", 0.0), "frequency_penalty", -MAX_PENALTY,
+                                           MAX_PENALTY),
+            repetition_penalty=_repetition(d.get("repetition_penalty", 1.0)),
+            json_schema=_json_schema(d.get("json_schema")),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(f"bad sampling object: {exc}") from exc
+
+
+def _repetition(value: Any) -> float:
+    value = number_field(value, "repetition_penalty", 0.0, MAX_PENALTY)
+    if value == 0.0:
+        raise ValueError("repetition_penalty must be greater than 0")
+    return value
+
+
+def _json_schema(value: Any) -> str | None:
+    if value is None:
+        return None
+    value = text_field(value, "json_schema")
+    if len(value) > MAX_SCHEMA_CHARS:
+        raise ValueError(f"json_schema is longer than {MAX_SCHEMA_CHARS} characters")
+    return value
+
+
+def _logprobs(value: Any, count: int) -> list[float]:
+    """A tokens item's log probabilities: one finite number <= 0 per token id."""
+    values = [number_field(v, "logprob", MIN_LOGPROB, 0.0) for v in list_field(value, "logprobs")]
+    if len(values) != count:
+        raise ValueError(f"{len(values)} logprobs for {count} token ids")
+    return values
 
 
 def slo_to_dict(slo: SLO) -> dict[str, float]:
@@ -778,10 +816,11 @@ class AdmitEntry:
 
 @dataclass(frozen=True, slots=True)
 class TokensEvent:
-    """Tokens of one iteration: (request id, token ids, text) per request."""
+    """Tokens of one iteration: (request id, token ids, text) per request, and their log
+    probabilities, one per token id, for a request that asked for them (a fourth element)."""
 
     T: ClassVar[str] = "tokens"
-    items: list[tuple[str, list[int], str]]
+    items: list[tuple[str, list[int], str] | tuple[str, list[int], str, list[float]]]
 
     def to_message(self) -> dict[str, Any]:
         return {TYPE_KEY: self.T, "items": [list(item) for item in self.items]}
@@ -789,8 +828,15 @@ class TokensEvent:
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "TokensEvent":
         with malformed("tokens event"):
-            return cls([(text_field(rid, "request_id"), _token_ids(ids or [], "token ids"), text_field(text or "", "text"))
-                        for rid, ids, text in list_field(m["items"], "items")])
+            items = []
+            for item in list_field(m["items"], "items"):
+                item = list_field(item, "item")
+                if len(item) not in (3, 4):
+                    raise ValueError(f"a tokens item has 3 or 4 elements, got {len(item)}")
+                ids = _token_ids(item[1] or [], "token ids")
+                head = (text_field(item[0], "request_id"), ids, text_field(item[2] or "", "text"))
+                items.append(head + (_logprobs(item[3], len(ids)),) if len(item) == 4 else head)
+            return cls(items)
 
 
 @dataclass(frozen=True, slots=True)
