@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -477,5 +476,3 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
     def queue_length(self) -> int:
         return sum(len(s.pending) for s in self.compute.instances.values())
 
-    def headroom_min(self, now: float) -> float:
-        return min((self.compute.headroom(rid, now) for rid in self.compute.requests), default=math.inf)

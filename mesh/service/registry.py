@@ -377,9 +377,6 @@ class Registry:
             return False
         return True
 
-    def delete_prepared(self, uid: str, node_kind: str) -> None:
-        self._db.execute("DELETE FROM prepared_formats WHERE model_uid = ? AND node_kind = ?", (uid, node_kind))
-
     def set_sampling_defaults(self, uid: str, defaults: dict[str, Any]) -> None:
         self._db.execute("UPDATE models SET sampling_defaults = ? WHERE uid = ?", (json.dumps(defaults), uid))
 

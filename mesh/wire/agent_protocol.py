@@ -87,7 +87,7 @@ from mesh.engines.detokenize import MAX_STOP_CHARS
 from mesh.engines.engine_api import Sampling
 from mesh import framing
 from mesh.framing import MAX_HEADER_BYTES as MAX_FRAME_BYTES  # noqa: F401 - part of this protocol's API
-from mesh.framing import ProtocolError, decode_header, encode_frame  # noqa: F401 - likewise
+from mesh.framing import ProtocolError, encode_frame  # noqa: F401 - likewise
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.slo import SLO
 
@@ -115,11 +115,6 @@ class Code(str, Enum):
 
 
 TYPE_KEY = "t"  # every message's type
-
-
-def decode_body(body: bytes) -> dict[str, Any]:
-    """The message in a frame body; ProtocolError unless it is a JSON object with a type."""
-    return decode_header(body, TYPE_KEY)
 
 
 async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
