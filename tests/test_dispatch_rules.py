@@ -12,7 +12,6 @@ from mesh.policy.placement import (
     NodeView,
     candidate_order,
     concurrency_target,
-    first_fit_free_node,
     keep_alive_expired,
     new_instance_order,
     queue_expiry_s,
@@ -54,11 +53,12 @@ def test_new_instance_order_packs_used_nodes_cpu_first():
     assert [n.node_id for n in new_instance_order(nodes, ("cpu",), exclude={"c2"})] == ["c1", "c0"]
 
 
-def test_first_fit_free_node():
+def test_exclusive_order_is_first_fit_over_free_nodes_cpu_first():
+    """ServerlessLLM's rule: the first node of the kinds with no instance, CPU first."""
     nodes = [NodeView("c0", "cpu", 1, 1, 9, 0), NodeView("g0", "gpu", 0, 0, 9, 1), NodeView("c1", "cpu", 0, 0, 9, 2)]
-    assert first_fit_free_node(nodes, ("cpu", "gpu")).node_id == "c1"
-    assert first_fit_free_node(nodes, ("gpu",)).node_id == "g0"
-    assert first_fit_free_node(nodes[:1], ("cpu",)) is None
+    assert [n.node_id for n in new_instance_order(nodes, ("cpu", "gpu"), exclusive=True)] == ["c1", "g0"]
+    assert [n.node_id for n in new_instance_order(nodes, ("gpu",), exclusive=True)] == ["g0"]
+    assert new_instance_order(nodes[:1], ("cpu",), exclusive=True) == []
 
 
 def test_sllm_concurrency_targets_and_pick():

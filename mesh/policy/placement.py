@@ -98,12 +98,6 @@ def new_instance_order(
     return sorted(out, key=lambda n: (kind_rank(n.kind), n.instances == 0, lacks(n), -n.used_bytes, n.seq))
 
 
-def first_fit_free_node(nodes: Iterable[NodeView], kinds: Collection[str]) -> NodeView | None:
-    """ServerlessLLM: the first node of `kinds` with no instance (CPU first)."""
-    order = new_instance_order(nodes, kinds, exclusive=True)
-    return order[0] if order else None
-
-
 def concurrency_target(base_model: str, kind: str) -> int:
     """In-flight requests per ServerlessLLM instance before scaling out (8.1)."""
     table = CONCURRENCY_TARGETS.get(kind)
