@@ -53,6 +53,17 @@ def test_a_parked_load_predicts_only_a_node_that_has_the_model_parked():
     assert cold_start_times(t.to_dict()) == {("m", "cpu"): 3.7, (ANY_MODEL, "cpu"): 3.7}  # a replay parks nothing
 
 
+def test_a_forgotten_node_predicts_from_its_peers_again():
+    t = ColdStartTable()
+    t.record(LoadRecord("n0", "cpu", "m", "prepared", 9.0, 1.0))
+    t.record(LoadRecord("n1", "cpu", "m", "prepared", 2.0, 2.0))
+    assert t.expected_load_s("n0", "m", peers=["n1"]) == 9.0
+    t.forget_node("n0")
+    assert t.node_load_s("n0", "m") is None
+    assert t.expected_load_s("n0", "m", peers=["n1"]) == 2.0  # a new node under the same id: its peers'
+    assert {r["node"] for r in t.to_dict()["loads"]} == {"n1"}
+
+
 def test_transfers_and_the_exported_table_for_a_replay():
     t = ColdStartTable()
     assert t.transfer_bytes_per_s() is None

@@ -241,7 +241,9 @@ class ClusterView:
 
     def remove_node(self, node_id: str) -> ClusterNode | None:
         """Stop scheduling on a node that left; its instances leave the books (their requests
-        were ended or handed back by the node)."""
+        were ended or handed back by the node), and so do its measured loads: a node that
+        joins later under the same id starts from its peers' loads, and the table does not
+        grow with every node that comes and goes."""
         seq = self.node_seq.pop(node_id, None)
         if seq is None:
             return None
@@ -251,6 +253,7 @@ class ClusterView:
             if ref.recycle is not None:
                 ref.recycle.cancel()
             self._forget(ref)
+        self.cold_starts.forget_node(node_id)
         return node
 
     def add_model(self, model: str, spec: ModelSpec, mean_output_prior: float, slo: SLO | None = None) -> None:

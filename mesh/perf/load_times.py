@@ -266,6 +266,8 @@ class ColdStartTable:
         self.records.extend(kept)
 
     def forget_node(self, node_id: str) -> None:
+        """A departed node's loads leave the per-node medians (`records`, the recent loads
+        summed per kind, keeps them until they age out)."""
         for key in [k for k in self._loads if k[0] == node_id]:
             del self._loads[key]
         for key in [k for k in self._latest if k[0] == node_id]:
