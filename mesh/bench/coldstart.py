@@ -2,7 +2,7 @@
 each source a node can load from.
 
 Sources (rows):
-- gguf: the GGUF itself, no node cache (what every load did before issue 23);
+- gguf: the GGUF itself, no node cache (a load before the node has prepared the model);
 - ir: the node's prepared form (mesh.engines.node_cache: IR + tokenizer IR), no compiled blob;
 - ir+blob: the prepared form with a CACHE_DIR that one untimed load filled first (the
   node's own blob cache). `blob` says whether the timed load left the blob as it was

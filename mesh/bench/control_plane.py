@@ -26,7 +26,7 @@ settles for `--settle-s`, then is measured for `--step-s`. Per step:
   tokens per frame; the service's RSS; this machine's load average.
 
 The table says, for the last step under the lag limit, the tokens/s one service process
-streamed there (the issue's target: 20,000). `--json PATH` writes every step.
+streamed there (the target: 20,000). `--json PATH` writes every step.
 """
 from __future__ import annotations
 

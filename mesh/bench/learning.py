@@ -1,5 +1,5 @@
 """`mesh bench learning`: how many iterations until a node's predicted iteration times are
-within 10% of the real ones, on a machine with no profile for the model (issue 23 item 4).
+within 10% of the real ones, on a machine with no profile for the model.
 
 One real OpenVINO instance of the demo model (or `--model`) serves a staggered workload
 (requests of varied prompt lengths arriving while others decode, so prefills of many

@@ -1,6 +1,6 @@
 """`mesh bench replay`: wall time of a trace replay, per policy.
 
-The issue's target: a 30-minute, 128-function Llama-2-7B replay on 4 CPU + 4 GPU nodes
+The target: a 30-minute, 128-function Llama-2-7B replay on 4 CPU + 4 GPU nodes
 finishes in at most 60 s of wall time per policy on a 2-core machine. Also reported: the
 simulated iterations per wall second and the shadow validations made.
 """

@@ -58,7 +58,7 @@ from mesh.bench.serve_process import start_service, stop_service
 
 CHURN = "churn"  # the churn tenants are churn-0, churn-1, ...
 THIRTY_MINUTES = """\
-The 30-minute soak behind docs/service.md's figures (issue 32; about 35 minutes with the
+The 30-minute soak behind docs/service.md's figures (about 35 minutes with the
 start and the final checks; run it on a machine no other benchmark shares, and say so if
 one does):
 

@@ -7,7 +7,7 @@ bytes cut into blocks, and for each plan (naive, chain, binomial): each target's
 completion time (every block received and verified) and the whole (`total_s`), beside the
 bound M/B (`bound_s`), B the single-stream bandwidth measured first with the same
 transport (one agent to one agent, best of `--bw-repeats`), and one block time (`block_s`).
-The issue's target: chain and binomial within 1.15 x bound + one block time; naive about
+The target: chain and binomial within 1.15 x bound + one block time; naive about
 N x bound.
 
 On loopback every "link" is the same kernel memcpy on the same 2 cores, so N receivers

@@ -22,7 +22,7 @@ gap between the two SLO rates is the simulator's error at cluster level.
 
 Otherwise the simulated side is the cluster the service reports at `/admin/cluster` (its CPU and GPU
 node counts and memory), the service's keep-alive and deadline rule, and the model's times:
-after the live run, what the service learnt (`GET /admin/learnt`, issue 23 item 5: the prior
+after the live run, what the service learnt (`GET /admin/learnt`: the prior
 or `--profiles`' profile times the nodes' learnt factors per grid region, their learnt
 margin, their median measured cold start; `learnt_twin`), so the gap between the two SLO
 rates is the simulator's error at cluster level, not a stale prior's. The twin with the
@@ -109,10 +109,10 @@ class LearntTwin:
 
 def learnt_twin(catalog: dict[str, ModelSpec], learnt: dict[str, Any], cold_kinds: tuple[str, ...] = (CPU, GPU)
                 ) -> LearntTwin:
-    """The twin that runs with what the service learnt (GET /admin/learnt's per-kind summary,
-    issue 23 item 5): each kind's profile times its learnt factors per grid region, the
+    """The twin that runs with what the service learnt (GET /admin/learnt's per-kind summary):
+    each kind's profile times its learnt factors per grid region, the
     learnt margin, the median measured cold start of each tier (a build, an adopted parked
-    worker: issue 31 item 5). `cold_kinds`: the kinds whose measured cold starts count (the
+    worker). `cold_kinds`: the kinds whose measured cold starts count (the
     mixed rig's: its real CPU nodes only)."""
     summary = learnt.get("summary") or {}
     (base,) = catalog

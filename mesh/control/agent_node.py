@@ -241,7 +241,7 @@ class AgentNode(ClusterNode):
         (`transfer_first(plan)`: the weights plane multicasts them, seconds to minutes) is
         staged instead: True at once, its transfer and load go on in the background
         (`_start_staged`), and the requests admitted to it meanwhile are sent to the agent
-        once its load is issued (issue 32: a scale-out never holds its model's placement
+        once its load is issued (so a scale-out never holds its model's placement
         decision, nor the queue behind it, for a transfer). Its memory counts as used from
         now on, so another decision does not plan the same room."""
         if not self.up:

@@ -216,7 +216,7 @@ class ClusterView:
         self.instances_recycled = 0
         self.cold_start_s = 0.0  # summed predicted cold starts
         self._loads_end: dict[str, float] = {}  # node id -> when the loads issued on it are predicted to end
-        # Cold starts measured, not assumed (issue 23 item 3): every node's loads per model and
+        # Cold starts measured, not assumed: every node's loads per model and
         # source, and the weights transfers (mesh.perf.load_times.ColdStartTable).
         self.cold_starts = ColdStartTable()
         self._loading: dict[str, tuple[float, float, str]] = {}  # instance -> (issued, its wait, node kind)

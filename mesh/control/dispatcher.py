@@ -7,7 +7,7 @@ order, whenever capacity frees (a request ends, an instance is recycled). It is 
 with the reason, when the queue is full, after the queue timeout (30 s, the same for every
 policy), or, under Mesh, as soon as it can no longer meet its SLO (no validation can pass
 then; the baselines cannot tell and keep it waiting, LLM-Mesh 8.2). That last rule is the
-model's admission choice (mesh.policy.placement.ADMISSIONS, issue 33): `reject` as above,
+model's admission choice (mesh.policy.placement.ADMISSIONS): `reject` as above,
 `queue` keeps it waiting up to the queue timeout and `late` without a time bound, each placed
 once validation shows everyone else on time, its own deadlines running from then (served late).
 Requests handed back by a node
@@ -449,7 +449,7 @@ class Dispatcher:
     async def _drain(self) -> None:
         """Retry waiting requests in order; a model whose head cannot be placed is skipped
         for the rest of this pass (FIFO per model), and so is one whose placement decision is
-        in flight (live, a round trip or more: the drain does not wait for it, issue 32)."""
+        in flight (live, a round trip or more: the drain does not wait for it)."""
         try:
             self._last_drain = self._now()
             blocked: set[str] = set()

@@ -258,7 +258,6 @@ class MeshScheduler(Scheduler):
                 # the model has no instance: validated as if it arrived now, since what a fresh
                 # request waited before its placement (the service builds a cold model's tokenizer
                 # to tokenize it, seconds) is cold start too, not a reason to leave the model cold
-                # (issue 23's single-node workload)
                 req.late_s = max(kept, asyncio.get_running_loop().time() - req.arrival_s)
             try:
                 ok = (await node.validate_new(replace(plan, expected_load_s=0.0), [req], [req.tokens_out])).ok

@@ -8,7 +8,7 @@ and then restarts the process with a backoff that grows only while it keeps dyin
 `detect_local_nodes()` lists the nodes of this machine: `cpu_nodes` CPU nodes sharing its
 memory budget (default one; more stand in for several machines, each with its own weights
 folder, so that models travel between them by multicast). GPU nodes
-(vLLM, issue 6) plug in here: one `NodeSpec` of kind "gpu" per device, the agent started
+(vLLM) plug in here: one `NodeSpec` of kind "gpu" per device, the agent started
 with `--kind gpu` registering the vLLM engine factory (mesh.node.engine_host).
 """
 from __future__ import annotations

@@ -130,7 +130,7 @@ class AgentServer:
         self.cpu = cpu or {}
         self.node = NodeRuntime(spec, record_iterations=True, deadlines=deadlines, watchdog=True,
                                 hung_min_s=watchdog_min_s)  # a hung engine fails its instance; its requests move
-        self.learning = NodeLearning()  # the machine's speed and per-model times (issue 23)
+        self.learning = NodeLearning()  # the machine's speed and per-model times
         self._speed_probe: asyncio.Future | None = None
         # OpenVINO prompts are tokenized off this process's GIL; every prompt takes its turn there
         self.tokenizers = TokenizerProcess(tokenizer_bytes) if tokenizer_bytes > 0 else TokenizerProcess()
@@ -141,9 +141,9 @@ class AgentServer:
                 raise ValueError(f"the tokenizer cache ({tokenizer_bytes} bytes) does not fit the node's memory "
                                  f"({spec.memory_bytes} bytes)")
             station.complete(issued.op.op_id)
-        self.parking = ParkingLot(park_bytes)  # stopped OpenVINO instances, built and warm (issue 23)
-        self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
-        # models described here are built once before their first request and parked (issue 23)
+        self.parking = ParkingLot(park_bytes)  # stopped OpenVINO instances, built and warm
+        self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads
+        # models described here are built once before their first request and parked
         self.ahead = ParkAhead(self.parking, lambda spec: asyncio.to_thread(make_engine, spec, lambda _exc: None),
                                lambda: self.node.idle() and not self.host.specs)
         self.connection = ControlConnection(self.node, token, self._handlers(), self._abort_all)
@@ -186,7 +186,7 @@ class AgentServer:
             # takes to read its libraries: here, before the agent answers anyone, not inside a
             # first `load` whose heartbeat could then go unanswered
             await asyncio.to_thread(_warm_openvino)
-        if self.spec.kind == "cpu":  # know the machine from its first minute (issue 23 item 4): 0.4-2 s,
+        if self.spec.kind == "cpu":  # know the machine from its first minute: 0.4-2 s,
             # in the background: a load before it ends starts from the prior's factors
             self._speed_probe = asyncio.ensure_future(self._probe_speed())
         self.node.start()

@@ -69,9 +69,9 @@ class InstanceHost:
         self.emulation = emulation
         self.weights = weights  # receives model blocks over the network (None: not hosted)
         self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
-        self.learning = learning  # the machine's speed and per-model times (issue 23)
-        self.parking = parking  # stopped OpenVINO instances, built and warm (issue 23)
-        self.preparer = preparer  # GGUFs loaded here are prepared once, for the next loads (issue 23)
+        self.learning = learning  # the machine's speed and per-model times
+        self.parking = parking  # stopped OpenVINO instances, built and warm
+        self.preparer = preparer  # GGUFs loaded here are prepared once, for the next loads
         self.ahead = ahead  # models described here are built once before their first request and parked
         self.tokenizers = tokenizers
         self.specs: dict[str, InstanceSpec] = {}
@@ -134,8 +134,7 @@ class InstanceHost:
     def received(self, path: str) -> None:
         """A model's file arrived here (its first host copy, or a multicast for a scale-out):
         prepare it now, in the background, so that the first load here already reads the
-        node's prepared IR (issue 23 item 1; a file that is not a GGUF, or is prepared, is
-        left alone)."""
+        node's prepared IR (a file that is not a GGUF, or is prepared, is left alone)."""
         try:
             self.preparer.schedule(path)
         except Exception as exc:  # noqa: BLE001 - preparation is an optimisation; the load reads the GGUF

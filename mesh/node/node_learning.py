@@ -1,4 +1,4 @@
-"""What a node agent learns about its machine (issue 23 items 4 and 5), kept per node, not
+"""What a node agent learns about its machine, kept per node, not
 per instance, so it outlives the instances that learnt it.
 
 - `speed`: the probe run when the agent starts (mesh.node.speed_probe), against the

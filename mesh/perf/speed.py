@@ -1,4 +1,4 @@
-"""A machine's speed relative to the machine the prior was fitted on (issue 23 item 4).
+"""A machine's speed relative to the machine the prior was fitted on.
 
 `DefaultCpuTimes` (mesh.perf.times) was fitted to the demo model's iteration times on one
 machine; machines of this kind differ 2-3x. A node agent measures `MachineSpeed` with a

@@ -86,7 +86,7 @@ class AdaptiveTimes:
                  margin_window: int = 256, margin_after: int = 32, min_margin: float = 0.05,
                  max_margin: float = 0.5, max_step: float = 2.0, start: tuple[float, float] = (1.0, 1.0)) -> None:
         """`start`: the (prefill, decode) factors before any iteration: the node's speed
-        against the prior's machine (mesh.perf.speed, issue 23 item 4), or what an earlier
+        against the prior's machine (mesh.perf.speed), or what an earlier
         instance of the model learnt here (`warm_start`); 1.0: the base as it is."""
         self.base = base
         self.max_step = max_step
@@ -237,7 +237,7 @@ def prior_profile(model: str, kind: str, weight_bytes: int, kv_bytes_per_token: 
 
 
 def learnt_profile(profile: Profile, learnt: dict[str, Any]) -> Profile:
-    """`profile` with what a service learnt on its nodes applied (issue 23 item 5): each grid
+    """`profile` with what a service learnt on its nodes applied: each grid
     point's time times the factor of its AdaptiveTimes region (`learnt`'s `prefill_regions`
     keyed "2^k", `decode_regions` keyed "2^b x 2^c", as AdaptiveTimes.drift writes them),
     else the instance-wide `prefill` / `decode` factor: the times the service's nodes

@@ -138,11 +138,10 @@ def sllm_pick(instances: Sequence[InstanceView], targets: dict[str, int]) -> Ins
     return None
 
 
-# What a request gets when its model is cold and no instance can make its TTFT (issue 23
-# item 3), per model: SERVE_LATE (default) admits it on the instance loading for it, its
+# What a request gets when its model is cold and no instance can make its TTFT, per model: SERVE_LATE (default) admits it on the instance loading for it, its
 # deadlines running from that instance's predicted ready time, if shadow validation shows
 # every other request on the node still on time (no one else is hurt); REJECT turns it away
-# (429 with Retry-After, the time left of the load), as before. Why serve late by default: a
+# (429 with Retry-After, the time left of the load). Why serve late by default: a
 # client would retry the 429 after Retry-After and be served at about the same time, so the
 # 429 only adds a round trip, an error a client without retries (curl, most scripts) sees,
 # and a request lost for one that does not retry; a client with somewhere else to go (a
@@ -163,15 +162,10 @@ MAX_WARMING_PER_MODEL = 1  # instances of one model loading at once, for a warm-
 def warm_up_node_allowed(node_kind: str, node_holds_instances: bool, model_has_instances: bool) -> bool:
     """May a warm-up (warm_up_allowed) start on a node of `node_kind`? Not one that scales a
     model out (the model has instances already) on a CPU node that holds an instance: the
-    build runs on the node's own cores (compile, weights layout, warm-up), beside whatever
-    that node serves in the seconds it takes, and a warm-up, which no request waits for, is
-    background work, which never competes with serving (issue 31 item 2; unlike a build
-    ahead, mesh.node.park_ahead, it cannot be paused whenever the node serves, since requests
-    wait for it once it loads, so it needs a node that holds no instance at all). Live, on one
-    core per node, each such warm-up slowed the node's own instance until its requests missed
-    their SLO and more warm-ups followed (mesh 83-96% where sllm+cpu, which never warms up,
-    served 97-100%). A model's first instance may start anywhere (without it the model is
-    never served), and a GPU's load is a copy over PCIe beside the GPU's kernels."""
+    build runs on that node's cores beside what it serves, and a warm-up, which no request
+    waits for, must not compete with serving (unlike a build ahead, mesh.node.park_ahead, it
+    cannot be paused while the node serves). A model's first instance may start anywhere
+    (else the model is never served), and a GPU's load is a copy over PCIe."""
     return node_kind != CPU or not node_holds_instances or not model_has_instances
 
 
@@ -211,7 +205,7 @@ def keep_alive_expired(idle_since: float, now: float, keep_alive_s: float) -> bo
     return now - idle_since >= keep_alive_s - 1e-9
 
 
-# Admission (issue 33): what a fresh request gets once it can no longer meet its SLO, chosen
+# Admission: what a fresh request gets once it can no longer meet its SLO, chosen
 # per model (its registration's `admission`), else the service's default (`mesh serve
 # --admission`, `mesh replay --admission`):
 # - ADMIT_REJECT turns it away at once (429 with the reason and a Retry-After): the paper's

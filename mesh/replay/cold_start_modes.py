@@ -1,4 +1,4 @@
-"""Cold starts by where the weights come from, for replays (issue 7 item 6).
+"""Cold starts by where the weights come from, for replays.
 
 Four modes (`WeightsConfig.mode`), all for GPU instances of one model:
 

@@ -101,7 +101,7 @@ class PlacementSettings:
     keep_alive_s: float = 60.0
     start_timeout_s: float = 60.0
     max_batch: int = 64  # requests an instance runs at most: its plans, its validation and its engine's max_num_seqs
-    profile_dir: str | None = None  # calibration profiles: <dir>/<model uid>[.<kind>].json (issue 4)
+    profile_dir: str | None = None  # calibration profiles: <dir>/<model uid>[.<kind>].json
     cold_start_s: float = DEFAULT_COLD_START_S  # an instance's start-up besides its weights (ColdStart.fixed_s)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S

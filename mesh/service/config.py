@@ -104,7 +104,7 @@ class ServeConfig:
     tls_cert: Path | None = None  # PEM certificate chain: serve HTTPS (with tls_key)
     tls_key: Path | None = None  # its PEM private key
     metrics_token: str | None = None  # what Prometheus sends to /metrics (the admin token works too)
-    # per-tenant defaults (None: no limit); finite by default, for a shared service (issue 32)
+    # per-tenant defaults (None: no limit); finite by default, for a shared service
     quota_models: int | None = 100
     quota_model_gb: float | None = 256.0  # GiB of registered model weights
     quota_concurrent_requests: int | None = 1024

@@ -70,7 +70,7 @@ class ModelCatalogue:
         self.dispatcher = dispatcher
         self.emulated_kinds = emulated_kinds
         self.formats = formats
-        self.profile_dir = profile_dir  # calibration profiles: <dir>/<model uid>[.<kind>].json (issue 4)
+        self.profile_dir = profile_dir  # calibration profiles: <dir>/<model uid>[.<kind>].json
         self.exact_moves = exact_moves  # InstanceSpec.exact_moves for every instance
         self.weights: WeightsPlane | None = None  # once made (None: nodes load models from the registry's path)
         self.models: dict[str, DescribedModel] = {}
@@ -241,7 +241,7 @@ class ModelCatalogue:
                     continue
                 if isinstance(exc, ApiError):
                     raise
-                if isinstance(exc, AgentCallError):  # its text names server paths: logged, not told (issue 32)
+                if isinstance(exc, AgentCallError):  # its text names server paths: logged, not told
                     log.error("model %s/%s: describing it on %s failed: %s", record.tenant, record.name,
                               node.node_id, exc)
                     raise ApiError(503, f"Model {record.name} cannot be read on node {node.node_id}; the operator's "
@@ -277,7 +277,7 @@ class ModelCatalogue:
         return prior_profile(record.uid, kind, shape.weight_bytes, shape.kv_bytes_per_token, shape.context_window)
 
     def profile_for(self, model_uid: str, kind: str) -> str | None:
-        """The model's calibration profile for `kind` nodes (issue 4): `<dir>/<uid>.<kind>.json`,
+        """The model's calibration profile for `kind` nodes: `<dir>/<uid>.<kind>.json`,
         else `<dir>/<uid>.json`, whichever is a profile of that kind (a model that runs on
         both kinds has one per kind); None if neither is. An emulated model's is its catalog
         name, which each agent resolves on the device it emulates (mesh.node.emulation)."""
@@ -320,7 +320,7 @@ class ModelCatalogue:
             return fmt.path, "registry path" if fmt.native else "prepared path"
         try:
             copy = await self.weights.copy_on(fmt, node.node_id)
-        except WeightsError as exc:  # its text names paths and file facts: logged, not told (issue 32)
+        except WeightsError as exc:  # its text names paths and file facts: logged, not told
             log.error("model %s/%s: its weights could not reach node %s: %s", record.tenant, record.name,
                       node.node_id, exc)
             raise ApiError(503, f"The model's weights could not reach node {node.node_id}; the operator's log has "

@@ -64,7 +64,7 @@ class RequestPath:
         ids = job.prompt_token_ids
         if ids is None:
             ids = await self._tokenize(model, job)
-        elif model.vocab_size is not None:  # checked here, before the ids go to a node (issue 32)
+        elif model.vocab_size is not None:  # checked here, before the ids go to a node
             bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
             if bad is not None:
                 raise bad_request(f"Token id {bad} in 'prompt' is outside the vocabulary of {job.model.name} "
@@ -143,7 +143,7 @@ class RequestPath:
             except AgentCallError as exc:
                 if exc.code in (Code.NO_INSTANCE.value, Code.NOT_READY.value):
                     continue  # the instance left meanwhile: the describing agent tokenizes
-                # the agent's text may name server paths: logged, and the tenant told what to do (issue 32)
+                # the agent's text may name server paths: logged, and the tenant told what to do
                 log.warning("request %s: tokenizing for %s/%s on %s failed: %s", job.request_id, job.model.tenant,
                             job.model.name, node_id, exc)
                 raise bad_request(f"Model {job.model.name} cannot tokenize this "

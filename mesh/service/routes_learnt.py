@@ -1,5 +1,5 @@
-"""`GET /admin/learnt`: what the service and its agents learnt about their machines (issue 23
-item 5), for the simulated twin (`mesh replay --live`) to run with instead of a stale prior.
+"""`GET /admin/learnt`: what the service and its agents learnt about their machines,
+for the simulated twin (`mesh replay --live`) to run with instead of a stale prior.
 
 Per node (from the agents' stats, mesh.node.node_learning.NodeLearning.view): the speed probe and
 its factors, per model the learnt time factors of its newest instance (AdaptiveTimes.drift:

@@ -219,7 +219,7 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
         raise errors.ApiError(429, f"You are already uploading {svc.config.max_uploads_per_tenant} files at once, "
                               "the most a tenant may. Retry when one has finished.", "rate_limit_error", None,
                               "too_many_uploads", {"Retry-After": "5"})
-    if sum(svc.uploading.values()) >= svc.config.max_uploads:  # one bound for the whole service (issue 32)
+    if sum(svc.uploading.values()) >= svc.config.max_uploads:  # one bound for the whole service
         raise errors.ApiError(429, f"The server is receiving {svc.config.max_uploads} uploads at once, the most it "
                               "takes. Retry shortly.", "rate_limit_error", None, "too_many_uploads",
                               {"Retry-After": "5"})

@@ -52,7 +52,7 @@ async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], Gene
     if len(body) <= THREAD_PARSE_BYTES:
         req, model = _checked(svc, tenant, parse(parse_json(body)))
         _acquire(svc, tenant, model.name)
-    else:  # a large body: the tenant's quota and the prompt's size first, the parse (CPU) last (issue 32)
+    else:  # a large body: the tenant's quota and the prompt's size first, the parse (CPU) last
         _acquire(svc, tenant, _named_model(svc, tenant, body))
         try:
             _check_token_ids(body, svc.registry.max_context_length(tenant))
@@ -104,7 +104,7 @@ def _check_token_ids(body: bytes, window: int) -> None:
     """Before a large body is parsed: a token-id prompt (the body's own `"prompt": [ids]`)
     longer than the tenant's largest context window is a 400 and one whose array's text is
     larger than that many ids can take a 413, both counted at C speed (its commas), not
-    parsed (a 5.7 MiB token-id prompt parsed for about 1 s before these checks, issue 32).
+    parsed (a 5.7 MiB token-id prompt takes about 1 s to parse).
     The exact checks follow the parse."""
     if b'"prompt"' not in body:
         return

@@ -171,7 +171,7 @@ class WeightAgent:
         self.transfers: dict[str, _Transfer] = {}
         self._server: asyncio.Server | None = None
         # Called with a received file's path once it is written (a node agent prepares it
-        # for its engine then, off the request path: issue 23 item 1).
+        # for its engine then, off the request path).
         self.on_saved: Callable[[str], None] | None = None
         # Called with (the transfer's output path, its manifest, the block's index, its bytes) as
         # each verified block arrives, so a layer host runs a model's layers before the file is

@@ -1,4 +1,4 @@
-"""A node agent's weights receiver (issue 7 item 4): engines start from received weights.
+"""A node agent's weights receiver: engines start from received weights.
 
 With `--weights-listen HOST:PORT` the node agent hosts a weights agent
 (mesh.weights.peer) on its own event loop, on a second port. A coordinator

@@ -60,7 +60,7 @@ Agent -> control (events):
 
 Reply codes when `ok` is false: see Code. Admission results use the same codes.
 
-Every message is one dataclass here (issue 34), built by its sender and read back by its
+Every message is one dataclass here, built by its sender and read back by its
 receiver, whose decoder bounds every field and raises ProtocolError on anything else:
 - requests (REQUESTS, by type; each a Request naming its reply type, REPLY): Hello, Ping,
   InstanceSpec (`load`), Unload, Tokenize, Describe, Admit (of AdmitEntry), Validate,
@@ -136,7 +136,7 @@ class FrameDecoder(framing.FrameDecoder):
         super().__init__(TYPE_KEY)
 
 
-# ---- bounds every field is checked against (issue 32) ----------------------------------------
+# ---- bounds every field is checked against ------------------------------------------------
 # A message that decodes may still carry hostile values (a count of 10^25, an age of 1e308, NaN
 # from a codec that writes it): each parser below refuses a value outside these bounds with a
 # ProtocolError, answered as `protocol`, before it reaches the node's state.
@@ -603,7 +603,7 @@ class InstanceSpec(Request[LoadReply]):
     slo: dict[str, float] = field(default_factory=lambda: slo_to_dict(SLO()))
     max_num_seqs: int = 64
     profile: str | None = None  # a calibration profile file for the iteration times
-    engine: str = "openvino"  # "openvino" (CPU); "vllm" comes with GPU agents (issue 6)
+    engine: str = "openvino"  # "openvino" (CPU); "vllm" (GPU agents)
     expected_load_s: float | None = None  # the dispatcher's predicted cold start (None: the agent's default)
     # Numerics under which a moved or preempted greedy stream, recomputed elsewhere from prompt
     # + produced tokens, continues exactly as it would have (the engine's own setting:
