@@ -173,30 +173,17 @@ def warm_up_allowed(
     cold_start_s: float, fresh_slack_s: float, validates_without_cold_start: bool, warming: int,
     limit: int = MAX_WARMING_PER_MODEL,
 ) -> bool:
-    """May Mesh start a new instance for a request that no instance, new ones included, can
-    serve within its SLO? Only when
-    - the cold start exceeds `fresh_slack_s`, the TTFT SLO of the request's prompt less its
-      prefill: no request of that length, even one arriving now, could validate on a new
-      instance, so waiting for one that does would never scale the model out (when the cold
-      start fits, the next fresh request starts the instance the usual way);
-    - the cold start is the only obstacle: a new instance that was already loaded would
-      validate (the shadow validation of 5.3 with no load time);
-    - fewer than `limit` instances of the model are loading.
+    """May Mesh start a new instance (a warm-up) for a request that no instance, new ones
+    included, can serve within its SLO? Only when the cold start exceeds `fresh_slack_s`
+    (the TTFT SLO of the request's prompt less its prefill: no such request could ever
+    validate on a new instance), a new instance already loaded would validate (5.3 with no
+    load time), and fewer than `limit` instances of the model are loading.
 
     Why: LLM-Mesh starts an instance only for a request that validates on it (5.3, 4),
-    which assumes loads from host memory that fit in the TTFT SLO (8.1). A cold start longer
-    than the SLO (weights from an SSD) would then never be issued and the model never served;
-    an autoscaler scales on demand even when the load is slower than the SLO, the requests
-    in the meantime miss it (BlitzScale 2.3). The request itself is still turned away by the
-    queue's rule (wait_expiry_s), not served late; the instance serves the requests that
-    validate on it, those arriving late in its load included (the validation counts its
-    remaining load time). The bound keeps one warm-up load per model at a time: while an
-    instance of the model loads, a second one started for the same cold-start reason would
-    be ready later than the first, and would take the cores and memory bandwidth that the
-    first load and the node's running instances need (live, two more loads made requests
-    on the loaded instances late). Requests the loading instance cannot hold scale out the
-    usual way once it is up. One nobody uses is recycled after keep-alive from the end of
-    its load (4)."""
+    assuming loads that fit in the TTFT SLO (8.1); a longer cold start would never be
+    issued and the model never served (an autoscaler scales anyway, BlitzScale 2.3). The
+    request itself is still turned away by wait_expiry_s. One warm-up per model at a time:
+    a second would be ready later and take the cores the first load needs."""
     return cold_start_s > fresh_slack_s and validates_without_cold_start and warming < limit
 
 

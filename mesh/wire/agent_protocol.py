@@ -8,63 +8,16 @@ the connection.
 
 Every message has a type `t`. The control service sends requests; a request that carries
 an integer `id` gets exactly one reply, of type `reply`: {re: id, ok: true, ...its fields} or
-{re: id, ok: false, code, error}; a request without `id` (abort) gets none. The agent also sends events on its own (tokens, done, instance).
-
-Control -> agent (see docs/service.md for every field):
-    hello      {token, protocol}             -> {node_id, kind, memory_bytes, cpu, pid, instances,
-                                                 weights: {address, dir} | null}
-    ping       {}                            -> {}
-    load       {instance_id, model, path, context_window, slo, max_num_seqs, profile, engine, expected_load_s,
-                exact_moves, mean_output, emulated_load_s}
-                                             -> {} (issued; an `instance` event follows)
-    unload     {instance_id}                 -> {}
-    tokenize   {instance_id | (model, path, engine, context_window), prompt | messages, request_id?, tenant?}
-                                             -> {ids}; OpenVINO prompts wait in a queue that takes the
-                                                tenants in turn; `abort {request_id}` cancels it (dropped
-                                                from the queue if it has not run)
-    describe   {model, path, engine, context_window, max_num_seqs?, exact_moves?}
-               -> {weight_bytes, kv_bytes_per_token, context_window, vocab_size (null: unknown)}
-               (an OpenVINO model is then built with those load settings and parked: mesh.node.park_ahead)
-    admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s, done?, prompt_len?,
-                 first_token_age_s?, compute?, late_s?}]}
-                                             -> {results: [{ok, code, reason}]}; `done`: tokens a moved
-                                                request produced elsewhere (the last `done` of its ids),
-                                                recomputed here; compute=false: memory check only
-    validate   {instance_id, request: R, exclude?: [instance ids]} -> {admit, reason}
-    validate_group {instance_id, requests: [R]} -> {admit, reason}
-    validate_new {plan: {instance_id, model, weight_bytes, kv_bytes_per_token, context_window, max_batch,
-                  slo, expected_load_s, profile}, requests: [R]} -> {admit, reason}
-               (R = {request_id, prompt_len, max_tokens, age_s, done, first_token_age_s?, late_s?}: shadow
-                validation; age_s: seconds since it arrived (>= 0); late_s: how late it is served
-                (placement.SERVE_LATE: its deadlines start when its loading instance is ready))
-    take_back  {request_id, why}             -> {request_id, tokens_out, token_ids, first_token_age_s}
-                                                (off the node, not ended)
-    abort      {request_id}                  (no reply) the request, or its tokenize still under way
-    stats      {}                            -> {instances, memory, queue_length, busy_s, ...}
-    shutdown   {}                            -> {} (then the agent exits)
-    weights_path {model, file, manifest?}    -> {path, complete?} where a multicast to this node writes the
-                                                model's file (mesh.weights.receiver); `load` it from there
-    weights_drop {model}                     -> {dropped} delete the model's received files (it was deleted)
-    forget     {model}                       -> {forgot} drop everything held for the model (it was deleted)
-
-Agent -> control (events):
-    tokens     {items: [[request_id, [token ids], text], ...]}   one frame per iteration
-    done       {request_id, outcome, reason, detail, tokens_out, ttft_s, tpot_s}
-    instance   {instance_id, state: "ready" | "failed", error}
-    evicted    {request_id, why, tokens_out, token_ids, first_token_age_s, fault?}   the memory subsystem evicted it (6.4),
-               or (fault: true) the engine watchdog failed its instance: place it again
-    node       {stepping, budget_bytes}      what the dispatcher reads of the node between calls, sent when it
-                                             changed, after the frames of the iteration that ended: the
-                                             instance whose iteration is in flight (null: none) and the memory
-                                             budget in use (the reservation station's, 6.3)
-
-Reply codes when `ok` is false: see Code. Admission results use the same codes.
+{re: id, ok: false, code, error}; a request without `id` (abort) gets none. The agent also
+sends events on its own (tokens, done, instance, evicted (6.4), node (6.3)). Reply codes
+when `ok` is false: see Code; admission results use the same codes. Every message and
+field is listed in docs/service.md ("The node agent protocol").
 
 Every message is one dataclass here, built by its sender and read back by its
 receiver, whose decoder bounds every field and raises ProtocolError on anything else:
 - requests (REQUESTS, by type; each a Request naming its reply type, REPLY): Hello, Ping,
   InstanceSpec (`load`), Unload, Tokenize, Describe, Admit (of AdmitEntry), Validate,
-  ValidateGroup, ValidateNew (a NewInstance; R above is Probe), TakeBack, Abort, Stats,
+  ValidateGroup, ValidateNew (a NewInstance and its Probes), TakeBack, Abort, Stats,
   Shutdown, WeightsPath, WeightsDrop, Forget: `to_message()` / `from_message()`
   (request_from_message picks the type);
 - replies (REPLIES): Ack, HelloReply, LoadReply, DescribeReply, TokenizeReply, AdmitReply (of
