@@ -9,11 +9,11 @@ import asyncio
 import pytest
 
 from agent_doubles import TOKEN, use_simulated_engines
-from mesh.engines.engine_api import Sampling
 from mesh.control.agent_client import AgentCallError, AgentClient, AgentDown
-from mesh.wire.agent_protocol import Abort, Code, Describe, InstanceSpec, Stats, WeightsPath, sampling_to_dict
+from mesh.engines.engine_api import Sampling
 from mesh.node.agent_server import AgentServer
 from mesh.node.runtime import NodeSpec
+from mesh.wire.agent_protocol import Abort, Code, Describe, InstanceSpec, Stats, WeightsPath, sampling_to_dict
 
 
 @pytest.fixture

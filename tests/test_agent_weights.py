@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 
 from agent_doubles import TOKEN
-from mesh.engines.engine_api import Sampling
 from mesh.control.agent_client import AgentCallError, AgentClient
-from mesh.wire.agent_protocol import READY_PREFIX, Code, InstanceSpec, sampling_to_dict
+from mesh.engines.engine_api import Sampling
 from mesh.node.agent_server import AgentServer
-from mesh.weights.receiver import NodeWeightsReceiver, inside, received_path, safe_name, send_model
-from mesh.policy.multicast import make_plan
 from mesh.node.runtime import NodeSpec
-from mesh.weights.peer import WeightAgent
+from mesh.policy.multicast import make_plan
 from mesh.weights.blocks import pack
 from mesh.weights.coordinator import MulticastError, multicast
 from mesh.weights.launch import new_token
+from mesh.weights.peer import WeightAgent
+from mesh.weights.receiver import NodeWeightsReceiver, inside, received_path, safe_name, send_model
+from mesh.wire.agent_protocol import READY_PREFIX, Code, InstanceSpec, sampling_to_dict
 
 WEIGHTS_TOKEN = "weights-" + TOKEN
 

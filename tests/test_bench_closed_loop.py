@@ -14,8 +14,18 @@ import pytest
 pytest.importorskip("openai")
 from aiohttp import web  # noqa: E402
 
-from mesh.bench.closed_loop import (FAILED, SERVED, TURNED_AWAY, Outcome, checks, closed_loop, percentile,  # noqa: E402
-                                    summarize, table, targets_for)
+from mesh.bench.closed_loop import (  # noqa: E402
+    FAILED,
+    SERVED,
+    TURNED_AWAY,
+    Outcome,
+    checks,
+    closed_loop,
+    percentile,
+    summarize,
+    table,
+    targets_for,
+)
 
 MODELS = ["bench/copy-0", "bench/copy-1", "bench/copy-2"]
 

@@ -11,19 +11,19 @@ from pathlib import Path
 import pytest
 
 from agent_doubles import TOKEN, WEIGHTS_TOKEN, InProcessAgent, use_simulated_engines
-from mesh.engines.engine_api import Sampling
 from mesh.control.remote_agents import RemoteAgent
+from mesh.control.weights_plane import WeightsPlane, WeightsSettings
+from mesh.engines.engine_api import Sampling
 from mesh.node.agent_server import AgentServer
-from mesh.ray.membership import mesh_node_ids
+from mesh.node.runtime import NodeSpec
 from mesh.policy.autoscale import NodeUse, decide
 from mesh.policy.slo import SLO
-from mesh.node.runtime import NodeSpec
+from mesh.ray.membership import mesh_node_ids
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.config import ConfigError, build_config
 from mesh.service.errors import ApiError
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, Tokens
-from mesh.control.weights_plane import WeightsPlane, WeightsSettings
 
 SIZE = 3 << 20
 

@@ -11,12 +11,21 @@ import json
 import pytest
 
 from cluster_doubles import GB, WEIGHTS, build, config, request, run_until, spec
+from mesh.control.dispatcher import Dispatcher
 from mesh.engines.simulated import SimulatedEngine
-from mesh.perf.load_times import (ANY_MODEL, GIB, PARKED, PARKED_PRIOR_S, RESIZE_UP_S_PER_GIB, ColdStart, ColdStartTable,
-                                  LoadRecord, cold_start_times)
+from mesh.perf.load_times import (
+    ANY_MODEL,
+    GIB,
+    PARKED,
+    PARKED_PRIOR_S,
+    RESIZE_UP_S_PER_GIB,
+    ColdStart,
+    ColdStartTable,
+    LoadRecord,
+    cold_start_times,
+)
 from mesh.policy.placement import NodeView, new_instance_order
 from mesh.replay.simulator import simulated_cluster
-from mesh.control.dispatcher import Dispatcher
 from mesh.replay.virtual_loop import run_virtual
 from mesh.service.errors import overloaded
 from mesh.service.request_path import retry_after_s

@@ -1,6 +1,7 @@
 """Compute subsystem: headroom (Eq. 1) and token-level selection (LLM-Mesh 5.1)."""
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from doubles import LinearTimes
 from mesh.policy.batching import IterationKind

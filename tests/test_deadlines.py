@@ -8,20 +8,21 @@ import asyncio
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from doubles import LinearTimes
+from mesh.control.cluster_view import ClusterConfig, ClusterError
+from mesh.control.dispatcher import slo_met as eq1_slo_met
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.engines.simulated import SimulatedEngine
+from mesh.node.request import Outcome, ServedRequest
+from mesh.node.runtime import NodeRuntime, NodeSpec
 from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem, Iteration
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase, shadow_validate
 from mesh.policy.slo import SLO, DeadlineRule
-from mesh.control.cluster_view import ClusterConfig, ClusterError
-from mesh.control.dispatcher import slo_met as eq1_slo_met
-from mesh.node.runtime import NodeRuntime, NodeSpec
-from mesh.node.request import Outcome, ServedRequest
 from mesh.replay.virtual_loop import run_virtual
 
 EQ1, PACE = DeadlineRule.EQ1, DeadlineRule.PACE

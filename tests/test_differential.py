@@ -36,18 +36,18 @@ from typing import Any
 
 import pytest
 
-from mesh.engines.engine_api import Sampling
-from mesh.node.emulation import emulated_nodes
-from mesh.control.supervisor import AgentSettings
-from mesh.perf.profile import catalog_profile, save_profile
-from mesh.perf.load_times import ColdStart
-from mesh.policy.slo import SLO
-from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
 from mesh.control.cluster_view import ClusterConfig
 from mesh.control.dispatcher import accounting
+from mesh.control.supervisor import AgentSettings
+from mesh.engines.engine_api import Sampling
+from mesh.node.emulation import emulated_nodes
 from mesh.node.request import Outcome, ServedRequest
-from mesh.service.errors import ApiError
+from mesh.perf.load_times import ColdStart
+from mesh.perf.profile import catalog_profile, save_profile
+from mesh.policy.slo import SLO
+from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.errors import ApiError
 from mesh.service.model_catalogue import MEAN_OUTPUT_PRIOR
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Job

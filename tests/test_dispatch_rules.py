@@ -171,7 +171,7 @@ def test_tailored_concurrency_target_is_the_largest_batch_within_the_tpot(base, 
 
 
 def test_admission_a_models_own_then_its_tenants_then_the_clusters():
-    from mesh.control.cluster_view import ClusterView, ClusterConfig, ClusterError
+    from mesh.control.cluster_view import ClusterConfig, ClusterError, ClusterView
 
     cluster = ClusterView(ClusterConfig(cpu_nodes=1, gpu_nodes=0, admission="reject"))
     assert cluster.admission("m", "t") == "reject"

@@ -10,7 +10,6 @@ from mesh.bench.serve_load import summarize as serve_summarize
 from mesh.cli import main
 from mesh.replay.capacity import MAX_FACTOR, RunCache, search_capacity
 from mesh.replay.metrics import json_ready, table, ttft_all_percentiles
-
 from test_replay import traces  # noqa: F401  (the tiny trace fixture)
 
 

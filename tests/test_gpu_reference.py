@@ -11,12 +11,22 @@ from pathlib import Path
 import pytest
 
 from mesh.node.emulation import emulated_cold_start
-from mesh.perf.gpu_reference import (PROBE_DIR, PROBE_MODEL, PROBES, ProbeError, comparison_table, fit_device,
-                                     fit_probe, load_probe, predicted_s, read_probe)
+from mesh.perf.gpu_reference import (
+    PROBE_DIR,
+    PROBE_MODEL,
+    PROBES,
+    ProbeError,
+    comparison_table,
+    fit_device,
+    fit_probe,
+    load_probe,
+    predicted_s,
+    read_probe,
+)
+from mesh.perf.load_times import ColdStart
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import reference_profile
 from mesh.perf.roofline import ARCHITECTURES, FITTED_GPUS, HARDWARE, VLLM_STEP_OVERHEAD_S, decode_seconds
-from mesh.perf.load_times import ColdStart
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "roofline.md"
 FIELDS = ("eff_gemm", "eff_attn", "eff_bw", "eff_kv", "device_overhead_s", "host_to_device_bytes_per_s",

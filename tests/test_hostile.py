@@ -14,15 +14,15 @@ import pytest
 from agent_doubles import TOKEN, WEIGHTS_TOKEN, use_simulated_engines
 from mesh import framing
 from mesh.control.agent_client import AgentClient
-from mesh.wire.agent_protocol import InstanceSpec, sampling_to_dict
-from mesh.node.agent_server import AgentServer
 from mesh.engines.engine_api import Sampling
 from mesh.framing import LENGTH, encode_frame
+from mesh.node.agent_server import AgentServer
 from mesh.node.runtime import NodeSpec
+from mesh.policy.multicast import make_plan
 from mesh.weights.blocks import load_blocks, pack
 from mesh.weights.coordinator import multicast
-from mesh.policy.multicast import make_plan
 from mesh.weights.peer import WeightAgent
+from mesh.wire.agent_protocol import InstanceSpec, sampling_to_dict
 
 WAIT = 10.0  # no read in these tests waits longer
 
@@ -516,10 +516,10 @@ class Http:
 
         from agent_doubles import InProcessAgent
         from mesh.service.app import Service, build_app
+        from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
         from mesh.service.config import ServeConfig
         from mesh.service.limits import listen
         from mesh.service.prometheus import ServiceMetrics
-        from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
         from mesh.service.registry import Registry
 
         cfg = ServeConfig(admin_token=ADMIN, allowed_dir=self.allowed, data_dir=self.tmp_path, **self.config)

@@ -3,11 +3,22 @@ the cost model (mesh.perf.load_times); hypothesis property tests over random N, 
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mesh.perf.load_times import BLOCK_TIME, CostModel, estimate, schedule
 from mesh.policy.multicast import (
-    InvalidPlan, Plan, Transfer, binomial, chain, chains, k_way_orders, lower_bound_rounds, make_plan, naive, repair,
+    InvalidPlan,
+    Plan,
+    Transfer,
+    binomial,
+    chain,
+    chains,
+    k_way_orders,
+    lower_bound_rounds,
+    make_plan,
+    naive,
+    repair,
     validate,
 )
 

@@ -5,12 +5,12 @@ import pytest
 
 from doubles import LinearTimes
 from mesh.engines.engine_api import EngineRequest, FinishReason, Sampling
-from mesh.policy.batching import IterationKind
 from mesh.engines.simulated import SimulatedEngine
+from mesh.node.request import Outcome, ServedRequest
+from mesh.node.runtime import NodeRuntime, NodeSpec
+from mesh.policy.batching import IterationKind
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.slo import SLO
-from mesh.node.runtime import NodeRuntime, NodeSpec
-from mesh.node.request import Outcome, ServedRequest
 from mesh.replay.virtual_loop import run_virtual
 
 KV_PER_TOKEN = 1000

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from agent_doubles import until
-from mesh.engines.worker_process import SECRET_ENV
-from mesh.wire.agent_protocol import InstanceSpec
 from mesh.control.supervisor import AgentSettings, LocalAgent
+from mesh.engines.worker_process import SECRET_ENV
 from mesh.node.runtime import NodeSpec
+from mesh.wire.agent_protocol import InstanceSpec
 
 
 def _stat(pid: int) -> tuple[int, str] | None:

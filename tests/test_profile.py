@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from mesh.perf.profile import Profile, ProfileError, dumps_profile, load_profile, profile_from_dict, profile_to_dict, reference_profile, reference_profiles, save_profile
+from mesh.perf.profile import (
+    Profile,
+    ProfileError,
+    dumps_profile,
+    load_profile,
+    profile_from_dict,
+    profile_to_dict,
+    reference_profile,
+    reference_profiles,
+    save_profile,
+)
 
 
 def small_doc() -> dict:

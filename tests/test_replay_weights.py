@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mesh.perf.load_times import CostModel, estimate
-from mesh.replay.driver import build_catalog
 from mesh.replay.cold_start_modes import WeightsConfig, stop_the_world_s
+from mesh.replay.driver import build_catalog
 from mesh.replay.weights_compare import compare, table
 from workloads.workload import Arrival, Workload
 
@@ -134,10 +134,10 @@ def test_mesh_scales_out_when_the_ssd_load_exceeds_the_slo(policy: str) -> None:
 def test_an_unused_warm_up_is_recycled_after_its_load() -> None:
     """One request, then nothing for a while: its instance loads (4.5 s), idles keep-alive
     (1 s) from the end of its load, then goes; it is not recycled in the middle of its load."""
-    from mesh.perf.load_times import ColdStart
-    from mesh.replay.driver import ReplayConfig, run_policy
-    from mesh.replay.cold_start_modes import Engines
     from mesh.control.cluster_view import ClusterConfig
+    from mesh.perf.load_times import ColdStart
+    from mesh.replay.cold_start_modes import Engines
+    from mesh.replay.driver import ReplayConfig, run_policy
 
     catalog = build_catalog(["llama-2-7b"])
     weight_bytes = catalog["llama-2-7b"].profiles["gpu"].weight_bytes
@@ -231,8 +231,8 @@ def test_pipeline_members_serve_through_the_pipeline_then_recompute_their_kv() -
 
     from doubles import LinearTimes
     from mesh.engines.engine_api import EngineRequest, Sampling
-    from mesh.replay.cold_start_modes import WeightsModel
     from mesh.policy.live_scaling import pipeline_iteration_s, solo_finish
+    from mesh.replay.cold_start_modes import WeightsModel
     from mesh.replay.virtual_loop import run_virtual
 
     nodes = [SimpleNamespace(node_id=f"gpu{i}") for i in range(4)]

@@ -11,10 +11,10 @@ import pytest
 
 from agent_doubles import InProcessAgent, until, use_simulated_engines
 from mesh.engines.engine_api import Sampling
-from mesh.policy.slo import SLO
 from mesh.node.runtime import NodeSpec
-from mesh.service.errors import ApiError
+from mesh.policy.slo import SLO
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
 
@@ -251,9 +251,9 @@ def test_every_cpu_policy_serves(policy):
 
 def test_serve_and_replay_build_the_same_dispatcher(monkeypatch):
     """One brain: `mesh serve` and `mesh replay` both build Dispatcher.for_policy."""
-    from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
     from mesh.control.cluster_view import ClusterConfig
     from mesh.control.dispatcher import Dispatcher
+    from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
     from workloads.workload import Arrival, Workload
 
     built: list[tuple[type, str]] = []

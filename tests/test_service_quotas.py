@@ -14,6 +14,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from agent_doubles import InProcessAgent, use_simulated_engines
+from mesh.node.runtime import NodeSpec
 from mesh.policy.quota import (
     Quota,
     QuotaValueError,
@@ -23,11 +24,10 @@ from mesh.policy.quota import (
     rate_over,
     registration_over,
 )
-from mesh.node.runtime import NodeSpec
 from mesh.service.app import Service, build_app
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.config import ConfigError, ServeConfig, build_config
 from mesh.service.prometheus import ServiceMetrics
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import Registry
 
 ADMIN = "admin-secret"

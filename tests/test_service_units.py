@@ -11,8 +11,16 @@ import struct
 import pytest
 
 from mesh.engines.engine_api import Sampling
+from mesh.modelfiles.sources import TENANT_NOT_FOUND, SourceError, SourceNotFound, inspect_source, resolve_allowed
 from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes
 from mesh.policy.batching import IterationKind
+from mesh.policy.slo import SLO
+from mesh.service import errors
+from mesh.service.auth import admin_token_ok, bearer_token, hash_key, new_api_key
+from mesh.service.config import ConfigError, build_config, read_config_file
+from mesh.service.registry import ModelRecord, Registry, RegistryError, new_model_uid
+from mesh.service.schema import parse_chat, parse_completion, parse_json
+from mesh.service.uploads import receive_upload
 from mesh.wire.agent_protocol import (
     MAX_FRAME_BYTES,
     Code,
@@ -24,14 +32,6 @@ from mesh.wire.agent_protocol import (
     sampling_from_dict,
     sampling_to_dict,
 )
-from mesh.modelfiles.sources import TENANT_NOT_FOUND, SourceError, SourceNotFound, inspect_source, resolve_allowed
-from mesh.policy.slo import SLO
-from mesh.service import errors
-from mesh.service.auth import admin_token_ok, bearer_token, hash_key, new_api_key
-from mesh.service.config import ConfigError, build_config, read_config_file
-from mesh.service.registry import ModelRecord, Registry, RegistryError, new_model_uid
-from mesh.service.schema import parse_chat, parse_completion, parse_json
-from mesh.service.uploads import receive_upload
 
 # ---- registry -------------------------------------------------------------------------------
 

@@ -23,7 +23,7 @@ from typing import Sequence
 
 import pytest
 
-from mesh.engines.engine_api import (EngineError, HiddenStates, LayerRange, NextTokens, TokenBatch, can_run_layers)
+from mesh.engines.engine_api import EngineError, HiddenStates, LayerRange, NextTokens, TokenBatch, can_run_layers
 from mesh.policy.layer_prefix import LayerSpans, complete_layers, usable_layers
 
 # the demo tokenizer's ids of "The capital of France is" and "Once upon a time, there was"

@@ -59,6 +59,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
 from mesh.bench.report import write_json
 from mesh.bench.serve_process import ServiceProcess, start_service, stop_service
 from mesh.service.demo_mode import DEMO_TENANT

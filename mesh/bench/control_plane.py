@@ -45,9 +45,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
-from mesh.control.latency import between
 from mesh.bench.report import write_json
 from mesh.bench.serve_process import ServiceProcess, start_service, stop_service
+from mesh.control.latency import between
 from mesh.service.limits import CLIENT_KEEPALIVE_S
 from mesh.tasks import cancel_all
 

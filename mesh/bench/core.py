@@ -17,17 +17,17 @@ import time
 
 import numpy as np
 
-from mesh.perf import PerformanceModel, reference_profile
-from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.policy.batching import IterationKind
-from mesh.engines.simulated import SimulatedEngine
 from mesh.bench.report import emit
+from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.engines.simulated import SimulatedEngine
+from mesh.node.request import ServedRequest
+from mesh.node.runtime import NodeRuntime, NodeSpec
+from mesh.perf import PerformanceModel, reference_profile
+from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import shadow_validate
 from mesh.policy.slo import SLO
-from mesh.node.runtime import NodeRuntime, NodeSpec
-from mesh.node.request import ServedRequest
 from mesh.replay.virtual_loop import run_virtual
 
 INSTANCES, REQUESTS = 8, 32

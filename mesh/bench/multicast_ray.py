@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from mesh.bench.report import write_json
 from mesh.engines.worker_process import worker_env
 from mesh.lifetime import die_with_parent
-from mesh.bench.report import write_json
 
 MB = 10**6
 

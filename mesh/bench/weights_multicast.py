@@ -28,12 +28,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from mesh.bench.report import write_json
 from mesh.perf.load_times import CostModel, schedule
 from mesh.policy.multicast import PLANS, make_plan, naive
 from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast
 from mesh.weights.launch import new_token, spawn_agents, stop_agents
-from mesh.bench.report import write_json
 
 MB = 10**6
 TARGET_FACTOR = 1.15

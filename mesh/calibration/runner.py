@@ -47,9 +47,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from mesh.engines.engine_api import Engine, EngineRequest, Sampling
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile, save_profile
-from mesh.engines.engine_api import Engine, EngineRequest, Sampling
 from mesh.policy.batching import IterationKind
 
 STATE_FORMAT = "mesh-calibration-state/1"

@@ -9,11 +9,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mesh.control.cluster_view import ClusterConfig, check_cluster
+from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S
+from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
+from mesh.engines.simulated import SIMULATED_NOISE
+from mesh.perf.load_times import PCIE_BYTES_PER_S, ColdStart
 from mesh.perf.profile import ProfileError
 from mesh.perf.roofline import host_to_device_bytes_per_s
-from mesh.perf.load_times import PCIE_BYTES_PER_S, ColdStart
 from mesh.policy.placement import ADMISSIONS
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
+from mesh.policy.slo import DeadlineRule
+from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
+from mesh.replay.cold_start_modes import MODES as WEIGHT_MODES
+from mesh.replay.cold_start_modes import Engines, WeightsConfig
 from mesh.replay.driver import (
     DEFAULT_CPU_DEVICE,
     DEFAULT_GPU_DEVICE,
@@ -25,14 +33,7 @@ from mesh.replay.driver import (
     run_policy,
     trace_mean_output,
 )
-from mesh.policy.slo import DeadlineRule
-from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
 from mesh.replay.metrics import aligned, json_ready, summarize, table
-from mesh.control.cluster_view import ClusterConfig, check_cluster
-from mesh.engines.simulated import SIMULATED_NOISE
-from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S
-from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
-from mesh.replay.cold_start_modes import MODES as WEIGHT_MODES, Engines, WeightsConfig
 from workloads.azure_functions import load_function_trace
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR, FUNCTIONS_FILE

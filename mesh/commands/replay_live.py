@@ -44,21 +44,21 @@ from typing import Any
 
 import aiohttp
 
-from mesh.engines.engine_api import DEFAULT_CONTEXT_CAP, EngineError
-from mesh.node.emulation import emulated_cold_start
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
+from mesh.control.cluster_view import ClusterConfig, ModelSpec
+from mesh.control.schedulers import scheduler_spec
+from mesh.engines.engine_api import DEFAULT_CONTEXT_CAP, EngineError
 from mesh.modelfiles.demo import ModelFetchError
+from mesh.node.emulation import emulated_cold_start
+from mesh.node.request import ServedRequest
+from mesh.perf.load_times import ANY_MODEL, PARKED_PRIOR_S, ColdStart
 from mesh.perf.profile import load_profile
 from mesh.perf.times import learnt_profile, prior_profile
-from mesh.perf.load_times import ANY_MODEL, PARKED_PRIOR_S, ColdStart
 from mesh.policy.placement import CPU, GPU
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
-from mesh.control.cluster_view import ClusterConfig, ModelSpec
-from mesh.node.request import ServedRequest
-from mesh.control.schedulers import scheduler_spec
 from mesh.service.cluster_placement import PlacementSettings
-from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from workloads.workload import Workload
 
 BASE = "smollm2-135m"  # the base model name of every replica (one model file, one profile)
@@ -86,8 +86,8 @@ def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, win
     for kind in (CPU, GPU):
         path = Path(args.profiles) / f"{BASE}__{kind}.json" if args.profiles else None
         if emulated and kind in emulated and model_path is not None:
-            from mesh.node.emulation import Emulation, shape_name
             from mesh.modelfiles.shape import architecture_of
+            from mesh.node.emulation import Emulation, shape_name
 
             profiles[kind] = Emulation(emulated[kind]).profile(shape_name(architecture_of(model_path, BASE)))
         else:

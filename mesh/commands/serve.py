@@ -6,10 +6,10 @@ import asyncio
 import logging
 import sys
 
-from mesh.policy.placement import ADMISSIONS
-from mesh.policy.slo import DeadlineRule
 from mesh.control.schedulers import POLICIES
+from mesh.policy.placement import ADMISSIONS
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
+from mesh.policy.slo import DeadlineRule
 from mesh.service.config import quota_value
 
 

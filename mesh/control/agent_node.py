@@ -36,10 +36,32 @@ from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.node.shadow_admission import Admission
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.tasks import cancel_all
-from mesh.wire.agent_protocol import (Abort, Admit, AdmitEntry, AdmitResult, Code, DoneEvent, EvictedEvent, Forget,
-                                      InstanceEvent, InstanceSpec, NewInstance, NodeEvent, Probe, ProtocolError, Stats,
-                                      TakeBack, TokensEvent, Unload, Validate, ValidateGroup, ValidateNew,
-                                      event_from_message, mean_output_to, slo_to_dict)
+from mesh.wire.agent_protocol import (
+    Abort,
+    Admit,
+    AdmitEntry,
+    AdmitResult,
+    Code,
+    DoneEvent,
+    EvictedEvent,
+    Forget,
+    InstanceEvent,
+    InstanceSpec,
+    NewInstance,
+    NodeEvent,
+    Probe,
+    ProtocolError,
+    Stats,
+    TakeBack,
+    TokensEvent,
+    Unload,
+    Validate,
+    ValidateGroup,
+    ValidateNew,
+    event_from_message,
+    mean_output_to,
+    slo_to_dict,
+)
 
 log = logging.getLogger("mesh.control.agent_node")
 

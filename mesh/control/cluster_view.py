@@ -16,17 +16,34 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from mesh.perf.load_times import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BYTES, GIB, ColdStart, ColdStartTable, LoadRecord
+from mesh.control.cluster_node import ClusterNode, HostedInstance
+from mesh.node.request import ServedRequest
+from mesh.node.runtime import InstancePlan, NodeSpec
+from mesh.perf.load_times import (
+    DEFAULT_CPU_MEMORY_BYTES,
+    DEFAULT_GPU_MEMORY_BYTES,
+    GIB,
+    ColdStart,
+    ColdStartTable,
+    LoadRecord,
+)
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
-from mesh.policy.placement import (ADMISSIONS, ADMIT_REJECT, COLD_START_CHOICES, CPU, DEFAULT_KEEP_ALIVE_S, GPU, SERVE_LATE,
-                                   InstanceView, NodeView, keep_alive_expired)
+from mesh.policy.placement import (
+    ADMISSIONS,
+    ADMIT_REJECT,
+    COLD_START_CHOICES,
+    CPU,
+    DEFAULT_KEEP_ALIVE_S,
+    GPU,
+    SERVE_LATE,
+    InstanceView,
+    NodeView,
+    keep_alive_expired,
+)
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
-from mesh.control.cluster_node import ClusterNode, HostedInstance
-from mesh.node.runtime import InstancePlan, NodeSpec
-from mesh.node.request import ServedRequest
 
 DEFAULT_MAX_BATCH = 256  # B_max of the profiles (LLM-Mesh 5.2)
 LIVE_USAGE_ENTRIES = 4096  # a live service's node-usage change points kept (nothing reads them there; bounded)

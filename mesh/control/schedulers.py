@@ -22,6 +22,10 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from mesh.control.cluster_node import ClusterNode
+from mesh.control.cluster_view import ClusterView, InstanceRef
+from mesh.node.request import ServedRequest
+from mesh.node.runtime import InstancePlan
 from mesh.policy.placement import (
     CONCURRENCY_TARGETS,
     CPU,
@@ -41,10 +45,6 @@ from mesh.policy.placement import (
     warm_up_node_allowed,
 )
 from mesh.policy.shadow import Padding
-from mesh.control.cluster_view import ClusterView, InstanceRef
-from mesh.control.cluster_node import ClusterNode
-from mesh.node.runtime import InstancePlan
-from mesh.node.request import ServedRequest
 
 log = logging.getLogger("mesh.control.schedulers")
 

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mesh.control.agent_client import AgentClient, AgentDown
-from mesh.wire.agent_protocol import READY_PREFIX, Shutdown
-from mesh.policy.slo import DeadlineRule
 from mesh.node.runtime import NodeSpec
+from mesh.policy.slo import DeadlineRule
 from mesh.tasks import cancel_all
+from mesh.wire.agent_protocol import READY_PREFIX, Shutdown
 
 log = logging.getLogger("mesh.control.supervisor")
 
@@ -290,8 +290,8 @@ class LocalAgent(AgentHandle):
             await asyncio.sleep(0.01)
 
     async def _spawn_and_connect(self) -> None:
-        from mesh.engines.worker_process import worker_env
         from mesh.control.vllm_nodes import agent_env
+        from mesh.engines.worker_process import worker_env
 
         # only the agent's own secrets (worker_env drops the service's admin and metrics tokens)
         device = self.settings.emulate.get(self.node_id)

@@ -46,13 +46,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
+from mesh.node.runtime import NodeSpec
 from mesh.policy.multicast import make_plan
 from mesh.policy.param_pool import ParameterPool, PoolError, Where
-from mesh.node.runtime import NodeSpec
 from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast
-from mesh.weights.receiver import AgentClient, weights_address
 from mesh.weights.peer import WeightAgent
+from mesh.weights.receiver import AgentClient, weights_address
 from mesh.wire.agent_protocol import WeightsDrop, WeightsPath
 
 

@@ -53,7 +53,17 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from mesh.engines.chat import PromptEncoder
 from mesh.engines.detokenize import Detokenizer, StopMatcher, resume_text
-from mesh.engines.engine_api import checked_request, engine_limits, EngineError, EngineRequest, FinishReason, RequestOutput, Sampling, StepResult, step_result
+from mesh.engines.engine_api import (
+    EngineError,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    Sampling,
+    StepResult,
+    checked_request,
+    engine_limits,
+    step_result,
+)
 from mesh.modelfiles.shape import ModelShape, shape_from_config, shape_from_gguf
 from mesh.perf.roofline import kv_bytes_per_token
 from mesh.policy.batching import IterationKind
@@ -326,6 +336,7 @@ class OpenVINOEngine:
         The tokenizer is passed in, so the pipeline does not build its own a second time.
         CACHE_DIR is set only where this OpenVINO imports its own blobs (mesh.engines.node_cache)."""
         import openvino_genai as ov_genai
+
         from mesh.engines import node_cache
 
         prepared = self._prepared()
@@ -364,8 +375,8 @@ class OpenVINOEngine:
     def warm_up(self) -> None:
         """One 1-token request: the first inference's one-time cost (and the KV cache's first
         allocation, which grows on demand) is paid here, not in the first request's TTFT."""
-        import openvino as ov
         import numpy as np
+        import openvino as ov
 
         config = generation_config(Sampling(max_tokens=1), 1, 0, self.ignore_eos)
         handle = self._pipe.add_request(next(self._ids), ov.Tensor(np.array([[0]], dtype=np.int64)), config)

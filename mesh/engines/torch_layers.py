@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Sequence
 
-from mesh.engines.engine_api import (DTYPE_BYTES, EngineError, HiddenStates, LayerRange, NextTokens, Sampling,
-                                     TokenBatch)
+from mesh.engines.engine_api import DTYPE_BYTES, EngineError, HiddenStates, LayerRange, NextTokens, Sampling, TokenBatch
 from mesh.modelfiles.layer_order import EMBED, FINAL_NORM, LM_HEAD, LayerLayout
 from mesh.policy.layer_prefix import layers_in_prefix, prefix_bytes
 

@@ -58,18 +58,24 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from mesh.modelfiles.shape import ModelShape, shape_from_config
 from mesh.engines.engine_api import (
-    checked_request,
-    engine_limits,
     EngineError,
     EngineRequest,
     StepResult,
+    checked_request,
+    engine_limits,
 )
-from mesh.engines.vllm_core import CoreSettings
 from mesh.engines.parking import ParkingLot
-from mesh.engines.worker_process import (REPO_ROOT, SYNC_CALL_DEADLINE_S, WorkerConnection, WorkerRequests, wait,
-                                         worker_env)
+from mesh.engines.vllm_core import CoreSettings
+from mesh.engines.worker_process import (
+    REPO_ROOT,
+    SYNC_CALL_DEADLINE_S,
+    WorkerConnection,
+    WorkerRequests,
+    wait,
+    worker_env,
+)
+from mesh.modelfiles.shape import ModelShape, shape_from_config
 
 log = logging.getLogger(__name__)
 

@@ -51,8 +51,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
-from mesh.engines.engine_api import EngineError, FinishReason, StepResult
 from mesh.background import BACKGROUND_THREADS
+from mesh.engines.engine_api import EngineError, FinishReason, StepResult
 from mesh.lifetime import die_with_parent
 from mesh.policy.batching import IterationKind
 

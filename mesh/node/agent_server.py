@@ -40,8 +40,8 @@ Closed by default:
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -61,8 +61,8 @@ from mesh.node.emulation import Emulation
 from mesh.node.engine_host import make_engine
 from mesh.node.instance_host import InstanceHost
 from mesh.node.layer_host import LAYERS_PREFIX, LayerHost
-from mesh.node.node_learning import NodeLearning
 from mesh.node.model_fronts import ModelFronts
+from mesh.node.node_learning import NodeLearning
 from mesh.node.node_requests import NodeRequests
 from mesh.node.park_ahead import ParkAhead
 from mesh.node.runtime import HUNG_MIN_S, NodeRuntime, NodeSpec

@@ -19,10 +19,10 @@ import os
 from typing import Any, Callable
 
 from mesh.engines.engine_api import EngineError
-from mesh.wire.agent_protocol import InstanceSpec
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import ProfileError, load_profile
 from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes
+from mesh.wire.agent_protocol import InstanceSpec
 
 LoadCallback = Callable[[BaseException | None], None]
 

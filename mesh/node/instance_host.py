@@ -20,7 +20,8 @@ from mesh.engines.engine_api import EngineError
 from mesh.engines.openvino_process import OpenVINOProcessEngine
 from mesh.engines.parking import ParkingLot
 from mesh.node.control_connection import Refused
-from mesh.node.emulation import ENGINE as EMULATED, Emulation, model_of_profile
+from mesh.node.emulation import ENGINE as EMULATED
+from mesh.node.emulation import Emulation, model_of_profile
 from mesh.node.engine_host import iteration_times, make_engine
 from mesh.node.node_learning import NodeLearning
 from mesh.node.park_ahead import ParkAhead

@@ -20,6 +20,7 @@ from typing import Any
 from mesh.perf.speed import MachineSpeed, SpeedFactors
 from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes, weighted_geomean
 
+
 @dataclass
 class NodeLearning:
     speed: MachineSpeed | None = None

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 
-
 @dataclass(frozen=True, slots=True)
 class MachineSpeed:
     """What the probe measured: square float32 GEMM throughput (GFLOP/s, compute-bound like a

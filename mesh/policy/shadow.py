@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Collection
 
-from mesh.policy.batching import IterationKind, prefill_take, IterationTimes
+from mesh.policy.batching import IterationKind, IterationTimes, prefill_take
 from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.live_scaling import LayerArrivals, solo_finish
 from mesh.policy.slo import DeadlineRule

@@ -24,10 +24,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mesh.policy.placement import CPU, GPU
-from mesh.replay.driver import PolicyRun
 from mesh.control.dispatcher import accounting
 from mesh.node.request import Outcome, ServedRequest
+from mesh.policy.placement import CPU, GPU
+from mesh.replay.driver import PolicyRun
 
 PERCENTILES = (50, 90, 99)
 

@@ -10,8 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
-from mesh.replay.driver import PolicyRun  # noqa: E402
 from mesh.node.request import Outcome  # noqa: E402
+from mesh.replay.driver import PolicyRun  # noqa: E402
 
 
 def ttft_cdf(runs: dict[str, PolicyRun], path: str | Path, title: str = "") -> Path:

@@ -33,11 +33,11 @@ from aiohttp import web
 from mesh.control.latency import LoopLagProbe
 from mesh.service import errors
 from mesh.service.auth import admin_token_ok, bearer_token, hash_key
+from mesh.service.cluster_placement import Placement
 from mesh.service.config import ServeConfig
 from mesh.service.errors import ApiError
 from mesh.service.limits import HttpLimits, listen
 from mesh.service.prometheus import CONTENT_TYPE, ServiceMetrics
-from mesh.service.cluster_placement import Placement
 from mesh.service.quotas import Quotas
 from mesh.service.registry import Registry
 
@@ -415,11 +415,11 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     process's main (`mesh serve`): once it is signalled, the process ends within a bound (`_Signals`)."""
     from mesh.control.remote_agents import RemoteAgent, parse_remote
     from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
+    from mesh.control.weights_plane import WeightsPlane, WeightsSettings
     from mesh.node.runtime import NodeSpec
+    from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
     from mesh.service.demo_mode import ensure_demo, ready_line
     from mesh.service.preparation import FormatPreparer
-    from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
-    from mesh.control.weights_plane import WeightsPlane, WeightsSettings
 
     loop = asyncio.get_running_loop()
     try:
@@ -433,7 +433,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     weights_token = os.environ.get("MESH_WEIGHTS_TOKEN") or secrets.token_urlsafe(24)  # remote agents need it set
     cluster_secret = None
     if config.ray is not None:  # Ray agents derive their tokens from the cluster secret, as the service does here
-        from mesh.ray.actor import cluster_secret as read_secret, weights_token as derived_weights_token
+        from mesh.ray.actor import cluster_secret as read_secret
+        from mesh.ray.actor import weights_token as derived_weights_token
 
         cluster_secret = read_secret(create=True)
         weights_token = derived_weights_token(cluster_secret)

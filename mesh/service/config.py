@@ -67,9 +67,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.policy.quota import Quota, QuotaValueError, check_overrides
 from mesh.policy.slo import DeadlineRule
-from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.service.limits import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 
 
@@ -248,8 +248,8 @@ def _check(c: ServeConfig) -> None:
     if c.queue_timeout_s is not None and (isinstance(c.queue_timeout_s, bool)
                                           or not isinstance(c.queue_timeout_s, (int, float)) or c.queue_timeout_s < 0):
         raise ConfigError(f"queue_timeout_s must be a number of seconds >= 0 or 'slo', got {c.queue_timeout_s!r}")
-    from mesh.policy.placement import ADMISSIONS, ADMIT_QUEUE, ADMIT_REJECT
     from mesh.control.schedulers import POLICIES
+    from mesh.policy.placement import ADMISSIONS, ADMIT_QUEUE, ADMIT_REJECT
 
     if c.admission is None:
         c.admission = ADMIT_QUEUE if c.demo else ADMIT_REJECT

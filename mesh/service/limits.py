@@ -22,7 +22,6 @@ from aiohttp import web
 from mesh.service.errors import ApiError
 from mesh.service.schema import parse_json
 
-
 # Open HTTP connections in all, and from one client address. One address is often a proxy, a
 # gateway or a load generator holding a stream per waiting request (mesh replay --live, mesh
 # bench load): the per-address bound stops one address from taking them all, not a busy

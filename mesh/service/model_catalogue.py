@@ -156,8 +156,8 @@ class ModelCatalogue:
     def _shape(self, record: ModelRecord) -> str:
         """A real model's emulated name: its architecture, read once from its registered file."""
         if record.uid not in self._shapes:
-            from mesh.node.emulation import shape_name
             from mesh.modelfiles.shape import architecture_of
+            from mesh.node.emulation import shape_name
 
             try:
                 self._shapes[record.uid] = shape_name(architecture_of(record.path, record.uid))

@@ -28,9 +28,9 @@ from dataclasses import replace
 from typing import Any
 
 from mesh.control.agent_client import AgentCallError, AgentDown
+from mesh.control.cluster_node import LOSS_CAUSES
 from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
-from mesh.control.cluster_node import LOSS_CAUSES
 from mesh.control.supervisor import AgentHandle
 from mesh.engines.engine_api import EngineRequest
 from mesh.modelfiles.formats import engine_for

@@ -45,9 +45,9 @@ from aiohttp import web
 from mesh.engines.engine_api import DEFAULT_CONTEXT_CAP
 from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES
 from mesh.modelfiles.sampling import SamplingDefaultsError
-from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES, SERVE_LATE
 from mesh.modelfiles.sampling import check as check_sampling
 from mesh.modelfiles.sources import SourceError, SourceInfo, SourceNotFound, inspect_source, resolve_allowed
+from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES, SERVE_LATE
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of

@@ -55,10 +55,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mesh import native_heap
+from mesh.framing import ConnectionGate, read_payload, skip_payload
 from mesh.policy.multicast import Plan
 from mesh.tasks import cancel_all
 from mesh.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
-from mesh.framing import ConnectionGate, read_payload, skip_payload
 from mesh.weights.frames import STREAM_LIMIT, ProtocolError, frame, read_first, read_header, read_message, send
 
 CHUNK = 1 << 20  # sends go out in chunks of this size (paced per chunk)

@@ -36,8 +36,8 @@ from typing import Any, Mapping, Protocol, TypeVar
 from mesh.policy.multicast import make_plan
 from mesh.weights.blocks import Manifest
 from mesh.weights.coordinator import MulticastResult, multicast
-from mesh.weights.peer import WeightAgent, inside  # noqa: F401 - inside: part of this module's API
 from mesh.weights.frames import ProtocolError, send
+from mesh.weights.peer import WeightAgent, inside  # noqa: F401 - inside: part of this module's API
 from mesh.wire.agent_protocol import HelloReply, Request, WeightsPath
 
 R = TypeVar("R")

@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Generic, Iterator, Mapping, TypeVar, Union
 
+from mesh import framing
 from mesh.engines.detokenize import MAX_STOP_CHARS
 from mesh.engines.engine_api import Sampling
-from mesh import framing
 from mesh.framing import MAX_HEADER_BYTES as MAX_FRAME_BYTES  # noqa: F401 - part of this protocol's API
 from mesh.framing import ProtocolError, encode_frame  # noqa: F401 - likewise
 from mesh.policy.kv_demand import RunningMean
