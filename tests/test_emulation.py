@@ -371,7 +371,7 @@ def test_the_mixed_rig_serves_a_real_model_on_real_cpu_agents_and_emulated_on_th
     its own cores, and an emulated A100 that runs the demo model emulated from its shape (the
     roofline's profile of its architecture): Mesh places on a real CPU node first, and a
     scale-out to the GPU node starts an emulated instance that streams at the A100's pace."""
-    openai = pytest.importorskip("openai")
+    pytest.importorskip("openai")
     from mesh.modelfiles.demo import demo_gguf_path
     from mesh.modelfiles.shape import architecture_of
     from mesh.node.emulation import Emulation, shape_name

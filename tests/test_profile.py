@@ -208,7 +208,7 @@ def test_axis_needs_two_points(tmp_path: Path) -> None:
 def test_malformed_json_names_file_and_line(tmp_path: Path) -> None:
     text = json.dumps(small_doc(), indent=2).replace('"engine": "simulated",', '"engine": "simulated"')
     message = error_of(tmp_path, text)
-    line = next(i for i, l in enumerate(text.splitlines(), 1) if '"kv_bytes_per_token"' in l)
+    line = next(i for i, text_line in enumerate(text.splitlines(), 1) if '"kv_bytes_per_token"' in text_line)
     assert f": line {line} column" in message and "not valid JSON" in message
 
 

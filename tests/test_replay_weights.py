@@ -191,7 +191,6 @@ def test_a_scale_from_zero_forms_an_execution_pipeline_and_switches() -> None:
     copy, no loaded instance: they form one pipeline (Algorithm 2, one sub-group), serve
     from the instant their blocks together cover the model, before any of them holds it all,
     and the switch to full instances comes when all of them do."""
-    import asyncio
     from types import SimpleNamespace
 
     from mesh.replay.cold_start_modes import WeightsModel

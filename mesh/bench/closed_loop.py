@@ -334,7 +334,9 @@ def table(rounds: dict[str, dict[str, Any]]) -> str:
             for name, f in rounds.items()]
     header = [c for c, _ in cols]
     widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(cols))]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 

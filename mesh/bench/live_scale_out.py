@@ -337,7 +337,9 @@ def summary(run: ScaleOutRun) -> dict[str, float]:
     the weights arrived, every one of which was served)."""
     bands = run.rate_by_fraction(run.layers)
     ttft = sorted(run.ttft_loading)
-    q = (lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))] if ttft else float("nan"))
+
+    def q(p: float) -> float:
+        return ttft[min(len(ttft) - 1, int(p * len(ttft)))] if ttft else float("nan")
     return {"weights_s": run.full_s - run.scale_out_s, "tok_s_before": run.rate(1.0, run.scale_out_s),
             "tok_s_loading": run.rate(run.scale_out_s, run.full_s), "tok_s_0_33": bands[0], "tok_s_33_67": bands[1],
             "tok_s_67_100": bands[2], "tok_s_after": run.rate(run.full_s + 1.0, run.full_s + 1.0 + run.after_window),
