@@ -35,7 +35,8 @@ def simulated(monkeypatch):
     from mesh.perf.times import AdaptiveTimes
 
     use_simulated_engines(monkeypatch)
-    monkeypatch.setattr(server_module, "iteration_times", lambda spec, w: AdaptiveTimes(TIMES, alpha=0.0, prefill_alpha=0.0))
+    monkeypatch.setattr(server_module, "iteration_times", lambda spec, w: AdaptiveTimes(TIMES, alpha=0.0,
+                                                                                        prefill_alpha=0.0))
 
 
 async def _load_spec(plan, node) -> InstanceSpec:

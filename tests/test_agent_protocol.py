@@ -41,7 +41,8 @@ age = st.none() | seconds
 window = st.none() | positive
 view = st.dictionaries(text, st.none() | st.booleans() | count | text, max_size=3)  # a JSON object shown as it is
 sampling = st.builds(Sampling, max_tokens=count, temperature=st.floats(0, 100), top_p=st.floats(0, 1),
-                     stop=st.lists(st.text(max_size=8), max_size=4).map(tuple), seed=st.none() | st.integers(0, 2**64 - 1),
+                     stop=st.lists(st.text(max_size=8), max_size=4).map(tuple), seed=st.none() | st.integers(0,
+                                                                                                             2**64 - 1),
                      ignore_eos=st.booleans())
 slo = st.builds(SLO, st.floats(1e-3, 1e3), st.floats(0, 1.0), st.floats(1e-3, 1e3))
 mean_output = st.none() | st.tuples(st.floats(0, ap.MAX_COUNT), st.integers(0, 2**62), st.floats(0, 2.0**62))

@@ -63,7 +63,8 @@ def test_an_agent_receives_a_model_into_its_folder(tmp_path: Path) -> None:
         address = await server.serve("127.0.0.1:0")
         bare = AgentServer(NodeSpec("n2", "cpu", 10**9), TOKEN, {})
         bare_address = await bare.serve("127.0.0.1:0")
-        client, other = AgentClient("n1", lambda m: None, lambda r: None), AgentClient("n2", lambda m: None, lambda r: None)
+        client, other = AgentClient("n1", lambda m: None, lambda r: None), AgentClient("n2", lambda m: None,
+                                                                                       lambda r: None)
         try:
             info = await client.connect(address, TOKEN)
             assert info.weights["dir"] == str(tmp_path / "n1")
@@ -243,7 +244,8 @@ def test_a_real_agent_answers_a_handler_exception_and_keeps_streaming(demo_gguf:
                 if any(e["t"] == "instance" for e in events):
                     break
                 await asyncio.sleep(0.1)
-            ids = (await client.call_message({"t": "tokenize", "instance_id": "i", "prompt": "Once upon a time"}))["ids"]
+            ids = (await client.call_message({"t": "tokenize", "instance_id": "i",
+                                              "prompt": "Once upon a time"}))["ids"]
             entry = {"request_id": "long", "instance_id": "i", "prompt_token_ids": ids,
                      "sampling": sampling_to_dict(Sampling(max_tokens=48, temperature=0.0)), "age_s": 0.0}
             assert (await client.call_message({"t": "admit", "requests": [entry]}))["results"][0]["ok"]

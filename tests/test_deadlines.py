@@ -84,7 +84,8 @@ def test_the_strict_reading_is_the_last_token_by_its_pace_deadline(arrival, prom
     on_time = ttft <= slo.ttft_s(prompt) + 1e-9
     last = req.finish_s
     assert req.slo_met == (on_time and last <= PACE.token_deadline_s(slo, arrival, prompt, n, req.first_token_s) + 1e-9)
-    assert eq1_slo_met(req) == (on_time and last <= EQ1.token_deadline_s(slo, arrival, prompt, n, req.first_token_s) + 1e-9)
+    assert eq1_slo_met(req) == (on_time and last <= EQ1.token_deadline_s(slo, arrival, prompt, n,
+                                                                         req.first_token_s) + 1e-9)
 
 
 # -- the compute subsystem keeps the rule's deadlines --------------------------------------------

@@ -99,10 +99,14 @@ def test_queue_expiry_rules():
     with pytest.raises(ValueError):
         wait_expiry_s(0.0, 1.0, -1.0, False)
     # admission (issue 33): queue keeps a hopeless request up to the bound, late without one
-    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="queue") == (33.0, "timeout")
-    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=None, validates=True, admission="queue") == (math.inf, "timeout")
-    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="late") == (math.inf, "timeout")
-    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="reject") == (11.5, "slo")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="queue") == (33.0,
+                                                                                                            "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=None, validates=True, admission="queue") == (math.inf,
+                                                                                                            "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="late") == (math.inf,
+                                                                                                           "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="reject") == (11.5,
+                                                                                                             "slo")
     with pytest.raises(ValueError):
         wait_expiry_s(0.0, 1.0, 1.0, True, admission="wait")
 

@@ -242,7 +242,8 @@ def test_an_emulated_load_takes_the_replays_engine_load_not_the_prediction():
         try:
             await client.connect(address, "tok")
             for iid, emulated in (("i1", 0.3), ("i2", None)):
-                spec = InstanceSpec(iid, "t/m", "llama-3.2-3b", 2048, engine="emulated", profile="emulated:llama-3.2-3b",
+                spec = InstanceSpec(iid, "t/m", "llama-3.2-3b", 2048, engine="emulated",
+                                    profile="emulated:llama-3.2-3b",
                                     expected_load_s=4.0, emulated_load_s=emulated)
                 start = loop.time()
                 await client.call_message(spec.to_message())

@@ -60,7 +60,8 @@ def test_the_probe_reads_every_default_backend_point_of_the_h200_json() -> None:
     raw = json.loads((PROBE_DIR / PROBES["h200"]).read_text())
     decodes = [d for d in raw["decode"] if "sdpa_backend" not in d]
     probe = load_probe("h200")
-    assert [(p.batch, p.tokens) for p in probe.points if p.kind == "decode"] == [(d["B"], d["context"]) for d in decodes]
+    assert [(p.batch, p.tokens) for p in probe.points if p.kind == "decode"] == [(d["B"],
+                                                                                  d["context"]) for d in decodes]
     assert [p.tokens for p in probe.points if p.kind == "prefill"] == [p["L"] for p in raw["prefill"]]
     assert probe.pinned_bytes_per_s == pytest.approx(13.5e9 / min(raw["h2d"]["pinned_whole_s"] + raw["h2d"]["pinned_chunked_s"]))
 

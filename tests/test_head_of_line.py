@@ -105,8 +105,8 @@ def test_a_paced_scale_out_of_one_model_does_not_delay_another_models_queue(tmp_
             a_ready = max(0.0, loop.time() - freed)
             transfer_s = BIG / LINK_BYTES_PER_S
             a_instance = [i for n in p.view()["nodes"] for i in n["instances"] if i["model"] == "a"]
-            print(f"A's scale-out: {BIG / 2**30:.2f} GiB at {LINK_BYTES_PER_S / 2**20:.0f} MiB/s ({transfer_s:.1f} s on "
-                  f"the link); A's request admitted {a_delay:.2f} s after the drain started, done {a_ready:.2f} s; "
+            print(f"A's scale-out: {BIG / 2**30:.2f} GiB at {LINK_BYTES_PER_S / 2**20:.0f} MiB/s ({transfer_s:.1f} s "
+                  f"on the link); A's request admitted {a_delay:.2f} s after the drain started, done {a_ready:.2f} s; "
                   f"B's {QUEUED_B} queued requests admitted after {', '.join(f'{d * 1000:.0f}' for d in b_delays)} ms; "
                   f"longest decision {p.dispatcher.stats.decision_max_s * 1000:.0f} ms")
             assert a_instance and a_instance[0]["weights"] == "multicast from cpu-0", a_instance

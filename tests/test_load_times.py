@@ -39,4 +39,5 @@ def test_the_checkpoint_and_the_roofline_count_the_same_parameters(name):
     """One formula: a shape folder's config and the roofline's architecture of that model agree."""
     arch = ARCHITECTURES[name]
     assert llama_parameter_count(shape_config(name)) == arch.params
-    assert arch.kv_bytes_per_token == kv_bytes_per_token(arch, "f16", "f16") == 2 * arch.layers * arch.kv_heads * arch.head_dim * 2
+    assert arch.kv_bytes_per_token == kv_bytes_per_token(arch, "f16",
+                                                         "f16") == 2 * arch.layers * arch.kv_heads * arch.head_dim * 2

@@ -88,7 +88,8 @@ def test_chain_orders_targets_by_decreasing_bandwidth():
     assert chains(["s"], ["t1", "t2"], bw) == [["s", "t2", "t1"]]
     sched = schedule(p, CostModel(1, 1.0, node_bandwidth=bw))
     slow_first = schedule(Plan("x", 8, p.holdings, p.targets, tuple(
-        Transfer(t.round, {"t2": "t1", "t1": "t2"}.get(t.sender, t.sender), {"t2": "t1", "t1": "t2"}[t.receiver], t.block)
+        Transfer(t.round, {"t2": "t1", "t1": "t2"}.get(t.sender, t.sender), {"t2": "t1", "t1": "t2"}[t.receiver],
+                 t.block)
         for t in p.transfers)), CostModel(1, 1.0, node_bandwidth=bw))
     assert sched.completion_s["t2"] == 4.0 < slow_first.completion_s["t2"]
     assert sched.total_s <= slow_first.total_s
@@ -114,7 +115,8 @@ def test_k_way_sub_groups_hold_a_whole_model_together_early():
     for r, transfers in enumerate(p.by_round()):
         for t in transfers:
             held[t.receiver].add(t.block)
-        if all(set().union(*(held[n] for n in g)) >= set(range(b // 2 * i, b // 2 * (i + 1))) for i, g in enumerate(groups)):
+        if all(set().union(*(held[n] for n in g)) >= set(range(b // 2 * i, b // 2 * (i + 1))) for i,
+               g in enumerate(groups)):
             break
     assert r + 1 <= b // 2 + 2
     assert all(len(h) < b for h in held.values())

@@ -131,7 +131,8 @@ def test_fidelity_bench_end_to_end(demo_gguf: Path, tmp_path: Path) -> None:
     from mesh.calibration.runner import Settings, calibrate
 
     profile = tmp_path / "tiny.json"
-    calibrate(OpenVINOTarget(demo_gguf, context_window=fidelity.WINDOW, max_batch=2), Settings(32, 2, 32, reps=1, warmup=0),
+    calibrate(OpenVINOTarget(demo_gguf, context_window=fidelity.WINDOW, max_batch=2), Settings(32, 2, 32, reps=1,
+                                                                                               warmup=0),
               profile, progress=False)
     figures = fidelity.run(n=6, duration_s=1.0, scale=32.0, seed=1, profile=str(profile), model=str(demo_gguf),
                            max_prompt=48, max_output=6, wait_quiet_s=0, tries=1, live_repeats=2,

@@ -177,7 +177,8 @@ def test_a_model_described_on_a_real_agent_is_parked_ahead_and_its_first_load_ad
         try:
             assert await node.agent.wait_up(60), node.agent.last_error
             assert not node.parked("smol")
-            await node.agent.client.call_message({"t": "describe", "model": "smol", "path": str(demo_gguf), "engine": "openvino",
+            await node.agent.client.call_message({"t": "describe", "model": "smol", "path": str(demo_gguf),
+                                                  "engine": "openvino",
                                           "context_window": 2048, "max_num_seqs": 8}, 60)  # as the loads load it
             await _until_parked(node, "smol")
             assert node.stats["parked_ahead"]["parked"] == ["smol"]

@@ -215,7 +215,8 @@ def test_malformed_json_names_file_and_line(tmp_path: Path) -> None:
 def test_wrong_format_tag(tmp_path: Path) -> None:
     doc = small_doc()
     doc["format"] = "mesh-profile/3"
-    assert "format: must be one of ('mesh-profile/1', 'mesh-profile/2'), got 'mesh-profile/3'" in error_of(tmp_path, doc)
+    assert "format: must be one of ('mesh-profile/1', 'mesh-profile/2'), got 'mesh-profile/3'" in error_of(tmp_path,
+                                                                                                           doc)
 
 
 def test_format_2_overheads_round_trip_and_format_1_still_reads(tmp_path: Path) -> None:

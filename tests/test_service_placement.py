@@ -42,7 +42,8 @@ async def run_stream(p: ClusterPlacement, j: Job) -> Finished:
 
 async def started(memory: int = 10**9, **settings) -> ClusterPlacement:
     settings.setdefault("cold_start_s", 0.0)  # simulated engines load at once
-    p = ClusterPlacement([NodeSpec("cpu-0", "cpu", memory)], PlacementSettings(**settings), agent_factory=InProcessAgent)
+    p = ClusterPlacement([NodeSpec("cpu-0", "cpu", memory)], PlacementSettings(**settings),
+                         agent_factory=InProcessAgent)
     await p.start()
     return p
 

@@ -250,7 +250,8 @@ def test_parse_chat_and_completion():
                     "stream_options": {"include_usage": True}, "user": "ignored"})
     assert r.messages == [{"role": "user", "content": "hi"}] and r.max_tokens == 5 and r.stop == ("x",)
     assert r.temperature == 0.0 and r.seed == 3 and r.stream and r.include_usage
-    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 7}).max_tokens == 7
+    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}],
+                       "max_completion_tokens": 7}).max_tokens == 7
     c = parse_completion({"model": "m", "prompt": ["once"]})
     assert c.prompt == "once" and c.max_tokens is None and c.temperature is None and c.top_p is None  # model defaults
     assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
@@ -365,7 +366,8 @@ def test_config_of_nodes_plans_and_remote_agents(tmp_path):
 def test_frames_roundtrip_in_arbitrary_pieces():
     messages = [{"t": "tokens", "items": [["r1", [1, 2], "héllo"]]}, {"t": "ping", "id": 7}]
     data = b"".join(encode_frame(m) for m in messages)
-    assert struct.unpack(">I", data[:4])[0] == len(json.dumps(messages[0], separators=(",", ":"), ensure_ascii=False).encode())
+    assert struct.unpack(">I", data[:4])[0] == len(json.dumps(messages[0], separators=(",", ":"),
+                                                              ensure_ascii=False).encode())
     dec = FrameDecoder()
     out = []
     for i in range(0, len(data), 3):

@@ -141,7 +141,8 @@ class Load:
     async def open(self) -> None:
         import aiohttp
 
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0,
+                                                                             keepalive_timeout=CLIENT_KEEPALIVE_S),
                                               timeout=aiohttp.ClientTimeout(total=self.timeout_s))
 
     async def close(self) -> None:

@@ -138,7 +138,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("core", help="policy core cost: shadow validation, decisions, simulated iterations/s")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--trials", type=int, default=2000, help="shadow validations to time")
-    p.add_argument("--output-len", type=int, default=3000, help="tokens per simulated request (8 x this many iterations)")
+    p.add_argument("--output-len", type=int, default=3000,
+                   help="tokens per simulated request (8 x this many iterations)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=lambda a: emit(
         "mesh bench core", run(a.trials, output_len=a.output_len, seed=a.seed), a.json,

@@ -491,8 +491,8 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
     interference = prof.provenance.get("calibration", {}).get("interference", {})
     figures["profile_others_cpu_share_median"] = interference.get("others_cpu_share_median")
     figures["workload"] = (f"{n} requests, 2 models ({', '.join(MODELS)}: the demo GGUF twice) on one node, "
-                           f"Azure conv trace lengths / {scale:g} (prompts x {prompt_scale:g}; prompt <= {max_prompt}, output <= {max_output}), "
-                           f"Poisson arrivals over {duration_s:g} s, seed {seed}; mean prompt "
+                           f"Azure conv trace lengths / {scale:g} (prompts x {prompt_scale:g}; prompt <= {max_prompt}, "
+                           f"output <= {max_output}), Poisson arrivals over {duration_s:g} s, seed {seed}; mean prompt "
                            f"{statistics.fmean(w.prompt_len for w in work):.0f}, mean output "
                            f"{statistics.fmean(w.output_len for w in work):.0f} tokens")
     return figures

@@ -36,7 +36,8 @@ def run(argv: list[str], policies: list[str]) -> dict[str, float | str]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("replay", help=f"replay wall time per policy (target <= {TARGET_WALL_S:g} s for 128 x 7B, 30 min)")
+    p = sub.add_parser("replay",
+                       help=f"replay wall time per policy (target <= {TARGET_WALL_S:g} s for 128 x 7B, 30 min)")
     p.add_argument("--functions", type=int, default=128)
     p.add_argument("--minutes", type=int, default=30)
     p.add_argument("--model", default="llama-2-7b")

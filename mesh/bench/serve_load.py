@@ -88,7 +88,8 @@ async def one_request(session: Any, url: str, key: str, model: str, i: int, max_
                 message = (await resp.json()).get("error", {}).get("message", "")
                 return Result("rejected", total_s=loop.time() - start, detail=_reason_kind(message))
             if resp.status != 200:
-                return Result("error", total_s=loop.time() - start, detail=f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                return Result("error", total_s=loop.time() - start,
+                              detail=f"HTTP {resp.status}: {(await resp.text())[:200]}")
             done = False
             async for raw in resp.content:
                 line = raw.decode().strip()
@@ -100,7 +101,8 @@ async def one_request(session: Any, url: str, key: str, model: str, i: int, max_
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    return Result("error", ttft, loop.time() - start, tokens, f"stream error: {chunk['error']['message'][:200]}")
+                    return Result("error", ttft, loop.time() - start, tokens,
+                                  f"stream error: {chunk['error']['message'][:200]}")
                 if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") and ttft is None:
                     ttft = loop.time() - start
                 if chunk.get("usage"):
@@ -198,7 +200,8 @@ def _admin(url: str, token: str, method: str, path: str, body: Any = None, key: 
     import urllib.request
 
     req = urllib.request.Request(f"{url}{path}", method=method, data=json.dumps(body).encode() if body else None,
-                                 headers={"Authorization": f"Bearer {key or token}", "Content-Type": "application/json"})
+                                 headers={"Authorization": f"Bearer {key or token}",
+                                          "Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
 

@@ -238,7 +238,8 @@ class AgentNode(ClusterNode):
             # took it places it again, so it must not be placed from here too
             return Admission(True)
         if deferred:  # the dispatcher counted it placed: it is placed again
-            self._hand_back(inst, req, f"refused by {self.node_id} once its instance loaded: {result.reason or result.code}")
+            self._hand_back(inst, req,
+                            f"refused by {self.node_id} once its instance loaded: {result.reason or result.code}")
             return Admission(False, refusal=str(result.reason or result.code))
         self._book.release(req.request_id)
         req.node_id = req.instance_id = None
@@ -283,7 +284,8 @@ class AgentNode(ClusterNode):
         """The load: its spec (the weights placed here first), then the agent's `load`."""
         try:
             spec = dataclasses.replace(await self._load_spec(plan, self), slo=slo_to_dict(plan.slo),
-                                       expected_load_s=plan.expected_load_s, mean_output=mean_output_to(plan.mean_output))
+                                       expected_load_s=plan.expected_load_s,
+                                       mean_output=mean_output_to(plan.mean_output))
             self._book.means[plan.model] = plan.mean_output
             if self._instances.get(plan.instance_id) is not inst:  # stopped while its weights moved
                 return False

@@ -517,7 +517,8 @@ class ClusterView:
         if issued is not None and ref is not None:
             at, wait, kind = issued
             now = self._now()
-            self.cold_starts.record(LoadRecord(node.node_id, kind, ref.model, node.loaded_from(instance_id) or "weights",
+            self.cold_starts.record(LoadRecord(node.node_id, kind, ref.model,
+                                               node.loaded_from(instance_id) or "weights",
                                                max(0.0, now - at - wait), now))
         self.note_idle(node)
 
@@ -573,7 +574,8 @@ class ClusterView:
             return
         now = self._now()
         if not keep_alive_expired(inst.idle_since, now, self.config.keep_alive_s):
-            ref.recycle = asyncio.get_running_loop().call_at(inst.idle_since + self.config.keep_alive_s, self._recycle, ref)
+            ref.recycle = asyncio.get_running_loop().call_at(inst.idle_since + self.config.keep_alive_s, self._recycle,
+                                                             ref)
             return
         self.instances_recycled += 1
         self._forget(ref)  # at once: nothing is placed on it while it unloads

@@ -66,7 +66,8 @@ class SchedulerSpec:
 POLICIES: dict[str, SchedulerSpec] = {
     p.name: p
     for p in (
-        SchedulerSpec("mesh", "mesh", (CPU, GPU), description="LLM-Mesh: shared CPU and GPU nodes, shadow validation, defragmentation"),
+        SchedulerSpec("mesh", "mesh", (CPU, GPU),
+                      description="LLM-Mesh: shared CPU and GPU nodes, shadow validation, defragmentation"),
         SchedulerSpec("sllm", "sllm", (GPU,), share=False, defrag=False,
                    description="ServerlessLLM: GPU nodes only, a whole node per instance, concurrency-target scale-out"),
         SchedulerSpec("sllm+cpu", "sllm", (CPU, GPU), share=False, defrag=False,
@@ -344,7 +345,9 @@ class MeshScheduler(Scheduler):
                 return _Home(ref.node, ref=ref)
         return await self._new_instance_home(model, group, done, used | self.cluster.hosts(model))
 
-    async def _commit(self, req: ServedRequest, target: InstanceRef, chosen: list[tuple[InstanceRef, list[ServedRequest], list[int], _Home]]) -> bool:
+    async def _commit(self, req: ServedRequest, target: InstanceRef, chosen: list[tuple[InstanceRef,
+                                                                                        list[ServedRequest], list[int],
+                                                                                        _Home]]) -> bool:
         """Preempt the chosen neighbours, admit `req`, and move their requests to their homes
         (rescheduled through the dispatcher if a home no longer validates)."""
         node = target.node

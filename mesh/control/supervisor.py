@@ -76,7 +76,8 @@ def core_shares(node_ids: list[str], cores: list[int] | None = None) -> dict[str
     shares: dict[str, tuple[int, ...]] = {}
     if len(cores) - 1 >= 2 * n:
         shares[SERVICE], cores = (cores[-1],), cores[:-1]
-    shares.update({node: tuple(cores[i * len(cores) // n:(i + 1) * len(cores) // n]) for i, node in enumerate(node_ids)})
+    shares.update({node: tuple(cores[i * len(cores) // n:(i + 1) * len(cores) // n]) for i,
+                   node in enumerate(node_ids)})
     return shares
 
 

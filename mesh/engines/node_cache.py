@@ -129,7 +129,8 @@ def prepared_path(source: Path, root: Path | None = None, version: str | None = 
     return root / "models" / f"{_version_tag(version or openvino_version())}-{ident.key()}"
 
 
-def find_prepared(source: str | Path, root: str | Path | None = None, version: str | None = None) -> PreparedModel | None:
+def find_prepared(source: str | Path, root: str | Path | None = None,
+                  version: str | None = None) -> PreparedModel | None:
     """The complete prepared form of a GGUF `source` for this OpenVINO, or None (never
     prepared, prepared for another OpenVINO or another file content, or incomplete)."""
     source = Path(source)

@@ -375,7 +375,8 @@ class VLLMCore:
             seed = base if not live.generated else _mix(base, len(live.generated))
         params = SamplingParams(
             n=1, max_tokens=max_tokens, temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-            seed=seed, ignore_eos=self.s.ignore_eos or sampling.ignore_eos, output_kind=RequestOutputKind.DELTA, detokenize=False)
+            seed=seed, ignore_eos=self.s.ignore_eos or sampling.ignore_eos, output_kind=RequestOutputKind.DELTA,
+            detokenize=False)
         try:
             self.engine.add_request(live.vllm_id, {"prompt_token_ids": list(prompt_ids)}, params)
         except Exception as exc:  # noqa: BLE001 - vLLM's validation errors

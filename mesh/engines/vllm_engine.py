@@ -344,7 +344,8 @@ class VLLMEngine:
         python = self.python or find_vllm_python()
         if python is None:
             raise EngineError(f"vLLM is not installed; {INSTALL_HINT}")
-        self._conn = WorkerConnection("mesh.engines.vllm_worker", python, self._worker_env(), self._log_path(), name="vLLM",
+        self._conn = WorkerConnection("mesh.engines.vllm_worker", python, self._worker_env(), self._log_path(),
+                                      name="vLLM",
                                       sync=True, install_hint=INSTALL_HINT)
         self._conn.call("init", settings=self.settings.as_dict())
         return self._conn

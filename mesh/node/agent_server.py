@@ -255,7 +255,8 @@ class AgentServer:
     # ---- the node's own requests -----------------------------------------------------------
     def _hello(self, m: Hello) -> HelloReply:
         if m.protocol not in (None, PROTOCOL_VERSION):
-            raise Refused(Code.PROTOCOL, f"protocol {m.protocol} is not supported; this agent speaks {PROTOCOL_VERSION}")
+            raise Refused(Code.PROTOCOL,
+                          f"protocol {m.protocol} is not supported; this agent speaks {PROTOCOL_VERSION}")
         return HelloReply(self.spec.node_id, self.spec.kind, self.spec.memory_bytes, self.cpu, os.getpid(),
                           PROTOCOL_VERSION, self.node.deadlines.value,
                           self.emulation.device if self.emulation is not None else None,
@@ -427,7 +428,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-id", default="cpu-0")
     parser.add_argument("--kind", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--memory-bytes", type=int, required=True, help="memory budget for weights and KV caches")
-    parser.add_argument("--park-bytes", type=int, help="memory beside --memory-bytes for stopped OpenVINO instances kept "
+    parser.add_argument("--park-bytes", type=int,
+                        help="memory beside --memory-bytes for stopped OpenVINO instances kept "
                         "built and warm, so that the next load of their model is ready at once (mesh.engines.parking; "
                         "default: a quarter of --memory-bytes; 0: none)")
     parser.add_argument("--tokenizer-bytes", type=int, help="memory for the tokenizers the node keeps built (an "
@@ -440,7 +442,8 @@ def main(argv: list[str] | None = None) -> int:
                         "second (a NIC of that speed, emulated on loopback)")
     parser.add_argument("--layers-listen", metavar="HOST:PORT", help="also run decoder layer ranges for peers there "
                         "(mesh.node.layer_host: live scaling, activations between agents); needs the layers extra")
-    parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
+    parser.add_argument("--weights-dir", metavar="DIR",
+                        help="where received models go (default: DATA/received/NODE_ID)")
     parser.add_argument("--models-root", action="append", metavar="DIR",
                         help="`load` may also open models under DIR (repeatable); the weights folder always counts")
     parser.add_argument("--deadlines", default=DeadlineRule.EQ1.value, choices=[r.value for r in DeadlineRule],

@@ -274,7 +274,8 @@ class InstanceHost:
             "idle_for_s": (now - inst.idle_since) if (now is not None and not inst.requests) else 0.0,
             "weight_bytes": engine.weight_bytes, "kv_bytes_budget": kv_budget,
             "kv_bytes_in_use": engine.kv_bytes_in_use(),
-            "kv_bytes_allocated": engine.kv_bytes_allocated() if hasattr(engine, "kv_bytes_allocated") and inst.loaded else 0,
+            "kv_bytes_allocated": engine.kv_bytes_allocated() if hasattr(engine,
+                                                                         "kv_bytes_allocated") and inst.loaded else 0,
             "context_window": engine.context_window,
             "time_factors": times.drift() if times else None,
         }
@@ -284,12 +285,14 @@ class InstanceHost:
         """Where this node writes a received model file (the `output_path` of a multicast);
         with a `manifest`, also whether the file there already is that model (`complete`)."""
         if self.weights is None:
-            raise Refused(Code.BAD_REQUEST, f"node {self.spec.node_id} receives no weights (start it with --weights-listen)")
+            raise Refused(Code.BAD_REQUEST,
+                          f"node {self.spec.node_id} receives no weights (start it with --weights-listen)")
         try:
             path = received_path(self.weights.root, m.model, m.file)
             manifest = Manifest.from_dict(m.manifest) if m.manifest is not None else None
         except (KeyError, ValueError, TypeError) as exc:
-            raise Refused(Code.BAD_REQUEST, f"weights_path needs a model, a file name and a valid manifest: {exc}") from exc
+            raise Refused(Code.BAD_REQUEST,
+                          f"weights_path needs a model, a file name and a valid manifest: {exc}") from exc
         if manifest is None:
             return WeightsPathReply(str(path))
         return WeightsPathReply(str(path), await asyncio.to_thread(holds, path, manifest))  # sha256 releases the GIL
@@ -297,7 +300,8 @@ class InstanceHost:
     def weights_drop(self, m: WeightsDrop) -> WeightsDropReply:
         """Delete a model's received files (the model was deleted); `dropped`: were there any."""
         if self.weights is None:
-            raise Refused(Code.BAD_REQUEST, f"node {self.spec.node_id} receives no weights (start it with --weights-listen)")
+            raise Refused(Code.BAD_REQUEST,
+                          f"node {self.spec.node_id} receives no weights (start it with --weights-listen)")
         try:
             folder = received_path(self.weights.root, m.model, "file").parent
         except (KeyError, ValueError) as exc:

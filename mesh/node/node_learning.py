@@ -52,7 +52,8 @@ class NodeLearning:
         elif isinstance(times.base, DefaultCpuTimes):
             prefill, decode = self.start_for(model)
             times.prefill_factor, times.decode_factor = times._clamp(prefill), times._clamp(decode)
-            times.start = (times._clamp(self.factors.prefill), times._clamp(self.factors.decode))  # relax(): the probe's
+            times.start = (times._clamp(self.factors.prefill),
+                           times._clamp(self.factors.decode))  # relax(): the probe's
         self.times[model] = times
         return times
 

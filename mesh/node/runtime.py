@@ -388,8 +388,10 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
                     result = await inst.engine.step()
             except TimeoutError:
                 self._end_step()
-                self._hung(inst, f"an iteration on node {self.node_id} ran over {hung_bound_s(it.predicted_s, self.hung_min_s):.0f} s "
-                                 f"(predicted {it.predicted_s:.3f} s): its engine hung")
+                self._hung(inst,
+                           f"an iteration on node {self.node_id} ran over "
+                                 f"{hung_bound_s(it.predicted_s, self.hung_min_s):.0f} s (predicted "
+                                 f"{it.predicted_s:.3f} s): its engine hung")
                 continue
             except EngineError as exc:
                 self._end_step()

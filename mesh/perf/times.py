@@ -245,16 +245,20 @@ def learnt_profile(profile: Profile, learnt: dict[str, Any]) -> Profile:
     prefill_f = float(learnt.get("prefill") or 1.0)
     decode_f = float(learnt.get("decode") or 1.0)
     pre_regions = {int(k): float(v) for k, v in (learnt.get("prefill_regions") or {}).items()}
-    dec_regions = {tuple(int(x) for x in k.split("x")): float(v) for k, v in (learnt.get("decode_regions") or {}).items()}
+    dec_regions = {tuple(int(x) for x in k.split("x")): float(v) for k,
+                   v in (learnt.get("decode_regions") or {}).items()}
 
     def cell(x: float) -> int:
         return 2 ** AdaptiveTimes._cell(x)
 
     prefill = tuple(t * pre_regions.get(cell(n), prefill_f) for n, t in zip(profile.prefill_lengths, profile.prefill_s))
-    decode = tuple(tuple(t * dec_regions.get((cell(b), cell(c)), decode_f) for c, t in zip(profile.decode_contexts, row))
+    decode = tuple(tuple(t * dec_regions.get((cell(b), cell(c)), decode_f) for c, t in zip(profile.decode_contexts,
+                                                                                           row))
                    for b, row in zip(profile.decode_batches, profile.decode_s))
-    provenance = {**profile.provenance, "learnt": {k: learnt.get(k) for k in ("prefill", "decode", "margin", "observed")}}
-    return replace(profile, device=f"{profile.device}+learnt", prefill_s=prefill, decode_s=decode, provenance=provenance)
+    provenance = {**profile.provenance, "learnt": {k: learnt.get(k) for k in ("prefill", "decode", "margin",
+                                                                              "observed")}}
+    return replace(profile, device=f"{profile.device}+learnt", prefill_s=prefill, decode_s=decode,
+                   provenance=provenance)
 
 
 def weighted_geomean(pairs: list[tuple[int, float]]) -> float | None:

@@ -165,7 +165,8 @@ class ComputeSubsystem:
         inst = self.instances[instance_id]
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} already on this node")
-        r = RequestState(request_id, instance_id, prompt_len, start_s, start_s + inst.slo.ttft_s(prompt_len), resumed=resumed)
+        r = RequestState(request_id, instance_id, prompt_len, start_s, start_s + inst.slo.ttft_s(prompt_len),
+                         resumed=resumed)
         self.requests[request_id] = r
         self._unorder(inst)
         inst.pending[request_id] = r

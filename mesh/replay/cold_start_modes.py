@@ -139,7 +139,8 @@ class WeightsConfig:
 
 def stop_the_world_s(config: WeightsConfig, weight_bytes: int, from_host: bool) -> float:
     """A load that serves only once every byte is in: from host memory over PCIe, or the SSD."""
-    return weights_load_s(weight_bytes, config.pcie_bytes_per_s if from_host else config.ssd_bytes_per_s, config.fixed_s)
+    return weights_load_s(weight_bytes, config.pcie_bytes_per_s if from_host else config.ssd_bytes_per_s,
+                          config.fixed_s)
 
 
 def recompute_s(times, token_counts: Sequence[int], budget: int) -> float:

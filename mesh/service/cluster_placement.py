@@ -243,7 +243,8 @@ class ClusterPlacement:
                         f"{node.kind.upper()} nodes (see the service's log)"}
             running = [r for r in self.cluster.instances_of(record.uid) if r.node is node]
             node.last_start_error = ""
-            ref = running[0] if running else await self.cluster.start_instance(self.cluster.plan(record.uid, node), node)
+            ref = running[0] if running else await self.cluster.start_instance(self.cluster.plan(record.uid, node),
+                                                                               node)
             if ref is None:
                 why = node.last_start_error or "its memory budget is full"
                 return {"node": node_id, "ok": False, "error": f"node {node_id} could not start it: {why}"}

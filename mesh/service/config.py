@@ -231,8 +231,8 @@ def _check(c: ServeConfig) -> None:
     local = {f"cpu-{i}" for i in range(c.cpu_nodes)}
     clash = sorted({i for i in ids if ids.count(i) > 1 or i in local})
     if clash:
-        raise ConfigError(f"remote agent ids must be unique and differ from the local nodes cpu-0..cpu-{c.cpu_nodes - 1}:"
-                          f" {', '.join(clash)}")
+        raise ConfigError(f"remote agent ids must be unique and differ from the local nodes "
+                          f"cpu-0..cpu-{c.cpu_nodes - 1}: {', '.join(clash)}")
     if c.ray is not None and (not isinstance(c.ray, str) or not c.ray.strip()):
         raise ConfigError(f"ray must be 'auto' or a Ray cluster's address (HOST:PORT), got {c.ray!r}")
     if c.ray_autoscale and c.ray is None:
@@ -273,7 +273,8 @@ def _check(c: ServeConfig) -> None:
 
         if c.demo and not c.mixed_rig:
             raise ConfigError("emulate runs emulated models only: it cannot serve the demo model (drop --demo, or "
-                              "give cpu_nodes too for the mixed rig: this machine's CPU nodes beside emulated GPU nodes)")
+                              "give cpu_nodes too for the mixed rig: this machine's CPU nodes beside emulated GPU "
+                              "nodes)")
         if c.ray is not None or c.remote_agents:
             raise ConfigError("emulate runs its own nodes on this machine: it cannot be combined with ray or "
                               "remote_agents")

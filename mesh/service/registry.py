@@ -366,8 +366,8 @@ class Registry:
         model is gone (deleted while its format was being prepared)."""
         try:
             self._db.execute(
-                "INSERT INTO prepared_formats (model_uid, node_kind, format, path, state, reason, weight_bytes, seconds) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(model_uid, node_kind) DO UPDATE SET "
+                "INSERT INTO prepared_formats (model_uid, node_kind, format, path, state, reason, weight_bytes, "
+                "seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(model_uid, node_kind) DO UPDATE SET "
                 "format = excluded.format, path = excluded.path, state = excluded.state, reason = excluded.reason, "
                 "weight_bytes = excluded.weight_bytes, seconds = excluded.seconds, "
                 "updated_at = CAST(strftime('%s','now') AS INTEGER)",

@@ -101,7 +101,8 @@ class RequestPath:
                 begin(req)
                 stream.push(Finished(req.finish_reason.value if req.finish_reason else "stop", req.tokens_out))
                 return
-            error = (overloaded(_reason(req.detail), retry_after_s(self.cluster, req.model), self.dispatcher.admission(req))
+            error = (overloaded(_reason(req.detail), retry_after_s(self.cluster, req.model),
+                                self.dispatcher.admission(req))
                      if req.outcome is Outcome.REJECTED else node_unavailable(_reason(req.detail)))
             if started.done():
                 stream.push(error)

@@ -349,9 +349,10 @@ def _record(tenant: str, name: str, info: SourceInfo, data: Mapping[str, Any], o
                                  "or turned away at once).", "cold_start")
     admission = data.get("admission")
     if admission is not None and admission not in ADMISSIONS:
-        raise errors.bad_request(f"'admission' must be one of {', '.join(map(repr, ADMISSIONS))} or null (the service's "
-                                 "default): what a request that can no longer meet its SLO gets (turned away at once, "
-                                 "queued up to the queue's bound, or served late without a bound).", "admission")
+        raise errors.bad_request(f"'admission' must be one of {', '.join(map(repr, ADMISSIONS))} or null (the "
+                                 "service's default): what a request that can no longer meet its SLO gets (turned away "
+                                 "at once, queued up to the queue's bound, or served late without a bound).",
+                                 "admission")
     return ModelRecord(uid or new_model_uid(), tenant, name, info.kind, str(info.path), int(window),
                        _slo(data.get("slo")), info.weight_bytes, sha256, owned,
                        sampling_defaults={**(info.sampling_defaults or {}), **given}, cold_start=cold_start,

@@ -196,9 +196,10 @@ def _check_prompt_bytes(req: GenerationRequest, model: ModelRecord) -> None:
     size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in req.messages or ()) + len(
         (req.prompt or "").encode("utf-8", "surrogatepass"))
     if size > limit:  # token ids are counted exactly later, without a tokenizer
-        raise ApiError(400, f"The prompt is {size} bytes of text; this model's context window of {model.context_length} tokens "
-                       f"holds at most {model.context_length} tokens (about {limit} bytes at {MAX_TOKEN_BYTES} bytes "
-                       "per token at most). Shorten the prompt.", "invalid_request_error",
+        raise ApiError(400,
+                       f"The prompt is {size} bytes of text; this model's context window of {model.context_length} "
+                       f"tokens holds at most {model.context_length} tokens (about {limit} bytes at {MAX_TOKEN_BYTES} "
+                       "bytes per token at most). Shorten the prompt.", "invalid_request_error",
                        "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
 
 

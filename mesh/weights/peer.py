@@ -231,7 +231,8 @@ class WeightAgent:
         finally:
             writer.close()
 
-    async def _control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, header: dict[str, Any]) -> None:
+    async def _control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, header: dict[str,
+                                                                                                      Any]) -> None:
         st: _Transfer | None = None
         try:
             while True:

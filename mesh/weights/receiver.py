@@ -76,7 +76,8 @@ class NodeWeightsReceiver(WeightAgent):
     def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  link_bytes_per_s: float | None = None) -> None:
         """`link_bytes_per_s`: pace what this node sends (its uplink, mesh.weights.peer); None: unpaced."""
-        super().__init__(host, port, link_bytes_per_s, token=token, source_roots=[root])  # its agent adds its model folders
+        super().__init__(host, port, link_bytes_per_s, token=token,
+                         source_roots=[root])  # its agent adds its model folders
         self.root = Path(root)
 
     @property

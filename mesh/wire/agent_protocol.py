@@ -461,7 +461,8 @@ class StatsReply:
                 object_field(m["memory"], "memory"), count_field(m["queue_length"], "queue_length"),
                 count_field(m["running"], "running"), object_field(m["tokenizer"], "tokenizer"),
                 [text_field(x, "model") for x in list_field(m["models"], "models")],
-                number_field(m["busy_s"], "busy_s", 0.0, math.inf), count_field(m["iterations"], "iterations", 0, 2**62),
+                number_field(m["busy_s"], "busy_s", 0.0, math.inf), count_field(m["iterations"], "iterations", 0,
+                                                                                2**62),
                 count_field(m["kv_bytes_in_use"], "kv_bytes_in_use", 0, MAX_BYTES),
                 text_field(m["deadlines"], "deadlines"), object_field(m["learnt"], "learnt"),
                 object_field(m["parked"], "parked"), object_field(m["parked_ahead"], "parked_ahead"),
@@ -654,7 +655,8 @@ class Progress:
     def from_dict(cls, m: Mapping[str, Any]) -> "Progress":
         try:
             ids = _token_ids(m.get("token_ids") or [], "token_ids")
-            return cls(text_field(m["request_id"], "request_id"), count_field(m.get("tokens_out") or len(ids), "tokens_out"), ids,
+            return cls(text_field(m["request_id"], "request_id"), count_field(m.get("tokens_out") or len(ids),
+                                                                              "tokens_out"), ids,
                        _opt_age(m.get("first_token_age_s"), "first_token_age_s"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad progress: {exc}") from exc
@@ -737,7 +739,8 @@ class TokensEvent:
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> "TokensEvent":
         with malformed("tokens event"):
-            return cls([(text_field(rid, "request_id"), _token_ids(ids or [], "token ids"), text_field(text or "", "text"))
+            return cls([(text_field(rid, "request_id"), _token_ids(ids or [], "token ids"), text_field(text or "",
+                                                                                                       "text"))
                         for rid, ids, text in list_field(m["items"], "items")])
 
 
@@ -762,7 +765,8 @@ class DoneEvent:
         with malformed("done event"):
             return cls(text_field(m["request_id"], "request_id"), text_field(m.get("outcome") or "failed", "outcome"),
                        opt_text(m.get("reason"), "reason"), text_field(m.get("detail") or "", "detail"),
-                       count_field(m.get("tokens_out") or 0, "tokens_out"), _opt(m.get("ttft_s"), number_field, "ttft_s", -MAX_SECONDS),
+                       count_field(m.get("tokens_out") or 0, "tokens_out"), _opt(m.get("ttft_s"), number_field,
+                                                                                 "ttft_s", -MAX_SECONDS),
                        _opt(m.get("tpot_s"), number_field, "tpot_s", -MAX_SECONDS))
 
 
@@ -973,7 +977,8 @@ class Tokenize(Request[TokenizeReply]):
             out = cls(opt_text(m.get("instance_id"), "instance_id"), opt_text(m.get("model"), "model"),
                       opt_text(m.get("path"), "path"), opt_text(m.get("engine"), "engine"),
                       window(m.get("context_window")),
-                      None if messages is None else [object_field(x, "message") for x in list_field(messages, "messages")],
+                      None if messages is None else [object_field(x, "message") for x in list_field(messages,
+                                                                                                    "messages")],
                       opt_text(m.get("prompt"), "prompt"), opt_text(m.get("request_id"), "request_id"),
                       opt_text(m.get("tenant"), "tenant"))
             if out.instance_id is None and out.path is None:
