@@ -7,8 +7,9 @@ One test walks through the story, in order, since each step needs the previous o
 the demo model is registered and served on a Ray node, multicast to the second node; the
 node running eight streams is removed mid-stream: they go on on the other node from the next
 token, each to exactly its max_tokens, none failed; the node leaves /admin/cluster and the next
-request is served by the other node with the same greedy answer; a node added while serving gets an agent, gets the model by multicast and serves it;
-its agent process killed, Ray restarts the actor and the service reconnects to the new agent.
+request is served by the other node with the same greedy answer; a node added while serving gets an agent, gets the
+model by multicast and serves it; its agent process killed, Ray restarts the actor and the service reconnects to the new
+agent.
 """
 from __future__ import annotations
 

@@ -60,7 +60,8 @@ def test_binomial_pipeline_on_a_hypercube(d, b):
 def test_binomial_pipeline_to_a_power_of_two_receivers(d, b):
     """With N = 2^d receivers there are 2^d + 1 nodes, so the bound is b + d, one round more
     than the paper's formula read with N receivers: no plan can do b + d - 1 (the last block
-    leaves the source in round b - 1 at the earliest; its holders at most double per round). A relay feeding a 2^d hypercube reaches b + d."""
+    leaves the source in round b - 1 at the earliest; its holders at most double per round). A relay feeding a 2^d
+    hypercube reaches b + d."""
     p = binomial(["s"], names("t", 2**d), b)
     validate(p)
     assert p.rounds == b + d == lower_bound_rounds(2**d + 1, b)

@@ -8,9 +8,9 @@ request within its SLO), errors (any other status, an error event, a broken stre
 lost (a stream that ended without [DONE] and without an error: the target is zero).
 
 Without `--url` it starts its own server (`mesh serve --demo --port 0`, temporary data
-folder; mesh.bench.serve_process: it dies with the bench) and stops it afterwards. TTFT percentiles are given over served requests (`ttft_p99_served_s`) and over all requests
-(`ttft_p99_all_s`, a 429 or error counted as never served). Exit status 1 when any request
-errored or was lost, or fewer than `--min-completed` (default 0.9) of them completed.
+folder; mesh.bench.serve_process: it dies with the bench) and stops it afterwards. TTFT percentiles are given over
+served requests (`ttft_p99_served_s`) and over all requests (`ttft_p99_all_s`, a 429 or error counted as never served).
+Exit status 1 when any request errored or was lost, or fewer than `--min-completed` (default 0.9) of them completed.
 `--ttft-slo S` registers a copy of the demo model with a
 TTFT SLO of S seconds and loads that one instead, to see the service queue rather than
 reject. `--cpu-nodes N` starts the server with N CPU node agents and reports the instances

@@ -5,8 +5,8 @@ request (a mesh.wire.agent_protocol request type) and awaits its reply, decoded 
 request's reply type (AgentCallError when the agent says ok=false, or answers with a
 malformed reply); `send()` sends without waiting (abort). `call_message()` speaks raw
 frames, for tests and tools that must send what no request type writes. Events (tokens,
-done, instance) go to `on_event`. When the connection ends - EOF, a reset, a protocol error, or no reply to a ping within
-`heartbeat_timeout_s` - every pending call fails with AgentDown and `on_close(reason)` runs
+done, instance) go to `on_event`. When the connection ends - EOF, a reset, a protocol error, or no reply to a ping
+within `heartbeat_timeout_s` - every pending call fails with AgentDown and `on_close(reason)` runs
 once. A killed agent process closes its socket, so that is noticed at once; the heartbeat
 catches an agent that hangs or a peer that vanished from the network.
 """

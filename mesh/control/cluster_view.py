@@ -90,7 +90,8 @@ class ClusterConfig:
     deadlines: DeadlineRule = DeadlineRule.EQ1  # when tokens after the first are due (mesh.policy.slo)
     noise: float = 0.0  # relative std-dev of simulated iteration times
     seed: int = 0
-    max_batch: int = DEFAULT_MAX_BATCH  # requests an instance runs at most (plans, validation, the engine's max_num_seqs)
+    # requests an instance runs at most (plans, validation, the engine's max_num_seqs)
+    max_batch: int = DEFAULT_MAX_BATCH
     cold_start_choice: str = SERVE_LATE  # a cold model's request that cannot make its TTFT (placement.SERVE_LATE)
     admission: str = ADMIT_REJECT  # a fresh request that can no longer meet its SLO (placement.ADMISSIONS)
     # A replay's CPU nodes' parking budget beside their memory (the agent's --park-bytes): where

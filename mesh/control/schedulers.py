@@ -174,8 +174,8 @@ class MeshScheduler(Scheduler):
         choice SERVE_LATE (placement): admit a fresh request on the loading instance ready
         first, its deadlines moved to that instance's predicted ready time (now, if the load
         runs over its prediction), if the node's shadow validation shows everyone else there
-        still on time (5.3 cases 2 and 3) and its own prefill on time from then (case 1). A fresh request that reached the
-        dispatcher already past its TTFT (late on arrival: the live service tokenizes before
+        still on time (5.3 cases 2 and 3) and its own prefill on time from then (case 1). A fresh request that reached
+        the dispatcher already past its TTFT (late on arrival: the live service tokenizes before
         placing, and a cold model's tokenizer is built first) is admitted the same way on an
         instance of its model that is loaded, its deadlines running from now. A request whose
         node was lost counts as fresh here, its progress kept: an instance loads for it too."""

@@ -138,8 +138,10 @@ class AgentSettings:
     emulate: dict[str, str] = field(default_factory=dict)  # node id -> the device its agent emulates (--emulate;
     # mesh.node.emulation): such a node runs emulated models only
     emulate_noise: float | None = None  # their --emulate-noise (None: the replay's noise)
-    emulate_profiles: str | None = None  # their --emulate-profiles: calibrated <model>__<device>.json besides the catalog's
-    tokenizer_bytes: int | None = None  # their --tokenizer-bytes (None: theirs, 1/16 of the node's memory up to 256 MiB)
+    # their --emulate-profiles: calibrated <model>__<device>.json besides the catalog's
+    emulate_profiles: str | None = None
+    # their --tokenizer-bytes (None: theirs, 1/16 of the node's memory up to 256 MiB)
+    tokenizer_bytes: int | None = None
 
 
 EXIT_SETTLE_S = 0.2  # a lost connection: how long to wait for its process's exit to be seen (`_settle_exit`)

@@ -27,9 +27,9 @@ So `prepare` tries to import one blob once per OpenVINO version and device, reco
 answer, and loads pass CACHE_DIR only where the import works (a later OpenVINO).
 
 Bounded: every copy a node receives is a new file (a new mtime, so a new folder here), so
-without pruning a node that receives models for a day holds tens of GB of them. Each folder's manifest names its source's path; before a new preparation,
-`prune` removes the folders whose source is gone or changed (the model deleted, its copy
-dropped, the file rewritten), and those of older manifests without a path once they are a
+without pruning a node that receives models for a day holds tens of GB of them. Each folder's manifest names its
+source's path; before a new preparation, `prune` removes the folders whose source is gone or changed (the model deleted,
+its copy dropped, the file rewritten), and those of older manifests without a path once they are a
 day old. A folder whose source is still there is kept: any load of it may use it.
 
 Atomic writes: a model is prepared in a temporary folder beside its final place, its

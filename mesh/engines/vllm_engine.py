@@ -493,9 +493,9 @@ class VLLMEngine:
 
         Sizes round down to whole blocks, and up to vLLM's minimum (`min_kv_bytes()`: one
         request of the whole context window plus vLLM's null block). Before the build this
-        builds the engine with that size. Afterwards, the same number of blocks costs nothing; another number re-initialises the cache (weights stay)
-        and re-runs the live requests (mesh.engines.vllm_core), which takes real time: see
-        docs/vllm.md. The running requests continue where they were.
+        builds the engine with that size. Afterwards, the same number of blocks costs nothing; another number
+        re-initialises the cache (weights stay) and re-runs the live requests (mesh.engines.vllm_core), which takes real
+        time: see docs/vllm.md. The running requests continue where they were.
         """
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise EngineError(f"KV capacity must be a non-negative number of bytes, got {capacity_bytes!r}")

@@ -214,7 +214,8 @@ class AgentServer:
             self._speed_probe.cancel()
         if self.weights is not None:
             await self.weights.close()
-        self._abort_all(f"node agent {self.spec.node_id} is shutting down")  # its requests end at once, before the workers do
+        # its requests end at once, before the workers do
+        self._abort_all(f"node agent {self.spec.node_id} is shutting down")
         self.connection.flush()
         await self.ahead.close()
         await self.tokenizers.close()

@@ -4,8 +4,8 @@ An asyncio task runs the token-level loop (LLM-Mesh 5.1): ask the compute subsys
 instance is most urgent, run one iteration of its engine, apply what it produced, repeat.
 Memory operations (6.3) run as their own tasks when the reservation station starts them,
 and report back when they finish (mesh.node.memory_operations); shadow validation (5.3)
-checks a request against an instance before it joins (mesh.node.shadow_admission). Time comes only from the event loop, so the same code
-runs live and, on mesh.replay.virtual_loop, in virtual time.
+checks a request against an instance before it joins (mesh.node.shadow_admission). Time comes only from the event loop,
+so the same code runs live and, on mesh.replay.virtual_loop, in virtual time.
 """
 from __future__ import annotations
 

@@ -68,8 +68,8 @@ class AdaptiveTimes:
 
     The learnt margin (`margin`): once `margin_after` iterations were observed, the
     `margin_quantile` of actual/predicted over the last `margin_window` iterations, minus 1,
-    bounded to [min_margin, max_margin], recomputed every MARGIN_EVERY iterations; None before that (shadow validation then uses the
-    node's margin, LLM-Mesh's 10%). Shadow validation reads it per instance.
+    bounded to [min_margin, max_margin], recomputed every MARGIN_EVERY iterations; None before that (shadow validation
+    then uses the node's margin, LLM-Mesh's 10%). Shadow validation reads it per instance.
 
     Stale slowness fades (`relax`): factors are learnt only from iterations, and the
     admissions they drive decide whether iterations run. A node that learnt a 7-8x slowdown

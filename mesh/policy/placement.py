@@ -138,9 +138,9 @@ def sllm_pick(instances: Sequence[InstanceView], targets: dict[str, int]) -> Ins
     return None
 
 
-# What a request gets when its model is cold and no instance can make its TTFT, per model: SERVE_LATE (default) admits it on the instance loading for it, its
-# deadlines running from that instance's predicted ready time, if shadow validation shows
-# every other request on the node still on time (no one else is hurt); REJECT turns it away
+# What a request gets when its model is cold and no instance can make its TTFT, per model: SERVE_LATE (default) admits
+# it on the instance loading for it, its deadlines running from that instance's predicted ready time, if shadow
+# validation shows every other request on the node still on time (no one else is hurt); REJECT turns it away
 # (429 with Retry-After, the time left of the load). Why serve late by default: a
 # client would retry the 429 after Retry-After and be served at about the same time, so the
 # 429 only adds a round trip, an error a client without retries (curl, most scripts) sees,

@@ -475,7 +475,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
 
     formats = FormatPreparer(registry, data_dir, enabled=config.prepare_formats)
     placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights, formats=formats)
-    for tenant, admission in registry.tenant_admissions().items():  # tenants' defaults (PUT /admin/tenants/{t}/admission)
+    # tenants' defaults (PUT /admin/tenants/{t}/admission)
+    for tenant, admission in registry.tenant_admissions().items():
         placement.set_tenant_admission(tenant, admission)
     try:
         membership, autoscaler = _join_ray(config, placement, memory, cluster_secret)

@@ -12,8 +12,8 @@ the config file) is no limit. The operator sets a tenant's own with PUT
 /admin/tenants/{name}/quota.
 
 Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
-max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, node_cores, remote_agents, ray, ray_autoscale, weights_plan,
-drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
+max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, node_cores, remote_agents, ray, ray_autoscale,
+weights_plan, drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
 deadlines, policy, cold_start_s, exact_moves, prepare_formats, emulate, watchdog_min_s (and
 the HTTP limits: http_head_timeout_s, http_body_timeout_s, max_connections,

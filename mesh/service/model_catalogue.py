@@ -265,7 +265,8 @@ class ModelCatalogue:
     def _profile(self, record: ModelRecord, kind: str, shape: DescribeReply) -> Any:
         """What the dispatcher plans the model's instances with: its calibration profile
         if there is one for this kind of node, else the prior the agents validate with."""
-        if shape.profile is not None:  # an emulated model: its catalog profile on the node's device (mesh.node.emulation)
+        # an emulated model: its catalog profile on the node's device (mesh.node.emulation)
+        if shape.profile is not None:
             from mesh.perf.profile import profile_from_dict
 
             return profile_from_dict(shape.profile, f"{record.name} on {kind} nodes")
@@ -395,8 +396,8 @@ class ModelCatalogue:
         """Every trace of a deleted model goes: its registration's work under way, its idle
         instances now and its busy ones once their requests end, its node copies when no
         instance reads them (now, or once a busy one or a load being issued has ended: a copy
-        removed under a load failed it); then, with none left, its spec and books in the cluster, its decision lock, and its state on every agent
-        (`_forget_when_idle`), and `then()` is called (the service's metric series go). The
+        removed under a load failed it); then, with none left, its spec and books in the cluster, its decision lock, and
+        its state on every agent (`_forget_when_idle`), and `then()` is called (the service's metric series go). The
         cluster keeps its spec until then: requests for it still in flight are planned with it."""
         registering = self._registering.pop(model_uid, None)
         if registering is not None:

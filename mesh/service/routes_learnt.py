@@ -5,9 +5,9 @@ Per node (from the agents' stats, mesh.node.node_learning.NodeLearning.view): th
 its factors, per model the learnt time factors of its newest instance (AdaptiveTimes.drift:
 instance-wide and per grid region, the margin, iterations observed; kept after the instance
 is recycled). Per model: the profiles the dispatcher plans with. `cold_starts`: the loads
-the service measured per node, model and source (mesh.perf.load_times.ColdStartTable). `summary`, per kind of node: the factors and margin over every model and node,
-weighted by iterations observed, the median measured cold start (builds: every load but
-those that adopted a parked worker) and the median load from the parked tier: what a twin of
+the service measured per node, model and source (mesh.perf.load_times.ColdStartTable). `summary`, per kind of node: the
+factors and margin over every model and node, weighted by iterations observed, the median measured cold start (builds:
+every load but those that adopted a parked worker) and the median load from the parked tier: what a twin of
 one model replicated many times (the live replay's) needs.
 """
 from __future__ import annotations

@@ -14,8 +14,8 @@ POST /v1/models with a JSON body registers a model on the server's disk:
                             # ("late"); null: the service's --admission; docs/service.md, "Admission"
 POST /v1/models with `Content-Type: application/octet-stream` uploads a GGUF file as the body;
 the settings go in the query: name, sha256 (required), context_length, ttft_s,
-ttft_s_per_prompt_token, tpot_s, temperature, top_p (sampling defaults), cold_start, admission. The upload is streamed to the data folder under a size
-limit and kept only if its SHA-256 matches.
+ttft_s_per_prompt_token, tpot_s, temperature, top_p (sampling defaults), cold_start, admission. The upload is streamed
+to the data folder under a size limit and kept only if its SHA-256 matches.
 Another tenant's model answers exactly like a model that does not exist.
 A tenant registers paths only inside its own folder of the allowed folder,
 `<allowed_dir>/<tenant>/` (relative paths are relative to it): a path outside it (another
