@@ -142,7 +142,8 @@ def test_choice_matches_brute_force_headroom(sequence):
             if it is None:
                 continue
             inst = c.instances[it.instance_id]
-            served = [r.request_id for r in inst.prefill_batch()] if it.kind is IterationKind.PREFILL else [r.request_id for r in inst.running]
+            batch = inst.prefill_batch() if it.kind is IterationKind.PREFILL else inst.running
+            served = [r.request_id for r in batch]
             c.complete_iteration(it.instance_id, it.kind, served)
             for rid in served:
                 produced[rid] += 1

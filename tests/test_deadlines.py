@@ -67,8 +67,8 @@ def test_pace_shifts_every_later_deadline_by_how_early_the_first_token_came(star
         assert pace < eq1
     for rule in (EQ1, PACE):
         step = rule.token_deadline_s(slo, start, prompt, i, ft) - rule.token_deadline_s(slo, start, prompt, i - 1, ft)
-        assert step == pytest.approx(tpot if i > 2 else (tpot if rule is EQ1 else ft + tpot - (start + slo.ttft_s(prompt))),
-                                     abs=1e-6)
+        second = tpot if rule is EQ1 else ft + tpot - (start + slo.ttft_s(prompt))
+        assert step == pytest.approx(tpot if i > 2 else second, abs=1e-6)
 
 
 @given(arrival=st.floats(0.0, 100.0), prompt=st.integers(1, 8000), ttft=st.floats(0.0, 10.0),

@@ -1381,7 +1381,8 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
             refused = sum(a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a for a in answers[:1000])
             assert all(a == b"" or (a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a)
                        for a in answers[:1020]), {a[:80] for a in answers[:1020]}
-            assert all(a.startswith(b"HTTP/1.1 408") and b"request_timeout" in a for a in answers[1020:]), answers[1020:]
+            assert all(a.startswith(b"HTTP/1.1 408") and b"request_timeout" in a
+                       for a in answers[1020:]), answers[1020:]
             from mesh.service.limits import HttpLimits
 
             per_address = HttpLimits().max_connections_per_client  # 100 from each of 10 addresses
@@ -1735,8 +1736,8 @@ def test_a_model_deleted_while_its_instance_loads_leaves_nothing_behind(simulate
             await asyncio.sleep(0.2)  # the deletion's work has reached the agent
             gate.set()  # the load finishes after the delete
             await asyncio.wait_for(started, WAIT)
-            await until(lambda: not server.node.instances and not server.host.specs and record.uid not in p.cluster.models
-                        and server.models.models_known() == [], 5.0)
+            await until(lambda: not server.node.instances and not server.host.specs
+                        and record.uid not in p.cluster.models and server.models.models_known() == [], 5.0)
             assert not p.cluster.instances_of(record.uid) and record.uid not in p.dispatcher._decisions
             assert p.dispatcher.requests == {}
 

@@ -170,7 +170,8 @@ def _azure_minute():
 
 
 @pytest.mark.parametrize("policy", ["sllm", "mesh-no-cpu"])
-def test_live_scaling_cuts_the_tail_of_a_burst_and_never_serves_a_validated_request_late_for_layers(policy: str) -> None:
+def test_live_scaling_cuts_the_tail_of_a_burst_and_never_serves_a_validated_request_late_for_layers(
+        policy: str) -> None:
     """The bursty Azure minute (docs/multicast.md's replay, 13B, 8 GPUs): instances that
     serve from their first layer, with ZigZag pulls by their partner, cut TTFT p99 against
     stop-the-world multicast (1.92 -> 1.25 s under sllm, 1.67 -> 1.25 s under Mesh); under

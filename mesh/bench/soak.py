@@ -131,8 +131,8 @@ class Tally:
     # the demo tenant's streams that ended ok: (start, end, TTFT, TPOT) in loop time and seconds
     timings: list[tuple[float, float, float, float]] = field(default_factory=list)
     started: int = 0  # cycles begun
-    resumed: dict[str, dict[str,
-                            int]] = field(default_factory=dict)  # the service's lost/resumed/lost_failed by cause (numbers the models, picks those that serve)
+    # the service's lost/resumed/lost_failed by cause (numbers the models, picks those that serve)
+    resumed: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def add(self, outcome: str, detail: str = "") -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -650,7 +650,8 @@ def markdown(args: argparse.Namespace, f: dict[str, Any], procs: list[dict[str, 
     for p in procs:
         out.append(f"| {p['role']} | {p['pid']} | {p['from_s'] / 60:.1f}-{p['to_s'] / 60:.1f} | "
                    f"{p['rss_first_mib']:.0f} | {p['rss_warm_mib']:.0f} | {p['rss_end_mib']:.0f} | "
-                   f"{p['rss_max_mib']:.0f} | {p['growth_pct']:+.1f}% | {p['fds_warm']}/{p['fds_end']}/{p['fds_max']} |")
+                   f"{p['rss_max_mib']:.0f} | {p['growth_pct']:+.1f}% | "
+                   f"{p['fds_warm']}/{p['fds_end']}/{p['fds_max']} |")
     return "\n".join(out) + "\n"
 
 

@@ -309,7 +309,8 @@ def workload_for(args: argparse.Namespace, max_total: dict[str, int], mix: dict[
         try:
             rate = float(rate)
         except ValueError:
-            raise ReplayInputError(f"--rate-scale must be 'auto' or a positive number, got {args.rate_scale!r}") from None
+            raise ReplayInputError(
+                f"--rate-scale must be 'auto' or a positive number, got {args.rate_scale!r}") from None
     workload = build_workload(
         load_function_trace(trace_path), load_lengths(lengths_path), functions=args.functions, minutes=args.minutes,
         start_minute=args.start_minute, models=mix, seed=args.seed, rate_scale=rate, target_rps=args.target_rps,

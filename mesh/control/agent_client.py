@@ -150,7 +150,8 @@ class AgentClient:
             self._write({"id": mid, **{k: v for k, v in message.items() if k != "id"}})
             reply = await (asyncio.wait_for(future, timeout_s) if timeout_s else future)
         except asyncio.TimeoutError as exc:
-            raise AgentDown(f"agent {self.name} did not answer {message.get(TYPE_KEY)} within {timeout_s:.1f} s") from exc
+            raise AgentDown(
+                f"agent {self.name} did not answer {message.get(TYPE_KEY)} within {timeout_s:.1f} s") from exc
         finally:
             self._pending.pop(mid, None)
         self.call_times.setdefault(str(message.get(TYPE_KEY)), CallTimes()).add(loop.time() - sent)

@@ -69,7 +69,8 @@ POLICIES: dict[str, SchedulerSpec] = {
         SchedulerSpec("mesh", "mesh", (CPU, GPU),
                       description="LLM-Mesh: shared CPU and GPU nodes, shadow validation, defragmentation"),
         SchedulerSpec("sllm", "sllm", (GPU,), share=False, defrag=False,
-                   description="ServerlessLLM: GPU nodes only, a whole node per instance, concurrency-target scale-out"),
+                   description="ServerlessLLM: GPU nodes only, a whole node per instance, "
+                               "concurrency-target scale-out"),
         SchedulerSpec("sllm+cpu", "sllm", (CPU, GPU), share=False, defrag=False,
                    description="ServerlessLLM also using CPU nodes"),
         SchedulerSpec("mesh-no-share", "mesh", (CPU, GPU), share=False, description="Mesh with one instance per node"),

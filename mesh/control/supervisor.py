@@ -109,7 +109,8 @@ def parse_node_cores(text: str, node_ids: list[str], allowed: set[int] | None = 
             try:
                 cores.update(range(int(lo), int(hi or lo) + 1))
             except ValueError:
-                raise ValueError(f"node_cores {text!r}: {item!r} is not a core or a range of cores (e.g. 0-3)") from None
+                raise ValueError(
+                    f"node_cores {text!r}: {item!r} is not a core or a range of cores (e.g. 0-3)") from None
         if not cores:
             raise ValueError(f"node_cores {text!r}: {node} has no cores")
         if not cores <= allowed:

@@ -407,7 +407,8 @@ class WeightsPlane:
                                     "bytes": f.manifest.total_bytes})
             for n in need:
                 if n not in result.outputs:
-                    failed[n] = f"{f.name} did not reach it (dropped from the multicast: {', '.join(result.dropped) or 'none'})"
+                    failed[n] = (f"{f.name} did not reach it "
+                                 f"(dropped from the multicast: {', '.join(result.dropped) or 'none'})")
         for node in targets:
             if node not in failed:
                 first = entry.file_paths[(node, entry.files[0].name)]

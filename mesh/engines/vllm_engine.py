@@ -125,7 +125,8 @@ def resolve_hf_model(path: str | Path) -> tuple[Path, dict[str, Any], ModelShape
             raise EngineError(f"{p} is a file; the vLLM engine takes a Hugging Face model folder (GGUF files and "
                               "OpenVINO IR folders are served by the OpenVINO engine on CPU nodes)")
     if not (p / "config.json").is_file():
-        hint = " (an OpenVINO IR folder: serve it with the OpenVINO engine)" if (p / "openvino_model.xml").exists() else ""
+        ir = (p / "openvino_model.xml").exists()
+        hint = " (an OpenVINO IR folder: serve it with the OpenVINO engine)" if ir else ""
         raise EngineError(f"{p} has no config.json; the vLLM engine needs a Hugging Face model folder{hint}")
     if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise EngineError(f"{p} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); vLLM needs one")

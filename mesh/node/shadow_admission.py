@@ -113,8 +113,8 @@ class ShadowAdmission:
         if any(p + 1 > window for p, _ in pairs):
             return Admission(False, refusal=f"a prompt exceeds the context window of {window}")
         if inst.batch_size + len(reqs) > inst.engine.max_batch:
-            return Admission(False,
-                             refusal=f"instance {instance_id} would exceed its maximum batch of {inst.engine.max_batch}")
+            return Admission(False, refusal=f"instance {instance_id} would exceed its maximum batch "
+                                            f"of {inst.engine.max_batch}")
         plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), *((p, 0) for p, _ in pairs)])
         if not plan.ok:
             return Admission(False, memory=plan)

@@ -71,7 +71,8 @@ def compare(workload: Workload, base: str, modes: Sequence[str], weights: Weight
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    head = "| mode | TTFT p50 (s) | p90 | p99 | SLO % | GPU node-s | max GPUs | instances | load s (median / max) | loads by source |"
+    head = ("| mode | TTFT p50 (s) | p90 | p99 | SLO % | GPU node-s | max GPUs | instances | load s (median / max) "
+            "| loads by source |")
     rows = [head, "|" + "---|" * 10]
     for mode, r in results.items():
         f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731

@@ -247,7 +247,8 @@ def _local_nodes(config: ServeConfig, memory: int | None) -> tuple[list[NodeSpec
         nodes = [*nodes, *emulated_specs] if config.mixed_rig else emulated_specs
     # the local nodes that compute on this machine's cores split them as they split its memory
     # (each one a machine): OpenVINO agents and the vLLM-on-CPU agent, not emulated ones
-    computing = [n.node_id for n in nodes if n.node_id not in emulated and (n.kind == "cpu" or n.node_id == CPU_NODE_ID)]
+    computing = [n.node_id for n in nodes
+                 if n.node_id not in emulated and (n.kind == "cpu" or n.node_id == CPU_NODE_ID)]
     if config.node_cores:
         try:
             cores = parse_node_cores(config.node_cores, computing)
