@@ -167,7 +167,7 @@ def test_a_scale_out_by_network_serves_from_the_received_file(demo_gguf: Path, t
             result = await send_model(manifest, demo_gguf.name, {"a": (clients["a"], str(demo_gguf))},
                                       {"b": clients["b"]}, plan="chain", timeout_s=120, token=weights_token)
             assert result.outputs == {"b": out}
-            digest = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731
+            digest = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731 - a one-line helper local to the test
             assert digest(out) == digest(demo_gguf)
 
             prompt = "The capital of France is"

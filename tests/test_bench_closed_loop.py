@@ -12,9 +12,9 @@ import math
 import pytest
 
 pytest.importorskip("openai")
-from aiohttp import web  # noqa: E402
+from aiohttp import web  # noqa: E402 - after the skip when openai is missing
 
-from mesh.bench.closed_loop import (  # noqa: E402
+from mesh.bench.closed_loop import (  # noqa: E402 - likewise
     FAILED,
     SERVED,
     TURNED_AWAY,

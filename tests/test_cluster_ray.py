@@ -23,8 +23,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is in the `cluster` extra (scripts/setup.sh installs it)")
 openai = pytest.importorskip("openai")
 
-from test_node_loss_e2e import STREAMS, Streams, assert_complete  # noqa: E402
-from test_service_e2e import Server  # noqa: E402
+from test_node_loss_e2e import STREAMS, Streams, assert_complete  # noqa: E402 - after the skips when Ray is missing
+from test_service_e2e import Server  # noqa: E402 - likewise
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_processes]  # the module's Ray cluster keeps its workers
 

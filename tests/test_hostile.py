@@ -1330,7 +1330,7 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
         scaled = server.admin("POST", "/admin/scale", {"tenant": "demo", "model": "demo/smollm2",
                                                        "nodes": ["cpu-0", "cpu-1"]})
         assert [r["ok"] for r in scaled["results"]] == [True, True], scaled
-        admin = lambda method, path, body=None: server.admin(method, path, body)  # noqa: E731
+        admin = lambda method, path, body=None: server.admin(method, path, body)  # noqa: E731 - a local shorthand
         for t in ("a", "b"):
             admin("POST", "/admin/tenants", {"name": t})
         key_b = admin("POST", "/admin/tenants/b/keys", {"label": "attacker"})["key"]
@@ -1549,7 +1549,7 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
             assert mib < RSS_BOUND_MIB, (pid, cmd, mib)
         # the well-behaved tenant: no error, and its TTFT held
         errors = [(p, r) for p, r in tenant.results if r["status"] != 200 or r["error"] or not r.get("done")]
-        ttft = lambda phases: [r["ttft_s"] for p, r in tenant.results if p in phases and r["ttft_s"] is not None]  # noqa: E731
+        ttft = lambda phases: [r["ttft_s"] for p, r in tenant.results if p in phases and r["ttft_s"] is not None]  # noqa: E731 - a local shorthand
         unloaded, attacked = ttft({"unloaded"}), ttft(set(refusals))
         by_phase = {name: (tenant.count(name), round(_p99(ttft({name})), 3)) for name in refusals if ttft({name})}
         print(f"TTFT p99 unloaded {_p99(unloaded):.3f} s ({len(unloaded)}); under attack {_p99(attacked):.3f} s "

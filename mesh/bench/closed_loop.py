@@ -506,7 +506,7 @@ def run(args: argparse.Namespace) -> int:
     from mesh.paths import data_dir
 
     try:
-        import openai  # noqa: F401
+        import openai  # noqa: F401 - only checked for: the clients import it later
     except ImportError:
         print("mesh bench closed-loop: needs the openai package (pip install openai; in the test extra)",
               file=sys.stderr)

@@ -228,7 +228,7 @@ class AgentClient:
                 task.cancel()
         try:
             self.on_close(reason)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a failing handler must not stop the close
             log.exception("agent %s: close handler failed", self.name)
 
     async def close(self) -> None:

@@ -197,7 +197,7 @@ class _InProcess:
             else:
                 raise EngineError(f"unknown command {op!r}")
             fut.set_result(value)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - every failure goes to the caller, as an EngineError
             fut.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"{type(exc).__name__}: {exc}"))
         return fut
 

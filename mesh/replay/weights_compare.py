@@ -75,7 +75,7 @@ def table(results: dict[str, dict[str, Any]]) -> str:
             "| loads by source |")
     rows = [head, "|" + "---|" * 10]
     for mode, r in results.items():
-        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731 - a one-line formatter local to the table
         loads = ", ".join(f"{k} {v}" for k, v in sorted(r["loads"].items()))
         rows.append(f"| {mode} | {f(r['ttft_p50_s'], '.2f')} | {f(r['ttft_p90_s'], '.2f')} | "
                     f"{f(r['ttft_p99_s'], '.2f')} | {r['slo_rate']:.1%} | {r['gpu_node_s']:.0f} | {r['gpu_nodes_max']} "
