@@ -248,9 +248,9 @@ class ComputeSubsystem:
                     r.join_round += 1
                     inst.running.add(r)
         for rid in finished:
-            r = self.requests.pop(rid, None)
-            if r is not None:
-                self._drop(inst, r)
+            ended = self.requests.pop(rid, None)
+            if ended is not None:
+                self._drop(inst, ended)
         self._reorder(inst)
 
     # -- internals -------------------------------------------------------------------

@@ -323,6 +323,7 @@ def _binomial_group(source: str, receivers: Sequence[str], order: Sequence[int])
         rounds = max(t.round for t in transfers) + 1
         if best is None or rounds < max(t.round for t in best) + 1:
             best = transfers
+    assert best is not None  # the loop runs at least once: n >= 2
     return best
 
 

@@ -91,7 +91,8 @@ class ParameterPool:
     def remove_node(self, node: str) -> NodeLoss:
         """The node leaves with everything on it (a failure, or decommissioning)."""
         self._node(node)
-        recache, lost = [], []
+        recache: list[str] = []
+        lost: list[str] = []
         for name, m in self._models.items():
             gone = [i for i, n in m.instances.items() if n == node]
             if node not in m.hosts and not gone:

@@ -836,7 +836,7 @@ class NodeEvent:
 
 
 Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent]
-EVENTS: dict[str, type] = {e.T: e for e in (TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent)}
+EVENTS: dict[str, type[Event]] = {e.T: e for e in (TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent)}
 
 
 def event_from_message(m: Mapping[str, Any]) -> Event:
