@@ -1,9 +1,10 @@
 """The code passes its linters, and says why wherever it silences one.
 
 ruff (configured in pyproject.toml: pycodestyle, pyflakes, import sorting, 120-character
-lines) runs over mesh/ and tests/ as the suite's Python runs it; it is in the test extra, so
-scripts/setup.sh installs it. A `noqa` marker names its codes and then, after " - ", why.
-Code and its comments carry no issue numbers: history belongs to commits and docs.
+lines) runs over mesh/ and tests/, and mypy over the packages pyproject.toml names, as the
+suite's Python runs them; both are in the test extra, so scripts/setup.sh installs them.
+A `noqa` marker names its codes and then, after " - ", why. Code and its comments carry no
+issue numbers: history belongs to commits and docs.
 """
 from __future__ import annotations
 
@@ -23,11 +24,22 @@ def python_files() -> list[Path]:
     return sorted(p for d in CHECKED for p in (ROOT / d).rglob("*.py"))
 
 
+def installed(tool: str) -> None:
+    if importlib.util.find_spec(tool) is None:
+        pytest.fail(f"{tool} is not installed: it is in the test extra (make setup, or pip install -e '.[test]')")
+
+
 def test_ruff_finds_nothing():
-    if importlib.util.find_spec("ruff") is None:
-        pytest.fail("ruff is not installed: it is in the test extra (make setup, or pip install -e '.[test]')")
+    installed("ruff")
     run = subprocess.run([sys.executable, "-m", "ruff", "check", "--no-cache", *CHECKED], cwd=ROOT,
                          capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+
+
+def test_mypy_finds_nothing(tmp_path):
+    installed("mypy")
+    run = subprocess.run([sys.executable, "-m", "mypy", "--cache-dir", str(tmp_path / "mypy")], cwd=ROOT,
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout + run.stderr
 
 
