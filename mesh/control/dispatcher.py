@@ -69,7 +69,7 @@ QUEUE_FULL = "queue full"
 REPLAY_ENDED = "replay ended"
 
 
-def slo_met(req: ServedRequest) -> bool:
+def eq1_slo_met(req: ServedRequest) -> bool:
     """Completed within the SLO as Eq. 1 reads it (LLM-Mesh 5.1): the first token by
     ST + TTFT_SLO, and the last (the n-th) by ST + TTFT_SLO + TPOT_SLO * (n - 1). A request
     whose first token came early may use that slack later, as the `eq1` deadline rule
@@ -96,7 +96,7 @@ class Accounting:
     def add(self, req: ServedRequest) -> None:
         self.requests += 1
         self.outcomes[req.outcome.value if req.outcome is not None else "none"] += 1
-        self.slo_compliant += slo_met(req)
+        self.slo_compliant += eq1_slo_met(req)
         self.slo_compliant_strict += req.slo_met
 
     def counts(self, not_ended: int = 0) -> dict[str, int]:
