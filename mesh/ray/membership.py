@@ -34,7 +34,7 @@ from mesh.node.runtime import NodeSpec
 from mesh.ray.actor import AgentLaunch, NodeAgentActor, agent_token, launch_dict
 from mesh.tasks import cancel_all
 
-log = logging.getLogger("mesh.cluster.ray")
+log = logging.getLogger("mesh.ray.membership")
 
 NAMESPACE = "mesh"
 
