@@ -1,4 +1,4 @@
-"""Background work (issue 31 item 2): a process that runs only on cycles serving leaves idle.
+"""Background work: a process that runs only on cycles serving leaves idle.
 
 Used by the jobs Mesh runs beside serving (mesh.engines.background_prepare, mesh.modelfiles.convert
 --background); a base module, so that every layer may use it.
@@ -20,7 +20,7 @@ _IOPRIO_SET = {"x86_64": 251, "aarch64": 30}  # the ioprio_set syscall's number
 
 
 def run_as_background(own_session: bool = False) -> str:
-    """Make this process background work (issue 31 item 2): it runs only on cycles serving
+    """Make this process background work: it runs only on cycles serving
     leaves idle. SCHED_IDLE where the kernel has it (a runnable serving thread always
     preempts it, whatever its nice), nice 19 as well (where SCHED_IDLE is refused, and for
     what reads nice), the idle I/O class (a conversion writes hundreds of MB), and its

@@ -90,7 +90,7 @@ def encode_frame(header: Mapping[str, Any]) -> bytes:
 
 # No field of Mesh's protocols or of its HTTP API holds a longer integer (64 bits: 20 digits).
 # Python's int() of a long digit string costs quadratic time and, past 4,300 digits, raises a
-# ValueError: a decoder refuses such an integer first (issue 32).
+# ValueError: a decoder refuses such an integer first.
 MAX_INT_DIGITS = 20
 
 

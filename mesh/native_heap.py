@@ -6,7 +6,7 @@ a whole model's worth per transfer, several transfers at a time under registrati
 glibc serves such blocks from `mmap` at first, but raises its threshold to the largest block
 freed (up to 32 MiB), after which they come from the heap, whose free pages are returned
 only from its top: one small allocation made above a freed model keeps the model's pages.
-In a 30-minute soak (issue 32) the agent that was never restarted grew 23.8% (256 -> 317
+In a 30-minute soak the agent that was never restarted grew 23.8% (256 -> 317
 MiB) in steps, each after a burst of transfers, while its Python objects stayed at 46 MiB
 (tracemalloc): memory freed, never returned.
 

@@ -7,12 +7,12 @@ import asyncio
 from typing import Any
 
 from doubles import LinearTimes
+from mesh.control.agent_client import AgentClient
+from mesh.control.supervisor import AgentHandle
 from mesh.engines.simulated import SimulatedEngine
 from mesh.node import engine_host as agent_engines
-from mesh.control.agent_client import AgentClient
-from mesh.wire.agent_protocol import InstanceSpec
 from mesh.node.agent_server import AgentServer
-from mesh.control.supervisor import AgentHandle
+from mesh.wire.agent_protocol import InstanceSpec
 
 TOKEN = "secret"
 WEIGHTS_TOKEN = "weights-secret"

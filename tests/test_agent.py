@@ -9,11 +9,11 @@ import asyncio
 import pytest
 
 from agent_doubles import TOKEN, use_simulated_engines
-from mesh.engines.engine_api import Sampling
 from mesh.control.agent_client import AgentCallError, AgentClient, AgentDown
-from mesh.wire.agent_protocol import Abort, Code, Describe, InstanceSpec, Stats, WeightsPath, sampling_to_dict
+from mesh.engines.engine_api import Sampling
 from mesh.node.agent_server import AgentServer
 from mesh.node.runtime import NodeSpec
+from mesh.wire.agent_protocol import Abort, Code, Describe, InstanceSpec, Stats, WeightsPath, sampling_to_dict
 
 
 @pytest.fixture
@@ -55,7 +55,8 @@ def test_agent_serves_requests_over_the_protocol(simulated):
         assert {"t": "instance", "instance_id": "i1", "state": "ready"} in events
 
         # three requests, max batch 2: the third is refused (retryable), order kept
-        reply = await client.call_message({"t": "admit", "requests": [_entry("a", "i1"), _entry("b", "i1", max_tokens=10**4),
+        reply = await client.call_message({"t": "admit", "requests": [_entry("a", "i1"), _entry("b", "i1",
+                                                                                                max_tokens=10**4),
                                                                _entry("c", "i1"), _entry("d", "nope")]})
         codes = [r.get("code") if not r["ok"] else "ok" for r in reply["results"]]
         assert codes == ["ok", "ok", Code.BATCH_FULL.value, Code.NO_INSTANCE.value]
@@ -154,7 +155,8 @@ def test_load_opens_only_files_inside_the_agents_model_folders(simulated, tmp_pa
                 await client.call_message(InstanceSpec(f"x{i}", "m", str(path), 256, engine="simulated").to_message())
             assert e.value.code == Code.BAD_REQUEST.value and "outside this agent's model folders" in str(e.value)
             assert "--models-root" in str(e.value)
-        reply = await client.call_message(InstanceSpec("ok", "m", str(root / "m.gguf"), 256, engine="simulated").to_message())
+        reply = await client.call_message(InstanceSpec("ok", "m", str(root / "m.gguf"), 256,
+                                                       engine="simulated").to_message())
         assert reply["context_window"] == 256
         assert set(server.node.instances) == {"ok"}
         await client.close()

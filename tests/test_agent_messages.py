@@ -33,7 +33,8 @@ def wire(message: dict) -> dict:
 
 @given(st.one_of(
     st.builds(TokensEvent, st.lists(st.tuples(text, ids, text), max_size=4)),
-    st.builds(DoneEvent, text, st.sampled_from(["completed", "failed"]), st.none() | st.sampled_from(["stop", "length"]),
+    st.builds(DoneEvent, text, st.sampled_from(["completed", "failed"]), st.none() | st.sampled_from(["stop",
+                                                                                                      "length"]),
               text, st.integers(0, 4096), ages, ages),
     st.builds(InstanceEvent, text, st.sampled_from(["ready", "failed"]), text),
     st.builds(EvictedEvent, text.filter(bool), st.builds(Progress, text, st.integers(1, 64), ids, ages)),

@@ -12,15 +12,15 @@ import pytest
 from agent_doubles import TIMES, InProcessAgent, until, use_simulated_engines
 from cluster_doubles import linear_profile
 from doubles import LinearTimes
-from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.wire.agent_protocol import REPLY, TYPE_KEY, InstanceSpec
-from mesh.policy.slo import SLO
-from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
-from mesh.control.dispatcher import Dispatcher
-from mesh.node.request import Outcome, ServedRequest
 from mesh.control.agent_node import AgentNode
+from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
+from mesh.control.dispatcher import Dispatcher
 from mesh.control.supervisor import AgentSettings
+from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.node.request import Outcome, ServedRequest
 from mesh.node.runtime import NodeSpec
+from mesh.policy.slo import SLO
+from mesh.wire.agent_protocol import REPLY, TYPE_KEY, InstanceSpec
 
 # The agents' simulated engines (agent_doubles): decode 10 ms a step, 1,000 bytes of KV per token.
 SLO_TIGHT = SLO(ttft_min_s=0.5, ttft_s_per_prompt_token=0.0, tpot_s=0.015)
@@ -35,7 +35,8 @@ def simulated(monkeypatch):
     from mesh.perf.times import AdaptiveTimes
 
     use_simulated_engines(monkeypatch)
-    monkeypatch.setattr(server_module, "iteration_times", lambda spec, w: AdaptiveTimes(TIMES, alpha=0.0, prefill_alpha=0.0))
+    monkeypatch.setattr(server_module, "iteration_times", lambda spec, w: AdaptiveTimes(TIMES, alpha=0.0,
+                                                                                        prefill_alpha=0.0))
 
 
 async def _load_spec(plan, node) -> InstanceSpec:

@@ -18,18 +18,18 @@ from dataclasses import dataclass
 import pytest
 
 from agent_doubles import until
-from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.perf.times import prior_profile
-from mesh.node.instance_host import MEAN_OUTPUT_PRIOR
-from mesh.wire.agent_protocol import InstanceSpec
+from mesh.control.agent_node import AgentNode
+from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
+from mesh.control.dispatcher import Dispatcher, DispatchStats
 from mesh.control.supervisor import AgentSettings, LocalAgent
+from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.node.instance_host import MEAN_OUTPUT_PRIOR
+from mesh.node.request import Outcome, ServedRequest
+from mesh.node.runtime import NodeSpec
+from mesh.perf.times import prior_profile
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, kv_require_bytes, recommend_bytes
 from mesh.policy.slo import SLO
-from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
-from mesh.control.dispatcher import DispatchStats, Dispatcher
-from mesh.node.runtime import NodeSpec
-from mesh.node.request import Outcome, ServedRequest
-from mesh.control.agent_node import AgentNode
+from mesh.wire.agent_protocol import InstanceSpec
 
 pytestmark = pytest.mark.slow
 

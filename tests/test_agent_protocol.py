@@ -41,7 +41,8 @@ age = st.none() | seconds
 window = st.none() | positive
 view = st.dictionaries(text, st.none() | st.booleans() | count | text, max_size=3)  # a JSON object shown as it is
 sampling = st.builds(Sampling, max_tokens=count, temperature=st.floats(0, 100), top_p=st.floats(0, 1),
-                     stop=st.lists(st.text(max_size=8), max_size=4).map(tuple), seed=st.none() | st.integers(0, 2**64 - 1),
+                     stop=st.lists(st.text(max_size=8), max_size=4).map(tuple),
+                     seed=st.none() | st.integers(0, 2**64 - 1),
                      ignore_eos=st.booleans(), logprobs=st.booleans(), presence_penalty=st.floats(-100, 100),
                      frequency_penalty=st.floats(-100, 100), repetition_penalty=st.floats(1e-3, 100),
                      json_schema=st.none() | st.text(max_size=20))

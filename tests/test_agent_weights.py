@@ -19,17 +19,17 @@ from pathlib import Path
 import pytest
 
 from agent_doubles import TOKEN
-from mesh.engines.engine_api import Sampling
 from mesh.control.agent_client import AgentCallError, AgentClient
-from mesh.wire.agent_protocol import READY_PREFIX, Code, InstanceSpec, sampling_to_dict
+from mesh.engines.engine_api import Sampling
 from mesh.node.agent_server import AgentServer
-from mesh.weights.receiver import NodeWeightsReceiver, inside, received_path, safe_name, send_model
-from mesh.policy.multicast import make_plan
 from mesh.node.runtime import NodeSpec
-from mesh.weights.peer import WeightAgent
+from mesh.policy.multicast import make_plan
 from mesh.weights.blocks import pack
 from mesh.weights.coordinator import MulticastError, multicast
 from mesh.weights.launch import new_token
+from mesh.weights.peer import WeightAgent
+from mesh.weights.receiver import NodeWeightsReceiver, inside, received_path, safe_name, send_model
+from mesh.wire.agent_protocol import READY_PREFIX, Code, InstanceSpec, sampling_to_dict
 
 WEIGHTS_TOKEN = "weights-" + TOKEN
 
@@ -63,7 +63,8 @@ def test_an_agent_receives_a_model_into_its_folder(tmp_path: Path) -> None:
         address = await server.serve("127.0.0.1:0")
         bare = AgentServer(NodeSpec("n2", "cpu", 10**9), TOKEN, {})
         bare_address = await bare.serve("127.0.0.1:0")
-        client, other = AgentClient("n1", lambda m: None, lambda r: None), AgentClient("n2", lambda m: None, lambda r: None)
+        client, other = AgentClient("n1", lambda m: None, lambda r: None), AgentClient("n2", lambda m: None,
+                                                                                       lambda r: None)
         try:
             info = await client.connect(address, TOKEN)
             assert info.weights["dir"] == str(tmp_path / "n1")
@@ -166,7 +167,7 @@ def test_a_scale_out_by_network_serves_from_the_received_file(demo_gguf: Path, t
             result = await send_model(manifest, demo_gguf.name, {"a": (clients["a"], str(demo_gguf))},
                                       {"b": clients["b"]}, plan="chain", timeout_s=120, token=weights_token)
             assert result.outputs == {"b": out}
-            digest = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731
+            digest = lambda p: hashlib.sha256(Path(p).read_bytes()).hexdigest()  # noqa: E731 - a one-line helper local to the test
             assert digest(out) == digest(demo_gguf)
 
             prompt = "The capital of France is"
@@ -243,7 +244,8 @@ def test_a_real_agent_answers_a_handler_exception_and_keeps_streaming(demo_gguf:
                 if any(e["t"] == "instance" for e in events):
                     break
                 await asyncio.sleep(0.1)
-            ids = (await client.call_message({"t": "tokenize", "instance_id": "i", "prompt": "Once upon a time"}))["ids"]
+            ids = (await client.call_message({"t": "tokenize", "instance_id": "i",
+                                              "prompt": "Once upon a time"}))["ids"]
             entry = {"request_id": "long", "instance_id": "i", "prompt_token_ids": ids,
                      "sampling": sampling_to_dict(Sampling(max_tokens=48, temperature=0.0)), "age_s": 0.0}
             assert (await client.call_message({"t": "admit", "requests": [entry]}))["results"][0]["ok"]

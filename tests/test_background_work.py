@@ -22,8 +22,8 @@ t = threading.Thread(target=lambda: seen.update(policy=os.sched_getscheduler(0))
 t.start(); t.join()
 import ctypes, platform
 io = ctypes.CDLL(None).syscall({"x86_64": 252, "aarch64": 31}.get(platform.machine(), -1), 1, 0)  # ioprio_get
-print(json.dumps({"got": got, "io_class": io >> 13, "policy": os.sched_getscheduler(0), "thread": seen["policy"], "nice": os.nice(0),
-                  "omp": os.environ.get("OMP_NUM_THREADS")}))
+print(json.dumps({"got": got, "io_class": io >> 13, "policy": os.sched_getscheduler(0), "thread": seen["policy"],
+                  "nice": os.nice(0), "omp": os.environ.get("OMP_NUM_THREADS")}))
 """
 
 

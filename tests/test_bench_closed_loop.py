@@ -12,10 +12,20 @@ import math
 import pytest
 
 pytest.importorskip("openai")
-from aiohttp import web  # noqa: E402
+from aiohttp import web  # noqa: E402 - after the skip when openai is missing
 
-from mesh.bench.closed_loop import (FAILED, SERVED, TURNED_AWAY, Outcome, checks, closed_loop, percentile,  # noqa: E402
-                                    summarize, table, targets_for)
+from mesh.bench.closed_loop import (  # noqa: E402 - likewise
+    FAILED,
+    SERVED,
+    TURNED_AWAY,
+    Outcome,
+    checks,
+    closed_loop,
+    percentile,
+    summarize,
+    table,
+    targets_for,
+)
 
 MODELS = ["bench/copy-0", "bench/copy-1", "bench/copy-2"]
 

@@ -12,9 +12,18 @@ import pytest
 from aiohttp import web
 
 from mesh.bench import control_plane as cp
-from mesh.control.latency import (BUCKETS_PER_OCTAVE, FIRST_EDGE_S, NUM_BUCKETS, LogHistogram, LoopLagProbe, between,
-                                  bucket_of, edge, export_buckets, quantile)
-
+from mesh.control.latency import (
+    BUCKETS_PER_OCTAVE,
+    FIRST_EDGE_S,
+    NUM_BUCKETS,
+    LogHistogram,
+    LoopLagProbe,
+    between,
+    bucket_of,
+    edge,
+    export_buckets,
+    quantile,
+)
 
 # ---- histograms -----------------------------------------------------------------------------------
 

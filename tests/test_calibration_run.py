@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 
-from mesh.perf import PerformanceModel, load_profile
 from mesh.calibration.runner import (
     CalibrationError,
     Grid,
@@ -21,9 +20,10 @@ from mesh.calibration.runner import (
     powers_of_two,
     state_path_for,
 )
-from mesh.engines.engine_api import EngineRequest, FinishReason, StepResult
-from mesh.policy.batching import IterationKind
 from mesh.cli import main
+from mesh.engines.engine_api import EngineRequest, FinishReason, StepResult
+from mesh.perf import PerformanceModel, load_profile
+from mesh.policy.batching import IterationKind
 
 TINY = Settings(max_prompt=32, max_batch=2, max_context=32, reps=2, warmup=1)
 

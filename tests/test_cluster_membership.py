@@ -11,19 +11,19 @@ from pathlib import Path
 import pytest
 
 from agent_doubles import TOKEN, WEIGHTS_TOKEN, InProcessAgent, use_simulated_engines
-from mesh.engines.engine_api import Sampling
 from mesh.control.remote_agents import RemoteAgent
+from mesh.control.weights_plane import WeightsPlane, WeightsSettings
+from mesh.engines.engine_api import Sampling
 from mesh.node.agent_server import AgentServer
-from mesh.ray.membership import mesh_node_ids
+from mesh.node.runtime import NodeSpec
 from mesh.policy.autoscale import NodeUse, decide
 from mesh.policy.slo import SLO
-from mesh.node.runtime import NodeSpec
+from mesh.ray.membership import mesh_node_ids
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.config import ConfigError, build_config
 from mesh.service.errors import ApiError
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, Tokens
-from mesh.control.weights_plane import WeightsPlane, WeightsSettings
 
 SIZE = 3 << 20
 
@@ -127,7 +127,10 @@ def test_a_node_added_while_serving_gets_the_model_by_multicast(tmp_path, model_
             await p.add_node(NodeSpec("cpu-9", "cpu", 10**9), Agent)
         result = await p.scale_out(m, ["cpu-9"])
         assert result["results"][0]["ok"] and result["results"][0]["weights"] == "multicast from cpu-0"
+        assert p.cluster.cold_starts.node_load_s("cpu-0", m.uid) is not None
         await p.remove_node("cpu-0", "test")
+        assert p.cluster.cold_starts.node_load_s("cpu-0", m.uid) is None  # its load history left with it
+        assert p.cluster.cold_starts.node_load_s("cpu-9", m.uid) is not None
         stream = await p.submit(job("b", m))
         assert stream.node_id == "cpu-9" and isinstance([ev async for ev in stream.events()][-1], Finished)
         await p.remove_node("cpu-9", "test")

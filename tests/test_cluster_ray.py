@@ -7,8 +7,9 @@ One test walks through the story, in order, since each step needs the previous o
 the demo model is registered and served on a Ray node, multicast to the second node; the
 node running eight streams is removed mid-stream: they go on on the other node from the next
 token, each to exactly its max_tokens, none failed; the node leaves /admin/cluster and the next
-request is served by the other node with the same greedy answer; a node added while serving gets an agent, gets the model by multicast and serves it;
-its agent process killed, Ray restarts the actor and the service reconnects to the new agent.
+request is served by the other node with the same greedy answer; a node added while serving gets an agent, gets the
+model by multicast and serves it; its agent process killed, Ray restarts the actor and the service reconnects to the new
+agent.
 """
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ import pytest
 ray = pytest.importorskip("ray", reason="Ray is in the `cluster` extra (scripts/setup.sh installs it)")
 openai = pytest.importorskip("openai")
 
-from test_node_loss_e2e import STREAMS, Streams, assert_complete  # noqa: E402
-from test_service_e2e import Server  # noqa: E402
+from test_node_loss_e2e import STREAMS, Streams, assert_complete  # noqa: E402 - after the skips when Ray is missing
+from test_service_e2e import Server  # noqa: E402 - likewise
 
 pytestmark = [pytest.mark.slow, pytest.mark.shared_processes]  # the module's Ray cluster keeps its workers
 

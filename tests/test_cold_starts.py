@@ -11,12 +11,21 @@ import json
 import pytest
 
 from cluster_doubles import GB, WEIGHTS, build, config, request, run_until, spec
+from mesh.control.dispatcher import Dispatcher
 from mesh.engines.simulated import SimulatedEngine
-from mesh.perf.load_times import (ANY_MODEL, GIB, PARKED, PARKED_PRIOR_S, RESIZE_UP_S_PER_GIB, ColdStart, ColdStartTable,
-                                  LoadRecord, cold_start_times)
+from mesh.perf.load_times import (
+    ANY_MODEL,
+    GIB,
+    PARKED,
+    PARKED_PRIOR_S,
+    RESIZE_UP_S_PER_GIB,
+    ColdStart,
+    ColdStartTable,
+    LoadRecord,
+    cold_start_times,
+)
 from mesh.policy.placement import NodeView, new_instance_order
 from mesh.replay.simulator import simulated_cluster
-from mesh.control.dispatcher import Dispatcher
 from mesh.replay.virtual_loop import run_virtual
 from mesh.service.errors import overloaded
 from mesh.service.request_path import retry_after_s
@@ -51,6 +60,17 @@ def test_a_parked_load_predicts_only_a_node_that_has_the_model_parked():
     # parked ahead of its first load (mesh.node.park_ahead): the parked tier's prior, not a build's
     assert t.expected_load_s("n3", "new", parked=True) == PARKED_PRIOR_S and t.expected_load_s("n3", "new") is None
     assert cold_start_times(t.to_dict()) == {("m", "cpu"): 3.7, (ANY_MODEL, "cpu"): 3.7}  # a replay parks nothing
+
+
+def test_a_forgotten_node_predicts_from_its_peers_again():
+    t = ColdStartTable()
+    t.record(LoadRecord("n0", "cpu", "m", "prepared", 9.0, 1.0))
+    t.record(LoadRecord("n1", "cpu", "m", "prepared", 2.0, 2.0))
+    assert t.expected_load_s("n0", "m", peers=["n1"]) == 9.0
+    t.forget_node("n0")
+    assert t.node_load_s("n0", "m") is None
+    assert t.expected_load_s("n0", "m", peers=["n1"]) == 2.0  # a new node under the same id: its peers'
+    assert {r["node"] for r in t.to_dict()["loads"]} == {"n1"}
 
 
 def test_transfers_and_the_exported_table_for_a_replay():

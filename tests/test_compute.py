@@ -1,6 +1,7 @@
 """Compute subsystem: headroom (Eq. 1) and token-level selection (LLM-Mesh 5.1)."""
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from doubles import LinearTimes
 from mesh.policy.batching import IterationKind
@@ -141,7 +142,8 @@ def test_choice_matches_brute_force_headroom(sequence):
             if it is None:
                 continue
             inst = c.instances[it.instance_id]
-            served = [r.request_id for r in inst.prefill_batch()] if it.kind is IterationKind.PREFILL else [r.request_id for r in inst.running]
+            batch = inst.prefill_batch() if it.kind is IterationKind.PREFILL else inst.running
+            served = [r.request_id for r in batch]
             c.complete_iteration(it.instance_id, it.kind, served)
             for rid in served:
                 produced[rid] += 1

@@ -169,7 +169,8 @@ def test_the_converted_folder_exports_to_an_ir_openvino_serves(converted, tmp_pa
     out = tmp_path / "smollm2-ir"
     env = dict(os.environ, PYTHONPATH=str(REPO_ROOT))
     started = time.perf_counter()
-    r = subprocess.run([python, "-m", "mesh.modelfiles.convert", "hf-to-ir", str(folder), str(out)], capture_output=True,
+    r = subprocess.run([python, "-m", "mesh.modelfiles.convert", "hf-to-ir", str(folder), str(out)],
+                       capture_output=True,
                        text=True, env=env, cwd=REPO_ROOT, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]
     summary = json.loads(r.stdout.strip().splitlines()[-1])

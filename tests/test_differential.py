@@ -36,18 +36,18 @@ from typing import Any
 
 import pytest
 
-from mesh.engines.engine_api import Sampling
-from mesh.node.emulation import emulated_nodes
-from mesh.control.supervisor import AgentSettings
-from mesh.perf.profile import catalog_profile, save_profile
-from mesh.perf.load_times import ColdStart
-from mesh.policy.slo import SLO
-from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
 from mesh.control.cluster_view import ClusterConfig
 from mesh.control.dispatcher import accounting
+from mesh.control.supervisor import AgentSettings
+from mesh.engines.engine_api import Sampling
+from mesh.node.emulation import emulated_nodes
 from mesh.node.request import Outcome, ServedRequest
-from mesh.service.errors import ApiError
+from mesh.perf.load_times import ColdStart
+from mesh.perf.profile import catalog_profile, save_profile
+from mesh.policy.slo import SLO
+from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.errors import ApiError
 from mesh.service.model_catalogue import MEAN_OUTPUT_PRIOR
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Job
@@ -131,7 +131,8 @@ def replay(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
     catalog = build_catalog(sorted(set(workload.models.values())), cpu_device=DEVICES["cpu"],
                             gpu_device=DEVICES["gpu"], profile_dir=profiles)
     cluster = ClusterConfig(cpu_nodes=2, gpu_nodes=2, cpu_memory_bytes=MEMORY["cpu"], gpu_memory_bytes=MEMORY["gpu"],
-                            keep_alive_s=KEEP_ALIVE_S * scale, slo=scaled_slo(scale), cold_start=scaled_cold_start(scale),
+                            keep_alive_s=KEEP_ALIVE_S * scale, slo=scaled_slo(scale),
+                            cold_start=scaled_cold_start(scale),
                             max_batch=PlacementSettings().max_batch, noise=0.0)
     config = ReplayConfig(cluster=cluster, queue_capacity=QUEUE_CAPACITY, queue_timeout_s=QUEUE_TIMEOUT_S * scale,
                           progress=False)
@@ -261,7 +262,8 @@ def test_the_service_decides_as_the_replay(profiles):
     print(f"differential: {result['requests']} requests, {result['agree']:.1%} agree; SLO simulated "
           f"{result['slo_simulated']:.1%} live {result['slo_live']:.1%}; events simulated {result['events_simulated']} "
           f"live {result['events_live']}; live instances {d['new_instances']} new, {d['preemptions']} preemptions; "
-          f"replay {run.instances_started} instances, {run.policy_stats.preemptions} preemptions; live wall {wall:.0f} s")
+          f"replay {run.instances_started} instances, {run.policy_stats.preemptions} preemptions; "
+          f"live wall {wall:.0f} s")
     for rid, row in result["detail"].items():
         print("  differs", rid, row)
     live_events, sim_events = result["events_live"], result["events_simulated"]

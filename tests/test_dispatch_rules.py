@@ -12,7 +12,6 @@ from mesh.policy.placement import (
     NodeView,
     candidate_order,
     concurrency_target,
-    first_fit_free_node,
     keep_alive_expired,
     new_instance_order,
     queue_expiry_s,
@@ -54,11 +53,12 @@ def test_new_instance_order_packs_used_nodes_cpu_first():
     assert [n.node_id for n in new_instance_order(nodes, ("cpu",), exclude={"c2"})] == ["c1", "c0"]
 
 
-def test_first_fit_free_node():
+def test_exclusive_order_is_first_fit_over_free_nodes_cpu_first():
+    """ServerlessLLM's rule: the first node of the kinds with no instance, CPU first."""
     nodes = [NodeView("c0", "cpu", 1, 1, 9, 0), NodeView("g0", "gpu", 0, 0, 9, 1), NodeView("c1", "cpu", 0, 0, 9, 2)]
-    assert first_fit_free_node(nodes, ("cpu", "gpu")).node_id == "c1"
-    assert first_fit_free_node(nodes, ("gpu",)).node_id == "g0"
-    assert first_fit_free_node(nodes[:1], ("cpu",)) is None
+    assert [n.node_id for n in new_instance_order(nodes, ("cpu", "gpu"), exclusive=True)] == ["c1", "g0"]
+    assert [n.node_id for n in new_instance_order(nodes, ("gpu",), exclusive=True)] == ["g0"]
+    assert new_instance_order(nodes[:1], ("cpu",), exclusive=True) == []
 
 
 def test_sllm_concurrency_targets_and_pick():
@@ -99,10 +99,14 @@ def test_queue_expiry_rules():
     with pytest.raises(ValueError):
         wait_expiry_s(0.0, 1.0, -1.0, False)
     # admission (issue 33): queue keeps a hopeless request up to the bound, late without one
-    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="queue") == (33.0, "timeout")
-    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=None, validates=True, admission="queue") == (math.inf, "timeout")
-    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="late") == (math.inf, "timeout")
-    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="reject") == (11.5, "slo")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="queue") == (33.0,
+                                                                                                            "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=None, validates=True, admission="queue") == (math.inf,
+                                                                                                            "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="late") == (math.inf,
+                                                                                                           "timeout")
+    assert wait_expiry_s(now=3.0, slo_expiry_s=11.5, timeout_s=30.0, validates=True, admission="reject") == (11.5,
+                                                                                                             "slo")
     with pytest.raises(ValueError):
         wait_expiry_s(0.0, 1.0, 1.0, True, admission="wait")
 
@@ -171,7 +175,7 @@ def test_tailored_concurrency_target_is_the_largest_batch_within_the_tpot(base, 
 
 
 def test_admission_a_models_own_then_its_tenants_then_the_clusters():
-    from mesh.control.cluster_view import ClusterView, ClusterConfig, ClusterError
+    from mesh.control.cluster_view import ClusterConfig, ClusterError, ClusterView
 
     cluster = ClusterView(ClusterConfig(cpu_nodes=1, gpu_nodes=0, admission="reject"))
     assert cluster.admission("m", "t") == "reject"

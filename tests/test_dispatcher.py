@@ -8,10 +8,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cluster_doubles import GB, build, config, request, run_until, spec
-from mesh.perf.load_times import GIB, RESIZE_UP_S_PER_GIB, ColdStart
-from mesh.policy.slo import SLO
 from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
 from mesh.node.request import Outcome
+from mesh.perf.load_times import GIB, RESIZE_UP_S_PER_GIB, ColdStart
+from mesh.policy.slo import SLO
 from mesh.replay.virtual_loop import run_virtual
 
 KV0_S = 100_000 * 1024 * 1.2 / GIB * RESIZE_UP_S_PER_GIB  # initial KV cache (L_min = 1024 tokens, w = 0.2)
@@ -24,7 +24,8 @@ async def instances(cluster, model: str, batches: dict[str, int], slo: SLO = SLO
         node = cluster.node(node_id)
         ref = await cluster.start_instance(cluster.plan(model, node), node)
         for k in range(b):
-            assert (await node.try_admit(ref.instance_id, request(f"{model}-{node_id}-{k}", model, out=out, slo=slo))).ok
+            assert (await node.try_admit(ref.instance_id, request(f"{model}-{node_id}-{k}", model, out=out,
+                                                                  slo=slo))).ok
         refs[node_id] = ref
     await asyncio.sleep(1.0)  # loaded, prefilled, decoding
     return refs
@@ -101,7 +102,8 @@ def test_proactive_preemption_of_a_lower_batch_neighbour():
         r = request("r", "m", slo=slo)
         assert not (await node.validate(x.instance_id, r)).ok
         assert await d.policy.place(r)
-        state = (r.instance_id, moved.node_id, moved.tokens_out, y.instance_id in node.instances, d.policy.stats.preemptions)
+        state = (r.instance_id, moved.node_id, moved.tokens_out, y.instance_id in node.instances,
+                 d.policy.stats.preemptions)
         await run_until(lambda: moved.outcome is not None)
         await cluster.stop()
         return x, state, done_before, moved
@@ -285,7 +287,8 @@ def test_admission_choice_of_a_request_that_cannot_meet_its_slo(admission, timeo
 
 def test_queue_timeout_rejects_after_waiting():
     async def main():
-        cluster, d = await build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1), queue_timeout_s=3.0)
+        cluster, d = await build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1),
+                                 queue_timeout_s=3.0)
         d.submit(request("hog", "a", out=200))  # 10 s
         late = request("b1", "b")
         d.submit(late)
@@ -424,7 +427,8 @@ def test_a_crashed_node_loop_is_reported_not_hidden():
         catalog = {"llama-2-7b": spec()}
         simulator = Simulator(config(cpu=1, gpu=0), catalog, {"m": "llama-2-7b"}, {"llama-2-7b": 100.0})
         cluster = simulator.cluster
-        simulator.engine_factory = lambda plan, kind, load_s, seed: Broken(simulator.simulated_engine(plan, kind, load_s, seed))
+        simulator.engine_factory = lambda plan, kind, load_s, seed: Broken(simulator.simulated_engine(plan, kind,
+                                                                                                      load_s, seed))
         await cluster.start()
         node = cluster.node("cpu0")
         ref = await cluster.start_instance(cluster.plan("m", node), node)

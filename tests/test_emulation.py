@@ -13,12 +13,11 @@ import pytest
 from mesh.engines.emulated import EmulatedEngine, byte_ids
 from mesh.engines.engine_api import EngineRequest, FinishReason, Sampling
 from mesh.node.emulation import Emulation, emulated_nodes, emulated_profiles, parse_emulate
+from mesh.perf.load_times import ColdStart
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import catalog_profile
 from mesh.policy.batching import IterationKind
-from mesh.perf.load_times import ColdStart
 from test_service_e2e import ADMIN, Server
-
 
 
 def _engine(noise: float, device: str = "xeon-6462c", seed: int = 0) -> EmulatedEngine:
@@ -134,9 +133,9 @@ def test_emulate_accepts_the_probed_h200_and_h100_with_their_memory_and_host_lin
 
 def test_an_agent_refuses_emulated_models_unless_it_emulates():
     from mesh.control.agent_client import AgentCallError, AgentClient
-    from mesh.wire.agent_protocol import Code, InstanceSpec
     from mesh.node.agent_server import AgentServer
     from mesh.node.runtime import NodeSpec
+    from mesh.wire.agent_protocol import Code, InstanceSpec
 
     async def main() -> None:
         for emulation in (None, Emulation("xeon-6462c")):
@@ -227,9 +226,9 @@ def test_an_emulated_load_takes_the_replays_engine_load_not_the_prediction():
     the one before). It takes what the replay's simulated engine takes
     (InstanceSpec.emulated_load_s, ClusterView.simulated_load_s), the KV allocation after it."""
     from mesh.control.agent_client import AgentClient
-    from mesh.wire.agent_protocol import InstanceSpec
     from mesh.node.agent_server import AgentServer
     from mesh.node.runtime import NodeSpec
+    from mesh.wire.agent_protocol import InstanceSpec
 
     async def main() -> list[float]:
         server = AgentServer(NodeSpec("n0", "cpu", 10**12), "tok", {}, load_roots=["/"],
@@ -243,7 +242,8 @@ def test_an_emulated_load_takes_the_replays_engine_load_not_the_prediction():
         try:
             await client.connect(address, "tok")
             for iid, emulated in (("i1", 0.3), ("i2", None)):
-                spec = InstanceSpec(iid, "t/m", "llama-3.2-3b", 2048, engine="emulated", profile="emulated:llama-3.2-3b",
+                spec = InstanceSpec(iid, "t/m", "llama-3.2-3b", 2048, engine="emulated",
+                                    profile="emulated:llama-3.2-3b",
                                     expected_load_s=4.0, emulated_load_s=emulated)
                 start = loop.time()
                 await client.call_message(spec.to_message())
@@ -299,9 +299,9 @@ def test_an_emulated_instance_plans_with_its_profile_and_the_nodes_margin():
     iterations where the replay validates with 10%, the differential test's largest
     divergence); the instance's validation plans as the replay's does."""
     from mesh.control.agent_client import AgentClient
-    from mesh.wire.agent_protocol import AdmitEntry, InstanceSpec
     from mesh.node.agent_server import AgentServer
     from mesh.node.runtime import NodeSpec
+    from mesh.wire.agent_protocol import AdmitEntry, InstanceSpec
 
     async def main():
         server = AgentServer(NodeSpec("n0", "gpu", 10**12), "tok", {}, load_roots=["/"],
@@ -372,10 +372,10 @@ def test_the_mixed_rig_serves_a_real_model_on_real_cpu_agents_and_emulated_on_th
     its own cores, and an emulated A100 that runs the demo model emulated from its shape (the
     roofline's profile of its architecture): Mesh places on a real CPU node first, and a
     scale-out to the GPU node starts an emulated instance that streams at the A100's pace."""
-    openai = pytest.importorskip("openai")
-    from mesh.node.emulation import Emulation, shape_name
+    pytest.importorskip("openai")
     from mesh.modelfiles.demo import demo_gguf_path
     from mesh.modelfiles.shape import architecture_of
+    from mesh.node.emulation import Emulation, shape_name
 
     allowed = tmp_path / "allowed"
     allowed.mkdir()

@@ -2,10 +2,10 @@
 between live and twin, with the decision that differed and why."""
 from __future__ import annotations
 
-from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.bench.explain import differences, report
-from mesh.policy.slo import SLO
+from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.node.request import Outcome, ServedRequest
+from mesh.policy.slo import SLO
 
 
 def _req(rid: str, arrival: float, outcome: Outcome, first: float | None = None, finish: float | None = None,

@@ -10,8 +10,7 @@ from mesh.bench.serve_load import summarize as serve_summarize
 from mesh.cli import main
 from mesh.replay.capacity import MAX_FACTOR, RunCache, search_capacity
 from mesh.replay.metrics import json_ready, table, ttft_all_percentiles
-
-from test_replay import traces  # noqa: F401  (the tiny trace fixture)
+from test_replay import traces  # noqa: F401 - the tiny trace fixture, used by name
 
 
 def test_replay_all_request_ttft_counts_the_unserved_as_infinite():
@@ -91,7 +90,7 @@ def test_capacity_search_limits():
         search_capacity(RunCache(lambda f: {"eq1": 1.0}), "eq1", target=1.5)
 
 
-def test_replay_json_carries_the_new_keys(traces, tmp_path, capsys):  # noqa: F811
+def test_replay_json_carries_the_new_keys(traces, tmp_path, capsys):  # noqa: F811 - the fixture imported above
     trace, lengths = traces
     out = tmp_path / "r.json"
     assert main(["replay", "--trace", str(trace), "--lengths", str(lengths), "--no-progress", "--functions", "4",
@@ -107,7 +106,7 @@ def test_replay_json_carries_the_new_keys(traces, tmp_path, capsys):  # noqa: F8
             assert m["ttft_p99_all_s"] >= m["ttft_p99_s"]
 
 
-def test_replay_capacity_on_a_tiny_trace(traces, tmp_path, capsys):  # noqa: F811
+def test_replay_capacity_on_a_tiny_trace(traces, tmp_path, capsys):  # noqa: F811 - likewise
     trace, lengths = traces
     out = tmp_path / "c.json"
     assert main(["replay", "--trace", str(trace), "--lengths", str(lengths), "--no-progress", "--functions", "4",

@@ -11,12 +11,22 @@ from pathlib import Path
 import pytest
 
 from mesh.node.emulation import emulated_cold_start
-from mesh.perf.gpu_reference import (PROBE_DIR, PROBE_MODEL, PROBES, ProbeError, comparison_table, fit_device,
-                                     fit_probe, load_probe, predicted_s, read_probe)
+from mesh.perf.gpu_reference import (
+    PROBE_DIR,
+    PROBE_MODEL,
+    PROBES,
+    ProbeError,
+    comparison_table,
+    fit_device,
+    fit_probe,
+    load_probe,
+    predicted_s,
+    read_probe,
+)
+from mesh.perf.load_times import ColdStart
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import reference_profile
 from mesh.perf.roofline import ARCHITECTURES, FITTED_GPUS, HARDWARE, VLLM_STEP_OVERHEAD_S, decode_seconds
-from mesh.perf.load_times import ColdStart
 
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "roofline.md"
 FIELDS = ("eff_gemm", "eff_attn", "eff_bw", "eff_kv", "device_overhead_s", "host_to_device_bytes_per_s",
@@ -50,9 +60,11 @@ def test_the_probe_reads_every_default_backend_point_of_the_h200_json() -> None:
     raw = json.loads((PROBE_DIR / PROBES["h200"]).read_text())
     decodes = [d for d in raw["decode"] if "sdpa_backend" not in d]
     probe = load_probe("h200")
-    assert [(p.batch, p.tokens) for p in probe.points if p.kind == "decode"] == [(d["B"], d["context"]) for d in decodes]
+    assert [(p.batch, p.tokens) for p in probe.points if p.kind == "decode"] == [(d["B"],
+                                                                                  d["context"]) for d in decodes]
     assert [p.tokens for p in probe.points if p.kind == "prefill"] == [p["L"] for p in raw["prefill"]]
-    assert probe.pinned_bytes_per_s == pytest.approx(13.5e9 / min(raw["h2d"]["pinned_whole_s"] + raw["h2d"]["pinned_chunked_s"]))
+    pinned_s = raw["h2d"]["pinned_whole_s"] + raw["h2d"]["pinned_chunked_s"]
+    assert probe.pinned_bytes_per_s == pytest.approx(13.5e9 / min(pinned_s))
 
 
 def test_the_a100_takes_the_mean_of_the_two_fits_and_its_own_peaks() -> None:

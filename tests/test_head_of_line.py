@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 
 from agent_doubles import WEIGHTS_TOKEN, InProcessAgent, use_simulated_engines
+from mesh.control.weights_plane import WeightsPlane, WeightsSettings
 from mesh.engines.engine_api import Sampling
-from mesh.policy.slo import SLO
 from mesh.node.runtime import NodeSpec
+from mesh.policy.slo import SLO
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
-from mesh.control.weights_plane import WeightsPlane, WeightsSettings
 
 pytestmark = pytest.mark.slow
 
@@ -105,8 +105,8 @@ def test_a_paced_scale_out_of_one_model_does_not_delay_another_models_queue(tmp_
             a_ready = max(0.0, loop.time() - freed)
             transfer_s = BIG / LINK_BYTES_PER_S
             a_instance = [i for n in p.view()["nodes"] for i in n["instances"] if i["model"] == "a"]
-            print(f"A's scale-out: {BIG / 2**30:.2f} GiB at {LINK_BYTES_PER_S / 2**20:.0f} MiB/s ({transfer_s:.1f} s on "
-                  f"the link); A's request admitted {a_delay:.2f} s after the drain started, done {a_ready:.2f} s; "
+            print(f"A's scale-out: {BIG / 2**30:.2f} GiB at {LINK_BYTES_PER_S / 2**20:.0f} MiB/s ({transfer_s:.1f} s "
+                  f"on the link); A's request admitted {a_delay:.2f} s after the drain started, done {a_ready:.2f} s; "
                   f"B's {QUEUED_B} queued requests admitted after {', '.join(f'{d * 1000:.0f}' for d in b_delays)} ms; "
                   f"longest decision {p.dispatcher.stats.decision_max_s * 1000:.0f} ms")
             assert a_instance and a_instance[0]["weights"] == "multicast from cpu-0", a_instance

@@ -14,15 +14,15 @@ import pytest
 from agent_doubles import TOKEN, WEIGHTS_TOKEN, use_simulated_engines
 from mesh import framing
 from mesh.control.agent_client import AgentClient
-from mesh.wire.agent_protocol import InstanceSpec, sampling_to_dict
-from mesh.node.agent_server import AgentServer
 from mesh.engines.engine_api import Sampling
 from mesh.framing import LENGTH, encode_frame
+from mesh.node.agent_server import AgentServer
 from mesh.node.runtime import NodeSpec
+from mesh.policy.multicast import make_plan
 from mesh.weights.blocks import load_blocks, pack
 from mesh.weights.coordinator import multicast
-from mesh.policy.multicast import make_plan
 from mesh.weights.peer import WeightAgent
+from mesh.wire.agent_protocol import InstanceSpec, sampling_to_dict
 
 WAIT = 10.0  # no read in these tests waits longer
 
@@ -516,10 +516,10 @@ class Http:
 
         from agent_doubles import InProcessAgent
         from mesh.service.app import Service, build_app
+        from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
         from mesh.service.config import ServeConfig
         from mesh.service.limits import listen
         from mesh.service.prometheus import ServiceMetrics
-        from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
         from mesh.service.registry import Registry
 
         cfg = ServeConfig(admin_token=ADMIN, allowed_dir=self.allowed, data_dir=self.tmp_path, **self.config)
@@ -1330,7 +1330,7 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
         scaled = server.admin("POST", "/admin/scale", {"tenant": "demo", "model": "demo/smollm2",
                                                        "nodes": ["cpu-0", "cpu-1"]})
         assert [r["ok"] for r in scaled["results"]] == [True, True], scaled
-        admin = lambda method, path, body=None: server.admin(method, path, body)  # noqa: E731
+        admin = lambda method, path, body=None: server.admin(method, path, body)  # noqa: E731 - a local shorthand
         for t in ("a", "b"):
             admin("POST", "/admin/tenants", {"name": t})
         key_b = admin("POST", "/admin/tenants/b/keys", {"label": "attacker"})["key"]
@@ -1381,7 +1381,8 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
             refused = sum(a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a for a in answers[:1000])
             assert all(a == b"" or (a.startswith(b"HTTP/1.1 503") and b"too_many_connections" in a)
                        for a in answers[:1020]), {a[:80] for a in answers[:1020]}
-            assert all(a.startswith(b"HTTP/1.1 408") and b"request_timeout" in a for a in answers[1020:]), answers[1020:]
+            assert all(a.startswith(b"HTTP/1.1 408") and b"request_timeout" in a
+                       for a in answers[1020:]), answers[1020:]
             from mesh.service.limits import HttpLimits
 
             per_address = HttpLimits().max_connections_per_client  # 100 from each of 10 addresses
@@ -1548,7 +1549,7 @@ def test_attacks_on_a_real_service_leave_a_well_behaved_tenant_served(tmp_path, 
             assert mib < RSS_BOUND_MIB, (pid, cmd, mib)
         # the well-behaved tenant: no error, and its TTFT held
         errors = [(p, r) for p, r in tenant.results if r["status"] != 200 or r["error"] or not r.get("done")]
-        ttft = lambda phases: [r["ttft_s"] for p, r in tenant.results if p in phases and r["ttft_s"] is not None]  # noqa: E731
+        ttft = lambda phases: [r["ttft_s"] for p, r in tenant.results if p in phases and r["ttft_s"] is not None]  # noqa: E731 - a local shorthand
         unloaded, attacked = ttft({"unloaded"}), ttft(set(refusals))
         by_phase = {name: (tenant.count(name), round(_p99(ttft({name})), 3)) for name in refusals if ttft({name})}
         print(f"TTFT p99 unloaded {_p99(unloaded):.3f} s ({len(unloaded)}); under attack {_p99(attacked):.3f} s "
@@ -1735,8 +1736,8 @@ def test_a_model_deleted_while_its_instance_loads_leaves_nothing_behind(simulate
             await asyncio.sleep(0.2)  # the deletion's work has reached the agent
             gate.set()  # the load finishes after the delete
             await asyncio.wait_for(started, WAIT)
-            await until(lambda: not server.node.instances and not server.host.specs and record.uid not in p.cluster.models
-                        and server.models.models_known() == [], 5.0)
+            await until(lambda: not server.node.instances and not server.host.specs
+                        and record.uid not in p.cluster.models and server.models.models_known() == [], 5.0)
             assert not p.cluster.instances_of(record.uid) and record.uid not in p.dispatcher._decisions
             assert p.dispatcher.requests == {}
 

@@ -21,7 +21,8 @@ PACKAGES = ("mesh", "workloads")
 # follow processes: mesh.node runs in a node agent, mesh.control in the control service,
 # mesh.wire is what crosses between them (docs/design.md, "The map").
 LAYERS: list[tuple[str, ...]] = [
-    ("mesh", "mesh.paths", "mesh.framing", "mesh.hardware", "mesh.background", "mesh.lifetime", "mesh.tasks", "mesh.native_heap", "workloads"),  # base: no Mesh imports
+    ("mesh", "mesh.paths", "mesh.framing", "mesh.hardware", "mesh.background", "mesh.lifetime", "mesh.tasks",
+     "mesh.native_heap", "workloads"),  # base: no Mesh imports
     ("mesh.policy",),  # the pure policy core: batching vocabulary, scheduling and placement rules
     ("mesh.perf",),  # profiles, performance models, every iteration-time model
     ("mesh.modelfiles",),  # model files and their formats: GGUF metadata, shapes, sources, converters
@@ -121,9 +122,12 @@ def test_no_module_imports_from_a_layer_above_its_own():
 
 
 @pytest.mark.parametrize("module,layer", [
-    ("mesh.policy.batching", "mesh.policy"), ("mesh.perf.times", "mesh.perf"), ("mesh.modelfiles.demo", "mesh.modelfiles"),
-    ("mesh.engines.simulated", "mesh.engines"), ("mesh.control.cluster_view", "mesh.control"), ("mesh.replay.simulator", "mesh.replay"),
-    ("mesh.calibration.runner", "mesh.calibration"), ("mesh.node.runtime", "mesh.node"), ("mesh.framing", "mesh"), ("mesh.commands.replay", "mesh.bench"), ("mesh.agent", "mesh.bench"),
+    ("mesh.policy.batching", "mesh.policy"), ("mesh.perf.times", "mesh.perf"), ("mesh.modelfiles.demo",
+                                                                                "mesh.modelfiles"),
+    ("mesh.engines.simulated", "mesh.engines"), ("mesh.control.cluster_view", "mesh.control"), ("mesh.replay.simulator",
+                                                                                                "mesh.replay"),
+    ("mesh.calibration.runner", "mesh.calibration"), ("mesh.node.runtime", "mesh.node"), ("mesh.framing", "mesh"),
+    ("mesh.commands.replay", "mesh.bench"), ("mesh.agent", "mesh.bench"),
 ])
 def test_the_longest_prefix_places_a_module(module, layer):
     assert LAYERS[layer_of(module)][0] == layer

@@ -69,7 +69,7 @@ async def _scale_out(hf: Path, root: Path, live: bool, cfg_kw: dict, arrive_s: f
 
 
 @pytest.mark.parametrize("live", [True, False], ids=["live", "stop-the-world"])
-def test_a_loading_instance_serves_with_the_layers_it_holds_and_every_token_is_right(tiny, tmp_path, live):  # noqa: F811
+def test_a_loading_instance_serves_with_the_layers_it_holds_and_every_token_is_right(tiny, tmp_path, live):  # noqa: F811 - fixtures imported by name
     _torch()
     cfg = dict(streams=3, prompt_tokens=12, max_tokens=6, warm_s=1.0, after_s=1.0, check_max=40)
     prepared, run = asyncio.run(_scale_out(tiny, tmp_path, live, cfg, arrive_s=4.0))

@@ -9,13 +9,31 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mesh.policy.live_scaling import (
-    LayerArrivals, Stage, ZigZagRequest, ZigZagState, activation_bytes, activation_s, best_effort_layers,
-    block_layer_ends, execution_pipelines, held_runs, layer_range_s, pipeline_iteration_s, pipeline_split,
-    pull_helps, pulled_finish, recompute_tokens, solo_finish, source_pull, stage_ranges, switch_assignment,
-    target_next, prefix_layers, zigzag_order,
+    LayerArrivals,
+    Stage,
+    ZigZagRequest,
+    ZigZagState,
+    activation_bytes,
+    activation_s,
+    best_effort_layers,
+    block_layer_ends,
+    execution_pipelines,
+    held_runs,
+    layer_range_s,
+    pipeline_iteration_s,
+    pipeline_split,
+    prefix_layers,
+    pull_helps,
+    pulled_finish,
+    recompute_tokens,
+    solo_finish,
+    source_pull,
+    stage_ranges,
+    switch_assignment,
+    target_next,
+    zigzag_order,
 )
 from mesh.policy.multicast import k_way_orders, sub_groups
-
 
 # --- layers held -------------------------------------------------------------------------------
 

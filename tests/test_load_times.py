@@ -1,11 +1,12 @@
 """The load-time models of mesh.perf.load_times, each written once (issue 34 item 4), against
 the figures they come from."""
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
+from mesh.modelfiles.local import llama_parameter_count, shape_config, shape_names
 from mesh.perf.load_times import GIB, ColdStart, block_sizes, kv_resize_s, weights_load_s
 from mesh.perf.roofline import ARCHITECTURES, kv_bytes_per_token
-from mesh.modelfiles.local import llama_parameter_count, shape_config, shape_names
 
 
 def test_a_kv_resize_takes_figure_8s_times():
@@ -38,4 +39,5 @@ def test_the_checkpoint_and_the_roofline_count_the_same_parameters(name):
     """One formula: a shape folder's config and the roofline's architecture of that model agree."""
     arch = ARCHITECTURES[name]
     assert llama_parameter_count(shape_config(name)) == arch.params
-    assert arch.kv_bytes_per_token == kv_bytes_per_token(arch, "f16", "f16") == 2 * arch.layers * arch.kv_heads * arch.head_dim * 2
+    assert arch.kv_bytes_per_token == kv_bytes_per_token(arch, "f16",
+                                                         "f16") == 2 * arch.layers * arch.kv_heads * arch.head_dim * 2

@@ -3,11 +3,22 @@ the cost model (mesh.perf.load_times); hypothesis property tests over random N, 
 import math
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mesh.perf.load_times import BLOCK_TIME, CostModel, estimate, schedule
 from mesh.policy.multicast import (
-    InvalidPlan, Plan, Transfer, binomial, chain, chains, k_way_orders, lower_bound_rounds, make_plan, naive, repair,
+    InvalidPlan,
+    Plan,
+    Transfer,
+    binomial,
+    chain,
+    chains,
+    k_way_orders,
+    lower_bound_rounds,
+    make_plan,
+    naive,
+    repair,
     validate,
 )
 
@@ -49,7 +60,8 @@ def test_binomial_pipeline_on_a_hypercube(d, b):
 def test_binomial_pipeline_to_a_power_of_two_receivers(d, b):
     """With N = 2^d receivers there are 2^d + 1 nodes, so the bound is b + d, one round more
     than the paper's formula read with N receivers: no plan can do b + d - 1 (the last block
-    leaves the source in round b - 1 at the earliest; its holders at most double per round). A relay feeding a 2^d hypercube reaches b + d."""
+    leaves the source in round b - 1 at the earliest; its holders at most double per round). A relay feeding a 2^d
+    hypercube reaches b + d."""
     p = binomial(["s"], names("t", 2**d), b)
     validate(p)
     assert p.rounds == b + d == lower_bound_rounds(2**d + 1, b)
@@ -77,7 +89,8 @@ def test_chain_orders_targets_by_decreasing_bandwidth():
     assert chains(["s"], ["t1", "t2"], bw) == [["s", "t2", "t1"]]
     sched = schedule(p, CostModel(1, 1.0, node_bandwidth=bw))
     slow_first = schedule(Plan("x", 8, p.holdings, p.targets, tuple(
-        Transfer(t.round, {"t2": "t1", "t1": "t2"}.get(t.sender, t.sender), {"t2": "t1", "t1": "t2"}[t.receiver], t.block)
+        Transfer(t.round, {"t2": "t1", "t1": "t2"}.get(t.sender, t.sender), {"t2": "t1", "t1": "t2"}[t.receiver],
+                 t.block)
         for t in p.transfers)), CostModel(1, 1.0, node_bandwidth=bw))
     assert sched.completion_s["t2"] == 4.0 < slow_first.completion_s["t2"]
     assert sched.total_s <= slow_first.total_s
@@ -103,7 +116,8 @@ def test_k_way_sub_groups_hold_a_whole_model_together_early():
     for r, transfers in enumerate(p.by_round()):
         for t in transfers:
             held[t.receiver].add(t.block)
-        if all(set().union(*(held[n] for n in g)) >= set(range(b // 2 * i, b // 2 * (i + 1))) for i, g in enumerate(groups)):
+        if all(set().union(*(held[n] for n in g)) >= set(range(b // 2 * i, b // 2 * (i + 1))) for i,
+               g in enumerate(groups)):
             break
     assert r + 1 <= b // 2 + 2
     assert all(len(h) < b for h in held.values())

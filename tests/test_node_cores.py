@@ -101,7 +101,7 @@ def test_a_load_client_on_the_service_machine_moves_to_the_services_cores():
         pytest.skip("needs two cores")
     probe = ("import json, os, sys; from mesh.commands.replay_live import _beside_the_service as b; "
              "b(sys.argv[1], (int(sys.argv[2]),)); print(json.dumps(sorted(os.sched_getaffinity(0))))")
-    run = lambda url: json.loads(subprocess.run([sys.executable, "-c", probe, url, str(cores[-1])], check=True,  # noqa: E731
+    run = lambda url: json.loads(subprocess.run([sys.executable, "-c", probe, url, str(cores[-1])], check=True,  # noqa: E731 - a local shorthand
                                                 capture_output=True, text=True, timeout=60).stdout)
     assert run("http://127.0.0.1:8000") == [cores[-1]]
     assert run("http://10.1.2.3:8000") == cores

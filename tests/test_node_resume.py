@@ -5,18 +5,19 @@ prefills waiting on neighbour instances)."""
 import asyncio
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from doubles import LinearTimes
 from mesh.engines.engine_api import EngineError, EngineRequest, Sampling
 from mesh.engines.simulated import SimulatedEngine
+from mesh.node.request import Outcome, ServedRequest
+from mesh.node.runtime import InstancePlan, NodeRuntime, NodeSpec
 from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem, Iteration
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import FailureCase, quick_reject, shadow_validate
 from mesh.policy.slo import SLO, DeadlineRule
-from mesh.node.runtime import InstancePlan, NodeRuntime, NodeSpec
-from mesh.node.request import Outcome, ServedRequest
 from mesh.replay.virtual_loop import run_virtual
 
 KV = 1000

@@ -5,12 +5,12 @@ import pytest
 
 from doubles import LinearTimes
 from mesh.engines.engine_api import EngineRequest, FinishReason, Sampling
-from mesh.policy.batching import IterationKind
 from mesh.engines.simulated import SimulatedEngine
+from mesh.node.request import Outcome, ServedRequest
+from mesh.node.runtime import NodeRuntime, NodeSpec
+from mesh.policy.batching import IterationKind
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.slo import SLO
-from mesh.node.runtime import NodeRuntime, NodeSpec
-from mesh.node.request import Outcome, ServedRequest
 from mesh.replay.virtual_loop import run_virtual
 
 KV_PER_TOKEN = 1000
@@ -18,11 +18,13 @@ WEIGHTS = 10**6
 
 
 def engine(name: str, times: LinearTimes, window: int = 1024, load_s: float = 0.0) -> SimulatedEngine:
-    return SimulatedEngine(name, times, kv_bytes_per_token=KV_PER_TOKEN, weight_bytes=WEIGHTS, context_window=window, load_s=load_s)
+    return SimulatedEngine(name, times, kv_bytes_per_token=KV_PER_TOKEN, weight_bytes=WEIGHTS, context_window=window,
+                           load_s=load_s)
 
 
 def request(rid: str, model: str, prompt: int, out: int, at: float, done: list, slo: SLO = SLO()) -> ServedRequest:
-    return ServedRequest(EngineRequest(rid, prompt, Sampling(max_tokens=10_000), output_len=out), model, at, slo, on_done=done.append)
+    return ServedRequest(EngineRequest(rid, prompt, Sampling(max_tokens=10_000), output_len=out), model, at, slo,
+                         on_done=done.append)
 
 
 async def scenario(tick: float) -> tuple[list, list]:
@@ -36,7 +38,8 @@ async def scenario(tick: float) -> tuple[list, list]:
     await asyncio.sleep(tick)
     now = asyncio.get_running_loop().time()
     done: list[ServedRequest] = []
-    reqs = [request(f"r{k}-{j}", f"m{k}", 50 + 30 * j, 3 + 2 * k + j, now - 0.3 * k, done) for k in range(3) for j in range(k + 2)]
+    reqs = [request(f"r{k}-{j}", f"m{k}", 50 + 30 * j, 3 + 2 * k + j, now - 0.3 * k,
+                    done) for k in range(3) for j in range(k + 2)]
     for r in reqs:
         admission = node.validate(r.model.replace("m", "i"), r)
         node.admit(r.model.replace("m", "i"), r, admission)
@@ -93,7 +96,8 @@ def test_max_tokens_gives_length_reason():
         node.start_instance("i", "m", engine("m", times), times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(0.01)
         done = []
-        r = ServedRequest(EngineRequest("r", 10, Sampling(max_tokens=3), output_len=50), "m", 0.0, SLO(), on_done=done.append)
+        r = ServedRequest(EngineRequest("r", 10, Sampling(max_tokens=3), output_len=50), "m", 0.0, SLO(),
+                          on_done=done.append)
         node.try_admit("i", r)
         await asyncio.sleep(5)
         await node.stop()

@@ -14,7 +14,7 @@ import pytest
 
 openai = pytest.importorskip("openai")
 
-from test_service_e2e import Server  # noqa: E402
+from test_service_e2e import Server  # noqa: E402 - after the skip when openai is missing
 
 pytestmark = pytest.mark.slow
 
@@ -143,12 +143,15 @@ def test_n_choices_are_n_requests(server):
     assert len(set(texts)) >= 2, texts
     assert r.usage.completion_tokens == 18 and r.usage.total_tokens == r.usage.prompt_tokens + 18
     assert [ch.message.content for ch in c.chat.completions.create(**body).choices] == texts
-    single = c.chat.completions.create(**{**body, "n": 1})  # (its text may differ: batched arithmetic is not batch-invariant)
+    # (its text may differ: batched arithmetic is not batch-invariant)
+    single = c.chat.completions.create(**{**body, "n": 1})
     assert r.usage.prompt_tokens == single.usage.prompt_tokens and single.usage.completion_tokens == 6
     chunks = list(c.chat.completions.create(**body, stream=True, stream_options={"include_usage": True}))
-    ends = {ch.choices[0].index: ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason}
+    ends = {ch.choices[0].index: ch.choices[0].finish_reason
+            for ch in chunks if ch.choices and ch.choices[0].finish_reason}
     assert ends == {0: "length", 1: "length", 2: "length"}
-    streamed = {i: "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices and ch.choices[0].index == i)
+    streamed = {i: "".join(ch.choices[0].delta.content or ""
+                           for ch in chunks if ch.choices and ch.choices[0].index == i)
                 for i in range(3)}
     assert [streamed[i] for i in range(3)] == texts
     assert chunks[-1].usage.completion_tokens == 18
@@ -226,4 +229,5 @@ def test_json_object_and_refused_schemas(server):
             "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "string", "pattern": "a+"}}})
     assert err.value.body["param"] == "response_format" and "pattern" in err.value.body["message"]
     # the instance still serves after the refusal (the schema never reached it)
-    assert c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0).choices[0].message.content
+    answer = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+    assert answer.choices[0].message.content

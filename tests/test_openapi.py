@@ -109,7 +109,8 @@ def test_schemathesis_finds_no_server_error(tmp_path_factory, demo_gguf):
         assert server.proc.poll() is None
         assert server.http("GET", "/healthz")[0] == 200
         reply = server.client().chat.completions.create(
-            model="demo/smollm2", max_tokens=8, messages=[{"role": "user", "content": "What is the capital of France?"}])
+            model="demo/smollm2", max_tokens=8, messages=[{"role": "user",
+                                                           "content": "What is the capital of France?"}])
         assert reply.choices[0].message.content
     finally:
         server.stop()

@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from mesh.engines.detokenize import Detokenizer, StopMatcher
-from mesh.engines.openvino_engine import OpenVINOEngine, resolve_model
 from mesh.engines.engine_api import Engine, EngineError, EngineRequest, FinishReason, Sampling, step_result
+from mesh.engines.openvino_engine import OpenVINOEngine, resolve_model
 from mesh.modelfiles.gguf import GGUFError, read_gguf_metadata
 from mesh.modelfiles.shape import shape_from_config, shape_from_gguf
 from mesh.perf.roofline import kv_bytes_per_token

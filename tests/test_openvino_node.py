@@ -10,12 +10,12 @@ from pathlib import Path
 import pytest
 
 from doubles import LinearTimes
-from mesh.engines.openvino_engine import OpenVINOEngine
 from mesh.engines.engine_api import EngineRequest, FinishReason, Sampling
+from mesh.engines.openvino_engine import OpenVINOEngine
+from mesh.node.request import Outcome, ServedRequest
+from mesh.node.runtime import NodeRuntime, NodeSpec
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.slo import SLO
-from mesh.node.runtime import NodeRuntime, NodeSpec
-from mesh.node.request import Outcome, ServedRequest
 
 PROMPT, OUTPUT = 40, 80
 WINDOW = 128  # L_min: the initial KV estimate covers 128 tokens
@@ -126,12 +126,13 @@ def test_arrivals_are_admitted_while_the_node_is_busy(demo_gguf: Path) -> None:
 
 @pytest.mark.slow
 def test_fidelity_bench_end_to_end(demo_gguf: Path, tmp_path: Path) -> None:
+    from mesh.bench import fidelity
     from mesh.calibration.openvino_calibration import OpenVINOTarget
     from mesh.calibration.runner import Settings, calibrate
-    from mesh.bench import fidelity
 
     profile = tmp_path / "tiny.json"
-    calibrate(OpenVINOTarget(demo_gguf, context_window=fidelity.WINDOW, max_batch=2), Settings(32, 2, 32, reps=1, warmup=0),
+    calibrate(OpenVINOTarget(demo_gguf, context_window=fidelity.WINDOW, max_batch=2), Settings(32, 2, 32, reps=1,
+                                                                                               warmup=0),
               profile, progress=False)
     figures = fidelity.run(n=6, duration_s=1.0, scale=32.0, seed=1, profile=str(profile), model=str(demo_gguf),
                            max_prompt=48, max_output=6, wait_quiet_s=0, tries=1, live_repeats=2,

@@ -1,6 +1,7 @@
 """The global parameter pool (BlitzScale 5.3): O(1) host caching, placement, sources, drops."""
 import pytest
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from mesh.policy.param_pool import LastHostCopy, Location, ParameterPool, PoolError, Where

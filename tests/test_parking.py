@@ -54,8 +54,8 @@ def test_a_stopped_instance_is_adopted_by_the_next_load_of_its_model(demo_gguf, 
     """The real OpenVINO worker: parked on unload, adopted (same process) by a load with the
     same settings, and it generates what a fresh one does; a different window does not match;
     a worker caught in a step is ended, never parked."""
-    from mesh.engines.openvino_process import OpenVINOProcessEngine
     from mesh.engines.engine_api import EngineRequest, Sampling
+    from mesh.engines.openvino_process import OpenVINOProcessEngine
 
     async def generate(engine: Any, ids: list[int]) -> list[int]:
         engine.add_request(EngineRequest("r", len(ids), Sampling(max_tokens=8, temperature=0), ids))
@@ -98,14 +98,14 @@ def test_a_stopped_instance_is_adopted_by_the_next_load_of_its_model(demo_gguf, 
 async def _one_agent_cluster(demo_gguf: Any) -> tuple[Any, Any]:
     """A started ClusterView over one AgentNode (a real agent process) that loads the demo
     model as "smol" (8 requests at most, window 2048)."""
-    from mesh.wire.agent_protocol import InstanceSpec
+    from mesh.control.agent_node import AgentNode
+    from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
     from mesh.control.supervisor import AgentSettings, LocalAgent
+    from mesh.engines.openvino_engine import OpenVINOEngine
+    from mesh.node.runtime import NodeSpec
     from mesh.perf.times import prior_profile
     from mesh.policy.slo import SLO
-    from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
-    from mesh.node.runtime import NodeSpec
-    from mesh.control.agent_node import AgentNode
-    from mesh.engines.openvino_engine import OpenVINOEngine
+    from mesh.wire.agent_protocol import InstanceSpec
 
     gib = 2**30
     shape = OpenVINOEngine(demo_gguf)
@@ -177,7 +177,8 @@ def test_a_model_described_on_a_real_agent_is_parked_ahead_and_its_first_load_ad
         try:
             assert await node.agent.wait_up(60), node.agent.last_error
             assert not node.parked("smol")
-            await node.agent.client.call_message({"t": "describe", "model": "smol", "path": str(demo_gguf), "engine": "openvino",
+            await node.agent.client.call_message({"t": "describe", "model": "smol", "path": str(demo_gguf),
+                                                  "engine": "openvino",
                                           "context_window": 2048, "max_num_seqs": 8}, 60)  # as the loads load it
             await _until_parked(node, "smol")
             assert node.stats["parked_ahead"]["parked"] == ["smol"]

@@ -18,18 +18,18 @@ from typing import Any
 import pytest
 
 from agent_doubles import WEIGHTS_TOKEN, InProcessAgent, simulated_factory, use_simulated_engines
+from mesh.control.weights_plane import ModelFormat, WeightsPlane, WeightsSettings
 from mesh.engines.engine_api import Sampling
-from mesh.node import engine_host as agent_engines
 from mesh.modelfiles.formats import Conversion
+from mesh.node import engine_host as agent_engines
+from mesh.node.runtime import NodeSpec
 from mesh.policy.placement import InstanceView, sllm_pick
 from mesh.policy.slo import SLO
-from mesh.node.runtime import NodeSpec
-from mesh.service.errors import ApiError
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.errors import ApiError
 from mesh.service.preparation import ConversionFailed, ConvertTool, FormatPreparer
 from mesh.service.registry import SCHEMA_VERSION, ModelRecord, PreparedFormat, Registry, RegistryError
 from mesh.service.streams import Finished, Job
-from mesh.control.weights_plane import ModelFormat, WeightsPlane, WeightsSettings
 
 SCHEMA_2 = """
 CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL);

@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 
 from agent_doubles import until
-from mesh.engines.worker_process import SECRET_ENV
-from mesh.wire.agent_protocol import InstanceSpec
 from mesh.control.supervisor import AgentSettings, LocalAgent
+from mesh.engines.worker_process import SECRET_ENV
 from mesh.node.runtime import NodeSpec
+from mesh.wire.agent_protocol import InstanceSpec
 
 
 def _stat(pid: int) -> tuple[int, str] | None:
@@ -81,7 +81,8 @@ def test_a_sigkilled_agent_leaves_no_process_behind(demo_gguf, monkeypatch):
         try:
             assert await agent.wait_up(60)
             first = agent.pid
-            await agent.client.call_message(InstanceSpec("i1", "smollm2", str(demo_gguf), 512, max_num_seqs=2).to_message())
+            await agent.client.call_message(InstanceSpec("i1", "smollm2", str(demo_gguf), 512,
+                                                         max_num_seqs=2).to_message())
             await until(lambda: any(e["t"] == "instance" and e["instance_id"] == "i1" for e in events), 180)
             (state,) = [e["state"] for e in events if e["t"] == "instance"]
             assert state == "ready", events

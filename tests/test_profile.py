@@ -8,7 +8,17 @@ from pathlib import Path
 
 import pytest
 
-from mesh.perf.profile import Profile, ProfileError, dumps_profile, load_profile, profile_from_dict, profile_to_dict, reference_profile, reference_profiles, save_profile
+from mesh.perf.profile import (
+    Profile,
+    ProfileError,
+    dumps_profile,
+    load_profile,
+    profile_from_dict,
+    profile_to_dict,
+    reference_profile,
+    reference_profiles,
+    save_profile,
+)
 
 
 def small_doc() -> dict:
@@ -198,14 +208,15 @@ def test_axis_needs_two_points(tmp_path: Path) -> None:
 def test_malformed_json_names_file_and_line(tmp_path: Path) -> None:
     text = json.dumps(small_doc(), indent=2).replace('"engine": "simulated",', '"engine": "simulated"')
     message = error_of(tmp_path, text)
-    line = next(i for i, l in enumerate(text.splitlines(), 1) if '"kv_bytes_per_token"' in l)
+    line = next(i for i, text_line in enumerate(text.splitlines(), 1) if '"kv_bytes_per_token"' in text_line)
     assert f": line {line} column" in message and "not valid JSON" in message
 
 
 def test_wrong_format_tag(tmp_path: Path) -> None:
     doc = small_doc()
     doc["format"] = "mesh-profile/3"
-    assert "format: must be one of ('mesh-profile/1', 'mesh-profile/2'), got 'mesh-profile/3'" in error_of(tmp_path, doc)
+    assert "format: must be one of ('mesh-profile/1', 'mesh-profile/2'), got 'mesh-profile/3'" in error_of(tmp_path,
+                                                                                                           doc)
 
 
 def test_format_2_overheads_round_trip_and_format_1_still_reads(tmp_path: Path) -> None:

@@ -7,11 +7,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from mesh.engines.engine_api import Sampling
-from mesh.wire.agent_protocol import sampling_from_dict, sampling_to_dict
 from mesh.bench.live import function_name, prompt_ids
+from mesh.engines.engine_api import Sampling
 from mesh.service.errors import ApiError
 from mesh.service.schema import parse_completion
+from mesh.wire.agent_protocol import sampling_from_dict, sampling_to_dict
 from workloads.workload import Arrival, Workload, scale_lengths
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from mesh.perf.load_times import CostModel, estimate
-from mesh.replay.driver import build_catalog
 from mesh.replay.cold_start_modes import WeightsConfig, stop_the_world_s
+from mesh.replay.driver import build_catalog
 from mesh.replay.weights_compare import compare, table
 from workloads.workload import Arrival, Workload
 
@@ -134,10 +134,10 @@ def test_mesh_scales_out_when_the_ssd_load_exceeds_the_slo(policy: str) -> None:
 def test_an_unused_warm_up_is_recycled_after_its_load() -> None:
     """One request, then nothing for a while: its instance loads (4.5 s), idles keep-alive
     (1 s) from the end of its load, then goes; it is not recycled in the middle of its load."""
-    from mesh.perf.load_times import ColdStart
-    from mesh.replay.driver import ReplayConfig, run_policy
-    from mesh.replay.cold_start_modes import Engines
     from mesh.control.cluster_view import ClusterConfig
+    from mesh.perf.load_times import ColdStart
+    from mesh.replay.cold_start_modes import Engines
+    from mesh.replay.driver import ReplayConfig, run_policy
 
     catalog = build_catalog(["llama-2-7b"])
     weight_bytes = catalog["llama-2-7b"].profiles["gpu"].weight_bytes
@@ -170,7 +170,8 @@ def _azure_minute():
 
 
 @pytest.mark.parametrize("policy", ["sllm", "mesh-no-cpu"])
-def test_live_scaling_cuts_the_tail_of_a_burst_and_never_serves_a_validated_request_late_for_layers(policy: str) -> None:
+def test_live_scaling_cuts_the_tail_of_a_burst_and_never_serves_a_validated_request_late_for_layers(
+        policy: str) -> None:
     """The bursty Azure minute (docs/multicast.md's replay, 13B, 8 GPUs): instances that
     serve from their first layer, with ZigZag pulls by their partner, cut TTFT p99 against
     stop-the-world multicast (1.92 -> 1.25 s under sllm, 1.67 -> 1.25 s under Mesh); under
@@ -191,7 +192,6 @@ def test_a_scale_from_zero_forms_an_execution_pipeline_and_switches() -> None:
     copy, no loaded instance: they form one pipeline (Algorithm 2, one sub-group), serve
     from the instant their blocks together cover the model, before any of them holds it all,
     and the switch to full instances comes when all of them do."""
-    import asyncio
     from types import SimpleNamespace
 
     from mesh.replay.cold_start_modes import WeightsModel
@@ -231,8 +231,8 @@ def test_pipeline_members_serve_through_the_pipeline_then_recompute_their_kv() -
 
     from doubles import LinearTimes
     from mesh.engines.engine_api import EngineRequest, Sampling
-    from mesh.replay.cold_start_modes import WeightsModel
     from mesh.policy.live_scaling import pipeline_iteration_s, solo_finish
+    from mesh.replay.cold_start_modes import WeightsModel
     from mesh.replay.virtual_loop import run_virtual
 
     nodes = [SimpleNamespace(node_id=f"gpu{i}") for i in range(4)]

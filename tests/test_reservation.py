@@ -1,5 +1,6 @@
 """The reservation station (LLM-Mesh 6.3), by example and by property (hypothesis)."""
-from hypothesis import settings, strategies as st
+from hypothesis import settings
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from mesh.policy.reservation import OpKind, ReservationStation

@@ -4,7 +4,8 @@ across the resume point, or a stop string that straddles it, comes out whole, on
 stop string still ends the request (a byte-level stand-in tokenizer: one byte a token)."""
 from __future__ import annotations
 
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from mesh.engines.detokenize import Detokenizer, StopMatcher, resume_text
 

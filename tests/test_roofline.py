@@ -8,7 +8,16 @@ import pytest
 
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import load_profile, reference_profile, reference_profiles
-from mesh.perf.roofline import ARCHITECTURES, HARDWARE, REFERENCE_PAIRS, decode_seconds, main, markdown_table, prefill_seconds, write_reference_profiles
+from mesh.perf.roofline import (
+    ARCHITECTURES,
+    HARDWARE,
+    REFERENCE_PAIRS,
+    decode_seconds,
+    main,
+    markdown_table,
+    prefill_seconds,
+    write_reference_profiles,
+)
 
 PROFILES_DIR = Path(__file__).resolve().parents[1] / "mesh" / "perf" / "profiles"
 DOCS = Path(__file__).resolve().parents[1] / "docs" / "roofline.md"

@@ -40,7 +40,8 @@ class Server:
     def start(self, timeout: float = 180.0) -> None:
         demo = () if self.allowed is None else ("--demo", "--allowed-dir", str(self.allowed), "--max-body-mb", "1")
         cmd = [sys.executable, "-m", "mesh.cli", "serve", "--host", "127.0.0.1", "--port", "0",
-               "--data-dir", str(self.data_dir), *demo, "--log-level", os.environ.get("MESH_TEST_LOG_LEVEL", "INFO"), *self.extra]
+               "--data-dir", str(self.data_dir), *demo, "--log-level", os.environ.get("MESH_TEST_LOG_LEVEL", "INFO"),
+               *self.extra]
         env = dict(os.environ, MESH_ADMIN_TOKEN=ADMIN)
         self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=open(self.log, "a"), text=True, env=env)
         found: list[str] = []
@@ -235,7 +236,8 @@ def test_tenant_isolation_and_model_registration(server):
     with pytest.raises(openai.NotFoundError) as missing:
         cb.chat.completions.create(model="team/none", messages=[{"role": "user", "content": "hi"}], max_tokens=2)
     assert theirs.value.body["code"] == missing.value.body["code"] == "model_not_found"
-    assert theirs.value.body["message"].replace("team/small", "X") == missing.value.body["message"].replace("team/none", "X")
+    assert theirs.value.body["message"].replace("team/small", "X") == missing.value.body["message"].replace("team/none",
+                                                                                                            "X")
     assert server.http("GET", "/v1/models/team/small", token=bob)[0] == 404
     assert server.http("DELETE", "/v1/models/team/small", token=bob)[0] == 404
     with pytest.raises(openai.NotFoundError):
@@ -311,7 +313,8 @@ def test_error_statuses(server):
     status, body = server.http("POST", "/v1/chat/completions", raw=b"{not json", token=server.key)
     assert status == 400 and set(body["error"]) == {"message", "type", "param", "code"}
     for bad, param in (({**chat, "temperature": "hot"}, "temperature"), ({**chat, "messages": "hi"}, "messages"),
-                       ({**chat, "max_tokens": -3}, "max_tokens"), ({k: v for k, v in chat.items() if k != "model"}, "model")):
+                       ({**chat, "max_tokens": -3}, "max_tokens"), ({k: v for k, v in chat.items() if k != "model"},
+                                                                    "model")):
         status, body = server.http("POST", "/v1/chat/completions", bad, token=server.key)
         assert status == 400 and body["error"]["param"] == param, body
     # 404: unknown model, unknown route
@@ -442,7 +445,8 @@ def test_metrics_and_cluster_view(server):
     server.client().completions.create(model="demo/smollm2", prompt="Hello", max_tokens=4)  # an instance serving
     assert server.http("GET", "/metrics", token=server.key)[0] == 401  # a tenant's key does not open it
     metrics = server.http("GET", "/metrics", token=ADMIN)[1]
-    for name in ("mesh_ttft_seconds_bucket", "mesh_tpot_seconds_bucket", "mesh_slo_attainment", "mesh_node_queue_length",
+    for name in ("mesh_ttft_seconds_bucket", "mesh_tpot_seconds_bucket", "mesh_slo_attainment",
+                 "mesh_node_queue_length",
                  "mesh_node_instances", "mesh_node_kv_bytes_in_use", "mesh_node_busy_fraction", "mesh_node_up"):
         assert name in metrics, name
     assert 'mesh_ttft_seconds_count{model="demo/smollm2",tenant="demo"}' in metrics
@@ -482,7 +486,8 @@ def test_killing_the_node_agent_mid_stream(server):
     its max_tokens, with no error (tests/test_node_loss_e2e.py: two nodes, three kills)."""
     c = server.client(max_retries=0)
     pid = server.agent_pid()
-    stream = c.chat.completions.create(model="demo/smollm2", messages=[{"role": "user", "content": "Tell a long story."}],
+    stream = c.chat.completions.create(model="demo/smollm2", messages=[{"role": "user",
+                                                                        "content": "Tell a long story."}],
                                        max_tokens=40, temperature=0, stream=True,
                                        stream_options={"include_usage": True}, extra_body={"ignore_eos": True})
     got, usage, finish = 0, None, None

@@ -79,8 +79,8 @@ def test_models_reach_nodes_by_multicast_and_survive_a_node(tmp_path, demo_gguf)
 
 
 def test_a_hugging_face_folder_reaches_the_vllm_node_and_serves_from_there(tmp_path):
-    from mesh.modelfiles.local import write_tiny_llama
     from mesh.engines.vllm_engine import find_vllm_python
+    from mesh.modelfiles.local import write_tiny_llama
 
     if find_vllm_python() is None:
         if os.environ.get("MESH_REQUIRE_VLLM") == "1":

@@ -11,10 +11,10 @@ import pytest
 
 from agent_doubles import InProcessAgent, until, use_simulated_engines
 from mesh.engines.engine_api import Sampling
-from mesh.policy.slo import SLO
 from mesh.node.runtime import NodeSpec
-from mesh.service.errors import ApiError
+from mesh.policy.slo import SLO
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
 
@@ -42,7 +42,8 @@ async def run_stream(p: ClusterPlacement, j: Job) -> Finished:
 
 async def started(memory: int = 10**9, **settings) -> ClusterPlacement:
     settings.setdefault("cold_start_s", 0.0)  # simulated engines load at once
-    p = ClusterPlacement([NodeSpec("cpu-0", "cpu", memory)], PlacementSettings(**settings), agent_factory=InProcessAgent)
+    p = ClusterPlacement([NodeSpec("cpu-0", "cpu", memory)], PlacementSettings(**settings),
+                         agent_factory=InProcessAgent)
     await p.start()
     return p
 
@@ -83,7 +84,8 @@ def test_unplaceable_request_gets_429_and_long_prompt_or_max_tokens_400():
         assert e.value.status == 400 and e.value.code == "context_length_exceeded"
         with pytest.raises(ApiError) as e:  # more output than the window leaves: vLLM's and OpenAI's 400
             await p.submit(job("c", strict, prompt=20, max_tokens=45))
-        assert e.value.status == 400 and e.value.param == "max_tokens" and "largest value allowed is 44" in e.value.message
+        assert e.value.status == 400 and e.value.param == "max_tokens"
+        assert "largest value allowed is 44" in e.value.message
         with pytest.raises(ApiError) as e:  # 44 fits: it goes on to placement
             await p.submit(job("b", strict, prompt=20, max_tokens=44))
         assert e.value.status == 429 and "cannot meet its SLO" in e.value.message
@@ -121,7 +123,8 @@ def test_a_models_registered_cold_start_choice_decides_a_late_request(monkeypatc
             await run_stream(p, job("b", strict))
         assert e.value.status == 429 and "cannot meet its SLO" in e.value.message
         assert p.dispatcher.policy.stats.served_late == 1  # not admitted late
-        assert p.cluster.cold_start_choice("m_rej") == "reject" and p.cluster.cold_start_choice("m_late") == "serve_late"
+        assert p.cluster.cold_start_choice("m_rej") == "reject"
+        assert p.cluster.cold_start_choice("m_late") == "serve_late"
         await p.stop()
 
     asyncio.run(main())
@@ -251,9 +254,9 @@ def test_every_cpu_policy_serves(policy):
 
 def test_serve_and_replay_build_the_same_dispatcher(monkeypatch):
     """One brain: `mesh serve` and `mesh replay` both build Dispatcher.for_policy."""
-    from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
     from mesh.control.cluster_view import ClusterConfig
     from mesh.control.dispatcher import Dispatcher
+    from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
     from workloads.workload import Arrival, Workload
 
     built: list[tuple[type, str]] = []

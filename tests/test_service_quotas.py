@@ -14,6 +14,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from agent_doubles import InProcessAgent, use_simulated_engines
+from mesh.node.runtime import NodeSpec
 from mesh.policy.quota import (
     Quota,
     QuotaValueError,
@@ -23,11 +24,10 @@ from mesh.policy.quota import (
     rate_over,
     registration_over,
 )
-from mesh.node.runtime import NodeSpec
 from mesh.service.app import Service, build_app
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.config import ConfigError, ServeConfig, build_config
 from mesh.service.prometheus import ServiceMetrics
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import Registry
 
 ADMIN = "admin-secret"
@@ -132,7 +132,8 @@ def _allowed(tmp_path: Path, demo_gguf: Path, tenants: tuple[str, ...] = ("a", "
 async def _serve(tmp_path: Path, allowed: Path, **config: Any) -> tuple[Api, Any]:
     cfg = ServeConfig(admin_token=ADMIN, metrics_token=METRICS, allowed_dir=allowed, data_dir=tmp_path, **config)
     registry = Registry(tmp_path / "registry.sqlite3")
-    placement = ClusterPlacement([NodeSpec("cpu-0", "cpu", 10**10)], PlacementSettings(cold_start_s=0.0), agent_factory=InProcessAgent)
+    placement = ClusterPlacement([NodeSpec("cpu-0", "cpu", 10**10)], PlacementSettings(cold_start_s=0.0),
+                                 agent_factory=InProcessAgent)
     service = Service(cfg, registry, placement, ServiceMetrics(placement.view), tmp_path)
     service.idle.set()
     await placement.start()

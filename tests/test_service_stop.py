@@ -152,7 +152,8 @@ def wait_for_log(service: ServiceProcess, text: str, limit_s: float) -> None:
     deadline = time.monotonic() + limit_s
     while text not in log_of(service):
         assert time.monotonic() < deadline, f"{text!r} not in the log:\n{log_of(service)[-3000:]}"
-        assert service.proc.poll() is None, f"the service exited ({service.proc.returncode}):\n{log_of(service)[-3000:]}"
+        assert service.proc.poll() is None, \
+            f"the service exited ({service.proc.returncode}):\n{log_of(service)[-3000:]}"
         time.sleep(0.1)
 
 

@@ -11,8 +11,16 @@ import struct
 import pytest
 
 from mesh.engines.engine_api import Sampling
+from mesh.modelfiles.sources import TENANT_NOT_FOUND, SourceError, SourceNotFound, inspect_source, resolve_allowed
 from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes
 from mesh.policy.batching import IterationKind
+from mesh.policy.slo import SLO
+from mesh.service import errors
+from mesh.service.auth import admin_token_ok, bearer_token, hash_key, new_api_key
+from mesh.service.config import ConfigError, build_config, read_config_file
+from mesh.service.registry import ModelRecord, Registry, RegistryError, new_model_uid
+from mesh.service.schema import parse_chat, parse_completion, parse_json
+from mesh.service.uploads import receive_upload
 from mesh.wire.agent_protocol import (
     MAX_FRAME_BYTES,
     Code,
@@ -24,14 +32,6 @@ from mesh.wire.agent_protocol import (
     sampling_from_dict,
     sampling_to_dict,
 )
-from mesh.modelfiles.sources import TENANT_NOT_FOUND, SourceError, SourceNotFound, inspect_source, resolve_allowed
-from mesh.policy.slo import SLO
-from mesh.service import errors
-from mesh.service.auth import admin_token_ok, bearer_token, hash_key, new_api_key
-from mesh.service.config import ConfigError, build_config, read_config_file
-from mesh.service.registry import ModelRecord, Registry, RegistryError, new_model_uid
-from mesh.service.schema import parse_chat, parse_completion, parse_json
-from mesh.service.uploads import receive_upload
 
 # ---- registry -------------------------------------------------------------------------------
 
@@ -219,7 +219,8 @@ def test_error_format_and_statuses():
     assert "does not exist or you do not have access" in e.message
     assert errors.overloaded("r").status == 429 and errors.overloaded("r").headers["Retry-After"] == "1"
     turned = errors.overloaded("cannot meet its SLO: x", 2.2, "reject")
-    assert turned.headers["Retry-After"] == "3" and "admission is 'reject'" in turned.message and "3 s" in turned.message
+    assert turned.headers["Retry-After"] == "3"
+    assert "admission is 'reject'" in turned.message and "3 s" in turned.message
     # every 429 says when to retry, those built without a Retry-After included
     assert errors.over_quota("concurrent_requests", "Over.", 429).response().headers["Retry-After"] == "1"
     assert errors.node_unavailable("x").status == 503
@@ -250,7 +251,8 @@ def test_parse_chat_and_completion():
                     "stream_options": {"include_usage": True}, "user": "ignored"})
     assert r.messages == [{"role": "user", "content": "hi"}] and r.max_tokens == 5 and r.stop == ("x",)
     assert r.temperature == 0.0 and r.seed == 3 and r.stream and r.include_usage
-    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_completion_tokens": 7}).max_tokens == 7
+    assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}],
+                       "max_completion_tokens": 7}).max_tokens == 7
     c = parse_completion({"model": "m", "prompt": ["once"]})
     assert c.prompt == "once" and c.max_tokens is None and c.temperature is None and c.top_p is None  # model defaults
     assert parse_completion({"model": "m", "prompt": [1, 2, 3]}).prompt_token_ids == [1, 2, 3]
@@ -263,21 +265,31 @@ def test_parse_chat_and_completion():
     # logprobs (each chosen token's), penalties and n choices
     p = parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 0,
                     "presence_penalty": 1, "frequency_penalty": -0.5, "repetition_penalty": 1.3, "n": 3})
-    assert p.logprobs and p.n == 3 and (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (1.0, -0.5, 1.3)
+    assert p.logprobs and p.n == 3
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (1.0, -0.5, 1.3)
     q = parse_completion({"model": "m", "prompt": "a", "logprobs": 0})
     assert q.logprobs and q.n == 1 and q.repetition_penalty == 1.0
     assert not parse_completion({"model": "m", "prompt": "a"}).logprobs
     assert not parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": False}).logprobs
     # structured output: the schema's compact JSON; json_object is any object; text is none
     person = {"type": "object", "title": "P", "properties": {"name": {"type": "string", "maxLength": 20},
-              "age": {"type": ["integer", "null"], "minimum": 0}, "tags": {"type": "array", "items": {"enum": ["a", 1]}}},
+              "age": {"type": ["integer", "null"], "minimum": 0},
+              "tags": {"type": "array", "items": {"enum": ["a", 1]}}},
               "required": ["name"], "additionalProperties": False}
     j = parse_chat({"model": "m", "messages": [{"role": "user", "content": "a"}],
-                    "response_format": {"type": "json_schema", "json_schema": {"name": "P", "schema": person, "strict": True}}})
+                    "response_format": {"type": "json_schema",
+                                        "json_schema": {"name": "P", "schema": person, "strict": True}}})
     assert json.loads(j.json_schema) == person
     assert parse_completion({"model": "m", "prompt": "a", "response_format": {"type": "json_object"}}).json_schema == \
         '{"type": "object"}'
     assert parse_completion({"model": "m", "prompt": "a", "response_format": {"type": "text"}}).json_schema is None
+
+
+CHAT = {"model": "m", "messages": [{"role": "user", "content": "a"}]}
+
+
+def schema(s: dict) -> dict:
+    return {"response_format": {"type": "json_schema", "json_schema": {"schema": s}}}
 
 
 @pytest.mark.parametrize("body,param", [
@@ -286,42 +298,42 @@ def test_parse_chat_and_completion():
     ({"model": "m", "messages": []}, "messages"),
     ({"model": "m", "messages": [{"role": "wizard", "content": "a"}]}, "messages[0].role"),
     ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": 0}, "max_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": "5"}, "max_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "max_tokens": True}, "max_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": 3}, "temperature"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "temperature": "hot"}, "temperature"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_p": 0}, "top_p"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "stop": ["a", "b", "c", "d", "e"]}, "stop"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "stop": [1]}, "stop"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "seed": -1}, "seed"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 0}, "n"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 17}, "n"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "n": 1.5}, "n"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "stream": "yes"}, "stream"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": 1}, "logprobs"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "presence_penalty": 2.5}, "presence_penalty"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "frequency_penalty": "x"}, "frequency_penalty"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "repetition_penalty": 0}, "repetition_penalty"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "repetition_penalty": 11}, "repetition_penalty"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "tools": [{"type": "function"}]}, "tools"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "top_logprobs": 0}, "top_logprobs"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "xml"}}, "response_format"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema"}}, "response_format"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}}, "response_format"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {"$ref": "#/x"}}}}, "response_format"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "string", "pattern": "a+"}}}}, "response_format"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {
-        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}}}}, "response_format"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "response_format": {"type": "json_schema", "json_schema": {"schema": {
-        "type": "array", "items": {"anyOf": [{"minLength": -1}]}}}}}, "response_format"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 5}, "min_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": 9, "max_tokens": 8,
+    ({**CHAT, "max_tokens": 0}, "max_tokens"),
+    ({**CHAT, "max_tokens": "5"}, "max_tokens"),
+    ({**CHAT, "max_tokens": True}, "max_tokens"),
+    ({**CHAT, "temperature": 3}, "temperature"),
+    ({**CHAT, "temperature": "hot"}, "temperature"),
+    ({**CHAT, "top_p": 0}, "top_p"),
+    ({**CHAT, "stop": ["a", "b", "c", "d", "e"]}, "stop"),
+    ({**CHAT, "stop": [1]}, "stop"),
+    ({**CHAT, "seed": -1}, "seed"),
+    ({**CHAT, "n": 0}, "n"),
+    ({**CHAT, "n": 17}, "n"),
+    ({**CHAT, "n": 1.5}, "n"),
+    ({**CHAT, "stream": "yes"}, "stream"),
+    ({**CHAT, "logprobs": 1}, "logprobs"),
+    ({**CHAT, "presence_penalty": 2.5}, "presence_penalty"),
+    ({**CHAT, "frequency_penalty": "x"}, "frequency_penalty"),
+    ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
+    ({**CHAT, "repetition_penalty": 11}, "repetition_penalty"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
+    ({**CHAT, "top_logprobs": 0}, "top_logprobs"),
+    ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({**CHAT, "response_format": {"type": "xml"}}, "response_format"),
+    ({**CHAT, "response_format": {"type": "json_schema"}}, "response_format"),
+    ({**CHAT, **schema({"type": "foo"})}, "response_format"),
+    ({**CHAT, **schema({"$ref": "#/x"})}, "response_format"),
+    ({**CHAT, **schema({"type": "string", "pattern": "a+"})}, "response_format"),
+    ({**CHAT, **schema({
+        "type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]})}, "response_format"),
+    ({**CHAT, **schema({
+        "type": "array", "items": {"anyOf": [{"minLength": -1}]}})}, "response_format"),
+    ({**CHAT, "min_tokens": 5}, "min_tokens"),
+    ({**CHAT, "min_tokens": 9, "max_tokens": 8,
       "ignore_eos": True}, "min_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "min_tokens": "5"}, "min_tokens"),
-    ({"model": "m", "messages": [{"role": "user", "content": "a"}], "user": 7}, "user"),
+    ({**CHAT, "min_tokens": "5"}, "min_tokens"),
+    ({**CHAT, "user": 7}, "user"),
 ])
 def test_parse_chat_rejects_bad_fields(body, param):
     assert _status(parse_chat, body) == (400, param)
@@ -400,7 +412,8 @@ def test_config_of_nodes_plans_and_remote_agents(tmp_path):
 def test_frames_roundtrip_in_arbitrary_pieces():
     messages = [{"t": "tokens", "items": [["r1", [1, 2], "héllo"]]}, {"t": "ping", "id": 7}]
     data = b"".join(encode_frame(m) for m in messages)
-    assert struct.unpack(">I", data[:4])[0] == len(json.dumps(messages[0], separators=(",", ":"), ensure_ascii=False).encode())
+    assert struct.unpack(">I", data[:4])[0] == len(json.dumps(messages[0], separators=(",", ":"),
+                                                              ensure_ascii=False).encode())
     dec = FrameDecoder()
     out = []
     for i in range(0, len(data), 3):

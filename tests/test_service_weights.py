@@ -13,15 +13,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from agent_doubles import WEIGHTS_TOKEN, InProcessAgent, use_simulated_engines
+from mesh.control.weights_plane import WeightsError, WeightsPlane, WeightsSettings
 from mesh.engines.engine_api import Sampling
-from mesh.policy.slo import SLO
 from mesh.node.runtime import NodeSpec
+from mesh.policy.slo import SLO
+from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.errors import ApiError
 from mesh.service.prometheus import ServiceMetrics
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
-from mesh.control.weights_plane import WeightsError, WeightsPlane, WeightsSettings
 
 SIZE = 3 * 2**20 + 12345  # not a whole number of blocks
 

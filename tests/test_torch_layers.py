@@ -23,7 +23,7 @@ from typing import Sequence
 
 import pytest
 
-from mesh.engines.engine_api import (EngineError, HiddenStates, LayerRange, NextTokens, TokenBatch, can_run_layers)
+from mesh.engines.engine_api import EngineError, HiddenStates, LayerRange, NextTokens, TokenBatch, can_run_layers
 from mesh.policy.layer_prefix import LayerSpans, complete_layers, usable_layers
 
 # the demo tokenizer's ids of "The capital of France is" and "Once upon a time, there was"
@@ -32,7 +32,7 @@ PROMPTS = {"a": [504, 3575, 282, 4649, 314], "b": [6403, 1980, 253, 655, 28, 665
 
 def _torch():
     try:
-        import safetensors  # noqa: F401
+        import safetensors  # noqa: F401 - only checked for: the engine imports it
         import torch
     except ImportError as exc:
         why = f"PyTorch or safetensors is not installed ({exc}); the layers extra: pip install -e '.[layers]'"

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from mesh.engines.engine_api import Engine, EngineError, EngineRequest, FinishReason, Sampling
+from mesh.engines.vllm_engine import VLLMEngine, find_vllm_python, resolve_hf_model
 from mesh.modelfiles.local import (
     TINY_LLAMA_CONFIG,
     llama_parameter_count,
@@ -25,8 +27,6 @@ from mesh.modelfiles.local import (
     write_shape_folder,
     write_tiny_llama,
 )
-from mesh.engines.engine_api import Engine, EngineError, EngineRequest, FinishReason, Sampling
-from mesh.engines.vllm_engine import VLLMEngine, find_vllm_python, resolve_hf_model
 from mesh.policy.batching import IterationKind
 
 WINDOW = 256
@@ -413,10 +413,10 @@ def test_two_models_on_one_node_stepped_alternately(tiny_models: tuple[Path, Pat
     """Two instances (different weights) under one NodeRuntime: the compute subsystem
     interleaves their iterations; outputs equal each model run alone (greedy)."""
     from doubles import LinearTimes
+    from mesh.node.request import Outcome, ServedRequest
+    from mesh.node.runtime import NodeRuntime, NodeSpec
     from mesh.policy.kv_demand import RunningMean
     from mesh.policy.slo import SLO
-    from mesh.node.runtime import NodeRuntime, NodeSpec
-    from mesh.node.request import Outcome, ServedRequest
 
     prompts = {"m0": [prompt(40), prompt(25, 3)], "m1": [prompt(33, 1), prompt(50, 2)]}
 
@@ -483,8 +483,8 @@ def test_two_models_on_one_node_stepped_alternately(tiny_models: tuple[Path, Pat
 @pytest.mark.slow
 def test_mesh_calibrate_vllm_writes_a_profile(tmp_path: Path, tiny_models: tuple[Path, Path]) -> None:
     """`mesh calibrate --engine vllm` on the smallest grid the runner allows."""
-    from mesh.perf import load_profile
     from mesh.cli import main
+    from mesh.perf import load_profile
 
     out = tmp_path / "tiny.json"
     code = main(["calibrate", "--engine", "vllm", "--model", str(tiny_models[0]), "--name", "tiny", "--out", str(out),
@@ -511,12 +511,11 @@ def test_a_stuck_vllm_tokenizer_is_killed_and_restarted_through_the_agent(tiny_m
     (tests/test_node_resume.py)."""
     import time
 
-    from test_worker_process import stop_process
-
     from mesh.control.agent_client import AgentCallError, AgentClient
     from mesh.node.agent_server import AgentServer
     from mesh.node.runtime import NodeSpec
     from mesh.wire.agent_protocol import InstanceSpec
+    from test_worker_process import stop_process
 
     token = "vllm-stuck-token"
     path = str(tiny_models[0])

@@ -12,9 +12,9 @@ import pytest
 from mesh.policy.multicast import chain, make_plan, naive
 from mesh.weights.blocks import CorruptBlock, Manifest, cut, load_blocks, pack, verify, write_atomic
 from mesh.weights.coordinator import MulticastError, multicast
-from mesh.weights.peer import WeightAgent
-from mesh.weights.launch import running_agents, token_of
 from mesh.weights.frames import ProtocolError, frame, read_message, send
+from mesh.weights.launch import running_agents, token_of
+from mesh.weights.peer import WeightAgent
 
 KB = 1 << 10
 

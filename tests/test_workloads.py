@@ -282,7 +282,7 @@ def test_model_assignment_is_shuffled_by_seed(trace, lengths) -> None:
     kw = dict(functions=32, minutes=1, models=MIX_411, rate_scale=0.01)
     a = build_workload(trace, lengths, seed=0, **kw).description["per_function"]
     b = build_workload(trace, lengths, seed=1, **kw).description["per_function"]
-    bases = lambda d: [f["base_model"] for f in d]  # noqa: E731
+    bases = lambda d: [f["base_model"] for f in d]  # noqa: E731 - a local shorthand
     assert bases(a) != bases(b)
     assert bases(a)[:22] != ["llama-3.2-3b"] * 22  # not in mix order
 

@@ -1,6 +1,6 @@
-"""`mesh bench closed-loop`: N closed-loop streaming clients over several models (issue 23).
+"""`mesh bench closed-loop`: N closed-loop streaming clients over several models.
 
-The workload of issue 23's single-node check: `--clients` clients (default 8), each sending
+The single-node check's workload: `--clients` clients (default 8), each sending
 its next request as soon as its previous one ended (closed loop), `--requests` streamed chat
 completions in all (default 48) of `--max-tokens` tokens (default 48, greedy: temperature 0,
 with vLLM's `ignore_eos` so every served request generates exactly that many on both
@@ -34,7 +34,7 @@ Where the requests go:
   vLLM starts, so the two never share the cores. `--vllm-python` (default
   `$MESH_VLLM_PYTHON`, else `<repo>/.venv-vllm/bin/python`) is the environment's Python.
 
-Checks printed at the end (issue 23's "done when", each where its rounds ran):
+Checks printed at the end (the single-node criteria, each where its rounds ran):
 `mesh-cold` turned away <= 10%; `mesh-warm` none turned away and TTFT p99 (served) <= 2 s;
 `mesh-warm` tokens/s >= 2x `vllm`'s. Exit status 1 when a check fails or a request failed.
 """
@@ -59,6 +59,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
+
 from mesh.bench.report import write_json
 from mesh.bench.serve_process import ServiceProcess, start_service, stop_service
 from mesh.service.demo_mode import DEMO_TENANT
@@ -73,7 +74,7 @@ PROMPTS = ("Tell me a long story about a lighthouse keeper and a storm.",
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("closed-loop", help="N closed-loop streaming clients over several models: Mesh cold and warm, "
-                                           "optionally vLLM's CPU build as one server per model (issue 23)")
+                                           "optionally vLLM's CPU build as one server per model")
     p.add_argument("--clients", type=int, default=8, help="closed-loop clients (default 8)")
     p.add_argument("--requests", type=int, default=48, help="requests per round, over all models (default 48)")
     p.add_argument("--max-tokens", type=int, default=48, help="completion tokens per request (default 48)")
@@ -299,7 +300,7 @@ def _reason(detail: str) -> str:
 
 def checks(rounds: dict[str, dict[str, Any]], max_cold_away: float = 0.10, max_warm_p99_s: float = 2.0,
            min_speedup: float = 2.0) -> dict[str, dict[str, Any]]:
-    """Issue 23's single-node criteria, each where its rounds ran: {name: {ok, value, bound}}."""
+    """The single-node criteria, each where its rounds ran: {name: {ok, value, bound}}."""
     out: dict[str, dict[str, Any]] = {}
     cold, warm, vllm = rounds.get("mesh-cold"), rounds.get("mesh-warm"), rounds.get("vllm")
     if cold:
@@ -333,7 +334,9 @@ def table(rounds: dict[str, dict[str, Any]]) -> str:
             for name, f in rounds.items()]
     header = [c for c, _ in cols]
     widths = [max(len(header[i]), *(len(r[i]) for r in rows)) for i in range(len(cols))]
-    line = lambda cells: "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
     return "\n".join([line(header), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
@@ -503,7 +506,7 @@ def run(args: argparse.Namespace) -> int:
     from mesh.paths import data_dir
 
     try:
-        import openai  # noqa: F401
+        import openai  # noqa: F401 - only checked for: the clients import it later
     except ImportError:
         print("mesh bench closed-loop: needs the openai package (pip install openai; in the test extra)",
               file=sys.stderr)

@@ -2,7 +2,7 @@
 each source a node can load from.
 
 Sources (rows):
-- gguf: the GGUF itself, no node cache (what every load did before issue 23);
+- gguf: the GGUF itself, no node cache (a load before the node has prepared the model);
 - ir: the node's prepared form (mesh.engines.node_cache: IR + tokenizer IR), no compiled blob;
 - ir+blob: the prepared form with a CACHE_DIR that one untimed load filled first (the
   node's own blob cache). `blob` says whether the timed load left the blob as it was
@@ -44,8 +44,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from mesh.engines.parking import ParkingLot
 from mesh.bench.report import write_json
+from mesh.engines.parking import ParkingLot
 
 SOURCES = ("gguf", "ir", "ir+blob")  # each run a fresh process; "parked" is timed in this one
 STAGES = ("start", "import", "read", "tokenizer", "build", "warm_up", "ready", "first_token")
@@ -60,9 +60,9 @@ def _child(args: argparse.Namespace) -> dict[str, Any]:
     p0 = time.perf_counter()
     import openvino_genai  # noqa: F401 - the runtime's import is a stage of its own
 
-    from mesh.engines.openvino_engine import OpenVINOEngine
-    from mesh.engines.engine_api import EngineRequest, Sampling
     from mesh.engines import node_cache
+    from mesh.engines.engine_api import EngineRequest, Sampling
+    from mesh.engines.openvino_engine import OpenVINOEngine
 
     p1 = time.perf_counter()
     stages["import"] = p1 - p0
@@ -245,10 +245,9 @@ def _summary(values: list[float]) -> dict[str, float]:
 
 
 def _print(fig: dict[str, Any]) -> None:
+    import openvino
     from rich.console import Console
     from rich.table import Table
-
-    import openvino
 
     table = Table(title=f"mesh bench coldstart: {Path(fig['model']).name}, {fig['runs']} fresh processes per "
                         f"source, median (min-max) seconds; OpenVINO {openvino.get_version().split('-')[0]}, "

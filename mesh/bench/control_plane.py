@@ -26,7 +26,7 @@ settles for `--settle-s`, then is measured for `--step-s`. Per step:
   tokens per frame; the service's RSS; this machine's load average.
 
 The table says, for the last step under the lag limit, the tokens/s one service process
-streamed there (the issue's target: 20,000). `--json PATH` writes every step.
+streamed there (the target: 20,000). `--json PATH` writes every step.
 """
 from __future__ import annotations
 
@@ -45,9 +45,9 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Sequence
 
-from mesh.control.latency import between
 from mesh.bench.report import write_json
 from mesh.bench.serve_process import ServiceProcess, start_service, stop_service
+from mesh.control.latency import between
 from mesh.service.limits import CLIENT_KEEPALIVE_S
 from mesh.tasks import cancel_all
 
@@ -141,7 +141,8 @@ class Load:
     async def open(self) -> None:
         import aiohttp
 
-        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=CLIENT_KEEPALIVE_S),
+        self._session = aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0,
+                                                                             keepalive_timeout=CLIENT_KEEPALIVE_S),
                                               timeout=aiohttp.ClientTimeout(total=self.timeout_s))
 
     async def close(self) -> None:

@@ -17,17 +17,17 @@ import time
 
 import numpy as np
 
-from mesh.perf import PerformanceModel, reference_profile
-from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.policy.batching import IterationKind
-from mesh.engines.simulated import SimulatedEngine
 from mesh.bench.report import emit
+from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.engines.simulated import SimulatedEngine
+from mesh.node.request import ServedRequest
+from mesh.node.runtime import NodeRuntime, NodeSpec
+from mesh.perf import PerformanceModel, reference_profile
+from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.shadow import shadow_validate
 from mesh.policy.slo import SLO
-from mesh.node.runtime import NodeRuntime, NodeSpec
-from mesh.node.request import ServedRequest
 from mesh.replay.virtual_loop import run_virtual
 
 INSTANCES, REQUESTS = 8, 32
@@ -138,7 +138,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("core", help="policy core cost: shadow validation, decisions, simulated iterations/s")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     p.add_argument("--trials", type=int, default=2000, help="shadow validations to time")
-    p.add_argument("--output-len", type=int, default=3000, help="tokens per simulated request (8 x this many iterations)")
+    p.add_argument("--output-len", type=int, default=3000,
+                   help="tokens per simulated request (8 x this many iterations)")
     p.add_argument("--seed", type=int, default=0)
     p.set_defaults(func=lambda a: emit(
         "mesh bench core", run(a.trials, output_len=a.output_len, seed=a.seed), a.json,

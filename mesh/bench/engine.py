@@ -41,10 +41,10 @@ def _requests(n: int, scale: float, output_len: int, seed: int, trace: str | Pat
 async def _mesh_round(engine: Any, prompts: list[list[int]], output_len: int) -> tuple[float, int, int]:
     """(seconds, tokens, iterations) through a NodeRuntime holding `engine` as one instance."""
     from mesh.engines.engine_api import EngineRequest, Sampling
+    from mesh.node.request import ServedRequest
+    from mesh.node.runtime import NodeRuntime, NodeSpec
     from mesh.policy.kv_demand import RunningMean
     from mesh.policy.slo import SLO
-    from mesh.node.runtime import NodeRuntime, NodeSpec
-    from mesh.node.request import ServedRequest
 
     loop = asyncio.get_running_loop()
     node = NodeRuntime(NodeSpec("bench", "cpu", 64 * 2**30))
@@ -137,10 +137,10 @@ class _FlatTimes:
 
 def run(n: int = 16, output_len: int = 64, rounds: int = 6, scale: float = 8.0, seed: int = 0,
         model: str | None = None, trace: str | None = None, wait_quiet_s: float = 60.0) -> dict[str, Any]:
+    from mesh.bench.fidelity import DEFAULT_TRACE
     from mesh.calibration.openvino_calibration import TokenPrompts
     from mesh.calibration.runner import CpuMeter, wait_for_quiet
     from mesh.engines.openvino_engine import OpenVINOEngine
-    from mesh.bench.fidelity import DEFAULT_TRACE
     from mesh.modelfiles.demo import demo_gguf_path
 
     model_path = Path(model) if model else demo_gguf_path(fetch=True)

@@ -1,5 +1,5 @@
 """`mesh replay --live ... --explain`: every request whose outcome differs between the live
-service and its twin, with the decision that differed and why (issue 31 item 5).
+service and its twin, with the decision that differed and why.
 
 A request's outcome is what the figures count: served within its SLO, served late, turned
 away, or failed. Where live and twin disagree, the step that decided it is named:

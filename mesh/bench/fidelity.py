@@ -56,6 +56,7 @@ import numpy as np
 
 from mesh.bench.report import emit
 from workloads.datasets import CONVERSATION_TRACE as DEFAULT_TRACE  # shipped copy of the Azure trace
+
 MODELS = ("smollm2-a", "smollm2-b")
 NODE_MEMORY = 64 * 2**30  # memory is not what is measured here
 WINDOW = 1024  # context window of both instances (and of the quick calibration)
@@ -120,14 +121,14 @@ async def run_node(work: list[Item], make_engine: Callable[[str], Any], times: A
     """Serve `work` on one NodeRuntime with one instance per model; same code live and virtual.
     `adaptive`: each instance's times are refined online from its iterations and learn their
     margin, as in a node agent (mesh.perf.times.AdaptiveTimes)."""
-    from mesh.perf.times import AdaptiveTimes
-    from mesh.policy.shadow import DEFAULT_MARGIN, instance_margin
     from mesh.calibration.runner import CpuMeter
     from mesh.engines.engine_api import EngineRequest, Sampling
-    from mesh.policy.kv_demand import RunningMean
-    from mesh.policy.slo import SLO
-    from mesh.node.runtime import NodeRuntime, NodeSpec
     from mesh.node.request import Outcome, ServedRequest
+    from mesh.node.runtime import NodeRuntime, NodeSpec
+    from mesh.perf.times import AdaptiveTimes
+    from mesh.policy.kv_demand import RunningMean
+    from mesh.policy.shadow import DEFAULT_MARGIN, instance_margin
+    from mesh.policy.slo import SLO
 
     loop = asyncio.get_running_loop()
     node = NodeRuntime(NodeSpec("fidelity", "cpu", NODE_MEMORY), record_iterations=True)
@@ -398,8 +399,8 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
         model: str | None = None, recalibrate: bool = False, trace: str | Path = DEFAULT_TRACE,
         max_prompt: int = 512, max_output: int = 128, wait_quiet_s: float = 60.0, tries: int = 3,
         live_repeats: int = 2, trace_out: str | Path | None = None, prompt_scale: float = 1.0) -> dict[str, Any]:
-    from mesh.perf import PerformanceModel, load_profile
     from mesh.modelfiles.demo import demo_gguf_path
+    from mesh.perf import PerformanceModel, load_profile
     from mesh.policy.shadow import DEFAULT_MARGIN
 
     model_path = Path(model) if model else demo_gguf_path(fetch=True)
@@ -490,8 +491,8 @@ def run(n: int = 32, duration_s: float = 20.0, scale: float = 8.0, seed: int = 0
     interference = prof.provenance.get("calibration", {}).get("interference", {})
     figures["profile_others_cpu_share_median"] = interference.get("others_cpu_share_median")
     figures["workload"] = (f"{n} requests, 2 models ({', '.join(MODELS)}: the demo GGUF twice) on one node, "
-                           f"Azure conv trace lengths / {scale:g} (prompts x {prompt_scale:g}; prompt <= {max_prompt}, output <= {max_output}), "
-                           f"Poisson arrivals over {duration_s:g} s, seed {seed}; mean prompt "
+                           f"Azure conv trace lengths / {scale:g} (prompts x {prompt_scale:g}; prompt <= {max_prompt}, "
+                           f"output <= {max_output}), Poisson arrivals over {duration_s:g} s, seed {seed}; mean prompt "
                            f"{statistics.fmean(w.prompt_len for w in work):.0f}, mean output "
                            f"{statistics.fmean(w.output_len for w in work):.0f} tokens")
     return figures

@@ -1,5 +1,5 @@
 """`mesh bench interference`: what background work on the same machine costs a serving node
-(issue 31 item 2: at most +5% of its TPOT).
+(the bound: at most +5% of its TPOT).
 
 A serving node: a real OpenVINO instance of the demo model (mesh.engines.openvino_process, its
 own worker, as a node agent runs it) on the node's core set (`--node-cores`, default all
@@ -12,7 +12,7 @@ engine; the window's p50 is compared between phases:
   (idle priority: SCHED_IDLE and nice 19, one compute thread; mesh.background.
   run_as_background);
 - `normal` (with --normal): the same job at normal priority with its default threads, as
-  background work ran before issue 31: what the priority buys.
+  background work would run without it: what the priority buys.
 Jobs (`--job`): `prepare`, the node's IR preparation of the model (mesh.engines.background_prepare,
 into a fresh folder each time: it converts and compiles every time); `convert`, the
 GGUF-to-Hugging-Face conversion for vLLM nodes (mesh.modelfiles.convert in .venv-vllm, 57 s

@@ -1,5 +1,5 @@
 """`mesh bench learning`: how many iterations until a node's predicted iteration times are
-within 10% of the real ones, on a machine with no profile for the model (issue 23 item 4).
+within 10% of the real ones, on a machine with no profile for the model.
 
 One real OpenVINO instance of the demo model (or `--model`) serves a staggered workload
 (requests of varied prompt lengths arriving while others decode, so prefills of many
@@ -98,10 +98,10 @@ def learning_figures(iterations: list[Iteration], starts: dict[str, tuple[float,
 
 async def _serve(engine: Any, prompts: list[list[int]], output_len: int, gap_s: float) -> list[Iteration]:
     from mesh.engines.engine_api import EngineRequest, Sampling
+    from mesh.node.request import ServedRequest
+    from mesh.node.runtime import NodeRuntime, NodeSpec
     from mesh.policy.kv_demand import RunningMean
     from mesh.policy.slo import SLO
-    from mesh.node.runtime import NodeRuntime, NodeSpec
-    from mesh.node.request import ServedRequest
 
     loop = asyncio.get_running_loop()
     node = NodeRuntime(NodeSpec("bench", "cpu", 64 * 2**30), record_iterations=True)
@@ -135,8 +135,8 @@ def run(requests: int = 16, output_len: int = 48, gap_s: float = 0.4, model: str
         window: int = 8) -> dict[str, Any]:
     from mesh.calibration.openvino_calibration import TokenPrompts
     from mesh.engines.openvino_engine import OpenVINOEngine
-    from mesh.node.speed_probe import probe_speed
     from mesh.modelfiles.demo import demo_gguf_path
+    from mesh.node.speed_probe import probe_speed
     from mesh.perf.speed import PRIOR_MACHINE, SpeedFactors
 
     speed = probe_speed()

@@ -272,7 +272,8 @@ async def run_once(prepared: Prepared, source: LayerAgent, target: LayerAgent, p
     firsts = {s.request_id: s.token_times[0] - t0 for s in all_streams if s.token_times}
     loading = [firsts[r] - begun[r] for r in firsts if scale_out <= begun[r] < full]
     result = ScaleOutRun(live, cfg.seed, scale_out, full, tokens, ready, loading, pair.counters.pulls,
-                        sum(s.error is not None for s in all_streams), pair.counters.target_runs, pair.counters.recomputed, counters.bytes_out)
+                        sum(s.error is not None for s in all_streams), pair.counters.target_runs,
+                        pair.counters.recomputed, counters.bytes_out)
     result.streams_split = sum(s.was_split for s in all_streams)
     result.layers, result.after_window = layers, max(0.0, cfg.after_s - 1.0)
     if cfg.check:  # the streams live scaling split first, then those begun while the weights arrived
@@ -299,8 +300,8 @@ def demo_hf_folder() -> Path:
         return out
     python = find_vllm_python()
     if python is None:
-        raise SystemExit("mesh bench live-scaling: the demo's Hugging Face folder is made by the converter, which needs "
-                         "the vLLM environment (scripts/setup.sh); or give a folder with --hf")
+        raise SystemExit("mesh bench live-scaling: the demo's Hugging Face folder is made by the converter, which "
+                         "needs the vLLM environment (scripts/setup.sh); or give a folder with --hf")
     done = subprocess.run([python, "-m", "mesh.modelfiles.convert", "gguf-to-hf", str(demo_gguf_path(fetch=True)),
                            str(out)], capture_output=True, text=True)
     if done.returncode != 0:
@@ -337,11 +338,14 @@ def summary(run: ScaleOutRun) -> dict[str, float]:
     the weights arrived, every one of which was served)."""
     bands = run.rate_by_fraction(run.layers)
     ttft = sorted(run.ttft_loading)
-    q = (lambda p: ttft[min(len(ttft) - 1, int(p * len(ttft)))] if ttft else float("nan"))
+
+    def q(p: float) -> float:
+        return ttft[min(len(ttft) - 1, int(p * len(ttft)))] if ttft else float("nan")
     return {"weights_s": run.full_s - run.scale_out_s, "tok_s_before": run.rate(1.0, run.scale_out_s),
             "tok_s_loading": run.rate(run.scale_out_s, run.full_s), "tok_s_0_33": bands[0], "tok_s_33_67": bands[1],
             "tok_s_67_100": bands[2], "tok_s_after": run.rate(run.full_s + 1.0, run.full_s + 1.0 + run.after_window),
-            "ttft_p50_s": q(0.5), "ttft_p99_s": q(0.99), "pulls": run.pulls, "activation_mb": run.activation_bytes / 1e6,
+            "ttft_p50_s": q(0.5), "ttft_p99_s": q(0.99), "pulls": run.pulls,
+            "activation_mb": run.activation_bytes / 1e6,
             "streams_split": run.streams_split, "failed": run.failed,
             "checked_equal": f"{run.streams_equal}/{run.streams_checked}"}
 
@@ -361,7 +365,8 @@ def _table(rows: dict[str, list[dict[str, Any]]]) -> None:
             vals = sorted(float(r[key]) for r in runs)
             cells.append(f"{vals[0]:.2f} / {statistics.median(vals):.2f} / {vals[-1]:.2f}")
         table.add_row(key, *cells)
-    table.add_row("greedy tokens = whole model", *(" ".join(r["checked_equal"] for r in runs) for runs in rows.values()))
+    table.add_row("greedy tokens = whole model",
+                  *(" ".join(r["checked_equal"] for r in runs) for runs in rows.values()))
     Console().print(table)
 
 
@@ -391,12 +396,14 @@ def _plot(runs: dict[str, ScaleOutRun], path: Path) -> None:
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("live-scaling", help="a scale-out under load on two real CPU agents, live scaling on and off")
-    p.add_argument("--hf", type=Path, help="a Llama-family Hugging Face folder (default: the demo model, converted once)")
+    p.add_argument("--hf", type=Path,
+                   help="a Llama-family Hugging Face folder (default: the demo model, converted once)")
     p.add_argument("--repeats", type=int, default=3, help="runs per mode, seeds 0..R-1 (default 3)")
     p.add_argument("--streams", type=int, default=RunConfig.streams, help="concurrent greedy streams (closed loop)")
     p.add_argument("--prompt-tokens", type=int, default=RunConfig.prompt_tokens)
     p.add_argument("--max-tokens", type=int, default=RunConfig.max_tokens)
-    p.add_argument("--arrive-s", type=float, default=RunConfig.arrive_s, help="the multicast's duration on the paced link")
+    p.add_argument("--arrive-s", type=float, default=RunConfig.arrive_s,
+                   help="the multicast's duration on the paced link")
     p.add_argument("--warm-s", type=float, default=RunConfig.warm_s)
     p.add_argument("--after-s", type=float, default=RunConfig.after_s)
     p.add_argument("--blocks", type=int, default=8, help="blocks the model is cut into (on layer boundaries)")

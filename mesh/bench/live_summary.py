@@ -1,4 +1,4 @@
-"""Live replays summarised over seeds and repeats (issue 31 item 6; `scripts/evaluation.sh live`).
+"""Live replays summarised over seeds and repeats (`scripts/evaluation.sh live`).
 
     python -m mesh.bench.live_summary docs/eval/live_rig-*.json
 
@@ -11,7 +11,7 @@ the largest live-twin gap, the largest spread between repeats of one seed, the m
 in use (the cost) live and in the twin, and, per rig,
 in how many paired runs (same seed and repeat) Mesh served at least as many requests within
 their SLO as sllm+cpu, and the first requests of models registered at least `LEAD_S` before
-their traffic (issue 31 item 3): how many got their first token within the TTFT SLO, and
+their traffic: how many got their first token within the TTFT SLO, and
 which did not. A single run is never a figure.
 """
 from __future__ import annotations

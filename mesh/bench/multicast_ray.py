@@ -30,9 +30,9 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
+from mesh.bench.report import write_json
 from mesh.engines.worker_process import worker_env
 from mesh.lifetime import die_with_parent
-from mesh.bench.report import write_json
 
 MB = 10**6
 
@@ -150,7 +150,8 @@ def _bench(ray: Any, model: Path, receivers: int, block_mb: float, plans: Sequen
     agents = {name: pinned(WeightsAgentActor, node).remote(token, link_mbps) for name, node in on.items()}
     catchers = [pinned(ObjectReceiver, on[f"r{i}"]).remote() for i in range(receivers)]
     try:
-        addresses = {name: tuple(addr) for name, addr in zip(agents, ray.get([a.address.remote() for a in agents.values()]))}
+        addresses = {name: tuple(addr) for name, addr in zip(agents,
+                                                             ray.get([a.address.remote() for a in agents.values()]))}
         ray.get([c.ready.remote() for c in catchers])  # workers started before any clock runs
         targets = [f"r{i}" for i in range(receivers)]
 

@@ -1,6 +1,6 @@
 """`mesh bench replay`: wall time of a trace replay, per policy.
 
-The issue's target: a 30-minute, 128-function Llama-2-7B replay on 4 CPU + 4 GPU nodes
+The target: a 30-minute, 128-function Llama-2-7B replay on 4 CPU + 4 GPU nodes
 finishes in at most 60 s of wall time per policy on a 2-core machine. Also reported: the
 simulated iterations per wall second and the shadow validations made.
 """
@@ -36,7 +36,8 @@ def run(argv: list[str], policies: list[str]) -> dict[str, float | str]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("replay", help=f"replay wall time per policy (target <= {TARGET_WALL_S:g} s for 128 x 7B, 30 min)")
+    p = sub.add_parser("replay",
+                       help=f"replay wall time per policy (target <= {TARGET_WALL_S:g} s for 128 x 7B, 30 min)")
     p.add_argument("--functions", type=int, default=128)
     p.add_argument("--minutes", type=int, default=30)
     p.add_argument("--model", default="llama-2-7b")

@@ -8,9 +8,9 @@ request within its SLO), errors (any other status, an error event, a broken stre
 lost (a stream that ended without [DONE] and without an error: the target is zero).
 
 Without `--url` it starts its own server (`mesh serve --demo --port 0`, temporary data
-folder; mesh.bench.serve_process: it dies with the bench) and stops it afterwards. TTFT percentiles are given over served requests (`ttft_p99_served_s`) and over all requests
-(`ttft_p99_all_s`, a 429 or error counted as never served). Exit status 1 when any request
-errored or was lost, or fewer than `--min-completed` (default 0.9) of them completed.
+folder; mesh.bench.serve_process: it dies with the bench) and stops it afterwards. TTFT percentiles are given over
+served requests (`ttft_p99_served_s`) and over all requests (`ttft_p99_all_s`, a 429 or error counted as never served).
+Exit status 1 when any request errored or was lost, or fewer than `--min-completed` (default 0.9) of them completed.
 `--ttft-slo S` registers a copy of the demo model with a
 TTFT SLO of S seconds and loads that one instead, to see the service queue rather than
 reject. `--cpu-nodes N` starts the server with N CPU node agents and reports the instances
@@ -88,7 +88,8 @@ async def one_request(session: Any, url: str, key: str, model: str, i: int, max_
                 message = (await resp.json()).get("error", {}).get("message", "")
                 return Result("rejected", total_s=loop.time() - start, detail=_reason_kind(message))
             if resp.status != 200:
-                return Result("error", total_s=loop.time() - start, detail=f"HTTP {resp.status}: {(await resp.text())[:200]}")
+                return Result("error", total_s=loop.time() - start,
+                              detail=f"HTTP {resp.status}: {(await resp.text())[:200]}")
             done = False
             async for raw in resp.content:
                 line = raw.decode().strip()
@@ -100,7 +101,8 @@ async def one_request(session: Any, url: str, key: str, model: str, i: int, max_
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
-                    return Result("error", ttft, loop.time() - start, tokens, f"stream error: {chunk['error']['message'][:200]}")
+                    return Result("error", ttft, loop.time() - start, tokens,
+                                  f"stream error: {chunk['error']['message'][:200]}")
                 if chunk.get("choices") and chunk["choices"][0]["delta"].get("content") and ttft is None:
                     ttft = loop.time() - start
                 if chunk.get("usage"):
@@ -198,7 +200,8 @@ def _admin(url: str, token: str, method: str, path: str, body: Any = None, key: 
     import urllib.request
 
     req = urllib.request.Request(f"{url}{path}", method=method, data=json.dumps(body).encode() if body else None,
-                                 headers={"Authorization": f"Bearer {key or token}", "Content-Type": "application/json"})
+                                 headers={"Authorization": f"Bearer {key or token}",
+                                          "Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=60) as resp:
         return json.loads(resp.read())
 

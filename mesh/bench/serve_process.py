@@ -76,10 +76,12 @@ def start_service(data_dir: Path, args: Sequence[str] = (), log: Path | None = N
 
     threading.Thread(target=read, name=f"mesh serve {proc.pid} stdout", daemon=True).start()
     if not seen.wait(ready_timeout_s) or not ready:
-        why = f"exited with status {proc.poll()}" if proc.poll() is not None else f"was not ready in {ready_timeout_s:g} s"
+        why = (f"exited with status {proc.poll()}" if proc.poll() is not None
+               else f"was not ready in {ready_timeout_s:g} s")
         proc.kill()  # (no handlers yet: SIGTERM would end it as abruptly; its agents exit on EOF)
         proc.wait(30)
-        raise RuntimeError(f"mesh serve {why} before its ready line" + (f"; its log ends:\n{_tail(log)}" if log else ""))
+        raise RuntimeError(f"mesh serve {why} before its ready line"
+                           + (f"; its log ends:\n{_tail(log)}" if log else ""))
     m = ready[0]
     return ServiceProcess(proc, m.group(1).rstrip("/"), m.group(2) or "", token, log)
 

@@ -58,7 +58,7 @@ from mesh.bench.serve_process import start_service, stop_service
 
 CHURN = "churn"  # the churn tenants are churn-0, churn-1, ...
 THIRTY_MINUTES = """\
-The 30-minute soak behind docs/service.md's figures (issue 32; about 35 minutes with the
+The 30-minute soak behind docs/service.md's figures (about 35 minutes with the
 start and the final checks; run it on a machine no other benchmark shares, and say so if
 one does):
 
@@ -131,7 +131,8 @@ class Tally:
     # the demo tenant's streams that ended ok: (start, end, TTFT, TPOT) in loop time and seconds
     timings: list[tuple[float, float, float, float]] = field(default_factory=list)
     started: int = 0  # cycles begun
-    resumed: dict[str, dict[str, int]] = field(default_factory=dict)  # the service's lost/resumed/lost_failed by cause (numbers the models, picks those that serve)
+    # the service's lost/resumed/lost_failed by cause (numbers the models, picks those that serve)
+    resumed: dict[str, dict[str, int]] = field(default_factory=dict)
 
     def add(self, outcome: str, detail: str = "") -> None:
         self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
@@ -576,7 +577,8 @@ def summarize(args: argparse.Namespace, tally: Tally, samples: list[dict[str, An
         "service_lost_failed": tally.resumed.get("lost_failed", {}),
         "streams_ok": _timing([t for t in tally.timings]),
         "streams_ok_across_a_kill": _timing([t for t in tally.timings
-                                             if any(t[0] < k < t[1] for k in tally.kill_times)]), "left_behind_clean": left["clean"],
+                                             if any(t[0] < k < t[1] for k in tally.kill_times)]),
+                                             "left_behind_clean": left["clean"],
         "load_average_1min": {"min": min(loads, default=0.0), "mean": round(statistics.fmean(loads), 2) if loads
                               else 0.0, "max": max(loads, default=0.0)},
         "warmup_min": warmup_s / 60,
@@ -616,8 +618,8 @@ def markdown(args: argparse.Namespace, f: dict[str, Any], procs: list[dict[str, 
                f"{sum(f['service_lost_failed'].values())} failed (the service's counts) |")
     out.append(f"| streams across a kill (ok) | {across['n']}: TTFT mean {across['ttft_s']['mean']:.2f} s "
                f"(p95 {across['ttft_s']['p95']:.2f}), TPOT mean {across['tpot_s']['mean']:.3f} s (p95 "
-               f"{across['tpot_s']['p95']:.3f}); all ok streams: {every['n']}, TTFT mean {every['ttft_s']['mean']:.2f} s, "
-               f"TPOT mean {every['tpot_s']['mean']:.3f} s |")
+               f"{across['tpot_s']['p95']:.3f}); all ok streams: {every['n']}, TTFT mean {every['ttft_s']['mean']:.2f} "
+               f"s, TPOT mean {every['tpot_s']['mean']:.3f} s |")
     cs, ph = f["cycle_s"], {k: f[f"phase_{k}_s"] for k in ("register", "ready", "serve", "delete", "clean")}
     kinds = ", ".join(f"{n} {k}" for k, n in f["cycles_by_kind"].items())
     out.append(f"| register/delete cycles | {f['register_delete_cycles']:,} in {args.minutes:g} min "
@@ -634,19 +636,22 @@ def markdown(args: argparse.Namespace, f: dict[str, Any], procs: list[dict[str, 
     out.append(f"| left behind after the run | {where} |")
     for role in ("service", f"agent {args.spare}"):
         if f"{role} rss MiB" in f:
-            out.append(f"| {role} RSS (never restarted) | {f[role + ' rss MiB']}: **{f[role + ' rss growth %']:+.1f}%** "
-                       f"after the first {f['warmup_min']:.1f} min; its floor (least RSS in the minute after "
-                       f"the warm-up -> in the last minute) {f[role + ' rss floor MiB']} MiB, "
-                       f"{f[role + ' rss floor growth %']:+.1f}%; open files {f[role + ' open files']} |")
+            out.append(f"| {role} RSS (never restarted) | {f[role + ' rss MiB']}: "
+                       f"**{f[role + ' rss growth %']:+.1f}%** after the first {f['warmup_min']:.1f} min; its floor "
+                       f"(least RSS in the minute after the warm-up -> in the last minute) "
+                       f"{f[role + ' rss floor MiB']} MiB, {f[role + ' rss floor growth %']:+.1f}%; open files "
+                       f"{f[role + ' open files']} |")
     out.append(f"| agents killed | {'; '.join(tally.kills) or 'none'} |")
     out += ["", "Every process (RSS in MiB; `warm`: after its own warm-up, the run's first "
                 f"{f['warmup_min']:.1f} min or a third of a shorter life):", "",
-            "| process | pid | lived (min) | RSS first | warm | end | max | growth after warm | open files (warm/end/max) |",
+            "| process | pid | lived (min) | RSS first | warm | end | max | growth after warm | open files "
+            "(warm/end/max) |",
             "|---|---|---|---|---|---|---|---|---|"]
     for p in procs:
         out.append(f"| {p['role']} | {p['pid']} | {p['from_s'] / 60:.1f}-{p['to_s'] / 60:.1f} | "
                    f"{p['rss_first_mib']:.0f} | {p['rss_warm_mib']:.0f} | {p['rss_end_mib']:.0f} | "
-                   f"{p['rss_max_mib']:.0f} | {p['growth_pct']:+.1f}% | {p['fds_warm']}/{p['fds_end']}/{p['fds_max']} |")
+                   f"{p['rss_max_mib']:.0f} | {p['growth_pct']:+.1f}% | "
+                   f"{p['fds_warm']}/{p['fds_end']}/{p['fds_max']} |")
     return "\n".join(out) + "\n"
 
 

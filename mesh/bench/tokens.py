@@ -16,8 +16,8 @@ import statistics
 import time
 from typing import Any
 
-from mesh.wire.agent_protocol import Ping, TokensEvent, encode_frame, read_frame
 from mesh.bench.report import write_json
+from mesh.wire.agent_protocol import Ping, TokensEvent, encode_frame, read_frame
 
 
 def _item(i: int) -> list[Any]:

@@ -7,7 +7,7 @@ bytes cut into blocks, and for each plan (naive, chain, binomial): each target's
 completion time (every block received and verified) and the whole (`total_s`), beside the
 bound M/B (`bound_s`), B the single-stream bandwidth measured first with the same
 transport (one agent to one agent, best of `--bw-repeats`), and one block time (`block_s`).
-The issue's target: chain and binomial within 1.15 x bound + one block time; naive about
+The target: chain and binomial within 1.15 x bound + one block time; naive about
 N x bound.
 
 On loopback every "link" is the same kernel memcpy on the same 2 cores, so N receivers
@@ -28,12 +28,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from mesh.bench.report import write_json
 from mesh.perf.load_times import CostModel, schedule
 from mesh.policy.multicast import PLANS, make_plan, naive
 from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast
 from mesh.weights.launch import new_token, spawn_agents, stop_agents
-from mesh.bench.report import write_json
 
 MB = 10**6
 TARGET_FACTOR = 1.15

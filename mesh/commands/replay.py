@@ -9,11 +9,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from mesh.control.cluster_view import ClusterConfig, check_cluster
+from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S
+from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
+from mesh.engines.simulated import SIMULATED_NOISE
+from mesh.perf.load_times import PCIE_BYTES_PER_S, ColdStart
 from mesh.perf.profile import ProfileError
 from mesh.perf.roofline import host_to_device_bytes_per_s
-from mesh.perf.load_times import PCIE_BYTES_PER_S, ColdStart
 from mesh.policy.placement import ADMISSIONS
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
+from mesh.policy.slo import DeadlineRule
+from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
+from mesh.replay.cold_start_modes import MODES as WEIGHT_MODES
+from mesh.replay.cold_start_modes import Engines, WeightsConfig
 from mesh.replay.driver import (
     DEFAULT_CPU_DEVICE,
     DEFAULT_GPU_DEVICE,
@@ -25,14 +33,7 @@ from mesh.replay.driver import (
     run_policy,
     trace_mean_output,
 )
-from mesh.policy.slo import DeadlineRule
-from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
 from mesh.replay.metrics import aligned, json_ready, summarize, table
-from mesh.control.cluster_view import ClusterConfig, check_cluster
-from mesh.engines.simulated import SIMULATED_NOISE
-from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S
-from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
-from mesh.replay.cold_start_modes import MODES as WEIGHT_MODES, Engines, WeightsConfig
 from workloads.azure_functions import load_function_trace
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR, FUNCTIONS_FILE
@@ -66,25 +67,31 @@ def register(sub: argparse._SubParsersAction) -> None:
         description=__doc__,
     )
     data = p.add_argument_group("workload")
-    data.add_argument("--data", metavar="DIR", help="folder with the Azure traces (default: the copies shipped in workloads/data)")
+    data.add_argument("--data", metavar="DIR",
+                      help="folder with the Azure traces (default: the copies shipped in workloads/data)")
     data.add_argument("--trace", metavar="FILE", help=f"Azure Functions per-minute trace (default: DATA/{TRACE_FILE})")
-    data.add_argument("--lengths", metavar="FILE", help=f"Azure LLM trace TIMESTAMP,ContextTokens,GeneratedTokens (default: DATA/{LENGTHS_FILE})")
-    data.add_argument("--functions", type=int, default=32, help="functions sampled, one model replica each (default: %(default)s)")
+    data.add_argument("--lengths", metavar="FILE",
+                      help=f"Azure LLM trace TIMESTAMP,ContextTokens,GeneratedTokens (default: DATA/{LENGTHS_FILE})")
+    data.add_argument("--functions", type=int, default=32,
+                      help="functions sampled, one model replica each (default: %(default)s)")
     data.add_argument("--minutes", type=int, default=30, help="trace minutes replayed (default: %(default)s)")
     data.add_argument("--start-minute", type=int, default=None, help="first trace minute (default: the file's first)")
     data.add_argument("--model", default="llama-2-7b", help="base model of every replica (default: %(default)s)")
     data.add_argument("--mix", metavar="A:B:C", help="3B:7B:13B replica mix instead of --model, e.g. 4:1:1")
     data.add_argument("--seed", type=int, default=0, help="seed of every random choice (default: 0)")
-    data.add_argument("--rate-scale", default="auto", help="'auto' (0.1 rps per function, docs/workloads.md) or a factor")
+    data.add_argument("--rate-scale", default="auto",
+                      help="'auto' (0.1 rps per function, docs/workloads.md) or a factor")
     data.add_argument("--target-rps", type=float, default=None, help="aggregate mean rate for --rate-scale auto")
-    data.add_argument("--arrivals", default="poisson", choices=("poisson", "uniform"), help="arrivals within a minute (default: poisson)")
+    data.add_argument("--arrivals", default="poisson", choices=("poisson", "uniform"),
+                      help="arrivals within a minute (default: poisson)")
     cl = p.add_argument_group("cluster")
     cl.add_argument("--policies", default=None,
                     help=f"comma-separated, from: {', '.join(POLICIES)} (default: {DEFAULT_POLICIES}; with --live, the "
                          "policies the live run is simulated under besides the one the service runs)")
     cl.add_argument("--cpu-nodes", type=int, default=4, help="CPU nodes (default: 4)")
     cl.add_argument("--gpu-nodes", type=int, default=4, help="GPU nodes (default: 4)")
-    cl.add_argument("--cpu-memory-gib", type=float, default=256.0, help="memory of a CPU node for instances (default: %(default)s)")
+    cl.add_argument("--cpu-memory-gib", type=float, default=256.0,
+                    help="memory of a CPU node for instances (default: %(default)s)")
     cl.add_argument("--gpu-memory-gib", type=float, default=80.0, help="memory of a GPU (default: %(default)s)")
     cl.add_argument("--cpu-device", default=DEFAULT_CPU_DEVICE, help="CPU profile device (default: %(default)s)")
     cl.add_argument("--gpu-device", default=DEFAULT_GPU_DEVICE, help="GPU profile device (default: %(default)s)")
@@ -92,20 +99,24 @@ def register(sub: argparse._SubParsersAction) -> None:
     cl.add_argument("--pcie-gbps", type=float, default=None,
                     help="host-to-GPU weight load bandwidth from pinned host memory, GB/s (default: the GPU device's, "
                          "docs/roofline.md: a100-80gb 25 (PCIe 4.0 x16, assumed), h100 54.6 and h200 55.3 (measured))")
-    cl.add_argument("--cpu-load-gbps", type=float, default=50.0, help="CPU instance start-up pass over cached weights, GB/s (default: %(default)s)")
+    cl.add_argument("--cpu-load-gbps", type=float, default=50.0,
+                    help="CPU instance start-up pass over cached weights, GB/s (default: %(default)s)")
     cl.add_argument("--cold-starts", metavar="FILE", default=None,
                     help="take instances' loads from a measured cold-start table (JSON, format mesh-cold-starts/1, "
-                         "mesh.perf.load_times.ColdStartTable): per model and node kind, '*' for models it does not name; "
-                         "the weights' bandwidths then apply only to kinds it has no entry for")
+                         "mesh.perf.load_times.ColdStartTable): per model and node kind, '*' for models it does not "
+                         "name; the weights' bandwidths then apply only to kinds it has no entry for")
     cl.add_argument("--weights", default="cached", choices=("cached", *WEIGHT_MODES),
-                    help="where a cold start gets its weights: 'cached' (the paper's setup: host memory over PCIe on GPU "
-                         "nodes, already in memory on CPU nodes), or, on every node, 'ssd', 'host' (a per-node host cache), "
-                         "'multicast' (the parameter pool's host copy and running instances over the network, "
-                         "planner-timed), 'multicast-live' (serving before the last layer arrives); docs/multicast.md "
-                         "(default: %(default)s)")
-    cl.add_argument("--net-gbit", type=float, default=200.0, help="per-node network bandwidth for --weights multicast*, Gbit/s (default: %(default)s)")
-    cl.add_argument("--ssd-gbps", type=float, default=3.0, help="SSD read bandwidth for --weights ssd/host, GB/s (default: %(default)s)")
-    cl.add_argument("--multicast-plan", default="binomial", choices=("binomial", "chain", "naive"), help="multicast plan (default: %(default)s)")
+                    help="where a cold start gets its weights: 'cached' (the paper's setup: host memory over PCIe on "
+                         "GPU nodes, already in memory on CPU nodes), or, on every node, 'ssd', 'host' (a per-node "
+                         "host cache), 'multicast' (the parameter pool's host copy and running instances over the "
+                         "network, planner-timed), 'multicast-live' (serving before the last layer arrives); "
+                         "docs/multicast.md (default: %(default)s)")
+    cl.add_argument("--net-gbit", type=float, default=200.0,
+                    help="per-node network bandwidth for --weights multicast*, Gbit/s (default: %(default)s)")
+    cl.add_argument("--ssd-gbps", type=float, default=3.0,
+                    help="SSD read bandwidth for --weights ssd/host, GB/s (default: %(default)s)")
+    cl.add_argument("--multicast-plan", default="binomial", choices=("binomial", "chain", "naive"),
+                    help="multicast plan (default: %(default)s)")
     cl.add_argument("--deadlines", default=None, choices=[r.value for r in DeadlineRule],
                     help="when a request's tokens after the first are due, for every policy's node scheduler and "
                          "Mesh's shadow validation: 'eq1' (the paper's Eq. 1: arrival + TTFT + TPOT x (i-1)) or "
@@ -113,8 +124,10 @@ def register(sub: argparse._SubParsersAction) -> None:
                          "(default: eq1; with --live, the service's pace)")
     cl.add_argument("--keep-alive", type=float, default=None,
                     help="seconds an idle instance is kept (default: 1; with --live, the service's 60)")
-    cl.add_argument("--noise", type=float, default=DEFAULT_NOISE, help="relative std-dev of simulated iteration times (default: %(default)s)")
-    cl.add_argument("--queue-capacity", type=int, default=DEFAULT_QUEUE_CAPACITY, help="waiting requests held at most (default: %(default)s)")
+    cl.add_argument("--noise", type=float, default=DEFAULT_NOISE,
+                    help="relative std-dev of simulated iteration times (default: %(default)s)")
+    cl.add_argument("--queue-capacity", type=int, default=DEFAULT_QUEUE_CAPACITY,
+                    help="waiting requests held at most (default: %(default)s)")
     cl.add_argument("--queue-timeout", default=f"{DEFAULT_QUEUE_TIMEOUT_S:g}",
                     help="seconds a request may wait for capacity (a client timeout, the same for every policy; Mesh "
                     "also turns away at once a request that can no longer meet its SLO), or 'slo': every policy "
@@ -127,7 +140,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     help="lose a node at that time of the workload, as a node agent is lost live: its requests go "
                          "back to the dispatcher with their progress and it takes nothing for DOWN seconds (its "
                          "agent restarting; default 1), e.g. cpu0@120+2; repeat for several")
-    cl.add_argument("--retry-interval", type=float, default=DEFAULT_RETRY_INTERVAL_S, help="seconds between retries of waiting requests (default: %(default)s)")
+    cl.add_argument("--retry-interval", type=float, default=DEFAULT_RETRY_INTERVAL_S,
+                    help="seconds between retries of waiting requests (default: %(default)s)")
     live = p.add_argument_group("live (docs/evaluation.md, 'Live replay')")
     live.add_argument("--live", metavar="URL",
                       help="send the trace to the Mesh service at URL through its OpenAI API (MESH_ADMIN_TOKEN in the "
@@ -136,20 +150,23 @@ def register(sub: argparse._SubParsersAction) -> None:
     live.add_argument("--explain", action="store_true",
                       help="with --live: list every request whose outcome differs between live and its twin, with "
                            "the decision that differed (admission, failure, first token, pace) and why")
-    live.add_argument("--model-path", metavar="FILE", help="the GGUF each function's model is a copy of (default: the demo model)")
+    live.add_argument("--model-path", metavar="FILE",
+                      help="the GGUF each function's model is a copy of (default: the demo model)")
     live.add_argument("--length-scale", type=float, default=None,
                       help="divide the trace's prompt and output lengths by this (default: 1; with --live 8)")
     live.add_argument("--cold-start-s", type=float, default=7.5,
-                      help="with --live: seconds an instance takes to start in the simulated twin (default: %(default)s, "
-                           "the demo model measured on a 2-core node)")
+                      help="with --live: seconds an instance takes to start in the simulated twin (default: "
+                           "%(default)s, the demo model measured on a 2-core node)")
     cap = p.add_argument_group("capacity")
     cap.add_argument("--capacity", action="store_true",
                      help="instead of one replay, search per policy the highest request rate (the trace's arrival rate "
                           "scaled) served with at least --capacity-target SLO attainment: doubling/halving from the "
-                          "replay's own rate, then bisection to --capacity-tol; writes capacity_rps (Eq. 1 reading) and "
-                          "capacity_rps_strict per policy")
-    cap.add_argument("--capacity-target", type=float, default=DEFAULT_TARGET, help="SLO attainment to reach (default: %(default)s)")
-    cap.add_argument("--capacity-tol", type=float, default=DEFAULT_REL_TOL, help="relative width of the final bracket (default: %(default)s)")
+                          "replay's own rate, then bisection to --capacity-tol; writes capacity_rps (Eq. 1 reading) "
+                          "and capacity_rps_strict per policy")
+    cap.add_argument("--capacity-target", type=float, default=DEFAULT_TARGET,
+                     help="SLO attainment to reach (default: %(default)s)")
+    cap.add_argument("--capacity-tol", type=float, default=DEFAULT_REL_TOL,
+                     help="relative width of the final bracket (default: %(default)s)")
     cap.add_argument("--capacity-growth", type=float, default=2.0,
                      help="factor between bracketing runs (default: %(default)s; less overshoots into costly overload)")
     cap.add_argument("--capacity-reading", default="both", choices=("eq1", "strict", "both"),
@@ -179,8 +196,8 @@ def _inputs(args: argparse.Namespace) -> tuple[Path, Path]:
     data = Path(args.data) if args.data else default_data_dir()
     if data is None:
         raise ReplayInputError(
-            f"no data folder: {DATA_DIR} (the traces shipped with Mesh) is absent; pass --trace FILE and --lengths FILE "
-            "(or --data DIR holding the Azure traces)"
+            f"no data folder: {DATA_DIR} (the traces shipped with Mesh) is absent; pass --trace FILE and --lengths "
+            "FILE (or --data DIR holding the Azure traces)"
         )
     if not data.is_dir():
         raise ReplayInputError(f"--data {data}: not a folder; pass --trace FILE and --lengths FILE instead")
@@ -208,7 +225,8 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
             raise ProfileError(f"unknown model {name!r}; valid models: {', '.join(known_models())}")
     if args.noise < 0 or args.retry_interval <= 0 or args.queue_capacity < 1:
         raise ReplayInputError("--noise must be >= 0, --retry-interval > 0 and --queue-capacity >= 1")
-    catalog = build_catalog(list(mix), cpu_device=args.cpu_device, gpu_device=args.gpu_device, profile_dir=args.profiles)
+    catalog = build_catalog(list(mix), cpu_device=args.cpu_device, gpu_device=args.gpu_device,
+                            profile_dir=args.profiles)
     measured: dict[tuple[str, str], float] = {}
     if args.cold_starts:
         from mesh.perf.load_times import cold_start_times
@@ -222,7 +240,8 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
     cold_start, engines = ColdStart(args.pcie_gbps * 1e9, args.cpu_load_gbps * 1e9, measured=measured), None
     if args.weights != "cached":
         try:
-            weights = WeightsConfig(args.weights, ssd_bytes_per_s=args.ssd_gbps * 1e9, pcie_bytes_per_s=args.pcie_gbps * 1e9,
+            weights = WeightsConfig(args.weights, ssd_bytes_per_s=args.ssd_gbps * 1e9,
+                                    pcie_bytes_per_s=args.pcie_gbps * 1e9,
                                     net_bytes_per_s=args.net_gbit * 1e9 / 8, plan=args.multicast_plan)
         except ValueError as exc:
             raise ReplayInputError(f"--weights: {exc}") from None
@@ -254,7 +273,8 @@ def configure(args: argparse.Namespace) -> dict[str, Any]:
         """The same workload at another rate scale (the capacity search)."""
         return workload_for(argparse.Namespace(**{**vars(args), "rate_scale": rate_scale}), max_total, mix)[0]
 
-    return {"policies": policies, "catalog": catalog, "workload": workload, "prior": prior, "config": config, "mix": mix,
+    return {"policies": policies, "catalog": catalog, "workload": workload, "prior": prior, "config": config,
+            "mix": mix,
             "build": build}
 
 
@@ -289,7 +309,8 @@ def workload_for(args: argparse.Namespace, max_total: dict[str, int], mix: dict[
         try:
             rate = float(rate)
         except ValueError:
-            raise ReplayInputError(f"--rate-scale must be 'auto' or a positive number, got {args.rate_scale!r}") from None
+            raise ReplayInputError(
+                f"--rate-scale must be 'auto' or a positive number, got {args.rate_scale!r}") from None
     workload = build_workload(
         load_function_trace(trace_path), load_lengths(lengths_path), functions=args.functions, minutes=args.minutes,
         start_minute=args.start_minute, models=mix, seed=args.seed, rate_scale=rate, target_rps=args.target_rps,
@@ -304,7 +325,8 @@ def workload_for(args: argparse.Namespace, max_total: dict[str, int], mix: dict[
         except ValueError:
             timeout = -1.0
         if not timeout >= 0:
-            raise ReplayInputError(f"--queue-timeout must be 'slo' or a number of seconds >= 0, got {args.queue_timeout!r}")
+            raise ReplayInputError(f"--queue-timeout must be 'slo' or a number of seconds >= 0, got "
+                                   f"{args.queue_timeout!r}")
     return workload, timeout
 
 
@@ -359,7 +381,8 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"workload: {d['functions']} functions x {d['window']['minutes']} min, models "
         f"{', '.join(f'{m}:{int(c)}' for m, c in d['model_counts'].items() if c)}, {d['requests']} requests "
-        f"({d['mean_rps']:.2f} rps; rate scale {d['rate_scale']['value']:.3g}, {d['rate_scale']['mode']}), seed {d['seed']}",
+        f"({d['mean_rps']:.2f} rps; rate scale {d['rate_scale']['value']:.3g}, {d['rate_scale']['mode']}), seed "
+        f"{d['seed']}",
         file=sys.stderr,
     )
     meta = describe(args, setup)

@@ -22,7 +22,7 @@ gap between the two SLO rates is the simulator's error at cluster level.
 
 Otherwise the simulated side is the cluster the service reports at `/admin/cluster` (its CPU and GPU
 node counts and memory), the service's keep-alive and deadline rule, and the model's times:
-after the live run, what the service learnt (`GET /admin/learnt`, issue 23 item 5: the prior
+after the live run, what the service learnt (`GET /admin/learnt`: the prior
 or `--profiles`' profile times the nodes' learnt factors per grid region, their learnt
 margin, their median measured cold start; `learnt_twin`), so the gap between the two SLO
 rates is the simulator's error at cluster level, not a stale prior's. The twin with the
@@ -44,21 +44,21 @@ from typing import Any
 
 import aiohttp
 
-from mesh.engines.engine_api import DEFAULT_CONTEXT_CAP, EngineError
-from mesh.node.emulation import emulated_cold_start
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
+from mesh.control.cluster_view import ClusterConfig, ModelSpec
+from mesh.control.schedulers import scheduler_spec
+from mesh.engines.engine_api import DEFAULT_CONTEXT_CAP, EngineError
 from mesh.modelfiles.demo import ModelFetchError
+from mesh.node.emulation import emulated_cold_start
+from mesh.node.request import ServedRequest
+from mesh.perf.load_times import ANY_MODEL, PARKED_PRIOR_S, ColdStart
 from mesh.perf.profile import load_profile
 from mesh.perf.times import learnt_profile, prior_profile
-from mesh.perf.load_times import ANY_MODEL, PARKED_PRIOR_S, ColdStart
 from mesh.policy.placement import CPU, GPU
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
-from mesh.control.cluster_view import ClusterConfig, ModelSpec
-from mesh.node.request import ServedRequest
-from mesh.control.schedulers import scheduler_spec
 from mesh.service.cluster_placement import PlacementSettings
-from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from workloads.workload import Workload
 
 BASE = "smollm2-135m"  # the base model name of every replica (one model file, one profile)
@@ -86,8 +86,8 @@ def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, win
     for kind in (CPU, GPU):
         path = Path(args.profiles) / f"{BASE}__{kind}.json" if args.profiles else None
         if emulated and kind in emulated and model_path is not None:
-            from mesh.node.emulation import Emulation, shape_name
             from mesh.modelfiles.shape import architecture_of
+            from mesh.node.emulation import Emulation, shape_name
 
             profiles[kind] = Emulation(emulated[kind]).profile(shape_name(architecture_of(model_path, BASE)))
         else:
@@ -109,10 +109,10 @@ class LearntTwin:
 
 def learnt_twin(catalog: dict[str, ModelSpec], learnt: dict[str, Any], cold_kinds: tuple[str, ...] = (CPU, GPU)
                 ) -> LearntTwin:
-    """The twin that runs with what the service learnt (GET /admin/learnt's per-kind summary,
-    issue 23 item 5): each kind's profile times its learnt factors per grid region, the
+    """The twin that runs with what the service learnt (GET /admin/learnt's per-kind summary):
+    each kind's profile times its learnt factors per grid region, the
     learnt margin, the median measured cold start of each tier (a build, an adopted parked
-    worker: issue 31 item 5). `cold_kinds`: the kinds whose measured cold starts count (the
+    worker). `cold_kinds`: the kinds whose measured cold starts count (the
     mixed rig's: its real CPU nodes only)."""
     summary = learnt.get("summary") or {}
     (base,) = catalog

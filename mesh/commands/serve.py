@@ -6,10 +6,10 @@ import asyncio
 import logging
 import sys
 
-from mesh.policy.placement import ADMISSIONS
-from mesh.policy.slo import DeadlineRule
 from mesh.control.schedulers import POLICIES
+from mesh.policy.placement import ADMISSIONS
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
+from mesh.policy.slo import DeadlineRule
 from mesh.service.config import quota_value
 
 
@@ -21,7 +21,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--config", default=None, help="a TOML or JSON file of settings (docs/service.md)")
     parser.add_argument("--demo", action="store_true", default=None,
                         help="register the SmolLM2 demo model as demo/smollm2 for tenant demo; print a key")
-    parser.add_argument("--allowed-dir", default=None, help="folder under which models may be registered by path: a tenant only in DIR/<tenant>/, the operator (admin token) anywhere")
+    parser.add_argument("--allowed-dir", default=None,
+                        help="folder under which models may be registered by path: a tenant only in DIR/<tenant>/, the "
+                             "operator (admin token) anywhere")
     parser.add_argument("--max-body-mb", type=float, default=None, help="limit of JSON request bodies (default 8)")
     parser.add_argument("--max-upload-mb", type=float, default=None, help="limit of model uploads (default 16384)")
     parser.add_argument("--keep-alive", type=float, default=None, dest="keep_alive_s",
@@ -55,11 +57,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="the cluster dispatcher's placement policy, as `mesh replay` evaluates it: "
                              + "; ".join(f"{p.name}: {p.description}" for p in POLICIES.values()) + " (default mesh)")
     parser.add_argument("--queue-capacity", type=int, default=None, dest="queue_capacity",
-                        help=f"requests the dispatcher's waiting queue holds across tenants (default {DEFAULT_QUEUE_CAPACITY}); past it a "
+                        help=f"requests the dispatcher's waiting queue holds across tenants (default "
+                             f"{DEFAULT_QUEUE_CAPACITY}); past it a "
                              "request is turned away (429)")
     parser.add_argument("--queue-timeout", default=None, dest="queue_timeout_s", type=_queue_timeout,
                         help="seconds a request may wait for capacity, or 'slo': until it can no longer meet its "
-                             f"SLO (default {DEFAULT_QUEUE_TIMEOUT_S:g}); Mesh also turns a request away at once when it cannot meet its SLO")
+                             f"SLO (default {DEFAULT_QUEUE_TIMEOUT_S:g}); Mesh also turns a request away at once when "
+                             f"it cannot meet its SLO")
     parser.add_argument("--admission", default=None, choices=ADMISSIONS,
                         help="what a request that can no longer meet its SLO gets, for models registered without "
                              "their own choice: 'reject' turns it away (429 with the reason and Retry-After, "
@@ -125,7 +129,8 @@ def run(args: argparse.Namespace) -> int:
     from mesh.service.config import ConfigError, build_config, read_config_file
 
     cli = {k: getattr(args, k) for k in ("host", "port", "data_dir", "demo", "allowed_dir", "max_body_mb",
-                                         "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "node_cores", "remote_agents", "ray", "ray_autoscale",
+                                         "max_upload_mb", "keep_alive_s", "cpu_memory_gb", "cpu_nodes", "node_cores",
+                                         "remote_agents", "ray", "ray_autoscale",
                                          "weights_plan", "deadlines", "policy", "cold_start_s", "exact_moves",
                                          "drain_timeout_s",
                                          "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",

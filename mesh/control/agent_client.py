@@ -5,8 +5,8 @@ request (a mesh.wire.agent_protocol request type) and awaits its reply, decoded 
 request's reply type (AgentCallError when the agent says ok=false, or answers with a
 malformed reply); `send()` sends without waiting (abort). `call_message()` speaks raw
 frames, for tests and tools that must send what no request type writes. Events (tokens,
-done, instance) go to `on_event`. When the connection ends - EOF, a reset, a protocol error, or no reply to a ping within
-`heartbeat_timeout_s` - every pending call fails with AgentDown and `on_close(reason)` runs
+done, instance) go to `on_event`. When the connection ends - EOF, a reset, a protocol error, or no reply to a ping
+within `heartbeat_timeout_s` - every pending call fails with AgentDown and `on_close(reason)` runs
 once. A killed agent process closes its socket, so that is noticed at once; the heartbeat
 catches an agent that hangs or a peer that vanished from the network.
 """
@@ -150,7 +150,8 @@ class AgentClient:
             self._write({"id": mid, **{k: v for k, v in message.items() if k != "id"}})
             reply = await (asyncio.wait_for(future, timeout_s) if timeout_s else future)
         except asyncio.TimeoutError as exc:
-            raise AgentDown(f"agent {self.name} did not answer {message.get(TYPE_KEY)} within {timeout_s:.1f} s") from exc
+            raise AgentDown(
+                f"agent {self.name} did not answer {message.get(TYPE_KEY)} within {timeout_s:.1f} s") from exc
         finally:
             self._pending.pop(mid, None)
         self.call_times.setdefault(str(message.get(TYPE_KEY)), CallTimes()).add(loop.time() - sent)
@@ -227,7 +228,7 @@ class AgentClient:
                 task.cancel()
         try:
             self.on_close(reason)
-        except Exception:  # noqa: BLE001
+        except Exception:  # noqa: BLE001 - a failing handler must not stop the close
             log.exception("agent %s: close handler failed", self.name)
 
     async def close(self) -> None:

@@ -36,10 +36,32 @@ from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.node.shadow_admission import Admission
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.tasks import cancel_all
-from mesh.wire.agent_protocol import (Abort, Admit, AdmitEntry, AdmitResult, Code, DoneEvent, EvictedEvent, Forget,
-                                      InstanceEvent, InstanceSpec, NewInstance, NodeEvent, Probe, ProtocolError, Stats,
-                                      TakeBack, TokensEvent, Unload, Validate, ValidateGroup, ValidateNew,
-                                      event_from_message, mean_output_to, slo_to_dict)
+from mesh.wire.agent_protocol import (
+    Abort,
+    Admit,
+    AdmitEntry,
+    AdmitResult,
+    Code,
+    DoneEvent,
+    EvictedEvent,
+    Forget,
+    InstanceEvent,
+    InstanceSpec,
+    NewInstance,
+    NodeEvent,
+    Probe,
+    ProtocolError,
+    Stats,
+    TakeBack,
+    TokensEvent,
+    Unload,
+    Validate,
+    ValidateGroup,
+    ValidateNew,
+    event_from_message,
+    mean_output_to,
+    slo_to_dict,
+)
 
 log = logging.getLogger("mesh.control.agent_node")
 
@@ -216,7 +238,8 @@ class AgentNode(ClusterNode):
             # took it places it again, so it must not be placed from here too
             return Admission(True)
         if deferred:  # the dispatcher counted it placed: it is placed again
-            self._hand_back(inst, req, f"refused by {self.node_id} once its instance loaded: {result.reason or result.code}")
+            self._hand_back(inst, req,
+                            f"refused by {self.node_id} once its instance loaded: {result.reason or result.code}")
             return Admission(False, refusal=str(result.reason or result.code))
         self._book.release(req.request_id)
         req.node_id = req.instance_id = None
@@ -241,7 +264,7 @@ class AgentNode(ClusterNode):
         (`transfer_first(plan)`: the weights plane multicasts them, seconds to minutes) is
         staged instead: True at once, its transfer and load go on in the background
         (`_start_staged`), and the requests admitted to it meanwhile are sent to the agent
-        once its load is issued (issue 32: a scale-out never holds its model's placement
+        once its load is issued (so a scale-out never holds its model's placement
         decision, nor the queue behind it, for a transfer). Its memory counts as used from
         now on, so another decision does not plan the same room."""
         if not self.up:
@@ -261,7 +284,8 @@ class AgentNode(ClusterNode):
         """The load: its spec (the weights placed here first), then the agent's `load`."""
         try:
             spec = dataclasses.replace(await self._load_spec(plan, self), slo=slo_to_dict(plan.slo),
-                                       expected_load_s=plan.expected_load_s, mean_output=mean_output_to(plan.mean_output))
+                                       expected_load_s=plan.expected_load_s,
+                                       mean_output=mean_output_to(plan.mean_output))
             self._book.means[plan.model] = plan.mean_output
             if self._instances.get(plan.instance_id) is not inst:  # stopped while its weights moved
                 return False

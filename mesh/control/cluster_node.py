@@ -25,10 +25,9 @@ import asyncio
 from abc import ABC, abstractmethod
 from typing import Callable, Collection, Mapping, Protocol, Sequence
 
+from mesh.node.request import Outcome, ServedRequest
 from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.node.shadow_admission import Admission
-from mesh.node.request import Outcome, ServedRequest
-
 
 # Why a node lost its requests (ServedRequest.lost; the dispatcher counts resumed and failed ones by it).
 EXITED = "exited"  # its agent process exited (killed, crashed)
@@ -54,7 +53,8 @@ class ClusterNode(ABC):
     margin: float  # shadow validation's overestimate of each iteration (5.3)
     on_evict: Callable[[ServedRequest], None] | None = None  # a request evicted here (6.4), to place again
     on_loaded: Callable[[str], None] | None = None  # an instance finished loading (its id)
-    on_instance_gone: Callable[[str], None] | None = None  # an instance left without being asked (load failed, node lost)
+    on_instance_gone: Callable[[str],
+                               None] | None = None  # an instance left without being asked (load failed, node lost)
 
     @property
     def node_id(self) -> str:

@@ -16,18 +16,35 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
+from mesh.control.cluster_node import ClusterNode, HostedInstance
 from mesh.modelfiles.formats import ENGINE_OF_KIND, unhonoured
-from mesh.perf.load_times import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BYTES, GIB, ColdStart, ColdStartTable, LoadRecord
+from mesh.node.request import ServedRequest
+from mesh.node.runtime import InstancePlan, NodeSpec
+from mesh.perf.load_times import (
+    DEFAULT_CPU_MEMORY_BYTES,
+    DEFAULT_GPU_MEMORY_BYTES,
+    GIB,
+    ColdStart,
+    ColdStartTable,
+    LoadRecord,
+)
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
-from mesh.policy.placement import (ADMISSIONS, ADMIT_REJECT, COLD_START_CHOICES, CPU, DEFAULT_KEEP_ALIVE_S, GPU, SERVE_LATE,
-                                   InstanceView, NodeView, keep_alive_expired)
+from mesh.policy.placement import (
+    ADMISSIONS,
+    ADMIT_REJECT,
+    COLD_START_CHOICES,
+    CPU,
+    DEFAULT_KEEP_ALIVE_S,
+    GPU,
+    SERVE_LATE,
+    InstanceView,
+    NodeView,
+    keep_alive_expired,
+)
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
-from mesh.control.cluster_node import ClusterNode, HostedInstance
-from mesh.node.runtime import InstancePlan, NodeSpec
-from mesh.node.request import ServedRequest
 
 DEFAULT_MAX_BATCH = 256  # B_max of the profiles (LLM-Mesh 5.2)
 LIVE_USAGE_ENTRIES = 4096  # a live service's node-usage change points kept (nothing reads them there; bounded)
@@ -74,7 +91,8 @@ class ClusterConfig:
     deadlines: DeadlineRule = DeadlineRule.EQ1  # when tokens after the first are due (mesh.policy.slo)
     noise: float = 0.0  # relative std-dev of simulated iteration times
     seed: int = 0
-    max_batch: int = DEFAULT_MAX_BATCH  # requests an instance runs at most (plans, validation, the engine's max_num_seqs)
+    # requests an instance runs at most (plans, validation, the engine's max_num_seqs)
+    max_batch: int = DEFAULT_MAX_BATCH
     cold_start_choice: str = SERVE_LATE  # a cold model's request that cannot make its TTFT (placement.SERVE_LATE)
     admission: str = ADMIT_REJECT  # a fresh request that can no longer meet its SLO (placement.ADMISSIONS)
     # A replay's CPU nodes' parking budget beside their memory (the agent's --park-bytes): where
@@ -217,7 +235,7 @@ class ClusterView:
         self.instances_recycled = 0
         self.cold_start_s = 0.0  # summed predicted cold starts
         self._loads_end: dict[str, float] = {}  # node id -> when the loads issued on it are predicted to end
-        # Cold starts measured, not assumed (issue 23 item 3): every node's loads per model and
+        # Cold starts measured, not assumed: every node's loads per model and
         # source, and the weights transfers (mesh.perf.load_times.ColdStartTable).
         self.cold_starts = ColdStartTable()
         self._loading: dict[str, tuple[float, float, str]] = {}  # instance -> (issued, its wait, node kind)
@@ -242,7 +260,9 @@ class ClusterView:
 
     def remove_node(self, node_id: str) -> ClusterNode | None:
         """Stop scheduling on a node that left; its instances leave the books (their requests
-        were ended or handed back by the node)."""
+        were ended or handed back by the node), and so do its measured loads: a node that
+        joins later under the same id starts from its peers' loads, and the table does not
+        grow with every node that comes and goes."""
         seq = self.node_seq.pop(node_id, None)
         if seq is None:
             return None
@@ -252,6 +272,7 @@ class ClusterView:
             if ref.recycle is not None:
                 ref.recycle.cancel()
             self._forget(ref)
+        self.cold_starts.forget_node(node_id)
         return node
 
     def add_model(self, model: str, spec: ModelSpec, mean_output_prior: float, slo: SLO | None = None) -> None:
@@ -498,7 +519,8 @@ class ClusterView:
         if issued is not None and ref is not None:
             at, wait, kind = issued
             now = self._now()
-            self.cold_starts.record(LoadRecord(node.node_id, kind, ref.model, node.loaded_from(instance_id) or "weights",
+            self.cold_starts.record(LoadRecord(node.node_id, kind, ref.model,
+                                               node.loaded_from(instance_id) or "weights",
                                                max(0.0, now - at - wait), now))
         self.note_idle(node)
 
@@ -554,7 +576,8 @@ class ClusterView:
             return
         now = self._now()
         if not keep_alive_expired(inst.idle_since, now, self.config.keep_alive_s):
-            ref.recycle = asyncio.get_running_loop().call_at(inst.idle_since + self.config.keep_alive_s, self._recycle, ref)
+            ref.recycle = asyncio.get_running_loop().call_at(inst.idle_since + self.config.keep_alive_s, self._recycle,
+                                                             ref)
             return
         self.instances_recycled += 1
         self._forget(ref)  # at once: nothing is placed on it while it unloads

@@ -7,7 +7,7 @@ order, whenever capacity frees (a request ends, an instance is recycled). It is 
 with the reason, when the queue is full, after the queue timeout (30 s, the same for every
 policy), or, under Mesh, as soon as it can no longer meet its SLO (no validation can pass
 then; the baselines cannot tell and keep it waiting, LLM-Mesh 8.2). That last rule is the
-model's admission choice (mesh.policy.placement.ADMISSIONS, issue 33): `reject` as above,
+model's admission choice (mesh.policy.placement.ADMISSIONS): `reject` as above,
 `queue` keeps it waiting up to the queue timeout and `late` without a time bound, each placed
 once validation shows everyone else on time, its own deadlines running from then (served late).
 Requests handed back by a node
@@ -47,13 +47,13 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
+from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode
+from mesh.control.cluster_view import ClusterView, unable_nodes
+from mesh.control.latency import LogHistogram
+from mesh.node.request import Outcome, ServedRequest
 from mesh.policy.placement import ADMIT_QUEUE, ADMIT_REJECT, queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.policy.slo import DeadlineRule
-from mesh.control.cluster_view import ClusterView, unable_nodes
-from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode
-from mesh.control.latency import LogHistogram
-from mesh.node.request import Outcome, ServedRequest
 
 if TYPE_CHECKING:
     from mesh.control.schedulers import Scheduler
@@ -69,7 +69,7 @@ QUEUE_FULL = "queue full"
 REPLAY_ENDED = "replay ended"
 
 
-def slo_met(req: ServedRequest) -> bool:
+def eq1_slo_met(req: ServedRequest) -> bool:
     """Completed within the SLO as Eq. 1 reads it (LLM-Mesh 5.1): the first token by
     ST + TTFT_SLO, and the last (the n-th) by ST + TTFT_SLO + TPOT_SLO * (n - 1). A request
     whose first token came early may use that slack later, as the `eq1` deadline rule
@@ -96,7 +96,7 @@ class Accounting:
     def add(self, req: ServedRequest) -> None:
         self.requests += 1
         self.outcomes[req.outcome.value if req.outcome is not None else "none"] += 1
-        self.slo_compliant += slo_met(req)
+        self.slo_compliant += eq1_slo_met(req)
         self.slo_compliant_strict += req.slo_met
 
     def counts(self, not_ended: int = 0) -> dict[str, int]:
@@ -449,7 +449,7 @@ class Dispatcher:
     async def _drain(self) -> None:
         """Retry waiting requests in order; a model whose head cannot be placed is skipped
         for the rest of this pass (FIFO per model), and so is one whose placement decision is
-        in flight (live, a round trip or more: the drain does not wait for it, issue 32)."""
+        in flight (live, a round trip or more: the drain does not wait for it)."""
         try:
             self._last_drain = self._now()
             blocked: set[str] = set()

@@ -35,9 +35,15 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from mesh.engines.engine_api import NextTokens, TokenBatch
-from mesh.policy.live_scaling import (ZigZagRequest, ZigZagState, left_to_target, source_pull, switch_assignment,
-                                     target_next)
 from mesh.framing import ProtocolError
+from mesh.policy.live_scaling import (
+    ZigZagRequest,
+    ZigZagState,
+    left_to_target,
+    source_pull,
+    switch_assignment,
+    target_next,
+)
 from mesh.wire.layers import LayerCallFailed, LayerConnection, ModelState, Peer, Release, Run, RunResult, Status
 
 log = logging.getLogger("mesh.control.live_pair")

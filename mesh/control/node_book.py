@@ -7,7 +7,7 @@ a request back with the tokens it produced (6.4); an instance's `ready` or faile
 settles who waits for it; a lost node's requests leave with the progress streamed
 (`lose_node`).
 
-The service holds each request once, as the dispatcher's `ServedRequest` (issue 34): an
+The service holds each request once, as the dispatcher's `ServedRequest`: an
 instance here lists the ones placed on it, and the book keeps no other copy or index of them
 (the agent process holds its own, for its token loop).
 

@@ -22,6 +22,10 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
+from mesh.control.cluster_node import ClusterNode
+from mesh.control.cluster_view import ClusterView, InstanceRef, unable_nodes
+from mesh.node.request import ServedRequest
+from mesh.node.runtime import InstancePlan
 from mesh.policy.placement import (
     CONCURRENCY_TARGETS,
     CPU,
@@ -41,10 +45,6 @@ from mesh.policy.placement import (
     warm_up_node_allowed,
 )
 from mesh.policy.shadow import Padding
-from mesh.control.cluster_view import ClusterView, InstanceRef, unable_nodes
-from mesh.control.cluster_node import ClusterNode
-from mesh.node.runtime import InstancePlan
-from mesh.node.request import ServedRequest
 
 log = logging.getLogger("mesh.control.schedulers")
 
@@ -66,9 +66,11 @@ class SchedulerSpec:
 POLICIES: dict[str, SchedulerSpec] = {
     p.name: p
     for p in (
-        SchedulerSpec("mesh", "mesh", (CPU, GPU), description="LLM-Mesh: shared CPU and GPU nodes, shadow validation, defragmentation"),
+        SchedulerSpec("mesh", "mesh", (CPU, GPU),
+                      description="LLM-Mesh: shared CPU and GPU nodes, shadow validation, defragmentation"),
         SchedulerSpec("sllm", "sllm", (GPU,), share=False, defrag=False,
-                   description="ServerlessLLM: GPU nodes only, a whole node per instance, concurrency-target scale-out"),
+                   description="ServerlessLLM: GPU nodes only, a whole node per instance, "
+                               "concurrency-target scale-out"),
         SchedulerSpec("sllm+cpu", "sllm", (CPU, GPU), share=False, defrag=False,
                    description="ServerlessLLM also using CPU nodes"),
         SchedulerSpec("mesh-no-share", "mesh", (CPU, GPU), share=False, description="Mesh with one instance per node"),
@@ -173,8 +175,8 @@ class MeshScheduler(Scheduler):
         choice SERVE_LATE (placement): admit a fresh request on the loading instance ready
         first, its deadlines moved to that instance's predicted ready time (now, if the load
         runs over its prediction), if the node's shadow validation shows everyone else there
-        still on time (5.3 cases 2 and 3) and its own prefill on time from then (case 1). A fresh request that reached the
-        dispatcher already past its TTFT (late on arrival: the live service tokenizes before
+        still on time (5.3 cases 2 and 3) and its own prefill on time from then (case 1). A fresh request that reached
+        the dispatcher already past its TTFT (late on arrival: the live service tokenizes before
         placing, and a cold model's tokenizer is built first) is admitted the same way on an
         instance of its model that is loaded, its deadlines running from now. A request whose
         node was lost counts as fresh here, its progress kept: an instance loads for it too."""
@@ -258,7 +260,6 @@ class MeshScheduler(Scheduler):
                 # the model has no instance: validated as if it arrived now, since what a fresh
                 # request waited before its placement (the service builds a cold model's tokenizer
                 # to tokenize it, seconds) is cold start too, not a reason to leave the model cold
-                # (issue 23's single-node workload)
                 req.late_s = max(kept, asyncio.get_running_loop().time() - req.arrival_s)
             try:
                 ok = (await node.validate_new(replace(plan, expected_load_s=0.0), [req], [req.tokens_out])).ok
@@ -345,7 +346,9 @@ class MeshScheduler(Scheduler):
                 return _Home(ref.node, ref=ref)
         return await self._new_instance_home(model, group, done, used | self.cluster.hosts(model))
 
-    async def _commit(self, req: ServedRequest, target: InstanceRef, chosen: list[tuple[InstanceRef, list[ServedRequest], list[int], _Home]]) -> bool:
+    async def _commit(self, req: ServedRequest, target: InstanceRef, chosen: list[tuple[InstanceRef,
+                                                                                        list[ServedRequest], list[int],
+                                                                                        _Home]]) -> bool:
         """Preempt the chosen neighbours, admit `req`, and move their requests to their homes
         (rescheduled through the dispatcher if a home no longer validates)."""
         node = target.node

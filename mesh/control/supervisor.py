@@ -8,7 +8,7 @@ and then restarts the process with a backoff that grows only while it keeps dyin
 `detect_local_nodes()` lists the nodes of this machine: `cpu_nodes` CPU nodes sharing its
 memory budget (default one; more stand in for several machines, each with its own weights
 folder, so that models travel between them by multicast). GPU nodes
-(vLLM, issue 6) plug in here: one `NodeSpec` of kind "gpu" per device, the agent started
+(vLLM) plug in here: one `NodeSpec` of kind "gpu" per device, the agent started
 with `--kind gpu` registering the vLLM engine factory (mesh.node.engine_host).
 """
 from __future__ import annotations
@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mesh.control.agent_client import AgentClient, AgentDown
-from mesh.wire.agent_protocol import READY_PREFIX, Shutdown
-from mesh.policy.slo import DeadlineRule
 from mesh.node.runtime import NodeSpec
+from mesh.policy.slo import DeadlineRule
 from mesh.tasks import cancel_all
+from mesh.wire.agent_protocol import READY_PREFIX, Shutdown
 
 log = logging.getLogger("mesh.control.supervisor")
 
@@ -76,7 +76,8 @@ def core_shares(node_ids: list[str], cores: list[int] | None = None) -> dict[str
     shares: dict[str, tuple[int, ...]] = {}
     if len(cores) - 1 >= 2 * n:
         shares[SERVICE], cores = (cores[-1],), cores[:-1]
-    shares.update({node: tuple(cores[i * len(cores) // n:(i + 1) * len(cores) // n]) for i, node in enumerate(node_ids)})
+    shares.update({node: tuple(cores[i * len(cores) // n:(i + 1) * len(cores) // n]) for i,
+                   node in enumerate(node_ids)})
     return shares
 
 
@@ -108,7 +109,8 @@ def parse_node_cores(text: str, node_ids: list[str], allowed: set[int] | None = 
             try:
                 cores.update(range(int(lo), int(hi or lo) + 1))
             except ValueError:
-                raise ValueError(f"node_cores {text!r}: {item!r} is not a core or a range of cores (e.g. 0-3)") from None
+                raise ValueError(
+                    f"node_cores {text!r}: {item!r} is not a core or a range of cores (e.g. 0-3)") from None
         if not cores:
             raise ValueError(f"node_cores {text!r}: {node} has no cores")
         if not cores <= allowed:
@@ -137,8 +139,10 @@ class AgentSettings:
     emulate: dict[str, str] = field(default_factory=dict)  # node id -> the device its agent emulates (--emulate;
     # mesh.node.emulation): such a node runs emulated models only
     emulate_noise: float | None = None  # their --emulate-noise (None: the replay's noise)
-    emulate_profiles: str | None = None  # their --emulate-profiles: calibrated <model>__<device>.json besides the catalog's
-    tokenizer_bytes: int | None = None  # their --tokenizer-bytes (None: theirs, 1/16 of the node's memory up to 256 MiB)
+    # their --emulate-profiles: calibrated <model>__<device>.json besides the catalog's
+    emulate_profiles: str | None = None
+    # their --tokenizer-bytes (None: theirs, 1/16 of the node's memory up to 256 MiB)
+    tokenizer_bytes: int | None = None
 
 
 EXIT_SETTLE_S = 0.2  # a lost connection: how long to wait for its process's exit to be seen (`_settle_exit`)
@@ -290,8 +294,8 @@ class LocalAgent(AgentHandle):
             await asyncio.sleep(0.01)
 
     async def _spawn_and_connect(self) -> None:
-        from mesh.engines.worker_process import worker_env
         from mesh.control.vllm_nodes import agent_env
+        from mesh.engines.worker_process import worker_env
 
         # only the agent's own secrets (worker_env drops the service's admin and metrics tokens)
         device = self.settings.emulate.get(self.node_id)

@@ -46,13 +46,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
+from mesh.node.runtime import NodeSpec
 from mesh.policy.multicast import make_plan
 from mesh.policy.param_pool import ParameterPool, PoolError, Where
-from mesh.node.runtime import NodeSpec
 from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast
-from mesh.weights.receiver import AgentClient, weights_address
 from mesh.weights.peer import WeightAgent
+from mesh.weights.receiver import AgentClient, weights_address
 from mesh.wire.agent_protocol import WeightsDrop, WeightsPath
 
 
@@ -68,7 +68,7 @@ class ModelRecord(Protocol):
 
     def path_for(self, kind: str) -> str: ...
 
-log = logging.getLogger("mesh.service.weights")
+log = logging.getLogger("mesh.control.weights_plane")
 
 ORIGIN = "origin"  # the control service's own weights agent, sending from the registry's files
 CALL_TIMEOUT_S = 30.0
@@ -407,7 +407,8 @@ class WeightsPlane:
                                     "bytes": f.manifest.total_bytes})
             for n in need:
                 if n not in result.outputs:
-                    failed[n] = f"{f.name} did not reach it (dropped from the multicast: {', '.join(result.dropped) or 'none'})"
+                    failed[n] = (f"{f.name} did not reach it "
+                                 f"(dropped from the multicast: {', '.join(result.dropped) or 'none'})")
         for node in targets:
             if node not in failed:
                 first = entry.file_paths[(node, entry.files[0].name)]

@@ -155,10 +155,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--root", help="the node cache's root (default: <data dir>/compiled)")
     parser.add_argument("--no-probe", action="store_true", help="do not probe whether compiled blobs import")
     parser.add_argument("--normal-priority", action="store_true",
-                        help="run at normal priority with OpenVINO's default threads (`mesh bench interference`'s comparison)")
+                        help="run at normal priority with OpenVINO's default threads (`mesh bench interference`'s "
+                             "comparison)")
     args = parser.parse_args(argv)
-    from mesh.lifetime import die_with_parent
     from mesh.background import run_as_background
+    from mesh.lifetime import die_with_parent
 
     if args.normal_priority:
         die_with_parent()

@@ -25,7 +25,7 @@ from typing import Container, Iterable, Mapping, Protocol, Sequence, runtime_che
 
 from mesh.policy.batching import IterationKind
 
-log = logging.getLogger("engines")
+log = logging.getLogger("mesh.engines.engine_api")
 
 
 class FinishReason(str, Enum):
@@ -66,8 +66,9 @@ class EngineRequest:
     """A request as an engine sees it.
 
     `prompt_token_ids` is the tokenized prompt (chat template already applied) for real
-    engines (a resumed request's: its prompt, then the `resumed` tokens it produced); the simulated engine needs only `prompt_len` and `output_len`, the number of
-    tokens the simulated model will produce (taken from a trace; real engines ignore it).
+    engines (a resumed request's: its prompt, then the `resumed` tokens it produced); the simulated engine needs only
+    `prompt_len` and `output_len`, the number of tokens the simulated model will produce (taken from a trace; real
+    engines ignore it).
     """
 
     request_id: str

@@ -26,11 +26,10 @@ compiles again and rewrites the 135 MB blob at every load, which costs more than
 So `prepare` tries to import one blob once per OpenVINO version and device, records the
 answer, and loads pass CACHE_DIR only where the import works (a later OpenVINO).
 
-Bounded: every copy a node receives is a new file (a new mtime, so a new folder here), and
-nothing else ever removed a folder, so a node that received models for a day held 51 GB of
-them (issue 31). Each folder's manifest names its source's path; before a new preparation,
-`prune` removes the folders whose source is gone or changed (the model deleted, its copy
-dropped, the file rewritten), and those of older manifests without a path once they are a
+Bounded: every copy a node receives is a new file (a new mtime, so a new folder here), so
+without pruning a node that receives models for a day holds tens of GB of them. Each folder's manifest names its
+source's path; before a new preparation, `prune` removes the folders whose source is gone or changed (the model deleted,
+its copy dropped, the file rewritten), and those of older manifests without a path once they are a
 day old. A folder whose source is still there is kept: any load of it may use it.
 
 Atomic writes: a model is prepared in a temporary folder beside its final place, its
@@ -130,7 +129,8 @@ def prepared_path(source: Path, root: Path | None = None, version: str | None = 
     return root / "models" / f"{_version_tag(version or openvino_version())}-{ident.key()}"
 
 
-def find_prepared(source: str | Path, root: str | Path | None = None, version: str | None = None) -> PreparedModel | None:
+def find_prepared(source: str | Path, root: str | Path | None = None,
+                  version: str | None = None) -> PreparedModel | None:
     """The complete prepared form of a GGUF `source` for this OpenVINO, or None (never
     prepared, prepared for another OpenVINO or another file content, or incomplete)."""
     source = Path(source)

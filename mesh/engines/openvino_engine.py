@@ -53,7 +53,17 @@ from typing import Any, Iterable, Mapping, Sequence
 
 from mesh.engines.chat import PromptEncoder
 from mesh.engines.detokenize import Detokenizer, StopMatcher, resume_text
-from mesh.engines.engine_api import checked_request, engine_limits, EngineError, EngineRequest, FinishReason, RequestOutput, Sampling, StepResult, step_result
+from mesh.engines.engine_api import (
+    EngineError,
+    EngineRequest,
+    FinishReason,
+    RequestOutput,
+    Sampling,
+    StepResult,
+    checked_request,
+    engine_limits,
+    step_result,
+)
 from mesh.modelfiles.shape import ModelShape, shape_from_config, shape_from_gguf
 from mesh.perf.roofline import kv_bytes_per_token
 from mesh.policy.batching import IterationKind
@@ -330,6 +340,7 @@ class OpenVINOEngine:
         The tokenizer is passed in, so the pipeline does not build its own a second time.
         CACHE_DIR is set only where this OpenVINO imports its own blobs (mesh.engines.node_cache)."""
         import openvino_genai as ov_genai
+
         from mesh.engines import node_cache
 
         prepared = self._prepared()
@@ -368,8 +379,8 @@ class OpenVINOEngine:
     def warm_up(self) -> None:
         """One 1-token request: the first inference's one-time cost (and the KV cache's first
         allocation, which grows on demand) is paid here, not in the first request's TTFT."""
-        import openvino as ov
         import numpy as np
+        import openvino as ov
 
         config = generation_config(Sampling(max_tokens=1), 1, 0, self.ignore_eos)
         handle = self._pipe.add_request(next(self._ids), ov.Tensor(np.array([[0]], dtype=np.int64)), config)
@@ -549,8 +560,9 @@ class OpenVINOEngine:
 
 def generation_config(sampling: Sampling, max_tokens: int, seed: int, ignore_eos: bool = False) -> Any:
     """OpenVINO's GenerationConfig of a request: its sampling (OpenAI semantics, penalties, the
-    chosen token's log probability and a JSON schema's structured output included), `max_tokens`, and `seed` where the request
-    gives none; `ignore_eos` generates exactly max_tokens."""
+    chosen token's log probability and a JSON schema's structured output included),
+    `max_tokens`, and `seed` where the request gives none; `ignore_eos` generates exactly
+    max_tokens."""
     import openvino_genai as ov_genai
 
     if sampling.temperature < 0 or not 0 < sampling.top_p <= 1:

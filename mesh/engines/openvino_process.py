@@ -27,10 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from mesh.engines.engine_api import EngineError, EngineRequest, StepResult, checked_request
 from mesh.engines.node_cache import SourceIdentity
 from mesh.engines.openvino_engine import OpenVINOEngine, kv_bytes_held
 from mesh.engines.parking import ParkingLot
-from mesh.engines.engine_api import EngineError, EngineRequest, StepResult, checked_request
 from mesh.engines.worker_process import WorkerConnection, WorkerRequests, wait, worker_env
 
 _log_ids = itertools.count()

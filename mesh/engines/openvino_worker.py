@@ -17,8 +17,8 @@ import socket
 from typing import Any
 
 from mesh.engines.engine_api import StepResult
-from mesh.policy.batching import IterationKind
 from mesh.engines.worker_process import WorkerLoop, worker_main
+from mesh.policy.batching import IterationKind
 
 
 class Worker(WorkerLoop):

@@ -1,4 +1,4 @@
-"""Parked instances: a node's memory tier of compiled, warmed-up OpenVINO workers (issue 23).
+"""Parked instances: a node's memory tier of compiled, warmed-up OpenVINO workers.
 
 An OpenVINO load from the node's own disk cache (mesh.engines.node_cache: the prepared IR and
 tokenizer IR) still compiles the model on every load, about 2 s of a 3.7 s cold start on

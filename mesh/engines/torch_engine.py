@@ -19,9 +19,20 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mesh.engines.detokenize import Detokenizer, StopMatcher
-from mesh.engines.engine_api import (DTYPE_BYTES, EngineError, EngineRequest, FinishReason, NextTokens,
-                                     RequestOutput, Sampling, StepResult, TokenBatch, checked_request, engine_limits,
-                                     step_result)
+from mesh.engines.engine_api import (
+    DTYPE_BYTES,
+    EngineError,
+    EngineRequest,
+    FinishReason,
+    NextTokens,
+    RequestOutput,
+    Sampling,
+    StepResult,
+    TokenBatch,
+    checked_request,
+    engine_limits,
+    step_result,
+)
 from mesh.engines.torch_layers import LlamaShape, TorchLayerEngine
 from mesh.policy.batching import IterationKind, prefill_take
 

@@ -30,8 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Sequence
 
-from mesh.engines.engine_api import (DTYPE_BYTES, EngineError, HiddenStates, LayerRange, NextTokens, Sampling,
-                                     TokenBatch)
+from mesh.engines.engine_api import DTYPE_BYTES, EngineError, HiddenStates, LayerRange, NextTokens, Sampling, TokenBatch
 from mesh.modelfiles.layer_order import EMBED, FINAL_NORM, LM_HEAD, LayerLayout
 from mesh.policy.layer_prefix import layers_in_prefix, prefix_bytes
 
@@ -46,7 +45,8 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError as exc:
-        raise EngineError(f"the layer-range engine needs PyTorch, which is not installed ({exc}); {INSTALL_HINT}") from exc
+        raise EngineError(
+            f"the layer-range engine needs PyTorch, which is not installed ({exc}); {INSTALL_HINT}") from exc
     return torch
 
 
@@ -396,7 +396,8 @@ class TorchLayerEngine:
                                       "ids to the range that starts at layer 0")
                 ids = torch.tensor([t for ids in batch.token_ids for t in ids], dtype=torch.long, device=self.device)
                 if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.shape.vocab_size):
-                    raise EngineError(f"a token id is outside {self.model_name}'s vocabulary of {self.shape.vocab_size}")
+                    raise EngineError(
+                        f"a token id is outside {self.model_name}'s vocabulary of {self.shape.vocab_size}")
                 x = self._embed[ids]  # type: ignore[index]
                 counts = batch.token_counts
                 start = r.start

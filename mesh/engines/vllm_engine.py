@@ -58,18 +58,24 @@ import sys
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
-from mesh.modelfiles.shape import ModelShape, shape_from_config
 from mesh.engines.engine_api import (
-    checked_request,
-    engine_limits,
     EngineError,
     EngineRequest,
     StepResult,
+    checked_request,
+    engine_limits,
 )
-from mesh.engines.vllm_core import CoreSettings
 from mesh.engines.parking import ParkingLot
-from mesh.engines.worker_process import (REPO_ROOT, SYNC_CALL_DEADLINE_S, WorkerConnection, WorkerRequests, wait,
-                                         worker_env)
+from mesh.engines.vllm_core import CoreSettings
+from mesh.engines.worker_process import (
+    REPO_ROOT,
+    SYNC_CALL_DEADLINE_S,
+    WorkerConnection,
+    WorkerRequests,
+    wait,
+    worker_env,
+)
+from mesh.modelfiles.shape import ModelShape, shape_from_config
 
 log = logging.getLogger(__name__)
 
@@ -119,7 +125,8 @@ def resolve_hf_model(path: str | Path) -> tuple[Path, dict[str, Any], ModelShape
             raise EngineError(f"{p} is a file; the vLLM engine takes a Hugging Face model folder (GGUF files and "
                               "OpenVINO IR folders are served by the OpenVINO engine on CPU nodes)")
     if not (p / "config.json").is_file():
-        hint = " (an OpenVINO IR folder: serve it with the OpenVINO engine)" if (p / "openvino_model.xml").exists() else ""
+        ir = (p / "openvino_model.xml").exists()
+        hint = " (an OpenVINO IR folder: serve it with the OpenVINO engine)" if ir else ""
         raise EngineError(f"{p} has no config.json; the vLLM engine needs a Hugging Face model folder{hint}")
     if not any((p / n).is_file() for n in ("tokenizer.json", "tokenizer.model", "vocab.json")):
         raise EngineError(f"{p} has no tokenizer (tokenizer.json, tokenizer.model or vocab.json); vLLM needs one")
@@ -190,7 +197,7 @@ class _InProcess:
             else:
                 raise EngineError(f"unknown command {op!r}")
             fut.set_result(value)
-        except Exception as exc:  # noqa: BLE001
+        except Exception as exc:  # noqa: BLE001 - every failure goes to the caller, as an EngineError
             fut.set_exception(exc if isinstance(exc, EngineError) else EngineError(f"{type(exc).__name__}: {exc}"))
         return fut
 
@@ -338,7 +345,8 @@ class VLLMEngine:
         python = self.python or find_vllm_python()
         if python is None:
             raise EngineError(f"vLLM is not installed; {INSTALL_HINT}")
-        self._conn = WorkerConnection("mesh.engines.vllm_worker", python, self._worker_env(), self._log_path(), name="vLLM",
+        self._conn = WorkerConnection("mesh.engines.vllm_worker", python, self._worker_env(), self._log_path(),
+                                      name="vLLM",
                                       sync=True, install_hint=INSTALL_HINT)
         self._conn.call("init", settings=self.settings.as_dict())
         return self._conn
@@ -486,9 +494,9 @@ class VLLMEngine:
 
         Sizes round down to whole blocks, and up to vLLM's minimum (`min_kv_bytes()`: one
         request of the whole context window plus vLLM's null block). Before the build this
-        builds the engine with that size. Afterwards, the same number of blocks costs nothing; another number re-initialises the cache (weights stay)
-        and re-runs the live requests (mesh.engines.vllm_core), which takes real time: see
-        docs/vllm.md. The running requests continue where they were.
+        builds the engine with that size. Afterwards, the same number of blocks costs nothing; another number
+        re-initialises the cache (weights stay) and re-runs the live requests (mesh.engines.vllm_core), which takes real
+        time: see docs/vllm.md. The running requests continue where they were.
         """
         if not isinstance(capacity_bytes, int) or capacity_bytes < 0:
             raise EngineError(f"KV capacity must be a non-negative number of bytes, got {capacity_bytes!r}")

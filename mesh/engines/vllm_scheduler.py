@@ -67,7 +67,7 @@ class PhasedScheduler(Scheduler):
         pool = getattr(getattr(self.kv_cache_manager, "block_pool", None), "get_num_free_blocks", None)
         return pool is None or pool() >= need
 
-    def _schedule_waiting_only(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def _schedule_waiting_only(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - vLLM's signature, passed through
         running, active, waiting = self.running, self.max_num_active_reqs, self.waiting
         resumed = []
         for request in waiting:  # preempted requests lead the queue (vLLM prepends them)
@@ -93,7 +93,7 @@ class PhasedScheduler(Scheduler):
                 for request in reversed(left):
                     waiting.prepend_request(request)
 
-    def _schedule_running_only(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+    def _schedule_running_only(self, *args, **kwargs):  # noqa: ANN002, ANN003, ANN202 - as above
         waiting = self.waiting
         self.waiting = create_request_queue(self.policy)
         try:

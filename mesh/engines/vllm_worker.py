@@ -8,8 +8,8 @@ descriptors (mesh.engines.worker_process: the wire and the command loop).
 
 - Main socket: commands executed one at a time, in order, by the main thread, each
   answered by one reply ({"ok": True, "value": ...} or {"ok": False, "error": message}):
-  init, prepare, build, resize, add, abort, step, park (drop every request: mesh.engines.parking), info, shutdown. A reader thread moves
-  commands into a queue as they arrive, so the parent never blocks on a full socket
+  init, prepare, build, resize, add, abort, step, park (drop every request: mesh.engines.parking), info, shutdown. A
+  reader thread moves commands into a queue as they arrive, so the parent never blocks on a full socket
   while an iteration runs.
 - Sync socket: tokenizer calls (encode_prompt, encode_chat, decode) served by a thread
   with its own tokenizer, so the parent can tokenize while the main thread steps.

@@ -51,8 +51,8 @@ from collections import deque
 from pathlib import Path
 from typing import Any, Callable
 
-from mesh.engines.engine_api import EngineError, FinishReason, StepResult
 from mesh.background import BACKGROUND_THREADS
+from mesh.engines.engine_api import EngineError, FinishReason, StepResult
 from mesh.lifetime import die_with_parent
 from mesh.policy.batching import IterationKind
 
@@ -405,7 +405,7 @@ class WorkerLoop:
             try:
                 # `shutdown` is the loop's own: answered here, then the process ends (below)
                 reply = {"ok": True, "value": None if op == "shutdown" else self.handle(op, msg)}
-            except Exception as exc:  # noqa: BLE001
+            except Exception as exc:  # noqa: BLE001 - every command gets a reply, failed or not
                 logging.getLogger(self.log_name).debug("%s failed", op, exc_info=True)
                 reply = {"ok": False, "error": describe(exc), "engine_error": _is_engine_error(exc)}
             try:

@@ -337,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
         from mesh.background import BACKGROUND_THREADS, run_as_background
 
         os.environ.update(BACKGROUND_THREADS)  # before torch loads (and for the export's own process)
-        run_as_background(own_session=True)  # its own session, whose autogroup it lowers (else it competes as the service's)
+        # its own session, whose autogroup it lowers (else it competes as the service's)
+        run_as_background(own_session=True)
     elif args.nice:
         os.nice(args.nice)
     try:

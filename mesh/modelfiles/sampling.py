@@ -80,7 +80,8 @@ def _valid_fields(found: Mapping[str, Any]) -> dict[str, float]:
     return out
 
 
-def resolve(temperature: float | None, top_p: float | None, defaults: Mapping[str, float] | None) -> tuple[float, float]:
+def resolve(temperature: float | None, top_p: float | None, defaults: Mapping[str, float] | None) -> tuple[float,
+                                                                                                           float]:
     """(temperature, top_p) of a request: its own values, else the model's defaults, else OpenAI's."""
     merged = {**OPENAI_DEFAULTS, **(defaults or {})}
     t = merged["temperature"] if temperature is None else temperature

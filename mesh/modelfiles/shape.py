@@ -9,9 +9,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mesh.modelfiles.gguf import read_gguf_metadata
+
+if TYPE_CHECKING:
+    from mesh.perf.roofline import Architecture
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,7 +65,7 @@ def shape_from_config(config_json: str | Path) -> ModelShape:
     )
 
 
-def architecture_of(path: str | Path, name: str = "") -> "Architecture":
+def architecture_of(path: str | Path, name: str = "") -> Architecture:
     """The roofline's Llama-style architecture of the model at `path` (a GGUF file, or a folder
     with a config.json): what an emulated node needs to emulate a real model from its shape
     (mesh.node.emulation; the mixed rig of `mesh serve --cpu-nodes N --emulate DEVICE:M`).

@@ -100,8 +100,8 @@ class SourceInfo:
 def inspect_source(path: Path) -> SourceInfo:
     """What model `path` holds; SourceError for anything that is not a model Mesh can read."""
     from mesh.modelfiles.gguf import read_gguf_metadata
+    from mesh.modelfiles.sampling import from_generation_config, from_gguf_metadata
     from mesh.modelfiles.shape import shape_from_gguf
-    from mesh.modelfiles.sampling import from_gguf_metadata, from_generation_config
 
     if path.is_file():
         with open(path, "rb") as f:

@@ -40,8 +40,8 @@ Closed by default:
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import asyncio
+import ipaddress
 import json
 import logging
 import os
@@ -61,8 +61,8 @@ from mesh.node.emulation import Emulation
 from mesh.node.engine_host import make_engine
 from mesh.node.instance_host import InstanceHost
 from mesh.node.layer_host import LAYERS_PREFIX, LayerHost
-from mesh.node.node_learning import NodeLearning
 from mesh.node.model_fronts import ModelFronts
+from mesh.node.node_learning import NodeLearning
 from mesh.node.node_requests import NodeRequests
 from mesh.node.park_ahead import ParkAhead
 from mesh.node.runtime import HUNG_MIN_S, NodeRuntime, NodeSpec
@@ -130,7 +130,7 @@ class AgentServer:
         self.cpu = cpu or {}
         self.node = NodeRuntime(spec, record_iterations=True, deadlines=deadlines, watchdog=True,
                                 hung_min_s=watchdog_min_s)  # a hung engine fails its instance; its requests move
-        self.learning = NodeLearning()  # the machine's speed and per-model times (issue 23)
+        self.learning = NodeLearning()  # the machine's speed and per-model times
         self._speed_probe: asyncio.Future | None = None
         # OpenVINO prompts are tokenized off this process's GIL; every prompt takes its turn there
         self.tokenizers = TokenizerProcess(tokenizer_bytes) if tokenizer_bytes > 0 else TokenizerProcess()
@@ -141,9 +141,9 @@ class AgentServer:
                 raise ValueError(f"the tokenizer cache ({tokenizer_bytes} bytes) does not fit the node's memory "
                                  f"({spec.memory_bytes} bytes)")
             station.complete(issued.op.op_id)
-        self.parking = ParkingLot(park_bytes)  # stopped OpenVINO instances, built and warm (issue 23)
-        self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads (issue 23)
-        # models described here are built once before their first request and parked (issue 23)
+        self.parking = ParkingLot(park_bytes)  # stopped OpenVINO instances, built and warm
+        self.preparer = BackgroundPreparer()  # GGUFs loaded here are prepared once, for the next loads
+        # models described here are built once before their first request and parked
         self.ahead = ParkAhead(self.parking, lambda spec: asyncio.to_thread(make_engine, spec, lambda _exc: None),
                                lambda: self.node.idle() and not self.host.specs)
         self.connection = ControlConnection(self.node, token, self._handlers(), self._abort_all)
@@ -186,7 +186,7 @@ class AgentServer:
             # takes to read its libraries: here, before the agent answers anyone, not inside a
             # first `load` whose heartbeat could then go unanswered
             await asyncio.to_thread(_warm_openvino)
-        if self.spec.kind == "cpu":  # know the machine from its first minute (issue 23 item 4): 0.4-2 s,
+        if self.spec.kind == "cpu":  # know the machine from its first minute: 0.4-2 s,
             # in the background: a load before it ends starts from the prior's factors
             self._speed_probe = asyncio.ensure_future(self._probe_speed())
         self.node.start()
@@ -214,7 +214,8 @@ class AgentServer:
             self._speed_probe.cancel()
         if self.weights is not None:
             await self.weights.close()
-        self._abort_all(f"node agent {self.spec.node_id} is shutting down")  # its requests end at once, before the workers do
+        # its requests end at once, before the workers do
+        self._abort_all(f"node agent {self.spec.node_id} is shutting down")
         self.connection.flush()
         await self.ahead.close()
         await self.tokenizers.close()
@@ -255,7 +256,8 @@ class AgentServer:
     # ---- the node's own requests -----------------------------------------------------------
     def _hello(self, m: Hello) -> HelloReply:
         if m.protocol not in (None, PROTOCOL_VERSION):
-            raise Refused(Code.PROTOCOL, f"protocol {m.protocol} is not supported; this agent speaks {PROTOCOL_VERSION}")
+            raise Refused(Code.PROTOCOL,
+                          f"protocol {m.protocol} is not supported; this agent speaks {PROTOCOL_VERSION}")
         return HelloReply(self.spec.node_id, self.spec.kind, self.spec.memory_bytes, self.cpu, os.getpid(),
                           PROTOCOL_VERSION, self.node.deadlines.value,
                           self.emulation.device if self.emulation is not None else None,
@@ -427,7 +429,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--node-id", default="cpu-0")
     parser.add_argument("--kind", default="cpu", choices=["cpu", "gpu"])
     parser.add_argument("--memory-bytes", type=int, required=True, help="memory budget for weights and KV caches")
-    parser.add_argument("--park-bytes", type=int, help="memory beside --memory-bytes for stopped OpenVINO instances kept "
+    parser.add_argument("--park-bytes", type=int,
+                        help="memory beside --memory-bytes for stopped OpenVINO instances kept "
                         "built and warm, so that the next load of their model is ready at once (mesh.engines.parking; "
                         "default: a quarter of --memory-bytes; 0: none)")
     parser.add_argument("--tokenizer-bytes", type=int, help="memory for the tokenizers the node keeps built (an "
@@ -440,7 +443,8 @@ def main(argv: list[str] | None = None) -> int:
                         "second (a NIC of that speed, emulated on loopback)")
     parser.add_argument("--layers-listen", metavar="HOST:PORT", help="also run decoder layer ranges for peers there "
                         "(mesh.node.layer_host: live scaling, activations between agents); needs the layers extra")
-    parser.add_argument("--weights-dir", metavar="DIR", help="where received models go (default: DATA/received/NODE_ID)")
+    parser.add_argument("--weights-dir", metavar="DIR",
+                        help="where received models go (default: DATA/received/NODE_ID)")
     parser.add_argument("--models-root", action="append", metavar="DIR",
                         help="`load` may also open models under DIR (repeatable); the weights folder always counts")
     parser.add_argument("--deadlines", default=DeadlineRule.EQ1.value, choices=[r.value for r in DeadlineRule],

@@ -223,7 +223,7 @@ class ControlConnection:
         for m in outbox:  # one message that cannot be encoded (a bug) must not take the others with it
             try:
                 frames.append(encode_frame(m))
-            except Exception:  # noqa: BLE001
+            except Exception:  # noqa: BLE001 - one bad message must not drop the others
                 log.exception("cannot encode a %r message for the control service; dropped", m.get(TYPE_KEY))
         try:
             self.writer.write(b"".join(frames))

@@ -8,7 +8,7 @@ iteration); GPU agents run vLLM instances, also each in a worker (`mesh.engines.
 `make_engine` picks the factory by `InstanceSpec.engine`. Both report the end of a load to
 a callback, so the agent can tell the control service when the instance is ready or failed.
 
-Iteration times (`iteration_times`): a calibration profile (issue 4, `mesh.perf.profile`)
+Iteration times (`iteration_times`): a calibration profile (`mesh.perf.profile`)
 when the load message names one; otherwise `mesh.perf.times.DefaultCpuTimes`. Both are
 wrapped in `mesh.perf.times.AdaptiveTimes`, which corrects them with the iteration times
 the node really sees (the agent feeds it the node's iteration records).
@@ -19,10 +19,10 @@ import os
 from typing import Any, Callable
 
 from mesh.engines.engine_api import EngineError
-from mesh.wire.agent_protocol import InstanceSpec
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import ProfileError, load_profile
 from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes
+from mesh.wire.agent_protocol import InstanceSpec
 
 LoadCallback = Callable[[BaseException | None], None]
 

@@ -20,7 +20,8 @@ from mesh.engines.engine_api import EngineError
 from mesh.engines.openvino_process import OpenVINOProcessEngine
 from mesh.engines.parking import ParkingLot
 from mesh.node.control_connection import Refused
-from mesh.node.emulation import ENGINE as EMULATED, Emulation, model_of_profile
+from mesh.node.emulation import ENGINE as EMULATED
+from mesh.node.emulation import Emulation, model_of_profile
 from mesh.node.engine_host import iteration_times, make_engine
 from mesh.node.node_learning import NodeLearning
 from mesh.node.park_ahead import ParkAhead
@@ -69,9 +70,9 @@ class InstanceHost:
         self.emulation = emulation
         self.weights = weights  # receives model blocks over the network (None: not hosted)
         self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
-        self.learning = learning  # the machine's speed and per-model times (issue 23)
-        self.parking = parking  # stopped OpenVINO instances, built and warm (issue 23)
-        self.preparer = preparer  # GGUFs loaded here are prepared once, for the next loads (issue 23)
+        self.learning = learning  # the machine's speed and per-model times
+        self.parking = parking  # stopped OpenVINO instances, built and warm
+        self.preparer = preparer  # GGUFs loaded here are prepared once, for the next loads
         self.ahead = ahead  # models described here are built once before their first request and parked
         self.tokenizers = tokenizers
         self.specs: dict[str, InstanceSpec] = {}
@@ -134,8 +135,7 @@ class InstanceHost:
     def received(self, path: str) -> None:
         """A model's file arrived here (its first host copy, or a multicast for a scale-out):
         prepare it now, in the background, so that the first load here already reads the
-        node's prepared IR (issue 23 item 1; a file that is not a GGUF, or is prepared, is
-        left alone)."""
+        node's prepared IR (a file that is not a GGUF, or is prepared, is left alone)."""
         try:
             self.preparer.schedule(path)
         except Exception as exc:  # noqa: BLE001 - preparation is an optimisation; the load reads the GGUF
@@ -274,7 +274,8 @@ class InstanceHost:
             "idle_for_s": (now - inst.idle_since) if (now is not None and not inst.requests) else 0.0,
             "weight_bytes": engine.weight_bytes, "kv_bytes_budget": kv_budget,
             "kv_bytes_in_use": engine.kv_bytes_in_use(),
-            "kv_bytes_allocated": engine.kv_bytes_allocated() if hasattr(engine, "kv_bytes_allocated") and inst.loaded else 0,
+            "kv_bytes_allocated": engine.kv_bytes_allocated() if hasattr(engine,
+                                                                         "kv_bytes_allocated") and inst.loaded else 0,
             "context_window": engine.context_window,
             "time_factors": times.drift() if times else None,
         }
@@ -284,12 +285,14 @@ class InstanceHost:
         """Where this node writes a received model file (the `output_path` of a multicast);
         with a `manifest`, also whether the file there already is that model (`complete`)."""
         if self.weights is None:
-            raise Refused(Code.BAD_REQUEST, f"node {self.spec.node_id} receives no weights (start it with --weights-listen)")
+            raise Refused(Code.BAD_REQUEST,
+                          f"node {self.spec.node_id} receives no weights (start it with --weights-listen)")
         try:
             path = received_path(self.weights.root, m.model, m.file)
             manifest = Manifest.from_dict(m.manifest) if m.manifest is not None else None
         except (KeyError, ValueError, TypeError) as exc:
-            raise Refused(Code.BAD_REQUEST, f"weights_path needs a model, a file name and a valid manifest: {exc}") from exc
+            raise Refused(Code.BAD_REQUEST,
+                          f"weights_path needs a model, a file name and a valid manifest: {exc}") from exc
         if manifest is None:
             return WeightsPathReply(str(path))
         return WeightsPathReply(str(path), await asyncio.to_thread(holds, path, manifest))  # sha256 releases the GIL
@@ -297,7 +300,8 @@ class InstanceHost:
     def weights_drop(self, m: WeightsDrop) -> WeightsDropReply:
         """Delete a model's received files (the model was deleted); `dropped`: were there any."""
         if self.weights is None:
-            raise Refused(Code.BAD_REQUEST, f"node {self.spec.node_id} receives no weights (start it with --weights-listen)")
+            raise Refused(Code.BAD_REQUEST,
+                          f"node {self.spec.node_id} receives no weights (start it with --weights-listen)")
         try:
             folder = received_path(self.weights.root, m.model, "file").parent
         except (KeyError, ValueError) as exc:

@@ -27,9 +27,25 @@ from mesh.engines.engine_api import DTYPE_BYTES, EngineError, HiddenStates
 from mesh.framing import ConnectionGate, ProtocolError, read_first_frame, read_frame
 from mesh.modelfiles.layer_order import LayerFileError, header_length, read_layout
 from mesh.weights.blocks import Manifest
-from mesh.wire.layers import (STREAM_LIMIT, TYPE_KEY, LayerCallFailed, LayerConnection, LayerCounters,
-                              ModelState, Open, Peer, Release, Run, RunResult, Status, Take, failure_frame, hidden_from,
-                              hidden_meta, reply_frame)
+from mesh.wire.layers import (
+    STREAM_LIMIT,
+    TYPE_KEY,
+    LayerCallFailed,
+    LayerConnection,
+    LayerCounters,
+    ModelState,
+    Open,
+    Peer,
+    Release,
+    Run,
+    RunResult,
+    Status,
+    Take,
+    failure_frame,
+    hidden_from,
+    hidden_meta,
+    reply_frame,
+)
 
 log = logging.getLogger("mesh.node.layer_host")
 LAYERS_PREFIX = "MESH_AGENT_LAYERS "  # the agent prints this + "host:port" once its layer port listens

@@ -61,7 +61,8 @@ class MemoryOperations:
         def evict(self, request_id: str, why: str, fault: bool = False) -> None: ...
 
     def instance_memory(self, instance_id: str, engine: Engine, mean_output: RunningMean) -> InstanceMemory:
-        return InstanceMemory(instance_id, engine.kv_bytes_per_token, engine.weight_bytes, engine.context_window, mean_output)
+        return InstanceMemory(instance_id, engine.kv_bytes_per_token, engine.weight_bytes, engine.context_window,
+                              mean_output)
 
     def can_start(self, instance_id: str, engine: Engine, mean_output: RunningMean) -> bool:
         return self.memory.can_load(self.instance_memory(instance_id, engine, mean_output))
@@ -124,7 +125,8 @@ class MemoryOperations:
         if kind is OpKind.LOAD and op.holder in self.instances:
             inst.loaded = True
             now = self._now()
-            self.compute.set_loaded(op.holder, now, getattr(inst.engine, "layer_arrivals", None))  # live: layers still coming
+            self.compute.set_loaded(op.holder, now, getattr(inst.engine, "layer_arrivals",
+                                                            None))  # live: layers still coming
             self._add_deferred(inst)
             if not inst.requests:
                 inst.idle_since = now  # keep-alive counts from when it can serve (LLM-Mesh 4)

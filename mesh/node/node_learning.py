@@ -1,4 +1,4 @@
-"""What a node agent learns about its machine (issue 23 items 4 and 5), kept per node, not
+"""What a node agent learns about its machine, kept per node, not
 per instance, so it outlives the instances that learnt it.
 
 - `speed`: the probe run when the agent starts (mesh.node.speed_probe), against the
@@ -19,6 +19,7 @@ from typing import Any
 
 from mesh.perf.speed import MachineSpeed, SpeedFactors
 from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes, weighted_geomean
+
 
 @dataclass
 class NodeLearning:
@@ -51,7 +52,8 @@ class NodeLearning:
         elif isinstance(times.base, DefaultCpuTimes):
             prefill, decode = self.start_for(model)
             times.prefill_factor, times.decode_factor = times._clamp(prefill), times._clamp(decode)
-            times.start = (times._clamp(self.factors.prefill), times._clamp(self.factors.decode))  # relax(): the probe's
+            times.start = (times._clamp(self.factors.prefill),
+                           times._clamp(self.factors.decode))  # relax(): the probe's
         self.times[model] = times
         return times
 

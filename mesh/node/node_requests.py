@@ -18,6 +18,7 @@ from mesh.node.request import Outcome, ServedRequest
 from mesh.node.runtime import InstancePlan, NodeRuntime
 from mesh.policy.shadow import FailureCase
 from mesh.wire.agent_protocol import (
+    MIN_LOGPROB,
     Admit,
     AdmitEntry,
     AdmitReply,
@@ -30,7 +31,6 @@ from mesh.wire.agent_protocol import (
     Probe,
     Progress,
     TakeBack,
-    MIN_LOGPROB,
     TokensEvent,
     Validate,
     ValidateGroup,

@@ -1,21 +1,21 @@
 """Parking ahead: a model described on a node is built there once, before its first request,
-and parked (issue 23: cold starts in under a second).
+and parked, so that its first cold start takes under a second.
 
 A parked worker (mesh.engines.parking) holds a built, warmed-up pipeline in host memory, the
 fastest tier of ServerlessLLM's loading hierarchy (4.1): a load that adopts it is ready in
-milliseconds instead of the seconds a build takes (`mesh bench coldstart`). Workers used to
-be parked only when an instance stopped, so a model's first load always built: on a fresh
-service every model's first requests waited a full build, on cores shared with the other
+milliseconds instead of the seconds a build takes (`mesh bench coldstart`). Otherwise workers
+are parked only when an instance stops, so a model's first load always builds: on a fresh
+service every model's first requests would wait a full build, on cores shared with the other
 models' first builds. Here the node that describes a model (at registration, where its first
 host copy lands) builds the instance a load would build, with the load's settings, and parks
 it, so that the first load adopts it.
 
-It spends only what is idle (issue 32 item 6):
+It spends only what is idle:
 - One build at a time on the node, after the model's tokenizer and its background
   preparation (mesh.engines.background_prepare: the build then reads the IR).
 - Only while the node is idle: it loads no instance and none of its instances holds a
-  request (NodeRuntime.idle; an instance kept alive between requests leaves the cores idle,
-  issue 31), and that is checked all along, not once: the build waits for the node to be
+  request (NodeRuntime.idle; an instance kept alive between requests leaves the cores idle),
+  and that is checked all along, not once: the build waits for the node to be
   idle before it starts, and its worker process (its whole process group) is stopped
   (SIGSTOP) as soon as the node serves or loads another model, and continued (SIGCONT) when
   the node is idle again. A stopped build takes no

@@ -4,15 +4,14 @@ An asyncio task runs the token-level loop (LLM-Mesh 5.1): ask the compute subsys
 instance is most urgent, run one iteration of its engine, apply what it produced, repeat.
 Memory operations (6.3) run as their own tasks when the reservation station starts them,
 and report back when they finish (mesh.node.memory_operations); shadow validation (5.3)
-checks a request against an instance before it joins (mesh.node.shadow_admission). Time comes only from the event loop, so the same code
-runs live and, on mesh.replay.virtual_loop, in virtual time.
+checks a request against an instance before it joins (mesh.node.shadow_admission). Time comes only from the event loop,
+so the same code runs live and, on mesh.replay.virtual_loop, in virtual time.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -389,8 +388,10 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
                     result = await inst.engine.step()
             except TimeoutError:
                 self._end_step()
-                self._hung(inst, f"an iteration on node {self.node_id} ran over {hung_bound_s(it.predicted_s, self.hung_min_s):.0f} s "
-                                 f"(predicted {it.predicted_s:.3f} s): its engine hung")
+                self._hung(inst,
+                           f"an iteration on node {self.node_id} ran over "
+                                 f"{hung_bound_s(it.predicted_s, self.hung_min_s):.0f} s (predicted "
+                                 f"{it.predicted_s:.3f} s): its engine hung")
                 continue
             except EngineError as exc:
                 self._end_step()
@@ -478,5 +479,3 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
     def queue_length(self) -> int:
         return sum(len(s.pending) for s in self.compute.instances.values())
 
-    def headroom_min(self, now: float) -> float:
-        return min((self.compute.headroom(rid, now) for rid in self.compute.requests), default=math.inf)

@@ -86,9 +86,12 @@ class ShadowAdmission:
         done = req.tokens_out if done is None else done
         prompt, start = req.resumed(done, self.deadlines)
         if prompt + 1 > inst.engine.context_window:
-            return Admission(False, refusal=f"prompt of {prompt} tokens exceeds the context window of {inst.engine.context_window}")
+            return Admission(False,
+                             refusal=f"prompt of {prompt} tokens exceeds the context window of "
+                                     f"{inst.engine.context_window}")
         if inst.batch_size >= inst.engine.max_batch:
-            return Admission(False, refusal=f"instance {instance_id} holds its maximum batch of {inst.engine.max_batch}")
+            return Admission(False,
+                             refusal=f"instance {instance_id} holds its maximum batch of {inst.engine.max_batch}")
         freed = sum(self.memory.station.size(i) for i in exclude)
         plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), (prompt, 0)], freed)
         if not plan.ok or not compute:
@@ -110,14 +113,16 @@ class ShadowAdmission:
         if any(p + 1 > window for p, _ in pairs):
             return Admission(False, refusal=f"a prompt exceeds the context window of {window}")
         if inst.batch_size + len(reqs) > inst.engine.max_batch:
-            return Admission(False, refusal=f"instance {instance_id} would exceed its maximum batch of {inst.engine.max_batch}")
+            return Admission(False, refusal=f"instance {instance_id} would exceed its maximum batch "
+                                            f"of {inst.engine.max_batch}")
         plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), *((p, 0) for p, _ in pairs)])
         if not plan.ok:
             return Admission(False, memory=plan)
         verdict = self._validate_sequence(instance_id, reqs, pairs, done)
         return Admission(verdict.ok, verdict, plan)
 
-    def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int] | None = None) -> Admission:
+    def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest],
+                     done: Sequence[int] | None = None) -> Admission:
         """Would a new instance started now (cold start `plan.expected_load_s`) serve all of
         `reqs` within SLO, and does the node have the memory for it? Changes nothing."""
         done = [r.tokens_out for r in reqs] if done is None else done
@@ -126,7 +131,8 @@ class ShadowAdmission:
             return Admission(False, refusal=f"a prompt exceeds the context window of {plan.context_window}")
         if len(reqs) > plan.max_batch:
             return Admission(False, refusal=f"{len(reqs)} requests exceed the maximum batch of {plan.max_batch}")
-        mem = InstanceMemory(plan.instance_id, plan.kv_bytes_per_token, plan.weight_bytes, plan.context_window, plan.mean_output)
+        mem = InstanceMemory(plan.instance_id, plan.kv_bytes_per_token, plan.weight_bytes, plan.context_window,
+                             plan.mean_output)
         need = plan.weight_bytes + max(
             recommend_bytes(mem.require(()), self.memory.watermark), mem.require([(p, 0) for p, _ in pairs])
         )

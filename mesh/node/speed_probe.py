@@ -1,4 +1,4 @@
-"""The node agent's speed probe (issue 23 item 4): a fraction of a second of numpy that tells
+"""The node agent's speed probe: a fraction of a second of numpy that tells
 the agent how fast its cores are against the machine the prior was fitted on
 (mesh.perf.speed). `python -m mesh.node.speed_probe` prints it (and is how PRIOR_MACHINE
 was measured).

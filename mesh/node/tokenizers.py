@@ -8,16 +8,16 @@ restarted). So the agent tokenizes OpenVINO prompts in one worker process
 (`python -m mesh.node.tokenizer_worker`) that builds each model's tokenizer once and keeps
 it; the agent awaits the ids. vLLM models tokenize in their engine's worker (mesh.engines.vllm_engine).
 
-Tokenizing is admitted work (issue 32), on every engine kind:
+Tokenizing is admitted work, on every engine kind:
 - Jobs wait in the agent, not in the worker's socket: one job runs at a time, and the
   waiting ones are shared fairly between tenants weighted by prompt size (weighted fair
   queueing: each job is tagged with its tenant's virtual finish, max(now, the tenant's last
   tag) + its prompt's characters, and the smallest tag runs next), so a tenant sending large
-  prompts takes the tokenizer in proportion to their size, not per job (the round robin it
-  replaced let 1 MB prompts take turns with 10-character ones).
+  prompts takes the tokenizer in proportion to their size, not per job (a round robin would let
+  1 MB prompts take turns with 10-character ones).
 - A job whose caller stops waiting (its client hung up: the service sends `abort`) is
-  dropped before it runs; one already running finishes and its ids are discarded (issue 25:
-  a tenant sending many large prompts and hanging up held the FIFO for everyone).
+  dropped before it runs; one already running finishes and its ids are discarded (else a
+  tenant sending many large prompts and hanging up would hold the queue for everyone).
 - Every job has a deadline (`JOB_TIMEOUT_S` from when it starts): a worker that runs past
   it is stuck, and is killed (counted in `restarts`); the job fails with a clear error and
   the next job starts a fresh worker.

@@ -1,4 +1,4 @@
-"""How long a cold start takes: the one home of Mesh's load-time models (issue 34 item 4).
+"""How long a cold start takes: the one home of Mesh's load-time models.
 
 A new instance's cold start, which shadow validation counts in the TTFT of the request that
 would start it (LLM-Mesh 4, 5.3), is
@@ -160,7 +160,7 @@ class ColdStart:
         return weight_bytes / (bytes_per_s or self.net_bytes_per_s)
 
 
-# --- measured loads (issue 23 item 3) ----------------------------------------------------------
+# --- measured loads -----------------------------------------------------------------------------
 #
 # The load itself is what the prior (`ColdStart`, `--cold-start-s`) guesses; `ColdStartTable`
 # measures it. It keeps, per (node, model, source), the last few measured loads ("source":
@@ -266,6 +266,8 @@ class ColdStartTable:
         self.records.extend(kept)
 
     def forget_node(self, node_id: str) -> None:
+        """A departed node's loads leave the per-node medians (`records`, the recent loads
+        summed per kind, keeps them until they age out)."""
         for key in [k for k in self._loads if k[0] == node_id]:
             del self._loads[key]
         for key in [k for k in self._latest if k[0] == node_id]:

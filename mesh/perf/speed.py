@@ -1,4 +1,4 @@
-"""A machine's speed relative to the machine the prior was fitted on (issue 23 item 4).
+"""A machine's speed relative to the machine the prior was fitted on.
 
 `DefaultCpuTimes` (mesh.perf.times) was fitted to the demo model's iteration times on one
 machine; machines of this kind differ 2-3x. A node agent measures `MachineSpeed` with a
@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from typing import Any
-
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,8 +68,8 @@ class AdaptiveTimes:
 
     The learnt margin (`margin`): once `margin_after` iterations were observed, the
     `margin_quantile` of actual/predicted over the last `margin_window` iterations, minus 1,
-    bounded to [min_margin, max_margin], recomputed every MARGIN_EVERY iterations; None before that (shadow validation then uses the
-    node's margin, LLM-Mesh's 10%). Shadow validation reads it per instance.
+    bounded to [min_margin, max_margin], recomputed every MARGIN_EVERY iterations; None before that (shadow validation
+    then uses the node's margin, LLM-Mesh's 10%). Shadow validation reads it per instance.
 
     Stale slowness fades (`relax`): factors are learnt only from iterations, and the
     admissions they drive decide whether iterations run. A node that learnt a 7-8x slowdown
@@ -86,7 +86,7 @@ class AdaptiveTimes:
                  margin_window: int = 256, margin_after: int = 32, min_margin: float = 0.05,
                  max_margin: float = 0.5, max_step: float = 2.0, start: tuple[float, float] = (1.0, 1.0)) -> None:
         """`start`: the (prefill, decode) factors before any iteration: the node's speed
-        against the prior's machine (mesh.perf.speed, issue 23 item 4), or what an earlier
+        against the prior's machine (mesh.perf.speed), or what an earlier
         instance of the model learnt here (`warm_start`); 1.0: the base as it is."""
         self.base = base
         self.max_step = max_step
@@ -237,7 +237,7 @@ def prior_profile(model: str, kind: str, weight_bytes: int, kv_bytes_per_token: 
 
 
 def learnt_profile(profile: Profile, learnt: dict[str, Any]) -> Profile:
-    """`profile` with what a service learnt on its nodes applied (issue 23 item 5): each grid
+    """`profile` with what a service learnt on its nodes applied: each grid
     point's time times the factor of its AdaptiveTimes region (`learnt`'s `prefill_regions`
     keyed "2^k", `decode_regions` keyed "2^b x 2^c", as AdaptiveTimes.drift writes them),
     else the instance-wide `prefill` / `decode` factor: the times the service's nodes
@@ -245,16 +245,20 @@ def learnt_profile(profile: Profile, learnt: dict[str, Any]) -> Profile:
     prefill_f = float(learnt.get("prefill") or 1.0)
     decode_f = float(learnt.get("decode") or 1.0)
     pre_regions = {int(k): float(v) for k, v in (learnt.get("prefill_regions") or {}).items()}
-    dec_regions = {tuple(int(x) for x in k.split("x")): float(v) for k, v in (learnt.get("decode_regions") or {}).items()}
+    dec_regions = {tuple(int(x) for x in k.split("x")): float(v) for k,
+                   v in (learnt.get("decode_regions") or {}).items()}
 
     def cell(x: float) -> int:
         return 2 ** AdaptiveTimes._cell(x)
 
     prefill = tuple(t * pre_regions.get(cell(n), prefill_f) for n, t in zip(profile.prefill_lengths, profile.prefill_s))
-    decode = tuple(tuple(t * dec_regions.get((cell(b), cell(c)), decode_f) for c, t in zip(profile.decode_contexts, row))
+    decode = tuple(tuple(t * dec_regions.get((cell(b), cell(c)), decode_f) for c, t in zip(profile.decode_contexts,
+                                                                                           row))
                    for b, row in zip(profile.decode_batches, profile.decode_s))
-    provenance = {**profile.provenance, "learnt": {k: learnt.get(k) for k in ("prefill", "decode", "margin", "observed")}}
-    return replace(profile, device=f"{profile.device}+learnt", prefill_s=prefill, decode_s=decode, provenance=provenance)
+    provenance = {**profile.provenance, "learnt": {k: learnt.get(k) for k in ("prefill", "decode", "margin",
+                                                                              "observed")}}
+    return replace(profile, device=f"{profile.device}+learnt", prefill_s=prefill, decode_s=decode,
+                   provenance=provenance)
 
 
 def weighted_geomean(pairs: list[tuple[int, float]]) -> float | None:

@@ -29,7 +29,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass, field
-from typing import Iterable, Protocol, Sequence
+from typing import Iterable, Sequence
 
 from sortedcontainers import SortedKeyList, SortedList
 
@@ -165,7 +165,8 @@ class ComputeSubsystem:
         inst = self.instances[instance_id]
         if request_id in self.requests:
             raise ValueError(f"request {request_id!r} already on this node")
-        r = RequestState(request_id, instance_id, prompt_len, start_s, start_s + inst.slo.ttft_s(prompt_len), resumed=resumed)
+        r = RequestState(request_id, instance_id, prompt_len, start_s, start_s + inst.slo.ttft_s(prompt_len),
+                         resumed=resumed)
         self.requests[request_id] = r
         self._unorder(inst)
         inst.pending[request_id] = r
@@ -247,9 +248,9 @@ class ComputeSubsystem:
                     r.join_round += 1
                     inst.running.add(r)
         for rid in finished:
-            r = self.requests.pop(rid, None)
-            if r is not None:
-                self._drop(inst, r)
+            ended = self.requests.pop(rid, None)
+            if ended is not None:
+                self._drop(inst, ended)
         self._reorder(inst)
 
     # -- internals -------------------------------------------------------------------

@@ -23,8 +23,8 @@ Round counts (the paper's N counts nodes *including* the source: "1 -> N ... tak
 b + ceil(log N) - 1 steps" for N - 1 destinations). With R receivers and one source we
 have n = R + 1 nodes, and b + ceil(log2 n) - 1 is also the lower bound for one-port
 broadcast (the source sends one block a round, so the last block leaves it in round b - 1
-at the earliest; its holders then at most double each round). The binomial plan reaches it exactly when n is a power of two (the hypercube) and
-when n = 2^d + 1 (a relay feeding a hypercube of 2^d); for other n the hypercube has holes
+at the earliest; its holders then at most double each round). The binomial plan reaches it exactly when n is a power of
+two (the hypercube) and when n = 2^d + 1 (a relay feeding a hypercube of 2^d); for other n the hypercube has holes
 that a greedy fill covers, a few rounds above the bound (measured in the tests).
 
 Port model: full-duplex one-port. In one round a node sends at most one block and receives
@@ -323,6 +323,7 @@ def _binomial_group(source: str, receivers: Sequence[str], order: Sequence[int])
         rounds = max(t.round for t in transfers) + 1
         if best is None or rounds < max(t.round for t in best) + 1:
             best = transfers
+    assert best is not None  # the loop runs at least once: n >= 2
     return best
 
 

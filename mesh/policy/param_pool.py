@@ -91,7 +91,8 @@ class ParameterPool:
     def remove_node(self, node: str) -> NodeLoss:
         """The node leaves with everything on it (a failure, or decommissioning)."""
         self._node(node)
-        recache, lost = [], []
+        recache: list[str] = []
+        lost: list[str] = []
         for name, m in self._models.items():
             gone = [i for i, n in m.instances.items() if n == node]
             if node not in m.hosts and not gone:
@@ -112,7 +113,8 @@ class ParameterPool:
     def free_host_bytes(self, node: str) -> int:
         return self._node(node).free_bytes
 
-    def choose_host(self, size_bytes: int, exclude: Iterable[str] = (), among: Iterable[str] | None = None) -> str | None:
+    def choose_host(self, size_bytes: int, exclude: Iterable[str] = (),
+                    among: Iterable[str] | None = None) -> str | None:
         """The node with the most free host memory that fits `size_bytes` (ties: name),
         among `among` if given (e.g. the nodes that can run the model)."""
         skip = set(exclude)
@@ -211,7 +213,8 @@ class ParameterPool:
         """Every place the model's weights are: host copies, then instances (by node, id)."""
         m = self._model(model)
         return ([Location(model, n, Where.HOST) for n in sorted(m.hosts)]
-                + [Location(model, n, Where.INSTANCE, i) for i, n in sorted(m.instances.items(), key=lambda x: (x[1], x[0]))])
+                + [Location(model, n, Where.INSTANCE, i) for i, n in sorted(m.instances.items(), key=lambda x: (x[1],
+                                                                                                                x[0]))])
 
     def sources(self, model: str, exclude: Iterable[str] = (), use_instances: bool = True) -> list[Location]:
         """Multicast sources: one per node, host copies before instances (an idle host copy
@@ -240,7 +243,8 @@ class ParameterPool:
                 used[n] += m.size_bytes
         for n, mem in self._nodes.items():
             if mem.used_bytes != used[n] or mem.used_bytes > mem.capacity_bytes:
-                raise AssertionError(f"node {n!r}: used {mem.used_bytes} B, copies {used[n]} B, capacity {mem.capacity_bytes} B")
+                raise AssertionError(f"node {n!r}: used {mem.used_bytes} B, copies {used[n]} B, capacity "
+                                     f"{mem.capacity_bytes} B")
 
     # --- internals -------------------------------------------------------------------------
     def _place(self, model: str, node: str) -> None:

@@ -98,12 +98,6 @@ def new_instance_order(
     return sorted(out, key=lambda n: (kind_rank(n.kind), n.instances == 0, lacks(n), -n.used_bytes, n.seq))
 
 
-def first_fit_free_node(nodes: Iterable[NodeView], kinds: Collection[str]) -> NodeView | None:
-    """ServerlessLLM: the first node of `kinds` with no instance (CPU first)."""
-    order = new_instance_order(nodes, kinds, exclusive=True)
-    return order[0] if order else None
-
-
 def concurrency_target(base_model: str, kind: str) -> int:
     """In-flight requests per ServerlessLLM instance before scaling out (8.1)."""
     table = CONCURRENCY_TARGETS.get(kind)
@@ -144,11 +138,10 @@ def sllm_pick(instances: Sequence[InstanceView], targets: dict[str, int]) -> Ins
     return None
 
 
-# What a request gets when its model is cold and no instance can make its TTFT (issue 23
-# item 3), per model: SERVE_LATE (default) admits it on the instance loading for it, its
-# deadlines running from that instance's predicted ready time, if shadow validation shows
-# every other request on the node still on time (no one else is hurt); REJECT turns it away
-# (429 with Retry-After, the time left of the load), as before. Why serve late by default: a
+# What a request gets when its model is cold and no instance can make its TTFT, per model: SERVE_LATE (default) admits
+# it on the instance loading for it, its deadlines running from that instance's predicted ready time, if shadow
+# validation shows every other request on the node still on time (no one else is hurt); REJECT turns it away
+# (429 with Retry-After, the time left of the load). Why serve late by default: a
 # client would retry the 429 after Retry-After and be served at about the same time, so the
 # 429 only adds a round trip, an error a client without retries (curl, most scripts) sees,
 # and a request lost for one that does not retry; a client with somewhere else to go (a
@@ -169,15 +162,10 @@ MAX_WARMING_PER_MODEL = 1  # instances of one model loading at once, for a warm-
 def warm_up_node_allowed(node_kind: str, node_holds_instances: bool, model_has_instances: bool) -> bool:
     """May a warm-up (warm_up_allowed) start on a node of `node_kind`? Not one that scales a
     model out (the model has instances already) on a CPU node that holds an instance: the
-    build runs on the node's own cores (compile, weights layout, warm-up), beside whatever
-    that node serves in the seconds it takes, and a warm-up, which no request waits for, is
-    background work, which never competes with serving (issue 31 item 2; unlike a build
-    ahead, mesh.node.park_ahead, it cannot be paused whenever the node serves, since requests
-    wait for it once it loads, so it needs a node that holds no instance at all). Live, on one
-    core per node, each such warm-up slowed the node's own instance until its requests missed
-    their SLO and more warm-ups followed (mesh 83-96% where sllm+cpu, which never warms up,
-    served 97-100%). A model's first instance may start anywhere (without it the model is
-    never served), and a GPU's load is a copy over PCIe beside the GPU's kernels."""
+    build runs on that node's cores beside what it serves, and a warm-up, which no request
+    waits for, must not compete with serving (unlike a build ahead, mesh.node.park_ahead, it
+    cannot be paused while the node serves). A model's first instance may start anywhere
+    (else the model is never served), and a GPU's load is a copy over PCIe."""
     return node_kind != CPU or not node_holds_instances or not model_has_instances
 
 
@@ -185,30 +173,17 @@ def warm_up_allowed(
     cold_start_s: float, fresh_slack_s: float, validates_without_cold_start: bool, warming: int,
     limit: int = MAX_WARMING_PER_MODEL,
 ) -> bool:
-    """May Mesh start a new instance for a request that no instance, new ones included, can
-    serve within its SLO? Only when
-    - the cold start exceeds `fresh_slack_s`, the TTFT SLO of the request's prompt less its
-      prefill: no request of that length, even one arriving now, could validate on a new
-      instance, so waiting for one that does would never scale the model out (when the cold
-      start fits, the next fresh request starts the instance the usual way);
-    - the cold start is the only obstacle: a new instance that was already loaded would
-      validate (the shadow validation of 5.3 with no load time);
-    - fewer than `limit` instances of the model are loading.
+    """May Mesh start a new instance (a warm-up) for a request that no instance, new ones
+    included, can serve within its SLO? Only when the cold start exceeds `fresh_slack_s`
+    (the TTFT SLO of the request's prompt less its prefill: no such request could ever
+    validate on a new instance), a new instance already loaded would validate (5.3 with no
+    load time), and fewer than `limit` instances of the model are loading.
 
     Why: LLM-Mesh starts an instance only for a request that validates on it (5.3, 4),
-    which assumes loads from host memory that fit in the TTFT SLO (8.1). A cold start longer
-    than the SLO (weights from an SSD) would then never be issued and the model never served;
-    an autoscaler scales on demand even when the load is slower than the SLO, the requests
-    in the meantime miss it (BlitzScale 2.3). The request itself is still turned away by the
-    queue's rule (wait_expiry_s), not served late; the instance serves the requests that
-    validate on it, those arriving late in its load included (the validation counts its
-    remaining load time). The bound keeps one warm-up load per model at a time: while an
-    instance of the model loads, a second one started for the same cold-start reason would
-    be ready later than the first, and would take the cores and memory bandwidth that the
-    first load and the node's running instances need (live, two more loads made requests
-    on the loaded instances late). Requests the loading instance cannot hold scale out the
-    usual way once it is up. One nobody uses is recycled after keep-alive from the end of
-    its load (4)."""
+    assuming loads that fit in the TTFT SLO (8.1); a longer cold start would never be
+    issued and the model never served (an autoscaler scales anyway, BlitzScale 2.3). The
+    request itself is still turned away by wait_expiry_s. One warm-up per model at a time:
+    a second would be ready later and take the cores the first load needs."""
     return cold_start_s > fresh_slack_s and validates_without_cold_start and warming < limit
 
 
@@ -217,7 +192,7 @@ def keep_alive_expired(idle_since: float, now: float, keep_alive_s: float) -> bo
     return now - idle_since >= keep_alive_s - 1e-9
 
 
-# Admission (issue 33): what a fresh request gets once it can no longer meet its SLO, chosen
+# Admission: what a fresh request gets once it can no longer meet its SLO, chosen
 # per model (its registration's `admission`), else the service's default (`mesh serve
 # --admission`, `mesh replay --admission`):
 # - ADMIT_REJECT turns it away at once (429 with the reason and a Retry-After): the paper's

@@ -116,7 +116,7 @@ class WaitingQueue:
 
     def pop_expired(self, now: float) -> list[QueueEntry]:
         """Remove and return the entries whose expiry is at or before `now`."""
-        out = []
+        out: list[QueueEntry] = []
         while True:
             t = self.next_expiry()
             if t is None or t > now:

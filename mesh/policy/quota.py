@@ -6,7 +6,7 @@ A quota caps one tenant: how many models it registers (`models`), the bytes of t
 its generation requests are open at once (`concurrent_requests`) and how fast it may send
 them (`requests_per_s`, a token bucket of `burst` requests), and how fast it registers
 models (`registrations_per_min`, a token bucket of `REGISTRATION_BURST`: each registration
-starts a weights copy, a describe call and a build ahead, issue 32; finite by default). None
+starts a weights copy, a describe call and a build ahead; finite by default). None
 means no limit.
 
 `TokenBucket` is the classic one: it holds up to `burst` tokens, refills at `rate` per second

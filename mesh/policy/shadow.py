@@ -18,15 +18,15 @@ Output lengths are unknown to the scheduler, so no request is assumed to finish 
 horizon (conservative). The horizon is also a budget of iterations; those simulated before
 the candidate's instance is ready (it is loading: a request served late, placement
 SERVE_LATE) are outside it, up to FREE_ITERATIONS: the other instances decode meanwhile, and
-with the budget alone a load 10-20 s away was never reached, so every request served late
-on it was refused as "late by inf" (issue 23's single-node workload, 50 ms decode steps).
+with the budget alone a load 10-20 s away (at 50 ms decode steps) would never be reached, so
+every request served late on it would be refused as "late by inf".
 
 The margin over a run of iterations (`Padding`): the paper's 10% holds for every
 iteration. A learnt margin above it (mesh.perf.times.AdaptiveTimes: the 95th percentile of
 actual/predicted, which a shared 2-core machine puts at 30-40%) is the tail of one
 iteration; applied to each of the dozens of iterations before a burst's last first token it
-predicted every one at its tail at once, and refused requests that were served well within
-SLO by a policy that admitted them (issue 31, plain rig seed 0). The part above 10% counts as
+would predict every one at its tail at once, and refuse requests that a policy admitting
+them serves well within SLO. The part above 10% counts as
 independent fluctuation: a run of iterations of predicted d_1..d_k is padded by 10% of
 their sum plus (margin - 10%) * sqrt(sum d_i^2). One iteration gets exactly its margin; a
 long run tends to the paper's 10%.
@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Collection
 
-from mesh.policy.batching import IterationKind, prefill_take, IterationTimes
+from mesh.policy.batching import IterationKind, IterationTimes, prefill_take
 from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.live_scaling import LayerArrivals, solo_finish
 from mesh.policy.slo import DeadlineRule

@@ -35,9 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from mesh.engines.worker_process import worker_env
-from mesh.wire.agent_protocol import READY_PREFIX
 from mesh.policy.slo import DeadlineRule
-
+from mesh.wire.agent_protocol import READY_PREFIX
 
 SECRET_ENV = "MESH_CLUSTER_SECRET"  # the cluster secret itself, in the environment of `ray start` and mesh serve
 SECRET_FILE_ENV = "MESH_CLUSTER_SECRET_FILE"  # else this file (default: DATA/cluster.secret)

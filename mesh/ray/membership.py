@@ -30,11 +30,11 @@ from typing import Any, Callable
 
 from mesh.control.remote_agents import RemoteAgent
 from mesh.control.supervisor import AgentHandle
-from mesh.ray.actor import AgentLaunch, NodeAgentActor, agent_token, launch_dict
 from mesh.node.runtime import NodeSpec
+from mesh.ray.actor import AgentLaunch, NodeAgentActor, agent_token, launch_dict
 from mesh.tasks import cancel_all
 
-log = logging.getLogger("mesh.cluster.ray")
+log = logging.getLogger("mesh.ray.membership")
 
 NAMESPACE = "mesh"
 

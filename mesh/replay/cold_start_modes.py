@@ -1,4 +1,4 @@
-"""Cold starts by where the weights come from, for replays (issue 7 item 6).
+"""Cold starts by where the weights come from, for replays.
 
 Four modes (`WeightsConfig.mode`), all for GPU instances of one model:
 
@@ -70,15 +70,29 @@ from typing import TYPE_CHECKING, Sequence
 from mesh.engines.engine_api import Engine, StepResult
 from mesh.engines.simulated import SimulatedEngine
 from mesh.modelfiles.shape import layers_and_hidden
+from mesh.node.runtime import InstancePlan
 from mesh.perf.load_times import NET_BYTES_PER_S, PCIE_BYTES_PER_S, CostModel, block_sizes, schedule, weights_load_s
 from mesh.policy.live_scaling import (
-    LayerArrivals, Stage, ZigZagRequest, ZigZagState, activation_bytes, activation_s, block_layer_ends,
-    execution_pipelines, pipeline_iteration_s, pull_helps, pulled_finish, recompute_tokens, solo_finish,
-    source_pull, stage_ranges, switch_assignment, target_next,
+    LayerArrivals,
+    Stage,
+    ZigZagRequest,
+    ZigZagState,
+    activation_bytes,
+    activation_s,
+    block_layer_ends,
+    execution_pipelines,
+    pipeline_iteration_s,
+    pull_helps,
+    pulled_finish,
+    recompute_tokens,
+    solo_finish,
+    source_pull,
+    stage_ranges,
+    switch_assignment,
+    target_next,
 )
 from mesh.policy.multicast import chains, make_plan, sub_groups
 from mesh.policy.param_pool import ParameterPool
-from mesh.node.runtime import InstancePlan
 
 if TYPE_CHECKING:
     from typing import Callable
@@ -125,7 +139,8 @@ class WeightsConfig:
 
 def stop_the_world_s(config: WeightsConfig, weight_bytes: int, from_host: bool) -> float:
     """A load that serves only once every byte is in: from host memory over PCIe, or the SSD."""
-    return weights_load_s(weight_bytes, config.pcie_bytes_per_s if from_host else config.ssd_bytes_per_s, config.fixed_s)
+    return weights_load_s(weight_bytes, config.pcie_bytes_per_s if from_host else config.ssd_bytes_per_s,
+                          config.fixed_s)
 
 
 def recompute_s(times, token_counts: Sequence[int], budget: int) -> float:

@@ -16,16 +16,16 @@ from typing import Callable
 import numpy as np
 from tqdm import tqdm
 
-from mesh.perf.profile import ProfileError, catalog_profile, reference_profiles
+from mesh.control.cluster_node import EXITED
+from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec, check_cluster
+from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S, Dispatcher, DispatchStats
+from mesh.control.schedulers import SchedulerStats, scheduler_spec
 from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.node.request import ServedRequest
+from mesh.perf.profile import ProfileError, catalog_profile, reference_profiles
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.simulator import EngineFactory, Simulator
-from mesh.control.cluster_node import EXITED
-from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec, check_cluster
-from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S, DispatchStats, Dispatcher
-from mesh.control.schedulers import SchedulerStats, scheduler_spec
-from mesh.node.request import ServedRequest
 from mesh.replay.virtual_loop import run_virtual
 from workloads.workload import Workload
 
@@ -54,7 +54,8 @@ class ReplayConfig:
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S  # None: turned away once it cannot meet its SLO
     drain_limit_s: float = 600.0  # virtual time after the window for in-flight requests to end
     progress: bool = True
-    engines: Callable[[ClusterView], EngineFactory] | None = None  # per run: its engines (e.g. mesh.replay.cold_start_modes.Engines)
+    engines: Callable[[ClusterView],
+                      EngineFactory] | None = None  # per run: its engines (e.g. mesh.replay.cold_start_modes.Engines)
     failures: tuple[NodeFailure, ...] = ()  # nodes lost during the run
 
 
@@ -123,7 +124,8 @@ def build_catalog(
 def _served(workload: Workload, slo) -> list[ServedRequest]:
     return [
         ServedRequest(
-            EngineRequest(a.request_id, a.prompt_len, Sampling(max_tokens=max(1, a.output_len)), output_len=a.output_len),
+            EngineRequest(a.request_id, a.prompt_len, Sampling(max_tokens=max(1, a.output_len)),
+                          output_len=a.output_len),
             a.model, a.time_s, slo,
         )
         for a in workload.arrivals

@@ -2,12 +2,11 @@
 (mesh.control.cluster_node says what a ClusterNode is). Its calls complete without
 suspending, so on the virtual-time loop a replay's decisions are atomic.
 
-Given a parking lot (the live replay's twin of the service's OpenVINO nodes, issue 31 item
-5), a node keeps the memory tier of ServerlessLLM's loading hierarchy (4.1) as those nodes
-do, by their rules and with their lot (mesh.engines.parking.ParkingLot): a loaded instance
-that stops is parked; the models whose first host copy the node holds are built ahead, one
-at a time and only while the node loads no instance and serves no request, and parked where the lot has room
-without ending a parked one (mesh.node.park_ahead); a load adopts a parked worker (the
+Given a parking lot (the live replay's twin of the service's OpenVINO nodes), a node keeps the memory tier of
+ServerlessLLM's loading hierarchy (4.1) as those nodes do, by their rules and with their lot
+(mesh.engines.parking.ParkingLot): a loaded instance that stops is parked; the models whose first host copy the node
+holds are built ahead, one at a time and only while the node loads no instance and serves no request, and parked where
+the lot has room without ending a parked one (mesh.node.park_ahead); a load adopts a parked worker (the
 cold start's parked tier, ColdStart.parked_s), or the build ahead under way (its rest, then
 the parked tier), and a load that comes before its model's build starts drops that build.
 """

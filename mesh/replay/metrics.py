@@ -5,7 +5,7 @@ Definitions:
 - requests = slo_compliant + slo_violating (completed late) + rejected + failed;
   slo_rate = slo_compliant / requests. A request is SLO-compliant when its first token
   meets the TTFT SLO and its last token the Eq. 1 deadline ST + TTFT_SLO + TPOT_SLO (n-1)
-  (mesh.control.dispatcher.slo_met); slo_compliant_strict also asks the mean TPOT after
+  (mesh.control.dispatcher.eq1_slo_met); slo_compliant_strict also asks the mean TPOT after
   the first token to be within the TPOT SLO (ServedRequest.slo_met).
 - cpu_nodes_avg / gpu_nodes_avg: nodes hosting at least one instance (loading included),
   time-averaged over the workload window [0, duration].
@@ -24,10 +24,10 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from mesh.policy.placement import CPU, GPU
-from mesh.replay.driver import PolicyRun
 from mesh.control.dispatcher import accounting
 from mesh.node.request import Outcome, ServedRequest
+from mesh.policy.placement import CPU, GPU
+from mesh.replay.driver import PolicyRun
 
 PERCENTILES = (50, 90, 99)
 

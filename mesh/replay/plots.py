@@ -7,11 +7,11 @@ from pathlib import Path
 import matplotlib
 
 matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
-import numpy as np  # noqa: E402
+import matplotlib.pyplot as plt  # noqa: E402 - after matplotlib.use, which must come first
+import numpy as np  # noqa: E402 - likewise
 
-from mesh.replay.driver import PolicyRun  # noqa: E402
-from mesh.node.request import Outcome  # noqa: E402
+from mesh.node.request import Outcome  # noqa: E402 - likewise
+from mesh.replay.driver import PolicyRun  # noqa: E402 - likewise
 
 
 def ttft_cdf(runs: dict[str, PolicyRun], path: str | Path, title: str = "") -> Path:

@@ -12,14 +12,14 @@ from __future__ import annotations
 import zlib
 from typing import Callable
 
+from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
 from mesh.engines.engine_api import Engine
 from mesh.engines.parking import ParkingLot
 from mesh.engines.simulated import SimulatedEngine
-from mesh.policy.placement import CPU
-from mesh.policy.param_pool import ParameterPool
-from mesh.control.cluster_view import ClusterView, ClusterConfig, ModelSpec
-from mesh.replay.local_node import LocalNode
 from mesh.node.runtime import InstancePlan, NodeRuntime
+from mesh.policy.param_pool import ParameterPool
+from mesh.policy.placement import CPU
+from mesh.replay.local_node import LocalNode
 
 # (plan, node kind, load seconds, seed) -> the engine of a new instance
 EngineFactory = Callable[[InstancePlan, str, float, int], Engine]

@@ -17,16 +17,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from mesh.perf.load_times import GIB, ColdStart
-from mesh.replay.driver import ReplayConfig, build_catalog, run_policy, trace_mean_output
-from mesh.replay.metrics import node_seconds, summarize
-from mesh.replay.cold_start_modes import MODES, Engines, WeightsConfig
 from mesh.control.cluster_view import ClusterConfig
 from mesh.node.request import Outcome
+from mesh.perf.load_times import GIB, ColdStart
+from mesh.replay.cold_start_modes import MODES, Engines, WeightsConfig
+from mesh.replay.driver import ReplayConfig, build_catalog, run_policy, trace_mean_output
+from mesh.replay.metrics import node_seconds, summarize
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR
 from workloads.workload import Workload, bursty_single_model
-
 
 
 def late_for_missing_layers(requests, waited: set[str]) -> int:
@@ -48,7 +47,8 @@ def compare(workload: Workload, base: str, modes: Sequence[str], weights: Weight
         cluster = ClusterConfig(cpu_nodes=0, gpu_nodes=gpu_nodes, gpu_memory_bytes=80 * GIB,
                                 cold_start=ColdStart(nominal, nominal, cfg.fixed_s), keep_alive_s=keep_alive_s)
         eng = Engines(cfg)
-        run = run_policy(workload, policy, ReplayConfig(cluster=cluster, engines=eng, progress=progress), catalog, prior)
+        run = run_policy(workload, policy, ReplayConfig(cluster=cluster, engines=eng, progress=progress), catalog,
+                         prior)
         s = summarize(run)
         _, gpu_all = node_seconds(run.usage, 0.0, max(run.end_s, run.duration_s))
         stats = eng.models[0].stats
@@ -64,26 +64,30 @@ def compare(workload: Workload, base: str, modes: Sequence[str], weights: Weight
             "live_pulls": stats.pulls, "pipelines": stats.pipelines, "activation_bytes": stats.activation_bytes,
             "recompute_tokens": stats.recompute_tokens,
             "late_missing_layers": late_for_missing_layers(run.requests, stats.waited),
-            "load_s_min": loads[0] if loads else None, "load_s_median": loads[len(loads) // 2] if loads else None, "load_s_max": loads[-1] if loads else None,
+            "load_s_min": loads[0] if loads else None, "load_s_median": loads[len(loads) // 2] if loads else None,
+            "load_s_max": loads[-1] if loads else None,
         }
     return out
 
 
 def table(results: dict[str, dict[str, Any]]) -> str:
-    head = "| mode | TTFT p50 (s) | p90 | p99 | SLO % | GPU node-s | max GPUs | instances | load s (median / max) | loads by source |"
+    head = ("| mode | TTFT p50 (s) | p90 | p99 | SLO % | GPU node-s | max GPUs | instances | load s (median / max) "
+            "| loads by source |")
     rows = [head, "|" + "---|" * 10]
     for mode, r in results.items():
-        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+        f = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731 - a one-line formatter local to the table
         loads = ", ".join(f"{k} {v}" for k, v in sorted(r["loads"].items()))
-        rows.append(f"| {mode} | {f(r['ttft_p50_s'], '.2f')} | {f(r['ttft_p90_s'], '.2f')} | {f(r['ttft_p99_s'], '.2f')} "
-                    f"| {r['slo_rate']:.1%} | {r['gpu_node_s']:.0f} | {r['gpu_nodes_max']} | {r['instances_started']} "
-                    f"| {f(r['load_s_median'], '.2f')} / {f(r['load_s_max'], '.2f')} | {loads} |")
+        rows.append(f"| {mode} | {f(r['ttft_p50_s'], '.2f')} | {f(r['ttft_p90_s'], '.2f')} | "
+                    f"{f(r['ttft_p99_s'], '.2f')} | {r['slo_rate']:.1%} | {r['gpu_node_s']:.0f} | {r['gpu_nodes_max']} "
+                    f"| {r['instances_started']} | {f(r['load_s_median'], '.2f')} / {f(r['load_s_max'], '.2f')} | "
+                    f"{loads} |")
     return "\n".join(rows)
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m mesh.replay.weights_compare", description=__doc__.split("\n\n")[0])
-    p.add_argument("--data", default=str(DATA_DIR), help="folder with the Azure traces (default: the copies in workloads/data)")
+    p.add_argument("--data", default=str(DATA_DIR),
+                   help="folder with the Azure traces (default: the copies in workloads/data)")
     p.add_argument("--model", default="llama-2-7b")
     p.add_argument("--gpu-nodes", type=int, default=8)
     p.add_argument("--minutes", type=float, default=5.0, help="window of the (rescaled) trace")

@@ -33,11 +33,11 @@ from aiohttp import web
 from mesh.control.latency import LoopLagProbe
 from mesh.service import errors
 from mesh.service.auth import admin_token_ok, bearer_token, hash_key
+from mesh.service.cluster_placement import Placement
 from mesh.service.config import ServeConfig
 from mesh.service.errors import ApiError
 from mesh.service.limits import HttpLimits, listen
 from mesh.service.prometheus import CONTENT_TYPE, ServiceMetrics
-from mesh.service.cluster_placement import Placement
 from mesh.service.quotas import Quotas
 from mesh.service.registry import Registry
 
@@ -247,7 +247,8 @@ def _local_nodes(config: ServeConfig, memory: int | None) -> tuple[list[NodeSpec
         nodes = [*nodes, *emulated_specs] if config.mixed_rig else emulated_specs
     # the local nodes that compute on this machine's cores split them as they split its memory
     # (each one a machine): OpenVINO agents and the vLLM-on-CPU agent, not emulated ones
-    computing = [n.node_id for n in nodes if n.node_id not in emulated and (n.kind == "cpu" or n.node_id == CPU_NODE_ID)]
+    computing = [n.node_id for n in nodes
+                 if n.node_id not in emulated and (n.kind == "cpu" or n.node_id == CPU_NODE_ID)]
     if config.node_cores:
         try:
             cores = parse_node_cores(config.node_cores, computing)
@@ -415,11 +416,11 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     process's main (`mesh serve`): once it is signalled, the process ends within a bound (`_Signals`)."""
     from mesh.control.remote_agents import RemoteAgent, parse_remote
     from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
+    from mesh.control.weights_plane import WeightsPlane, WeightsSettings
     from mesh.node.runtime import NodeSpec
+    from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
     from mesh.service.demo_mode import ensure_demo, ready_line
     from mesh.service.preparation import FormatPreparer
-    from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
-    from mesh.control.weights_plane import WeightsPlane, WeightsSettings
 
     loop = asyncio.get_running_loop()
     try:
@@ -433,7 +434,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     weights_token = os.environ.get("MESH_WEIGHTS_TOKEN") or secrets.token_urlsafe(24)  # remote agents need it set
     cluster_secret = None
     if config.ray is not None:  # Ray agents derive their tokens from the cluster secret, as the service does here
-        from mesh.ray.actor import cluster_secret as read_secret, weights_token as derived_weights_token
+        from mesh.ray.actor import cluster_secret as read_secret
+        from mesh.ray.actor import weights_token as derived_weights_token
 
         cluster_secret = read_secret(create=True)
         weights_token = derived_weights_token(cluster_secret)
@@ -474,7 +476,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
 
     formats = FormatPreparer(registry, data_dir, enabled=config.prepare_formats)
     placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights, formats=formats)
-    for tenant, admission in registry.tenant_admissions().items():  # tenants' defaults (PUT /admin/tenants/{t}/admission)
+    # tenants' defaults (PUT /admin/tenants/{t}/admission)
+    for tenant, admission in registry.tenant_admissions().items():
         placement.set_tenant_admission(tenant, admission)
     try:
         membership, autoscaler = _join_ray(config, placement, memory, cluster_secret)

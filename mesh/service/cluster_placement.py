@@ -101,7 +101,7 @@ class PlacementSettings:
     keep_alive_s: float = 60.0
     start_timeout_s: float = 60.0
     max_batch: int = 64  # requests an instance runs at most: its plans, its validation and its engine's max_num_seqs
-    profile_dir: str | None = None  # calibration profiles: <dir>/<model uid>[.<kind>].json (issue 4)
+    profile_dir: str | None = None  # calibration profiles: <dir>/<model uid>[.<kind>].json
     cold_start_s: float = DEFAULT_COLD_START_S  # an instance's start-up besides its weights (ColdStart.fixed_s)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
@@ -243,7 +243,8 @@ class ClusterPlacement:
                         f"{node.kind.upper()} nodes (see the service's log)"}
             running = [r for r in self.cluster.instances_of(record.uid) if r.node is node]
             node.last_start_error = ""
-            ref = running[0] if running else await self.cluster.start_instance(self.cluster.plan(record.uid, node), node)
+            ref = running[0] if running else await self.cluster.start_instance(self.cluster.plan(record.uid, node),
+                                                                               node)
             if ref is None:
                 why = node.last_start_error or "its memory budget is full"
                 return {"node": node_id, "ok": False, "error": f"node {node_id} could not start it: {why}"}

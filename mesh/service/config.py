@@ -12,8 +12,8 @@ the config file) is no limit. The operator sets a tenant's own with PUT
 /admin/tenants/{name}/quota.
 
 Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir, max_body_mb,
-max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, node_cores, remote_agents, ray, ray_autoscale, weights_plan,
-drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
+max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, node_cores, remote_agents, ray, ray_autoscale,
+weights_plan, drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
 deadlines, policy, cold_start_s, exact_moves, prepare_formats, emulate, watchdog_min_s (and
 the HTTP limits: http_head_timeout_s, http_body_timeout_s, max_connections,
@@ -67,9 +67,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.policy.quota import Quota, QuotaValueError, check_overrides
 from mesh.policy.slo import DeadlineRule
-from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.service.limits import MAX_CONNECTIONS, MAX_CONNECTIONS_PER_CLIENT
 
 
@@ -104,7 +104,7 @@ class ServeConfig:
     tls_cert: Path | None = None  # PEM certificate chain: serve HTTPS (with tls_key)
     tls_key: Path | None = None  # its PEM private key
     metrics_token: str | None = None  # what Prometheus sends to /metrics (the admin token works too)
-    # per-tenant defaults (None: no limit); finite by default, for a shared service (issue 32)
+    # per-tenant defaults (None: no limit); finite by default, for a shared service
     quota_models: int | None = 100
     quota_model_gb: float | None = 256.0  # GiB of registered model weights
     quota_concurrent_requests: int | None = 1024
@@ -231,8 +231,8 @@ def _check(c: ServeConfig) -> None:
     local = {f"cpu-{i}" for i in range(c.cpu_nodes)}
     clash = sorted({i for i in ids if ids.count(i) > 1 or i in local})
     if clash:
-        raise ConfigError(f"remote agent ids must be unique and differ from the local nodes cpu-0..cpu-{c.cpu_nodes - 1}:"
-                          f" {', '.join(clash)}")
+        raise ConfigError(f"remote agent ids must be unique and differ from the local nodes "
+                          f"cpu-0..cpu-{c.cpu_nodes - 1}: {', '.join(clash)}")
     if c.ray is not None and (not isinstance(c.ray, str) or not c.ray.strip()):
         raise ConfigError(f"ray must be 'auto' or a Ray cluster's address (HOST:PORT), got {c.ray!r}")
     if c.ray_autoscale and c.ray is None:
@@ -248,8 +248,8 @@ def _check(c: ServeConfig) -> None:
     if c.queue_timeout_s is not None and (isinstance(c.queue_timeout_s, bool)
                                           or not isinstance(c.queue_timeout_s, (int, float)) or c.queue_timeout_s < 0):
         raise ConfigError(f"queue_timeout_s must be a number of seconds >= 0 or 'slo', got {c.queue_timeout_s!r}")
-    from mesh.policy.placement import ADMISSIONS, ADMIT_QUEUE, ADMIT_REJECT
     from mesh.control.schedulers import POLICIES
+    from mesh.policy.placement import ADMISSIONS, ADMIT_QUEUE, ADMIT_REJECT
 
     if c.admission is None:
         c.admission = ADMIT_QUEUE if c.demo else ADMIT_REJECT
@@ -273,7 +273,8 @@ def _check(c: ServeConfig) -> None:
 
         if c.demo and not c.mixed_rig:
             raise ConfigError("emulate runs emulated models only: it cannot serve the demo model (drop --demo, or "
-                              "give cpu_nodes too for the mixed rig: this machine's CPU nodes beside emulated GPU nodes)")
+                              "give cpu_nodes too for the mixed rig: this machine's CPU nodes beside emulated GPU "
+                              "nodes)")
         if c.ray is not None or c.remote_agents:
             raise ConfigError("emulate runs its own nodes on this machine: it cannot be combined with ray or "
                               "remote_agents")

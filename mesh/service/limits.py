@@ -22,7 +22,6 @@ from aiohttp import web
 from mesh.service.errors import ApiError
 from mesh.service.schema import parse_json
 
-
 # Open HTTP connections in all, and from one client address. One address is often a proxy, a
 # gateway or a load generator holding a stream per waiting request (mesh replay --live, mesh
 # bench load): the per-address bound stops one address from taking them all, not a busy
@@ -70,8 +69,8 @@ class HttpLimits:
         """aiohttp AppRunner keywords that enforce the head deadline and bound lingering, and
         keep request bodies as sent: aiohttp inflates an encoded body as it arrives (its
         payload parser), also while it lingers after a refusal, so a refused 256 KiB gzip bomb
-        cost the service's loop inflating 256 MiB each time (issue 25's attack run, where it
-        made a well-behaved tenant's request miss its SLO); encoded bodies are refused (415)."""
+        would cost the service's loop inflating 256 MiB each time, enough to make a
+        well-behaved tenant's request miss its SLO; encoded bodies are refused (415)."""
         return {"keepalive_timeout": self.head_timeout_s, "lingering_time": self.linger_s, "auto_decompress": False}
 
 
@@ -142,7 +141,7 @@ async def refuse_mid_body(request: web.Request, error: ApiError, limits: HttpLim
     read and drop at most `refused_drain_bytes` more of it within `linger_s` (so that the
     client is reading when the connection closes), and close the connection: aiohttp's own
     lingering would read the body at the client's full rate for `linger_s` (an over-quota
-    upload repeated in a loop kept the service's loop busy reading, issue 25's attack run)."""
+    upload repeated in a loop would keep the service's loop busy reading)."""
     response = error.response()
     response.force_close()
     await response.prepare(request)
@@ -228,9 +227,9 @@ async def listen(runner: web.AppRunner, host: str, port: int, limits: HttpLimits
                  ssl_context: Any = None) -> tuple[web.TCPSite, ConnectionLimits]:
     """Serve `runner` (after runner.setup()) on host:port with its connections guarded. The
     listen backlog is `max_connections` (the kernel caps it at net.core.somaxconn): with
-    aiohttp's 128, a burst of connections the loop had not yet accepted filled the queue, the
-    kernel dropped the next SYN, and a well-behaved client connecting then waited for its
-    1 s SYN retransmit (issue 25's attack run, 1.1 s TTFT against 0.16 s unloaded)."""
+    aiohttp's 128, a burst of connections the loop has not yet accepted fills the queue, the
+    kernel drops the next SYN, and a well-behaved client connecting then waits for its
+    1 s SYN retransmit (a 1.1 s TTFT against 0.16 s unloaded)."""
     counts = guard_connections(runner.server, limits)
     site = web.TCPSite(runner, host, port, shutdown_timeout=5.0, ssl_context=ssl_context,
                        backlog=limits.max_connections)

@@ -72,7 +72,7 @@ class ModelCatalogue:
         self.dispatcher = dispatcher
         self.emulated_kinds = emulated_kinds
         self.formats = formats
-        self.profile_dir = profile_dir  # calibration profiles: <dir>/<model uid>[.<kind>].json (issue 4)
+        self.profile_dir = profile_dir  # calibration profiles: <dir>/<model uid>[.<kind>].json
         self.exact_moves = exact_moves  # InstanceSpec.exact_moves for every instance
         self.weights: WeightsPlane | None = None  # once made (None: nodes load models from the registry's path)
         self.models: dict[str, DescribedModel] = {}
@@ -176,8 +176,8 @@ class ModelCatalogue:
     def _shape(self, record: ModelRecord) -> str:
         """A real model's emulated name: its architecture, read once from its registered file."""
         if record.uid not in self._shapes:
-            from mesh.node.emulation import shape_name
             from mesh.modelfiles.shape import architecture_of
+            from mesh.node.emulation import shape_name
 
             try:
                 self._shapes[record.uid] = shape_name(architecture_of(record.path, record.uid))
@@ -261,7 +261,7 @@ class ModelCatalogue:
                     continue
                 if isinstance(exc, ApiError):
                     raise
-                if isinstance(exc, AgentCallError):  # its text names server paths: logged, not told (issue 32)
+                if isinstance(exc, AgentCallError):  # its text names server paths: logged, not told
                     log.error("model %s/%s: describing it on %s failed: %s", record.tenant, record.name,
                               node.node_id, exc)
                     raise ApiError(503, f"Model {record.name} cannot be read on node {node.node_id}; the operator's "
@@ -285,7 +285,8 @@ class ModelCatalogue:
     def _profile(self, record: ModelRecord, kind: str, shape: DescribeReply) -> Any:
         """What the dispatcher plans the model's instances with: its calibration profile
         if there is one for this kind of node, else the prior the agents validate with."""
-        if shape.profile is not None:  # an emulated model: its catalog profile on the node's device (mesh.node.emulation)
+        # an emulated model: its catalog profile on the node's device (mesh.node.emulation)
+        if shape.profile is not None:
             from mesh.perf.profile import profile_from_dict
 
             return profile_from_dict(shape.profile, f"{record.name} on {kind} nodes")
@@ -297,7 +298,7 @@ class ModelCatalogue:
         return prior_profile(record.uid, kind, shape.weight_bytes, shape.kv_bytes_per_token, shape.context_window)
 
     def profile_for(self, model_uid: str, kind: str) -> str | None:
-        """The model's calibration profile for `kind` nodes (issue 4): `<dir>/<uid>.<kind>.json`,
+        """The model's calibration profile for `kind` nodes: `<dir>/<uid>.<kind>.json`,
         else `<dir>/<uid>.json`, whichever is a profile of that kind (a model that runs on
         both kinds has one per kind); None if neither is. An emulated model's is its catalog
         name, which each agent resolves on the device it emulates (mesh.node.emulation)."""
@@ -340,7 +341,7 @@ class ModelCatalogue:
             return fmt.path, "registry path" if fmt.native else "prepared path"
         try:
             copy = await self.weights.copy_on(fmt, node.node_id)
-        except WeightsError as exc:  # its text names paths and file facts: logged, not told (issue 32)
+        except WeightsError as exc:  # its text names paths and file facts: logged, not told
             log.error("model %s/%s: its weights could not reach node %s: %s", record.tenant, record.name,
                       node.node_id, exc)
             raise ApiError(503, f"The model's weights could not reach node {node.node_id}; the operator's log has "
@@ -415,8 +416,8 @@ class ModelCatalogue:
         """Every trace of a deleted model goes: its registration's work under way, its idle
         instances now and its busy ones once their requests end, its node copies when no
         instance reads them (now, or once a busy one or a load being issued has ended: a copy
-        removed under a load failed it); then, with none left, its spec and books in the cluster, its decision lock, and its state on every agent
-        (`_forget_when_idle`), and `then()` is called (the service's metric series go). The
+        removed under a load failed it); then, with none left, its spec and books in the cluster, its decision lock, and
+        its state on every agent (`_forget_when_idle`), and `then()` is called (the service's metric series go). The
         cluster keeps its spec until then: requests for it still in flight are planned with it."""
         registering = self._registering.pop(model_uid, None)
         if registering is not None:

@@ -32,7 +32,8 @@ _COMMON_GENERATION: dict[str, Any] = {
     "max_completion_tokens": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_TOKENS_CAP},
     **_SAMPLING,
     "stop": {"oneOf": [{"type": "string", "maxLength": MAX_STOP_CHARS},
-                       {"type": "array", "items": {"type": "string", "maxLength": MAX_STOP_CHARS}, "maxItems": MAX_STOP},
+                       {"type": "array", "items": {"type": "string", "maxLength": MAX_STOP_CHARS},
+                        "maxItems": MAX_STOP},
                        {"type": "null"}]},
     "seed": {"type": ["integer", "null"], "minimum": 0, "maximum": 2**63 - 1},
     "n": {"type": ["integer", "null"], "minimum": 1, "maximum": MAX_N,
@@ -139,8 +140,9 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/v1/models"): Operation("the caller's models"),
     ("POST", "/v1/models"): Operation("register a model from a path in the caller's folder <--allowed-dir>/<tenant>/ "
                                       "(JSON; absent or not the caller's: the same 404), or upload a GGUF "
-                                      "(application/octet-stream, settings in the query; no Content-Encoding: 415; capped by what is left "
-                                      "of the quota model_bytes: 413; max_uploads_per_tenant, or max_uploads of all tenants, at once: 429)",
+                                      "(application/octet-stream, settings in the query; no Content-Encoding: 415; "
+                                      "capped by what is left of the quota model_bytes: 413; max_uploads_per_tenant, "
+                                      "or max_uploads of all tenants, at once: 429)",
                                       body=REGISTER_BODY, ok=201,
                                       server_errors={507: "the server's disk is full: the partial upload was removed"}),
     ("GET", "/v1/models/{name}"): Operation("one of the caller's models"),
@@ -153,8 +155,8 @@ OPERATIONS: dict[tuple[str, str], Operation] = {
     ("GET", "/admin/tenants/{tenant}/keys"): Operation("list a tenant's keys", auth=ADMIN),
     ("DELETE", "/admin/keys/{key_id}"): Operation("revoke a key", auth=ADMIN),
     ("GET", "/admin/models"): Operation("every tenant's models", auth=ADMIN),
-    ("GET", "/admin/cluster"): Operation("nodes, instances, weights copies, the control plane's own cost (event-loop lag, "
-                                                 "decision times, frames from the agents)", auth=ADMIN),
+    ("GET", "/admin/cluster"): Operation("nodes, instances, weights copies, the control plane's own cost "
+                                         "(event-loop lag, decision times, frames from the agents)", auth=ADMIN),
     ("GET", "/admin/learnt"): Operation("what the nodes learnt: speed probes, time factors, margins, cold starts, "
                                         "profiles (for the live replay's twin)", auth=ADMIN),
     ("POST", "/admin/scale"): Operation("start a model on chosen nodes now", auth=ADMIN, body=SCALE_BODY),

@@ -125,7 +125,8 @@ class _ClusterCollector(Collector):
         # A profile's drift (mesh.perf.times.AdaptiveTimes.drift): how far the node's real
         # iteration times are from its profile, per instance.
         factor = GaugeMetricFamily("mesh_instance_time_factor", "real over profiled iteration time the agent "
-                                   "learnt for the instance (1: the profile holds)", labels=["node", "instance", "kind"])
+                                   "learnt for the instance (1: the profile holds)", labels=["node", "instance",
+                                                                                             "kind"])
         drift = GaugeMetricFamily("mesh_instance_profile_drift", "largest |factor - 1| over the instance's "
                                   "learnt grid regions", labels=["node", "instance"])
         margin = GaugeMetricFamily("mesh_instance_margin", "margin shadow validation applies to the instance "

@@ -366,8 +366,8 @@ class Registry:
         model is gone (deleted while its format was being prepared)."""
         try:
             self._db.execute(
-                "INSERT INTO prepared_formats (model_uid, node_kind, format, path, state, reason, weight_bytes, seconds) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(model_uid, node_kind) DO UPDATE SET "
+                "INSERT INTO prepared_formats (model_uid, node_kind, format, path, state, reason, weight_bytes, "
+                "seconds) VALUES (?, ?, ?, ?, ?, ?, ?, ?) ON CONFLICT(model_uid, node_kind) DO UPDATE SET "
                 "format = excluded.format, path = excluded.path, state = excluded.state, reason = excluded.reason, "
                 "weight_bytes = excluded.weight_bytes, seconds = excluded.seconds, "
                 "updated_at = CAST(strftime('%s','now') AS INTEGER)",
@@ -376,9 +376,6 @@ class Registry:
         except sqlite3.IntegrityError:  # the model was deleted meanwhile (foreign key)
             return False
         return True
-
-    def delete_prepared(self, uid: str, node_kind: str) -> None:
-        self._db.execute("DELETE FROM prepared_formats WHERE model_uid = ? AND node_kind = ?", (uid, node_kind))
 
     def set_sampling_defaults(self, uid: str, defaults: dict[str, Any]) -> None:
         self._db.execute("UPDATE models SET sampling_defaults = ? WHERE uid = ?", (json.dumps(defaults), uid))

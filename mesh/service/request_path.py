@@ -28,9 +28,9 @@ from dataclasses import replace
 from typing import Any
 
 from mesh.control.agent_client import AgentCallError, AgentDown
+from mesh.control.cluster_node import LOSS_CAUSES
 from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
-from mesh.control.cluster_node import LOSS_CAUSES
 from mesh.control.supervisor import AgentHandle
 from mesh.engines.engine_api import EngineRequest
 from mesh.modelfiles.formats import ENGINE_FEATURES, engine_for, unhonoured
@@ -69,7 +69,7 @@ class RequestPath:
         ids = job.prompt_token_ids
         if ids is None:
             ids = await self._tokenize(model, job)
-        elif model.vocab_size is not None:  # checked here, before the ids go to a node (issue 32)
+        elif model.vocab_size is not None:  # checked here, before the ids go to a node
             bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
             if bad is not None:
                 raise bad_request(f"Token id {bad} in 'prompt' is outside the vocabulary of {job.model.name} "
@@ -99,14 +99,16 @@ class RequestPath:
                 if req.node_id is not None:
                     self.cluster.node(req.node_id).abort(req.request_id, "the client went away")
                 return
-            stream.push(Tokens("".join(texts or ()), list(token_ids or ()), None if logprobs is None else list(logprobs)))
+            chosen = None if logprobs is None else list(logprobs)
+            stream.push(Tokens("".join(texts or ()), list(token_ids or ()), chosen))
 
         def done(req: ServedRequest) -> None:
             if req.outcome is Outcome.COMPLETED:
                 begin(req)
                 stream.push(Finished(req.finish_reason.value if req.finish_reason else "stop", req.tokens_out))
                 return
-            error = (overloaded(_reason(req.detail), retry_after_s(self.cluster, req.model), self.dispatcher.admission(req))
+            error = (overloaded(_reason(req.detail), retry_after_s(self.cluster, req.model),
+                                self.dispatcher.admission(req))
                      if req.outcome is Outcome.REJECTED else node_unavailable(_reason(req.detail)))
             if started.done():
                 stream.push(error)
@@ -166,7 +168,7 @@ class RequestPath:
             except AgentCallError as exc:
                 if exc.code in (Code.NO_INSTANCE.value, Code.NOT_READY.value):
                     continue  # the instance left meanwhile: the describing agent tokenizes
-                # the agent's text may name server paths: logged, and the tenant told what to do (issue 32)
+                # the agent's text may name server paths: logged, and the tenant told what to do
                 log.warning("request %s: tokenizing for %s/%s on %s failed: %s", job.request_id, job.model.tenant,
                             job.model.name, node_id, exc)
                 raise bad_request(f"Model {job.model.name} cannot tokenize this "

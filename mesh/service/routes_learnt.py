@@ -1,13 +1,13 @@
-"""`GET /admin/learnt`: what the service and its agents learnt about their machines (issue 23
-item 5), for the simulated twin (`mesh replay --live`) to run with instead of a stale prior.
+"""`GET /admin/learnt`: what the service and its agents learnt about their machines,
+for the simulated twin (`mesh replay --live`) to run with instead of a stale prior.
 
 Per node (from the agents' stats, mesh.node.node_learning.NodeLearning.view): the speed probe and
 its factors, per model the learnt time factors of its newest instance (AdaptiveTimes.drift:
 instance-wide and per grid region, the margin, iterations observed; kept after the instance
 is recycled). Per model: the profiles the dispatcher plans with. `cold_starts`: the loads
-the service measured per node, model and source (mesh.perf.load_times.ColdStartTable). `summary`, per kind of node: the factors and margin over every model and node,
-weighted by iterations observed, the median measured cold start (builds: every load but
-those that adopted a parked worker) and the median load from the parked tier: what a twin of
+the service measured per node, model and source (mesh.perf.load_times.ColdStartTable). `summary`, per kind of node: the
+factors and margin over every model and node, weighted by iterations observed, the median measured cold start (builds:
+every load but those that adopted a parked worker) and the median load from the parked tier: what a twin of
 one model replicated many times (the live replay's) needs.
 """
 from __future__ import annotations
@@ -46,7 +46,8 @@ def summarize_kind(node_views: list[dict[str, Any]], loads: Sequence[float],
     return {"observed": sum(weights),
             "prefill": _weighted_geomean([(n, float(d["prefill"])) for n, d in zip(weights, drifts)]),
             "decode": _weighted_geomean([(n, float(d["decode"])) for n, d in zip(weights, drifts)]),
-            "prefill_regions": _regions(drifts, "prefill_regions"), "decode_regions": _regions(drifts, "decode_regions"),
+            "prefill_regions": _regions(drifts, "prefill_regions"), "decode_regions": _regions(drifts,
+                                                                                               "decode_regions"),
             "margin": (round(sum(n * m for n, m in margins) / sum(n for n, _ in margins), 4) if margins else None),
             "cold_start_s": round(statistics.median(loads), 4) if loads else None, "cold_starts": len(loads),
             "parked_load_s": round(statistics.median(parked), 4) if parked else None, "parked_loads": len(parked)}

@@ -14,8 +14,8 @@ POST /v1/models with a JSON body registers a model on the server's disk:
                             # ("late"); null: the service's --admission; docs/service.md, "Admission"
 POST /v1/models with `Content-Type: application/octet-stream` uploads a GGUF file as the body;
 the settings go in the query: name, sha256 (required), context_length, ttft_s,
-ttft_s_per_prompt_token, tpot_s, temperature, top_p (sampling defaults), cold_start, admission. The upload is streamed to the data folder under a size
-limit and kept only if its SHA-256 matches.
+ttft_s_per_prompt_token, tpot_s, temperature, top_p (sampling defaults), cold_start, admission. The upload is streamed
+to the data folder under a size limit and kept only if its SHA-256 matches.
 Another tenant's model answers exactly like a model that does not exist.
 A tenant registers paths only inside its own folder of the allowed folder,
 `<allowed_dir>/<tenant>/` (relative paths are relative to it): a path outside it (another
@@ -45,9 +45,9 @@ from aiohttp import web
 from mesh.engines.engine_api import DEFAULT_CONTEXT_CAP
 from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES
 from mesh.modelfiles.sampling import SamplingDefaultsError
-from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES, SERVE_LATE
 from mesh.modelfiles.sampling import check as check_sampling
 from mesh.modelfiles.sources import SourceError, SourceInfo, SourceNotFound, inspect_source, resolve_allowed
+from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES, SERVE_LATE
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.app import Service, service_of
@@ -219,7 +219,7 @@ async def _register_upload(svc: Service, request: web.Request, tenant: str) -> w
         raise errors.ApiError(429, f"You are already uploading {svc.config.max_uploads_per_tenant} files at once, "
                               "the most a tenant may. Retry when one has finished.", "rate_limit_error", None,
                               "too_many_uploads", {"Retry-After": "5"})
-    if sum(svc.uploading.values()) >= svc.config.max_uploads:  # one bound for the whole service (issue 32)
+    if sum(svc.uploading.values()) >= svc.config.max_uploads:  # one bound for the whole service
         raise errors.ApiError(429, f"The server is receiving {svc.config.max_uploads} uploads at once, the most it "
                               "takes. Retry shortly.", "rate_limit_error", None, "too_many_uploads",
                               {"Retry-After": "5"})
@@ -349,9 +349,10 @@ def _record(tenant: str, name: str, info: SourceInfo, data: Mapping[str, Any], o
                                  "or turned away at once).", "cold_start")
     admission = data.get("admission")
     if admission is not None and admission not in ADMISSIONS:
-        raise errors.bad_request(f"'admission' must be one of {', '.join(map(repr, ADMISSIONS))} or null (the service's "
-                                 "default): what a request that can no longer meet its SLO gets (turned away at once, "
-                                 "queued up to the queue's bound, or served late without a bound).", "admission")
+        raise errors.bad_request(f"'admission' must be one of {', '.join(map(repr, ADMISSIONS))} or null (the "
+                                 "service's default): what a request that can no longer meet its SLO gets (turned away "
+                                 "at once, queued up to the queue's bound, or served late without a bound).",
+                                 "admission")
     return ModelRecord(uid or new_model_uid(), tenant, name, info.kind, str(info.path), int(window),
                        _slo(data.get("slo")), info.weight_bytes, sha256, owned,
                        sampling_defaults={**(info.sampling_defaults or {}), **given}, cold_start=cold_start,

@@ -12,9 +12,9 @@ import json
 import math
 import re
 import secrets
+from dataclasses import replace
 from json.decoder import scanstring
 from json.encoder import encode_basestring
-from dataclasses import replace
 from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
@@ -25,8 +25,8 @@ from mesh.modelfiles.sampling import resolve as resolve_sampling
 from mesh.service import errors
 from mesh.service.app import ARRIVAL, Service, service_of
 from mesh.service.errors import ApiError
-from mesh.service.registry import ModelRecord
 from mesh.service.limits import THREAD_PARSE_BYTES, read_body
+from mesh.service.registry import ModelRecord
 from mesh.service.schema import GenerationRequest, parse_chat, parse_completion, parse_json
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
 
@@ -53,7 +53,7 @@ async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], Gene
     if len(body) <= THREAD_PARSE_BYTES:
         req, model = _checked(svc, tenant, parse(parse_json(body)))
         _acquire(svc, tenant, model.name, req.n)
-    else:  # a large body: the tenant's quota and the prompt's size first, the parse (CPU) last (issue 32)
+    else:  # a large body: the tenant's quota and the prompt's size first, the parse (CPU) last
         _acquire(svc, tenant, _named_model(svc, tenant, body))
         try:
             _check_token_ids(body, svc.registry.max_context_length(tenant))
@@ -108,7 +108,7 @@ def _check_token_ids(body: bytes, window: int) -> None:
     """Before a large body is parsed: a token-id prompt (the body's own `"prompt": [ids]`)
     longer than the tenant's largest context window is a 400 and one whose array's text is
     larger than that many ids can take a 413, both counted at C speed (its commas), not
-    parsed (a 5.7 MiB token-id prompt parsed for about 1 s before these checks, issue 32).
+    parsed (a 5.7 MiB token-id prompt takes about 1 s to parse).
     The exact checks follow the parse."""
     if b'"prompt"' not in body:
         return
@@ -200,9 +200,10 @@ def _check_prompt_bytes(req: GenerationRequest, model: ModelRecord) -> None:
     size = sum(len(m["content"].encode("utf-8", "surrogatepass")) for m in req.messages or ()) + len(
         (req.prompt or "").encode("utf-8", "surrogatepass"))
     if size > limit:  # token ids are counted exactly later, without a tokenizer
-        raise ApiError(400, f"The prompt is {size} bytes of text; this model's context window of {model.context_length} tokens "
-                       f"holds at most {model.context_length} tokens (about {limit} bytes at {MAX_TOKEN_BYTES} bytes "
-                       "per token at most). Shorten the prompt.", "invalid_request_error",
+        raise ApiError(400,
+                       f"The prompt is {size} bytes of text; this model's context window of {model.context_length} "
+                       f"tokens holds at most {model.context_length} tokens (about {limit} bytes at {MAX_TOKEN_BYTES} "
+                       "bytes per token at most). Shorten the prompt.", "invalid_request_error",
                        "messages" if req.kind == "chat" else "prompt", "context_length_exceeded")
 
 
@@ -286,7 +287,8 @@ class _Answer:
         self.finishes: list[Finished | None] = [None] * len(streams)
         self.outcome = "aborted"
         self.end_s: float | None = None
-        self._templates: dict[int, tuple[bytes, bytes]] = {}  # per choice: a token chunk's bytes before and after its text
+        # per choice: a token chunk's bytes before and after its text
+        self._templates: dict[int, tuple[bytes, bytes]] = {}
         self._offsets = [0] * len(streams)  # per choice: the text sent so far (completions' text_offset)
 
     @property

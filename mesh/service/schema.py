@@ -9,12 +9,13 @@ characters each), `seed`, `n` (1 to MAX_N choices, served as n sibling requests)
 `logprobs` (chat: true/false; completions: 0) with `top_logprobs` 0 (each chosen token's log
 probability; alternatives are refused), `presence_penalty` and `frequency_penalty` [-2, 2],
 vLLM's `repetition_penalty` (0, 10], `response_format` (text, json_object, json_schema of
-a checked subset: mesh.service.structured), `stream`, `stream_options.include_usage` (a last chunk with the usage; vLLM's
-`continuous_usage_stats` is ignored), vLLM's `ignore_eos` (generate exactly `max_tokens`;
-benchmarks, guidellm and `mesh replay --live` use it) and `min_tokens` (only where
-`ignore_eos` already guarantees it), and `user` (a string, not used). Fields that would change the output in ways Mesh
-does not implement (top logprobs, echo, tools, ...) are refused with a 400
-instead of being silently ignored; unknown fields are ignored, as OpenAI clients send extras.
+a checked subset: mesh.service.structured), `stream`, `stream_options.include_usage` (a
+last chunk with the usage; vLLM's `continuous_usage_stats` is ignored), vLLM's `ignore_eos`
+(generate exactly `max_tokens`; benchmarks, guidellm and `mesh replay --live` use it) and
+`min_tokens` (only where `ignore_eos` already guarantees it), and `user` (a string, not
+used). Fields that would change the output in ways Mesh does not implement (top logprobs,
+echo, tools, ...) are refused with a 400 instead of being silently ignored; unknown fields
+are ignored, as OpenAI clients send extras.
 A body is decoded strictly: NaN and Infinity are not JSON, and no integer may have more than
 MAX_INT_DIGITS digits; token ids are checked against the model's vocabulary before anything
 goes to a node (mesh.service.cluster_placement).

@@ -32,7 +32,9 @@ COUNTS = ("minItems", "maxItems", "minLength", "maxLength")
 BOUNDS = ("minimum", "maximum")
 KEYWORDS = ("type", "properties", "required", "additionalProperties", "items", "enum", "const", "anyOf",
             *COUNTS, *BOUNDS, *ANNOTATIONS)
-MAX_COUNT = 128  # minLength, maxLength, minItems, maxItems: the grammar, and its compile time in the node's step, grow with them (maxLength 1000: 19 s)
+# minLength, maxLength, minItems, maxItems: the grammar, and its compile time in the node's step,
+# grow with them (maxLength 1000: 19 s)
+MAX_COUNT = 128
 MAX_SCHEMA_BYTES = 16 * 1024  # as compact JSON; within the wire's bound (mesh.wire.agent_protocol.MAX_SCHEMA_CHARS)
 
 

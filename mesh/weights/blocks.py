@@ -155,7 +155,8 @@ def load_blocks(path: str | os.PathLike, manifest: Manifest) -> list[bytes]:
     """Read a packed model into memory (a host copy), verifying every block."""
     p = Path(path)
     if p.stat().st_size != manifest.total_bytes:
-        raise CorruptBlock(f"{p}: {p.stat().st_size} B on disk, the manifest of {manifest.model} says {manifest.total_bytes} B",
+        raise CorruptBlock(f"{p}: {p.stat().st_size} B on disk, the manifest of {manifest.model} says "
+                           f"{manifest.total_bytes} B",
                            "its size differs")
     out = []
     with p.open("rb") as f:
@@ -170,7 +171,8 @@ def write_atomic(path: str | os.PathLike, manifest: Manifest, blocks: Mapping[in
     """Reassemble the file from its blocks: written under a temporary name in the same
     folder, flushed to disk, then renamed over `path`."""
     p = Path(path)
-    missing = [i for i in range(manifest.count) if (i not in blocks if isinstance(blocks, Mapping) else i >= len(blocks))]
+    missing = [i for i in range(manifest.count) if (i not in blocks if isinstance(blocks,
+                                                                                  Mapping) else i >= len(blocks))]
     if missing:
         raise ValueError(f"{manifest.model}: cannot write {p}, block {missing[0]} is missing ({len(missing)} in all)")
     p.parent.mkdir(parents=True, exist_ok=True)

@@ -80,7 +80,8 @@ async def multicast(
     """
     validate(plan)
     if plan.blocks != manifest.count:
-        raise MulticastError(f"plan {plan.name!r} has {plan.blocks} blocks, the manifest of {manifest.model} {manifest.count}")
+        raise MulticastError(f"plan {plan.name!r} has {plan.blocks} blocks, the manifest of {manifest.model} "
+                             f"{manifest.count}")
     missing = [n for n in plan.nodes if n not in agents]
     if missing:
         raise MulticastError(f"no agent address for node {missing[0]!r}")

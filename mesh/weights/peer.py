@@ -55,10 +55,10 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mesh import native_heap
+from mesh.framing import ConnectionGate, read_payload, skip_payload
 from mesh.policy.multicast import Plan
 from mesh.tasks import cancel_all
 from mesh.weights.blocks import CorruptBlock, Manifest, load_blocks, verify, write_atomic
-from mesh.framing import ConnectionGate, read_payload, skip_payload
 from mesh.weights.frames import STREAM_LIMIT, ProtocolError, frame, read_first, read_header, read_message, send
 
 CHUNK = 1 << 20  # sends go out in chunks of this size (paced per chunk)
@@ -171,7 +171,7 @@ class WeightAgent:
         self.transfers: dict[str, _Transfer] = {}
         self._server: asyncio.Server | None = None
         # Called with a received file's path once it is written (a node agent prepares it
-        # for its engine then, off the request path: issue 23 item 1).
+        # for its engine then, off the request path).
         self.on_saved: Callable[[str], None] | None = None
         # Called with (the transfer's output path, its manifest, the block's index, its bytes) as
         # each verified block arrives, so a layer host runs a model's layers before the file is
@@ -231,7 +231,8 @@ class WeightAgent:
         finally:
             writer.close()
 
-    async def _control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, header: dict[str, Any]) -> None:
+    async def _control(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, header: dict[str,
+                                                                                                      Any]) -> None:
         st: _Transfer | None = None
         try:
             while True:

@@ -1,4 +1,4 @@
-"""A node agent's weights receiver (issue 7 item 4): engines start from received weights.
+"""A node agent's weights receiver: engines start from received weights.
 
 With `--weights-listen HOST:PORT` the node agent hosts a weights agent
 (mesh.weights.peer) on its own event loop, on a second port. A coordinator
@@ -36,8 +36,8 @@ from typing import Any, Mapping, Protocol, TypeVar
 from mesh.policy.multicast import make_plan
 from mesh.weights.blocks import Manifest
 from mesh.weights.coordinator import MulticastResult, multicast
-from mesh.weights.peer import WeightAgent, inside  # noqa: F401 - inside: part of this module's API
 from mesh.weights.frames import ProtocolError, send
+from mesh.weights.peer import WeightAgent, inside  # noqa: F401 - inside: part of this module's API
 from mesh.wire.agent_protocol import HelloReply, Request, WeightsPath
 
 R = TypeVar("R")
@@ -76,7 +76,8 @@ class NodeWeightsReceiver(WeightAgent):
     def __init__(self, root: Path, host: str = "127.0.0.1", port: int = 0, token: str | None = None,
                  link_bytes_per_s: float | None = None) -> None:
         """`link_bytes_per_s`: pace what this node sends (its uplink, mesh.weights.peer); None: unpaced."""
-        super().__init__(host, port, link_bytes_per_s, token=token, source_roots=[root])  # its agent adds its model folders
+        super().__init__(host, port, link_bytes_per_s, token=token,
+                         source_roots=[root])  # its agent adds its model folders
         self.root = Path(root)
 
     @property

@@ -8,64 +8,16 @@ the connection.
 
 Every message has a type `t`. The control service sends requests; a request that carries
 an integer `id` gets exactly one reply, of type `reply`: {re: id, ok: true, ...its fields} or
-{re: id, ok: false, code, error}; a request without `id` (abort) gets none. The agent also sends events on its own (tokens, done, instance).
+{re: id, ok: false, code, error}; a request without `id` (abort) gets none. The agent also
+sends events on its own (tokens, done, instance, evicted (6.4), node (6.3)). Reply codes
+when `ok` is false: see Code; admission results use the same codes. Every message and
+field is listed in docs/service.md ("The node agent protocol").
 
-Control -> agent (see docs/service.md for every field):
-    hello      {token, protocol}             -> {node_id, kind, memory_bytes, cpu, pid, instances,
-                                                 weights: {address, dir} | null}
-    ping       {}                            -> {}
-    load       {instance_id, model, path, context_window, slo, max_num_seqs, profile, engine, expected_load_s,
-                exact_moves, mean_output, emulated_load_s}
-                                             -> {} (issued; an `instance` event follows)
-    unload     {instance_id}                 -> {}
-    tokenize   {instance_id | (model, path, engine, context_window), prompt | messages, request_id?, tenant?}
-                                             -> {ids}; OpenVINO prompts wait in a queue that takes the
-                                                tenants in turn; `abort {request_id}` cancels it (dropped
-                                                from the queue if it has not run)
-    describe   {model, path, engine, context_window, max_num_seqs?, exact_moves?}
-               -> {weight_bytes, kv_bytes_per_token, context_window, vocab_size (null: unknown)}
-               (an OpenVINO model is then built with those load settings and parked: mesh.node.park_ahead)
-    admit      {requests: [{request_id, instance_id, prompt_token_ids, sampling, age_s, done?, prompt_len?,
-                 first_token_age_s?, compute?, late_s?}]}
-                                             -> {results: [{ok, code, reason}]}; `done`: tokens a moved
-                                                request produced elsewhere (the last `done` of its ids),
-                                                recomputed here; compute=false: memory check only
-    validate   {instance_id, request: R, exclude?: [instance ids]} -> {admit, reason}
-    validate_group {instance_id, requests: [R]} -> {admit, reason}
-    validate_new {plan: {instance_id, model, weight_bytes, kv_bytes_per_token, context_window, max_batch,
-                  slo, expected_load_s, profile}, requests: [R]} -> {admit, reason}
-               (R = {request_id, prompt_len, max_tokens, age_s, done, first_token_age_s?, late_s?}: shadow
-                validation; age_s: seconds since it arrived (>= 0); late_s: how late it is served
-                (placement.SERVE_LATE: its deadlines start when its loading instance is ready))
-    take_back  {request_id, why}             -> {request_id, tokens_out, token_ids, first_token_age_s}
-                                                (off the node, not ended)
-    abort      {request_id}                  (no reply) the request, or its tokenize still under way
-    stats      {}                            -> {instances, memory, queue_length, busy_s, ...}
-    shutdown   {}                            -> {} (then the agent exits)
-    weights_path {model, file, manifest?}    -> {path, complete?} where a multicast to this node writes the
-                                                model's file (mesh.weights.receiver); `load` it from there
-    weights_drop {model}                     -> {dropped} delete the model's received files (it was deleted)
-    forget     {model}                       -> {forgot} drop everything held for the model (it was deleted)
-
-Agent -> control (events):
-    tokens     {items: [[request_id, [token ids], text, [logprobs]?], ...]}   one frame per iteration; the
-                                             logprobs (one per token id) only for a request that asked for them
-    done       {request_id, outcome, reason, detail, tokens_out, ttft_s, tpot_s}
-    instance   {instance_id, state: "ready" | "failed", error}
-    evicted    {request_id, why, tokens_out, token_ids, first_token_age_s, fault?}   the memory subsystem evicted it (6.4),
-               or (fault: true) the engine watchdog failed its instance: place it again
-    node       {stepping, budget_bytes}      what the dispatcher reads of the node between calls, sent when it
-                                             changed, after the frames of the iteration that ended: the
-                                             instance whose iteration is in flight (null: none) and the memory
-                                             budget in use (the reservation station's, 6.3)
-
-Reply codes when `ok` is false: see Code. Admission results use the same codes.
-
-Every message is one dataclass here (issue 34), built by its sender and read back by its
+Every message is one dataclass here, built by its sender and read back by its
 receiver, whose decoder bounds every field and raises ProtocolError on anything else:
 - requests (REQUESTS, by type; each a Request naming its reply type, REPLY): Hello, Ping,
   InstanceSpec (`load`), Unload, Tokenize, Describe, Admit (of AdmitEntry), Validate,
-  ValidateGroup, ValidateNew (a NewInstance; R above is Probe), TakeBack, Abort, Stats,
+  ValidateGroup, ValidateNew (a NewInstance and its Probes), TakeBack, Abort, Stats,
   Shutdown, WeightsPath, WeightsDrop, Forget: `to_message()` / `from_message()`
   (request_from_message picks the type);
 - replies (REPLIES): Ack, HelloReply, LoadReply, DescribeReply, TokenizeReply, AdmitReply (of
@@ -84,11 +36,11 @@ from dataclasses import asdict, dataclass, field
 from enum import Enum
 from typing import Any, ClassVar, Generic, Iterator, Mapping, TypeVar, Union
 
+from mesh import framing
 from mesh.engines.detokenize import MAX_STOP_CHARS
 from mesh.engines.engine_api import Sampling
-from mesh import framing
 from mesh.framing import MAX_HEADER_BYTES as MAX_FRAME_BYTES  # noqa: F401 - part of this protocol's API
-from mesh.framing import ProtocolError, decode_header, encode_frame  # noqa: F401 - likewise
+from mesh.framing import ProtocolError, encode_frame  # noqa: F401 - likewise
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.slo import SLO
 
@@ -118,11 +70,6 @@ class Code(str, Enum):
 TYPE_KEY = "t"  # every message's type
 
 
-def decode_body(body: bytes) -> dict[str, Any]:
-    """The message in a frame body; ProtocolError unless it is a JSON object with a type."""
-    return decode_header(body, TYPE_KEY)
-
-
 async def read_frame(reader: asyncio.StreamReader) -> dict[str, Any] | None:
     """The next message, or None at a clean end of stream (EOF between frames)."""
     frame = await framing.read_frame(reader, TYPE_KEY)
@@ -142,7 +89,7 @@ class FrameDecoder(framing.FrameDecoder):
         super().__init__(TYPE_KEY)
 
 
-# ---- bounds every field is checked against (issue 32) ----------------------------------------
+# ---- bounds every field is checked against ------------------------------------------------
 # A message that decodes may still carry hostile values (a count of 10^25, an age of 1e308, NaN
 # from a codec that writes it): each parser below refuses a value outside these bounds with a
 # ProtocolError, answered as `protocol`, before it reaches the node's state.
@@ -226,7 +173,8 @@ def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
             seed=None if d.get("seed") is None else count_field(d["seed"], "seed", 0, 2**64 - 1),
             ignore_eos=bool(d.get("ignore_eos", False)),
             logprobs=d.get("logprobs") is True,
-            presence_penalty=number_field(d.get("presence_penalty", 0.0), "presence_penalty", -MAX_PENALTY, MAX_PENALTY),
+            presence_penalty=number_field(d.get("presence_penalty", 0.0), "presence_penalty", -MAX_PENALTY,
+                                          MAX_PENALTY),
             frequency_penalty=number_field(d.get("frequency_penalty", 0.0), "frequency_penalty", -MAX_PENALTY,
                                            MAX_PENALTY),
             repetition_penalty=_repetition(d.get("repetition_penalty", 1.0)),
@@ -551,7 +499,8 @@ class StatsReply:
                 object_field(m["memory"], "memory"), count_field(m["queue_length"], "queue_length"),
                 count_field(m["running"], "running"), object_field(m["tokenizer"], "tokenizer"),
                 [text_field(x, "model") for x in list_field(m["models"], "models")],
-                number_field(m["busy_s"], "busy_s", 0.0, math.inf), count_field(m["iterations"], "iterations", 0, 2**62),
+                number_field(m["busy_s"], "busy_s", 0.0, math.inf), count_field(m["iterations"], "iterations", 0,
+                                                                                2**62),
                 count_field(m["kv_bytes_in_use"], "kv_bytes_in_use", 0, MAX_BYTES),
                 text_field(m["deadlines"], "deadlines"), object_field(m["learnt"], "learnt"),
                 object_field(m["parked"], "parked"), object_field(m["parked_ahead"], "parked_ahead"),
@@ -646,7 +595,7 @@ class InstanceSpec(Request[LoadReply]):
     slo: dict[str, float] = field(default_factory=lambda: slo_to_dict(SLO()))
     max_num_seqs: int = 64
     profile: str | None = None  # a calibration profile file for the iteration times
-    engine: str = "openvino"  # "openvino" (CPU); "vllm" comes with GPU agents (issue 6)
+    engine: str = "openvino"  # "openvino" (CPU); "vllm" (GPU agents)
     expected_load_s: float | None = None  # the dispatcher's predicted cold start (None: the agent's default)
     # Numerics under which a moved or preempted greedy stream, recomputed elsewhere from prompt
     # + produced tokens, continues exactly as it would have (the engine's own setting:
@@ -744,7 +693,8 @@ class Progress:
     def from_dict(cls, m: Mapping[str, Any]) -> "Progress":
         try:
             ids = _token_ids(m.get("token_ids") or [], "token_ids")
-            return cls(text_field(m["request_id"], "request_id"), count_field(m.get("tokens_out") or len(ids), "tokens_out"), ids,
+            return cls(text_field(m["request_id"], "request_id"), count_field(m.get("tokens_out") or len(ids),
+                                                                              "tokens_out"), ids,
                        _opt_age(m.get("first_token_age_s"), "first_token_age_s"))
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise ProtocolError(f"bad progress: {exc}") from exc
@@ -860,7 +810,8 @@ class DoneEvent:
         with malformed("done event"):
             return cls(text_field(m["request_id"], "request_id"), text_field(m.get("outcome") or "failed", "outcome"),
                        opt_text(m.get("reason"), "reason"), text_field(m.get("detail") or "", "detail"),
-                       count_field(m.get("tokens_out") or 0, "tokens_out"), _opt(m.get("ttft_s"), number_field, "ttft_s", -MAX_SECONDS),
+                       count_field(m.get("tokens_out") or 0, "tokens_out"), _opt(m.get("ttft_s"), number_field,
+                                                                                 "ttft_s", -MAX_SECONDS),
                        _opt(m.get("tpot_s"), number_field, "tpot_s", -MAX_SECONDS))
 
 
@@ -930,7 +881,7 @@ class NodeEvent:
 
 
 Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent]
-EVENTS: dict[str, type] = {e.T: e for e in (TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent)}
+EVENTS: dict[str, type[Event]] = {e.T: e for e in (TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent)}
 
 
 def event_from_message(m: Mapping[str, Any]) -> Event:
@@ -1071,7 +1022,8 @@ class Tokenize(Request[TokenizeReply]):
             out = cls(opt_text(m.get("instance_id"), "instance_id"), opt_text(m.get("model"), "model"),
                       opt_text(m.get("path"), "path"), opt_text(m.get("engine"), "engine"),
                       window(m.get("context_window")),
-                      None if messages is None else [object_field(x, "message") for x in list_field(messages, "messages")],
+                      None if messages is None else [object_field(x, "message") for x in list_field(messages,
+                                                                                                    "messages")],
                       opt_text(m.get("prompt"), "prompt"), opt_text(m.get("request_id"), "request_id"),
                       opt_text(m.get("tenant"), "tenant"))
             if out.instance_id is None and out.path is None:

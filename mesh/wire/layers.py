@@ -215,7 +215,8 @@ class Run:
         if start >= stop:
             raise ProtocolError(f"run: layers [{start}, {stop}) is empty")
         batch: TokenBatch | HiddenStates | None = None
-        pull, pull_ids = None, ()
+        pull: Peer | None = None
+        pull_ids: tuple[str, ...] = ()
         if "tokens" in h:
             batch = tokens_from_header(h["tokens"])
         elif "hidden" in h:
