@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import shutil
 
 import pytest
 
 openai = pytest.importorskip("openai")
 
-from test_service_e2e import Server  # noqa: E402 - after the skip when openai is missing
+from test_service_e2e import Server, allowed_with_demo  # noqa: E402 - after the skip when openai is missing
 
 pytestmark = pytest.mark.slow
 
@@ -25,12 +23,7 @@ PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, demo_gguf) -> Server:
     root = tmp_path_factory.mktemp("fields")
-    allowed = root / "allowed"
-    allowed.mkdir()
-    try:
-        os.link(demo_gguf, allowed / "smollm2.gguf")
-    except OSError:
-        shutil.copy(demo_gguf, allowed / "smollm2.gguf")
+    allowed = allowed_with_demo(root, demo_gguf)
     s = Server(root / "data", allowed, root / "server.log", ("--queue-capacity", "100", "--queue-timeout", "60"))
     s.start()
     yield s

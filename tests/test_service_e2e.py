@@ -114,15 +114,21 @@ def _json(raw: bytes) -> Any:
         return raw.decode(errors="replace")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory, demo_gguf) -> Server:
-    root = tmp_path_factory.mktemp("serve")
+def allowed_with_demo(root: Path, demo_gguf: Path) -> Path:
+    """A registration folder under `root` holding the demo model as smollm2.gguf (a hard link, else a copy)."""
     allowed = root / "allowed"
     allowed.mkdir()
     try:
         os.link(demo_gguf, allowed / "smollm2.gguf")
     except OSError:
         shutil.copy(demo_gguf, allowed / "smollm2.gguf")
+    return allowed
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory, demo_gguf) -> Server:
+    root = tmp_path_factory.mktemp("serve")
+    allowed = allowed_with_demo(root, demo_gguf)
     os.symlink(demo_gguf, allowed / "outside-link.gguf")  # points outside the allowed folder
     s = Server(root / "data", allowed, root / "server.log", ("--queue-capacity", "900", "--queue-timeout", "45"))
     s.start()
