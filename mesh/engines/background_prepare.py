@@ -85,12 +85,11 @@ class BackgroundPreparer:
             self._proc = await asyncio.create_subprocess_exec(*argv, env=background_env(), stdout=subprocess.DEVNULL,
                                                               stderr=subprocess.PIPE)
             _, err = await self._proc.communicate()
-            if path not in self._seen or not Path(path).exists():
-                # forgotten meanwhile (its model was deleted: killed), or its file removed under it
-                # (a deleted model's copy went before its forget came): not recorded, not an error
-                if path in self._seen:
-                    log.info("not preparing %s: its file was removed", path)
-                    self._seen.discard(path)
+            if path in self._seen and not Path(path).exists():
+                # its file removed under it (a deleted model's copy went before its forget came): no error
+                log.info("not preparing %s: its file was removed", path)
+                self._seen.discard(path)
+            if path not in self._seen:  # forgotten meanwhile (its model deleted: killed) or removed: not recorded
                 self._proc = self._current = None
                 continue
             self.done[path] = self._proc.returncode
