@@ -51,6 +51,28 @@ def test_jobs_are_shared_between_tenants_by_prompt_size(monkeypatch):
     assert tp.counts.done == 10 and tp.waiting == 0 and not tp._finish  # no tenant left remembered
 
 
+def test_tokenizers_built_ahead_wait_for_every_callers_job(monkeypatch):
+    """Three new models' tokenizers built ahead (`prepare`, a build takes seconds), then two
+    tenants' prompts: the prompts run right after the build already running, not behind the
+    other builds; a build cancelled while waiting (its model was deleted) never runs."""
+    worker = _Recorder(0.02)
+    monkeypatch.setattr(TokenizerProcess, "_connection", lambda self: worker)
+
+    async def main():
+        tp = TokenizerProcess()
+        builds = [asyncio.ensure_future(tp.prepare(f"model-{i}")) for i in range(3)]
+        await asyncio.sleep(0)
+        calls = [asyncio.ensure_future(tp.encode("m", None, f"tenant {t}", t)) for t in "ab"]
+        await asyncio.sleep(0)
+        builds[2].cancel()
+        await asyncio.gather(*builds[:2], *calls)
+        return worker.ran, tp
+
+    ran, tp = asyncio.run(main())
+    assert ran == ["", "tenant a", "tenant b", ""], ran
+    assert tp.counts.done == 4 and tp.counts.dropped == 1 and tp.waiting == 0 and not tp._finish
+
+
 async def _never_stuck(why: str) -> bool:
     raise AssertionError(f"no job should be stuck: {why}")
 

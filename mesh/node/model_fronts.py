@@ -9,6 +9,7 @@ described, and the instance a load would build is built ahead and parked
 from __future__ import annotations
 
 import asyncio
+from functools import partial
 from typing import Any
 
 from mesh.engines.background_prepare import BackgroundPreparer
@@ -43,7 +44,7 @@ class ModelFronts:
         # any instance of it runs here (`describe`, `tokenize` by path).
         self.fronts: dict[tuple[str, str, int | None], Any] = {}
         self._front_models: dict[tuple[str, str, int | None], str] = {}  # front key -> the model it was built for
-        self._tokenizer_builds: set[asyncio.Future] = set()  # models described here: their tokenizers' builds
+        self._tokenizer_builds: dict[str, asyncio.Future] = {}  # path -> its tokenizer's build ahead
         self._tokenizing: dict[str, asyncio.Task] = {}  # request id -> the task tokenizing it (abort cancels it)
         self._tokenize_aborted: dict[str, bool] = {}
 
@@ -143,14 +144,18 @@ class ModelFronts:
                 # a model new to this node (described at registration, or at its first request):
                 # its tokenizer is built now, in the background, not in its first requests' TTFT
                 built = asyncio.ensure_future(self.tokenizers.prepare(spec.path))
-                self._tokenizer_builds.add(built)  # a reference: the loop keeps only weak ones
-                built.add_done_callback(self._tokenizer_builds.discard)
+                self._tokenizer_builds[spec.path] = built  # a reference (the loop keeps only weak ones), for forget
+                built.add_done_callback(partial(self._build_ended, spec.path))
                 built.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failure shows at tokenize
                 # and the instance a load would build is built now and parked (mesh.node.park_ahead)
                 ahead = InstanceSpec(f"ahead-{spec.model}", spec.model, spec.path, spec.context_window,
                                      max_num_seqs=m.max_num_seqs, exact_moves=m.exact_moves)
                 self.host.ahead.schedule(ahead, lambda: self._prepared_after(built, spec.path))
         return self.fronts[key]
+
+    def _build_ended(self, path: str, build: asyncio.Future) -> None:
+        if self._tokenizer_builds.get(path) is build:
+            del self._tokenizer_builds[path]
 
     async def _prepared_after(self, tokenizer: asyncio.Future, path: str) -> None:
         """Until the model's tokenizer is built and its background preparation (the IR a
@@ -194,5 +199,8 @@ class ModelFronts:
         self.host.parking.forget(model)
         for path in paths:
             self.preparer.forget(path)
+            build = self._tokenizer_builds.pop(path, None)
+            if build is not None:  # still waiting for its turn: it leaves the queue, never built
+                build.cancel()
             await self.tokenizers.forget(path)
         return ForgetReply(model)

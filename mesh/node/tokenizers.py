@@ -15,6 +15,8 @@ Tokenizing is admitted work, on every engine kind:
   tag) + its prompt's characters, and the smallest tag runs next), so a tenant sending large
   prompts takes the tokenizer in proportion to their size, not per job (a round robin would let
   1 MB prompts take turns with 10-character ones).
+- A tokenizer built ahead (a model just described: `prepare`) is background work: it runs
+  only when no caller's job waits, and a deleted model's leaves the queue unbuilt.
 - A job whose caller stops waiting (its client hung up: the service sends `abort`) is
   dropped before it runs; one already running finishes and its ids are discarded (else a
   tenant sending many large prompts and hanging up would hold the queue for everyone).
@@ -70,6 +72,7 @@ class _Job:
     work: Callable[[], Awaitable[list[int]]]
     future: asyncio.Future
     on_stuck: OnStuck
+    background: bool = False  # a tokenizer built ahead: runs only when no caller's job waits
     started: bool = False
 
 
@@ -106,7 +109,8 @@ class TokenizerProcess:
         self.cache_bytes = cache_bytes  # the worker's tokenizers at most (the agent reserves it)
         self.job_timeout_s = job_timeout_s
         self._conn: WorkerConnection | None = None
-        self._heap: list[tuple[float, int, _Job]] = []  # (virtual finish tag, arrival order, job)
+        # (background?, virtual finish tag, arrival order, job): callers' jobs first, by tag
+        self._heap: list[tuple[bool, float, int, _Job]] = []
         self._finish: dict[str, float] = {}  # tenant -> its last job's tag (tenants with jobs waiting)
         self._vtime = 0.0  # the tag of the job that started last
         self._seq = itertools.count()
@@ -116,7 +120,7 @@ class TokenizerProcess:
 
     @property
     def waiting(self) -> int:
-        return sum(1 for _, _, job in self._heap if not job.future.done())
+        return sum(1 for *_, job in self._heap if not job.future.done())
 
     async def encode(self, path: str, messages: Sequence[Mapping[str, Any]] | None, prompt: str | None,
                      tenant: str = "") -> list[int]:
@@ -135,12 +139,15 @@ class TokenizerProcess:
         return await self._queued(tenant, max(1, size), lambda: asyncio.to_thread(call, self.job_timeout_s), on_stuck)
 
     async def _queued(self, tenant: str, size: int, work: Callable[[], Awaitable[list[int]]],
-                      on_stuck: OnStuck) -> list[int]:
+                      on_stuck: OnStuck, background: bool = False) -> list[int]:
         loop = asyncio.get_running_loop()
-        job = _Job(tenant, size, work, loop.create_future(), on_stuck)
-        tag = max(self._vtime, self._finish.get(tenant, 0.0)) + size  # weighted fair queueing by size
-        self._finish[tenant] = tag
-        heapq.heappush(self._heap, (tag, next(self._seq), job))
+        job = _Job(tenant, size, work, loop.create_future(), on_stuck, background)
+        if background:  # no tenant's share: it waits for every caller's job
+            tag = 0.0
+        else:
+            tag = max(self._vtime, self._finish.get(tenant, 0.0)) + size  # weighted fair queueing by size
+            self._finish[tenant] = tag
+        heapq.heappush(self._heap, (background, tag, next(self._seq), job))
         if self._pump is None or self._pump.done():
             self._pump = loop.create_task(self._run())
         try:
@@ -155,10 +162,11 @@ class TokenizerProcess:
     async def _run(self) -> None:
         """Run the waiting jobs one at a time, the smallest tag first."""
         while self._heap:
-            tag, _, job = heapq.heappop(self._heap)
-            self._vtime = max(self._vtime, tag)
-            if not any(j.tenant == job.tenant for _, _, j in self._heap) and self._finish.get(job.tenant) == tag:
-                del self._finish[job.tenant]  # no job of its waits: nothing to remember
+            _, tag, _, job = heapq.heappop(self._heap)
+            if not job.background:
+                self._vtime = max(self._vtime, tag)
+                if not any(j.tenant == job.tenant for *_, j in self._heap) and self._finish.get(job.tenant) == tag:
+                    del self._finish[job.tenant]  # no job of its waits: nothing to remember
             if job.future.done():  # cancelled meanwhile (counted then)
                 continue
             job.started = True
@@ -218,10 +226,15 @@ class TokenizerProcess:
             return None
 
     async def prepare(self, path: str) -> None:
-        """Build the model's tokenizer now (an instance of it is loading), so that its first
-        request is not tokenized with the process's start and the tokenizer's build in its
-        TTFT (several seconds: a first request was turned away for it)."""
-        await self.encode(path, None, "")
+        """Build the model's tokenizer ahead (the model was just described here), so that its
+        first request is not tokenized with the process's start and the tokenizer's build in
+        its TTFT (several seconds: a first request was turned away for it). In the background:
+        it runs only when no caller's job waits, since a build holds the worker for seconds
+        and a burst of new models' builds ahead of them timed callers out (the soak: tokenizes
+        unanswered for 30 s). A model whose first request comes first builds it in that job."""
+        fields = {"path": path, "prompt": "", "messages": None}
+        await self._queued("", 1, lambda: wait(self._connection().call("encode", **fields)), self._kill_worker,
+                           background=True)
 
     def _connection(self) -> WorkerConnection:
         conn = self._conn
@@ -245,7 +258,7 @@ class TokenizerProcess:
         """End the worker (the tokenizers it built go with it); waiting jobs fail."""
         if self._pump is not None:
             self._pump.cancel()
-        jobs = [job for _, _, job in self._heap] + ([self._running] if self._running else [])
+        jobs = [job for *_, job in self._heap] + ([self._running] if self._running else [])
         for job in jobs:
             if not job.future.done():
                 job.future.set_exception(EngineError("the node agent is shutting down"))
