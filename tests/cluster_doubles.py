@@ -7,11 +7,11 @@ from typing import Callable
 from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
 from mesh.control.dispatcher import Dispatcher
 from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.node.request import ServedRequest
 from mesh.perf.load_times import ColdStart
 from mesh.perf.profile import Profile, profile_from_dict
 from mesh.policy.slo import SLO
 from mesh.replay.simulator import simulated_cluster
+from mesh.wire.served_request import ServedRequest
 
 GB = 10**9
 KV_PER_TOKEN = 100_000  # bytes

@@ -12,7 +12,7 @@ from agent_doubles import TOKEN, use_simulated_engines
 from mesh.control.agent_client import AgentCallError, AgentClient, AgentDown
 from mesh.engines.engine_api import Sampling
 from mesh.node.agent_server import AgentServer
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.wire.agent_protocol import Abort, Code, Describe, InstanceSpec, Stats, WeightsPath, sampling_to_dict
 
 

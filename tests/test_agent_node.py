@@ -17,10 +17,10 @@ from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
 from mesh.control.dispatcher import Dispatcher
 from mesh.control.supervisor import AgentSettings
 from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
 from mesh.wire.agent_protocol import REPLY, TYPE_KEY, InstanceSpec
+from mesh.wire.served_request import Outcome, ServedRequest
 
 # The agents' simulated engines (agent_doubles): decode 10 ms a step, 1,000 bytes of KV per token.
 SLO_TIGHT = SLO(ttft_min_s=0.5, ttft_s_per_prompt_token=0.0, tpot_s=0.015)

@@ -24,12 +24,12 @@ from mesh.control.dispatcher import Dispatcher, DispatchStats
 from mesh.control.supervisor import AgentSettings, LocalAgent
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.node.instance_host import MEAN_OUTPUT_PRIOR
-from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import NodeSpec
 from mesh.perf.times import prior_profile
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, kv_require_bytes, recommend_bytes
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
 from mesh.wire.agent_protocol import InstanceSpec
+from mesh.wire.served_request import Outcome, ServedRequest
 
 pytestmark = pytest.mark.slow
 

@@ -22,8 +22,8 @@ from agent_doubles import TOKEN
 from mesh.control.agent_client import AgentCallError, AgentClient
 from mesh.engines.engine_api import Sampling
 from mesh.node.agent_server import AgentServer
-from mesh.node.runtime import NodeSpec
 from mesh.policy.multicast import make_plan
+from mesh.policy.node_spec import NodeSpec
 from mesh.weights.blocks import pack
 from mesh.weights.coordinator import MulticastError, multicast
 from mesh.weights.launch import new_token

@@ -15,8 +15,8 @@ from mesh.control.remote_agents import RemoteAgent
 from mesh.control.weights_plane import WeightsPlane, WeightsSettings
 from mesh.engines.engine_api import Sampling
 from mesh.node.agent_server import AgentServer
-from mesh.node.runtime import NodeSpec
 from mesh.policy.autoscale import NodeUse, decide
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
 from mesh.ray.membership import mesh_node_ids
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings

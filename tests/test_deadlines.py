@@ -16,14 +16,15 @@ from mesh.control.cluster_view import ClusterConfig, ClusterError
 from mesh.control.dispatcher import eq1_slo_met
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.engines.simulated import SimulatedEngine
-from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import NodeRuntime, NodeSpec
+from mesh.node.runtime import NodeRuntime
 from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem, Iteration
 from mesh.policy.kv_demand import RunningMean
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.shadow import FailureCase, shadow_validate
 from mesh.policy.slo import SLO, DeadlineRule
 from mesh.replay.virtual_loop import run_virtual
+from mesh.wire.served_request import Outcome, ServedRequest
 
 EQ1, PACE = DeadlineRule.EQ1, DeadlineRule.PACE
 times_s = st.floats(min_value=-100.0, max_value=100.0, allow_nan=False)

@@ -39,9 +39,8 @@ import pytest
 from mesh.control.cluster_view import ClusterConfig
 from mesh.control.dispatcher import accounting
 from mesh.control.supervisor import AgentSettings
+from mesh.engines.emulation import emulated_nodes
 from mesh.engines.engine_api import Sampling
-from mesh.node.emulation import emulated_nodes
-from mesh.node.request import Outcome, ServedRequest
 from mesh.perf.load_times import ColdStart
 from mesh.perf.profile import catalog_profile, save_profile
 from mesh.policy.slo import SLO
@@ -51,6 +50,7 @@ from mesh.service.errors import ApiError
 from mesh.service.model_catalogue import MEAN_OUTPUT_PRIOR
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Job
+from mesh.wire.served_request import Outcome, ServedRequest
 from workloads.workload import Arrival, Workload
 
 TIME_SCALE = 1.0  # every time of the scenario (profiles, SLO, cold starts, arrivals, keep-alive, queue timeout) x this

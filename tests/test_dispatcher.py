@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 
 from cluster_doubles import GB, build, config, request, run_until, spec
 from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
-from mesh.node.request import Outcome
 from mesh.perf.load_times import GIB, RESIZE_UP_S_PER_GIB, ColdStart
 from mesh.policy.slo import SLO
 from mesh.replay.virtual_loop import run_virtual
+from mesh.wire.served_request import Outcome
 
 KV0_S = 100_000 * 1024 * 1.2 / GIB * RESIZE_UP_S_PER_GIB  # initial KV cache (L_min = 1024 tokens, w = 0.2)
 

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from mesh.engines.emulated import EmulatedEngine, byte_ids
+from mesh.engines.emulation import Emulation, emulated_nodes, emulated_profiles, parse_emulate
 from mesh.engines.engine_api import EngineRequest, FinishReason, Sampling
-from mesh.node.emulation import Emulation, emulated_nodes, emulated_profiles, parse_emulate
 from mesh.perf.load_times import ColdStart
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import catalog_profile
@@ -134,7 +134,7 @@ def test_emulate_accepts_the_probed_h200_and_h100_with_their_memory_and_host_lin
 def test_an_agent_refuses_emulated_models_unless_it_emulates():
     from mesh.control.agent_client import AgentCallError, AgentClient
     from mesh.node.agent_server import AgentServer
-    from mesh.node.runtime import NodeSpec
+    from mesh.policy.node_spec import NodeSpec
     from mesh.wire.agent_protocol import Code, InstanceSpec
 
     async def main() -> None:
@@ -227,7 +227,7 @@ def test_an_emulated_load_takes_the_replays_engine_load_not_the_prediction():
     (InstanceSpec.emulated_load_s, ClusterView.simulated_load_s), the KV allocation after it."""
     from mesh.control.agent_client import AgentClient
     from mesh.node.agent_server import AgentServer
-    from mesh.node.runtime import NodeSpec
+    from mesh.policy.node_spec import NodeSpec
     from mesh.wire.agent_protocol import InstanceSpec
 
     async def main() -> list[float]:
@@ -300,7 +300,7 @@ def test_an_emulated_instance_plans_with_its_profile_and_the_nodes_margin():
     divergence); the instance's validation plans as the replay's does."""
     from mesh.control.agent_client import AgentClient
     from mesh.node.agent_server import AgentServer
-    from mesh.node.runtime import NodeSpec
+    from mesh.policy.node_spec import NodeSpec
     from mesh.wire.agent_protocol import AdmitEntry, InstanceSpec
 
     async def main():
@@ -373,9 +373,9 @@ def test_the_mixed_rig_serves_a_real_model_on_real_cpu_agents_and_emulated_on_th
     roofline's profile of its architecture): Mesh places on a real CPU node first, and a
     scale-out to the GPU node starts an emulated instance that streams at the A100's pace."""
     pytest.importorskip("openai")
+    from mesh.engines.emulation import Emulation, shape_name
     from mesh.modelfiles.demo import demo_gguf_path
     from mesh.modelfiles.shape import architecture_of
-    from mesh.node.emulation import Emulation, shape_name
 
     allowed = tmp_path / "allowed"
     allowed.mkdir()

@@ -12,10 +12,10 @@ from cluster_doubles import build, config, request, spec
 from mesh.control.cluster_view import unable_nodes
 from mesh.engines.engine_api import Sampling
 from mesh.modelfiles.formats import unhonoured
-from mesh.node.request import Outcome
 from mesh.replay.virtual_loop import run_virtual
 from mesh.service.errors import ApiError
 from mesh.service.request_path import RequestPath
+from mesh.wire.served_request import Outcome
 
 
 def test_features_are_the_fields_a_request_uses():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from mesh.bench.explain import differences, report
 from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.node.request import Outcome, ServedRequest
 from mesh.policy.slo import SLO
+from mesh.wire.served_request import Outcome, ServedRequest
 
 
 def _req(rid: str, arrival: float, outcome: Outcome, first: float | None = None, finish: float | None = None,

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mesh.node.emulation import emulated_cold_start
+from mesh.engines.emulation import emulated_cold_start
 from mesh.perf.gpu_reference import (
     PROBE_DIR,
     PROBE_MODEL,

@@ -19,7 +19,7 @@ import pytest
 from agent_doubles import WEIGHTS_TOKEN, InProcessAgent, use_simulated_engines
 from mesh.control.weights_plane import WeightsPlane, WeightsSettings
 from mesh.engines.engine_api import Sampling
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.registry import ModelRecord

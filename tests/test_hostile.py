@@ -17,8 +17,8 @@ from mesh.control.agent_client import AgentClient
 from mesh.engines.engine_api import Sampling
 from mesh.framing import LENGTH, encode_frame
 from mesh.node.agent_server import AgentServer
-from mesh.node.runtime import NodeSpec
 from mesh.policy.multicast import make_plan
+from mesh.policy.node_spec import NodeSpec
 from mesh.weights.blocks import load_blocks, pack
 from mesh.weights.coordinator import multicast
 from mesh.weights.peer import WeightAgent

@@ -4,12 +4,19 @@ The layer order is written once, here (LAYERS, bottom first; docs/design.md draw
 module belongs to the layer of the longest prefix that names it; a module no prefix names
 fails the test, so a new package is placed on purpose. Every import counts: at the top of
 a file, inside a function, under `if TYPE_CHECKING:`. Modules of one layer may import each
-other (the base's few modules; the command line and the benchmarks it runs).
+other (the base's few modules; the command line and the benchmarks it runs), but not in a
+cycle within a package. The control service and the node agent share their vocabulary
+through the layers below both, never each other's modules (APART).
+
+Every file is parsed once per session (`scanned`), with the collector paused once around
+the lot: the layer tests cost the same wherever the suite's heap stands.
 """
 from __future__ import annotations
 
 import ast
+import functools
 import gc
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -66,20 +73,15 @@ def modules() -> dict[str, Path]:
 
 
 def parse(path: Path) -> ast.Module:
-    """ast.parse with the garbage collector paused: on CPython 3.11 a finalizer that runs
-    while the tree is built (an earlier test's closed event loop's transports) raises
-    "SystemError: AST constructor recursion depth mismatch", seen here on 3.11.7."""
-    gc.collect()
-    gc.disable()
-    try:
-        return ast.parse(path.read_text(), filename=str(path))
-    finally:
-        gc.enable()
+    """The file's syntax tree. Call it with the collector paused (`scanned` does): on CPython
+    3.11 a finalizer that runs while the tree is built (an earlier test's closed event loop's
+    transports) raises "SystemError: AST constructor recursion depth mismatch", seen here on
+    3.11.7."""
+    return ast.parse(path.read_text(), filename=str(path))
 
 
-def imports(module: str, path: Path) -> list[tuple[int, str]]:
+def imports(module: str, path: Path, tree: ast.Module) -> list[tuple[int, str]]:
     """(line, imported module) for every import of one of PACKAGES in the file."""
-    tree = parse(path)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     out = []
     for node in ast.walk(tree):
@@ -99,16 +101,135 @@ def imports(module: str, path: Path) -> list[tuple[int, str]]:
     return [(line, name) for line, name in out if name.split(".")[0] in PACKAGES]
 
 
+def sizes(tree: ast.Module) -> list[tuple[int, str, str, int]]:
+    """(line, "class" or "function", name, lines) of every class and function in the file."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            found.append((node.lineno, kind, node.name, (node.end_lineno or node.lineno) - node.lineno + 1))
+    return found
+
+
+@dataclass(frozen=True)
+class Scanned:
+    """What the layer tests read of one module: its file, its imports and its definitions' sizes."""
+
+    path: Path
+    imports: list[tuple[int, str]]
+    sizes: list[tuple[int, str, str, int]]
+
+
+@functools.cache
+def scanned() -> dict[str, Scanned]:
+    """Every module, parsed once, with the collector paused around all of them (parse): one
+    collection first, where one per file cost a second each late in a full suite."""
+    gc.collect()
+    gc.disable()
+    try:
+        out = {}
+        for module, path in modules().items():
+            tree = parse(path)
+            out[module] = Scanned(path, imports(module, path, tree), sizes(tree))
+        return out
+    finally:
+        gc.enable()
+
+
 def upward_imports() -> list[str]:
     found = []
-    for module, path in modules().items():
+    for module, scan in scanned().items():
         own = layer_of(module)
-        for line, target in imports(module, path):
+        for line, target in scan.imports:
             theirs = layer_of(target)
             if theirs is not None and own is not None and theirs > own:
-                found.append(f"{path.relative_to(ROOT)}:{line}: {module} (layer {own}, {LAYERS[own][0]}) imports "
+                found.append(f"{scan.path.relative_to(ROOT)}:{line}: {module} (layer {own}, {LAYERS[own][0]}) imports "
                              f"{target} (layer {theirs}, {LAYERS[theirs][0]}), a layer above its own")
     return found
+
+
+def within(module: str, prefix: str) -> bool:
+    return module == prefix or module.startswith(prefix + ".")
+
+
+# Layers below a module's own that it may still not import: the control service and the node
+# agent are separate processes that share their vocabulary through the layers below both
+# (mesh.policy: nodes, planned instances, admission answers; mesh.wire: the request record),
+# never each other's modules. (importer, imported) prefixes.
+APART: list[tuple[str, str]] = [("mesh.control", "mesh.node"), ("mesh.service", "mesh.node")]
+
+
+def imports_across_apart(scans: dict[str, Scanned]) -> list[str]:
+    found = []
+    for module, scan in scans.items():
+        for line, target in scan.imports:
+            for importer, imported in APART:
+                if within(module, importer) and within(target, imported):
+                    found.append(f"{scan.path.relative_to(ROOT)}:{line}: {module} imports {target}: "
+                                 f"{importer} does not import {imported}")
+    return found
+
+
+def package_of(module: str) -> str:
+    """The package a module sits in: its own name for a package's `__init__`."""
+    return module if modules()[module].name == "__init__.py" else module.rpartition(".")[0]
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components of more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    cycles: list[list[str]] = []
+
+    def visit(start: str) -> None:
+        # iterative, so a long chain of imports cannot reach the recursion limit
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    cycles.append(sorted(component))
+
+    for node in sorted(graph):
+        if node not in index:
+            visit(node)
+    return sorted(cycles)
+
+
+def package_graph() -> dict[str, set[str]]:
+    """module -> the other modules of its own package it imports."""
+    known = modules()
+    graph: dict[str, set[str]] = {}
+    for module, scan in scanned().items():
+        package = package_of(module)
+        graph[module] = {target for _line, target in scan.imports
+                         if target in known and target != module and package_of(target) == package}
+    return graph
 
 
 def test_every_module_has_a_layer():
@@ -119,6 +240,38 @@ def test_every_module_has_a_layer():
 def test_no_module_imports_from_a_layer_above_its_own():
     found = upward_imports()
     assert not found, "imports that point up:\n" + "\n".join(found)
+
+
+def test_the_control_service_and_the_node_agent_import_neither_the_other():
+    found = imports_across_apart(scanned())
+    assert not found, "imports across processes (share the noun through a layer below both):\n" + "\n".join(found)
+
+
+def test_no_package_s_modules_import_each_other_in_a_cycle():
+    cycles = import_cycles(package_graph())
+    assert not cycles, "modules of one package that import each other in a cycle:\n" + "\n".join(
+        " <-> ".join(cycle) for cycle in cycles)
+
+
+def test_a_cycle_is_found_and_a_chain_is_not():
+    """The cycle finder on small graphs: a two-module cycle, a three-module one beside a
+    chain into it, and a chain alone."""
+    assert import_cycles({"a": {"b"}, "b": {"a"}}) == [["a", "b"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": {"b", "d"}, "d": {"b"}, "e": {"a"}}) == [["b", "c", "d"]]
+    assert import_cycles({"a": {"b"}, "b": {"c"}, "c": set()}) == []
+
+
+def test_apart_finds_an_import_of_the_other_process_only():
+    """A control module importing a node module is found (by its line); one importing the
+    policy, or a node module importing its own package, is not."""
+    scans = {
+        "mesh.control.x": Scanned(ROOT / "mesh/control/x.py",
+                                  [(3, "mesh.node.runtime"), (4, "mesh.policy.node_spec")], []),
+        "mesh.node.y": Scanned(ROOT / "mesh/node/y.py", [(5, "mesh.node.runtime")], []),
+        "mesh.nodes.z": Scanned(ROOT / "mesh/nodes/z.py", [(6, "mesh.nodes.w")], []),
+    }
+    found = imports_across_apart(scans)
+    assert len(found) == 1 and found[0].startswith("mesh/control/x.py:3: mesh.control.x imports mesh.node.runtime")
 
 
 @pytest.mark.parametrize("module,layer", [
@@ -159,13 +312,10 @@ def test_no_product_class_or_function_does_everything():
     its seams (the agent server's connection, instances and requests; the placement's
     membership, catalogue and request path)."""
     found = []
-    for module, path in modules().items():
-        for node in ast.walk(parse(path)):
-            lines = (node.end_lineno or node.lineno) - node.lineno + 1 if hasattr(node, "lineno") else 0
-            if isinstance(node, ast.ClassDef) and lines > MAX_CLASS_LINES:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: class {node.name} has {lines} lines")
-            elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and lines > MAX_FUNCTION_LINES:
-                found.append(f"{path.relative_to(ROOT)}:{node.lineno}: function {node.name} has {lines} lines")
+    for scan in scanned().values():
+        for line, kind, name, lines in scan.sizes:
+            if lines > (MAX_CLASS_LINES if kind == "class" else MAX_FUNCTION_LINES):
+                found.append(f"{scan.path.relative_to(ROOT)}:{line}: {kind} {name} has {lines} lines")
     assert not found, "\n".join(found)
 
 

@@ -100,7 +100,7 @@ def test_a_cpu_agent_probes_its_machine_in_a_process_of_its_own() -> None:
     import asyncio
 
     from mesh.node.agent_server import AgentServer
-    from mesh.node.runtime import NodeSpec
+    from mesh.policy.node_spec import NodeSpec
 
     async def main():
         agent = AgentServer(NodeSpec("cpu-0", "cpu", 10**9), "token")

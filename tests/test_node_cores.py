@@ -41,7 +41,7 @@ def test_a_real_agent_runs_probes_and_reports_on_its_own_core(tmp_path):
     """`python -m mesh.agent --cpus C`: the agent process is pinned to C, its speed probe ran
     there and records it, and its learnt view and hello say so."""
     from mesh.control.supervisor import AgentSettings, LocalAgent
-    from mesh.node.runtime import NodeSpec
+    from mesh.policy.node_spec import NodeSpec
 
     core = max(os.sched_getaffinity(0))
 

@@ -14,7 +14,7 @@ import pytest
 import agent_doubles
 from agent_doubles import InProcessAgent, expected_tokens, until, use_sequence_engines
 from mesh.engines.engine_api import Sampling
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.errors import ApiError

@@ -11,14 +11,16 @@ from hypothesis import strategies as st
 from doubles import LinearTimes
 from mesh.engines.engine_api import EngineError, EngineRequest, Sampling
 from mesh.engines.simulated import SimulatedEngine
-from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import InstancePlan, NodeRuntime, NodeSpec
+from mesh.node.runtime import NodeRuntime
+from mesh.policy.admission import InstancePlan
 from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem, Iteration
 from mesh.policy.kv_demand import RunningMean
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.shadow import FailureCase, quick_reject, shadow_validate
 from mesh.policy.slo import SLO, DeadlineRule
 from mesh.replay.virtual_loop import run_virtual
+from mesh.wire.served_request import Outcome, ServedRequest
 
 KV = 1000
 W = 10**6

@@ -6,12 +6,13 @@ import pytest
 from doubles import LinearTimes
 from mesh.engines.engine_api import EngineRequest, FinishReason, Sampling
 from mesh.engines.simulated import SimulatedEngine
-from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import NodeRuntime, NodeSpec
+from mesh.node.runtime import NodeRuntime
 from mesh.policy.batching import IterationKind
 from mesh.policy.kv_demand import RunningMean
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
 from mesh.replay.virtual_loop import run_virtual
+from mesh.wire.served_request import Outcome, ServedRequest
 
 KV_PER_TOKEN = 1000
 WEIGHTS = 10**6

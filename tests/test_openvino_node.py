@@ -12,10 +12,11 @@ import pytest
 from doubles import LinearTimes
 from mesh.engines.engine_api import EngineRequest, FinishReason, Sampling
 from mesh.engines.openvino_engine import OpenVINOEngine
-from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import NodeRuntime, NodeSpec
+from mesh.node.runtime import NodeRuntime
 from mesh.policy.kv_demand import RunningMean
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
+from mesh.wire.served_request import Outcome, ServedRequest
 
 PROMPT, OUTPUT = 40, 80
 WINDOW = 128  # L_min: the initial KV estimate covers 128 tokens

@@ -102,8 +102,8 @@ async def _one_agent_cluster(demo_gguf: Any) -> tuple[Any, Any]:
     from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
     from mesh.control.supervisor import AgentSettings, LocalAgent
     from mesh.engines.openvino_engine import OpenVINOEngine
-    from mesh.node.runtime import NodeSpec
     from mesh.perf.times import prior_profile
+    from mesh.policy.node_spec import NodeSpec
     from mesh.policy.slo import SLO
     from mesh.wire.agent_protocol import InstanceSpec
 

@@ -22,7 +22,7 @@ from mesh.control.weights_plane import ModelFormat, WeightsPlane, WeightsSetting
 from mesh.engines.engine_api import Sampling
 from mesh.modelfiles.formats import Conversion
 from mesh.node import engine_host as agent_engines
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.placement import InstanceView, sllm_pick
 from mesh.policy.slo import SLO
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings

@@ -17,7 +17,7 @@ import pytest
 from agent_doubles import until
 from mesh.control.supervisor import AgentSettings, LocalAgent
 from mesh.engines.worker_process import SECRET_ENV
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.wire.agent_protocol import InstanceSpec
 
 
@@ -113,7 +113,7 @@ def test_a_sigkilled_agent_leaves_no_process_behind(demo_gguf, monkeypatch):
 _SERVICE = """
 import asyncio, sys
 from mesh.control.supervisor import LocalAgent
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 
 async def main():
     agent = LocalAgent(NodeSpec("cpu-0", "cpu", 10**9), lambda a: None, lambda a, why: None, lambda a, m: None)

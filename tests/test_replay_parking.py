@@ -78,7 +78,8 @@ def test_the_node_is_idle_only_with_nothing_loading_and_no_request():
     """NodeRuntime.idle, what builds ahead may run in (the agents' and the twin's)."""
     from types import SimpleNamespace
 
-    from mesh.node.runtime import NodeRuntime, NodeSpec
+    from mesh.node.runtime import NodeRuntime
+    from mesh.policy.node_spec import NodeSpec
 
     runtime = NodeRuntime(NodeSpec("cpu0", "cpu", 2**34))
     assert runtime.idle()  # nothing at all

@@ -11,7 +11,7 @@ import pytest
 
 from agent_doubles import InProcessAgent, until, use_simulated_engines
 from mesh.engines.engine_api import Sampling
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.errors import ApiError

@@ -14,7 +14,7 @@ import pytest
 from aiohttp.test_utils import TestServer
 
 from agent_doubles import InProcessAgent, use_simulated_engines
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.quota import (
     Quota,
     QuotaValueError,

@@ -15,7 +15,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from agent_doubles import WEIGHTS_TOKEN, InProcessAgent, use_simulated_engines
 from mesh.control.weights_plane import WeightsError, WeightsPlane, WeightsSettings
 from mesh.engines.engine_api import Sampling
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.errors import ApiError

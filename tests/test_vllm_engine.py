@@ -413,10 +413,11 @@ def test_two_models_on_one_node_stepped_alternately(tiny_models: tuple[Path, Pat
     """Two instances (different weights) under one NodeRuntime: the compute subsystem
     interleaves their iterations; outputs equal each model run alone (greedy)."""
     from doubles import LinearTimes
-    from mesh.node.request import Outcome, ServedRequest
-    from mesh.node.runtime import NodeRuntime, NodeSpec
+    from mesh.node.runtime import NodeRuntime
     from mesh.policy.kv_demand import RunningMean
+    from mesh.policy.node_spec import NodeSpec
     from mesh.policy.slo import SLO
+    from mesh.wire.served_request import Outcome, ServedRequest
 
     prompts = {"m0": [prompt(40), prompt(25, 3)], "m1": [prompt(33, 1), prompt(50, 2)]}
 
@@ -513,7 +514,7 @@ def test_a_stuck_vllm_tokenizer_is_killed_and_restarted_through_the_agent(tiny_m
 
     from mesh.control.agent_client import AgentCallError, AgentClient
     from mesh.node.agent_server import AgentServer
-    from mesh.node.runtime import NodeSpec
+    from mesh.policy.node_spec import NodeSpec
     from mesh.wire.agent_protocol import InstanceSpec
     from test_worker_process import stop_process
 

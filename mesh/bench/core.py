@@ -20,15 +20,16 @@ import numpy as np
 from mesh.bench.report import emit
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.engines.simulated import SimulatedEngine
-from mesh.node.request import ServedRequest
-from mesh.node.runtime import NodeRuntime, NodeSpec
+from mesh.node.runtime import NodeRuntime
 from mesh.perf import PerformanceModel, reference_profile
 from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.kv_demand import RunningMean
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.shadow import shadow_validate
 from mesh.policy.slo import SLO
 from mesh.replay.virtual_loop import run_virtual
+from mesh.wire.served_request import ServedRequest
 
 INSTANCES, REQUESTS = 8, 32
 MODEL, DEVICE = "llama-2-7b", "a100-80gb"

@@ -41,10 +41,11 @@ def _requests(n: int, scale: float, output_len: int, seed: int, trace: str | Pat
 async def _mesh_round(engine: Any, prompts: list[list[int]], output_len: int) -> tuple[float, int, int]:
     """(seconds, tokens, iterations) through a NodeRuntime holding `engine` as one instance."""
     from mesh.engines.engine_api import EngineRequest, Sampling
-    from mesh.node.request import ServedRequest
-    from mesh.node.runtime import NodeRuntime, NodeSpec
+    from mesh.node.runtime import NodeRuntime
     from mesh.policy.kv_demand import RunningMean
+    from mesh.policy.node_spec import NodeSpec
     from mesh.policy.slo import SLO
+    from mesh.wire.served_request import ServedRequest
 
     loop = asyncio.get_running_loop()
     node = NodeRuntime(NodeSpec("bench", "cpu", 64 * 2**30))

@@ -20,7 +20,7 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Iterable
 
-from mesh.node.request import Outcome, ServedRequest
+from mesh.wire.served_request import Outcome, ServedRequest
 
 
 @dataclass(frozen=True)

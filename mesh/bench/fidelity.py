@@ -123,12 +123,13 @@ async def run_node(work: list[Item], make_engine: Callable[[str], Any], times: A
     margin, as in a node agent (mesh.perf.times.AdaptiveTimes)."""
     from mesh.calibration.runner import CpuMeter
     from mesh.engines.engine_api import EngineRequest, Sampling
-    from mesh.node.request import Outcome, ServedRequest
-    from mesh.node.runtime import NodeRuntime, NodeSpec
+    from mesh.node.runtime import NodeRuntime
     from mesh.perf.times import AdaptiveTimes
     from mesh.policy.kv_demand import RunningMean
+    from mesh.policy.node_spec import NodeSpec
     from mesh.policy.shadow import DEFAULT_MARGIN, instance_margin
     from mesh.policy.slo import SLO
+    from mesh.wire.served_request import Outcome, ServedRequest
 
     loop = asyncio.get_running_loop()
     node = NodeRuntime(NodeSpec("fidelity", "cpu", NODE_MEMORY), record_iterations=True)

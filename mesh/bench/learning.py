@@ -98,10 +98,11 @@ def learning_figures(iterations: list[Iteration], starts: dict[str, tuple[float,
 
 async def _serve(engine: Any, prompts: list[list[int]], output_len: int, gap_s: float) -> list[Iteration]:
     from mesh.engines.engine_api import EngineRequest, Sampling
-    from mesh.node.request import ServedRequest
-    from mesh.node.runtime import NodeRuntime, NodeSpec
+    from mesh.node.runtime import NodeRuntime
     from mesh.policy.kv_demand import RunningMean
+    from mesh.policy.node_spec import NodeSpec
     from mesh.policy.slo import SLO
+    from mesh.wire.served_request import ServedRequest
 
     loop = asyncio.get_running_loop()
     node = NodeRuntime(NodeSpec("bench", "cpu", 64 * 2**30), record_iterations=True)

@@ -29,11 +29,11 @@ import numpy as np
 from tqdm import tqdm
 
 from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.node.request import Outcome, ServedRequest
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.policy.slo import SLO
 from mesh.service.limits import CLIENT_KEEPALIVE_S
+from mesh.wire.served_request import Outcome, ServedRequest
 from workloads.workload import Workload
 
 POLL_S = 1.0

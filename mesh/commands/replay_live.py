@@ -4,7 +4,7 @@ replayed in virtual time on a simulated cluster of the service's nodes (mesh.ben
 On the mixed rig (`mesh serve --cpu-nodes N --emulate a100-80gb:M`: real OpenVINO agents
 beside emulated GPU nodes) the replay is the real model's, and the twin's GPU profile is the
 one the emulated nodes run it with (the roofline's profile of its architecture on their
-device, mesh.node.emulation), its CPU side as below.
+device, mesh.engines.emulation), its CPU side as below.
 
 Against emulated nodes (`mesh serve --emulate DEVICE:N,...`, the service reports each node's
 device at `/admin/cluster`) each function's model is an emulated `--model` (`llama-2-7b`, ...)
@@ -47,10 +47,9 @@ import aiohttp
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
 from mesh.control.cluster_view import ClusterConfig, ModelSpec
 from mesh.control.schedulers import scheduler_spec
+from mesh.engines.emulation import emulated_cold_start
 from mesh.engines.engine_api import DEFAULT_CONTEXT_CAP, EngineError
 from mesh.modelfiles.demo import ModelFetchError
-from mesh.node.emulation import emulated_cold_start
-from mesh.node.request import ServedRequest
 from mesh.perf.load_times import ANY_MODEL, PARKED_PRIOR_S, ColdStart
 from mesh.perf.profile import load_profile
 from mesh.perf.times import learnt_profile, prior_profile
@@ -59,6 +58,7 @@ from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
 from mesh.service.cluster_placement import PlacementSettings
+from mesh.wire.served_request import ServedRequest
 from workloads.workload import Workload
 
 BASE = "smollm2-135m"  # the base model name of every replica (one model file, one profile)
@@ -81,13 +81,13 @@ def _catalog(args: argparse.Namespace, weight_bytes: int, kv_per_token: int, win
              emulated: dict[str, str] | None = None, model_path: Path | None = None) -> dict[str, ModelSpec]:
     """The twin's model: per kind its calibrated profile (--profiles) or prior; on the mixed
     rig's emulated kinds (`emulated`: kind -> device) the profile its emulated nodes run the
-    model with (mesh.node.emulation: the roofline's, from its architecture)."""
+    model with (mesh.engines.emulation: the roofline's, from its architecture)."""
     profiles = {}
     for kind in (CPU, GPU):
         path = Path(args.profiles) / f"{BASE}__{kind}.json" if args.profiles else None
         if emulated and kind in emulated and model_path is not None:
+            from mesh.engines.emulation import Emulation, shape_name
             from mesh.modelfiles.shape import architecture_of
-            from mesh.node.emulation import Emulation, shape_name
 
             profiles[kind] = Emulation(emulated[kind]).profile(shape_name(architecture_of(model_path, BASE)))
         else:

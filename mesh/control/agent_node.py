@@ -31,9 +31,8 @@ from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.cluster_node import CONNECTION, EXITED, HEARTBEAT, ClusterNode, HostedInstance
 from mesh.control.node_book import AgentInstance, NodeBook, resume_from
 from mesh.control.supervisor import AgentHandle
-from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import InstancePlan, NodeSpec
-from mesh.node.shadow_admission import Admission
+from mesh.policy.admission import Admission, InstancePlan
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.tasks import cancel_all
 from mesh.wire.agent_protocol import (
@@ -62,6 +61,7 @@ from mesh.wire.agent_protocol import (
     mean_output_to,
     slo_to_dict,
 )
+from mesh.wire.served_request import Outcome, ServedRequest
 
 log = logging.getLogger("mesh.control.agent_node")
 

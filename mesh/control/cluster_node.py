@@ -25,9 +25,9 @@ import asyncio
 from abc import ABC, abstractmethod
 from typing import Callable, Collection, Mapping, Protocol, Sequence
 
-from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import InstancePlan, NodeSpec
-from mesh.node.shadow_admission import Admission
+from mesh.policy.admission import Admission, InstancePlan
+from mesh.policy.node_spec import NodeSpec
+from mesh.wire.served_request import Outcome, ServedRequest
 
 # Why a node lost its requests (ServedRequest.lost; the dispatcher counts resumed and failed ones by it).
 EXITED = "exited"  # its agent process exited (killed, crashed)

@@ -18,8 +18,6 @@ from typing import Callable, Sequence
 
 from mesh.control.cluster_node import ClusterNode, HostedInstance
 from mesh.modelfiles.formats import ENGINE_OF_KIND, unhonoured
-from mesh.node.request import ServedRequest
-from mesh.node.runtime import InstancePlan, NodeSpec
 from mesh.perf.load_times import (
     DEFAULT_CPU_MEMORY_BYTES,
     DEFAULT_GPU_MEMORY_BYTES,
@@ -30,7 +28,9 @@ from mesh.perf.load_times import (
 )
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile
+from mesh.policy.admission import InstancePlan
 from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.placement import (
     ADMISSIONS,
     ADMIT_REJECT,
@@ -45,6 +45,7 @@ from mesh.policy.placement import (
 )
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
+from mesh.wire.served_request import ServedRequest
 
 DEFAULT_MAX_BATCH = 256  # B_max of the profiles (LLM-Mesh 5.2)
 LIVE_USAGE_ENTRIES = 4096  # a live service's node-usage change points kept (nothing reads them there; bounded)

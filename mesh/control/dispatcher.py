@@ -50,10 +50,10 @@ from typing import TYPE_CHECKING, Sequence
 from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode
 from mesh.control.cluster_view import ClusterView, unable_nodes
 from mesh.control.latency import LogHistogram
-from mesh.node.request import Outcome, ServedRequest
 from mesh.policy.placement import ADMIT_QUEUE, ADMIT_REJECT, queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.policy.slo import DeadlineRule
+from mesh.wire.served_request import Outcome, ServedRequest
 
 if TYPE_CHECKING:
     from mesh.control.schedulers import Scheduler

@@ -24,9 +24,9 @@ from typing import TYPE_CHECKING
 
 from mesh.control.cluster_node import ENGINE_HUNG
 from mesh.engines.engine_api import FinishReason
-from mesh.node.request import Outcome, ServedRequest
 from mesh.policy.kv_demand import RunningMean
 from mesh.wire.agent_protocol import DoneEvent, EvictedEvent, InstanceEvent, Progress, TokensEvent
+from mesh.wire.served_request import Outcome, ServedRequest
 
 if TYPE_CHECKING:
     from mesh.control.agent_node import AgentNode

@@ -23,7 +23,8 @@ from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
 from mesh.control.supervisor import AgentHandle, AgentSettings
 from mesh.control.weights_plane import WeightsPlane
-from mesh.node.runtime import InstancePlan, NodeSpec
+from mesh.policy.admission import InstancePlan
+from mesh.policy.node_spec import NodeSpec
 from mesh.wire.agent_protocol import InstanceSpec
 
 log = logging.getLogger("mesh.control.node_pool")

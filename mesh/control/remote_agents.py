@@ -25,7 +25,7 @@ from typing import Awaitable, Callable, Union
 
 from mesh.control.agent_client import AgentClient
 from mesh.control.supervisor import AgentHandle, AgentSettings, DownCallback, EventCallback, UpCallback
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.tasks import cancel_all
 
 log = logging.getLogger("mesh.control.remote_agents")

@@ -24,8 +24,7 @@ from typing import Callable
 
 from mesh.control.cluster_node import ClusterNode
 from mesh.control.cluster_view import ClusterView, InstanceRef, unable_nodes
-from mesh.node.request import ServedRequest
-from mesh.node.runtime import InstancePlan
+from mesh.policy.admission import InstancePlan
 from mesh.policy.placement import (
     CONCURRENCY_TARGETS,
     CPU,
@@ -45,6 +44,7 @@ from mesh.policy.placement import (
     warm_up_node_allowed,
 )
 from mesh.policy.shadow import Padding
+from mesh.wire.served_request import ServedRequest
 
 log = logging.getLogger("mesh.control.schedulers")
 

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from mesh.control.agent_client import AgentClient, AgentDown
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import DeadlineRule
 from mesh.tasks import cancel_all
 from mesh.wire.agent_protocol import READY_PREFIX, Shutdown
@@ -137,7 +137,7 @@ class AgentSettings:
     cores: dict[str, tuple[int, ...]] = field(default_factory=dict)  # node id -> the cores its local agent
     # and its engines run on (--cpus; core_shares); a node not named runs on all of them
     emulate: dict[str, str] = field(default_factory=dict)  # node id -> the device its agent emulates (--emulate;
-    # mesh.node.emulation): such a node runs emulated models only
+    # mesh.engines.emulation): such a node runs emulated models only
     emulate_noise: float | None = None  # their --emulate-noise (None: the replay's noise)
     # their --emulate-profiles: calibrated <model>__<device>.json besides the catalog's
     emulate_profiles: str | None = None

@@ -16,7 +16,7 @@ import os
 import shutil
 import subprocess
 
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 
 CPU_NODE_ID = "vllm-cpu-0"
 DEFAULT_CPU_NODE_GB = 4.0

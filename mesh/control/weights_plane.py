@@ -46,8 +46,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Mapping, Protocol
 
-from mesh.node.runtime import NodeSpec
 from mesh.policy.multicast import make_plan
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.param_pool import ParameterPool, PoolError, Where
 from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast

@@ -1,6 +1,6 @@
 """An emulated engine: the simulated engine on the wall clock, with tokens to stream.
 
-Emulated nodes (`mesh serve --emulate DEVICE:N,...`, mesh.node.emulation) are real node
+Emulated nodes (`mesh serve --emulate DEVICE:N,...`, mesh.engines.emulation) are real node
 agents whose instances compute nothing: each iteration sleeps what the model's profile says
 on the node's device (mesh.engines.simulated.SimulatedEngine, the replay's engine, noise
 included), so the control plane, the dispatcher and the node's own scheduling run for real

@@ -21,7 +21,7 @@ from mesh.perf.load_times import kv_resize_s
 from mesh.policy.batching import IterationKind, IterationTimes, extra_s, prefill_take
 
 # Relative std-dev of a simulated iteration's time: `mesh replay --noise`'s default and what
-# emulated nodes (mesh.node.emulation) run with.
+# emulated nodes (mesh.engines.emulation) run with.
 SIMULATED_NOISE = 0.05
 
 

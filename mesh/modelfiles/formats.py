@@ -14,7 +14,7 @@ from mesh.policy.placement import CPU, GPU
 FORMAT_NAMES = {"gguf": "GGUF file", "ir": "OpenVINO IR folder", "hf": "Hugging Face folder",
                 "emulated": "emulated model"}
 ENGINE_OF_KIND = {CPU: "openvino", GPU: "vllm"}  # CPU nodes run OpenVINO, GPU nodes vLLM
-# An emulated model (`mesh serve --emulate`, mesh.node.emulation): a catalog name, no file; it
+# An emulated model (`mesh serve --emulate`, mesh.engines.emulation): a catalog name, no file; it
 # runs on emulated nodes of both kinds, on the emulated engine, and is never converted.
 EMULATED = "emulated"
 

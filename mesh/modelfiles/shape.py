@@ -68,7 +68,7 @@ def shape_from_config(config_json: str | Path) -> ModelShape:
 def architecture_of(path: str | Path, name: str = "") -> Architecture:
     """The roofline's Llama-style architecture of the model at `path` (a GGUF file, or a folder
     with a config.json): what an emulated node needs to emulate a real model from its shape
-    (mesh.node.emulation; the mixed rig of `mesh serve --cpu-nodes N --emulate DEVICE:M`).
+    (mesh.engines.emulation; the mixed rig of `mesh serve --cpu-nodes N --emulate DEVICE:M`).
     ValueError says what the file lacks."""
     from mesh.perf.roofline import Architecture
 

@@ -52,12 +52,12 @@ from typing import Any, Sequence
 
 from mesh import native_heap
 from mesh.engines.background_prepare import BackgroundPreparer
+from mesh.engines.emulation import Emulation
 from mesh.engines.parking import ParkingLot
 from mesh.engines.simulated import SIMULATED_NOISE
 from mesh.engines.worker_process import worker_env
 from mesh.lifetime import die_with_parent
 from mesh.node.control_connection import ControlConnection, Refused
-from mesh.node.emulation import Emulation
 from mesh.node.engine_host import make_engine
 from mesh.node.instance_host import InstanceHost
 from mesh.node.layer_host import LAYERS_PREFIX, LayerHost
@@ -65,10 +65,11 @@ from mesh.node.model_fronts import ModelFronts
 from mesh.node.node_learning import NodeLearning
 from mesh.node.node_requests import NodeRequests
 from mesh.node.park_ahead import ParkAhead
-from mesh.node.runtime import HUNG_MIN_S, NodeRuntime, NodeSpec
+from mesh.node.runtime import HUNG_MIN_S, NodeRuntime
 from mesh.node.tokenizer_worker import DEFAULT_CACHE_BYTES
 from mesh.node.tokenizers import TokenizerProcess
 from mesh.perf.speed import MachineSpeed
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import DeadlineRule
 from mesh.weights.peer import token_from_env
 from mesh.weights.receiver import NodeWeightsReceiver, parse_listen
@@ -118,7 +119,7 @@ class AgentServer:
         instance stops (mesh.engines.parking; 0: none parked).
         `deadlines`: when tokens after the first are due (mesh.policy.slo); the service's
         default is the paper's Eq. 1. `emulation`: this node emulates its device (`--emulate`):
-        it runs emulated models only (mesh.node.emulation); without it, it refuses them.
+        it runs emulated models only (mesh.engines.emulation); without it, it refuses them.
         `watchdog_min_s`: the engine watchdog's floor (mesh.node.runtime.hung_bound_s): an
         iteration that runs past max(this, 20 x its predicted time) has hung.
         `tokenizer_bytes`: the tokenizer worker's cache at most (mesh.node.tokenizer_worker),
@@ -453,7 +454,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--cpus", metavar="LIST", help="run this agent and its engines on these cores only "
                         "(comma-separated core numbers; default: all this process may use)")
     parser.add_argument("--emulate", metavar="DEVICE", help="emulate a node of this profiled device (e.g. a100-80gb): "
-                        "run emulated models only, each iteration taking its profile's time (mesh.node.emulation)")
+                        "run emulated models only, each iteration taking its profile's time (mesh.engines.emulation)")
     parser.add_argument("--emulate-noise", type=float, default=SIMULATED_NOISE,
                         help="relative std-dev of an emulated iteration's time (default: the replay's %(default)s)")
     parser.add_argument("--emulate-seed", type=int, default=0, help="seed of the emulated noise (default: 0)")

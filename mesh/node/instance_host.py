@@ -16,21 +16,21 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mesh.engines.background_prepare import NEXT_LOAD_S, BackgroundPreparer
+from mesh.engines.emulation import ENGINE as EMULATED
+from mesh.engines.emulation import Emulation, model_of_profile
 from mesh.engines.engine_api import EngineError
 from mesh.engines.openvino_process import OpenVINOProcessEngine
 from mesh.engines.parking import ParkingLot
 from mesh.node.control_connection import Refused
-from mesh.node.emulation import ENGINE as EMULATED
-from mesh.node.emulation import Emulation, model_of_profile
 from mesh.node.engine_host import iteration_times, make_engine
 from mesh.node.node_learning import NodeLearning
 from mesh.node.park_ahead import ParkAhead
-from mesh.node.request import Outcome
-from mesh.node.runtime import NodeRuntime, NodeSpec
+from mesh.node.runtime import NodeRuntime
 from mesh.node.tokenizers import TokenizerProcess
 from mesh.perf.model import PerformanceModel
 from mesh.perf.times import AdaptiveTimes
 from mesh.policy.kv_demand import RunningMean
+from mesh.policy.node_spec import NodeSpec
 from mesh.weights.blocks import Manifest, holds
 from mesh.weights.receiver import NodeWeightsReceiver, inside, received_path
 from mesh.wire.agent_protocol import (
@@ -47,6 +47,7 @@ from mesh.wire.agent_protocol import (
     WeightsPathReply,
     slo_from_dict,
 )
+from mesh.wire.served_request import Outcome
 
 log = logging.getLogger("mesh.agent")
 

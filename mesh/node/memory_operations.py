@@ -13,13 +13,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable
 
 from mesh.engines.engine_api import Engine, EngineError, EngineRequest
-from mesh.node.request import Outcome, ServedRequest
 from mesh.policy.batching import IterationTimes
 from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.memory import InstanceMemory, MemorySubsystem
 from mesh.policy.reservation import Issued, MemoryOp, OpKind
 from mesh.policy.slo import SLO
+from mesh.wire.served_request import Outcome, ServedRequest
 
 
 @dataclass(eq=False)

@@ -13,10 +13,10 @@ from functools import partial
 from typing import Any
 
 from mesh.engines.background_prepare import BackgroundPreparer
+from mesh.engines.emulation import ENGINE as EMULATED
 from mesh.engines.engine_api import EngineError
 from mesh.engines.openvino_process import OpenVINOProcessEngine
 from mesh.node.control_connection import Refused
-from mesh.node.emulation import ENGINE as EMULATED
 from mesh.node.engine_host import make_engine
 from mesh.node.instance_host import InstanceHost
 from mesh.node.tokenizers import TokenizerProcess, prompt_size
@@ -93,7 +93,7 @@ class ModelFronts:
         try:
             if spec.engine == "openvino":
                 ids = await self.tokenizers.encode(spec.path, messages, prompt, tenant)
-            elif spec.engine == EMULATED:  # no tokenizer to run (mesh.node.emulation)
+            elif spec.engine == EMULATED:  # no tokenizer to run (mesh.engines.emulation)
                 ids = engine.encode_chat(messages) if messages is not None else engine.encode_prompt(prompt)
             else:  # vLLM's, in its engine's worker: its turn in the node's queue, off this loop (tokenizers)
                 ids = await self.tokenizers.run(

@@ -14,8 +14,8 @@ from typing import Any, Callable
 from mesh.engines.engine_api import EngineError, EngineRequest, Sampling
 from mesh.node.control_connection import Refused
 from mesh.node.instance_host import InstanceHost
-from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import InstancePlan, NodeRuntime
+from mesh.node.runtime import NodeRuntime
+from mesh.policy.admission import InstancePlan
 from mesh.policy.shadow import FailureCase
 from mesh.wire.agent_protocol import (
     MIN_LOGPROB,
@@ -37,6 +37,7 @@ from mesh.wire.agent_protocol import (
     ValidateNew,
     Verdict,
 )
+from mesh.wire.served_request import Outcome, ServedRequest
 
 
 class NodeRequests:

@@ -17,45 +17,19 @@ from typing import Callable
 
 from mesh.engines.engine_api import EngineError, EngineRequest, StepResult
 from mesh.node.memory_operations import MemoryOperations, NodeInstance
-from mesh.node.request import Outcome, ServedRequest
-from mesh.node.shadow_admission import Admission, ShadowAdmission
-from mesh.policy.batching import IterationKind, IterationTimes
+from mesh.node.shadow_admission import ShadowAdmission
+from mesh.policy.admission import Admission
+from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem
-from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean
+from mesh.policy.kv_demand import DEFAULT_WATERMARK
 from mesh.policy.memory import MemorySubsystem
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.shadow import DEFAULT_MARGIN
-from mesh.policy.slo import SLO, DeadlineRule
+from mesh.policy.slo import DeadlineRule
 from mesh.tasks import cancel_all
+from mesh.wire.served_request import Outcome, ServedRequest
 
 log = logging.getLogger("mesh.node.runtime")
-
-
-@dataclass(frozen=True, slots=True)
-class NodeSpec:
-    node_id: str
-    kind: str  # "cpu" or "gpu"
-    memory_bytes: int
-
-
-@dataclass(frozen=True, slots=True)
-class InstancePlan:
-    """An instance that is not started yet, for validating requests on it (LLM-Mesh 4: a
-    new instance is created on a node that validates). `expected_load_s` is the predicted
-    cold start (weights in place plus the initial KV cache), `load_wait_s` of which waits for
-    the loads already under way on the node (ClusterView.load_wait_s)."""
-
-    instance_id: str
-    model: str
-    times: IterationTimes
-    slo: SLO
-    kv_bytes_per_token: int
-    weight_bytes: int
-    context_window: int
-    prefill_token_budget: int
-    max_batch: int
-    mean_output: RunningMean
-    expected_load_s: float
-    load_wait_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)

@@ -5,38 +5,19 @@ nothing: the runtime's `admit` acts on its answer.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Collection, Sequence
 
-from mesh.node.request import ServedRequest
+from mesh.policy.admission import Admission, InstancePlan
 from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.kv_demand import recommend_bytes
 from mesh.policy.memory import InstanceMemory, MemoryPlan, MemorySubsystem
 from mesh.policy.shadow import Verdict, quick_reject, shadow_validate
 from mesh.policy.slo import DeadlineRule
+from mesh.wire.served_request import ServedRequest
 
 if TYPE_CHECKING:
     from mesh.node.memory_operations import NodeInstance
-    from mesh.node.runtime import InstancePlan
-
-
-@dataclass(frozen=True, slots=True)
-class Admission:
-    """Both subsystems' answer to "may this request join this instance?" (LLM-Mesh 4)."""
-
-    ok: bool
-    compute: Verdict | None = None
-    memory: MemoryPlan | None = None
-    refusal: str = ""
-
-    def reason(self) -> str:
-        if self.ok:
-            return "ok"
-        if self.refusal:
-            return self.refusal
-        if self.memory is not None and not self.memory.ok:
-            return self.memory.reason()
-        return self.compute.reason() if self.compute is not None else "refused"
+    from mesh.policy.admission import InstancePlan
 
 
 class ShadowAdmission:

@@ -332,7 +332,7 @@ def catalog_profile(model: str, device: str, profile_dir: str | Path | None = No
     """The catalog's profile of `model` on `device`: `profile_dir/<model>__<device>.json` if
     that file exists (a calibrated profile), else the packaged reference profile. The one
     lookup behind the replay's catalog (mesh.replay.driver.build_catalog) and emulated nodes
-    (mesh.node.emulation), so both time and size a model alike."""
+    (mesh.engines.emulation), so both time and size a model alike."""
     path = Path(profile_dir) / f"{model}__{device}.json" if profile_dir is not None else None
     if path is not None and path.exists():
         profile = load_profile(path)

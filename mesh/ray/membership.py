@@ -30,7 +30,7 @@ from typing import Any, Callable
 
 from mesh.control.remote_agents import RemoteAgent
 from mesh.control.supervisor import AgentHandle
-from mesh.node.runtime import NodeSpec
+from mesh.policy.node_spec import NodeSpec
 from mesh.ray.actor import AgentLaunch, NodeAgentActor, agent_token, launch_dict
 from mesh.tasks import cancel_all
 

@@ -70,8 +70,8 @@ from typing import TYPE_CHECKING, Sequence
 from mesh.engines.engine_api import Engine, StepResult
 from mesh.engines.simulated import SimulatedEngine
 from mesh.modelfiles.shape import layers_and_hidden
-from mesh.node.runtime import InstancePlan
 from mesh.perf.load_times import NET_BYTES_PER_S, PCIE_BYTES_PER_S, CostModel, block_sizes, schedule, weights_load_s
+from mesh.policy.admission import InstancePlan
 from mesh.policy.live_scaling import (
     LayerArrivals,
     Stage,

@@ -21,12 +21,12 @@ from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec, che
 from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S, Dispatcher, DispatchStats
 from mesh.control.schedulers import SchedulerStats, scheduler_spec
 from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.node.request import ServedRequest
 from mesh.perf.profile import ProfileError, catalog_profile, reference_profiles
 from mesh.policy.placement import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.simulator import EngineFactory, Simulator
 from mesh.replay.virtual_loop import run_virtual
+from mesh.wire.served_request import ServedRequest
 from workloads.workload import Workload
 
 DEFAULT_CPU_DEVICE = "xeon-6462c"

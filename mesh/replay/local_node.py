@@ -21,11 +21,11 @@ from mesh.control.cluster_node import ClusterNode, HostedInstance
 from mesh.engines.engine_api import Engine
 from mesh.engines.parking import Parked, ParkingLot
 from mesh.node.park_ahead import POLL_S
-from mesh.node.request import Outcome, ServedRequest
-from mesh.node.runtime import InstancePlan, NodeRuntime
-from mesh.node.shadow_admission import Admission
+from mesh.node.runtime import NodeRuntime
 from mesh.perf.load_times import PARKED
+from mesh.policy.admission import Admission, InstancePlan
 from mesh.tasks import cancel_all
+from mesh.wire.served_request import Outcome, ServedRequest
 
 # (plan, node kind, adopted_s) -> an engine to load; adopted_s: None, or the load adopts a
 # parked worker whose build ends in that many seconds (0: parked already)

@@ -25,9 +25,9 @@ from typing import Any, Sequence
 import numpy as np
 
 from mesh.control.dispatcher import accounting
-from mesh.node.request import Outcome, ServedRequest
 from mesh.policy.placement import CPU, GPU
 from mesh.replay.driver import PolicyRun
+from mesh.wire.served_request import Outcome, ServedRequest
 
 PERCENTILES = (50, 90, 99)
 

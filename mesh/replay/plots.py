@@ -10,8 +10,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402 - after matplotlib.use, which must come first
 import numpy as np  # noqa: E402 - likewise
 
-from mesh.node.request import Outcome  # noqa: E402 - likewise
 from mesh.replay.driver import PolicyRun  # noqa: E402 - likewise
+from mesh.wire.served_request import Outcome  # noqa: E402 - likewise
 
 
 def ttft_cdf(runs: dict[str, PolicyRun], path: str | Path, title: str = "") -> Path:

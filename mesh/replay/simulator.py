@@ -16,7 +16,8 @@ from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
 from mesh.engines.engine_api import Engine
 from mesh.engines.parking import ParkingLot
 from mesh.engines.simulated import SimulatedEngine
-from mesh.node.runtime import InstancePlan, NodeRuntime
+from mesh.node.runtime import NodeRuntime
+from mesh.policy.admission import InstancePlan
 from mesh.policy.param_pool import ParameterPool
 from mesh.policy.placement import CPU
 from mesh.replay.local_node import LocalNode

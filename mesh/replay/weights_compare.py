@@ -18,11 +18,11 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mesh.control.cluster_view import ClusterConfig
-from mesh.node.request import Outcome
 from mesh.perf.load_times import GIB, ColdStart
 from mesh.replay.cold_start_modes import MODES, Engines, WeightsConfig
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy, trace_mean_output
 from mesh.replay.metrics import node_seconds, summarize
+from mesh.wire.served_request import Outcome
 from workloads.azure_llm import load_lengths
 from workloads.datasets import CONVERSATION_FILE, DATA_DIR
 from workloads.workload import Workload, bursty_single_model

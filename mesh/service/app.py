@@ -42,7 +42,7 @@ from mesh.service.quotas import Quotas
 from mesh.service.registry import Registry
 
 if TYPE_CHECKING:
-    from mesh.node.runtime import NodeSpec
+    from mesh.policy.node_spec import NodeSpec
 
 log = logging.getLogger("mesh.service")
 
@@ -237,7 +237,7 @@ def _local_nodes(config: ServeConfig, memory: int | None) -> tuple[list[NodeSpec
     nodes = detect_local_nodes(memory, config.cpu_nodes) if config.ray is None else []  # Ray: agents on its nodes
     emulated: dict[str, str] = {}  # node id -> the device it emulates (mesh serve --emulate)
     if config.emulate:
-        from mesh.node.emulation import emulated_nodes
+        from mesh.engines.emulation import emulated_nodes
 
         emulated_specs, emulated = emulated_nodes(config.emulate)
         if config.mixed_rig and any(n.kind != "cpu" for n in nodes):  # vLLM's nodes would share the GPU kind
@@ -417,7 +417,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     from mesh.control.remote_agents import RemoteAgent, parse_remote
     from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
     from mesh.control.weights_plane import WeightsPlane, WeightsSettings
-    from mesh.node.runtime import NodeSpec
+    from mesh.policy.node_spec import NodeSpec
     from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
     from mesh.service.demo_mode import ensure_demo, ready_line
     from mesh.service.preparation import FormatPreparer

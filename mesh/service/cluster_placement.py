@@ -32,9 +32,9 @@ from mesh.control.dispatcher import Dispatcher
 from mesh.control.node_pool import NodePool
 from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.control.weights_plane import WeightsPlane
-from mesh.node.emulation import emulated_cold_start
-from mesh.node.runtime import NodeSpec
+from mesh.engines.emulation import emulated_cold_start
 from mesh.perf.load_times import ColdStart
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.placement import ADMIT_REJECT, CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.service.errors import ApiError, bad_request
@@ -283,7 +283,7 @@ class ClusterPlacement:
 def _emulated_kinds(nodes: list[NodeSpec], emulate: dict[str, str]) -> frozenset[str]:
     """The mixed rig (`mesh serve --cpu-nodes N --emulate DEVICE:M`): kinds of node whose nodes
     all emulate, beside real ones; they run real models emulated from their shape
-    (mesh.node.emulation)."""
+    (mesh.engines.emulation)."""
     emulating = set(emulate)
     real = {n.kind for n in nodes if n.node_id not in emulating}
     return frozenset({n.kind for n in nodes if n.node_id in emulating} - real) if real else frozenset()
@@ -291,7 +291,7 @@ def _emulated_kinds(nodes: list[NodeSpec], emulate: dict[str, str]) -> frozenset
 
 def _cold_start(s: PlacementSettings) -> ColdStart:
     """The service's cold-start model: on emulated nodes the replay's, with the emulated
-    GPU's host-to-GPU bandwidth (mesh.node.emulation.emulated_cold_start)."""
+    GPU's host-to-GPU bandwidth (mesh.engines.emulation.emulated_cold_start)."""
     kw: dict[str, Any] = {"fixed_s": s.cold_start_s, "net_bytes_per_s": DEFAULT_TRANSFER_BYTES_PER_S}
     if s.agent.emulate:
         return emulated_cold_start(set(s.agent.emulate.values()), s.agent.emulate_profiles, **kw)

@@ -26,7 +26,7 @@ requests are placed again, as evictions. Lower it to see a hung worker caught so
 tests do); on a busy shared machine a low floor can take a slow iteration for a hung one.
 
 `emulate` ("DEVICE:N,...", e.g. "xeon-6462c:4,a100-80gb:4"; `mesh serve --emulate`): instead of
-this machine's nodes, N emulated nodes of each profiled device (mesh.node.emulation): real
+this machine's nodes, N emulated nodes of each profiled device (mesh.engines.emulation): real
 node agents whose engines keep the device's profile times on the wall clock. They run only
 emulated models, which the operator registers by catalog name (POST
 /admin/tenants/{tenant}/models {"name", "emulate": "llama-2-7b"}). The cold start then defaults
@@ -130,10 +130,10 @@ class ServeConfig:
     max_uploads_per_tenant: int = 2  # uploads one tenant may stream at once
     max_uploads: int = 8  # uploads all tenants together may stream at once (disk and CPU for their sha256)
     watchdog_min_s: float = 30.0  # the engine watchdog's floor (mesh.node.runtime.HUNG_MIN_S)
-    # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.node.emulation; docs/service.md)
+    # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.engines.emulation; docs/service.md)
     emulate: str | None = None
     # derived, not a key: emulate with cpu_nodes given too is the mixed rig, this machine's CPU nodes
-    # beside emulated GPU nodes that emulate its real models (mesh.node.emulation)
+    # beside emulated GPU nodes that emulate its real models (mesh.engines.emulation)
     mixed_rig: bool = False
 
     @property
@@ -268,7 +268,7 @@ def _check(c: ServeConfig) -> None:
     if not isinstance(c.prepare_formats, bool):
         raise ConfigError(f"prepare_formats must be true or false, got {c.prepare_formats!r}")
     if c.emulate is not None:
-        from mesh.node.emulation import emulated_nodes
+        from mesh.engines.emulation import emulated_nodes
         from mesh.perf.profile import ProfileError
 
         if c.demo and not c.mixed_rig:

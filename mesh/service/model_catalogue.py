@@ -32,10 +32,10 @@ from mesh.control.agent_node import AgentNode, StartRefused
 from mesh.control.cluster_view import ClusterView, ModelSpec
 from mesh.control.dispatcher import Dispatcher
 from mesh.control.weights_plane import ModelFormat, WeightsError, WeightsPlane
+from mesh.engines.emulation import PROFILE_PREFIX
 from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES, engine_for
-from mesh.node.emulation import PROFILE_PREFIX
-from mesh.node.runtime import InstancePlan
 from mesh.perf.times import prior_profile
+from mesh.policy.admission import InstancePlan
 from mesh.policy.placement import CPU, kind_rank
 from mesh.service.errors import ApiError, bad_request, model_preparing, node_unavailable
 from mesh.service.preparation import FormatPreparer, formats_view
@@ -65,7 +65,7 @@ class ModelCatalogue:
                  formats: FormatPreparer | None, *, profile_dir: str | None = None, exact_moves: bool = False) -> None:
         """`emulated_kinds`: the kinds of node whose nodes all emulate, beside real ones (the
         mixed rig, `mesh serve --cpu-nodes N --emulate DEVICE:M`): they run real models
-        emulated from their shape (mesh.node.emulation). `formats` prepares each model's
+        emulated from their shape (mesh.engines.emulation). `formats` prepares each model's
         format for the other kind of node (None: a model runs on its registered format's
         kind only)."""
         self.cluster = cluster
@@ -176,8 +176,8 @@ class ModelCatalogue:
     def _shape(self, record: ModelRecord) -> str:
         """A real model's emulated name: its architecture, read once from its registered file."""
         if record.uid not in self._shapes:
+            from mesh.engines.emulation import shape_name
             from mesh.modelfiles.shape import architecture_of
-            from mesh.node.emulation import shape_name
 
             try:
                 self._shapes[record.uid] = shape_name(architecture_of(record.path, record.uid))
@@ -285,7 +285,7 @@ class ModelCatalogue:
     def _profile(self, record: ModelRecord, kind: str, shape: DescribeReply) -> Any:
         """What the dispatcher plans the model's instances with: its calibration profile
         if there is one for this kind of node, else the prior the agents validate with."""
-        # an emulated model: its catalog profile on the node's device (mesh.node.emulation)
+        # an emulated model: its catalog profile on the node's device (mesh.engines.emulation)
         if shape.profile is not None:
             from mesh.perf.profile import profile_from_dict
 
@@ -301,7 +301,7 @@ class ModelCatalogue:
         """The model's calibration profile for `kind` nodes: `<dir>/<uid>.<kind>.json`,
         else `<dir>/<uid>.json`, whichever is a profile of that kind (a model that runs on
         both kinds has one per kind); None if neither is. An emulated model's is its catalog
-        name, which each agent resolves on the device it emulates (mesh.node.emulation)."""
+        name, which each agent resolves on the device it emulates (mesh.engines.emulation)."""
         model = self.models.get(model_uid)
         if model is not None and model.record.kind == EMULATED:
             return PROFILE_PREFIX + model.record.path

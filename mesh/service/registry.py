@@ -146,7 +146,7 @@ class ModelRecord:
     uid: str
     tenant: str
     name: str
-    kind: str  # "gguf", "ir", "hf", or "emulated" (path: the catalog name; mesh.node.emulation)
+    kind: str  # "gguf", "ir", "hf", or "emulated" (path: the catalog name; mesh.engines.emulation)
     path: str
     context_length: int
     slo: SLO

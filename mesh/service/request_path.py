@@ -34,12 +34,12 @@ from mesh.control.dispatcher import Dispatcher
 from mesh.control.supervisor import AgentHandle
 from mesh.engines.engine_api import EngineRequest
 from mesh.modelfiles.formats import ENGINE_FEATURES, engine_for, unhonoured
-from mesh.node.request import Outcome, ServedRequest
 from mesh.service.errors import bad_request, context_too_long, max_tokens_too_large, node_unavailable, overloaded
 from mesh.service.model_catalogue import DescribedModel, ModelCatalogue
 from mesh.service.preparation import FormatPreparer
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
 from mesh.wire.agent_protocol import Abort, Code, Tokenize
+from mesh.wire.served_request import Outcome, ServedRequest
 
 log = logging.getLogger("mesh.service.request_path")
 

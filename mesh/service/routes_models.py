@@ -26,7 +26,7 @@ nothing about the files of the allowed folder.
 POST /admin/tenants/{tenant}/models (admin token only) registers a model for the tenant: a
 path anywhere in the allowed folder (the operator's; relative to --allowed-dir), with the
 body of POST /v1/models, or an emulated model, on a service started with `mesh serve
---emulate` (mesh.node.emulation):
+--emulate` (mesh.engines.emulation):
     {"name": "f001", "emulate": "llama-2-7b",     # a catalog name: a model profiled on every emulated device
      "context_length": 2048, "slo": {...}}          # optional, as above (the window at most the profile's)
 It answers 201 with the model object, as POST /v1/models. Emulated models are the operator's:
@@ -187,7 +187,7 @@ async def register_for_tenant(request: web.Request) -> web.Response:
     name = _name(data.get("name"))
     if svc.registry.model(tenant, name) is not None:
         raise errors.conflict(f"Tenant {tenant} already has a model named '{name}'.", "name", "model_exists")
-    from mesh.node.emulation import emulated_profiles
+    from mesh.engines.emulation import emulated_profiles
 
     catalog = data.get("emulate")
     try:

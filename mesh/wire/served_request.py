@@ -1,4 +1,7 @@
-"""A request as the runtime serves it: what it asked for, and what happened to it."""
+"""A request as the runtime serves it: what it asked for, and what happened to it.
+
+The request record the control service hands a node (the object in process, an Admit entry
+through the agent protocol) and whose Outcome comes back (a done event); both sides read it."""
 from __future__ import annotations
 
 import math

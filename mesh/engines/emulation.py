@@ -35,11 +35,11 @@ from mesh.engines.emulated import EmulatedEngine, WallPace
 from mesh.engines.engine_api import EngineError
 from mesh.engines.simulated import SIMULATED_NOISE
 from mesh.modelfiles.shape import layers_and_hidden
-from mesh.node.runtime import NodeSpec
 from mesh.perf.load_times import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BYTES, PCIE_BYTES_PER_S, ColdStart
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile, ProfileError, catalog_models, catalog_profile, device_kind
 from mesh.perf.roofline import HARDWARE, Architecture, host_to_device_bytes_per_s, roofline_profile
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.placement import CPU
 
 ENGINE = "emulated"  # InstanceSpec.engine of an emulated instance
