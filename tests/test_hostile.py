@@ -515,12 +515,13 @@ class Http:
         from aiohttp import web
 
         from agent_doubles import InProcessAgent
-        from mesh.service.app import Service, build_app
+        from mesh.service.app import build_app
         from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
         from mesh.service.config import ServeConfig
         from mesh.service.limits import listen
         from mesh.service.prometheus import ServiceMetrics
         from mesh.service.registry import Registry
+        from mesh.service.service_state import Service
 
         cfg = ServeConfig(admin_token=ADMIN, allowed_dir=self.allowed, data_dir=self.tmp_path, **self.config)
         self.registry = Registry(self.tmp_path / "registry.sqlite3")

@@ -420,9 +420,10 @@ def test_the_model_views_show_each_kinds_format_and_scale_takes_either_kind(tmp_
     import aiohttp
     from aiohttp.test_utils import TestServer
 
-    from mesh.service.app import Service, build_app
+    from mesh.service.app import build_app
     from mesh.service.config import ServeConfig
     from mesh.service.prometheus import ServiceMetrics
+    from mesh.service.service_state import Service
 
     allowed = tmp_path / "allowed"
     (allowed / "acme").mkdir(parents=True)  # the tenant's folder: its paths are relative to it

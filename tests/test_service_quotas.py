@@ -24,11 +24,12 @@ from mesh.policy.quota import (
     rate_over,
     registration_over,
 )
-from mesh.service.app import Service, build_app
+from mesh.service.app import build_app
 from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
 from mesh.service.config import ConfigError, ServeConfig, build_config
 from mesh.service.prometheus import ServiceMetrics
 from mesh.service.registry import Registry
+from mesh.service.service_state import Service
 
 ADMIN = "admin-secret"
 METRICS = "metrics-secret"

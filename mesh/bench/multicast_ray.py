@@ -101,7 +101,7 @@ def run(receivers: int = 3, size_mb: float = 128, block_mb: float = 4, address: 
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # read when ray is imported: keep it on 127.0.0.1
     import ray
 
-    from mesh.bench.weights_multicast import write_random_model
+    from mesh.bench.random_model import write_random_model
 
     if receivers < 1 or size_mb <= 0 or block_mb <= 0 or repeat < 1 or bw_repeats < 1:
         raise ValueError("--receivers, --size-mb, --block-mb, --repeat and --bw-repeats must be positive")

@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-import numpy as np
-
+from mesh.bench.random_model import write_random_model
 from mesh.bench.report import write_json
 from mesh.perf.load_times import CostModel, schedule
 from mesh.policy.multicast import PLANS, make_plan, naive
@@ -46,16 +45,6 @@ def process_cpu_s(pid: int) -> float:
     except OSError:
         return 0.0
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
-
-
-def write_random_model(path: Path, size_bytes: int, seed: int = 0) -> None:
-    rng = np.random.default_rng(seed)
-    with path.open("wb") as f:
-        left = size_bytes
-        while left:
-            n = min(left, 64 << 20)
-            f.write(rng.bytes(n))
-            left -= n
 
 
 async def _bench(receivers: int, size_mb: float, plans: Sequence[str], block_mb: float, link_mbps: float | None,

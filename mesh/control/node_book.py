@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Callable, Protocol
 
 from mesh.control.cluster_node import ENGINE_HUNG
 from mesh.engines.engine_api import FinishReason
@@ -28,8 +28,17 @@ from mesh.policy.kv_demand import RunningMean
 from mesh.wire.agent_protocol import DoneEvent, EvictedEvent, InstanceEvent, Progress, TokensEvent
 from mesh.wire.served_request import Outcome, ServedRequest
 
-if TYPE_CHECKING:
-    from mesh.control.agent_node import AgentNode
+
+class BookedNode(Protocol):
+    """What the book reads of the node it keeps (an AgentNode): its id, and whom its events reach."""
+
+    @property
+    def node_id(self) -> str: ...
+
+    on_evict: Callable[[ServedRequest], None] | None
+    on_loaded: Callable[[str], None] | None
+    on_instance_gone: Callable[[str], None] | None
+    on_instance_stopped: Callable[[str, str], None] | None
 
 
 @dataclass(eq=False)
@@ -48,7 +57,7 @@ class AgentInstance:
 
 
 class NodeBook:
-    def __init__(self, node: "AgentNode") -> None:
+    def __init__(self, node: BookedNode) -> None:
         self.node = node
         self.instances: dict[str, AgentInstance] = {}
         self.means: dict[str, RunningMean] = {}  # O_avg per model: the cluster's, shared by every node (6.1)

@@ -17,7 +17,6 @@ from mesh.wire.served_request import ServedRequest
 
 if TYPE_CHECKING:
     from mesh.node.memory_operations import NodeInstance
-    from mesh.policy.admission import InstancePlan
 
 
 class ShadowAdmission:

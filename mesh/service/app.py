@@ -1,4 +1,5 @@
-"""The control service: aiohttp app, its shared state, and `run_service` (what `mesh serve` runs).
+"""The control service: aiohttp app and `run_service` (what `mesh serve` runs); the state its
+routes share is mesh.service.service_state.
 
 Routes: mesh.service.routes_openai (serving), routes_models (tenants' models), routes_admin
 (operators), plus /healthz and /metrics here. One middleware turns every error into the
@@ -24,29 +25,25 @@ import signal
 import ssl
 import sys
 import threading
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Awaitable, Callable
 
 from aiohttp import web
 
-from mesh.control.latency import LoopLagProbe
 from mesh.service import errors
-from mesh.service.auth import admin_token_ok, bearer_token, hash_key
-from mesh.service.cluster_placement import Placement
+from mesh.service.auth import admin_token_ok, bearer_token
 from mesh.service.config import ServeConfig
 from mesh.service.errors import ApiError
-from mesh.service.limits import HttpLimits, listen
+from mesh.service.limits import listen
 from mesh.service.prometheus import CONTENT_TYPE, ServiceMetrics
-from mesh.service.quotas import Quotas
 from mesh.service.registry import Registry
+from mesh.service.service_state import ARRIVAL, SERVICE, Service, service_of
 
 if TYPE_CHECKING:
     from mesh.policy.node_spec import NodeSpec
 
 log = logging.getLogger("mesh.service")
 
-ARRIVAL = "mesh_arrival_s"
 # The stop after the drain, step by step (_stop_step): each gets this long, then the next
 # runs; node agents still running then are killed. HTTP: aiohttp's own close waits up to its
 # shutdown_timeout twice (for a handler to finish, then for it to end once cancelled); the
@@ -61,63 +58,6 @@ CANCEL_GRACE_S = 1.0  # a step that overran: how long its cancellation may take 
 # read as an operator's second and third signal (skip the drain, cut the stop).
 SIGNAL_BURST_S = 0.5
 UNGUARDED = ("/healthz", "/health", "/metrics")
-
-
-@dataclass
-class Service:
-    config: ServeConfig
-    registry: Registry
-    placement: Placement
-    metrics: ServiceMetrics
-    data_dir: Path
-    wall_offset: float = 0.0  # unix time = loop.time() + wall_offset
-    draining: bool = False
-    generating: int = 0  # open generation requests (what shutdown drains)
-    idle: asyncio.Event = field(default_factory=asyncio.Event)
-    quotas: Quotas = field(init=False)
-    limits: HttpLimits = field(init=False)
-    uploading: dict[str, int] = field(default_factory=dict)  # tenant -> uploads it streams now
-    loop_lag: LoopLagProbe = field(default_factory=LoopLagProbe)  # the event loop's lag (run_service starts it)
-
-    def __post_init__(self) -> None:
-        self.quotas = Quotas(self.registry, self.config.default_quota)
-        c = self.config
-        self.limits = HttpLimits(head_timeout_s=c.http_head_timeout_s, body_timeout_s=c.http_body_timeout_s,
-                                 max_connections=c.max_connections,
-                                 max_connections_per_client=c.max_connections_per_client)
-
-    def unix_now(self) -> int:
-        return int(asyncio.get_running_loop().time() + self.wall_offset)
-
-    def tenant_of(self, request: web.Request) -> str:
-        """The caller's tenant from its API key; 401 otherwise."""
-        token = bearer_token(request.headers.get("Authorization"))
-        if token is None:
-            raise errors.unauthorized()
-        tenant = self.registry.tenant_for_key_hash(hash_key(token))
-        if tenant is None:
-            raise errors.unauthorized()
-        return tenant
-
-    def require_admin(self, request: web.Request) -> None:
-        if not admin_token_ok(bearer_token(request.headers.get("Authorization")), self.config.admin_token):
-            raise errors.admin_unauthorized()
-
-    def begin_generation(self) -> None:
-        self.generating += 1
-        self.idle.clear()
-
-    def end_generation(self) -> None:
-        self.generating -= 1
-        if self.generating == 0:
-            self.idle.set()
-
-
-SERVICE = web.AppKey("service", Service)
-
-
-def service_of(request: web.Request) -> Service:
-    return request.app[SERVICE]
 
 
 @web.middleware

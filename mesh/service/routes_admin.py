@@ -34,12 +34,12 @@ from aiohttp import web
 from mesh.policy.placement import ADMISSIONS
 from mesh.policy.quota import QuotaValueError, check_overrides
 from mesh.service import errors
-from mesh.service.app import Service, service_of
 from mesh.service.auth import new_api_key
 from mesh.service.registry import RegistryError
 from mesh.service.routes_learnt import learnt_view
 from mesh.service.routes_models import forget_files, model_object
 from mesh.service.schema import parse_json
+from mesh.service.service_state import Service, service_of
 
 
 def add_routes(app: web.Application) -> None:

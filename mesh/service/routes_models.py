@@ -50,9 +50,9 @@ from mesh.modelfiles.sources import SourceError, SourceInfo, SourceNotFound, ins
 from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES, SERVE_LATE
 from mesh.policy.slo import SLO
 from mesh.service import errors
-from mesh.service.app import Service, service_of
 from mesh.service.limits import body_chunks, read_json, refuse_encoded, refuse_mid_body
 from mesh.service.registry import MODEL_NAME, ModelRecord, Registry, RegistryError, new_model_uid
+from mesh.service.service_state import Service, service_of
 from mesh.service.uploads import receive_upload
 
 MIN_CONTEXT = 16

@@ -23,11 +23,11 @@ from mesh.engines.engine_api import Sampling
 from mesh.framing import bounded_int, not_a_number
 from mesh.modelfiles.sampling import resolve as resolve_sampling
 from mesh.service import errors
-from mesh.service.app import ARRIVAL, Service, service_of
 from mesh.service.errors import ApiError
 from mesh.service.limits import THREAD_PARSE_BYTES, read_body
 from mesh.service.registry import ModelRecord
 from mesh.service.schema import GenerationRequest, parse_chat, parse_completion, parse_json
+from mesh.service.service_state import ARRIVAL, Service, service_of
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
