@@ -8,8 +8,8 @@ other (the base's few modules; the command line and the benchmarks it runs), but
 cycle within a package. The control service and the node agent share their vocabulary
 through the layers below both, never each other's modules (APART).
 
-Every file is parsed once per session (`scanned`), with the collector paused once around
-the lot: the layer tests cost the same wherever the suite's heap stands.
+Every file is parsed once per session (`scanned`), with the collector paused around the lot
+and never run by hand: the layer tests cost the same wherever the suite's heap stands.
 """
 from __future__ import annotations
 
@@ -61,7 +61,9 @@ def layer_of(module: str) -> int | None:
     return found
 
 
+@functools.cache
 def modules() -> dict[str, Path]:
+    """Every module of PACKAGES by name, and its file (read once per session)."""
     found = {}
     for package in PACKAGES:
         for path in sorted((ROOT / package).rglob("*.py")):
@@ -80,58 +82,52 @@ def parse(path: Path) -> ast.Module:
     return ast.parse(path.read_text(), filename=str(path))
 
 
-def imports(module: str, path: Path, tree: ast.Module) -> list[tuple[int, str]]:
-    """(line, imported module) for every import of one of PACKAGES in the file."""
-    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
-    out = []
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            out += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                target = ".".join(base + ([node.module] if node.module else []))
-            else:
-                target = node.module or ""
-            out.append((node.lineno, target))
-            # `from mesh.replay import driver`: the submodule, where it is one
-            out += [(node.lineno, f"{target}.{alias.name}") for alias in node.names
-                    if (ROOT / Path(*target.split("."), alias.name)).with_suffix(".py").exists()
-                    or (ROOT / Path(*target.split("."), alias.name, "__init__.py")).exists()]
-    return [(line, name) for line, name in out if name.split(".")[0] in PACKAGES]
-
-
-def sizes(tree: ast.Module) -> list[tuple[int, str, str, int]]:
-    """(line, "class" or "function", name, lines) of every class and function in the file."""
-    found = []
-    for node in ast.walk(tree):
-        if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-            kind = "class" if isinstance(node, ast.ClassDef) else "function"
-            found.append((node.lineno, kind, node.name, (node.end_lineno or node.lineno) - node.lineno + 1))
-    return found
+def imported(node: ast.Import | ast.ImportFrom, package: str) -> list[str]:
+    """The modules one import statement in `package` names, and the submodules it names
+    (`from mesh.replay import driver`)."""
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names]
+    if node.level:
+        base = package.split(".")[: len(package.split(".")) - node.level + 1]
+        target = ".".join(base + ([node.module] if node.module else []))
+    else:
+        target = node.module or ""
+    return [target] + [f"{target}.{alias.name}" for alias in node.names
+                       if (ROOT / Path(*target.split("."), alias.name)).with_suffix(".py").exists()
+                       or (ROOT / Path(*target.split("."), alias.name, "__init__.py")).exists()]
 
 
 @dataclass(frozen=True)
 class Scanned:
-    """What the layer tests read of one module: its file, its imports and its definitions' sizes."""
+    """What the layer tests read of one module: its file, its imports of PACKAGES (line,
+    module) and its classes' and functions' sizes (line, "class" or "function", name, lines)."""
 
     path: Path
     imports: list[tuple[int, str]]
     sizes: list[tuple[int, str, str, int]]
 
 
+def scan(module: str, path: Path) -> Scanned:
+    """One walk over the file's tree (call it with the collector paused: parse)."""
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    imports, sizes = [], []
+    for node in ast.walk(parse(path)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            imports += [(node.lineno, name) for name in imported(node, package) if name.split(".")[0] in PACKAGES]
+        elif isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+            kind = "class" if isinstance(node, ast.ClassDef) else "function"
+            sizes.append((node.lineno, kind, node.name, (node.end_lineno or node.lineno) - node.lineno + 1))
+    return Scanned(path, imports, sizes)
+
+
 @functools.cache
 def scanned() -> dict[str, Scanned]:
-    """Every module, parsed once, with the collector paused around all of them (parse): one
-    collection first, where one per file cost a second each late in a full suite."""
-    gc.collect()
+    """Every module, parsed once, with the collector paused around all of them (parse). No
+    collection first: a full collection per file, on the heap a long suite has built by then,
+    was what made the layer tests take a minute each."""
     gc.disable()
     try:
-        out = {}
-        for module, path in modules().items():
-            tree = parse(path)
-            out[module] = Scanned(path, imports(module, path, tree), sizes(tree))
-        return out
+        return {module: scan(module, path) for module, path in modules().items()}
     finally:
         gc.enable()
 
