@@ -16,6 +16,7 @@ from __future__ import annotations
 import ast
 import functools
 import gc
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -287,6 +288,40 @@ def test_a_package_no_layer_names_is_unplaced(module):
     """The base layer's `mesh` places the package's `__init__` only: a new `mesh.x` fails
     `test_every_module_has_a_layer` until it is placed on purpose."""
     assert layer_of(module) is None
+
+
+# The vocabulary both sides speak, and its one home: imported from anywhere else, through a
+# module that merely imports it too, a noun would have two homes again.
+SHARED_NOUNS = {
+    "NodeSpec": "mesh.policy.node_spec", "InstancePlan": "mesh.policy.admission", "Admission": "mesh.policy.admission",
+    "ServedRequest": "mesh.wire.served_request", "Outcome": "mesh.wire.served_request",
+}
+FROM_IMPORT = re.compile(r"^\s*from\s+([\w.]+)\s+import\s+(\([^)]*\)|[^\n]*)", re.MULTILINE)
+
+
+def imports_of_a_noun_away_from_its_home(files: dict[str, str]) -> list[str]:
+    """`file: noun from module, not its home` for each such import in `files` (name -> text)."""
+    found = []
+    for name, text in files.items():
+        for match in FROM_IMPORT.finditer(text):
+            names = {part.split(" as ")[0].strip() for part in match.group(2).split("#")[0].strip("()").split(",")}
+            for noun in sorted(names & set(SHARED_NOUNS)):
+                if match.group(1) != SHARED_NOUNS[noun]:
+                    found.append(f"{name}: {noun} from {match.group(1)}, not {SHARED_NOUNS[noun]}")
+    return found
+
+
+def test_the_shared_nouns_are_imported_from_their_home_only():
+    paths = [*modules().values(), *sorted((ROOT / "tests").glob("*.py"))]
+    found = imports_of_a_noun_away_from_its_home({str(p.relative_to(ROOT)): p.read_text() for p in paths})
+    assert not found, "\n".join(found)
+
+
+def test_an_import_of_a_noun_from_elsewhere_is_found():
+    text = ("from mesh.node.runtime import (\n    NodeRuntime,\n    NodeSpec as Spec,\n)\n"
+            "from mesh.policy.admission import Admission  # its home\n")
+    assert imports_of_a_noun_away_from_its_home({"x.py": text}) == [
+        "x.py: NodeSpec from mesh.node.runtime, not mesh.policy.node_spec"]
 
 
 def test_no_two_modules_share_a_file_name():
