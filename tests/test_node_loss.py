@@ -250,6 +250,35 @@ def test_a_lost_request_no_node_takes_in_time_ends_with_one_error_event():
     asyncio.run(main())
 
 
+def test_a_deleted_models_slow_unload_is_its_state_until_it_ends_and_then_nothing_is_left(monkeypatch):
+    """A deleted model's instance takes 1.5 s to unload (its turn among a loaded node's memory
+    operations, its worker parked as it ends): meanwhile the agent counts it as holding the
+    model, and the forget waits for it, so nothing of the model is left after."""
+    from mesh.engines.simulated import SimulatedEngine
+
+    async def slow_unload(self):
+        await asyncio.sleep(1.5)
+        self._kv_capacity = 0
+
+    monkeypatch.setattr(SimulatedEngine, "unload", slow_unload)
+
+    async def main():
+        p = await started(1)
+        m = model()
+        reader = Reader(await p.submit(job("r0", m, max_tokens=5)))
+        await asyncio.wait_for(reader.task, 10.0)
+        fronts = p.agents["cpu-0"].server.models
+        forgotten = asyncio.Event()
+        await p.forget_model(m.uid, forgotten.set)
+        await until(lambda: fronts.host.node._unloading, 5.0)
+        assert m.uid in fronts.models_known()
+        await asyncio.wait_for(forgotten.wait(), 10.0)
+        assert fronts.models_known() == [] and not fronts.host.node._unloading
+        await p.stop()
+
+    asyncio.run(main())
+
+
 def test_a_deleted_models_state_leaves_the_agents_only_after_its_arriving_requests():
     """A request between its arrival and the dispatcher (described, tokenized on an agent)
     may touch the agent's state of its model: a deletion meanwhile completes (its state
