@@ -38,7 +38,7 @@ SAMPLES: dict[str, Any] = {
                                  messages=[{"role": "user", "content": "hi"}]),
     "describe": ap.Describe("u", "/p"),
     "describe_full": ap.Describe("u", "/p", "vllm", 512, 8, True),
-    "admit": ap.Admit([ENTRY, ap.AdmitEntry("r2", "i1", [1], Sampling(max_tokens=1), 0.0)]),
+    "admit": ap.Admit([ENTRY, ap.AdmitEntry("r2", "i1", [1], Sampling(max_tokens=1), 0.0, prompt_len=1)]),
     "validate": ap.Validate("i1", PROBE, ["i2", "i3"]),
     "validate_plain": ap.Validate("i1", ap.Probe("r", 1, 1, 0.0)),
     "validate_group": ap.ValidateGroup("i1", [PROBE, PROBE]),
