@@ -151,6 +151,10 @@ RECEIVED: dict[str, tuple[str, dict[str, Any]]] = {
 }
 
 
+# Where the declared codec reads a frame differently from the hand-written one, on purpose.
+CHANGED = {"node_bad": "ProtocolError: bad node event: stepping must be a string, got int"}
+
+
 def frame_of(message: Any) -> str:
     """The frame a sender writes for `message` (a reply as the reply to request 7), as text."""
     if isinstance(message, ap.Failure):
@@ -203,8 +207,9 @@ def test_a_sample_frame_reads_back_as_its_message(name: str) -> None:
 
 @pytest.mark.parametrize("name", sorted(RECEIVED))
 def test_a_received_frame_reads_as_before(name: str) -> None:
-    assert read(*RECEIVED[name]) == json.loads(GOLDEN.read_text())["received"][name]
+    expected = json.loads(GOLDEN.read_text())["received"][name]
+    assert read(*RECEIVED[name]) == CHANGED.get(name, expected)
 
 
-if __name__ == "__main__":  # rewrite the golden file from the codec as it is
+if __name__ == "__main__":  # the golden file as the codec writes it now (it was captured from the old one)
     GOLDEN.write_text(json.dumps(current(), indent=1, sort_keys=True) + "\n")
