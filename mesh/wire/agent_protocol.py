@@ -699,8 +699,9 @@ OmitText = Annotated[str | None, Wire(text_field, nullable=True, omit=True)]
 @dataclass(frozen=True, slots=True)
 class Tokenize(Request[TokenizeReply]):
     """A prompt's (or a conversation's) ids, with the tokenizer of a loaded instance
-    (`instance_id`) or, before any instance runs there, of the model at `path`. With a
-    `request_id`, an Abort of it cancels the job; `tenant` takes its turn in the queue."""
+    (`instance_id`) or, before any instance runs there, of the model at `path`. OpenVINO
+    prompts wait in the agent's tokenizer queue, which takes the tenants in turn; an Abort
+    of `request_id` cancels the job (dropped from the queue, or its ids discarded)."""
 
     T: ClassVar[str] = "tokenize"
     REPLY: ClassVar[Any] = TokenizeReply
@@ -782,7 +783,7 @@ class TakeBack(Request[Progress]):
 @dataclass(frozen=True, slots=True)
 class Abort(Request[Ack]):
     """End a request (failed; a `done` event follows), or cancel its tokenize still under
-    way. Sent without an id: no reply (with one, an empty one)."""
+    way (that tokenize fails, no `done`). Sent without an id: no reply (with one, an empty one)."""
 
     T: ClassVar[str] = "abort"
     REPLY: ClassVar[Any] = Ack
@@ -791,7 +792,9 @@ class Abort(Request[Ack]):
 
 @dataclass(frozen=True, slots=True)
 class Stats(Request[StatsReply]):
-    """The node's state."""
+    """The node's state: its instances (batch, pending, idle time, KV budget / in use /
+    allocated, weights, time factors), memory (capacity, budget, pessimistic, free, waiting
+    operations), queue, busy time and iterations."""
 
     T: ClassVar[str] = "stats"
     REPLY: ClassVar[Any] = StatsReply

@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
-from typing import Any, Callable, ClassVar, Iterator, Mapping, TypeVar, get_type_hints
+from typing import Any, Callable, ClassVar, Iterator, Mapping, TypeVar, get_args, get_origin, get_type_hints
 
 from mesh.framing import ProtocolError
 
@@ -30,15 +30,18 @@ class Wire:
     omit: bool = False  # left out of the frame while it holds its default
     inline: bool = False  # a Declared value whose fields are written among the message's own
     absent: Any = NOTHING  # what a field with no default reads as when null or absent
+    holds: type | None = None  # the Declared type the field holds (one, or a list of them)
 
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """A declared field: its name, its Wire and its default (NOTHING: none)."""
+    """A declared field: its name, its Wire, its default (NOTHING: none) and whether it
+    holds a list."""
 
     name: str
     wire: Wire
     default: Any
+    many: bool = False
 
     @property
     def required(self) -> bool:
@@ -72,7 +75,7 @@ def declared_fields(cls: type) -> tuple[FieldSpec, ...]:
             raise TypeError(f"{cls.__name__}.{f.name} has no Wire annotation")
         default = f.default if f.default_factory is MISSING else f.default_factory()  # type: ignore[misc]
         default = NOTHING if default is MISSING else default
-        out.append(FieldSpec(f.name, wire, default))
+        out.append(FieldSpec(f.name, wire, default, get_origin(get_args(hints[f.name])[0]) is list))
     return tuple(out)
 
 
@@ -138,7 +141,7 @@ class Declared:
 
 def nested(kind: type[Declared], **options: Any) -> Wire:
     """A field holding one `kind` (its own decode errors name it)."""
-    return Wire(lambda value, name: kind.from_fields(value), **options)
+    return Wire(lambda value, name: kind.from_fields(value), holds=kind, **options)
 
 
 def listed(parse: Callable[[Any, str], Any], item: str) -> Callable[[Any, str], list[Any]]:
@@ -152,4 +155,4 @@ def listed(parse: Callable[[Any, str], Any], item: str) -> Callable[[Any, str], 
 
 def nested_list(kind: type[Declared], **options: Any) -> Wire:
     """A field holding a list of `kind`."""
-    return Wire(listed(lambda value, name: kind.from_fields(value), kind.what()), **options)
+    return Wire(listed(lambda value, name: kind.from_fields(value), kind.what()), holds=kind, **options)
