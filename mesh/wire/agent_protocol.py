@@ -605,17 +605,17 @@ class NewInstance(Declared):
 R = TypeVar("R")
 
 
-class Request(Declared, Generic[R]):
-    """A message the control service sends an agent: its type `T` and the type of its reply
-    (`REPLY`); `to_message()` writes it, `request_from_message` reads it back."""
+class Typed(Declared):
+    """A message that travels in a frame of its own, under its type `T`: `to_message()`
+    writes that frame, `from_message()` reads it back."""
 
     __slots__ = ()
     T: ClassVar[str]
-    REPLY: ClassVar[Any]
+    KIND: ClassVar[str]  # how an error names it after its type: "message", "event"
 
     @classmethod
     def what(cls) -> str:
-        return f"{cls.T} message"
+        return f"{cls.T} {cls.KIND}"
 
     def to_message(self) -> dict[str, Any]:
         return {TYPE_KEY: self.T, **self.to_fields()}
@@ -623,6 +623,15 @@ class Request(Declared, Generic[R]):
     @classmethod
     def from_message(cls, m: Mapping[str, Any]) -> Any:
         return cls.from_fields(m)
+
+
+class Request(Typed, Generic[R]):
+    """A message the control service sends an agent, with the type of its reply (`REPLY`);
+    request_from_message reads one back."""
+
+    __slots__ = ()
+    KIND: ClassVar[str] = "message"
+    REPLY: ClassVar[Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -842,23 +851,11 @@ class Forget(Request[ForgetReply]):
 
 # ---- events: agent -> control --------------------------------------------------------------
 
-class AgentEvent(Declared):
-    """A message the agent sends on its own: its type `T`; `to_message()` writes it,
-    `event_from_message` reads it back."""
+class AgentEvent(Typed):
+    """A message the agent sends on its own; event_from_message reads one back."""
 
     __slots__ = ()
-    T: ClassVar[str]
-
-    @classmethod
-    def what(cls) -> str:
-        return f"{cls.T} event"
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, **self.to_fields()}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> Any:
-        return cls.from_fields(m)
+    KIND: ClassVar[str] = "event"
 
 
 @dataclass(frozen=True, slots=True)
