@@ -9,7 +9,6 @@ neither is required. Adding a field to a message is adding its line.
 """
 from __future__ import annotations
 
-import functools
 from contextlib import contextmanager
 from dataclasses import MISSING, dataclass, fields
 from typing import Any, Callable, ClassVar, Iterator, Mapping, TypeVar, get_args, get_origin, get_type_hints
@@ -64,9 +63,18 @@ class FieldSpec:
         return self.wire.parse(raw, self.name)
 
 
-@functools.cache
+_FIELDS: dict[type, tuple[FieldSpec, ...]] = {}
+
+
 def declared_fields(cls: type) -> tuple[FieldSpec, ...]:
-    """The fields of a Declared class, in order, with their Wires."""
+    """The fields of a Declared class, in order, with their Wires (read once per class)."""
+    found = _FIELDS.get(cls)
+    if found is None:
+        found = _FIELDS[cls] = _read_fields(cls)
+    return found
+
+
+def _read_fields(cls: type) -> tuple[FieldSpec, ...]:
     hints = get_type_hints(cls, include_extras=True)
     out = []
     for f in fields(cls):
