@@ -334,6 +334,10 @@ def _tokens_items(value: Any, name: str) -> list[Any]:
     return items
 
 
+def _tokens_dump(items: list[Any]) -> list[list[Any]]:
+    return [list(item) for item in items]
+
+
 # The field kinds messages are declared with.
 Text = Annotated[str, Wire(text_field)]
 OptText = Annotated[str | None, Wire(text_field, nullable=True)]
@@ -865,7 +869,7 @@ class TokensEvent(AgentEvent):
     asked for them (a fourth element)."""
 
     T: ClassVar[str] = "tokens"
-    items: Annotated[list[Any], Wire(_tokens_items)]
+    items: Annotated[list[Any], Wire(_tokens_items, dump=_tokens_dump)]
 
 
 @dataclass(frozen=True, slots=True)

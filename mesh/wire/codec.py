@@ -91,7 +91,9 @@ def plain(value: Any) -> Any:
     """A value as JSON holds it: a Declared value as its fields, containers copied."""
     if isinstance(value, Declared):
         return value.to_fields()
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)):  # a list holds one kind of item: a list of scalars is copied whole
+        if not value or not isinstance(value[0], (Declared, list, tuple, dict)):
+            return list(value)
         return [plain(v) for v in value]
     if isinstance(value, dict):
         return {k: plain(v) for k, v in value.items()}
