@@ -83,7 +83,7 @@ MESSAGES: dict[type, Any] = {
         ap.NewInstance, text, text, nbytes, nbytes, positive, st.integers(1, ap.MAX_BATCH), slo, seconds,
         st.none() | text, mean_output), st.lists(probe, max_size=3)),
     ap.TakeBack: st.builds(ap.TakeBack, text, name),
-    ap.Abort: st.builds(ap.Abort, text, text),
+    ap.Abort: st.builds(ap.Abort, text),
     ap.WeightsPath: st.builds(ap.WeightsPath, text, text, st.none() | view),
     ap.WeightsDrop: st.builds(ap.WeightsDrop, text),
     ap.Forget: st.builds(ap.Forget, text),

@@ -801,7 +801,6 @@ class Abort(Request[Ack]):
     T: ClassVar[str] = "abort"
     REPLY: ClassVar[Any] = Ack
     request_id: Text
-    why: Annotated[str, Wire(text_field, omit=True)] = ""  # shown in the request's `done` detail
 
 
 @dataclass(frozen=True, slots=True)
