@@ -82,3 +82,11 @@ def test_an_admit_entry_reads_back_and_checks_where_its_prompt_ends():
 def test_a_malformed_event_is_a_protocol_error(message, match):
     with pytest.raises(ProtocolError, match=match):
         event_from_message(message)
+
+
+def test_a_default_read_from_the_wire_is_each_message_own():
+    """A list or dict a missing field reads as is made afresh for each message: one receiver
+    changing its message's leaves every other message's as it was."""
+    first = Progress.from_fields({"request_id": "r1"})
+    first.token_ids.append(7)
+    assert Progress.from_fields({"request_id": "r2"}).token_ids == []

@@ -34,13 +34,17 @@ class Wire:
 
 @dataclass(frozen=True)
 class FieldSpec:
-    """A declared field: its name, its Wire, its default (NOTHING: none) and whether it
-    holds a list."""
+    """A declared field: its name, its Wire, its default (NOTHING: none; a factory makes a
+    fresh one for each message) and whether it holds a list."""
 
     name: str
     wire: Wire
     default: Any
+    factory: Callable[[], Any] | None = None
     many: bool = False
+
+    def fresh_default(self) -> Any:
+        return self.default if self.factory is None else self.factory()
 
     @property
     def required(self) -> bool:
@@ -55,7 +59,7 @@ class FieldSpec:
             if self.wire.nullable:
                 return None
             if self.default is not NOTHING:
-                return self.default
+                return self.fresh_default()
             if self.wire.absent is not NOTHING:
                 return self.wire.absent
             if self.name not in m:
@@ -81,9 +85,10 @@ def _read_fields(cls: type) -> tuple[FieldSpec, ...]:
         wire = next((w for w in getattr(hints[f.name], "__metadata__", ()) if isinstance(w, Wire)), None)
         if wire is None:
             raise TypeError(f"{cls.__name__}.{f.name} has no Wire annotation")
-        default = f.default if f.default_factory is MISSING else f.default_factory()  # type: ignore[misc]
-        default = NOTHING if default is MISSING else default
-        out.append(FieldSpec(f.name, wire, default, get_origin(get_args(hints[f.name])[0]) is list))
+        factory = None if f.default_factory is MISSING else f.default_factory
+        default = f.default if factory is None else factory()
+        out.append(FieldSpec(f.name, wire, NOTHING if default is MISSING else default, factory,
+                             get_origin(get_args(hints[f.name])[0]) is list))
     return tuple(out)
 
 
@@ -128,7 +133,7 @@ class Declared:
         out: dict[str, Any] = {}
         for f in declared_fields(type(self)):
             value = getattr(self, f.name)
-            if f.wire.omit and value == f.default:
+            if f.wire.omit and value == f.fresh_default():
                 continue
             value = f.wire.dump(value) if f.wire.dump is not None else plain(value)
             if f.wire.inline:
