@@ -43,7 +43,6 @@ from mesh.policy.placement import (
     GPU,
     MAX_WARMING_PER_MODEL,
     SERVE_LATE,
-    InstanceView,
     candidate_order,
     concurrency_target,
     new_instance_order,
@@ -160,9 +159,10 @@ class MeshScheduler(Scheduler):
         if candidates and await self.commit(Placement(req, tuple(candidates))):
             return True
         if self.spec.defrag and self.spec.share and views:
-            preemption = await self._answer(self._plan_preemption(req, views, by_id))
-            if preemption is not None:
-                return await self.commit(preemption) or await self._scale_out(req, now)
+            preemption = await self._answer(self.plan_preemption(req, refs))
+            # a preemption that did not place it after all: a new instance anywhere, then as below
+            if preemption is not None and (await self.commit(preemption) or await self._scale_out(req, now)):
+                return True
         return await self._scale_out(req, now, avoid)
 
     async def _answer(self, planning: Planning[T]) -> T:
@@ -180,14 +180,14 @@ class MeshScheduler(Scheduler):
         """A new instance that serves `req` in time; else a warm-up for the requests to come,
         and `req` served late if its model's choice says so."""
         exclude = self.cluster.hosts(req.model) | avoid
-        home = await self._answer(self._plan_new_home(req.model, (req,), (req.tokens_out,), exclude))
+        home = await self._answer(self.plan_new_home(req.model, (req,), (req.tokens_out,), exclude))
         if home is not None:
             return await self.commit(ScaleOut(home, (req,)))
         await self._warm_up(req, exclude, now)
-        late = self._plan_serve_late(req, avoid, now)
+        late = self.plan_serve_late(req, avoid, now)
         return late is not None and await self.commit(late)
 
-    def _plan_serve_late(self, req: ServedRequest, avoid: frozenset[str], now: float) -> Placement | None:
+    def plan_serve_late(self, req: ServedRequest, avoid: frozenset[str], now: float) -> Placement | None:
         """Its model cold (an instance of it loading, none that could make its TTFT) and its
         choice SERVE_LATE (placement): admit a fresh request on the loading instance ready
         first, its deadlines moved to that instance's predicted ready time (now, if the load
@@ -223,10 +223,10 @@ class MeshScheduler(Scheduler):
 
     async def _warm_up(self, req: ServedRequest, exclude: set[str], now: float) -> None:
         """No new instance would serve `req` in time: start one anyway, holding no request
-        (`_plan_warm_up`), on the first node in `_warm_up_order` whose memory takes it."""
+        (`plan_warm_up`), on the first node in `_warm_up_order` whose memory takes it."""
         nodes = self._warm_up_order(req.model, exclude)
         while nodes:
-            plan = await self._answer(self._plan_warm_up(req, nodes, now))
+            plan = await self._answer(self.plan_warm_up(req, nodes, now))
             if plan is None or await self.commit(plan):
                 return
             nodes = nodes[nodes.index(plan.home.node) + 1:]
@@ -239,7 +239,7 @@ class MeshScheduler(Scheduler):
             holding=self.cluster.holding(model))]
         return sorted(order, key=lambda n: self.cluster.load_wait_s(n) + self.cluster.transfer_s(model, n))
 
-    def _plan_warm_up(self, req: ServedRequest, nodes: list[ClusterNode], now: float) -> Planning[ScaleOut | None]:
+    def plan_warm_up(self, req: ServedRequest, nodes: list[ClusterNode], now: float) -> Planning[ScaleOut | None]:
         """A warm-up on the first of `nodes` where a new instance would serve `req` if it were
         already loaded, when placement.warm_up_allowed says so (the cold start is longer than
         any request of this prompt length could wait, it is the only obstacle, and no other
@@ -278,7 +278,7 @@ class MeshScheduler(Scheduler):
             return ScaleOut(Home(node, plan=plan))
         return None
 
-    def _plan_new_home(self, model: str, reqs: tuple[ServedRequest, ...], done: tuple[int, ...],
+    def plan_new_home(self, model: str, reqs: tuple[ServedRequest, ...], done: tuple[int, ...],
                        exclude: set[str]) -> Planning[Home | None]:
         """The first node (placement.new_instance_order) where a new instance of `model`
         would serve all of `reqs` within SLO, counting its cold start."""
@@ -294,11 +294,11 @@ class MeshScheduler(Scheduler):
         return None
 
     # -- proactive defragmentation (7.1) --------------------------------------------------
-    def _plan_preemption(self, req: ServedRequest, views: list[InstanceView],
-                         by_id: dict[str, InstanceRef]) -> Planning[Preemption | None]:
-        """Fit `req` into one of its model's instances by preempting lower-batch neighbours
-        (lowest first), only if the preempted requests validate where they would go."""
-        for x in candidate_order(views):
+    def plan_preemption(self, req: ServedRequest, refs: list[InstanceRef]) -> Planning[Preemption | None]:
+        """Fit `req` into one of its model's instances `refs` by preempting lower-batch
+        neighbours (lowest first), only if the preempted requests validate where they would go."""
+        by_id = {r.instance_id: r for r in refs}
+        for x in candidate_order([r.view() for r in refs]):
             node = by_id[x.instance_id].node
             neighbours = [r.view() for r in self.cluster.instances_on(node)]
             # An instance in the middle of an iteration is not preempted (it is stopped).
@@ -313,7 +313,7 @@ class MeshScheduler(Scheduler):
                 yref = self.cluster.instance(y.instance_id)
                 group = tuple(yref.requests.values())
                 done = tuple(node.progress(q.request_id) for q in group)
-                home = yield from self._plan_home(y.model, group, done, used | unable_nodes(self.cluster.nodes, group))
+                home = yield from self.plan_home(y.model, group, done, used | unable_nodes(self.cluster.nodes, group))
                 if home is None:
                     continue
                 moves.append(Move(yref, group, done, home))
@@ -322,7 +322,7 @@ class MeshScheduler(Scheduler):
                     return Preemption(req, by_id[x.instance_id], tuple(moves))
         return None
 
-    def _plan_home(self, model: str, group: tuple[ServedRequest, ...], done: tuple[int, ...],
+    def plan_home(self, model: str, group: tuple[ServedRequest, ...], done: tuple[int, ...],
                    used: set[str]) -> Planning[Home | None]:
         """An instance of `model` on another node where all of `group` validate: an
         existing one (highest batch first), else a new one."""
@@ -331,7 +331,7 @@ class MeshScheduler(Scheduler):
             ref = refs[v.instance_id]
             if (yield FitsGroup(ref.node, v.instance_id, group, done)):
                 return Home(ref.node, ref=ref)
-        return (yield from self._plan_new_home(model, group, done, used | self.cluster.hosts(model)))
+        return (yield from self.plan_new_home(model, group, done, used | self.cluster.hosts(model)))
 
     # -- the commit step ------------------------------------------------------------------
     async def commit(self, plan: Plan) -> bool:
