@@ -6,7 +6,18 @@ from dataclasses import dataclass, field
 from cluster_doubles import config, request, spec
 from mesh.control.cluster_node import ClusterNode
 from mesh.control.cluster_view import ClusterView
-from mesh.control.plans import FitsGroup, FitsInstance, FitsNew, Home, Move, Preemption, answer_checks
+from mesh.control.plans import (
+    Admit,
+    FitsGroup,
+    FitsInstance,
+    FitsNew,
+    Home,
+    Move,
+    Placement,
+    Preemption,
+    ScaleOut,
+    answer_checks,
+)
 from mesh.control.schedulers import make_scheduler
 
 
@@ -130,6 +141,11 @@ def test_a_preemption_plan_names_its_moves_from_the_books_and_the_checks_answers
     assert [c.node.node_id for c in asked] == ["cpu0", "cpu1", "cpu0", "gpu0", "cpu0"]
     assert str(plan).startswith(f"place new on {x.instance_id}, preempting {y.instance_id} (1 requests) to "
                                 f"{a1.instance_id}; {z.instance_id} (2 requests) to new b@gpu0")
+    # every plan reads as one log line
+    new_b = second.home.plan.instance_id
+    assert str(ScaleOut(second.home, second.requests)) == f"start new {new_b} for z-0, z-1"
+    assert str(ScaleOut(second.home)) == f"warm up new {new_b}"
+    assert str(Placement(plan.request, (Admit(a1),))) == f"place new on the first of: {a1.instance_id}"
 
 
 def test_no_preemption_is_planned_when_preempting_every_lower_batch_neighbour_leaves_no_room():
