@@ -4,7 +4,7 @@ decided before anything changes, then carried out against the nodes by one commi
 A plan is made by a planning generator. It reads the cluster's books and yields each `Check`
 it needs, a shadow validation on one node that changes nothing (LLM-Mesh 5.3, 6.4); it is
 sent back whether the check passed, and returns its plan (or None). So planning awaits
-nothing: the scheduler asks the nodes, and a test answers from a table (`answer_checks`).
+nothing: the scheduler asks the nodes (`MeshScheduler._answer`), a test can answer from a table.
 
 - `Placement`: admit a request on the first of some instances that admits it. A node
   validates and admits in one step, so the plan is the order to try them in.
@@ -15,7 +15,7 @@ nothing: the scheduler asks the nodes, and a test answers from a table (`answer_
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Generator, TypeVar
+from typing import Generator, TypeVar
 
 from mesh.control.cluster_node import ClusterNode
 from mesh.control.cluster_view import InstanceRef
@@ -70,16 +70,6 @@ class FitsNew:
 
 Check = FitsInstance | FitsGroup | FitsNew
 Planning = Generator[Check, bool, T]  # yields checks, is sent whether each passed, returns a plan
-
-
-def answer_checks(planning: Planning[T], answer: Callable[[Check], bool]) -> T:
-    """Run a planning step with every check answered by `answer` (no node is asked)."""
-    try:
-        check = next(planning)
-        while True:
-            check = planning.send(answer(check))
-    except StopIteration as end:
-        return end.value
 
 
 @dataclass(frozen=True)
