@@ -244,3 +244,15 @@ def test_deep_nesting_on_the_wire_is_a_protocol_error() -> None:
     body = json.dumps({"id": 1, "t": "validate_group", "instance_id": "i", "requests": nested(300)}).encode()
     with pytest.raises(ProtocolError):
         request_from_message(decode_header(body, TYPE_KEY))
+
+
+def test_the_docs_table_is_the_declared_messages() -> None:
+    """docs/service.md's tables of the messages are what mesh.wire.protocol_table writes from
+    the declarations (`python -m mesh.wire.protocol_table docs/service.md` rewrites them)."""
+    from pathlib import Path
+
+    from mesh.wire.protocol_table import protocol_table, with_table
+
+    doc = (Path(__file__).parent.parent / "docs" / "service.md").read_text()
+    assert with_table(doc) == doc
+    assert "| `admit` | `requests` [{`request_id`, `instance_id`, `prompt_token_ids`, `sampling`" in protocol_table()

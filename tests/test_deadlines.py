@@ -301,3 +301,32 @@ def test_a_local_agent_process_runs_the_rule_it_is_given(rule):
         return stats["deadlines"], hello["deadlines"]
 
     assert asyncio.run(main()) == (rule, rule)
+
+
+# -- moved deadlines: a value passed, not a change to the request ---------------------------------
+def test_a_request_tried_with_moved_deadlines_keeps_them_only_once_admitted():
+    """A request that arrived 10 s ago can no longer make its TTFT (2 s) on its own deadlines.
+    Tried with deadlines still in the past it is refused and left as it was; tried with
+    deadlines from now (Deadlines.from_at_least) it is admitted and keeps them."""
+    async def main():
+        loop = asyncio.get_running_loop()
+        node = NodeRuntime(NodeSpec("n", "cpu", 10**9))
+        node.start()
+        times = LinearTimes(prefill_per_token=0.001, decode_base=0.05)
+        eng = SimulatedEngine("m", times, kv_bytes_per_token=1000, weight_bytes=10**6, context_window=4096)
+        node.start_instance("i", "m", eng, times, SLO(), RunningMean(8), 0.0)
+        await asyncio.sleep(10.0)
+        now = loop.time()
+        r = ServedRequest(EngineRequest("r", 100, Sampling(max_tokens=3), output_len=3), "m", now - 10.0, SLO())
+        own = node.try_admit("i", r)
+        still_late = node.try_admit("i", r, deadlines=r.deadlines.from_at_least(now - 5.0))
+        late_s_after_refusal = r.late_s
+        from_now = node.try_admit("i", r, deadlines=r.deadlines.from_at_least(now))
+        await asyncio.sleep(5.0)
+        await node.stop()
+        return r, own.ok, still_late.ok, late_s_after_refusal, from_now.ok
+
+    r, own, still_late, late_s_after_refusal, from_now = run_virtual(main())
+    assert not own and not still_late and late_s_after_refusal == 0.0
+    assert from_now and r.late_s == pytest.approx(10.0) and r.outcome is Outcome.COMPLETED
+    assert r.deadlines.start_s == pytest.approx(r.arrival_s + 10.0) and not r.slo_met  # judged from arrival

@@ -69,7 +69,7 @@ def test_highest_batch_first_among_a_models_instances(policy, expected):
         cluster, d = await build(policy, {"m": "llama-2-7b"}, config(cpu=2, gpu=1))
         refs = await instances(cluster, "m", {"cpu0": 2, "cpu1": 1, "gpu0": 3})
         r = request("r", "m")
-        assert await d.policy.place(r)
+        assert await d.policy.place(r, d.now())
         await cluster.stop()
         return r, refs
 
@@ -101,7 +101,7 @@ def test_proactive_preemption_of_a_lower_batch_neighbour():
         done_before = node.progress("n-0")
         r = request("r", "m", slo=slo)
         assert not (await node.validate(x.instance_id, r)).ok
-        assert await d.policy.place(r)
+        assert await d.policy.place(r, d.now())
         state = (r.instance_id, moved.node_id, moved.tokens_out, y.instance_id in node.instances,
                  d.policy.stats.preemptions)
         await run_until(lambda: moved.outcome is not None)
@@ -123,7 +123,7 @@ def test_no_preemption_when_the_preempted_requests_cannot_go_elsewhere():
         cluster, d = await build("mesh", models, config(cpu=1, gpu=0, slo=slo), {"llama-2-7b": spec(**SHARED)})
         await instances(cluster, "m", {"cpu0": 2}, slo)
         await instances(cluster, "n", {"cpu0": 1}, slo)
-        placed = await d.policy.place(request("r", "m", slo=slo))
+        placed = await d.policy.place(request("r", "m", slo=slo), d.now())
         left = sorted(i.model for i in cluster.node("cpu0").instances.values())
         await cluster.stop()
         return placed, left, d.policy.stats.preemptions
@@ -143,7 +143,7 @@ def test_preemption_takes_the_lowest_batch_neighbour_first():
         await instances(cluster, "x", {"cpu0": 3}, slo)
         await instances(cluster, "y2", {"cpu0": 2}, slo)
         await instances(cluster, "y1", {"cpu0": 1}, slo)
-        assert await d.policy.place(request("r", "x", slo=slo))
+        assert await d.policy.place(request("r", "x", slo=slo), d.now())
         on_cpu = sorted(i.model for i in cluster.node("cpu0").instances.values())
         on_gpu = sorted(i.model for i in cluster.node("gpu0").instances.values())
         await cluster.stop()
@@ -538,9 +538,9 @@ def test_arrivals_during_a_slow_decision_wait_in_the_bounded_queue():
         cluster, d = await build("sllm", {"m": "llama-2-7b"}, config(cpu=1, gpu=1), queue_capacity=5)
         place = d.policy.place
 
-        async def slow(req, avoid):
+        async def slow(req, now, avoid):
             await asyncio.sleep(2.0)
-            return await place(req, avoid)
+            return await place(req, d.now(), avoid)
 
         d.policy.place = slow
         reqs = []

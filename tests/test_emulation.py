@@ -318,7 +318,7 @@ def test_an_emulated_instance_plans_with_its_profile_and_the_nodes_margin():
                     break
                 await asyncio.sleep(0.01)
             entry = AdmitEntry("r", "i1", list(range(16)), Sampling(max_tokens=80), 0.0, prompt_len=16)
-            result = (await client.call_message({"t": "admit", "requests": [entry.to_dict()]}))["results"][0]
+            result = (await client.call_message({"t": "admit", "requests": [entry.to_fields()]}))["results"][0]
             assert result["ok"], result
             for _ in range(500):
                 if "r" not in server.requests.requests:

@@ -84,7 +84,7 @@ def test_a_paced_scale_out_of_one_model_does_not_delay_another_models_queue(tmp_
             # A's request, then B's, wait in the queue (placement refused while they arrive)
             place = p.dispatcher.policy.place
 
-            async def refuse(req, avoid=frozenset()):
+            async def refuse(req, now, avoid=frozenset()):
                 return False
 
             p.dispatcher.policy.place = refuse

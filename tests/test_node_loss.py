@@ -143,6 +143,73 @@ def test_a_lost_nodes_streams_wait_for_a_cold_start_on_a_node_that_holds_no_inst
     asyncio.run(main())
 
 
+def test_a_request_lost_before_its_first_token_past_its_ttft_gets_a_new_instance(monkeypatch):
+    """A load runs longer than predicted (0.2 s predicted, 1.5 s real: a loaded machine), so
+    its node is lost after the requests' TTFT passed and before their first token. On the
+    survivor the predicted cold start fits a fresh request's slack, but not theirs, which is
+    spent: an instance starts for them anyway, and they are served late, not timed out in
+    the queue."""
+    slow = agent_doubles.sequence_factory
+
+    def slow_loading(spec, on_loaded):
+        engine = slow(spec, on_loaded)
+        engine.load_s = 1.5
+        return engine
+
+    for name in ("simulated", "openvino"):
+        monkeypatch.setitem(agent_doubles.agent_engines.ENGINE_FACTORIES, name, slow_loading)
+
+    async def main():
+        p = await started(2, keep_alive_s=1.0, cold_start_s=0.2, queue_timeout_s=10.0)
+        m = ModelRecord("m_1", "t", "name-m_1", "gguf", "/x.gguf", 256, SLO(ttft_min_s=1.0, tpot_s=0.5), 10**6)
+        readers = [Reader(await p.submit(job(f"r{i}", m, max_tokens=20))) for i in range(3)]
+        await asyncio.sleep(1.2)  # past the TTFT, the load not done
+        (loading,) = {r.node.node_id for r in p.cluster.all_instances()}
+        assert all(not r.ids for r in readers)
+        await p.agents[loading].kill()
+        await asyncio.wait_for(asyncio.gather(*(r.task for r in readers)), 30.0)
+        want = expected_tokens(PROMPT, 20)
+        for r in readers:
+            assert isinstance(r.end, Finished) and r.ids == want, r.end
+        d = p.view()["dispatcher"]
+        assert d["resumed"]["connection"] == 3 and d["failed"] == {}, d
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_an_agent_lost_while_it_tokenizes_costs_a_second_tokenize_not_the_request(monkeypatch):
+    """The agent tokenizing a new request's prompt dies before it answers: the model is
+    described again on the agent that is up, which tokenizes, and the request is served."""
+    from mesh.node.model_fronts import ModelFronts
+    from mesh.wire.agent_protocol import TokenizeReply
+
+    asked: list[str] = []
+
+    async def tokenize(self, m):
+        asked.append(self.host.spec.node_id)
+        if len(asked) == 1:
+            await asyncio.Event().wait()  # never answers: its agent is killed meanwhile
+        return TokenizeReply(list(PROMPT))
+
+    monkeypatch.setattr(ModelFronts, "tokenize", tokenize)
+
+    async def main():
+        p = await started(2)
+        m = model()
+        first = asyncio.ensure_future(p.submit(Job("r0", m, asyncio.get_running_loop().time(),
+                                                   Sampling(max_tokens=10, ignore_eos=True), prompt="hello")))
+        await until(lambda: len(asked) == 1, 10.0)
+        await p.agents[asked[0]].kill()
+        reader = Reader(await asyncio.wait_for(first, 20.0))
+        await asyncio.wait_for(reader.task, 20.0)
+        assert isinstance(reader.end, Finished) and reader.ids == expected_tokens(PROMPT, 10), reader.end
+        assert len(asked) == 2 and asked[0] != asked[1], asked
+        await p.stop()
+
+    asyncio.run(main())
+
+
 def test_a_single_nodes_streams_wait_for_its_agent_to_come_back():
     """A lost request may go back to the node that lost it (a restarted agent), so a
     single-node service loses no stream to an agent restart."""
@@ -178,6 +245,35 @@ def test_a_lost_request_no_node_takes_in_time_ends_with_one_error_event():
         d = p.view()["dispatcher"]
         assert d["lost"]["connection"] == 1 and d["lost_failed"]["connection"] == 1 and d["resumed"]["connection"] == 0
         assert d["failed"] == {"queue timeout": 1}
+        await p.stop()
+
+    asyncio.run(main())
+
+
+def test_a_deleted_models_slow_unload_is_its_state_until_it_ends_and_then_nothing_is_left(monkeypatch):
+    """A deleted model's instance takes 1.5 s to unload (its turn among a loaded node's memory
+    operations, its worker parked as it ends): meanwhile the agent counts it as holding the
+    model, and the forget waits for it, so nothing of the model is left after."""
+    from mesh.engines.simulated import SimulatedEngine
+
+    async def slow_unload(self):
+        await asyncio.sleep(1.5)
+        self._kv_capacity = 0
+
+    monkeypatch.setattr(SimulatedEngine, "unload", slow_unload)
+
+    async def main():
+        p = await started(1)
+        m = model()
+        reader = Reader(await p.submit(job("r0", m, max_tokens=5)))
+        await asyncio.wait_for(reader.task, 10.0)
+        fronts = p.agents["cpu-0"].server.models
+        forgotten = asyncio.Event()
+        await p.forget_model(m.uid, forgotten.set)
+        await until(lambda: fronts.host.node._unloading, 5.0)
+        assert m.uid in fronts.models_known()
+        await asyncio.wait_for(forgotten.wait(), 10.0)
+        assert fronts.models_known() == [] and not fronts.host.node._unloading
         await p.stop()
 
     asyncio.run(main())

@@ -294,3 +294,19 @@ def test_registration_describes_the_model_on_the_node_that_holds_its_first_host_
         await p.stop()
 
     asyncio.run(main())
+
+
+def test_a_node_whose_agent_is_down_never_takes_a_first_host_copy(tmp_path, model_file):
+    """The node the pool would choose (equal free memory: the first by name) is down, its agent
+    restarting: the first host copy goes to a node that is up, and the model is served."""
+    async def main():
+        p = await started(tmp_path, nodes=2)
+        await p.agents["cpu-0"].kill()
+        await asyncio.sleep(0.05)
+        m = record(model_file)
+        node, done = await run(p, m, "r1")
+        assert p.view()["weights"]["models"][m.uid]["host_copies"] == ["cpu-1"]
+        assert node == "cpu-1" and done.tokens_out == 5
+        await p.stop()
+
+    asyncio.run(main())

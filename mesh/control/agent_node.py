@@ -34,6 +34,7 @@ from mesh.control.supervisor import AgentHandle
 from mesh.policy.admission import Admission, InstancePlan
 from mesh.policy.node_spec import NodeSpec
 from mesh.policy.shadow import DEFAULT_MARGIN
+from mesh.policy.slo import Deadlines
 from mesh.tasks import cancel_all
 from mesh.wire.agent_protocol import (
     Abort,
@@ -196,40 +197,49 @@ class AgentNode(ClusterNode):
         return Admission(verdict.admit, refusal="" if verdict.admit else verdict.reason)
 
     async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:
-        return await self._ask(Validate(instance_id, _probe(req, req.tokens_out), list(exclude)))
+        return await self._ask(Validate(instance_id, _probe(req, req.tokens_out, req.deadlines), list(exclude)))
 
     async def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
-        return await self._ask(ValidateGroup(instance_id, [_probe(r, d) for r, d in zip(reqs, done, strict=True)]))
+        return await self._ask(ValidateGroup(instance_id, [_probe(r, d, r.deadlines)
+                                                           for r, d in zip(reqs, done, strict=True)]))
 
-    async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
+    async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int], *,
+                           deadlines: Sequence[Deadlines] | None = None) -> Admission:
+        moved = [r.deadlines for r in reqs] if deadlines is None else deadlines
         p = NewInstance(plan.instance_id, plan.model, plan.weight_bytes, plan.kv_bytes_per_token, plan.context_window,
                         plan.max_batch, plan.slo, plan.expected_load_s, self._profile_for(plan.model, self.spec.kind),
                         mean_output_to(plan.mean_output))
-        return await self._ask(ValidateNew(p, [_probe(r, d) for r, d in zip(reqs, done, strict=True)]))
+        return await self._ask(ValidateNew(p, [_probe(r, d, m) for r, d, m in zip(reqs, done, moved, strict=True)]))
 
-    async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True) -> Admission:
+    async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True,
+                        deadlines: Deadlines | None = None) -> Admission:
         inst = self._instances.get(instance_id)
         if inst is None or not self.up:
             return Admission(False, refusal=f"no instance {instance_id} on {self.node_id}")
         self._book.hold(inst, req)  # before the call: its first tokens may overtake the reply
         if inst.staged_bytes:  # its weights are on their way: sent to the agent once its load is issued
+            if deadlines is not None:
+                req.late_s = deadlines.late_s
             inst.deferred.append((req, compute))
             return Admission(True)
-        return await self._send_admit(inst, req, compute)
+        return await self._send_admit(inst, req, compute, deadlines=deadlines)
 
     async def _send_admit(self, inst: AgentInstance, req: ServedRequest, compute: bool,
-                          deferred: bool = False) -> Admission:
-        """The agent's admit of a request held on `inst` (validation and admission in one step)."""
+                          deferred: bool = False, deadlines: Deadlines | None = None) -> Admission:
+        """The agent's admit of a request held on `inst` (validation and admission in one step),
+        with `deadlines` in place of its own (kept if admitted)."""
         instance_id = inst.instance_id
         er = req.engine_request
+        moved = req.deadlines if deadlines is None else deadlines
         entry = AdmitEntry(req.request_id, instance_id, list(er.prompt_token_ids[:er.prompt_len + req.tokens_out]),
                            er.sampling, _age(req.arrival_s), req.tokens_out, er.prompt_len, compute,
-                           _age(req.first_token_s), req.late_s)
+                           _age(req.first_token_s), moved.late_s)
         try:
             result = (await self.agent.client.call(Admit([entry]), CALL_TIMEOUT_S)).results[0]
         except (AgentDown, AgentCallError, IndexError) as exc:
             result = AdmitResult(False, Code.FAILED.value, f"node {self.node_id}: {exc}")
         if result.ok:
+            req.late_s = moved.late_s
             if req.on_admitted is not None:  # the one admitted event (the service's stream starts)
                 req.on_admitted(req)
             return Admission(True)
@@ -447,10 +457,10 @@ def loss_cause(reason: str) -> str:
     return CONNECTION
 
 
-def _probe(req: ServedRequest, done: int) -> Probe:
-    """A request as the agent's validation needs it."""
+def _probe(req: ServedRequest, done: int, deadlines: Deadlines) -> Probe:
+    """A request as the agent's validation needs it, its deadlines running from `deadlines`."""
     return Probe(req.request_id, req.prompt_len, req.engine_request.sampling.max_tokens,
-                 _age(req.arrival_s), done, _age(req.first_token_s), req.late_s)
+                 _age(req.arrival_s), done, _age(req.first_token_s), deadlines.late_s)
 
 
 def _age(t: float | None) -> float | None:

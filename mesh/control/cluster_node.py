@@ -27,6 +27,7 @@ from typing import Callable, Collection, Mapping, Protocol, Sequence
 
 from mesh.policy.admission import Admission, InstancePlan
 from mesh.policy.node_spec import NodeSpec
+from mesh.policy.slo import Deadlines
 from mesh.wire.served_request import Outcome, ServedRequest
 
 # Why a node lost its requests (ServedRequest.lost; the dispatcher counts resumed and failed ones by it).
@@ -136,12 +137,16 @@ class ClusterNode(ABC):
         """Would all of `reqs`, having produced `done` tokens each, fit the instance?"""
 
     @abstractmethod
-    async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
-        """Would a new instance started now, its cold start counted, serve all of `reqs`?"""
+    async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int], *,
+                           deadlines: Sequence[Deadlines] | None = None) -> Admission:
+        """Would a new instance started now, its cold start counted, serve all of `reqs`
+        (with `deadlines` in place of their own, if given)?"""
 
     @abstractmethod
-    async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True) -> Admission:
-        """Validate and admit in one step (compute=False: memory only, the baselines)."""
+    async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True,
+                        deadlines: Deadlines | None = None) -> Admission:
+        """Validate and admit in one step (compute=False: memory only, the baselines);
+        `deadlines`: validated with these in place of its own, which it keeps if admitted."""
 
     @abstractmethod
     async def take_back(self, request_id: str, why: str) -> ServedRequest | None:

@@ -198,7 +198,8 @@ class Dispatcher:
         self.policy = policy
 
     @staticmethod
-    def _now() -> float:
+    def now() -> float:
+        """The dispatcher's clock: the one time its decisions are taken at (the policy's too)."""
         return asyncio.get_running_loop().time()
 
     # -- requests in ---------------------------------------------------------------
@@ -241,21 +242,21 @@ class Dispatcher:
         request instead of losing it, and the error is kept for the replay to raise."""
         if req.outcome is not None:
             return False
-        asked = self._now()
+        asked = self.now()
         async with self._decisions.setdefault(req.model, asyncio.Lock()):
-            start = self._now()
+            start = self.now()
             if req.outcome is not None:  # ended (aborted, expired) while it waited for its turn
                 return False
             try:
-                return await self.policy.place(req, avoid | unable_nodes(self.cluster.nodes, [req]))
+                return await self.policy.place(req, start, avoid | unable_nodes(self.cluster.nodes, [req]))
             except Exception as exc:  # noqa: BLE001 - every request must still end
                 log.exception("placing %s failed", req.request_id)
                 self.error = self.error or exc
                 self.stats.failed["placement error"] += 1
-                req.end(Outcome.FAILED, self._now(), f"failed: the placement raised {type(exc).__name__}: {exc}")
+                req.end(Outcome.FAILED, self.now(), f"failed: the placement raised {type(exc).__name__}: {exc}")
                 return False
             finally:
-                took = self._now() - start
+                took = self.now() - start
                 log.debug("decided %s of %s in %.3f s: %.3f s after its arrival, %.3f s waiting for its model's turn",
                           req.request_id, req.model, took, start - req.arrival_s, start - asked)
                 st = self.stats
@@ -317,7 +318,7 @@ class Dispatcher:
             req.fault = False
             rule = self.cluster.config.deadlines
             _, resume_s = req.resumed(req.tokens_out, rule)
-            stall = max(0.0, self._now() - resume_s)
+            stall = max(0.0, self.now() - resume_s)
             req.late_s += stall  # Eq. 1: deadlines run from arrival + late_s
             if rule is DeadlineRule.PACE and req.first_token_s is not None:
                 req.first_token_s += stall  # pace: from the first token
@@ -355,11 +356,11 @@ class Dispatcher:
                               self.admission(req)), slo_expiry
 
     def _expired(self, req: ServedRequest) -> bool:
-        now = self._now()
+        now = self.now()
         return now >= self._expiry(req, now)[0]
 
     def _enqueue(self, req: ServedRequest) -> None:
-        now = self._now()
+        now = self.now()
         expiry, why, slo_expiry = self._expiry(req, now)
         if now >= expiry:
             if why == "slo":
@@ -379,8 +380,9 @@ class Dispatcher:
             self._turn_away(req, QUEUE_FULL, f"{self.queue.capacity} requests were waiting, "
                                              f"{self.queue.held(tenant)} of them its tenant's")
             return
-        if req.tokens_out == 0 and not any(a.startswith("waited") for a in req.attempts):
+        if req.tokens_out == 0 and not req.waited:
             self.stats.queued += 1
+            req.waited = True
             req.attempts.append(f"waited from {now:.3f}")
         self._waiting[req.request_id] = req
         self._slo_expiry[req.request_id] = slo_expiry
@@ -397,11 +399,11 @@ class Dispatcher:
                   req.attempts)
         if req.first_token_s is None and req.tokens_out == 0 and not req.lost:
             self.stats.rejected[reason] += 1
-            req.end(Outcome.REJECTED, self._now(), f"rejected: {reason}: {detail}")
+            req.end(Outcome.REJECTED, self.now(), f"rejected: {reason}: {detail}")
         else:
             self.stats.failed[reason] += 1
             lost = f"its node was lost ({req.lost}), then " if req.lost else ""
-            req.end(Outcome.FAILED, self._now(), f"failed after {req.tokens_out} tokens: {lost}{reason}: {detail}")
+            req.end(Outcome.FAILED, self.now(), f"failed after {req.tokens_out} tokens: {lost}{reason}: {detail}")
         if req.lost:
             self.stats.lost_failed[req.lost] += 1
 
@@ -422,7 +424,7 @@ class Dispatcher:
 
     def _expire(self) -> None:
         self._expiry_handle = self._expiry_at = None
-        for entry in self.queue.pop_expired(self._now()):
+        for entry in self.queue.pop_expired(self.now()):
             why = self._why.get(entry.request_id)
             req = self._forget_waiting(entry.request_id)
             if why == "slo":
@@ -451,7 +453,7 @@ class Dispatcher:
         for the rest of this pass (FIFO per model), and so is one whose placement decision is
         in flight (live, a round trip or more: the drain does not wait for it)."""
         try:
-            self._last_drain = self._now()
+            self._last_drain = self.now()
             blocked: set[str] = set()
             for entry in list(self.queue.in_order()):
                 if entry.model in blocked or entry.request_id not in self.queue:
@@ -461,10 +463,10 @@ class Dispatcher:
                     self._skipped.add(entry.model)
                     continue
                 req = self._waiting[entry.request_id]
-                now = self._now()
+                now = self.now()
                 if now >= self._slo_expiry[entry.request_id]:
                     if self.admission(req) != ADMIT_REJECT:  # queue, late: served late, deadlines from now
-                        req.late_s = max(req.late_s, now - req.arrival_s)
+                        req.late_s = req.deadlines.from_at_least(now).late_s
                     elif self.policy.validates:
                         continue  # validation can only fail now; it waits out its timeout
                 if await self._decide(req, self._avoid.get(entry.request_id, frozenset())):
@@ -499,7 +501,7 @@ class Dispatcher:
 
     def abort_all(self, why: str) -> None:
         """End every request still in flight (the replay's time limit)."""
-        now = self._now()
+        now = self.now()
         for req in list(self._waiting.values()):
             self._turn_away(req, REPLAY_ENDED, why)
         for ref in self.cluster.all_instances():

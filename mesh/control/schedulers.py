@@ -17,24 +17,33 @@ mesh.control.cluster_view).
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 from dataclasses import dataclass, field, replace
-from typing import Callable
+from typing import Callable, Sequence, TypeVar
 
 from mesh.control.cluster_node import ClusterNode
 from mesh.control.cluster_view import ClusterView, InstanceRef, unable_nodes
-from mesh.policy.admission import InstancePlan
+from mesh.control.plans import (
+    Admit,
+    FitsGroup,
+    FitsInstance,
+    FitsNew,
+    Home,
+    Move,
+    Placement,
+    Plan,
+    Planning,
+    Preemption,
+    ScaleOut,
+)
 from mesh.policy.placement import (
     CONCURRENCY_TARGETS,
     CPU,
     GPU,
     MAX_WARMING_PER_MODEL,
     SERVE_LATE,
-    InstanceView,
     candidate_order,
     concurrency_target,
-    late_by_s,
     new_instance_order,
     queue_expiry_s,
     sllm_pick,
@@ -47,6 +56,7 @@ from mesh.policy.shadow import Padding
 from mesh.wire.served_request import ServedRequest
 
 log = logging.getLogger("mesh.control.schedulers")
+T = TypeVar("T")
 
 
 class UnknownScheduler(ValueError):
@@ -98,15 +108,6 @@ class SchedulerStats:
 
 
 @dataclass
-class _Home:
-    """Where a preempted instance's requests go: an existing instance or a new one."""
-
-    node: ClusterNode
-    ref: InstanceRef | None = None
-    plan: InstancePlan | None = None
-
-
-@dataclass
 class Scheduler:
     """One placement policy over a cluster: `place` a request or report that it cannot."""
 
@@ -124,7 +125,8 @@ class Scheduler:
     def kinds(self) -> tuple[str, ...]:
         return self.spec.kinds
 
-    async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+    async def place(self, req: ServedRequest, now: float, avoid: frozenset[str] = frozenset()) -> bool:
+        """Place `req` now (the dispatcher's clock), never on nodes in `avoid`; False if it cannot."""
         raise NotImplementedError
 
     async def prestart(self, model: str) -> InstanceRef | None:
@@ -144,101 +146,115 @@ class Scheduler:
 
 @dataclass
 class MeshScheduler(Scheduler):
-    """LLM-Mesh and its ablations (4, 7, 8.3)."""
+    """LLM-Mesh and its ablations (4, 7, 8.3). Each step plans (mesh.control.plans: reading the
+    books and asking the nodes' checks, changing nothing), then commits its plan."""
 
-    async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+    async def place(self, req: ServedRequest, now: float, avoid: frozenset[str] = frozenset()) -> bool:
         """Candidates, then preemption, then a new instance (4); never on nodes in `avoid`
         (one that just evicted the request for lack of memory, 6.4)."""
         refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
         by_id = {r.instance_id: r for r in refs}
         views = [r.view() for r in refs]
-        for v in candidate_order(views, defrag=self.spec.defrag):
-            self.stats.validations += 1
-            ref = by_id[v.instance_id]
-            if (await ref.node.try_admit(v.instance_id, req)).ok:
-                return True
-        if self.spec.defrag and self.spec.share and views and await self._preempt_for(req, views, by_id):
+        candidates = [Admit(by_id[v.instance_id]) for v in candidate_order(views, defrag=self.spec.defrag)]
+        if candidates and await self.commit(Placement(req, tuple(candidates))):
             return True
-        return await self._scale_out(req, avoid)
+        if self.spec.defrag and self.spec.share and views:
+            preemption = await self._answer(self.plan_preemption(req, refs))
+            # a preemption that did not place it after all: a new instance anywhere, then as below
+            if preemption is not None and (await self.commit(preemption) or await self._scale_out(req, now)):
+                return True
+        return await self._scale_out(req, now, avoid)
+
+    async def _answer(self, planning: Planning[T]) -> T:
+        """Run a planning step, each check it yields answered by its node."""
+        try:
+            check = next(planning)
+            while True:
+                self.stats.validations += 1
+                check = planning.send((await check.ask()).ok)
+        except StopIteration as end:
+            return end.value
 
     # -- a new instance (4) -------------------------------------------------------------
-    async def _scale_out(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+    async def _scale_out(self, req: ServedRequest, now: float, avoid: frozenset[str] = frozenset()) -> bool:
+        """A new instance that serves `req` in time; else a warm-up for the requests to come,
+        and `req` served late if its model's choice says so."""
         exclude = self.cluster.hosts(req.model) | avoid
-        home = await self._new_instance_home(req.model, [req], [req.tokens_out], exclude)
-        if home is None:
-            await self._warm_up(req, exclude)
-            return await self._serve_late(req, avoid)
-        return await self._start_and_admit(home, [req]) == []
+        home = await self._answer(self.plan_new_home(req.model, (req,), (req.tokens_out,), exclude))
+        if home is not None:
+            return await self.commit(ScaleOut(home, (req,)))
+        await self._warm_up(req, exclude, now)
+        late = self.plan_serve_late(req, avoid, now)
+        return late is not None and await self.commit(late)
 
-    async def _serve_late(self, req: ServedRequest, avoid: frozenset[str]) -> bool:
+    def plan_serve_late(self, req: ServedRequest, avoid: frozenset[str], now: float) -> Placement | None:
         """Its model cold (an instance of it loading, none that could make its TTFT) and its
         choice SERVE_LATE (placement): admit a fresh request on the loading instance ready
         first, its deadlines moved to that instance's predicted ready time (now, if the load
         runs over its prediction), if the node's shadow validation shows everyone else there
-        still on time (5.3 cases 2 and 3) and its own prefill on time from then (case 1). A fresh request that reached
-        the dispatcher already past its TTFT (late on arrival: the live service tokenizes before
-        placing, and a cold model's tokenizer is built first) is admitted the same way on an
-        instance of its model that is loaded, its deadlines running from now. A request whose
-        node was lost counts as fresh here, its progress kept: an instance loads for it too."""
+        still on time (5.3 cases 2 and 3) and its own prefill on time from then (case 1). A
+        fresh request that reached the dispatcher already past its TTFT (late on arrival: the
+        live service tokenizes before placing, and a cold model's tokenizer is built first) is
+        admitted the same way on an instance of its model that is loaded, its deadlines running
+        from now. A request whose node was lost counts as fresh here, its progress kept: an
+        instance loads for it too."""
         started = (req.tokens_out or req.first_token_s is not None) and not req.lost
         if self.cluster.cold_start_choice(req.model) != SERVE_LATE or started:
-            return False
+            return None
         refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
-        now = asyncio.get_running_loop().time()
-        for ref in sorted((r for r in refs if not r.inst.loaded), key=lambda r: r.ready_at):
-            # a load running over its prediction ends no sooner than now: deadlines from then
-            if await self._admit_late(ref, req, late_by_s(req.arrival_s, max(ref.ready_at, now))):
-                return True
-        if self._late_on_arrival(req):
-            # it reached the dispatcher past its TTFT (the service built a cold model's tokenizer
-            # to tokenize it, seconds, while the instance loaded): its deadlines run from now,
-            # on an instance of its model where no one else is hurt
+        # a load running over its prediction ends no sooner than now: deadlines from then
+        tries = [Admit(ref, req.deadlines.from_at_least(max(ref.ready_at, now)))
+                 for ref in sorted((r for r in refs if not r.inst.loaded), key=lambda r: r.ready_at)]
+        if self._late_on_arrival(req, now):
             by_id = {r.instance_id: r for r in refs}
-            late_s = asyncio.get_running_loop().time() - req.arrival_s
-            for v in candidate_order([r.view() for r in refs if r.inst.loaded], defrag=self.spec.defrag):
-                if await self._admit_late(by_id[v.instance_id], req, late_s):
-                    return True
-        return False
+            from_now = req.deadlines.from_at_least(now)
+            tries += [Admit(by_id[v.instance_id], from_now)
+                      for v in candidate_order([r.view() for r in refs if r.inst.loaded], defrag=self.spec.defrag)]
+        return Placement(req, tuple(tries), late=True) if tries else None
 
-    async def _admit_late(self, ref: InstanceRef, req: ServedRequest, late_s: float) -> bool:
-        """Admit `req` on the instance with its deadlines moved by `late_s` (kept if admitted)."""
-        kept, req.late_s = req.late_s, max(req.late_s, late_s)
-        self.stats.validations += 1
-        if (await ref.node.try_admit(ref.instance_id, req)).ok:
-            self.stats.served_late += 1
-            log.debug("%s served late on %s (deadlines %.2f s later)", req.request_id, ref.instance_id, late_s)
-            return True
-        log.debug("%s not served late on %s (deadlines %.2f s later): refused", req.request_id, ref.instance_id, late_s)
-        req.late_s = kept
-        return False
-
-    def _late_on_arrival(self, req: ServedRequest) -> bool:
+    def _late_on_arrival(self, req: ServedRequest, now: float) -> bool:
         """A fresh request placed for the first time (it never waited in the queue) that can no
         longer meet its TTFT: what the queue would turn away at once."""
-        if req.tokens_out or req.first_token_s is not None or any(a.startswith("waited") for a in req.attempts):
+        if req.tokens_out or req.first_token_s is not None or req.waited:
             return False
         prompt, start = req.resumed(0, self.cluster.config.deadlines)
         deadline = start + req.slo.ttft_s(prompt)
-        now = asyncio.get_running_loop().time()
         return now >= queue_expiry_s(deadline, self.cluster.fastest_prefill_s(req.model, prompt, self.kinds))
 
-    async def _warm_up(self, req: ServedRequest, exclude: set[str]) -> None:
-        """No new instance would serve `req` in time: start one anyway, holding no request,
-        on the node where it is ready first (the fewest loads under way; bin-packing order
-        among equals) of those where it would serve `req` if it were already loaded, when
-        placement.warm_up_allowed says so (the cold start is longer than any request of this
-        prompt length could wait, it is the only obstacle, and no other instance of the
-        model is loading)."""
+    async def _warm_up(self, req: ServedRequest, exclude: set[str], now: float) -> None:
+        """No new instance would serve `req` in time: start one anyway, holding no request
+        (`plan_warm_up`), on the first node in `_warm_up_order` whose memory takes it."""
+        nodes = self._warm_up_order(req.model, exclude)
+        while nodes:
+            plan = await self._answer(self.plan_warm_up(req, nodes, now))
+            if plan is None or await self.commit(plan):
+                return
+            nodes = nodes[nodes.index(plan.home.node) + 1:]
+
+    def _warm_up_order(self, model: str, exclude: set[str]) -> list[ClusterNode]:
+        """The nodes a warm-up of `model` may go to, ready first: the fewest loads under way
+        and no transfer (stable: bin-packing order among equals)."""
+        order = [self.cluster.node(nv.node_id) for nv in new_instance_order(
+            self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude,
+            holding=self.cluster.holding(model))]
+        return sorted(order, key=lambda n: self.cluster.load_wait_s(n) + self.cluster.transfer_s(model, n))
+
+    def plan_warm_up(self, req: ServedRequest, nodes: list[ClusterNode], now: float) -> Planning[ScaleOut | None]:
+        """A warm-up on the first of `nodes` where a new instance would serve `req` if it were
+        already loaded, when placement.warm_up_allowed says so (the cold start is longer than
+        any request of this prompt length could wait, it is the only obstacle, and no other
+        instance of the model is loading)."""
         instances = self.cluster.instances_of(req.model)
         warming = sum(1 for r in instances if not r.inst.loaded)
         if warming >= MAX_WARMING_PER_MODEL:
-            return
+            return None
         prompt, _ = req.resumed(req.tokens_out, self.cluster.config.deadlines)
-        order = [self.cluster.node(nv.node_id) for nv in new_instance_order(
-            self.cluster.node_views(), self.kinds, exclusive=not self.spec.share, exclude=exclude,
-            holding=self.cluster.holding(req.model))]
-        # ready first: the fewest loads under way and no transfer (stable: bin-packing among equals)
-        for node in sorted(order, key=lambda n: self.cluster.load_wait_s(n) + self.cluster.transfer_s(req.model, n)):
+        # the model has no instance: validated as if it arrived now, since what a fresh request
+        # waited before its placement (the service builds a cold model's tokenizer to tokenize
+        # it, seconds) is cold start too, not a reason to leave the model cold
+        fresh = req.tokens_out == 0 and req.first_token_s is None and not instances
+        deadlines = (req.deadlines.from_at_least(now),) if fresh else None
+        for node in nodes:
             if not self.cluster.can_host(req.model, node):
                 log.debug("no warm-up of %s on %s for %s: it cannot host it", req.model, node.node_id, req.request_id)
                 continue
@@ -254,30 +270,16 @@ class MeshScheduler(Scheduler):
                           node.node_id, req.request_id, cold, slack)
                 continue  # a fresh request would start an instance here the usual way
             plan = self.cluster.plan(req.model, node)
-            self.stats.validations += 1
-            kept = req.late_s
-            if req.tokens_out == 0 and req.first_token_s is None and not instances:
-                # the model has no instance: validated as if it arrived now, since what a fresh
-                # request waited before its placement (the service builds a cold model's tokenizer
-                # to tokenize it, seconds) is cold start too, not a reason to leave the model cold
-                req.late_s = max(kept, asyncio.get_running_loop().time() - req.arrival_s)
-            try:
-                ok = (await node.validate_new(replace(plan, expected_load_s=0.0), [req], [req.tokens_out])).ok
-            finally:
-                req.late_s = kept
+            ok = yield FitsNew(node, replace(plan, expected_load_s=0.0), (req,), (req.tokens_out,), deadlines)
             if not warm_up_allowed(cold, slack, ok, warming):
                 log.debug("no warm-up of %s on %s for %s: cold start %.2f s, slack %.2f s, validates loaded %s",
                           req.model, node.node_id, req.request_id, cold, slack, ok)
                 continue
-            if await self.cluster.start_instance(plan, node) is None:
-                continue
-            self.stats.new_instances += 1
-            self.stats.warm_ups += 1  # if unused, recycled keep-alive after its load ends (ClusterView.note_idle)
-            return
+            return ScaleOut(Home(node, plan=plan))
+        return None
 
-    async def _new_instance_home(
-        self, model: str, reqs: list[ServedRequest], done: list[int], exclude: set[str]
-    ) -> _Home | None:
+    def plan_new_home(self, model: str, reqs: tuple[ServedRequest, ...], done: tuple[int, ...],
+                       exclude: set[str]) -> Planning[Home | None]:
         """The first node (placement.new_instance_order) where a new instance of `model`
         would serve all of `reqs` within SLO, counting its cold start."""
         views = self.cluster.node_views()
@@ -287,12 +289,83 @@ class MeshScheduler(Scheduler):
             if not self.cluster.can_host(model, node):
                 continue
             plan = self.cluster.plan(model, node)
-            self.stats.validations += 1
-            if (await node.validate_new(plan, reqs, done)).ok:
-                return _Home(node, plan=plan)
+            if (yield FitsNew(node, plan, reqs, done)):
+                return Home(node, plan=plan)
         return None
 
-    async def _start_and_admit(self, home: _Home, reqs: list[ServedRequest]) -> list[ServedRequest]:
+    # -- proactive defragmentation (7.1) --------------------------------------------------
+    def plan_preemption(self, req: ServedRequest, refs: list[InstanceRef]) -> Planning[Preemption | None]:
+        """Fit `req` into one of its model's instances `refs` by preempting lower-batch
+        neighbours (lowest first), only if the preempted requests validate where they would go."""
+        by_id = {r.instance_id: r for r in refs}
+        for x in candidate_order([r.view() for r in refs]):
+            node = by_id[x.instance_id].node
+            neighbours = [r.view() for r in self.cluster.instances_on(node)]
+            # An instance in the middle of an iteration is not preempted (it is stopped).
+            victims = [v for v in victim_order(x, neighbours) if v.instance_id != node.stepping]
+            if not victims:
+                continue
+            if not (yield FitsInstance(node, x.instance_id, req, tuple(v.instance_id for v in victims))):
+                continue  # even preempting every candidate would not make room
+            moves: list[Move] = []
+            used = {node.node_id}
+            for y in victims:
+                yref = self.cluster.instance(y.instance_id)
+                group = tuple(yref.requests.values())
+                done = tuple(node.progress(q.request_id) for q in group)
+                home = yield from self.plan_home(y.model, group, done, used | unable_nodes(self.cluster.nodes, group))
+                if home is None:
+                    continue
+                moves.append(Move(yref, group, done, home))
+                used.add(home.node.node_id)
+                if (yield FitsInstance(node, x.instance_id, req, tuple(m.instance.instance_id for m in moves))):
+                    return Preemption(req, by_id[x.instance_id], tuple(moves))
+        return None
+
+    def plan_home(self, model: str, group: tuple[ServedRequest, ...], done: tuple[int, ...],
+                   used: set[str]) -> Planning[Home | None]:
+        """An instance of `model` on another node where all of `group` validate: an
+        existing one (highest batch first), else a new one."""
+        refs = {r.instance_id: r for r in self.cluster.instances_of(model) if r.node.node_id not in used}
+        for v in candidate_order([r.view() for r in refs.values()]):
+            ref = refs[v.instance_id]
+            if (yield FitsGroup(ref.node, v.instance_id, group, done)):
+                return Home(ref.node, ref=ref)
+        return (yield from self.plan_new_home(model, group, done, used | self.cluster.hosts(model)))
+
+    # -- the commit step ------------------------------------------------------------------
+    async def commit(self, plan: Plan) -> bool:
+        """Carry out `plan` against the nodes; True if its request was placed (a warm-up: if
+        its instance started)."""
+        log.debug("plan: %s", plan)
+        if isinstance(plan, Placement):
+            return await self._admit_first(plan)
+        if isinstance(plan, Preemption):
+            return await self._preempt(plan)
+        if not plan.requests:  # a warm-up
+            if await self.cluster.start_instance(plan.home.plan, plan.home.node) is None:
+                return False
+            self.stats.new_instances += 1
+            self.stats.warm_ups += 1  # if unused, recycled keep-alive after its load ends (ClusterView.note_idle)
+            return True
+        return await self._start_and_admit(plan.home, plan.requests) == []
+
+    async def _admit_first(self, plan: Placement) -> bool:
+        req = plan.request
+        for t in plan.tries:
+            self.stats.validations += 1
+            ref = t.instance
+            if (await ref.node.try_admit(ref.instance_id, req, deadlines=t.deadlines)).ok:
+                if plan.late:
+                    self.stats.served_late += 1
+                    log.debug("%s served late on %s (deadlines %.2f s later)", req.request_id, ref.instance_id,
+                              req.late_s)
+                return True
+            if plan.late:
+                log.debug("%s not served late on %s: refused", req.request_id, ref.instance_id)
+        return False
+
+    async def _start_and_admit(self, home: Home, reqs: Sequence[ServedRequest]) -> list[ServedRequest]:
         """Start the home's instance if new and admit `reqs`; returns those not admitted."""
         ref = home.ref
         if ref is None:
@@ -305,69 +378,25 @@ class MeshScheduler(Scheduler):
             await self.cluster.stop_instance(ref)  # started for nothing
         return left
 
-    # -- proactive defragmentation (7.1) --------------------------------------------------
-    async def _preempt_for(self, req: ServedRequest, views: list[InstanceView], by_id: dict[str, InstanceRef]) -> bool:
-        """Fit `req` into one of its model's instances by preempting lower-batch neighbours
-        (lowest first), only if the preempted requests validate where they would go."""
-        for x in candidate_order(views):
-            node = by_id[x.instance_id].node
-            neighbours = [r.view() for r in self.cluster.instances_on(node)]
-            # An instance in the middle of an iteration is not preempted (it is stopped).
-            victims = [v for v in victim_order(x, neighbours) if v.instance_id != node.stepping]
-            if not victims:
-                continue
-            self.stats.validations += 1
-            if not (await node.validate(x.instance_id, req, exclude=[v.instance_id for v in victims])).ok:
-                continue  # even preempting every candidate would not make room
-            chosen: list[tuple[InstanceRef, list[ServedRequest], list[int], _Home]] = []
-            used = {node.node_id}
-            for y in victims:
-                yref = self.cluster.instance(y.instance_id)
-                group = list(yref.requests.values())
-                done = [node.progress(q.request_id) for q in group]
-                home = await self._home_for(y.model, group, done, used | unable_nodes(self.cluster.nodes, group))
-                if home is None:
-                    continue
-                chosen.append((yref, group, done, home))
-                used.add(home.node.node_id)
-                self.stats.validations += 1
-                if (await node.validate(x.instance_id, req, exclude=[c[0].instance_id for c in chosen])).ok:
-                    return await self._commit(req, by_id[x.instance_id], chosen)
-        return False
-
-    async def _home_for(self, model: str, group: list[ServedRequest], done: list[int], used: set[str]) -> _Home | None:
-        """An instance of `model` on another node where all of `group` validate: an
-        existing one (highest batch first), else a new one."""
-        refs = {r.instance_id: r for r in self.cluster.instances_of(model) if r.node.node_id not in used}
-        for v in candidate_order([r.view() for r in refs.values()]):
-            ref = refs[v.instance_id]
-            self.stats.validations += 1
-            if (await ref.node.validate_group(v.instance_id, group, done)).ok:
-                return _Home(ref.node, ref=ref)
-        return await self._new_instance_home(model, group, done, used | self.cluster.hosts(model))
-
-    async def _commit(self, req: ServedRequest, target: InstanceRef, chosen: list[tuple[InstanceRef,
-                                                                                        list[ServedRequest], list[int],
-                                                                                        _Home]]) -> bool:
-        """Preempt the chosen neighbours, admit `req`, and move their requests to their homes
-        (rescheduled through the dispatcher if a home no longer validates)."""
+    async def _preempt(self, plan: Preemption) -> bool:
+        """Preempt the moves' instances, admit the request, and move their requests to their
+        homes (rescheduled through the dispatcher if a home no longer validates)."""
+        target = plan.target
         node = target.node
         moved: list[list[ServedRequest]] = []
-        for yref, group, _, _ in chosen:
+        for move in plan.moves:
             taken = [q for q in [await node.take_back(q.request_id, f"preempted by {target.instance_id} (7.1)")
-                                 for q in group] if q is not None]
+                                 for q in move.requests] if q is not None]
             moved.append(taken)
-            if not yref.requests:
-                await self.cluster.stop_instance(yref)
+            if not move.instance.requests:
+                await self.cluster.stop_instance(move.instance)
             self.stats.preemptions += 1
             self.stats.preempted_requests += len(taken)
-        placed = (await node.try_admit(target.instance_id, req)).ok
-        for (_, _, _, home), group in zip(chosen, moved):
-            for q in await self._start_and_admit(home, group):
+        placed = (await node.try_admit(target.instance_id, plan.request)).ok
+        for move, group in zip(plan.moves, moved):
+            for q in await self._start_and_admit(move.home, group):
                 self.reschedule(q)
-        if not placed:
-            return await self._scale_out(req)
-        return True
+        return placed
 
 
 @dataclass
@@ -399,7 +428,7 @@ class SllmScheduler(Scheduler):
 
     validates = False
 
-    async def place(self, req: ServedRequest, avoid: frozenset[str] = frozenset()) -> bool:
+    async def place(self, req: ServedRequest, now: float, avoid: frozenset[str] = frozenset()) -> bool:
         refs = [r for r in self.cluster.instances_of(req.model) if r.node.node_id not in avoid]
         targets = self._targets_of(self.cluster.models[req.model])
         by_id = {r.instance_id: r for r in refs}

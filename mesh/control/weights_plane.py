@@ -219,7 +219,9 @@ class WeightsPlane:
             if key in self._models:
                 return self.pool.host_copies(key)[0]
             entry = await asyncio.to_thread(self._pack, fmt)
-            among = [n for n, h in self.nodes.items() if h.spec.kind == fmt.node_kind]
+            # a node that is down (an agent restarting) cannot take it now: never chosen while another is up
+            kind = [n for n, h in self.nodes.items() if h.spec.kind == fmt.node_kind]
+            among = [n for n in kind if self._up(n)] or kind
             try:
                 node = self.pool.register(key, entry.total_bytes, among=among)
             except PoolError:

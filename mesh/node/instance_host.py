@@ -152,13 +152,13 @@ class InstanceHost:
             return
         self._tokenizers_ready.pop(instance_id, None)
         log.error("loading instance %s failed: %s", instance_id, exc)
-        self.send(InstanceEvent(instance_id, "failed", f"{exc}"))
+        self.send(InstanceEvent(instance_id, "failed", error=f"{exc}"))
         asyncio.get_running_loop().call_soon(self._drop_instance, instance_id)
 
     def _hung(self, instance_id: str, why: str) -> None:
         """The node's watchdog failed a hung instance (its requests went back as evictions,
         sent before this): the service forgets it and places new ones where needed."""
-        self.send(InstanceEvent(instance_id, "failed", why))
+        self.send(InstanceEvent(instance_id, "failed", error=why))
         self.specs.pop(instance_id, None)
         self.times.pop(instance_id, None)
 

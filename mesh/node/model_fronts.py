@@ -32,6 +32,8 @@ from mesh.wire.agent_protocol import (
     TokenizeReply,
 )
 
+UNLOAD_WAIT_S = 300.0  # how long a forget waits for the model's unloads under way
+
 
 class ModelFronts:
     """The fronts of the models described here, their tokenizers and tokenize jobs."""
@@ -170,7 +172,11 @@ class ModelFronts:
         known = set(self._front_models.values())
         known |= set(host.means) | set(host.learning.times) | set(host.ahead.models()) | set(host.parking.models())
         known |= {inst.model for inst in host.node.instances.values()} | {s.model for s in host.specs.values()}
+        known |= {inst.model for inst in host.node._unloading.values()}  # an unload under way may park its worker
         return sorted(known)
+
+    def _unloading(self, model: str) -> bool:
+        return any(inst.model == model for inst in self.host.node._unloading.values())
 
     async def forget(self, m: Forget) -> ForgetReply:
         """A model was deleted from the service: every trace of it here goes (its instances
@@ -181,9 +187,11 @@ class ModelFronts:
             raise Refused(Code.BAD_REQUEST, "forget needs the model")
         if any(inst.model == model for inst in self.host.node.instances.values()):
             raise Refused(Code.BUSY, f"model {model} still has instances on {self.host.spec.node_id}")
-        for _ in range(200):  # its instances' unloads end first: an unload parks its worker (forgotten below)
-            if not any(inst.model == model for inst in self.host.node._unloading.values()):
-                break
+        # its instances' unloads end first: an unload parks its worker or records learnt times
+        # (forgotten below). One waits for its turn among the node's memory operations, which a
+        # loaded node makes long; the caller may stop waiting for the answer, the forget goes on.
+        deadline = asyncio.get_running_loop().time() + UNLOAD_WAIT_S
+        while self._unloading(model) and asyncio.get_running_loop().time() < deadline:
             await asyncio.sleep(0.05)
         paths = set()
         for key, front_model in list(self._front_models.items()):

@@ -25,7 +25,7 @@ from mesh.policy.kv_demand import DEFAULT_WATERMARK
 from mesh.policy.memory import MemorySubsystem
 from mesh.policy.node_spec import NodeSpec
 from mesh.policy.shadow import DEFAULT_MARGIN
-from mesh.policy.slo import DeadlineRule
+from mesh.policy.slo import DeadlineRule, Deadlines
 from mesh.tasks import cancel_all
 from mesh.wire.served_request import Outcome, ServedRequest
 
@@ -193,9 +193,14 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
         req.node_id, req.instance_id = self.node_id, instance_id
         self._wake.set()
 
-    def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True) -> Admission:
-        admission = self.validate(instance_id, req, compute=compute)
+    def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True,
+                  deadlines: Deadlines | None = None) -> Admission:
+        """Validate and admit in one step; `deadlines`: validated with these in place of the
+        request's own, which it keeps if admitted (served late)."""
+        admission = self.validate(instance_id, req, compute=compute, deadlines=deadlines)
         if admission.ok:
+            if deadlines is not None:
+                req.late_s = deadlines.late_s
             self.admit(instance_id, req, admission)
         return admission
 

@@ -12,7 +12,7 @@ from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.kv_demand import recommend_bytes
 from mesh.policy.memory import InstanceMemory, MemoryPlan, MemorySubsystem
 from mesh.policy.shadow import Verdict, quick_reject, shadow_validate
-from mesh.policy.slo import DeadlineRule
+from mesh.policy.slo import DeadlineRule, Deadlines
 from mesh.wire.served_request import ServedRequest
 
 if TYPE_CHECKING:
@@ -56,15 +56,17 @@ class ShadowAdmission:
         compute: bool = True,
         exclude: Collection[str] = (),
         done: int | None = None,
+        deadlines: Deadlines | None = None,
     ) -> Admission:
         """Shadow validation on both subsystems (5.3, 6.4); changes nothing.
 
         compute=False checks memory only (the baselines, which queue rather than validate).
         exclude: instances on this node validated as gone (preempted first, 7.1).
-        done: tokens the request already produced (default: req.tokens_out)."""
+        done: tokens the request already produced (default: req.tokens_out).
+        deadlines: where its deadlines run from, if not its own."""
         inst = self.instances[instance_id]
         done = req.tokens_out if done is None else done
-        prompt, start = req.resumed(done, self.deadlines)
+        prompt, start = req.resumed(done, self.deadlines, deadlines)
         if prompt + 1 > inst.engine.context_window:
             return Admission(False,
                              refusal=f"prompt of {prompt} tokens exceeds the context window of "
@@ -102,11 +104,13 @@ class ShadowAdmission:
         return Admission(verdict.ok, verdict, plan)
 
     def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest],
-                     done: Sequence[int] | None = None) -> Admission:
+                     done: Sequence[int] | None = None, *, deadlines: Sequence[Deadlines] | None = None) -> Admission:
         """Would a new instance started now (cold start `plan.expected_load_s`) serve all of
-        `reqs` within SLO, and does the node have the memory for it? Changes nothing."""
+        `reqs` within SLO (with `deadlines` in place of their own, if given), and does the
+        node have the memory for it? Changes nothing."""
         done = [r.tokens_out for r in reqs] if done is None else done
-        pairs = [r.resumed(d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
+        moved = [None] * len(reqs) if deadlines is None else deadlines
+        pairs = [r.resumed(d, self.deadlines, m) for r, d, m in zip(reqs, done, moved, strict=True)]
         if any(p + 1 > plan.context_window for p, _ in pairs):
             return Admission(False, refusal=f"a prompt exceeds the context window of {plan.context_window}")
         if len(reqs) > plan.max_batch:

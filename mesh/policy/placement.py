@@ -150,12 +150,6 @@ SERVE_LATE, REJECT = "serve_late", "reject"
 COLD_START_CHOICES = (SERVE_LATE, REJECT)
 
 
-def late_by_s(arrival_s: float, ready_at_s: float) -> float:
-    """How late a cold model's request is served (SERVE_LATE): its deadlines move by the
-    time from its arrival to its instance's predicted ready time (none if ready in time)."""
-    return max(0.0, ready_at_s - arrival_s)
-
-
 MAX_WARMING_PER_MODEL = 1  # instances of one model loading at once, for a warm-up to start
 
 

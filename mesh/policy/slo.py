@@ -14,6 +14,9 @@ produce its first token by ST + TTFT_SLO(L) under both rules; token i >= 2 is du
 For a request that already produced tokens and is placed again (preempted, 7.1, or
 evicted, 6.4), the next token's deadline is fixed by the same rule from its history; the
 prefill that recomputes it on its new instance is not its first token.
+
+`Deadlines` says where a request's deadlines run from (ST): its arrival, moved later when
+it is served late or resumed after its node stalled.
 """
 from __future__ import annotations
 
@@ -34,6 +37,26 @@ class SLO:
     def ttft_s(self, prompt_len: int) -> float:
         """TTFT SLO for a prompt of `prompt_len` tokens."""
         return max(self.ttft_min_s, prompt_len * self.ttft_s_per_prompt_token)
+
+
+@dataclass(frozen=True, slots=True)
+class Deadlines:
+    """Where a request's deadlines run from: its arrival, moved `late_s` later when it is
+    served late (its model cold, or it waited past its SLO under a queueing admission) or
+    resumed after its node stalled. Its SLO is still judged from arrival. A value, so a
+    scheduler tries moved deadlines by passing one rather than changing the request."""
+
+    arrival_s: float
+    late_s: float = 0.0
+
+    @property
+    def start_s(self) -> float:
+        """ST of the deadline rules."""
+        return self.arrival_s + self.late_s
+
+    def from_at_least(self, t_s: float) -> "Deadlines":
+        """These deadlines running from `t_s` where that is later than where they run now."""
+        return Deadlines(self.arrival_s, max(self.late_s, t_s - self.arrival_s))
 
 
 class DeadlineRule(StrEnum):

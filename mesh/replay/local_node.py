@@ -24,6 +24,7 @@ from mesh.node.park_ahead import POLL_S
 from mesh.node.runtime import NodeRuntime
 from mesh.perf.load_times import PARKED
 from mesh.policy.admission import Admission, InstancePlan
+from mesh.policy.slo import Deadlines
 from mesh.tasks import cancel_all
 from mesh.wire.served_request import Outcome, ServedRequest
 
@@ -165,11 +166,13 @@ class LocalNode(ClusterNode):
     async def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
         return self._down() or self.runtime.validate_group(instance_id, reqs, done)
 
-    async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
-        return self._down() or self.runtime.validate_new(plan, reqs, done)
+    async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int], *,
+                           deadlines: Sequence[Deadlines] | None = None) -> Admission:
+        return self._down() or self.runtime.validate_new(plan, reqs, done, deadlines=deadlines)
 
-    async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True) -> Admission:
-        return self._down() or self.runtime.try_admit(instance_id, req, compute=compute)
+    async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True,
+                        deadlines: Deadlines | None = None) -> Admission:
+        return self._down() or self.runtime.try_admit(instance_id, req, compute=compute, deadlines=deadlines)
 
     async def take_back(self, request_id: str, why: str) -> ServedRequest | None:
         return self.runtime.take_back(request_id, why)

@@ -117,7 +117,7 @@ class ModelCatalogue:
         """The model in the cluster, described on first use (once, however many ask), and
         again when it changed (a format became ready) or a kind of node it can run on came up."""
         known = self.models.get(record.uid)
-        if (known is not None and known.record == record and self._front_up(known)
+        if (known is not None and known.record == record and self.front_up(known)
                 and set(self._kinds_up(record)) <= set(known.kinds)):
             return known
         pending = self._describing.get(record.uid)
@@ -145,7 +145,7 @@ class ModelCatalogue:
             if not self._arriving[model_uid]:
                 del self._arriving[model_uid]
 
-    def _front_up(self, model: DescribedModel) -> bool:
+    def front_up(self, model: DescribedModel) -> bool:
         """Is the agent that tokenizes the model's prompts there and up? A model whose front
         left or went down is described again on another node; until then it keeps its record,
         so that its requests in flight (a lost node's, placed again) still load it."""

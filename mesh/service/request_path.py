@@ -65,11 +65,8 @@ class RequestPath:
             self.formats.ensure(job.model)  # a model that lacks a format gets it prepared on first use
         self.catalogue.check_servable(job.model)  # none up: a 503 now rather than a wait
         self._check_features(job)
-        model = await self.catalogue.described(job.model)
-        ids = job.prompt_token_ids
-        if ids is None:
-            ids = await self._tokenize(model, job)
-        elif model.vocab_size is not None:  # checked here, before the ids go to a node
+        model, ids = await self._described_and_tokenized(job)
+        if job.prompt_token_ids is not None and model.vocab_size is not None:  # the caller's ids, checked here
             bad = next((t for t in ids if not 0 <= t < model.vocab_size), None)
             if bad is not None:
                 raise bad_request(f"Token id {bad} in 'prompt' is outside the vocabulary of {job.model.name} "
@@ -144,6 +141,23 @@ class RequestPath:
                           f"({', '.join(engines) or 'none'}) do not honour it (only {', '.join(able)} does). "
                           f"Omit '{field}'.", field, "unsupported_parameter")
 
+    async def _described_and_tokenized(self, job: Job, again: bool = True) -> tuple[DescribedModel, list[int]]:
+        """The model as the cluster knows it, and the prompt's ids. An agent that goes down
+        while it tokenizes costs a second description on an agent that is up (the catalogue's
+        rule: `front_up`) and a second tokenize, not the request."""
+        model = await self.catalogue.described(job.model)
+        if job.prompt_token_ids is not None:
+            return model, job.prompt_token_ids
+        try:
+            return model, await self._tokenize(model, job)
+        except AgentDown as exc:
+            # up and silent past the call's timeout (no other agent would answer sooner), or down twice
+            if not again or self.catalogue.front_up(model):
+                raise node_unavailable(str(exc)) from exc
+            log.info("request %s: %s went down while tokenizing for %s; described again on an agent that is up",
+                     job.request_id, model.front, job.model.name)
+        return await self._described_and_tokenized(job, again=False)
+
     async def _tokenize(self, model: DescribedModel, job: Job) -> list[int]:
         """On an agent with a loaded instance of the model (its engine's tokenizer is built),
         else on the describing agent, which builds the tokenizer alone (once, seconds)."""
@@ -176,10 +190,10 @@ class RequestPath:
                                   f"template refused it. Check the input; the operator's log has the detail under "
                                   f"request {job.request_id}.", "messages" if job.messages is not None else "prompt",
                                   "tokenization_failed") from exc
-            except AgentDown as exc:
+            except AgentDown:
                 if node_id != model.front:
                     continue
-                raise node_unavailable(str(exc)) from exc
+                raise
             return reply.ids
         raise node_unavailable(f"node {model.front} cannot tokenize for {job.model.name}")
 

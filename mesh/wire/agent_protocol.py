@@ -6,35 +6,23 @@ unsigned length followed by that many bytes of UTF-8 JSON holding one object (a 
 protocol has no payloads. Frames longer than MAX_FRAME_BYTES are a protocol error and close
 the connection.
 
-Every message has a type `t`. The control service sends requests; a request that carries
-an integer `id` gets exactly one reply, of type `reply`: {re: id, ok: true, ...its fields} or
-{re: id, ok: false, code, error}; a request without `id` (abort) gets none. The agent also
-sends events on its own (tokens, done, instance, evicted (6.4), node (6.3)). Reply codes
-when `ok` is false: see Code; admission results use the same codes. Every message and
-field is listed in docs/service.md ("The node agent protocol").
+Every message has a type `t`. The control service sends requests (REQUESTS); a request that
+carries an integer `id` gets exactly one reply, of type `reply`: {re: id, ok: true, ...its
+reply type's fields} or {re: id, ok: false, ...Failure's}; a request without `id` (abort)
+gets none. The agent also sends events (EVENTS) on its own.
 
-Every message is one dataclass here, built by its sender and read back by its
-receiver, whose decoder bounds every field and raises ProtocolError on anything else:
-- requests (REQUESTS, by type; each a Request naming its reply type, REPLY): Hello, Ping,
-  InstanceSpec (`load`), Unload, Tokenize, Describe, Admit (of AdmitEntry), Validate,
-  ValidateGroup, ValidateNew (a NewInstance and its Probes), TakeBack, Abort, Stats,
-  Shutdown, WeightsPath, WeightsDrop, Forget: `to_message()` / `from_message()`
-  (request_from_message picks the type);
-- replies (REPLIES): Ack, HelloReply, LoadReply, DescribeReply, TokenizeReply, AdmitReply (of
-  AdmitResult), Verdict, Progress (`take_back`), StatsReply, WeightsPathReply,
-  WeightsDropReply, ForgetReply, and Failure for ok=false: `to_fields()` / `from_fields()`,
-  framed by reply_message / failure_message;
-- events (EVENTS): TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent:
-  `to_message()` / event_from_message.
+Every message is one dataclass here, declared once (mesh.wire.codec): its annotated fields
+say how each crosses the wire and how it is bounded, and the receiver's decoder raises
+ProtocolError on anything else. docs/service.md's table of the messages is generated from
+these declarations (mesh.wire.protocol_table).
 """
 from __future__ import annotations
 
 import asyncio
 import math
-from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Any, ClassVar, Generic, Iterator, Mapping, TypeVar, Union
+from typing import Annotated, Any, Callable, ClassVar, Generic, Mapping, TypeVar, Union
 
 from mesh import framing
 from mesh.engines.detokenize import MAX_STOP_CHARS
@@ -43,6 +31,7 @@ from mesh.framing import MAX_HEADER_BYTES as MAX_FRAME_BYTES  # noqa: F401 - par
 from mesh.framing import ProtocolError, encode_frame  # noqa: F401 - likewise
 from mesh.policy.kv_demand import RunningMean
 from mesh.policy.slo import SLO
+from mesh.wire.codec import Declared, Wire, listed, nested, nested_list
 
 PROTOCOL_VERSION = 1
 READY_PREFIX = "MESH_AGENT_LISTENING "  # the agent prints this + "host:port" once it listens
@@ -239,29 +228,13 @@ def mean_output_from(state: Any) -> tuple[float, int, float] | None:
         raise ProtocolError(f"bad mean_output {shown(state)}: (prior, count, total) expected: {exc}") from exc
 
 
-# ---- decoding helpers for the typed messages ----------------------------------------------
-
-@contextmanager
-def malformed(what: str) -> Iterator[None]:
-    """Turn what a decoder meets in a malformed message (a missing key, a wrong type, a value
-    out of bounds) into a ProtocolError naming the message."""
-    try:
-        yield
-    except ProtocolError:
-        raise
-    except (KeyError, TypeError, ValueError, AttributeError, IndexError, ArithmeticError, RecursionError) as exc:
-        raise ProtocolError(f"bad {what}: {exc}") from exc
-
+# ---- field parsers: (wire value, field name) -> value, ValueError when malformed -----------
 
 def text_field(value: Any, name: str) -> str:
     """A string field (ValueError otherwise)."""
     if not isinstance(value, str):
         raise ValueError(f"{name} must be a string, got {type(value).__name__}")
     return value
-
-
-def opt_text(value: Any, name: str) -> str | None:
-    return None if value is None else text_field(value, name)
 
 
 def flag_field(value: Any, name: str) -> bool:
@@ -283,274 +256,259 @@ def list_field(value: Any, name: str) -> list[Any]:
     return list(value)
 
 
-def _opt(value: Any, parse: Any, *args: Any) -> Any:
-    return None if value is None else parse(value, *args)
+def any_text(value: Any, name: str) -> str:
+    """Any value, as its text (fields a peer may send as numbers)."""
+    return str(value)
+
+
+def truthy(value: Any, name: str) -> bool:
+    """Any value, as its truth."""
+    return bool(value)
+
+
+def true_only(value: Any, name: str) -> bool:
+    """True when the value is true itself, False for anything else."""
+    return value is True
+
+
+def at_least_one(value: Any, name: str) -> int:
+    """A count, 0 read as 1 (an output limit)."""
+    return max(1, count_field(value, name))
+
+
+def slo_field(value: Any, name: str) -> SLO:
+    return slo_from_dict(value)
+
+
+def window(value: Any, name: str = "context_window") -> int | None:
+    """A message's `context_window`: None (the engine's default) or tokens in [1, MAX_COUNT]."""
+    return None if value is None else count_field(value, name, 1)
+
+
+def counted(low: int = 0, high: int = MAX_COUNT) -> Callable[[Any, str], int]:
+    return lambda value, name: count_field(value, name, low, high)
+
+
+def numbered(low: float = 0.0, high: float = MAX_SECONDS) -> Callable[[Any, str], float]:
+    return lambda value, name: number_field(value, name, low, high)
+
+
+MAX_LATE_S = 3600.0  # no cold start is longer: a larger late_s is a bad message
+
+
+def late_field(value: Any, name: str) -> float:
+    """A request's `late_s`: served late, how late (its age is never negative, so a request
+    served late says how late instead of arriving in the future)."""
+    try:
+        late = float(value)
+    except (TypeError, ValueError):
+        late = math.nan
+    if not 0.0 <= late <= MAX_LATE_S:  # NaN fails too
+        raise ValueError(f"late_s must be in [0, {MAX_LATE_S:g}] seconds, got {late}")
+    return late
+
+
+def _sampling(value: Any, name: str) -> Sampling:
+    try:
+        return sampling_from_dict(value)
+    except ProtocolError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def _slo_dict(value: Any, name: str) -> dict[str, float]:
+    """A `load`'s SLO, as the dict it travels as, once checked."""
+    slo = dict(value or slo_to_dict(SLO()))
+    slo_from_dict(slo)
+    return slo
+
+
+def _tokens_items(value: Any, name: str) -> list[Any]:
+    items: list[Any] = []
+    for item in list_field(value, name):
+        item = list_field(item, "item")
+        if len(item) not in (3, 4):
+            raise ValueError(f"a tokens item has 3 or 4 elements, got {len(item)}")
+        ids = _token_ids(item[1] or [], "token ids")
+        head = (text_field(item[0], "request_id"), ids, text_field(item[2] or "", "text"))
+        items.append(head + (_logprobs(item[3], len(ids)),) if len(item) == 4 else head)
+    return items
+
+
+def _tokens_dump(items: list[Any]) -> list[list[Any]]:
+    return [list(item) for item in items]
+
+
+# The field kinds messages are declared with.
+Text = Annotated[str, Wire(text_field)]
+OptText = Annotated[str | None, Wire(text_field, nullable=True)]
+AnyText = Annotated[str, Wire(any_text)]
+Flag = Annotated[bool, Wire(flag_field)]
+Count = Annotated[int, Wire(counted())]
+Bytes = Annotated[int, Wire(counted(0, MAX_BYTES))]
+Batch = Annotated[int, Wire(counted(1, MAX_BATCH))]
+Window = Annotated[int | None, Wire(window, nullable=True)]
+TokenIds = Annotated[list[int], Wire(_token_ids)]
+Age = Annotated[float, Wire(_age)]
+OptAge = Annotated[float | None, Wire(_age, nullable=True)]
+Late = Annotated[float, Wire(late_field)]
+View = Annotated[dict[str, Any], Wire(object_field)]
+OptView = Annotated[dict[str, Any] | None, Wire(object_field, nullable=True)]
+MeanOutput = Annotated[tuple[float, int, float] | None, Wire(lambda v, n: mean_output_from(v), nullable=True)]
 
 
 # ---- replies: the fields of a `reply` frame {re: id, ok: true, ...} -------------------------
-# Each reply type writes its fields with `to_fields()` and is read back with `from_fields()`
-# (ProtocolError when malformed); reply_message / failure_message put them in their frame.
+# reply_message / failure_message put a reply type's fields (`to_fields()`) in their frame;
+# its receiver reads them back with `from_fields()`.
 
 REPLY = "reply"  # the type of every reply frame
 
 
 @dataclass(frozen=True, slots=True)
-class Ack:
+class Ack(Declared):
     """The reply with no fields (ping, unload, shutdown, abort)."""
-
-    def to_fields(self) -> dict[str, Any]:
-        return {}
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "Ack":
-        return cls()
 
 
 @dataclass(frozen=True, slots=True)
-class Failure:
+class Failure(Declared):
     """An ok=false reply: why (a Code's value) and what went wrong; a `load` refused for
     memory says by how much."""
 
-    code: str
-    error: str
-    shortfall_bytes: int | None = None
-
-    def to_fields(self) -> dict[str, Any]:
-        out = {"code": self.code, "error": self.error}
-        return out if self.shortfall_bytes is None else {**out, "shortfall_bytes": self.shortfall_bytes}
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "Failure":
-        with malformed("failure reply"):
-            return cls(str(m.get("code")), str(m.get("error", "failed")),
-                       _opt(m.get("shortfall_bytes"), count_field, "shortfall_bytes", 0, MAX_BYTES))
+    WHAT = "failure reply"
+    code: AnyText
+    error: AnyText = "failed"
+    shortfall_bytes: Annotated[int | None, Wire(counted(0, MAX_BYTES), nullable=True, omit=True)] = None
 
 
 @dataclass(frozen=True, slots=True)
-class HelloReply:
-    """Who the agent is: its node, memory, machine (cpu), process, the deadline rule it runs,
-    the device it emulates, where it receives weights ({address, dir}; None: it does not)
-    and the instances it already runs (a reconnect finds them)."""
+class HelloReply(Declared):
+    """Who the agent is: its node, memory, machine (cpu {model, cores, amx}), process, the
+    deadline rule it runs, the device it emulates, where it receives weights ({address, dir};
+    None: it does not) and the instances it already runs (a reconnect finds them)."""
 
-    node_id: str
-    kind: str
-    memory_bytes: int
-    cpu: dict[str, Any]
-    pid: int
-    protocol: int
-    deadlines: str
-    emulate: str | None
-    weights: dict[str, Any] | None
-    instances: list[dict[str, Any]]
-
-    def to_fields(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "HelloReply":
-        with malformed("hello reply"):
-            return cls(text_field(m["node_id"], "node_id"), text_field(m["kind"], "kind"),
-                       count_field(m["memory_bytes"], "memory_bytes", 0, MAX_BYTES), object_field(m["cpu"], "cpu"),
-                       count_field(m["pid"], "pid"), count_field(m["protocol"], "protocol"),
-                       text_field(m["deadlines"], "deadlines"), opt_text(m.get("emulate"), "emulate"),
-                       _opt(m.get("weights"), object_field, "weights"),
-                       [object_field(i, "instance") for i in list_field(m["instances"], "instances")])
+    WHAT = "hello reply"
+    node_id: Text
+    kind: Text
+    memory_bytes: Bytes
+    cpu: View
+    pid: Count
+    protocol: Count
+    deadlines: Text
+    emulate: OptText
+    weights: OptView
+    instances: Annotated[list[dict[str, Any]], Wire(listed(object_field, "instance"))]
 
 
 @dataclass(frozen=True, slots=True)
-class LoadReply:
+class LoadReply(Declared):
     """`load` issued: the instance's shape as its engine read it (an `instance` event follows)."""
 
-    weight_bytes: int
-    kv_bytes_per_token: int
-    context_window: int
-
-    def to_fields(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "LoadReply":
-        with malformed("load reply"):
-            return cls(count_field(m["weight_bytes"], "weight_bytes", 0, MAX_BYTES),
-                       count_field(m["kv_bytes_per_token"], "kv_bytes_per_token", 0, MAX_BYTES),
-                       count_field(m["context_window"], "context_window", 1))
+    WHAT = "load reply"
+    weight_bytes: Bytes
+    kv_bytes_per_token: Bytes
+    context_window: Annotated[int, Wire(counted(1))]
 
 
 @dataclass(frozen=True, slots=True)
-class DescribeReply:
-    """A model's shape before any instance of it runs; an emulated model's profile too
-    (mesh.perf.profile's dict: the dispatcher plans with it)."""
+class DescribeReply(Declared):
+    """A model's shape before any instance of it runs (vocab_size None: unknown); an emulated
+    model's profile too (mesh.perf.profile's dict: the dispatcher plans with it)."""
 
-    weight_bytes: int
-    kv_bytes_per_token: int
-    context_window: int
-    vocab_size: int | None
-    profile: dict[str, Any] | None = None
-
-    def to_fields(self) -> dict[str, Any]:
-        out = {"weight_bytes": self.weight_bytes, "kv_bytes_per_token": self.kv_bytes_per_token,
-               "context_window": self.context_window, "vocab_size": self.vocab_size}
-        return out if self.profile is None else {**out, "profile": self.profile}
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "DescribeReply":
-        with malformed("describe reply"):
-            return cls(count_field(m["weight_bytes"], "weight_bytes", 0, MAX_BYTES),
-                       count_field(m["kv_bytes_per_token"], "kv_bytes_per_token", 0, MAX_BYTES),
-                       count_field(m["context_window"], "context_window", 1),
-                       _opt(m.get("vocab_size"), count_field, "vocab_size"),
-                       _opt(m.get("profile"), object_field, "profile"))
+    WHAT = "describe reply"
+    weight_bytes: Bytes
+    kv_bytes_per_token: Bytes
+    context_window: Annotated[int, Wire(counted(1))]
+    vocab_size: Annotated[int | None, Wire(counted(), nullable=True)]
+    profile: Annotated[dict[str, Any] | None, Wire(object_field, nullable=True, omit=True)] = None
 
 
 @dataclass(frozen=True, slots=True)
-class TokenizeReply:
-    ids: list[int]
+class TokenizeReply(Declared):
+    """The prompt's token ids."""
 
-    def to_fields(self) -> dict[str, Any]:
-        return {"ids": self.ids}
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "TokenizeReply":
-        with malformed("tokenize reply"):
-            return cls(_token_ids(m["ids"], "ids"))
+    WHAT = "tokenize reply"
+    ids: TokenIds
 
 
 @dataclass(frozen=True, slots=True)
-class AdmitResult:
+class AdmitResult(Declared):
     """One entry's answer in an `admit` reply: ok, or a Code's value and why."""
 
-    ok: bool
-    code: str | None = None
-    reason: str | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"ok": True} if self.ok else {"ok": False, "code": self.code, "reason": self.reason}
-
-    @classmethod
-    def from_dict(cls, m: Any) -> "AdmitResult":
-        with malformed("admit result"):
-            ok = flag_field(m["ok"], "ok")
-            return cls(True) if ok else cls(False, opt_text(m.get("code"), "code"), opt_text(m.get("reason"), "reason"))
+    WHAT = "admit result"
+    ok: Flag
+    code: Annotated[str | None, Wire(text_field, nullable=True, omit=True)] = None
+    reason: Annotated[str | None, Wire(text_field, nullable=True, omit=True)] = None
 
 
 @dataclass(frozen=True, slots=True)
-class AdmitReply:
-    results: list[AdmitResult]
+class AdmitReply(Declared):
+    """Each entry's result, in order."""
 
-    def to_fields(self) -> dict[str, Any]:
-        return {"results": [r.to_dict() for r in self.results]}
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "AdmitReply":
-        with malformed("admit reply"):
-            return cls([AdmitResult.from_dict(r) for r in list_field(m["results"], "results")])
+    WHAT = "admit reply"
+    results: Annotated[list[AdmitResult], nested_list(AdmitResult)]
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict:
+class Verdict(Declared):
     """Shadow validation's answer (validate, validate_group, validate_new)."""
 
-    admit: bool
-    reason: str
-
-    def to_fields(self) -> dict[str, Any]:
-        return {"admit": self.admit, "reason": self.reason}
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "Verdict":
-        with malformed("validation reply"):
-            return cls(flag_field(m["admit"], "admit"), text_field(m.get("reason") or "", "reason"))
+    WHAT = "validation reply"
+    admit: Flag
+    reason: Text = ""
 
 
 @dataclass(frozen=True, slots=True)
-class StatsReply:
+class StatsReply(Declared):
     """The node's state as /admin/cluster shows it and the dispatcher reads it between calls
     (memory's budget, busy time): the top-level fields typed, the views under them as the
     agent's modules write them."""
 
-    node_id: str
-    kind: str
-    uptime_s: float
-    instances: list[dict[str, Any]]
-    memory: dict[str, Any]
-    queue_length: int
-    running: int
-    tokenizer: dict[str, Any]
-    models: list[str]
-    busy_s: float
-    iterations: int
-    kv_bytes_in_use: int
-    deadlines: str
-    learnt: dict[str, Any]
-    parked: dict[str, Any]
-    parked_ahead: dict[str, Any]
-    emulate: str | None
-
-    def to_fields(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "StatsReply":
-        with malformed("stats reply"):
-            return cls(
-                text_field(m["node_id"], "node_id"), text_field(m["kind"], "kind"),
-                number_field(m["uptime_s"], "uptime_s", 0.0, math.inf),
-                [object_field(i, "instance") for i in list_field(m["instances"], "instances")],
-                object_field(m["memory"], "memory"), count_field(m["queue_length"], "queue_length"),
-                count_field(m["running"], "running"), object_field(m["tokenizer"], "tokenizer"),
-                [text_field(x, "model") for x in list_field(m["models"], "models")],
-                number_field(m["busy_s"], "busy_s", 0.0, math.inf), count_field(m["iterations"], "iterations", 0,
-                                                                                2**62),
-                count_field(m["kv_bytes_in_use"], "kv_bytes_in_use", 0, MAX_BYTES),
-                text_field(m["deadlines"], "deadlines"), object_field(m["learnt"], "learnt"),
-                object_field(m["parked"], "parked"), object_field(m["parked_ahead"], "parked_ahead"),
-                opt_text(m.get("emulate"), "emulate"))
+    WHAT = "stats reply"
+    node_id: Text
+    kind: Text
+    uptime_s: Annotated[float, Wire(numbered(0.0, math.inf))]
+    instances: Annotated[list[dict[str, Any]], Wire(listed(object_field, "instance"))]
+    memory: View
+    queue_length: Count
+    running: Count
+    tokenizer: View
+    models: Annotated[list[str], Wire(listed(text_field, "model"))]
+    busy_s: Annotated[float, Wire(numbered(0.0, math.inf))]
+    iterations: Annotated[int, Wire(counted(0, 2**62))]
+    kv_bytes_in_use: Bytes
+    deadlines: Text
+    learnt: View
+    parked: View
+    parked_ahead: View
+    emulate: OptText
 
 
 @dataclass(frozen=True, slots=True)
-class WeightsPathReply:
+class WeightsPathReply(Declared):
     """Where the node writes the model's file; with a manifest asked about, whether the file
     there already is that model (None: not asked)."""
 
-    path: str
-    complete: bool | None = None
-
-    def to_fields(self) -> dict[str, Any]:
-        return {"path": self.path} if self.complete is None else {"path": self.path, "complete": self.complete}
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "WeightsPathReply":
-        with malformed("weights_path reply"):
-            return cls(text_field(m["path"], "path"), _opt(m.get("complete"), flag_field, "complete"))
+    WHAT = "weights_path reply"
+    path: Text
+    complete: Annotated[bool | None, Wire(flag_field, nullable=True, omit=True)] = None
 
 
 @dataclass(frozen=True, slots=True)
-class WeightsDropReply:
-    dropped: bool  # there were files to delete
+class WeightsDropReply(Declared):
+    """Whether there were received files to delete."""
 
-    def to_fields(self) -> dict[str, Any]:
-        return {"dropped": self.dropped}
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "WeightsDropReply":
-        with malformed("weights_drop reply"):
-            return cls(flag_field(m["dropped"], "dropped"))
+    WHAT = "weights_drop reply"
+    dropped: Flag
 
 
 @dataclass(frozen=True, slots=True)
-class ForgetReply:
-    forgot: str  # the model
+class ForgetReply(Declared):
+    """The model forgotten."""
 
-    def to_fields(self) -> dict[str, Any]:
-        return {"forgot": self.forgot}
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "ForgetReply":
-        with malformed("forget reply"):
-            return cls(text_field(m["forgot"], "forgot"))
+    WHAT = "forget reply"
+    forgot: Text
 
 
-def reply_message(re: int, body: Any) -> dict[str, Any]:
+def reply_message(re: int, body: Declared) -> dict[str, Any]:
     """The frame of an ok=true reply to request `re` (body: a reply type's instance)."""
     return {TYPE_KEY: REPLY, "re": re, "ok": True, **body.to_fields()}
 
@@ -565,334 +523,120 @@ def reply_fields(m: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in m.items() if k not in (TYPE_KEY, "re", "ok")}
 
 
+# ---- parts of messages ---------------------------------------------------------------------
+
+@dataclass(frozen=True, slots=True)
+class Progress(Declared):
+    """A running request taken off its node, not ended: the tokens it produced (all of
+    them, those it brought there too; tokens_out 0: as many as token_ids) and when its first
+    token came, as an age. The reply to `take_back` and the body of an `evicted` event: the
+    dispatcher resumes it elsewhere (7.1, 6.4)."""
+
+    WHAT = "progress"
+    request_id: Text
+    tokens_out: Count = 0
+    token_ids: TokenIds = field(default_factory=list)
+    first_token_age_s: OptAge = None
+
+    def checked(self) -> "Progress":
+        return self if self.tokens_out else replace(self, tokens_out=len(self.token_ids))
+
+
+@dataclass(frozen=True, slots=True)
+class Probe(Declared):
+    """A request as shadow validation sees it (R in `validate`, `validate_group`,
+    `validate_new`): prompt length, output limit, age (time since it arrived: the ST of
+    Eq. 1), tokens it already produced elsewhere and, for the pace rule, its first token's
+    age; served late (a cold model's request, SERVE_LATE), its deadlines move by late_s."""
+
+    WHAT = "request entry"
+    request_id: AnyText
+    prompt_len: Count
+    max_tokens: Annotated[int, Wire(at_least_one)]
+    age_s: Age = 0.0
+    done: Count = 0
+    first_token_age_s: OptAge = None
+    late_s: Late = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class AdmitEntry(Declared):
+    """One request of an `admit` batch. A request moved here (7.1, 6.4) carries its prompt
+    then the tokens it produced elsewhere in `prompt_token_ids`: `done` of them, recomputed
+    here; `prompt_len` says where its prompt ends (None: all ids but the last `done`).
+    compute=False: memory check only (the baselines, which do not validate)."""
+
+    WHAT = "admit entry"
+    request_id: AnyText
+    instance_id: AnyText
+    prompt_token_ids: TokenIds
+    sampling: Annotated[Sampling, Wire(_sampling, dump=sampling_to_dict)]
+    age_s: Age = 0.0
+    done: Count = 0
+    prompt_len: Annotated[int | None, Wire(counted(-MAX_COUNT), nullable=True)] = None
+    compute: Annotated[bool, Wire(truthy)] = True
+    first_token_age_s: OptAge = None
+    late_s: Late = 0.0
+
+    def checked(self) -> "AdmitEntry":
+        ids = len(self.prompt_token_ids)
+        prompt_len = ids - self.done if self.prompt_len is None else self.prompt_len
+        if not 1 <= prompt_len <= ids:
+            raise ValueError(f"done={self.done}, prompt_len={prompt_len} with {ids} token ids")
+        return replace(self, prompt_len=prompt_len)
+
+
+@dataclass(frozen=True, slots=True)
+class NewInstance(Declared):
+    """The instance a `validate_new` plans: its model's shape, batch, SLO, cold start, the
+    calibration profile its times come from (None: the default for its weights) and O_avg."""
+
+    WHAT = "validate_new plan"
+    instance_id: Text
+    model: Text
+    weight_bytes: Bytes
+    kv_bytes_per_token: Bytes
+    context_window: Annotated[int, Wire(counted(1))]
+    max_batch: Batch
+    slo: Annotated[SLO, Wire(slo_field, dump=slo_to_dict)]
+    expected_load_s: Annotated[float, Wire(numbered())]
+    profile: OptText = None
+    mean_output: MeanOutput = None
+
+
 # ---- requests: control -> agent ------------------------------------------------------------
 
 R = TypeVar("R")
 
 
-class Request(Generic[R]):
-    """A message the control service sends an agent: its type `T`, the type of its reply
-    (`REPLY`), `to_message()` and a validating `from_message()`."""
+class Typed(Declared):
+    """A message that travels in a frame of its own, under its type `T`: `to_message()`
+    writes that frame, `from_message()` reads it back."""
 
     __slots__ = ()
     T: ClassVar[str]
+    KIND: ClassVar[str]  # how an error names it after its type: "message", "event"
+
+    @classmethod
+    def what(cls) -> str:
+        return f"{cls.T} {cls.KIND}"
+
+    def to_message(self) -> dict[str, Any]:
+        return {TYPE_KEY: self.T, **self.to_fields()}
+
+    @classmethod
+    def from_message(cls, m: Mapping[str, Any]) -> Any:
+        return cls.from_fields(m)
+
+
+class Request(Typed, Generic[R]):
+    """A message the control service sends an agent, with the type of its reply (`REPLY`);
+    request_from_message reads one back."""
+
+    __slots__ = ()
+    KIND: ClassVar[str] = "message"
     REPLY: ClassVar[Any]
 
-    def to_message(self) -> dict[str, Any]:
-        raise NotImplementedError
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceSpec(Request[LoadReply]):
-    """What an agent needs to start one model instance (the `load` message)."""
-
-    T: ClassVar[str] = "load"
-    REPLY: ClassVar[Any] = LoadReply
-    instance_id: str
-    model: str  # the model's global id (registry uid); also the engine's model_name
-    path: str  # GGUF file or OpenVINO IR folder, as the agent's machine sees it
-    context_window: int | None = None  # None: the engine's default
-    slo: dict[str, float] = field(default_factory=lambda: slo_to_dict(SLO()))
-    max_num_seqs: int = 64
-    profile: str | None = None  # a calibration profile file for the iteration times
-    engine: str = "openvino"  # "openvino" (CPU); "vllm" (GPU agents)
-    expected_load_s: float | None = None  # the dispatcher's predicted cold start (None: the agent's default)
-    # Numerics under which a moved or preempted greedy stream, recomputed elsewhere from prompt
-    # + produced tokens, continues exactly as it would have (the engine's own setting:
-    # mesh.engines.openvino_engine.EXACT_RECOMPUTE). Off by default: it costs about 2x in prefill and
-    # batched decode on the CPU; a moved stream then loses, repeats and reorders nothing, but its
-    # continuation may differ at a near-tie (docs/design.md).
-    exact_moves: bool = False
-    # O_avg of the model as the control service holds it (prior, count, total: LLM-Mesh 6.1):
-    # one mean per model, shared by every instance of it, as in the replay. None: the agent's prior
-    mean_output: tuple[float, int, float] | None = None
-    # An emulated instance (engine "emulated"): how long its engine's load takes, the replay's
-    # simulated engine's (mesh.control.cluster_view.ClusterView.simulated_load_s); the node's KV cache
-    # allocation follows, as in the replay. None: ColdStart's load of its weights.
-    emulated_load_s: float | None = None
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, **asdict(self)}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "InstanceSpec":
-        try:
-            profile = m.get("profile")
-            if profile is not None and not isinstance(profile, str):
-                raise ValueError(f"profile must be a string, got {type(profile).__name__}")
-            spec = cls(
-                instance_id=str(m["instance_id"]), model=str(m["model"]), path=str(m["path"]),
-                context_window=window(m.get("context_window")),
-                slo=dict(m.get("slo") or slo_to_dict(SLO())),
-                max_num_seqs=count_field(m.get("max_num_seqs", 64), "max_num_seqs", 1, MAX_BATCH),
-                profile=profile, engine=str(m.get("engine", "openvino")),
-                expected_load_s=None if m.get("expected_load_s") is None else number_field(
-                    m["expected_load_s"], "expected_load_s"),
-                exact_moves=bool(m.get("exact_moves", False)),
-                mean_output=mean_output_from(m.get("mean_output")),
-                emulated_load_s=None if m.get("emulated_load_s") is None else number_field(
-                    m["emulated_load_s"], "emulated_load_s"),
-            )
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ProtocolError(f"bad load message: {exc}") from exc
-        slo_from_dict(spec.slo)
-        return spec
-
-
-def window(value: Any) -> int | None:
-    """A message's `context_window`: None (the engine's default) or tokens in [1, MAX_COUNT]."""
-    return None if value is None else count_field(value, "context_window", 1)
-
-
-# ---- typed messages at the protocol boundary -----------------------------------------------
-# Each side builds these and puts them on the wire with `to_message()`; the receiving side
-# reads them back with `from_message()`, which raises ProtocolError on a malformed message.
-
-def _opt_age(value: Any, name: str) -> float | None:
-    return None if value is None else _age(value, name)
-
-
-MAX_LATE_S = 3600.0  # no cold start is longer: a larger late_s is a bad message
-
-
-def _late(m: Any) -> float:
-    """A message's `late_s` (age_s is never negative, so a request served late says how
-    late instead of arriving in the future)."""
-    try:
-        late = float(m.get("late_s", 0.0))
-    except (TypeError, ValueError):
-        late = math.nan
-    if not 0.0 <= late <= MAX_LATE_S:  # NaN fails too
-        raise ValueError(f"late_s must be in [0, {MAX_LATE_S:g}] seconds, got {late}")
-    return late
-
-
-@dataclass(frozen=True, slots=True)
-class Progress:
-    """A running request taken off its node, not ended: the tokens it produced (all of
-    them, those it brought there too) and when its first token came, as an age. The reply
-    to `take_back` and the body of an `evicted` event: the dispatcher resumes it elsewhere
-    (7.1, 6.4)."""
-
-    request_id: str
-    tokens_out: int
-    token_ids: list[int]
-    first_token_age_s: float | None
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    def to_fields(self) -> dict[str, Any]:  # as the reply to take_back
-        return self.to_dict()
-
-    @classmethod
-    def from_fields(cls, m: Mapping[str, Any]) -> "Progress":
-        return cls.from_dict(m)
-
-    @classmethod
-    def from_dict(cls, m: Mapping[str, Any]) -> "Progress":
-        try:
-            ids = _token_ids(m.get("token_ids") or [], "token_ids")
-            return cls(text_field(m["request_id"], "request_id"), count_field(m.get("tokens_out") or len(ids),
-                                                                              "tokens_out"), ids,
-                       _opt_age(m.get("first_token_age_s"), "first_token_age_s"))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ProtocolError(f"bad progress: {exc}") from exc
-
-
-@dataclass(frozen=True, slots=True)
-class Probe:
-    """A request as shadow validation sees it (`validate`, `validate_group`, `validate_new`):
-    prompt length, output limit, age (time since it arrived: the ST of Eq. 1), tokens it
-    already produced elsewhere and, for the pace rule, its first token's age."""
-
-    request_id: str
-    prompt_len: int
-    max_tokens: int
-    age_s: float
-    done: int = 0
-    first_token_age_s: float | None = None
-    late_s: float = 0.0  # served late (a cold model's request, SERVE_LATE): its deadlines move by this
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, m: Any) -> "Probe":
-        try:
-            return cls(str(m["request_id"]), count_field(m["prompt_len"], "prompt_len"),
-                       max(1, count_field(m["max_tokens"], "max_tokens")), _age(m.get("age_s", 0.0), "age_s"),
-                       count_field(m.get("done", 0), "done"), _opt_age(m.get("first_token_age_s"), "first_token_age_s"),
-                       _late(m))
-        except (KeyError, TypeError, ValueError, AttributeError) as exc:
-            raise ProtocolError(f"bad request entry: {exc}") from exc
-
-
-@dataclass(frozen=True, slots=True)
-class AdmitEntry:
-    """One request of an `admit` batch. A request moved here (7.1, 6.4) carries its prompt
-    then the tokens it produced elsewhere in `prompt_token_ids`: `done` of them, recomputed
-    here; `prompt_len` says where its prompt ends. compute=False: memory check only (the
-    baselines, which do not validate)."""
-
-    request_id: str
-    instance_id: str
-    prompt_token_ids: list[int]
-    sampling: Sampling
-    age_s: float
-    done: int = 0
-    prompt_len: int | None = None  # None: all ids but the last `done`
-    compute: bool = True
-    first_token_age_s: float | None = None
-    late_s: float = 0.0  # as Probe.late_s
-
-    def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "sampling": sampling_to_dict(self.sampling)}
-
-    @classmethod
-    def from_dict(cls, m: Any) -> "AdmitEntry":
-        try:
-            ids = _token_ids(m["prompt_token_ids"], "prompt_token_ids")
-            done = count_field(m.get("done", 0), "done")
-            prompt_len = count_field(m.get("prompt_len", len(ids) - done), "prompt_len", -MAX_COUNT)
-            if not 1 <= prompt_len <= len(ids):
-                raise ValueError(f"done={done}, prompt_len={prompt_len} with {len(ids)} token ids")
-            return cls(str(m["request_id"]), str(m["instance_id"]), ids, sampling_from_dict(m["sampling"]),
-                       _age(m.get("age_s", 0.0), "age_s"), done, prompt_len, bool(m.get("compute", True)),
-                       _opt_age(m.get("first_token_age_s"), "first_token_age_s"), _late(m))
-        except (KeyError, TypeError, ValueError, AttributeError, ProtocolError) as exc:
-            raise ProtocolError(f"bad admit entry: {exc}") from exc
-
-
-@dataclass(frozen=True, slots=True)
-class TokensEvent:
-    """Tokens of one iteration: (request id, token ids, text) per request, and their log
-    probabilities, one per token id, for a request that asked for them (a fourth element)."""
-
-    T: ClassVar[str] = "tokens"
-    items: list[tuple[str, list[int], str] | tuple[str, list[int], str, list[float]]]
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "items": [list(item) for item in self.items]}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "TokensEvent":
-        with malformed("tokens event"):
-            items = []
-            for item in list_field(m["items"], "items"):
-                item = list_field(item, "item")
-                if len(item) not in (3, 4):
-                    raise ValueError(f"a tokens item has 3 or 4 elements, got {len(item)}")
-                ids = _token_ids(item[1] or [], "token ids")
-                head = (text_field(item[0], "request_id"), ids, text_field(item[2] or "", "text"))
-                items.append(head + (_logprobs(item[3], len(ids)),) if len(item) == 4 else head)
-            return cls(items)
-
-
-@dataclass(frozen=True, slots=True)
-class DoneEvent:
-    """A request ended on the node (outcome and finish reason as the runtime's enums' values)."""
-
-    T: ClassVar[str] = "done"
-    request_id: str
-    outcome: str
-    reason: str | None
-    detail: str
-    tokens_out: int
-    ttft_s: float | None
-    tpot_s: float | None
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, **asdict(self)}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "DoneEvent":
-        with malformed("done event"):
-            return cls(text_field(m["request_id"], "request_id"), text_field(m.get("outcome") or "failed", "outcome"),
-                       opt_text(m.get("reason"), "reason"), text_field(m.get("detail") or "", "detail"),
-                       count_field(m.get("tokens_out") or 0, "tokens_out"), _opt(m.get("ttft_s"), number_field,
-                                                                                 "ttft_s", -MAX_SECONDS),
-                       _opt(m.get("tpot_s"), number_field, "tpot_s", -MAX_SECONDS))
-
-
-@dataclass(frozen=True, slots=True)
-class InstanceEvent:
-    """An instance finished loading (`ready`: engine loaded and KV cache sized) or failed."""
-
-    T: ClassVar[str] = "instance"
-    instance_id: str
-    state: str  # "ready" | "failed"
-    error: str = ""
-    loaded_from: str = ""  # ready: where the engine read the model from ("gguf", "prepared", "ir"; "" unknown)
-
-    def to_message(self) -> dict[str, Any]:
-        out = {TYPE_KEY: self.T, "instance_id": self.instance_id, "state": self.state}
-        if self.loaded_from:
-            out["loaded_from"] = self.loaded_from
-        return {**out, "error": self.error} if self.error else out
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "InstanceEvent":
-        with malformed("instance event"):
-            return cls(text_field(m["instance_id"], "instance_id"), text_field(m["state"], "state"),
-                       text_field(m.get("error") or "", "error"), text_field(m.get("loaded_from") or "", "loaded_from"))
-
-
-@dataclass(frozen=True, slots=True)
-class EvictedEvent:
-    """The node's memory subsystem evicted a running request (6.4), progress kept: place it
-    again (no `done` follows)."""
-
-    T: ClassVar[str] = "evicted"
-    why: str
-    progress: Progress
-    fault: bool = False  # the node failed it (a hung engine): its deadlines restart where it resumes
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "why": self.why, **self.progress.to_dict(), **({"fault": True} if self.fault else {})}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "EvictedEvent":
-        with malformed("evicted event"):
-            return cls(text_field(m.get("why") or "evicted", "why"), Progress.from_dict(m), m.get("fault") is True)
-
-
-@dataclass(frozen=True, slots=True)
-class NodeEvent:
-    """The node's state that the dispatcher reads between calls, as a replay's policy reads
-    a LocalNode's: the instance whose iteration is in flight (None: between iterations or
-    idle), which preemption skips (LLM-Mesh 7.1), and the memory budget in use (the
-    reservation station's optimistic budget, 6.3), by which new instances bin-pack (4)."""
-
-    T: ClassVar[str] = "node"
-    stepping: str | None
-    budget_bytes: int
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "stepping": self.stepping, "budget_bytes": self.budget_bytes}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "NodeEvent":
-        stepping = m.get("stepping")
-        if stepping is not None and not isinstance(stepping, str):
-            raise ProtocolError(f"bad node event: stepping {shown(stepping)}")
-        with malformed("node event"):
-            return cls(stepping, count_field(m["budget_bytes"], "budget_bytes", 0, MAX_BYTES))
-
-
-Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent]
-EVENTS: dict[str, type[Event]] = {e.T: e for e in (TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent)}
-
-
-def event_from_message(m: Mapping[str, Any]) -> Event:
-    """The typed event in an agent's message; ProtocolError for an unknown or malformed one."""
-    kind = EVENTS.get(str(m.get("t")))
-    if kind is None:
-        raise ProtocolError(f"unknown event {shown(m.get(TYPE_KEY))}")
-    return kind.from_message(m)
-
-
-# ---- requests: control -> agent (InstanceSpec, the `load`, is above) -------------------------
 
 @dataclass(frozen=True, slots=True)
 class Hello(Request[HelloReply]):
@@ -900,72 +644,51 @@ class Hello(Request[HelloReply]):
 
     T: ClassVar[str] = "hello"
     REPLY: ClassVar[Any] = HelloReply
-    token: str | None
-    protocol: int | None = PROTOCOL_VERSION
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "token": self.token, "protocol": self.protocol}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "Hello":
-        with malformed("hello message"):
-            return cls(opt_text(m.get("token"), "token"), _opt(m.get("protocol"), count_field, "protocol"))
+    token: OptText
+    protocol: Annotated[int | None, Wire(counted(), nullable=True)] = PROTOCOL_VERSION
 
 
 @dataclass(frozen=True, slots=True)
-class _Bare(Request[Ack]):
-    """A request with no fields."""
+class Ping(Request[Ack]):
+    """A heartbeat."""
 
+    T: ClassVar[str] = "ping"
     REPLY: ClassVar[Any] = Ack
 
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> Any:
-        return cls()
-
 
 @dataclass(frozen=True, slots=True)
-class Ping(_Bare):
-    T: ClassVar[str] = "ping"
+class InstanceSpec(Request[LoadReply]):
+    """Start one model instance (the `load` message): the model's global id (registry uid;
+    also the engine's model_name), its file as the agent's machine sees it, its window,
+    SLO, batch, calibration profile, engine ("openvino", "vllm", "emulated"), the
+    dispatcher's predicted cold start, exact_moves (EXACT_RECOMPUTE: a moved greedy stream
+    continues exactly, at about 2x the compute), the model's O_avg as the service holds it
+    ([prior, count, total], 6.1) and, for an emulated instance, how long its engine's load
+    takes (the replay's). An `instance` event follows the reply."""
 
-
-@dataclass(frozen=True, slots=True)
-class Shutdown(_Bare):
-    """Stop the agent (it exits once the reply is out)."""
-
-    T: ClassVar[str] = "shutdown"
-
-
-@dataclass(frozen=True, slots=True)
-class Stats(Request[StatsReply]):
-    T: ClassVar[str] = "stats"
-    REPLY: ClassVar[Any] = StatsReply
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "Stats":
-        return cls()
+    T: ClassVar[str] = "load"
+    REPLY: ClassVar[Any] = LoadReply
+    instance_id: AnyText
+    model: AnyText
+    path: AnyText
+    context_window: Window = None
+    slo: Annotated[dict[str, float], Wire(_slo_dict)] = field(default_factory=lambda: slo_to_dict(SLO()))
+    max_num_seqs: Batch = 64
+    profile: OptText = None
+    engine: AnyText = "openvino"
+    expected_load_s: Annotated[float | None, Wire(numbered(), nullable=True)] = None
+    exact_moves: Annotated[bool, Wire(truthy)] = False
+    mean_output: MeanOutput = None
+    emulated_load_s: Annotated[float | None, Wire(numbered(), nullable=True)] = None
 
 
 @dataclass(frozen=True, slots=True)
 class Unload(Request[Ack]):
-    """Stop an instance that serves no request (busy otherwise)."""
+    """Stop an instance that serves no request (`busy` otherwise)."""
 
     T: ClassVar[str] = "unload"
     REPLY: ClassVar[Any] = Ack
-    instance_id: str
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "instance_id": self.instance_id}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "Unload":
-        with malformed("unload message"):
-            return cls(text_field(m["instance_id"], "instance_id"))
+    instance_id: Text
 
 
 @dataclass(frozen=True, slots=True)
@@ -975,60 +698,41 @@ class Describe(Request[DescribeReply]):
 
     T: ClassVar[str] = "describe"
     REPLY: ClassVar[Any] = DescribeReply
-    model: str
-    path: str
-    engine: str = "openvino"
-    context_window: int | None = None
-    max_num_seqs: int = 64
-    exact_moves: bool = False
+    model: Text
+    path: Text
+    engine: Text = "openvino"
+    context_window: Window = None
+    max_num_seqs: Batch = 64
+    exact_moves: Flag = False
 
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, **asdict(self)}
 
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "Describe":
-        with malformed("describe message"):
-            return cls(text_field(m["model"], "model"), text_field(m["path"], "path"),
-                       text_field(m.get("engine") or "openvino", "engine"), window(m.get("context_window")),
-                       count_field(m.get("max_num_seqs") or 64, "max_num_seqs", 1, MAX_BATCH),
-                       flag_field(m.get("exact_moves", False), "exact_moves"))
+OmitText = Annotated[str | None, Wire(text_field, nullable=True, omit=True)]
 
 
 @dataclass(frozen=True, slots=True)
 class Tokenize(Request[TokenizeReply]):
     """A prompt's (or a conversation's) ids, with the tokenizer of a loaded instance
-    (`instance_id`) or, before any instance runs there, of the model at `path`. With a
-    `request_id`, an Abort of it cancels the job; `tenant` takes its turn in the queue."""
+    (`instance_id`) or, before any instance runs there, of the model at `path`. OpenVINO
+    prompts wait in the agent's tokenizer queue, which takes the tenants in turn; an Abort
+    of `request_id` cancels the job (dropped from the queue, or its ids discarded)."""
 
     T: ClassVar[str] = "tokenize"
     REPLY: ClassVar[Any] = TokenizeReply
-    instance_id: str | None = None
-    model: str | None = None
-    path: str | None = None
-    engine: str | None = None
-    context_window: int | None = None
-    messages: list[dict[str, Any]] | None = None
-    prompt: str | None = None
-    request_id: str | None = None
-    tenant: str | None = None
+    instance_id: OmitText = None
+    model: OmitText = None
+    path: OmitText = None
+    engine: OmitText = None
+    context_window: Annotated[int | None, Wire(window, nullable=True, omit=True)] = None
+    messages: Annotated[list[dict[str, Any]] | None, Wire(listed(object_field, "message"), nullable=True,
+                                                             omit=True)] = None
+    prompt: OmitText = None
+    request_id: OmitText = None
+    tenant: OmitText = None
 
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, **{k: v for k, v in asdict(self).items() if v is not None}}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "Tokenize":
-        with malformed("tokenize message"):
-            messages = m.get("messages")
-            out = cls(opt_text(m.get("instance_id"), "instance_id"), opt_text(m.get("model"), "model"),
-                      opt_text(m.get("path"), "path"), opt_text(m.get("engine"), "engine"),
-                      window(m.get("context_window")),
-                      None if messages is None else [object_field(x, "message") for x in list_field(messages,
-                                                                                                    "messages")],
-                      opt_text(m.get("prompt"), "prompt"), opt_text(m.get("request_id"), "request_id"),
-                      opt_text(m.get("tenant"), "tenant"))
-            if out.instance_id is None and out.path is None:
-                raise ValueError("give the instance_id of a loaded instance or the model's path")
-            return out
+    def checked(self) -> "Tokenize":
+        if self.instance_id is None and self.path is None:
+            raise ValueError("give the instance_id of a loaded instance or the model's path")
+        return self
 
     def front(self) -> Describe:
         """The model (by path) whose unloaded engine tokenizes when no instance is named."""
@@ -1041,37 +745,19 @@ class Admit(Request[AdmitReply]):
 
     T: ClassVar[str] = "admit"
     REPLY: ClassVar[Any] = AdmitReply
-    requests: list[AdmitEntry]
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "requests": [e.to_dict() for e in self.requests]}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "Admit":
-        with malformed("admit message"):
-            return cls([AdmitEntry.from_dict(r) for r in list_field(m["requests"], "requests")])
+    requests: Annotated[list[AdmitEntry], nested_list(AdmitEntry)]
 
 
 @dataclass(frozen=True, slots=True)
 class Validate(Request[Verdict]):
     """Would the request meet its SLO on the instance, with the instances in `exclude`
-    preempted first (shadow validation, 5.3, 6.4, 7.1)?"""
+    preempted first (shadow validation, 5.3, 6.4, 7.1)? Changes nothing."""
 
     T: ClassVar[str] = "validate"
     REPLY: ClassVar[Any] = Verdict
-    instance_id: str
-    request: Probe
-    exclude: list[str] = field(default_factory=list)
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "instance_id": self.instance_id, "request": self.request.to_dict(),
-                "exclude": list(self.exclude)}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "Validate":
-        with malformed("validate message"):
-            return cls(text_field(m["instance_id"], "instance_id"), Probe.from_dict(m["request"]),
-                       [text_field(i, "exclude") for i in list_field(m.get("exclude") or [], "exclude")])
+    instance_id: Text
+    request: Annotated[Probe, nested(Probe)]
+    exclude: Annotated[list[str], Wire(listed(text_field, "exclude"))] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1080,51 +766,8 @@ class ValidateGroup(Request[Verdict]):
 
     T: ClassVar[str] = "validate_group"
     REPLY: ClassVar[Any] = Verdict
-    instance_id: str
-    requests: list[Probe]
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "instance_id": self.instance_id, "requests": [r.to_dict() for r in self.requests]}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "ValidateGroup":
-        with malformed("validate_group message"):
-            return cls(text_field(m["instance_id"], "instance_id"),
-                       [Probe.from_dict(r) for r in list_field(m.get("requests") or [], "requests")])
-
-
-@dataclass(frozen=True, slots=True)
-class NewInstance:
-    """The instance a `validate_new` plans: its model's shape, batch, SLO, cold start, the
-    calibration profile its times come from (None: the default for its weights) and O_avg."""
-
-    instance_id: str
-    model: str
-    weight_bytes: int
-    kv_bytes_per_token: int
-    context_window: int
-    max_batch: int
-    slo: SLO
-    expected_load_s: float
-    profile: str | None = None
-    mean_output: tuple[float, int, float] | None = None
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"instance_id": self.instance_id, "model": self.model, "weight_bytes": self.weight_bytes,
-                "kv_bytes_per_token": self.kv_bytes_per_token, "context_window": self.context_window,
-                "max_batch": self.max_batch, "slo": slo_to_dict(self.slo), "expected_load_s": self.expected_load_s,
-                "profile": self.profile, "mean_output": self.mean_output}
-
-    @classmethod
-    def from_dict(cls, p: Any) -> "NewInstance":
-        with malformed("validate_new plan"):
-            return cls(text_field(p["instance_id"], "instance_id"), text_field(p["model"], "model"),
-                       count_field(p["weight_bytes"], "weight_bytes", 0, MAX_BYTES),
-                       count_field(p["kv_bytes_per_token"], "kv_bytes_per_token", 0, MAX_BYTES),
-                       count_field(p["context_window"], "context_window", 1),
-                       count_field(p["max_batch"], "max_batch", 1, MAX_BATCH), slo_from_dict(p["slo"]),
-                       number_field(p["expected_load_s"], "expected_load_s"), opt_text(p.get("profile"), "profile"),
-                       mean_output_from(p.get("mean_output")))
+    instance_id: Text
+    requests: Annotated[list[Probe], nested_list(Probe)] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
@@ -1134,54 +777,48 @@ class ValidateNew(Request[Verdict]):
 
     T: ClassVar[str] = "validate_new"
     REPLY: ClassVar[Any] = Verdict
-    plan: NewInstance
-    requests: list[Probe]
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "plan": self.plan.to_dict(), "requests": [r.to_dict() for r in self.requests]}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "ValidateNew":
-        with malformed("validate_new message"):
-            return cls(NewInstance.from_dict(m["plan"]),
-                       [Probe.from_dict(r) for r in list_field(m.get("requests") or [], "requests")])
+    plan: Annotated[NewInstance, nested(NewInstance)]
+    requests: Annotated[list[Probe], nested_list(Probe)] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
 class TakeBack(Request[Progress]):
-    """Take a running request off the node, not ended, with its progress (preemption 7.1)."""
+    """Take a running request off the node, not ended, with its progress (preemption 7.1);
+    no `done` follows. A request whose instance is in the middle of a prefill leaves when
+    that iteration ends."""
 
     T: ClassVar[str] = "take_back"
     REPLY: ClassVar[Any] = Progress
-    request_id: str
-    why: str = "taken back by the control service"
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "request_id": self.request_id, "why": self.why}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "TakeBack":
-        with malformed("take_back message"):
-            return cls(text_field(m["request_id"], "request_id"),
-                       text_field(m.get("why") or "taken back by the control service", "why"))
+    request_id: Text
+    why: Text = "taken back by the control service"
 
 
 @dataclass(frozen=True, slots=True)
 class Abort(Request[Ack]):
-    """End a request (failed), or cancel its tokenize still under way. Sent without an id:
-    no reply (with one, an empty one)."""
+    """End a request (failed; a `done` event follows), or cancel its tokenize still under
+    way (that tokenize fails, no `done`). Sent without an id: no reply (with one, an empty one)."""
 
     T: ClassVar[str] = "abort"
     REPLY: ClassVar[Any] = Ack
-    request_id: str
+    request_id: Text
 
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "request_id": self.request_id}
 
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "Abort":
-        with malformed("abort message"):
-            return cls(text_field(m["request_id"], "request_id"))
+@dataclass(frozen=True, slots=True)
+class Stats(Request[StatsReply]):
+    """The node's state: its instances (batch, pending, idle time, KV budget / in use /
+    allocated, weights, time factors), memory (capacity, budget, pessimistic, free, waiting
+    operations), queue, busy time and iterations."""
+
+    T: ClassVar[str] = "stats"
+    REPLY: ClassVar[Any] = StatsReply
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown(Request[Ack]):
+    """Stop the agent (it exits once the reply is out)."""
+
+    T: ClassVar[str] = "shutdown"
+    REPLY: ClassVar[Any] = Ack
 
 
 @dataclass(frozen=True, slots=True)
@@ -1192,19 +829,9 @@ class WeightsPath(Request[WeightsPathReply]):
 
     T: ClassVar[str] = "weights_path"
     REPLY: ClassVar[Any] = WeightsPathReply
-    model: str
-    file: str
-    manifest: dict[str, Any] | None = None
-
-    def to_message(self) -> dict[str, Any]:
-        out = {TYPE_KEY: self.T, "model": self.model, "file": self.file}
-        return out if self.manifest is None else {**out, "manifest": self.manifest}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "WeightsPath":
-        with malformed("weights_path message"):
-            return cls(text_field(m["model"], "model"), text_field(m["file"], "file"),
-                       _opt(m.get("manifest"), object_field, "manifest"))
+    model: Text
+    file: Text
+    manifest: Annotated[dict[str, Any] | None, Wire(object_field, nullable=True, omit=True)] = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -1213,40 +840,105 @@ class WeightsDrop(Request[WeightsDropReply]):
 
     T: ClassVar[str] = "weights_drop"
     REPLY: ClassVar[Any] = WeightsDropReply
-    model: str
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "model": self.model}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "WeightsDrop":
-        with malformed("weights_drop message"):
-            return cls(text_field(m["model"], "model"))
+    model: Text
 
 
 @dataclass(frozen=True, slots=True)
 class Forget(Request[ForgetReply]):
-    """The model was deleted: every trace of it on the node goes (its instances are unloaded
-    first). An empty model is refused as bad_request."""
+    """The model was deleted: every trace of it on the node goes (`busy` while it has
+    instances). An empty model is refused as bad_request."""
 
     T: ClassVar[str] = "forget"
     REPLY: ClassVar[Any] = ForgetReply
-    model: str
-
-    def to_message(self) -> dict[str, Any]:
-        return {TYPE_KEY: self.T, "model": self.model}
-
-    @classmethod
-    def from_message(cls, m: Mapping[str, Any]) -> "Forget":
-        with malformed("forget message"):
-            return cls(text_field(m.get("model") or "", "model"))
+    model: Annotated[str, Wire(text_field, absent="")]
 
 
+# ---- events: agent -> control --------------------------------------------------------------
+
+class AgentEvent(Typed):
+    """A message the agent sends on its own; event_from_message reads one back."""
+
+    __slots__ = ()
+    KIND: ClassVar[str] = "event"
+
+
+@dataclass(frozen=True, slots=True)
+class TokensEvent(AgentEvent):
+    """Tokens of one iteration, every token of it in one frame: (request id, token ids,
+    text) per request, and their log probabilities, one per token id, for a request that
+    asked for them (a fourth element)."""
+
+    T: ClassVar[str] = "tokens"
+    items: Annotated[list[Any], Wire(_tokens_items, dump=_tokens_dump)]
+
+
+@dataclass(frozen=True, slots=True)
+class DoneEvent(AgentEvent):
+    """A request ended on the node (outcome and finish reason as the runtime's enums' values:
+    completed / failed, stop / length)."""
+
+    T: ClassVar[str] = "done"
+    request_id: Text
+    outcome: Text = "failed"
+    reason: OptText = None
+    detail: Text = ""
+    tokens_out: Count = 0
+    ttft_s: Annotated[float | None, Wire(numbered(-MAX_SECONDS), nullable=True)] = None
+    tpot_s: Annotated[float | None, Wire(numbered(-MAX_SECONDS), nullable=True)] = None
+
+
+@dataclass(frozen=True, slots=True)
+class InstanceEvent(AgentEvent):
+    """An instance finished loading (`ready`: engine loaded and KV cache sized; loaded_from:
+    where the engine read the model from, "gguf", "prepared", "ir", "" unknown) or failed."""
+
+    T: ClassVar[str] = "instance"
+    instance_id: Text
+    state: Text  # "ready" | "failed"
+    loaded_from: Annotated[str, Wire(text_field, omit=True)] = ""
+    error: Annotated[str, Wire(text_field, omit=True)] = ""
+
+
+@dataclass(frozen=True, slots=True)
+class EvictedEvent(AgentEvent):
+    """The node's memory subsystem evicted a running request (6.4), progress kept, or (fault)
+    the node failed it (a hung engine: its deadlines restart where it resumes): place it
+    again (no `done` follows)."""
+
+    T: ClassVar[str] = "evicted"
+    why: Annotated[str, Wire(text_field, absent="evicted")]
+    progress: Annotated[Progress, nested(Progress, inline=True)]
+    fault: Annotated[bool, Wire(true_only, omit=True)] = False
+
+
+@dataclass(frozen=True, slots=True)
+class NodeEvent(AgentEvent):
+    """The node's state that the dispatcher reads between calls, as a replay's policy reads
+    a LocalNode's: the instance whose iteration is in flight (None: between iterations or
+    idle), which preemption skips (LLM-Mesh 7.1), and the memory budget in use (the
+    reservation station's optimistic budget, 6.3), by which new instances bin-pack (4).
+    Sent when either changed, after the frames of what changed it."""
+
+    T: ClassVar[str] = "node"
+    stepping: OptText
+    budget_bytes: Bytes
+
+
+Event = Union[TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent]
+EVENTS: dict[str, type[Event]] = {e.T: e for e in (TokensEvent, DoneEvent, InstanceEvent, EvictedEvent, NodeEvent)}
 REQUESTS: dict[str, Any] = {r.T: r for r in (
     Hello, Ping, InstanceSpec, Unload, Tokenize, Describe, Admit, Validate, ValidateGroup, ValidateNew, TakeBack,
     Abort, Stats, Shutdown, WeightsPath, WeightsDrop, Forget)}
 REPLIES: tuple[Any, ...] = (Ack, Failure, HelloReply, LoadReply, DescribeReply, TokenizeReply, AdmitReply, Verdict,
                             Progress, StatsReply, WeightsPathReply, WeightsDropReply, ForgetReply)
+
+
+def event_from_message(m: Mapping[str, Any]) -> Event:
+    """The typed event in an agent's message; ProtocolError for an unknown or malformed one."""
+    kind = EVENTS.get(str(m.get("t")))
+    if kind is None:
+        raise ProtocolError(f"unknown event {shown(m.get(TYPE_KEY))}")
+    return kind.from_message(m)
 
 
 def request_from_message(m: Mapping[str, Any]) -> Request[Any]:

@@ -36,12 +36,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from dataclasses import asdict, dataclass, fields
-from typing import Any, ClassVar, Mapping
+from dataclasses import asdict, dataclass
+from typing import Annotated, Any, ClassVar, Mapping
 
 from mesh import framing
 from mesh.engines.engine_api import DTYPE_BYTES, HiddenStates, NextTokens, TokenBatch
 from mesh.framing import ProtocolError
+from mesh.wire.codec import Declared, Wire
 
 TYPE_KEY = "t"
 STREAM_LIMIT = 4 << 20
@@ -58,7 +59,10 @@ def _int(h: Mapping[str, Any], key: str, lo: int = 0, hi: int = 1 << 40) -> int:
 
 
 def _str(h: Mapping[str, Any], key: str) -> str:
-    v = h.get(key)
+    return _name(h.get(key), key)
+
+
+def _name(v: Any, key: str) -> str:
     if not isinstance(v, str) or not 0 < len(v) <= MAX_NAME:
         raise ProtocolError(f"layer message field {key!r} must be a non-empty string of at most {MAX_NAME} "
                             f"characters, got {v!r}")
@@ -121,6 +125,10 @@ def hidden_from(meta: Mapping[str, Any], payload: bytes) -> HiddenStates:
                         counts, size, str(dtype), payload)
 
 
+Name = Annotated[str, Wire(_name)]  # a model, a path: 1 to MAX_NAME characters
+RequestIds = Annotated[tuple[str, ...], Wire(_ids)]
+
+
 @dataclass(frozen=True, slots=True)
 class Peer:
     """Another agent's layer port, and the token its first frame needs."""
@@ -129,37 +137,36 @@ class Peer:
     token: str | None = None
 
 
-class _Named:
-    """A message of names only: its fields are strings, or tuples of request ids, sent under
-    their own names (one codec for open, status, take, release and counters)."""
+class _Named(Declared):
+    """A message of names only: its fields are strings, or tuples of request ids, declared as
+    Name and RequestIds (one codec for open, status, take, release and counters)."""
 
     __slots__ = ()
     TAG: ClassVar[str]
 
+    @classmethod
+    def what(cls) -> str:
+        return f"{cls.TAG} message"
+
     def to_header(self, mid: int) -> dict[str, Any]:
-        h: dict[str, Any] = {TYPE_KEY: self.TAG, "id": mid}
-        for f in fields(self):  # type: ignore[arg-type]
-            value = getattr(self, f.name)
-            h[f.name] = list(value) if isinstance(value, tuple) else value
-        return h
+        return {TYPE_KEY: self.TAG, "id": mid, **self.to_fields()}
 
     @classmethod
     def from_header(cls, h: Mapping[str, Any]) -> Any:
-        return cls(*(_ids(h.get(f.name)) if f.type.startswith("tuple") else _str(h, f.name)  # type: ignore[call-arg]
-                     for f in fields(cls)))  # type: ignore[arg-type]
+        return cls.from_fields(h)
 
 
 @dataclass(frozen=True, slots=True)
 class Open(_Named):
     TAG = "open"
-    model: str
-    path: str
+    model: Name
+    path: Name
 
 
 @dataclass(frozen=True, slots=True)
 class Status(_Named):
     TAG = "status"
-    model: str
+    model: Name
 
 
 @dataclass(frozen=True, slots=True)
@@ -235,15 +242,15 @@ class Run:
 @dataclass(frozen=True, slots=True)
 class Take(_Named):
     TAG = "take"
-    model: str
-    request_ids: tuple[str, ...]
+    model: Name
+    request_ids: RequestIds
 
 
 @dataclass(frozen=True, slots=True)
 class Release(_Named):
     TAG = "release"
-    model: str
-    request_ids: tuple[str, ...]
+    model: Name
+    request_ids: RequestIds
 
 
 @dataclass(frozen=True, slots=True)

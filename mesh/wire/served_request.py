@@ -10,7 +10,7 @@ from enum import Enum
 from typing import Callable, Sequence
 
 from mesh.engines.engine_api import EngineRequest, FinishReason
-from mesh.policy.slo import SLO, DeadlineRule
+from mesh.policy.slo import SLO, DeadlineRule, Deadlines
 
 
 class Outcome(str, Enum):
@@ -47,7 +47,8 @@ class ServedRequest:
     detail: str = ""  # why it was rejected or failed
     evictions: int = 0  # times the memory subsystem evicted and rescheduled it (6.4)
     tenant: str = ""  # whose share of the waiting queue it counts against ("" : its model's)
-    attempts: list[str] = field(default_factory=list)
+    attempts: list[str] = field(default_factory=list)  # what happened to it, for the operator
+    waited: bool = False  # it waited in the dispatcher's queue at least once
     # Served late because its model was cold (mesh.policy.placement.SERVE_LATE): its deadlines
     # run from arrival + late_s, as if it had arrived when its instance is ready; its SLO is
     # still judged from its arrival (slo_met, ttft_s).
@@ -88,10 +89,16 @@ class ServedRequest:
         tpot_ok = self.tokens_out < 2 or self.tpot_s <= self.slo.tpot_s + 1e-9
         return self.ttft_s <= self.slo.ttft_s(self.prompt_len) + 1e-9 and tpot_ok
 
-    def resumed(self, done: int, rule: DeadlineRule) -> tuple[int, float]:
+    @property
+    def deadlines(self) -> Deadlines:
+        """Where its deadlines run from now."""
+        return Deadlines(self.arrival_s, self.late_s)
+
+    def resumed(self, done: int, rule: DeadlineRule, deadlines: Deadlines | None = None) -> tuple[int, float]:
         """(prompt length, ST) under which this request is scheduled after `done` tokens
-        produced elsewhere (DeadlineRule.resumed)."""
-        return rule.resumed(self.slo, self.arrival_s + self.late_s, self.prompt_len, done, self.first_token_s)
+        produced elsewhere (DeadlineRule.resumed); `deadlines`: tried in place of its own."""
+        start_s = (self.deadlines if deadlines is None else deadlines).start_s
+        return rule.resumed(self.slo, start_s, self.prompt_len, done, self.first_token_s)
 
     def end(self, outcome: Outcome, now: float, detail: str = "", reason: FinishReason | None = None) -> None:
         if self.outcome is not None:
