@@ -65,6 +65,7 @@ SYSTEMS = ("mesh", "vllm", "llamacpp")
 BASE = "smollm2-135m"  # every model's base: one model file
 LENGTH_SCALE = 8.0  # the trace's lengths / 8, as `mesh replay --live` sends them to this model
 CONTEXT = 2048  # each model's window on every system
+SLACK = 16  # tokens of the window a request leaves free: a BOS token a server may add to the prompt
 FAILED_TO_RUN = "failed to run"  # a system that could not run (exit status 1), not one that was skipped
 NO_SERVER = "no server for its model"  # mesh.bench.live.send_at_arrivals' detail for a model without one
 GIB = 2**30
@@ -126,10 +127,11 @@ def many_model_workload(models: int, minutes: float, seed: int,
     if models < 1 or not minutes > 0 or not rps_per_model > 0:
         raise ValueError(f"--models must be >= 1, --minutes and --rps-per-model > 0; got {models}, {minutes}, "
                          f"{rps_per_model}")
+    window = CONTEXT - SLACK
     whole = build_workload(load_function_trace(FUNCTIONS_TRACE), load_lengths(CONVERSATION_TRACE),
                            functions=models, minutes=math.ceil(minutes), models={BASE: 1.0}, seed=seed,
-                           target_rps=models * rps_per_model, max_total={BASE: int(CONTEXT * LENGTH_SCALE)})
-    scaled = scale_lengths(whole, LENGTH_SCALE, CONTEXT)
+                           target_rps=models * rps_per_model, max_total={BASE: int(window * LENGTH_SCALE)})
+    scaled = scale_lengths(whole, LENGTH_SCALE, window)
     cut = minutes * 60.0
     arrivals = [a for a in scaled.arrivals if a.time_s < cut]
     n = max(1, len(arrivals))
