@@ -507,6 +507,8 @@ def run_round(models: int, args: argparse.Namespace, systems: Sequence[str]) -> 
         print(f"N={models} {system}: {f['slo_compliant']}/{f['requests']} within SLO, {f['rejected']} rejected, "
               f"{f['failed']} failed, {f['tokens_per_s']:.1f} tok/s, peak RSS {f['peak_rss_gib']:.2f} GiB, "
               f"load {f['load_before']}", file=sys.stderr)
+        if f.get("why"):
+            print(f"N={models} {system}: {f['why']}", file=sys.stderr)
     return out
 
 
