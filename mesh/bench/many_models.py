@@ -96,7 +96,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                                         "(default $MESH_VLLM_PYTHON, else <repo>/.venv-vllm)")
     p.add_argument("--vllm-model", default=None, help="Hugging Face folder of the demo model "
                                                        "(default: converted once from the demo GGUF)")
-    p.add_argument("--vllm-kv-gib", type=float, default=0.5, help="KV cache per vLLM server, GiB (default 0.5)")
+    p.add_argument("--vllm-kv-gib", type=int, default=1, help="KV cache per vLLM server, whole GiB (default 1)")
     p.add_argument("--vllm-start-timeout", type=float, default=1200.0, help="seconds for the vLLM servers to answer")
     p.add_argument("--vllm-arg", action="append", default=[], help="one more argument for each vLLM server (repeat)")
     p.add_argument("--reserve-gib", type=float, default=2.0,
