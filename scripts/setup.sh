@@ -151,3 +151,25 @@ setup_export() {
     echo "set-up: the export extra is ready in $venv" >&2
 }
 setup_export || echo "set-up: continuing without the export environment: Hugging Face folders run on GPU nodes only" >&2
+
+# llama.cpp's server (llama-cpp-python[server]), the peer `mesh bench many-models` compares
+# with (docs/benchmarking.md): with MESH_WITH_LLAMACPP=1 it goes into .venv-llamacpp. PyPI has
+# only its source, so pip builds llama.cpp with cmake and a C++ compiler (see
+# docs/benchmarking.md for how long that takes); not run by CI. The bench finds it with
+# MESH_LLAMACPP_PYTHON=.venv-llamacpp/bin/python or --llamacpp-python.
+setup_llamacpp() {
+    local venv=.venv-llamacpp py=.venv-llamacpp/bin/python
+    [ "${MESH_WITH_LLAMACPP:-0}" = 1 ] || return 0
+    if [ -x "$py" ] && "$py" -c "import llama_cpp.server" 2>/dev/null; then
+        return 0  # built before
+    fi
+    echo "set-up: building llama-cpp-python[server]==0.3.36 into $venv (from source: cmake, a C++ compiler)" >&2
+    make_venv "$venv" || return 1
+    "$py" -m pip install --quiet --upgrade pip || true
+    if ! nice -n 10 "$py" -m pip install --quiet 'llama-cpp-python[server]==0.3.36'; then
+        echo "set-up: pip could not build llama-cpp-python into $venv (see pip's message above)" >&2
+        return 1
+    fi
+    echo "set-up: llama.cpp's server is ready: MESH_LLAMACPP_PYTHON=$py" >&2
+}
+setup_llamacpp || echo "set-up: continuing without llama.cpp: mesh bench many-models skips it" >&2

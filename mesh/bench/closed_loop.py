@@ -341,7 +341,8 @@ def table(rounds: dict[str, dict[str, Any]]) -> str:
 
 
 # -- processes ---------------------------------------------------------------------------------
-def _free_port() -> int:
+def free_port() -> int:
+    """A loopback port free right now (for a server the bench starts)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -354,7 +355,7 @@ def _post(url: str, body: Any, key: str, timeout: float = 120.0) -> Any:
         return json.loads(resp.read())
 
 
-def _stop(proc: subprocess.Popen | None, grace_s: float = 60.0) -> None:
+def stop_group(proc: subprocess.Popen | None, grace_s: float = 60.0) -> None:
     """SIGTERM to the process group we started (its own session), SIGKILL after `grace_s`."""
     if proc is None or proc.poll() is not None:
         return
@@ -381,7 +382,8 @@ def start_mesh(workdir: Path, allowed: Path, cpu_nodes: int, extra: Sequence[str
                          log=workdir / "mesh-serve.log")
 
 
-def _tail(path: Path, lines: int = 15) -> str:
+def log_tail(path: Path, lines: int = 15) -> str:
+    """The last `lines` lines of a server's log, for an error message."""
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
     except OSError:
@@ -446,7 +448,7 @@ def start_vllm(python: str, model_dir: Path, names: Sequence[str], workdir: Path
                VLLM_CPU_KVCACHE_SPACE=f"{kv_gib:g}", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1")
     env.pop("PYTHONPATH", None)  # vLLM's environment needs nothing of Mesh
     for name in names:
-        port = _free_port()
+        port = free_port()
         log = workdir / f"vllm-{name.replace('/', '_')}.log"
         cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
                "--served-model-name", name, "--host", "127.0.0.1", "--port", str(port),
@@ -459,14 +461,16 @@ def start_vllm(python: str, model_dir: Path, names: Sequence[str], workdir: Path
         servers.logs.append(log)
 
 
-def wait_vllm(servers: VllmServers, timeout_s: float) -> float:
-    """Until every server lists its model; returns the seconds it took."""
+def wait_vllm(servers: VllmServers, timeout_s: float, what: str = "vLLM") -> float:
+    """Until every server lists its model (any OpenAI server: `what` names them in errors);
+    returns the seconds it took."""
     start = time.monotonic()
     pending = set(range(len(servers.urls)))
     while pending:
         for i in sorted(pending):
             if servers.procs[i].poll() is not None:
-                raise RuntimeError(f"vLLM server {i} exited ({servers.procs[i].returncode}): {_tail(servers.logs[i])}")
+                raise RuntimeError(f"{what} server {i} exited ({servers.procs[i].returncode}): "
+                                   f"{log_tail(servers.logs[i])}")
             try:
                 with urllib.request.urlopen(f"{servers.urls[i]}/v1/models", timeout=5) as resp:
                     if resp.status == 200:
@@ -474,14 +478,15 @@ def wait_vllm(servers: VllmServers, timeout_s: float) -> float:
             except (urllib.error.URLError, OSError):
                 pass
         if pending and time.monotonic() - start > timeout_s:
-            raise RuntimeError(f"vLLM servers {sorted(pending)} did not answer in {timeout_s:g} s: "
-                               f"{_tail(servers.logs[min(pending)])}")
+            raise RuntimeError(f"{what} servers {sorted(pending)} did not answer in {timeout_s:g} s: "
+                               f"{log_tail(servers.logs[min(pending)])}")
         if pending:
             time.sleep(2)
     return time.monotonic() - start
 
 
-def _warm_request(target: Target) -> None:
+def warm_request(target: Target) -> None:
+    """One 2-token request to `target`, so what follows measures serving, not its first call."""
     _post(f"{target.url}/v1/chat/completions", {"model": target.model, "max_tokens": 2, "temperature": 0,
                                                 "messages": [{"role": "user", "content": "Hi"}]}, target.api_key)
 
@@ -560,18 +565,18 @@ def run(args: argparse.Namespace) -> int:
             meta["vllm_start_s"] = wait_vllm(vllm, args.vllm_start_timeout)
             targets = [Target(n, u) for n, u in zip(names, vllm.urls)]
             for t in targets:
-                _warm_request(t)
+                warm_request(t)
             _round(rounds, "vllm", targets, args)
     except (RuntimeError, OSError, urllib.error.URLError) as exc:
         print(f"mesh bench closed-loop: {exc}", file=sys.stderr)
         if service is not None:
-            print(f"mesh serve's log ends: {_tail(service.log)}", file=sys.stderr)
+            print(f"mesh serve's log ends: {log_tail(service.log)}", file=sys.stderr)
         return 1
     finally:
         if service is not None:
             stop_service(service)
         for proc in vllm.procs:
-            _stop(proc)
+            stop_group(proc)
         if args.logs:
             Path(args.logs).mkdir(parents=True, exist_ok=True)
             for log in workdir.glob("*.log"):

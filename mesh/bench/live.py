@@ -22,7 +22,7 @@ import math
 import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import aiohttp
 import numpy as np
@@ -42,19 +42,6 @@ TOKEN_LOW, TOKEN_HIGH = 100, 30_000  # prompt token ids drawn here: ordinary tok
 
 class LiveReplayError(RuntimeError):
     """The service refused the set-up (tenant, quota, registration); the message says which call."""
-
-
-@dataclass(frozen=True)
-class LiveConfig:
-    url: str
-    admin_token: str
-    model_path: Path
-    context_length: int = 2048  # each model's registered window (the workload's lengths fit it)
-    tenant: str = ""  # "" : replay-<8 random hex digits>
-    slo: SLO = SLO()
-    request_timeout_s: float = 900.0
-    progress: bool = True
-    emulate: str | None = None  # a catalog name: register emulated models (mesh serve --emulate), not uploads
 
 
 @dataclass
@@ -134,19 +121,39 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _served(workload: Workload, slo: SLO) -> list[ServedRequest]:
+def served_requests(workload: Workload, slo: SLO) -> list[ServedRequest]:
     return [ServedRequest(EngineRequest(a.request_id, a.prompt_len, Sampling(max_tokens=a.output_len),
                                         output_len=a.output_len), a.model, a.time_s, slo)
             for a in workload.arrivals]
 
 
-async def _send(session: aiohttp.ClientSession, url: str, key: str, req: ServedRequest, clock: Any,
-                timeout_s: float) -> None:
-    """One streamed completion; fills `req` with the client's times (clock(): seconds since
-    the workload's start)."""
-    body = {"model": function_name(req.model), "prompt": prompt_ids(req.request_id, req.prompt_len),
+def completion_body(req: ServedRequest) -> dict[str, Any]:
+    """The streamed completion `req` stands for: its prompt as token ids, exactly its output
+    length (vLLM's `ignore_eos`), greedy."""
+    return {"model": function_name(req.model), "prompt": prompt_ids(req.request_id, req.prompt_len),
             "max_tokens": req.engine_request.sampling.max_tokens, "ignore_eos": True, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}}
+
+
+@dataclass(frozen=True)
+class LiveConfig:
+    url: str
+    admin_token: str
+    model_path: Path
+    context_length: int = 2048  # each model's registered window (the workload's lengths fit it)
+    tenant: str = ""  # "" : replay-<8 random hex digits>
+    slo: SLO = SLO()
+    request_timeout_s: float = 900.0
+    progress: bool = True
+    emulate: str | None = None  # a catalog name: register emulated models (mesh serve --emulate), not uploads
+    body: Callable[[ServedRequest], dict[str, Any]] = completion_body  # each request's streamed completion
+
+
+async def send_completion(session: aiohttp.ClientSession, url: str, key: str, req: ServedRequest, clock: Any,
+                          timeout_s: float, body: dict[str, Any]) -> None:
+    """One streamed completion `body` to any OpenAI server at `url`; fills `req` with the
+    client's times (clock(): seconds since the workload's start): a 429 rejected, any other
+    failure failed."""
     tokens = chunks = 0
     last = math.nan
     try:
@@ -182,6 +189,24 @@ async def _send(session: aiohttp.ClientSession, url: str, key: str, req: ServedR
         req.end(Outcome.COMPLETED, last)
     except (aiohttp.ClientError, asyncio.TimeoutError, json.JSONDecodeError, UnicodeDecodeError) as exc:
         req.end(Outcome.FAILED, clock(), f"{type(exc).__name__}: {exc}")
+
+
+async def send_at_arrivals(session: aiohttp.ClientSession, requests: list[ServedRequest],
+                           route: Callable[[ServedRequest], tuple[str, str] | None], clock: Callable[[], float],
+                           timeout_s: float, bar: Any, body: Callable[[ServedRequest], dict[str, Any]]) -> None:
+    """Each request sent at its arrival time (open loop) to the (URL, key) `route` gives its
+    model; a request `route` has no server for (None) is rejected at once, never sent. `bar`:
+    a tqdm bar, one step per request ended."""
+    async def one(req: ServedRequest) -> None:
+        await asyncio.sleep(max(0.0, req.arrival_s - clock()))
+        where = route(req)
+        if where is None:
+            req.end(Outcome.REJECTED, clock(), "no server for its model")
+        else:
+            await send_completion(session, where[0], where[1], req, clock, timeout_s, body(req))
+        bar.update(1)
+
+    await asyncio.gather(*(one(r) for r in requests))
 
 
 async def _watch_nodes(svc: _Service, clock: Any, usage: list[tuple[float, int, int]], kinds: dict[str, str]) -> None:
@@ -263,7 +288,7 @@ async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
         svc = _Service(session, config.url, config.admin_token)
         kinds = dict((await _shape(svc)).kinds)
         tenant, key = await _set_up(svc, config, sorted(workload.models))
-        requests = _served(workload, config.slo)
+        requests = served_requests(workload, config.slo)
         usage: list[tuple[float, int, int]] = []
         bar = tqdm(total=len(requests), unit="req", desc="live", disable=not config.progress, dynamic_ncols=True)
         start = loop.time()
@@ -273,13 +298,9 @@ async def run_live(workload: Workload, config: LiveConfig) -> LiveRun:
 
         watcher = loop.create_task(_watch_nodes(svc, clock, usage, kinds))
 
-        async def one(req: ServedRequest) -> None:
-            await asyncio.sleep(max(0.0, req.arrival_s - clock()))
-            await _send(session, svc.url, key, req, clock, config.request_timeout_s)
-            bar.update(1)
-
         try:
-            await asyncio.gather(*(one(r) for r in requests))
+            await send_at_arrivals(session, requests, lambda _req: (svc.url, key), clock, config.request_timeout_s,
+                                   bar, config.body)
         finally:
             watcher.cancel()
             bar.close()
