@@ -30,8 +30,8 @@ from mesh.bench.many_models import (
     table,
     text_body,
 )
-from mesh.node.request import Outcome
 from mesh.policy.slo import SLO
+from mesh.wire.served_request import Outcome
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30

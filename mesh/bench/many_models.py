@@ -57,8 +57,8 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mesh.bench.report import write_json
-from mesh.node.request import ServedRequest
 from mesh.policy.slo import SLO
+from mesh.wire.served_request import Outcome, ServedRequest
 from workloads.workload import DEFAULT_TARGET_RPS_PER_FUNCTION, Workload
 
 SYSTEMS = ("mesh", "vllm", "llamacpp")
@@ -236,7 +236,6 @@ class SystemRun:
 
 def figures(run: SystemRun, duration_s: float) -> dict[str, Any]:
     """A system's figures (module docstring); AssertionError if a request has no outcome."""
-    from mesh.node.request import Outcome
     from mesh.replay.metrics import request_figures
 
     fig = request_figures(run.requests, [(0.0, 0, 0)], duration_s)
