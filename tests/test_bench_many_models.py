@@ -206,12 +206,13 @@ def _vllm_python() -> str | None:
 @pytest.mark.timeout(600)
 @pytest.mark.skipif(_vllm_python() is None, reason="no vLLM environment (.venv-vllm or $MESH_VLLM_PYTHON)")
 def test_a_short_run_against_mesh_and_vllm(tmp_path):
-    """Two models, 30 s of trace: every request in exactly one outcome on both systems, both
+    """Two models, 30 s of trace, one vLLM server (eager: no torch.compile, which takes
+    minutes on a fresh machine): every request in exactly one outcome on both systems, both
     served some, and the JSON holds the figures the docs quote."""
     out = tmp_path / "many.json"
     done = subprocess.run([sys.executable, "-m", "mesh.cli", "bench", "many-models", "--models", "2",
                            "--minutes", "0.5", "--seed", "4", "--rps-per-model", "0.3", "--systems", "mesh,vllm",
-                           "--no-progress", "--json", str(out)],
+                           "--vllm-servers", "1", "--vllm-arg=--enforce-eager", "--no-progress", "--json", str(out)],
                           capture_output=True, text=True, timeout=540, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)))
     assert done.returncode == 0, done.stderr[-3000:]
@@ -228,4 +229,13 @@ def test_a_short_run_against_mesh_and_vllm(tmp_path):
         for key in ("slo_rate", "ttft_p50_s", "ttft_p99_s", "ttft_p99_all_s", "tpot_p50_s", "tpot_p99_s",
                     "tokens_per_s", "cold_starts", "load_before", "load_after"):
             assert key in f, (system, key)
-    assert rnd["systems"]["vllm"]["servers"] in (1, 2) and rnd["systems"]["vllm"]["why"]
+    assert rnd["systems"]["vllm"]["servers"] == 1 and "--vllm-servers 1" in rnd["systems"]["vllm"]["why"]
+
+
+def test_no_vllm_servers_at_all_is_refused_before_anything_runs():
+    done = subprocess.run([sys.executable, "-m", "mesh.cli", "bench", "many-models", "--models", "2",
+                           "--systems", "vllm", "--vllm-servers", "0"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    assert done.returncode == 2 and "--vllm-servers 0: give 1 or more" in done.stderr
+    assert "N=" not in done.stderr

@@ -20,7 +20,9 @@ so every system gets the same text), exactly the trace's output length (`ignore_
 - `vllm`: vLLM's CPU build, one OpenAI server per model (mesh.bench.closed_loop.start_vllm).
   The first starts alone; once it answers, its process tree's RSS is the footprint of one
   server, and as many more start as keep the machine's available memory above
-  `--reserve-gib` (`servers_that_fit`). The other models' requests are rejected unsent.
+  `--reserve-gib` (`servers_that_fit`), at most `--vllm-servers`. Servers go to the models
+  with the most requests in the workload first (an operator who sizes a static fleet from
+  last week's traffic); the other models' requests are rejected unsent.
 - `llamacpp`: llama-cpp-python's server (`--llamacpp-python`) with the N models in one
   `--config_file`. It holds one model at a time (a request for another closes it and loads
   that one) and runs one request at a time; `interrupt_requests` is off, so a new request
@@ -99,6 +101,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--vllm-kv-gib", type=int, default=1, help="KV cache per vLLM server, whole GiB (default 1)")
     p.add_argument("--vllm-start-timeout", type=float, default=1200.0, help="seconds for the vLLM servers to answer")
     p.add_argument("--vllm-arg", action="append", default=[], help="one more argument for each vLLM server (repeat)")
+    p.add_argument("--vllm-servers", type=int, default=None, metavar="K",
+                   help="at most K vLLM servers (default: as many as fit beside --reserve-gib)")
     p.add_argument("--reserve-gib", type=float, default=2.0,
                    help="memory left available when vLLM servers are added (default 2 GiB)")
     p.add_argument("--llamacpp-python", default=os.environ.get("MESH_LLAMACPP_PYTHON"),
@@ -316,7 +320,8 @@ def run_vllm(workload: Workload, args: argparse.Namespace, workdir: Path) -> Sys
     python = args.vllm_python or cl.default_vllm_python()
     if not python:
         return "no vLLM environment: --vllm-python, $MESH_VLLM_PYTHON or .venv-vllm (scripts/setup.sh)"
-    names = [function_name(m) for m in sorted(workload.models)]
+    busy = workload.requests_per_model()
+    names = [function_name(m) for m in sorted(workload.models, key=lambda m: (-busy.get(m, 0), m))]
     demo = demo_gguf_path()
     model_dir = Path(args.vllm_model) if args.vllm_model else cl.hf_folder(python, demo, data_dir() / "bench")
     servers = cl.VllmServers()
@@ -329,6 +334,8 @@ def run_vllm(workload: Workload, args: argparse.Namespace, workdir: Path) -> Sys
             one = tree_rss(servers.procs[0].pid)
             available = psutil.virtual_memory().available
             fit = servers_that_fit(len(names), one, available, int(args.reserve_gib * GIB))
+            if args.vllm_servers is not None:
+                fit = min(fit, args.vllm_servers)
             cl.start_vllm(python, model_dir, names[1:fit], workdir, args.vllm_kv_gib, args.vllm_arg, servers)
             for proc in servers.procs[1:]:
                 rss.add(proc.pid)
@@ -350,7 +357,8 @@ def run_vllm(workload: Workload, args: argparse.Namespace, workdir: Path) -> Sys
              "reserve_gib": args.reserve_gib, "kv_gib_per_server": args.vllm_kv_gib,
              "why": f"one server's process tree holds {one / GIB:.2f} GiB once it answers; with it running "
                     f"{available / GIB:.1f} GiB were available, {args.reserve_gib:g} GiB kept free: "
-                    f"{fit} of {len(names)} servers fit",
+                    f"{fit} of {len(names)} servers fit"
+                    + (f" (--vllm-servers {args.vllm_servers})" if args.vllm_servers is not None else ""),
              "start_s": first_s + rest_s}
     return SystemRun("vllm", requests, wall, rss.peak_bytes, fit, before, _load(), notes)
 
@@ -517,6 +525,10 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not systems:
         print(f"mesh bench many-models: --systems: unknown {unknown or 'none given'}; valid: {', '.join(SYSTEMS)}",
               file=sys.stderr)
+        return 2
+    if args.vllm_servers is not None and args.vllm_servers < 1:
+        print(f"mesh bench many-models: --vllm-servers {args.vllm_servers}: give 1 or more, or leave it out to "
+              "start as many as fit", file=sys.stderr)
         return 2
     rounds: list[dict[str, Any]] = []
     if args.models is not None or not args.plot_from:
