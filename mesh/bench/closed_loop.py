@@ -90,16 +90,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "path, run mesh-cold then mesh-warm (the default without --url)")
     p.add_argument("--no-mesh", action="store_true", help="do not start Mesh (with --vllm: vLLM's round only)")
     p.add_argument("--copies", type=int, default=3, help="copies of the demo GGUF registered (default 3)")
-    p.add_argument("--cpu-nodes", type=int, default=1, help="CPU node agents of the Mesh service (default 1)")
-    p.add_argument("--mesh-arg", action="append", default=[], help="one more argument for mesh serve (repeat)")
     p.add_argument("--vllm", action="store_true", help="then run the same workload on vLLM, one server per model")
-    p.add_argument("--vllm-python", default=None, help="Python of vLLM's environment "
-                                                        "(default $MESH_VLLM_PYTHON, else <repo>/.venv-vllm)")
-    p.add_argument("--vllm-model", default=None, help="Hugging Face folder of the demo model "
-                                                       "(default: converted once from the demo GGUF)")
-    p.add_argument("--vllm-kv-gib", type=float, default=1.0, help="KV cache per vLLM server, GiB (default 1)")
-    p.add_argument("--vllm-start-timeout", type=float, default=1200.0, help="seconds for all vLLM servers to answer")
-    p.add_argument("--vllm-arg", action="append", default=[], help="one more argument for each vLLM server (repeat)")
+    add_server_options(p)
     p.add_argument("--logs", default=None, help="keep the servers' logs in this folder")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--json", help="write every round's figures as JSON here")
@@ -436,7 +428,21 @@ class VllmServers:
     start_s: float = 0.0
 
 
-def start_vllm(python: str, model_dir: Path, names: Sequence[str], workdir: Path, kv_gib: float,
+def add_server_options(p: argparse.ArgumentParser) -> None:
+    """The options of the systems a live bench starts: Mesh's service and vLLM's servers."""
+    p.add_argument("--cpu-nodes", type=int, default=1, help="CPU node agents of the Mesh service (default 1)")
+    p.add_argument("--mesh-arg", action="append", default=[], help="one more argument for mesh serve (repeat)")
+    p.add_argument("--vllm-python", default=None, help="Python of vLLM's environment "
+                                                        "(default $MESH_VLLM_PYTHON, else <repo>/.venv-vllm)")
+    p.add_argument("--vllm-model", default=None, help="Hugging Face folder of the demo model "
+                                                       "(default: converted once from the demo GGUF)")
+    p.add_argument("--vllm-kv-gib", type=int, default=1,
+                   help="KV cache per vLLM server, whole GiB: vLLM's CPU build takes no fraction (default 1)")
+    p.add_argument("--vllm-start-timeout", type=float, default=1200.0, help="seconds for the vLLM servers to answer")
+    p.add_argument("--vllm-arg", action="append", default=[], help="one more argument for each vLLM server (repeat)")
+
+
+def start_vllm(python: str, model_dir: Path, names: Sequence[str], workdir: Path, kv_gib: int,
                extra: Sequence[str], servers: VllmServers) -> None:
     """One vLLM OpenAI server per name (its CPU build), all started at once; fills `servers`
     as it goes (so the caller can stop what was started)."""

@@ -58,6 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from mesh.bench.closed_loop import add_server_options
 from mesh.bench.report import write_json
 from mesh.policy.slo import SLO
 from mesh.wire.served_request import Outcome, ServedRequest
@@ -92,15 +93,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma-separated, of: " + ", ".join(SYSTEMS))
     p.add_argument("--request-timeout", type=float, default=120.0,
                    help="seconds a request may take before it counts as failed (default 120)")
-    p.add_argument("--cpu-nodes", type=int, default=1, help="CPU node agents of the Mesh service (default 1)")
-    p.add_argument("--mesh-arg", action="append", default=[], help="one more argument for mesh serve (repeat)")
-    p.add_argument("--vllm-python", default=None, help="Python of vLLM's environment "
-                                                        "(default $MESH_VLLM_PYTHON, else <repo>/.venv-vllm)")
-    p.add_argument("--vllm-model", default=None, help="Hugging Face folder of the demo model "
-                                                       "(default: converted once from the demo GGUF)")
-    p.add_argument("--vllm-kv-gib", type=int, default=1, help="KV cache per vLLM server, whole GiB (default 1)")
-    p.add_argument("--vllm-start-timeout", type=float, default=1200.0, help="seconds for the vLLM servers to answer")
-    p.add_argument("--vllm-arg", action="append", default=[], help="one more argument for each vLLM server (repeat)")
+    add_server_options(p)
     p.add_argument("--vllm-servers", type=int, default=None, metavar="K",
                    help="at most K vLLM servers (default: as many as fit beside --reserve-gib)")
     p.add_argument("--reserve-gib", type=float, default=2.0,
