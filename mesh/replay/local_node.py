@@ -61,7 +61,7 @@ class LocalNode(ClusterNode):
         self.runtime = runtime
         self.spec = runtime.spec
         self._down_until = -math.inf  # lost, and taking nothing until then (`lose`)
-        self.margin = runtime.margin
+        self.margin = runtime.admission.margin
         self._make_engine = make_engine
         self.parking = parking
         self.copies: set[str] = set()  # the models whose weights it holds (ClusterConfig.host_copies)
@@ -161,14 +161,14 @@ class LocalNode(ClusterNode):
         return getattr(inst.engine, "loaded_from", None) if inst is not None else None
 
     async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:
-        return self._down() or self.runtime.validate(instance_id, req, exclude=exclude)
+        return self._down() or self.runtime.admission.validate(instance_id, req, exclude=exclude)
 
     async def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
-        return self._down() or self.runtime.validate_group(instance_id, reqs, done)
+        return self._down() or self.runtime.admission.validate_group(instance_id, reqs, done)
 
     async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int], *,
                            deadlines: Sequence[Deadlines] | None = None) -> Admission:
-        return self._down() or self.runtime.validate_new(plan, reqs, done, deadlines=deadlines)
+        return self._down() or self.runtime.admission.validate_new(plan, reqs, done, deadlines=deadlines)
 
     async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True,
                         deadlines: Deadlines | None = None) -> Admission:
@@ -185,7 +185,7 @@ class LocalNode(ClusterNode):
         engine = self._make_engine(plan, self.kind, adopted_s)
         if adopted_s is not None and hasattr(engine, "loaded_from"):
             engine.loaded_from = PARKED  # the cold-start table's tier (ClusterView records its loads by it)
-        issued = self.runtime.start_instance(plan.instance_id, plan.model, engine, plan.times, plan.slo,
+        issued = self.runtime.memory_ops.start_instance(plan.instance_id, plan.model, engine, plan.times, plan.slo,
                                              plan.mean_output, plan.expected_load_s)
         return issued.accepted
 
@@ -204,7 +204,7 @@ class LocalNode(ClusterNode):
 
     async def stop_instance(self, instance_id: str) -> None:
         inst = self.runtime.instances.get(instance_id)
-        self.runtime.stop_instance(instance_id)
+        self.runtime.memory_ops.stop_instance(instance_id)
         if self.parking is not None and inst is not None and inst.loaded:
             engine = inst.engine
             nbytes = engine.weight_bytes + getattr(engine, "kv_capacity_bytes", 0)
