@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from agent_doubles import TIMES, InProcessAgent, until, use_simulated_engines
+from agent_doubles import TIMES, ClusterOnly, InProcessAgent, until, use_simulated_engines
 from cluster_doubles import linear_profile
 from doubles import LinearTimes
 from mesh.control.agent_node import AgentNode
@@ -45,13 +45,14 @@ async def _load_spec(plan, node) -> InstanceSpec:
 
 
 async def _cluster(models: list[str], memory: int = 10**9, slo: SLO = SLO_TIGHT, policy: str = "mesh"):
-    nodes = [AgentNode(NodeSpec(f"cpu{i}", "cpu", memory), InProcessAgent, AgentSettings(), _load_spec)
-             for i in range(2)]
     profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
                              decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
     catalog = {"base": ModelSpec("base", {"cpu": profile})}
     cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=memory, slo=slo), catalog,
-                      {m: "base" for m in models}, {"base": 100.0}, nodes=nodes)
+                          {m: "base" for m in models}, {"base": 100.0})
+    for i in range(2):
+        cluster.add_node(AgentNode(NodeSpec(f"cpu{i}", "cpu", memory), InProcessAgent, AgentSettings(), _load_spec,
+                                   ClusterOnly(cluster)))
     d = Dispatcher.for_policy(cluster, policy)
     await cluster.start()
     return cluster, d
@@ -252,13 +253,13 @@ def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkey
         monkeypatch.setitem(agent_doubles.agent_engines.ENGINE_FACTORIES, name, slow)
 
     async def main():
-        nodes = [AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec)]
         profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
                                  decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
         cfg = ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=10**9, slo=SLO_TIGHT,
                             cold_start=ColdStart(cpu_load_bytes_per_s=1e18, fixed_s=1.5))
-        cluster = ClusterView(cfg, {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0},
-                          nodes=nodes)
+        cluster = ClusterView(cfg, {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0})
+        cluster.add_node(AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec,
+                                   ClusterOnly(cluster)))
         d = Dispatcher.for_policy(cluster, "mesh")
         await cluster.start()
         r = _request("r", "m", out=5)  # TTFT SLO 0.5 s, the model cold: a 1.5 s load ahead
@@ -281,7 +282,7 @@ def test_a_stop_ends_when_the_stats_reply_comes_with_its_cancellation():
     Here the poll's stats reply (the agent's own answer) lands just after the stop's cancel,
     before the poll runs again; the stop still ends."""
     async def main() -> None:
-        node = AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec)
+        node = AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec, ClusterOnly())
         await node.start()
         client = node.agent.client
         try:

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Collection, Mapping, Sequence
 
-from mesh.control.cluster_node import ClusterNode, HostedInstance
+from mesh.control.cluster_node import ClusterNode, HostedInstance, NodeListener
 from mesh.engines.engine_api import Engine
 from mesh.engines.parking import Parked, ParkingLot
 from mesh.node.park_ahead import POLL_S
@@ -56,9 +56,12 @@ class _Build:
 class LocalNode(ClusterNode):
     """A NodeRuntime in this process: the simulated nodes of the replays."""
 
-    def __init__(self, runtime: NodeRuntime, make_engine: EngineMaker, parking: ParkingLot | None = None) -> None:
-        """`parking`: the node parks (module docstring); None: it parks nothing."""
+    def __init__(self, runtime: NodeRuntime, make_engine: EngineMaker, parking: ParkingLot | None = None,
+                 listener: NodeListener | None = None) -> None:
+        """`parking`: the node parks (module docstring); None: it parks nothing. `listener`:
+        whom it reports to (the cluster view it is in); None: an evicted request fails."""
         self.runtime = runtime
+        self.listener = listener
         self.spec = runtime.spec
         self._down_until = -math.inf  # lost, and taking nothing until then (`lose`)
         self.margin = runtime.admission.margin
@@ -109,8 +112,8 @@ class LocalNode(ClusterNode):
         gone = list(self.runtime.instances)
         taken = self.runtime.lose_all(why)
         for instance_id in gone:  # the cluster forgets them, as it does a lost agent's
-            if self.on_instance_gone is not None:
-                self.on_instance_gone(instance_id)
+            if self.listener is not None:
+                self.listener.instance_gone(self, instance_id)
         if on_back is not None:
             loop.call_at(self._down_until, on_back)
         return self.hand_back_lost(taken, why, cause)
@@ -127,14 +130,14 @@ class LocalNode(ClusterNode):
         return self.parking is not None and model in self.parking.models()
 
     def _evicted(self, req: ServedRequest) -> None:
-        if self.on_evict is not None:
-            self.on_evict(req)
+        if self.listener is not None:
+            self.listener.request_evicted(self, req)
         else:
             req.end(Outcome.FAILED, self.runtime._now(), req.attempts[-1] if req.attempts else "evicted")
 
     def _loaded(self, instance_id: str) -> None:
-        if self.on_loaded is not None:
-            self.on_loaded(instance_id)
+        if self.listener is not None:
+            self.listener.instance_loaded(self, instance_id)
 
     @property
     def instances(self) -> Mapping[str, HostedInstance]:
