@@ -202,13 +202,11 @@ class ClusterView:
         nodes: list[ClusterNode] = (),
         usage_entries: int | None = None,
     ) -> None:
-        """`models` maps each model (replica) to its base model in `catalog`;
-        `mean_output_prior` gives O_avg's starting value per base model (6.1). `nodes`:
-        the nodes to schedule from the start; models and nodes may be added and removed
-        later (the service: registrations, Ray membership; a replay adds its simulated
-        nodes, made to report to this view, its NodeListener). `usage_entries`: the most change points of
-        `usage` kept, the oldest going first (a service that runs for months; LIVE_USAGE_ENTRIES);
-        None keeps them all (a replay's node-seconds read every one)."""
+        """`models` maps each model (replica) to its base model in `catalog`; `mean_output_prior` gives
+        O_avg's starting value per base model (6.1). `nodes`: the nodes to schedule from the start; models
+        and nodes may be added and removed later (the service: registrations, Ray membership).
+        `usage_entries`: the most change points of `usage` kept, the oldest going first (a service that
+        runs for months; LIVE_USAGE_ENTRIES); None keeps them all (a replay's node-seconds read every one)."""
         catalog, models, mean_output_prior = catalog or {}, models or {}, mean_output_prior or {}
         unknown = sorted({b for b in models.values() if b not in catalog})
         if unknown:
@@ -250,8 +248,7 @@ class ClusterView:
 
     # -- membership: models and nodes ---------------------------------------------------
     def add_node(self, node: ClusterNode) -> None:
-        """Schedule on `node` from now on (not started here). The node reports to this view
-        (a NodeListener) if it was made with it, or with an owner that passes its reports on."""
+        """Schedule on `node` from now on (not started here; made to report to this view)."""
         if node.node_id in self.node_seq:
             raise ClusterError(f"node {node.node_id} is already in the cluster")
         self.node_seq[node.node_id] = len(self.nodes)
@@ -509,7 +506,6 @@ class ClusterView:
         self._forget(ref)
         await ref.node.stop_instance(ref.instance_id)
 
-    # -- what the nodes report (NodeListener) ------------------------------------------
     def request_evicted(self, node: ClusterNode, req: ServedRequest) -> None:
         """A request left `node` with its progress: the dispatcher places it again."""
         if self.on_evict is not None:

@@ -157,8 +157,7 @@ class NodeRuntime:
         return asyncio.get_running_loop().time()
 
     @property
-    def deadlines(self) -> DeadlineRule:
-        """When a request's tokens after the first are due on this node (mesh.policy.slo)."""
+    def deadlines(self) -> DeadlineRule:  # when a request's tokens after the first are due (mesh.policy.slo)
         return self.compute.deadlines
 
     def failure(self) -> BaseException | None:
@@ -166,27 +165,13 @@ class NodeRuntime:
         return self.crash
 
     # -- requests ------------------------------------------------------------------
-    def _engine_request(self, req: ServedRequest, done: int) -> EngineRequest:
-        """What the engine is given: the request itself, or, for a resumed request, its
-        prompt plus the tokens already produced (recomputed) and the rest to produce.
-        Simulated engines need only the lengths; a real engine gets the prompt's token ids
-        followed by those the request produced (kept by take_back)."""
-        er = req.engine_request
-        if done <= 0:
-            return er
-        sampling = dataclasses.replace(er.sampling, max_tokens=max(1, er.sampling.max_tokens - done))
-        out = None if er.output_len is None else max(1, er.output_len - done)
-        ids = er.prompt_token_ids  # after take_back: the prompt's ids then the produced ones
-        ids = list(ids[: er.prompt_len + done]) if ids is not None and len(ids) >= er.prompt_len + done else None
-        return EngineRequest(er.request_id, er.prompt_len + done, sampling, ids, out, done if ids is not None else 0)
-
     def admit(self, instance_id: str, req: ServedRequest, admission: Admission) -> None:
         """Add a validated request to the instance (engine, compute and memory state). A
         request that already produced `req.tokens_out` tokens elsewhere resumes here."""
         inst = self.instances[instance_id]
         done = req.tokens_out
         prompt, start = req.resumed(done, self.deadlines)
-        er = self._engine_request(req, done)
+        er = _resumed_engine_request(req, done)
         if inst.loaded:
             inst.engine.add_request(er)  # raises EngineError before any state changes
         else:
@@ -357,8 +342,7 @@ class NodeRuntime:
         return True
 
     def _instance_loaded(self, inst: NodeInstance) -> None:
-        """Its load ended (memory_ops): the requests admitted meanwhile go to the engine, in
-        order, and the loop may schedule it."""
+        """Its load ended: the requests admitted meanwhile go to its engine, in order."""
         deferred, inst.deferred = inst.deferred, {}
         for rid, er in deferred.items():
             try:
@@ -444,7 +428,7 @@ class NodeRuntime:
                 if req is not None and req.first_token_s is None:
                     req.first_token_s = now
         if result.token_ids is not None or result.texts is not None:
-            self._stream(requests, result)
+            _stream_tokens(requests, result, self._produced)
         done = []
         for rid, reason in result.finished.items():
             req = requests.pop(rid, None)
@@ -468,17 +452,6 @@ class NodeRuntime:
             if victim is not None:
                 self.evict(victim, f"KV cache of {inst.instance_id} outgrew its estimate and node memory is short")
 
-    def _stream(self, requests: dict[str, ServedRequest], result: StepResult) -> None:
-        for i, rid in enumerate(result.request_ids):
-            req = requests.get(rid)
-            if req is not None and result.token_ids is not None and req.engine_request.prompt_token_ids is not None:
-                self._produced.setdefault(rid, []).append(result.token_ids[i])
-            if req is not None and req.on_output is not None:
-                tokens = None if result.token_ids is None else result.token_ids[i : i + 1]
-                texts = None if result.texts is None else result.texts[i : i + 1]
-                logprobs = None if result.logprobs is None else result.logprobs[i : i + 1]
-                req.on_output(req, tokens, texts, logprobs)
-
     # -- views ---------------------------------------------------------------------
     def idle(self) -> bool:
         """No instance loading and none holding a request: cycles a background build may use
@@ -491,3 +464,31 @@ class NodeRuntime:
     def queue_length(self) -> int:
         return sum(len(s.pending) for s in self.compute.instances.values())
 
+
+def _resumed_engine_request(req: ServedRequest, done: int) -> EngineRequest:
+    """What the engine is given: the request itself, or, for a resumed request, its
+    prompt plus the tokens already produced (recomputed) and the rest to produce.
+    Simulated engines need only the lengths; a real engine gets the prompt's token ids
+    followed by those the request produced (kept by take_back)."""
+    er = req.engine_request
+    if done <= 0:
+        return er
+    sampling = dataclasses.replace(er.sampling, max_tokens=max(1, er.sampling.max_tokens - done))
+    out = None if er.output_len is None else max(1, er.output_len - done)
+    ids = er.prompt_token_ids  # after take_back: the prompt's ids then the produced ones
+    ids = list(ids[: er.prompt_len + done]) if ids is not None and len(ids) >= er.prompt_len + done else None
+    return EngineRequest(er.request_id, er.prompt_len + done, sampling, ids, out, done if ids is not None else 0)
+
+
+def _stream_tokens(requests: dict[str, ServedRequest], result: StepResult, produced: dict[str, list[int]]) -> None:
+    """Each token of the iteration to its request's `on_output`; the ids kept in `produced`
+    for requests that carry prompt token ids (a real engine's: NodeRuntime.take_back)."""
+    for i, rid in enumerate(result.request_ids):
+        req = requests.get(rid)
+        if req is not None and result.token_ids is not None and req.engine_request.prompt_token_ids is not None:
+            produced.setdefault(rid, []).append(result.token_ids[i])
+        if req is not None and req.on_output is not None:
+            tokens = None if result.token_ids is None else result.token_ids[i : i + 1]
+            texts = None if result.texts is None else result.texts[i : i + 1]
+            logprobs = None if result.logprobs is None else result.logprobs[i : i + 1]
+            req.on_output(req, tokens, texts, logprobs)
