@@ -13,6 +13,36 @@ from mesh.engines.simulated import SimulatedEngine
 from mesh.node import engine_host as agent_engines
 from mesh.node.agent_server import AgentServer
 from mesh.wire.agent_protocol import InstanceSpec
+from mesh.wire.served_request import ServedRequest
+
+
+class ClusterOnly:
+    """An AgentNodeListener for tests without the service's NodePool: what the cluster hears
+    goes to `cluster` (a ClusterView; None: nobody), the rest to nobody."""
+
+    def __init__(self, cluster: Any = None) -> None:
+        self.cluster = cluster
+
+    def request_evicted(self, node: Any, req: ServedRequest) -> None:
+        if self.cluster is not None:
+            self.cluster.request_evicted(node, req)
+
+    def instance_loaded(self, node: Any, instance_id: str) -> None:
+        if self.cluster is not None:
+            self.cluster.instance_loaded(node, instance_id)
+
+    def instance_gone(self, node: Any, instance_id: str) -> None:
+        if self.cluster is not None:
+            self.cluster.instance_gone(node, instance_id)
+
+    def instance_stopped(self, node: Any, model: str, instance_id: str) -> None: ...
+
+    def agent_up(self, node: Any) -> None: ...
+
+    def agent_down(self, node: Any) -> None: ...
+
+    def weights_moved(self, node: Any, nbytes: int, seconds: float) -> None: ...
+
 
 TOKEN = "secret"
 WEIGHTS_TOKEN = "weights-secret"

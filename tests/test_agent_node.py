@@ -9,7 +9,7 @@ import asyncio
 
 import pytest
 
-from agent_doubles import TIMES, InProcessAgent, until, use_simulated_engines
+from agent_doubles import TIMES, ClusterOnly, InProcessAgent, until, use_simulated_engines
 from cluster_doubles import linear_profile
 from doubles import LinearTimes
 from mesh.control.agent_node import AgentNode
@@ -45,13 +45,14 @@ async def _load_spec(plan, node) -> InstanceSpec:
 
 
 async def _cluster(models: list[str], memory: int = 10**9, slo: SLO = SLO_TIGHT, policy: str = "mesh"):
-    nodes = [AgentNode(NodeSpec(f"cpu{i}", "cpu", memory), InProcessAgent, AgentSettings(), _load_spec)
-             for i in range(2)]
     profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
                              decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
     catalog = {"base": ModelSpec("base", {"cpu": profile})}
     cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=memory, slo=slo), catalog,
-                      {m: "base" for m in models}, {"base": 100.0}, nodes=nodes)
+                          {m: "base" for m in models}, {"base": 100.0})
+    for i in range(2):
+        cluster.add_node(AgentNode(NodeSpec(f"cpu{i}", "cpu", memory), InProcessAgent, AgentSettings(), _load_spec,
+                                   ClusterOnly(cluster)))
     d = Dispatcher.for_policy(cluster, policy)
     await cluster.start()
     return cluster, d
@@ -252,13 +253,13 @@ def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkey
         monkeypatch.setitem(agent_doubles.agent_engines.ENGINE_FACTORIES, name, slow)
 
     async def main():
-        nodes = [AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec)]
         profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
                                  decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
         cfg = ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=10**9, slo=SLO_TIGHT,
                             cold_start=ColdStart(cpu_load_bytes_per_s=1e18, fixed_s=1.5))
-        cluster = ClusterView(cfg, {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0},
-                          nodes=nodes)
+        cluster = ClusterView(cfg, {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0})
+        cluster.add_node(AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec,
+                                   ClusterOnly(cluster)))
         d = Dispatcher.for_policy(cluster, "mesh")
         await cluster.start()
         r = _request("r", "m", out=5)  # TTFT SLO 0.5 s, the model cold: a 1.5 s load ahead
@@ -273,6 +274,51 @@ def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkey
     assert r.late_s > 1.0  # its deadlines ran from the instance's predicted ready time
 
 
+class Recording(ClusterOnly):
+    """A listener that notes what its node reports, in order, and passes the cluster's part on."""
+
+    def __init__(self, cluster: ClusterView) -> None:
+        super().__init__(cluster)
+        self.heard: list[tuple[str, str]] = []
+
+    def agent_up(self, node: AgentNode) -> None:
+        self.heard.append(("up", node.node_id))
+
+    def instance_loaded(self, node: AgentNode, instance_id: str) -> None:
+        super().instance_loaded(node, instance_id)
+        self.heard.append(("loaded", instance_id))
+
+    def instance_stopped(self, node: AgentNode, model: str, instance_id: str) -> None:
+        self.heard.append(("stopped", instance_id))
+
+
+def test_an_agent_node_reports_to_the_listener_it_was_made_with(simulated):
+    """The node's agent comes up, an instance loads and is stopped: each is reported to the
+    listener given to the node's constructor, naming the node; the cluster hears its part
+    (its keep-alive of the loaded instance starts)."""
+    async def main():
+        profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
+                                 decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
+        cluster = ClusterView(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=10**9, slo=SLO_TIGHT),
+                              {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0})
+        listener = Recording(cluster)
+        node = AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec, listener)
+        cluster.add_node(node)
+        await cluster.start()
+        await until(lambda: node.up)
+        ref = await cluster.start_instance(cluster.plan("m", node), node)
+        await until(lambda: node.instances[ref.instance_id].loaded)
+        kept_alive = ref.recycle is not None  # the cluster's keep-alive runs from the load
+        await cluster.stop_instance(ref)
+        await until(lambda: len(listener.heard) >= 3)
+        await cluster.stop()
+        return listener.heard, ref.instance_id, kept_alive
+
+    heard, iid, kept_alive = asyncio.run(main())
+    assert heard[:3] == [("up", "cpu0"), ("loaded", iid), ("stopped", iid)]
+    assert kept_alive
+
+
 def test_a_stop_ends_when_the_stats_reply_comes_with_its_cancellation():
     """asyncio.wait_for before Python 3.12 returns a result that arrives in the same loop turn
     as its task's cancellation, and the cancellation is lost (CPython gh-86296). The node's
@@ -281,7 +327,7 @@ def test_a_stop_ends_when_the_stats_reply_comes_with_its_cancellation():
     Here the poll's stats reply (the agent's own answer) lands just after the stop's cancel,
     before the poll runs again; the stop still ends."""
     async def main() -> None:
-        node = AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec)
+        node = AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec, ClusterOnly())
         await node.start()
         client = node.agent.client
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from agent_doubles import until
+from agent_doubles import ClusterOnly, until
 from mesh.control.agent_node import AgentNode
 from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
 from mesh.control.dispatcher import Dispatcher, DispatchStats
@@ -68,11 +68,13 @@ def disturbed_run(demo_gguf, disturb: Callable[[Dispatcher, ClusterView, ServedR
 
     async def main() -> Disturbed:
         settings = AgentSettings(models_roots=(str(demo_gguf.parent),))
-        nodes = [AgentNode(NodeSpec(f"cpu{i}", "cpu", 4 * GIB), LocalAgent, settings, load_spec) for i in range(2)]
         profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
         cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE),
-                              {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0},
-                              nodes=nodes)
+                              {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0})
+        nodes = [AgentNode(NodeSpec(f"cpu{i}", "cpu", 4 * GIB), LocalAgent, settings, load_spec, ClusterOnly(cluster))
+                 for i in range(2)]
+        for n in nodes:
+            cluster.add_node(n)
         d = Dispatcher.for_policy(cluster, "mesh")
         await cluster.start()
         for n in nodes:
@@ -165,13 +167,15 @@ def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_
     async def main():
         # cpu0's memory is sized to the byte: no tokenizer cache reserved in it
         settings = AgentSettings(models_roots=(str(demo_gguf.parent),), tokenizer_bytes=0)
-        nodes = [AgentNode(NodeSpec("cpu0", "cpu", cpu0), LocalAgent, settings, load_spec),
-                 AgentNode(NodeSpec("cpu1", "cpu", 4 * GIB), LocalAgent, settings, load_spec)]
         profile = prior_profile("smol", "cpu", w, k, window)
         cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE,
-                                        keep_alive_s=600.0),  # X and Y wait idle for their requests
-                          {"smol": ModelSpec("smol", {"cpu": profile})}, {"m": "smol", "n": "smol"},
-                          {"smol": float(MEAN_OUTPUT_PRIOR)}, nodes=nodes)
+                                            keep_alive_s=600.0),  # X and Y wait idle for their requests
+                              {"smol": ModelSpec("smol", {"cpu": profile})}, {"m": "smol", "n": "smol"},
+                              {"smol": float(MEAN_OUTPUT_PRIOR)})
+        nodes = [AgentNode(NodeSpec("cpu0", "cpu", cpu0), LocalAgent, settings, load_spec, ClusterOnly(cluster)),
+                 AgentNode(NodeSpec("cpu1", "cpu", 4 * GIB), LocalAgent, settings, load_spec, ClusterOnly(cluster))]
+        for n in nodes:
+            cluster.add_node(n)
         d = Dispatcher.for_policy(cluster, "mesh")
         await cluster.start()
         for n in nodes:

@@ -217,7 +217,7 @@ async def _serve(rule: DeadlineRule) -> tuple[ServedRequest, bool, str]:
     node.start()
     times = LinearTimes(prefill_per_token=0.001, decode_base=0.05)
     eng = SimulatedEngine("m", times, kv_bytes_per_token=1000, weight_bytes=10**6, context_window=4096)
-    node.start_instance("i", "m", eng, times, SLO(), RunningMean(8), 0.0)
+    node.memory_ops.start_instance("i", "m", eng, times, SLO(), RunningMean(8), 0.0)
     await asyncio.sleep(0.0)
     t0 = loop.time()
     r1 = ServedRequest(EngineRequest("r1", 100, Sampling(max_tokens=7), output_len=7), "m", t0, SLO())
@@ -254,7 +254,7 @@ async def _admit_all(rule: DeadlineRule, plan: list[tuple[float, int, int, int]]
                         decode_per_context_token=1e-6)
     for k in range(2):
         eng = SimulatedEngine(f"m{k}", times, kv_bytes_per_token=1000, weight_bytes=10**6, context_window=4096)
-        node.start_instance(f"i{k}", f"m{k}", eng, times, SLO(), RunningMean(50), 0.0)
+        node.memory_ops.start_instance(f"i{k}", f"m{k}", eng, times, SLO(), RunningMean(50), 0.0)
     await asyncio.sleep(0.0)
     admitted = []
     for j, (gap, prompt, out, k) in enumerate(plan):
@@ -314,7 +314,7 @@ def test_a_request_tried_with_moved_deadlines_keeps_them_only_once_admitted():
         node.start()
         times = LinearTimes(prefill_per_token=0.001, decode_base=0.05)
         eng = SimulatedEngine("m", times, kv_bytes_per_token=1000, weight_bytes=10**6, context_window=4096)
-        node.start_instance("i", "m", eng, times, SLO(), RunningMean(8), 0.0)
+        node.memory_ops.start_instance("i", "m", eng, times, SLO(), RunningMean(8), 0.0)
         await asyncio.sleep(10.0)
         now = loop.time()
         r = ServedRequest(EngineRequest("r", 100, Sampling(max_tokens=3), output_len=3), "m", now - 10.0, SLO())

@@ -270,10 +270,10 @@ def test_a_deleted_models_slow_unload_is_its_state_until_it_ends_and_then_nothin
         fronts = p.agents["cpu-0"].server.models
         forgotten = asyncio.Event()
         await p.forget_model(m.uid, forgotten.set)
-        await until(lambda: fronts.host.node._unloading, 5.0)
+        await until(lambda: fronts.host.node.memory_ops.unloading, 5.0)
         assert m.uid in fronts.models_known()
         await asyncio.wait_for(forgotten.wait(), 10.0)
-        assert fronts.models_known() == [] and not fronts.host.node._unloading
+        assert fronts.models_known() == [] and not fronts.host.node.memory_ops.unloading
         await p.stop()
 
     asyncio.run(main())

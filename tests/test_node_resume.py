@@ -51,7 +51,7 @@ def test_take_back_keeps_progress_and_the_request_resumes_elsewhere(rule):
         a.start()
         b.start()
         for node in (a, b):
-            node.start_instance("i", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
+            node.memory_ops.start_instance("i", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(0.01)
         r = req("r", 100, 30, asyncio.get_running_loop().time())
         assert a.try_admit("i", r).ok
@@ -59,7 +59,7 @@ def test_take_back_keeps_progress_and_the_request_resumes_elsewhere(rule):
         done = a.progress("r")
         first = r.first_token_s
         prompt, start = r.resumed(done, rule)
-        assert b.validate("i", r, done=done).ok
+        assert b.admission.validate("i", r, done=done).ok
         back = a.take_back("r", "test")
         assert back is r and r.tokens_out == done and r.node_id is None and r.outcome is None
         assert "r" not in a.compute.requests and not a.instances["i"].requests
@@ -85,7 +85,7 @@ def test_take_back_waits_for_an_instance_in_the_middle_of_a_prefill():
     async def main():
         node = NodeRuntime(NodeSpec("a", "cpu", 10**9))
         node.start()
-        node.start_instance("i", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
+        node.memory_ops.start_instance("i", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(0.01)
         assert node.try_admit("i", req("r", 100, 5, 0.0)).ok
         await asyncio.sleep(0.5)  # the 1 s prefill is in flight
@@ -114,14 +114,14 @@ def test_validate_with_excluded_neighbours_frees_compute_and_memory():
         node = NodeRuntime(NodeSpec("a", "cpu", 2 * (W + 2000 * KV) + 500 * KV), watermark=0.0)
         node.start()
         for iid in ("x", "y"):
-            node.start_instance(iid, "m", engine(times, window=2000), times, SLO(), RunningMean(10), 0.0)
+            node.memory_ops.start_instance(iid, "m", engine(times, window=2000), times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(0.01)
         assert node.try_admit("x", req("x1", 1000, 500, 0.0)).ok and node.try_admit("y", req("y1", 10, 500, 0.0)).ok
         await asyncio.sleep(0.5)
         r = req("r", 10, 5, asyncio.get_running_loop().time())
-        plain, without_y = node.validate("x", r), node.validate("x", r, exclude=["y"])
+        plain, without_y = node.admission.validate("x", r), node.admission.validate("x", r, exclude=["y"])
         big = req("big", 1900, 5, asyncio.get_running_loop().time())  # x then needs ~2920 tokens of KV
-        mem_plain, mem_without_y = node.validate("x", big), node.validate("x", big, exclude=["y"])
+        mem_plain, mem_without_y = node.admission.validate("x", big), node.admission.validate("x", big, exclude=["y"])
         await node.stop()
         return plain, without_y, mem_plain, mem_without_y
 
@@ -137,11 +137,11 @@ def test_validate_new_counts_the_cold_start_and_changes_nothing():
         node = NodeRuntime(NodeSpec("a", "gpu", 10**9))
         node.start()
         r = req("r", 1000, 5, 0.0)
-        quick = node.validate_new(plan("new", times, load_s=0.5), [r])
-        slow = node.validate_new(plan("new", times, load_s=1.0), [r])  # 1 + 1.1 > 2 s
-        group = node.validate_new(plan("new", times, load_s=0.5), [r, req("r2", 500, 5, 0.0)])
+        quick = node.admission.validate_new(plan("new", times, load_s=0.5), [r])
+        slow = node.admission.validate_new(plan("new", times, load_s=1.0), [r])  # 1 + 1.1 > 2 s
+        group = node.admission.validate_new(plan("new", times, load_s=0.5), [r, req("r2", 500, 5, 0.0)])
         tiny = NodeRuntime(NodeSpec("t", "gpu", W + 100 * KV))
-        no_memory = tiny.validate_new(plan("new", times), [r])
+        no_memory = tiny.admission.validate_new(plan("new", times), [r])
         left = (list(node.compute.instances), list(node.compute.requests))
         await node.stop()
         return quick, slow, group, no_memory, left
@@ -160,11 +160,11 @@ def test_validate_group_adds_requests_one_after_another():
     async def main():
         node = NodeRuntime(NodeSpec("a", "gpu", 10**9))
         node.start()
-        node.start_instance("i", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
+        node.memory_ops.start_instance("i", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(0.01)
         now = asyncio.get_running_loop().time()
-        one = node.validate_group("i", [req("a", 950, 5, now)], [0])
-        two = node.validate_group("i", [req("a", 950, 5, now), req("b", 950, 5, now)], [0, 0])
+        one = node.admission.validate_group("i", [req("a", 950, 5, now)], [0])
+        two = node.admission.validate_group("i", [req("a", 950, 5, now), req("b", 950, 5, now)], [0, 0])
         await node.stop()
         return one, two, list(node.compute.requests)
 
@@ -266,7 +266,7 @@ def test_the_watchdog_evicts_the_requests_of_a_hung_engine(watchdog):
         node.start()
         eng = HangingEngine("m", times, kv_bytes_per_token=KV, weight_bytes=W, context_window=2048,
                             steps_before_hang=5)
-        node.start_instance("i", "m", eng, times, SLO(), RunningMean(10), 0.0)
+        node.memory_ops.start_instance("i", "m", eng, times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(0.01)
         r = req("r", 100, 50, 0.0)
         assert node.try_admit("i", r).ok
@@ -319,8 +319,8 @@ def test_a_stuck_worker_fails_its_instance_the_watchdogs_way_even_mid_iteration(
         node.start()
         stuck = KillableHangingEngine("m", times, kv_bytes_per_token=KV, weight_bytes=W, context_window=2048,
                                       steps_before_hang=steps_before_hang)
-        node.start_instance("i", "m", stuck, times, SLO(), RunningMean(10), 0.0)
-        node.start_instance("j", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
+        node.memory_ops.start_instance("i", "m", stuck, times, SLO(), RunningMean(10), 0.0)
+        node.memory_ops.start_instance("j", "m", engine(times), times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(0.01)
         r = req("r", 100, 50, 0.0)
         assert node.try_admit("i", r).ok
@@ -351,7 +351,7 @@ def test_a_stuck_idle_worker_fails_its_instance():
         node.start()
         stuck = KillableHangingEngine("m", times, kv_bytes_per_token=KV, weight_bytes=W, context_window=2048,
                                       steps_before_hang=0)
-        node.start_instance("i", "m", stuck, times, SLO(), RunningMean(10), 0.0)
+        node.memory_ops.start_instance("i", "m", stuck, times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(1)
         assert node.worker_stuck("i", "its tokenizer is stuck")
         await node.stop()

@@ -35,14 +35,15 @@ async def scenario(tick: float) -> tuple[list, list]:
     node.start()
     times = LinearTimes(prefill_per_token=tick / 100, decode_base=tick, decode_per_request=tick / 4)
     for k in range(3):
-        node.start_instance(f"i{k}", f"m{k}", engine(f"m{k}", times), times, SLO(tpot_s=40 * tick), RunningMean(8), 0.0)
+        node.memory_ops.start_instance(f"i{k}", f"m{k}", engine(f"m{k}", times), times, SLO(tpot_s=40 * tick),
+                                       RunningMean(8), 0.0)
     await asyncio.sleep(tick)
     now = asyncio.get_running_loop().time()
     done: list[ServedRequest] = []
     reqs = [request(f"r{k}-{j}", f"m{k}", 50 + 30 * j, 3 + 2 * k + j, now - 0.3 * k,
                     done) for k in range(3) for j in range(k + 2)]
     for r in reqs:
-        admission = node.validate(r.model.replace("m", "i"), r)
+        admission = node.admission.validate(r.model.replace("m", "i"), r)
         node.admit(r.model.replace("m", "i"), r, admission)
     while len(done) < len(reqs):
         await asyncio.sleep(tick)
@@ -73,7 +74,7 @@ def test_requests_complete_with_ttft_and_tpot():
         node = NodeRuntime(NodeSpec("n", "gpu", 10**9))
         node.start()
         times = LinearTimes(prefill_per_token=0.001, decode_base=0.02)
-        node.start_instance("i", "m", engine("m", times, load_s=0.5), times, SLO(), RunningMean(10), 0.5)
+        node.memory_ops.start_instance("i", "m", engine("m", times, load_s=0.5), times, SLO(), RunningMean(10), 0.5)
         done = []
         r = request("r", "m", 100, 5, 0.0, done)
         assert node.try_admit("i", r).ok  # validated against the predicted load time
@@ -94,7 +95,7 @@ def test_max_tokens_gives_length_reason():
         node = NodeRuntime(NodeSpec("n", "gpu", 10**9))
         node.start()
         times = LinearTimes()
-        node.start_instance("i", "m", engine("m", times), times, SLO(), RunningMean(10), 0.0)
+        node.memory_ops.start_instance("i", "m", engine("m", times), times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(0.01)
         done = []
         r = ServedRequest(EngineRequest("r", 10, Sampling(max_tokens=3), output_len=50), "m", 0.0, SLO(),
@@ -118,7 +119,7 @@ def test_kv_underestimate_evicts_longest_headroom_request():
         node = NodeRuntime(NodeSpec("n", "cpu", WEIGHTS + 300 * KV_PER_TOKEN), on_evict=evicted.append, watermark=0.0)
         node.start()
         times = LinearTimes(prefill_per_token=0.0001, decode_base=0.01)
-        node.start_instance("i", "m", engine("m", times, window=256), times, SLO(), RunningMean(10), 0.0)
+        node.memory_ops.start_instance("i", "m", engine("m", times, window=256), times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(0.01)
         done = []
         urgent = request("urgent", "m", 50, 120, -1.0, done)  # arrived earlier: less headroom
@@ -146,12 +147,12 @@ def test_memory_ops_are_ordered_by_the_station():
         times = LinearTimes()
         a = engine("a", times, window=512, load_s=1.0)
         b = engine("b", times, window=512, load_s=1.0)
-        assert node.start_instance("a", "a", a, times, SLO(), RunningMean(1), 1.0).accepted
+        assert node.memory_ops.start_instance("a", "a", a, times, SLO(), RunningMean(1), 1.0).accepted
         await asyncio.sleep(2.0)
         assert node.instances["a"].loaded
-        assert not node.can_start("b", b, RunningMean(1))  # budget full
-        node.stop_instance("a")
-        issued = node.start_instance("b", "b", b, times, SLO(), RunningMean(1), 1.0)
+        assert not node.memory_ops.can_start("b", b, RunningMean(1))  # budget full
+        node.memory_ops.stop_instance("a")
+        issued = node.memory_ops.start_instance("b", "b", b, times, SLO(), RunningMean(1), 1.0)
         assert issued.accepted
         await asyncio.sleep(0.5)
         loaded_midway = node.instances["b"].loaded
@@ -195,7 +196,7 @@ def test_admission_refuses_beyond_max_batch_and_context_window():
         times = LinearTimes(decode_base=0.001)
         eng = SimulatedEngine("m", times, kv_bytes_per_token=KV_PER_TOKEN, weight_bytes=WEIGHTS,
                               context_window=512, max_batch=2)
-        node.start_instance("i", "m", eng, times, SLO(), RunningMean(10), 0.0)
+        node.memory_ops.start_instance("i", "m", eng, times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(0.01)
         done = []
         results = [node.try_admit("i", request(f"r{k}", "m", 10, 50, 0.0, done)) for k in range(3)]
@@ -256,14 +257,14 @@ def test_overheads_are_charged_by_the_simulated_engine_exactly_as_the_node_predi
         for k in range(2):
             e = SimulatedEngine(f"m{k}", times, kv_bytes_per_token=KV_PER_TOKEN, weight_bytes=WEIGHTS,
                                 context_window=1024, core=core)
-            node.start_instance(f"i{k}", f"m{k}", e, times, SLO(), RunningMean(8), 0.0)
+            node.memory_ops.start_instance(f"i{k}", f"m{k}", e, times, SLO(), RunningMean(8), 0.0)
         await asyncio.sleep(0.01)
         done: list = []
         now = asyncio.get_running_loop().time()
         reqs = [request(f"r{k}{j}", f"m{k}", 40 + 10 * j, 3 + 4 * j, now, done) for k in range(2) for j in range(3)]
         for j, r in enumerate(reqs):
             await asyncio.sleep(0.013 * j)
-            node.admit(r.model.replace("m", "i"), r, node.validate(r.model.replace("m", "i"), r))
+            node.admit(r.model.replace("m", "i"), r, node.admission.validate(r.model.replace("m", "i"), r))
         while len(done) < len(reqs):
             await asyncio.sleep(0.01)
         await node.stop()
@@ -300,7 +301,7 @@ def test_a_crashed_token_level_loop_is_logged_places_its_requests_again_and_rest
         node.start()
         times = LinearTimes(prefill_per_token=0.001, decode_base=0.02)
         eng = Crashing("m", times, kv_bytes_per_token=KV_PER_TOKEN, weight_bytes=WEIGHTS, context_window=1024)
-        node.start_instance("i", "m", eng, times, SLO(), RunningMean(10), 0.0)
+        node.memory_ops.start_instance("i", "m", eng, times, SLO(), RunningMean(10), 0.0)
         await asyncio.sleep(0.1)
         done: list[ServedRequest] = []
         first = request("r1", "m", 50, 5, asyncio.get_running_loop().time(), done)

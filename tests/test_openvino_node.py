@@ -44,7 +44,7 @@ async def _serve_two(demo_gguf: Path, kv_tokens: int) -> tuple[NodeRuntime, list
                        watermark=0.0, on_evict=evicted.append)
     node.start()
     times = LinearTimes(prefill_per_token=1e-3, decode_base=0.02)
-    assert node.start_instance("i", "smol", engine, times, SLO(tpot_s=10.0), RunningMean(4), 5.0).accepted
+    assert node.memory_ops.start_instance("i", "smol", engine, times, SLO(tpot_s=10.0), RunningMean(4), 5.0).accepted
     while not node.instances["i"].loaded:
         await asyncio.sleep(0.05)
     initial_kv = node.memory.kv_bytes("i")
@@ -97,7 +97,7 @@ def test_arrivals_are_admitted_while_the_node_is_busy(demo_gguf: Path) -> None:
         node = NodeRuntime(NodeSpec("n", "cpu", 2**34))
         node.start()
         times = LinearTimes(prefill_per_token=1e-3, decode_base=0.02)
-        node.start_instance("i", "smol", engine, times, SLO(tpot_s=10.0), RunningMean(16), 5.0)
+        node.memory_ops.start_instance("i", "smol", engine, times, SLO(tpot_s=10.0), RunningMean(16), 5.0)
         while not node.instances["i"].loaded:
             await asyncio.sleep(0.05)
         done: list[ServedRequest] = []

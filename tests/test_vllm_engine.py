@@ -429,7 +429,8 @@ def test_two_models_on_one_node_stepped_alternately(tiny_models: tuple[Path, Pat
         engines = {}
         for k, path in enumerate(tiny_models):
             engines[f"m{k}"] = VLLMEngine(path, model_name=f"m{k}", context_window=WINDOW, max_num_seqs=8)
-            issued = node.start_instance(f"m{k}", f"m{k}", engines[f"m{k}"], times, slo, RunningMean(8), 60.0)
+            issued = node.memory_ops.start_instance(f"m{k}", f"m{k}", engines[f"m{k}"], times, slo, RunningMean(8),
+                                                    60.0)
             assert issued.accepted
         while not all(inst.loaded for inst in node.instances.values()):
             await asyncio.sleep(0.2)
@@ -448,7 +449,7 @@ def test_two_models_on_one_node_stepped_alternately(tiny_models: tuple[Path, Pat
         assert all(r.outcome is Outcome.COMPLETED for r in done)
         sizes = {m: e.kv_bytes_allocated() for m, e in engines.items()}
         for m in list(node.instances):
-            node.stop_instance(m)
+            node.memory_ops.stop_instance(m)
         await asyncio.sleep(0.5)
         await node.stop()
         for e in engines.values():

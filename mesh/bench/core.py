@@ -90,7 +90,7 @@ async def _simulated_node(model: PerformanceModel, output_len: int) -> tuple[int
     for i in range(INSTANCES):
         eng = SimulatedEngine(MODEL, model, kv_bytes_per_token=prof.kv_bytes_per_token,
                               weight_bytes=prof.weight_bytes, context_window=prof.max_context)
-        node.start_instance(f"i{i}", MODEL, eng, model, slo, RunningMean(200), 0.0)
+        node.memory_ops.start_instance(f"i{i}", MODEL, eng, model, slo, RunningMean(200), 0.0)
     await asyncio.sleep(1.0)
     loop = asyncio.get_running_loop()
     finished = asyncio.Event()
@@ -106,7 +106,7 @@ async def _simulated_node(model: PerformanceModel, output_len: int) -> tuple[int
         for j in range(REQUESTS):
             er = EngineRequest(f"i{i}-r{j}", 128, Sampling(max_tokens=output_len), output_len=output_len)
             req = ServedRequest(er, MODEL, loop.time(), slo, on_done=done)
-            node.admit(f"i{i}", req, node.validate(f"i{i}", req))  # admitted whatever the verdict
+            node.admit(f"i{i}", req, node.admission.validate(f"i{i}", req))  # admitted whatever the verdict
     start_iterations = node.iteration_count
     t0 = time.perf_counter()
     await finished.wait()

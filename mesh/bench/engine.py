@@ -51,7 +51,7 @@ async def _mesh_round(engine: Any, prompts: list[list[int]], output_len: int) ->
     node = NodeRuntime(NodeSpec("bench", "cpu", 64 * 2**30))
     node.start()
     slo = SLO(tpot_s=10.0)
-    node.start_instance("i", "m", engine, _FlatTimes(), slo, RunningMean(output_len), 0.0)
+    node.memory_ops.start_instance("i", "m", engine, _FlatTimes(), slo, RunningMean(output_len), 0.0)
     while not node.instances["i"].loaded:
         await asyncio.sleep(0.01)
     done = asyncio.Event()
@@ -74,7 +74,7 @@ async def _mesh_round(engine: Any, prompts: list[list[int]], output_len: int) ->
     for k, ids in enumerate(prompts):
         er = EngineRequest(f"m{k}", len(ids), Sampling(max_tokens=output_len), ids, output_len=output_len)
         req = ServedRequest(er, "m", now, slo, on_output=on_output, on_done=on_done)
-        node.admit("i", req, node.validate("i", req))
+        node.admit("i", req, node.admission.validate("i", req))
     await done.wait()
     wall = time.perf_counter() - t0
     iterations = node.iteration_count - start_iterations

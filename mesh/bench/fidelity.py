@@ -140,7 +140,8 @@ async def run_node(work: list[Item], make_engine: Callable[[str], Any], times: A
     per_instance = {m: AdaptiveTimes(times) if adaptive else times for m in models}
     for m in models:
         engines[m] = make_engine(m)
-        issued = node.start_instance(m, m, engines[m], per_instance[m], slo, RunningMean(mean_output_prior), 5.0)
+        issued = node.memory_ops.start_instance(m, m, engines[m], per_instance[m], slo,
+                                                RunningMean(mean_output_prior), 5.0)
         if not issued.accepted:
             raise RuntimeError(f"node memory refused instance {m}")
     while not all(node.instances[m].loaded for m in models):
@@ -166,7 +167,7 @@ async def run_node(work: list[Item], make_engine: Callable[[str], Any], times: A
         er = EngineRequest(w.request_id, w.prompt_len, Sampling(max_tokens=w.output_len),
                            ids[w.request_id], output_len=w.output_len)
         req = ServedRequest(er, w.model, at, slo, on_done=finished)
-        admission = node.validate(w.model, req)
+        admission = node.admission.validate(w.model, req)
         would_reject += not admission.ok
         node.admit(w.model, req, admission)
         served.append(req)

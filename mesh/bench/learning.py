@@ -109,7 +109,7 @@ async def _serve(engine: Any, prompts: list[list[int]], output_len: int, gap_s: 
     node.start()
     slo = SLO(ttft_min_s=600.0, tpot_s=60.0)
     times = AdaptiveTimes(DefaultCpuTimes.for_weights(engine.weight_bytes))
-    node.start_instance("i", "m", engine, times, slo, RunningMean(output_len), 0.0)
+    node.memory_ops.start_instance("i", "m", engine, times, slo, RunningMean(output_len), 0.0)
     while not node.instances["i"].loaded:
         await asyncio.sleep(0.01)
     left = len(prompts)
@@ -124,7 +124,7 @@ async def _serve(engine: Any, prompts: list[list[int]], output_len: int, gap_s: 
     for k, ids in enumerate(prompts):
         er = EngineRequest(f"r{k}", len(ids), Sampling(max_tokens=output_len), ids, output_len=output_len)
         req = ServedRequest(er, "m", loop.time(), slo, on_done=on_done)
-        node.admit("i", req, node.validate("i", req))
+        node.admit("i", req, node.admission.validate("i", req))
         await asyncio.sleep(gap_s)  # the next arrives while these decode
     await done.wait()
     await node.stop()

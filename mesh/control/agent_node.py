@@ -18,18 +18,20 @@ node current from the agent's events:
 
 The node's instances and the requests placed on them are its book (mesh.control.node_book),
 which changes before a call goes out (and is undone on refusal), so an event that overtakes
-the reply to its own call still finds its request.
+the reply to its own call still finds its request. What happens unasked (a request evicted,
+an instance loaded, gone or stopped, the agent up or down, a staged start's weights moved)
+goes to the node's `AgentNodeListener`, given when it is made (the service's NodePool).
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Collection, Mapping, Protocol, Sequence
 
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.cluster_node import CONNECTION, EXITED, HEARTBEAT, ClusterNode, HostedInstance
-from mesh.control.node_book import AgentInstance, NodeBook, resume_from
+from mesh.control.node_book import AgentInstance, BookListener, NodeBook, resume_from
 from mesh.control.supervisor import AgentHandle
 from mesh.policy.admission import Admission, InstancePlan
 from mesh.policy.node_spec import NodeSpec
@@ -74,6 +76,9 @@ STATS_EVERY_S = 1.0
 # text is the operator's detail (`last_start_error`, logged).
 LoadSpecFor = Callable[[InstancePlan, "AgentNode"], Awaitable[InstanceSpec]]
 ProfileFor = Callable[[str, str], str | None]  # (model, node kind) -> its calibration profile file, if any
+# (plan, node) -> must the planned instance's weights reach the node before its load (the
+# placement's weights plane says)? Then its start is staged (`AgentNode.start_instance`).
+TransferFirst = Callable[[InstancePlan, "AgentNode"], bool]
 
 AgentFactory = Callable[..., AgentHandle]  # (spec, on_up, on_down, on_event, settings)
 
@@ -83,32 +88,41 @@ class StartRefused(Exception):
     told to tenants is redacted; this one is logged and kept as `last_start_error`)."""
 
 
+class AgentNodeListener(BookListener, Protocol):
+    """What an AgentNode reports unasked: its book's events (a request evicted, an instance
+    loaded, gone or stopped), its agent up or down, and a staged start's weights transfer."""
+
+    def agent_up(self, node: AgentNode) -> None:
+        """The node's agent is up (again): its capacity may have changed."""
+
+    def agent_down(self, node: AgentNode) -> None:
+        """The node's agent went down (its requests were handed back first)."""
+
+    def weights_moved(self, node: AgentNode, nbytes: int, seconds: float) -> None:
+        """A staged start's weights reached the node: `nbytes` in `seconds`."""
+
+
 class AgentNode(ClusterNode):
     def __init__(self, spec: NodeSpec, agent_factory: AgentFactory, settings: Any, load_spec: LoadSpecFor,
-                 profile_for: ProfileFor = lambda _model, _kind: None, margin: float = DEFAULT_MARGIN) -> None:
+                 listener: AgentNodeListener, profile_for: ProfileFor = lambda _model, _kind: None,
+                 margin: float = DEFAULT_MARGIN, transfer_first: TransferFirst | None = None) -> None:
+        """`listener`: whom the node reports to. `transfer_first`: which starts are staged
+        (None: none is)."""
         self.margin = margin
+        self.listener: AgentNodeListener = listener
         self.agent = agent_factory(spec, self._agent_up, self._agent_down, self._agent_event, settings)
         self._load_spec = load_spec
         self._profile_for = profile_for
-        self._book = NodeBook(self)  # its instances and the requests placed on them
+        self._transfer_first = transfer_first
+        self._book = NodeBook(self, listener)  # its instances and the requests placed on them
         self._instances = self._book.instances
         self.stats: dict[str, Any] = {}  # the agent's last `stats` reply (StatsReply), as /admin/cluster shows it
         self._budget_bytes = 0  # the memory budget in use (reservation station, 6.3)
         self._tasks: list[asyncio.Task] = []
         self._staging: set[asyncio.Task] = set()  # staged starts under way (`start_instance`)
-        # Called when an instance left the node without the dispatcher asking (its load
-        # failed, the agent died): the cluster forgets it.
-        self.on_instance_gone: Callable[[str], None] | None = None
-        self.on_change: Callable[[], None] | None = None  # capacity may have changed (agent up)
-        self.on_down: Callable[["AgentNode"], None] | None = None  # the agent went down
-        self.on_instance_stopped: Callable[[str, str], None] | None = None  # (model, instance) unloaded or lost
         self.last_start_error = ""  # why the last instance start failed (for the operator)
         self.busy_fraction = 0.0  # of the last stats interval, the node's engines were stepping
         self._stepping: str | None = None  # the instance whose iteration is in flight (the agent's `node` event)
-        # (plan, node) -> must the planned instance's weights reach this node before its load
-        # (the placement's weights plane says)? Then its start is staged (`start_instance`).
-        self.transfer_first: Callable[[InstancePlan, "AgentNode"], bool] | None = None
-        self.on_transfer: Callable[[int, float], None] | None = None  # (bytes, seconds) of a staged start's transfer
 
     # -- state -----------------------------------------------------------------------------
     @property
@@ -281,7 +295,7 @@ class AgentNode(ClusterNode):
             return False
         inst = AgentInstance(plan.instance_id, plan.model, idle_since=self._now())
         self._instances[plan.instance_id] = inst  # before the call: its ready event may overtake the reply
-        if self.transfer_first is not None and self.transfer_first(plan, self):
+        if self._transfer_first is not None and self._transfer_first(plan, self):
             inst.staged_bytes = max(1, plan.weight_bytes)
             task = asyncio.get_running_loop().create_task(self._start_staged(plan, inst),
                                                           name=f"stage {plan.instance_id}")
@@ -317,8 +331,8 @@ class AgentNode(ClusterNode):
         issued = self._now()
         ok = await self._issue(plan, inst)
         inst.staged_bytes = 0
-        if ok and self.on_transfer is not None:
-            self.on_transfer(plan.weight_bytes, self._now() - issued)
+        if ok:
+            self.listener.weights_moved(self, plan.weight_bytes, self._now() - issued)
         if ok and self._instances.get(plan.instance_id) is not inst:  # stopped while it moved: not kept
             await self._unload_quietly(plan.instance_id)
             ok = False
@@ -331,8 +345,8 @@ class AgentNode(ClusterNode):
             for req, _ in deferred:
                 self._hand_back(inst, req, f"its instance {plan.instance_id} could not start on {self.node_id}: "
                                      f"{self.last_start_error or 'stopped'}")
-            if ours and self.on_instance_gone is not None:
-                self.on_instance_gone(plan.instance_id)
+            if ours:
+                self.listener.instance_gone(self, plan.instance_id)
             return
         for req, compute in deferred:
             if req.outcome is None and req.request_id in inst.requests:
@@ -350,10 +364,7 @@ class AgentNode(ClusterNode):
             return
         req.attempts.append(why)
         req.node_id = req.instance_id = None
-        if self.on_evict is not None:
-            self.on_evict(req)
-        else:
-            req.end(Outcome.FAILED, self._now(), why)
+        self.listener.request_evicted(self, req)
 
     async def stop_instance(self, instance_id: str) -> None:
         inst = self._instances.pop(instance_id, None)
@@ -431,16 +442,14 @@ class AgentNode(ClusterNode):
             agent.client.send(Unload(str(view.get("instance_id"))))
         self._budget_bytes = 0
         self._stepping = None  # until the agent says
-        if self.on_change is not None:
-            self.on_change()
+        self.listener.agent_up(self)
 
     def _agent_down(self, agent: AgentHandle, reason: str) -> None:
         why = f"node agent {agent.node_id} died ({reason}); it is being restarted"
         self.lose(why, loss_cause(reason))
         self.stats = {}
         self._stepping = None
-        if self.on_down is not None:
-            self.on_down(self)
+        self.listener.agent_down(self)
 
     @staticmethod
     def _now() -> float:

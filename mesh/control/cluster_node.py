@@ -17,13 +17,14 @@ implementations, so the replay evaluates exactly what serves tenants:
 
 The verbs that reach the node are coroutines; what the dispatcher reads of a node's state
 (instances, their requests, the memory budget) is plain attributes, kept current by the
-implementation.
+implementation. What happens on the node unasked (a request evicted, a load finished, an
+instance gone) it reports to its `NodeListener`, given when it is made (the cluster view).
 """
 from __future__ import annotations
 
 import asyncio
 from abc import ABC, abstractmethod
-from typing import Callable, Collection, Mapping, Protocol, Sequence
+from typing import Collection, Mapping, Protocol, Sequence
 
 from mesh.policy.admission import Admission, InstancePlan
 from mesh.policy.node_spec import NodeSpec
@@ -49,13 +50,25 @@ class HostedInstance(Protocol):
     idle_since: float
 
 
+class NodeListener(Protocol):
+    """What a node reports unasked to whoever schedules on it (mesh.control.cluster_view's
+    ClusterView); each call names the node."""
+
+    def request_evicted(self, node: ClusterNode, req: ServedRequest) -> None:
+        """A request left the node with its progress, not ended (evicted, 6.4; the node
+        lost): to place again."""
+
+    def instance_loaded(self, node: ClusterNode, instance_id: str) -> None:
+        """An instance finished loading: it serves from now on."""
+
+    def instance_gone(self, node: ClusterNode, instance_id: str) -> None:
+        """An instance left without being asked (its load failed, the node was lost)."""
+
+
 class ClusterNode(ABC):
     spec: NodeSpec
     margin: float  # shadow validation's overestimate of each iteration (5.3)
-    on_evict: Callable[[ServedRequest], None] | None = None  # a request evicted here (6.4), to place again
-    on_loaded: Callable[[str], None] | None = None  # an instance finished loading (its id)
-    on_instance_gone: Callable[[str],
-                               None] | None = None  # an instance left without being asked (load failed, node lost)
+    listener: NodeListener | None = None  # whom it reports to; None: an evicted request fails
 
     @property
     def node_id(self) -> str:
@@ -112,7 +125,7 @@ class ClusterNode(ABC):
 
     def hand_back_lost(self, reqs: Sequence[ServedRequest], why: str, cause: str) -> int:
         """Requests this node held when it was lost (`cause`, one of LOSS_CAUSES; `why` for the
-        operator), with their progress, not ended: each goes back to the dispatcher (`on_evict`,
+        operator), with their progress, not ended: each goes back to the dispatcher (`listener`,
         the path of an evicted or preempted request: placed again, its stream goes on from the
         next token, its deadlines restarting from now: `fault`); without one, each fails.
         Returns how many."""
@@ -120,8 +133,8 @@ class ClusterNode(ABC):
             req.fault, req.lost = True, cause
             req.attempts.append(f"lost on {self.node_id} after {req.tokens_out} tokens: {why}")
             req.node_id = req.instance_id = None
-            if self.on_evict is not None:
-                self.on_evict(req)
+            if self.listener is not None:
+                self.listener.request_evicted(self, req)
             else:
                 req.end(Outcome.FAILED, asyncio.get_running_loop().time(), why)
         return len(reqs)

@@ -202,13 +202,11 @@ class ClusterView:
         nodes: list[ClusterNode] = (),
         usage_entries: int | None = None,
     ) -> None:
-        """`models` maps each model (replica) to its base model in `catalog`;
-        `mean_output_prior` gives O_avg's starting value per base model (6.1). `nodes`:
-        the nodes to schedule (the service's agents; a replay's simulated nodes,
-        mesh.replay.simulator). Models and nodes may be added and removed later (the
-        service: registrations, Ray membership). `usage_entries`: the most change points of
-        `usage` kept, the oldest going first (a service that runs for months; LIVE_USAGE_ENTRIES);
-        None keeps them all (a replay's node-seconds read every one)."""
+        """`models` maps each model (replica) to its base model in `catalog`; `mean_output_prior` gives
+        O_avg's starting value per base model (6.1). `nodes`: the nodes to schedule from the start; models
+        and nodes may be added and removed later (the service: registrations, Ray membership).
+        `usage_entries`: the most change points of `usage` kept, the oldest going first (a service that
+        runs for months; LIVE_USAGE_ENTRIES); None keeps them all (a replay's node-seconds read every one)."""
         catalog, models, mean_output_prior = catalog or {}, models or {}, mean_output_prior or {}
         unknown = sorted({b for b in models.values() if b not in catalog})
         if unknown:
@@ -250,12 +248,9 @@ class ClusterView:
 
     # -- membership: models and nodes ---------------------------------------------------
     def add_node(self, node: ClusterNode) -> None:
-        """Schedule on `node` from now on (not started here)."""
+        """Schedule on `node` from now on (not started here; made to report to this view)."""
         if node.node_id in self.node_seq:
             raise ClusterError(f"node {node.node_id} is already in the cluster")
-        node.on_evict = lambda req, n=node: self.on_evict(req, n) if self.on_evict is not None else None
-        node.on_loaded = lambda iid, n=node: self._loaded(iid, n)
-        node.on_instance_gone = self._gone
         self.node_seq[node.node_id] = len(self.nodes)
         self.nodes.append(node)
 
@@ -511,7 +506,12 @@ class ClusterView:
         self._forget(ref)
         await ref.node.stop_instance(ref.instance_id)
 
-    def _loaded(self, instance_id: str, node: ClusterNode) -> None:
+    def request_evicted(self, node: ClusterNode, req: ServedRequest) -> None:
+        """A request left `node` with its progress: the dispatcher places it again."""
+        if self.on_evict is not None:
+            self.on_evict(req, node)
+
+    def instance_loaded(self, node: ClusterNode, instance_id: str) -> None:
         """An instance finished loading: its load is measured (from its issue, less its
         predicted wait for the loads before it on the node) under the source the node
         names; then keep-alive for it if it is unused."""
@@ -525,7 +525,7 @@ class ClusterView:
                                                max(0.0, now - at - wait), now))
         self.note_idle(node)
 
-    def _gone(self, instance_id: str) -> None:
+    def instance_gone(self, node: ClusterNode, instance_id: str) -> None:
         """The node lost an instance on its own (its load failed, the node went down)."""
         self._loading.pop(instance_id, None)
         ref = self._by_id.get(instance_id)

@@ -20,25 +20,21 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
-from mesh.control.cluster_node import ENGINE_HUNG
+from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode, NodeListener
 from mesh.engines.engine_api import FinishReason
 from mesh.policy.kv_demand import RunningMean
 from mesh.wire.agent_protocol import DoneEvent, EvictedEvent, InstanceEvent, Progress, TokensEvent
 from mesh.wire.served_request import Outcome, ServedRequest
 
 
-class BookedNode(Protocol):
-    """What the book reads of the node it keeps (an AgentNode): its id, and whom its events reach."""
+class BookListener(NodeListener, Protocol):
+    """What the book reports of its node: a NodeListener's events, and an instance that left
+    the node (unloaded or lost)."""
 
-    @property
-    def node_id(self) -> str: ...
-
-    on_evict: Callable[[ServedRequest], None] | None
-    on_loaded: Callable[[str], None] | None
-    on_instance_gone: Callable[[str], None] | None
-    on_instance_stopped: Callable[[str, str], None] | None
+    def instance_stopped(self, node: ClusterNode, model: str, instance_id: str) -> None:
+        """The instance (of `model`) is no longer on the node: unloaded, failed or lost."""
 
 
 @dataclass(eq=False)
@@ -57,8 +53,10 @@ class AgentInstance:
 
 
 class NodeBook:
-    def __init__(self, node: BookedNode) -> None:
+    def __init__(self, node: ClusterNode, listener: BookListener) -> None:
+        """`node`: the node it keeps (an AgentNode), named in what it reports to `listener`."""
         self.node = node
+        self.listener = listener
         self.instances: dict[str, AgentInstance] = {}
         self.means: dict[str, RunningMean] = {}  # O_avg per model: the cluster's, shared by every node (6.1)
         self.loaded_from: dict[str, str] = {}  # instance -> the source its agent said it loaded from
@@ -121,8 +119,8 @@ class NodeBook:
         for future in self._load_waiters.pop(inst.instance_id, ()):
             if not future.done():
                 future.set_result(loaded)
-        if not loaded and self.node.on_instance_stopped is not None:
-            self.node.on_instance_stopped(inst.model, inst.instance_id)
+        if not loaded:
+            self.listener.instance_stopped(self.node, inst.model, inst.instance_id)
 
     def lose(self, inst: AgentInstance, why: str) -> None:
         """The instance failed to load: its requests fail (a lost node's go on elsewhere: `lose_node`)."""
@@ -131,8 +129,7 @@ class NodeBook:
         for req in list(inst.requests.values()):
             if inst.requests.pop(req.request_id, None) is req:
                 req.end(Outcome.FAILED, _now(), why)
-        if self.node.on_instance_gone is not None:
-            self.node.on_instance_gone(inst.instance_id)
+        self.listener.instance_gone(self.node, inst.instance_id)
 
     def lose_node(self, why: str) -> list[ServedRequest]:
         """The node is gone (its agent died, froze, left the cluster, or its network went):
@@ -147,8 +144,7 @@ class NodeBook:
             requests, inst.requests = list(inst.requests.values()), {}
             self.settled(inst, False)
             taken += [req for req in requests if req.outcome is None]
-            if self.node.on_instance_gone is not None:
-                self.node.on_instance_gone(inst.instance_id)
+            self.listener.instance_gone(self.node, inst.instance_id)
         return taken
 
     # -- the agent's events ----------------------------------------------------------------------
@@ -187,10 +183,7 @@ class NodeBook:
         if event.fault:
             req.lost = ENGINE_HUNG
         resume_from(req, event.progress, f"evicted from {self.node.node_id}: {event.why}")
-        if self.node.on_evict is not None:
-            self.node.on_evict(req)
-        else:
-            req.end(Outcome.FAILED, _now(), event.why)
+        self.listener.request_evicted(self.node, req)
 
     def instance(self, event: InstanceEvent) -> None:
         inst = self.instances.get(event.instance_id)
@@ -204,8 +197,7 @@ class NodeBook:
         inst.loaded = True
         inst.idle_since = _now()
         self.settled(inst, True)
-        if self.node.on_loaded is not None:
-            self.node.on_loaded(inst.instance_id)
+        self.listener.instance_loaded(self.node, inst.instance_id)
 
 
 def resume_from(req: ServedRequest, progress: Progress, note: str) -> None:

@@ -10,7 +10,9 @@ progress (`AgentNode.lose`) and its copies leave the parameter pool.
 
 What a node asks about the models it loads (how an instance loads, its calibration profile,
 whether its weights are here) the model catalogue answers (`NodeModels`; the service's is
-mesh.service.model_catalogue).
+mesh.service.model_catalogue). What a node reports (mesh.control.agent_node's
+AgentNodeListener) the pool hears: it passes the cluster's part on to the cluster view and
+tells the weights plane, the catalogue and the dispatcher theirs.
 """
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ import logging
 from typing import Any, Callable, Protocol
 
 from mesh.control.agent_node import AgentNode
-from mesh.control.cluster_node import REMOVED
+from mesh.control.cluster_node import REMOVED, ClusterNode
 from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
 from mesh.control.supervisor import AgentHandle, AgentSettings
@@ -26,6 +28,7 @@ from mesh.control.weights_plane import WeightsPlane
 from mesh.policy.admission import InstancePlan
 from mesh.policy.node_spec import NodeSpec
 from mesh.wire.agent_protocol import InstanceSpec
+from mesh.wire.served_request import ServedRequest
 
 log = logging.getLogger("mesh.control.node_pool")
 
@@ -90,17 +93,10 @@ class NodePool:
 
     # ---- nodes that join or leave while serving ---------------------------------------------
     def add(self, spec: NodeSpec, factory: Callable[..., AgentHandle] | None = None) -> AgentNode:
-        node = AgentNode(spec, factory or self._agent_factory, self.settings, self.models.load_spec,
-                         self.models.profile_for, margin=self.cluster.config.margin)
+        node = AgentNode(spec, factory or self._agent_factory, self.settings, self.models.load_spec, self,
+                         self.models.profile_for, margin=self.cluster.config.margin,
+                         transfer_first=self._transfer_first)
         self.cluster.add_node(node)
-        cluster_loaded = node.on_loaded
-        node.on_loaded = lambda iid, n=node: (cluster_loaded(iid), self._instance_ready(n, iid))
-        node.on_instance_stopped = self._instance_stopped
-        node.on_down = self._node_down
-        node.on_change = self.dispatcher.capacity_freed
-        # a start that must first move the weights there is staged: no decision waits for a transfer
-        node.transfer_first = lambda plan, n: not self.models.holds_copy(plan.model, n)
-        node.on_transfer = self.cluster.cold_starts.record_transfer
         self.agents[spec.node_id] = node.agent
         return node
 
@@ -129,20 +125,39 @@ class NodePool:
         await node.stop()
         log.warning("node %s left: %s", node_id, reason)
 
-    def _node_down(self, node: AgentNode) -> None:
-        if self.weights is not None and self.agents.get(node.node_id) is node.agent:
-            self.weights.node_down(node.node_id)
+    def _transfer_first(self, plan: InstancePlan, node: AgentNode) -> bool:
+        """A start that must first move the weights to the node is staged: no decision waits
+        for a transfer."""
+        return not self.models.holds_copy(plan.model, node)
 
-    def _instance_ready(self, node: AgentNode, instance_id: str) -> None:
+    # ---- what the nodes report (AgentNodeListener) ----------------------------------------------
+    def request_evicted(self, node: ClusterNode, req: ServedRequest) -> None:
+        self.cluster.request_evicted(node, req)
+
+    def instance_loaded(self, node: ClusterNode, instance_id: str) -> None:
+        self.cluster.instance_loaded(node, instance_id)
         inst = node.instances.get(instance_id)
         if self.weights is not None and inst is not None:
             self.weights.instance_started(inst.model, node.node_id, instance_id)
         self.dispatcher.capacity_freed()
 
-    def _instance_stopped(self, model_uid: str, instance_id: str) -> None:
+    def instance_gone(self, node: ClusterNode, instance_id: str) -> None:
+        self.cluster.instance_gone(node, instance_id)
+
+    def instance_stopped(self, node: ClusterNode, model: str, instance_id: str) -> None:
         self.models.instance_stopped(instance_id)
         if self.weights is not None:
-            self.weights.instance_stopped(model_uid, instance_id)
+            self.weights.instance_stopped(model, instance_id)
+
+    def agent_up(self, node: AgentNode) -> None:
+        self.dispatcher.capacity_freed()
+
+    def agent_down(self, node: AgentNode) -> None:
+        if self.weights is not None and self.agents.get(node.node_id) is node.agent:
+            self.weights.node_down(node.node_id)
+
+    def weights_moved(self, node: AgentNode, nbytes: int, seconds: float) -> None:
+        self.cluster.cold_starts.record_transfer(nbytes, seconds)
 
     # ---- the view ----------------------------------------------------------------------------
     def view(self) -> list[dict[str, Any]]:

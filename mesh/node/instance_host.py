@@ -106,7 +106,7 @@ class InstanceHost:
                 times = self.learning.adopt(spec.model, self.times_for(spec, engine.weight_bytes))
             except EngineError as exc:
                 raise Refused(Code.BAD_REQUEST, str(exc)) from exc
-            issued = self.node.start_instance(spec.instance_id, spec.model, engine, times, slo,
+            issued = self.node.memory_ops.start_instance(spec.instance_id, spec.model, engine, times, slo,
                                               self.mean_output(spec.model, spec.mean_output),
                                               EXPECTED_LOAD_S if spec.expected_load_s is None else spec.expected_load_s)
             if not issued.accepted:
@@ -168,7 +168,7 @@ class InstanceHost:
             return
         for rid in list(inst.requests):
             self.node.abort(rid, Outcome.FAILED, f"instance {instance_id} failed to load")
-        self.node.stop_instance(instance_id)
+        self.node.memory_ops.stop_instance(instance_id)
         self.specs.pop(instance_id, None)
         self.times.pop(instance_id, None)
 
@@ -179,7 +179,7 @@ class InstanceHost:
             raise Refused(Code.NO_INSTANCE, f"no instance {iid} on {self.spec.node_id}")
         if inst.requests:
             raise Refused(Code.BUSY, f"instance {iid} still serves {len(inst.requests)} requests")
-        self.node.stop_instance(iid)
+        self.node.memory_ops.stop_instance(iid)
         self.specs.pop(iid, None)
         self.times.pop(iid, None)
         return Ack()

@@ -172,11 +172,12 @@ class ModelFronts:
         known = set(self._front_models.values())
         known |= set(host.means) | set(host.learning.times) | set(host.ahead.models()) | set(host.parking.models())
         known |= {inst.model for inst in host.node.instances.values()} | {s.model for s in host.specs.values()}
-        known |= {inst.model for inst in host.node._unloading.values()}  # an unload under way may park its worker
+        # an unload under way may park its worker
+        known |= {inst.model for inst in host.node.memory_ops.unloading.values()}
         return sorted(known)
 
     def _unloading(self, model: str) -> bool:
-        return any(inst.model == model for inst in self.host.node._unloading.values())
+        return any(inst.model == model for inst in self.host.node.memory_ops.unloading.values())
 
     async def forget(self, m: Forget) -> ForgetReply:
         """A model was deleted from the service: every trace of it here goes (its instances

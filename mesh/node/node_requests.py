@@ -74,7 +74,7 @@ class NodeRequests:
         if prompt_len + done + 1 > inst.engine.context_window:
             return AdmitResult(False, Code.BAD_REQUEST.value, f"prompt of {prompt_len + done} tokens exceeds the "
                                f"context window of {inst.engine.context_window}")
-        admission = self.node.validate(iid, req, compute=entry.compute)
+        admission = self.node.admission.validate(iid, req, compute=entry.compute)
         if not admission.ok:
             reason = admission.reason()
             if not _only_own_prefill_late(admission):
@@ -107,12 +107,12 @@ class NodeRequests:
         inst = self.host.instance(m.instance_id)
         exclude = [i for i in m.exclude if i in self.node.instances]
         req = self._probe(m.request, inst.slo)
-        return _verdict(self.node.validate(inst.instance_id, req, exclude=exclude))
+        return _verdict(self.node.admission.validate(inst.instance_id, req, exclude=exclude))
 
     def validate_group(self, m: ValidateGroup) -> Verdict:
         inst = self.host.instance(m.instance_id)
         reqs = [self._probe(r, inst.slo) for r in m.requests]
-        return _verdict(self.node.validate_group(inst.instance_id, reqs, [r.tokens_out for r in reqs]))
+        return _verdict(self.node.admission.validate_group(inst.instance_id, reqs, [r.tokens_out for r in reqs]))
 
     def validate_new(self, m: ValidateNew) -> Verdict:
         """Would a new instance of the planned model, started now with its cold start, serve
@@ -127,7 +127,7 @@ class NodeRequests:
                             p.context_window, p.context_window, p.max_batch,
                             self.host.mean_output(p.model, p.mean_output, keep=False), p.expected_load_s)
         reqs = [self._probe(r, p.slo) for r in m.requests]
-        return _verdict(self.node.validate_new(plan, reqs, [r.tokens_out for r in reqs]))
+        return _verdict(self.node.admission.validate_new(plan, reqs, [r.tokens_out for r in reqs]))
 
     async def take_back(self, m: TakeBack) -> Progress:
         """Take a running request off this node, not ended, with its progress: the tokens

@@ -2,10 +2,11 @@
 
 An asyncio task runs the token-level loop (LLM-Mesh 5.1): ask the compute subsystem which
 instance is most urgent, run one iteration of its engine, apply what it produced, repeat.
-Memory operations (6.3) run as their own tasks when the reservation station starts them,
-and report back when they finish (mesh.node.memory_operations); shadow validation (5.3)
-checks a request against an instance before it joins (mesh.node.shadow_admission). Time comes only from the event loop,
-so the same code runs live and, on mesh.replay.virtual_loop, in virtual time.
+The runtime holds two parts: its memory operations (6.3: instances started and stopped,
+each operation a task the reservation station starts, mesh.node.memory_operations) and its
+admission (shadow validation, 5.3, of a request against an instance before it joins,
+mesh.node.shadow_admission); it owns the requests and their moves. Time comes only from the
+event loop, so the same code runs live and, on mesh.replay.virtual_loop, in virtual time.
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from dataclasses import dataclass
 from typing import Callable
 
 from mesh.engines.engine_api import EngineError, EngineRequest, StepResult
-from mesh.node.memory_operations import MemoryOperations, NodeInstance
+from mesh.node.memory_operations import MemoryOperations
+from mesh.node.node_instance import NodeInstance
 from mesh.node.shadow_admission import ShadowAdmission
 from mesh.policy.admission import Admission
 from mesh.policy.batching import IterationKind
@@ -61,9 +63,10 @@ def hung_bound_s(predicted_s: float, min_s: float = HUNG_MIN_S) -> float:
     return max(min_s, HUNG_FACTOR * predicted_s)
 
 
-class NodeRuntime(MemoryOperations, ShadowAdmission):
-    """One node: its instances' memory operations (MemoryOperations), shadow validation
-    (ShadowAdmission), the requests' moves on and off it, and the token-level loop."""
+class NodeRuntime:
+    """One node: the requests' moves on and off it and the token-level loop, with its memory
+    part (`memory_ops`: instances and their memory operations) and its admission part
+    (`admission`: shadow validation)."""
 
     def __init__(
         self,
@@ -83,7 +86,6 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
         instance, whose requests are evicted with their progress (a node agent's real engines;
         simulated ones never hang)."""
         self.spec = spec
-        self.margin = margin
         self.compute = ComputeSubsystem(deadlines)
         self.memory = MemorySubsystem(spec.memory_bytes, watermark)
         self.instances: dict[str, NodeInstance] = {}
@@ -110,10 +112,11 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
         self.on_stepping: Callable[[str | None], None] | None = None
         self._wake = asyncio.Event()
         self._step_ended: list[asyncio.Future] = []  # waiting for the iteration in flight to end
-        self._tasks: set[asyncio.Task] = set()
         self._loop_task: asyncio.Task | None = None
         self.crash: BaseException | None = None  # the first exception that ended the token-level loop
-        self._unloading: dict[str, NodeInstance] = {}
+        self.memory_ops = MemoryOperations(spec.node_id, self.compute, self.memory, self.instances, self._now,
+                                           loaded=self._instance_loaded, failed=self._fail_instance)
+        self.admission = ShadowAdmission(self.compute, self.memory, self.instances, self._carried, self._now, margin)
 
     @property
     def node_id(self) -> str:
@@ -148,44 +151,34 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
             self.start()
 
     async def stop(self) -> None:
-        await cancel_all([self._loop_task, *self._tasks])
+        await cancel_all([self._loop_task, *self.memory_ops.tasks])
 
     def _now(self) -> float:
         return asyncio.get_running_loop().time()
+
+    @property
+    def deadlines(self) -> DeadlineRule:  # when a request's tokens after the first are due (mesh.policy.slo)
+        return self.compute.deadlines
 
     def failure(self) -> BaseException | None:
         """The first exception that ended the token-level loop (restarted since), if any."""
         return self.crash
 
     # -- requests ------------------------------------------------------------------
-    def _engine_request(self, req: ServedRequest, done: int) -> EngineRequest:
-        """What the engine is given: the request itself, or, for a resumed request, its
-        prompt plus the tokens already produced (recomputed) and the rest to produce.
-        Simulated engines need only the lengths; a real engine gets the prompt's token ids
-        followed by those the request produced (kept by take_back)."""
-        er = req.engine_request
-        if done <= 0:
-            return er
-        sampling = dataclasses.replace(er.sampling, max_tokens=max(1, er.sampling.max_tokens - done))
-        out = None if er.output_len is None else max(1, er.output_len - done)
-        ids = er.prompt_token_ids  # after take_back: the prompt's ids then the produced ones
-        ids = list(ids[: er.prompt_len + done]) if ids is not None and len(ids) >= er.prompt_len + done else None
-        return EngineRequest(er.request_id, er.prompt_len + done, sampling, ids, out, done if ids is not None else 0)
-
     def admit(self, instance_id: str, req: ServedRequest, admission: Admission) -> None:
         """Add a validated request to the instance (engine, compute and memory state). A
         request that already produced `req.tokens_out` tokens elsewhere resumes here."""
         inst = self.instances[instance_id]
         done = req.tokens_out
         prompt, start = req.resumed(done, self.deadlines)
-        er = self._engine_request(req, done)
+        er = _resumed_engine_request(req, done)
         if inst.loaded:
             inst.engine.add_request(er)  # raises EngineError before any state changes
         else:
             inst.deferred[req.request_id] = er
         if admission.memory is not None and admission.memory.kv_bytes is not None:
             issued = self.memory.resize_kv(instance_id, admission.memory.kv_bytes)
-            self._launch(issued.started)
+            self.memory_ops.launch(issued.started)
         self.compute.add_request(instance_id, req.request_id, prompt, start, resumed=done > 0)
         if done > 0:
             self._carried[req.request_id] = done
@@ -197,7 +190,7 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
                   deadlines: Deadlines | None = None) -> Admission:
         """Validate and admit in one step; `deadlines`: validated with these in place of the
         request's own, which it keeps if admitted (served late)."""
-        admission = self.validate(instance_id, req, compute=compute, deadlines=deadlines)
+        admission = self.admission.validate(instance_id, req, compute=compute, deadlines=deadlines)
         if admission.ok:
             if deadlines is not None:
                 req.late_s = deadlines.late_s
@@ -225,6 +218,10 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
         if not inst.requests:
             inst.idle_since = self._now()
         return req
+
+    def progress(self, request_id: str) -> int:
+        """Tokens the request has produced so far (on this node and before)."""
+        return self._carried.get(request_id, 0) + self.compute.tokens_out(request_id)
 
     def can_take_back(self, instance_id: str) -> bool:
         """Requests can leave an instance at any time but during its prefill iteration (the
@@ -296,7 +293,7 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
         taken = [self.take_back(rid, f"lost: {why}") for inst in list(self.instances.values())
                  for rid in list(inst.requests)]
         for instance_id in list(self.instances):
-            self.stop_instance(instance_id)
+            self.memory_ops.stop_instance(instance_id)
         return [req for req in taken if req is not None]
 
     def evict(self, request_id: str, why: str, fault: bool = False) -> None:
@@ -328,7 +325,7 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
                 kill()
             except Exception:  # noqa: BLE001 - the unload below still ends it
                 log.exception("instance %s: killing its hung worker failed", inst.instance_id)
-        self.stop_instance(inst.instance_id)
+        self.memory_ops.stop_instance(inst.instance_id)
 
     def worker_stuck(self, instance_id: str, why: str) -> bool:
         """The instance's worker is stuck outside an iteration (its tokenizer answered no call
@@ -343,6 +340,24 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
             self._end_step()
         self._hung(inst, why)
         return True
+
+    def _instance_loaded(self, inst: NodeInstance) -> None:
+        """Its load ended: the requests admitted meanwhile go to its engine, in order."""
+        deferred, inst.deferred = inst.deferred, {}
+        for rid, er in deferred.items():
+            try:
+                inst.engine.add_request(er)
+            except EngineError as exc:  # its prompt, checked by the engine only now
+                self.abort(rid, Outcome.FAILED, f"{exc}")
+        if not inst.requests:
+            inst.idle_since = self._now()  # keep-alive counts from when it can serve (LLM-Mesh 4)
+        if self.on_loaded is not None:
+            self.on_loaded(inst.instance_id)
+        self._wake.set()
+
+    def _fail_instance(self, inst: NodeInstance, why: str) -> None:
+        for rid in list(inst.requests):
+            self.abort(rid, Outcome.FAILED, why)
 
     # -- the token-level loop ------------------------------------------------------
     async def _run(self) -> None:
@@ -413,7 +428,7 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
                 if req is not None and req.first_token_s is None:
                     req.first_token_s = now
         if result.token_ids is not None or result.texts is not None:
-            self._stream(requests, result)
+            _stream_tokens(requests, result, self._produced)
         done = []
         for rid, reason in result.finished.items():
             req = requests.pop(rid, None)
@@ -427,24 +442,15 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
                 inst.memory.mean_output.add(req.tokens_out)
                 req.end(Outcome.COMPLETED, now, reason=reason)
             if requests:
-                scale_down = self.memory.lazy_scale_down(inst.instance_id, self.demand(inst.instance_id))
+                scale_down = self.memory.lazy_scale_down(inst.instance_id, self.admission.demand(inst.instance_id))
                 if scale_down is not None:
-                    self._launch(scale_down.started)
+                    self.memory_ops.launch(scale_down.started)
             else:
                 inst.idle_since = now
         if result.kind is IterationKind.DECODE and requests:
-            self._check_kv(inst)
-
-    def _stream(self, requests: dict[str, ServedRequest], result: StepResult) -> None:
-        for i, rid in enumerate(result.request_ids):
-            req = requests.get(rid)
-            if req is not None and result.token_ids is not None and req.engine_request.prompt_token_ids is not None:
-                self._produced.setdefault(rid, []).append(result.token_ids[i])
-            if req is not None and req.on_output is not None:
-                tokens = None if result.token_ids is None else result.token_ids[i : i + 1]
-                texts = None if result.texts is None else result.texts[i : i + 1]
-                logprobs = None if result.logprobs is None else result.logprobs[i : i + 1]
-                req.on_output(req, tokens, texts, logprobs)
+            victim = self.memory_ops.fit_kv(inst)
+            if victim is not None:
+                self.evict(victim, f"KV cache of {inst.instance_id} outgrew its estimate and node memory is short")
 
     # -- views ---------------------------------------------------------------------
     def idle(self) -> bool:
@@ -458,3 +464,31 @@ class NodeRuntime(MemoryOperations, ShadowAdmission):
     def queue_length(self) -> int:
         return sum(len(s.pending) for s in self.compute.instances.values())
 
+
+def _resumed_engine_request(req: ServedRequest, done: int) -> EngineRequest:
+    """What the engine is given: the request itself, or, for a resumed request, its
+    prompt plus the tokens already produced (recomputed) and the rest to produce.
+    Simulated engines need only the lengths; a real engine gets the prompt's token ids
+    followed by those the request produced (kept by take_back)."""
+    er = req.engine_request
+    if done <= 0:
+        return er
+    sampling = dataclasses.replace(er.sampling, max_tokens=max(1, er.sampling.max_tokens - done))
+    out = None if er.output_len is None else max(1, er.output_len - done)
+    ids = er.prompt_token_ids  # after take_back: the prompt's ids then the produced ones
+    ids = list(ids[: er.prompt_len + done]) if ids is not None and len(ids) >= er.prompt_len + done else None
+    return EngineRequest(er.request_id, er.prompt_len + done, sampling, ids, out, done if ids is not None else 0)
+
+
+def _stream_tokens(requests: dict[str, ServedRequest], result: StepResult, produced: dict[str, list[int]]) -> None:
+    """Each token of the iteration to its request's `on_output`; the ids kept in `produced`
+    for requests that carry prompt token ids (a real engine's: NodeRuntime.take_back)."""
+    for i, rid in enumerate(result.request_ids):
+        req = requests.get(rid)
+        if req is not None and result.token_ids is not None and req.engine_request.prompt_token_ids is not None:
+            produced.setdefault(rid, []).append(result.token_ids[i])
+        if req is not None and req.on_output is not None:
+            tokens = None if result.token_ids is None else result.token_ids[i : i + 1]
+            texts = None if result.texts is None else result.texts[i : i + 1]
+            logprobs = None if result.logprobs is None else result.logprobs[i : i + 1]
+            req.on_output(req, tokens, texts, logprobs)

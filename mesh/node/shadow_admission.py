@@ -1,35 +1,43 @@
 """Shadow validation on a node (LLM-Mesh 5.3, 6.4, 7.1): may requests join an instance, a
 new one included, without any request on the node missing its SLO, and does the memory hold
-them? The admission side of the node runtime (mesh.node.runtime.NodeRuntime); it changes
-nothing: the runtime's `admit` acts on its answer.
+them? The admission part of the node runtime (mesh.node.runtime.NodeRuntime holds one); it
+changes nothing: the runtime's `admit` acts on its answer.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Collection, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
+from mesh.node.node_instance import NodeInstance
 from mesh.policy.admission import Admission, InstancePlan
 from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.kv_demand import recommend_bytes
 from mesh.policy.memory import InstanceMemory, MemoryPlan, MemorySubsystem
 from mesh.policy.shadow import Verdict, quick_reject, shadow_validate
-from mesh.policy.slo import DeadlineRule, Deadlines
+from mesh.policy.slo import Deadlines
 from mesh.wire.served_request import ServedRequest
-
-if TYPE_CHECKING:
-    from mesh.node.memory_operations import NodeInstance
 
 
 class ShadowAdmission:
-    """Both subsystems' checks of requests on the node's instances: NodeRuntime's admission side."""
+    """Both subsystems' checks of requests on the node's instances."""
 
-    margin: float
-    compute: ComputeSubsystem
-    memory: MemorySubsystem
-    instances: dict[str, NodeInstance]
-    _carried: dict[str, int]
-
-    if TYPE_CHECKING:
-        def _now(self) -> float: ...
+    def __init__(
+        self,
+        compute: ComputeSubsystem,
+        memory: MemorySubsystem,
+        instances: Mapping[str, NodeInstance],
+        carried: Mapping[str, int],
+        clock: Callable[[], float],
+        margin: float,
+    ) -> None:
+        """`instances` and `carried` are the runtime's, read here: the node's instances, and
+        the tokens each request produced before it came to this node. `clock`: the event
+        loop's time. `margin`: how much each predicted iteration is overestimated (5.3)."""
+        self.compute = compute
+        self.memory = memory
+        self.instances = instances
+        self._carried = carried
+        self._clock = clock
+        self.margin = margin
 
     def demand(self, instance_id: str) -> list[tuple[int, int]]:
         """(I_r, O_r) of every request on the instance (Eq. 2); a resumed request's input
@@ -39,14 +47,6 @@ class ShadowAdmission:
             (r.prompt_len + carried.get(rid, 0), self.compute.tokens_out(rid))
             for rid, r in self.instances[instance_id].requests.items()
         ]
-
-    @property
-    def deadlines(self) -> DeadlineRule:
-        return self.compute.deadlines
-
-    def progress(self, request_id: str) -> int:
-        """Tokens the request has produced so far (on this node and before)."""
-        return self._carried.get(request_id, 0) + self.compute.tokens_out(request_id)
 
     def validate(
         self,
@@ -66,7 +66,7 @@ class ShadowAdmission:
         deadlines: where its deadlines run from, if not its own."""
         inst = self.instances[instance_id]
         done = req.tokens_out if done is None else done
-        prompt, start = req.resumed(done, self.deadlines, deadlines)
+        prompt, start = req.resumed(done, self.compute.deadlines, deadlines)
         if prompt + 1 > inst.engine.context_window:
             return Admission(False,
                              refusal=f"prompt of {prompt} tokens exceeds the context window of "
@@ -78,7 +78,7 @@ class ShadowAdmission:
         plan = self.memory.plan_admission(instance_id, [*self.demand(instance_id), (prompt, 0)], freed)
         if not plan.ok or not compute:
             return Admission(plan.ok, memory=plan)
-        now = self._now()
+        now = self._clock()
         quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin, exclude)
         if quick is not None:
             return Admission(False, Verdict((quick,)), plan)
@@ -89,7 +89,7 @@ class ShadowAdmission:
     def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
         """Would all of `reqs` (having produced `done` tokens each) fit this instance, added
         one after another? Used to check where preempted requests go (7.1). Changes nothing."""
-        pairs = [r.resumed(d, self.deadlines) for r, d in zip(reqs, done, strict=True)]
+        pairs = [r.resumed(d, self.compute.deadlines) for r, d in zip(reqs, done, strict=True)]
         inst = self.instances[instance_id]
         window = inst.engine.context_window
         if any(p + 1 > window for p, _ in pairs):
@@ -110,7 +110,7 @@ class ShadowAdmission:
         node have the memory for it? Changes nothing."""
         done = [r.tokens_out for r in reqs] if done is None else done
         moved = [None] * len(reqs) if deadlines is None else deadlines
-        pairs = [r.resumed(d, self.deadlines, m) for r, d, m in zip(reqs, done, moved, strict=True)]
+        pairs = [r.resumed(d, self.compute.deadlines, m) for r, d, m in zip(reqs, done, moved, strict=True)]
         if any(p + 1 > plan.context_window for p, _ in pairs):
             return Admission(False, refusal=f"a prompt exceeds the context window of {plan.context_window}")
         if len(reqs) > plan.max_batch:
@@ -126,7 +126,7 @@ class ShadowAdmission:
             return Admission(False, memory=MemoryPlan(False, shortfall_bytes=short))
         self.compute.add_instance(
             plan.instance_id, plan.times, plan.slo, plan.prefill_token_budget,
-            ready_at=self._now() + plan.expected_load_s, loaded=False,
+            ready_at=self._clock() + plan.expected_load_s, loaded=False,
         )
         try:
             verdict = self._validate_sequence(plan.instance_id, reqs, pairs, done)
@@ -139,7 +139,7 @@ class ShadowAdmission:
     ) -> Verdict:
         """Shadow-validate each request with the ones before it tentatively added."""
         added: list[str] = []
-        now = self._now()
+        now = self._clock()
         try:
             verdict = Verdict()
             for req, (prompt, start), d in zip(reqs, pairs, done):

@@ -17,7 +17,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Collection, Mapping, Sequence
 
-from mesh.control.cluster_node import ClusterNode, HostedInstance
+from mesh.control.cluster_node import ClusterNode, HostedInstance, NodeListener
 from mesh.engines.engine_api import Engine
 from mesh.engines.parking import Parked, ParkingLot
 from mesh.node.park_ahead import POLL_S
@@ -56,12 +56,15 @@ class _Build:
 class LocalNode(ClusterNode):
     """A NodeRuntime in this process: the simulated nodes of the replays."""
 
-    def __init__(self, runtime: NodeRuntime, make_engine: EngineMaker, parking: ParkingLot | None = None) -> None:
-        """`parking`: the node parks (module docstring); None: it parks nothing."""
+    def __init__(self, runtime: NodeRuntime, make_engine: EngineMaker, parking: ParkingLot | None = None,
+                 listener: NodeListener | None = None) -> None:
+        """`parking`: the node parks (module docstring); None: it parks nothing. `listener`:
+        whom it reports to (the cluster view it is in); None: an evicted request fails."""
         self.runtime = runtime
+        self.listener = listener
         self.spec = runtime.spec
         self._down_until = -math.inf  # lost, and taking nothing until then (`lose`)
-        self.margin = runtime.margin
+        self.margin = runtime.admission.margin
         self._make_engine = make_engine
         self.parking = parking
         self.copies: set[str] = set()  # the models whose weights it holds (ClusterConfig.host_copies)
@@ -109,8 +112,8 @@ class LocalNode(ClusterNode):
         gone = list(self.runtime.instances)
         taken = self.runtime.lose_all(why)
         for instance_id in gone:  # the cluster forgets them, as it does a lost agent's
-            if self.on_instance_gone is not None:
-                self.on_instance_gone(instance_id)
+            if self.listener is not None:
+                self.listener.instance_gone(self, instance_id)
         if on_back is not None:
             loop.call_at(self._down_until, on_back)
         return self.hand_back_lost(taken, why, cause)
@@ -127,14 +130,14 @@ class LocalNode(ClusterNode):
         return self.parking is not None and model in self.parking.models()
 
     def _evicted(self, req: ServedRequest) -> None:
-        if self.on_evict is not None:
-            self.on_evict(req)
+        if self.listener is not None:
+            self.listener.request_evicted(self, req)
         else:
             req.end(Outcome.FAILED, self.runtime._now(), req.attempts[-1] if req.attempts else "evicted")
 
     def _loaded(self, instance_id: str) -> None:
-        if self.on_loaded is not None:
-            self.on_loaded(instance_id)
+        if self.listener is not None:
+            self.listener.instance_loaded(self, instance_id)
 
     @property
     def instances(self) -> Mapping[str, HostedInstance]:
@@ -161,14 +164,14 @@ class LocalNode(ClusterNode):
         return getattr(inst.engine, "loaded_from", None) if inst is not None else None
 
     async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:
-        return self._down() or self.runtime.validate(instance_id, req, exclude=exclude)
+        return self._down() or self.runtime.admission.validate(instance_id, req, exclude=exclude)
 
     async def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
-        return self._down() or self.runtime.validate_group(instance_id, reqs, done)
+        return self._down() or self.runtime.admission.validate_group(instance_id, reqs, done)
 
     async def validate_new(self, plan: InstancePlan, reqs: Sequence[ServedRequest], done: Sequence[int], *,
                            deadlines: Sequence[Deadlines] | None = None) -> Admission:
-        return self._down() or self.runtime.validate_new(plan, reqs, done, deadlines=deadlines)
+        return self._down() or self.runtime.admission.validate_new(plan, reqs, done, deadlines=deadlines)
 
     async def try_admit(self, instance_id: str, req: ServedRequest, *, compute: bool = True,
                         deadlines: Deadlines | None = None) -> Admission:
@@ -185,7 +188,7 @@ class LocalNode(ClusterNode):
         engine = self._make_engine(plan, self.kind, adopted_s)
         if adopted_s is not None and hasattr(engine, "loaded_from"):
             engine.loaded_from = PARKED  # the cold-start table's tier (ClusterView records its loads by it)
-        issued = self.runtime.start_instance(plan.instance_id, plan.model, engine, plan.times, plan.slo,
+        issued = self.runtime.memory_ops.start_instance(plan.instance_id, plan.model, engine, plan.times, plan.slo,
                                              plan.mean_output, plan.expected_load_s)
         return issued.accepted
 
@@ -204,7 +207,7 @@ class LocalNode(ClusterNode):
 
     async def stop_instance(self, instance_id: str) -> None:
         inst = self.runtime.instances.get(instance_id)
-        self.runtime.stop_instance(instance_id)
+        self.runtime.memory_ops.stop_instance(instance_id)
         if self.parking is not None and inst is not None and inst.loaded:
             engine = inst.engine
             nbytes = engine.weight_bytes + getattr(engine, "kv_capacity_bytes", 0)

@@ -34,11 +34,14 @@ class Simulator:
                  engine_factory: EngineFactory | None = None) -> None:
         self.config = config
         self.engine_factory: EngineFactory = engine_factory or self.simulated_engine
+        self.cluster = ClusterView(config, catalog, models, mean_output_prior, on_capacity=on_capacity)
         nodes = [LocalNode(NodeRuntime(spec, margin=config.margin, watermark=config.watermark,
                                        deadlines=config.deadlines), self._engine_for,
-                           ParkingLot(config.park_bytes) if config.park_bytes and spec.kind == CPU else None)
+                           ParkingLot(config.park_bytes) if config.park_bytes and spec.kind == CPU else None,
+                           listener=self.cluster)
                  for spec in config.node_specs()]
-        self.cluster = ClusterView(config, catalog, models, mean_output_prior, on_capacity=on_capacity, nodes=nodes)
+        for node in nodes:
+            self.cluster.add_node(node)
         if config.park_bytes or config.host_copies:
             self._register(nodes, catalog, models)
         if config.host_copies:
