@@ -22,7 +22,7 @@ from mesh.wire.agent_protocol import (
     REPLY,
     TYPE_KEY,
     Code,
-    Failure,
+    FailureReply,
     Hello,
     HelloReply,
     Ping,
@@ -47,7 +47,7 @@ class AgentDown(ConnectionError):
 class AgentCallError(RuntimeError):
     """The agent answered ok=false."""
 
-    def __init__(self, failure: Failure) -> None:
+    def __init__(self, failure: FailureReply) -> None:
         super().__init__(failure.error)
         self.failure = failure
         self.code = failure.code
@@ -133,8 +133,8 @@ class AgentClient:
         try:
             return request.REPLY.from_fields(fields)
         except ProtocolError as exc:
-            raise AgentCallError(Failure(Code.PROTOCOL.value, f"agent {self.name} answered {request.T} with a "
-                                         f"malformed reply: {exc}")) from exc
+            raise AgentCallError(FailureReply(Code.PROTOCOL.value, f"agent {self.name} answered {request.T} with a "
+                                              f"malformed reply: {exc}")) from exc
 
     async def call_message(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """Send a message as it is and await its reply (the reply's fields, without t/re/ok)."""
@@ -157,9 +157,10 @@ class AgentClient:
         self.call_times.setdefault(str(message.get(TYPE_KEY)), CallTimes()).add(loop.time() - sent)
         if not reply.get("ok"):
             try:
-                failure = Failure.from_fields(reply)
+                failure = FailureReply.from_fields(reply)
             except ProtocolError as exc:
-                failure = Failure(Code.PROTOCOL.value, f"agent {self.name} failed a call with a malformed reply: {exc}")
+                failure = FailureReply(Code.PROTOCOL.value,
+                                       f"agent {self.name} failed a call with a malformed reply: {exc}")
             raise AgentCallError(failure)
         return reply_fields(reply)
 

@@ -187,7 +187,7 @@ class AgentNode(ClusterNode):
 
     # -- verbs -------------------------------------------------------------------------------
     async def _ask(self, request: Validate | ValidateGroup | ValidateNew) -> Admission:
-        """A validation the agent answers with a Verdict; a node that cannot answer refuses."""
+        """A validation the agent answers with a ValidationReply; a node that cannot answer refuses."""
         try:
             verdict = await self.agent.client.call(request, CALL_TIMEOUT_S) if self.up else None
         except (AgentDown, AgentCallError) as exc:
