@@ -33,7 +33,7 @@ from mesh.wire.agent_protocol import (
     reply_fields,
 )
 
-log = logging.getLogger("mesh.control.agent_client")
+log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 EventCallback = Callable[[dict[str, Any]], None]

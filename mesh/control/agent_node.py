@@ -64,7 +64,7 @@ from mesh.wire.agent_protocol import (
 )
 from mesh.wire.served_request import Outcome, ServedRequest
 
-log = logging.getLogger("mesh.control.agent_node")
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
 STATS_EVERY_S = 1.0

@@ -58,7 +58,7 @@ from mesh.wire.served_request import Outcome, ServedRequest
 if TYPE_CHECKING:
     from mesh.control.schedulers import Scheduler
 
-log = logging.getLogger("mesh.control.dispatcher")
+log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_INTERVAL_S = 0.05  # waiting requests are retried at most this often
 

@@ -27,7 +27,7 @@ from mesh.policy.admission import InstancePlan
 from mesh.policy.node_spec import NodeSpec
 from mesh.wire.agent_protocol import InstanceSpec
 
-log = logging.getLogger("mesh.control.node_pool")
+log = logging.getLogger(__name__)
 
 
 class ModelLabel(Protocol):

@@ -28,7 +28,7 @@ from mesh.control.supervisor import AgentHandle, AgentSettings, DownCallback, Ev
 from mesh.policy.node_spec import NodeSpec
 from mesh.tasks import cancel_all
 
-log = logging.getLogger("mesh.control.remote_agents")
+log = logging.getLogger(__name__)
 
 AddressSource = Callable[[], Awaitable[str]]
 

@@ -55,7 +55,7 @@ from mesh.policy.placement import (
 from mesh.policy.shadow import Padding
 from mesh.wire.served_request import ServedRequest
 
-log = logging.getLogger("mesh.control.schedulers")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 

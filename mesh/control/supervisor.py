@@ -28,7 +28,7 @@ from mesh.policy.slo import DeadlineRule
 from mesh.tasks import cancel_all
 from mesh.wire.agent_protocol import READY_PREFIX, Shutdown
 
-log = logging.getLogger("mesh.control.supervisor")
+log = logging.getLogger(__name__)
 
 UpCallback = Callable[["LocalAgent"], None]
 DownCallback = Callable[["LocalAgent", str], None]

@@ -68,7 +68,7 @@ class ModelRecord(Protocol):
 
     def path_for(self, kind: str) -> str: ...
 
-log = logging.getLogger("mesh.control.weights_plane")
+log = logging.getLogger(__name__)
 
 ORIGIN = "origin"  # the control service's own weights agent, sending from the registry's files
 CALL_TIMEOUT_S = 30.0

@@ -25,7 +25,7 @@ from typing import Container, Iterable, Mapping, Protocol, Sequence, runtime_che
 
 from mesh.policy.batching import IterationKind
 
-log = logging.getLogger("mesh.engines.engine_api")
+log = logging.getLogger(__name__)
 
 
 class FinishReason(str, Enum):

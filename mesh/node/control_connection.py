@@ -33,7 +33,7 @@ from mesh.wire.agent_protocol import (
     request_from_message,
 )
 
-log = logging.getLogger("mesh.agent")
+log = logging.getLogger(__name__)
 
 Handler = Callable[[Any], Any]  # a request -> its reply (or a coroutine giving it)
 

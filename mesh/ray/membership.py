@@ -34,7 +34,7 @@ from mesh.policy.node_spec import NodeSpec
 from mesh.ray.actor import AgentLaunch, NodeAgentActor, agent_token, launch_dict
 from mesh.tasks import cancel_all
 
-log = logging.getLogger("mesh.ray.membership")
+log = logging.getLogger(__name__)
 
 NAMESPACE = "mesh"
 

@@ -22,7 +22,7 @@ from typing import Any
 from mesh.policy.autoscale import NodeUse, ScaleDecision, decide
 from mesh.tasks import cancel_all
 
-log = logging.getLogger("mesh.ray.node_autoscaler")
+log = logging.getLogger(__name__)
 
 
 class RayAutoscaler:

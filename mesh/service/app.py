@@ -42,7 +42,7 @@ from mesh.service.service_state import ARRIVAL, SERVICE, Service, service_of
 if TYPE_CHECKING:
     from mesh.policy.node_spec import NodeSpec
 
-log = logging.getLogger("mesh.service")
+log = logging.getLogger(__name__)
 
 # The stop after the drain, step by step (_stop_step): each gets this long, then the next
 # runs; node agents still running then are killed. HTTP: aiohttp's own close waits up to its

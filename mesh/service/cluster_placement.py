@@ -44,7 +44,7 @@ from mesh.service.registry import ModelRecord
 from mesh.service.request_path import RequestPath
 from mesh.service.streams import Job, RequestStream
 
-log = logging.getLogger("mesh.service.cluster_placement")
+log = logging.getLogger(__name__)
 
 # The demo model (SmolLM2-135M) starts in 7.0-7.9 s on a 2-core node (docs/evaluation.md): the
 # engine's start-up, not its weights, dominates a small model's cold start.

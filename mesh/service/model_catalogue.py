@@ -43,7 +43,7 @@ from mesh.service.registry import ModelRecord
 from mesh.tasks import cancel_all
 from mesh.wire.agent_protocol import Describe, DescribeReply, InstanceSpec, slo_to_dict
 
-log = logging.getLogger("mesh.service.model_catalogue")
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
 MEAN_OUTPUT_PRIOR = 128.0  # O_avg's starting value for a new model (6.1), tokens

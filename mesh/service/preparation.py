@@ -47,7 +47,7 @@ from mesh.modelfiles.formats import CONVERSIONS, EMULATED, ENGINE_OF_KIND, FORMA
 from mesh.service.registry import ModelRecord, PreparedFormat, Registry
 from mesh.tasks import cancel_all
 
-log = logging.getLogger("mesh.service.preparation")
+log = logging.getLogger(__name__)
 
 def formats_view(record: ModelRecord, blocked: str, under_way: bool) -> dict[str, dict[str, Any]]:
     """Each kind of node's format of `record`: the registered one (ready), and the other

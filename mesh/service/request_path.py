@@ -41,7 +41,7 @@ from mesh.service.streams import Finished, Job, RequestStream, Tokens
 from mesh.wire.agent_protocol import Abort, Code, Tokenize
 from mesh.wire.served_request import Outcome, ServedRequest
 
-log = logging.getLogger("mesh.service.request_path")
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
 
