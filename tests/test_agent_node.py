@@ -13,8 +13,8 @@ from agent_doubles import TIMES, InProcessAgent, until, use_simulated_engines
 from cluster_doubles import linear_profile
 from doubles import LinearTimes
 from mesh.control.agent_node import AgentNode
-from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.fleet import ClusterConfig, Fleet, ModelSpec
 from mesh.control.supervisor import AgentSettings
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.policy.node_spec import NodeSpec
@@ -50,7 +50,7 @@ async def _cluster(models: list[str], memory: int = 10**9, slo: SLO = SLO_TIGHT,
     profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
                              decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
     catalog = {"base": ModelSpec("base", {"cpu": profile})}
-    cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=memory, slo=slo), catalog,
+    cluster = Fleet(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=memory, slo=slo), catalog,
                       {m: "base" for m in models}, {"base": 100.0}, nodes=nodes)
     d = Dispatcher.for_policy(cluster, policy)
     await cluster.start()
@@ -257,7 +257,7 @@ def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkey
                                  decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
         cfg = ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=10**9, slo=SLO_TIGHT,
                             cold_start=ColdStart(cpu_load_bytes_per_s=1e18, fixed_s=1.5))
-        cluster = ClusterView(cfg, {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0},
+        cluster = Fleet(cfg, {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0},
                           nodes=nodes)
         d = Dispatcher.for_policy(cluster, "mesh")
         await cluster.start()

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from doubles import LinearTimes
-from mesh.control.cluster_view import ClusterConfig, ClusterError
 from mesh.control.dispatcher import eq1_slo_met
+from mesh.control.fleet import ClusterConfig, ClusterError
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.engines.simulated import SimulatedEngine
 from mesh.node.runtime import NodeRuntime

@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 
-from mesh.control.cluster_view import ClusterConfig
 from mesh.control.dispatcher import accounting
+from mesh.control.fleet import ClusterConfig
 from mesh.control.supervisor import AgentSettings
 from mesh.engines.emulation import emulated_nodes
 from mesh.engines.engine_api import Sampling

@@ -175,9 +175,9 @@ def test_tailored_concurrency_target_is_the_largest_batch_within_the_tpot(base, 
 
 
 def test_admission_a_models_own_then_its_tenants_then_the_clusters():
-    from mesh.control.cluster_view import ClusterConfig, ClusterError, ClusterView
+    from mesh.control.fleet import ClusterConfig, ClusterError, Fleet
 
-    cluster = ClusterView(ClusterConfig(cpu_nodes=1, gpu_nodes=0, admission="reject"))
+    cluster = Fleet(ClusterConfig(cpu_nodes=1, gpu_nodes=0, admission="reject"))
     assert cluster.admission("m", "t") == "reject"
     cluster.set_tenant_admission("t", "queue")
     assert cluster.admission("m", "t") == "queue" and cluster.admission("m", "other") == "reject"

@@ -224,7 +224,7 @@ def test_an_emulated_load_takes_the_replays_engine_load_not_the_prediction():
     which already counts the initial KV cache allocation that the node runtime then
     performs again (and, once loads are measured, the measured one: each start longer than
     the one before). It takes what the replay's simulated engine takes
-    (InstanceSpec.emulated_load_s, ClusterView.simulated_load_s), the KV allocation after it."""
+    (InstanceSpec.emulated_load_s, Fleet.simulated_load_s), the KV allocation after it."""
     from mesh.control.agent_client import AgentClient
     from mesh.node.agent_server import AgentServer
     from mesh.policy.node_spec import NodeSpec

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.control.cluster_view import ClusterConfig
+from mesh.control.fleet import ClusterConfig
 from mesh.perf.load_times import ANY_MODEL, PARKED, ColdStart, ColdStartTable
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
 from workloads.workload import Arrival, Workload

@@ -134,7 +134,7 @@ def test_mesh_scales_out_when_the_ssd_load_exceeds_the_slo(policy: str) -> None:
 def test_an_unused_warm_up_is_recycled_after_its_load() -> None:
     """One request, then nothing for a while: its instance loads (4.5 s), idles keep-alive
     (1 s) from the end of its load, then goes; it is not recycled in the middle of its load."""
-    from mesh.control.cluster_view import ClusterConfig
+    from mesh.control.fleet import ClusterConfig
     from mesh.perf.load_times import ColdStart
     from mesh.replay.cold_start_modes import Engines
     from mesh.replay.driver import ReplayConfig, run_policy

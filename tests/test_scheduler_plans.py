@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 
 from cluster_doubles import config, request, spec
 from mesh.control.cluster_node import ClusterNode
-from mesh.control.cluster_view import ClusterView
+from mesh.control.fleet import Fleet
 from mesh.control.plans import (
     Admit,
     FitsGroup,
@@ -102,7 +102,7 @@ def test_a_preemption_plan_names_its_moves_from_the_books_and_the_checks_answers
     request, both are. The plan names each move: the instance, its requests, their
     progress, their home; and no node was asked anything."""
     async def main():
-        cluster = ClusterView(config(cpu=2, gpu=1), {"llama-2-7b": spec()},
+        cluster = Fleet(config(cpu=2, gpu=1), {"llama-2-7b": spec()},
                               {m: "llama-2-7b" for m in ("m", "a", "b")},
                               nodes=[BookNode(s) for s in config(cpu=2, gpu=1).node_specs()])
         cpu0, cpu1, gpu0 = (cluster.node(n) for n in ("cpu0", "cpu1", "gpu0"))
@@ -159,7 +159,7 @@ def test_a_preemption_plan_names_its_moves_from_the_books_and_the_checks_answers
 
 def test_no_preemption_is_planned_when_preempting_every_lower_batch_neighbour_leaves_no_room():
     async def main():
-        cluster = ClusterView(config(cpu=1, gpu=0), {"llama-2-7b": spec()}, {"m": "llama-2-7b", "a": "llama-2-7b"},
+        cluster = Fleet(config(cpu=1, gpu=0), {"llama-2-7b": spec()}, {"m": "llama-2-7b", "a": "llama-2-7b"},
                               nodes=[BookNode(s) for s in config(cpu=1, gpu=0).node_specs()])
         node = cluster.node("cpu0")
         x = await cluster.start_instance(cluster.plan("m", node), node)

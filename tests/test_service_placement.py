@@ -254,8 +254,8 @@ def test_every_cpu_policy_serves(policy):
 
 def test_serve_and_replay_build_the_same_dispatcher(monkeypatch):
     """One brain: `mesh serve` and `mesh replay` both build Dispatcher.for_policy."""
-    from mesh.control.cluster_view import ClusterConfig
     from mesh.control.dispatcher import Dispatcher
+    from mesh.control.fleet import ClusterConfig
     from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
     from workloads.workload import Arrival, Workload
 

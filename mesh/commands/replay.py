@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mesh.control.cluster_view import ClusterConfig, check_cluster
 from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S
+from mesh.control.fleet import ClusterConfig, check_cluster
 from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
 from mesh.engines.simulated import SIMULATED_NOISE
 from mesh.perf.load_times import PCIE_BYTES_PER_S, ColdStart

@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
-from mesh.control.cluster_view import ClusterConfig, ModelSpec
+from mesh.control.fleet import ClusterConfig, ModelSpec
 from mesh.control.schedulers import scheduler_spec
 from mesh.engines.emulation import emulated_cold_start
 from mesh.engines.engine_api import DEFAULT_CONTEXT_CAP, EngineError
@@ -147,7 +147,7 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
         bps = cold_start_bytes_per_s(catalog[base].profiles[CPU].weight_bytes, cold_start_s or args.cold_start_s)
         parked = PARKED_PRIOR_S if parked_s is None else parked_s
         cold_start = ColdStart(bps, bps, parked_s=parked)
-        if shape.mixed:  # the emulated GPU nodes load as the service has them (ClusterView.simulated_load_s: its
+        if shape.mixed:  # the emulated GPU nodes load as the service has them (Fleet.simulated_load_s: its
             # cold start model, --cold-start-s plus the weights over PCIe), not at the CPU nodes' measured pace
             gpu_load = ColdStart(fixed_s=args.cold_start_s).load_s(catalog[base].profiles[GPU].weight_bytes, GPU)
             cold_start = ColdStart(cpu_load_bytes_per_s=bps, measured={(ANY_MODEL, GPU): gpu_load}, parked_s=parked)

@@ -48,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode
-from mesh.control.cluster_view import ClusterView, unable_nodes
+from mesh.control.fleet import Fleet, unable_nodes
 from mesh.control.latency import LogHistogram
 from mesh.policy.placement import ADMIT_QUEUE, ADMIT_REJECT, queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
@@ -150,7 +150,7 @@ class DispatchStats:
 class Dispatcher:
     def __init__(
         self,
-        cluster: ClusterView,
+        cluster: Fleet,
         *,
         queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
@@ -184,7 +184,7 @@ class Dispatcher:
         cluster.on_evict = self.on_evict
 
     @classmethod
-    def for_policy(cls, cluster: ClusterView, policy: str, **queue: float | int | None) -> "Dispatcher":
+    def for_policy(cls, cluster: Fleet, policy: str, **queue: float | int | None) -> "Dispatcher":
         """The dispatcher of `cluster` under the named policy (mesh.control.schedulers): how
         `mesh replay` and `mesh serve` both build theirs, so a replay evaluates exactly what
         serves tenants. `queue`: queue_capacity, retry_interval_s, queue_timeout_s."""

@@ -1,5 +1,5 @@
 """The service's node membership: one `AgentNode` per node agent (mesh.control.agent_node),
-in the cluster view the dispatcher decides on.
+in the fleet the dispatcher decides on.
 
 `NodePool` makes each node's agent handle (a supervised local process, or a remote agent:
 mesh.control.supervisor, mesh.control.remote_agents), adds and removes nodes while serving
@@ -19,8 +19,8 @@ from typing import Any, Callable, Protocol
 
 from mesh.control.agent_node import AgentNode
 from mesh.control.cluster_node import REMOVED
-from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.fleet import Fleet
 from mesh.control.supervisor import AgentHandle, AgentSettings
 from mesh.control.weights_plane import WeightsPlane
 from mesh.policy.admission import InstancePlan
@@ -59,7 +59,7 @@ class NodeModels(Protocol):
 
 
 class NodePool:
-    def __init__(self, cluster: ClusterView, dispatcher: Dispatcher, settings: AgentSettings,
+    def __init__(self, cluster: Fleet, dispatcher: Dispatcher, settings: AgentSettings,
                  agent_factory: Callable[..., AgentHandle], models: NodeModels, start_timeout_s: float) -> None:
         """`agent_factory(spec, on_up, on_down, on_event, settings)` makes each node's agent
         handle (tests pass one that runs the agent in-process)."""

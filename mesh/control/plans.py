@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Generator, TypeVar
 
 from mesh.control.cluster_node import ClusterNode
-from mesh.control.cluster_view import InstanceRef
+from mesh.control.fleet import InstanceRef
 from mesh.policy.admission import Admission, InstancePlan
 from mesh.policy.slo import Deadlines
 from mesh.wire.served_request import ServedRequest

@@ -13,7 +13,7 @@
   requests are not validated, they wait. `sllm` uses GPU nodes only.
 
 Keep-alive recycling and the bounded waiting queue are common (mesh.control.dispatcher,
-mesh.control.cluster_view).
+mesh.control.fleet).
 """
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence, TypeVar
 
 from mesh.control.cluster_node import ClusterNode
-from mesh.control.cluster_view import ClusterView, InstanceRef, unable_nodes
+from mesh.control.fleet import Fleet, InstanceRef, unable_nodes
 from mesh.control.plans import (
     Admit,
     FitsGroup,
@@ -112,7 +112,7 @@ class Scheduler:
     """One placement policy over a cluster: `place` a request or report that it cannot."""
 
     spec: SchedulerSpec
-    cluster: ClusterView
+    cluster: Fleet
     reschedule: Callable[[ServedRequest], None]
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     validates = True  # checks requests by shadow validation (else they queue, as sllm)
@@ -346,7 +346,7 @@ class MeshScheduler(Scheduler):
             if await self.cluster.start_instance(plan.home.plan, plan.home.node) is None:
                 return False
             self.stats.new_instances += 1
-            self.stats.warm_ups += 1  # if unused, recycled keep-alive after its load ends (ClusterView.note_idle)
+            self.stats.warm_ups += 1  # if unused, recycled keep-alive after its load ends (Fleet.note_idle)
             return True
         return await self._start_and_admit(plan.home, plan.requests) == []
 
@@ -457,7 +457,7 @@ class SllmScheduler(Scheduler):
         return False
 
 
-def make_scheduler(name: str, cluster: ClusterView, reschedule: Callable[[ServedRequest], None]) -> Scheduler:
+def make_scheduler(name: str, cluster: Fleet, reschedule: Callable[[ServedRequest], None]) -> Scheduler:
     spec = scheduler_spec(name)
     cls = MeshScheduler if spec.family == "mesh" else SllmScheduler
     return cls(spec, cluster, reschedule)

@@ -5,7 +5,7 @@
 (token-level loop, memory subsystem, shadow validation) and the service's dispatcher and
 weights plane are the real ones; only the engines emulate. A node's kind and memory come
 from its device as in the replay: the kind its profiles give (a Xeon a CPU node, an A100 a
-GPU node), the memory the replay's cluster gives that kind (mesh.control.cluster_view.ClusterConfig:
+GPU node), the memory the replay's cluster gives that kind (mesh.control.fleet.ClusterConfig:
 256 GiB of a CPU node, 80 GiB of a GPU), except a GPU whose roofline entry gives its own
 (mesh.perf.roofline.HARDWARE: an h200's 140 GiB). A GPU load copies the weights from pinned
 host memory at the device's host-to-GPU bandwidth (`emulated_cold_start`).

@@ -180,11 +180,11 @@ class LocalNode(ClusterNode):
     async def start_instance(self, plan: InstancePlan) -> bool:
         if not self.up:
             return False
-        self.copies.add(plan.model)  # the weights came with the load (ClusterView.transfer_s) and stay
+        self.copies.add(plan.model)  # the weights came with the load (Fleet.transfer_s) and stay
         adopted_s = self._adopt(plan.model)
         engine = self._make_engine(plan, self.kind, adopted_s)
         if adopted_s is not None and hasattr(engine, "loaded_from"):
-            engine.loaded_from = PARKED  # the cold-start table's tier (ClusterView records its loads by it)
+            engine.loaded_from = PARKED  # the cold-start table's tier (Fleet records its loads by it)
         issued = self.runtime.start_instance(plan.instance_id, plan.model, engine, plan.times, plan.slo,
                                              plan.mean_output, plan.expected_load_s)
         return issued.accepted

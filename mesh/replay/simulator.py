@@ -1,6 +1,6 @@
 """The replay's simulated cluster: one simulated node per node of a ClusterConfig.
 
-The runtime (mesh.control.cluster_view) schedules whatever nodes it is given and builds none;
+The runtime (mesh.control.fleet) schedules whatever nodes it is given and builds none;
 a replay gives it LocalNodes whose instances are mesh.engines.simulated.SimulatedEngines, with
 iteration times from the catalog's profiles, the config's noise, and a seed per instance
 derived from the config's seed and the instance's id (so a replay is the same for the
@@ -12,7 +12,7 @@ from __future__ import annotations
 import zlib
 from typing import Callable
 
-from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
+from mesh.control.fleet import ClusterConfig, Fleet, ModelSpec
 from mesh.engines.engine_api import Engine
 from mesh.engines.parking import ParkingLot
 from mesh.engines.simulated import SimulatedEngine
@@ -27,7 +27,7 @@ EngineFactory = Callable[[InstancePlan, str, float, int], Engine]
 
 
 class Simulator:
-    """A ClusterView of simulated nodes (`cluster`) and the factory of their engines."""
+    """A Fleet of simulated nodes (`cluster`) and the factory of their engines."""
 
     def __init__(self, config: ClusterConfig, catalog: dict[str, ModelSpec], models: dict[str, str],
                  mean_output_prior: dict[str, float], *, on_capacity: Callable[[], None] | None = None,
@@ -38,7 +38,7 @@ class Simulator:
                                        deadlines=config.deadlines), self._engine_for,
                            ParkingLot(config.park_bytes) if config.park_bytes and spec.kind == CPU else None)
                  for spec in config.node_specs()]
-        self.cluster = ClusterView(config, catalog, models, mean_output_prior, on_capacity=on_capacity, nodes=nodes)
+        self.cluster = Fleet(config, catalog, models, mean_output_prior, on_capacity=on_capacity, nodes=nodes)
         if config.park_bytes or config.host_copies:
             self._register(nodes, catalog, models)
         if config.host_copies:
@@ -80,6 +80,6 @@ class Simulator:
 
 
 def simulated_cluster(config: ClusterConfig, catalog: dict[str, ModelSpec], models: dict[str, str],
-                      mean_output_prior: dict[str, float], **kwargs) -> ClusterView:
-    """A ClusterView of simulated nodes (Simulator's)."""
+                      mean_output_prior: dict[str, float], **kwargs) -> Fleet:
+    """A Fleet of simulated nodes (Simulator's)."""
     return Simulator(config, catalog, models, mean_output_prior, **kwargs).cluster

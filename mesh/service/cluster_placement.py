@@ -27,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from mesh.control.agent_node import AgentNode
-from mesh.control.cluster_view import LIVE_USAGE_ENTRIES, ClusterConfig, ClusterView
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.fleet import LIVE_USAGE_ENTRIES, ClusterConfig, Fleet
 from mesh.control.node_pool import NodePool
 from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.control.weights_plane import WeightsPlane
@@ -126,7 +126,7 @@ class ClusterPlacement:
             cpu_nodes=sum(n.kind == CPU for n in nodes), gpu_nodes=sum(n.kind == GPU for n in nodes),
             cold_start=_cold_start(s), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines,
             max_batch=s.max_batch, admission=s.admission)
-        self.cluster = ClusterView(config, usage_entries=LIVE_USAGE_ENTRIES)  # bounded: a months-long run
+        self.cluster = Fleet(config, usage_entries=LIVE_USAGE_ENTRIES)  # bounded: a months-long run
         self.dispatcher = Dispatcher.for_policy(self.cluster, s.policy, queue_capacity=s.queue_capacity,
                                                 queue_timeout_s=s.queue_timeout_s)
         self.catalogue = ModelCatalogue(self.cluster, self.dispatcher, _emulated_kinds(nodes, s.agent.emulate),

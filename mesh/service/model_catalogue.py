@@ -29,8 +29,8 @@ from typing import Any, Callable, Iterator
 
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.agent_node import AgentNode, StartRefused
-from mesh.control.cluster_view import ClusterView, ModelSpec
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.fleet import Fleet, ModelSpec
 from mesh.control.weights_plane import ModelFormat, WeightsError, WeightsPlane
 from mesh.engines.emulation import PROFILE_PREFIX
 from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES, engine_for
@@ -61,7 +61,7 @@ class DescribedModel:
 
 
 class ModelCatalogue:
-    def __init__(self, cluster: ClusterView, dispatcher: Dispatcher, emulated_kinds: frozenset[str],
+    def __init__(self, cluster: Fleet, dispatcher: Dispatcher, emulated_kinds: frozenset[str],
                  formats: FormatPreparer | None, *, profile_dir: str | None = None, exact_moves: bool = False) -> None:
         """`emulated_kinds`: the kinds of node whose nodes all emulate, beside real ones (the
         mixed rig, `mesh serve --cpu-nodes N --emulate DEVICE:M`): they run real models

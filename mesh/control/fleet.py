@@ -1,10 +1,10 @@
-"""A cluster of nodes and the model instances on them (LLM-Mesh 4, 8.1).
+"""The fleet: the cluster's nodes and the model instances on them (LLM-Mesh 4, 8.1).
 
-The cluster owns one NodeRuntime per node, knows which instances of which model run where,
+The fleet holds the nodes (one ClusterNode each), knows which instances of which model run where,
 starts instances with a modelled cold start (mesh.perf.load_times.ColdStart: weights from
 host memory over PCIe to a GPU, or already in a CPU node's memory), recycles instances
 idle past keep-alive, and records how many nodes of each kind are in use over time. It
-decides nothing about placement: the policies (mesh.control.schedulers) do.
+decides nothing about where requests go: the schedulers (mesh.control.schedulers) do.
 
 Time comes only from the event loop: the same code runs live and in a virtual-time replay.
 """
@@ -103,7 +103,7 @@ class ClusterConfig:
     # A replay's CPU nodes hold host copies as the service's weights plane places them: the
     # first where the parameter pool puts it at registration (BlitzScale 5.3), then one on
     # every node that started an instance (the multicast's copy stays); a load where none is
-    # held waits for the transfer (ClusterView.transfer_s). False: every node holds every
+    # held waits for the transfer (Fleet.transfer_s). False: every node holds every
     # model (LLM-Mesh 8.1: all models cached in host memory).
     host_copies: bool = False
 
@@ -190,7 +190,10 @@ class InstanceRef:
         return InstanceView(self.instance_id, n.node_id, n.spec.kind, self.model, self.batch_size, self.seq)
 
 
-class ClusterView:
+class Fleet:
+    """The nodes and their instances, which it starts, keeps alive and stops, with the books
+    the schedulers read (instances by model, cold starts, nodes in use over time)."""
+
     def __init__(
         self,
         config: ClusterConfig,
