@@ -340,7 +340,7 @@ MAX_FUNCTION_LINES = 120
 
 def test_no_product_class_or_function_does_everything():
     """Issue 34: a class that grows past 400 lines, or a function past 120, is split along
-    its seams (the agent server's connection, instances and requests; the placement's
+    its seams (the agent server's connection, instances and requests; the cluster control's
     membership, catalogue and request path)."""
     found = []
     for scan in scanned().values():

@@ -106,7 +106,7 @@ class AgentNode(ClusterNode):
         self.busy_fraction = 0.0  # of the last stats interval, the node's engines were stepping
         self._stepping: str | None = None  # the instance whose iteration is in flight (the agent's `node` event)
         # (plan, node) -> must the planned instance's weights reach this node before its load
-        # (the placement's weights plane says)? Then its start is staged (`start_instance`).
+        # (the service's weights plane says)? Then its start is staged (`start_instance`).
         self.transfer_first: Callable[[InstancePlan, "AgentNode"], bool] | None = None
         self.on_transfer: Callable[[int, float], None] | None = None  # (bytes, seconds) of a staged start's transfer
 

@@ -150,7 +150,7 @@ ABANDONED_START_S = 2.0  # an agent stopped while it starts: its wait for EOF on
 
 
 class AgentHandle:
-    """What the placement holds of one node agent: its connection (`client`), state
+    """What the service holds of one node agent: its connection (`client`), state
     (starting, up, down, stopped), the generation its instances belong to, and callbacks for
     up, down and events. Subclasses keep the connection alive in `_supervise`."""
 

@@ -255,11 +255,11 @@ async def _submit(svc: Service, jobs: list[Job]) -> list[RequestStream]:
     """Place every choice's request (n > 1: n sibling requests, each placed, validated and
     counted on its own; the first is tokenized, the others carry its token ids); if one cannot
     be placed, the others are stopped and its error is raised."""
-    first = await svc.placement.submit(jobs[0])
+    first = await svc.control.submit(jobs[0])
     if len(jobs) == 1:
         return [first]
     ids = first.prompt_token_ids  # tokenized once: the other choices carry its ids
-    tasks = [asyncio.ensure_future(svc.placement.submit(replace(job, prompt_token_ids=ids) if ids else job))
+    tasks = [asyncio.ensure_future(svc.control.submit(replace(job, prompt_token_ids=ids) if ids else job))
              for job in jobs[1:]]
     try:
         return [first, *await asyncio.gather(*tasks)]

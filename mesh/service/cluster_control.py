@@ -1,6 +1,7 @@
-"""Placement: where a request runs. The control service's one interface to the cluster.
+"""The cluster control: the control service's one interface to the cluster (its nodes, its models
+and where its requests go).
 
-`ClusterPlacement` hands every request to the cluster dispatcher (mesh.control.dispatcher)
+`ClusterControl` hands every request to the cluster dispatcher (mesh.control.dispatcher)
 under one of the replay's policies (mesh.control.schedulers, `mesh serve --policy`), over
 one `AgentNode` per node agent (mesh.control.agent_node). The dispatcher and the policy
 that `mesh replay` evaluates in virtual time are the ones that decide here; this module
@@ -55,8 +56,8 @@ DEFAULT_COLD_START_S = 7.5
 DEFAULT_TRANSFER_BYTES_PER_S = 50e6
 
 
-class Placement(Protocol):
-    """What the control service needs from whatever places requests on nodes."""
+class ClusterInterface(Protocol):
+    """What the control service needs from the cluster side (ClusterControl, or a test's double)."""
 
     async def start(self) -> None: ...
 
@@ -96,7 +97,7 @@ class Placement(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class PlacementSettings:
+class ClusterSettings:
     policy: str = "mesh"  # mesh.control.schedulers.POLICIES
     keep_alive_s: float = 60.0
     start_timeout_s: float = 60.0
@@ -110,8 +111,8 @@ class PlacementSettings:
     agent: AgentSettings = field(default_factory=AgentSettings)
 
 
-class ClusterPlacement:
-    def __init__(self, nodes: list[NodeSpec], settings: PlacementSettings | None = None,
+class ClusterControl:
+    def __init__(self, nodes: list[NodeSpec], settings: ClusterSettings | None = None,
                  agent_factory: Callable[..., AgentHandle] = LocalAgent,
                  weights: Callable[[dict[str, AgentHandle]], WeightsPlane] | None = None,
                  formats: FormatPreparer | None = None) -> None:
@@ -120,7 +121,7 @@ class ClusterPlacement:
         weights plane (None: nodes load models from the registry's path); `formats`
         prepares each model's format for the other kind of node (None: a model runs on its
         registered format's kind only)."""
-        self.settings = settings or PlacementSettings()
+        self.settings = settings or ClusterSettings()
         s = self.settings
         config = ClusterConfig(
             cpu_nodes=sum(n.kind == CPU for n in nodes), gpu_nodes=sum(n.kind == GPU for n in nodes),
@@ -179,7 +180,7 @@ class ClusterPlacement:
     # ---- membership: nodes that join or leave while serving ---------------------------------
     async def add_node(self, spec: NodeSpec, agent_factory: Callable[..., AgentHandle] | None = None) -> AgentHandle:
         """A node joined: start its agent handle (made by `agent_factory`, default the
-        placement's). It gets models by multicast on first use."""
+        cluster control's). It gets models by multicast on first use."""
         new_kind = spec.kind not in {n.kind for n in self.pool.nodes()}
         node = await self.pool.add_node(spec, agent_factory)
         if new_kind and self.formats is not None:
@@ -289,7 +290,7 @@ def _emulated_kinds(nodes: list[NodeSpec], emulate: dict[str, str]) -> frozenset
     return frozenset({n.kind for n in nodes if n.node_id in emulating} - real) if real else frozenset()
 
 
-def _cold_start(s: PlacementSettings) -> ColdStart:
+def _cold_start(s: ClusterSettings) -> ColdStart:
     """The service's cold-start model: on emulated nodes the replay's, with the emulated
     GPU's host-to-GPU bandwidth (mesh.engines.emulation.emulated_cold_start)."""
     kw: dict[str, Any] = {"fixed_s": s.cold_start_s, "net_bytes_per_s": DEFAULT_TRANSFER_BYTES_PER_S}
