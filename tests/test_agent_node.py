@@ -234,7 +234,7 @@ def test_an_evicted_request_finishes_on_another_agent(simulated):
 
 
 def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkeypatch):
-    """Serving late (placement.SERVE_LATE) through a node agent: the request's deadlines run
+    """Serving late (dispatch_rules.SERVE_LATE) through a node agent: the request's deadlines run
     from its loading instance's ready time, which lies ahead, so the age the agent gets for
     it is negative. Agents used to clip it to zero: the agent then validated the request
     against a deadline before its instance could be ready and refused it, and every request

@@ -133,7 +133,7 @@ def test_a_models_registered_cold_start_choice_decides_a_late_request(monkeypatc
 def test_admission_the_services_default_and_a_models_own():
     """The service's default admission `queue` keeps a request that cannot meet its SLO
     waiting up to the queue's bound, then turns it away saying so; a model registered with
-    `admission: reject` has its request turned away at once (mesh.policy.placement.ADMISSIONS)."""
+    `admission: reject` has its request turned away at once (mesh.policy.dispatch_rules.ADMISSIONS)."""
 
     async def main():
         p = await started(admission="queue", queue_timeout_s=0.5)

@@ -343,7 +343,7 @@ def test_an_emulated_models_base_is_its_catalog_model_so_sllm_uses_the_papers_ta
     the paper's 15 and 32: live sllm+cpu admitted twice the requests per instance and
     scaled out less than its twin. Now every emulated replica's base is its catalog model."""
     from mesh.control.supervisor import AgentSettings
-    from mesh.policy.placement import CONCURRENCY_TARGETS
+    from mesh.policy.dispatch_rules import CONCURRENCY_TARGETS
     from mesh.policy.slo import SLO
     from mesh.service.cluster_control import ClusterControl, ClusterSettings
     from mesh.service.registry import ModelRecord

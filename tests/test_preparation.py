@@ -22,8 +22,8 @@ from mesh.control.weights_plane import ModelFormat, WeightsPlane, WeightsSetting
 from mesh.engines.engine_api import Sampling
 from mesh.modelfiles.formats import Conversion
 from mesh.node import engine_host as agent_engines
+from mesh.policy.dispatch_rules import InstanceView, sllm_pick
 from mesh.policy.node_spec import NodeSpec
-from mesh.policy.placement import InstanceView, sllm_pick
 from mesh.policy.slo import SLO
 from mesh.service.cluster_control import ClusterControl, ClusterSettings
 from mesh.service.errors import ApiError

@@ -96,7 +96,7 @@ def _steady(n: int, every_s: float, start_s: float = 0.0, duration_s: float = 60
 
 
 def test_warm_up_rule() -> None:
-    from mesh.policy.placement import warm_up_allowed
+    from mesh.policy.dispatch_rules import warm_up_allowed
 
     assert warm_up_allowed(4.5, 1.8, True, 0)  # SSD load longer than any fresh request can wait
     assert not warm_up_allowed(0.6, 1.8, True, 0)  # it fits: a fresh request starts it as usual
@@ -105,7 +105,7 @@ def test_warm_up_rule() -> None:
 
 
 def test_a_warm_up_never_builds_beside_requests_a_cpu_node_serves() -> None:
-    from mesh.policy.placement import warm_up_node_allowed
+    from mesh.policy.dispatch_rules import warm_up_node_allowed
 
     assert warm_up_node_allowed("cpu", False, True) and warm_up_node_allowed("gpu", True, True)
     assert not warm_up_node_allowed("cpu", True, True)  # a scale-out: its build would take the cores they run on

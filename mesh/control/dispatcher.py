@@ -7,7 +7,7 @@ order, whenever capacity frees (a request ends, an instance is recycled). It is 
 with the reason, when the queue is full, after the queue timeout (30 s, the same for every
 policy), or, under Mesh, as soon as it can no longer meet its SLO (no validation can pass
 then; the baselines cannot tell and keep it waiting, LLM-Mesh 8.2). That last rule is the
-model's admission choice (mesh.policy.placement.ADMISSIONS): `reject` as above,
+model's admission choice (mesh.policy.dispatch_rules.ADMISSIONS): `reject` as above,
 `queue` keeps it waiting up to the queue timeout and `late` without a time bound, each placed
 once validation shows everyone else on time, its own deadlines running from then (served late).
 Requests handed back by a node
@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, Sequence
 from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode
 from mesh.control.fleet import Fleet, unable_nodes
 from mesh.control.latency import LogHistogram
-from mesh.policy.placement import ADMIT_QUEUE, ADMIT_REJECT, queue_expiry_s, wait_expiry_s
+from mesh.policy.dispatch_rules import ADMIT_QUEUE, ADMIT_REJECT, queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.policy.slo import DeadlineRule
 from mesh.wire.served_request import Outcome, ServedRequest
@@ -218,7 +218,7 @@ class Dispatcher:
             # model is under way (live, one can take seconds: a scale-out multicasts weights).
             # One the queue would turn away at once (it arrived past its SLO: live, a cold
             # model's tokenizer was built first) gets its model's next decision instead,
-            # which may serve it late (placement SERVE_LATE), as it would with no decision
+            # which may serve it late (dispatch_rules.SERVE_LATE), as it would with no decision
             # under way.
             self._enqueue(req)
             self._schedule_drain()
@@ -337,7 +337,7 @@ class Dispatcher:
         return start + req.slo.ttft_s(prompt), prompt
 
     def admission(self, req: ServedRequest) -> str:
-        """The admission choice that applies to `req` (mesh.policy.placement.ADMISSIONS): its
+        """The admission choice that applies to `req` (mesh.policy.dispatch_rules.ADMISSIONS): its
         model's (or its tenant's) for a fresh request; ADMIT_REJECT's rule for one that had started;
         ADMIT_QUEUE for one a node lost (it waits for a node up to the queue timeout: a restarted
         agent, an instance loading elsewhere), whatever it had done."""

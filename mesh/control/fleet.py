@@ -29,9 +29,7 @@ from mesh.perf.load_times import (
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile
 from mesh.policy.admission import InstancePlan
-from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
-from mesh.policy.node_spec import NodeSpec
-from mesh.policy.placement import (
+from mesh.policy.dispatch_rules import (
     ADMISSIONS,
     ADMIT_REJECT,
     COLD_START_CHOICES,
@@ -43,6 +41,8 @@ from mesh.policy.placement import (
     NodeView,
     keep_alive_expired,
 )
+from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
 from mesh.wire.served_request import ServedRequest
@@ -94,8 +94,8 @@ class ClusterConfig:
     seed: int = 0
     # requests an instance runs at most (plans, validation, the engine's max_num_seqs)
     max_batch: int = DEFAULT_MAX_BATCH
-    cold_start_choice: str = SERVE_LATE  # a cold model's request that cannot make its TTFT (placement.SERVE_LATE)
-    admission: str = ADMIT_REJECT  # a fresh request that can no longer meet its SLO (placement.ADMISSIONS)
+    cold_start_choice: str = SERVE_LATE  # a cold model's request that cannot make its TTFT (dispatch_rules.SERVE_LATE)
+    admission: str = ADMIT_REJECT  # a fresh request that can no longer meet its SLO (dispatch_rules.ADMISSIONS)
     # A replay's CPU nodes' parking budget beside their memory (the agent's --park-bytes): where
     # > 0 they park stopped instances and build ahead the models whose first host copy they
     # hold, as the service's OpenVINO nodes do (mesh.replay.local_node); 0: they park nothing.
@@ -321,7 +321,7 @@ class Fleet:
         self._cold_choice[model] = choice
 
     def admission(self, model: str, tenant: str = "") -> str:
-        """The model's admission choice (placement.ADMISSIONS): its own, else its tenant's
+        """The model's admission choice (dispatch_rules.ADMISSIONS): its own, else its tenant's
         default, else the cluster's."""
         own = self._admission.get(model)
         return own if own is not None else self._tenant_admission.get(tenant, self.config.admission)
@@ -596,7 +596,7 @@ class Fleet:
 
 
 def _set_admission(choices: dict[str, str], key: str, choice: str | None) -> None:
-    """Set (or, for None, clear) one admission choice, refusing a name placement.ADMISSIONS lacks."""
+    """Set (or, for None, clear) one admission choice, refusing a name dispatch_rules.ADMISSIONS lacks."""
     if choice is None:
         choices.pop(key, None)
     elif choice not in ADMISSIONS:

@@ -94,7 +94,7 @@ class Admit:
 @dataclass(frozen=True)
 class Placement:
     """Admit `request` on the first of `tries` whose node admits it; `late`: served late,
-    each try moving its deadlines (placement.SERVE_LATE)."""
+    each try moving its deadlines (dispatch_rules.SERVE_LATE)."""
 
     request: ServedRequest
     tries: tuple[Admit, ...]
@@ -132,7 +132,7 @@ class Preemption:
 @dataclass(frozen=True)
 class ScaleOut:
     """Start the new instance `home.plan` on `home.node` and admit `requests` there; with
-    none, a warm-up for the requests to come (placement.warm_up_allowed)."""
+    none, a warm-up for the requests to come (dispatch_rules.warm_up_allowed)."""
 
     home: Home
     requests: tuple[ServedRequest, ...] = ()

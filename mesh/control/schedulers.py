@@ -4,7 +4,7 @@
   validated on both subsystems (5.3, 6.4); if all fail, proactive defragmentation (7.1);
   then a new instance on a node that validates, with its cold start; failing that, if the
   cold start alone stands in the way, a warm-up instance for the requests to come
-  (placement.warm_up_allowed), while the request itself waits or is turned away by the
+  (dispatch_rules.warm_up_allowed), while the request itself waits or is turned away by the
   queue's rule. Instances share nodes.
 - `mesh-no-share`, `mesh-no-cpu`, `mesh-no-defrag`: the ablations of 8.3 (one instance per
   node; GPU nodes only; no preemption and spread instead of bin-packing).
@@ -36,7 +36,7 @@ from mesh.control.plans import (
     Preemption,
     ScaleOut,
 )
-from mesh.policy.placement import (
+from mesh.policy.dispatch_rules import (
     CONCURRENCY_TARGETS,
     CPU,
     GPU,
@@ -104,7 +104,7 @@ class SchedulerStats:
     preempted_requests: int = 0  # requests moved by preemption
     validations: int = 0  # candidate checks made
     warm_ups: int = 0  # instances started for a request their cold start could not serve in time
-    served_late: int = 0  # requests admitted late on a loading instance (placement.SERVE_LATE)
+    served_late: int = 0  # requests admitted late on a loading instance (dispatch_rules.SERVE_LATE)
 
 
 @dataclass
@@ -132,7 +132,7 @@ class Scheduler:
     async def prestart(self, model: str) -> InstanceRef | None:
         """Start an instance of `model` holding no request (a warm start, e.g. the service's
         demo model) on the first node a new instance of it would go to
-        (placement.new_instance_order) that can host it; None if no node can now."""
+        (dispatch_rules.new_instance_order) that can host it; None if no node can now."""
         views = self.cluster.node_views()
         for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share,
                                      exclude=self.cluster.hosts(model), holding=self.cluster.holding(model)):
@@ -189,7 +189,7 @@ class MeshScheduler(Scheduler):
 
     def plan_serve_late(self, req: ServedRequest, avoid: frozenset[str], now: float) -> Placement | None:
         """Its model cold (an instance of it loading, none that could make its TTFT) and its
-        choice SERVE_LATE (placement): admit a fresh request on the loading instance ready
+        choice SERVE_LATE (dispatch_rules): admit a fresh request on the loading instance ready
         first, its deadlines moved to that instance's predicted ready time (now, if the load
         runs over its prediction), if the node's shadow validation shows everyone else there
         still on time (5.3 cases 2 and 3) and its own prefill on time from then (case 1). A
@@ -241,7 +241,7 @@ class MeshScheduler(Scheduler):
 
     def plan_warm_up(self, req: ServedRequest, nodes: list[ClusterNode], now: float) -> Planning[ScaleOut | None]:
         """A warm-up on the first of `nodes` where a new instance would serve `req` if it were
-        already loaded, when placement.warm_up_allowed says so (the cold start is longer than
+        already loaded, when dispatch_rules.warm_up_allowed says so (the cold start is longer than
         any request of this prompt length could wait, it is the only obstacle, and no other
         instance of the model is loading)."""
         instances = self.cluster.instances_of(req.model)
@@ -280,7 +280,7 @@ class MeshScheduler(Scheduler):
 
     def plan_new_home(self, model: str, reqs: tuple[ServedRequest, ...], done: tuple[int, ...],
                        exclude: set[str]) -> Planning[Home | None]:
-        """The first node (placement.new_instance_order) where a new instance of `model`
+        """The first node (dispatch_rules.new_instance_order) where a new instance of `model`
         would serve all of `reqs` within SLO, counting its cold start."""
         views = self.cluster.node_views()
         for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share, exclude=exclude,

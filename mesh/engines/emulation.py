@@ -39,8 +39,8 @@ from mesh.perf.load_times import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BY
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile, ProfileError, catalog_models, catalog_profile, device_kind
 from mesh.perf.roofline import HARDWARE, Architecture, host_to_device_bytes_per_s, roofline_profile
+from mesh.policy.dispatch_rules import CPU
 from mesh.policy.node_spec import NodeSpec
-from mesh.policy.placement import CPU
 
 ENGINE = "emulated"  # InstanceSpec.engine of an emulated instance
 PROFILE_PREFIX = "emulated:"  # InstanceSpec.profile of an emulated instance: "emulated:<catalog name>"

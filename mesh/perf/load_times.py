@@ -19,7 +19,7 @@ This module holds each of these models once:
 - `CostModel`, `schedule`, `estimate`: how long a multicast plan takes (BlitzScale 5.1).
 
 What decides stays in mesh.policy: the multicast plans (mesh.policy.multicast), the node
-order that prefers a node holding a copy and the warm-up rule (mesh.policy.placement). The
+order that prefers a node holding a copy and the warm-up rule (mesh.policy.dispatch_rules). The
 replay's simulated-time models (a multicast group's uplinks, live scaling after BlitzScale
 5.2) are mesh.replay.cold_start_modes'. Which measure or prior a cluster's node gets is
 Fleet.expected_load_s (mesh.control.fleet).
@@ -34,8 +34,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from mesh.policy.dispatch_rules import GPU
 from mesh.policy.multicast import InvalidPlan, Plan, Transfer, make_plan
-from mesh.policy.placement import GPU
 
 # --- memory operations (LLM-Mesh Figure 8, an A100) -----------------------------------------
 

@@ -22,7 +22,7 @@ from mesh.control.fleet import ClusterConfig, Fleet, ModelSpec, check_cluster
 from mesh.control.schedulers import SchedulerStats, scheduler_spec
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.perf.profile import ProfileError, catalog_profile, reference_profiles
-from mesh.policy.placement import CPU, GPU
+from mesh.policy.dispatch_rules import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.simulator import EngineFactory, Simulator
 from mesh.replay.virtual_loop import run_virtual

@@ -18,8 +18,8 @@ from mesh.engines.parking import ParkingLot
 from mesh.engines.simulated import SimulatedEngine
 from mesh.node.runtime import NodeRuntime
 from mesh.policy.admission import InstancePlan
+from mesh.policy.dispatch_rules import CPU
 from mesh.policy.param_pool import ParameterPool
-from mesh.policy.placement import CPU
 from mesh.replay.local_node import LocalNode
 
 # (plan, node kind, load seconds, seed) -> the engine of a new instance

@@ -35,8 +35,8 @@ from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.control.weights_plane import WeightsPlane
 from mesh.engines.emulation import emulated_cold_start
 from mesh.perf.load_times import ColdStart
+from mesh.policy.dispatch_rules import ADMIT_REJECT, CPU, GPU
 from mesh.policy.node_spec import NodeSpec
-from mesh.policy.placement import ADMIT_REJECT, CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.service.errors import ApiError, bad_request
 from mesh.service.model_catalogue import ModelCatalogue
@@ -106,7 +106,7 @@ class ClusterSettings:
     cold_start_s: float = DEFAULT_COLD_START_S  # an instance's start-up besides its weights (ColdStart.fixed_s)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
-    admission: str = ADMIT_REJECT  # the default admission choice (mesh.policy.placement.ADMISSIONS)
+    admission: str = ADMIT_REJECT  # the default admission choice (mesh.policy.dispatch_rules.ADMISSIONS)
     exact_moves: bool = False  # InstanceSpec.exact_moves for every instance (mesh serve --exact-moves)
     agent: AgentSettings = field(default_factory=AgentSettings)
 

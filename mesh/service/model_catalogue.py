@@ -3,7 +3,7 @@
 `ModelCatalogue` describes each model once, on a node agent that can run it (its shape, KV
 bytes per token and tokenizer, without loading it), and adds it to the cluster with its
 calibration profile (`--profile-dir`, <dir>/<model uid>.json) or the prior profile, its
-cold-start and admission choices (mesh.policy.placement). A model registered once runs on
+cold-start and admission choices (mesh.policy.dispatch_rules). A model registered once runs on
 every kind of node it has a format for (mesh.service.preparation: the registered one, and
 one the service prepared for the other kind, such as a GGUF converted to a Hugging Face
 folder for vLLM). It is described on an agent of each such kind whose nodes are up, so the
@@ -36,7 +36,7 @@ from mesh.engines.emulation import PROFILE_PREFIX
 from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES, engine_for
 from mesh.perf.times import prior_profile
 from mesh.policy.admission import InstancePlan
-from mesh.policy.placement import CPU, kind_rank
+from mesh.policy.dispatch_rules import CPU, kind_rank
 from mesh.service.errors import ApiError, bad_request, model_preparing, node_unavailable
 from mesh.service.preparation import FormatPreparer, formats_view
 from mesh.service.registry import ModelRecord

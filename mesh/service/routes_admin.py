@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mesh.policy.placement import ADMISSIONS
+from mesh.policy.dispatch_rules import ADMISSIONS
 from mesh.policy.quota import QuotaValueError, check_overrides
 from mesh.service import errors
 from mesh.service.auth import new_api_key
@@ -93,7 +93,7 @@ async def get_admission(request: web.Request) -> web.Response:
 
 async def put_admission(request: web.Request) -> web.Response:
     """A tenant's default admission choice for its models registered without their own
-    (mesh.policy.placement.ADMISSIONS; docs/service.md, "Admission")."""
+    (mesh.policy.dispatch_rules.ADMISSIONS; docs/service.md, "Admission")."""
     svc = service_of(request)
     svc.require_admin(request)
     name = _tenant(request)

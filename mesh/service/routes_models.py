@@ -47,7 +47,7 @@ from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES
 from mesh.modelfiles.sampling import SamplingDefaultsError
 from mesh.modelfiles.sampling import check as check_sampling
 from mesh.modelfiles.sources import SourceError, SourceInfo, SourceNotFound, inspect_source, resolve_allowed
-from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES, SERVE_LATE
+from mesh.policy.dispatch_rules import ADMISSIONS, COLD_START_CHOICES, SERVE_LATE
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.limits import body_chunks, read_json, refuse_encoded, refuse_mid_body

@@ -49,7 +49,7 @@ class ServedRequest:
     tenant: str = ""  # whose share of the waiting queue it counts against ("" : its model's)
     attempts: list[str] = field(default_factory=list)  # what happened to it, for the operator
     waited: bool = False  # it waited in the dispatcher's queue at least once
-    # Served late because its model was cold (mesh.policy.placement.SERVE_LATE): its deadlines
+    # Served late because its model was cold (mesh.policy.dispatch_rules.SERVE_LATE): its deadlines
     # run from arrival + late_s, as if it had arrived when its instance is ready; its SLO is
     # still judged from its arrival (slo_met, ttft_s).
     late_s: float = 0.0
