@@ -476,8 +476,7 @@ class _Answer:
         if self.end_s is not None and first is not None and longest >= 2:
             tpot = (self.end_s - first) / (longest - 1)
         slo = self.model.slo
-        met = (self.outcome == "completed" and ttft is not None and ttft <= slo.ttft_s(self.streams[0].prompt_tokens)
-               and (tpot is None or tpot <= slo.tpot_s))
+        met = self.outcome == "completed" and ttft is not None and slo.met(self.streams[0].prompt_tokens, ttft, tpot)
         self.svc.metrics.request_done(
             self.model.tenant, self.model.name, self.outcome, prompt_tokens=self.streams[0].prompt_tokens,
             tokens_out=out, ttft_s=ttft, tpot_s=tpot if tpot is not None and math.isfinite(tpot) else None,

@@ -83,11 +83,9 @@ class ServedRequest:
 
     @property
     def slo_met(self) -> bool:
-        """Completed with TTFT and mean TPOT within their SLOs."""
-        if self.outcome is not Outcome.COMPLETED:
-            return False
-        tpot_ok = self.tokens_out < 2 or self.tpot_s <= self.slo.tpot_s + 1e-9
-        return self.ttft_s <= self.slo.ttft_s(self.prompt_len) + 1e-9 and tpot_ok
+        """Completed with TTFT and mean TPOT within their SLOs (SLO.met, the strict reading)."""
+        return self.outcome is Outcome.COMPLETED and self.slo.met(
+            self.prompt_len, self.ttft_s, self.tpot_s if self.tokens_out >= 2 else None)
 
     @property
     def deadlines(self) -> Deadlines:
