@@ -8,11 +8,12 @@ from mesh.control.cluster_node import ClusterNode
 from mesh.control.fleet import Fleet
 from mesh.control.plans import (
     Admit,
+    ExistingHome,
     FitsGroup,
     FitsInstance,
     FitsNew,
-    Home,
     Move,
+    NewHome,
     Placement,
     Preemption,
     ScaleOut,
@@ -46,10 +47,14 @@ class BookNode(ClusterNode):
     margin = 0.0
 
     def __init__(self, spec) -> None:
-        self.spec = spec
+        self._spec = spec
         self.hosted: dict[str, Hosted] = {}
         self.tokens: dict[str, int] = {}
         self.asked_nothing = False
+
+    @property
+    def spec(self):
+        return self._spec
 
     @property
     def instances(self):
@@ -140,9 +145,9 @@ def test_a_preemption_plan_names_its_moves_from_the_books_and_the_checks_answers
     assert isinstance(plan, Preemption) and plan.target is x and plan.request.request_id == "new"
     assert [m.instance for m in plan.moves] == [y, z]
     first, second = plan.moves
-    assert first == Move(y, tuple(y.requests.values()), (11,), Home(cpu1, ref=a1))
+    assert first == Move(y, tuple(y.requests.values()), (11,), ExistingHome(cpu1, a1))
     assert [q.request_id for q in second.requests] == ["z-0", "z-1"] and second.done == (11, 12)
-    assert second.home.node is gpu0 and second.home.ref is None and second.home.plan.model == "b"
+    assert isinstance(second.home, NewHome) and second.home.node is gpu0 and second.home.plan.model == "b"
     # the checks it asked, in order: room with both gone; Y's request on a1; X with Y gone
     # (no); Z's requests on a new instance of b (gpu0 only: cpu0 and cpu1 are used); X with both gone
     assert [type(c).__name__ for c in asked] == ["FitsInstance", "FitsGroup", "FitsInstance", "FitsNew",

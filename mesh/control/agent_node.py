@@ -25,9 +25,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Collection, Mapping, Sequence, overload
 
-from mesh.control.agent_client import AgentCallError, AgentDown
+from mesh.control.agent_client import AgentCallError, AgentClient, AgentDown
 from mesh.control.cluster_node import CONNECTION, EXITED, HEARTBEAT, ClusterNode, HostedInstance
 from mesh.control.node_book import AgentInstance, NodeBook, resume_from
 from mesh.control.supervisor import AgentHandle
@@ -51,6 +51,7 @@ from mesh.wire.agent_protocol import (
     NodeEvent,
     Probe,
     ProtocolError,
+    Request,
     Stats,
     TakeBack,
     TokensEvent,
@@ -58,6 +59,7 @@ from mesh.wire.agent_protocol import (
     Validate,
     ValidateGroup,
     ValidateNew,
+    ValidationReply,
     event_from_message,
     mean_output_to,
     slo_to_dict,
@@ -115,6 +117,14 @@ class AgentNode(ClusterNode):
     def spec(self) -> NodeSpec:
         """The agent's: a remote agent's kind and memory come from its hello."""
         return self.agent.spec
+
+    @property
+    def _client(self) -> AgentClient:
+        """The connection to the agent; AgentDown while there is none."""
+        client = self.agent.client
+        if client is None:
+            raise AgentDown(f"node {self.node_id} has no connection to its agent")
+        return client
 
     @property
     def instances(self) -> Mapping[str, HostedInstance]:
@@ -176,7 +186,7 @@ class AgentNode(ClusterNode):
         if not self.up:
             return
         try:
-            stats = await self.agent.client.call(Stats(), CALL_TIMEOUT_S)
+            stats = await self._client.call(Stats(), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError):
             return
         prev = self.stats
@@ -186,14 +196,14 @@ class AgentNode(ClusterNode):
         self._budget_bytes = int(stats.memory.get("budget_bytes", self._budget_bytes))
 
     # -- verbs -------------------------------------------------------------------------------
-    async def _ask(self, request: Validate | ValidateGroup | ValidateNew) -> Admission:
+    async def _ask(self, request: Request[ValidationReply]) -> Admission:
         """A validation the agent answers with a ValidationReply; a node that cannot answer refuses."""
+        if not self.up:
+            return Admission(False, refusal=f"node {self.node_id} is {self.agent.state}")
         try:
-            verdict = await self.agent.client.call(request, CALL_TIMEOUT_S) if self.up else None
+            verdict = await self._client.call(request, CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             return Admission(False, refusal=f"node {self.node_id}: {exc}")
-        if verdict is None:
-            return Admission(False, refusal=f"node {self.node_id} is {self.agent.state}")
         return Admission(verdict.admit, refusal="" if verdict.admit else verdict.reason)
 
     async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:
@@ -231,11 +241,11 @@ class AgentNode(ClusterNode):
         instance_id = inst.instance_id
         er = req.engine_request
         moved = req.deadlines if deadlines is None else deadlines
-        entry = AdmitEntry(req.request_id, instance_id, list(er.prompt_token_ids[:er.prompt_len + req.tokens_out]),
+        entry = AdmitEntry(req.request_id, instance_id, list(er.token_ids()[:er.prompt_len + req.tokens_out]),
                            er.sampling, _age(req.arrival_s), req.tokens_out, er.prompt_len, compute,
                            _age(req.first_token_s), moved.late_s)
         try:
-            result = (await self.agent.client.call(Admit([entry]), CALL_TIMEOUT_S)).results[0]
+            result = (await self._client.call(Admit([entry]), CALL_TIMEOUT_S)).results[0]
         except (AgentDown, AgentCallError, IndexError) as exc:
             result = AdmitResult(False, Code.FAILED.value, f"node {self.node_id}: {exc}")
         if result.ok:
@@ -261,7 +271,7 @@ class AgentNode(ClusterNode):
         if req is None or not self.up:
             return None
         try:
-            progress = await self.agent.client.call(TakeBack(request_id, why), CALL_TIMEOUT_S)
+            progress = await self._client.call(TakeBack(request_id, why), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:  # it ended meanwhile, or the node is gone (or a malformed reply)
             log.info("take_back of %s from %s: %s", request_id, self.node_id, exc)
             return None
@@ -299,7 +309,7 @@ class AgentNode(ClusterNode):
             self._book.means[plan.model] = plan.mean_output
             if self._instances.get(plan.instance_id) is not inst:  # stopped while its weights moved
                 return False
-            await self.agent.client.call(spec, CALL_TIMEOUT_S)
+            await self._client.call(spec, CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - weights not placed, memory, engine: not started
             if self._instances.get(plan.instance_id) is inst:
                 self._instances.pop(plan.instance_id, None)
@@ -340,7 +350,7 @@ class AgentNode(ClusterNode):
 
     async def _unload_quietly(self, instance_id: str) -> None:
         try:
-            await self.agent.client.call(Unload(instance_id), CALL_TIMEOUT_S)
+            await self._client.call(Unload(instance_id), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
 
@@ -363,7 +373,7 @@ class AgentNode(ClusterNode):
         if not self.up or inst.staged_bytes:  # staged: its load was not issued (`_start_staged` cleans up)
             return
         try:
-            await self.agent.client.call(Unload(instance_id), CALL_TIMEOUT_S)
+            await self._client.call(Unload(instance_id), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
         await self.refresh()
@@ -375,7 +385,7 @@ class AgentNode(ClusterNode):
         if not self.up:  # a restarted agent has nothing of it
             return
         try:
-            await self.agent.client.call(Forget(model), CALL_TIMEOUT_S)
+            await self._client.call(Forget(model), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             log.warning("node %s could not forget model %s: %s", self.node_id, model, exc)
 
@@ -400,7 +410,7 @@ class AgentNode(ClusterNode):
             inst.deferred = [(r, c) for r, c in inst.deferred if r is not req]
             self._book.end_here(request_id, Outcome.FAILED, why)
         elif self.up:
-            self.agent.client.send(Abort(request_id))
+            self._client.send(Abort(request_id))
         else:
             self._book.end_here(request_id, Outcome.FAILED, why)
 
@@ -426,9 +436,10 @@ class AgentNode(ClusterNode):
     def _agent_up(self, agent: AgentHandle) -> None:
         log.warning("node agent %s is up (generation %d)", agent.node_id, agent.generation)
         # A reconnected agent that kept running holds instances nobody here knows: unload them.
-        hello = agent.client.hello if agent.client is not None else None
-        for view in hello.instances if hello is not None else []:
-            agent.client.send(Unload(str(view.get("instance_id"))))
+        client = agent.client
+        if client is not None and client.hello is not None:
+            for view in client.hello.instances:
+                client.send(Unload(str(view.get("instance_id"))))
         self._budget_bytes = 0
         self._stepping = None  # until the agent says
         if self.on_change is not None:
@@ -461,6 +472,14 @@ def _probe(req: ServedRequest, done: int, deadlines: Deadlines) -> Probe:
     """A request as the agent's validation needs it, its deadlines running from `deadlines`."""
     return Probe(req.request_id, req.prompt_len, req.engine_request.sampling.max_tokens,
                  _age(req.arrival_s), done, _age(req.first_token_s), deadlines.late_s)
+
+
+@overload
+def _age(t: float) -> float: ...
+
+
+@overload
+def _age(t: None) -> None: ...
 
 
 def _age(t: float | None) -> float | None:

@@ -50,12 +50,16 @@ class HostedInstance(Protocol):
 
 
 class ClusterNode(ABC):
-    spec: NodeSpec
     margin: float  # shadow validation's overestimate of each iteration (5.3)
     on_evict: Callable[[ServedRequest], None] | None = None  # a request evicted here (6.4), to place again
     on_loaded: Callable[[str], None] | None = None  # an instance finished loading (its id)
     on_instance_gone: Callable[[str],
                                None] | None = None  # an instance left without being asked (load failed, node lost)
+
+    @property
+    @abstractmethod
+    def spec(self) -> NodeSpec:
+        """The node: its id, kind and memory (a remote agent's may change at each hello)."""
 
     @property
     def node_id(self) -> str:

@@ -45,7 +45,7 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode
 from mesh.control.fleet import Fleet, unable_nodes
@@ -151,13 +151,15 @@ class Dispatcher:
     def __init__(
         self,
         cluster: Fleet,
+        scheduler: Callable[[Callable[[ServedRequest], None]], Scheduler],
         *,
         queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
         queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S,
     ) -> None:
+        """`scheduler(reschedule)`: the scheduler that places requests, made with the
+        dispatcher's `reschedule` (for the requests it takes back, 6.4)."""
         self.cluster = cluster
-        self.policy: Scheduler | None = None
         self.queue = WaitingQueue(queue_capacity)
         self.retry_interval_s = retry_interval_s
         self.queue_timeout_s = queue_timeout_s
@@ -182,20 +184,19 @@ class Dispatcher:
         self.error: BaseException | None = None  # a policy that raised (a bug); replays re-raise it
         cluster.on_capacity = self.capacity_freed
         cluster.on_evict = self.on_evict
+        self.policy: Scheduler = scheduler(self.reschedule)
 
     @classmethod
-    def for_policy(cls, cluster: Fleet, policy: str, **queue: float | int | None) -> "Dispatcher":
+    def for_policy(cls, cluster: Fleet, policy: str, *, queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
+                   retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+                   queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S) -> "Dispatcher":
         """The dispatcher of `cluster` under the named policy (mesh.control.schedulers): how
         `mesh replay` and `mesh serve` both build theirs, so a replay evaluates exactly what
-        serves tenants. `queue`: queue_capacity, retry_interval_s, queue_timeout_s."""
+        serves tenants."""
         from mesh.control.schedulers import make_scheduler
 
-        dispatcher = cls(cluster, **queue)
-        dispatcher.attach(make_scheduler(policy, cluster, dispatcher.reschedule))
-        return dispatcher
-
-    def attach(self, policy: Scheduler) -> None:
-        self.policy = policy
+        return cls(cluster, lambda reschedule: make_scheduler(policy, cluster, reschedule),
+                   queue_capacity=queue_capacity, retry_interval_s=retry_interval_s, queue_timeout_s=queue_timeout_s)
 
     @staticmethod
     def now() -> float:

@@ -202,7 +202,7 @@ class Fleet:
         mean_output_prior: dict[str, float] | None = None,
         *,
         on_capacity: Callable[[], None] | None = None,
-        nodes: list[ClusterNode] = (),
+        nodes: Sequence[ClusterNode] = (),
         usage_entries: int | None = None,
     ) -> None:
         """`models` maps each model (replica) to its base model in `catalog`;

@@ -74,7 +74,7 @@ class NodePool:
         self._started = False
 
     def nodes(self) -> list[AgentNode]:
-        return list(self.cluster.nodes)  # type: ignore[arg-type] - the service's nodes are AgentNodes
+        return [n for n in self.cluster.nodes if isinstance(n, AgentNode)]  # all of the service's are
 
     def healthy(self) -> bool:
         return all(a.up for a in self.agents.values())
@@ -94,7 +94,13 @@ class NodePool:
                          self.models.profile_for, margin=self.cluster.config.margin)
         self.cluster.add_node(node)
         cluster_loaded = node.on_loaded
-        node.on_loaded = lambda iid, n=node: (cluster_loaded(iid), self._instance_ready(n, iid))
+
+        def loaded(instance_id: str) -> None:
+            if cluster_loaded is not None:
+                cluster_loaded(instance_id)
+            self._instance_ready(node, instance_id)
+
+        node.on_loaded = loaded
         node.on_instance_stopped = self._instance_stopped
         node.on_down = self._node_down
         node.on_change = self.dispatcher.capacity_freed
@@ -121,8 +127,11 @@ class NodePool:
         parameter pool; /admin/cluster no longer lists it."""
         if node_id not in self.cluster.node_seq:
             return
-        self.cluster.node(node_id).lose(f"node {node_id} left the cluster ({reason})", REMOVED)
-        node: AgentNode = self.cluster.remove_node(node_id)  # type: ignore[assignment]
+        node = self.cluster.node(node_id)
+        if not isinstance(node, AgentNode):
+            raise TypeError(f"node {node_id} is not a node agent's")
+        node.lose(f"node {node_id} left the cluster ({reason})", REMOVED)
+        self.cluster.remove_node(node_id)
         del self.agents[node_id]
         if self.weights is not None:
             self.weights.node_removed(node_id)

@@ -72,15 +72,28 @@ Planning = Generator[Check, bool, T]  # yields checks, is sent whether each pass
 
 
 @dataclass(frozen=True)
-class Home:
-    """Where requests go: the existing instance `ref` on `node`, or the new instance `plan` there."""
+class ExistingHome:
+    """Where requests go: the running instance `ref` on `node`."""
 
     node: ClusterNode
-    ref: InstanceRef | None = None
-    plan: InstancePlan | None = None
+    ref: InstanceRef
 
     def __str__(self) -> str:
-        return self.ref.instance_id if self.ref is not None else f"new {self.plan.instance_id}"
+        return self.ref.instance_id
+
+
+@dataclass(frozen=True)
+class NewHome:
+    """Where requests go: the new instance `plan`, to start on `node`."""
+
+    node: ClusterNode
+    plan: InstancePlan
+
+    def __str__(self) -> str:
+        return f"new {self.plan.instance_id}"
+
+
+Home = ExistingHome | NewHome
 
 
 @dataclass(frozen=True)
@@ -134,7 +147,7 @@ class ScaleOut:
     """Start the new instance `home.plan` on `home.node` and admit `requests` there; with
     none, a warm-up for the requests to come (dispatch_rules.warm_up_allowed)."""
 
-    home: Home
+    home: NewHome
     requests: tuple[ServedRequest, ...] = ()
 
     def __str__(self) -> str:

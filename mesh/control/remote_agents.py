@@ -46,8 +46,7 @@ class RemoteAgent(AgentHandle):
     """One remote node agent's connection, kept open. `restarts` counts reconnections; the
     spec's kind and memory are replaced by the agent's own at every hello."""
 
-    pid = None  # the process is on another machine
-    remote = True
+    remote = True  # its process is on another machine: no pid here (AgentHandle.pid)
 
     def __init__(self, spec: NodeSpec, address: Union[str, AddressSource], token: str | None, on_up: UpCallback,
                  on_down: DownCallback, on_event: EventCallback, settings: AgentSettings | None = None,

@@ -25,11 +25,13 @@ from mesh.control.cluster_node import ClusterNode
 from mesh.control.fleet import Fleet, InstanceRef, unable_nodes
 from mesh.control.plans import (
     Admit,
+    ExistingHome,
     FitsGroup,
     FitsInstance,
     FitsNew,
     Home,
     Move,
+    NewHome,
     Placement,
     Plan,
     Planning,
@@ -275,11 +277,11 @@ class MeshScheduler(Scheduler):
                 log.debug("no warm-up of %s on %s for %s: cold start %.2f s, slack %.2f s, validates loaded %s",
                           req.model, node.node_id, req.request_id, cold, slack, ok)
                 continue
-            return ScaleOut(Home(node, plan=plan))
+            return ScaleOut(NewHome(node, plan))
         return None
 
     def plan_new_home(self, model: str, reqs: tuple[ServedRequest, ...], done: tuple[int, ...],
-                       exclude: set[str]) -> Planning[Home | None]:
+                       exclude: set[str]) -> Planning[NewHome | None]:
         """The first node (dispatch_rules.new_instance_order) where a new instance of `model`
         would serve all of `reqs` within SLO, counting its cold start."""
         views = self.cluster.node_views()
@@ -290,7 +292,7 @@ class MeshScheduler(Scheduler):
                 continue
             plan = self.cluster.plan(model, node)
             if (yield FitsNew(node, plan, reqs, done)):
-                return Home(node, plan=plan)
+                return NewHome(node, plan)
         return None
 
     # -- proactive defragmentation (7.1) --------------------------------------------------
@@ -300,7 +302,8 @@ class MeshScheduler(Scheduler):
         by_id = {r.instance_id: r for r in refs}
         for x in candidate_order([r.view() for r in refs]):
             node = by_id[x.instance_id].node
-            neighbours = [r.view() for r in self.cluster.instances_on(node)]
+            on_node = {r.instance_id: r for r in self.cluster.instances_on(node)}
+            neighbours = [r.view() for r in on_node.values()]
             # An instance in the middle of an iteration is not preempted (it is stopped).
             victims = [v for v in victim_order(x, neighbours) if v.instance_id != node.stepping]
             if not victims:
@@ -310,7 +313,7 @@ class MeshScheduler(Scheduler):
             moves: list[Move] = []
             used = {node.node_id}
             for y in victims:
-                yref = self.cluster.instance(y.instance_id)
+                yref = on_node[y.instance_id]
                 group = tuple(yref.requests.values())
                 done = tuple(node.progress(q.request_id) for q in group)
                 home = yield from self.plan_home(y.model, group, done, used | unable_nodes(self.cluster.nodes, group))
@@ -330,7 +333,7 @@ class MeshScheduler(Scheduler):
         for v in candidate_order([r.view() for r in refs.values()]):
             ref = refs[v.instance_id]
             if (yield FitsGroup(ref.node, v.instance_id, group, done)):
-                return Home(ref.node, ref=ref)
+                return ExistingHome(ref.node, ref)
         return (yield from self.plan_new_home(model, group, done, used | self.cluster.hosts(model)))
 
     # -- the commit step ------------------------------------------------------------------
@@ -367,14 +370,16 @@ class MeshScheduler(Scheduler):
 
     async def _start_and_admit(self, home: Home, reqs: Sequence[ServedRequest]) -> list[ServedRequest]:
         """Start the home's instance if new and admit `reqs`; returns those not admitted."""
-        ref = home.ref
-        if ref is None:
-            ref = await self.cluster.start_instance(home.plan, home.node)
-            if ref is None:
+        if isinstance(home, ExistingHome):
+            ref = home.ref
+        else:
+            started = await self.cluster.start_instance(home.plan, home.node)
+            if started is None:
                 return list(reqs)
             self.stats.new_instances += 1
+            ref = started
         left = [q for q in reqs if not (await home.node.try_admit(ref.instance_id, q)).ok]
-        if home.ref is None and not ref.requests:
+        if isinstance(home, NewHome) and not ref.requests:
             await self.cluster.stop_instance(ref)  # started for nothing
         return left
 

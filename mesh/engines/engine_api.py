@@ -83,6 +83,12 @@ class EngineRequest:
     # not lost and a stop string counts from the request's start.
     resumed: int = 0
 
+    def token_ids(self) -> Sequence[int]:
+        """`prompt_token_ids`; EngineError if the request was never tokenized."""
+        if self.prompt_token_ids is None:
+            raise EngineError(f"request {self.request_id!r} has no prompt_token_ids")
+        return self.prompt_token_ids
+
 
 @dataclass(slots=True)
 class StepResult:

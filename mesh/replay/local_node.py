@@ -24,6 +24,7 @@ from mesh.node.park_ahead import POLL_S
 from mesh.node.runtime import NodeRuntime
 from mesh.perf.load_times import PARKED
 from mesh.policy.admission import Admission, InstancePlan
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import Deadlines
 from mesh.tasks import cancel_all
 from mesh.wire.served_request import Outcome, ServedRequest
@@ -59,7 +60,6 @@ class LocalNode(ClusterNode):
     def __init__(self, runtime: NodeRuntime, make_engine: EngineMaker, parking: ParkingLot | None = None) -> None:
         """`parking`: the node parks (module docstring); None: it parks nothing."""
         self.runtime = runtime
-        self.spec = runtime.spec
         self._down_until = -math.inf  # lost, and taking nothing until then (`lose`)
         self.margin = runtime.margin
         self._make_engine = make_engine
@@ -69,6 +69,10 @@ class LocalNode(ClusterNode):
         self._builder: asyncio.Task[None] | None = None
         runtime.on_evict = self._evicted
         runtime.on_loaded = self._loaded
+
+    @property
+    def spec(self) -> NodeSpec:
+        return self.runtime.spec
 
     def build_ahead(self, model: str, build_s: float, nbytes: int) -> None:
         """Build `model` ahead here in `build_s` of idle time and park it (its first host copy
