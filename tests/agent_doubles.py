@@ -47,7 +47,6 @@ class InProcessAgent(AgentHandle):
     """The LocalAgent interface, with the agent in this process. `kill()` drops the
     connection the way a dead process does; `start()` again brings a fresh agent."""
 
-    pid = None
     server: AgentServer | None = None
     weights_root: str | None = None  # set: the agent hosts a weights receiver in <root>/<node id>
     link_bytes_per_s: float | None = None  # its weights receiver's uplink pace (None: unpaced)
