@@ -191,8 +191,7 @@ class InstanceRef:
 
 
 class Fleet:
-    """The nodes and their instances, which it starts, keeps alive and stops, with the books
-    the schedulers read (instances by model, cold starts, nodes in use over time)."""
+    """The nodes and their instances, which it starts, keeps alive and stops; the books the schedulers read."""
 
     def __init__(
         self,
@@ -205,13 +204,12 @@ class Fleet:
         nodes: Sequence[ClusterNode] = (),
         usage_entries: int | None = None,
     ) -> None:
-        """`models` maps each model (replica) to its base model in `catalog`;
-        `mean_output_prior` gives O_avg's starting value per base model (6.1). `nodes`:
-        the nodes to schedule (the service's agents; a replay's simulated nodes,
-        mesh.replay.simulator). Models and nodes may be added and removed later (the
-        service: registrations, Ray membership). `usage_entries`: the most change points of
-        `usage` kept, the oldest going first (a service that runs for months; LIVE_USAGE_ENTRIES);
-        None keeps them all (a replay's node-seconds read every one)."""
+        """`models` maps each model (replica) to its base model in `catalog`; `mean_output_prior` gives
+        O_avg's starting value per base model (6.1). `nodes`: the nodes to schedule (the service's agents; a
+        replay's simulated nodes, mesh.replay.simulator). Models and nodes may be added and removed later (the
+        service: registrations, Ray membership). `usage_entries`: the most change points of `usage` kept, the
+        oldest going first (a service that runs for months; LIVE_USAGE_ENTRIES); None keeps them all (a
+        replay's node-seconds read every one)."""
         catalog, models, mean_output_prior = catalog or {}, models or {}, mean_output_prior or {}
         unknown = sorted({b for b in models.values() if b not in catalog})
         if unknown:
@@ -239,8 +237,7 @@ class Fleet:
         self.instances_recycled = 0
         self.cold_start_s = 0.0  # summed predicted cold starts
         self._loads_end: dict[str, float] = {}  # node id -> when the loads issued on it are predicted to end
-        # Cold starts measured, not assumed: every node's loads per model and
-        # source, and the weights transfers (mesh.perf.load_times.ColdStartTable).
+        # Cold starts measured, not assumed: every node's loads per model and source, and the weights transfers
         self.cold_starts = ColdStartTable()
         self._loading: dict[str, tuple[float, float, str]] = {}  # instance -> (issued, its wait, node kind)
         # Does `node` hold a copy of the model's weights (the service's weights plane)? None:
