@@ -22,7 +22,7 @@ import ctypes.util
 import functools
 import logging
 
-log = logging.getLogger("mesh.native_heap")
+log = logging.getLogger(__name__)
 
 LARGE_BLOCK_BYTES = 1 << 20  # allocations this large or larger are mapped on their own
 _M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter (malloc.h)

@@ -2,7 +2,7 @@
 provider: does `request_resources` for the nodes Mesh wants grow the cluster, and does a
 smaller request let Ray's autoscaler remove an idle node? docs/cluster.md records a run.
 
-It drives the real RayAutoscaler.step() with a stand-in placement (its view: a node in use
+It drives the real RayAutoscaler.step() with a stand-in cluster control (its view: a node in use
 and requests waiting refused, then nothing in use) instead of `mesh serve`: agents started on
 fake nodes would add a minute of model loads to what is a check of the Ray wiring.
 
@@ -62,12 +62,12 @@ def wait(pred, timeout: float = 120.0) -> bool:
 
 
 async def main() -> int:
-    # A stand-in placement: node "a" runs an instance and a request, one more request waits refused.
+    # A stand-in cluster control: node "a" runs an instance and a request, one more request waits refused.
     view = {"nodes": [{"node_id": "m-a", "instances": [{}], "running": 1, "queue_length": 1}]}
     waiting = [1]  # requests waiting in the dispatcher's queue
-    placement = SimpleNamespace(view=lambda: view, waiting=lambda: waiting[0])
+    control = SimpleNamespace(view=lambda: view, waiting=lambda: waiting[0])
     membership = SimpleNamespace(nodes={"ray-a": SimpleNamespace(released=False, agents={"m-a": None})}, alive={})
-    scaler = RayAutoscaler(placement, membership, idle_release_s=0.0)
+    scaler = RayAutoscaler(control, membership, idle_release_s=0.0)
     t0 = time.monotonic()
     decision = await scaler.step()
     grew = wait(lambda: workers() >= decision.wanted)

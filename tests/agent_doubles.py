@@ -18,7 +18,7 @@ from mesh.wire.served_request import ServedRequest
 
 class ClusterOnly:
     """An AgentNodeListener for tests without the service's NodePool: what the cluster hears
-    goes to `cluster` (a ClusterView; None: nobody), the rest to nobody."""
+    goes to `cluster` (a Fleet; None: nobody), the rest to nobody."""
 
     def __init__(self, cluster: Any = None) -> None:
         self.cluster = cluster
@@ -77,7 +77,6 @@ class InProcessAgent(AgentHandle):
     """The LocalAgent interface, with the agent in this process. `kill()` drops the
     connection the way a dead process does; `start()` again brings a fresh agent."""
 
-    pid = None
     server: AgentServer | None = None
     weights_root: str | None = None  # set: the agent hosts a weights receiver in <root>/<node id>
     link_bytes_per_s: float | None = None  # its weights receiver's uplink pace (None: unpaced)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import asyncio
 from typing import Callable
 
-from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.fleet import ClusterConfig, Fleet, ModelSpec
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.perf.load_times import ColdStart
 from mesh.perf.profile import Profile, profile_from_dict
@@ -72,7 +72,7 @@ async def build(
     cfg: ClusterConfig,
     catalog: dict[str, ModelSpec] | None = None,
     **dispatcher_kw,
-) -> tuple[ClusterView, Dispatcher]:
+) -> tuple[Fleet, Dispatcher]:
     """A started cluster and dispatcher (call inside a running loop)."""
     catalog = catalog or {b: spec(b) for b in set(models.values())}
     cluster = simulated_cluster(cfg, catalog, models, {b: 100.0 for b in catalog})

@@ -51,8 +51,8 @@ SAMPLES: dict[str, Any] = {
     "weights_drop": ap.WeightsDrop("org/m"),
     "forget": ap.Forget("org/m"),
     "ack": ap.Ack(),
-    "failure": ap.Failure("memory", "short", 10),
-    "failure_plain": ap.Failure("busy", "serving"),
+    "failure": ap.FailureReply("memory", "short", 10),
+    "failure_plain": ap.FailureReply("busy", "serving"),
     "hello_reply": ap.HelloReply("cpu-0", "cpu", 10**9, {"model": "x", "cores": 2}, 42, 1, "eq1", None, None, []),
     "hello_reply_full": ap.HelloReply("cpu-0", "cpu", 10**9, {}, 42, 1, "pace", "a100", {"address": "h:1", "dir": "/d"},
                                       [{"instance_id": "i1"}]),
@@ -61,7 +61,7 @@ SAMPLES: dict[str, Any] = {
     "describe_reply_full": ap.DescribeReply(100, 10, 2048, 32000, {"prefill": {}}),
     "tokenize_reply": ap.TokenizeReply([1, 2, 3]),
     "admit_reply": ap.AdmitReply([ap.AdmitResult(True), ap.AdmitResult(False, "refused", "full")]),
-    "verdict": ap.Verdict(False, "too slow"),
+    "verdict": ap.ValidationReply(False, "too slow"),
     "progress": PROGRESS,
     "stats_reply": ap.StatsReply("cpu-0", "cpu", 12.5, [{"i": 1}], {"budget": 1}, 2, 1, {"q": 0}, ["m"], 3.5, 7, 100,
                                  "eq1", {}, {}, {}, None),
@@ -131,8 +131,8 @@ RECEIVED: dict[str, tuple[str, dict[str, Any]]] = {
     "evicted_bad": ("", {"t": "evicted", "why": "x", "token_ids": [1]}),
     "node_bad": ("", {"t": "node", "stepping": 3, "budget_bytes": 1}),
     "node_missing": ("", {"t": "node", "stepping": None}),
-    "failure_with_shortfall": ("Failure", {"code": "memory", "error": "short", "shortfall_bytes": 5}),
-    "failure_bad_shortfall": ("Failure", {"code": "memory", "error": "short", "shortfall_bytes": -5}),
+    "failure_with_shortfall": ("FailureReply", {"code": "memory", "error": "short", "shortfall_bytes": 5}),
+    "failure_bad_shortfall": ("FailureReply", {"code": "memory", "error": "short", "shortfall_bytes": -5}),
     "hello_reply_minimal": ("HelloReply", {"node_id": "n", "kind": "cpu", "memory_bytes": 1, "cpu": {}, "pid": 1,
                                            "protocol": 1, "deadlines": "eq1", "instances": []}),
     "hello_reply_bad": ("HelloReply", {"node_id": "n"}),
@@ -141,8 +141,8 @@ RECEIVED: dict[str, tuple[str, dict[str, Any]]] = {
     "tokenize_reply_bad": ("TokenizeReply", {"ids": [-1]}),
     "admit_reply_minimal": ("AdmitReply", {"results": [{"ok": True}, {"ok": False}]}),
     "admit_reply_bad": ("AdmitReply", {"results": [{"ok": 1}]}),
-    "verdict_no_reason": ("Verdict", {"admit": True}),
-    "verdict_bad": ("Verdict", {"admit": "yes"}),
+    "verdict_no_reason": ("ValidationReply", {"admit": True}),
+    "verdict_bad": ("ValidationReply", {"admit": "yes"}),
     "progress_bad": ("Progress", {"request_id": "r", "tokens_out": 1, "token_ids": [1], "first_token_age_s": "x"}),
     "stats_reply_bad": ("StatsReply", {"node_id": "n"}),
     "weights_path_reply_bad": ("WeightsPathReply", {"path": "p", "complete": "yes"}),
@@ -157,7 +157,7 @@ CHANGED = {"node_bad": "ProtocolError: bad node event: stepping must be a string
 
 def frame_of(message: Any) -> str:
     """The frame a sender writes for `message` (a reply as the reply to request 7), as text."""
-    if isinstance(message, ap.Failure):
+    if isinstance(message, ap.FailureReply):
         body = ap.failure_message(7, message)
     elif type(message) in ap.REPLIES:
         body = ap.reply_message(7, message)

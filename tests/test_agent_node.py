@@ -13,8 +13,8 @@ from agent_doubles import TIMES, ClusterOnly, InProcessAgent, until, use_simulat
 from cluster_doubles import linear_profile
 from doubles import LinearTimes
 from mesh.control.agent_node import AgentNode
-from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.fleet import ClusterConfig, Fleet, ModelSpec
 from mesh.control.supervisor import AgentSettings
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.policy.node_spec import NodeSpec
@@ -48,7 +48,7 @@ async def _cluster(models: list[str], memory: int = 10**9, slo: SLO = SLO_TIGHT,
     profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
                              decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
     catalog = {"base": ModelSpec("base", {"cpu": profile})}
-    cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=memory, slo=slo), catalog,
+    cluster = Fleet(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=memory, slo=slo), catalog,
                           {m: "base" for m in models}, {"base": 100.0})
     for i in range(2):
         cluster.add_node(AgentNode(NodeSpec(f"cpu{i}", "cpu", memory), InProcessAgent, AgentSettings(), _load_spec,
@@ -235,7 +235,7 @@ def test_an_evicted_request_finishes_on_another_agent(simulated):
 
 
 def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkeypatch):
-    """Serving late (placement.SERVE_LATE) through a node agent: the request's deadlines run
+    """Serving late (dispatch_rules.SERVE_LATE) through a node agent: the request's deadlines run
     from its loading instance's ready time, which lies ahead, so the age the agent gets for
     it is negative. Agents used to clip it to zero: the agent then validated the request
     against a deadline before its instance could be ready and refused it, and every request
@@ -257,7 +257,7 @@ def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkey
                                  decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
         cfg = ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=10**9, slo=SLO_TIGHT,
                             cold_start=ColdStart(cpu_load_bytes_per_s=1e18, fixed_s=1.5))
-        cluster = ClusterView(cfg, {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0})
+        cluster = Fleet(cfg, {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0})
         cluster.add_node(AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec,
                                    ClusterOnly(cluster)))
         d = Dispatcher.for_policy(cluster, "mesh")
@@ -277,7 +277,7 @@ def test_a_cold_models_request_is_served_late_through_an_agent(simulated, monkey
 class Recording(ClusterOnly):
     """A listener that notes what its node reports, in order, and passes the cluster's part on."""
 
-    def __init__(self, cluster: ClusterView) -> None:
+    def __init__(self, cluster: Fleet) -> None:
         super().__init__(cluster)
         self.heard: list[tuple[str, str]] = []
 
@@ -299,7 +299,7 @@ def test_an_agent_node_reports_to_the_listener_it_was_made_with(simulated):
     async def main():
         profile = linear_profile("m", "cpu", weight_bytes=10**6, kv_bytes_per_token=1000, max_context=256,
                                  decode_base=0.01, prefill_per_token=0.0001, prefill_base=0.0)
-        cluster = ClusterView(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=10**9, slo=SLO_TIGHT),
+        cluster = Fleet(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=10**9, slo=SLO_TIGHT),
                               {"base": ModelSpec("base", {"cpu": profile})}, {"m": "base"}, {"base": 100.0})
         listener = Recording(cluster)
         node = AgentNode(NodeSpec("cpu0", "cpu", 10**9), InProcessAgent, AgentSettings(), _load_spec, listener)

@@ -19,8 +19,8 @@ import pytest
 
 from agent_doubles import ClusterOnly, until
 from mesh.control.agent_node import AgentNode
-from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
 from mesh.control.dispatcher import Dispatcher, DispatchStats
+from mesh.control.fleet import ClusterConfig, Fleet, ModelSpec
 from mesh.control.supervisor import AgentSettings, LocalAgent
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.node.instance_host import MEAN_OUTPUT_PRIOR
@@ -54,7 +54,7 @@ class Disturbed:
     stats: DispatchStats
 
 
-def disturbed_run(demo_gguf, disturb: Callable[[Dispatcher, ClusterView, ServedRequest], Awaitable[None]]) -> Disturbed:
+def disturbed_run(demo_gguf, disturb: Callable[[Dispatcher, Fleet, ServedRequest], Awaitable[None]]) -> Disturbed:
     """Two agent processes load the demo model with `exact_moves`; `disturb(dispatcher,
     cluster, request)` is called once the second request has streamed 12 tokens."""
     from mesh.engines.openvino_engine import OpenVINOEngine
@@ -69,7 +69,7 @@ def disturbed_run(demo_gguf, disturb: Callable[[Dispatcher, ClusterView, ServedR
     async def main() -> Disturbed:
         settings = AgentSettings(models_roots=(str(demo_gguf.parent),))
         profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
-        cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE),
+        cluster = Fleet(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE),
                               {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0})
         nodes = [AgentNode(NodeSpec(f"cpu{i}", "cpu", 4 * GIB), LocalAgent, settings, load_spec, ClusterOnly(cluster))
                  for i in range(2)]
@@ -115,7 +115,7 @@ def disturbed_run(demo_gguf, disturb: Callable[[Dispatcher, ClusterView, ServedR
 
 
 def test_a_stream_moved_to_another_real_agent_keeps_its_greedy_output(demo_gguf):
-    async def take_back(d: Dispatcher, cluster: ClusterView, req: ServedRequest) -> None:
+    async def take_back(d: Dispatcher, cluster: Fleet, req: ServedRequest) -> None:
         node = cluster.node(req.node_id)
         taken = await node.take_back(req.request_id, "moved by the test")
         assert taken is req and req.node_id is None and req.outcome is None
@@ -129,7 +129,7 @@ def test_a_stream_whose_agent_is_killed_keeps_its_greedy_output(demo_gguf):
     """The node's agent process SIGKILLed mid-stream: the request goes back to the dispatcher
     with the tokens the service had streamed (AgentNode.lose), resumes on the other agent,
     and its tokens and text are those of a stream that was never disturbed."""
-    async def kill(d: Dispatcher, cluster: ClusterView, req: ServedRequest) -> None:
+    async def kill(d: Dispatcher, cluster: Fleet, req: ServedRequest) -> None:
         os.kill(cluster.node(req.node_id).agent.pid, signal.SIGKILL)
 
     run = disturbed_run(demo_gguf, kill)
@@ -168,7 +168,7 @@ def test_the_policy_preempts_a_real_stream_to_make_room_and_it_keeps_its_greedy_
         # cpu0's memory is sized to the byte: no tokenizer cache reserved in it
         settings = AgentSettings(models_roots=(str(demo_gguf.parent),), tokenizer_bytes=0)
         profile = prior_profile("smol", "cpu", w, k, window)
-        cluster = ClusterView(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE,
+        cluster = Fleet(ClusterConfig(cpu_nodes=2, gpu_nodes=0, cpu_memory_bytes=4 * GIB, slo=SLO_LOOSE,
                                             keep_alive_s=600.0),  # X and Y wait idle for their requests
                               {"smol": ModelSpec("smol", {"cpu": profile})}, {"m": "smol", "n": "smol"},
                               {"smol": float(MEAN_OUTPUT_PRIOR)})

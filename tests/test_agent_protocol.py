@@ -89,7 +89,7 @@ MESSAGES: dict[type, Any] = {
     ap.Forget: st.builds(ap.Forget, text),
     # agent -> control: replies
     ap.Ack: st.just(ap.Ack()),
-    ap.Failure: st.builds(ap.Failure, st.sampled_from([c.value for c in ap.Code]), text, st.none() | nbytes),
+    ap.FailureReply: st.builds(ap.FailureReply, st.sampled_from([c.value for c in ap.Code]), text, st.none() | nbytes),
     ap.HelloReply: st.builds(ap.HelloReply, text, st.sampled_from(["cpu", "gpu"]), nbytes, view, count,
                              st.just(ap.PROTOCOL_VERSION), st.sampled_from(["eq1", "pace"]), st.none() | text,
                              st.none() | view, st.lists(view, max_size=2)),
@@ -99,7 +99,7 @@ MESSAGES: dict[type, Any] = {
     ap.AdmitReply: st.builds(ap.AdmitReply, st.lists(
         st.just(ap.AdmitResult(True)) | st.builds(ap.AdmitResult, st.just(False), st.none() | text, st.none() | text),
         max_size=3)),
-    ap.Verdict: st.builds(ap.Verdict, st.booleans(), text),
+    ap.ValidationReply: st.builds(ap.ValidationReply, st.booleans(), text),
     ap.Progress: progress,
     ap.StatsReply: st.builds(ap.StatsReply, text, text, seconds, st.lists(view, max_size=2), view, count, count, view,
                              st.lists(text, max_size=3), seconds, count, nbytes, text, view, view, view,
@@ -129,10 +129,10 @@ def round_trip(message: Any) -> Any:
     kind = type(message)
     if kind in REQUESTS.values():
         return request_from_message(through_the_wire({"id": 7, **message.to_message()}))
-    if kind is ap.Failure:
+    if kind is ap.FailureReply:
         frame = through_the_wire(failure_message(7, message))
         assert frame["ok"] is False and frame["re"] == 7
-        return ap.Failure.from_fields(reply_fields(frame))
+        return ap.FailureReply.from_fields(reply_fields(frame))
     if kind in REPLIES:
         frame = through_the_wire(reply_message(7, message))
         assert frame["ok"] is True and frame["re"] == 7 and frame[TYPE_KEY] == ap.REPLY
@@ -168,7 +168,7 @@ def test_the_wire_format_is_unchanged() -> None:
     assert frame(reply_message(3, ap.AdmitReply([ap.AdmitResult(True), ap.AdmitResult(False, "refused", "full")]))) == \
         frame({"t": "reply", "re": 3, "ok": True, "results": [{"ok": True}, {"ok": False, "code": "refused",
                                                                                "reason": "full"}]})
-    assert frame(failure_message(4, ap.Failure("memory", "short", 10))) == frame(
+    assert frame(failure_message(4, ap.FailureReply("memory", "short", 10))) == frame(
         {"t": "reply", "re": 4, "ok": False, "code": "memory", "error": "short", "shortfall_bytes": 10})
 
 

@@ -18,7 +18,7 @@ from mesh.bench.closed_loop import (  # noqa: E402 - likewise
     FAILED,
     SERVED,
     TURNED_AWAY,
-    Outcome,
+    RequestResult,
     checks,
     closed_loop,
     percentile,
@@ -163,8 +163,9 @@ def test_percentiles_nearest_rank_and_never_served():
     assert percentile([3.0, 1.0, 2.0], 0.99) == 3.0
     assert percentile([1.0], 0.5) == 1.0
     # 48 requests, 46 served with TTFT 0.1..4.6 s, 2 turned away
-    outcomes = [Outcome(i, "m", "u", SERVED, 200, ttft_s=0.1 * (i + 1), latency_s=5.0, tokens=48) for i in range(46)]
-    outcomes += [Outcome(46 + i, "m", "u", TURNED_AWAY, 429) for i in range(2)]
+    outcomes = [RequestResult(i, "m", "u", SERVED, 200, ttft_s=0.1 * (i + 1), latency_s=5.0, tokens=48)
+                for i in range(46)]
+    outcomes += [RequestResult(46 + i, "m", "u", TURNED_AWAY, 429) for i in range(2)]
     f = summarize(outcomes, wall_s=10.0)
     assert f["ttft_p50_s"] == pytest.approx(2.3)  # ceil(0.5 * 46) = 23rd of 46
     assert f["ttft_p99_s"] == pytest.approx(4.6)  # ceil(0.99 * 46) = 46th

@@ -1,4 +1,4 @@
-"""Nodes that join and leave while serving (issue 12), without Ray: ClusterPlacement.add_node
+"""Nodes that join and leave while serving (issue 12), without Ray: ClusterControl.add_node
 and remove_node with in-process agents and simulated engines, the weights plane's pool on a
 node's loss, RemoteAgent's address source, the autoscaling rule, and what Ray nodes get.
 The same code runs under `mesh serve --ray` (tests/test_cluster_ray.py, with Ray)."""
@@ -19,7 +19,7 @@ from mesh.policy.autoscale import NodeUse, decide
 from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
 from mesh.ray.membership import mesh_node_ids
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.cluster_control import ClusterControl, ClusterSettings
 from mesh.service.config import ConfigError, build_config
 from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord
@@ -42,14 +42,14 @@ def job(rid: str, m: ModelRecord, max_tokens: int = 5) -> Job:
                prompt_token_ids=list(range(1, 21)))
 
 
-async def started(tmp_path: Path, nodes: int, **settings) -> ClusterPlacement:
+async def started(tmp_path: Path, nodes: int, **settings) -> ClusterControl:
     class Agent(InProcessAgent):
         weights_root = str(tmp_path / "nodes")
 
     specs = [NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(nodes)]
     plane = WeightsSettings(plan="binomial", block_bytes=1 << 20, token=WEIGHTS_TOKEN)
     settings.setdefault("cold_start_s", 0.0)  # simulated engines load at once
-    p = ClusterPlacement(specs, PlacementSettings(**settings), agent_factory=Agent,
+    p = ClusterControl(specs, ClusterSettings(**settings), agent_factory=Agent,
                          weights=lambda agents: WeightsPlane(agents, plane))
     await p.start()
     return p

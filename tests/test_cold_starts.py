@@ -24,7 +24,7 @@ from mesh.perf.load_times import (
     LoadRecord,
     cold_start_times,
 )
-from mesh.policy.placement import NodeView, new_instance_order
+from mesh.policy.dispatch_rules import NodeView, new_instance_order
 from mesh.replay.simulator import simulated_cluster
 from mesh.replay.virtual_loop import run_virtual
 from mesh.service.errors import overloaded

@@ -12,8 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from doubles import LinearTimes
-from mesh.control.cluster_view import ClusterConfig, ClusterError
 from mesh.control.dispatcher import eq1_slo_met
+from mesh.control.fleet import ClusterConfig, ClusterError
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.engines.simulated import SimulatedEngine
 from mesh.node.runtime import NodeRuntime
@@ -88,6 +88,14 @@ def test_the_strict_reading_is_the_last_token_by_its_pace_deadline(arrival, prom
     assert eq1_slo_met(req) == (on_time and last <= EQ1.token_deadline_s(slo, arrival, prompt, n,
                                                                          req.first_token_s) + 1e-9)
 
+
+
+def test_an_slo_is_met_strictly_by_ttft_and_mean_tpot():
+    """SLO.met, the one strict rule (a request's slo_met, the service's mesh_slo_met): TTFT by
+    its SLO, and the mean TPOT after the first token by the TPOT SLO, unless there is none."""
+    slo = SLO(ttft_min_s=2.0, ttft_s_per_prompt_token=0.01, tpot_s=0.25)
+    assert slo.met(100, 2.0, 0.25) and slo.met(300, 3.0, 0.1) and slo.met(10, 1.0, None)
+    assert not slo.met(100, 2.01, None) and not slo.met(300, 3.01, 0.1) and not slo.met(10, 1.0, 0.26)
 
 # -- the compute subsystem keeps the rule's deadlines --------------------------------------------
 @settings(max_examples=60, deadline=None)

@@ -5,7 +5,7 @@ The same workload (200 requests for 16 models on 2 CPU + 2 GPU nodes, Xeon 6462C
 A100-80GB) runs twice under the `mesh` policy:
 
 - replay: `run_policy`, LocalNodes with simulated engines on the virtual-time loop;
-- live: the service's `ClusterPlacement` (the dispatcher over one AgentNode per node), whose
+- live: the service's `ClusterControl` (the dispatcher over one AgentNode per node), whose
   node agents are real `python -m mesh.agent --emulate DEVICE` processes with emulated
   engines on the wall clock, requests submitted at their arrival times as the HTTP routes
   submit them (a `Job` with the prompt's token ids).
@@ -36,8 +36,8 @@ from typing import Any
 
 import pytest
 
-from mesh.control.cluster_view import ClusterConfig
 from mesh.control.dispatcher import accounting
+from mesh.control.fleet import ClusterConfig
 from mesh.control.supervisor import AgentSettings
 from mesh.engines.emulation import emulated_nodes
 from mesh.engines.engine_api import Sampling
@@ -45,7 +45,7 @@ from mesh.perf.load_times import ColdStart
 from mesh.perf.profile import catalog_profile, save_profile
 from mesh.policy.slo import SLO
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.cluster_control import ClusterControl, ClusterSettings
 from mesh.service.errors import ApiError
 from mesh.service.model_catalogue import MEAN_OUTPUT_PRIOR
 from mesh.service.registry import ModelRecord
@@ -133,7 +133,7 @@ def replay(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
     cluster = ClusterConfig(cpu_nodes=2, gpu_nodes=2, cpu_memory_bytes=MEMORY["cpu"], gpu_memory_bytes=MEMORY["gpu"],
                             keep_alive_s=KEEP_ALIVE_S * scale, slo=scaled_slo(scale),
                             cold_start=scaled_cold_start(scale),
-                            max_batch=PlacementSettings().max_batch, noise=0.0)
+                            max_batch=ClusterSettings().max_batch, noise=0.0)
     config = ReplayConfig(cluster=cluster, queue_capacity=QUEUE_CAPACITY, queue_timeout_s=QUEUE_TIMEOUT_S * scale,
                           progress=False)
     run = run_policy(workload, policy, config, catalog, {b: MEAN_OUTPUT_PRIOR for b in catalog})
@@ -142,26 +142,26 @@ def replay(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
 
 async def live(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
                policy: str = "mesh") -> tuple[list[ServedRequest], Any]:
-    """The scenario through the service's placement: AgentNodes over emulated node agents
+    """The scenario through the service's cluster control: AgentNodes over emulated node agents
     (real processes), requests submitted at their arrival times on the wall clock."""
     nodes, devices = emulated_nodes(EMULATE, profiles)
     nodes = [dataclasses.replace(n, memory_bytes=MEMORY[n.kind]) for n in nodes]
-    settings = PlacementSettings(
+    settings = ClusterSettings(
         policy=policy, keep_alive_s=KEEP_ALIVE_S * scale, cold_start_s=0.0, queue_capacity=QUEUE_CAPACITY,
         queue_timeout_s=QUEUE_TIMEOUT_S * scale,
         agent=AgentSettings(emulate=devices, emulate_noise=0.0, emulate_profiles=str(profiles)))
-    placement = ClusterPlacement(nodes, settings)
+    control = ClusterControl(nodes, settings)
     # the service's cold-start model, scaled as the replay's (what its plans predict and, through
     # InstanceSpec.emulated_load_s, what its emulated loads take)
-    placement.cluster.config = dataclasses.replace(placement.cluster.config, cold_start=scaled_cold_start(scale))
+    control.cluster.config = dataclasses.replace(control.cluster.config, cold_start=scaled_cold_start(scale))
     slo = scaled_slo(scale)
     records = {m: ModelRecord(f"u-{m}", "diff", m, "emulated", base, 4096, slo)
                for m, base in workload.models.items()}
-    await placement.start()
+    await control.start()
     loop = asyncio.get_running_loop()
     submitted: list[ServedRequest] = []  # the dispatcher keeps only requests in flight: the test keeps them all
-    dispatcher_submit = placement.dispatcher.submit
-    placement.dispatcher.submit = lambda req: (submitted.append(req), dispatcher_submit(req))[1]
+    dispatcher_submit = control.dispatcher.submit
+    control.dispatcher.submit = lambda req: (submitted.append(req), dispatcher_submit(req))[1]
     errors: list[str] = []
     retry_after: list[int] = []
 
@@ -170,7 +170,7 @@ async def live(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
         job = Job(a.request_id, records[a.model], loop.time(), Sampling(max_tokens=a.output_len, ignore_eos=True),
                   prompt_token_ids=[100 + (i * 7919) % 30000 for i in range(a.prompt_len)])
         try:
-            stream = await placement.submit(job)
+            stream = await control.submit(job)
             async for _event in stream.events():
                 pass
         except ApiError as exc:
@@ -181,14 +181,14 @@ async def live(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
 
     try:
         for record in {r.uid: r for r in records.values()}.values():  # described before the clock starts
-            await placement.catalogue.described(record)
+            await control.catalogue.described(record)
         start = loop.time() + 0.5
         await asyncio.wait_for(asyncio.gather(*(one(a, start) for a in workload.arrivals)),
                                workload.duration_s + 120.0)
         requests = list(submitted)
-        view = placement.view()
+        view = control.view()
     finally:
-        await placement.stop()
+        await control.stop()
     assert not errors, errors[:5]
     # whole seconds, at least 1, at most what a cold start here takes (13B on a GPU: 1.2 s, behind other loads)
     assert retry_after and all(1 <= s <= 3 for s in retry_after), retry_after

@@ -1,4 +1,4 @@
-"""Pure placement rules of the cluster dispatcher (mesh.policy.placement) and its waiting
+"""Pure placement rules of the cluster dispatcher (mesh.policy.dispatch_rules) and its waiting
 queue (mesh.policy.queueing)."""
 import math
 
@@ -7,7 +7,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from mesh.perf.load_times import ColdStart
-from mesh.policy.placement import (
+from mesh.policy.dispatch_rules import (
     InstanceView,
     NodeView,
     candidate_order,
@@ -163,7 +163,7 @@ def test_fair_share_never_refuses_a_tenant_below_an_equal_split(ops, capacity):
 
 @given(st.floats(0.001, 0.1), st.floats(0.0, 0.01), st.floats(0.01, 1.0))
 def test_tailored_concurrency_target_is_the_largest_batch_within_the_tpot(base, per_seq, tpot):
-    from mesh.policy.placement import tailored_concurrency_target
+    from mesh.policy.dispatch_rules import tailored_concurrency_target
 
     def decode(b: int) -> float:
         return base + per_seq * b
@@ -175,9 +175,9 @@ def test_tailored_concurrency_target_is_the_largest_batch_within_the_tpot(base, 
 
 
 def test_admission_a_models_own_then_its_tenants_then_the_clusters():
-    from mesh.control.cluster_view import ClusterConfig, ClusterError, ClusterView
+    from mesh.control.fleet import ClusterConfig, ClusterError, Fleet
 
-    cluster = ClusterView(ClusterConfig(cpu_nodes=1, gpu_nodes=0, admission="reject"))
+    cluster = Fleet(ClusterConfig(cpu_nodes=1, gpu_nodes=0, admission="reject"))
     assert cluster.admission("m", "t") == "reject"
     cluster.set_tenant_admission("t", "queue")
     assert cluster.admission("m", "t") == "queue" and cluster.admission("m", "other") == "reject"

@@ -224,7 +224,7 @@ def test_an_emulated_load_takes_the_replays_engine_load_not_the_prediction():
     which already counts the initial KV cache allocation that the node runtime then
     performs again (and, once loads are measured, the measured one: each start longer than
     the one before). It takes what the replay's simulated engine takes
-    (InstanceSpec.emulated_load_s, ClusterView.simulated_load_s), the KV allocation after it."""
+    (InstanceSpec.emulated_load_s, Fleet.simulated_load_s), the KV allocation after it."""
     from mesh.control.agent_client import AgentClient
     from mesh.node.agent_server import AgentServer
     from mesh.policy.node_spec import NodeSpec
@@ -343,23 +343,23 @@ def test_an_emulated_models_base_is_its_catalog_model_so_sllm_uses_the_papers_ta
     the paper's 15 and 32: live sllm+cpu admitted twice the requests per instance and
     scaled out less than its twin. Now every emulated replica's base is its catalog model."""
     from mesh.control.supervisor import AgentSettings
-    from mesh.policy.placement import CONCURRENCY_TARGETS
+    from mesh.policy.dispatch_rules import CONCURRENCY_TARGETS
     from mesh.policy.slo import SLO
-    from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+    from mesh.service.cluster_control import ClusterControl, ClusterSettings
     from mesh.service.registry import ModelRecord
 
     async def main() -> None:
         nodes, devices = emulated_nodes("xeon-6462c:1,a100-80gb:1")
-        placement = ClusterPlacement(nodes, PlacementSettings(policy="sllm+cpu", agent=AgentSettings(emulate=devices)))
-        await placement.start()
+        control = ClusterControl(nodes, ClusterSettings(policy="sllm+cpu", agent=AgentSettings(emulate=devices)))
+        await control.start()
         try:
             for uid in ("u-f000", "u-f001"):
-                await placement.catalogue.described(ModelRecord(uid, "t", uid, "emulated", "llama-2-7b", 4096, SLO()))
-                assert placement.cluster.models[uid] == "llama-2-7b"
-            assert placement.dispatcher.policy._targets_of("llama-2-7b") == {
+                await control.catalogue.described(ModelRecord(uid, "t", uid, "emulated", "llama-2-7b", 4096, SLO()))
+                assert control.cluster.models[uid] == "llama-2-7b"
+            assert control.dispatcher.policy._targets_of("llama-2-7b") == {
                 k: CONCURRENCY_TARGETS[k]["llama-2-7b"] for k in ("cpu", "gpu")}
         finally:
-            await placement.stop()
+            await control.stop()
 
     asyncio.run(main())
 

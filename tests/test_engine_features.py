@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from cluster_doubles import build, config, request, spec
-from mesh.control.cluster_view import unable_nodes
+from mesh.control.fleet import unable_nodes
 from mesh.engines.engine_api import Sampling
 from mesh.modelfiles.formats import unhonoured
 from mesh.replay.virtual_loop import run_virtual

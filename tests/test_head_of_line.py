@@ -2,7 +2,7 @@
 weights cross a paced link for seconds, holds neither its model's placement decision nor
 the queue behind it, so another model's waiting requests are placed at once.
 
-Real parts: the service's placement and dispatcher, node agents (in this process, behind
+Real parts: the service's cluster control and dispatcher, node agents (in this process, behind
 real loopback connections), the weights plane multicasting a 1 GiB model over a node's
 uplink paced to 128 MiB/s (mesh.weights.peer's Pacer, as `--link-mbps` paces it). The
 engines are simulated (no model to run: the test is about placement), the model file is
@@ -21,7 +21,7 @@ from mesh.control.weights_plane import WeightsPlane, WeightsSettings
 from mesh.engines.engine_api import Sampling
 from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.cluster_control import ClusterControl, ClusterSettings
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
 
@@ -59,7 +59,7 @@ def test_a_paced_scale_out_of_one_model_does_not_delay_another_models_queue(tmp_
 
     async def main() -> None:
         loop = asyncio.get_running_loop()
-        p = ClusterPlacement(specs, PlacementSettings(cold_start_s=0.0), agent_factory=Agent,
+        p = ClusterControl(specs, ClusterSettings(cold_start_s=0.0), agent_factory=Agent,
                              weights=lambda agents: WeightsPlane(agents, plane, {"cpu-0": 4 * BIG, "cpu-1": 4 * BIG}))
         await p.start()
         try:

@@ -516,7 +516,7 @@ class Http:
 
         from agent_doubles import InProcessAgent
         from mesh.service.app import build_app
-        from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+        from mesh.service.cluster_control import ClusterControl, ClusterSettings
         from mesh.service.config import ServeConfig
         from mesh.service.limits import listen
         from mesh.service.prometheus import ServiceMetrics
@@ -525,11 +525,11 @@ class Http:
 
         cfg = ServeConfig(admin_token=ADMIN, allowed_dir=self.allowed, data_dir=self.tmp_path, **self.config)
         self.registry = Registry(self.tmp_path / "registry.sqlite3")
-        self.placement = ClusterPlacement([NodeSpec("cpu-0", "cpu", 10**10)], PlacementSettings(cold_start_s=0.0),
+        self.control = ClusterControl([NodeSpec("cpu-0", "cpu", 10**10)], ClusterSettings(cold_start_s=0.0),
                                           agent_factory=InProcessAgent)
-        self.service = Service(cfg, self.registry, self.placement, ServiceMetrics(self.placement.view), self.tmp_path)
+        self.service = Service(cfg, self.registry, self.control, ServiceMetrics(self.control.view), self.tmp_path)
         self.service.idle.set()
-        await self.placement.start()
+        await self.control.start()
         self.runner = web.AppRunner(build_app(self.service), handler_cancellation=True, access_log=None,
                                     **self.service.limits.runner_options())
         await self.runner.setup()
@@ -541,7 +541,7 @@ class Http:
     async def __aexit__(self, *exc) -> None:
         await self.session.close()
         await self.runner.cleanup()
-        await self.placement.stop()
+        await self.control.stop()
         self.registry.close()
 
     async def call(self, method, path, token=None, body=None, data=None, headers=None):
@@ -749,7 +749,7 @@ def test_fields_are_checked_before_a_node_sees_them_and_node_errors_are_redacted
         async with Http(tmp_path, allowed) as api:
             key = await api.tenant("a")
             assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
-            agent = api.placement.agents["cpu-0"]
+            agent = api.control.agents["cpu-0"]
             generation = agent.generation
 
             async def raw(path: str, body: bytes):
@@ -781,7 +781,7 @@ def test_fields_are_checked_before_a_node_sees_them_and_node_errors_are_redacted
                 raise EngineError(f"{spec.path}: cannot open {secret}")
 
             await asyncio.sleep(0.5)  # its registration's describe (the first host copy) ends
-            api.placement.catalogue.models.clear()  # described again, now failing
+            api.control.catalogue.models.clear()  # described again, now failing
             monkeypatch.setitem(agent_engines.ENGINE_FACTORIES, "openvino", unreadable)
             agent.server.models.fronts.clear()
             status, err = await api.call("POST", "/v1/completions", key,
@@ -805,13 +805,13 @@ def test_prompts_beyond_any_tokenization_of_the_window_are_refused_before_tokeni
                                                                    "context_length": 64})
             assert status == 201
             submitted = []
-            real_submit = api.placement.submit
+            real_submit = api.control.submit
 
             async def submit(job):
                 submitted.append(job)
                 return await real_submit(job)
 
-            monkeypatch.setattr(api.placement, "submit", submit)
+            monkeypatch.setattr(api.control, "submit", submit)
             prompt = "x" * (64 * routes_openai.MAX_TOKEN_BYTES + 1)
             status, err = await api.call("POST", "/v1/completions", key, {"model": "m", "prompt": prompt})
             assert status == 400 and err["error"]["code"] == "context_length_exceeded"
@@ -946,7 +946,7 @@ def test_tokenizer_jobs_take_tenants_in_turn_and_leave_with_their_client(simulat
             keys = {t: await api.tenant(t) for t in ("a", "b")}
             for t, key in keys.items():
                 assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
-            tokenizer = api.placement.agents["cpu-0"].server.tokenizers
+            tokenizer = api.control.agents["cpu-0"].server.tokenizers
 
             async def b_request() -> float:
                 start = time.monotonic()
@@ -1728,7 +1728,7 @@ def test_a_model_deleted_while_its_instance_loads_leaves_nothing_behind(simulate
             key = await api.tenant("a")
             assert (await api.call("POST", "/v1/models", key, {"name": "m", "path": "m.gguf"}))[0] == 201
             record = api.registry.model("a", "m")
-            p = api.placement
+            p = api.control
             server = p.agents["cpu-0"].server
             started = asyncio.ensure_future(p.preload(record))  # an instance started where a request would start it
             await until(lambda: any(s.model == record.uid for s in server.host.specs.values()), 60.0)  # being made
@@ -1765,7 +1765,7 @@ def test_a_deleted_model_leaves_nothing_behind(simulated, tmp_path, demo_gguf):
                 served += status == 200
                 if served == 3:
                     break
-            p = api.placement
+            p = api.control
             server = p.agents["cpu-0"].server
             assert uid in p.cluster.models and uid in server.models.models_known()
             assert 'model="m"' in api.service.metrics.render().decode()

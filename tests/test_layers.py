@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("mesh.wire",),  # what crosses between the control service and a node agent: typed messages
     ("mesh.weights",),  # weights by network: blocks, frames, the node's transport and receiver
     ("mesh.node",),  # the node agent process: token-level loop, agent server, tokenizers, builds ahead
-    ("mesh.control",),  # the control service's decisions: cluster view, dispatcher, schedulers, agent clients
+    ("mesh.control",),  # the control service's decisions: fleet, dispatcher, schedulers, agent clients
     ("mesh.replay",),  # virtual-time replays and the simulator they assemble (local nodes, virtual loop)
     ("mesh.calibration",),  # calibration runs (above the engines they measure)
     ("mesh.ray",),  # Mesh on a Ray cluster
@@ -274,7 +274,7 @@ def test_apart_finds_an_import_of_the_other_process_only():
 @pytest.mark.parametrize("module,layer", [
     ("mesh.policy.batching", "mesh.policy"), ("mesh.perf.times", "mesh.perf"), ("mesh.modelfiles.demo",
                                                                                 "mesh.modelfiles"),
-    ("mesh.engines.simulated", "mesh.engines"), ("mesh.control.cluster_view", "mesh.control"), ("mesh.replay.simulator",
+    ("mesh.engines.simulated", "mesh.engines"), ("mesh.control.fleet", "mesh.control"), ("mesh.replay.simulator",
                                                                                                 "mesh.replay"),
     ("mesh.calibration.runner", "mesh.calibration"), ("mesh.node.runtime", "mesh.node"), ("mesh.framing", "mesh"),
     ("mesh.commands.replay", "mesh.bench"), ("mesh.agent", "mesh.bench"),
@@ -340,7 +340,7 @@ MAX_FUNCTION_LINES = 120
 
 def test_no_product_class_or_function_does_everything():
     """Issue 34: a class that grows past 400 lines, or a function past 120, is split along
-    its seams (the agent server's connection, instances and requests; the placement's
+    its seams (the agent server's connection, instances and requests; the cluster control's
     membership, catalogue and request path)."""
     found = []
     for scan in scanned().values():

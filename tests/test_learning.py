@@ -6,7 +6,7 @@ import pytest
 
 from mesh.bench.learning import Iteration, learning_figures, window_errors, within_after
 from mesh.commands.replay_live import BASE, learnt_twin
-from mesh.control.cluster_view import ModelSpec
+from mesh.control.fleet import ModelSpec
 from mesh.node.node_learning import NodeLearning
 from mesh.perf.speed import PROBE_MAX, PROBE_MIN, MachineSpeed, SpeedFactors
 from mesh.perf.times import AdaptiveTimes, DefaultCpuTimes, learnt_profile, prior_profile

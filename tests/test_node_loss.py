@@ -16,7 +16,7 @@ from agent_doubles import InProcessAgent, expected_tokens, until, use_sequence_e
 from mesh.engines.engine_api import Sampling
 from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.cluster_control import ClusterControl, ClusterSettings
 from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
@@ -39,9 +39,9 @@ def job(rid: str, m: ModelRecord, max_tokens: int) -> Job:
                prompt_token_ids=list(PROMPT))
 
 
-async def started(nodes: int, **settings) -> ClusterPlacement:
+async def started(nodes: int, **settings) -> ClusterControl:
     settings.setdefault("cold_start_s", 0.0)  # simulated engines load at once
-    p = ClusterPlacement([NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(nodes)], PlacementSettings(**settings),
+    p = ClusterControl([NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(nodes)], ClusterSettings(**settings),
                          agent_factory=InProcessAgent)
     await p.start()
     return p
@@ -68,7 +68,7 @@ class Reader:
             self.end = exc
 
 
-def serving_node(p: ClusterPlacement) -> str:
+def serving_node(p: ClusterControl) -> str:
     (node,) = {r.node.node_id for r in p.cluster.all_instances() if r.requests}
     return node
 

@@ -96,11 +96,11 @@ def test_a_stopped_instance_is_adopted_by_the_next_load_of_its_model(demo_gguf, 
 
 
 async def _one_agent_cluster(demo_gguf: Any) -> tuple[Any, Any]:
-    """A started ClusterView over one AgentNode (a real agent process) that loads the demo
+    """A started Fleet over one AgentNode (a real agent process) that loads the demo
     model as "smol" (8 requests at most, window 2048)."""
     from agent_doubles import ClusterOnly
     from mesh.control.agent_node import AgentNode
-    from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
+    from mesh.control.fleet import ClusterConfig, Fleet, ModelSpec
     from mesh.control.supervisor import AgentSettings, LocalAgent
     from mesh.engines.openvino_engine import OpenVINOEngine
     from mesh.perf.times import prior_profile
@@ -115,7 +115,7 @@ async def _one_agent_cluster(demo_gguf: Any) -> tuple[Any, Any]:
         return InstanceSpec(plan.instance_id, plan.model, str(demo_gguf), plan.context_window, max_num_seqs=8)
 
     profile = prior_profile("smol", "cpu", shape.weight_bytes, shape.kv_bytes_per_token, 2048)
-    cluster = ClusterView(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=4 * gib, slo=SLO(60.0, 5.0)),
+    cluster = Fleet(ClusterConfig(cpu_nodes=1, gpu_nodes=0, cpu_memory_bytes=4 * gib, slo=SLO(60.0, 5.0)),
                           {"smol": ModelSpec("smol", {"cpu": profile})}, {"smol": "smol"}, {"smol": 64.0})
     node = AgentNode(NodeSpec("cpu0", "cpu", 4 * gib), LocalAgent,
                      AgentSettings(models_roots=(str(demo_gguf.parent),)), load_spec, ClusterOnly(cluster))

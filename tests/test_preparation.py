@@ -1,6 +1,6 @@
 """One registration, both kinds of node (issue 11 item 3), fast parts: the registry's
 `prepared_formats` table and its schema upgrade, the FormatPreparer with a stand-in
-converter (its states, its persistence, deletion), and ClusterPlacement over a CPU and a GPU
+converter (its states, its persistence, deletion), and ClusterControl over a CPU and a GPU
 node (in-process agents, simulated engines, real weights receivers): a GGUF registered once
 gets a second format that joins the parameter pool, the dispatcher chooses the kind (CPU
 under `mesh`, GPU under `sllm`), `scale_out` accepts either kind, and the refusals say why.
@@ -22,10 +22,10 @@ from mesh.control.weights_plane import ModelFormat, WeightsPlane, WeightsSetting
 from mesh.engines.engine_api import Sampling
 from mesh.modelfiles.formats import Conversion
 from mesh.node import engine_host as agent_engines
+from mesh.policy.dispatch_rules import InstanceView, sllm_pick
 from mesh.policy.node_spec import NodeSpec
-from mesh.policy.placement import InstanceView, sllm_pick
 from mesh.policy.slo import SLO
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.cluster_control import ClusterControl, ClusterSettings
 from mesh.service.errors import ApiError
 from mesh.service.preparation import ConversionFailed, ConvertTool, FormatPreparer
 from mesh.service.registry import SCHEMA_VERSION, ModelRecord, PreparedFormat, Registry, RegistryError
@@ -69,7 +69,7 @@ def test_prepared_formats_are_stored_per_kind_and_go_with_their_model(tmp_path):
     assert m.node_kinds == ("cpu",) and m.prepared_for("gpu").state == "preparing"
     assert r.set_prepared(m.uid, PreparedFormat("gpu", "hf", "/d/prepared/m_1/gpu", "ready", "", 12345, 3.5))
     ready = r.model("acme", m.name)
-    assert ready != m  # the placement re-describes a record that changed
+    assert ready != m  # the cluster control re-describes a record that changed
     assert ready.node_kinds == ("cpu", "gpu") and ready.path_for("gpu") == "/d/prepared/m_1/gpu"
     assert ready.format_for("gpu") == "hf" and ready.format_for("cpu") == "gguf"
     assert (ready.prepared_for("gpu").weight_bytes, ready.prepared_for("gpu").seconds) == (12345, 3.5)
@@ -269,7 +269,7 @@ def test_what_cannot_be_prepared_stays_on_its_kind_and_says_why(tmp_path):
     asyncio.run(main())
 
 
-# ---- the placement over a CPU and a GPU node ---------------------------------------------------------
+# ---- the cluster control over a CPU and a GPU node------------------------------------------------------
 
 
 @pytest.fixture
@@ -291,13 +291,13 @@ def loads(monkeypatch) -> list[tuple[str, str, str]]:
 
 
 async def two_kinds(tmp_path: Path, policy: str = "mesh", tool: ConvertTool | None = None,
-                    gpu: bool = True) -> ClusterPlacement:
+                    gpu: bool = True) -> ClusterControl:
     class Agent(InProcessAgent):
         weights_root = str(tmp_path / "nodes")
 
     specs = [NodeSpec("cpu-0", "cpu", 10**9)] + ([NodeSpec("gpu-0", "gpu", 10**9)] if gpu else [])
     plane = WeightsSettings(plan="binomial", block_bytes=4 << 20, token=WEIGHTS_TOKEN)
-    p = ClusterPlacement(specs, PlacementSettings(policy=policy, cold_start_s=0.0), agent_factory=Agent,
+    p = ClusterControl(specs, ClusterSettings(policy=policy, cold_start_s=0.0), agent_factory=Agent,
                          weights=lambda agents: WeightsPlane(agents, plane),
                          formats=preparer(tmp_path, tool or FakeTool()))
     await p.start()
@@ -308,14 +308,14 @@ def job(rid: str, m: ModelRecord) -> Job:
     return Job(rid, m, asyncio.get_running_loop().time(), Sampling(max_tokens=4), prompt_token_ids=list(range(1, 11)))
 
 
-async def serve(p: ClusterPlacement, m: ModelRecord, rid: str) -> str:
+async def serve(p: ClusterControl, m: ModelRecord, rid: str) -> str:
     stream = await p.submit(job(rid, m))
     events = [e async for e in stream.events()]
     assert isinstance(events[-1], Finished) and events[-1].tokens_out == 4
     return stream.node_id
 
 
-async def registered(p: ClusterPlacement, tmp_path: Path) -> ModelRecord:
+async def registered(p: ClusterControl, tmp_path: Path) -> ModelRecord:
     gguf = tmp_path / "m.gguf"
     gguf.write_bytes(b"GGUF" + os.urandom(200_000))
     m = p.formats.registry.add_model(gguf_record(gguf))
@@ -503,8 +503,8 @@ def test_each_kind_of_node_gets_its_own_calibration_profile(tmp_path):
         profiles = tmp_path / "profiles"
         profiles.mkdir()
         save_profile(prior_profile("m_1", "cpu", 10**6, 1000, 256), profiles / "m_1.json")
-        p = ClusterPlacement([NodeSpec("cpu-0", "cpu", 10**9), NodeSpec("gpu-0", "gpu", 10**9)],
-                             PlacementSettings(profile_dir=str(profiles)), agent_factory=InProcessAgent)
+        p = ClusterControl([NodeSpec("cpu-0", "cpu", 10**9), NodeSpec("gpu-0", "gpu", 10**9)],
+                             ClusterSettings(profile_dir=str(profiles)), agent_factory=InProcessAgent)
         assert p.catalogue.profile_for("m_1", "cpu") == str(profiles / "m_1.json")
         assert p.catalogue.profile_for("m_1", "gpu") is None  # a CPU profile never plans a GPU instance
         save_profile(prior_profile("m_1", "gpu", 10**6, 1000, 256), profiles / "m_1.gpu.json")

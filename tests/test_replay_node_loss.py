@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.control.cluster_view import ClusterConfig
+from mesh.control.fleet import ClusterConfig
 from mesh.perf.load_times import ANY_MODEL, ColdStart
 from mesh.replay.driver import NodeFailure, ReplayConfig, build_catalog, run_policy
 from workloads.workload import Arrival, Workload

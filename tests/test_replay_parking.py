@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from mesh.control.cluster_view import ClusterConfig
+from mesh.control.fleet import ClusterConfig
 from mesh.perf.load_times import ANY_MODEL, PARKED, ColdStart, ColdStartTable
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
 from workloads.workload import Arrival, Workload
@@ -51,7 +51,7 @@ def test_a_request_during_the_build_ahead_adopts_it_and_a_stopped_instance_is_pa
 
 
 def test_a_node_holding_the_first_host_copy_goes_first_among_empty_nodes():
-    """sllm+cpu takes the first empty CPU node, those holding a host copy first (placement.
+    """sllm+cpu takes the first empty CPU node, those holding a host copy first (dispatch_rules.
     new_instance_order, as live): f001's first copy, and its build ahead, are on cpu1, so its
     request goes there and adopts the parked worker. A twin where every node holds every
     model (host_copies=False) sends it to cpu0, which has nothing parked: a cold start."""

@@ -96,7 +96,7 @@ def _steady(n: int, every_s: float, start_s: float = 0.0, duration_s: float = 60
 
 
 def test_warm_up_rule() -> None:
-    from mesh.policy.placement import warm_up_allowed
+    from mesh.policy.dispatch_rules import warm_up_allowed
 
     assert warm_up_allowed(4.5, 1.8, True, 0)  # SSD load longer than any fresh request can wait
     assert not warm_up_allowed(0.6, 1.8, True, 0)  # it fits: a fresh request starts it as usual
@@ -105,7 +105,7 @@ def test_warm_up_rule() -> None:
 
 
 def test_a_warm_up_never_builds_beside_requests_a_cpu_node_serves() -> None:
-    from mesh.policy.placement import warm_up_node_allowed
+    from mesh.policy.dispatch_rules import warm_up_node_allowed
 
     assert warm_up_node_allowed("cpu", False, True) and warm_up_node_allowed("gpu", True, True)
     assert not warm_up_node_allowed("cpu", True, True)  # a scale-out: its build would take the cores they run on
@@ -134,7 +134,7 @@ def test_mesh_scales_out_when_the_ssd_load_exceeds_the_slo(policy: str) -> None:
 def test_an_unused_warm_up_is_recycled_after_its_load() -> None:
     """One request, then nothing for a while: its instance loads (4.5 s), idles keep-alive
     (1 s) from the end of its load, then goes; it is not recycled in the middle of its load."""
-    from mesh.control.cluster_view import ClusterConfig
+    from mesh.control.fleet import ClusterConfig
     from mesh.perf.load_times import ColdStart
     from mesh.replay.cold_start_modes import Engines
     from mesh.replay.driver import ReplayConfig, run_policy

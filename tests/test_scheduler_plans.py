@@ -5,14 +5,15 @@ from dataclasses import dataclass, field
 
 from cluster_doubles import config, request, spec
 from mesh.control.cluster_node import ClusterNode
-from mesh.control.cluster_view import ClusterView
+from mesh.control.fleet import Fleet
 from mesh.control.plans import (
     Admit,
+    ExistingHome,
     FitsGroup,
     FitsInstance,
     FitsNew,
-    Home,
     Move,
+    NewHome,
     Placement,
     Preemption,
     ScaleOut,
@@ -46,10 +47,14 @@ class BookNode(ClusterNode):
     margin = 0.0
 
     def __init__(self, spec) -> None:
-        self.spec = spec
+        self._spec = spec
         self.hosted: dict[str, Hosted] = {}
         self.tokens: dict[str, int] = {}
         self.asked_nothing = False
+
+    @property
+    def spec(self):
+        return self._spec
 
     @property
     def instances(self):
@@ -102,7 +107,7 @@ def test_a_preemption_plan_names_its_moves_from_the_books_and_the_checks_answers
     request, both are. The plan names each move: the instance, its requests, their
     progress, their home; and no node was asked anything."""
     async def main():
-        cluster = ClusterView(config(cpu=2, gpu=1), {"llama-2-7b": spec()},
+        cluster = Fleet(config(cpu=2, gpu=1), {"llama-2-7b": spec()},
                               {m: "llama-2-7b" for m in ("m", "a", "b")},
                               nodes=[BookNode(s) for s in config(cpu=2, gpu=1).node_specs()])
         cpu0, cpu1, gpu0 = (cluster.node(n) for n in ("cpu0", "cpu1", "gpu0"))
@@ -140,9 +145,9 @@ def test_a_preemption_plan_names_its_moves_from_the_books_and_the_checks_answers
     assert isinstance(plan, Preemption) and plan.target is x and plan.request.request_id == "new"
     assert [m.instance for m in plan.moves] == [y, z]
     first, second = plan.moves
-    assert first == Move(y, tuple(y.requests.values()), (11,), Home(cpu1, ref=a1))
+    assert first == Move(y, tuple(y.requests.values()), (11,), ExistingHome(cpu1, a1))
     assert [q.request_id for q in second.requests] == ["z-0", "z-1"] and second.done == (11, 12)
-    assert second.home.node is gpu0 and second.home.ref is None and second.home.plan.model == "b"
+    assert isinstance(second.home, NewHome) and second.home.node is gpu0 and second.home.plan.model == "b"
     # the checks it asked, in order: room with both gone; Y's request on a1; X with Y gone
     # (no); Z's requests on a new instance of b (gpu0 only: cpu0 and cpu1 are used); X with both gone
     assert [type(c).__name__ for c in asked] == ["FitsInstance", "FitsGroup", "FitsInstance", "FitsNew",
@@ -159,7 +164,7 @@ def test_a_preemption_plan_names_its_moves_from_the_books_and_the_checks_answers
 
 def test_no_preemption_is_planned_when_preempting_every_lower_batch_neighbour_leaves_no_room():
     async def main():
-        cluster = ClusterView(config(cpu=1, gpu=0), {"llama-2-7b": spec()}, {"m": "llama-2-7b", "a": "llama-2-7b"},
+        cluster = Fleet(config(cpu=1, gpu=0), {"llama-2-7b": spec()}, {"m": "llama-2-7b", "a": "llama-2-7b"},
                               nodes=[BookNode(s) for s in config(cpu=1, gpu=0).node_specs()])
         node = cluster.node("cpu0")
         x = await cluster.start_instance(cluster.plan("m", node), node)

@@ -433,7 +433,7 @@ def test_live_replay_sends_the_trace_and_simulates_the_same_requests(server, tmp
         assert {"ttft_p99_s", "tpot_p99_s", "cpu_nodes_avg", "gpu_nodes_avg", "slo_rate_strict"} <= set(figures)
     assert live["completed"] >= 1 and live["cpu_nodes_avg"] > 0  # how many meet the SLO depends on the machine's load
     detail = live["requests_detail"]  # every request, as the client saw it
-    assert len(detail) == n and sum(r["slo_met"] for r in detail) == live["slo_compliant"]
+    assert len(detail) == n and sum(r["slo_met"] for r in detail) == live["slo_compliant_strict"]
     assert sum(r["outcome"] == "rejected" for r in detail) == live["rejected"]
     dispatcher = live["service"]["dispatcher"]  # the service's own account at the end
     lag = live["service"]["control_plane"]["loop_lag"]  # the service's event-loop lag (issue 24's bound)

@@ -1,5 +1,5 @@
 """Tenant quotas: the rules (mesh.policy.quota, no clock) and the service enforcing them over
-real HTTP (aiohttp's test server, a real SQLite registry, the placement with an in-process
+real HTTP (aiohttp's test server, a real SQLite registry, the cluster control with an in-process
 node agent running simulated engines; the GGUF registered is the real demo file): a tenant
 over each quota gets the named error while another tenant is served."""
 from __future__ import annotations
@@ -25,7 +25,7 @@ from mesh.policy.quota import (
     registration_over,
 )
 from mesh.service.app import build_app
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.cluster_control import ClusterControl, ClusterSettings
 from mesh.service.config import ConfigError, ServeConfig, build_config
 from mesh.service.prometheus import ServiceMetrics
 from mesh.service.registry import Registry
@@ -133,11 +133,11 @@ def _allowed(tmp_path: Path, demo_gguf: Path, tenants: tuple[str, ...] = ("a", "
 async def _serve(tmp_path: Path, allowed: Path, **config: Any) -> tuple[Api, Any]:
     cfg = ServeConfig(admin_token=ADMIN, metrics_token=METRICS, allowed_dir=allowed, data_dir=tmp_path, **config)
     registry = Registry(tmp_path / "registry.sqlite3")
-    placement = ClusterPlacement([NodeSpec("cpu-0", "cpu", 10**10)], PlacementSettings(cold_start_s=0.0),
+    control = ClusterControl([NodeSpec("cpu-0", "cpu", 10**10)], ClusterSettings(cold_start_s=0.0),
                                  agent_factory=InProcessAgent)
-    service = Service(cfg, registry, placement, ServiceMetrics(placement.view), tmp_path)
+    service = Service(cfg, registry, control, ServiceMetrics(control.view), tmp_path)
     service.idle.set()
-    await placement.start()
+    await control.start()
     server = TestServer(build_app(service))
     await server.start_server()
     session = aiohttp.ClientSession()
@@ -145,7 +145,7 @@ async def _serve(tmp_path: Path, allowed: Path, **config: Any) -> tuple[Api, Any
     async def close() -> None:
         await session.close()
         await server.close()
-        await placement.stop()
+        await control.stop()
         registry.close()
 
     return Api(server, session), close

@@ -1,7 +1,7 @@
 """The service's weights plane (issue 7 items 1 and 4) with in-process node agents that
 host real weights receivers on loopback, and simulated engines: registration places the
 first host copy, a scale-out multicasts the model to nodes without it, a saturated node
-makes the placement scale out, and deleting a model deletes the nodes' copies."""
+makes the cluster control scale out, and deleting a model deletes the nodes' copies."""
 from __future__ import annotations
 
 import asyncio
@@ -17,7 +17,7 @@ from mesh.control.weights_plane import WeightsError, WeightsPlane, WeightsSettin
 from mesh.engines.engine_api import Sampling
 from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.cluster_control import ClusterControl, ClusterSettings
 from mesh.service.errors import ApiError
 from mesh.service.prometheus import ServiceMetrics
 from mesh.service.registry import ModelRecord
@@ -48,20 +48,20 @@ def record(path: Path, uid: str = "m_1") -> ModelRecord:
 
 
 async def started(tmp_path: Path, nodes: int = 3, token: str = WEIGHTS_TOKEN, host_bytes: int = 10**9,
-                  **settings) -> ClusterPlacement:
+                  **settings) -> ClusterControl:
     class Agent(InProcessAgent):
         weights_root = str(tmp_path / "nodes")
 
     specs = [NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(nodes)]
     plane = WeightsSettings(plan="binomial", block_bytes=1 << 20, token=token)
     settings.setdefault("cold_start_s", 0.0)  # simulated engines load at once
-    p = ClusterPlacement(specs, PlacementSettings(**settings), agent_factory=Agent,
+    p = ClusterControl(specs, ClusterSettings(**settings), agent_factory=Agent,
                        weights=lambda agents: WeightsPlane(agents, plane, {s.node_id: host_bytes for s in specs}))
     await p.start()
     return p
 
 
-async def run(p: ClusterPlacement, m: ModelRecord, rid: str, max_tokens: int = 5) -> tuple[str, Finished]:
+async def run(p: ClusterControl, m: ModelRecord, rid: str, max_tokens: int = 5) -> tuple[str, Finished]:
     loop = asyncio.get_running_loop()
     stream = await p.submit(Job(rid, m, loop.time(), Sampling(max_tokens=max_tokens),
                                 prompt_token_ids=list(range(1, 21))))
@@ -279,7 +279,7 @@ def test_registration_describes_the_model_on_the_node_that_holds_its_first_host_
         specs = [NodeSpec(f"cpu-{i}", "cpu", 10**9) for i in range(3)]
         hosts = {"cpu-0": 10**8, "cpu-1": 10**8, "cpu-2": 10**9}  # most free host memory: cpu-2
         plane = WeightsSettings(plan="binomial", block_bytes=1 << 20, token=WEIGHTS_TOKEN)
-        p = ClusterPlacement(specs, PlacementSettings(cold_start_s=0.0), agent_factory=Agent,
+        p = ClusterControl(specs, ClusterSettings(cold_start_s=0.0), agent_factory=Agent,
                              weights=lambda agents: WeightsPlane(agents, plane, hosts))
         await p.start()
         m = record(model_file)

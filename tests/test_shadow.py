@@ -130,7 +130,7 @@ def test_an_instance_with_a_learnt_margin_is_validated_with_it():
 
 
 def test_a_request_served_late_on_an_instance_loading_for_20_s_validates_behind_many_decodes():
-    """Served late (placement SERVE_LATE): the candidate's instance is ready in 20 s, its
+    """Served late (dispatch_rules.SERVE_LATE): the candidate's instance is ready in 20 s, its
     deadlines run from then, and meanwhile a loaded neighbour decodes 50 ms steps, 400 of them
     before the candidate can prefill: more than the horizon's iteration budget (256 + ...).
     Those iterations must not exhaust it, or the candidate is "late by inf" however late its

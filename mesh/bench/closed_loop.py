@@ -100,7 +100,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 # -- one request, one round ------------------------------------------------------------------
 @dataclass
-class Outcome:
+class RequestResult:
+    """One request of a round as the client saw it: served, turned away or failed, and when."""
+
     index: int
     model: str
     url: str
@@ -139,13 +141,13 @@ def _detail(exc: BaseException) -> str:
 
 
 async def one_request(client: Any, target: Target, index: int, max_tokens: int, ignore_eos: bool,
-                      round_start: float = 0.0) -> Outcome:
+                      round_start: float = 0.0) -> RequestResult:
     """One streamed chat completion through the openai client (no retries), classified."""
     import openai
 
     loop = asyncio.get_running_loop()
     start = loop.time()
-    out = Outcome(index, target.model, target.url, FAILED, sent_s=start - round_start if round_start else 0.0)
+    out = RequestResult(index, target.model, target.url, FAILED, sent_s=start - round_start if round_start else 0.0)
     content_chunks = 0
     usage_tokens: int | None = None
     finish: str | None = None
@@ -183,7 +185,7 @@ async def one_request(client: Any, target: Target, index: int, max_tokens: int, 
 
 async def closed_loop(targets: Sequence[Target], clients: int, requests: int, max_tokens: int,
                       ignore_eos: bool = True, timeout: float = 600.0,
-                      progress: bool = False, desc: str = "") -> tuple[list[Outcome], float]:
+                      progress: bool = False, desc: str = "") -> tuple[list[RequestResult], float]:
     """`clients` closed-loop clients send `requests` requests in all (request i to target i mod
     len(targets)); each client sends its next request when its previous one ended. Returns
     every request's outcome (in index order) and the wall time from the first send to the
@@ -198,7 +200,7 @@ async def closed_loop(targets: Sequence[Target], clients: int, requests: int, ma
             by_key[(t.url, t.api_key)] = openai.AsyncOpenAI(base_url=f"{t.url}/v1", api_key=t.api_key,
                                                             max_retries=0, timeout=timeout)
     counter = iter(range(requests))
-    outcomes: list[Outcome] = []
+    outcomes: list[RequestResult] = []
     bar = tqdm(total=requests, desc=desc or "requests", unit="req", disable=not progress, file=sys.stderr,
                leave=True)
 
@@ -233,7 +235,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def summarize(outcomes: Sequence[Outcome], wall_s: float, sent: int | None = None) -> dict[str, Any]:
+def summarize(outcomes: Sequence[RequestResult], wall_s: float, sent: int | None = None) -> dict[str, Any]:
     """A round's figures. `sent` (default len(outcomes)): requests sent; one without an outcome
     counts as failed. TTFT percentiles over served requests (`ttft_p50_s`, `ttft_p99_s`) and
     over all requests sent (`ttft_p99_all_s`: an unserved one counts as inf)."""

@@ -29,7 +29,7 @@ import numpy as np
 from tqdm import tqdm
 
 from mesh.engines.engine_api import EngineRequest, Sampling
-from mesh.policy.placement import CPU, GPU
+from mesh.policy.dispatch_rules import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.policy.slo import SLO
 from mesh.service.limits import CLIENT_KEEPALIVE_S

@@ -31,7 +31,9 @@ NAME = re.compile(r"live_rig-(?P<rig>[a-z0-9-]+)_(?P<policy>[a-z0-9-]+)_s(?P<see
 
 
 @dataclass(frozen=True)
-class LiveRun:
+class RunFigures:
+    """One live replay's figures, as read back from its JSON (read_run)."""
+
     rig: str
     policy: str
     seed: int
@@ -63,7 +65,7 @@ def _first_requests(detail: list[dict]) -> tuple[int, tuple[str, ...]]:
     return sum(1 for r in first.values() if r["arrival_s"] >= LEAD_S), tuple(late)
 
 
-def read_run(path: str | Path) -> LiveRun:
+def read_run(path: str | Path) -> RunFigures:
     """One run's figures; ValueError if its name or content is not a live replay's."""
     path = Path(path)
     m = NAME.search(path.name)
@@ -74,9 +76,9 @@ def read_run(path: str | Path) -> LiveRun:
     policy = live.get("policy") or m["policy"]
     twin = (data.get("simulated_by_policy") or {}).get(policy) or data["simulated"]
     firsts, late = _first_requests(live.get("requests_detail") or [])
-    return LiveRun(m["rig"], policy, int(m["seed"]), int(m["repeat"]), int(live["requests"]),
-                   int(live["slo_compliant"]), 100.0 * float(live["slo_rate"]), 100.0 * float(twin["slo_rate"]),
-                   late, firsts, _nodes(live), _nodes(twin))
+    return RunFigures(m["rig"], policy, int(m["seed"]), int(m["repeat"]), int(live["requests"]),
+                      int(live["slo_compliant"]), 100.0 * float(live["slo_rate"]), 100.0 * float(twin["slo_rate"]),
+                      late, firsts, _nodes(live), _nodes(twin))
 
 
 def _nodes(figures: dict) -> float:
@@ -87,13 +89,13 @@ def _mmm(values: list[float]) -> str:
     return f"{min(values):.1f} / {statistics.median(values):.1f} / {max(values):.1f}"
 
 
-def summary(runs: Iterable[LiveRun]) -> str:
+def summary(runs: Iterable[RunFigures]) -> str:
     """The markdown table (module docstring)."""
     runs = sorted(runs, key=lambda r: (r.rig, r.policy, r.seed, r.repeat))
     lines = ["| rig | policy | runs | live SLO % (min / median / max) | twin SLO % (min / median / max) | "
              "max abs(live - twin) | max repeat spread | nodes in use, live / twin (median) |",
              "|---|---|---|---|---|---|---|---|"]
-    groups: dict[tuple[str, str], list[LiveRun]] = {}
+    groups: dict[tuple[str, str], list[RunFigures]] = {}
     for r in runs:
         groups.setdefault((r.rig, r.policy), []).append(r)
     for (rig, policy), group in groups.items():

@@ -9,14 +9,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from mesh.control.cluster_view import ClusterConfig, check_cluster
 from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S
+from mesh.control.fleet import ClusterConfig, check_cluster
 from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
 from mesh.engines.simulated import SIMULATED_NOISE
 from mesh.perf.load_times import PCIE_BYTES_PER_S, ColdStart
 from mesh.perf.profile import ProfileError
 from mesh.perf.roofline import host_to_device_bytes_per_s
-from mesh.policy.placement import ADMISSIONS
+from mesh.policy.dispatch_rules import ADMISSIONS
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.policy.slo import DeadlineRule
 from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity

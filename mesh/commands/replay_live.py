@@ -45,7 +45,7 @@ from typing import Any
 import aiohttp
 
 from mesh.bench.live import ClusterShape, LiveConfig, LiveReplayError, cluster_shape, cold_start_bytes_per_s, run_live
-from mesh.control.cluster_view import ClusterConfig, ModelSpec
+from mesh.control.fleet import ClusterConfig, ModelSpec
 from mesh.control.schedulers import scheduler_spec
 from mesh.engines.emulation import emulated_cold_start
 from mesh.engines.engine_api import DEFAULT_CONTEXT_CAP, EngineError
@@ -53,17 +53,17 @@ from mesh.modelfiles.demo import ModelFetchError
 from mesh.perf.load_times import ANY_MODEL, PARKED_PRIOR_S, ColdStart
 from mesh.perf.profile import load_profile
 from mesh.perf.times import learnt_profile, prior_profile
-from mesh.policy.placement import CPU, GPU
+from mesh.policy.dispatch_rules import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.driver import ReplayConfig, run_policy
 from mesh.replay.metrics import json_ready, request_figures, summarize, table
-from mesh.service.cluster_placement import PlacementSettings
+from mesh.service.cluster_control import ClusterSettings
 from mesh.wire.served_request import ServedRequest
 from workloads.workload import Workload
 
 BASE = "smollm2-135m"  # the base model name of every replica (one model file, one profile)
 LIVE_LENGTH_SCALE = 8.0  # the trace's lengths / 8 suit a 135M model on a small CPU (as `mesh bench fidelity`)
-LIVE_KEEP_ALIVE_S = 60.0  # the service's default (mesh.service.cluster_placement.PlacementSettings)
+LIVE_KEEP_ALIVE_S = 60.0  # the service's default (mesh.service.cluster_control.ClusterSettings)
 LIVE_COLD_START_S = 7.5  # measured: the demo model starts in 7.0-7.9 s on a 2-core node (docs/evaluation.md)
 
 
@@ -142,12 +142,12 @@ def _simulate(args: argparse.Namespace, workload: Workload, shape: ClusterShape,
     extra: dict[str, Any] = {} if margin is None else {"margin": margin}
     if shape.devices and not shape.mixed:  # emulated nodes: the replay's cold start, the service's batch limit
         cold_start = emulated_cold_start(shape.devices.values(), args.profiles)
-        extra["max_batch"] = PlacementSettings().max_batch
+        extra["max_batch"] = ClusterSettings().max_batch
     else:
         bps = cold_start_bytes_per_s(catalog[base].profiles[CPU].weight_bytes, cold_start_s or args.cold_start_s)
         parked = PARKED_PRIOR_S if parked_s is None else parked_s
         cold_start = ColdStart(bps, bps, parked_s=parked)
-        if shape.mixed:  # the emulated GPU nodes load as the service has them (ClusterView.simulated_load_s: its
+        if shape.mixed:  # the emulated GPU nodes load as the service has them (Fleet.simulated_load_s: its
             # cold start model, --cold-start-s plus the weights over PCIe), not at the CPU nodes' measured pace
             gpu_load = ColdStart(fixed_s=args.cold_start_s).load_s(catalog[base].profiles[GPU].weight_bytes, GPU)
             cold_start = ColdStart(cpu_load_bytes_per_s=bps, measured={(ANY_MODEL, GPU): gpu_load}, parked_s=parked)

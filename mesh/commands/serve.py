@@ -7,7 +7,7 @@ import logging
 import sys
 
 from mesh.control.schedulers import POLICIES
-from mesh.policy.placement import ADMISSIONS
+from mesh.policy.dispatch_rules import ADMISSIONS
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.policy.slo import DeadlineRule
 from mesh.service.config import quota_value

@@ -22,7 +22,7 @@ from mesh.wire.agent_protocol import (
     REPLY,
     TYPE_KEY,
     Code,
-    Failure,
+    FailureReply,
     Hello,
     HelloReply,
     Ping,
@@ -33,7 +33,7 @@ from mesh.wire.agent_protocol import (
     reply_fields,
 )
 
-log = logging.getLogger("mesh.control.agent_client")
+log = logging.getLogger(__name__)
 
 R = TypeVar("R")
 EventCallback = Callable[[dict[str, Any]], None]
@@ -47,7 +47,7 @@ class AgentDown(ConnectionError):
 class AgentCallError(RuntimeError):
     """The agent answered ok=false."""
 
-    def __init__(self, failure: Failure) -> None:
+    def __init__(self, failure: FailureReply) -> None:
         super().__init__(failure.error)
         self.failure = failure
         self.code = failure.code
@@ -97,7 +97,6 @@ class AgentClient:
         self.hello: HelloReply | None = None  # who the agent said it is
         self.address = ""  # what connect() reached: "host:port" or "unix:path"
         self.closed_reason: str | None = None
-        self._reader: asyncio.StreamReader | None = None
         self._writer: asyncio.StreamWriter | None = None
         self._pending: dict[int, asyncio.Future] = {}
         self._ids = itertools.count(1)
@@ -118,11 +117,11 @@ class AgentClient:
             host, _, port = address.rpartition(":")
             opening = asyncio.open_connection(host, int(port), limit=2**20)
         try:
-            self._reader, self._writer = await asyncio.wait_for(opening, timeout_s)
+            reader, self._writer = await asyncio.wait_for(opening, timeout_s)
         except (OSError, asyncio.TimeoutError) as exc:
             raise AgentDown(f"cannot connect to agent {self.name} at {address}: {exc}") from exc
         loop = asyncio.get_running_loop()
-        self._tasks.append(loop.create_task(self._read_loop(), name=f"agent {self.name} reader"))
+        self._tasks.append(loop.create_task(self._read_loop(reader), name=f"agent {self.name} reader"))
         self.hello = await self.call(Hello(token), timeout_s)
         self._tasks.append(loop.create_task(self._heartbeat(), name=f"agent {self.name} heartbeat"))
         return self.hello
@@ -133,8 +132,8 @@ class AgentClient:
         try:
             return request.REPLY.from_fields(fields)
         except ProtocolError as exc:
-            raise AgentCallError(Failure(Code.PROTOCOL.value, f"agent {self.name} answered {request.T} with a "
-                                         f"malformed reply: {exc}")) from exc
+            raise AgentCallError(FailureReply(Code.PROTOCOL.value, f"agent {self.name} answered {request.T} with a "
+                                              f"malformed reply: {exc}")) from exc
 
     async def call_message(self, message: dict[str, Any], timeout_s: float | None = None) -> dict[str, Any]:
         """Send a message as it is and await its reply (the reply's fields, without t/re/ok)."""
@@ -157,9 +156,10 @@ class AgentClient:
         self.call_times.setdefault(str(message.get(TYPE_KEY)), CallTimes()).add(loop.time() - sent)
         if not reply.get("ok"):
             try:
-                failure = Failure.from_fields(reply)
+                failure = FailureReply.from_fields(reply)
             except ProtocolError as exc:
-                failure = Failure(Code.PROTOCOL.value, f"agent {self.name} failed a call with a malformed reply: {exc}")
+                failure = FailureReply(Code.PROTOCOL.value,
+                                       f"agent {self.name} failed a call with a malformed reply: {exc}")
             raise AgentCallError(failure)
         return reply_fields(reply)
 
@@ -169,17 +169,19 @@ class AgentClient:
             self._write(request.to_message())
 
     def _write(self, message: dict[str, Any]) -> None:
+        if self._writer is None:
+            raise AgentDown(f"agent {self.name} is not connected")
         try:
             self._writer.write(encode_frame(message))
         except (ConnectionError, RuntimeError) as exc:
             self._close(f"write failed: {exc}")
             raise AgentDown(f"agent {self.name} is down: {exc}") from exc
 
-    async def _read_loop(self) -> None:
+    async def _read_loop(self, reader: asyncio.StreamReader) -> None:
         reason = "connection closed by the agent"
         try:
             while True:
-                message = await read_frame(self._reader)
+                message = await read_frame(reader)
                 if message is None:
                     break
                 self.frames_in += 1

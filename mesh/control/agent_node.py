@@ -27,9 +27,9 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from typing import Any, Awaitable, Callable, Collection, Mapping, Protocol, Sequence
+from typing import Any, Awaitable, Callable, Collection, Mapping, Protocol, Sequence, overload
 
-from mesh.control.agent_client import AgentCallError, AgentDown
+from mesh.control.agent_client import AgentCallError, AgentClient, AgentDown
 from mesh.control.cluster_node import CONNECTION, EXITED, HEARTBEAT, ClusterNode, HostedInstance
 from mesh.control.node_book import AgentInstance, BookListener, NodeBook, resume_from
 from mesh.control.supervisor import AgentHandle
@@ -53,6 +53,7 @@ from mesh.wire.agent_protocol import (
     NodeEvent,
     Probe,
     ProtocolError,
+    Request,
     Stats,
     TakeBack,
     TokensEvent,
@@ -60,13 +61,14 @@ from mesh.wire.agent_protocol import (
     Validate,
     ValidateGroup,
     ValidateNew,
+    ValidationReply,
     event_from_message,
     mean_output_to,
     slo_to_dict,
 )
 from mesh.wire.served_request import Outcome, ServedRequest
 
-log = logging.getLogger("mesh.control.agent_node")
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
 STATS_EVERY_S = 1.0
@@ -131,6 +133,14 @@ class AgentNode(ClusterNode):
         return self.agent.spec
 
     @property
+    def _client(self) -> AgentClient:
+        """The connection to the agent; AgentDown while there is none."""
+        client = self.agent.client
+        if client is None:
+            raise AgentDown(f"node {self.node_id} has no connection to its agent")
+        return client
+
+    @property
     def instances(self) -> Mapping[str, HostedInstance]:
         return self._instances
 
@@ -190,7 +200,7 @@ class AgentNode(ClusterNode):
         if not self.up:
             return
         try:
-            stats = await self.agent.client.call(Stats(), CALL_TIMEOUT_S)
+            stats = await self._client.call(Stats(), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError):
             return
         prev = self.stats
@@ -200,14 +210,14 @@ class AgentNode(ClusterNode):
         self._budget_bytes = int(stats.memory.get("budget_bytes", self._budget_bytes))
 
     # -- verbs -------------------------------------------------------------------------------
-    async def _ask(self, request: Validate | ValidateGroup | ValidateNew) -> Admission:
-        """A validation the agent answers with a Verdict; a node that cannot answer refuses."""
+    async def _ask(self, request: Request[ValidationReply]) -> Admission:
+        """A validation the agent answers with a ValidationReply; a node that cannot answer refuses."""
+        if not self.up:
+            return Admission(False, refusal=f"node {self.node_id} is {self.agent.state}")
         try:
-            verdict = await self.agent.client.call(request, CALL_TIMEOUT_S) if self.up else None
+            verdict = await self._client.call(request, CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             return Admission(False, refusal=f"node {self.node_id}: {exc}")
-        if verdict is None:
-            return Admission(False, refusal=f"node {self.node_id} is {self.agent.state}")
         return Admission(verdict.admit, refusal="" if verdict.admit else verdict.reason)
 
     async def validate(self, instance_id: str, req: ServedRequest, *, exclude: Collection[str] = ()) -> Admission:
@@ -245,11 +255,11 @@ class AgentNode(ClusterNode):
         instance_id = inst.instance_id
         er = req.engine_request
         moved = req.deadlines if deadlines is None else deadlines
-        entry = AdmitEntry(req.request_id, instance_id, list(er.prompt_token_ids[:er.prompt_len + req.tokens_out]),
+        entry = AdmitEntry(req.request_id, instance_id, list(er.token_ids()[:er.prompt_len + req.tokens_out]),
                            er.sampling, _age(req.arrival_s), req.tokens_out, er.prompt_len, compute,
                            _age(req.first_token_s), moved.late_s)
         try:
-            result = (await self.agent.client.call(Admit([entry]), CALL_TIMEOUT_S)).results[0]
+            result = (await self._client.call(Admit([entry]), CALL_TIMEOUT_S)).results[0]
         except (AgentDown, AgentCallError, IndexError) as exc:
             result = AdmitResult(False, Code.FAILED.value, f"node {self.node_id}: {exc}")
         if result.ok:
@@ -275,7 +285,7 @@ class AgentNode(ClusterNode):
         if req is None or not self.up:
             return None
         try:
-            progress = await self.agent.client.call(TakeBack(request_id, why), CALL_TIMEOUT_S)
+            progress = await self._client.call(TakeBack(request_id, why), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:  # it ended meanwhile, or the node is gone (or a malformed reply)
             log.info("take_back of %s from %s: %s", request_id, self.node_id, exc)
             return None
@@ -313,7 +323,7 @@ class AgentNode(ClusterNode):
             self._book.means[plan.model] = plan.mean_output
             if self._instances.get(plan.instance_id) is not inst:  # stopped while its weights moved
                 return False
-            await self.agent.client.call(spec, CALL_TIMEOUT_S)
+            await self._client.call(spec, CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - weights not placed, memory, engine: not started
             if self._instances.get(plan.instance_id) is inst:
                 self._instances.pop(plan.instance_id, None)
@@ -354,7 +364,7 @@ class AgentNode(ClusterNode):
 
     async def _unload_quietly(self, instance_id: str) -> None:
         try:
-            await self.agent.client.call(Unload(instance_id), CALL_TIMEOUT_S)
+            await self._client.call(Unload(instance_id), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
 
@@ -374,7 +384,7 @@ class AgentNode(ClusterNode):
         if not self.up or inst.staged_bytes:  # staged: its load was not issued (`_start_staged` cleans up)
             return
         try:
-            await self.agent.client.call(Unload(instance_id), CALL_TIMEOUT_S)
+            await self._client.call(Unload(instance_id), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             log.warning("unloading %s on %s: %s", instance_id, self.node_id, exc)
         await self.refresh()
@@ -386,7 +396,7 @@ class AgentNode(ClusterNode):
         if not self.up:  # a restarted agent has nothing of it
             return
         try:
-            await self.agent.client.call(Forget(model), CALL_TIMEOUT_S)
+            await self._client.call(Forget(model), CALL_TIMEOUT_S)
         except (AgentDown, AgentCallError) as exc:
             log.warning("node %s could not forget model %s: %s", self.node_id, model, exc)
 
@@ -411,7 +421,7 @@ class AgentNode(ClusterNode):
             inst.deferred = [(r, c) for r, c in inst.deferred if r is not req]
             self._book.end_here(request_id, Outcome.FAILED, why)
         elif self.up:
-            self.agent.client.send(Abort(request_id))
+            self._client.send(Abort(request_id))
         else:
             self._book.end_here(request_id, Outcome.FAILED, why)
 
@@ -437,9 +447,10 @@ class AgentNode(ClusterNode):
     def _agent_up(self, agent: AgentHandle) -> None:
         log.warning("node agent %s is up (generation %d)", agent.node_id, agent.generation)
         # A reconnected agent that kept running holds instances nobody here knows: unload them.
-        hello = agent.client.hello if agent.client is not None else None
-        for view in hello.instances if hello is not None else []:
-            agent.client.send(Unload(str(view.get("instance_id"))))
+        client = agent.client
+        if client is not None and client.hello is not None:
+            for view in client.hello.instances:
+                client.send(Unload(str(view.get("instance_id"))))
         self._budget_bytes = 0
         self._stepping = None  # until the agent says
         self.listener.agent_up(self)
@@ -470,6 +481,14 @@ def _probe(req: ServedRequest, done: int, deadlines: Deadlines) -> Probe:
     """A request as the agent's validation needs it, its deadlines running from `deadlines`."""
     return Probe(req.request_id, req.prompt_len, req.engine_request.sampling.max_tokens,
                  _age(req.arrival_s), done, _age(req.first_token_s), deadlines.late_s)
+
+
+@overload
+def _age(t: float) -> float: ...
+
+
+@overload
+def _age(t: None) -> None: ...
 
 
 def _age(t: float | None) -> float | None:

@@ -51,8 +51,8 @@ class HostedInstance(Protocol):
 
 
 class NodeListener(Protocol):
-    """What a node reports unasked to whoever schedules on it (mesh.control.cluster_view's
-    ClusterView); each call names the node."""
+    """What a node reports unasked to whoever schedules on it (mesh.control.fleet.s
+    Fleet); each call names the node."""
 
     def request_evicted(self, node: ClusterNode, req: ServedRequest) -> None:
         """A request left the node with its progress, not ended (evicted, 6.4; the node
@@ -66,9 +66,13 @@ class NodeListener(Protocol):
 
 
 class ClusterNode(ABC):
-    spec: NodeSpec
     margin: float  # shadow validation's overestimate of each iteration (5.3)
     listener: NodeListener | None = None  # whom it reports to; None: an evicted request fails
+
+    @property
+    @abstractmethod
+    def spec(self) -> NodeSpec:
+        """The node: its id, kind and memory (a remote agent's may change at each hello)."""
 
     @property
     def node_id(self) -> str:

@@ -7,7 +7,7 @@ order, whenever capacity frees (a request ends, an instance is recycled). It is 
 with the reason, when the queue is full, after the queue timeout (30 s, the same for every
 policy), or, under Mesh, as soon as it can no longer meet its SLO (no validation can pass
 then; the baselines cannot tell and keep it waiting, LLM-Mesh 8.2). That last rule is the
-model's admission choice (mesh.policy.placement.ADMISSIONS): `reject` as above,
+model's admission choice (mesh.policy.dispatch_rules.ADMISSIONS): `reject` as above,
 `queue` keeps it waiting up to the queue timeout and `late` without a time bound, each placed
 once validation shows everyone else on time, its own deadlines running from then (served late).
 Requests handed back by a node
@@ -45,12 +45,12 @@ import asyncio
 import logging
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode
-from mesh.control.cluster_view import ClusterView, unable_nodes
+from mesh.control.fleet import Fleet, unable_nodes
 from mesh.control.latency import LogHistogram
-from mesh.policy.placement import ADMIT_QUEUE, ADMIT_REJECT, queue_expiry_s, wait_expiry_s
+from mesh.policy.dispatch_rules import ADMIT_QUEUE, ADMIT_REJECT, queue_expiry_s, wait_expiry_s
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
 from mesh.policy.slo import DeadlineRule
 from mesh.wire.served_request import Outcome, ServedRequest
@@ -58,7 +58,7 @@ from mesh.wire.served_request import Outcome, ServedRequest
 if TYPE_CHECKING:
     from mesh.control.schedulers import Scheduler
 
-log = logging.getLogger("mesh.control.dispatcher")
+log = logging.getLogger(__name__)
 
 DEFAULT_RETRY_INTERVAL_S = 0.05  # waiting requests are retried at most this often
 
@@ -150,14 +150,16 @@ class DispatchStats:
 class Dispatcher:
     def __init__(
         self,
-        cluster: ClusterView,
+        cluster: Fleet,
+        scheduler: Callable[[Callable[[ServedRequest], None]], Scheduler],
         *,
         queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
         retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
         queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S,
     ) -> None:
+        """`scheduler(reschedule)`: the scheduler that places requests, made with the
+        dispatcher's `reschedule` (for the requests it takes back, 6.4)."""
         self.cluster = cluster
-        self.policy: Scheduler | None = None
         self.queue = WaitingQueue(queue_capacity)
         self.retry_interval_s = retry_interval_s
         self.queue_timeout_s = queue_timeout_s
@@ -182,20 +184,19 @@ class Dispatcher:
         self.error: BaseException | None = None  # a policy that raised (a bug); replays re-raise it
         cluster.on_capacity = self.capacity_freed
         cluster.on_evict = self.on_evict
+        self.policy: Scheduler = scheduler(self.reschedule)
 
     @classmethod
-    def for_policy(cls, cluster: ClusterView, policy: str, **queue: float | int | None) -> "Dispatcher":
+    def for_policy(cls, cluster: Fleet, policy: str, *, queue_capacity: int = DEFAULT_QUEUE_CAPACITY,
+                   retry_interval_s: float = DEFAULT_RETRY_INTERVAL_S,
+                   queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S) -> "Dispatcher":
         """The dispatcher of `cluster` under the named policy (mesh.control.schedulers): how
         `mesh replay` and `mesh serve` both build theirs, so a replay evaluates exactly what
-        serves tenants. `queue`: queue_capacity, retry_interval_s, queue_timeout_s."""
+        serves tenants."""
         from mesh.control.schedulers import make_scheduler
 
-        dispatcher = cls(cluster, **queue)
-        dispatcher.attach(make_scheduler(policy, cluster, dispatcher.reschedule))
-        return dispatcher
-
-    def attach(self, policy: Scheduler) -> None:
-        self.policy = policy
+        return cls(cluster, lambda reschedule: make_scheduler(policy, cluster, reschedule),
+                   queue_capacity=queue_capacity, retry_interval_s=retry_interval_s, queue_timeout_s=queue_timeout_s)
 
     @staticmethod
     def now() -> float:
@@ -218,7 +219,7 @@ class Dispatcher:
             # model is under way (live, one can take seconds: a scale-out multicasts weights).
             # One the queue would turn away at once (it arrived past its SLO: live, a cold
             # model's tokenizer was built first) gets its model's next decision instead,
-            # which may serve it late (placement SERVE_LATE), as it would with no decision
+            # which may serve it late (dispatch_rules.SERVE_LATE), as it would with no decision
             # under way.
             self._enqueue(req)
             self._schedule_drain()
@@ -337,7 +338,7 @@ class Dispatcher:
         return start + req.slo.ttft_s(prompt), prompt
 
     def admission(self, req: ServedRequest) -> str:
-        """The admission choice that applies to `req` (mesh.policy.placement.ADMISSIONS): its
+        """The admission choice that applies to `req` (mesh.policy.dispatch_rules.ADMISSIONS): its
         model's (or its tenant's) for a fresh request; ADMIT_REJECT's rule for one that had started;
         ADMIT_QUEUE for one a node lost (it waits for a node up to the queue timeout: a restarted
         agent, an instance loading elsewhere), whatever it had done."""

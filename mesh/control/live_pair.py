@@ -46,7 +46,7 @@ from mesh.policy.live_scaling import (
 )
 from mesh.wire.layers import LayerCallFailed, LayerConnection, ModelState, Peer, Release, Run, RunResult, Status
 
-log = logging.getLogger("mesh.control.live_pair")
+log = logging.getLogger(__name__)
 
 SOURCE, TARGET = "source", "target"
 POLL_S = 0.02  # how often an idle side looks again (layers arrive, streams come)

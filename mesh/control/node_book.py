@@ -204,7 +204,7 @@ def resume_from(req: ServedRequest, progress: Progress, note: str) -> None:
     """A request off its node: its produced tokens follow its prompt, to be recomputed
     where it resumes (mesh.node.runtime NodeRuntime.take_back does the same in-process)."""
     er = req.engine_request
-    req.engine_request = dataclasses.replace(er, prompt_token_ids=list(er.prompt_token_ids[:er.prompt_len])
+    req.engine_request = dataclasses.replace(er, prompt_token_ids=list(er.token_ids()[:er.prompt_len])
                                              + progress.token_ids)
     req.tokens_out = progress.tokens_out
     if req.first_token_s is None and progress.first_token_age_s is not None:  # no tokens streamed here

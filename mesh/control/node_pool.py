@@ -1,5 +1,5 @@
 """The service's node membership: one `AgentNode` per node agent (mesh.control.agent_node),
-in the cluster view the dispatcher decides on.
+in the fleet the dispatcher decides on.
 
 `NodePool` makes each node's agent handle (a supervised local process, or a remote agent:
 mesh.control.supervisor, mesh.control.remote_agents), adds and removes nodes while serving
@@ -21,8 +21,8 @@ from typing import Any, Callable, Protocol
 
 from mesh.control.agent_node import AgentNode
 from mesh.control.cluster_node import REMOVED, ClusterNode
-from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.fleet import Fleet
 from mesh.control.supervisor import AgentHandle, AgentSettings
 from mesh.control.weights_plane import WeightsPlane
 from mesh.policy.admission import InstancePlan
@@ -30,7 +30,7 @@ from mesh.policy.node_spec import NodeSpec
 from mesh.wire.agent_protocol import InstanceSpec
 from mesh.wire.served_request import ServedRequest
 
-log = logging.getLogger("mesh.control.node_pool")
+log = logging.getLogger(__name__)
 
 
 class ModelLabel(Protocol):
@@ -62,7 +62,7 @@ class NodeModels(Protocol):
 
 
 class NodePool:
-    def __init__(self, cluster: ClusterView, dispatcher: Dispatcher, settings: AgentSettings,
+    def __init__(self, cluster: Fleet, dispatcher: Dispatcher, settings: AgentSettings,
                  agent_factory: Callable[..., AgentHandle], models: NodeModels, start_timeout_s: float) -> None:
         """`agent_factory(spec, on_up, on_down, on_event, settings)` makes each node's agent
         handle (tests pass one that runs the agent in-process)."""
@@ -77,7 +77,7 @@ class NodePool:
         self._started = False
 
     def nodes(self) -> list[AgentNode]:
-        return list(self.cluster.nodes)  # type: ignore[arg-type] - the service's nodes are AgentNodes
+        return [n for n in self.cluster.nodes if isinstance(n, AgentNode)]  # all of the service's are
 
     def healthy(self) -> bool:
         return all(a.up for a in self.agents.values())
@@ -117,8 +117,11 @@ class NodePool:
         parameter pool; /admin/cluster no longer lists it."""
         if node_id not in self.cluster.node_seq:
             return
-        self.cluster.node(node_id).lose(f"node {node_id} left the cluster ({reason})", REMOVED)
-        node: AgentNode = self.cluster.remove_node(node_id)  # type: ignore[assignment]
+        node = self.cluster.node(node_id)
+        if not isinstance(node, AgentNode):
+            raise TypeError(f"node {node_id} is not a node agent's")
+        node.lose(f"node {node_id} left the cluster ({reason})", REMOVED)
+        self.cluster.remove_node(node_id)
         del self.agents[node_id]
         if self.weights is not None:
             self.weights.node_removed(node_id)

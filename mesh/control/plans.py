@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Generator, TypeVar
 
 from mesh.control.cluster_node import ClusterNode
-from mesh.control.cluster_view import InstanceRef
+from mesh.control.fleet import InstanceRef
 from mesh.policy.admission import Admission, InstancePlan
 from mesh.policy.slo import Deadlines
 from mesh.wire.served_request import ServedRequest
@@ -72,15 +72,28 @@ Planning = Generator[Check, bool, T]  # yields checks, is sent whether each pass
 
 
 @dataclass(frozen=True)
-class Home:
-    """Where requests go: the existing instance `ref` on `node`, or the new instance `plan` there."""
+class ExistingHome:
+    """Where requests go: the running instance `ref` on `node`."""
 
     node: ClusterNode
-    ref: InstanceRef | None = None
-    plan: InstancePlan | None = None
+    ref: InstanceRef
 
     def __str__(self) -> str:
-        return self.ref.instance_id if self.ref is not None else f"new {self.plan.instance_id}"
+        return self.ref.instance_id
+
+
+@dataclass(frozen=True)
+class NewHome:
+    """Where requests go: the new instance `plan`, to start on `node`."""
+
+    node: ClusterNode
+    plan: InstancePlan
+
+    def __str__(self) -> str:
+        return f"new {self.plan.instance_id}"
+
+
+Home = ExistingHome | NewHome
 
 
 @dataclass(frozen=True)
@@ -94,7 +107,7 @@ class Admit:
 @dataclass(frozen=True)
 class Placement:
     """Admit `request` on the first of `tries` whose node admits it; `late`: served late,
-    each try moving its deadlines (placement.SERVE_LATE)."""
+    each try moving its deadlines (dispatch_rules.SERVE_LATE)."""
 
     request: ServedRequest
     tries: tuple[Admit, ...]
@@ -132,9 +145,9 @@ class Preemption:
 @dataclass(frozen=True)
 class ScaleOut:
     """Start the new instance `home.plan` on `home.node` and admit `requests` there; with
-    none, a warm-up for the requests to come (placement.warm_up_allowed)."""
+    none, a warm-up for the requests to come (dispatch_rules.warm_up_allowed)."""
 
-    home: Home
+    home: NewHome
     requests: tuple[ServedRequest, ...] = ()
 
     def __str__(self) -> str:

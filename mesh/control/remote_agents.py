@@ -28,7 +28,7 @@ from mesh.control.supervisor import AgentHandle, AgentSettings, DownCallback, Ev
 from mesh.policy.node_spec import NodeSpec
 from mesh.tasks import cancel_all
 
-log = logging.getLogger("mesh.control.remote_agents")
+log = logging.getLogger(__name__)
 
 AddressSource = Callable[[], Awaitable[str]]
 
@@ -46,8 +46,7 @@ class RemoteAgent(AgentHandle):
     """One remote node agent's connection, kept open. `restarts` counts reconnections; the
     spec's kind and memory are replaced by the agent's own at every hello."""
 
-    pid = None  # the process is on another machine
-    remote = True
+    remote = True  # its process is on another machine: no pid here (AgentHandle.pid)
 
     def __init__(self, spec: NodeSpec, address: Union[str, AddressSource], token: str | None, on_up: UpCallback,
                  on_down: DownCallback, on_event: EventCallback, settings: AgentSettings | None = None,

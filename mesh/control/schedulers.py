@@ -4,7 +4,7 @@
   validated on both subsystems (5.3, 6.4); if all fail, proactive defragmentation (7.1);
   then a new instance on a node that validates, with its cold start; failing that, if the
   cold start alone stands in the way, a warm-up instance for the requests to come
-  (placement.warm_up_allowed), while the request itself waits or is turned away by the
+  (dispatch_rules.warm_up_allowed), while the request itself waits or is turned away by the
   queue's rule. Instances share nodes.
 - `mesh-no-share`, `mesh-no-cpu`, `mesh-no-defrag`: the ablations of 8.3 (one instance per
   node; GPU nodes only; no preemption and spread instead of bin-packing).
@@ -13,7 +13,7 @@
   requests are not validated, they wait. `sllm` uses GPU nodes only.
 
 Keep-alive recycling and the bounded waiting queue are common (mesh.control.dispatcher,
-mesh.control.cluster_view).
+mesh.control.fleet).
 """
 from __future__ import annotations
 
@@ -22,21 +22,23 @@ from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence, TypeVar
 
 from mesh.control.cluster_node import ClusterNode
-from mesh.control.cluster_view import ClusterView, InstanceRef, unable_nodes
+from mesh.control.fleet import Fleet, InstanceRef, unable_nodes
 from mesh.control.plans import (
     Admit,
+    ExistingHome,
     FitsGroup,
     FitsInstance,
     FitsNew,
     Home,
     Move,
+    NewHome,
     Placement,
     Plan,
     Planning,
     Preemption,
     ScaleOut,
 )
-from mesh.policy.placement import (
+from mesh.policy.dispatch_rules import (
     CONCURRENCY_TARGETS,
     CPU,
     GPU,
@@ -55,7 +57,7 @@ from mesh.policy.placement import (
 from mesh.policy.shadow import Padding
 from mesh.wire.served_request import ServedRequest
 
-log = logging.getLogger("mesh.control.schedulers")
+log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 
@@ -104,7 +106,7 @@ class SchedulerStats:
     preempted_requests: int = 0  # requests moved by preemption
     validations: int = 0  # candidate checks made
     warm_ups: int = 0  # instances started for a request their cold start could not serve in time
-    served_late: int = 0  # requests admitted late on a loading instance (placement.SERVE_LATE)
+    served_late: int = 0  # requests admitted late on a loading instance (dispatch_rules.SERVE_LATE)
 
 
 @dataclass
@@ -112,7 +114,7 @@ class Scheduler:
     """One placement policy over a cluster: `place` a request or report that it cannot."""
 
     spec: SchedulerSpec
-    cluster: ClusterView
+    cluster: Fleet
     reschedule: Callable[[ServedRequest], None]
     stats: SchedulerStats = field(default_factory=SchedulerStats)
     validates = True  # checks requests by shadow validation (else they queue, as sllm)
@@ -132,7 +134,7 @@ class Scheduler:
     async def prestart(self, model: str) -> InstanceRef | None:
         """Start an instance of `model` holding no request (a warm start, e.g. the service's
         demo model) on the first node a new instance of it would go to
-        (placement.new_instance_order) that can host it; None if no node can now."""
+        (dispatch_rules.new_instance_order) that can host it; None if no node can now."""
         views = self.cluster.node_views()
         for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share,
                                      exclude=self.cluster.hosts(model), holding=self.cluster.holding(model)):
@@ -189,7 +191,7 @@ class MeshScheduler(Scheduler):
 
     def plan_serve_late(self, req: ServedRequest, avoid: frozenset[str], now: float) -> Placement | None:
         """Its model cold (an instance of it loading, none that could make its TTFT) and its
-        choice SERVE_LATE (placement): admit a fresh request on the loading instance ready
+        choice SERVE_LATE (dispatch_rules): admit a fresh request on the loading instance ready
         first, its deadlines moved to that instance's predicted ready time (now, if the load
         runs over its prediction), if the node's shadow validation shows everyone else there
         still on time (5.3 cases 2 and 3) and its own prefill on time from then (case 1). A
@@ -241,7 +243,7 @@ class MeshScheduler(Scheduler):
 
     def plan_warm_up(self, req: ServedRequest, nodes: list[ClusterNode], now: float) -> Planning[ScaleOut | None]:
         """A warm-up on the first of `nodes` where a new instance would serve `req` if it were
-        already loaded, when placement.warm_up_allowed says so (the cold start is longer than
+        already loaded, when dispatch_rules.warm_up_allowed says so (the cold start is longer than
         any request of this prompt length could wait, it is the only obstacle, and no other
         instance of the model is loading)."""
         instances = self.cluster.instances_of(req.model)
@@ -275,12 +277,12 @@ class MeshScheduler(Scheduler):
                 log.debug("no warm-up of %s on %s for %s: cold start %.2f s, slack %.2f s, validates loaded %s",
                           req.model, node.node_id, req.request_id, cold, slack, ok)
                 continue
-            return ScaleOut(Home(node, plan=plan))
+            return ScaleOut(NewHome(node, plan))
         return None
 
     def plan_new_home(self, model: str, reqs: tuple[ServedRequest, ...], done: tuple[int, ...],
-                       exclude: set[str]) -> Planning[Home | None]:
-        """The first node (placement.new_instance_order) where a new instance of `model`
+                       exclude: set[str]) -> Planning[NewHome | None]:
+        """The first node (dispatch_rules.new_instance_order) where a new instance of `model`
         would serve all of `reqs` within SLO, counting its cold start."""
         views = self.cluster.node_views()
         for nv in new_instance_order(views, self.kinds, exclusive=not self.spec.share, exclude=exclude,
@@ -290,7 +292,7 @@ class MeshScheduler(Scheduler):
                 continue
             plan = self.cluster.plan(model, node)
             if (yield FitsNew(node, plan, reqs, done)):
-                return Home(node, plan=plan)
+                return NewHome(node, plan)
         return None
 
     # -- proactive defragmentation (7.1) --------------------------------------------------
@@ -300,7 +302,8 @@ class MeshScheduler(Scheduler):
         by_id = {r.instance_id: r for r in refs}
         for x in candidate_order([r.view() for r in refs]):
             node = by_id[x.instance_id].node
-            neighbours = [r.view() for r in self.cluster.instances_on(node)]
+            on_node = {r.instance_id: r for r in self.cluster.instances_on(node)}
+            neighbours = [r.view() for r in on_node.values()]
             # An instance in the middle of an iteration is not preempted (it is stopped).
             victims = [v for v in victim_order(x, neighbours) if v.instance_id != node.stepping]
             if not victims:
@@ -310,7 +313,7 @@ class MeshScheduler(Scheduler):
             moves: list[Move] = []
             used = {node.node_id}
             for y in victims:
-                yref = self.cluster.instance(y.instance_id)
+                yref = on_node[y.instance_id]
                 group = tuple(yref.requests.values())
                 done = tuple(node.progress(q.request_id) for q in group)
                 home = yield from self.plan_home(y.model, group, done, used | unable_nodes(self.cluster.nodes, group))
@@ -330,7 +333,7 @@ class MeshScheduler(Scheduler):
         for v in candidate_order([r.view() for r in refs.values()]):
             ref = refs[v.instance_id]
             if (yield FitsGroup(ref.node, v.instance_id, group, done)):
-                return Home(ref.node, ref=ref)
+                return ExistingHome(ref.node, ref)
         return (yield from self.plan_new_home(model, group, done, used | self.cluster.hosts(model)))
 
     # -- the commit step ------------------------------------------------------------------
@@ -346,7 +349,7 @@ class MeshScheduler(Scheduler):
             if await self.cluster.start_instance(plan.home.plan, plan.home.node) is None:
                 return False
             self.stats.new_instances += 1
-            self.stats.warm_ups += 1  # if unused, recycled keep-alive after its load ends (ClusterView.note_idle)
+            self.stats.warm_ups += 1  # if unused, recycled keep-alive after its load ends (Fleet.note_idle)
             return True
         return await self._start_and_admit(plan.home, plan.requests) == []
 
@@ -367,14 +370,16 @@ class MeshScheduler(Scheduler):
 
     async def _start_and_admit(self, home: Home, reqs: Sequence[ServedRequest]) -> list[ServedRequest]:
         """Start the home's instance if new and admit `reqs`; returns those not admitted."""
-        ref = home.ref
-        if ref is None:
-            ref = await self.cluster.start_instance(home.plan, home.node)
-            if ref is None:
+        if isinstance(home, ExistingHome):
+            ref = home.ref
+        else:
+            started = await self.cluster.start_instance(home.plan, home.node)
+            if started is None:
                 return list(reqs)
             self.stats.new_instances += 1
+            ref = started
         left = [q for q in reqs if not (await home.node.try_admit(ref.instance_id, q)).ok]
-        if home.ref is None and not ref.requests:
+        if isinstance(home, NewHome) and not ref.requests:
             await self.cluster.stop_instance(ref)  # started for nothing
         return left
 
@@ -457,7 +462,7 @@ class SllmScheduler(Scheduler):
         return False
 
 
-def make_scheduler(name: str, cluster: ClusterView, reschedule: Callable[[ServedRequest], None]) -> Scheduler:
+def make_scheduler(name: str, cluster: Fleet, reschedule: Callable[[ServedRequest], None]) -> Scheduler:
     spec = scheduler_spec(name)
     cls = MeshScheduler if spec.family == "mesh" else SllmScheduler
     return cls(spec, cluster, reschedule)

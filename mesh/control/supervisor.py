@@ -28,11 +28,11 @@ from mesh.policy.slo import DeadlineRule
 from mesh.tasks import cancel_all
 from mesh.wire.agent_protocol import READY_PREFIX, Shutdown
 
-log = logging.getLogger("mesh.control.supervisor")
+log = logging.getLogger(__name__)
 
-UpCallback = Callable[["LocalAgent"], None]
-DownCallback = Callable[["LocalAgent", str], None]
-EventCallback = Callable[["LocalAgent", dict[str, Any]], None]
+UpCallback = Callable[["AgentHandle"], None]
+DownCallback = Callable[["AgentHandle", str], None]
+EventCallback = Callable[["AgentHandle", dict[str, Any]], None]
 
 
 def total_memory_bytes() -> int:
@@ -150,7 +150,7 @@ ABANDONED_START_S = 2.0  # an agent stopped while it starts: its wait for EOF on
 
 
 class AgentHandle:
-    """What the placement holds of one node agent: its connection (`client`), state
+    """What the service holds of one node agent: its connection (`client`), state
     (starting, up, down, stopped), the generation its instances belong to, and callbacks for
     up, down and events. Subclasses keep the connection alive in `_supervise`."""
 
@@ -184,8 +184,17 @@ class AgentHandle:
     def up(self) -> bool:
         return self.state == "up" and self.client is not None and self.client.up
 
+    @property
+    def pid(self) -> int | None:
+        """The agent's process id while this service runs it (None: not running, or not ours)."""
+        return None
+
     async def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._supervise(), name=f"agent {self.node_id}")
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop the agent for good: no restart or reconnection from now on."""
+        raise NotImplementedError
 
     async def wait_up(self, timeout_s: float) -> bool:
         try:
@@ -222,10 +231,11 @@ class LocalAgent(AgentHandle):
         unload) and gets `timeout_s` to exit, one still starting `ABANDONED_START_S`; then
         SIGTERM, then SIGKILL."""
         self._stopping = True
-        connected = self.client is not None and self.client.up
-        if connected:
+        client = self.client
+        connected = client is not None and client.up
+        if client is not None and connected:
             try:
-                await self.client.call(Shutdown(), 2.0)
+                await client.call(Shutdown(), 2.0)
             except (AgentDown, Exception):  # noqa: BLE001 - it is going away either way
                 pass
         await cancel_all([self._task])  # first: a restart must not spawn a process after the reap below

@@ -7,7 +7,7 @@ vLLM-on-CPU agent when asked (to test the GPU path on a machine without a GPU).
 runs on the CPU (memory: MESH_VLLM_CPU_NODE_GB, default 4 GiB). `agent_env(spec)` is the
 environment its agent process needs: CUDA_VISIBLE_DEVICES=N for `gpu-N` (each agent and
 its vLLM workers see one GPU), MESH_VLLM_DEVICE=cpu for `vllm-cpu-0`. The agents register
-the vLLM engine factory (mesh.node.engine_host: InstanceSpec.engine == "vllm"); the placement
+the vLLM engine factory (mesh.node.engine_host: InstanceSpec.engine == "vllm"); the service
 sends Hugging Face folders there with engine="vllm".
 """
 from __future__ import annotations

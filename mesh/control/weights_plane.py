@@ -68,7 +68,7 @@ class ModelRecord(Protocol):
 
     def path_for(self, kind: str) -> str: ...
 
-log = logging.getLogger("mesh.control.weights_plane")
+log = logging.getLogger(__name__)
 
 ORIGIN = "origin"  # the control service's own weights agent, sending from the registry's files
 CALL_TIMEOUT_S = 30.0
@@ -310,10 +310,10 @@ class WeightsPlane:
             return
         loss = self.pool.remove_node(node)
         for key in loss.lost:
-            entry = self._models.pop(key, None)
+            gone = self._models.pop(key, None)
             self._registering.pop(key, None)
-            if entry is not None:
-                self._lost[key] = entry  # a transfer under way may still bring it to another node
+            if gone is not None:
+                self._lost[key] = gone  # a transfer under way may still bring it to another node
             log.warning("model %s: its last copy left with node %s; the next use sends it from the origin", key, node)
         for key in loss.recache:
             log.warning("model %s: no host copy left after node %s; its instances still hold it", key, node)
@@ -443,7 +443,7 @@ class WeightsPlane:
             entry.forget(node)
         if self._up(node):
             try:
-                await self.nodes[node].client.call(WeightsDrop(key), CALL_TIMEOUT_S)
+                await self._client(node).call(WeightsDrop(key), CALL_TIMEOUT_S)
             except Exception as exc:  # noqa: BLE001 - a leftover file must not fail the caller
                 log.warning("node %s kept the files of %s: %s", node, key, exc)
 

@@ -5,7 +5,7 @@
 (token-level loop, memory subsystem, shadow validation) and the service's dispatcher and
 weights plane are the real ones; only the engines emulate. A node's kind and memory come
 from its device as in the replay: the kind its profiles give (a Xeon a CPU node, an A100 a
-GPU node), the memory the replay's cluster gives that kind (mesh.control.cluster_view.ClusterConfig:
+GPU node), the memory the replay's cluster gives that kind (mesh.control.fleet.ClusterConfig:
 256 GiB of a CPU node, 80 GiB of a GPU), except a GPU whose roofline entry gives its own
 (mesh.perf.roofline.HARDWARE: an h200's 140 GiB). A GPU load copies the weights from pinned
 host memory at the device's host-to-GPU bandwidth (`emulated_cold_start`).
@@ -39,8 +39,8 @@ from mesh.perf.load_times import DEFAULT_CPU_MEMORY_BYTES, DEFAULT_GPU_MEMORY_BY
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile, ProfileError, catalog_models, catalog_profile, device_kind
 from mesh.perf.roofline import HARDWARE, Architecture, host_to_device_bytes_per_s, roofline_profile
+from mesh.policy.dispatch_rules import CPU
 from mesh.policy.node_spec import NodeSpec
-from mesh.policy.placement import CPU
 
 ENGINE = "emulated"  # InstanceSpec.engine of an emulated instance
 PROFILE_PREFIX = "emulated:"  # InstanceSpec.profile of an emulated instance: "emulated:<catalog name>"

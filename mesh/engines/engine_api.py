@@ -25,7 +25,7 @@ from typing import Container, Iterable, Mapping, Protocol, Sequence, runtime_che
 
 from mesh.policy.batching import IterationKind
 
-log = logging.getLogger("mesh.engines.engine_api")
+log = logging.getLogger(__name__)
 
 
 class FinishReason(str, Enum):
@@ -82,6 +82,12 @@ class EngineRequest:
     # so the text they held back (an incomplete character, the start of a stop string) is
     # not lost and a stop string counts from the request's start.
     resumed: int = 0
+
+    def token_ids(self) -> Sequence[int]:
+        """`prompt_token_ids`; EngineError if the request was never tokenized."""
+        if self.prompt_token_ids is None:
+            raise EngineError(f"request {self.request_id!r} has no prompt_token_ids")
+        return self.prompt_token_ids
 
 
 @dataclass(slots=True)

@@ -21,8 +21,8 @@ from mesh.engines.worker_process import WorkerLoop, worker_main
 from mesh.policy.batching import IterationKind
 
 
-class Worker(WorkerLoop):
-    log_name = "mesh.openvino_worker"
+class OpenVINOWorker(WorkerLoop):
+    """One OpenVINOEngine in its own process: the commands above, in order."""
 
     def __init__(self, main: socket.socket) -> None:
         super().__init__(main)
@@ -69,7 +69,7 @@ class Worker(WorkerLoop):
 
 
 def main(argv: list[str] | None = None) -> int:
-    return worker_main("python -m mesh.engines.openvino_worker", Worker, argv)
+    return worker_main("python -m mesh.engines.openvino_worker", OpenVINOWorker, argv)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,8 @@ from typing import Any
 from mesh.engines.worker_process import WorkerLoop
 
 
-class Worker(WorkerLoop):
+class VLLMWorker(WorkerLoop):
     """One VLLMCore: commands on the main socket, its tokenizer on the sync socket."""
-
-    log_name = "mesh.vllm_worker"
 
     def __init__(self, main: socket.socket, sync: socket.socket) -> None:
         super().__init__(main, sync)
@@ -129,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         os.environ.setdefault(key, value)
     main_sock = socket.socket(fileno=args.fd)
     sync_sock = socket.socket(fileno=args.sync_fd)
-    return Worker(main_sock, sync_sock).run()
+    return VLLMWorker(main_sock, sync_sock).run()
 
 
 if __name__ == "__main__":

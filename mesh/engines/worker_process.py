@@ -58,7 +58,7 @@ from mesh.policy.batching import IterationKind
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # <repo>/mesh/engines/worker_process.py
 
-log = logging.getLogger("mesh.engines.worker_process")
+log = logging.getLogger(__name__)
 
 _LEN = struct.Struct("!I")
 
@@ -354,8 +354,6 @@ class WorkerLoop:
     """The worker's side: subclasses implement `handle(op, msg)` (and `serve_sync(msg)` for
     the sync socket, `on_parent_gone()` for clean-up when the parent vanished)."""
 
-    log_name = "mesh.worker"
-
     def __init__(self, main: socket.socket, sync: socket.socket | None = None) -> None:
         self.main = main
         self.sync = sync
@@ -406,7 +404,7 @@ class WorkerLoop:
                 # `shutdown` is the loop's own: answered here, then the process ends (below)
                 reply = {"ok": True, "value": None if op == "shutdown" else self.handle(op, msg)}
             except Exception as exc:  # noqa: BLE001 - every command gets a reply, failed or not
-                logging.getLogger(self.log_name).debug("%s failed", op, exc_info=True)
+                log.debug("%s failed", op, exc_info=True)
                 reply = {"ok": False, "error": describe(exc), "engine_error": _is_engine_error(exc)}
             try:
                 send_msg(self.main, reply)

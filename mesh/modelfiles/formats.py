@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mesh.policy.placement import CPU, GPU
+from mesh.policy.dispatch_rules import CPU, GPU
 
 FORMAT_NAMES = {"gguf": "GGUF file", "ir": "OpenVINO IR folder", "hf": "Hugging Face folder",
                 "emulated": "emulated model"}

@@ -99,7 +99,7 @@ from mesh.wire.agent_protocol import (
     WeightsPath,
 )
 
-log = logging.getLogger("mesh.agent")
+log = logging.getLogger(__name__)
 
 TOKENIZER_HOLDER = "tokenizers"  # the tokenizer worker's cache in the node's memory budget
 

@@ -20,7 +20,7 @@ from mesh.node.runtime import NodeRuntime
 from mesh.wire.agent_protocol import (
     TYPE_KEY,
     Code,
-    Failure,
+    FailureReply,
     Hello,
     NodeEvent,
     ProtocolError,
@@ -33,7 +33,7 @@ from mesh.wire.agent_protocol import (
     request_from_message,
 )
 
-log = logging.getLogger("mesh.agent")
+log = logging.getLogger(__name__)
 
 Handler = Callable[[Any], Any]  # a request -> its reply (or a coroutine giving it)
 
@@ -81,7 +81,7 @@ class ControlConnection:
             self.gate.leave()
         if first is None or not self._authenticated(first):
             if first is not None and "id" in first:
-                writer.write(encode_frame(failure_message(first["id"], Failure(
+                writer.write(encode_frame(failure_message(first["id"], FailureReply(
                     Code.UNAUTHORIZED.value, "hello first, with the agent token ($MESH_AGENT_TOKEN)"))))
             writer.close()
             return
@@ -154,9 +154,9 @@ class ControlConnection:
         if mid is None:
             return
         if isinstance(exc, Refused):
-            self.send(failure_message(mid, Failure(exc.code.value, str(exc), exc.shortfall_bytes)))
+            self.send(failure_message(mid, FailureReply(exc.code.value, str(exc), exc.shortfall_bytes)))
         else:
-            self.send(failure_message(mid, Failure(Code.PROTOCOL.value, str(exc))))
+            self.send(failure_message(mid, FailureReply(Code.PROTOCOL.value, str(exc))))
 
     async def _finish_async(self, mid: Any, kind: Any, coro: Any) -> None:
         try:
@@ -174,7 +174,7 @@ class ControlConnection:
         """Answer a message whose handler raised unexpectedly: `failed`, with the exception."""
         log.exception("handler of %.40s failed", kind or "a message", exc_info=exc)
         if mid is not None:
-            self.send(failure_message(mid, Failure(Code.FAILED.value, f"{type(exc).__name__}: {exc}")))
+            self.send(failure_message(mid, FailureReply(Code.FAILED.value, f"{type(exc).__name__}: {exc}")))
 
     def send(self, message: dict[str, Any]) -> None:
         """Queue a message; everything queued in one loop turn goes out together."""

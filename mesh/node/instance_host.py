@@ -49,7 +49,7 @@ from mesh.wire.agent_protocol import (
 )
 from mesh.wire.served_request import Outcome
 
-log = logging.getLogger("mesh.agent")
+log = logging.getLogger(__name__)
 
 MEAN_OUTPUT_PRIOR = 128  # O_avg before an instance has finished any request (LLM-Mesh 6.1)
 EXPECTED_LOAD_S = 5.0  # what shadow validation assumes while an instance loads

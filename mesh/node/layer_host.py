@@ -47,7 +47,7 @@ from mesh.wire.layers import (
     reply_frame,
 )
 
-log = logging.getLogger("mesh.node.layer_host")
+log = logging.getLogger(__name__)
 LAYERS_PREFIX = "MESH_AGENT_LAYERS "  # the agent prints this + "host:port" once its layer port listens
 
 

@@ -35,7 +35,7 @@ from mesh.wire.agent_protocol import (
     Validate,
     ValidateGroup,
     ValidateNew,
-    Verdict,
+    ValidationReply,
 )
 from mesh.wire.served_request import Outcome, ServedRequest
 
@@ -101,20 +101,21 @@ class NodeRequests:
         req.first_token_s = _since(probe.first_token_age_s)
         return req
 
-    def validate(self, m: Validate) -> Verdict:
+    def validate(self, m: Validate) -> ValidationReply:
         """Would the request meet its SLO on the instance, with the instances in `exclude`
         preempted first (shadow validation, 5.3, 6.4, 7.1)? Changes nothing."""
         inst = self.host.instance(m.instance_id)
         exclude = [i for i in m.exclude if i in self.node.instances]
         req = self._probe(m.request, inst.slo)
-        return _verdict(self.node.admission.validate(inst.instance_id, req, exclude=exclude))
+        return _validation_reply(self.node.admission.validate(inst.instance_id, req, exclude=exclude))
 
-    def validate_group(self, m: ValidateGroup) -> Verdict:
+    def validate_group(self, m: ValidateGroup) -> ValidationReply:
         inst = self.host.instance(m.instance_id)
         reqs = [self._probe(r, inst.slo) for r in m.requests]
-        return _verdict(self.node.admission.validate_group(inst.instance_id, reqs, [r.tokens_out for r in reqs]))
+        return _validation_reply(self.node.admission.validate_group(inst.instance_id, reqs,
+                                                                    [r.tokens_out for r in reqs]))
 
-    def validate_new(self, m: ValidateNew) -> Verdict:
+    def validate_new(self, m: ValidateNew) -> ValidationReply:
         """Would a new instance of the planned model, started now with its cold start, serve
         all of `requests`? Times: the plan's profile, else the default for its weights."""
         p = m.plan
@@ -127,7 +128,7 @@ class NodeRequests:
                             p.context_window, p.context_window, p.max_batch,
                             self.host.mean_output(p.model, p.mean_output, keep=False), p.expected_load_s)
         reqs = [self._probe(r, p.slo) for r in m.requests]
-        return _verdict(self.node.admission.validate_new(plan, reqs, [r.tokens_out for r in reqs]))
+        return _validation_reply(self.node.admission.validate_new(plan, reqs, [r.tokens_out for r in reqs]))
 
     async def take_back(self, m: TakeBack) -> Progress:
         """Take a running request off this node, not ended, with its progress: the tokens
@@ -172,8 +173,8 @@ class NodeRequests:
         self.send(EvictedEvent(req.attempts[-1] if req.attempts else "evicted", _progress(req), req.fault))
 
 
-def _verdict(admission: Any) -> Verdict:
-    return Verdict(admission.ok, admission.reason())
+def _validation_reply(admission: Any) -> ValidationReply:
+    return ValidationReply(admission.ok, admission.reason())
 
 
 def _progress(req: ServedRequest) -> Progress:

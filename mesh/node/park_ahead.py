@@ -45,7 +45,7 @@ from mesh.engines.parking import ParkingLot
 from mesh.tasks import cancel_all
 from mesh.wire.agent_protocol import InstanceSpec
 
-log = logging.getLogger("mesh.node.park_ahead")
+log = logging.getLogger(__name__)
 
 POLL_S = 0.05  # how often a build ahead checks that the node is still idle (its pause lags this much)
 T = TypeVar("T")

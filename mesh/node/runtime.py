@@ -31,7 +31,7 @@ from mesh.policy.slo import DeadlineRule, Deadlines
 from mesh.tasks import cancel_all
 from mesh.wire.served_request import Outcome, ServedRequest
 
-log = logging.getLogger("mesh.node.runtime")
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)

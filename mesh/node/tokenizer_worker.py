@@ -71,8 +71,8 @@ def _encode(front: Any, messages: Any, prompt: Any) -> list[int]:
     return front.encode_chat(messages) if messages is not None else front.encode_prompt(prompt)
 
 
-class Worker(WorkerLoop):
-    log_name = "mesh.tokenizer_worker"
+class TokenizerWorker(WorkerLoop):
+    """The agent's tokenizers in their own process: encode, forget and stats, in order."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -89,7 +89,7 @@ class Worker(WorkerLoop):
 
 
 def main(argv: list[str] | None = None) -> int:
-    return worker_main("python -m mesh.node.tokenizer_worker", Worker, argv)
+    return worker_main("python -m mesh.node.tokenizer_worker", TokenizerWorker, argv)
 
 
 if __name__ == "__main__":

@@ -55,7 +55,7 @@ from mesh.engines.engine_api import EngineError
 from mesh.engines.worker_process import SYNC_CALL_DEADLINE_S, WorkerConnection, WorkerStuck, wait, worker_env
 from mesh.node.tokenizer_worker import CACHE_BYTES_ENV, DEFAULT_CACHE_BYTES
 
-log = logging.getLogger("mesh.node.tokenizers")
+log = logging.getLogger(__name__)
 
 # A job's deadline once it runs: the deadline of a worker's sync call, by default (one number,
 # kept where both the engines and this queue read it: mesh.engines.worker_process).

@@ -19,10 +19,10 @@ This module holds each of these models once:
 - `CostModel`, `schedule`, `estimate`: how long a multicast plan takes (BlitzScale 5.1).
 
 What decides stays in mesh.policy: the multicast plans (mesh.policy.multicast), the node
-order that prefers a node holding a copy and the warm-up rule (mesh.policy.placement). The
+order that prefers a node holding a copy and the warm-up rule (mesh.policy.dispatch_rules). The
 replay's simulated-time models (a multicast group's uplinks, live scaling after BlitzScale
 5.2) are mesh.replay.cold_start_modes'. Which measure or prior a cluster's node gets is
-ClusterView.expected_load_s (mesh.control.cluster_view).
+Fleet.expected_load_s (mesh.control.fleet).
 
 No I/O and no clock: times are arguments.
 """
@@ -34,8 +34,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
+from mesh.policy.dispatch_rules import GPU
 from mesh.policy.multicast import InvalidPlan, Plan, Transfer, make_plan
-from mesh.policy.placement import GPU
 
 # --- memory operations (LLM-Mesh Figure 8, an A100) -----------------------------------------
 
@@ -103,7 +103,7 @@ class ColdStart:
     The initial KV cache allocation is added by the engine (resize time, LLM-Mesh Figure 8).
     A node loads one instance at a time (its weights cross one PCIe link or memory bus, and
     its engine's start-up runs on the node's cores): a load issued while others are under way
-    there starts when they end (mesh.control.cluster_view.ClusterView.load_wait_s). Live, on one core
+    there starts when they end (mesh.control.fleet.Fleet.load_wait_s). Live, on one core
     per node, two demo-model instances warmed up together on one node served their first
     tokens about 16 s after their first requests; one per node, after about 10 and 12 s.
     """

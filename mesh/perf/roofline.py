@@ -170,7 +170,7 @@ class Hardware:
     engine_overhead_s: float  # fixed per iteration in the engine: scheduling, input preparation, sampling
     peak_note: str
     origin: str = ""  # where the factors come from (docs/roofline.md has each number's source)
-    memory_bytes: int = 0  # device memory; 0: the replay's default for its kind (mesh.control.cluster_view)
+    memory_bytes: int = 0  # device memory; 0: the replay's default for its kind (mesh.control.fleet)
     host_to_device_bytes_per_s: float | None = None  # pinned host memory -> device: a GPU cold start
     host_to_device_pageable_bytes_per_s: float | None = None  # the same from pageable host memory
 

@@ -224,7 +224,7 @@ class AdaptiveTimes:
 def prior_profile(model: str, kind: str, weight_bytes: int, kv_bytes_per_token: int, max_context: int) -> Profile:
     """`DefaultCpuTimes` on a profile's grid (exact: it is linear in each axis): what the
     cluster dispatcher plans a model's instances with before the model is calibrated, the
-    same times the agent validates with (mesh.control.cluster_view ModelSpec)."""
+    same times the agent validates with (mesh.control.fleet ModelSpec)."""
     times = DefaultCpuTimes.for_weights(weight_bytes)
     lengths = sorted({*(16 * 2**k for k in range(16) if 16 * 2**k < max_context), max_context})
     batches = [2**k for k in range(9)]

@@ -19,7 +19,7 @@ class InstancePlan:
     """An instance that is not started yet, for validating requests on it (LLM-Mesh 4: a
     new instance is created on a node that validates). `expected_load_s` is the predicted
     cold start (weights in place plus the initial KV cache), `load_wait_s` of which waits for
-    the loads already under way on the node (ClusterView.load_wait_s)."""
+    the loads already under way on the node (Fleet.load_wait_s)."""
 
     instance_id: str
     model: str

@@ -3,7 +3,7 @@
 A request no instance can take waits here, in arrival order, and is retried as capacity
 frees. It leaves the queue placed, or rejected with a reason: the queue is full, it waited
 past the queue timeout, or (for a policy that validates, or with no timeout) it can no
-longer meet its SLO (mesh.policy.placement.wait_expiry_s). Requests of one
+longer meet its SLO (mesh.policy.dispatch_rules.wait_expiry_s). Requests of one
 model are retried in order (FIFO per model): a later request never overtakes an earlier
 one of the same model.
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 DEFAULT_QUEUE_CAPACITY = 1024
 # A waiting request is dropped after this long (a client timeout), by every policy; see
-# mesh.policy.placement.wait_expiry_s. None there means: once it cannot meet its SLO.
+# mesh.policy.dispatch_rules.wait_expiry_s. None there means: once it cannot meet its SLO.
 DEFAULT_QUEUE_TIMEOUT_S = 30.0
 
 

@@ -16,7 +16,7 @@ that was decoding then has decoded once more: a candidate that jumps ahead of re
 waiting on a neighbour instance must not push their prefill past their TTFT deadline.
 Output lengths are unknown to the scheduler, so no request is assumed to finish inside the
 horizon (conservative). The horizon is also a budget of iterations; those simulated before
-the candidate's instance is ready (it is loading: a request served late, placement
+the candidate's instance is ready (it is loading: a request served late, dispatch_rules
 SERVE_LATE) are outside it, up to FREE_ITERATIONS: the other instances decode meanwhile, and
 with the budget alone a load 10-20 s away (at 50 ms decode steps) would never be reached, so
 every request served late on it would be refused as "late by inf".

@@ -38,6 +38,12 @@ class SLO:
         """TTFT SLO for a prompt of `prompt_len` tokens."""
         return max(self.ttft_min_s, prompt_len * self.ttft_s_per_prompt_token)
 
+    def met(self, prompt_len: int, ttft_s: float, tpot_s: float | None) -> bool:
+        """TTFT and mean TPOT after the first token (None: fewer than two tokens) within this
+        SLO: the strict reading, a request's `slo_met`. Eq. 1's reading, under which an early
+        first token's slack may be spent later, is mesh.control.dispatcher.eq1_slo_met."""
+        return ttft_s <= self.ttft_s(prompt_len) + 1e-9 and (tpot_s is None or tpot_s <= self.tpot_s + 1e-9)
+
 
 @dataclass(frozen=True, slots=True)
 class Deadlines:

@@ -1,25 +1,25 @@
 """Cluster membership on Ray: the node agents of `mesh serve --ray`, one per Ray node.
 
 `RayMembership` watches `ray.nodes()` from the service's event loop (each Ray call runs in a
-thread of the loop's executor, so the loop never blocks on Ray) and keeps the placement's
+thread of the loop's executor, so the loop never blocks on Ray) and keeps the cluster control's
 nodes equal to the live Ray nodes:
 
 - a Ray node that is alive and offers a CPU gets a CPU node agent, and one GPU node agent
   per GPU it offers: a `NodeAgentActor` (mesh.ray.actor) pinned to the node
   (NodeAffinitySchedulingStrategy, soft=False) with `max_restarts=-1`, whose hardware probe
-  on the node gives the node's kind and memory; the placement connects to the agent over
+  on the node gives the node's kind and memory; the cluster control connects to the agent over
   Mesh's framed TCP (mesh.control.remote_agents.RemoteAgent, with the actor as its address source:
   after Ray restarts the actor, the agent has a new port and the actor says which);
-- a Ray node that died or was removed leaves the placement (`ClusterPlacement.remove_node`):
+- a Ray node that died or was removed leaves the cluster (`ClusterControl.remove_node`):
   its requests are placed again with their progress (their streams go on from the next
   token on another node), its queued requests go to other nodes, its copies
   leave the parameter pool, and /admin/cluster no longer lists it.
 
-Ray does membership, placement of agent processes, their restarts and health; weights go by
+Ray does membership, where agent processes run, their restarts and health; weights go by
 Mesh's multicast between the agents' weights receivers, tokens by the agents' connections.
 
 Autoscaling (`--ray-autoscale`, mesh.ray.node_autoscaler) asks Ray's autoscaler for the nodes
-the placement uses and releases idle ones.
+the cluster control uses and releases idle ones.
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from mesh.policy.node_spec import NodeSpec
 from mesh.ray.actor import AgentLaunch, NodeAgentActor, agent_token, launch_dict
 from mesh.tasks import cancel_all
 
-log = logging.getLogger("mesh.ray.membership")
+log = logging.getLogger(__name__)
 
 NAMESPACE = "mesh"
 
@@ -65,12 +65,12 @@ class _RayNode:
 
 
 class RayMembership:
-    def __init__(self, placement: Any, launch: AgentLaunch, secret: bytes, poll_s: float = 1.0,
+    def __init__(self, control: Any, launch: AgentLaunch, secret: bytes, poll_s: float = 1.0,
                  on_change: Callable[[], None] | None = None) -> None:
-        """`placement`: a ClusterPlacement (add_node, remove_node); `launch`: the agents'
+        """`control`: a ClusterControl (add_node, remove_node); `launch`: the agents'
         settings; `secret`: the cluster secret (mesh.ray.actor.cluster_secret), from which the
         agents' tokens are derived here and on their nodes."""
-        self.placement = placement
+        self.control = control
         self.launch = launch
         self.secret = secret
         self.poll_s = poll_s
@@ -96,7 +96,7 @@ class RayMembership:
             await asyncio.wait(list(self._joining.values()), timeout=timeout_s)
         for node in list(self.nodes.values()):
             for mesh_id in node.agents:
-                agent = self.placement.agents.get(mesh_id)
+                agent = self.control.agents.get(mesh_id)
                 if agent is not None:
                     await agent.wait_up(max(0.0, end - loop.time()))
 
@@ -133,7 +133,7 @@ class RayMembership:
             task = self._joining.pop(ray_id, None)
             await cancel_all([task] if task is not None else [])
             for mesh_id in node.agents:
-                await self.placement.remove_node(mesh_id, f"Ray node {ray_id[:12]} is gone")
+                await self.control.remove_node(mesh_id, f"Ray node {ray_id[:12]} is gone")
             await self._drop_actors(node, kill_only=True)
             changed = True
         for ray_id, entry in self.alive.items():
@@ -148,7 +148,7 @@ class RayMembership:
             self.on_change()
 
     async def _join(self, ray_id: str, entry: dict[str, Any]) -> None:
-        """Start the node's agents (pinned actors), probe them, and add them to the placement."""
+        """Start the node's agents (pinned actors), probe them, and add them to the cluster control."""
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         node = _RayNode(ray_id, {})
@@ -181,7 +181,7 @@ class RayMembership:
                                    where=f"ray node {ray_id[:12]} at {info['host']}")
 
             spec = NodeSpec(mesh_id, str(info["kind"]), int(info["memory_bytes"]))
-            await self.placement.add_node(spec, factory)
+            await self.control.add_node(spec, factory)
             log.warning("Ray node %s: agent %s (%s, %.1f GiB, AMX %s)", ray_id[:12], mesh_id, info["kind"],
                         info["memory_bytes"] / 2**30, info["amx"])
         if self.on_change is not None:
@@ -193,7 +193,7 @@ class RayMembership:
         if node is None or node.released:
             return
         for mesh_id in node.agents:
-            await self.placement.remove_node(mesh_id, reason)
+            await self.control.remove_node(mesh_id, reason)
         await self._drop_actors(node)
         node.agents = {}
         node.released = True

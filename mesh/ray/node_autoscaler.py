@@ -1,13 +1,13 @@
 """Node autoscaling on Ray (`mesh serve --ray --ray-autoscale`).
 
-Every `period_s` the autoscaler reads the placement's view, groups it by Ray node, and
+Every `period_s` the autoscaler reads the cluster control's view, groups it by Ray node, and
 applies mesh.policy.autoscale.decide:
 
 - it asks Ray's autoscaler for `wanted` nodes' worth of agents with
   `ray.autoscaler.sdk.request_resources(bundles=[{"CPU": 1}] * wanted)` (a floor the
   autoscaler keeps, launching nodes when the cluster has fewer; each agent actor holds one
   CPU of its node);
-- it releases the idle nodes the rule names: their agents leave the placement and their
+- it releases the idle nodes the rule names: their agents leave the cluster and their
   actors end, so the node holds no Ray work and Ray's autoscaler removes it after its own
   idle timeout (`idle_timeout_minutes` of the cluster config);
 - when Mesh wants more nodes than it has agents on, a released node that is still alive
@@ -22,13 +22,13 @@ from typing import Any
 from mesh.policy.autoscale import NodeUse, ScaleDecision, decide
 from mesh.tasks import cancel_all
 
-log = logging.getLogger("mesh.ray.node_autoscaler")
+log = logging.getLogger(__name__)
 
 
 class RayAutoscaler:
-    def __init__(self, placement: Any, membership: Any, period_s: float = 5.0, idle_release_s: float = 120.0,
+    def __init__(self, control: Any, membership: Any, period_s: float = 5.0, idle_release_s: float = 120.0,
                  min_nodes: int = 1) -> None:
-        self.placement, self.membership = placement, membership
+        self.control, self.membership = control, membership
         self.period_s, self.idle_release_s, self.min_nodes = period_s, idle_release_s, min_nodes
         self.last: ScaleDecision | None = None
         self._idle_since: dict[str, float] = {}
@@ -54,8 +54,8 @@ class RayAutoscaler:
         """Per Ray node Mesh has agents on: its instances, requests and idle time; and the
         requests waiting refused."""
         now = asyncio.get_running_loop().time()
-        view = {n["node_id"]: n for n in self.placement.view()["nodes"]}
-        refused = self.placement.waiting()
+        view = {n["node_id"]: n for n in self.control.view()["nodes"]}
+        refused = self.control.waiting()
         out = []
         for ray_id, node in self.membership.nodes.items():
             if node.released:

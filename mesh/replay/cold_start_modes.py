@@ -97,7 +97,7 @@ from mesh.policy.param_pool import ParameterPool
 if TYPE_CHECKING:
     from typing import Callable
 
-    from mesh.control.cluster_view import ClusterView
+    from mesh.control.fleet import Fleet
 
     EngineFactory = Callable[[InstancePlan, str, float, int], Engine]  # mesh.replay.simulator.EngineFactory
 
@@ -396,7 +396,7 @@ class WeightsStats:
 class WeightsModel:
     """Decides each new instance's cold start in a replay; one per run."""
 
-    def __init__(self, config: WeightsConfig, cluster: "ClusterView") -> None:
+    def __init__(self, config: WeightsConfig, cluster: "Fleet") -> None:
         self.config = config
         self.cluster = cluster
         self.pool = ParameterPool()
@@ -573,7 +573,7 @@ class Engines:
     config: WeightsConfig
     models: list[WeightsModel] = field(default_factory=list)
 
-    def __call__(self, cluster: "ClusterView") -> "EngineFactory":
+    def __call__(self, cluster: "Fleet") -> "EngineFactory":
         model = WeightsModel(self.config, cluster)
         self.models.append(model)
         return model.factory()

@@ -17,12 +17,12 @@ import numpy as np
 from tqdm import tqdm
 
 from mesh.control.cluster_node import EXITED
-from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec, check_cluster
 from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S, Dispatcher, DispatchStats
+from mesh.control.fleet import ClusterConfig, Fleet, ModelSpec, check_cluster
 from mesh.control.schedulers import SchedulerStats, scheduler_spec
 from mesh.engines.engine_api import EngineRequest, Sampling
 from mesh.perf.profile import ProfileError, catalog_profile, reference_profiles
-from mesh.policy.placement import CPU, GPU
+from mesh.policy.dispatch_rules import CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.replay.simulator import EngineFactory, Simulator
 from mesh.replay.virtual_loop import run_virtual
@@ -54,7 +54,7 @@ class ReplayConfig:
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S  # None: turned away once it cannot meet its SLO
     drain_limit_s: float = 600.0  # virtual time after the window for in-flight requests to end
     progress: bool = True
-    engines: Callable[[ClusterView],
+    engines: Callable[[Fleet],
                       EngineFactory] | None = None  # per run: its engines (e.g. mesh.replay.cold_start_modes.Engines)
     failures: tuple[NodeFailure, ...] = ()  # nodes lost during the run
 

@@ -24,6 +24,7 @@ from mesh.node.park_ahead import POLL_S
 from mesh.node.runtime import NodeRuntime
 from mesh.perf.load_times import PARKED
 from mesh.policy.admission import Admission, InstancePlan
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import Deadlines
 from mesh.tasks import cancel_all
 from mesh.wire.served_request import Outcome, ServedRequest
@@ -59,10 +60,9 @@ class LocalNode(ClusterNode):
     def __init__(self, runtime: NodeRuntime, make_engine: EngineMaker, parking: ParkingLot | None = None,
                  listener: NodeListener | None = None) -> None:
         """`parking`: the node parks (module docstring); None: it parks nothing. `listener`:
-        whom it reports to (the cluster view it is in); None: an evicted request fails."""
+        whom it reports to (the fleet it is in); None: an evicted request fails."""
         self.runtime = runtime
         self.listener = listener
-        self.spec = runtime.spec
         self._down_until = -math.inf  # lost, and taking nothing until then (`lose`)
         self.margin = runtime.admission.margin
         self._make_engine = make_engine
@@ -72,6 +72,10 @@ class LocalNode(ClusterNode):
         self._builder: asyncio.Task[None] | None = None
         runtime.on_evict = self._evicted
         runtime.on_loaded = self._loaded
+
+    @property
+    def spec(self) -> NodeSpec:
+        return self.runtime.spec
 
     def build_ahead(self, model: str, build_s: float, nbytes: int) -> None:
         """Build `model` ahead here in `build_s` of idle time and park it (its first host copy
@@ -183,11 +187,11 @@ class LocalNode(ClusterNode):
     async def start_instance(self, plan: InstancePlan) -> bool:
         if not self.up:
             return False
-        self.copies.add(plan.model)  # the weights came with the load (ClusterView.transfer_s) and stay
+        self.copies.add(plan.model)  # the weights came with the load (Fleet.transfer_s) and stay
         adopted_s = self._adopt(plan.model)
         engine = self._make_engine(plan, self.kind, adopted_s)
         if adopted_s is not None and hasattr(engine, "loaded_from"):
-            engine.loaded_from = PARKED  # the cold-start table's tier (ClusterView records its loads by it)
+            engine.loaded_from = PARKED  # the cold-start table's tier (Fleet records its loads by it)
         issued = self.runtime.memory_ops.start_instance(plan.instance_id, plan.model, engine, plan.times, plan.slo,
                                              plan.mean_output, plan.expected_load_s)
         return issued.accepted

@@ -25,7 +25,7 @@ from typing import Any, Sequence
 import numpy as np
 
 from mesh.control.dispatcher import accounting
-from mesh.policy.placement import CPU, GPU
+from mesh.policy.dispatch_rules import CPU, GPU
 from mesh.replay.driver import PolicyRun
 from mesh.wire.served_request import Outcome, ServedRequest
 

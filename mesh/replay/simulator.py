@@ -1,6 +1,6 @@
 """The replay's simulated cluster: one simulated node per node of a ClusterConfig.
 
-The runtime (mesh.control.cluster_view) schedules whatever nodes it is given and builds none;
+The runtime (mesh.control.fleet) schedules whatever nodes it is given and builds none;
 a replay gives it LocalNodes whose instances are mesh.engines.simulated.SimulatedEngines, with
 iteration times from the catalog's profiles, the config's noise, and a seed per instance
 derived from the config's seed and the instance's id (so a replay is the same for the
@@ -12,14 +12,14 @@ from __future__ import annotations
 import zlib
 from typing import Callable
 
-from mesh.control.cluster_view import ClusterConfig, ClusterView, ModelSpec
+from mesh.control.fleet import ClusterConfig, Fleet, ModelSpec
 from mesh.engines.engine_api import Engine
 from mesh.engines.parking import ParkingLot
 from mesh.engines.simulated import SimulatedEngine
 from mesh.node.runtime import NodeRuntime
 from mesh.policy.admission import InstancePlan
+from mesh.policy.dispatch_rules import CPU
 from mesh.policy.param_pool import ParameterPool
-from mesh.policy.placement import CPU
 from mesh.replay.local_node import LocalNode
 
 # (plan, node kind, load seconds, seed) -> the engine of a new instance
@@ -27,14 +27,14 @@ EngineFactory = Callable[[InstancePlan, str, float, int], Engine]
 
 
 class Simulator:
-    """A ClusterView of simulated nodes (`cluster`) and the factory of their engines."""
+    """A Fleet of simulated nodes (`cluster`) and the factory of their engines."""
 
     def __init__(self, config: ClusterConfig, catalog: dict[str, ModelSpec], models: dict[str, str],
                  mean_output_prior: dict[str, float], *, on_capacity: Callable[[], None] | None = None,
                  engine_factory: EngineFactory | None = None) -> None:
         self.config = config
         self.engine_factory: EngineFactory = engine_factory or self.simulated_engine
-        self.cluster = ClusterView(config, catalog, models, mean_output_prior, on_capacity=on_capacity)
+        self.cluster = Fleet(config, catalog, models, mean_output_prior, on_capacity=on_capacity)
         nodes = [LocalNode(NodeRuntime(spec, margin=config.margin, watermark=config.watermark,
                                        deadlines=config.deadlines), self._engine_for,
                            ParkingLot(config.park_bytes) if config.park_bytes and spec.kind == CPU else None,
@@ -83,6 +83,6 @@ class Simulator:
 
 
 def simulated_cluster(config: ClusterConfig, catalog: dict[str, ModelSpec], models: dict[str, str],
-                      mean_output_prior: dict[str, float], **kwargs) -> ClusterView:
-    """A ClusterView of simulated nodes (Simulator's)."""
+                      mean_output_prior: dict[str, float], **kwargs) -> Fleet:
+    """A Fleet of simulated nodes (Simulator's)."""
     return Simulator(config, catalog, models, mean_output_prior, **kwargs).cluster

@@ -17,7 +17,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from mesh.control.cluster_view import ClusterConfig
+from mesh.control.fleet import ClusterConfig
 from mesh.perf.load_times import GIB, ColdStart
 from mesh.replay.cold_start_modes import MODES, Engines, WeightsConfig
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy, trace_mean_output

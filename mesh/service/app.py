@@ -42,7 +42,7 @@ from mesh.service.service_state import ARRIVAL, SERVICE, Service, service_of
 if TYPE_CHECKING:
     from mesh.policy.node_spec import NodeSpec
 
-log = logging.getLogger("mesh.service")
+log = logging.getLogger(__name__)
 
 # The stop after the drain, step by step (_stop_step): each gets this long, then the next
 # runs; node agents still running then are killed. HTTP: aiohttp's own close waits up to its
@@ -100,8 +100,8 @@ async def error_middleware(request: web.Request, handler: Any) -> web.StreamResp
 
 async def healthz(request: web.Request) -> web.Response:
     svc = service_of(request)
-    nodes = {n["node_id"]: n["state"] for n in svc.placement.view()["nodes"]}
-    ok = svc.placement.healthy() and not svc.draining
+    nodes = {n["node_id"]: n["state"] for n in svc.control.view()["nodes"]}
+    ok = svc.control.healthy() and not svc.draining
     status = "draining" if svc.draining else ("ok" if ok else "degraded")
     return web.json_response({"status": status, "nodes": nodes}, status=200 if ok else 503)
 
@@ -203,7 +203,7 @@ def _local_nodes(config: ServeConfig, memory: int | None) -> tuple[list[NodeSpec
     return nodes, emulated, cores
 
 
-def _join_ray(config: ServeConfig, placement: Any, memory: int | None, cluster_secret: Any) -> tuple[Any, Any]:
+def _join_ray(config: ServeConfig, control: Any, memory: int | None, cluster_secret: Any) -> tuple[Any, Any]:
     """With --ray: the Ray cluster's membership (its agents) and, with --ray-autoscale, its autoscaler."""
     if config.ray is None:
         return None, None
@@ -216,12 +216,12 @@ def _join_ray(config: ServeConfig, placement: Any, memory: int | None, cluster_s
         raise _CannotStart(f"mesh serve: cannot join the Ray cluster at {config.ray}: {exc}", 1) from None
     launch = AgentLaunch(log_level=config.log_level, deadlines=config.deadlines,
                          watchdog_min_s=config.watchdog_min_s, memory_bytes=memory)  # no secret: Ray keeps it
-    membership = RayMembership(placement, launch, cluster_secret)
+    membership = RayMembership(control, launch, cluster_secret)
     if not config.ray_autoscale:
         return membership, None
     from mesh.ray.node_autoscaler import RayAutoscaler
 
-    return membership, RayAutoscaler(placement, membership)
+    return membership, RayAutoscaler(control, membership)
 
 
 def _warn_of_config(config: ServeConfig, service: Service) -> None:
@@ -317,15 +317,15 @@ class _Signals:
         self.stopping = True
 
 
-async def _stop(runner: web.AppRunner, placement: Any, membership: Any, autoscaler: Any,
+async def _stop(runner: web.AppRunner, control: Any, membership: Any, autoscaler: Any,
                 hurry: asyncio.Event | None = None) -> bool:
     """Close HTTP, then stop the cluster, each step within its bound (or until `hurry` is
     set); node agents still running after are killed. True if every step ended in time."""
     closed = await _stop_step("closing HTTP", runner.cleanup(), HTTP_CLOSE_S, hurry)
-    stopped = await _stop_step("stopping the node agents", _stop_cluster(placement, membership, autoscaler),
+    stopped = await _stop_step("stopping the node agents", _stop_cluster(control, membership, autoscaler),
                                CLUSTER_STOP_S, hurry)
     if not stopped:
-        placement.kill_agents()  # none outlives the service
+        control.kill_agents()  # none outlives the service
     return closed and stopped
 
 
@@ -358,7 +358,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
     from mesh.control.weights_plane import WeightsPlane, WeightsSettings
     from mesh.policy.node_spec import NodeSpec
-    from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+    from mesh.service.cluster_control import ClusterControl, ClusterSettings
     from mesh.service.demo_mode import ensure_demo, ready_line
     from mesh.service.preparation import FormatPreparer
 
@@ -391,7 +391,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         print(exc, file=sys.stderr)
         registry.close()
         return exc.status
-    settings = PlacementSettings(
+    settings = ClusterSettings(
         policy=config.policy, cold_start_s=config.cold_start_s, keep_alive_s=config.keep_alive_s,
         exact_moves=config.exact_moves, queue_capacity=config.queue_capacity, queue_timeout_s=config.queue_timeout_s,
         admission=config.admission,
@@ -415,17 +415,17 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         return WeightsPlane(agents, WeightsSettings(plan=config.weights_plan, token=weights_token, source_roots=roots))
 
     formats = FormatPreparer(registry, data_dir, enabled=config.prepare_formats)
-    placement = ClusterPlacement(nodes, settings, agent_factory=make_agent, weights=weights, formats=formats)
+    control = ClusterControl(nodes, settings, agent_factory=make_agent, weights=weights, formats=formats)
     # tenants' defaults (PUT /admin/tenants/{t}/admission)
     for tenant, admission in registry.tenant_admissions().items():
-        placement.set_tenant_admission(tenant, admission)
+        control.set_tenant_admission(tenant, admission)
     try:
-        membership, autoscaler = _join_ray(config, placement, memory, cluster_secret)
+        membership, autoscaler = _join_ray(config, control, memory, cluster_secret)
     except _CannotStart as exc:
         print(exc, file=sys.stderr)
         registry.close()
         return exc.status
-    service = Service(config, registry, placement, ServiceMetrics(placement.view), data_dir)
+    service = Service(config, registry, control, ServiceMetrics(control.view), data_dir)
     service.wall_offset = registry.now() - loop.time()
     service.idle.set()
     service.loop_lag.start()
@@ -438,7 +438,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=5.0,
                            **service.limits.runner_options())
     try:
-        await placement.start()
+        await control.start()
         if membership is not None:
             await membership.start()
             await membership.wait_joined(settings.start_timeout_s)
@@ -448,20 +448,20 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         await listen(runner, config.host, config.port, service.limits, tls)
     except (OSError, RuntimeError) as exc:
         print(f"mesh serve: cannot start: {exc}", file=sys.stderr)
-        await _stop(runner, placement, membership, autoscaler)
+        await _stop(runner, control, membership, autoscaler)
         await service.loop_lag.stop()
         registry.close()
         return 1
     host, port = runner.addresses[0][:2]
     if demo_model is not None:  # ready means the demo answers at once (its cold start is behind us)
-        await placement.preload(demo_model, wait=True)
+        await control.preload(demo_model, wait=True)
     scheme = "https" if tls is not None else "http"
     ready(ready_line(f"{scheme}://{host}:{port}", demo_key, demo_model.name if demo_model else None))
     sys.stdout.flush()
-    signals = _Signals(service, placement.kill_agents)
+    signals = _Signals(service, control.kill_agents)
     await signals.stop.wait()
     await signals.drain()
-    in_time = await _stop(runner, placement, membership, autoscaler, signals.hurry)
+    in_time = await _stop(runner, control, membership, autoscaler, signals.hurry)
     await service.loop_lag.stop()
     registry.close()
     signals.remove()
@@ -469,13 +469,13 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     return 0 if in_time or signals.hurry.is_set() else 1
 
 
-async def _stop_cluster(placement: Any, membership: Any, autoscaler: Any) -> None:
-    """Stop the placement and, with --ray, the autoscaler, the agents' actors and the Ray connection."""
+async def _stop_cluster(control: Any, membership: Any, autoscaler: Any) -> None:
+    """Stop the cluster control and, with --ray, the autoscaler, the agents' actors and the Ray connection."""
     if autoscaler is not None:
         await autoscaler.stop()
     if membership is not None:
         await membership.stop_watching()
-    await placement.stop()
+    await control.stop()
     if membership is not None:
         await membership.stop()
         import ray

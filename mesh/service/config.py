@@ -120,7 +120,7 @@ class ServeConfig:
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY  # requests the dispatcher's waiting queue holds (mesh.policy.queueing)
     # seconds a request may wait for capacity; None ("slo"): until it can no longer meet its SLO
     queue_timeout_s: float | None = DEFAULT_QUEUE_TIMEOUT_S
-    # a request that can no longer meet its SLO (mesh.policy.placement.ADMISSIONS), for models without
+    # a request that can no longer meet its SLO (mesh.policy.dispatch_rules.ADMISSIONS), for models without
     # their own choice; None: "queue" with demo (a benchmark user expects queueing), else "reject"
     admission: str | None = None
     http_head_timeout_s: float = 10.0  # a request head, and the idle time between requests (mesh.service.limits)
@@ -249,7 +249,7 @@ def _check(c: ServeConfig) -> None:
                                           or not isinstance(c.queue_timeout_s, (int, float)) or c.queue_timeout_s < 0):
         raise ConfigError(f"queue_timeout_s must be a number of seconds >= 0 or 'slo', got {c.queue_timeout_s!r}")
     from mesh.control.schedulers import POLICIES
-    from mesh.policy.placement import ADMISSIONS, ADMIT_QUEUE, ADMIT_REJECT
+    from mesh.policy.dispatch_rules import ADMISSIONS, ADMIT_QUEUE, ADMIT_REJECT
 
     if c.admission is None:
         c.admission = ADMIT_QUEUE if c.demo else ADMIT_REJECT

@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mesh.policy.placement import ADMIT_LATE, ADMIT_QUEUE, ADMIT_REJECT
+from mesh.policy.dispatch_rules import ADMIT_LATE, ADMIT_QUEUE, ADMIT_REJECT
 
 
 @dataclass
@@ -103,7 +103,7 @@ ADMISSION_MEANING = {ADMIT_REJECT: "turn away what cannot meet its SLO",
 def overloaded(reason: str, retry_after_s: float = 1.0, admission: str | None = None) -> ApiError:
     """A request the dispatcher turned away (its SLO could not be met in time, the queue was
     full or it waited too long); Retry-After: when it may do better (a cold start's end).
-    The message names the model's admission choice that applied (mesh.policy.placement.ADMISSIONS)."""
+    The message names the model's admission choice that applied (mesh.policy.dispatch_rules.ADMISSIONS)."""
     retry = max(1, math.ceil(retry_after_s))
     choice = (f" The model's admission is '{admission}' ({ADMISSION_MEANING.get(admission, admission)}); "
               "its owner or the operator may choose 'queue' or 'late' instead (docs/service.md, \"Admission\").") \

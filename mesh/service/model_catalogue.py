@@ -3,7 +3,7 @@
 `ModelCatalogue` describes each model once, on a node agent that can run it (its shape, KV
 bytes per token and tokenizer, without loading it), and adds it to the cluster with its
 calibration profile (`--profile-dir`, <dir>/<model uid>.json) or the prior profile, its
-cold-start and admission choices (mesh.policy.placement). A model registered once runs on
+cold-start and admission choices (mesh.policy.dispatch_rules). A model registered once runs on
 every kind of node it has a format for (mesh.service.preparation: the registered one, and
 one the service prepared for the other kind, such as a GGUF converted to a Hugging Face
 folder for vLLM). It is described on an agent of each such kind whose nodes are up, so the
@@ -29,21 +29,21 @@ from typing import Any, Callable, Iterator
 
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.agent_node import AgentNode, StartRefused
-from mesh.control.cluster_view import ClusterView, ModelSpec
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.fleet import Fleet, ModelSpec
 from mesh.control.weights_plane import ModelFormat, WeightsError, WeightsPlane
 from mesh.engines.emulation import PROFILE_PREFIX
 from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES, engine_for
 from mesh.perf.times import prior_profile
 from mesh.policy.admission import InstancePlan
-from mesh.policy.placement import CPU, kind_rank
+from mesh.policy.dispatch_rules import CPU, kind_rank
 from mesh.service.errors import ApiError, bad_request, model_preparing, node_unavailable
 from mesh.service.preparation import FormatPreparer, formats_view
 from mesh.service.registry import ModelRecord
 from mesh.tasks import cancel_all
 from mesh.wire.agent_protocol import Describe, DescribeReply, InstanceSpec, slo_to_dict
 
-log = logging.getLogger("mesh.service.model_catalogue")
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
 MEAN_OUTPUT_PRIOR = 128.0  # O_avg's starting value for a new model (6.1), tokens
@@ -61,7 +61,7 @@ class DescribedModel:
 
 
 class ModelCatalogue:
-    def __init__(self, cluster: ClusterView, dispatcher: Dispatcher, emulated_kinds: frozenset[str],
+    def __init__(self, cluster: Fleet, dispatcher: Dispatcher, emulated_kinds: frozenset[str],
                  formats: FormatPreparer | None, *, profile_dir: str | None = None, exact_moves: bool = False) -> None:
         """`emulated_kinds`: the kinds of node whose nodes all emulate, beside real ones (the
         mixed rig, `mesh serve --cpu-nodes N --emulate DEVICE:M`): they run real models

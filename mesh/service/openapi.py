@@ -16,7 +16,7 @@ from aiohttp import web
 
 from mesh.engines.chat import ROLES
 from mesh.modelfiles.sampling import FIELDS as SAMPLING_FIELDS
-from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES
+from mesh.policy.dispatch_rules import ADMISSIONS, COLD_START_CHOICES
 from mesh.policy.quota import QUOTA_FIELDS
 from mesh.service.registry import MODEL_NAME, TENANT_NAME
 from mesh.service.schema import MAX_N, MAX_REPETITION_PENALTY, MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS_CAP

@@ -19,10 +19,10 @@ service starts or on the model's first use):
 A prepared copy lives in `<data dir>/prepared/<model uid>/<node kind>/`; its state is in the
 registry (`prepared_formats`: preparing, ready, or failed with the reason), so it survives
 restarts; it is deleted with the model. A failed preparation is tried again at the next
-start of the service, not on every request. Once ready, the placement puts the copy into
+start of the service, not on every request. Once ready, the cluster control puts the copy into
 the parameter pool (its first host copy on a node of its kind, multicasts from there), and
-the model's `ModelRecord.node_kinds` includes that kind: the placement describes the model
-on it, the dispatcher gets a profile for it and chooses the kind (mesh.service.cluster_placement).
+the model's `ModelRecord.node_kinds` includes that kind: the cluster control describes the model
+on it, the dispatcher gets a profile for it and chooses the kind (mesh.service.cluster_control).
 
 Conversions run one at a time, at idle CPU priority (SCHED_IDLE, nice 19) with one compute
 thread, in a session of their own whose autogroup is at nice 19 and ending with the service
@@ -47,7 +47,7 @@ from mesh.modelfiles.formats import CONVERSIONS, EMULATED, ENGINE_OF_KIND, FORMA
 from mesh.service.registry import ModelRecord, PreparedFormat, Registry
 from mesh.tasks import cancel_all
 
-log = logging.getLogger("mesh.service.preparation")
+log = logging.getLogger(__name__)
 
 def formats_view(record: ModelRecord, blocked: str, under_way: bool) -> dict[str, dict[str, Any]]:
     """Each kind of node's format of `record`: the registered one (ready), and the other
@@ -174,7 +174,7 @@ class FormatPreparer:
     data_dir: Path
     tool: ConvertTool = field(default_factory=ConvertTool)
     enabled: bool = True  # False (`mesh serve --no-prepare`): every model runs on its registered format's kind
-    # Set by the placement: the kinds of node the server has, and what to do when a format is ready.
+    # Set by the cluster control: the kinds of node the server has, and what to do when a format is ready.
     kinds: Callable[[], set[str]] = field(default=lambda: set())
     on_ready: Callable[[ModelRecord, str], None] | None = None
     _tasks: dict[tuple[str, str], asyncio.Task] = field(default_factory=dict)

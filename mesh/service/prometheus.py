@@ -4,7 +4,7 @@ Per model (labels tenant, model): requests by outcome, TTFT and TPOT histograms 
 client sees them (from the HTTP request's arrival to the first token event; mean time per
 later token), SLO attainment (requests that completed within the model's TTFT and TPOT
 SLOs over all requests that reached a node's queue), prompt and generated tokens.
-Per node (label node), read from the placement's view at scrape time: agent up, restarts,
+Per node (label node), read from the cluster control's view at scrape time: agent up, restarts,
 instances, queue length, running requests, KV bytes in use, memory budget and use, busy
 fraction; the weights plane's host copies and bytes received. Per instance (labels node,
 instance): the iteration-time factors the agent learnt against the profile, the profile's
@@ -37,7 +37,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 def _dispatcher_families(d: dict[str, Any] | None) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-    """The cluster dispatcher's counts (ClusterPlacement.view()["dispatcher"])."""
+    """The cluster dispatcher's counts (ClusterControl.view()["dispatcher"])."""
     if not d:
         return
     waiting = GaugeMetricFamily("mesh_dispatcher_waiting_requests", "requests in the dispatcher's waiting queue, "

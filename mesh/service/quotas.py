@@ -2,7 +2,7 @@
 operator's settings from the registry on top), its open requests and its token bucket.
 The rules are mesh.policy.quota's; time is the event loop's, passed in by the caller.
 
-Generation requests are checked in the HTTP layer around `placement.submit`
+Generation requests are checked in the HTTP layer around `ClusterControl.submit`
 (mesh.service.routes_openai): over `concurrent_requests` or `requests_per_s` they get 429 with
 Retry-After. Registrations are checked before the model is stored (routes_models): over
 `registrations_per_min` 429 with Retry-After, over `models` 403, over `model_bytes` 413. A

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterator
 
-from mesh.policy.placement import CPU, GPU, SERVE_LATE, kind_rank
+from mesh.policy.dispatch_rules import CPU, GPU, SERVE_LATE, kind_rank
 from mesh.policy.slo import SLO
 
 SCHEMA_VERSION = 5
@@ -158,9 +158,9 @@ class ModelRecord:
     sampling_defaults: dict[str, Any] | None = field(default=None, hash=False, compare=False)
     prepared: tuple[PreparedFormat, ...] = ()  # formats prepared for the other kind of node
     # a request that its cold model cannot serve within its TTFT: served late or turned away
-    # (mesh.policy.placement.COLD_START_CHOICES; docs/service.md, "Cold starts")
+    # (mesh.policy.dispatch_rules.COLD_START_CHOICES; docs/service.md, "Cold starts")
     cold_start: str = SERVE_LATE
-    # a request that can no longer meet its SLO (mesh.policy.placement.ADMISSIONS); None: the service's default
+    # a request that can no longer meet its SLO (mesh.policy.dispatch_rules.ADMISSIONS); None: the service's default
     admission: str | None = None
 
     @property
@@ -257,7 +257,7 @@ class Registry:
         return {r["tenant"]: r["admission"] for r in self._db.execute("SELECT tenant, admission FROM tenant_admission")}
 
     def set_tenant_admission(self, tenant: str, admission: str | None) -> None:
-        """Set (None: clear) `tenant`'s default admission choice (mesh.policy.placement.ADMISSIONS)."""
+        """Set (None: clear) `tenant`'s default admission choice (mesh.policy.dispatch_rules.ADMISSIONS)."""
         if self.tenant(tenant) is None:
             raise RegistryError(f"no tenant {tenant!r}")
         if admission is None:

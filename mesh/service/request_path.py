@@ -29,8 +29,8 @@ from typing import Any
 
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.cluster_node import LOSS_CAUSES
-from mesh.control.cluster_view import ClusterView
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.fleet import Fleet
 from mesh.control.supervisor import AgentHandle
 from mesh.engines.engine_api import EngineRequest
 from mesh.modelfiles.formats import ENGINE_FEATURES, engine_for, unhonoured
@@ -41,13 +41,13 @@ from mesh.service.streams import Finished, Job, RequestStream, Tokens
 from mesh.wire.agent_protocol import Abort, Code, Tokenize
 from mesh.wire.served_request import Outcome, ServedRequest
 
-log = logging.getLogger("mesh.service.request_path")
+log = logging.getLogger(__name__)
 
 CALL_TIMEOUT_S = 30.0
 
 
 class RequestPath:
-    def __init__(self, cluster: ClusterView, dispatcher: Dispatcher, catalogue: ModelCatalogue,
+    def __init__(self, cluster: Fleet, dispatcher: Dispatcher, catalogue: ModelCatalogue,
                  agents: dict[str, AgentHandle], formats: FormatPreparer | None) -> None:
         self.cluster = cluster
         self.dispatcher = dispatcher
@@ -126,7 +126,7 @@ class RequestPath:
     def _check_features(self, job: Job) -> None:
         """400 naming the field when no engine of the cluster's node kinds honours a field the
         request uses (mesh.modelfiles.formats.ENGINE_FEATURES); the dispatcher places it only
-        on nodes whose engine does (ClusterView.unable)."""
+        on nodes whose engine does (Fleet.unable)."""
         features = job.sampling.features()
         if not features:
             return
@@ -240,7 +240,7 @@ def _by_cause(counts: Counter) -> dict[str, int]:
     return {cause: int(counts[cause]) for cause in LOSS_CAUSES}
 
 
-def retry_after_s(cluster: ClusterView, model_uid: str) -> float:
+def retry_after_s(cluster: Fleet, model_uid: str) -> float:
     """When a turned-away request of this model may do better: once the cold start of an
     instance of it under way ends (the time left of its predicted load), else in a second.
     The header rounds it up to whole seconds, at least 1."""

@@ -31,7 +31,7 @@ from typing import Any
 
 from aiohttp import web
 
-from mesh.policy.placement import ADMISSIONS
+from mesh.policy.dispatch_rules import ADMISSIONS
 from mesh.policy.quota import QuotaValueError, check_overrides
 from mesh.service import errors
 from mesh.service.auth import new_api_key
@@ -93,7 +93,7 @@ async def get_admission(request: web.Request) -> web.Response:
 
 async def put_admission(request: web.Request) -> web.Response:
     """A tenant's default admission choice for its models registered without their own
-    (mesh.policy.placement.ADMISSIONS; docs/service.md, "Admission")."""
+    (mesh.policy.dispatch_rules.ADMISSIONS; docs/service.md, "Admission")."""
     svc = service_of(request)
     svc.require_admin(request)
     name = _tenant(request)
@@ -103,7 +103,7 @@ async def put_admission(request: web.Request) -> web.Response:
         raise errors.bad_request(f"'admission' must be one of {', '.join(map(repr, ADMISSIONS))}, or null for the "
                                  "service's default (--admission).", "admission")
     svc.registry.set_tenant_admission(name, choice)
-    svc.placement.set_tenant_admission(name, choice)
+    svc.control.set_tenant_admission(name, choice)
     return web.json_response(_admission_view(svc, name))
 
 
@@ -144,7 +144,7 @@ async def delete_tenant(request: web.Request) -> web.Response:
     svc.require_admin(request)
     name = _tenant(request)
     models = svc.registry.delete_tenant(name)
-    svc.placement.set_tenant_admission(name, None)
+    svc.control.set_tenant_admission(name, None)
     await forget_files(svc, models)
     return web.json_response({"name": name, "deleted": True, "models_deleted": len(models)})
 
@@ -193,7 +193,7 @@ async def list_all_models(request: web.Request) -> web.Response:
 async def cluster(request: web.Request) -> web.Response:
     svc = service_of(request)
     svc.require_admin(request)
-    view: dict[str, Any] = svc.placement.view()
+    view: dict[str, Any] = svc.control.view()
     view["models"] = len(svc.registry.models())
     view["tenants"] = len(svc.registry.tenants())
     view["open_requests"] = svc.generating
@@ -206,7 +206,7 @@ async def learnt(request: web.Request) -> web.Response:
     """What the service learnt about its machines (mesh.service.routes_learnt), for the live replay's twin."""
     svc = service_of(request)
     svc.require_admin(request)
-    return web.json_response(learnt_view(svc.placement))
+    return web.json_response(learnt_view(svc.control))
 
 
 async def scale(request: web.Request) -> web.Response:
@@ -224,4 +224,4 @@ async def scale(request: web.Request) -> web.Response:
     record = svc.registry.model(tenant, name)
     if record is None:
         raise errors.not_found(f"Tenant '{tenant}' has no model '{name}'.", "model_not_found", "model")
-    return web.json_response(await svc.placement.scale_out(record, list(dict.fromkeys(nodes))))
+    return web.json_response(await svc.control.scale_out(record, list(dict.fromkeys(nodes))))

@@ -53,16 +53,16 @@ def summarize_kind(node_views: list[dict[str, Any]], loads: Sequence[float],
             "parked_load_s": round(statistics.median(parked), 4) if parked else None, "parked_loads": len(parked)}
 
 
-def learnt_view(placement: Any) -> dict[str, Any]:
-    """The export (see the module docstring); `placement`: the service's ClusterPlacement."""
+def learnt_view(control: Any) -> dict[str, Any]:
+    """The export (see the module docstring); `control`: the service's ClusterControl."""
     nodes, by_kind = [], {}
-    for node in placement.cluster.nodes:
+    for node in control.cluster.nodes:
         learnt = (node.stats or {}).get("learnt") or {}
         nodes.append({"node_id": node.node_id, "kind": node.kind, **learnt})
         by_kind.setdefault(node.kind, []).append(learnt)
     models = {uid: {"profiles": {kind: profile_to_dict(p) for kind, p in spec.profiles.items()}}
-              for uid, spec in placement.cluster.catalog.items()}
-    table = placement.cluster.cold_starts
+              for uid, spec in control.cluster.catalog.items()}
+    table = control.cluster.cold_starts
     loads = {kind: [r.load_s for r in table.records if r.kind == kind and r.source != PARKED] for kind in by_kind}
     parked = {kind: [r.load_s for r in table.records if r.kind == kind and r.source == PARKED] for kind in by_kind}
     return {"nodes": nodes, "models": models, "cold_starts": table.to_dict(),

@@ -47,7 +47,7 @@ from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES
 from mesh.modelfiles.sampling import SamplingDefaultsError
 from mesh.modelfiles.sampling import check as check_sampling
 from mesh.modelfiles.sources import SourceError, SourceInfo, SourceNotFound, inspect_source, resolve_allowed
-from mesh.policy.placement import ADMISSIONS, COLD_START_CHOICES, SERVE_LATE
+from mesh.policy.dispatch_rules import ADMISSIONS, COLD_START_CHOICES, SERVE_LATE
 from mesh.policy.slo import SLO
 from mesh.service import errors
 from mesh.service.limits import body_chunks, read_json, refuse_encoded, refuse_mid_body
@@ -73,7 +73,7 @@ def model_object(svc: Service, m: ModelRecord) -> dict[str, Any]:
     failed or unavailable, with the reason; mesh.service.preparation)."""
     return {"id": m.name, "object": "model", "created": m.created_at, "owned_by": m.tenant,
             "mesh": {"kind": m.kind, "source": "upload" if m.owned_file else "path",
-                     "node_kinds": list(m.node_kinds), "formats": svc.placement.model_formats(m),
+                     "node_kinds": list(m.node_kinds), "formats": svc.control.model_formats(m),
                      "context_length": m.context_length, "weight_bytes": m.weight_bytes, "sha256": m.sha256,
                      "slo": {"ttft_s": m.slo.ttft_min_s, "ttft_s_per_prompt_token": m.slo.ttft_s_per_prompt_token,
                              "tpot_s": m.slo.tpot_s},
@@ -122,7 +122,7 @@ async def forget_files(svc: Service, records: list[ModelRecord]) -> None:
     go once their last request has ended (and again then: one that ended after this recorded it)."""
     for record in records:
         svc.metrics.forget_model(record.tenant, record.name)
-        await svc.placement.forget_model(  # (unless the name was registered again meanwhile)
+        await svc.control.forget_model(  # (unless the name was registered again meanwhile)
             record.uid, lambda r=record: None if svc.registry.model(r.tenant, r.name) is not None
             else svc.metrics.forget_model(r.tenant, r.name))
         if record.owned_file:
@@ -266,9 +266,9 @@ def _upload_cap(svc: Service, tenant: str) -> tuple[int, Callable[[], errors.Api
 
 def _created(svc: Service, record: ModelRecord) -> web.Response:
     svc.quotas.check_registration(record.tenant, record.weight_bytes)  # 403 / 413 naming the quota
-    here = {n["kind"] for n in svc.placement.view()["nodes"]}
+    here = {n["kind"] for n in svc.control.view()["nodes"]}
     if record.native_kind not in here:  # servable only if its format for a kind the server has can be prepared
-        others = {k: f for k, f in svc.placement.model_formats(record).items() if k != record.native_kind}
+        others = {k: f for k, f in svc.control.model_formats(record).items() if k != record.native_kind}
         if not any(k in here and f["state"] != "unavailable" for k, f in others.items()):
             why = "; ".join(f"its {k.upper()} format cannot be prepared: {f.get('reason') or f['state']}"
                             for k, f in others.items())
@@ -285,7 +285,7 @@ def _created(svc: Service, record: ModelRecord) -> web.Response:
         if "already exists" in str(exc):
             raise errors.conflict(str(exc), "name", "model_exists") from exc
         raise errors.bad_request(str(exc), "name") from exc
-    svc.placement.model_registered(stored)  # the first host copy goes to a node (BlitzScale 5.3)
+    svc.control.model_registered(stored)  # the first host copy goes to a node (BlitzScale 5.3)
     return web.json_response(model_object(svc, stored), status=201)
 
 

@@ -255,11 +255,11 @@ async def _submit(svc: Service, jobs: list[Job]) -> list[RequestStream]:
     """Place every choice's request (n > 1: n sibling requests, each placed, validated and
     counted on its own; the first is tokenized, the others carry its token ids); if one cannot
     be placed, the others are stopped and its error is raised."""
-    first = await svc.placement.submit(jobs[0])
+    first = await svc.control.submit(jobs[0])
     if len(jobs) == 1:
         return [first]
     ids = first.prompt_token_ids  # tokenized once: the other choices carry its ids
-    tasks = [asyncio.ensure_future(svc.placement.submit(replace(job, prompt_token_ids=ids) if ids else job))
+    tasks = [asyncio.ensure_future(svc.control.submit(replace(job, prompt_token_ids=ids) if ids else job))
              for job in jobs[1:]]
     try:
         return [first, *await asyncio.gather(*tasks)]
@@ -476,8 +476,7 @@ class _Answer:
         if self.end_s is not None and first is not None and longest >= 2:
             tpot = (self.end_s - first) / (longest - 1)
         slo = self.model.slo
-        met = (self.outcome == "completed" and ttft is not None and ttft <= slo.ttft_s(self.streams[0].prompt_tokens)
-               and (tpot is None or tpot <= slo.tpot_s))
+        met = self.outcome == "completed" and ttft is not None and slo.met(self.streams[0].prompt_tokens, ttft, tpot)
         self.svc.metrics.request_done(
             self.model.tenant, self.model.name, self.outcome, prompt_tokens=self.streams[0].prompt_tokens,
             tokens_out=out, ttft_s=ttft, tpot_s=tpot if tpot is not None and math.isfinite(tpot) else None,

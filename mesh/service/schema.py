@@ -18,7 +18,7 @@ echo, tools, ...) are refused with a 400 instead of being silently ignored; unkn
 are ignored, as OpenAI clients send extras.
 A body is decoded strictly: NaN and Infinity are not JSON, and no integer may have more than
 MAX_INT_DIGITS digits; token ids are checked against the model's vocabulary before anything
-goes to a node (mesh.service.cluster_placement).
+goes to a node (mesh.service.cluster_control).
 """
 from __future__ import annotations
 

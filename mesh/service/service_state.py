@@ -13,7 +13,7 @@ from aiohttp import web
 from mesh.control.latency import LoopLagProbe
 from mesh.service import errors
 from mesh.service.auth import admin_token_ok, bearer_token, hash_key
-from mesh.service.cluster_placement import Placement
+from mesh.service.cluster_control import ClusterInterface
 from mesh.service.config import ServeConfig
 from mesh.service.limits import HttpLimits
 from mesh.service.prometheus import ServiceMetrics
@@ -25,12 +25,12 @@ ARRIVAL = "mesh_arrival_s"  # the request's key of its arrival time on the loop 
 
 @dataclass
 class Service:
-    """What every route of the service shares: its configuration, registry, placement,
+    """What every route of the service shares: its configuration, registry, cluster side,
     metrics, tenants' quotas and HTTP limits, and whether it drains."""
 
     config: ServeConfig
     registry: Registry
-    placement: Placement
+    control: ClusterInterface  # the cluster side (ClusterControl)
     metrics: ServiceMetrics
     data_dir: Path
     wall_offset: float = 0.0  # unix time = loop.time() + wall_offset

@@ -1,6 +1,6 @@
 """What a placed request gives back to the HTTP layer: a stream of token and end events.
 
-The placement pushes events as the node agent sends them; the route handler iterates.
+The cluster control pushes events as the node agent sends them; the route handler iterates.
 A request that fails after it was placed (its node agent died, it was evicted) ends with
 an ApiError raised from the iteration, so a stream never hangs.
 """
@@ -17,7 +17,7 @@ from mesh.service.registry import ModelRecord
 
 @dataclass(frozen=True, slots=True)
 class Job:
-    """A generation request as the placement sees it (already validated)."""
+    """A generation request as the cluster control sees it (already validated)."""
 
     request_id: str
     model: ModelRecord

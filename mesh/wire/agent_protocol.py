@@ -8,7 +8,7 @@ the connection.
 
 Every message has a type `t`. The control service sends requests (REQUESTS); a request that
 carries an integer `id` gets exactly one reply, of type `reply`: {re: id, ok: true, ...its
-reply type's fields} or {re: id, ok: false, ...Failure's}; a request without `id` (abort)
+reply type's fields} or {re: id, ok: false, ...FailureReply's}; a request without `id` (abort)
 gets none. The agent also sends events (EVENTS) on its own.
 
 Every message is one dataclass here, declared once (mesh.wire.codec): its annotated fields
@@ -369,7 +369,7 @@ class Ack(Declared):
 
 
 @dataclass(frozen=True, slots=True)
-class Failure(Declared):
+class FailureReply(Declared):
     """An ok=false reply: why (a Code's value) and what went wrong; a `load` refused for
     memory says by how much."""
 
@@ -448,7 +448,7 @@ class AdmitReply(Declared):
 
 
 @dataclass(frozen=True, slots=True)
-class Verdict(Declared):
+class ValidationReply(Declared):
     """Shadow validation's answer (validate, validate_group, validate_new)."""
 
     WHAT = "validation reply"
@@ -513,7 +513,7 @@ def reply_message(re: int, body: Declared) -> dict[str, Any]:
     return {TYPE_KEY: REPLY, "re": re, "ok": True, **body.to_fields()}
 
 
-def failure_message(re: Any, failure: Failure) -> dict[str, Any]:
+def failure_message(re: Any, failure: FailureReply) -> dict[str, Any]:
     """The frame of an ok=false reply to request `re`."""
     return {TYPE_KEY: REPLY, "re": re, "ok": False, **failure.to_fields()}
 
@@ -749,34 +749,34 @@ class Admit(Request[AdmitReply]):
 
 
 @dataclass(frozen=True, slots=True)
-class Validate(Request[Verdict]):
+class Validate(Request[ValidationReply]):
     """Would the request meet its SLO on the instance, with the instances in `exclude`
     preempted first (shadow validation, 5.3, 6.4, 7.1)? Changes nothing."""
 
     T: ClassVar[str] = "validate"
-    REPLY: ClassVar[Any] = Verdict
+    REPLY: ClassVar[Any] = ValidationReply
     instance_id: Text
     request: Annotated[Probe, nested(Probe)]
     exclude: Annotated[list[str], Wire(listed(text_field, "exclude"))] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
-class ValidateGroup(Request[Verdict]):
+class ValidateGroup(Request[ValidationReply]):
     """Would the instance serve all of `requests` (a group moved there together)?"""
 
     T: ClassVar[str] = "validate_group"
-    REPLY: ClassVar[Any] = Verdict
+    REPLY: ClassVar[Any] = ValidationReply
     instance_id: Text
     requests: Annotated[list[Probe], nested_list(Probe)] = field(default_factory=list)
 
 
 @dataclass(frozen=True, slots=True)
-class ValidateNew(Request[Verdict]):
+class ValidateNew(Request[ValidationReply]):
     """Would a new instance of the planned model, started now with its cold start, serve
     all of `requests`?"""
 
     T: ClassVar[str] = "validate_new"
-    REPLY: ClassVar[Any] = Verdict
+    REPLY: ClassVar[Any] = ValidationReply
     plan: Annotated[NewInstance, nested(NewInstance)]
     requests: Annotated[list[Probe], nested_list(Probe)] = field(default_factory=list)
 
@@ -929,8 +929,8 @@ EVENTS: dict[str, type[Event]] = {e.T: e for e in (TokensEvent, DoneEvent, Insta
 REQUESTS: dict[str, Any] = {r.T: r for r in (
     Hello, Ping, InstanceSpec, Unload, Tokenize, Describe, Admit, Validate, ValidateGroup, ValidateNew, TakeBack,
     Abort, Stats, Shutdown, WeightsPath, WeightsDrop, Forget)}
-REPLIES: tuple[Any, ...] = (Ack, Failure, HelloReply, LoadReply, DescribeReply, TokenizeReply, AdmitReply, Verdict,
-                            Progress, StatsReply, WeightsPathReply, WeightsDropReply, ForgetReply)
+REPLIES: tuple[Any, ...] = (Ack, FailureReply, HelloReply, LoadReply, DescribeReply, TokenizeReply, AdmitReply,
+                            ValidationReply, Progress, StatsReply, WeightsPathReply, WeightsDropReply, ForgetReply)
 
 
 def event_from_message(m: Mapping[str, Any]) -> Event:

@@ -44,7 +44,7 @@ def protocol_table() -> str:
     lines += ["", "| agent -> control (events) | fields | what it is |", "|---|---|---|"]
     for t, event in ap.EVENTS.items():
         lines.append(f"| `{t}` | {field_list(event)} | {what(event)} |")
-    lines += ["", f"An ok=false reply: {field_list(ap.Failure)}. `name`?: may be left out (its default, or null).",
+    lines += ["", f"An ok=false reply: {field_list(ap.FailureReply)}. `name`?: may be left out (its default, or null).",
               "", END]
     return "\n".join(lines)
 

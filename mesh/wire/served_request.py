@@ -49,7 +49,7 @@ class ServedRequest:
     tenant: str = ""  # whose share of the waiting queue it counts against ("" : its model's)
     attempts: list[str] = field(default_factory=list)  # what happened to it, for the operator
     waited: bool = False  # it waited in the dispatcher's queue at least once
-    # Served late because its model was cold (mesh.policy.placement.SERVE_LATE): its deadlines
+    # Served late because its model was cold (mesh.policy.dispatch_rules.SERVE_LATE): its deadlines
     # run from arrival + late_s, as if it had arrived when its instance is ready; its SLO is
     # still judged from its arrival (slo_met, ttft_s).
     late_s: float = 0.0
@@ -83,11 +83,9 @@ class ServedRequest:
 
     @property
     def slo_met(self) -> bool:
-        """Completed with TTFT and mean TPOT within their SLOs."""
-        if self.outcome is not Outcome.COMPLETED:
-            return False
-        tpot_ok = self.tokens_out < 2 or self.tpot_s <= self.slo.tpot_s + 1e-9
-        return self.ttft_s <= self.slo.ttft_s(self.prompt_len) + 1e-9 and tpot_ok
+        """Completed with TTFT and mean TPOT within their SLOs (SLO.met, the strict reading)."""
+        return self.outcome is Outcome.COMPLETED and self.slo.met(
+            self.prompt_len, self.ttft_s, self.tpot_s if self.tokens_out >= 2 else None)
 
     @property
     def deadlines(self) -> Deadlines:

@@ -1,10 +1,10 @@
-"""A cluster of nodes and the model instances on them (LLM-Mesh 4, 8.1).
+"""The fleet: the cluster's nodes and the model instances on them (LLM-Mesh 4, 8.1).
 
-The cluster owns one NodeRuntime per node, knows which instances of which model run where,
+The fleet holds the nodes (one ClusterNode each), knows which instances of which model run where,
 starts instances with a modelled cold start (mesh.perf.load_times.ColdStart: weights from
 host memory over PCIe to a GPU, or already in a CPU node's memory), recycles instances
 idle past keep-alive, and records how many nodes of each kind are in use over time. It
-decides nothing about placement: the policies (mesh.control.schedulers) do.
+decides nothing about where requests go: the schedulers (mesh.control.schedulers) do.
 
 Time comes only from the event loop: the same code runs live and in a virtual-time replay.
 """
@@ -29,9 +29,7 @@ from mesh.perf.load_times import (
 from mesh.perf.model import PerformanceModel
 from mesh.perf.profile import Profile
 from mesh.policy.admission import InstancePlan
-from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
-from mesh.policy.node_spec import NodeSpec
-from mesh.policy.placement import (
+from mesh.policy.dispatch_rules import (
     ADMISSIONS,
     ADMIT_REJECT,
     COLD_START_CHOICES,
@@ -43,6 +41,8 @@ from mesh.policy.placement import (
     NodeView,
     keep_alive_expired,
 )
+from mesh.policy.kv_demand import DEFAULT_WATERMARK, RunningMean, kv_require_bytes, recommend_bytes
+from mesh.policy.node_spec import NodeSpec
 from mesh.policy.shadow import DEFAULT_MARGIN
 from mesh.policy.slo import SLO, DeadlineRule
 from mesh.wire.served_request import ServedRequest
@@ -94,8 +94,8 @@ class ClusterConfig:
     seed: int = 0
     # requests an instance runs at most (plans, validation, the engine's max_num_seqs)
     max_batch: int = DEFAULT_MAX_BATCH
-    cold_start_choice: str = SERVE_LATE  # a cold model's request that cannot make its TTFT (placement.SERVE_LATE)
-    admission: str = ADMIT_REJECT  # a fresh request that can no longer meet its SLO (placement.ADMISSIONS)
+    cold_start_choice: str = SERVE_LATE  # a cold model's request that cannot make its TTFT (dispatch_rules.SERVE_LATE)
+    admission: str = ADMIT_REJECT  # a fresh request that can no longer meet its SLO (dispatch_rules.ADMISSIONS)
     # A replay's CPU nodes' parking budget beside their memory (the agent's --park-bytes): where
     # > 0 they park stopped instances and build ahead the models whose first host copy they
     # hold, as the service's OpenVINO nodes do (mesh.replay.local_node); 0: they park nothing.
@@ -103,7 +103,7 @@ class ClusterConfig:
     # A replay's CPU nodes hold host copies as the service's weights plane places them: the
     # first where the parameter pool puts it at registration (BlitzScale 5.3), then one on
     # every node that started an instance (the multicast's copy stays); a load where none is
-    # held waits for the transfer (ClusterView.transfer_s). False: every node holds every
+    # held waits for the transfer (Fleet.transfer_s). False: every node holds every
     # model (LLM-Mesh 8.1: all models cached in host memory).
     host_copies: bool = False
 
@@ -190,7 +190,9 @@ class InstanceRef:
         return InstanceView(self.instance_id, n.node_id, n.spec.kind, self.model, self.batch_size, self.seq)
 
 
-class ClusterView:
+class Fleet:
+    """The nodes and their instances, which it starts, keeps alive and stops; the books the schedulers read."""
+
     def __init__(
         self,
         config: ClusterConfig,
@@ -199,7 +201,7 @@ class ClusterView:
         mean_output_prior: dict[str, float] | None = None,
         *,
         on_capacity: Callable[[], None] | None = None,
-        nodes: list[ClusterNode] = (),
+        nodes: Sequence[ClusterNode] = (),
         usage_entries: int | None = None,
     ) -> None:
         """`models` maps each model (replica) to its base model in `catalog`; `mean_output_prior` gives
@@ -234,8 +236,7 @@ class ClusterView:
         self.instances_recycled = 0
         self.cold_start_s = 0.0  # summed predicted cold starts
         self._loads_end: dict[str, float] = {}  # node id -> when the loads issued on it are predicted to end
-        # Cold starts measured, not assumed: every node's loads per model and
-        # source, and the weights transfers (mesh.perf.load_times.ColdStartTable).
+        # Cold starts measured, not assumed: every node's loads per model and source, and the weights transfers
         self.cold_starts = ColdStartTable()
         self._loading: dict[str, tuple[float, float, str]] = {}  # instance -> (issued, its wait, node kind)
         # Does `node` hold a copy of the model's weights (the service's weights plane)? None:
@@ -313,7 +314,7 @@ class ClusterView:
         self._cold_choice[model] = choice
 
     def admission(self, model: str, tenant: str = "") -> str:
-        """The model's admission choice (placement.ADMISSIONS): its own, else its tenant's
+        """The model's admission choice (dispatch_rules.ADMISSIONS): its own, else its tenant's
         default, else the cluster's."""
         own = self._admission.get(model)
         return own if own is not None else self._tenant_admission.get(tenant, self.config.admission)
@@ -593,7 +594,7 @@ class ClusterView:
 
 
 def _set_admission(choices: dict[str, str], key: str, choice: str | None) -> None:
-    """Set (or, for None, clear) one admission choice, refusing a name placement.ADMISSIONS lacks."""
+    """Set (or, for None, clear) one admission choice, refusing a name dispatch_rules.ADMISSIONS lacks."""
     if choice is None:
         choices.pop(key, None)
     elif choice not in ADMISSIONS:

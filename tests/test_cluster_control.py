@@ -1,4 +1,4 @@
-"""ClusterPlacement against in-process node agents with simulated engines (fast): the
+"""ClusterControl against in-process node agents with simulated engines (fast): the
 service's requests go through the replay's Dispatcher and policies. Serving, waiting behind
 a full batch, 429 with the reason and Retry-After, 400 over the context window, keep-alive
 recycling making room for another model, a dead agent's stream waiting for it, every policy
@@ -13,7 +13,7 @@ from agent_doubles import InProcessAgent, until, use_simulated_engines
 from mesh.engines.engine_api import Sampling
 from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import SLO
-from mesh.service.cluster_placement import ClusterPlacement, PlacementSettings
+from mesh.service.cluster_control import ClusterControl, ClusterSettings
 from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord
 from mesh.service.streams import Finished, Job
@@ -33,16 +33,16 @@ def job(rid: str, m: ModelRecord, prompt: int = 20, max_tokens: int = 5) -> Job:
     return Job(rid, m, loop.time(), Sampling(max_tokens=max_tokens), prompt_token_ids=list(range(1, prompt + 1)))
 
 
-async def run_stream(p: ClusterPlacement, j: Job) -> Finished:
+async def run_stream(p: ClusterControl, j: Job) -> Finished:
     stream = await p.submit(j)
     events = [e async for e in stream.events()]
     assert isinstance(events[-1], Finished)
     return events[-1]
 
 
-async def started(memory: int = 10**9, **settings) -> ClusterPlacement:
+async def started(memory: int = 10**9, **settings) -> ClusterControl:
     settings.setdefault("cold_start_s", 0.0)  # simulated engines load at once
-    p = ClusterPlacement([NodeSpec("cpu-0", "cpu", memory)], PlacementSettings(**settings),
+    p = ClusterControl([NodeSpec("cpu-0", "cpu", memory)], ClusterSettings(**settings),
                          agent_factory=InProcessAgent)
     await p.start()
     return p
@@ -133,7 +133,7 @@ def test_a_models_registered_cold_start_choice_decides_a_late_request(monkeypatc
 def test_admission_the_services_default_and_a_models_own():
     """The service's default admission `queue` keeps a request that cannot meet its SLO
     waiting up to the queue's bound, then turns it away saying so; a model registered with
-    `admission: reject` has its request turned away at once (mesh.policy.placement.ADMISSIONS)."""
+    `admission: reject` has its request turned away at once (mesh.policy.dispatch_rules.ADMISSIONS)."""
 
     async def main():
         p = await started(admission="queue", queue_timeout_s=0.5)
@@ -254,8 +254,8 @@ def test_every_cpu_policy_serves(policy):
 
 def test_serve_and_replay_build_the_same_dispatcher(monkeypatch):
     """One brain: `mesh serve` and `mesh replay` both build Dispatcher.for_policy."""
-    from mesh.control.cluster_view import ClusterConfig
     from mesh.control.dispatcher import Dispatcher
+    from mesh.control.fleet import ClusterConfig
     from mesh.replay.driver import ReplayConfig, build_catalog, run_policy
     from workloads.workload import Arrival, Workload
 

@@ -1,6 +1,7 @@
-"""Placement: where a request runs. The control service's one interface to the cluster.
+"""The cluster control: the control service's one interface to the cluster (its nodes, its models
+and where its requests go).
 
-`ClusterPlacement` hands every request to the cluster dispatcher (mesh.control.dispatcher)
+`ClusterControl` hands every request to the cluster dispatcher (mesh.control.dispatcher)
 under one of the replay's policies (mesh.control.schedulers, `mesh serve --policy`), over
 one `AgentNode` per node agent (mesh.control.agent_node). The dispatcher and the policy
 that `mesh replay` evaluates in virtual time are the ones that decide here; this module
@@ -27,15 +28,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
 
 from mesh.control.agent_node import AgentNode
-from mesh.control.cluster_view import LIVE_USAGE_ENTRIES, ClusterConfig, ClusterView
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.fleet import LIVE_USAGE_ENTRIES, ClusterConfig, Fleet
 from mesh.control.node_pool import NodePool
 from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.control.weights_plane import WeightsPlane
 from mesh.engines.emulation import emulated_cold_start
 from mesh.perf.load_times import ColdStart
+from mesh.policy.dispatch_rules import ADMIT_REJECT, CPU, GPU
 from mesh.policy.node_spec import NodeSpec
-from mesh.policy.placement import ADMIT_REJECT, CPU, GPU
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.service.errors import ApiError, bad_request
 from mesh.service.model_catalogue import ModelCatalogue
@@ -44,7 +45,7 @@ from mesh.service.registry import ModelRecord
 from mesh.service.request_path import RequestPath
 from mesh.service.streams import Job, RequestStream
 
-log = logging.getLogger("mesh.service.cluster_placement")
+log = logging.getLogger(__name__)
 
 # The demo model (SmolLM2-135M) starts in 7.0-7.9 s on a 2-core node (docs/evaluation.md): the
 # engine's start-up, not its weights, dominates a small model's cold start.
@@ -55,8 +56,8 @@ DEFAULT_COLD_START_S = 7.5
 DEFAULT_TRANSFER_BYTES_PER_S = 50e6
 
 
-class Placement(Protocol):
-    """What the control service needs from whatever places requests on nodes."""
+class ClusterInterface(Protocol):
+    """What the control service needs from the cluster side (ClusterControl, or a test's double)."""
 
     async def start(self) -> None: ...
 
@@ -96,7 +97,7 @@ class Placement(Protocol):
 
 
 @dataclass(frozen=True, slots=True)
-class PlacementSettings:
+class ClusterSettings:
     policy: str = "mesh"  # mesh.control.schedulers.POLICIES
     keep_alive_s: float = 60.0
     start_timeout_s: float = 60.0
@@ -105,13 +106,13 @@ class PlacementSettings:
     cold_start_s: float = DEFAULT_COLD_START_S  # an instance's start-up besides its weights (ColdStart.fixed_s)
     queue_capacity: int = DEFAULT_QUEUE_CAPACITY
     queue_timeout_s: float = DEFAULT_QUEUE_TIMEOUT_S
-    admission: str = ADMIT_REJECT  # the default admission choice (mesh.policy.placement.ADMISSIONS)
+    admission: str = ADMIT_REJECT  # the default admission choice (mesh.policy.dispatch_rules.ADMISSIONS)
     exact_moves: bool = False  # InstanceSpec.exact_moves for every instance (mesh serve --exact-moves)
     agent: AgentSettings = field(default_factory=AgentSettings)
 
 
-class ClusterPlacement:
-    def __init__(self, nodes: list[NodeSpec], settings: PlacementSettings | None = None,
+class ClusterControl:
+    def __init__(self, nodes: list[NodeSpec], settings: ClusterSettings | None = None,
                  agent_factory: Callable[..., AgentHandle] = LocalAgent,
                  weights: Callable[[dict[str, AgentHandle]], WeightsPlane] | None = None,
                  formats: FormatPreparer | None = None) -> None:
@@ -120,13 +121,13 @@ class ClusterPlacement:
         weights plane (None: nodes load models from the registry's path); `formats`
         prepares each model's format for the other kind of node (None: a model runs on its
         registered format's kind only)."""
-        self.settings = settings or PlacementSettings()
+        self.settings = settings or ClusterSettings()
         s = self.settings
         config = ClusterConfig(
             cpu_nodes=sum(n.kind == CPU for n in nodes), gpu_nodes=sum(n.kind == GPU for n in nodes),
             cold_start=_cold_start(s), keep_alive_s=s.keep_alive_s, deadlines=s.agent.deadlines,
             max_batch=s.max_batch, admission=s.admission)
-        self.cluster = ClusterView(config, usage_entries=LIVE_USAGE_ENTRIES)  # bounded: a months-long run
+        self.cluster = Fleet(config, usage_entries=LIVE_USAGE_ENTRIES)  # bounded: a months-long run
         self.dispatcher = Dispatcher.for_policy(self.cluster, s.policy, queue_capacity=s.queue_capacity,
                                                 queue_timeout_s=s.queue_timeout_s)
         self.catalogue = ModelCatalogue(self.cluster, self.dispatcher, _emulated_kinds(nodes, s.agent.emulate),
@@ -179,7 +180,7 @@ class ClusterPlacement:
     # ---- membership: nodes that join or leave while serving ---------------------------------
     async def add_node(self, spec: NodeSpec, agent_factory: Callable[..., AgentHandle] | None = None) -> AgentHandle:
         """A node joined: start its agent handle (made by `agent_factory`, default the
-        placement's). It gets models by multicast on first use."""
+        cluster control's). It gets models by multicast on first use."""
         new_kind = spec.kind not in {n.kind for n in self.pool.nodes()}
         node = await self.pool.add_node(spec, agent_factory)
         if new_kind and self.formats is not None:
@@ -289,7 +290,7 @@ def _emulated_kinds(nodes: list[NodeSpec], emulate: dict[str, str]) -> frozenset
     return frozenset({n.kind for n in nodes if n.node_id in emulating} - real) if real else frozenset()
 
 
-def _cold_start(s: PlacementSettings) -> ColdStart:
+def _cold_start(s: ClusterSettings) -> ColdStart:
     """The service's cold-start model: on emulated nodes the replay's, with the emulated
     GPU's host-to-GPU bandwidth (mesh.engines.emulation.emulated_cold_start)."""
     kw: dict[str, Any] = {"fixed_s": s.cold_start_s, "net_bytes_per_s": DEFAULT_TRANSFER_BYTES_PER_S}

@@ -1,4 +1,5 @@
-"""Placement rules of the cluster dispatcher: pure choices on views of the cluster.
+"""The cluster dispatcher's rules: pure choices on views of the cluster (where a request
+goes, what a preemption may take, where a new instance starts, warm-ups, keep-alive, admission).
 
 Mesh (LLM-Mesh 4, 7):
 - candidate instances of a request's model: CPU nodes first (4), and among a model's
