@@ -192,7 +192,6 @@ class InstanceRef:
 
 class Fleet:
     """The nodes and their instances, which it starts, keeps alive and stops; the books the schedulers read."""
-
     def __init__(
         self,
         config: ClusterConfig,
