@@ -278,8 +278,10 @@ def test_required_tool_calls_parse_and_bad_tools_are_400s(server):
              {"type": "function", "function": {"name": "now", "description": "The current time"}}]
     c = server.client(max_retries=0)
     r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 2 plus 3?"}],
-                                  tools=tools, tool_choice="required", max_tokens=80, temperature=0)
+                                  tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=80,
+                                  temperature=0)
     assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    assert len(r.choices[0].message.tool_calls) == 1  # parallel_tool_calls false: at most one
     for call in r.choices[0].message.tool_calls:
         assert call.function.name in ("add", "now")
         if call.function.name == "add":
