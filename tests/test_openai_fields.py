@@ -296,29 +296,3 @@ def test_required_tool_calls_parse_and_bad_tools_are_400s(server):
                                   tools=tools, tool_choice={"type": "function", "function": {"name": "mul"}})
     assert err.value.body["param"] == "tool_choice"
 
-
-def test_named_tool_calls_validate_20_of_20(server):
-    """A named tool_choice at the model's sampling defaults, 20 seeds: every call's arguments
-    parse into the SDK's strict pydantic tool and validate against its schema."""
-    from typing import Literal
-
-    import jsonschema
-    import pydantic
-
-    class Book(pydantic.BaseModel):
-        """Book a table at a restaurant."""
-        restaurant: str = pydantic.Field(max_length=40)
-        people: int = pydantic.Field(ge=1, le=20)
-        time: Literal["lunch", "dinner"]
-
-    tool = openai.pydantic_function_tool(Book)
-    c = server.client()
-    messages = [{"role": "user", "content": "Book a table for four at Chez Marcel tonight."}]
-    for seed in range(20):
-        r = c.chat.completions.parse(model=MODEL, messages=messages, tools=[tool], max_tokens=80, seed=seed,
-                                     tool_choice={"type": "function", "function": {"name": "Book"}})
-        choice = r.choices[0]
-        assert choice.finish_reason == "tool_calls", (seed, choice)
-        call = choice.message.tool_calls[0]
-        assert isinstance(call.function.parsed_arguments, Book), (seed, call)
-        jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
