@@ -83,3 +83,12 @@ def test_a_field_no_node_kind_honours_is_a_400_naming_it(kinds, model_kind, samp
 ])
 def test_a_field_some_node_kind_honours_passes(kinds, model_kind, sampling):
     RequestPath._check_features(_path(kinds), _job(model_kind, sampling))
+
+
+def test_structured_output_asked_by_tool_choice_is_a_400_naming_tool_choice():
+    job = SimpleNamespace(model=SimpleNamespace(kind="gguf", name="acme/m"), schema_param="tool_choice",
+                          sampling=Sampling(json_schema='{"type": "object"}'))
+    with pytest.raises(ApiError) as err:
+        RequestPath._check_features(_path(["gpu"]), job)
+    assert err.value.param == "tool_choice" and "'tool_choice'" in err.value.message
+    RequestPath._check_features(_path(["cpu", "gpu"]), job)

@@ -224,3 +224,75 @@ def test_json_object_and_refused_schemas(server):
     # the instance still serves after the refusal (the schema never reached it)
     answer = c.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
     assert answer.choices[0].message.content
+
+
+def test_a_named_tool_call_round_trip(server):
+    """A tool-calling round trip through the SDK: a named tool_choice (the SDK's strict
+    pydantic tool) gives a call whose arguments the SDK parses into the model and jsonschema
+    validates; streamed, the SDK's stream helper accumulates the call; the call and the
+    tool's result sent back are answered."""
+    from typing import Literal
+
+    import jsonschema
+    import pydantic
+
+    class GetWeather(pydantic.BaseModel):
+        """The current weather in a city."""
+        city: str = pydantic.Field(max_length=32)
+        unit: Literal["celsius", "fahrenheit"]
+
+    tool = openai.pydantic_function_tool(GetWeather)
+    named = {"type": "function", "function": {"name": "GetWeather"}}
+    c = server.client()
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    r = c.chat.completions.parse(model=MODEL, messages=messages, tools=[tool], tool_choice=named, max_tokens=60,
+                                 temperature=0)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls", choice
+    (call,) = choice.message.tool_calls
+    assert call.id.startswith("call_") and call.type == "function" and call.function.name == "GetWeather"
+    assert isinstance(call.function.parsed_arguments, GetWeather)
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+    with c.chat.completions.stream(model=MODEL, messages=messages, tools=[tool], tool_choice=named, max_tokens=60,
+                                   temperature=0) as stream:
+        streamed = stream.get_final_completion().choices[0]
+    assert streamed.finish_reason == "tool_calls"
+    assert isinstance(streamed.message.tool_calls[0].function.parsed_arguments, GetWeather)
+
+    sent = {"id": call.id, "type": "function", "function": {"name": call.function.name,
+                                                             "arguments": call.function.arguments}}
+    history = [*messages, {"role": "assistant", "content": None, "tool_calls": [sent]},
+               {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21, "sky": "sunny"}'}]
+    answer = c.chat.completions.create(model=MODEL, messages=history, tools=[tool], max_tokens=40, temperature=0)
+    reply = answer.choices[0]
+    assert reply.finish_reason in ("stop", "length", "tool_calls")
+    assert reply.message.content or reply.message.tool_calls
+    assert answer.usage.prompt_tokens > r.usage.prompt_tokens  # the call and its result reached the prompt
+
+
+def test_required_tool_calls_parse_and_bad_tools_are_400s(server):
+    tools = [{"type": "function", "function": {"name": "add", "description": "Add two integers", "parameters": {
+                 "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                 "required": ["a", "b"]}}},
+             {"type": "function", "function": {"name": "now", "description": "The current time"}}]
+    c = server.client(max_retries=0)
+    r = c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "What is 2 plus 3?"}],
+                                  tools=tools, tool_choice="required", parallel_tool_calls=False, max_tokens=80,
+                                  temperature=0)
+    assert r.choices[0].finish_reason == "tool_calls", r.choices[0]
+    assert len(r.choices[0].message.tool_calls) == 1  # parallel_tool_calls false: at most one
+    for call in r.choices[0].message.tool_calls:
+        assert call.function.name in ("add", "now")
+        if call.function.name == "add":
+            import jsonschema
+            jsonschema.validate(json.loads(call.function.arguments), tools[0]["function"]["parameters"])
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4, tools=[
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "string", "format": "date"}}}])
+    assert err.value.body["param"] == "tools[0].function.parameters" and "format" in err.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as err:
+        c.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                  tools=tools, tool_choice={"type": "function", "function": {"name": "mul"}})
+    assert err.value.body["param"] == "tool_choice"
+

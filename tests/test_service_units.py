@@ -316,7 +316,7 @@ def schema(s: dict) -> dict:
     ({**CHAT, "frequency_penalty": "x"}, "frequency_penalty"),
     ({**CHAT, "repetition_penalty": 0}, "repetition_penalty"),
     ({**CHAT, "repetition_penalty": 11}, "repetition_penalty"),
-    ({**CHAT, "tools": [{"type": "function"}]}, "tools"),
+    ({**CHAT, "tools": [{"type": "function"}]}, "tools[0]"),
     ({**CHAT, "logprobs": True, "top_logprobs": 2}, "top_logprobs"),
     ({**CHAT, "top_logprobs": 0}, "top_logprobs"),
     ({**CHAT, "logprobs": True, "top_logprobs": 21}, "top_logprobs"),

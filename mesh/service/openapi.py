@@ -20,6 +20,7 @@ from mesh.policy.dispatch_rules import ADMISSIONS, COLD_START_CHOICES
 from mesh.policy.quota import QUOTA_FIELDS
 from mesh.service.registry import MODEL_NAME, TENANT_NAME
 from mesh.service.schema import MAX_N, MAX_REPETITION_PENALTY, MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS_CAP
+from mesh.service.tools import MAX_TOOLS, TOOL_NAME
 
 TENANT, ADMIN, METRICS = "tenantKey", "adminToken", "metricsToken"
 
@@ -52,6 +53,19 @@ _COMMON_GENERATION: dict[str, Any] = {
 }
 _TEXT_PART = {"type": "object", "required": ["type", "text"],
               "properties": {"type": {"const": "text"}, "text": {"type": "string"}}}
+_FUNCTION_NAME = {"type": "string", "pattern": TOOL_NAME.pattern}
+_TOOL = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": _FUNCTION_NAME, "description": {"type": "string"},
+        "parameters": {"type": "object", "description": "a subset of JSON Schema (docs/service.md)"}}}}}
+_NAMED_CHOICE = {"type": "object", "required": ["type", "function"], "properties": {
+    "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {"name": _FUNCTION_NAME}}}}
+_TOOL_CALL = {"type": "object", "required": ["function"], "properties": {
+    "id": {"type": "string"}, "type": {"const": "function"},
+    "function": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "arguments": {"type": "string", "description": "JSON text"}}}}}
 CHAT_BODY: dict[str, Any] = {
     "type": "object", "required": ["model", "messages"],
     "properties": {
@@ -63,7 +77,13 @@ CHAT_BODY: dict[str, Any] = {
             "type": "object", "required": ["role"],
             "properties": {"role": {"enum": list(ROLES)},
                            "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": _TEXT_PART},
-                                                 {"type": "null"}]}}}},
+                                                 {"type": "null"}]},
+                           "tool_calls": {"type": "array", "items": _TOOL_CALL,
+                                          "description": "an assistant message's calls"},
+                           "tool_call_id": {"type": "string", "description": "a tool message's call"}}}},
+        "tools": {"type": ["array", "null"], "maxItems": MAX_TOOLS, "items": _TOOL},
+        "tool_choice": {"oneOf": [{"enum": ["none", "auto", "required"]}, _NAMED_CHOICE, {"type": "null"}]},
+        "parallel_tool_calls": {"type": ["boolean", "null"]},
     },
 }
 COMPLETION_BODY: dict[str, Any] = {

@@ -137,9 +137,10 @@ class RequestPath:
             return
         field = sorted(min(left, key=len) if left else features)[0]
         able = sorted(e for e, honoured in ENGINE_FEATURES.items() if field in honoured)
-        raise bad_request(f"'{field}' is not supported for model {job.model.name}: the engines that serve it here "
+        named = job.schema_param if field == "response_format" else field  # structured output, asked by this field
+        raise bad_request(f"'{named}' is not supported for model {job.model.name}: the engines that serve it here "
                           f"({', '.join(engines) or 'none'}) do not honour it (only {', '.join(able)} does). "
-                          f"Omit '{field}'.", field, "unsupported_parameter")
+                          f"Omit '{named}'.", named, "unsupported_parameter")
 
     async def _described_and_tokenized(self, job: Job, again: bool = True) -> tuple[DescribedModel, list[int]]:
         """The model as the cluster knows it, and the prompt's ids. An agent that goes down

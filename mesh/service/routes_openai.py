@@ -29,6 +29,7 @@ from mesh.service.registry import ModelRecord
 from mesh.service.schema import GenerationRequest, parse_chat, parse_completion, parse_json
 from mesh.service.service_state import ARRIVAL, Service, service_of
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
+from mesh.service.tool_calls import CallFilter, ToolCall, parse_calls
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
@@ -216,9 +217,10 @@ async def _placed(svc: Service, request: web.Request, req: GenerationRequest, te
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, json_schema=req.json_schema)
     request_id = prefix + secrets.token_hex(12)
+    schema_param = "tool_choice" if req.tools is not None and req.tools.constrained else "response_format"
     jobs = [Job(request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model,
                 arrival_s=request[ARRIVAL], sampling=_sibling(sampling, i), messages=req.messages, prompt=req.prompt,
-                prompt_token_ids=req.prompt_token_ids) for i in range(req.n)]
+                prompt_token_ids=req.prompt_token_ids, schema_param=schema_param) for i in range(req.n)]
     svc.begin_generation()
     try:
         try:
@@ -290,6 +292,9 @@ class _Answer:
         # per choice: a token chunk's bytes before and after its text
         self._templates: dict[int, tuple[bytes, bytes]] = {}
         self._offsets = [0] * len(streams)  # per choice: the text sent so far (completions' text_offset)
+        self._first = [True] * len(streams)  # per choice: no chunk streamed yet
+        # per choice: the streamed text through the tool parser (chat with tools)
+        self._filters = [CallFilter(req.tools) for _ in streams] if req.tools is not None else None
 
     @property
     def finish(self) -> Finished | None:
@@ -345,8 +350,15 @@ class _Answer:
             text = "".join(parts[index])
             lp = self._logprobs(index, logprobs[index]) if self.req.logprobs else None
             if self.req.kind == "chat":
-                choices.append({"index": index, "message": {"role": "assistant", "content": text}, "logprobs": lp,
-                                "finish_reason": finish.reason})
+                message: dict[str, Any] = {"role": "assistant", "content": text}
+                reason = finish.reason
+                if self.req.tools is not None:
+                    content, calls = parse_calls(text, self.req.tools)
+                    if calls:
+                        message = {"role": "assistant", "content": content,
+                                   "tool_calls": [c.message() for c in calls]}
+                        reason = "tool_calls"
+                choices.append({"index": index, "message": message, "logprobs": lp, "finish_reason": reason})
             else:
                 choices.append({"index": index, "text": text, "logprobs": lp, "finish_reason": finish.reason})
         obj = "chat.completion" if self.req.kind == "chat" else "text_completion"
@@ -373,26 +385,9 @@ class _Answer:
     async def sse(self) -> web.StreamResponse:
         response = web.StreamResponse(headers=SSE_HEADERS)
         await response.prepare(self.request)
-        first = [True] * len(self.streams)
         try:
             async for batch in self._events():  # what arrived together goes out in one write
-                out = []
-                for index, event in batch:
-                    if isinstance(event, Tokens):
-                        self.tokens_out[index] += max(1, len(event.token_ids))
-                        entries = _entries(event) if self.req.logprobs else []
-                        if entries or first[index]:
-                            out.append(self._chunk(event.text, None, first[index], index, entries))
-                        elif event.text:
-                            out.append(self._text_chunk(event.text, index))
-                        first[index] = False
-                    else:
-                        self._finished(index, event)
-                        out.append(self._chunk("", event.reason, first[index], index))
-                        if all(f is not None for f in self.finishes):
-                            if self.req.include_usage:
-                                out.append(self._usage_chunk())
-                            out.append(b"data: [DONE]\n\n")
+                out = [chunk for index, event in batch for chunk in self._sse_chunks(index, event)]
                 if out:
                     await response.write(b"".join(out))
         except ApiError as exc:
@@ -410,6 +405,37 @@ class _Answer:
             pass
         return response
 
+    def _sse_chunks(self, index: int, event: Tokens | Finished) -> list[bytes]:
+        """What one event of choice `index` sends: its text (chat with tools: what the tool
+        parser lets out, mesh.service.tool_calls), and at its end the rest, the tool calls, its
+        finish_reason, and after the last choice's end the usage and [DONE]."""
+        out = []
+        first = self._first[index]
+        if isinstance(event, Tokens):
+            self.tokens_out[index] += max(1, len(event.token_ids))
+            entries = _entries(event) if self.req.logprobs else []
+            text = self._filters[index].feed(event.text) if self._filters else event.text
+            if entries or first:
+                out.append(self._chunk(text, None, first, index, entries))
+            elif text:
+                out.append(self._text_chunk(text, index))
+            self._first[index] = False
+            return out
+        self._finished(index, event)
+        reason = event.reason
+        if self._filters:
+            rest, calls = self._filters[index].end()
+            if rest or calls:
+                out.append(self._chunk(rest, None, first, index, calls=calls))
+                first = self._first[index] = False
+            reason = "tool_calls" if calls else reason
+        out.append(self._chunk("", reason, first, index))
+        if all(f is not None for f in self.finishes):
+            if self.req.include_usage:
+                out.append(self._usage_chunk())
+            out.append(b"data: [DONE]\n\n")
+        return out
+
     def _text_chunk(self, text: str, index: int = 0) -> bytes:
         """`_chunk(text, None, False, index)`, from a template made once per choice: only the
         text is encoded per token (json.dumps of the whole chunk was about a tenth of the
@@ -426,12 +452,19 @@ class _Answer:
         return head + encode_basestring(text).encode() + tail
 
     def _chunk(self, text: str, finish_reason: str | None, first: bool, index: int = 0,
-               entries: list[tuple[str, float]] | None = None) -> bytes:
+               entries: list[tuple[str, float]] | None = None, calls: list[ToolCall] | None = None) -> bytes:
+        """One chunk of choice `index`: its text (chat: the first carries the role), log
+        probabilities, tool calls (each whole, as OpenAI's SDK accumulates them by index), or
+        its finish_reason (chat: an empty delta)."""
         logprobs = self._logprobs(index, entries) if entries else None
         if self.req.kind == "chat":
             delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
             if finish_reason is not None and not first:
                 delta = {}
+            if calls:
+                delta["tool_calls"] = [call.delta(i) for i, call in enumerate(calls)]
+                if not text:
+                    delta["content"] = None
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
             obj = "chat.completion.chunk"
         else:

@@ -9,12 +9,14 @@ characters each), `seed`, `n` (1 to MAX_N choices, served as n sibling requests)
 `logprobs` (chat: true/false; completions: 0) with `top_logprobs` 0 (each chosen token's log
 probability; alternatives are refused), `presence_penalty` and `frequency_penalty` [-2, 2],
 vLLM's `repetition_penalty` (0, 10], `response_format` (text, json_object, json_schema of
-a checked subset: mesh.service.structured), `stream`, `stream_options.include_usage` (a
+a checked subset: mesh.service.structured), chat `tools`, `tool_choice` and
+`parallel_tool_calls` (mesh.service.tools; history messages with `tool_calls` and role
+`tool`), `stream`, `stream_options.include_usage` (a
 last chunk with the usage; vLLM's `continuous_usage_stats` is ignored), vLLM's `ignore_eos`
 (generate exactly `max_tokens`; benchmarks, guidellm and `mesh replay --live` use it) and
 `min_tokens` (only where `ignore_eos` already guarantees it), and `user` (a string, not
 used). Fields that would change the output in ways Mesh does not implement (top logprobs,
-echo, tools, ...) are refused with a 400 instead of being silently ignored; unknown fields
+echo, completions' tools, ...) are refused with a 400 instead of being silently ignored; unknown fields
 are ignored, as OpenAI clients send extras.
 A body is decoded strictly: NaN and Infinity are not JSON, and no integer may have more than
 MAX_INT_DIGITS digits; token ids are checked against the model's vocabulary before anything
@@ -25,7 +27,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Mapping
 
 from mesh.engines.chat import ROLES
@@ -34,6 +36,7 @@ from mesh.framing import MAX_INT_DIGITS, LongInteger, bounded_int, not_a_number
 from mesh.modelfiles.sampling import MIN_POSITIVE
 from mesh.service.errors import ApiError, bad_request
 from mesh.service.structured import response_schema
+from mesh.service.tools import ToolUse, history_message, tool_use, with_tools
 
 MAX_STOP = 4
 MAX_N = 16  # choices of one request (each one is a request of its own in quotas and placement)
@@ -64,6 +67,7 @@ class GenerationRequest:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     json_schema: str | None = None  # response_format: the schema the answer follows (mesh.service.structured)
+    tools: ToolUse | None = None  # chat: the tools the model sees (mesh.service.tools); None: no tools
 
 
 def parse_json(body: bytes) -> dict[str, Any]:
@@ -123,12 +127,26 @@ def _check_depth(data: Any) -> None:
 
 
 def parse_chat(data: Mapping[str, Any]) -> GenerationRequest:
-    messages = _messages(data.get("messages"))
-    return _common("chat", data, messages=messages)
+    use = tool_use(data)
+    req = _common("chat", data, messages=with_tools(_messages(data.get("messages")), use), tools=use)
+    if use is None:
+        return req
+    if req.logprobs:
+        raise bad_request("'logprobs' with 'tools' is not supported (the answer's text becomes tool calls); omit "
+                          "one of them.", "logprobs", "unsupported_parameter")
+    if not use.constrained:
+        return req
+    if req.json_schema is not None:
+        raise bad_request("'tool_choice' \"required\" or a named function constrains the answer to tool calls; it "
+                          "cannot also follow 'response_format'. Omit one of them.", "tool_choice")
+    return replace(req, json_schema=use.schema())
 
 
 def parse_completion(data: Mapping[str, Any]) -> GenerationRequest:
     prompt, ids = _prompt(data.get("prompt"))
+    if data.get("tools") or data.get("functions") or data.get("tool_choice") not in (None, "none", "auto"):
+        raise bad_request("'tools' is supported on chat completions (POST /v1/chat/completions) only.", "tools",
+                          "unsupported_parameter")
     if data.get("echo"):
         raise _unsupported("echo")
     best_of = data.get("best_of")
@@ -191,8 +209,6 @@ def _common(kind: str, d: Mapping[str, Any], **fields: Any) -> GenerationRequest
     logprobs = _logprobs(kind, d)
     if d.get("logit_bias"):
         raise _unsupported("logit_bias")
-    if d.get("tools") or d.get("functions") or d.get("tool_choice") not in (None, "none", "auto"):
-        raise _unsupported("tools")
     json_schema = response_schema(d.get("response_format"))
     return GenerationRequest(kind, model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              stop=_stop(d.get("stop")), seed=seed, stream=stream, include_usage=include_usage,
@@ -275,7 +291,7 @@ def _messages(value: Any) -> list[dict[str, str]]:
         role = msg.get("role")
         if role not in ROLES:
             raise bad_request(f"'messages[{i}].role' must be one of {', '.join(ROLES)}.", f"messages[{i}].role")
-        out.append({"role": role, "content": _content(msg.get("content"), f"messages[{i}].content")})
+        out.append(history_message(msg, _content(msg.get("content"), f"messages[{i}].content"), f"messages[{i}]"))
     return out
 
 

@@ -26,6 +26,7 @@ class Job:
     messages: list[dict[str, str]] | None = None
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
+    schema_param: str = "response_format"  # the field that asked for sampling.json_schema (or tool_choice)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,5 @@
-"""`response_format` -> the JSON schema an engine constrains the answer to, checked first.
+"""`response_format` -> the JSON schema an engine constrains the answer to, checked first
+(`check_schema` also checks chat tools' parameters, mesh.service.tools).
 
 A schema reaches OpenVINO GenAI's grammar compiler (xgrammar) inside the node's `pipe.step()`,
 and one it refuses (`{"type": "foo"}`, an unresolved `$ref`) raises there and leaves the
@@ -57,48 +58,55 @@ def response_schema(value: Any) -> str | None:
     if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
         raise _bad("'response_format.json_schema' must be an object with a 'schema' object (and a 'name').")
     schema = spec["schema"]
-    _check(schema, "schema")
+    check_schema(schema, "schema")
+    return schema_text(schema, "'response_format.json_schema.schema'")
+
+
+def schema_text(schema: Mapping[str, Any], what: str, param: str = PARAM) -> str:
+    """A checked schema as the compact JSON text the engine takes; 400 naming `param` past
+    MAX_SCHEMA_BYTES."""
     text = json.dumps(schema, separators=(",", ":"), ensure_ascii=False)
     if len(text.encode("utf-8")) > MAX_SCHEMA_BYTES:
-        raise _bad(f"'response_format.json_schema.schema' is larger than {MAX_SCHEMA_BYTES} bytes as JSON; "
-                   "send a smaller schema.")
+        raise _bad(f"{what} is larger than {MAX_SCHEMA_BYTES} bytes as JSON; send a smaller schema.", param)
     return text
 
 
-def _bad(message: str) -> ApiError:
-    return bad_request(message, PARAM, "invalid_response_format")
+def _bad(message: str, param: str = PARAM) -> ApiError:
+    code = "invalid_response_format" if param == PARAM else "invalid_tools"
+    return bad_request(message, param, code)
 
 
-def _check(schema: Any, path: str) -> None:
-    """The supported subset (module docstring), with an explicit stack (no recursion)."""
+def check_schema(schema: Any, path: str, param: str = PARAM) -> None:
+    """400 naming `param` (and the keyword's path, from `path`) for a schema outside the
+    supported subset (module docstring); an explicit stack, no recursion."""
     stack = [(schema, path)]
     while stack:
         node, where = stack.pop()
         if not isinstance(node, dict):
-            raise _bad(f"'{where}' must be a JSON schema object.")
+            raise _bad(f"'{where}' must be a JSON schema object.", param)
         for key in node:
             if key not in KEYWORDS:
-                raise _bad(f"'{where}' uses '{str(key)[:40]}', which this server does not support in a "
-                           f"response_format schema; supported keywords: {', '.join(KEYWORDS)}.")
-        stack += _children(node, where)
+                raise _bad(f"'{where}' uses '{str(key)[:40]}', which this server does not support in a JSON "
+                           f"schema; supported keywords: {', '.join(KEYWORDS)}.", param)
+        stack += _children(node, where, param)
 
 
-def _children(node: Mapping[str, Any], where: str) -> list[tuple[Any, str]]:
+def _children(node: Mapping[str, Any], where: str, param: str) -> list[tuple[Any, str]]:
     """Check one schema object's own keywords; return its subschemas with their paths."""
     out: list[tuple[Any, str]] = []
     kind = node.get("type")
     kinds = kind if isinstance(kind, list) else [kind] if kind is not None else []
     if not kinds and "type" in node or any(k not in TYPES for k in kinds):
-        raise _bad(f"'{where}.type' must be one of {', '.join(TYPES)} (or a list of them).")
+        raise _bad(f"'{where}.type' must be one of {', '.join(TYPES)} (or a list of them).", param)
     props = node.get("properties")
     if props is not None:
         if not isinstance(props, dict):
-            raise _bad(f"'{where}.properties' must be an object of schemas.")
+            raise _bad(f"'{where}.properties' must be an object of schemas.", param)
         out += [(sub, f"{where}.properties.{name}") for name, sub in props.items()]
     required = node.get("required")
     if required is not None and (not isinstance(required, list) or not all(
             isinstance(r, str) and r in (props or {}) for r in required)):
-        raise _bad(f"'{where}.required' must list names of its 'properties'.")
+        raise _bad(f"'{where}.required' must list names of its 'properties'.", param)
     extra = node.get("additionalProperties")
     if extra is not None and not isinstance(extra, bool):
         out.append((extra, f"{where}.additionalProperties"))
@@ -107,25 +115,25 @@ def _children(node: Mapping[str, Any], where: str) -> list[tuple[Any, str]]:
     any_of = node.get("anyOf")
     if any_of is not None:
         if not isinstance(any_of, list) or not any_of:
-            raise _bad(f"'{where}.anyOf' must be a non-empty list of schemas.")
+            raise _bad(f"'{where}.anyOf' must be a non-empty list of schemas.", param)
         out += [(sub, f"{where}.anyOf[{i}]") for i, sub in enumerate(any_of)]
     if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]
                            or not all(_scalar(v) for v in node["enum"])):
-        raise _bad(f"'{where}.enum' must be a non-empty list of strings, numbers, booleans or null.")
+        raise _bad(f"'{where}.enum' must be a non-empty list of strings, numbers, booleans or null.", param)
     if "const" in node and not _scalar(node["const"]):
-        raise _bad(f"'{where}.const' must be a string, number, boolean or null.")
+        raise _bad(f"'{where}.const' must be a string, number, boolean or null.", param)
     for key in COUNTS:
         value = node.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_COUNT):
-            raise _bad(f"'{where}.{key}' must be an integer from 0 to {MAX_COUNT}.")
+            raise _bad(f"'{where}.{key}' must be an integer from 0 to {MAX_COUNT}.", param)
     for low, high in (("minItems", "maxItems"), ("minLength", "maxLength"), ("minimum", "maximum")):
         if isinstance(node.get(low), (int, float)) and isinstance(node.get(high), (int, float)) and \
                 node[low] > node[high]:
-            raise _bad(f"'{where}.{low}' is above '{where}.{high}'; no value could follow it.")
+            raise _bad(f"'{where}.{low}' is above '{where}.{high}'; no value could follow it.", param)
     for key in BOUNDS:
         value = node.get(key)
         if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
-            raise _bad(f"'{where}.{key}' must be a number.")
+            raise _bad(f"'{where}.{key}' must be a number.", param)
     return out
 
 
