@@ -137,9 +137,13 @@ class RequestPath:
             return
         field = sorted(min(left, key=len) if left else features)[0]
         able = sorted(e for e, honoured in ENGINE_FEATURES.items() if field in honoured)
-        raise bad_request(f"'{field}' is not supported for model {job.model.name}: the engines that serve it here "
+        param, hint = field, f"Omit '{field}'."
+        if field == "top_logprobs":  # alternatives: a chat's `top_logprobs` count, a completion's `logprobs` count
+            param = "top_logprobs" if job.messages is not None else "logprobs"
+            hint = f"Send '{param}': 0 for each chosen token's log probability alone."
+        raise bad_request(f"'{param}' is not supported for model {job.model.name}: the engines that serve it here "
                           f"({', '.join(engines) or 'none'}) do not honour it (only {', '.join(able)} does). "
-                          f"Omit '{field}'.", field, "unsupported_parameter")
+                          f"{hint}", param, "unsupported_parameter")
 
     async def _described_and_tokenized(self, job: Job, again: bool = True) -> tuple[DescribedModel, list[int]]:
         """The model as the cluster knows it, and the prompt's ids. An agent that goes down
