@@ -65,10 +65,12 @@ def test_a_request_for_alternatives_never_goes_to_a_cpu_node():
     assert top.node_id != "cpu0" and top.outcome is not Outcome.COMPLETED
 
 
-def _path(kinds: list[str]) -> SimpleNamespace:
+def _path(kinds: list[str], runnable: tuple[str, ...] = ("cpu", "gpu")) -> SimpleNamespace:
+    """A request path's cluster of nodes of `kinds`, where the model has formats for `runnable`."""
     nodes = [SimpleNamespace(node_id=f"{k}{i}", kind=k) for i, k in enumerate(kinds)]
     return SimpleNamespace(cluster=SimpleNamespace(nodes=nodes),
-                           dispatcher=SimpleNamespace(policy=SimpleNamespace(kinds=("cpu", "gpu"))))
+                           dispatcher=SimpleNamespace(policy=SimpleNamespace(kinds=("cpu", "gpu"))),
+                           catalogue=SimpleNamespace(runnable_kinds=lambda _record: runnable))
 
 
 def _job(model_kind: str, sampling: Sampling, chat: bool = True) -> SimpleNamespace:
@@ -90,6 +92,15 @@ def test_a_field_no_node_kind_honours_is_a_400_naming_it(kinds, model_kind, samp
     with pytest.raises(ApiError) as err:
         RequestPath._check_features(_path(kinds), _job(model_kind, sampling, chat))
     assert err.value.status == 400 and err.value.param == param and f"'{param}'" in err.value.message
+
+
+def test_alternatives_for_a_model_no_vllm_node_can_run_yet_are_a_400():
+    """A GGUF model without its Hugging Face folder for the GPU nodes (not prepared, or not
+    yet): the vLLM node cannot serve it, so alternatives are a 400 there too."""
+    with pytest.raises(ApiError) as err:
+        RequestPath._check_features(_path(["cpu", "gpu"], runnable=("cpu",)), _job("gguf", TOP))
+    assert err.value.param == "top_logprobs" and "(openvino)" in err.value.message
+    RequestPath._check_features(_path(["cpu", "gpu"], runnable=("cpu", "gpu")), _job("gguf", TOP))
 
 
 @pytest.mark.parametrize("kinds,model_kind,sampling", [

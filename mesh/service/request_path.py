@@ -124,14 +124,16 @@ class RequestPath:
         return stream
 
     def _check_features(self, job: Job) -> None:
-        """400 naming the field when no engine of the cluster's node kinds honours a field the
-        request uses (mesh.modelfiles.formats.ENGINE_FEATURES); the dispatcher places it only
-        on nodes whose engine does (ClusterView.unable)."""
+        """400 naming the field when no engine of the node kinds that can run the model here
+        (the cluster's, where the model has a format for them) honours a field the request uses
+        (mesh.modelfiles.formats.ENGINE_FEATURES); the dispatcher places it only on nodes whose
+        engine does (ClusterView.unable)."""
         features = job.sampling.features()
         if not features:
             return
+        runnable = self.catalogue.runnable_kinds(job.model)
         engines = sorted({engine_for(job.model.kind, n.kind) for n in self.cluster.nodes
-                          if n.kind in self.dispatcher.policy.kinds})
+                          if n.kind in self.dispatcher.policy.kinds and n.kind in runnable})
         left = [unhonoured(e, features) for e in engines]
         if engines and any(not missing for missing in left):
             return
