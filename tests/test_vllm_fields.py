@@ -202,3 +202,51 @@ def test_json_schema_answers_parse_and_validate(engine):
     whole = e.decode(greedy_tokens[:half] + rest)
     assert reason is FinishReason.STOP, whole
     jsonschema.validate(json.loads(whole), PERSON)
+
+
+@needs_vllm
+@pytest.mark.slow
+def test_alternatives_through_the_service_and_the_sdk(tmp_path):
+    """`mesh serve --vllm-cpu` with a Hugging Face folder (a tiny random Llama, served on the
+    vLLM node) and the demo GGUF (CPU node only: --no-prepare): the OpenAI SDK gets real
+    alternatives from the vLLM node, chat and completions, whole and streamed; the GGUF model,
+    which no vLLM node can run, answers 400 naming the field."""
+    openai = pytest.importorskip("openai")
+    from mesh.modelfiles.local import write_tiny_llama
+    from test_service_e2e import Server
+
+    _vllm_python()
+    allowed = tmp_path / "allowed"
+    write_tiny_llama(allowed / "demo" / "tiny")
+    server = Server(tmp_path / "data", allowed, tmp_path / "server.log", extra=("--vllm-cpu", "--no-prepare"))
+    server.start()
+    try:
+        status, body = server.http("POST", "/v1/models", {"name": "tiny", "path": "tiny"}, token=server.key)
+        assert status == 201, body
+        c = server.client()
+        messages = [{"role": "user", "content": "hello"}]
+        six = {"max_tokens": 6, "temperature": 0, "extra_body": {"ignore_eos": True}}
+        whole = c.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=3, **six)
+        content = whole.choices[0].logprobs.content
+        assert len(content) == whole.usage.completion_tokens == 6
+        for entry in content:
+            values = [a.logprob for a in entry.top_logprobs]
+            assert len(values) == 3 and values == sorted(values, reverse=True) and values[0] <= 0
+            assert values[0] == pytest.approx(entry.logprob, abs=1e-5)  # greedy: the chosen token is the first
+        chunks = list(c.chat.completions.create(model="tiny", messages=messages, logprobs=True, top_logprobs=3,
+                                                stream=True, **six))
+        streamed = [e for ch in chunks if ch.choices and ch.choices[0].logprobs for e in ch.choices[0].logprobs.content]
+        assert [[a.token for a in e.top_logprobs] for e in streamed] == [[a.token for a in e.top_logprobs]
+                                                                           for e in content]
+        comp = c.completions.create(model="tiny", prompt="hello world", max_tokens=4, temperature=0, logprobs=2,
+                                    extra_body={"ignore_eos": True})
+        lp = comp.choices[0].logprobs
+        assert len(lp.top_logprobs) == 4 and all(1 <= len(top) <= 2 for top in lp.top_logprobs)
+        # greedy: no alternative is more likely than the chosen token (two may share a text: one {text: logprob})
+        assert all(max(top.values()) <= chosen + 1e-5 for top, chosen in zip(lp.top_logprobs, lp.token_logprobs))
+        with pytest.raises(openai.BadRequestError) as err:
+            c.chat.completions.create(model="demo/smollm2", messages=messages, max_tokens=2, logprobs=True,
+                                      top_logprobs=2)
+        assert err.value.body["param"] == "top_logprobs"
+    finally:
+        assert server.stop() == 0
