@@ -46,6 +46,7 @@ from typing import Any, Sequence
 
 from mesh.engines.detokenize import Detokenizer, StopMatcher, resume_text
 from mesh.engines.engine_api import (
+    MAX_TOP_LOGPROBS,
     EngineError,
     FinishReason,
     RequestOutput,
@@ -186,7 +187,7 @@ class VLLMCore:
             max_model_len=s.context_window, max_num_batched_tokens=s.prefill_token_budget,
             max_num_seqs=s.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,
             async_scheduling=False, kv_cache_memory_bytes=int(kv_capacity_bytes), enforce_eager=s.enforce_eager,
-            seed=s.seed, disable_log_stats=True, scheduler_cls=PhasedScheduler,
+            seed=s.seed, disable_log_stats=True, scheduler_cls=PhasedScheduler, max_logprobs=MAX_TOP_LOGPROBS,
         )
         if s.device == "cuda":
             args["gpu_memory_utilization"] = self._gpu_share(int(kv_capacity_bytes))
