@@ -448,7 +448,7 @@ class VLLMCore:
             raise EngineError("no requests; call step() only while has_work()")
         before = {rid for rid, r in self._live.items() if not r.generated}
         outputs = self._run_step()
-        first = any(token is not None and rid in before for rid, token, _, _ in outputs)
+        first = any(token is not None and rid in before for rid, token, *_ in outputs)
         phase = self._core().scheduler.last_phase
         # PREFILL when prompts got their first tokens; a step that only recomputed requests
         # vLLM had preempted gives them their next token, which the protocol calls DECODE
