@@ -410,7 +410,9 @@ class VLLMCore:
         continues (re-run after a resize, or resumed from elsewhere) comes back with its
         output inside the prompt, where the grammar does not see it: that output is fed to
         the grammar, so the constraint goes on from where the answer is."""
-        request = self._core().scheduler.requests.get(live.vllm_id)
+        # vLLM's engine core knows the request as its id plus "-" and a random suffix
+        request = next((r for key, r in self._core().scheduler.requests.items()
+                        if key == live.vllm_id or key.startswith(live.vllm_id + "-")), None)
         structured = getattr(request, "structured_output_request", None)
         if structured is None:
             return
