@@ -172,7 +172,7 @@ def test_penalties_change_the_output_deterministically(engine, penalty):
 @pytest.mark.slow
 def test_json_schema_answers_parse_and_validate(engine):
     """Greedy and sampled answers under a JSON schema parse and validate; json_object's
-    schema gives an object; a structured request re-run by a KV resize, or resumed with half
+    schema gives an object (one that ends parses); a structured request re-run by a KV resize, or resumed with half
     its answer, goes on to an answer that validates (its output was fed to its grammar,
     which would otherwise start the answer again inside it)."""
     import jsonschema
@@ -188,8 +188,10 @@ def test_json_schema_answers_parse_and_validate(engine):
                                       json_schema=schema)
         assert reason is FinishReason.STOP, text
         jsonschema.validate(json.loads(text), PERSON)
-    text = run(e, "o", chat(e, "Give me a JSON object."), max_tokens=64, json_schema='{"type": "object"}')[1]
-    assert isinstance(json.loads(text), dict)
+    _, text, _, reason = run(e, "o", chat(e, "Give me a JSON object."), max_tokens=64, json_schema='{"type": "object"}')
+    assert text.lstrip().startswith("{")  # an object, cut at max_tokens or whole:
+    if reason is FinishReason.STOP:
+        assert isinstance(json.loads(text), dict)
     block = e.block_size * e.kv_bytes_per_token
     before = e.num_blocks
     resized, text, _, reason = run(e, "r", ids, resize={3: (before + 4) * block}, max_tokens=64, json_schema=schema)
