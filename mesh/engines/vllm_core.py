@@ -42,7 +42,7 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from mesh.engines.detokenize import Detokenizer, StopMatcher, resume_text
 from mesh.engines.engine_api import (
@@ -401,29 +401,7 @@ class VLLMCore:
         self._live[live.request_id] = live
         self._by_vllm_id[live.vllm_id] = live.request_id
         if sampling.json_schema is not None:
-            self._ready_grammar(live)
-
-    def _ready_grammar(self, live: _Live) -> None:
-        """Wait until vLLM has compiled a structured request's grammar (in its thread pool),
-        as OpenVINO compiles inside its step: vLLM would otherwise leave the request waiting
-        and prefill nothing in a step the batching rule says prefills it. A request that
-        continues (re-run after a resize, or resumed from elsewhere) comes back with its
-        output inside the prompt, where the grammar does not see it: that output is fed to
-        the grammar, so the constraint goes on from where the answer is."""
-        # vLLM's engine core knows the request as its id plus "-" and a random suffix
-        request = next((r for key, r in self._core().scheduler.requests.items()
-                        if key == live.vllm_id or key.startswith(live.vllm_id + "-")), None)
-        structured = getattr(request, "structured_output_request", None)
-        if structured is None:
-            return
-        grammar = structured.grammar
-        if grammar is None:  # still compiling: wait (a failure is kept; vLLM ends the request with "error")
-            structured._grammar.exception()
-            grammar = structured.grammar
-        if isinstance(grammar, Exception) or not (live.resumed or live.generated):
-            return
-        if not grammar.accept_tokens(live.vllm_id, live.output_so_far):
-            log.warning("request %s: its grammar refused the output it resumed with", live.request_id)
+            ready_grammar(self._core().scheduler, live)
 
     def abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -475,7 +453,8 @@ class VLLMCore:
                 live.generated.append(token)
                 delta = live.detok.push(token)
                 text += live.stop.feed(delta) if live.stop else delta
-            logprob = self._logprob(live, token, comp.logprobs) if token is not None and comp.logprobs else None
+            logprob = (token_logprob(comp.logprobs[-1], token, live.sampling.top_logprobs, self._tok())
+                       if token is not None and comp.logprobs else None)
             reason = None
             if live.stop is not None and live.stop.stopped:
                 reason = FinishReason.STOP
@@ -491,21 +470,6 @@ class VLLMCore:
         if to_abort:
             self.engine.abort_request(to_abort)
         return out
-
-    def _logprob(self, live: _Live, token: int, positions: Sequence[Any]) -> TokenLogprob | None:
-        """The newest token's log probability and its position's top alternatives, from vLLM's
-        per-position {token id: Logprob} (the sampled token and the top k by rank)."""
-        from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
-
-        position = positions[-1]
-        chosen = position.get(token)
-        if chosen is None:
-            return None
-        k = live.sampling.top_logprobs
-        top = sorted(((tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= k),
-                     key=lambda pair: pair[1].rank)[:k]
-        texts = convert_ids_list_to_tokens(self._tok(), [tid for tid, _ in top]) if top else []
-        return TokenLogprob(float(chosen.logprob), tuple((t, float(lp.logprob)) for t, (_, lp) in zip(texts, top)))
 
     # ---- memory reports --------------------------------------------------------------
 
@@ -540,6 +504,43 @@ class VLLMCore:
         if self.tokenizer is None:
             self.tokenizer = load_tokenizer(self.s.model_path)
         return self.tokenizer
+
+
+def ready_grammar(scheduler: Any, live: _Live) -> None:
+    """Wait until vLLM has compiled a structured request's grammar (in its thread pool),
+    as OpenVINO compiles inside its step: vLLM would otherwise leave the request waiting
+    and prefill nothing in a step the batching rule says prefills it. A request that
+    continues (re-run after a resize, or resumed from elsewhere) comes back with its
+    output inside the prompt, where the grammar does not see it: that output is fed to
+    the grammar, so the constraint goes on from where the answer is."""
+    # vLLM's engine core knows the request as its id plus "-" and a random suffix
+    request = next((r for key, r in scheduler.requests.items()
+                    if key == live.vllm_id or key.startswith(live.vllm_id + "-")), None)
+    structured = getattr(request, "structured_output_request", None)
+    if structured is None:
+        return
+    grammar = structured.grammar
+    if grammar is None:  # still compiling: wait (a failure is kept; vLLM ends the request with "error")
+        structured._grammar.exception()
+        grammar = structured.grammar
+    if isinstance(grammar, Exception) or not (live.resumed or live.generated):
+        return
+    if not grammar.accept_tokens(live.vllm_id, live.output_so_far):
+        log.warning("request %s: its grammar refused the output it resumed with", live.request_id)
+
+
+def token_logprob(position: Mapping[int, Any], token: int, k: int, tokenizer: Any) -> TokenLogprob | None:
+    """A token's log probability and its position's `k` top alternatives, from vLLM's
+    {token id: Logprob} of that position (the sampled token and the top k by rank)."""
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    chosen = position.get(token)
+    if chosen is None:
+        return None
+    top = sorted(((tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= k),
+                 key=lambda pair: pair[1].rank)[:k]
+    texts = convert_ids_list_to_tokens(tokenizer, [tid for tid, _ in top]) if top else []
+    return TokenLogprob(float(chosen.logprob), tuple((t, float(lp.logprob)) for t, (_, lp) in zip(texts, top)))
 
 
 def sampling_params(sampling: Sampling, max_tokens: int, seed: int | None, ignore_eos: bool = False) -> Any:
