@@ -12,7 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mesh.engines.engine_api import Sampling
+from mesh.engines.engine_api import MAX_TOP_LOGPROBS, Sampling
 from mesh.framing import decode_header
 from mesh.policy.slo import SLO
 from mesh.wire import agent_protocol as ap
@@ -43,7 +43,8 @@ view = st.dictionaries(text, st.none() | st.booleans() | count | text, max_size=
 sampling = st.builds(Sampling, max_tokens=count, temperature=st.floats(0, 100), top_p=st.floats(0, 1),
                      stop=st.lists(st.text(max_size=8), max_size=4).map(tuple),
                      seed=st.none() | st.integers(0, 2**64 - 1),
-                     ignore_eos=st.booleans(), logprobs=st.booleans(), presence_penalty=st.floats(-100, 100),
+                     ignore_eos=st.booleans(), logprobs=st.booleans(),
+                     top_logprobs=st.integers(0, MAX_TOP_LOGPROBS), presence_penalty=st.floats(-100, 100),
                      frequency_penalty=st.floats(-100, 100), repetition_penalty=st.floats(1e-3, 100),
                      json_schema=st.none() | st.text(max_size=20))
 slo = st.builds(SLO, st.floats(1e-3, 1e3), st.floats(0, 1.0), st.floats(1e-3, 1e3))
@@ -110,7 +111,11 @@ MESSAGES: dict[type, Any] = {
     # agent -> control: events
     ap.TokensEvent: st.builds(ap.TokensEvent, st.lists(st.tuples(text, ids, text) | ids.flatmap(
         lambda i: st.tuples(text, st.just(i), text, st.lists(st.floats(ap.MIN_LOGPROB, 0), min_size=len(i),
-                                                             max_size=len(i)))), max_size=3)),
+                                                             max_size=len(i)))) | ids.flatmap(
+        lambda i: st.tuples(text, st.just(i), text, st.lists(st.floats(ap.MIN_LOGPROB, 0), min_size=len(i),
+                                                             max_size=len(i)),
+                            st.lists(st.lists(st.tuples(text, st.floats(ap.MIN_LOGPROB, 0)), max_size=MAX_TOP_LOGPROBS),
+                                     min_size=len(i), max_size=len(i)))), max_size=3)),
     ap.DoneEvent: st.builds(ap.DoneEvent, text, st.sampled_from(["completed", "failed"]),
                             st.none() | st.sampled_from(["stop", "length"]), text, count, age, age),
     ap.InstanceEvent: st.builds(ap.InstanceEvent, text, st.sampled_from(["ready", "failed"]), text, text),

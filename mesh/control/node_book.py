@@ -25,7 +25,7 @@ from typing import Protocol
 from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode, NodeListener
 from mesh.engines.engine_api import FinishReason
 from mesh.policy.kv_demand import RunningMean
-from mesh.wire.agent_protocol import DoneEvent, EvictedEvent, InstanceEvent, Progress, TokensEvent
+from mesh.wire.agent_protocol import DoneEvent, EvictedEvent, InstanceEvent, Progress, TokensEvent, item_logprobs
 from mesh.wire.served_request import Outcome, ServedRequest
 
 
@@ -150,7 +150,8 @@ class NodeBook:
     # -- the agent's events ----------------------------------------------------------------------
     def tokens(self, event: TokensEvent) -> None:
         now = _now()
-        for rid, token_ids, text, *logprobs in event.items:
+        for item in event.items:
+            rid, token_ids, text = item[:3]
             req = self.get(rid)
             if req is None:
                 continue
@@ -161,7 +162,7 @@ class NodeBook:
                 ids.extend(token_ids)  # the progress this service holds: its prompt, then every token streamed
             req.tokens_out += len(token_ids) or 1  # one item per token (simulated engines send no ids)
             if req.on_output is not None:
-                req.on_output(req, token_ids, [text] if text else [], logprobs[0] if logprobs else None)
+                req.on_output(req, token_ids, [text] if text else [], item_logprobs(item))
 
     def done(self, event: DoneEvent) -> None:
         req = self.get(event.request_id)

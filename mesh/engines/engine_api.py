@@ -28,6 +28,9 @@ from mesh.policy.batching import IterationKind
 log = logging.getLogger(__name__)
 
 
+MAX_TOP_LOGPROBS = 20  # most alternatives per token a request may ask for (vLLM's default max_logprobs)
+
+
 class FinishReason(str, Enum):
     STOP = "stop"  # end-of-sequence token or a stop string
     LENGTH = "length"  # max_tokens reached
@@ -45,6 +48,7 @@ class Sampling:
     seed: int | None = None
     ignore_eos: bool = False  # run to max_tokens (vLLM's extension; benchmarks and live replays)
     logprobs: bool = False  # give each produced token's log probability (of the model's distribution)
+    top_logprobs: int = 0  # with logprobs: also the k most likely tokens at each position (TokenLogprob.top)
     presence_penalty: float = 0.0  # OpenAI's: subtracted from a token's logit once it occurred
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence
     repetition_penalty: float = 1.0  # vLLM's / Hugging Face's multiplicative penalty; 1 is none
@@ -54,11 +58,24 @@ class Sampling:
         """The request fields beyond plain sampling that this request uses, by their OpenAI
         names: an engine kind must honour each (mesh.modelfiles.formats.ENGINE_FEATURES)."""
         used = {"logprobs"} if self.logprobs else set()
+        if self.top_logprobs > 0:
+            used.add("top_logprobs")
         used |= {name for name, off in (("presence_penalty", 0.0), ("frequency_penalty", 0.0),
                                          ("repetition_penalty", 1.0)) if getattr(self, name) != off}
         if self.json_schema is not None:
             used.add("response_format")
         return frozenset(used)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """A produced token's log probability under the model's own distribution (before
+    temperature, top_p and penalties) and, where the request asked for them
+    (Sampling.top_logprobs), the most likely tokens at its position: (the token's own text,
+    its log probability), most likely first."""
+
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(slots=True)
@@ -106,11 +123,11 @@ class StepResult:
     token_ids: Sequence[int] | None = None
     texts: Sequence[str] | None = None
     finished: dict[str, FinishReason] = field(default_factory=dict)
-    logprobs: Sequence[float | None] | None = None
+    logprobs: Sequence[TokenLogprob | None] | None = None
 
 
 RequestOutput = tuple[str, int | None, str, FinishReason | None] | tuple[str, int | None, str, FinishReason | None,
-                                                                         float | None]
+                                                                         TokenLogprob | None]
 """What one request got in an iteration: (request id, its new token or None, the text delta,
 the finish reason if it ended[, the new token's log probability if it was asked for])."""
 
@@ -122,7 +139,7 @@ def step_result(kind: IterationKind, outputs: Iterable[RequestOutput]) -> StepRe
     request_ids: list[str] = []
     token_ids: list[int] = []
     texts: list[str] = []
-    logprobs: list[float | None] = []
+    logprobs: list[TokenLogprob | None] = []
     finished: dict[str, FinishReason] = {}
     for output in outputs:
         request_id, token, text, reason = output[:4]

@@ -60,6 +60,7 @@ from mesh.engines.engine_api import (
     RequestOutput,
     Sampling,
     StepResult,
+    TokenLogprob,
     checked_request,
     engine_limits,
     step_result,
@@ -147,7 +148,7 @@ class _Live:
     stop: StopMatcher | None
     generated: int = 0
     logprobs: bool = False  # the request asked for its tokens' log probabilities
-    logprob: float | None = None  # the newest token's
+    logprob: TokenLogprob | None = None  # the newest token's (OpenVINO gives no alternatives)
 
     @property
     def kv_tokens(self) -> int:
@@ -171,7 +172,8 @@ class _Live:
         token, text, reason = None, "", None
         for output in outputs:  # one sequence: num_return_sequences=1
             if self.logprobs:
-                self.logprob = float(output.generated_log_probs[-1]) if len(output.generated_log_probs) else None
+                self.logprob = (TokenLogprob(float(output.generated_log_probs[-1]))
+                                if len(output.generated_log_probs) else None)
             for token in output.generated_ids:
                 self.generated += 1
                 delta = self.detok.push(token)

@@ -14,6 +14,11 @@ this module holds the vLLM-specific parts:
 - Requests go in as token ids with `SamplingParams(output_kind=DELTA, detokenize=False)`;
   text comes from Mesh's own incremental detokenizer and stop strings from Mesh's
   StopMatcher (as in the OpenVINO engine), so each step yields one token per request.
+  The OpenAI fields beyond plain sampling go to vLLM's own SamplingParams (`sampling_params`):
+  log probabilities (vLLM's default `raw_logprobs`: the model's distribution before
+  temperature, top_p and penalties, as OpenVINO's), the penalties, and a JSON schema as
+  `structured_outputs` (vLLM's xgrammar backend). Alternatives' texts are each token decoded
+  alone, as vLLM's own OpenAI server renders them (vLLM's detokenizer is off here).
 - KV resize without reloading weights ("reinit"): the running requests are taken out of
   vLLM (aborted, after recording their tokens), the worker's KV tensors are released
   (the model runner's own clean-up used between memory profiling and the real
@@ -37,15 +42,26 @@ import math
 import os
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Any, Sequence
+from typing import Any, Mapping, Sequence
 
 from mesh.engines.detokenize import Detokenizer, StopMatcher, resume_text
-from mesh.engines.engine_api import EngineError, FinishReason, RequestOutput, Sampling, StepResult, step_result
+from mesh.engines.engine_api import (
+    MAX_TOP_LOGPROBS,
+    EngineError,
+    FinishReason,
+    RequestOutput,
+    Sampling,
+    StepResult,
+    TokenLogprob,
+    step_result,
+)
 from mesh.policy.batching import IterationKind
 
 log = logging.getLogger(__name__)
 
-_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT}
+# vLLM's finish reasons; "error": vLLM ended the request itself (a grammar it could not compile)
+_FINISH = {"stop": FinishReason.STOP, "length": FinishReason.LENGTH, "abort": FinishReason.ABORT,
+           "error": FinishReason.ABORT}
 
 
 def vllm_environment(cache_root: str | None = None) -> dict[str, str]:
@@ -96,6 +112,13 @@ class _Live:
     stop: StopMatcher | None
     generated: list[int] = field(default_factory=list)
     runs: int = 0  # how many times it was re-run (resize)
+    resumed: int = 0  # the last prompt ids are output it produced elsewhere (EngineRequest.resumed)
+
+    @property
+    def output_so_far(self) -> list[int]:
+        """Every token it produced: elsewhere (resumed), then here."""
+        before = self.prompt_ids[len(self.prompt_ids) - self.resumed:] if self.resumed else []
+        return before + self.generated
 
     @property
     def kv_tokens(self) -> int:
@@ -164,7 +187,7 @@ class VLLMCore:
             max_model_len=s.context_window, max_num_batched_tokens=s.prefill_token_budget,
             max_num_seqs=s.max_num_seqs, enable_chunked_prefill=False, enable_prefix_caching=False,
             async_scheduling=False, kv_cache_memory_bytes=int(kv_capacity_bytes), enforce_eager=s.enforce_eager,
-            seed=s.seed, disable_log_stats=True, scheduler_cls=PhasedScheduler,
+            seed=s.seed, disable_log_stats=True, scheduler_cls=PhasedScheduler, max_logprobs=MAX_TOP_LOGPROBS,
         )
         if s.device == "cuda":
             args["gpu_memory_utilization"] = self._gpu_share(int(kv_capacity_bytes))
@@ -356,15 +379,12 @@ class VLLMCore:
                               f"{self.s.context_window} tokens")
         stops = tuple(x for x in sampling.stop if x)
         live = _Live(request_id, "", ids, sampling, max_tokens, Detokenizer(self.decode),
-                     StopMatcher(stops) if stops else None)
+                     StopMatcher(stops) if stops else None, resumed=resumed)
         if resumed:
             resume_text(live.detok, live.stop, ids[len(ids) - resumed:])
         self._submit(live, ids, max_tokens)
 
     def _submit(self, live: _Live, prompt_ids: list[int], max_tokens: int) -> None:
-        from vllm import SamplingParams
-        from vllm.sampling_params import RequestOutputKind
-
         self._seq += 1
         live.vllm_id = f"{live.request_id}#{live.runs}"
         sampling = live.sampling
@@ -373,16 +393,15 @@ class VLLMCore:
             base = sampling.seed if sampling.seed is not None else self._seq
             # a re-run must not replay the random stream from its start
             seed = base if not live.generated else _mix(base, len(live.generated))
-        params = SamplingParams(
-            n=1, max_tokens=max_tokens, temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-            seed=seed, ignore_eos=self.s.ignore_eos or sampling.ignore_eos, output_kind=RequestOutputKind.DELTA,
-            detokenize=False)
         try:
+            params = sampling_params(sampling, max_tokens, seed, self.s.ignore_eos)
             self.engine.add_request(live.vllm_id, {"prompt_token_ids": list(prompt_ids)}, params)
         except Exception as exc:  # noqa: BLE001 - vLLM's validation errors
             raise EngineError(f"vLLM refused request {live.request_id!r}: {type(exc).__name__}: {exc}") from exc
         self._live[live.request_id] = live
         self._by_vllm_id[live.vllm_id] = live.request_id
+        if sampling.json_schema is not None:
+            ready_grammar(self._core().scheduler, live)
 
     def abort(self, request_id: str) -> None:
         live = self._live.pop(request_id, None)
@@ -409,7 +428,7 @@ class VLLMCore:
             raise EngineError("no requests; call step() only while has_work()")
         before = {rid for rid, r in self._live.items() if not r.generated}
         outputs = self._run_step()
-        first = any(token is not None and rid in before for rid, token, _, _ in outputs)
+        first = any(token is not None and rid in before for rid, token, *_ in outputs)
         phase = self._core().scheduler.last_phase
         # PREFILL when prompts got their first tokens; a step that only recomputed requests
         # vLLM had preempted gives them their next token, which the protocol calls DECODE
@@ -434,6 +453,8 @@ class VLLMCore:
                 live.generated.append(token)
                 delta = live.detok.push(token)
                 text += live.stop.feed(delta) if live.stop else delta
+            logprob = (token_logprob(comp.logprobs[-1], token, live.sampling.top_logprobs, self._tok())
+                       if token is not None and comp.logprobs else None)
             reason = None
             if live.stop is not None and live.stop.stopped:
                 reason = FinishReason.STOP
@@ -445,7 +466,7 @@ class VLLMCore:
                 text += (live.stop.feed(tail) + live.stop.flush()) if live.stop else tail
                 del self._live[rid]
                 self._by_vllm_id.pop(live.vllm_id, None)
-            out.append((rid, token, text, reason))
+            out.append((rid, token, text, reason, logprob) if live.sampling.logprobs else (rid, token, text, reason))
         if to_abort:
             self.engine.abort_request(to_abort)
         return out
@@ -485,6 +506,60 @@ class VLLMCore:
         return self.tokenizer
 
 
+def ready_grammar(scheduler: Any, live: _Live) -> None:
+    """Wait until vLLM has compiled a structured request's grammar (in its thread pool),
+    as OpenVINO compiles inside its step: vLLM would otherwise leave the request waiting
+    and prefill nothing in a step the batching rule says prefills it. A request that
+    continues (re-run after a resize, or resumed from elsewhere) comes back with its
+    output inside the prompt, where the grammar does not see it: that output is fed to
+    the grammar, so the constraint goes on from where the answer is."""
+    # vLLM's engine core knows the request as its id plus "-" and a random suffix
+    request = next((r for key, r in scheduler.requests.items()
+                    if key == live.vllm_id or key.startswith(live.vllm_id + "-")), None)
+    structured = getattr(request, "structured_output_request", None)
+    if structured is None:
+        return
+    grammar = structured.grammar
+    if grammar is None:  # still compiling: wait (a failure is kept; vLLM ends the request with "error")
+        structured._grammar.exception()
+        grammar = structured.grammar
+    if isinstance(grammar, Exception) or not (live.resumed or live.generated):
+        return
+    if not grammar.accept_tokens(live.vllm_id, live.output_so_far):
+        log.warning("request %s: its grammar refused the output it resumed with", live.request_id)
+
+
+def token_logprob(position: Mapping[int, Any], token: int, k: int, tokenizer: Any) -> TokenLogprob | None:
+    """A token's log probability and its position's `k` top alternatives, from vLLM's
+    {token id: Logprob} of that position (the sampled token and the top k by rank)."""
+    from vllm.tokenizers.detokenizer_utils import convert_ids_list_to_tokens
+
+    chosen = position.get(token)
+    if chosen is None:
+        return None
+    top = sorted(((tid, lp) for tid, lp in position.items() if lp.rank is not None and lp.rank <= k),
+                 key=lambda pair: pair[1].rank)[:k]
+    texts = convert_ids_list_to_tokens(tokenizer, [tid for tid, _ in top]) if top else []
+    return TokenLogprob(float(chosen.logprob), tuple((t, float(lp.logprob)) for t, (_, lp) in zip(texts, top)))
+
+
+def sampling_params(sampling: Sampling, max_tokens: int, seed: int | None, ignore_eos: bool = False) -> Any:
+    """vLLM's SamplingParams of a request: one sequence, DELTA outputs, no detokenizer (Mesh's
+    own gives the text), `seed` (None: greedy or unseeded); the chosen token's log probability
+    and `top_logprobs` alternatives, the penalties and a JSON schema's structured output as
+    vLLM names them; `ignore_eos` runs to max_tokens."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind, StructuredOutputsParams
+
+    structured = StructuredOutputsParams(json=sampling.json_schema) if sampling.json_schema is not None else None
+    return SamplingParams(
+        n=1, max_tokens=max_tokens, temperature=float(sampling.temperature), top_p=float(sampling.top_p), seed=seed,
+        ignore_eos=ignore_eos or sampling.ignore_eos, output_kind=RequestOutputKind.DELTA, detokenize=False,
+        logprobs=sampling.top_logprobs if sampling.logprobs else None,
+        presence_penalty=float(sampling.presence_penalty), frequency_penalty=float(sampling.frequency_penalty),
+        repetition_penalty=float(sampling.repetition_penalty), structured_outputs=structured)
+
+
 def _mix(seed: int, n: int) -> int:
     return int.from_bytes(hashlib.blake2b(f"{seed}:{n}".encode(), digest_size=4).digest(), "little")
 
@@ -496,7 +571,8 @@ def _without(result: StepResult, request_id: str) -> StepResult | None:
         return None
     return StepResult(result.kind, [result.request_ids[i] for i in keep],
                       [result.token_ids[i] for i in keep] if result.token_ids is not None else None,
-                      [result.texts[i] for i in keep] if result.texts is not None else None, finished)
+                      [result.texts[i] for i in keep] if result.texts is not None else None, finished,
+                      [result.logprobs[i] for i in keep] if result.logprobs is not None else None)
 
 
 # ---- tokenizer helpers (transformers, which vLLM depends on) -----------------------------

@@ -20,12 +20,15 @@ EMULATED = "emulated"
 
 
 # The request fields beyond plain sampling (mesh.engines.engine_api.Sampling.features) each
-# engine honours. The vLLM node does not yet pass them to vLLM: requests that use them go to
-# CPU nodes only (the dispatcher), and where no kind can serve them the service answers 400.
+# engine honours: a request that uses one goes only to nodes whose engine honours it (the
+# dispatcher), and where no kind of the cluster can serve it the service answers 400.
+# OpenVINO GenAI gives only the chosen token's log probability, so alternatives
+# (`top_logprobs`) are vLLM's alone.
+_SAMPLING_FEATURES = frozenset({"logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
+                                "response_format"})
 ENGINE_FEATURES: dict[str, frozenset[str]] = {
-    "openvino": frozenset({"logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
-                           "response_format"}),
-    "vllm": frozenset(),
+    "openvino": _SAMPLING_FEATURES,
+    "vllm": _SAMPLING_FEATURES | {"top_logprobs"},
     EMULATED: frozenset(),
 }
 

@@ -18,7 +18,6 @@ from mesh.node.runtime import NodeRuntime
 from mesh.policy.admission import InstancePlan
 from mesh.policy.shadow import FailureCase
 from mesh.wire.agent_protocol import (
-    MIN_LOGPROB,
     Admit,
     AdmitEntry,
     AdmitReply,
@@ -36,6 +35,7 @@ from mesh.wire.agent_protocol import (
     ValidateGroup,
     ValidateNew,
     ValidationReply,
+    tokens_item,
 )
 from mesh.wire.served_request import Outcome, ServedRequest
 
@@ -154,10 +154,7 @@ class NodeRequests:
 
     # ---- request callbacks (called by the node runtime) ------------------------------------
     def _on_output(self, req: ServedRequest, tokens: Any, texts: Any, logprobs: Any) -> None:
-        item = (req.request_id, list(tokens or ()), "".join(texts or ()))
-        if logprobs is not None and any(lp is not None for lp in logprobs):
-            item += ([max(lp, MIN_LOGPROB) for lp in logprobs if lp is not None],)  # -inf is not JSON
-        self.send(TokensEvent([item]))
+        self.send(TokensEvent([tokens_item(req.request_id, list(tokens or ()), "".join(texts or ()), logprobs)]))
 
     def _on_done(self, req: ServedRequest) -> None:
         self.requests.pop(req.request_id, None)

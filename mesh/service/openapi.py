@@ -19,7 +19,15 @@ from mesh.modelfiles.sampling import FIELDS as SAMPLING_FIELDS
 from mesh.policy.dispatch_rules import ADMISSIONS, COLD_START_CHOICES
 from mesh.policy.quota import QUOTA_FIELDS
 from mesh.service.registry import MODEL_NAME, TENANT_NAME
-from mesh.service.schema import MAX_N, MAX_REPETITION_PENALTY, MAX_STOP, MAX_STOP_CHARS, MAX_TOKENS_CAP
+from mesh.service.schema import (
+    MAX_COMPLETION_LOGPROBS,
+    MAX_N,
+    MAX_REPETITION_PENALTY,
+    MAX_STOP,
+    MAX_STOP_CHARS,
+    MAX_TOKENS_CAP,
+    MAX_TOP_LOGPROBS,
+)
 from mesh.service.tools import MAX_TOOLS, TOOL_NAME
 
 TENANT, ADMIN, METRICS = "tenantKey", "adminToken", "metricsToken"
@@ -71,8 +79,9 @@ CHAT_BODY: dict[str, Any] = {
     "properties": {
         **_COMMON_GENERATION,
         "logprobs": {"type": ["boolean", "null"], "description": "each chosen token's log probability"},
-        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 0,
-                         "description": "alternatives are not served"},
+        "top_logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_TOP_LOGPROBS,
+                         "description": "with logprobs: the most likely tokens at each position, this many (above "
+                                        "0: vLLM nodes only)"},
         "messages": {"type": "array", "minItems": 1, "items": {
             "type": "object", "required": ["role"],
             "properties": {"role": {"enum": list(ROLES)},
@@ -90,8 +99,9 @@ COMPLETION_BODY: dict[str, Any] = {
     "type": "object", "required": ["model", "prompt"],
     "properties": {
         **_COMMON_GENERATION,
-        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": 0,
-                     "description": "0: each chosen token's log probability; alternatives are not served"},
+        "logprobs": {"type": ["integer", "null"], "minimum": 0, "maximum": MAX_COMPLETION_LOGPROBS,
+                     "description": "each chosen token's log probability and the most likely tokens at each "
+                                    "position, this many (above 0: vLLM nodes only)"},
         "prompt": {"oneOf": [
             {"type": "string", "minLength": 1},
             {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}},

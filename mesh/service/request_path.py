@@ -124,23 +124,31 @@ class RequestPath:
         return stream
 
     def _check_features(self, job: Job) -> None:
-        """400 naming the field when no engine of the cluster's node kinds honours a field the
-        request uses (mesh.modelfiles.formats.ENGINE_FEATURES); the dispatcher places it only
-        on nodes whose engine does (Fleet.unable)."""
+        """400 naming the field when no engine of the node kinds that can run the model here
+        (the cluster's, where the model has a format for them) honours a field the request uses
+        (mesh.modelfiles.formats.ENGINE_FEATURES); the dispatcher places it only on nodes whose
+        engine does (Fleet.unable)."""
         features = job.sampling.features()
         if not features:
             return
+        runnable = self.catalogue.runnable_kinds(job.model)
         engines = sorted({engine_for(job.model.kind, n.kind) for n in self.cluster.nodes
-                          if n.kind in self.dispatcher.policy.kinds})
+                          if n.kind in self.dispatcher.policy.kinds and n.kind in runnable})
         left = [unhonoured(e, features) for e in engines]
         if engines and any(not missing for missing in left):
             return
         field = sorted(min(left, key=len) if left else features)[0]
         able = sorted(e for e, honoured in ENGINE_FEATURES.items() if field in honoured)
-        named = job.schema_param if field == "response_format" else field  # structured output, asked by this field
-        raise bad_request(f"'{named}' is not supported for model {job.model.name}: the engines that serve it here "
+        param, hint = field, f"Omit '{field}'."
+        if field == "response_format":  # structured output, asked by this field
+            param = job.schema_param
+            hint = f"Omit '{param}'."
+        elif field == "top_logprobs":  # alternatives: a chat's `top_logprobs` count, a completion's `logprobs` count
+            param = "top_logprobs" if job.messages is not None else "logprobs"
+            hint = f"Send '{param}': 0 for each chosen token's log probability alone."
+        raise bad_request(f"'{param}' is not supported for model {job.model.name}: the engines that serve it here "
                           f"({', '.join(engines) or 'none'}) do not honour it (only {', '.join(able)} does). "
-                          f"Omit '{named}'.", named, "unsupported_parameter")
+                          f"{hint}", param, "unsupported_parameter")
 
     async def _described_and_tokenized(self, job: Job, again: bool = True) -> tuple[DescribedModel, list[int]]:
         """The model as the cluster knows it, and the prompt's ids. An agent that goes down

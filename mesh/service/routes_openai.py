@@ -19,7 +19,7 @@ from typing import Any, AsyncIterator, Callable
 
 from aiohttp import web
 
-from mesh.engines.engine_api import Sampling
+from mesh.engines.engine_api import Sampling, TokenLogprob
 from mesh.framing import bounded_int, not_a_number
 from mesh.modelfiles.sampling import resolve as resolve_sampling
 from mesh.service import errors
@@ -214,6 +214,7 @@ async def _placed(svc: Service, request: web.Request, req: GenerationRequest, te
     temperature, top_p = resolve_sampling(req.temperature, req.top_p, model.sampling_defaults)
     sampling = Sampling(max_tokens=req.max_tokens or 0, temperature=temperature, top_p=top_p, stop=req.stop,
                         seed=req.seed, ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+                        top_logprobs=req.top_logprobs,
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, json_schema=req.json_schema)
     request_id = prefix + secrets.token_hex(12)
@@ -332,7 +333,7 @@ class _Answer:
     # ---- whole response ---------------------------------------------------------------------
     async def whole(self) -> web.Response:
         parts: list[list[str]] = [[] for _ in self.streams]
-        logprobs: list[list[tuple[str, float]]] = [[] for _ in self.streams]
+        logprobs: list[list[tuple[str, TokenLogprob]]] = [[] for _ in self.streams]
         try:
             async for batch in self._events():
                 for index, event in batch:
@@ -366,20 +367,25 @@ class _Answer:
                 "system_fingerprint": None, "choices": choices, "usage": self._usage()}
         return web.json_response(body)
 
-    def _logprobs(self, index: int, entries: list[tuple[str, float]]) -> dict[str, Any]:
-        """A choice's `logprobs` object for `entries` (token text, log probability), as OpenAI
-        shapes it: chat's `content` list; completions' parallel lists, offsets into the
-        choice's text. A token's text is what it added to the output (empty where a character
-        spans tokens or a possible stop string is held back, the text then comes with a later token)."""
+    def _logprobs(self, index: int, entries: list[tuple[str, TokenLogprob]]) -> dict[str, Any]:
+        """A choice's `logprobs` object for `entries` (token text, its log probabilities), as
+        OpenAI shapes it: chat's `content` list (each entry's `top_logprobs` the alternatives,
+        most likely first); completions' parallel lists, offsets into the choice's text, and
+        `top_logprobs` one {text: log probability} per token where alternatives were asked for.
+        A token's text is what it added to the output (empty where a character spans tokens or
+        a possible stop string is held back, the text then comes with a later token); an
+        alternative's text is that token's own, decoded alone."""
         if self.req.kind == "chat":
-            return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode("utf-8", "surrogatepass")),
-                                 "top_logprobs": []} for t, lp in entries]}
+            return {"content": [{"token": t, "logprob": lp.logprob, "bytes": _bytes(t),
+                                 "top_logprobs": [{"token": a, "logprob": v, "bytes": _bytes(a)} for a, v in lp.top]}
+                                for t, lp in entries]}
         offsets = []
         for t, _ in entries:
             offsets.append(self._offsets[index])
             self._offsets[index] += len(t)
-        return {"tokens": [t for t, _ in entries], "token_logprobs": [lp for _, lp in entries],
-                "top_logprobs": None, "text_offset": offsets}
+        tops = [dict(lp.top) for _, lp in entries] if self.req.top_logprobs else None
+        return {"tokens": [t for t, _ in entries], "token_logprobs": [lp.logprob for _, lp in entries],
+                "top_logprobs": tops, "text_offset": offsets}
 
     # ---- streaming --------------------------------------------------------------------------
     async def sse(self) -> web.StreamResponse:
@@ -452,7 +458,7 @@ class _Answer:
         return head + encode_basestring(text).encode() + tail
 
     def _chunk(self, text: str, finish_reason: str | None, first: bool, index: int = 0,
-               entries: list[tuple[str, float]] | None = None, calls: list[ToolCall] | None = None) -> bytes:
+               entries: list[tuple[str, TokenLogprob]] | None = None, calls: list[ToolCall] | None = None) -> bytes:
         """One chunk of choice `index`: its text (chat: the first carries the role), log
         probabilities, tool calls (each whole, as OpenAI's SDK accumulates them by index), or
         its finish_reason (chat: an empty delta)."""
@@ -516,8 +522,13 @@ class _Answer:
             slo_met=met, placed=True)
 
 
-def _entries(event: Tokens) -> list[tuple[str, float]]:
-    """(token text, log probability) of an event's tokens: its text goes with its first token."""
+def _bytes(text: str) -> list[int]:
+    """A token text's UTF-8 bytes, as OpenAI's logprobs entries give them."""
+    return list(text.encode("utf-8", "surrogatepass"))
+
+
+def _entries(event: Tokens) -> list[tuple[str, TokenLogprob]]:
+    """(token text, log probabilities) of an event's tokens: its text goes with its first token."""
     if not event.logprobs:
         return []
     return [(event.text if i == 0 else "", lp) for i, lp in enumerate(event.logprobs)]

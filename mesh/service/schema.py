@@ -6,8 +6,9 @@ one-element list of token id lists), `max_tokens` (or `max_completion_tokens`),
 `temperature` [0, 2], `top_p` (0, 1] (omitted: None here, the model's sampling defaults
 later, mesh.modelfiles.sampling), `stop` (a string or up to 4, of at most 256
 characters each), `seed`, `n` (1 to MAX_N choices, served as n sibling requests),
-`logprobs` (chat: true/false; completions: 0) with `top_logprobs` 0 (each chosen token's log
-probability; alternatives are refused), `presence_penalty` and `frequency_penalty` [-2, 2],
+`logprobs` (each chosen token's log probability; chat: true/false, with `top_logprobs` 0-20,
+the most likely tokens per position; completions: 0-5, that count), `presence_penalty` and
+`frequency_penalty` [-2, 2],
 vLLM's `repetition_penalty` (0, 10], `response_format` (text, json_object, json_schema of
 a checked subset: mesh.service.structured), chat `tools`, `tool_choice` and
 `parallel_tool_calls` (mesh.service.tools; history messages with `tool_calls` and role
@@ -15,8 +16,8 @@ a checked subset: mesh.service.structured), chat `tools`, `tool_choice` and
 last chunk with the usage; vLLM's `continuous_usage_stats` is ignored), vLLM's `ignore_eos`
 (generate exactly `max_tokens`; benchmarks, guidellm and `mesh replay --live` use it) and
 `min_tokens` (only where `ignore_eos` already guarantees it), and `user` (a string, not
-used). Fields that would change the output in ways Mesh does not implement (top logprobs,
-echo, completions' tools, ...) are refused with a 400 instead of being silently ignored; unknown fields
+used). Fields that would change the output in ways Mesh does not implement (echo,
+completions' tools, ...) are refused with a 400 instead of being silently ignored; unknown fields
 are ignored, as OpenAI clients send extras.
 A body is decoded strictly: NaN and Infinity are not JSON, and no integer may have more than
 MAX_INT_DIGITS digits; token ids are checked against the model's vocabulary before anything
@@ -32,6 +33,7 @@ from typing import Any, Mapping
 
 from mesh.engines.chat import ROLES
 from mesh.engines.detokenize import MAX_STOP_CHARS
+from mesh.engines.engine_api import MAX_TOP_LOGPROBS
 from mesh.framing import MAX_INT_DIGITS, LongInteger, bounded_int, not_a_number
 from mesh.modelfiles.sampling import MIN_POSITIVE
 from mesh.service.errors import ApiError, bad_request
@@ -39,6 +41,7 @@ from mesh.service.structured import response_schema
 from mesh.service.tools import ToolUse, history_message, tool_use, with_tools
 
 MAX_STOP = 4
+MAX_COMPLETION_LOGPROBS = 5  # completions' `logprobs`: OpenAI's limit on its alternatives
 MAX_N = 16  # choices of one request (each one is a request of its own in quotas and placement)
 MAX_REPETITION_PENALTY = 10.0
 MAX_TOKENS_CAP = 1_000_000
@@ -63,6 +66,7 @@ class GenerationRequest:
     ignore_eos: bool = False  # vLLM's extension: generate exactly max_tokens
     n: int = 1  # choices: n sibling requests
     logprobs: bool = False  # each chosen token's log probability
+    top_logprobs: int = 0  # with logprobs: the most likely tokens at each position, this many
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
@@ -206,41 +210,34 @@ def _common(kind: str, d: Mapping[str, Any], **fields: Any) -> GenerationRequest
         raise bad_request(f"'repetition_penalty' must be greater than 0 and at most {MAX_REPETITION_PENALTY:g} "
                           "(1 is no penalty).", "repetition_penalty")
     repetition_penalty = max(repetition_penalty, MIN_POSITIVE)  # not 0 in an engine's float32
-    logprobs = _logprobs(kind, d)
+    logprobs, top_logprobs = _logprobs(kind, d)
     if d.get("logit_bias"):
         raise _unsupported("logit_bias")
     json_schema = response_schema(d.get("response_format"))
     return GenerationRequest(kind, model, max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                              stop=_stop(d.get("stop")), seed=seed, stream=stream, include_usage=include_usage,
-                             ignore_eos=ignore_eos, n=n, logprobs=logprobs, presence_penalty=presence_penalty,
+                             ignore_eos=ignore_eos, n=n, logprobs=logprobs, top_logprobs=top_logprobs,
+                             presence_penalty=presence_penalty,
                              frequency_penalty=frequency_penalty, repetition_penalty=repetition_penalty,
                              json_schema=json_schema, **fields)
 
 
-def _logprobs(kind: str, d: Mapping[str, Any]) -> bool:
-    """Whether each chosen token's log probability is asked for. Chat: `logprobs` true/false
-    with `top_logprobs` 0; completions: `logprobs` 0 (the count of alternatives). The engines'
-    alternatives per token are not served (OpenVINO gives only the chosen token's): a count
-    above 0 is a 400 that says so."""
+def _logprobs(kind: str, d: Mapping[str, Any]) -> tuple[bool, int]:
+    """Whether each chosen token's log probability is asked for, and how many alternatives
+    per token. Chat: `logprobs` true/false with `top_logprobs` 0-20 (which needs logprobs
+    true); completions: `logprobs` 0-5, the count of alternatives. Which engines give
+    alternatives is the placement's question (mesh.modelfiles.formats.ENGINE_FEATURES)."""
     value, top = d.get("logprobs"), d.get("top_logprobs")
     if kind == "chat":
         if value is not None and not isinstance(value, bool):
             raise bad_request("'logprobs' must be true or false.", "logprobs")
-        if top is not None and _int(top, "top_logprobs", 0, 20) > 0:
-            raise bad_request("'top_logprobs' above 0 is not supported: this server returns each chosen token's log "
-                              "probability, not the alternatives (its OpenVINO engines compute only the chosen one). "
-                              "Send 'logprobs': true with 'top_logprobs' 0, or omit top_logprobs.", "top_logprobs",
-                              "unsupported_parameter")
+        count = 0 if top is None else _int(top, "top_logprobs", 0, MAX_TOP_LOGPROBS)
         if top is not None and not value:
             raise bad_request("'top_logprobs' needs 'logprobs': true.", "top_logprobs")
-        return bool(value)
+        return bool(value), count
     if value is None or value is False:
-        return False
-    if _int(value, "logprobs", 0, 5) > 0:
-        raise bad_request("'logprobs' above 0 is not supported: this server returns each chosen token's log "
-                          "probability, not the alternatives (its OpenVINO engines compute only the chosen one). "
-                          "Send 'logprobs': 0.", "logprobs", "unsupported_parameter")
-    return True
+        return False, 0
+    return True, _int(value, "logprobs", 0, MAX_COMPLETION_LOGPROBS)
 
 
 def _unsupported(param: str) -> ApiError:

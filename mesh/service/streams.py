@@ -10,7 +10,7 @@ import asyncio
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Callable
 
-from mesh.engines.engine_api import Sampling
+from mesh.engines.engine_api import Sampling, TokenLogprob
 from mesh.service.errors import ApiError
 from mesh.service.registry import ModelRecord
 
@@ -33,7 +33,7 @@ class Job:
 class Tokens:
     text: str
     token_ids: list[int]
-    logprobs: list[float] | None = None  # one per token id, where the request asked for them
+    logprobs: list[TokenLogprob] | None = None  # one per token id, where the request asked for them
 
 
 @dataclass(frozen=True, slots=True)

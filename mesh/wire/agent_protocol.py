@@ -22,11 +22,11 @@ import asyncio
 import math
 from dataclasses import dataclass, field, replace
 from enum import Enum
-from typing import Annotated, Any, Callable, ClassVar, Generic, Mapping, TypeVar, Union
+from typing import Annotated, Any, Callable, ClassVar, Generic, Mapping, Sequence, TypeVar, Union
 
 from mesh import framing
 from mesh.engines.detokenize import MAX_STOP_CHARS
-from mesh.engines.engine_api import Sampling
+from mesh.engines.engine_api import MAX_TOP_LOGPROBS, Sampling, TokenLogprob
 from mesh.framing import MAX_HEADER_BYTES as MAX_FRAME_BYTES  # noqa: F401 - part of this protocol's API
 from mesh.framing import ProtocolError, encode_frame  # noqa: F401 - likewise
 from mesh.policy.kv_demand import RunningMean
@@ -143,8 +143,9 @@ MIN_LOGPROB = -1e6  # a log probability on the wire (an engine's -inf is sent as
 def sampling_to_dict(s: Sampling) -> dict[str, Any]:
     return {"max_tokens": s.max_tokens, "temperature": s.temperature, "top_p": s.top_p,
             "stop": list(s.stop), "seed": s.seed, "ignore_eos": s.ignore_eos, "logprobs": s.logprobs,
-            "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty,
-            "repetition_penalty": s.repetition_penalty, "json_schema": s.json_schema}
+            "top_logprobs": s.top_logprobs, "presence_penalty": s.presence_penalty,
+            "frequency_penalty": s.frequency_penalty, "repetition_penalty": s.repetition_penalty,
+            "json_schema": s.json_schema}
 
 
 def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
@@ -162,6 +163,7 @@ def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
             seed=None if d.get("seed") is None else count_field(d["seed"], "seed", 0, 2**64 - 1),
             ignore_eos=bool(d.get("ignore_eos", False)),
             logprobs=d.get("logprobs") is True,
+            top_logprobs=count_field(d.get("top_logprobs", 0), "top_logprobs", 0, MAX_TOP_LOGPROBS),
             presence_penalty=number_field(d.get("presence_penalty", 0.0), "presence_penalty", -MAX_PENALTY,
                                           MAX_PENALTY),
             frequency_penalty=number_field(d.get("frequency_penalty", 0.0), "frequency_penalty", -MAX_PENALTY,
@@ -195,6 +197,52 @@ def _logprobs(value: Any, count: int) -> list[float]:
     if len(values) != count:
         raise ValueError(f"{len(values)} logprobs for {count} token ids")
     return values
+
+
+def _top_logprobs(value: Any, count: int) -> list[list[tuple[str, float]]]:
+    """A tokens item's alternatives: per token id, at most MAX_TOP_LOGPROBS (text, log
+    probability) pairs."""
+    tops = list_field(value, "top_logprobs")
+    if len(tops) != count:
+        raise ValueError(f"{len(tops)} top_logprobs lists for {count} token ids")
+    out = []
+    for top in tops:
+        top = list_field(top, "top_logprobs")
+        if len(top) > MAX_TOP_LOGPROBS:
+            raise ValueError(f"{len(top)} alternatives for one token; at most {MAX_TOP_LOGPROBS}")
+        pairs = [list_field(pair, "alternative") for pair in top]
+        if any(len(pair) != 2 for pair in pairs):
+            raise ValueError("an alternative is [text, logprob]")
+        out.append([(text_field(t, "alternative"), number_field(v, "logprob", MIN_LOGPROB, 0.0)) for t, v in pairs])
+    return out
+
+
+def tokens_item(request_id: str, token_ids: list[int], text: str,
+                logprobs: Sequence[TokenLogprob | None] | None) -> tuple[Any, ...]:
+    """A TokensEvent item: (request id, token ids, text), then the tokens' log probabilities
+    where the request asked for them, then their alternatives where
+    any token has some (Sampling.top_logprobs)."""
+    item: tuple[Any, ...] = (request_id, token_ids, text)
+    given = [lp for lp in logprobs or () if lp is not None]
+    if not given:
+        return item
+    item += ([_on_wire(lp.logprob) for lp in given],)
+    if any(lp.top for lp in given):
+        item += ([[(t, _on_wire(v)) for t, v in lp.top] for lp in given],)
+    return item
+
+
+def _on_wire(logprob: float) -> float:
+    """A log probability as it crosses: -inf is not JSON, and float noise never passes 0."""
+    return min(max(logprob, MIN_LOGPROB), 0.0)
+
+
+def item_logprobs(item: Sequence[Any]) -> list[TokenLogprob] | None:
+    """The log probabilities a TokensEvent item carries (`tokens_item`'s), None if none."""
+    if len(item) < 4:
+        return None
+    tops = item[4] if len(item) > 4 else [()] * len(item[3])
+    return [TokenLogprob(lp, tuple(top)) for lp, top in zip(item[3], tops)]
 
 
 def slo_to_dict(slo: SLO) -> dict[str, float]:
@@ -326,11 +374,15 @@ def _tokens_items(value: Any, name: str) -> list[Any]:
     items: list[Any] = []
     for item in list_field(value, name):
         item = list_field(item, "item")
-        if len(item) not in (3, 4):
-            raise ValueError(f"a tokens item has 3 or 4 elements, got {len(item)}")
+        if len(item) not in (3, 4, 5):
+            raise ValueError(f"a tokens item has 3 to 5 elements, got {len(item)}")
         ids = _token_ids(item[1] or [], "token ids")
-        head = (text_field(item[0], "request_id"), ids, text_field(item[2] or "", "text"))
-        items.append(head + (_logprobs(item[3], len(ids)),) if len(item) == 4 else head)
+        head: tuple[Any, ...] = (text_field(item[0], "request_id"), ids, text_field(item[2] or "", "text"))
+        if len(item) > 3:
+            head += (_logprobs(item[3], len(ids)),)
+        if len(item) > 4:
+            head += (_top_logprobs(item[4], len(ids)),)
+        items.append(head)
     return items
 
 
@@ -865,8 +917,9 @@ class AgentEvent(Typed):
 @dataclass(frozen=True, slots=True)
 class TokensEvent(AgentEvent):
     """Tokens of one iteration, every token of it in one frame: (request id, token ids,
-    text) per request, and their log probabilities, one per token id, for a request that
-    asked for them (a fourth element)."""
+    text) per request, their log probabilities, one per token id, for a request that asked
+    for them (a fourth element), and for one that asked for alternatives, per token id its
+    most likely tokens as [text, log probability] pairs (a fifth): `tokens_item`."""
 
     T: ClassVar[str] = "tokens"
     items: Annotated[list[Any], Wire(_tokens_items, dump=_tokens_dump)]

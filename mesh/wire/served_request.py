@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Sequence
 
-from mesh.engines.engine_api import EngineRequest, FinishReason
+from mesh.engines.engine_api import EngineRequest, FinishReason, TokenLogprob
 from mesh.policy.slo import SLO, DeadlineRule, Deadlines
 
 
@@ -21,7 +21,7 @@ class Outcome(str, Enum):
 
 # (request, new token ids, their text, their log probabilities: None where not asked for)
 OutputCallback = Callable[["ServedRequest", Sequence[int] | None, Sequence[str] | None,
-                           Sequence[float | None] | None], None]
+                           Sequence[TokenLogprob | None] | None], None]
 DoneCallback = Callable[["ServedRequest"], None]
 AdmittedCallback = Callable[["ServedRequest"], None]
 
