@@ -116,9 +116,14 @@ def test_a_field_some_node_kind_honours_passes(kinds, model_kind, sampling):
 
 
 def test_structured_output_asked_by_tool_choice_is_a_400_naming_tool_choice():
-    job = SimpleNamespace(model=SimpleNamespace(kind="gguf", name="acme/m"), schema_param="tool_choice",
-                          sampling=Sampling(json_schema='{"type": "object"}'))
+    """Structured output asked by a required or named `tool_choice`: where no engine of the
+    cluster constrains output (an emulated model), the 400 names `tool_choice`."""
+    def job(kind: str) -> SimpleNamespace:
+        return SimpleNamespace(model=SimpleNamespace(kind=kind, name="acme/m"), schema_param="tool_choice",
+                               sampling=Sampling(json_schema='{"type": "object"}'), messages=[])
+
     with pytest.raises(ApiError) as err:
-        RequestPath._check_features(_path(["gpu"]), job)
+        RequestPath._check_features(_path(["cpu", "gpu"]), job("emulated"))
     assert err.value.param == "tool_choice" and "'tool_choice'" in err.value.message
-    RequestPath._check_features(_path(["cpu", "gpu"]), job)
+    for kinds in (["gpu"], ["cpu"], ["cpu", "gpu"]):  # both engines constrain output
+        RequestPath._check_features(_path(kinds), job("gguf"))
