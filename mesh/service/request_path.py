@@ -139,11 +139,9 @@ class RequestPath:
             return
         field = sorted(min(left, key=len) if left else features)[0]
         able = sorted(e for e, honoured in ENGINE_FEATURES.items() if field in honoured)
-        param, hint = field, f"Omit '{field}'."
-        if field == "response_format":  # structured output, asked by this field
-            param = job.schema_param
-            hint = f"Omit '{param}'."
-        elif field == "top_logprobs":  # alternatives: a chat's `top_logprobs` count, a completion's `logprobs` count
+        param = job.schema_param if field == "response_format" else field  # structured output, asked by this field
+        hint = f"Omit '{param}'."
+        if field == "top_logprobs":  # alternatives: a chat's `top_logprobs` count, a completion's `logprobs` count
             param = "top_logprobs" if job.messages is not None else "logprobs"
             hint = f"Send '{param}': 0 for each chosen token's log probability alone."
         raise bad_request(f"'{param}' is not supported for model {job.model.name}: the engines that serve it here "
