@@ -188,3 +188,32 @@ def test_admission_a_models_own_then_its_tenants_then_the_clusters():
     assert cluster.admission("m", "t") == "reject"
     with pytest.raises(ClusterError):
         cluster.set_tenant_admission("t", "wait")
+
+
+def test_a_lost_request_waits_on_while_the_cluster_recovers_for_it():
+    from mesh.policy.dispatch_rules import LOST_WAIT_LIMIT, lost_wait_until
+
+    lost, timeout = 100.0, 30.0
+    # a load under way with 12 s left: looked at again when it should end; overdue: each second
+    assert lost_wait_until(130.0, lost, timeout, 12.0, 130.0) == 142.0
+    assert lost_wait_until(150.0, lost, timeout, 0.0, 150.0) == 151.0
+    # the recovery ended (last seen at 151 s): a whole timeout from then to be placed, then it fails
+    assert lost_wait_until(152.0, lost, timeout, None, 151.0) == 181.0
+    assert lost_wait_until(181.0, lost, timeout, None, 151.0) is None
+    # never recovering: it fails at its timeout, as before
+    assert lost_wait_until(130.0, lost, timeout, None, lost) is None
+    # never past LOST_WAIT_LIMIT timeouts from the loss, nor without a timeout
+    limit = lost + LOST_WAIT_LIMIT * timeout
+    assert lost_wait_until(limit - 5.0, lost, timeout, 60.0, limit - 5.0) == limit
+    assert lost_wait_until(limit, lost, timeout, 60.0, limit) is None
+    assert lost_wait_until(130.0, lost, None, 12.0, 130.0) is None
+
+
+def test_an_expired_entry_that_waits_on_keeps_its_place():
+    q = WaitingQueue()
+    for rid, expiry in (("a", 3.0), ("b", 5.0), ("c", 4.0)):
+        assert q.push(rid, "m", 0.0, expiry)
+    later = {"a": 9.0}  # a waits on until 9 s; c's time is up
+    assert [e.request_id for e in q.pop_expired(4.0, lambda e: later.get(e.request_id))] == ["c"]
+    assert [e.request_id for e in q.in_order()] == ["a", "b"] and q.next_expiry() == 5.0
+    assert [e.request_id for e in q.pop_expired(9.0)] == ["b", "a"]

@@ -68,3 +68,29 @@ def test_a_lost_node_takes_nothing_until_it_is_back():
 def test_a_failure_of_a_node_the_cluster_lacks_is_refused():
     with pytest.raises(Exception, match="cpu9"):
         _run((NodeFailure("cpu9", 1.0),))
+
+
+def _run_alone(down_s: float, queue_timeout_s: float = 10.0):
+    """One node holding four requests, lost at 6 s for `down_s` (its agent restarting)."""
+    arrivals = [Arrival(f"r{i}", 0.5 * i, "f000", MODEL, 256, OUTPUT) for i in range(4)]
+    work = Workload(arrivals, {MODEL: BASE}, {"duration_s": 600.0})
+    cluster = ClusterConfig(cpu_nodes=1, gpu_nodes=0, keep_alive_s=600.0,
+                            cold_start=ColdStart(measured={(ANY_MODEL, "cpu"): 1.0}))
+    config = ReplayConfig(cluster=cluster, progress=False, queue_timeout_s=queue_timeout_s,
+                          failures=(NodeFailure("cpu0", LOST_AT_S, down_s=down_s),))
+    return run_policy(work, "mesh", config, build_catalog([BASE]))
+
+
+def test_lost_requests_wait_past_the_queue_timeout_while_their_node_recovers():
+    """A restart (25 s) longer than the queue timeout (10 s): the lost requests wait on
+    while the node is down (dispatch_rules.lost_wait_until) and all complete, their tokens
+    counted from the start; a node down past 4 timeouts from the loss fails them then, each
+    with the reason. (Before, they failed at the timeout, 16 s.)"""
+    run = _run_alone(down_s=25.0)
+    assert len(held_at(run, "cpu0")) == 4 and run.accounting["failed"] == 0, [r.detail for r in run.requests]
+    assert all(r.tokens_out == OUTPUT and r.finish_s > LOST_AT_S + 25.0 for r in run.requests)
+    run = _run_alone(down_s=10_000.0)
+    assert run.accounting["failed"] == 4 and run.dispatch.lost_failed["exited"] == 4
+    for r in run.requests:
+        assert r.finish_s == pytest.approx(LOST_AT_S + 40.0, abs=0.01), r.finish_s
+        assert "waited 40 s since its node was lost" in r.detail, r.detail

@@ -1,5 +1,5 @@
 """Tokenizing is admitted work (issue 32 item 4; mesh.node.tokenizers): jobs shared between
-tenants by prompt size, a blocking tokenize (vLLM's) off the event loop, a deadline on every
+tenants by the worker time they take, a blocking tokenize (vLLM's) off the event loop, a deadline on every
 job with a stuck worker killed and replaced (the real worker process, on the demo model),
 and the worker's tokenizers bounded by bytes."""
 from __future__ import annotations
@@ -17,25 +17,26 @@ from mesh.node.tokenizers import TokenizerProcess
 
 
 class _Recorder:
-    """A stand-in for the worker's connection: each job takes `job_s`, one at a time (the
-    queue sends one at a time); records the prompts in the order they ran."""
+    """A stand-in for the worker's connection: a job takes `job_s` seconds, or
+    `job_s(prompt)`, one at a time (the queue sends one at a time); records the prompts in
+    the order they ran."""
 
     dead = None
 
-    def __init__(self, job_s: float) -> None:
-        self.job_s, self.ran = job_s, []
+    def __init__(self, job_s) -> None:
+        self.job_s, self.ran = job_s if callable(job_s) else (lambda _prompt: job_s), []
 
     def call(self, op, **fields):
         fut = asyncio.get_running_loop().create_future()
         self.ran.append(fields["prompt"])
-        asyncio.get_running_loop().call_later(self.job_s, fut.set_result, [1, 2, 3])
+        asyncio.get_running_loop().call_later(self.job_s(fields["prompt"]), fut.set_result, [1, 2, 3])
         return fut
 
 
-def test_jobs_are_shared_between_tenants_by_prompt_size(monkeypatch):
-    """A's five 100 kB prompts, then B's five 10-byte ones: B's all run after A's first (the
-    one running when they came), not in turn with A's (the round robin it replaced)."""
-    worker = _Recorder(0.02)
+def test_jobs_are_shared_between_tenants_by_the_time_they_take(monkeypatch):
+    """A's five prompts of 0.2 s each, then B's five of 0.01 s: B's all run after A's first
+    (the one running when they came), not in turn with A's (a round robin would)."""
+    worker = _Recorder(lambda prompt: 0.2 if prompt.startswith("A") else 0.01)
     monkeypatch.setattr(TokenizerProcess, "_connection", lambda self: worker)
 
     async def main():
@@ -51,26 +52,26 @@ def test_jobs_are_shared_between_tenants_by_prompt_size(monkeypatch):
     assert tp.counts.done == 10 and tp.waiting == 0 and not tp._finish  # no tenant left remembered
 
 
-def test_tokenizers_built_ahead_wait_for_every_callers_job(monkeypatch):
-    """Three new models' tokenizers built ahead (`prepare`, a build takes seconds), then two
-    tenants' prompts: the prompts run right after the build already running, not behind the
-    other builds; a build cancelled while waiting (its model was deleted) never runs."""
-    worker = _Recorder(0.02)
+def test_short_prompts_that_build_tokenizers_are_charged_the_builds(monkeypatch):
+    """The soak's case: a churning tenant sends short prompts to five new models (each job
+    also builds a tokenizer: 0.3 s here, seconds there) and a streaming tenant then sends five
+    long chat prompts (0.01 s each). The stream's prompts all run right after the build that
+    was running: a job's share is the time it takes. (Weighed by characters, all five builds
+    went first.)"""
+    worker = _Recorder(lambda prompt: 0.01 if prompt.startswith("chat") else 0.3)
     monkeypatch.setattr(TokenizerProcess, "_connection", lambda self: worker)
 
     async def main():
         tp = TokenizerProcess()
-        builds = [asyncio.ensure_future(tp.prepare(f"model-{i}")) for i in range(3)]
+        builds = [asyncio.ensure_future(tp.encode(f"model-{i}", None, f"hi{i}", "churn")) for i in range(5)]
         await asyncio.sleep(0)
-        calls = [asyncio.ensure_future(tp.encode("m", None, f"tenant {t}", t)) for t in "ab"]
-        await asyncio.sleep(0)
-        builds[2].cancel()
-        await asyncio.gather(*builds[:2], *calls)
-        return worker.ran, tp
+        chats = [asyncio.ensure_future(tp.encode("demo", None, f"chat{i} " + "x" * 2000, "demo")) for i in range(5)]
+        await asyncio.gather(*builds, *chats)
+        return [p[:5] for p in worker.ran], tp
 
-    ran, tp = asyncio.run(main())
-    assert ran == ["", "tenant a", "tenant b", ""], ran
-    assert tp.counts.done == 4 and tp.counts.dropped == 1 and tp.waiting == 0 and not tp._finish
+    order, tp = asyncio.run(main())
+    assert order == ["hi0"] + [f"chat{i}" for i in range(5)] + [f"hi{i}" for i in range(1, 5)], order
+    assert not tp._finish
 
 
 async def _never_stuck(why: str) -> bool:
@@ -102,7 +103,7 @@ def test_a_blocking_tokenize_runs_off_the_event_loop():
 
         t = asyncio.ensure_future(ticker())
         start = time.monotonic()
-        ids = await asyncio.gather(tp.run("a", 10, call([7]), _never_stuck), tp.run("b", 10, call([8]), _never_stuck))
+        ids = await asyncio.gather(tp.run("a", call([7]), _never_stuck), tp.run("b", call([8]), _never_stuck))
         took = time.monotonic() - start
         t.cancel()
         return ids, ticks, took, deadlines
@@ -135,8 +136,8 @@ def test_a_blocking_tokenize_past_its_deadline_fails_clearly_and_its_worker_is_k
             return True
 
         with pytest.raises(EngineError, match="took over 0.3 s"):
-            await tp.run("a", 10, stuck, kill)
-        return await tp.run("a", 10, lambda _deadline_s: [2], _never_stuck), tp.counts, killed
+            await tp.run("a", stuck, kill)
+        return await tp.run("a", lambda _deadline_s: [2], _never_stuck), tp.counts, killed
 
     ids, counts, killed = asyncio.run(main())
     assert ids == [2] and counts.timed_out == 1 and counts.restarts == 1 and counts.done == 1
@@ -198,3 +199,40 @@ def test_the_tokenizer_cache_is_bounded_by_bytes(monkeypatch):
     assert cache.encode("c", None, "x") == [1]  # 600 bytes: over the budget alone; b and a go
     assert cache.stats() == {"entries": 1, "held_bytes": 600, "budget_bytes": 500, "evicted": 2}
     assert cache.forget("c") and cache.stats()["entries"] == 0
+
+
+def test_models_with_one_tokenizer_share_one_build(monkeypatch, tmp_path, demo_gguf):
+    """Two tenants' copies of the demo GGUF and a third file whose chat template differs:
+    the copies share one front (built once); the other gets its own. Forgetting one copy
+    keeps the shared front for the other; forgetting both frees it."""
+    import mesh.node.tokenizer_worker as worker
+    from mesh.modelfiles.gguf import tokenizer_digest
+
+    built = []
+
+    class Front:
+        def __init__(self, path):
+            built.append(path)
+
+        def encode_prompt(self, prompt):
+            return [len(prompt)]
+
+    copies = [tmp_path / "a.gguf", tmp_path / "b.gguf"]
+    for copy in copies:
+        copy.symlink_to(demo_gguf)
+    data = demo_gguf.read_bytes()
+    template = b"{% for message in messages %}"
+    assert data.count(template) == 1
+    other = tmp_path / "c.gguf"
+    other.write_bytes(data.replace(template, b"{% for  essage in messages %}"))  # same length, other text
+    assert tokenizer_digest(copies[0]) == tokenizer_digest(copies[1]) != tokenizer_digest(other)
+
+    monkeypatch.setattr(worker, "_rss_bytes", lambda: 0)
+    monkeypatch.setattr("mesh.engines.openvino_engine.OpenVINOEngine", Front)
+    cache = TokenizerCache(budget_bytes=1 << 30)
+    for path in (*copies, other, copies[0]):
+        assert cache.encode(str(path), None, "xy") == [2]
+    assert built == [str(copies[0]), str(other)] and cache.stats()["entries"] == 2
+    assert not cache.forget(str(copies[0]))  # b still uses it
+    assert cache.encode(str(copies[1]), None, "x") == [1] and len(built) == 2
+    assert cache.forget(str(copies[1])) and cache.stats()["entries"] == 1

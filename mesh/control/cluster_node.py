@@ -133,14 +133,15 @@ class ClusterNode(ABC):
         the path of an evicted or preempted request: placed again, its stream goes on from the
         next token, its deadlines restarting from now: `fault`); without one, each fails.
         Returns how many."""
+        now = asyncio.get_running_loop().time()
         for req in reqs:
-            req.fault, req.lost = True, cause
+            req.fault, req.lost, req.lost_s = True, cause, now
             req.attempts.append(f"lost on {self.node_id} after {req.tokens_out} tokens: {why}")
             req.node_id = req.instance_id = None
             if self.listener is not None:
                 self.listener.request_evicted(self, req)
             else:
-                req.end(Outcome.FAILED, asyncio.get_running_loop().time(), why)
+                req.end(Outcome.FAILED, now, why)
         return len(reqs)
 
     # -- verbs -------------------------------------------------------------------------

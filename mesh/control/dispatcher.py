@@ -15,7 +15,8 @@ Requests handed back by a node
 their progress kept; one that cannot be placed again in time fails. So are the requests of
 a node that is lost (its agent killed, frozen, removed, its network gone: `on_evict` with
 `req.lost` set, mesh.control.agent_node): their deadlines restart from the loss, and they
-wait for a node up to the queue timeout whatever their model's admission choice; the
+wait for a node up to the queue timeout whatever their model's admission choice, and on
+while an instance of their model loads or a node is down (dispatch_rules.lost_wait_until); the
 stats count them resumed and failed by cause.
 
 Invariant: every submitted request ends exactly once, completed, rejected or failed; the
@@ -50,8 +51,15 @@ from typing import TYPE_CHECKING, Callable, Sequence
 from mesh.control.cluster_node import ENGINE_HUNG, ClusterNode
 from mesh.control.fleet import Fleet, unable_nodes
 from mesh.control.latency import LogHistogram
-from mesh.policy.dispatch_rules import ADMIT_QUEUE, ADMIT_REJECT, queue_expiry_s, wait_expiry_s
-from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, WaitingQueue
+from mesh.policy.dispatch_rules import (
+    ADMIT_QUEUE,
+    ADMIT_REJECT,
+    LOST_WAIT_LIMIT,
+    lost_wait_until,
+    queue_expiry_s,
+    wait_expiry_s,
+)
+from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S, QueueEntry, WaitingQueue
 from mesh.policy.slo import DeadlineRule
 from mesh.wire.served_request import Outcome, ServedRequest
 
@@ -165,6 +173,7 @@ class Dispatcher:
         self.queue_timeout_s = queue_timeout_s
         self._slo_expiry: dict[str, float] = {}  # waiting request -> when it can no longer meet its SLO
         self._why: dict[str, str] = {}  # waiting request -> what its expiry is ("slo", "timeout")
+        self._recovering: dict[str, float] = {}  # waiting lost request -> when a recovery for it was last seen
         self._avoid: dict[str, frozenset[str]] = {}  # evicted request -> nodes that evicted it
         self.stats = DispatchStats()
         self.requests: dict[str, ServedRequest] = {}  # in flight: each leaves when it ends
@@ -407,6 +416,8 @@ class Dispatcher:
             req.end(Outcome.FAILED, self.now(), f"failed after {req.tokens_out} tokens: {lost}{reason}: {detail}")
         if req.lost:
             self.stats.lost_failed[req.lost] += 1
+            log.warning("%s of %s failed after its node was lost: %s (attempts %s)", req.request_id, req.model,
+                        req.detail, req.attempts)
 
     def _arm_expiry(self) -> None:
         t = self.queue.next_expiry()
@@ -421,15 +432,36 @@ class Dispatcher:
         """A request that left the queue: its bookkeeping goes; returns it."""
         self._slo_expiry.pop(request_id, None)
         self._why.pop(request_id, None)
+        self._recovering.pop(request_id, None)
         return self._waiting.pop(request_id)
+
+    def _waits_on(self, entry: QueueEntry) -> float | None:
+        """A lost request past its queue timeout waits on while its model loads or a node is
+        down (mesh.policy.dispatch_rules.lost_wait_until): until when; None: it goes now."""
+        req = self._waiting[entry.request_id]
+        if not req.lost or self._why.get(entry.request_id) == "slo":
+            return None
+        now = self.now()
+        left = self.cluster.cold_start_left_s(req.model)
+        if left is None and not all(node.up for node in self.cluster.nodes):
+            left = 0.0  # a lost node's agent is not back yet (a supervisor restarts it)
+        if left is not None:
+            self._recovering[entry.request_id] = now
+        return lost_wait_until(now, req.lost_s, self.queue_timeout_s, left,
+                               self._recovering.get(entry.request_id, req.lost_s))
 
     def _expire(self) -> None:
         self._expiry_handle = self._expiry_at = None
-        for entry in self.queue.pop_expired(self.now()):
+        for entry in self.queue.pop_expired(self.now(), self._waits_on):
             why = self._why.get(entry.request_id)
             req = self._forget_waiting(entry.request_id)
             if why == "slo":
                 self._turn_away(req, SLO_UNREACHABLE, "waited until it could no longer meet its SLO")
+            elif req.lost:
+                self._turn_away(req, QUEUE_TIMEOUT, f"waited {self.now() - req.lost_s:.0f} s since its node was lost "
+                                                    f"(the queue's bound, {self.queue_timeout_s:g} s, and on while a "
+                                                    f"node or an instance of its model recovered, up to "
+                                                    f"{LOST_WAIT_LIMIT:g} times that)")
             else:
                 self._turn_away(req, QUEUE_TIMEOUT, f"waited {self.queue_timeout_s:g} s, the bound of the queue")
         self._arm_expiry()

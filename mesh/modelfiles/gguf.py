@@ -7,6 +7,7 @@ Format: https://github.com/ggml-org/ggml/blob/master/docs/gguf.md
 """
 from __future__ import annotations
 
+import hashlib
 import struct
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -111,6 +112,27 @@ def _metadata(f: BinaryIO, path: str | Path, keep_arrays: bool) -> tuple[dict[st
         key = _string(f)
         meta[key] = _value(f, _unpack(f, "<I"), keep_arrays)
     return meta, n_tensors
+
+
+def tokenizer_digest(path: str | Path) -> str:
+    """A digest of the file's tokenizer: its `tokenizer.*` keys and their values' bytes (the
+    vocabulary, merges, special tokens, chat template). Models of one family (copies, or
+    fine-tunes of one base) share it, so a node builds their tokenizer once."""
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise GGUFError(f"{path} is not a GGUF file (bad magic)")
+        f.seek(4 + 8, 1)  # the version (u32) and the tensor count (u64)
+        for _ in range(_unpack(f, "<Q")):
+            key = _string(f)
+            vtype = _unpack(f, "<I")
+            start = f.tell()
+            _value(f, vtype, False)
+            if key.startswith("tokenizer."):
+                end = f.tell()
+                f.seek(start)
+                digest.update(f"{key}\0{vtype}\0".encode() + _read(f, end - start))
+    return digest.hexdigest()
 
 
 def read_tensor_names(path: str | Path) -> list[str]:

@@ -19,7 +19,7 @@ from mesh.engines.openvino_process import OpenVINOProcessEngine
 from mesh.node.control_connection import Refused
 from mesh.node.engine_host import make_engine
 from mesh.node.instance_host import InstanceHost
-from mesh.node.tokenizers import TokenizerProcess, prompt_size
+from mesh.node.tokenizers import TokenizerProcess
 from mesh.perf.profile import profile_to_dict
 from mesh.wire.agent_protocol import (
     Code,
@@ -99,7 +99,7 @@ class ModelFronts:
                 ids = engine.encode_chat(messages) if messages is not None else engine.encode_prompt(prompt)
             else:  # vLLM's, in its engine's worker: its turn in the node's queue, off this loop (tokenizers)
                 ids = await self.tokenizers.run(
-                    tenant, prompt_size(messages, prompt),
+                    tenant,
                     (lambda deadline_s: engine.encode_chat(messages, deadline_s)) if messages is not None else
                     (lambda deadline_s: engine.encode_prompt(prompt, deadline_s)),
                     lambda why: self._restart(m.instance_id, engine, why))

@@ -21,6 +21,7 @@ from collections import OrderedDict
 from typing import Any
 
 from mesh.engines.worker_process import WorkerLoop, worker_main
+from mesh.modelfiles.gguf import GGUFError, tokenizer_digest
 
 CACHE_BYTES_ENV = "MESH_TOKENIZER_CACHE_BYTES"
 DEFAULT_CACHE_BYTES = 256 * 2**20
@@ -32,35 +33,54 @@ def _rss_bytes() -> int:
 
 
 class TokenizerCache:
-    """Model fronts (their tokenizers) by path, least recently used first, bounded by bytes."""
+    """Model fronts (their tokenizers), least recently used first, bounded by bytes. Models
+    whose GGUF files hold the same tokenizer (mesh.modelfiles.gguf.tokenizer_digest: copies, or
+    fine-tunes of one base) share one front, built once: a node serving many tenants' models
+    of one family builds one tokenizer, not one per model (each build takes seconds)."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # path -> (front, bytes charged)
+        self._entries: OrderedDict[str, tuple[Any, int]] = OrderedDict()  # key -> (front, bytes charged)
+        self._keys: dict[str, str] = {}  # path -> its tokenizer's key
         self.evicted = 0
 
     @property
     def held_bytes(self) -> int:
         return sum(n for _, n in self._entries.values())
 
+    def _key(self, path: str) -> str:
+        key = self._keys.get(path)
+        if key is None:
+            try:
+                key = "gguf-tokenizer:" + tokenizer_digest(path)
+            except (OSError, GGUFError):  # an IR folder (its own tokenizer files), or unreadable: its path
+                key = path
+            self._keys[path] = key
+        return key
+
     def encode(self, path: str, messages: Any, prompt: Any) -> list[int]:
-        entry = self._entries.get(path)
+        key = self._key(path)
+        entry = self._entries.get(key)
         if entry is not None:
-            self._entries.move_to_end(path)
+            self._entries.move_to_end(key)
             return _encode(entry[0], messages, prompt)
         from mesh.engines.openvino_engine import OpenVINOEngine
 
         before = _rss_bytes()
         front = OpenVINOEngine(path)  # reads the shape; loads no weights; builds its tokenizer on first use
         ids = _encode(front, messages, prompt)
-        self._entries[path] = (front, max(0, _rss_bytes() - before))
+        self._entries[key] = (front, max(0, _rss_bytes() - before))
         while len(self._entries) > 1 and self.held_bytes > self.budget_bytes:
             self._entries.popitem(last=False)
             self.evicted += 1
         return ids
 
     def forget(self, path: str) -> bool:
-        return self._entries.pop(path, None) is not None
+        """A deleted model's path goes; its tokenizer goes with the last model that shares it."""
+        key = self._keys.pop(path, path)
+        if key in self._keys.values():
+            return False
+        return self._entries.pop(key, None) is not None
 
     def stats(self) -> dict[str, Any]:
         return {"entries": len(self._entries), "held_bytes": self.held_bytes, "budget_bytes": self.budget_bytes,

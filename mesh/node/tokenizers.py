@@ -10,11 +10,14 @@ it; the agent awaits the ids. vLLM models tokenize in their engine's worker (mes
 
 Tokenizing is admitted work, on every engine kind:
 - Jobs wait in the agent, not in the worker's socket: one job runs at a time, and the
-  waiting ones are shared fairly between tenants weighted by prompt size (weighted fair
-  queueing: each job is tagged with its tenant's virtual finish, max(now, the tenant's last
-  tag) + its prompt's characters, and the smallest tag runs next), so a tenant sending large
-  prompts takes the tokenizer in proportion to their size, not per job (a round robin would let
-  1 MB prompts take turns with 10-character ones).
+  waiting ones are shared fairly between tenants by the worker time they take (start-time
+  fair queueing, charged after the fact: a tenant's next job starts at virtual time
+  max(v, the end of its last job), where a job's end is its start plus the seconds it held
+  the worker; the smallest start runs next, and v is the start of the job running). So a
+  tenant takes the tokenizer in proportion to the time its jobs cost, whatever makes them
+  costly: a 1 MB prompt, or a new model's first tokenize, which also builds its tokenizer
+  (seconds). Weighed by prompt size, six churning tenants' first tokenizes (short prompts,
+  seconds each) all ran ahead of a streaming tenant's, which waited past 30 s (the soak).
 - A tokenizer built ahead (a model just described: `prepare`) is background work: it runs
   only when no caller's job waits, and a deleted model's leaves the queue unbuilt.
 - A job whose caller stops waiting (its client hung up: the service sends `abort`) is
@@ -41,12 +44,11 @@ the agent go, and outlived every agent killed.
 from __future__ import annotations
 
 import asyncio
-import heapq
 import itertools
-import json
 import logging
 import os
 import sys
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Mapping, Sequence
@@ -68,7 +70,7 @@ OnStuck = Callable[[str], Awaitable[bool]]
 @dataclass(eq=False)
 class _Job:
     tenant: str
-    size: int  # the prompt's characters (its weight in the fair share)
+    seq: int  # arrival order (ties between tenants' starts)
     work: Callable[[], Awaitable[list[int]]]
     future: asyncio.Future
     on_stuck: OnStuck
@@ -78,13 +80,6 @@ class _Job:
 
 async def _dropped() -> list[int]:
     return []
-
-
-def prompt_size(messages: Sequence[Mapping[str, Any]] | None, prompt: Any) -> int:
-    """A job's weight: its prompt's characters (chat messages as their JSON), at least 1."""
-    if messages is not None:
-        return max(1, len(json.dumps(list(messages), default=str)))
-    return max(1, len(prompt) if isinstance(prompt, str) else 1)
 
 
 @dataclass
@@ -102,17 +97,17 @@ class TokenizerCounts:
 
 class TokenizerProcess:
     """One worker process (started on first use) that tokenizes for the agent, and the queue
-    of every tokenize job on the node: one at a time, shared fairly between tenants by
-    prompt size, each with a deadline (module docstring)."""
+    of every tokenize job on the node: one at a time, shared fairly between tenants by the
+    worker time their jobs take, each with a deadline (module docstring)."""
 
     def __init__(self, cache_bytes: int = DEFAULT_CACHE_BYTES, job_timeout_s: float = JOB_TIMEOUT_S) -> None:
         self.cache_bytes = cache_bytes  # the worker's tokenizers at most (the agent reserves it)
         self.job_timeout_s = job_timeout_s
         self._conn: WorkerConnection | None = None
-        # (background?, virtual finish tag, arrival order, job): callers' jobs first, by tag
-        self._heap: list[tuple[bool, float, int, _Job]] = []
-        self._finish: dict[str, float] = {}  # tenant -> its last job's tag (tenants with jobs waiting)
-        self._vtime = 0.0  # the tag of the job that started last
+        self._queues: dict[str, deque[_Job]] = {}  # tenant -> its callers' jobs waiting, in order
+        self._background: deque[_Job] = deque()  # tokenizers built ahead: after every caller's job
+        self._finish: dict[str, float] = {}  # tenant -> the virtual end of its last job (this busy period)
+        self._vtime = 0.0  # the virtual start of the job that started last
         self._seq = itertools.count()
         self._pump: asyncio.Task | None = None
         self._running: _Job | None = None
@@ -120,7 +115,10 @@ class TokenizerProcess:
 
     @property
     def waiting(self) -> int:
-        return sum(1 for *_, job in self._heap if not job.future.done())
+        return sum(1 for job in self._jobs() if not job.future.done())
+
+    def _jobs(self) -> list[_Job]:
+        return [job for queue in self._queues.values() for job in queue] + list(self._background)
 
     async def encode(self, path: str, messages: Sequence[Mapping[str, Any]] | None, prompt: str | None,
                      tenant: str = "") -> list[int]:
@@ -129,25 +127,23 @@ class TokenizerProcess:
         died, or ran past the job's deadline. Cancelled (the caller left), the job is
         dropped if it has not started."""
         fields = {"path": path, "prompt": prompt, "messages": None if messages is None else list(messages)}
-        return await self._queued(tenant, prompt_size(messages, prompt),
-                                  lambda: wait(self._connection().call("encode", **fields)), self._kill_worker)
+        return await self._queued(tenant, lambda: wait(self._connection().call("encode", **fields)),
+                                  self._kill_worker)
 
-    async def run(self, tenant: str, size: int, call: Callable[[float], list[int]], on_stuck: OnStuck) -> list[int]:
+    async def run(self, tenant: str, call: Callable[[float], list[int]], on_stuck: OnStuck) -> list[int]:
         """`call(deadline_s)` (a blocking tokenize: a vLLM engine's, bounded by `deadline_s`, the
         job's deadline), in a thread when its turn comes. Past the deadline (or WorkerStuck
         from the call) `on_stuck(why)` kills the worker it waited on (module docstring)."""
-        return await self._queued(tenant, max(1, size), lambda: asyncio.to_thread(call, self.job_timeout_s), on_stuck)
+        return await self._queued(tenant, lambda: asyncio.to_thread(call, self.job_timeout_s), on_stuck)
 
-    async def _queued(self, tenant: str, size: int, work: Callable[[], Awaitable[list[int]]],
+    async def _queued(self, tenant: str, work: Callable[[], Awaitable[list[int]]],
                       on_stuck: OnStuck, background: bool = False) -> list[int]:
         loop = asyncio.get_running_loop()
-        job = _Job(tenant, size, work, loop.create_future(), on_stuck, background)
+        job = _Job(tenant, next(self._seq), work, loop.create_future(), on_stuck, background)
         if background:  # no tenant's share: it waits for every caller's job
-            tag = 0.0
+            self._background.append(job)
         else:
-            tag = max(self._vtime, self._finish.get(tenant, 0.0)) + size  # weighted fair queueing by size
-            self._finish[tenant] = tag
-        heapq.heappush(self._heap, (background, tag, next(self._seq), job))
+            self._queues.setdefault(tenant, deque()).append(job)
         if self._pump is None or self._pump.done():
             self._pump = loop.create_task(self._run())
         try:
@@ -159,18 +155,34 @@ class TokenizerProcess:
                 self.counts.dropped += 1
             raise
 
+    def _next(self) -> _Job | None:
+        """The waiting job to run next: of the tenants with a caller's job waiting, the one
+        whose next job starts first in virtual time (its last job's end, or v if it has been
+        idle), then the earliest arrival; else a build ahead. Cancelled jobs are skipped."""
+        for queue in self._queues.values():
+            while queue and queue[0].future.done():  # cancelled meanwhile (counted then)
+                queue.popleft()
+        for tenant in [t for t, queue in self._queues.items() if not queue]:
+            del self._queues[tenant]
+        if self._queues:
+            tenant = min(self._queues, key=lambda t: (max(self._vtime, self._finish.get(t, 0.0)),
+                                                      self._queues[t][0].seq))
+            self._vtime = max(self._vtime, self._finish.get(tenant, 0.0))
+            return self._queues[tenant].popleft()
+        while self._background:
+            job = self._background.popleft()
+            if not job.future.done():
+                return job
+        return None
+
     async def _run(self) -> None:
-        """Run the waiting jobs one at a time, the smallest tag first."""
-        while self._heap:
-            _, tag, _, job = heapq.heappop(self._heap)
-            if not job.background:
-                self._vtime = max(self._vtime, tag)
-                if not any(j.tenant == job.tenant for *_, j in self._heap) and self._finish.get(job.tenant) == tag:
-                    del self._finish[job.tenant]  # no job of its waits: nothing to remember
-            if job.future.done():  # cancelled meanwhile (counted then)
-                continue
+        """Run the waiting jobs one at a time, the earliest virtual start first; charge each
+        caller's job to its tenant by the seconds it held the worker."""
+        loop = asyncio.get_running_loop()
+        while (job := self._next()) is not None:
             job.started = True
             self._running = job
+            start_s, start_v = loop.time(), self._vtime
             try:
                 ids = await asyncio.wait_for(job.work(), self.job_timeout_s)
             except (asyncio.TimeoutError, WorkerStuck):  # past the deadline here, or by the call's own
@@ -191,6 +203,11 @@ class TokenizerProcess:
                 continue
             finally:
                 self._running = None
+                if not job.background:
+                    self._finish[job.tenant] = start_v + (loop.time() - start_s)
+                if not any(self._queues.values()):  # the busy period ended: every tenant starts even
+                    self._finish.clear()
+                    self._vtime = 0.0
             if job.future.done():
                 self.counts.discarded += 1
             else:
@@ -233,7 +250,7 @@ class TokenizerProcess:
         and a burst of new models' builds ahead of them timed callers out (the soak: tokenizes
         unanswered for 30 s). A model whose first request comes first builds it in that job."""
         fields = {"path": path, "prompt": "", "messages": None}
-        await self._queued("", 1, lambda: wait(self._connection().call("encode", **fields)), self._kill_worker,
+        await self._queued("", lambda: wait(self._connection().call("encode", **fields)), self._kill_worker,
                            background=True)
 
     def _connection(self) -> WorkerConnection:
@@ -258,11 +275,12 @@ class TokenizerProcess:
         """End the worker (the tokenizers it built go with it); waiting jobs fail."""
         if self._pump is not None:
             self._pump.cancel()
-        jobs = [job for *_, job in self._heap] + ([self._running] if self._running else [])
+        jobs = self._jobs() + ([self._running] if self._running else [])
         for job in jobs:
             if not job.future.done():
                 job.future.set_exception(EngineError("the node agent is shutting down"))
-        self._heap.clear()
+        self._queues.clear()
+        self._background.clear()
         self._finish.clear()
         conn, self._conn = self._conn, None
         if conn is not None:

@@ -203,6 +203,34 @@ ADMIT_REJECT, ADMIT_QUEUE, ADMIT_LATE = "reject", "queue", "late"
 ADMISSIONS = (ADMIT_REJECT, ADMIT_QUEUE, ADMIT_LATE)
 
 
+# A request its node lost (mesh.control.cluster_node.LOSS_CAUSES) had been accepted, and
+# streams to a client still waiting: failing it as soon as the queue timeout passes makes
+# the client send it again, to wait for the same recovery from the back of the queue. So
+# while the cluster recovers for it (an instance of its model loading, or a lost node's agent
+# not back yet: under load both took longer than the 30 s timeout in the soak), its timeout
+# counts from the last moment it was seen recovering, up to this many timeouts from its loss.
+LOST_WAIT_LIMIT = 4.0
+
+
+def lost_wait_until(now: float, lost_s: float, timeout_s: float | None, recovery_left_s: float | None,
+                    recovering_s: float) -> float | None:
+    """When a lost request past its queue timeout is looked at again (it waits on), or None:
+    it fails now. `lost_s`: when its node lost it; `recovery_left_s`: the predicted time left
+    of a recovery under way now (its model's load: 0 once overdue, or for a node not back
+    yet), None if none is; `recovering_s`: when a recovery was last seen under way (`lost_s`
+    if never)."""
+    if timeout_s is None:
+        return None
+    limit = lost_s + LOST_WAIT_LIMIT * timeout_s
+    if recovery_left_s is not None:
+        until = now + max(recovery_left_s, 1.0)  # overdue, or unknown: looked at each second
+    else:
+        until = recovering_s + timeout_s  # a whole timeout after the recovery ended, to be placed
+    if now >= limit or until <= now:
+        return None
+    return min(limit, until)
+
+
 def wait_expiry_s(now: float, slo_expiry_s: float, timeout_s: float | None, validates: bool,
                   admission: str = ADMIT_REJECT) -> tuple[float, str]:
     """When a request that starts waiting now is turned away, and why ("slo" or "timeout").

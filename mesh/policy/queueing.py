@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Callable
 
 DEFAULT_QUEUE_CAPACITY = 1024
 # A waiting request is dropped after this long (a client timeout), by every policy; see
@@ -114,12 +115,18 @@ class WaitingQueue:
             heapq.heappop(heap)
         return heap[0][0] if heap else None
 
-    def pop_expired(self, now: float) -> list[QueueEntry]:
-        """Remove and return the entries whose expiry is at or before `now`."""
+    def pop_expired(self, now: float, extend: Callable[[QueueEntry], float | None] | None = None) -> list[QueueEntry]:
+        """Remove and return the entries whose expiry is at or before `now`; an entry for
+        which `extend` gives a later expiry keeps its place in the queue and waits on."""
         out: list[QueueEntry] = []
         while True:
             t = self.next_expiry()
             if t is None or t > now:
                 return out
-            _, _, rid = heapq.heappop(self._expiry)
+            _, seq, rid = heapq.heappop(self._expiry)
+            later = extend(self._entries[rid]) if extend is not None else None
+            if later is not None and later > now:
+                self._entries[rid].expires_s = later
+                heapq.heappush(self._expiry, (later, seq, rid))
+                continue
             out.append(self.remove(rid))

@@ -59,8 +59,10 @@ class ServedRequest:
     fault: bool = False
     # Why a node lost it while it held it (its agent died, froze, was removed, lost its network:
     # mesh.control.cluster_node.LOSS_CAUSES), "" if none did: placed again with its progress, it waits
-    # for a node up to the queue timeout, whatever its model's admission choice (the dispatcher).
+    # for a node up to the queue timeout (longer while its model loads: dispatch_rules.lost_wait_until),
+    # whatever its model's admission choice (the dispatcher).
     lost: str = ""
+    lost_s: float = 0.0  # when (the loop's time) a node last lost it
 
     @property
     def request_id(self) -> str:
