@@ -94,3 +94,23 @@ def test_lost_requests_wait_past_the_queue_timeout_while_their_node_recovers():
     for r in run.requests:
         assert r.finish_s == pytest.approx(LOST_AT_S + 40.0, abs=0.01), r.finish_s
         assert "waited 40 s since its node was lost" in r.detail, r.detail
+
+
+def test_requests_served_late_are_not_refused_for_their_own_lateness():
+    """An SLO no prefill can meet (a 10 ms TTFT: a loaded machine's node against its
+    profile's SLO) under the `queue` admission: past their SLO the requests are placed best
+    effort (ServedRequest.best_effort) and all complete, late; a node lost under them changes
+    nothing. (Before, every node refused them for their own first token being late, until
+    they failed at the queue timeout.)"""
+    from mesh.policy.slo import SLO
+
+    arrivals = [Arrival(f"r{i}", 0.5 * i, "f000", MODEL, 256, OUTPUT) for i in range(4)]
+    work = Workload(arrivals, {MODEL: BASE}, {"duration_s": 600.0})
+    cluster = ClusterConfig(cpu_nodes=2, gpu_nodes=0, keep_alive_s=600.0, admission="queue",
+                            slo=SLO(ttft_min_s=0.01, ttft_s_per_prompt_token=0.0, tpot_s=5.0),
+                            cold_start=ColdStart(measured={(ANY_MODEL, "cpu"): 1.0}))
+    config = ReplayConfig(cluster=cluster, progress=False, queue_timeout_s=10.0,
+                          failures=(NodeFailure("cpu0", LOST_AT_S, down_s=10_000.0),))
+    run = run_policy(work, "mesh", config, build_catalog([BASE]))
+    assert run.accounting["completed"] == 4, [r.detail for r in run.requests]
+    assert all(r.tokens_out == OUTPUT and r.best_effort for r in run.requests)

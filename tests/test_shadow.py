@@ -37,6 +37,25 @@ def test_case1_own_prefill_late():
     assert v.failed(FailureCase.EXISTING_REQUEST_LATE) is None
 
 
+def test_a_best_effort_request_may_be_late_itself_but_never_makes_others_late():
+    """A request served late, best effort (ServedRequest.best_effort: a lost request past its
+    SLO): its own 9.9 s prefill against a 5.86 s TTFT is no reason to refuse it (case 1, in
+    quick_reject too); pushing a running request late still is (case 2)."""
+    from mesh.policy.shadow import quick_reject
+
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(prefill_per_token=0.003), SLO(), 4096)
+    assert quick_reject(c, "i", 3000, 0.0, 0.0) is not None
+    assert quick_reject(c, "i", 3000, 0.0, 0.0, own_late_ok=True) is None
+    assert shadow_validate(c, "i", "r5", 3000, start_s=0.0, now=0.0, own_late_ok=True).ok
+
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(prefill_base=0.15, prefill_per_token=0.0, decode_base=0.2), SLO(), 4096)
+    running(c, "i", "r1", 10, start_s=-1.95)  # next token due at 0.3
+    v = shadow_validate(c, "i", "r5", 10, start_s=-1.8, now=0.0, own_late_ok=True)
+    assert v.failed(FailureCase.EXISTING_REQUEST_LATE) is not None
+
+
 def test_case1_counts_the_iteration_in_flight():
     c = ComputeSubsystem()
     c.add_instance("i", LinearTimes(prefill_per_token=0.001), SLO(), 4096)

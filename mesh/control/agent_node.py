@@ -257,7 +257,7 @@ class AgentNode(ClusterNode):
         moved = req.deadlines if deadlines is None else deadlines
         entry = AdmitEntry(req.request_id, instance_id, list(er.token_ids()[:er.prompt_len + req.tokens_out]),
                            er.sampling, _age(req.arrival_s), req.tokens_out, er.prompt_len, compute,
-                           _age(req.first_token_s), moved.late_s)
+                           _age(req.first_token_s), moved.late_s, req.best_effort)
         try:
             result = (await self._client.call(Admit([entry]), CALL_TIMEOUT_S)).results[0]
         except (AgentDown, AgentCallError, IndexError) as exc:
@@ -480,7 +480,7 @@ def loss_cause(reason: str) -> str:
 def _probe(req: ServedRequest, done: int, deadlines: Deadlines) -> Probe:
     """A request as the agent's validation needs it, its deadlines running from `deadlines`."""
     return Probe(req.request_id, req.prompt_len, req.engine_request.sampling.max_tokens,
-                 _age(req.arrival_s), done, _age(req.first_token_s), deadlines.late_s)
+                 _age(req.arrival_s), done, _age(req.first_token_s), deadlines.late_s, req.best_effort)
 
 
 @overload

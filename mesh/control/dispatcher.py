@@ -405,8 +405,8 @@ class Dispatcher:
 
     def _turn_away(self, req: ServedRequest, reason: str, detail: str) -> None:
         """Reject a request never served; fail one that had started (it lost its place)."""
-        log.debug("%s of %s turned away: %s: %s (attempts %s)", req.request_id, req.model, reason, detail,
-                  req.attempts)
+        (log.warning if req.lost else log.debug)("%s of %s turned away: %s: %s (attempts %s)", req.request_id,
+                                                 req.model, reason, detail, req.attempts)
         if req.first_token_s is None and req.tokens_out == 0 and not req.lost:
             self.stats.rejected[reason] += 1
             req.end(Outcome.REJECTED, self.now(), f"rejected: {reason}: {detail}")
@@ -416,8 +416,6 @@ class Dispatcher:
             req.end(Outcome.FAILED, self.now(), f"failed after {req.tokens_out} tokens: {lost}{reason}: {detail}")
         if req.lost:
             self.stats.lost_failed[req.lost] += 1
-            log.warning("%s of %s failed after its node was lost: %s (attempts %s)", req.request_id, req.model,
-                        req.detail, req.attempts)
 
     def _arm_expiry(self) -> None:
         t = self.queue.next_expiry()
@@ -436,8 +434,7 @@ class Dispatcher:
         return self._waiting.pop(request_id)
 
     def _waits_on(self, entry: QueueEntry) -> float | None:
-        """A lost request past its queue timeout waits on while its model loads or a node is
-        down (mesh.policy.dispatch_rules.lost_wait_until): until when; None: it goes now."""
+        """Until when a lost request past its timeout waits on (dispatch_rules.lost_wait_until)."""
         req = self._waiting[entry.request_id]
         if not req.lost or self._why.get(entry.request_id) == "slo":
             return None
@@ -498,8 +495,9 @@ class Dispatcher:
                 req = self._waiting[entry.request_id]
                 now = self.now()
                 if now >= self._slo_expiry[entry.request_id]:
-                    if self.admission(req) != ADMIT_REJECT:  # queue, late: served late, deadlines from now
-                        req.late_s = req.deadlines.from_at_least(now).late_s
+                    if self.admission(req) != ADMIT_REJECT:  # queue, late: served late, deadlines from now,
+                        req.late_s = req.deadlines.from_at_least(now).late_s  # as soon as it can be
+                        req.best_effort = True
                     elif self.policy.validates:
                         continue  # validation can only fail now; it waits out its timeout
                 if await self._decide(req, self._avoid.get(entry.request_id, frozenset())):

@@ -70,7 +70,8 @@ class NodeRequests:
             return AdmitResult(False, Code.BATCH_FULL.value, refused[iid])
         req = ServedRequest(EngineRequest(rid, prompt_len, entry.sampling, entry.prompt_token_ids), inst.model,
                             _since(entry.age_s), inst.slo, on_output=self._on_output, on_done=self._on_done,
-                            tokens_out=done, first_token_s=_since(entry.first_token_age_s), late_s=entry.late_s)
+                            tokens_out=done, first_token_s=_since(entry.first_token_age_s), late_s=entry.late_s,
+                            best_effort=entry.best_effort)
         if prompt_len + done + 1 > inst.engine.context_window:
             return AdmitResult(False, Code.BAD_REQUEST.value, f"prompt of {prompt_len + done} tokens exceeds the "
                                f"context window of {inst.engine.context_window}")
@@ -96,7 +97,7 @@ class NodeRequests:
         """A request as validation sees it: its prompt length, output limit, age (time since
         it arrived, the ST of Eq. 1) and the tokens it already produced elsewhere."""
         req = ServedRequest(EngineRequest(probe.request_id, probe.prompt_len, Sampling(max_tokens=probe.max_tokens)),
-                            "", _since(probe.age_s), slo, late_s=probe.late_s)
+                            "", _since(probe.age_s), slo, late_s=probe.late_s, best_effort=probe.best_effort)
         req.tokens_out = probe.done
         req.first_token_s = _since(probe.first_token_age_s)
         return req

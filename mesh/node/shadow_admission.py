@@ -79,11 +79,12 @@ class ShadowAdmission:
         if not plan.ok or not compute:
             return Admission(plan.ok, memory=plan)
         now = self._clock()
-        quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin, exclude)
+        quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin, exclude,
+                             own_late_ok=req.best_effort)
         if quick is not None:
             return Admission(False, Verdict((quick,)), plan)
         verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin, exclude,
-                                  resumed=done > 0)
+                                  resumed=done > 0, own_late_ok=req.best_effort)
         return Admission(verdict.ok, verdict, plan)
 
     def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
@@ -143,12 +144,13 @@ class ShadowAdmission:
         try:
             verdict = Verdict()
             for req, (prompt, start), d in zip(reqs, pairs, done):
-                quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin)
+                quick = quick_reject(self.compute, instance_id, prompt, start, now, self.margin,
+                                     own_late_ok=req.best_effort)
                 if quick is not None:
                     verdict = Verdict((quick,))
                     break
                 verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin,
-                                          resumed=d > 0)
+                                          resumed=d > 0, own_late_ok=req.best_effort)
                 if not verdict.ok:
                     break
                 self.compute.add_request(instance_id, req.request_id, prompt, start, resumed=d > 0)

@@ -308,16 +308,17 @@ def quick_reject(
     now: float,
     margin: float = DEFAULT_MARGIN,
     exclude: Collection[str] = (),
+    own_late_ok: bool = False,
 ) -> Failure | None:
     """Cheap checks that fail exactly when shadow_validate would also fail, without the
     simulation: case 3 (the same computation), and case 1 against a lower bound (the
-    candidate's prefill alone, started as early as the node and its instance allow). The
-    dispatcher calls it first; None means "run the full validation"."""
+    candidate's prefill alone, started as early as the node and its instance allow; not with
+    `own_late_ok`). The dispatcher calls it first; None means "run the full validation"."""
     inst = compute.instances[instance_id]
     deadline = start_s + inst.slo.ttft_s(prompt_len)
     earliest = (max(now, compute.busy_until, inst.ready_at)
                 + Padding().add(inst.times.prefill_s(prompt_len), instance_margin(inst.times, margin)))
-    if earliest > deadline:
+    if earliest > deadline and not own_late_ok:
         return Failure(FailureCase.OWN_PREFILL_LATE, earliest - deadline, None, instance_id)
     round_s, tpot = decode_round_s(compute, instance_id, prompt_len, margin, exclude)
     if round_s > tpot:
@@ -335,12 +336,15 @@ def shadow_validate(
     margin: float = DEFAULT_MARGIN,
     exclude: Collection[str] = (),
     resumed: bool = False,
+    own_late_ok: bool = False,
 ) -> Verdict:
     """Would adding this request to `instance_id` keep every SLO on the node? (5.3)
 
     `exclude`: instances simulated as gone, i.e. preempted first (proactive
     defragmentation, 7.1); their requests count neither for nor against the candidate.
-    `resumed`: the candidate produced tokens elsewhere (ComputeSubsystem.add_request)."""
+    `resumed`: the candidate produced tokens elsewhere (ComputeSubsystem.add_request).
+    `own_late_ok`: the candidate is served late, best effort (ServedRequest.best_effort): its
+    own first token may be late (case 1 is not checked); everyone else's deadlines hold."""
     inst = compute.instances[instance_id]
     if instance_id in exclude:
         raise ValueError(f"instance {instance_id!r} cannot both take the request and be excluded")
@@ -352,7 +356,9 @@ def shadow_validate(
     with_cand = _simulate(sims, t0, request_id, math.inf, max_iterations, inst.ready_at)
 
     failures: list[Failure] = []
-    if with_cand.candidate_late_s > 0:
+    if own_late_ok:  # best effort: only the others' deadlines count
+        pass
+    elif with_cand.candidate_late_s > 0:
         failures.append(Failure(FailureCase.OWN_PREFILL_LATE, with_cand.candidate_late_s, request_id, instance_id))
     elif math.isnan(with_cand.candidate_first_token_s):
         # The horizon ran out before the candidate's prefill: it cannot be served in time.

@@ -599,7 +599,8 @@ class Probe(Declared):
     """A request as shadow validation sees it (R in `validate`, `validate_group`,
     `validate_new`): prompt length, output limit, age (time since it arrived: the ST of
     Eq. 1), tokens it already produced elsewhere and, for the pace rule, its first token's
-    age; served late (a cold model's request, SERVE_LATE), its deadlines move by late_s."""
+    age; served late (a cold model's request, SERVE_LATE), its deadlines move by late_s;
+    best effort (ServedRequest.best_effort), its own first token may be late."""
 
     WHAT = "request entry"
     request_id: AnyText
@@ -609,6 +610,7 @@ class Probe(Declared):
     done: Count = 0
     first_token_age_s: OptAge = None
     late_s: Late = 0.0
+    best_effort: Annotated[bool, Wire(truthy)] = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -629,6 +631,7 @@ class AdmitEntry(Declared):
     compute: Annotated[bool, Wire(truthy)] = True
     first_token_age_s: OptAge = None
     late_s: Late = 0.0
+    best_effort: Annotated[bool, Wire(truthy)] = False  # (Probe)
 
     def checked(self) -> "AdmitEntry":
         ids = len(self.prompt_token_ids)

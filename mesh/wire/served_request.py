@@ -63,6 +63,11 @@ class ServedRequest:
     # whatever its model's admission choice (the dispatcher).
     lost: str = ""
     lost_s: float = 0.0  # when (the loop's time) a node last lost it
+    # Past its SLO and waiting on under a `queue`/`late` admission (a lost request, most often):
+    # served late, as soon as it can be. Validation keeps everyone else's deadlines and never
+    # refuses it for its own first token being late (mesh.policy.shadow: own_late_ok); else a
+    # prefill slower than its TTFT SLO (a loaded machine) is refused everywhere, for good.
+    best_effort: bool = False
 
     @property
     def request_id(self) -> str:
