@@ -138,7 +138,7 @@ def demo_hf(tmp_path_factory, demo_gguf) -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo_ir(tmp_path_factory, demo_hf) -> Path:
+def demo_ir(tmp_path_factory, request) -> Path:
     """The demo model as an OpenVINO IR folder exported from `demo_hf` by optimum (the export
     environment, .venv-export): its weights keep Hugging Face's names, which LoRA adapters
     need (a GGUF's graph has anonymous weights). MESH_DEMO_IR names a folder exported before."""
@@ -150,8 +150,9 @@ def demo_ir(tmp_path_factory, demo_hf) -> Path:
     from mesh.engines.worker_process import REPO_ROOT
     from test_convert import export_python
 
+    python, demo_hf = export_python(), request.getfixturevalue("demo_hf")  # converted only when needed
     out = tmp_path_factory.mktemp("demo-ir") / "smollm2-ir"
-    r = subprocess.run([export_python(), "-m", "mesh.modelfiles.convert", "hf-to-ir", str(demo_hf), str(out)],
+    r = subprocess.run([python, "-m", "mesh.modelfiles.convert", "hf-to-ir", str(demo_hf), str(out)],
                        capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
                        cwd=REPO_ROOT, timeout=1800)
     assert r.returncode == 0, r.stderr[-3000:]

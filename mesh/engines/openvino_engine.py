@@ -65,6 +65,7 @@ from mesh.engines.engine_api import (
     engine_limits,
     step_result,
 )
+from mesh.engines.openvino_adapters import BASE, AdapterTurns, Key, key_of, slot_adapter
 from mesh.modelfiles.shape import ModelShape, shape_from_config, shape_from_gguf
 from mesh.perf.roofline import kv_bytes_per_token
 from mesh.policy.batching import IterationKind
@@ -259,6 +260,8 @@ class OpenVINOEngine:
         self._decoded: dict[tuple[int, ...], str] = {}  # this step's batch-decoded windows
         self._live: dict[str, _Live] = {}  # insertion order = arrival order
         self._ids = itertools.count()
+        self.runs_adapters = False  # the pipeline has the LoRA slot (mesh.engines.openvino_adapters)
+        self._turns = AdapterTurns()
 
     # ---- memory operations -------------------------------------------------------------
 
@@ -289,6 +292,7 @@ class OpenVINOEngine:
     def install(self, pipe: Any) -> None:
         """Take a built pipeline (and its tokenizer) as this engine's."""
         self._pipe = pipe
+        self._turns.current = BASE  # a new pipeline runs no adapter (its slot is zero)
         self._tokenizer = pipe.get_tokenizer()
         self._encoder = PromptEncoder(self._tokenizer)
 
@@ -355,6 +359,9 @@ class OpenVINOEngine:
                 self.blob_cache = node_cache.blob_cache_dir(self.cache_root, self.device, properties,
                                                             extra=self._compile_knobs())
                 properties["CACHE_DIR"] = str(self.blob_cache)
+        slot = slot_adapter(path) if path.is_dir() else None  # an IR folder with Hugging Face's names
+        if slot is not None:
+            properties["adapters"] = ov_genai.AdapterConfig([slot])
         config = ov_genai.SchedulerConfig()
         config.dynamic_split_fuse = False  # vLLM mode: a step is prefill-only or decode-only
         config.max_num_batched_tokens = self.prefill_token_budget
@@ -367,6 +374,7 @@ class OpenVINOEngine:
         except RuntimeError as exc:
             raise EngineError(f"OpenVINO could not load {path} on {self.device}: {exc}") from exc
         self.loaded_from = "prepared" if prepared is not None else self.source.kind
+        self.runs_adapters = slot is not None
         return pipe
 
     def _compile_knobs(self) -> dict[str, Any]:
@@ -376,7 +384,8 @@ class OpenVINOEngine:
 
         ident = SourceIdentity.of(self.source.path) if self.source.path.is_file() else None
         return {"max_num_batched_tokens": self.prefill_token_budget, "max_num_seqs": self.max_num_seqs,
-                "source": ident.key() if ident else str(self.source.path)}
+                "source": ident.key() if ident else str(self.source.path),
+                "lora_slot": self.source.path.is_dir()}
 
     def warm_up(self) -> None:
         """One 1-token request: the first inference's one-time cost (and the KV cache's first
@@ -422,9 +431,39 @@ class OpenVINOEngine:
         """
         if self._pipe is None:
             raise EngineError(f"{self.model_name} is not loaded; await load() before adding requests")
+        key = key_of(request.sampling)
+        if key != BASE and not self.runs_adapters:
+            raise EngineError(f"{self.model_name} cannot run LoRA adapters: its model is not an OpenVINO IR folder "
+                              "with a Llama-style config.json (a GGUF's weights have no names adapters match)")
+        checked_request(request, model_name=self.model_name, context_window=self.context_window,
+                        vocab_size=self.source.vocab_size, running=set(self._live) | set(self._turns.waiting_ids()))
+        if self._turns.must_wait(key, busy=bool(self._live) or self._pipe.has_non_finished_requests()):
+            self._turns.waiting.append(request)  # its adapter's turn comes (mesh.engines.openvino_adapters)
+            return
+        self._switch(key)
+        self._start(request)
+
+    def _switch(self, key: Key) -> None:
+        """Apply `key`'s adapter to the (empty) pipeline: a one-token generate(), the only call
+        that applies adapters in OpenVINO GenAI's continuous batching."""
+        if key == self._turns.current:
+            return
+        import numpy as np
+        import openvino as ov
+
+        config = generation_config(Sampling(max_tokens=1), 1, 0, True)
+        config.adapters = self._turns.config(key)
+        try:
+            self._pipe.generate([ov.Tensor(np.array([[0]], dtype=np.int64))], [config])
+        except RuntimeError as exc:
+            raise EngineError(f"{self.model_name}: OpenVINO could not apply the adapter {key[0]}: "
+                              f"{str(exc)[-300:]}") from exc
+        self._turns.current = key
+
+    def _start(self, request: EngineRequest) -> None:
+        """Hand a checked request to the pipeline (its adapter applied)."""
         rid = request.request_id
-        ids = checked_request(request, model_name=self.model_name, context_window=self.context_window,
-                              vocab_size=self.source.vocab_size, running=self._live)
+        ids = list(request.token_ids())
         sampling = request.sampling
         max_tokens = min(sampling.max_tokens, self.context_window - len(ids))  # fits the window
         pipe_id = next(self._ids)
@@ -450,6 +489,11 @@ class OpenVINOEngine:
         """`step()` without the coroutine wrapper, for benchmarks and synchronous callers."""
         if self._pipe is None:
             raise EngineError(f"{self.model_name} is not loaded; await load() first")
+        if not self._live and self._turns.waiting:  # the last turn ended: the next adapter's
+            key, turn = self._turns.next_turn()
+            self._switch(key)
+            for request in turn:
+                self._start(request)
         if not self._live:
             raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
         waiting = {rid for rid, r in self._live.items() if r.generated == 0}
@@ -520,6 +564,8 @@ class OpenVINOEngine:
         The pipeline frees a cancelled request's blocks at its next step; if no other
         request runs, that (empty, sub-millisecond) step is taken here.
         """
+        if self._turns.drop(request_id):
+            return
         live = self._live.pop(request_id, None)
         if live is None:
             return
@@ -530,11 +576,12 @@ class OpenVINOEngine:
 
     def drop_requests(self) -> None:
         """Abort every request (the pipeline stays built: mesh.engines.parking)."""
+        self._turns.waiting.clear()
         for request_id in list(self._live):
             self.abort(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._live)
+        return bool(self._live) or bool(self._turns.waiting)
 
     # ---- memory reports -------------------------------------------------------------------
 

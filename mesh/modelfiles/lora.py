@@ -144,18 +144,14 @@ def _check_tensors(shapes: Mapping[str, tuple[int, ...]], rank: int, base: BaseL
     return tuple(m for m in MODULES if any(mod == m for _, mod in seen))
 
 
-def write_adapter(folder: str | Path, base: BaseLinears, *, rank: int = 8, alpha: float = 16.0,
-                  modules: Iterable[str] = ("q_proj", "v_proj"), seed: int | None = None,
-                  std: float = 0.2) -> Path:
-    """Write a PEFT LoRA folder for `base`: A random (seeded), B zero when seed is None (an adapter
-    that changes nothing: B @ A = 0), else B random too, both N(0, std). Returns the folder."""
+def adapter_tensors(base: BaseLinears, *, rank: int = 8, modules: Iterable[str] = ("q_proj", "v_proj"),
+                    seed: int | None = None, std: float = 0.2) -> dict[str, Any]:
+    """A LoRA adapter's matrices under PEFT's keys (float32 numpy arrays): A random (seeded), B
+    zero when seed is None (an adapter that changes nothing: B @ A = 0), else B random too, both
+    N(0, std)."""
     import numpy as np
-    from safetensors.numpy import save_file
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0 if seed is None else seed)
-    modules = tuple(modules)
     tensors = {}
     for layer in range(base.layers):
         for module in modules:
@@ -164,7 +160,19 @@ def write_adapter(folder: str | Path, base: BaseLinears, *, rank: int = 8, alpha
             tensors[f"{key}.lora_A.weight"] = (rng.standard_normal((rank, inp)) * std).astype(np.float32)
             b = np.zeros((out, rank)) if seed is None else rng.standard_normal((out, rank)) * std
             tensors[f"{key}.lora_B.weight"] = b.astype(np.float32)
-    save_file(tensors, str(folder / WEIGHTS))
+    return tensors
+
+
+def write_adapter(folder: str | Path, base: BaseLinears, *, rank: int = 8, alpha: float = 16.0,
+                  modules: Iterable[str] = ("q_proj", "v_proj"), seed: int | None = None,
+                  std: float = 0.2) -> Path:
+    """Write a PEFT LoRA folder for `base` (`adapter_tensors`, and its config). Returns the folder."""
+    from safetensors.numpy import save_file
+
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    modules = tuple(modules)
+    save_file(adapter_tensors(base, rank=rank, modules=modules, seed=seed, std=std), str(folder / WEIGHTS))
     (folder / CONFIG).write_text(json.dumps({"peft_type": "LORA", "r": rank, "lora_alpha": alpha,
                                              "target_modules": list(modules), "bias": "none"}))
     return folder
