@@ -16,8 +16,8 @@ PROMPT = [{"role": "user", "content": "What is the capital of France?"}]
 
 
 def _request(rid: str, ids: list[int], adapter=None, scale: float = 2.0, max_tokens: int = 12) -> EngineRequest:
-    sampling = Sampling(max_tokens=max_tokens, temperature=0.0, adapter=None if adapter is None else str(adapter / WEIGHTS),
-                        adapter_scale=scale)
+    sampling = Sampling(max_tokens=max_tokens, temperature=0.0, adapter_scale=scale,
+                        adapter=None if adapter is None else str(adapter / WEIGHTS))
     return EngineRequest(rid, len(ids), sampling, ids)
 
 
