@@ -22,7 +22,7 @@ from collections import OrderedDict, deque
 from pathlib import Path
 from typing import Any, Iterable
 
-from mesh.engines.engine_api import EngineRequest, Sampling
+from mesh.engines.engine_api import EngineError, EngineRequest, Sampling
 from mesh.modelfiles.lora import MODULES, AdapterError, BaseLinears, adapter_tensors
 
 Key = tuple[str | None, float]  # (adapter weights file, scale); (None, 1.0): the base
@@ -80,6 +80,25 @@ class AdapterTurns:
 
     def waiting_ids(self) -> Iterable[str]:
         return (r.request_id for r in self.waiting)
+
+    def switch(self, pipe: Any, key: Key, model_name: str) -> None:
+        """Apply `key`'s adapter to the (empty) pipeline: a one-token generate(), the only call
+        that applies adapters in OpenVINO GenAI's continuous batching."""
+        if key == self.current:
+            return
+        import numpy as np
+        import openvino as ov
+        import openvino_genai as ov_genai
+
+        config = ov_genai.GenerationConfig()
+        config.max_new_tokens, config.do_sample, config.ignore_eos = 1, False, True
+        config.adapters = self.config(key)
+        try:
+            pipe.generate([ov.Tensor(np.array([[0]], dtype=np.int64))], [config])
+        except RuntimeError as exc:
+            raise EngineError(f"{model_name}: OpenVINO could not apply the adapter {key[0]}: "
+                              f"{str(exc)[-300:]}") from exc
+        self.current = key
 
     def config(self, key: Key) -> Any:
         """OpenVINO's AdapterConfig for `key` (an empty one for the base); adapters are read once."""

@@ -65,7 +65,7 @@ from mesh.engines.engine_api import (
     engine_limits,
     step_result,
 )
-from mesh.engines.openvino_adapters import BASE, AdapterTurns, Key, key_of, slot_adapter
+from mesh.engines.openvino_adapters import BASE, AdapterTurns, key_of, slot_adapter
 from mesh.modelfiles.shape import ModelShape, shape_from_config, shape_from_gguf
 from mesh.perf.roofline import kv_bytes_per_token
 from mesh.policy.batching import IterationKind
@@ -440,25 +440,8 @@ class OpenVINOEngine:
         if self._turns.must_wait(key, busy=bool(self._live) or self._pipe.has_non_finished_requests()):
             self._turns.waiting.append(request)  # its adapter's turn comes (mesh.engines.openvino_adapters)
             return
-        self._switch(key)
+        self._turns.switch(self._pipe, key, self.model_name)
         self._start(request)
-
-    def _switch(self, key: Key) -> None:
-        """Apply `key`'s adapter to the (empty) pipeline: a one-token generate(), the only call
-        that applies adapters in OpenVINO GenAI's continuous batching."""
-        if key == self._turns.current:
-            return
-        import numpy as np
-        import openvino as ov
-
-        config = generation_config(Sampling(max_tokens=1), 1, 0, True)
-        config.adapters = self._turns.config(key)
-        try:
-            self._pipe.generate([ov.Tensor(np.array([[0]], dtype=np.int64))], [config])
-        except RuntimeError as exc:
-            raise EngineError(f"{self.model_name}: OpenVINO could not apply the adapter {key[0]}: "
-                              f"{str(exc)[-300:]}") from exc
-        self._turns.current = key
 
     def _start(self, request: EngineRequest) -> None:
         """Hand a checked request to the pipeline (its adapter applied)."""
@@ -491,7 +474,7 @@ class OpenVINOEngine:
             raise EngineError(f"{self.model_name} is not loaded; await load() first")
         if not self._live and self._turns.waiting:  # the last turn ended: the next adapter's
             key, turn = self._turns.next_turn()
-            self._switch(key)
+            self._turns.switch(self._pipe, key, self.model_name)
             for request in turn:
                 self._start(request)
         if not self._live:
