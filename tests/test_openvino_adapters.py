@@ -88,3 +88,16 @@ def test_a_waiting_request_can_be_aborted_and_a_gguf_instance_refuses_adapters(i
             gguf.add_request(_request("x", ids, demo_adapters["random"]))
     finally:
         asyncio.run(gguf.unload())
+
+
+@pytest.mark.slow
+def test_the_adapters_bench_shows_the_turns(demo_ir):
+    """`mesh bench adapters`: requests of one adapter batch as the base's do; of 4 adapters, they
+    take turns (4 x the steps)."""
+    from mesh.bench.adapters import run
+
+    figures = run(str(demo_ir), requests=4, output_len=4, counts=(1, 4))
+    print(f"\n{figures}")
+    assert figures["base"]["steps"] == figures["1_adapters"]["steps"] == 4
+    assert figures["4_adapters"]["steps"] == 16
+    assert all(figures[k]["tok_s"] > 0 for k in ("base", "1_adapters", "4_adapters"))
