@@ -94,6 +94,8 @@ class AdapterTurns:
         config.max_new_tokens, config.do_sample, config.ignore_eos = 1, False, True
         config.adapters = self.config(key)
         try:
+            if pipe.has_non_finished_requests():
+                pipe.step()  # requests cancelled in the last step: an empty step frees them
             pipe.generate([ov.Tensor(np.array([[0]], dtype=np.int64))], [config])
         except RuntimeError as exc:
             raise EngineError(f"{model_name}: OpenVINO could not apply the adapter {key[0]}: "

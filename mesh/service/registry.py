@@ -308,9 +308,11 @@ class Registry:
                          (tenant, json.dumps(settings, sort_keys=True)))
 
     def usage(self, tenant: str) -> tuple[int, int]:
-        """(models, bytes of their weights) that `tenant` has registered."""
-        row = self._db.execute("SELECT COUNT(*) AS n, COALESCE(SUM(weight_bytes), 0) AS b FROM models "
-                               "WHERE tenant = ?", (tenant,)).fetchone()
+        """(models, bytes of their weights) that `tenant` has registered, its adapters counted as models."""
+        row = self._db.execute(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(weight_bytes), 0) AS b FROM (SELECT weight_bytes FROM models "
+            "WHERE tenant = ? UNION ALL SELECT weight_bytes FROM adapters WHERE tenant = ?)",
+            (tenant, tenant)).fetchone()
         return int(row["n"]), int(row["b"])
 
     # ---- keys ----------------------------------------------------------------------------
