@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,6 +45,15 @@ def _tenant(server: Server, name: str) -> str:
 
 def _answer(server: Server, key: str, model: str) -> str:
     return server.client(key).chat.completions.create(model=model, **ASK).choices[0].message.content
+
+
+def _first_token_s(server: Server, key: str, model: str) -> float:
+    """Seconds to the first streamed token of a chat request."""
+    started = time.monotonic()
+    for chunk in server.client(key).chat.completions.create(model=model, stream=True, **ASK):
+        if chunk.choices and chunk.choices[0].delta.content:
+            return time.monotonic() - started
+    raise AssertionError(f"{model} streamed no token")
 
 
 def _ready_instances(server: Server) -> list[tuple[str, str]]:
@@ -92,6 +102,9 @@ def test_the_zero_adapter_reproduces_the_base_and_a_random_one_changes_it_the_sa
     assert "Paris" in base
     assert zero == base
     assert tuned != base and again == tuned
+    first = _first_token_s(server, keys["bob"], "tune2")  # an adapter never asked before, its base warm
+    print(f"an adapter's first request on the warm base: first token after {first:.2f} s")
+    assert first < 2.0  # within the default SLO's TTFT (LLM-Mesh's 2 s), which the base's is looser than
     listed = {m.id for m in server.client(keys["alice"]).models.list().data}
     assert {"zero", "tune0", "tune3"} <= listed and "tune0" in {m.id for m in server.client(keys["bob"]).models.list()}
 
