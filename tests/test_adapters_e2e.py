@@ -154,3 +154,15 @@ def test_a_tenant_may_not_take_another_tenants_model_as_its_base(served):
                               token=keys["alice"])
     assert got == 400 and answer["error"]["code"] == "base_not_found", answer
 
+
+
+def test_a_deleted_adapter_is_gone_and_its_base_stays(served):
+    server, keys, _ = served
+    assert server.http("GET", "/v1/models/tune3", token=keys["bob"])[1]["mesh"]["kind"] == "lora"
+    status, body = server.http("DELETE", "/v1/models/tune3", token=keys["bob"])
+    assert status == 200 and body["deleted"] is True, body
+    with pytest.raises(openai.NotFoundError):
+        _answer(server, keys["bob"], "tune3")
+    assert "tune3" not in {m.id for m in server.client(keys["bob"]).models.list().data}
+    assert _answer(server, keys["bob"], "tune2")  # the base and the other adapters serve on
+    assert ("cpu-0", BASE) in _ready_instances(server)

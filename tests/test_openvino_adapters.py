@@ -61,7 +61,7 @@ def test_adapters_on_the_ir_engine_reproduce_change_and_take_turns(ir_engine, de
     assert zero == base  # B = 0: exactly the base's greedy tokens
     assert one != base and two != base and one != two
     assert again == one  # deterministic
-    assert len(base) == 12 or e.decode(base)  # a real answer
+    assert "Paris" in e.decode(base)  # a real answer
     # all at once, interleaved: each gets its own adapter's tokens (turns, not one adapter for the batch)
     mixed = _run(e, [_request("m0", ids), _request("m1", ids, demo_adapters["random"]),
                      _request("m2", ids, demo_adapters["zero"]), _request("m3", ids, demo_adapters["random"]),

@@ -122,7 +122,9 @@ async def get_model(request: web.Request) -> web.Response:
 
 async def delete_model(request: web.Request) -> web.Response:
     svc = service_of(request)
-    if svc.registry.delete_adapter(svc.tenant_of(request), request.match_info["name"]) is not None:
+    adapter = svc.registry.delete_adapter(svc.tenant_of(request), request.match_info["name"])
+    if adapter is not None:  # its base's instances stay; only its metric series go
+        svc.metrics.forget_model(adapter.tenant, adapter.name)
         return web.json_response({"id": request.match_info["name"], "object": "model", "deleted": True})
     record = _tenants_model(request, Registry.delete_model)
     await forget_files(service_of(request), [record])
