@@ -352,14 +352,14 @@ class OpenVINOEngine:
         prepared = self._prepared()
         path = prepared.path if prepared is not None else self.source.path
         properties = dict(self.properties)
+        slot = slot_adapter(path) if path.is_dir() else None  # an IR folder with Hugging Face's names
         self.blob_cache = None
         if self.use_node_cache and "CACHE_DIR" not in properties:
             support = node_cache.blob_support(self.cache_root, self.device)
             if support is not None and support.works:
                 self.blob_cache = node_cache.blob_cache_dir(self.cache_root, self.device, properties,
-                                                            extra=self._compile_knobs())
+                                                            extra=self._compile_knobs(slot is not None))
                 properties["CACHE_DIR"] = str(self.blob_cache)
-        slot = slot_adapter(path) if path.is_dir() else None  # an IR folder with Hugging Face's names
         if slot is not None:
             properties["adapters"] = ov_genai.AdapterConfig([slot])
         config = ov_genai.SchedulerConfig()
@@ -377,15 +377,16 @@ class OpenVINOEngine:
         self.runs_adapters = slot is not None
         return pipe
 
-    def _compile_knobs(self) -> dict[str, Any]:
+    def _compile_knobs(self, lora_slot: bool) -> dict[str, Any]:
         """What besides the properties could change the compiled model: the scheduler's
-        sizes (the pipeline may specialise on them) and the model file's identity."""
+        sizes (the pipeline may specialise on them), the model file's identity and the LoRA
+        slot (its graph differs)."""
         from mesh.engines.node_cache import SourceIdentity
 
         ident = SourceIdentity.of(self.source.path) if self.source.path.is_file() else None
-        return {"max_num_batched_tokens": self.prefill_token_budget, "max_num_seqs": self.max_num_seqs,
-                "source": ident.key() if ident else str(self.source.path),
-                "lora_slot": self.source.path.is_dir()}
+        knobs = {"max_num_batched_tokens": self.prefill_token_budget, "max_num_seqs": self.max_num_seqs,
+                 "source": ident.key() if ident else str(self.source.path)}
+        return {**knobs, "lora_slot": True} if lora_slot else knobs
 
     def warm_up(self) -> None:
         """One 1-token request: the first inference's one-time cost (and the KV cache's first
