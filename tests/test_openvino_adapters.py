@@ -101,3 +101,22 @@ def test_the_adapters_bench_shows_the_turns(demo_ir):
     assert figures["base"]["steps"] == figures["1_adapters"]["steps"] == 4
     assert figures["4_adapters"]["steps"] == 16
     assert all(figures[k]["tok_s"] > 0 for k in ("base", "1_adapters", "4_adapters"))
+
+
+def test_turns_keep_arrival_order_per_adapter_and_close_to_newcomers_once_another_waits():
+    """AdapterTurns alone (no OpenVINO): who waits, and which requests make the next turn."""
+    from mesh.engines.openvino_adapters import BASE, AdapterTurns
+
+    def req(rid: str, adapter: str | None) -> EngineRequest:
+        return EngineRequest(rid, 1, Sampling(adapter=adapter, adapter_scale=2.0), [1])
+
+    turns = AdapterTurns()
+    assert not turns.must_wait(("a", 2.0), busy=False)  # an idle pipeline switches at once
+    assert not turns.must_wait(BASE, busy=True)  # the running turn's adapter joins it
+    assert turns.must_wait(("a", 2.0), busy=True)  # another adapter waits for the turn to end
+    turns.waiting.extend([req("1", "a"), req("2", None), req("3", "a"), req("4", "b")])
+    assert turns.must_wait(BASE, busy=True)  # once one waits, the running turn takes no newcomers
+    assert turns.drop("2") and not turns.drop("2")
+    key, turn = turns.next_turn()
+    assert key == ("a", 2.0) and [r.request_id for r in turn] == ["1", "3"]
+    assert [r.request_id for r in turns.waiting] == ["4"] and list(turns.waiting_ids()) == ["4"]
