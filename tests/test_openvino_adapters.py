@@ -94,7 +94,7 @@ def test_a_waiting_request_can_be_aborted_and_a_gguf_instance_refuses_adapters(i
 def test_the_adapters_bench_shows_the_turns(demo_ir):
     """`mesh bench adapters`: requests of one adapter batch as the base's do; of 4 adapters, they
     take turns (4 x the steps)."""
-    from mesh.bench.adapters import run
+    from mesh.bench.adapter_turns import run
 
     figures = run(str(demo_ir), requests=4, output_len=4, counts=(1, 4))
     print(f"\n{figures}")
