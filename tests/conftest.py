@@ -135,3 +135,38 @@ def demo_hf(tmp_path_factory, demo_gguf) -> Path:
     r = convert(_converter_python(), demo_gguf, out)
     assert r.returncode == 0, r.stderr[-3000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def demo_ir(tmp_path_factory, request) -> Path:
+    """The demo model as an OpenVINO IR folder exported from `demo_hf` by optimum (the export
+    environment, .venv-export): its weights keep Hugging Face's names, which LoRA adapters
+    need (a GGUF's graph has anonymous weights). MESH_DEMO_IR names a folder exported before."""
+    given = os.environ.get("MESH_DEMO_IR")
+    if given:
+        return Path(given)
+    import subprocess
+
+    from mesh.engines.worker_process import REPO_ROOT
+    from test_convert import export_python
+
+    python, demo_hf = export_python(), request.getfixturevalue("demo_hf")  # converted only when needed
+    out = tmp_path_factory.mktemp("demo-ir") / "smollm2-ir"
+    r = subprocess.run([python, "-m", "mesh.modelfiles.convert", "hf-to-ir", str(demo_hf), str(out)],
+                       capture_output=True, text=True, env=dict(os.environ, PYTHONPATH=str(REPO_ROOT)),
+                       cwd=REPO_ROOT, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="session")
+def demo_adapters(tmp_path_factory, demo_ir) -> dict[str, Path]:
+    """PEFT LoRA folders for the demo model, made here (mesh.modelfiles.lora.write_adapter):
+    `zero` (B = 0: changes nothing), `random` (seed 1, q/v), `random2` (seed 2, every module)."""
+    from mesh.modelfiles.lora import MODULES, BaseLinears, write_adapter
+
+    base = BaseLinears.of_folder(demo_ir)
+    root = tmp_path_factory.mktemp("adapters")
+    return {"zero": write_adapter(root / "zero", base, seed=None),
+            "random": write_adapter(root / "random", base, seed=1),
+            "random2": write_adapter(root / "random2", base, rank=4, modules=MODULES, seed=2, std=0.1)}

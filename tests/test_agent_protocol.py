@@ -46,7 +46,8 @@ sampling = st.builds(Sampling, max_tokens=count, temperature=st.floats(0, 100), 
                      ignore_eos=st.booleans(), logprobs=st.booleans(),
                      top_logprobs=st.integers(0, MAX_TOP_LOGPROBS), presence_penalty=st.floats(-100, 100),
                      frequency_penalty=st.floats(-100, 100), repetition_penalty=st.floats(1e-3, 100),
-                     json_schema=st.none() | st.text(max_size=20))
+                     json_schema=st.none() | st.text(max_size=20), adapter=st.none() | st.text(max_size=20),
+                     adapter_scale=st.floats(0, ap.MAX_ADAPTER_SCALE))
 slo = st.builds(SLO, st.floats(1e-3, 1e3), st.floats(0, 1.0), st.floats(1e-3, 1e3))
 mean_output = st.none() | st.tuples(st.floats(0, ap.MAX_COUNT), st.integers(0, 2**62), st.floats(0, 2.0**62))
 probe = st.builds(ap.Probe, text, count, positive, seconds, count, age, st.floats(0, ap.MAX_LATE_S))

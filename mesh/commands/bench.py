@@ -6,7 +6,8 @@ import argparse
 from mesh.commands import register_all
 
 # Benchmark modules in mesh.bench, each with `register(subparsers)` (which names its subcommand).
-BENCHES = ["closed_loop", "coldstart", "control_plane", "core", "fidelity", "engine", "interference", "learning",
+BENCHES = ["adapter_turns",
+           "closed_loop", "coldstart", "control_plane", "core", "fidelity", "engine", "interference", "learning",
            "many_models",
            "live_scale_out", "weights_multicast",
            "replay_speed", "serve_load", "soak", "tokens"]

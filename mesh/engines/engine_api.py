@@ -53,6 +53,10 @@ class Sampling:
     frequency_penalty: float = 0.0  # OpenAI's: subtracted once per occurrence
     repetition_penalty: float = 1.0  # vLLM's / Hugging Face's multiplicative penalty; 1 is none
     json_schema: str | None = None  # structured output: the answer is JSON valid under this schema (its text)
+    # A LoRA adapter on the instance's model (mesh.modelfiles.lora): its weights file as the node
+    # sees it (adapter_model.safetensors), and its PEFT scale (lora_alpha / r); None: the base.
+    adapter: str | None = None
+    adapter_scale: float = 1.0
 
     def features(self) -> frozenset[str]:
         """The request fields beyond plain sampling that this request uses, by their OpenAI
@@ -64,6 +68,8 @@ class Sampling:
                                          ("repetition_penalty", 1.0)) if getattr(self, name) != off}
         if self.json_schema is not None:
             used.add("response_format")
+        if self.adapter is not None:
+            used.add("adapter")
         return frozenset(used)
 
 

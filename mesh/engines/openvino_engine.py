@@ -65,6 +65,7 @@ from mesh.engines.engine_api import (
     engine_limits,
     step_result,
 )
+from mesh.engines.openvino_adapters import BASE, AdapterTurns, key_of, slot_adapter
 from mesh.modelfiles.shape import ModelShape, shape_from_config, shape_from_gguf
 from mesh.perf.roofline import kv_bytes_per_token
 from mesh.policy.batching import IterationKind
@@ -259,6 +260,8 @@ class OpenVINOEngine:
         self._decoded: dict[tuple[int, ...], str] = {}  # this step's batch-decoded windows
         self._live: dict[str, _Live] = {}  # insertion order = arrival order
         self._ids = itertools.count()
+        self.runs_adapters = False  # the pipeline has the LoRA slot (mesh.engines.openvino_adapters)
+        self._turns = AdapterTurns()
 
     # ---- memory operations -------------------------------------------------------------
 
@@ -289,6 +292,7 @@ class OpenVINOEngine:
     def install(self, pipe: Any) -> None:
         """Take a built pipeline (and its tokenizer) as this engine's."""
         self._pipe = pipe
+        self._turns.current = BASE  # a new pipeline runs no adapter (its slot is zero)
         self._tokenizer = pipe.get_tokenizer()
         self._encoder = PromptEncoder(self._tokenizer)
 
@@ -348,13 +352,16 @@ class OpenVINOEngine:
         prepared = self._prepared()
         path = prepared.path if prepared is not None else self.source.path
         properties = dict(self.properties)
+        slot = slot_adapter(path) if path.is_dir() else None  # an IR folder with Hugging Face's names
         self.blob_cache = None
         if self.use_node_cache and "CACHE_DIR" not in properties:
             support = node_cache.blob_support(self.cache_root, self.device)
             if support is not None and support.works:
                 self.blob_cache = node_cache.blob_cache_dir(self.cache_root, self.device, properties,
-                                                            extra=self._compile_knobs())
+                                                            extra=self._compile_knobs(slot is not None))
                 properties["CACHE_DIR"] = str(self.blob_cache)
+        if slot is not None:
+            properties["adapters"] = ov_genai.AdapterConfig([slot])
         config = ov_genai.SchedulerConfig()
         config.dynamic_split_fuse = False  # vLLM mode: a step is prefill-only or decode-only
         config.max_num_batched_tokens = self.prefill_token_budget
@@ -367,16 +374,19 @@ class OpenVINOEngine:
         except RuntimeError as exc:
             raise EngineError(f"OpenVINO could not load {path} on {self.device}: {exc}") from exc
         self.loaded_from = "prepared" if prepared is not None else self.source.kind
+        self.runs_adapters = slot is not None
         return pipe
 
-    def _compile_knobs(self) -> dict[str, Any]:
+    def _compile_knobs(self, lora_slot: bool) -> dict[str, Any]:
         """What besides the properties could change the compiled model: the scheduler's
-        sizes (the pipeline may specialise on them) and the model file's identity."""
+        sizes (the pipeline may specialise on them), the model file's identity and the LoRA
+        slot (its graph differs)."""
         from mesh.engines.node_cache import SourceIdentity
 
         ident = SourceIdentity.of(self.source.path) if self.source.path.is_file() else None
-        return {"max_num_batched_tokens": self.prefill_token_budget, "max_num_seqs": self.max_num_seqs,
-                "source": ident.key() if ident else str(self.source.path)}
+        knobs = {"max_num_batched_tokens": self.prefill_token_budget, "max_num_seqs": self.max_num_seqs,
+                 "source": ident.key() if ident else str(self.source.path)}
+        return {**knobs, "lora_slot": True} if lora_slot else knobs
 
     def warm_up(self) -> None:
         """One 1-token request: the first inference's one-time cost (and the KV cache's first
@@ -422,9 +432,22 @@ class OpenVINOEngine:
         """
         if self._pipe is None:
             raise EngineError(f"{self.model_name} is not loaded; await load() before adding requests")
+        key = key_of(request.sampling)
+        if key != BASE and not self.runs_adapters:
+            raise EngineError(f"{self.model_name} cannot run LoRA adapters: its model is not an OpenVINO IR folder "
+                              "with a Llama-style config.json (a GGUF's weights have no names adapters match)")
+        checked_request(request, model_name=self.model_name, context_window=self.context_window,
+                        vocab_size=self.source.vocab_size, running=set(self._live) | set(self._turns.waiting_ids()))
+        if self._turns.must_wait(key, busy=bool(self._live) or self._pipe.has_non_finished_requests()):
+            self._turns.waiting.append(request)  # its adapter's turn comes (mesh.engines.openvino_adapters)
+            return
+        self._turns.switch(self._pipe, key, self.model_name)
+        self._start(request)
+
+    def _start(self, request: EngineRequest) -> None:
+        """Hand a checked request to the pipeline (its adapter applied)."""
         rid = request.request_id
-        ids = checked_request(request, model_name=self.model_name, context_window=self.context_window,
-                              vocab_size=self.source.vocab_size, running=self._live)
+        ids = list(request.token_ids())
         sampling = request.sampling
         max_tokens = min(sampling.max_tokens, self.context_window - len(ids))  # fits the window
         pipe_id = next(self._ids)
@@ -450,6 +473,11 @@ class OpenVINOEngine:
         """`step()` without the coroutine wrapper, for benchmarks and synchronous callers."""
         if self._pipe is None:
             raise EngineError(f"{self.model_name} is not loaded; await load() first")
+        if not self._live and self._turns.waiting:  # the last turn ended: the next adapter's
+            key, turn = self._turns.next_turn()
+            self._turns.switch(self._pipe, key, self.model_name)
+            for request in turn:
+                self._start(request)
         if not self._live:
             raise EngineError(f"{self.model_name} has no requests; call step() only while has_work()")
         waiting = {rid for rid, r in self._live.items() if r.generated == 0}
@@ -520,6 +548,8 @@ class OpenVINOEngine:
         The pipeline frees a cancelled request's blocks at its next step; if no other
         request runs, that (empty, sub-millisecond) step is taken here.
         """
+        if self._turns.drop(request_id):
+            return
         live = self._live.pop(request_id, None)
         if live is None:
             return
@@ -530,11 +560,12 @@ class OpenVINOEngine:
 
     def drop_requests(self) -> None:
         """Abort every request (the pipeline stays built: mesh.engines.parking)."""
+        self._turns.waiting.clear()
         for request_id in list(self._live):
             self.abort(request_id)
 
     def has_work(self) -> bool:
-        return bool(self._live)
+        return bool(self._live) or bool(self._turns.waiting)
 
     # ---- memory reports -------------------------------------------------------------------
 

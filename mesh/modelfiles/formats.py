@@ -23,11 +23,12 @@ EMULATED = "emulated"
 # engine honours: a request that uses one goes only to nodes whose engine honours it (the
 # dispatcher), and where no kind of the cluster can serve it the service answers 400.
 # OpenVINO GenAI gives only the chosen token's log probability, so alternatives
-# (`top_logprobs`) are vLLM's alone.
+# (`top_logprobs`) are vLLM's alone. LoRA adapters (`adapter`: a request to an adapter registered
+# on a base) run on OpenVINO only, from a base's IR folder (mesh.engines.openvino_adapters).
 _SAMPLING_FEATURES = frozenset({"logprobs", "presence_penalty", "frequency_penalty", "repetition_penalty",
                                 "response_format"})
 ENGINE_FEATURES: dict[str, frozenset[str]] = {
-    "openvino": _SAMPLING_FEATURES,
+    "openvino": _SAMPLING_FEATURES | {"adapter"},
     "vllm": _SAMPLING_FEATURES | {"top_logprobs"},
     EMULATED: frozenset(),
 }

@@ -116,7 +116,12 @@ REGISTER_BODY: dict[str, Any] = {
     "type": "object", "required": ["name", "path"],
     "properties": {
         "name": {"type": "string", "pattern": MODEL_NAME.pattern},
-        "path": {"type": "string", "minLength": 1, "description": "a GGUF file or OpenVINO folder under --allowed-dir"},
+        "path": {"type": "string", "minLength": 1, "description": "a GGUF file or OpenVINO folder under --allowed-dir "
+                 "(with `base`: a LoRA adapter's PEFT folder)"},
+        "base": {"type": "string", "description": "registers a LoRA adapter on this registered model (an OpenVINO "
+                 "IR base) instead of a model"},
+        "base_tenant": {"type": "string", "description": "the base's tenant (default: the caller; another "
+                        "tenant's only on the operator's route)"},
         "context_length": {"type": ["integer", "null"], "minimum": 16},
         "slo": {"type": ["object", "null"], "additionalProperties": False, "properties": {
             "ttft_s": {"type": "number", "exclusiveMinimum": 0, "maximum": 3600},

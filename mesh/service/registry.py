@@ -20,6 +20,10 @@ make its TTFT (`serve_late`, the default, or `reject`; docs/service.md, "Cold st
 Schema 5 adds `models.admission`: what a request that can no longer meet its SLO gets
 (`reject`, `queue`, `late`; NULL: the tenant's default, else the service's `--admission`;
 docs/service.md, "Admission"), and `tenant_admission`, each tenant's default for its models.
+Schema 6 adds `adapters`: tenants' LoRA adapters, each on a registered base model whose
+instances run its requests (mesh.modelfiles.lora; docs/service.md, "LoRA adapters"); an
+adapter goes with its tenant and with its base (ON DELETE CASCADE); an older file gets the
+table when opened.
 """
 from __future__ import annotations
 
@@ -34,7 +38,7 @@ from typing import Any, Iterator
 from mesh.policy.dispatch_rules import CPU, GPU, SERVE_LATE, kind_rank
 from mesh.policy.slo import SLO
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 TENANT_NAME = re.compile(r"^[a-z0-9][a-z0-9_.-]{0,62}$")
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:/-]{0,127}$")
 
@@ -79,6 +83,18 @@ CREATE TABLE IF NOT EXISTS tenant_quotas (
 CREATE TABLE IF NOT EXISTS tenant_admission (
     tenant TEXT PRIMARY KEY REFERENCES tenants(name) ON DELETE CASCADE,
     admission TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS adapters (
+    uid TEXT PRIMARY KEY,
+    tenant TEXT NOT NULL REFERENCES tenants(name) ON DELETE CASCADE,
+    name TEXT NOT NULL,
+    base_uid TEXT NOT NULL REFERENCES models(uid) ON DELETE CASCADE,
+    path TEXT NOT NULL,
+    rank INTEGER NOT NULL,
+    scale REAL NOT NULL,
+    weight_bytes INTEGER NOT NULL,
+    created_at INTEGER NOT NULL DEFAULT (CAST(strftime('%s','now') AS INTEGER)),
+    UNIQUE (tenant, name)
 );
 CREATE TABLE IF NOT EXISTS prepared_formats (
     model_uid TEXT NOT NULL REFERENCES models(uid) ON DELETE CASCADE,
@@ -198,6 +214,24 @@ class ModelRecord:
         return prepared.format if prepared is not None else ""
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterRecord:
+    """A tenant's LoRA adapter on a registered base model (`base_uid`, possibly another tenant's,
+    shared by the operator): requests that name it run in the base's instances with the
+    adapter chosen per request. `path` is its weights file (adapter_model.safetensors) and
+    `scale` its PEFT scale (lora_alpha / r)."""
+
+    uid: str
+    tenant: str
+    name: str
+    base_uid: str
+    path: str
+    rank: int
+    scale: float
+    weight_bytes: int
+    created_at: int = 0
+
+
 class Registry:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -274,9 +308,11 @@ class Registry:
                          (tenant, json.dumps(settings, sort_keys=True)))
 
     def usage(self, tenant: str) -> tuple[int, int]:
-        """(models, bytes of their weights) that `tenant` has registered."""
-        row = self._db.execute("SELECT COUNT(*) AS n, COALESCE(SUM(weight_bytes), 0) AS b FROM models "
-                               "WHERE tenant = ?", (tenant,)).fetchone()
+        """(models, bytes of their weights) that `tenant` has registered, its adapters counted as models."""
+        row = self._db.execute(
+            "SELECT COUNT(*) AS n, COALESCE(SUM(weight_bytes), 0) AS b FROM (SELECT weight_bytes FROM models "
+            "WHERE tenant = ? UNION ALL SELECT weight_bytes FROM adapters WHERE tenant = ?)",
+            (tenant, tenant)).fetchone()
         return int(row["n"]), int(row["b"])
 
     # ---- keys ----------------------------------------------------------------------------
@@ -319,6 +355,8 @@ class Registry:
                                 "starting with a letter or digit, without '..' or '//'")
         if self.tenant(record.tenant) is None:
             raise RegistryError(f"no tenant {record.tenant!r}")
+        if self.adapter(record.tenant, record.name) is not None:
+            raise RegistryError(f"model {record.name!r} already exists for tenant {record.tenant!r} (an adapter)")
         slo = record.slo
         try:
             self._db.execute(
@@ -386,6 +424,40 @@ class Registry:
             self._db.execute("DELETE FROM models WHERE uid = ?", (record.uid,))
         return record
 
+    # ---- LoRA adapters -----------------------------------------------------------------------
+    def add_adapter(self, record: AdapterRecord) -> AdapterRecord:
+        """Store an adapter; RegistryError if the tenant has a model or an adapter of that name."""
+        if self.model(record.tenant, record.name) is not None:
+            raise RegistryError(f"model {record.name!r} already exists for tenant {record.tenant!r}")
+        try:
+            self._db.execute("INSERT INTO adapters (uid, tenant, name, base_uid, path, rank, scale, weight_bytes) "
+                             "VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                             (record.uid, record.tenant, record.name, record.base_uid, record.path, record.rank,
+                              record.scale, record.weight_bytes))
+        except sqlite3.IntegrityError as exc:
+            raise RegistryError(f"model {record.name!r} already exists for tenant {record.tenant!r}") from exc
+        stored = self.adapter(record.tenant, record.name)
+        assert stored is not None
+        return stored
+
+    def adapter(self, tenant: str, name: str) -> AdapterRecord | None:
+        row = self._db.execute("SELECT * FROM adapters WHERE tenant = ? AND name = ?", (tenant, name)).fetchone()
+        return _adapter(row) if row else None
+
+    def adapters(self, tenant: str | None = None) -> list[AdapterRecord]:
+        """The tenant's adapters (every tenant's: None), by tenant and name."""
+        if tenant is None:
+            rows = self._db.execute("SELECT * FROM adapters ORDER BY tenant, name").fetchall()
+        else:
+            rows = self._db.execute("SELECT * FROM adapters WHERE tenant = ? ORDER BY name", (tenant,)).fetchall()
+        return [_adapter(r) for r in rows]
+
+    def delete_adapter(self, tenant: str, name: str) -> AdapterRecord | None:
+        record = self.adapter(tenant, name)
+        if record is not None:
+            self._db.execute("DELETE FROM adapters WHERE uid = ?", (record.uid,))
+        return record
+
     def now(self) -> int:
         """The database's clock, in Unix seconds (for fields like OpenAI's `created`)."""
         return int(self._db.execute("SELECT CAST(strftime('%s','now') AS INTEGER)").fetchone()[0])
@@ -400,6 +472,11 @@ def new_model_uid() -> str:
 
 def _key(row: sqlite3.Row) -> KeyInfo:
     return KeyInfo(row["id"], row["tenant"], row["display"], row["label"], row["created_at"], row["revoked_at"])
+
+
+def _adapter(row: sqlite3.Row) -> AdapterRecord:
+    return AdapterRecord(row["uid"], row["tenant"], row["name"], row["base_uid"], row["path"], row["rank"],
+                         row["scale"], row["weight_bytes"], row["created_at"])
 
 
 def _prepared(row: sqlite3.Row) -> PreparedFormat:

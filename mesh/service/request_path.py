@@ -114,7 +114,7 @@ class RequestPath:
 
         req = ServedRequest(EngineRequest(job.request_id, len(ids), sampling, list(ids)), job.model.uid,
                             job.arrival_s, job.model.slo, on_output=output, on_done=done, on_admitted=begin,
-                            tenant=job.model.tenant)
+                            tenant=job.tenant or job.model.tenant)
         self.dispatcher.submit(req)  # the one record of the request: the dispatcher's, until it ends
         try:
             await asyncio.shield(started)

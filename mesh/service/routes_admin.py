@@ -34,6 +34,7 @@ from aiohttp import web
 from mesh.policy.dispatch_rules import ADMISSIONS
 from mesh.policy.quota import QuotaValueError, check_overrides
 from mesh.service import errors
+from mesh.service.adapters import adapter_object
 from mesh.service.auth import new_api_key
 from mesh.service.registry import RegistryError
 from mesh.service.routes_learnt import learnt_view
@@ -187,7 +188,8 @@ async def revoke_key(request: web.Request) -> web.Response:
 async def list_all_models(request: web.Request) -> web.Response:
     svc = service_of(request)
     svc.require_admin(request)
-    return web.json_response({"object": "list", "data": [model_object(svc, m) for m in svc.registry.models()]})
+    return web.json_response({"object": "list", "data": [model_object(svc, m) for m in svc.registry.models()]
+                              + [adapter_object(svc, a) for a in svc.registry.adapters()]})
 
 
 async def cluster(request: web.Request) -> web.Response:

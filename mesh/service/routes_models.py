@@ -32,6 +32,9 @@ body of POST /v1/models, or an emulated model, on a service started with `mesh s
 It answers 201 with the model object, as POST /v1/models. Emulated models are the operator's:
 a tenant's POST /v1/models with "emulate" is a 403 (its key is not the admin token), and
 a service without emulated nodes answers 400. Tenants then call them like any model.
+
+Either route registers a LoRA adapter on a registered base when the body has `base`
+(mesh.service.adapters); adapters are listed, read and deleted here as models are.
 """
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ from mesh.modelfiles.sources import SourceError, SourceInfo, SourceNotFound, ins
 from mesh.policy.dispatch_rules import ADMISSIONS, COLD_START_CHOICES, SERVE_LATE
 from mesh.policy.slo import SLO
 from mesh.service import errors
+from mesh.service.adapters import adapter_object, register_adapter
 from mesh.service.limits import body_chunks, read_json, refuse_encoded, refuse_mid_body
 from mesh.service.registry import MODEL_NAME, ModelRecord, Registry, RegistryError, new_model_uid
 from mesh.service.service_state import Service, service_of
@@ -94,7 +98,8 @@ async def usage(request: web.Request) -> web.Response:
 async def list_models(request: web.Request) -> web.Response:
     svc = service_of(request)
     tenant = svc.tenant_of(request)
-    return web.json_response({"object": "list", "data": [model_object(svc, m) for m in svc.registry.models(tenant)]})
+    return web.json_response({"object": "list", "data": [model_object(svc, m) for m in svc.registry.models(tenant)]
+                              + [adapter_object(svc, a) for a in svc.registry.adapters(tenant)]})
 
 
 def _tenants_model(request: web.Request, take: Callable[[Registry, str, str], ModelRecord | None]) -> ModelRecord:
@@ -108,10 +113,19 @@ def _tenants_model(request: web.Request, take: Callable[[Registry, str, str], Mo
 
 
 async def get_model(request: web.Request) -> web.Response:
-    return web.json_response(model_object(service_of(request), _tenants_model(request, Registry.model)))
+    svc = service_of(request)
+    adapter = svc.registry.adapter(svc.tenant_of(request), request.match_info["name"])
+    if adapter is not None:
+        return web.json_response(adapter_object(svc, adapter))
+    return web.json_response(model_object(svc, _tenants_model(request, Registry.model)))
 
 
 async def delete_model(request: web.Request) -> web.Response:
+    svc = service_of(request)
+    adapter = svc.registry.delete_adapter(svc.tenant_of(request), request.match_info["name"])
+    if adapter is not None:  # its base's instances stay; only its metric series go
+        svc.metrics.forget_model(adapter.tenant, adapter.name)
+        return web.json_response({"id": request.match_info["name"], "object": "model", "deleted": True})
     record = _tenants_model(request, Registry.delete_model)
     await forget_files(service_of(request), [record])
     return web.json_response({"id": request.match_info["name"], "object": "model", "deleted": True})
@@ -140,10 +154,13 @@ async def register_model(request: web.Request) -> web.Response:
                               "/admin/tenants/{tenant}/models with the admin token.", "permission_error", "emulate",
                               "admin_only")
     name = _name(data.get("name"))
-    if svc.registry.model(tenant, name) is not None:
+    if svc.registry.model(tenant, name) is not None or svc.registry.adapter(tenant, name) is not None:
         raise errors.conflict(f"You already have a model named '{name}'; delete it first or pick another name.",
                               "name", "model_exists")
     svc.quotas.take_registration(tenant, asyncio.get_running_loop().time())  # 429 past its rate, before the work
+    if "base" in data:
+        return web.json_response(adapter_object(svc, await register_adapter(svc, tenant, name, data, True)),
+                                 status=201)
     record = await _by_path(svc, tenant, name, data, confined=True)
     return _created(svc, record)
 
@@ -178,8 +195,11 @@ async def register_for_tenant(request: web.Request) -> web.Response:
     data = await read_json(request, svc.limits)
     if "emulate" not in data and ("path" in data or "source" in data):
         name = _name(data.get("name"))
-        if svc.registry.model(tenant, name) is not None:
+        if svc.registry.model(tenant, name) is not None or svc.registry.adapter(tenant, name) is not None:
             raise errors.conflict(f"Tenant {tenant} already has a model named '{name}'.", "name", "model_exists")
+        if "base" in data:
+            return web.json_response(adapter_object(svc, await register_adapter(svc, tenant, name, data, False)),
+                                     status=201)
         return _created(svc, await _by_path(svc, tenant, name, data, confined=False))
     if not svc.config.emulate:
         raise errors.bad_request("This service runs no emulated nodes (start it with mesh serve --emulate "

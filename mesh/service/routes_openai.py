@@ -23,9 +23,10 @@ from mesh.engines.engine_api import Sampling, TokenLogprob
 from mesh.framing import bounded_int, not_a_number
 from mesh.modelfiles.sampling import resolve as resolve_sampling
 from mesh.service import errors
+from mesh.service.adapters import with_adapter
 from mesh.service.errors import ApiError
 from mesh.service.limits import THREAD_PARSE_BYTES, read_body
-from mesh.service.registry import ModelRecord
+from mesh.service.registry import AdapterRecord, ModelRecord
 from mesh.service.schema import GenerationRequest, parse_chat, parse_completion, parse_json
 from mesh.service.service_state import ARRIVAL, Service, service_of
 from mesh.service.streams import Finished, Job, RequestStream, Tokens
@@ -52,31 +53,38 @@ async def _generate(request: web.Request, parse: Callable[[dict[str, Any]], Gene
     tenant = svc.tenant_of(request)
     body = await read_body(request, svc.limits, _body_cap(svc, tenant))
     if len(body) <= THREAD_PARSE_BYTES:
-        req, model = _checked(svc, tenant, parse(parse_json(body)))
-        _acquire(svc, tenant, model.name, req.n)
+        req, model, adapter = _checked(svc, tenant, parse(parse_json(body)))
+        _acquire(svc, tenant, req.model, req.n)
     else:  # a large body: the tenant's quota and the prompt's size first, the parse (CPU) last
         _acquire(svc, tenant, _named_model(svc, tenant, body))
         try:
             _check_token_ids(body, svc.registry.max_context_length(tenant))
-            req, model = _checked(svc, tenant, parse(await asyncio.to_thread(parse_json, body)))  # off the loop
+            parsed = parse(await asyncio.to_thread(parse_json, body))  # off the loop
+            req, model, adapter = _checked(svc, tenant, parsed)
             if req.n > 1:
-                _acquire(svc, tenant, model.name, req.n - 1)
+                _acquire(svc, tenant, req.model, req.n - 1)
         except BaseException:
             svc.quotas.release(tenant)
             raise
     try:
-        return await _placed(svc, request, req, tenant, model)
+        return await _placed(svc, request, req, tenant, model, adapter)
     finally:
         svc.quotas.release(tenant, req.n)
 
 
-def _checked(svc: Service, tenant: str, req: GenerationRequest) -> tuple[GenerationRequest, ModelRecord]:
-    """The request with the tenant's model it names; 404 for none, 400 for a prompt too long."""
+def _checked(svc: Service, tenant: str,
+             req: GenerationRequest) -> tuple[GenerationRequest, ModelRecord, AdapterRecord | None]:
+    """The request with the tenant's model it names (an adapter's: its base, and the adapter);
+    404 for none, 400 for a prompt too long."""
+    adapter = None
     model = svc.registry.model(tenant, req.model)
+    if model is None:
+        adapter = svc.registry.adapter(tenant, req.model)
+        model = svc.registry.model_by_uid(adapter.base_uid) if adapter is not None else None
     if model is None:
         raise errors.model_not_found(req.model)
     _check_prompt_bytes(req, model)  # before any tokenizer sees it
-    return req, model
+    return req, model, adapter
 
 
 def _acquire(svc: Service, tenant: str, model_name: str | None, count: int = 1) -> None:
@@ -209,7 +217,7 @@ def _check_prompt_bytes(req: GenerationRequest, model: ModelRecord) -> None:
 
 
 async def _placed(svc: Service, request: web.Request, req: GenerationRequest, tenant: str,
-                  model: ModelRecord) -> web.StreamResponse:
+                  model: ModelRecord, adapter: AdapterRecord | None) -> web.StreamResponse:
     prefix = "chatcmpl-" if req.kind == "chat" else "cmpl-"
     temperature, top_p = resolve_sampling(req.temperature, req.top_p, model.sampling_defaults)
     sampling = Sampling(max_tokens=req.max_tokens or 0, temperature=temperature, top_p=top_p, stop=req.stop,
@@ -217,21 +225,22 @@ async def _placed(svc: Service, request: web.Request, req: GenerationRequest, te
                         top_logprobs=req.top_logprobs,
                         presence_penalty=req.presence_penalty, frequency_penalty=req.frequency_penalty,
                         repetition_penalty=req.repetition_penalty, json_schema=req.json_schema)
+    sampling = with_adapter(sampling, adapter)
     request_id = prefix + secrets.token_hex(12)
     schema_param = "tool_choice" if req.tools is not None and req.tools.constrained else "response_format"
     jobs = [Job(request_id=request_id if req.n == 1 else f"{request_id}-{i}", model=model,
                 arrival_s=request[ARRIVAL], sampling=_sibling(sampling, i), messages=req.messages, prompt=req.prompt,
-                prompt_token_ids=req.prompt_token_ids, schema_param=schema_param) for i in range(req.n)]
+                prompt_token_ids=req.prompt_token_ids, schema_param=schema_param, tenant=tenant) for i in range(req.n)]
     svc.begin_generation()
     try:
         try:
             streams = await _submit(svc, jobs)
         except ApiError as exc:
             outcome = "rejected" if exc.status == 429 else ("failed" if exc.status >= 500 else "invalid")
-            svc.metrics.request_done(tenant, model.name, outcome, placed=exc.status == 429)
+            svc.metrics.request_done(tenant, req.model, outcome, placed=exc.status == 429)
             raise
         except asyncio.CancelledError:
-            svc.metrics.request_done(tenant, model.name, "aborted")
+            svc.metrics.request_done(tenant, req.model, "aborted")
             raise
         answer = _Answer(svc, request, req, model, jobs[0], streams, request_id)
         try:
@@ -517,7 +526,7 @@ class _Answer:
         slo = self.model.slo
         met = self.outcome == "completed" and ttft is not None and slo.met(self.streams[0].prompt_tokens, ttft, tpot)
         self.svc.metrics.request_done(
-            self.model.tenant, self.model.name, self.outcome, prompt_tokens=self.streams[0].prompt_tokens,
+            self.job.tenant, self.req.model, self.outcome, prompt_tokens=self.streams[0].prompt_tokens,
             tokens_out=out, ttft_s=ttft, tpot_s=tpot if tpot is not None and math.isfinite(tpot) else None,
             slo_met=met, placed=True)
 

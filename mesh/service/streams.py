@@ -27,6 +27,7 @@ class Job:
     prompt: str | None = None
     prompt_token_ids: list[int] | None = None
     schema_param: str = "response_format"  # the field that asked for sampling.json_schema (or tool_choice)
+    tenant: str = ""  # the requesting tenant, where not the model's (an adapter's requests run on a shared base)
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,6 +137,7 @@ def _token_ids(value: Any, name: str) -> list[int]:
 
 MAX_PENALTY = 100.0  # presence / frequency penalties in [-MAX_PENALTY, MAX_PENALTY]; repetition in (0, MAX_PENALTY]
 MAX_SCHEMA_CHARS = 64 * 1024  # a structured output's JSON schema, as text
+MAX_ADAPTER_SCALE = 1e4  # a LoRA adapter's scale (lora_alpha / r)
 MIN_LOGPROB = -1e6  # a log probability on the wire (an engine's -inf is sent as this)
 
 
@@ -145,7 +146,7 @@ def sampling_to_dict(s: Sampling) -> dict[str, Any]:
             "stop": list(s.stop), "seed": s.seed, "ignore_eos": s.ignore_eos, "logprobs": s.logprobs,
             "top_logprobs": s.top_logprobs, "presence_penalty": s.presence_penalty,
             "frequency_penalty": s.frequency_penalty, "repetition_penalty": s.repetition_penalty,
-            "json_schema": s.json_schema}
+            "json_schema": s.json_schema, "adapter": s.adapter, "adapter_scale": s.adapter_scale}
 
 
 def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
@@ -170,6 +171,8 @@ def sampling_from_dict(d: Mapping[str, Any]) -> Sampling:
                                            MAX_PENALTY),
             repetition_penalty=_repetition(d.get("repetition_penalty", 1.0)),
             json_schema=_json_schema(d.get("json_schema")),
+            adapter=None if d.get("adapter") is None else text_field(d["adapter"], "adapter"),
+            adapter_scale=number_field(d.get("adapter_scale", 1.0), "adapter_scale", 0.0, MAX_ADAPTER_SCALE),
         )
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError(f"bad sampling object: {exc}") from exc
