@@ -168,6 +168,23 @@ class LoadTiming:
     def _count(self, how: str) -> None:
         self.stats.loads[how] = self.stats.loads.get(how, 0) + 1
 
+    def emulated_load(self, plan: InstancePlan, node_id: str, wait_s: float = 0.0
+                      ) -> tuple[float, tuple[tuple[float, int], ...] | None]:
+        """An emulated node's load of the planned instance, starting now (after `wait_s` for
+        the node's loads under way), as InstanceSpec carries it: how long it takes, and,
+        where it serves as the target of ZigZag before its last layer, its usable layers
+        over the load ((seconds after its start, layers), `LayerArrivals.steps`). Each load
+        is its own multicast (the service plans one instance at a time). A pipeline role
+        (several targets at once) does not arise here; a partner's help (its pulls) is not
+        given live: the instance serves alone with its layers, as shadow validation predicts."""
+        self._join(plan, node_id)
+        now = self._now()
+        ready, role = self.loading(plan, node_id)
+        if role is None or role.partner is None:
+            return wait_s + max(0.0, ready - now), None
+        steps = tuple((wait_s + max(0.0, t - now), n) for t, n in role.arrivals.steps)
+        return wait_s + max(0.0, role.arrivals.full_s - now), steps
+
     def loading(self, plan: InstancePlan, node_id: str) -> tuple[float, LiveRole | None]:
         """When the instance can serve, and how it serves before its last layer (None: it waits)."""
         now = self._now()

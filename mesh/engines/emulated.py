@@ -26,6 +26,12 @@ What a real engine adds, and how it is made up here:
   (mesh.policy.live_scaling.layer_range_s), and the hidden states it would hand on (a range
   that stops before the last layer) or take in (one that starts after the first) are
   counted in `activation_bytes` (hidden size x tokens x 2 bytes a hop).
+- Live scaling on the cluster side (mesh.control.load_timing): an engine given its
+  `layer_steps` (seconds after its load starts, layers usable from then) is loaded once its
+  first layer is in and serves with the layers it holds: until its last layer, an iteration
+  runs each layer once it is in (mesh.policy.live_scaling.solo_finish, what shadow
+  validation predicts from `layer_arrivals`); the requests of an iteration that waited for
+  layers are in `waited_for_layers`.
 """
 from __future__ import annotations
 
@@ -36,7 +42,7 @@ from typing import Any, Mapping, Sequence
 
 from mesh.engines.engine_api import EngineError, EngineRequest, FinishReason, LayerRange, StepResult
 from mesh.engines.simulated import SimulatedEngine
-from mesh.policy.live_scaling import activation_bytes, layer_range_s
+from mesh.policy.live_scaling import LayerArrivals, activation_bytes, layer_range_s, solo_finish
 
 GENERATED_BASE = 256  # generated ids start above the byte ids of prompts
 WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "mesh", "token", "emulated", "node", "model", "cloud", "serve",
@@ -95,7 +101,7 @@ class EmulatedEngine(SimulatedEngine):
     runs_layer_ranges = True
 
     def __init__(self, *args: Any, pace: WallPace | None = None, num_layers: int = 32, hidden_size: int = 4096,
-                 **kwargs: Any) -> None:
+                 layer_steps: Sequence[tuple[float, int]] | None = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.pace = pace  # the node's (shared by its engines); None: each iteration sleeps its time
         self._position: dict[str, int] = {}  # request -> tokens generated so far
@@ -104,6 +110,18 @@ class EmulatedEngine(SimulatedEngine):
         self.layer_range = LayerRange.whole(num_layers)
         self.activation_bytes = 0  # hidden states handed on or taken in, all iterations
         self._tokens = 0  # the tokens of the iteration about to run
+        self._batch: list[str] = []  # the requests of the iteration about to run
+        self.layer_steps = tuple(layer_steps) if layer_steps else None  # live: layers over the load
+        self.layer_arrivals: LayerArrivals | None = None  # live: usable layers on the loop's clock, once loading
+        self.waited_for_layers: set[str] = set()  # requests of iterations that waited for layers
+
+    async def load(self) -> None:
+        """Loaded after `load_s`; live (`layer_steps`), once the first layer is in."""
+        if self.layer_steps is None:
+            return await super().load()
+        start = asyncio.get_running_loop().time()
+        self.layer_arrivals = LayerArrivals(self.num_layers, tuple((start + s, n) for s, n in self.layer_steps))
+        await asyncio.sleep(self.layer_steps[0][0])
 
     def set_layer_range(self, start: int, stop: int) -> None:
         """Run layers [start, stop) from the next iteration on."""
@@ -118,10 +136,12 @@ class EmulatedEngine(SimulatedEngine):
         return layer_range_s(seconds, self.layer_range.start, self.layer_range.stop, self.num_layers)
 
     async def _prefill(self, take: int, switched: bool) -> StepResult:
-        self._tokens = sum(p for p, _, _ in list(self._pending.values())[:take])
+        self._batch = list(self._pending)[:take]
+        self._tokens = sum(self._pending[r][0] for r in self._batch)
         return await super()._prefill(take, switched)
 
     async def _decode(self, switched: bool) -> StepResult:
+        self._batch = list(self._running)
         self._tokens = len(self._running)
         return await super()._decode(switched)
 
@@ -130,6 +150,13 @@ class EmulatedEngine(SimulatedEngine):
         hops = (start > 0) + (stop < self.num_layers)
         self.activation_bytes += hops * activation_bytes(self.hidden_size, self._tokens)
         seconds = self.range_s(seconds)
+        arrivals = self.layer_arrivals
+        now = asyncio.get_running_loop().time()
+        if arrivals is not None and now < arrivals.full_s:  # live: the layers it holds, each once it is in
+            alone = solo_finish(now, seconds, arrivals) - now
+            if alone > seconds + 1e-9:
+                self.waited_for_layers.update(self._batch)
+            seconds = alone
         if self.pace is None:
             await super()._pause(seconds)
         else:
@@ -155,6 +182,7 @@ class EmulatedEngine(SimulatedEngine):
     def abort(self, request_id: str) -> None:
         super().abort(request_id)
         self._position.pop(request_id, None)
+        self.waited_for_layers.discard(request_id)
 
     async def step(self) -> StepResult:
         result = await super().step()

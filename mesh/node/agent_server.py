@@ -287,6 +287,8 @@ class AgentServer:
             kv_bytes_in_use=self.node.kv_bytes_in_use(), deadlines=self.node.deadlines.value,
             learnt=self.learning.view(), parked=self.parking.view(), parked_ahead=self.ahead.view(),
             emulate=self.emulation.device if self.emulation is not None else None,
+            live={"waited_for_layers": self.node.waited_for_layers, "late_for_layers": self.node.late_for_layers}
+            if self.node.waited_for_layers else {},
         )
 
     def _shutdown(self, m: Shutdown) -> Ack:

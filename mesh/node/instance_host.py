@@ -216,7 +216,7 @@ class InstanceHost:
         """An emulated instance of the catalog model `spec.path` on this node's device."""
         assert self.emulation is not None
         return self.emulation.engine(spec.instance_id, spec.path, spec.model, spec.context_window,
-                                     spec.max_num_seqs, spec.emulated_load_s)
+                                     spec.max_num_seqs, spec.emulated_load_s, spec.emulated_layers)
 
     def times_for(self, spec: InstanceSpec, weight_bytes: int) -> AdaptiveTimes:
         """The instance's predicted iteration times: an emulated model's from its catalog

@@ -133,6 +133,13 @@ def solo_finish(start: float, work_s: float, arrivals: LayerArrivals, from_layer
     return t
 
 
+def late_for_layers(waited: bool, completed: bool, slo_met: bool, served_late: bool) -> bool:
+    """A request served late because of missing layers, what shadow validation must never
+    admit: completed past its SLO, though placed to be on time (not served late on
+    purpose), with an iteration that waited for layers on a live instance."""
+    return waited and completed and not slo_met and not served_late
+
+
 # --- partial-instance times ------------------------------------------------------------------
 
 def activation_bytes(hidden_size: int, tokens: int, dtype_bytes: int = DTYPE_BYTES) -> int:
