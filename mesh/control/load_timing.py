@@ -165,6 +165,10 @@ class LoadTiming:
         g.targets.append((plan.instance_id, node_id, plan.weight_bytes))
         self._by_instance[plan.instance_id] = g
 
+    def _base(self, model: str) -> str:
+        """The catalog model `model` is a replica of (its shape): Fleet.models' base, else itself."""
+        return getattr(self.cluster, "models", {}).get(model, model)
+
     def _count(self, how: str) -> None:
         self.stats.loads[how] = self.stats.loads.get(how, 0) + 1
 
@@ -254,7 +258,7 @@ class LoadTiming:
         for tt in sched.transfers:
             if tt.transfer.receiver in arrivals:
                 arrivals[tt.transfer.receiver].append((now + cfg.fixed_s + tt.finish_s, tt.transfer.block))
-        layers, hidden = layers_and_hidden(model, cfg.layers, cfg.hidden_size)
+        layers, hidden = layers_and_hidden(self._base(model), cfg.layers, cfg.hidden_size)
         ends = block_layer_ends(sizes, layers)
         partners = [r.instance_id for r in full if r.instance_id not in self._partners.values()]
         alone: list[tuple[str, str]] = []

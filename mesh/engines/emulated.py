@@ -112,6 +112,9 @@ class EmulatedEngine(SimulatedEngine):
         self._tokens = 0  # the tokens of the iteration about to run
         self._batch: list[str] = []  # the requests of the iteration about to run
         self.layer_steps = tuple(layer_steps) if layer_steps else None  # live: layers over the load
+        if self.layer_steps is not None and self.layer_steps[-1][1] != num_layers:
+            raise EngineError(f"the load's layer steps end on {self.layer_steps[-1][1]} layers, the model has "
+                              f"{num_layers}")
         self.layer_arrivals: LayerArrivals | None = None  # live: usable layers on the loop's clock, once loading
         self.waited_for_layers: set[str] = set()  # requests of iterations that waited for layers
 
