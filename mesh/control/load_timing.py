@@ -111,6 +111,19 @@ class LiveRole:
 
 
 
+@dataclass(frozen=True)
+class EmulatedLoad:
+    """An emulated node's load as InstanceSpec carries it: how long until its last layer is
+    in (`load_s`), and, where it serves before that as the target of ZigZag, its usable
+    layers over the load ((seconds after its start, layers), `LayerArrivals.steps`), its
+    partner instance and the link its activations cross."""
+
+    load_s: float
+    layer_steps: tuple[tuple[float, int], ...] | None = None
+    partner: str | None = None
+    link_bytes_per_s: float = NET_BYTES_PER_S
+
+
 @dataclass
 class _Group:
     model: str
@@ -172,22 +185,19 @@ class LoadTiming:
     def _count(self, how: str) -> None:
         self.stats.loads[how] = self.stats.loads.get(how, 0) + 1
 
-    def emulated_load(self, plan: InstancePlan, node_id: str, wait_s: float = 0.0
-                      ) -> tuple[float, tuple[tuple[float, int], ...] | None]:
+    def emulated_load(self, plan: InstancePlan, node_id: str, wait_s: float = 0.0) -> EmulatedLoad:
         """An emulated node's load of the planned instance, starting now (after `wait_s` for
-        the node's loads under way), as InstanceSpec carries it: how long it takes, and,
-        where it serves as the target of ZigZag before its last layer, its usable layers
-        over the load ((seconds after its start, layers), `LayerArrivals.steps`). Each load
-        is its own multicast (the service plans one instance at a time). A pipeline role
-        (several targets at once) does not arise here; a partner's help (its pulls) is not
-        given live: the instance serves alone with its layers, as shadow validation predicts."""
+        the node's loads under way), as InstanceSpec carries it. Each load is its own
+        multicast (the service plans one instance at a time), so a pipeline role (several
+        targets at once) does not arise here."""
         self._join(plan, node_id)
         now = self._now()
         ready, role = self.loading(plan, node_id)
         if role is None or role.partner is None:
-            return wait_s + max(0.0, ready - now), None
+            return EmulatedLoad(wait_s + max(0.0, ready - now))
         steps = tuple((wait_s + max(0.0, t - now), n) for t, n in role.arrivals.steps)
-        return wait_s + max(0.0, role.arrivals.full_s - now), steps
+        return EmulatedLoad(wait_s + max(0.0, role.arrivals.full_s - now), steps, role.partner,
+                            role.link_bytes_per_s)
 
     def loading(self, plan: InstancePlan, node_id: str) -> tuple[float, LiveRole | None]:
         """When the instance can serve, and how it serves before its last layer (None: it waits)."""

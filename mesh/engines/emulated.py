@@ -38,11 +38,20 @@ from __future__ import annotations
 import asyncio
 import math
 import zlib
-from typing import Any, Mapping, Sequence
+from typing import Any, Awaitable, Callable, Mapping, Sequence
 
 from mesh.engines.engine_api import EngineError, EngineRequest, FinishReason, LayerRange, StepResult
 from mesh.engines.simulated import SimulatedEngine
-from mesh.policy.live_scaling import LayerArrivals, activation_bytes, layer_range_s, solo_finish
+from mesh.policy.live_scaling import (
+    LayerArrivals,
+    ZigZagRequest,
+    ZigZagState,
+    activation_bytes,
+    activation_s,
+    layer_range_s,
+    solo_finish,
+    target_next,
+)
 
 GENERATED_BASE = 256  # generated ids start above the byte ids of prompts
 WORDS = ("lorem", "ipsum", "dolor", "sit", "amet", "mesh", "token", "emulated", "node", "model", "cloud", "serve",
@@ -85,13 +94,23 @@ class WallPace:
 
     def __init__(self, catch_up_s: float = 0.05) -> None:
         self.catch_up_s = catch_up_s
-        self.due: float | None = None  # when the last iteration was due to end
+        self.due: float | None = None  # when the last iteration (or time lent) was due to end
 
     async def sleep(self, seconds: float) -> None:
+        """One iteration; one that starts before the node's lent time ends (`reserve`) runs after it."""
         now = asyncio.get_running_loop().time()
         late = now - self.due if self.due is not None else math.inf
-        self.due = (self.due if 0.0 <= late <= self.catch_up_s else now) + seconds
+        self.due = (self.due if late <= self.catch_up_s else now) + seconds
         await asyncio.sleep(max(0.0, self.due - now))
+
+    def free_at(self, now: float) -> float:
+        """When the node's iteration in flight (or time lent) ends: now if none."""
+        return max(now, self.due) if self.due is not None else now
+
+    def reserve(self, until: float) -> None:
+        """The node's time up to `until` is lent (a ZigZag partner runs another instance's
+        layers, mesh.node.lending): its next iteration runs after it."""
+        self.due = max(until, self.due) if self.due is not None else until
 
 
 class EmulatedEngine(SimulatedEngine):
@@ -117,6 +136,13 @@ class EmulatedEngine(SimulatedEngine):
                               f"{num_layers}")
         self.layer_arrivals: LayerArrivals | None = None  # live: usable layers on the loop's clock, once loading
         self.waited_for_layers: set[str] = set()  # requests of iterations that waited for layers
+        # live, as the target of ZigZag (mesh.node.lending.PartnerLink): asks the partner to run
+        # layers [k, L) of an iteration (k, L, work s, activation hop s, alone s, tokens) and
+        # returns when that ends (seconds from now), or None
+        self.ask_partner: Callable[[int, int, float, float, float, int], Awaitable[float | None]] | None = None
+        self.link_bytes_per_s = 25e9  # the activation's link to the partner
+        self.pulls = 0  # iterations of this (live) instance its partner finished
+        self.lent = 0  # iterations of a live partner this (source) instance finished
 
     async def load(self) -> None:
         """Loaded after `load_s`; live (`layer_steps`), once the first layer is in."""
@@ -154,16 +180,50 @@ class EmulatedEngine(SimulatedEngine):
         self.activation_bytes += hops * activation_bytes(self.hidden_size, self._tokens)
         seconds = self.range_s(seconds)
         arrivals = self.layer_arrivals
-        now = asyncio.get_running_loop().time()
-        if arrivals is not None and now < arrivals.full_s:  # live: the layers it holds, each once it is in
-            alone = solo_finish(now, seconds, arrivals) - now
-            if alone > seconds + 1e-9:
-                self.waited_for_layers.update(self._batch)
-            seconds = alone
+        if arrivals is not None and asyncio.get_running_loop().time() < arrivals.full_s:
+            return await self._live(seconds, arrivals)
         if self.pace is None:
             await super()._pause(seconds)
         else:
             await self.pace.sleep(seconds)
+
+    async def _live(self, work_s: float, arrivals: LayerArrivals) -> None:
+        """One iteration before its last layer, as the target of ZigZag (BlitzScale 5.2, Fig.
+        16, the twin's WeightsEngine._zigzag on the wall clock): it runs the layers it holds
+        (`target_next`) and, whenever it would wait for one, and at its start, offers the
+        rest to its partner (`ask_partner`: the partner's agent decides by `source_pull` and
+        `lend_helps`); without one, it runs each layer once it is in (`solo_finish`)."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        layers, done = arrivals.layers, 0
+        hop = activation_s(self.hidden_size, max(1, self._tokens), self.link_bytes_per_s)
+        while done < layers:
+            t = loop.time()
+            if self.ask_partner is not None:
+                alone_s = solo_finish(t, work_s, arrivals, done) - t
+                after = await self.ask_partner(done, layers, work_s, hop, alone_s, max(1, self._tokens))
+                if after is not None:
+                    self.pulls += 1
+                    if done:
+                        self.activation_bytes += activation_bytes(self.hidden_size, max(1, self._tokens))
+                    await asyncio.sleep(max(0.0, t + after - loop.time()))
+                    break
+            t = loop.time()
+            held = arrivals.held_at(t)
+            state = ZigZagState(layers, held, (ZigZagRequest("iteration", 0, done),))
+            if target_next(state) is not None:  # the layers it holds, one after the other
+                await asyncio.sleep(work_s * (held - done) / layers)
+                done = held
+            else:
+                await asyncio.sleep(max(0.0, arrivals.layer_at(done) - t))
+        if loop.time() > start + work_s + hop + 1e-3:
+            self.waited_for_layers.update(self._batch)
+        if self.pace is not None:
+            self.pace.due = loop.time()
+
+    def zigzag_idle(self) -> bool:
+        """No request of its own waits for prefill (BlitzScale Fig. 16, line 5): a partner may pull."""
+        return not self._pending
 
     def encode_prompt(self, prompt: Any) -> list[int]:
         if isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):

@@ -258,8 +258,15 @@ def pull_helps(now: float, work_s: float, from_layer: int, arrivals: LayerArriva
                transfer_s: float) -> bool:
     """Mesh's guard on a pull: it must end no later than the target alone would (so a
     prediction of the target alone, `solo_finish`, bounds what the pair serves)."""
-    return pulled_finish(now, work_s, from_layer, arrivals.layers, source_free_s, transfer_s) <= \
-        solo_finish(now, work_s, arrivals, from_layer)
+    return lend_helps(now, work_s, from_layer, arrivals.layers, source_free_s, transfer_s,
+                      solo_finish(now, work_s, arrivals, from_layer))
+
+
+def lend_helps(now: float, work_s: float, from_layer: int, layers: int, source_free_s: float, transfer_s: float,
+               alone_end_s: float) -> bool:
+    """`pull_helps` where the source decides (its agent knows when it is free, the target
+    when it would end alone, `alone_end_s`): the pull ends no later than that."""
+    return pulled_finish(now, work_s, from_layer, layers, source_free_s, transfer_s) <= alone_end_s
 
 
 # --- execution pipelines (lambdaScale 4.3-4.4) --------------------------------------------------

@@ -451,7 +451,8 @@ class FailureReply(Declared):
 class HelloReply(Declared):
     """Who the agent is: its node, memory, machine (cpu {model, cores, amx}), process, the
     deadline rule it runs, the device it emulates, where it receives weights ({address, dir};
-    None: it does not) and the instances it already runs (a reconnect finds them)."""
+    None: it does not), the instances it already runs (a reconnect finds them) and its layer
+    port (mesh.node.layer_host; an emulating agent's lends time to live instances there)."""
 
     WHAT = "hello reply"
     node_id: Text
@@ -464,6 +465,7 @@ class HelloReply(Declared):
     emulate: OptText
     weights: OptView
     instances: Annotated[list[dict[str, Any]], Wire(listed(object_field, "instance"))]
+    layers: Annotated[str | None, Wire(text_field, nullable=True, omit=True)] = None  # its layer port, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -756,6 +758,8 @@ class InstanceSpec(Request[LoadReply]):
     emulated_layers: Annotated[tuple[tuple[float, int], ...] | None,
                                Wire(layer_steps_field, lambda v: [list(s) for s in v], nullable=True,
                                     omit=True)] = None
+    # live, its ZigZag partner: {address (its agent's layer port), token, instance_id, link_bytes_per_s}
+    emulated_partner: Annotated[dict[str, Any] | None, Wire(object_field, nullable=True, omit=True)] = None
 
 
 @dataclass(frozen=True, slots=True)
