@@ -182,6 +182,8 @@ class EmulatedEngine(SimulatedEngine):
         arrivals = self.layer_arrivals
         if arrivals is not None and asyncio.get_running_loop().time() < arrivals.full_s:
             return await self._live(seconds, arrivals)
+        if self.ask_partner is not None:  # a full instance now: the partner link is done with
+            await self._drop_partner()
         if self.pace is None:
             await super()._pause(seconds)
         else:
@@ -220,6 +222,16 @@ class EmulatedEngine(SimulatedEngine):
             self.waited_for_layers.update(self._batch)
         if self.pace is not None:
             self.pace.due = loop.time()
+
+    async def _drop_partner(self) -> None:
+        link, self.ask_partner = self.ask_partner, None
+        close = getattr(link, "close", None)
+        if close is not None:
+            await close()
+
+    async def unload(self) -> None:
+        await self._drop_partner()
+        await super().unload()
 
     def zigzag_idle(self) -> bool:
         """No request of its own waits for prefill (BlitzScale Fig. 16, line 5): a partner may pull."""

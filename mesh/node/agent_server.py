@@ -290,9 +290,21 @@ class AgentServer:
             kv_bytes_in_use=self.node.kv_bytes_in_use(), deadlines=self.node.deadlines.value,
             learnt=self.learning.view(), parked=self.parking.view(), parked_ahead=self.ahead.view(),
             emulate=self.emulation.device if self.emulation is not None else None,
-            live={"waited_for_layers": self.node.waited_for_layers, "late_for_layers": self.node.late_for_layers}
-            if self.node.waited_for_layers else {},
+            live=self._live_counts(),
         )
+
+    def _live_counts(self) -> dict[str, int]:
+        """Live scaling's counts ({} where nothing was live): requests completed after an
+        iteration that waited for layers and those served late for it (mesh.node.runtime),
+        and the iterations its instances' ZigZag partners finished (`pulls`) or that its
+        instances finished for a live partner (`lent`), over the instances loaded now."""
+        engines = [i.engine for i in self.node.instances.values()]
+        pulls = sum(getattr(e, "pulls", 0) for e in engines)
+        lent = sum(getattr(e, "lent", 0) for e in engines)
+        if not (self.node.waited_for_layers or pulls or lent):
+            return {}
+        return {"waited_for_layers": self.node.waited_for_layers, "late_for_layers": self.node.late_for_layers,
+                "pulls": pulls, "lent": lent}
 
     def _shutdown(self, m: Shutdown) -> Ack:
         asyncio.get_running_loop().call_later(0.05, self.stop)
