@@ -219,7 +219,7 @@ class LocalAgent(AgentHandle):
                  settings: AgentSettings | None = None) -> None:
         super().__init__(spec, on_up, on_down, on_event, settings)
         self.process: asyncio.subprocess.Process | None = None
-        self.token = secrets.token_urlsafe(24)
+        self.token: str = secrets.token_urlsafe(24)
         self._watchers: set[asyncio.Task] = set()
 
     @property
