@@ -40,14 +40,14 @@ async def serve_burst(live: bool) -> dict[str, Any]:
     record = ModelRecord("u-live", "t", "live", "emulated", MODEL, 4096, SLO())
     loop = asyncio.get_running_loop()
     loads: dict[str, tuple[float, EmulatedLoad]] = {}  # instance -> (issued at, its load)
-    emulated_load = control.catalogue._emulated_load
+    emulated_load = control.catalogue.emulated_loads.load
 
     def spy(plan: Any, node: Any) -> EmulatedLoad:
         load = emulated_load(plan, node)
         loads[plan.instance_id] = (loop.time(), load)
         return load
 
-    control.catalogue._emulated_load = spy  # type: ignore[method-assign]
+    control.catalogue.emulated_loads.load = spy  # type: ignore[method-assign]
     submitted: list[ServedRequest] = []
     dispatcher_submit = control.dispatcher.submit
     control.dispatcher.submit = lambda req: (submitted.append(req), dispatcher_submit(req))[1]  # type: ignore
@@ -68,7 +68,7 @@ async def serve_burst(live: bool) -> dict[str, Any]:
         for node in control.pool.nodes():
             await node.refresh()
             stats[node.node_id] = node.stats
-        timing = control.catalogue.load_timing
+        timing = control.catalogue.emulated_loads.timing
         return {"loads": loads, "requests": list(submitted), "stats": stats,
                 "timing": dict(timing.stats.loads) if timing is not None else {}}
     finally:

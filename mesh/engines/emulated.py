@@ -26,12 +26,15 @@ What a real engine adds, and how it is made up here:
   (mesh.policy.live_scaling.layer_range_s), and the hidden states it would hand on (a range
   that stops before the last layer) or take in (one that starts after the first) are
   counted in `activation_bytes` (hidden size x tokens x 2 bytes a hop).
-- Live scaling on the cluster side (mesh.control.load_timing): an engine given its
+- Live scaling (mesh.control.load_timing, the twin's rules): an engine given its
   `layer_steps` (seconds after its load starts, layers usable from then) is loaded once its
-  first layer is in and serves with the layers it holds: until its last layer, an iteration
-  runs each layer once it is in (mesh.policy.live_scaling.solo_finish, what shadow
-  validation predicts from `layer_arrivals`); the requests of an iteration that waited for
-  layers are in `waited_for_layers`.
+  first layer is in and serves with the layers it holds, as the target of ZigZag: until
+  its last layer, an iteration runs the layers it holds and offers the rest to its partner
+  (`ask_partner`, mesh.node.lending: the partner's node lends its time), else runs each
+  layer once it is in (mesh.policy.live_scaling.solo_finish, what shadow validation
+  predicts from `layer_arrivals`); once whole, it recomputes the KV cache of the requests
+  whose layers the partner ran. Requests of an iteration that took longer than its
+  full-speed time are in `waited_for_layers`.
 """
 from __future__ import annotations
 
@@ -49,6 +52,8 @@ from mesh.policy.live_scaling import (
     activation_bytes,
     activation_s,
     layer_range_s,
+    recompute_s,
+    recompute_tokens,
     solo_finish,
     target_next,
 )
@@ -94,23 +99,25 @@ class WallPace:
 
     def __init__(self, catch_up_s: float = 0.05) -> None:
         self.catch_up_s = catch_up_s
-        self.due: float | None = None  # when the last iteration (or time lent) was due to end
+        self.due: float | None = None  # when the last iteration was due to end
+        self.lent_until = -math.inf  # the node's time lent to a live partner (`reserve`) ends then
 
     async def sleep(self, seconds: float) -> None:
-        """One iteration; one that starts before the node's lent time ends (`reserve`) runs after it."""
+        """One iteration; one that would start while the node's time is lent starts after it."""
         now = asyncio.get_running_loop().time()
-        late = now - self.due if self.due is not None else math.inf
-        self.due = (self.due if late <= self.catch_up_s else now) + seconds
+        start = max(now, self.lent_until)
+        late = start - self.due if self.due is not None else math.inf
+        self.due = (self.due if 0.0 <= late <= self.catch_up_s else start) + seconds
         await asyncio.sleep(max(0.0, self.due - now))
 
     def free_at(self, now: float) -> float:
-        """When the node's iteration in flight (or time lent) ends: now if none."""
-        return max(now, self.due) if self.due is not None else now
+        """When the node's iteration in flight and its lent time end: now if neither."""
+        return max(now, self.lent_until, self.due if self.due is not None else now)
 
     def reserve(self, until: float) -> None:
         """The node's time up to `until` is lent (a ZigZag partner runs another instance's
-        layers, mesh.node.lending): its next iteration runs after it."""
-        self.due = max(until, self.due) if self.due is not None else until
+        layers, mesh.node.lending): its next iteration starts after it."""
+        self.lent_until = max(self.lent_until, until)
 
 
 class EmulatedEngine(SimulatedEngine):
@@ -143,6 +150,8 @@ class EmulatedEngine(SimulatedEngine):
         self.link_bytes_per_s = 25e9  # the activation's link to the partner
         self.pulls = 0  # iterations of this (live) instance its partner finished
         self.lent = 0  # iterations of a live partner this (source) instance finished
+        self._pulled: set[str] = set()  # requests whose layers the partner ran (their KV is there)
+        self.recompute_tokens = 0  # KV recomputed once whole
 
     async def load(self) -> None:
         """Loaded after `load_s`; live (`layer_steps`), once the first layer is in."""
@@ -184,6 +193,8 @@ class EmulatedEngine(SimulatedEngine):
             return await self._live(seconds, arrivals)
         if self.ask_partner is not None:  # a full instance now: the partner link is done with
             await self._drop_partner()
+        if self._pulled:  # the switch (lambdaScale 4.4): the KV of the layers the partner ran is not here
+            seconds += self._recompute_s()
         if self.pace is None:
             await super()._pause(seconds)
         else:
@@ -206,6 +217,7 @@ class EmulatedEngine(SimulatedEngine):
                 after = await self.ask_partner(done, layers, work_s, hop, alone_s, max(1, self._tokens))
                 if after is not None:
                     self.pulls += 1
+                    self._pulled.update(self._batch)
                     if done:
                         self.activation_bytes += activation_bytes(self.hidden_size, max(1, self._tokens))
                     await asyncio.sleep(max(0.0, t + after - loop.time()))
@@ -222,6 +234,15 @@ class EmulatedEngine(SimulatedEngine):
             self.waited_for_layers.update(self._batch)
         if self.pace is not None:
             self.pace.due = loop.time()
+
+    def _recompute_s(self) -> float:
+        """The KV recomputation, once whole, of its running requests whose iterations its
+        partner finished (prompt + tokens so far, as prefills; the twin's WeightsEngine._switch)."""
+        tokens = [recompute_tokens(entry[0], self._rounds - entry[2] + 1)
+                  for rid, entry in self._running.items() if rid in self._pulled]
+        self._pulled.clear()
+        self.recompute_tokens += sum(tokens)
+        return recompute_s(self.times.prefill_s, tokens, self.prefill_token_budget)
 
     async def _drop_partner(self) -> None:
         link, self.ask_partner = self.ask_partner, None

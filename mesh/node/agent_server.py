@@ -295,16 +295,19 @@ class AgentServer:
 
     def _live_counts(self) -> dict[str, int]:
         """Live scaling's counts ({} where nothing was live): requests completed after an
-        iteration that waited for layers and those served late for it (mesh.node.runtime),
-        and the iterations its instances' ZigZag partners finished (`pulls`) or that its
-        instances finished for a live partner (`lent`), over the instances loaded now."""
+        iteration that waited for layers and those served late for it (NodeRequests.live),
+        the iterations its instances' ZigZag partners finished (`pulls`) or that its
+        instances finished for a live partner (`lent`), and the KV recomputed once whole,
+        over the instances loaded now."""
         engines = [i.engine for i in self.node.instances.values()]
         pulls = sum(getattr(e, "pulls", 0) for e in engines)
         lent = sum(getattr(e, "lent", 0) for e in engines)
-        if not (self.node.waited_for_layers or pulls or lent):
+        if not (self.requests.live.waited_for_layers or pulls or lent):
             return {}
-        return {"waited_for_layers": self.node.waited_for_layers, "late_for_layers": self.node.late_for_layers,
-                "pulls": pulls, "lent": lent}
+        live = self.requests.live
+        recomputed = sum(getattr(e, "recompute_tokens", 0) for e in engines)
+        return {"waited_for_layers": live.waited_for_layers, "late_for_layers": live.late_for_layers,
+                "pulls": pulls, "lent": lent, "recompute_tokens": recomputed}
 
     def _shutdown(self, m: Shutdown) -> Ack:
         asyncio.get_running_loop().call_later(0.05, self.stop)

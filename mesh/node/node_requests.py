@@ -14,6 +14,7 @@ from typing import Any, Callable
 from mesh.engines.engine_api import EngineError, EngineRequest, Sampling
 from mesh.node.control_connection import Refused
 from mesh.node.instance_host import InstanceHost
+from mesh.node.live_counts import LiveCounts
 from mesh.node.runtime import NodeRuntime
 from mesh.policy.admission import InstancePlan
 from mesh.policy.shadow import FailureCase
@@ -48,6 +49,7 @@ class NodeRequests:
         self.host = host
         self.send = send
         self.requests: dict[str, ServedRequest] = {}
+        self.live = LiveCounts()  # live scaling's: requests that waited for layers, served late for it
         node.on_evict = self._on_evict
 
     # ---- admission -----------------------------------------------------------------------
@@ -158,6 +160,9 @@ class NodeRequests:
 
     def _on_done(self, req: ServedRequest) -> None:
         self.requests.pop(req.request_id, None)
+        inst = self.node.instances.get(req.instance_id or "")
+        if inst is not None and req.outcome is Outcome.COMPLETED:
+            self.live.completed(inst.engine, req)
         self.send(DoneEvent(req.request_id, req.outcome.value if req.outcome else "failed",
                             req.finish_reason.value if req.finish_reason else None, req.detail, req.tokens_out,
                             _finite(req.ttft_s), _finite(req.tpot_s)))

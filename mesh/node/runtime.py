@@ -24,7 +24,6 @@ from mesh.policy.admission import Admission
 from mesh.policy.batching import IterationKind
 from mesh.policy.compute import ComputeSubsystem
 from mesh.policy.kv_demand import DEFAULT_WATERMARK
-from mesh.policy.live_scaling import late_for_layers
 from mesh.policy.memory import MemorySubsystem
 from mesh.policy.node_spec import NodeSpec
 from mesh.policy.shadow import DEFAULT_MARGIN
@@ -101,10 +100,6 @@ class NodeRuntime:
         self.busy_s = 0.0
         self.decode_tokens = 0  # tokens produced by decode iterations (throughput per node)
         self.prefill_tokens = 0  # prompt tokens prefilled
-        # Live scaling (an emulated engine serving before its last layer): requests completed
-        # after an iteration that waited for layers, and those of them served late for it.
-        self.waited_for_layers = 0
-        self.late_for_layers = 0
         # Tokens a request produced before this node took it (preempted or evicted
         # elsewhere and rescheduled here, LLM-Mesh 6.4, 7.1); absent for fresh requests.
         self._carried: dict[str, int] = {}
@@ -443,14 +438,9 @@ class NodeRuntime:
                 done.append((req, reason))
         self.compute.complete_iteration(inst.instance_id, result.kind, result.request_ids, result.finished, now)
         if done:
-            waited: set[str] = getattr(inst.engine, "waited_for_layers", set())
             for req, reason in done:
                 inst.memory.mean_output.add(req.tokens_out)
                 req.end(Outcome.COMPLETED, now, reason=reason)
-                if req.request_id in waited:
-                    waited.discard(req.request_id)
-                    self.waited_for_layers += 1
-                    self.late_for_layers += late_for_layers(True, True, req.slo_met, req.late_s != 0)
             if requests:
                 scale_down = self.memory.lazy_scale_down(inst.instance_id, self.admission.demand(inst.instance_id))
                 if scale_down is not None:

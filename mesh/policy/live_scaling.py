@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Collection, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from mesh.policy.layer_prefix import contiguous_blocks
 
@@ -352,3 +352,14 @@ def switch_assignment(requests: Sequence[tuple[str, str]], nodes: Sequence[str])
 def recompute_tokens(prompt_len: int, generated: int) -> int:
     """The prefill a request's KV recomputation at the switch costs: prompt + tokens so far."""
     return prompt_len + generated
+
+
+def recompute_s(prefill_s: Callable[[int], float], token_counts: Sequence[int], budget: int) -> float:
+    """The KV recomputation of requests of `token_counts` tokens (`recompute_tokens`), as
+    prefills of at most `budget` tokens each, each taking `prefill_s(tokens)` (lambdaScale 4.4)."""
+    total, left = 0.0, sum(token_counts)
+    while left > 0:
+        chunk = min(left, budget)
+        total += prefill_s(chunk)
+        left -= chunk
+    return total

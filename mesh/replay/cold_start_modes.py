@@ -65,7 +65,7 @@ from __future__ import annotations
 import asyncio
 import math
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING
 
 from mesh.control.load_timing import MODES, LiveRole, LoadTiming, WeightsConfig, stop_the_world_s
 from mesh.engines.engine_api import Engine, StepResult
@@ -80,6 +80,7 @@ from mesh.policy.live_scaling import (
     pipeline_iteration_s,
     pull_helps,
     pulled_finish,
+    recompute_s,
     recompute_tokens,
     solo_finish,
     source_pull,
@@ -87,7 +88,7 @@ from mesh.policy.live_scaling import (
     target_next,
 )
 
-__all__ = ["MODES", "Engines", "WeightsConfig", "WeightsEngine", "WeightsModel", "recompute_s", "stop_the_world_s"]
+__all__ = ["MODES", "Engines", "WeightsConfig", "WeightsEngine", "WeightsModel", "stop_the_world_s"]
 
 if TYPE_CHECKING:
     from typing import Callable
@@ -97,17 +98,6 @@ if TYPE_CHECKING:
     EngineFactory = Callable[[InstancePlan, str, float, int], Engine]  # mesh.replay.simulator.EngineFactory
 
 _EPS = 1e-9
-
-
-def recompute_s(times, token_counts: Sequence[int], budget: int) -> float:
-    """The KV recomputation of requests of `token_counts` tokens, as prefills of at most
-    `budget` tokens each (lambdaScale 4.4)."""
-    total, left = 0.0, sum(token_counts)
-    while left > 0:
-        chunk = min(left, budget)
-        total += times.prefill_s(chunk)
-        left -= chunk
-    return total
 
 
 # --- the replay side -----------------------------------------------------------------------
@@ -279,7 +269,7 @@ class WeightsEngine(SimulatedEngine):
         self.role = None
         if tokens:
             self._weights.stats.recompute_tokens += sum(tokens)
-            wait = recompute_s(self.times, tokens, self.prefill_token_budget)
+            wait = recompute_s(self.times.prefill_s, tokens, self.prefill_token_budget)
             self.busy_until = asyncio.get_running_loop().time() + wait
             await asyncio.sleep(wait)
 

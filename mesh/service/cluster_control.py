@@ -136,7 +136,7 @@ class ClusterControl:
                                                 queue_timeout_s=s.queue_timeout_s)
         self.catalogue = ModelCatalogue(self.cluster, self.dispatcher, _emulated_kinds(nodes, s.agent.emulate),
                                         formats, profile_dir=s.profile_dir, exact_moves=s.exact_moves)
-        self.catalogue.emulated_weights = s.emulated_weights if s.agent.emulate else None
+        self.catalogue.emulated_loads.weights = s.emulated_weights if s.agent.emulate else None
         self.cluster.holds_copy = self.catalogue.holds_copy
         self.pool = NodePool(self.cluster, self.dispatcher, s.agent, agent_factory, self.catalogue, s.start_timeout_s)
         self.requests = RequestPath(self.cluster, self.dispatcher, self.catalogue, self.pool.agents, formats)

@@ -30,8 +30,8 @@ from typing import Any, Callable, Iterator
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.agent_node import AgentNode, StartRefused
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.emulated_loads import EmulatedLoads
 from mesh.control.fleet import Fleet, ModelSpec
-from mesh.control.load_timing import EmulatedLoad, LoadTiming, WeightsConfig
 from mesh.control.weights_plane import ModelFormat, WeightsError, WeightsPlane
 from mesh.engines.emulation import PROFILE_PREFIX
 from mesh.modelfiles.formats import EMULATED, ENGINE_OF_KIND, FORMAT_NAMES, engine_for
@@ -76,10 +76,7 @@ class ModelCatalogue:
         self.profile_dir = profile_dir  # calibration profiles: <dir>/<model uid>[.<kind>].json
         self.exact_moves = exact_moves  # InstanceSpec.exact_moves for every instance
         self.weights: WeightsPlane | None = None  # once made (None: nodes load models from the registry's path)
-        # how emulated loads get their weights (ClusterSettings.emulated_weights; None: from host
-        # memory, ColdStart's load), made at the first such load, once the nodes are in
-        self.emulated_weights: WeightsConfig | None = None
-        self.load_timing: LoadTiming | None = None
+        self.emulated_loads = EmulatedLoads(cluster)  # how long an emulated load takes, and how it serves
         self.models: dict[str, DescribedModel] = {}
         self._describing: dict[str, asyncio.Future] = {}
         # requests of each model between their arrival and the dispatcher (described, tokenized
@@ -362,35 +359,9 @@ class ModelCatalogue:
         except ApiError as exc:  # told to tenants redacted: the node logs the operator's detail, its cause
             raise StartRefused(str(exc.__cause__ if exc.__cause__ is not None else exc)) from exc
         emulates = record.kind == EMULATED or self._emulates(record, node.kind)
-        load = self._emulated_load(plan, node) if emulates else None
         return InstanceSpec(plan.instance_id, record.uid, path, record.context_length, slo_to_dict(record.slo),
                             plan.max_batch, profile, self._engine(record, node.kind), exact_moves=self.exact_moves,
-                            emulated_load_s=load.load_s if load is not None else None,
-                            emulated_layers=load.layer_steps if load is not None else None,
-                            emulated_partner=self._partner(load) if load is not None else None)
-
-    def _emulated_load(self, plan: InstancePlan, node: AgentNode) -> EmulatedLoad:
-        """An emulated load takes the replay's engine's: ColdStart's (Fleet.simulated_load_s),
-        or, with `emulated_weights`, the load timing's (mesh.control.load_timing: multicast,
-        live scaling), the replay's WeightsModel's decision."""
-        if self.emulated_weights is None:
-            return EmulatedLoad(self.cluster.simulated_load_s(plan, node.kind))
-        if self.load_timing is None:
-            self.load_timing = LoadTiming(self.emulated_weights, self.cluster)
-        return self.load_timing.emulated_load(plan, node.node_id, plan.load_wait_s)
-
-    def _partner(self, load: EmulatedLoad) -> dict[str, Any] | None:
-        """A live load's ZigZag partner as its agent reaches it (InstanceSpec.emulated_partner):
-        the layer port of the partner's node and its token. None: no partner, or its agent has no port
-        (the live instance then serves alone)."""
-        if load.partner is None or load.layer_steps is None:
-            return None
-        partner = self.cluster.instance(load.partner)
-        peer = partner.node.layers_peer if partner is not None else None  # type: ignore[attr-defined]
-        if peer is None:
-            return None
-        return {"address": peer[0], "token": peer[1], "instance_id": load.partner,
-                "link_bytes_per_s": load.link_bytes_per_s}
+                            **(self.emulated_loads.spec_fields(plan, node) if emulates else {}))
 
     def holds_copy(self, model_uid: str, node: Any) -> bool:
         """Does `node` hold the model's weights for its kind (no transfer before a load)? Yes
