@@ -97,3 +97,51 @@ def test_a_scale_out_under_load_serves_from_the_loading_instance_before_its_last
     assert sum(c.get("late_for_layers", 0) for c in counts) == 0, counts
     print(f"live loads {len(live)}, first tokens before the last block {len(early)}, pulls {pulls}, "
           f"counts {counts}")
+
+
+# ---- the pieces, fast ---------------------------------------------------------------------------
+
+def test_a_partner_lends_its_node_time_only_when_idle_and_sooner_than_the_target_alone():
+    """mesh.node.lending.Lender decides as the twin's partner does (source_pull, lend_helps):
+    not while a request of its own waits for prefill, not when the target alone would end
+    sooner; a lend reserves its node's time, which its next iteration then waits for."""
+    from types import SimpleNamespace
+
+    from mesh.engines.emulated import WallPace
+    from mesh.engines.emulation import Emulation
+    from mesh.engines.engine_api import EngineRequest
+    from mesh.node.lending import Lender
+    from mesh.policy.live_scaling import pulled_finish
+    from mesh.wire.layers import Lend
+
+    async def main() -> None:
+        engine = Emulation("a100-80gb", noise=0.0, pace=WallPace()).engine("p", MODEL, "u", 4096, 64, 0.0)
+        lender = Lender({"p": SimpleNamespace(engine=engine, loaded=True)})
+        ask = Lend("p", 10, 40, 0.2, 0.001, 1.0, 100)
+        assert not lender.lend(Lend("q", 10, 40, 0.2, 0.001, 1.0, 100)).lent  # no such instance
+        engine.add_request(EngineRequest("own", 50, Sampling(max_tokens=4), list(range(50))))
+        busy = lender.lend(ask)
+        assert not busy.lent and "prefill" in busy.why
+        await engine.step()  # its prefill: nothing of its own waits now
+        assert not lender.lend(Lend("p", 10, 40, 0.2, 0.001, 0.05, 100)).lent  # the target alone is sooner
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        free = engine.pace.free_at(now)
+        lent = lender.lend(ask)
+        assert lent.lent and engine.lent == 1
+        assert lent.after_s == pytest.approx(pulled_finish(now, 0.2, 10, 40, free, 0.001) - now, abs=0.01)
+        before = loop.time()
+        await engine.step()  # its own decode waits for the lent time
+        assert loop.time() - before >= lent.after_s - 0.01
+
+    asyncio.run(main())
+
+
+def test_emulate_weights_is_a_checked_config_key():
+    from mesh.service.config import ConfigError, build_config
+
+    assert build_config({}, {"emulate": "a100-80gb:2", "emulate_weights": "multicast-live"}).emulate_weights == \
+        "multicast-live"
+    assert build_config({}, {}).emulate_weights == "cached"
+    with pytest.raises(ConfigError, match="emulate_weights"):
+        build_config({}, {"emulate": "a100-80gb:2", "emulate_weights": "pigeon"})
