@@ -70,7 +70,7 @@ async def run_live(workload: Workload, base: str, weights: WeightsConfig, gpu_no
         except ApiError as exc:
             errors.append(f"{exc.status}")
 
-    async def poll_live() -> None:  # an instance's counts go with it: the largest seen per node
+    async def poll_live() -> None:  # the KV recomputed goes with its instance: the largest seen per node
         while True:
             await asyncio.sleep(1.0)
             for node in control.pool.nodes():
@@ -87,6 +87,10 @@ async def run_live(workload: Workload, base: str, weights: WeightsConfig, gpu_no
         await asyncio.wait_for(asyncio.gather(*(one(a, start) for a in workload.arrivals)),
                                workload.duration_s + 300.0)
         wall = time.monotonic() - wall
+        for node in control.pool.nodes():  # the agents' counts at the end (they keep them for their life)
+            await node.refresh()
+            for key, value in node.stats.get("live", {}).items():
+                live[f"{node.node_id}:{key}"] = max(live.get(f"{node.node_id}:{key}", 0), value)
         timing = control.catalogue.emulated_loads.timing
         loads = dict(timing.stats.loads) if timing is not None else {}
     finally:

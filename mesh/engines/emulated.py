@@ -148,8 +148,6 @@ class EmulatedEngine(SimulatedEngine):
         # returns when that ends (seconds from now), or None
         self.ask_partner: Callable[[int, int, float, float, float, int], Awaitable[float | None]] | None = None
         self.link_bytes_per_s = 25e9  # the activation's link to the partner
-        self.pulls = 0  # iterations of this (live) instance its partner finished
-        self.lent = 0  # iterations of a live partner this (source) instance finished
         self._pulled: set[str] = set()  # requests whose layers the partner ran (their KV is there)
         self.recompute_tokens = 0  # KV recomputed once whole
 
@@ -216,7 +214,6 @@ class EmulatedEngine(SimulatedEngine):
                 alone_s = solo_finish(t, work_s, arrivals, done) - t
                 after = await self.ask_partner(done, layers, work_s, hop, alone_s, max(1, self._tokens))
                 if after is not None:
-                    self.pulls += 1
                     self._pulled.update(self._batch)
                     if done:
                         self.activation_bytes += activation_bytes(self.hidden_size, max(1, self._tokens))

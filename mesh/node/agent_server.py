@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -294,20 +295,13 @@ class AgentServer:
         )
 
     def _live_counts(self) -> dict[str, int]:
-        """Live scaling's counts ({} where nothing was live): requests completed after an
-        iteration that waited for layers and those served late for it (NodeRequests.live),
-        the iterations its instances' ZigZag partners finished (`pulls`) or that its
-        instances finished for a live partner (`lent`), and the KV recomputed once whole,
-        over the instances loaded now."""
-        engines = [i.engine for i in self.node.instances.values()]
-        pulls = sum(getattr(e, "pulls", 0) for e in engines)
-        lent = sum(getattr(e, "lent", 0) for e in engines)
-        if not (self.requests.live.waited_for_layers or pulls or lent):
+        """Live scaling's counts (mesh.node.live_counts; {} where nothing was live), and the KV
+        recomputed once whole by the instances loaded now."""
+        live = self.host.live
+        if not (live.waited_for_layers or live.pulls or live.lent):
             return {}
-        live = self.requests.live
-        recomputed = sum(getattr(e, "recompute_tokens", 0) for e in engines)
-        return {"waited_for_layers": live.waited_for_layers, "late_for_layers": live.late_for_layers,
-                "pulls": pulls, "lent": lent, "recompute_tokens": recomputed}
+        recomputed = sum(getattr(i.engine, "recompute_tokens", 0) for i in self.node.instances.values())
+        return {**dataclasses.asdict(live), "recompute_tokens": recomputed}
 
     def _shutdown(self, m: Shutdown) -> Ack:
         asyncio.get_running_loop().call_later(0.05, self.stop)
@@ -410,7 +404,8 @@ async def _amain(args: argparse.Namespace) -> int:
     address = await server.serve(args.listen)
     layers = None
     if emulation is not None:  # ZigZag's partners lend time to live instances there (mesh.node.lending)
-        layers = LayerHost(token, make_engine=_no_layer_files, lender=Lender(server.node.instances).lend)
+        lender = Lender(server.node.instances, server.host.live)
+        layers = LayerHost(token, make_engine=_no_layer_files, lender=lender.lend)
         host, port = parse_listen(args.layers_listen or "127.0.0.1:0")
         server.layers_address = await layers.start(host, port)
         print(f"{LAYERS_PREFIX}{server.layers_address}", flush=True)

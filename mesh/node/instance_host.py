@@ -25,6 +25,7 @@ from mesh.engines.parking import ParkingLot
 from mesh.node.control_connection import Refused
 from mesh.node.engine_host import iteration_times, make_engine
 from mesh.node.lending import PartnerLink
+from mesh.node.live_counts import LiveCounts
 from mesh.node.node_learning import NodeLearning
 from mesh.node.park_ahead import ParkAhead
 from mesh.node.runtime import NodeRuntime
@@ -73,6 +74,7 @@ class InstanceHost:
         self.send = send
         self.emulation = emulation
         self.weights = weights  # receives model blocks over the network (None: not hosted)
+        self.live = LiveCounts()  # live scaling's, on this node (mesh.node.live_counts)
         self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
         self.learning = learning  # the machine's speed and per-model times
         self.parking = parking  # stopped OpenVINO instances, built and warm
@@ -225,7 +227,7 @@ class InstanceHost:
             try:
                 token = partner.get("token")
                 engine.ask_partner = PartnerLink(Peer(str(partner["address"]), None if token is None else str(token)),
-                                                 str(partner["instance_id"]))
+                                                 str(partner["instance_id"]), self.live)
                 engine.link_bytes_per_s = float(partner["link_bytes_per_s"])
             except (KeyError, TypeError, ValueError) as exc:
                 raise Refused(Code.BAD_REQUEST, f"bad emulated_partner {partner!r}: {exc}") from exc

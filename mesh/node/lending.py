@@ -18,6 +18,7 @@ from typing import Any, Mapping
 
 from mesh.engines.emulated import EmulatedEngine
 from mesh.framing import ProtocolError
+from mesh.node.live_counts import LiveCounts
 from mesh.policy.live_scaling import ZigZagRequest, ZigZagState, lend_helps, pulled_finish, source_pull
 from mesh.wire.layers import LayerCallFailed, LayerConnection, Lend, Lent, Peer
 
@@ -27,8 +28,9 @@ log = logging.getLogger(__name__)
 class Lender:
     """The source side: answers a target's `lend` for one of this node's emulated instances."""
 
-    def __init__(self, instances: Mapping[str, Any]) -> None:
+    def __init__(self, instances: Mapping[str, Any], counts: LiveCounts) -> None:
         self.instances = instances  # the node runtime's: instance id -> NodeInstance
+        self.counts = counts
 
     def lend(self, m: Lend) -> Lent:
         inst = self.instances.get(m.model)
@@ -48,7 +50,7 @@ class Lender:
             return Lent(False, why="the target alone would end sooner")
         end = pulled_finish(now, m.work_s, pull.from_layer, m.layers, free, m.transfer_s)
         engine.pace.reserve(end)
-        engine.lent += 1
+        self.counts.lent += 1
         return Lent(True, end - now)
 
 
@@ -57,9 +59,10 @@ class PartnerLink:
     port. A partner that cannot be reached (or fails a call) is asked no more: the instance
     then serves alone with its layers, as shadow validation predicts."""
 
-    def __init__(self, peer: Peer, partner_instance: str) -> None:
+    def __init__(self, peer: Peer, partner_instance: str, counts: LiveCounts) -> None:
         self.peer = peer
         self.partner_instance = partner_instance
+        self.counts = counts
         self._conn: LayerConnection | None = None
         self._gone = False
 
@@ -78,7 +81,10 @@ class PartnerLink:
             self._gone = True
             return None
         lent = Lent.from_fields(reply)
-        return lent.after_s if lent.lent else None
+        if not lent.lent:
+            return None
+        self.counts.pulls += 1
+        return lent.after_s
 
     async def close(self) -> None:
         if self._conn is not None:

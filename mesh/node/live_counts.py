@@ -13,10 +13,14 @@ from mesh.wire.served_request import ServedRequest
 class LiveCounts:
     """Requests completed after an iteration of a live instance that waited for layers (the
     engine's `waited_for_layers`, mesh.engines.emulated), and those of them served late for
-    it (mesh.policy.live_scaling.late_for_layers, the twin's rule)."""
+    it (mesh.policy.live_scaling.late_for_layers, the twin's rule); iterations of this node's
+    live instances that their partners finished (`pulls`), and of other nodes' live
+    instances that this node finished (`lent`; mesh.node.lending). Kept for the agent's life."""
 
     waited_for_layers: int = 0
     late_for_layers: int = 0
+    pulls: int = 0
+    lent: int = 0
 
     def completed(self, engine: Any, req: ServedRequest) -> None:
         """`req` completed on `engine`'s instance: counted if one of its iterations waited."""

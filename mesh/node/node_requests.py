@@ -14,7 +14,6 @@ from typing import Any, Callable
 from mesh.engines.engine_api import EngineError, EngineRequest, Sampling
 from mesh.node.control_connection import Refused
 from mesh.node.instance_host import InstanceHost
-from mesh.node.live_counts import LiveCounts
 from mesh.node.runtime import NodeRuntime
 from mesh.policy.admission import InstancePlan
 from mesh.policy.shadow import FailureCase
@@ -49,7 +48,6 @@ class NodeRequests:
         self.host = host
         self.send = send
         self.requests: dict[str, ServedRequest] = {}
-        self.live = LiveCounts()  # live scaling's: requests that waited for layers, served late for it
         node.on_evict = self._on_evict
 
     # ---- admission -----------------------------------------------------------------------
@@ -162,7 +160,7 @@ class NodeRequests:
         self.requests.pop(req.request_id, None)
         inst = self.node.instances.get(req.instance_id or "")
         if inst is not None and req.outcome is Outcome.COMPLETED:
-            self.live.completed(inst.engine, req)
+            self.host.live.completed(inst.engine, req)
         self.send(DoneEvent(req.request_id, req.outcome.value if req.outcome else "failed",
                             req.finish_reason.value if req.finish_reason else None, req.detail, req.tokens_out,
                             _finite(req.ttft_s), _finite(req.tpot_s)))
