@@ -57,7 +57,7 @@ instance that admitted them (the runtime cannot move them), only the recompute c
 `switch_assignment`; shadow validation does not predict the partner's lent time or the
 switch's recomputation.
 
-Pure functions (`stop_the_world_s`, and mesh.policy.live_scaling's rules) have no clock;
+Pure functions (mesh.control.load_timing.stop_the_world_s, mesh.policy.live_scaling's rules) have no clock;
 the engines read time only from the event loop.
 """
 from __future__ import annotations
@@ -67,7 +67,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from mesh.control.load_timing import MODES, LiveRole, LoadTiming, WeightsConfig, stop_the_world_s
+from mesh.control.load_timing import LiveRole, LoadTiming, WeightsConfig
 from mesh.engines.engine_api import Engine, StepResult
 from mesh.engines.simulated import SimulatedEngine
 from mesh.policy.admission import InstancePlan
@@ -87,8 +87,6 @@ from mesh.policy.live_scaling import (
     switch_assignment,
     target_next,
 )
-
-__all__ = ["MODES", "Engines", "WeightsConfig", "WeightsEngine", "WeightsModel", "stop_the_world_s"]
 
 if TYPE_CHECKING:
     from typing import Callable

@@ -18,9 +18,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mesh.control.fleet import ClusterConfig
+from mesh.control.load_timing import MODES, WeightsConfig
 from mesh.perf.load_times import GIB, ColdStart
 from mesh.policy.live_scaling import late_for_layers
-from mesh.replay.cold_start_modes import MODES, Engines, WeightsConfig
+from mesh.replay.cold_start_modes import Engines
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy, trace_mean_output
 from mesh.replay.metrics import node_seconds, summarize
 from mesh.wire.served_request import Outcome
