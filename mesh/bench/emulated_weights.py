@@ -1,6 +1,6 @@
 """The bursty replay of docs/multicast.md live on emulated nodes, against its twin.
 
-`python -m mesh.bench.emulated_weights --model llama-2-13b --gpu-nodes 8 --minutes 5 --modes
+`mesh bench emulated-weights --model llama-2-13b --gpu-nodes 8 --minutes 5 --modes
 multicast,multicast-live --json out.json`: the workload of mesh.replay.weights_compare
 (`bursty_single_model`: the Azure conversation trace at its own timestamps, one model), once
 per weights mode through the service's cluster control (a `ClusterControl` over real
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -111,41 +110,41 @@ async def run_live(workload: Workload, base: str, weights: WeightsConfig, gpu_no
             "loads": loads, "live": totals, "wall_s": wall}
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mesh.bench.emulated_weights", description=__doc__.split("\n\n")[0])
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("emulated-weights", help="the bursty replay of docs/multicast.md live on emulated GPU nodes "
+                       "against its twin, per weights mode (live scaling on and off)")
     p.add_argument("--model", default="llama-2-13b")
     p.add_argument("--gpu-nodes", type=int, default=8)
     p.add_argument("--minutes", type=float, default=5.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--modes", default="multicast,multicast-live")
     p.add_argument("--net-gbit", type=float, default=200.0, help="per-GPU network bandwidth, Gbit/s")
-    p.add_argument("--json", metavar="PATH")
-    a = p.parse_args(argv)
-    modes = [m.strip() for m in a.modes.split(",") if m.strip()]
-    if any(m not in MODES for m in modes):
-        p.error(f"modes are {', '.join(MODES)}")
-    catalog = build_catalog([a.model])
-    max_total = catalog[a.model].profiles["gpu"].max_context
-    lengths = load_lengths(Path(DATA_DIR) / CONVERSATION_FILE)
-    workload = bursty_single_model(lengths, model=a.model, minutes=a.minutes, seed=a.seed, max_total=max_total)
-    prior = {a.model: trace_mean_output(lengths, max_total)}
-    weights = WeightsConfig(net_bytes_per_s=a.net_gbit * 1e9 / 8)
-    results: dict[str, Any] = {}
-    for mode in modes:
-        cfg = WeightsConfig(mode, net_bytes_per_s=weights.net_bytes_per_s)
-        twin = compare(workload, a.model, [mode], cfg, a.gpu_nodes, "sllm", 1.0, prior)[mode]
-        live = asyncio.run(run_live(workload, a.model, cfg, a.gpu_nodes))
-        results[mode] = {"live": live, "twin": twin}
-        print(f"{mode}: live TTFT p50/p90/p99 {live['ttft_p50_s']:.2f}/{live['ttft_p90_s']:.2f}/"
-              f"{live['ttft_p99_s']:.2f} s, SLO {live['slo_rate']:.1%}, loads {live['loads']}, {live['live']}; "
-              f"twin {twin['ttft_p50_s']:.2f}/{twin['ttft_p90_s']:.2f}/{twin['ttft_p99_s']:.2f} s, "
-              f"SLO {twin['slo_rate']:.1%}, loads {twin['loads']}, pulls {twin['live_pulls']}, "
-              f"late for layers {twin['late_missing_layers']}", flush=True)
-    if a.json:
-        Path(a.json).write_text(json.dumps({"args": vars(a), "requests": len(workload.arrivals), "results": results},
-                                           indent=1, default=str) + "\n")
-    return 0
+    p.add_argument("--json", type=Path, help="write both sides' figures per mode as JSON")
 
+    def go(a: argparse.Namespace) -> int:
+        modes = [m.strip() for m in a.modes.split(",") if m.strip()]
+        if any(m not in MODES for m in modes):
+            p.error(f"modes are {', '.join(MODES)}")
+        catalog = build_catalog([a.model])
+        max_total = catalog[a.model].profiles["gpu"].max_context
+        lengths = load_lengths(Path(DATA_DIR) / CONVERSATION_FILE)
+        workload = bursty_single_model(lengths, model=a.model, minutes=a.minutes, seed=a.seed, max_total=max_total)
+        prior = {a.model: trace_mean_output(lengths, max_total)}
+        results: dict[str, Any] = {}
+        for mode in modes:
+            cfg = WeightsConfig(mode, net_bytes_per_s=a.net_gbit * 1e9 / 8)
+            twin = compare(workload, a.model, [mode], cfg, a.gpu_nodes, "sllm", 1.0, prior)[mode]
+            live = asyncio.run(run_live(workload, a.model, cfg, a.gpu_nodes))
+            results[mode] = {"live": live, "twin": twin}
+            print(f"{mode}: live TTFT p50/p90/p99 {live['ttft_p50_s']:.2f}/{live['ttft_p90_s']:.2f}/"
+                  f"{live['ttft_p99_s']:.2f} s, SLO {live['slo_rate']:.1%}, loads {live['loads']}, {live['live']}; "
+                  f"twin {twin['ttft_p50_s']:.2f}/{twin['ttft_p90_s']:.2f}/{twin['ttft_p99_s']:.2f} s, "
+                  f"SLO {twin['slo_rate']:.1%}, loads {twin['loads']}, pulls {twin['live_pulls']}, "
+                  f"late for layers {twin['late_missing_layers']}", flush=True)
+        if a.json:
+            config = {k: v for k, v in vars(a).items() if k != "func"}
+            a.json.write_text(json.dumps({"config": config, "requests": len(workload.arrivals), "results": results},
+                                         indent=1, default=str) + "\n")
+        return 0
 
-if __name__ == "__main__":
-    sys.exit(main())
+    p.set_defaults(func=go)
