@@ -119,13 +119,13 @@ def test_a_partner_lends_its_node_time_only_when_idle_and_sooner_than_the_target
         engine = Emulation("a100-80gb", noise=0.0, pace=WallPace()).engine("p", MODEL, "u", 4096, 64, 0.0)
         counts = LiveCounts()
         lender = Lender({"p": SimpleNamespace(engine=engine, loaded=True)}, counts)
-        ask = Lend("p", 10, 40, 0.2, 0.001, 1.0, 100)
-        assert not lender.lend(Lend("q", 10, 40, 0.2, 0.001, 1.0, 100)).lent  # no such instance
+        ask = Lend("p", 10, 40, 0.2, 0.001, 1.0)
+        assert not lender.lend(Lend("q", 10, 40, 0.2, 0.001, 1.0)).lent  # no such instance
         engine.add_request(EngineRequest("own", 50, Sampling(max_tokens=4), list(range(50))))
         busy = lender.lend(ask)
         assert not busy.lent and "prefill" in busy.why
         await engine.step()  # its prefill: nothing of its own waits now
-        assert not lender.lend(Lend("p", 10, 40, 0.2, 0.001, 0.05, 100)).lent  # the target alone is sooner
+        assert not lender.lend(Lend("p", 10, 40, 0.2, 0.001, 0.05)).lent  # the target alone is sooner
         loop = asyncio.get_running_loop()
         now = loop.time()
         free = engine.pace.free_at(now)

@@ -144,9 +144,9 @@ class EmulatedEngine(SimulatedEngine):
         self.layer_arrivals: LayerArrivals | None = None  # live: usable layers on the loop's clock, once loading
         self.waited_for_layers: set[str] = set()  # requests of iterations that waited for layers
         # live, as the target of ZigZag (mesh.node.lending.PartnerLink): asks the partner to run
-        # layers [k, L) of an iteration (k, L, work s, activation hop s, alone s, tokens) and
-        # returns when that ends (seconds from now), or None
-        self.ask_partner: Callable[[int, int, float, float, float, int], Awaitable[float | None]] | None = None
+        # layers [k, L) of an iteration (k, L, work s, activation hop s, alone s) and returns
+        # when that ends (seconds from now), or None
+        self.ask_partner: Callable[[int, int, float, float, float], Awaitable[float | None]] | None = None
         self.link_bytes_per_s = 25e9  # the activation's link to the partner
         self._pulled: set[str] = set()  # requests whose layers the partner ran (their KV is there)
         self.recompute_tokens = 0  # KV recomputed once whole
@@ -212,7 +212,7 @@ class EmulatedEngine(SimulatedEngine):
             t = loop.time()
             if self.ask_partner is not None:
                 alone_s = solo_finish(t, work_s, arrivals, done) - t
-                after = await self.ask_partner(done, layers, work_s, hop, alone_s, max(1, self._tokens))
+                after = await self.ask_partner(done, layers, work_s, hop, alone_s)
                 if after is not None:
                     self._pulled.update(self._batch)
                     if done:

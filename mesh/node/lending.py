@@ -66,15 +66,15 @@ class PartnerLink:
         self._conn: LayerConnection | None = None
         self._gone = False
 
-    async def __call__(self, from_layer: int, layers: int, work_s: float, transfer_s: float, alone_s: float,
-                       tokens: int) -> float | None:
+    async def __call__(self, from_layer: int, layers: int, work_s: float, transfer_s: float,
+                       alone_s: float) -> float | None:
         if self._gone:
             return None
         try:
             if self._conn is None:
                 self._conn = await LayerConnection.open(self.peer, timeout_s=2.0)
             reply, _ = await self._conn.call(Lend(self.partner_instance, from_layer, layers, work_s, transfer_s,
-                                                  alone_s, tokens).to_header(0))
+                                                  alone_s).to_header(0))
         except (OSError, ConnectionError, ProtocolError, LayerCallFailed, asyncio.TimeoutError) as exc:
             log.warning("partner %s at %s: %s; the live instance serves alone", self.partner_instance,
                         self.peer.address, exc)

@@ -28,7 +28,7 @@ connection's first frame is `auth {token}` (the agent's token; any when it has n
     take     {model, request_ids}             -> {hidden: meta} + payload: kept outputs, removed
     release  {model, request_ids}             -> {}: free their KV caches (ended, moved)
     counters {}                               -> LayerCounters
-    lend     {model, from_layer, layers, work_s, transfer_s, alone_s, tokens}
+    lend     {model, from_layer, layers, work_s, transfer_s, alone_s}
                                               -> {lent, after_s, why}: an emulated node's
                                                  ZigZag (mesh.node.lending): the target of a
                                                  live scale-out asks its partner instance
@@ -142,7 +142,6 @@ Name = Annotated[str, Wire(_name)]  # a model, a path: 1 to MAX_NAME characters
 RequestIds = Annotated[tuple[str, ...], Wire(_ids)]
 LayerIndex = Annotated[int, Wire(lambda v, n: _int({n: v}, n, 0, 1 << 16))]
 Seconds = Annotated[float, Wire(_seconds)]
-Rows = Annotated[int, Wire(lambda v, n: _int({n: v}, n, 0, MAX_TOKENS))]  # tokens of a batch
 
 
 @dataclass(frozen=True, slots=True)
@@ -280,7 +279,7 @@ class Counters(_Named):
 class Lend(_Named):
     """An emulated target's iteration for its ZigZag partner (BlitzScale 5.2, Fig. 16): the
     partner instance `model` runs layers [from_layer, layers) of an iteration of full-speed
-    time `work_s` after its activation's hop (`transfer_s`, `tokens` rows), if that ends
+    time `work_s` after its activation's hop (`transfer_s`), if that ends
     within `alone_s`, when the target alone would end it (seconds from now)."""
 
     TAG = "lend"
@@ -290,7 +289,6 @@ class Lend(_Named):
     work_s: Seconds
     transfer_s: Seconds
     alone_s: Seconds
-    tokens: Rows
 
 
 @dataclass(frozen=True, slots=True)
