@@ -3,11 +3,12 @@
 The modes (`WeightsConfig.mode`: ssd, host, multicast, multicast-live) and what each models
 are in mesh.replay.cold_start_modes' docstring and docs/multicast.md ("Weights by network").
 This is the decision part, one for both sides: a replay's simulated engines
-(mesh.replay.cold_start_modes.WeightsModel) and the emulated nodes of `mesh serve`
-(ModelCatalogue.load_spec sends its decision in InstanceSpec.emulated_load_s and
-emulated_layers). `LoadTiming.loading` gives each new instance when it can serve and, live,
-its `LiveRole`: its usable layers over time (from the multicast's block arrivals) and its
-ZigZag partner or its execution pipeline, by the rules of mesh.policy.live_scaling.
+(mesh.replay.cold_start_modes.WeightsModel) and the emulated nodes of `mesh serve
+--emulate-weights` (mesh.control.emulated_loads sends its decision in InstanceSpec's
+emulated_load_s, emulated_layers and emulated_partner). `LoadTiming.loading` gives each
+new instance when it can serve and, live, its `LiveRole`: its usable layers over time (from
+the multicast's block arrivals) and its ZigZag partner or its execution pipeline, by the
+rules of mesh.policy.live_scaling.
 """
 from __future__ import annotations
 
