@@ -205,6 +205,8 @@ class EmulatedEngine(SimulatedEngine):
         rest to its partner (`ask_partner`: the partner's agent decides by `source_pull` and
         `lend_helps`); without one, it runs each layer once it is in (`solo_finish`)."""
         loop = asyncio.get_running_loop()
+        if self.pace is not None and self.pace.lent_until > loop.time():  # the node's lent time first
+            await asyncio.sleep(self.pace.lent_until - loop.time())
         start = loop.time()
         layers, done = arrivals.layers, 0
         hop = activation_s(self.hidden_size, max(1, self._tokens), self.link_bytes_per_s)
