@@ -303,7 +303,7 @@ def test_a_local_agent_process_runs_the_rule_it_is_given(rule):
         try:
             assert await agent.wait_up(60.0), agent.last_error
             stats = await agent.client.call_message({"t": "stats"}, 10.0)
-            hello = await agent.client.call_message({"t": "hello", "token": agent._token}, 10.0)
+            hello = await agent.client.call_message({"t": "hello", "token": agent.token}, 10.0)
         finally:
             await agent.stop()
         return stats["deadlines"], hello["deadlines"]

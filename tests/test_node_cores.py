@@ -64,7 +64,7 @@ def test_a_real_agent_runs_probes_and_reports_on_its_own_core(tmp_path):
                 await asyncio.sleep(0.2)
             assert stats["learnt"]["speed"]["cores"] == [core] and stats["learnt"]["speed"]["threads"] == 1
             assert stats["learnt"]["cores"] == [core]
-            hello = await agent.client.call_message({"t": "hello", "token": agent._token}, 10.0)
+            hello = await agent.client.call_message({"t": "hello", "token": agent.token}, 10.0)
             assert hello["cpu"]["core_set"] == [core]
         finally:
             await agent.stop()

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from mesh.control.load_timing import WeightsConfig, stop_the_world_s
 from mesh.perf.load_times import CostModel, estimate
-from mesh.replay.cold_start_modes import WeightsConfig, stop_the_world_s
 from mesh.replay.driver import build_catalog
 from mesh.replay.weights_compare import compare, table
 from workloads.workload import Arrival, Workload

@@ -9,7 +9,7 @@ from mesh.commands import register_all
 BENCHES = ["adapter_turns",
            "closed_loop", "coldstart", "control_plane", "core", "fidelity", "engine", "interference", "learning",
            "many_models",
-           "live_scale_out", "weights_multicast",
+           "live_scale_out", "weights_multicast", "emulated_weights",
            "replay_speed", "serve_load", "soak", "tokens"]
 
 

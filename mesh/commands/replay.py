@@ -11,6 +11,8 @@ from typing import Any
 
 from mesh.control.dispatcher import DEFAULT_RETRY_INTERVAL_S
 from mesh.control.fleet import ClusterConfig, check_cluster
+from mesh.control.load_timing import MODES as WEIGHT_MODES
+from mesh.control.load_timing import WeightsConfig
 from mesh.control.schedulers import POLICIES, UnknownScheduler, scheduler_spec
 from mesh.engines.simulated import SIMULATED_NOISE
 from mesh.perf.load_times import PCIE_BYTES_PER_S, ColdStart
@@ -20,8 +22,7 @@ from mesh.policy.dispatch_rules import ADMISSIONS
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.policy.slo import DeadlineRule
 from mesh.replay.capacity import DEFAULT_REL_TOL, DEFAULT_TARGET, RunCache, search_capacity
-from mesh.replay.cold_start_modes import MODES as WEIGHT_MODES
-from mesh.replay.cold_start_modes import Engines, WeightsConfig
+from mesh.replay.cold_start_modes import Engines
 from mesh.replay.driver import (
     DEFAULT_CPU_DEVICE,
     DEFAULT_GPU_DEVICE,

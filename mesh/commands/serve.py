@@ -105,6 +105,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="run N emulated nodes of each profiled device instead of this machine's, e.g. "
                              "xeon-6462c:4,a100-80gb:4: real node agents whose engines take the device's profile "
                              "times; the operator registers emulated models by catalog name (docs/service.md)")
+    parser.add_argument("--emulate-weights", default=None,
+                        choices=("cached", "ssd", "host", "multicast", "multicast-live"),
+                        help="where emulated nodes' loads get their weights, as `mesh replay --weights`: cached "
+                             "(host memory), ssd, host, multicast, or multicast-live (a new instance serves before "
+                             "its last layer, ZigZag with a full one; docs/multicast.md) (default: cached)")
     parser.add_argument("--vllm-cpu", action="store_true",
                         help="also start a vLLM-on-CPU node agent (tests the GPU path without a GPU; "
                              "same as MESH_VLLM_CPU_NODE=1; needs .venv-vllm from scripts/setup.sh)")
@@ -136,7 +141,7 @@ def run(args: argparse.Namespace) -> int:
                                          "profile_dir", "log_level", "tls_cert", "tls_key", "quota_models",
                                          "quota_model_gb", "quota_concurrent_requests", "quota_requests_per_s",
                                          "quota_burst", "prepare_formats", "queue_capacity", "queue_timeout_s",
-                                         "admission", "emulate", "watchdog_min_s")}
+                                         "admission", "emulate", "emulate_weights", "watchdog_min_s")}
     try:
         file_values = read_config_file(args.config) if args.config else {}
         config = build_config(file_values, cli)

@@ -133,6 +133,15 @@ class AgentNode(ClusterNode):
         return self.agent.spec
 
     @property
+    def layers_peer(self) -> tuple[str, str | None] | None:
+        """The agent's layer port and its token (an emulating agent lends time to live
+        instances there, mesh.node.lending); None while it has none or is down."""
+        client = self.agent.client
+        if client is None or client.hello is None or client.hello.layers is None:
+            return None
+        return client.hello.layers, self.agent.token
+
+    @property
     def _client(self) -> AgentClient:
         """The connection to the agent; AgentDown while there is none."""
         client = self.agent.client

@@ -57,7 +57,7 @@ class RemoteAgent(AgentHandle):
         self._source: AddressSource | None = None if isinstance(address, str) else address
         self.address = address if isinstance(address, str) else ""
         self._where = where
-        self._token = token
+        self.token = token
 
     @property
     def location(self) -> str:
@@ -106,7 +106,7 @@ class RemoteAgent(AgentHandle):
             self.address = await asyncio.wait_for(self._source(), self.settings.start_timeout_s)
         client = AgentClient(self.node_id, lambda m: self.on_event(self, m), lambda reason: self._gone.set(),
                              self.settings.heartbeat_s, self.settings.heartbeat_timeout_s)
-        hello = await client.connect(self.address, self._token, self.settings.start_timeout_s)
+        hello = await client.connect(self.address, self.token, self.settings.start_timeout_s)
         if hello.node_id != self.node_id:
             await client.close()
             raise ValueError(f"the agent at {self.address} is node {hello.node_id!r}, not {self.node_id!r}")

@@ -166,6 +166,7 @@ class AgentHandle:
         self.restarts = 0
         self.last_error = ""
         self.generation = 0  # increments at every (re)connection: instances belong to one generation
+        self.token: str | None = None  # the agent's token: its connection's, and its layer port's
         self._task: asyncio.Task | None = None
         self._stopping = False
         self._up = asyncio.Event()
@@ -218,7 +219,7 @@ class LocalAgent(AgentHandle):
                  settings: AgentSettings | None = None) -> None:
         super().__init__(spec, on_up, on_down, on_event, settings)
         self.process: asyncio.subprocess.Process | None = None
-        self._token = secrets.token_urlsafe(24)
+        self.token: str = secrets.token_urlsafe(24)
         self._watchers: set[asyncio.Task] = set()
 
     @property
@@ -310,7 +311,7 @@ class LocalAgent(AgentHandle):
         # only the agent's own secrets (worker_env drops the service's admin and metrics tokens)
         device = self.settings.emulate.get(self.node_id)
         # GPU agents: their device (an emulated one has none)
-        env = worker_env(MESH_AGENT_TOKEN=self._token, **({} if device else agent_env(self.spec)))
+        env = worker_env(MESH_AGENT_TOKEN=self.token, **({} if device else agent_env(self.spec)))
         cmd = [sys.executable, "-m", "mesh.agent", "--listen", "127.0.0.1:0", "--node-id", self.node_id,
                "--kind", self.spec.kind, "--memory-bytes", str(self.spec.memory_bytes), "--exit-with-parent",
                "--log-level", self.settings.log_level, "--deadlines", str(self.settings.deadlines)]
@@ -346,7 +347,7 @@ class LocalAgent(AgentHandle):
         client = AgentClient(self.node_id, lambda m: self.on_event(self, m), lambda reason: self._gone.set(),
                              self.settings.heartbeat_s, self.settings.heartbeat_timeout_s)
         self.client = client
-        await client.connect(address, self._token)
+        await client.connect(address, self.token)
 
     async def _read_address(self) -> str:
         assert self.process is not None and self.process.stdout is not None

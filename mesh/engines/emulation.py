@@ -29,7 +29,7 @@ import json
 import zlib
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 from mesh.engines.emulated import EmulatedEngine, WallPace
 from mesh.engines.engine_api import EngineError
@@ -85,11 +85,12 @@ class Emulation:
             raise EngineError(f"cannot emulate {shown} on {self.device}: {exc}") from exc
 
     def engine(self, instance_id: str, model: str, uid: str, context_window: int | None, max_batch: int,
-               load_s: float | None) -> EmulatedEngine:
+               load_s: float | None, layer_steps: Sequence[tuple[float, int]] | None = None) -> EmulatedEngine:
         """An instance of catalog model `model` (registered as `uid`) on this device. Its load
         takes `load_s`, what the replay's simulated engine's takes (InstanceSpec.emulated_load_s:
         the wait for the node's loads under way and the weights' load, not the KV cache
-        allocation, which the node runtime does after it), else ColdStart's load of its weights."""
+        allocation, which the node runtime does after it), else ColdStart's load of its weights;
+        with `layer_steps` (InstanceSpec.emulated_layers) it serves from its first layer on."""
         p = self.profile(model)
         window = min(context_window or p.max_context, p.max_context)
         layers, hidden = layers_and_hidden(model)
@@ -98,6 +99,7 @@ class Emulation:
         return EmulatedEngine(uid, PerformanceModel(p), kv_bytes_per_token=p.kv_bytes_per_token,
                               weight_bytes=p.weight_bytes, context_window=window, max_batch=max_batch,
                               load_s=load_s, noise=self.noise, pace=self.pace, num_layers=layers, hidden_size=hidden,
+                              layer_steps=layer_steps,
                               seed=zlib.crc32(f"{self.seed}:{instance_id}".encode()))
 
 

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import ipaddress
 import json
 import logging
@@ -53,6 +54,7 @@ from typing import Any, Sequence
 from mesh import native_heap
 from mesh.engines.background_prepare import BackgroundPreparer
 from mesh.engines.emulation import Emulation
+from mesh.engines.engine_api import EngineError
 from mesh.engines.parking import ParkingLot
 from mesh.engines.simulated import SIMULATED_NOISE
 from mesh.engines.worker_process import worker_env
@@ -61,6 +63,7 @@ from mesh.node.control_connection import ControlConnection, Refused
 from mesh.node.engine_host import make_engine
 from mesh.node.instance_host import InstanceHost
 from mesh.node.layer_host import LAYERS_PREFIX, LayerHost
+from mesh.node.lending import Lender
 from mesh.node.model_fronts import ModelFronts
 from mesh.node.node_learning import NodeLearning
 from mesh.node.node_requests import NodeRequests
@@ -127,6 +130,7 @@ class AgentServer:
         instances are planned around it (0: nothing reserved, the worker's default bound)."""
         self.spec = spec
         self.emulation = emulation
+        self.layers_address: str | None = None  # its layer port, once listening (`hello` tells it)
         self.weights = weights
         self.cpu = cpu or {}
         self.node = NodeRuntime(spec, record_iterations=True, deadlines=deadlines, watchdog=True,
@@ -263,7 +267,7 @@ class AgentServer:
                           PROTOCOL_VERSION, self.node.deadlines.value,
                           self.emulation.device if self.emulation is not None else None,
                           self.weights.info() if self.weights is not None else None,
-                          [self.host.view(i) for i in self.node.instances.values()])
+                          [self.host.view(i) for i in self.node.instances.values()], self.layers_address)
 
     def _abort(self, m: Abort) -> Ack:
         self.models.abort_tokenize(m.request_id)  # still being tokenized: its job leaves the tokenizer's queue
@@ -287,11 +291,26 @@ class AgentServer:
             kv_bytes_in_use=self.node.kv_bytes_in_use(), deadlines=self.node.deadlines.value,
             learnt=self.learning.view(), parked=self.parking.view(), parked_ahead=self.ahead.view(),
             emulate=self.emulation.device if self.emulation is not None else None,
+            live=self._live_counts(),
         )
+
+    def _live_counts(self) -> dict[str, int]:
+        """Live scaling's counts (mesh.node.live_counts; {} where nothing was live), and the KV
+        recomputed once whole by the instances loaded now."""
+        live = self.host.live
+        if not (live.waited_for_layers or live.pulls or live.lent):
+            return {}
+        recomputed = sum(getattr(i.engine, "recompute_tokens", 0) for i in self.node.instances.values())
+        return {**dataclasses.asdict(live), "recompute_tokens": recomputed}
 
     def _shutdown(self, m: Shutdown) -> Ack:
         asyncio.get_running_loop().call_later(0.05, self.stop)
         return Ack()
+
+
+def _no_layer_files(*_args: Any, **_kwargs: Any) -> Any:
+    """An emulating node's layer host opens no model files: it only lends time (`lend`)."""
+    raise EngineError("an emulating node runs no layer files: its layer port only lends time to live instances")
 
 
 def _warm_openvino() -> None:
@@ -384,7 +403,13 @@ async def _amain(args: argparse.Namespace) -> int:
                          tokenizer_bytes=_tokenizer_bytes(args))
     address = await server.serve(args.listen)
     layers = None
-    if args.layers_listen:  # decoder layer ranges and activations between agents (mesh.node.layer_host)
+    if emulation is not None:  # ZigZag's partners lend time to live instances there (mesh.node.lending)
+        lender = Lender(server.node.instances, server.host.live)
+        layers = LayerHost(token, make_engine=_no_layer_files, lender=lender.lend)
+        host, port = parse_listen(args.layers_listen or "127.0.0.1:0")
+        server.layers_address = await layers.start(host, port)
+        print(f"{LAYERS_PREFIX}{server.layers_address}", flush=True)
+    elif args.layers_listen:  # decoder layer ranges and activations between agents (mesh.node.layer_host)
         # its forward passes run in a thread of this process and hold the GIL between torch's
         # kernels: a short switch interval keeps the loop (weights, replies) waiting less for it
         sys.setswitchinterval(0.0005)
@@ -392,7 +417,8 @@ async def _amain(args: argparse.Namespace) -> int:
         if weights is not None:
             weights.on_block = layers.on_block
         host, port = parse_listen(args.layers_listen)
-        print(f"{LAYERS_PREFIX}{await layers.start(host, port)}", flush=True)
+        server.layers_address = await layers.start(host, port)
+        print(f"{LAYERS_PREFIX}{server.layers_address}", flush=True)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, server.stop)

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from mesh.engines.background_prepare import NEXT_LOAD_S, BackgroundPreparer
+from mesh.engines.emulated import EmulatedEngine
 from mesh.engines.emulation import ENGINE as EMULATED
 from mesh.engines.emulation import Emulation, model_of_profile
 from mesh.engines.engine_api import EngineError
@@ -23,6 +24,8 @@ from mesh.engines.openvino_process import OpenVINOProcessEngine
 from mesh.engines.parking import ParkingLot
 from mesh.node.control_connection import Refused
 from mesh.node.engine_host import iteration_times, make_engine
+from mesh.node.lending import PartnerLink
+from mesh.node.live_counts import LiveCounts
 from mesh.node.node_learning import NodeLearning
 from mesh.node.park_ahead import ParkAhead
 from mesh.node.runtime import NodeRuntime
@@ -47,6 +50,7 @@ from mesh.wire.agent_protocol import (
     WeightsPathReply,
     slo_from_dict,
 )
+from mesh.wire.layers import Peer
 from mesh.wire.served_request import Outcome
 
 log = logging.getLogger(__name__)
@@ -70,6 +74,7 @@ class InstanceHost:
         self.send = send
         self.emulation = emulation
         self.weights = weights  # receives model blocks over the network (None: not hosted)
+        self.live = LiveCounts()  # live scaling's, on this node (mesh.node.live_counts)
         self.load_roots = [Path(r) for r in load_roots] + ([Path(weights.root)] if weights is not None else [])
         self.learning = learning  # the machine's speed and per-model times
         self.parking = parking  # stopped OpenVINO instances, built and warm
@@ -212,11 +217,21 @@ class InstanceHost:
             raise Refused(Code.BAD_REQUEST, f"{path} is outside this agent's model folders ({roots}); send the "
                           "model to the node (weights plane) or start the agent with --models-root DIR")
 
-    def emulated(self, spec: InstanceSpec) -> Any:
+    def emulated(self, spec: InstanceSpec) -> EmulatedEngine:
         """An emulated instance of the catalog model `spec.path` on this node's device."""
         assert self.emulation is not None
-        return self.emulation.engine(spec.instance_id, spec.path, spec.model, spec.context_window,
-                                     spec.max_num_seqs, spec.emulated_load_s)
+        engine = self.emulation.engine(spec.instance_id, spec.path, spec.model, spec.context_window,
+                                       spec.max_num_seqs, spec.emulated_load_s, spec.emulated_layers)
+        partner = spec.emulated_partner
+        if partner is not None and spec.emulated_layers:  # live: ZigZag with it (mesh.node.lending)
+            try:
+                token = partner.get("token")
+                engine.ask_partner = PartnerLink(Peer(str(partner["address"]), None if token is None else str(token)),
+                                                 str(partner["instance_id"]), self.live)
+                engine.link_bytes_per_s = float(partner["link_bytes_per_s"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise Refused(Code.BAD_REQUEST, f"bad emulated_partner {partner!r}: {exc}") from exc
+        return engine
 
     def times_for(self, spec: InstanceSpec, weight_bytes: int) -> AdaptiveTimes:
         """The instance's predicted iteration times: an emulated model's from its catalog

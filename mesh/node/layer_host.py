@@ -33,6 +33,8 @@ from mesh.wire.layers import (
     LayerCallFailed,
     LayerConnection,
     LayerCounters,
+    Lend,
+    Lent,
     ModelState,
     Open,
     Peer,
@@ -89,9 +91,12 @@ def _join(parts: list[HiddenStates]) -> HiddenStates:
 
 class LayerHost:
     def __init__(self, token: str | None = None, roots: tuple[Path, ...] = (),
-                 make_engine: Callable[..., Any] | None = None) -> None:
+                 make_engine: Callable[..., Any] | None = None,
+                 lender: Callable[[Lend], Lent] | None = None) -> None:
         """`roots`: folders whose files `open` may read (the agent's model folders and its
-        weights folder). `make_engine`: the engine class (default mesh.engines.torch_layers)."""
+        weights folder). `make_engine`: the engine class (default mesh.engines.torch_layers).
+        `lender`: answers `lend` (an emulating node's ZigZag, mesh.node.lending)."""
+        self.lender = lender
         self.token = token or None
         self.roots = tuple(Path(r).resolve() for r in roots)
         self.models: dict[str, _Model] = {}
@@ -228,6 +233,10 @@ class LayerHost:
             return {}, b""
         if kind == "counters":
             return self.counters.to_fields(), b""
+        if kind == "lend":
+            if self.lender is None:
+                raise ProtocolError("this node lends no time: it does not emulate")
+            return self.lender(Lend.from_header(h)).to_fields(), b""
         raise ProtocolError(f"unknown layer message {kind!r}")
 
     def _model(self, name: str) -> _Model:

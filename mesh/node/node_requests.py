@@ -159,6 +159,9 @@ class NodeRequests:
 
     def _on_done(self, req: ServedRequest) -> None:
         self.requests.pop(req.request_id, None)
+        inst = self.node.instances.get(req.instance_id or "")
+        if inst is not None and req.outcome is Outcome.COMPLETED:
+            self.host.live.completed(inst.engine, req)
         self.send(DoneEvent(req.request_id, req.outcome.value if req.outcome else "failed",
                             req.finish_reason.value if req.finish_reason else None, req.detail, req.tokens_out,
                             _finite(req.ttft_s), _finite(req.tpot_s)))

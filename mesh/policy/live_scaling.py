@@ -27,7 +27,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
-from typing import Collection, Mapping, Sequence
+from typing import Callable, Collection, Mapping, Sequence
 
 from mesh.policy.layer_prefix import contiguous_blocks
 
@@ -131,6 +131,13 @@ def solo_finish(start: float, work_s: float, arrivals: LayerArrivals, from_layer
     for layer in range(from_layer, arrivals.layers):
         t = max(t, arrivals.layer_at(layer)) + per
     return t
+
+
+def late_for_layers(waited: bool, completed: bool, slo_met: bool, served_late: bool) -> bool:
+    """A request served late because of missing layers, what shadow validation must never
+    admit: completed past its SLO, though placed to be on time (not served late on
+    purpose), with an iteration that waited for layers on a live instance."""
+    return waited and completed and not slo_met and not served_late
 
 
 # --- partial-instance times ------------------------------------------------------------------
@@ -251,8 +258,15 @@ def pull_helps(now: float, work_s: float, from_layer: int, arrivals: LayerArriva
                transfer_s: float) -> bool:
     """Mesh's guard on a pull: it must end no later than the target alone would (so a
     prediction of the target alone, `solo_finish`, bounds what the pair serves)."""
-    return pulled_finish(now, work_s, from_layer, arrivals.layers, source_free_s, transfer_s) <= \
-        solo_finish(now, work_s, arrivals, from_layer)
+    return lend_helps(now, work_s, from_layer, arrivals.layers, source_free_s, transfer_s,
+                      solo_finish(now, work_s, arrivals, from_layer))
+
+
+def lend_helps(now: float, work_s: float, from_layer: int, layers: int, source_free_s: float, transfer_s: float,
+               alone_end_s: float) -> bool:
+    """`pull_helps` where the source decides (its agent knows when it is free, the target
+    when it would end alone, `alone_end_s`): the pull ends no later than that."""
+    return pulled_finish(now, work_s, from_layer, layers, source_free_s, transfer_s) <= alone_end_s
 
 
 # --- execution pipelines (lambdaScale 4.3-4.4) --------------------------------------------------
@@ -338,3 +352,14 @@ def switch_assignment(requests: Sequence[tuple[str, str]], nodes: Sequence[str])
 def recompute_tokens(prompt_len: int, generated: int) -> int:
     """The prefill a request's KV recomputation at the switch costs: prompt + tokens so far."""
     return prompt_len + generated
+
+
+def recompute_s(prefill_s: Callable[[int], float], token_counts: Sequence[int], budget: int) -> float:
+    """The KV recomputation of requests of `token_counts` tokens (`recompute_tokens`), as
+    prefills of at most `budget` tokens each, each taking `prefill_s(tokens)` (lambdaScale 4.4)."""
+    total, left = 0.0, sum(token_counts)
+    while left > 0:
+        chunk = min(left, budget)
+        total += prefill_s(chunk)
+        left -= chunk
+    return total

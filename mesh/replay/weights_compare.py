@@ -18,8 +18,10 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from mesh.control.fleet import ClusterConfig
+from mesh.control.load_timing import MODES, WeightsConfig
 from mesh.perf.load_times import GIB, ColdStart
-from mesh.replay.cold_start_modes import MODES, Engines, WeightsConfig
+from mesh.policy.live_scaling import late_for_layers
+from mesh.replay.cold_start_modes import Engines
 from mesh.replay.driver import ReplayConfig, build_catalog, run_policy, trace_mean_output
 from mesh.replay.metrics import node_seconds, summarize
 from mesh.wire.served_request import Outcome
@@ -29,10 +31,9 @@ from workloads.workload import Workload, bursty_single_model
 
 
 def late_for_missing_layers(requests, waited: set[str]) -> int:
-    """Requests served (completed) past their SLO, though placed to be on time (not served
-    late on purpose), with an iteration that waited for layers on a live instance."""
-    return sum(1 for r in requests if r.request_id in waited and r.outcome is Outcome.COMPLETED
-               and not r.slo_met and r.late_s == 0)
+    """Requests served late because of missing layers (mesh.policy.live_scaling.late_for_layers)."""
+    return sum(1 for r in requests if late_for_layers(r.request_id in waited, r.outcome is Outcome.COMPLETED,
+                                                      r.slo_met, r.late_s != 0))
 
 
 def compare(workload: Workload, base: str, modes: Sequence[str], weights: WeightsConfig, gpu_nodes: int,

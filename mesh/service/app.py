@@ -354,6 +354,7 @@ async def _stop_step(what: str, work: Awaitable[None], timeout_s: float, hurry: 
 async def run_service(config: ServeConfig, ready: Any = print) -> int:
     """Start everything, print the ready line, serve until SIGINT/SIGTERM, drain, stop. The
     process's main (`mesh serve`): once it is signalled, the process ends within a bound (`_Signals`)."""
+    from mesh.control.load_timing import WeightsConfig
     from mesh.control.remote_agents import RemoteAgent, parse_remote
     from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
     from mesh.control.weights_plane import WeightsPlane, WeightsSettings
@@ -395,6 +396,8 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
         policy=config.policy, cold_start_s=config.cold_start_s, keep_alive_s=config.keep_alive_s,
         exact_moves=config.exact_moves, queue_capacity=config.queue_capacity, queue_timeout_s=config.queue_timeout_s,
         admission=config.admission,
+        emulated_weights=(WeightsConfig(config.emulate_weights, plan=config.weights_plan)
+                          if config.emulate and config.emulate_weights != "cached" else None),
         profile_dir=str(config.profile_dir) if config.profile_dir else None,
         agent=AgentSettings(heartbeat_timeout_s=config.heartbeat_timeout_s, log_level=config.log_level,
                             weights_root=str(data_dir / "nodes"), weights_token=weights_token,

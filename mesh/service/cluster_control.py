@@ -30,6 +30,7 @@ from typing import Any, Callable, Protocol
 from mesh.control.agent_node import AgentNode
 from mesh.control.dispatcher import Dispatcher
 from mesh.control.fleet import LIVE_USAGE_ENTRIES, ClusterConfig, Fleet
+from mesh.control.load_timing import WeightsConfig
 from mesh.control.node_pool import NodePool
 from mesh.control.supervisor import AgentHandle, AgentSettings, LocalAgent
 from mesh.control.weights_plane import WeightsPlane
@@ -109,6 +110,9 @@ class ClusterSettings:
     admission: str = ADMIT_REJECT  # the default admission choice (mesh.policy.dispatch_rules.ADMISSIONS)
     exact_moves: bool = False  # InstanceSpec.exact_moves for every instance (mesh serve --exact-moves)
     agent: AgentSettings = field(default_factory=AgentSettings)
+    # emulated nodes' loads by the replay's weights model (mesh.control.load_timing: multicast,
+    # live scaling); None: from host memory (ColdStart)
+    emulated_weights: WeightsConfig | None = None
 
 
 class ClusterControl:
@@ -132,6 +136,7 @@ class ClusterControl:
                                                 queue_timeout_s=s.queue_timeout_s)
         self.catalogue = ModelCatalogue(self.cluster, self.dispatcher, _emulated_kinds(nodes, s.agent.emulate),
                                         formats, profile_dir=s.profile_dir, exact_moves=s.exact_moves)
+        self.catalogue.emulated_loads.weights = s.emulated_weights if s.agent.emulate else None
         self.cluster.holds_copy = self.catalogue.holds_copy
         self.pool = NodePool(self.cluster, self.dispatcher, s.agent, agent_factory, self.catalogue, s.start_timeout_s)
         self.requests = RequestPath(self.cluster, self.dispatcher, self.catalogue, self.pool.agents, formats)
@@ -294,6 +299,9 @@ def _cold_start(s: ClusterSettings) -> ColdStart:
     """The service's cold-start model: on emulated nodes the replay's, with the emulated
     GPU's host-to-GPU bandwidth (mesh.engines.emulation.emulated_cold_start)."""
     kw: dict[str, Any] = {"fixed_s": s.cold_start_s, "net_bytes_per_s": DEFAULT_TRANSFER_BYTES_PER_S}
+    if s.agent.emulate and s.emulated_weights is not None:  # the policies expect an uncontended load, as the replay's
+        nominal = s.emulated_weights.nominal_bytes_per_s()
+        return ColdStart(nominal, nominal, **kw)
     if s.agent.emulate:
         return emulated_cold_start(set(s.agent.emulate.values()), s.agent.emulate_profiles, **kw)
     return ColdStart(**kw)

@@ -15,7 +15,7 @@ Config file keys (all optional): host, port, data_dir, admin_token, allowed_dir,
 max_upload_mb, demo, keep_alive_s, cpu_memory_gb, cpu_nodes, node_cores, remote_agents, ray, ray_autoscale,
 weights_plan, drain_timeout_s, heartbeat_timeout_s, profile_dir, log_level, tls_cert, tls_key, metrics_token,
 quota_models, quota_model_gb, quota_concurrent_requests, quota_requests_per_s, quota_burst,
-deadlines, policy, cold_start_s, exact_moves, prepare_formats, emulate, watchdog_min_s (and
+deadlines, policy, cold_start_s, exact_moves, prepare_formats, emulate, emulate_weights, watchdog_min_s (and
 the HTTP limits: http_head_timeout_s, http_body_timeout_s, max_connections,
 max_connections_per_client, max_uploads_per_tenant, max_uploads).
 
@@ -33,6 +33,13 @@ emulated models, which the operator registers by catalog name (POST
 to the replay's (the weights' load, no fixed start-up). With cpu_nodes given too it is the
 mixed rig instead: this machine's CPU nodes beside emulated GPU nodes, which run its real
 models emulated from their architecture (docs/service.md, "The mixed rig"; cold start 7.5 s).
+
+`emulate_weights` (default "cached"; `mesh serve --emulate-weights`): where emulated nodes'
+loads get their weights, as `mesh replay --weights` models it (mesh.control.load_timing):
+"cached" (host memory over PCIe), "ssd", "host", "multicast" (the parameter pool's host copy
+and running instances over a 200 Gbit/s network, `weights_plan`'s plan) or "multicast-live"
+(multicast, and a new instance serves before its last layer: ZigZag with a full instance on
+another node, mesh.node.lending; docs/multicast.md, "Live scaling in `mesh serve`").
 
 `prepare_formats` (default true; `mesh serve --no-prepare` turns it off): prepare each
 registered model's format for the other kind of node in the background (a GGUF converted to
@@ -67,6 +74,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any, Callable
 
+from mesh.control.load_timing import MODES as WEIGHTS_MODES
 from mesh.policy.queueing import DEFAULT_QUEUE_CAPACITY, DEFAULT_QUEUE_TIMEOUT_S
 from mesh.policy.quota import Quota, QuotaValueError, check_overrides
 from mesh.policy.slo import DeadlineRule
@@ -132,6 +140,8 @@ class ServeConfig:
     watchdog_min_s: float = 30.0  # the engine watchdog's floor (mesh.node.runtime.HUNG_MIN_S)
     # "DEVICE:N,...": emulated nodes instead of this machine's (mesh.engines.emulation; docs/service.md)
     emulate: str | None = None
+    # emulated loads' weights (mesh.control.load_timing.MODES, or "cached": host memory, ColdStart's)
+    emulate_weights: str = "cached"
     # derived, not a key: emulate with cpu_nodes given too is the mixed rig, this machine's CPU nodes
     # beside emulated GPU nodes that emulate its real models (mesh.engines.emulation)
     mixed_rig: bool = False
@@ -285,6 +295,8 @@ def _check(c: ServeConfig) -> None:
         if c.mixed_rig and any(n.kind != "gpu" for n in nodes):
             raise ConfigError(f"emulate {c.emulate!r} with cpu_nodes is the mixed rig: its CPU nodes are this "
                               "machine's, so it emulates GPU devices only (e.g. --cpu-nodes 2 --emulate a100-80gb:1)")
+    if c.emulate_weights not in ("cached", *WEIGHTS_MODES):
+        raise ConfigError(f"emulate_weights must be cached, {', '.join(WEIGHTS_MODES)}, got {c.emulate_weights!r}")
     if c.weights_plan not in ("naive", "chain", "binomial"):
         raise ConfigError(f"weights_plan must be naive, chain or binomial, got {c.weights_plan!r}")
     if isinstance(c.watchdog_min_s, bool) or not isinstance(c.watchdog_min_s, (int, float)) or not c.watchdog_min_s > 0:

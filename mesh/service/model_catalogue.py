@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterator
 from mesh.control.agent_client import AgentCallError, AgentDown
 from mesh.control.agent_node import AgentNode, StartRefused
 from mesh.control.dispatcher import Dispatcher
+from mesh.control.emulated_loads import EmulatedLoads
 from mesh.control.fleet import Fleet, ModelSpec
 from mesh.control.weights_plane import ModelFormat, WeightsError, WeightsPlane
 from mesh.engines.emulation import PROFILE_PREFIX
@@ -75,6 +76,7 @@ class ModelCatalogue:
         self.profile_dir = profile_dir  # calibration profiles: <dir>/<model uid>[.<kind>].json
         self.exact_moves = exact_moves  # InstanceSpec.exact_moves for every instance
         self.weights: WeightsPlane | None = None  # once made (None: nodes load models from the registry's path)
+        self.emulated_loads = EmulatedLoads(cluster)  # how long an emulated load takes, and how it serves
         self.models: dict[str, DescribedModel] = {}
         self._describing: dict[str, asyncio.Future] = {}
         # requests of each model between their arrival and the dispatcher (described, tokenized
@@ -357,10 +359,9 @@ class ModelCatalogue:
         except ApiError as exc:  # told to tenants redacted: the node logs the operator's detail, its cause
             raise StartRefused(str(exc.__cause__ if exc.__cause__ is not None else exc)) from exc
         emulates = record.kind == EMULATED or self._emulates(record, node.kind)
-        emulated = self.cluster.simulated_load_s(plan, node.kind) if emulates else None
         return InstanceSpec(plan.instance_id, record.uid, path, record.context_length, slo_to_dict(record.slo),
                             plan.max_batch, profile, self._engine(record, node.kind), exact_moves=self.exact_moves,
-                            emulated_load_s=emulated)  # an emulated load takes the replay's engine's
+                            **(self.emulated_loads.spec_fields(plan, node) if emulates else {}))
 
     def holds_copy(self, model_uid: str, node: Any) -> bool:
         """Does `node` hold the model's weights for its kind (no transfer before a load)? Yes

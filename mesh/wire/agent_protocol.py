@@ -279,6 +279,22 @@ def mean_output_from(state: Any) -> tuple[float, int, float] | None:
         raise ProtocolError(f"bad mean_output {shown(state)}: (prior, count, total) expected: {exc}") from exc
 
 
+def layer_steps_field(value: Any, name: str) -> tuple[tuple[float, int], ...]:
+    """A loading instance's usable layers over its load: ((seconds after the load starts,
+    layers usable from then), ...), both increasing (ValueError otherwise)."""
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"{name} must be a non-empty list of [seconds, layers]")
+    steps: list[tuple[float, int]] = []
+    for item in value:
+        if not isinstance(item, list) or len(item) != 2:
+            raise ValueError(f"{name}: each step is [seconds, layers], got {shown(item)}")
+        step = (number_field(item[0], "seconds", 0.0, 1e9), count_field(item[1], "layers", 1, 100_000))
+        if steps and not (step[0] >= steps[-1][0] and step[1] > steps[-1][1]):
+            raise ValueError(f"{name}: steps must grow, got {shown(item)} after {list(steps[-1])}")
+        steps.append(step)
+    return tuple(steps)
+
+
 # ---- field parsers: (wire value, field name) -> value, ValueError when malformed -----------
 
 def text_field(value: Any, name: str) -> str:
@@ -438,7 +454,8 @@ class FailureReply(Declared):
 class HelloReply(Declared):
     """Who the agent is: its node, memory, machine (cpu {model, cores, amx}), process, the
     deadline rule it runs, the device it emulates, where it receives weights ({address, dir};
-    None: it does not) and the instances it already runs (a reconnect finds them)."""
+    None: it does not), the instances it already runs (a reconnect finds them) and its layer
+    port (mesh.node.layer_host; an emulating agent's lends time to live instances there)."""
 
     WHAT = "hello reply"
     node_id: Text
@@ -451,6 +468,7 @@ class HelloReply(Declared):
     emulate: OptText
     weights: OptView
     instances: Annotated[list[dict[str, Any]], Wire(listed(object_field, "instance"))]
+    layers: Annotated[str | None, Wire(text_field, nullable=True, omit=True)] = None  # its layer port, if any
 
 
 @dataclass(frozen=True, slots=True)
@@ -535,6 +553,9 @@ class StatsReply(Declared):
     parked: View
     parked_ahead: View
     emulate: OptText
+    # live scaling's counts (mesh.node.runtime): requests completed after an iteration that
+    # waited for layers, and those served late for it ({} where none waited)
+    live: Annotated[dict[str, Any], Wire(object_field, omit=True)] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -722,7 +743,9 @@ class InstanceSpec(Request[LoadReply]):
     dispatcher's predicted cold start, exact_moves (EXACT_RECOMPUTE: a moved greedy stream
     continues exactly, at about 2x the compute), the model's O_avg as the service holds it
     ([prior, count, total], 6.1) and, for an emulated instance, how long its engine's load
-    takes (the replay's). An `instance` event follows the reply."""
+    takes (the replay's) and, where it serves before its last layer arrives (live scaling,
+    mesh.control.load_timing), its usable layers over the load. An `instance` event follows
+    the reply."""
 
     T: ClassVar[str] = "load"
     REPLY: ClassVar[Any] = LoadReply
@@ -738,6 +761,11 @@ class InstanceSpec(Request[LoadReply]):
     exact_moves: Annotated[bool, Wire(truthy)] = False
     mean_output: MeanOutput = None
     emulated_load_s: Annotated[float | None, Wire(numbered(), nullable=True)] = None
+    emulated_layers: Annotated[tuple[tuple[float, int], ...] | None,
+                               Wire(layer_steps_field, lambda v: [list(s) for s in v], nullable=True,
+                                    omit=True)] = None
+    # live, its ZigZag partner: {address (its agent's layer port), token, instance_id, link_bytes_per_s}
+    emulated_partner: Annotated[dict[str, Any] | None, Wire(object_field, nullable=True, omit=True)] = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,6 +28,13 @@ connection's first frame is `auth {token}` (the agent's token; any when it has n
     take     {model, request_ids}             -> {hidden: meta} + payload: kept outputs, removed
     release  {model, request_ids}             -> {}: free their KV caches (ended, moved)
     counters {}                               -> LayerCounters
+    lend     {model, from_layer, layers, work_s, transfer_s, alone_s}
+                                              -> {lent, after_s, why}: an emulated node's
+                                                 ZigZag (mesh.node.lending): the target of a
+                                                 live scale-out asks its partner instance
+                                                 (`model`: its instance id) to run the rest of
+                                                 an iteration; `after_s`: when that ends, from
+                                                 the request's arrival
 
 Every message is a dataclass here with `to_header()` / `from_header()`; decoders bound every
 field and raise ProtocolError on anything else.
@@ -76,6 +83,12 @@ def _ints(v: Any, key: str, n: int | None = None) -> tuple[int, ...]:
     if n is not None and len(v) != n:
         raise ProtocolError(f"layer message field {key!r} has {len(v)} entries, want {n}")
     return tuple(v)
+
+
+def _seconds(v: Any, key: str) -> float:
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not 0.0 <= v <= 1e6:
+        raise ProtocolError(f"layer message field {key!r} must be seconds in [0, 1e6], got {v!r}")
+    return float(v)
 
 
 def _ids(v: Any, key: str = "request_ids") -> tuple[str, ...]:
@@ -127,6 +140,8 @@ def hidden_from(meta: Mapping[str, Any], payload: bytes) -> HiddenStates:
 
 Name = Annotated[str, Wire(_name)]  # a model, a path: 1 to MAX_NAME characters
 RequestIds = Annotated[tuple[str, ...], Wire(_ids)]
+LayerIndex = Annotated[int, Wire(lambda v, n: _int({n: v}, n, 0, 1 << 16))]
+Seconds = Annotated[float, Wire(_seconds)]
 
 
 @dataclass(frozen=True, slots=True)
@@ -258,6 +273,39 @@ class Counters(_Named):
     """Ask for the host's LayerCounters."""
 
     TAG = "counters"
+
+
+@dataclass(frozen=True, slots=True)
+class Lend(_Named):
+    """An emulated target's iteration for its ZigZag partner (BlitzScale 5.2, Fig. 16): the
+    partner instance `model` runs layers [from_layer, layers) of an iteration of full-speed
+    time `work_s` after its activation's hop (`transfer_s`), if that ends
+    within `alone_s`, when the target alone would end it (seconds from now)."""
+
+    TAG = "lend"
+    model: Name
+    from_layer: LayerIndex
+    layers: LayerIndex
+    work_s: Seconds
+    transfer_s: Seconds
+    alone_s: Seconds
+
+
+@dataclass(frozen=True, slots=True)
+class Lent:
+    """A `lend`'s reply: lent (the partner's part ends `after_s` from the request's
+    arrival), or not and why."""
+
+    lent: bool
+    after_s: float = 0.0
+    why: str = ""
+
+    def to_fields(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_fields(cls, h: Mapping[str, Any]) -> "Lent":
+        return cls(bool(h.get("lent")), _seconds(h.get("after_s", 0.0), "after_s"), str(h.get("why", ""))[:MAX_NAME])
 
 
 @dataclass(slots=True)
