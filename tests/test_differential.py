@@ -36,11 +36,11 @@ from typing import Any
 
 import pytest
 
+from mesh.bench.emulated_weights import arrival_job
 from mesh.control.dispatcher import accounting
 from mesh.control.fleet import ClusterConfig
 from mesh.control.supervisor import AgentSettings
 from mesh.engines.emulation import emulated_nodes
-from mesh.engines.engine_api import Sampling
 from mesh.perf.load_times import ColdStart
 from mesh.perf.profile import catalog_profile, save_profile
 from mesh.policy.slo import SLO
@@ -49,7 +49,6 @@ from mesh.service.cluster_control import ClusterControl, ClusterSettings
 from mesh.service.errors import ApiError
 from mesh.service.model_catalogue import MEAN_OUTPUT_PRIOR
 from mesh.service.registry import ModelRecord
-from mesh.service.streams import Job
 from mesh.wire.served_request import Outcome, ServedRequest
 from workloads.workload import Arrival, Workload
 
@@ -167,10 +166,8 @@ async def live(workload: Workload, profiles: Path, scale: float = TIME_SCALE,
 
     async def one(a: Arrival, start: float) -> None:
         await asyncio.sleep(max(0.0, start + a.time_s - loop.time()))
-        job = Job(a.request_id, records[a.model], loop.time(), Sampling(max_tokens=a.output_len, ignore_eos=True),
-                  prompt_token_ids=[100 + (i * 7919) % 30000 for i in range(a.prompt_len)])
         try:
-            stream = await control.submit(job)
+            stream = await control.submit(arrival_job(a, records[a.model], loop.time()))
             async for _event in stream.events():
                 pass
         except ApiError as exc:

@@ -41,6 +41,14 @@ from workloads.workload import Arrival, Workload, bursty_single_model
 DEVICE = "a100-80gb"  # the replay's GPU (mesh.replay.weights_compare)
 
 
+def arrival_job(a: Arrival, record: ModelRecord, now: float) -> Job:
+    """An arrival of a replay as the service's job for an emulated node: its prompt is
+    synthetic token ids of its length (an emulated engine reads none), its output its
+    length exactly."""
+    return Job(a.request_id, record, now, Sampling(max_tokens=a.output_len, ignore_eos=True),
+               prompt_token_ids=[100 + (i * 7919) % 30000 for i in range(a.prompt_len)])
+
+
 async def run_live(workload: Workload, base: str, weights: WeightsConfig, gpu_nodes: int, policy: str = "sllm",
                    keep_alive_s: float = 1.0) -> dict[str, Any]:
     """The workload through the service's cluster control on `gpu_nodes` emulated GPUs whose
@@ -60,10 +68,8 @@ async def run_live(workload: Workload, base: str, weights: WeightsConfig, gpu_no
 
     async def one(a: Arrival, start: float) -> None:
         await asyncio.sleep(max(0.0, start + a.time_s - loop.time()))
-        job = Job(a.request_id, record, loop.time(), Sampling(max_tokens=a.output_len, ignore_eos=True),
-                  prompt_token_ids=[100 + (i * 7919) % 30000 for i in range(a.prompt_len)])
         try:
-            stream = await control.submit(job)
+            stream = await control.submit(arrival_job(a, record, loop.time()))
             async for _event in stream.events():
                 pass
         except ApiError as exc:
