@@ -436,7 +436,7 @@ class Dispatcher:
     def _waits_on(self, entry: QueueEntry) -> float | None:
         """Until when a lost request past its timeout waits on (dispatch_rules.lost_wait_until)."""
         req = self._waiting[entry.request_id]
-        if not req.lost or self._why.get(entry.request_id) == "slo":
+        if not req.lost:  # (a lost request's expiry is always its timeout: admission ADMIT_QUEUE)
             return None
         now = self.now()
         left = self.cluster.cold_start_left_s(req.model)
