@@ -11,13 +11,22 @@
 - Code under test does not keep the test process's signal handling: SIGINT and SIGTERM get
   pytest's own handlers back after each test (a handler left by the code under test turned a
   SIGTERM to pytest into one test's failure).
+- An exception raised where Python cannot raise it (in a finalizer the garbage collector
+  runs) is kept as it happens and written out after the test, as a warning. pytest's own
+  plugin for these (disabled in pyproject.toml) formats its traceback at once, inside the
+  collection, which may run inside pytest's own parse of a failing test's source; on
+  Python 3.11 that nested `ast.parse` broke the outer one ("AST constructor recursion depth
+  mismatch") and ended a CI run with an INTERNALERROR that hid which tests had failed.
 """
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import time
+import traceback
 import uuid
+import warnings
 from pathlib import Path
 
 import pytest
@@ -28,9 +37,28 @@ _SIGNALS = (signal.SIGINT, signal.SIGTERM)
 _handlers: dict[int, object] = {}
 
 
+_unraisable: list[tuple[str, BaseException | None]] = []
+
+
+def _keep_unraisable(args: "sys.UnraisableHookArgs") -> None:
+    """sys.unraisablehook: keep it, format nothing (module docstring)."""
+    where = f"{args.err_msg or 'Exception ignored in'}: {args.object!r}"
+    _unraisable.append((where, args.exc_value))
+
+
 def pytest_configure(config: pytest.Config) -> None:
     os.environ[RUN_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     _handlers.update({sig: signal.getsignal(sig) for sig in _SIGNALS})
+    sys.unraisablehook = _keep_unraisable
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item):
+    yield
+    while _unraisable:
+        where, exc = _unraisable.pop(0)
+        text = "".join(traceback.format_exception(exc)) if exc is not None else ""
+        warnings.warn(pytest.PytestUnraisableExceptionWarning(f"{where}\n\n{text}"))
 
 
 def marked_processes() -> dict[int, tuple[int, str]]:

@@ -36,6 +36,7 @@ from mesh.engines.engine_api import NextTokens, TokenBatch
 from mesh.modelfiles.layer_order import LayerLayout, write_layer_ordered
 from mesh.node.layer_host import LAYERS_PREFIX
 from mesh.policy.multicast import make_plan
+from mesh.tasks import close_pipes
 from mesh.weights.blocks import Manifest, pack
 from mesh.weights.coordinator import multicast
 from mesh.weights.launch import AgentProcess, spawn_agent
@@ -66,6 +67,7 @@ class LayerAgent:
             except asyncio.TimeoutError:
                 self.process.kill()
                 await self.process.wait()
+        await close_pipes(self.process)
 
 
 async def spawn_layer_agent(node: str, root: Path, models_root: Path, token: str, weights_token: str,

@@ -147,6 +147,7 @@ class AgentSettings:
 
 EXIT_SETTLE_S = 0.2  # a lost connection: how long to wait for its process's exit to be seen (`_settle_exit`)
 ABANDONED_START_S = 2.0  # an agent stopped while it starts: its wait for EOF on stdin before SIGTERM
+PIPE_EOF_S = 5.0  # a stopped agent: how long its stdout may take to reach EOF (its workers exit after it)
 
 
 class AgentHandle:
@@ -241,6 +242,9 @@ class LocalAgent(AgentHandle):
                 pass
         await cancel_all([self._task])  # first: a restart must not spawn a process after the reap below
         await self._reap(timeout_s if connected else ABANDONED_START_S)
+        if self._watchers:  # its stdout read to EOF (its workers, which share the pipe, die with it):
+            await asyncio.wait(set(self._watchers), timeout=PIPE_EOF_S)  # no pipe left open to the loop's end
+        await cancel_all(list(self._watchers))
         if self.client is not None:
             await self.client.close()
         self.state = "stopped"
@@ -377,10 +381,12 @@ class LocalAgent(AgentHandle):
     async def _reap(self, timeout_s: float) -> None:
         """Make sure the current process is gone: wait, then SIGTERM, then SIGKILL."""
         process = self.process
-        if process is None or process.returncode is not None:
+        if process is None:
             return
         if process.stdin is not None:
             process.stdin.close()  # --exit-with-parent: the agent exits on stdin EOF
+        if process.returncode is not None:
+            return
         for sig in (None, signal.SIGTERM, signal.SIGKILL):
             if sig is not None:
                 try:

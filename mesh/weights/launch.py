@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 from mesh.engines.worker_process import worker_env
+from mesh.tasks import close_pipes
 from mesh.weights.peer import TOKEN_ENV
 
 
@@ -102,6 +103,7 @@ async def stop_agents(agents: Sequence[AgentProcess] | dict[str, AgentProcess]) 
         except asyncio.TimeoutError:
             a.kill()
             await a.process.wait()
+        await close_pipes(a.process)
 
 
 @contextlib.asynccontextmanager
