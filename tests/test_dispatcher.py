@@ -285,6 +285,33 @@ def test_admission_choice_of_a_request_that_cannot_meet_its_slo(admission, timeo
         assert acc["slo_violating"] == 1 and acc["rejected"] == 0
 
 
+def test_a_handed_back_request_waits_for_a_node_whatever_its_models_admission():
+    """A request evicted mid-stream under the `reject` admission, with the only other GPU
+    busy for 10 s: its stream had started, so it waits for a node as a lost one does
+    (ADMIT_QUEUE up to the queue timeout) and, once it cannot be on time, is placed best
+    effort on the other GPU when that frees: it completes with all its tokens. (Before, it
+    failed after its 17 tokens as soon as it could no longer meet its SLO: a stream error.)"""
+
+    async def main():
+        cluster, d = await build("mesh-no-share", {"a": "llama-2-7b", "b": "llama-2-7b"},
+                                 config(cpu=0, gpu=2, admission="reject"), queue_timeout_s=30.0)
+        b1, hog = request("b1", "b", out=100), request("hog", "a", out=200)
+        d.submit(b1)
+        d.submit(hog)  # 10 s of decoding on the other GPU
+        await asyncio.sleep(1.0)
+        held, progress = b1.node_id, cluster.node(b1.node_id).progress("b1")
+        cluster.node(held).runtime.evict("b1", "a test's eviction")
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return b1, hog, held, progress, d.admission(b1)
+
+    b1, hog, held, progress, applied = run_virtual(main())
+    assert held == "gpu0" and hog.node_id == "gpu1" and progress > 0 and applied == "queue"
+    assert b1.outcome is Outcome.COMPLETED and b1.tokens_out == 100 and b1.evictions == 1, b1.detail
+    assert b1.node_id == "gpu1" and b1.best_effort and b1.finish_s > hog.finish_s
+
+
 def test_queue_timeout_rejects_after_waiting():
     async def main():
         cluster, d = await build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1),

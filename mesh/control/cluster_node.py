@@ -135,7 +135,7 @@ class ClusterNode(ABC):
         Returns how many."""
         now = asyncio.get_running_loop().time()
         for req in reqs:
-            req.fault, req.lost, req.lost_s = True, cause, now
+            req.fault, req.lost = True, cause
             req.attempts.append(f"lost on {self.node_id} after {req.tokens_out} tokens: {why}")
             req.node_id = req.instance_id = None
             if self.listener is not None:

@@ -12,12 +12,12 @@ model's admission choice (mesh.policy.dispatch_rules.ADMISSIONS): `reject` as ab
 once validation shows everyone else on time, its own deadlines running from then (served late).
 Requests handed back by a node
 (evicted when its KV cache outgrew the estimate, 6.4) are rescheduled the same way with
-their progress kept; one that cannot be placed again in time fails. So are the requests of
-a node that is lost (its agent killed, frozen, removed, its network gone: `on_evict` with
-`req.lost` set, mesh.control.agent_node): their deadlines restart from the loss, and they
-wait for a node up to the queue timeout whatever their model's admission choice, and on
-while an instance of their model loads or a node is down (dispatch_rules.lost_wait_until); the
-stats count them resumed and failed by cause.
+their progress kept, and so are the requests of a node that is lost (its agent killed,
+frozen, removed, its network gone: `on_evict` with `req.lost` set, mesh.control.agent_node),
+their deadlines restarting from the loss. Either way the client's stream has started: the
+request waits for a node up to the queue timeout whatever its model's admission choice, and
+on while an instance of its model loads or a node is down (dispatch_rules.lost_wait_until),
+placed late once it cannot be on time; the stats count lost ones resumed and failed by cause.
 
 Invariant: every submitted request ends exactly once, completed, rejected or failed; the
 dispatcher counts each (`accounting()`), and `all_done` is set when nothing is in flight.
@@ -320,6 +320,7 @@ class Dispatcher:
         in `req.lost`), its progress kept; called inside the node's loop, so deferred. An
         evicted request avoids that node; a lost one may go back to it (a restarted agent,
         the node of a single-node service)."""
+        req.handed_back_s = self.now()
         if not (req.lost and req.fault) or req.lost == ENGINE_HUNG:
             self._avoid[req.request_id] = self._avoid.get(req.request_id, frozenset()) | {node.node_id}
         if req.fault and req.lost:
@@ -348,13 +349,11 @@ class Dispatcher:
 
     def admission(self, req: ServedRequest) -> str:
         """The admission choice that applies to `req` (mesh.policy.dispatch_rules.ADMISSIONS): its
-        model's (or its tenant's) for a fresh request; ADMIT_REJECT's rule for one that had started;
-        ADMIT_QUEUE for one a node lost (it waits for a node up to the queue timeout: a restarted
-        agent, an instance loading elsewhere), whatever it had done."""
-        if req.lost:  # its node was lost: it waits for another up to the queue timeout
+        model's (or its tenant's) for a fresh request; ADMIT_QUEUE for one a node handed back,
+        lost or evicted (its stream had started: it waits for a node up to the queue timeout, a
+        restarted agent, an instance loading elsewhere), whatever it had done."""
+        if req.handed_back_s is not None:
             return ADMIT_QUEUE
-        if req.tokens_out or req.first_token_s is not None:
-            return ADMIT_REJECT
         return self.cluster.admission(req.model, req.tenant)
 
     def _expiry(self, req: ServedRequest, now: float) -> tuple[float, str, float]:
@@ -398,8 +397,8 @@ class Dispatcher:
         self._slo_expiry[req.request_id] = slo_expiry
         self._why[req.request_id] = why
         self._arm_expiry()
-        if req.lost and now < slo_expiry < expiry:
-            # a lost request is tried again once it can no longer meet its SLO, when it may be
+        if req.handed_back_s is not None and now < slo_expiry < expiry:
+            # a handed-back request is tried again once it can no longer meet its SLO, when it may be
             # served late (`_drain`), even if nothing else happens meanwhile (a single node restarting)
             asyncio.get_running_loop().call_at(slo_expiry, self._schedule_drain)
 
@@ -434,9 +433,9 @@ class Dispatcher:
         return self._waiting.pop(request_id)
 
     def _waits_on(self, entry: QueueEntry) -> float | None:
-        """Until when a lost request past its timeout waits on (dispatch_rules.lost_wait_until)."""
+        """Until when a handed-back request past its timeout waits on (dispatch_rules.lost_wait_until)."""
         req = self._waiting[entry.request_id]
-        if not req.lost:  # (a lost request's expiry is always its timeout: admission ADMIT_QUEUE)
+        if req.handed_back_s is None:  # (a handed-back request's expiry is always its timeout: ADMIT_QUEUE)
             return None
         now = self.now()
         left = self.cluster.cold_start_left_s(req.model)
@@ -444,8 +443,8 @@ class Dispatcher:
             left = 0.0  # a lost node's agent is not back yet (a supervisor restarts it)
         if left is not None:
             self._recovering[entry.request_id] = now
-        return lost_wait_until(now, req.lost_s, self.queue_timeout_s, left,
-                               self._recovering.get(entry.request_id, req.lost_s))
+        return lost_wait_until(now, req.handed_back_s, self.queue_timeout_s, left,
+                               self._recovering.get(entry.request_id, req.handed_back_s))
 
     def _expire(self) -> None:
         self._expiry_handle = self._expiry_at = None
@@ -454,8 +453,10 @@ class Dispatcher:
             req = self._forget_waiting(entry.request_id)
             if why == "slo":
                 self._turn_away(req, SLO_UNREACHABLE, "waited until it could no longer meet its SLO")
-            elif req.lost:
-                self._turn_away(req, QUEUE_TIMEOUT, f"waited {self.now() - req.lost_s:.0f} s since its node was lost "
+            elif req.handed_back_s is not None:
+                waited = self.now() - req.handed_back_s
+                gone = "was lost" if req.lost else "handed it back"
+                self._turn_away(req, QUEUE_TIMEOUT, f"waited {waited:.0f} s since its node {gone} "
                                                     f"(the queue's bound, {self.queue_timeout_s:g} s, and on while a "
                                                     f"node or an instance of its model recovered, up to "
                                                     f"{LOST_WAIT_LIMIT:g} times that)")

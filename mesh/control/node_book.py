@@ -182,7 +182,7 @@ class NodeBook:
         req.evictions += 1
         req.fault = event.fault
         if event.fault:
-            req.lost, req.lost_s = ENGINE_HUNG, asyncio.get_running_loop().time()
+            req.lost = ENGINE_HUNG
         resume_from(req, event.progress, f"evicted from {self.node.node_id}: {event.why}")
         self.listener.request_evicted(self.node, req)
 

@@ -215,7 +215,7 @@ LOST_WAIT_LIMIT = 4.0
 def lost_wait_until(now: float, lost_s: float, timeout_s: float | None, recovery_left_s: float | None,
                     recovering_s: float) -> float | None:
     """When a lost request past its queue timeout is looked at again (it waits on), or None:
-    it fails now. `lost_s`: when its node lost it; `recovery_left_s`: the predicted time left
+    it fails now. `lost_s`: when its node lost it (or handed it back); `recovery_left_s`: the predicted time left
     of a recovery under way now (its model's load: 0 once overdue, or for a node not back
     yet), None if none is; `recovering_s`: when a recovery was last seen under way (`lost_s`
     if never)."""

@@ -58,11 +58,13 @@ class ServedRequest:
     # if it resumed now (the dispatcher shifts late_s); its SLO is still judged from arrival.
     fault: bool = False
     # Why a node lost it while it held it (its agent died, froze, was removed, lost its network:
-    # mesh.control.cluster_node.LOSS_CAUSES), "" if none did: placed again with its progress, it waits
-    # for a node up to the queue timeout (longer while its model loads: dispatch_rules.lost_wait_until),
-    # whatever its model's admission choice (the dispatcher).
+    # mesh.control.cluster_node.LOSS_CAUSES), "" if none did.
     lost: str = ""
-    lost_s: float = 0.0  # when (the loop's time) a node last lost it
+    # When (the loop's time) a node last handed it back, lost or evicted, None if none did: its
+    # stream had started, so placed again with its progress it waits for a node up to the queue
+    # timeout (longer while its model loads: dispatch_rules.lost_wait_until), whatever its model's
+    # admission choice (the dispatcher).
+    handed_back_s: float | None = None
     # Past its SLO and waiting on under a `queue`/`late` admission (a lost request, most often):
     # served late, as soon as it can be. Validation keeps everyone else's deadlines and never
     # refuses it for its own first token being late (mesh.policy.shadow: own_late_ok); else a
