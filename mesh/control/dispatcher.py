@@ -454,11 +454,10 @@ class Dispatcher:
             if why == "slo":
                 self._turn_away(req, SLO_UNREACHABLE, "waited until it could no longer meet its SLO")
             elif req.handed_back_s is not None:
-                waited = self.now() - req.handed_back_s
                 gone = "was lost" if req.lost else "handed it back"
-                self._turn_away(req, QUEUE_TIMEOUT, f"waited {waited:.0f} s since its node {gone} "
-                                                    f"(the queue's bound, {self.queue_timeout_s:g} s, and on while a "
-                                                    f"node or an instance of its model recovered, up to "
+                self._turn_away(req, QUEUE_TIMEOUT, f"waited {self.now() - req.handed_back_s:.0f} s since its "
+                                                    f"node {gone} (the queue's bound, {self.queue_timeout_s:g} s, and "
+                                                    f"on while a node or an instance of its model recovered, up to "
                                                     f"{LOST_WAIT_LIMIT:g} times that)")
             else:
                 self._turn_away(req, QUEUE_TIMEOUT, f"waited {self.queue_timeout_s:g} s, the bound of the queue")
