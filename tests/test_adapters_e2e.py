@@ -8,6 +8,11 @@ and the OpenAI SDK.
 - 8 adapters of 2 tenants, asked at once, are served from one base instance (the node holds
   one instance of the base, no instance per adapter), each with its own adapter's answer;
 - bad registrations get 400s (403, 404) that say what is wrong.
+
+The service runs with `--exact-moves` (EXACT_RECOMPUTE: f32, an f16 KV cache), so a request
+alone and in a batch compute alike on any CPU: with the plugin's defaults on a CPU with bf16
+(AVX-512 BF16, AMX), a batch may turn a near-tie the other way. How soon an adapter's first
+token comes on the warm base is printed, a measurement (`mesh bench adapters` times it).
 """
 from __future__ import annotations
 
@@ -72,7 +77,7 @@ def served(tmp_path_factory, demo_ir):
             seed = {"alice": 1, "bob": 11}[tenant] + i
             write_adapter(allowed / tenant / f"tune{i}", base, seed=seed, std=0.1)
     write_adapter(allowed / "alice" / "zero", base, seed=None)
-    server = Server(root / "data", allowed, root / "serve.log")
+    server = Server(root / "data", allowed, root / "serve.log", ("--exact-moves",))
     server.start()
     try:
         keys = {t: _tenant(server, t) for t in ("alice", "bob")}
@@ -104,7 +109,7 @@ def test_the_zero_adapter_reproduces_the_base_and_a_random_one_changes_it_the_sa
     assert tuned != base and again == tuned
     first = _first_token_s(server, keys["bob"], "tune2")  # an adapter never asked before, its base warm
     print(f"an adapter's first request on the warm base: first token after {first:.2f} s")
-    assert first < 2.0  # within the default SLO's TTFT (LLM-Mesh's 2 s), which the base's is looser than
+    assert [i for i in _ready_instances(server) if i[1] != "demo/smollm2"] == [("cpu-0", BASE)]  # no load for it
     listed = {m.id for m in server.client(keys["alice"]).models.list().data}
     assert {"zero", "tune0", "tune3"} <= listed and "tune0" in {m.id for m in server.client(keys["bob"]).models.list()}
 

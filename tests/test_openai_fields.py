@@ -2,7 +2,13 @@
 subprocess, the official `openai` client, the real SmolLM2 GGUF on the CPU node's OpenVINO
 engine. Each answer is checked against OpenVINO GenAI's own computation of the same request
 (its ContinuousBatchingPipeline run to the end on the same GGUF, outside Mesh): logprobs,
-penalties changing greedy output, and n choices counted as n."""
+penalties changing greedy output, and n choices counted as n.
+
+Both compute as `mesh serve --exact-moves` instances do (EXACT_RECOMPUTE: f32, an f16 KV
+cache, no dynamic quantization of activations), so the comparison holds on any CPU. With the
+plugin's defaults on a CPU with bf16 (AVX-512 BF16, AMX), a prefill and a decode of the same
+tokens, or one request alone and in a batch, may differ at a near-tie; on a CPU without bf16
+they did not (the same test, defaults on both sides, passed there)."""
 from __future__ import annotations
 
 import json
@@ -24,7 +30,8 @@ PROMPT_IDS = [504, 3575, 282, 4649, 314]  # "The capital of France is"
 def server(tmp_path_factory, demo_gguf) -> Server:
     root = tmp_path_factory.mktemp("fields")
     allowed = allowed_with_demo(root, demo_gguf)
-    s = Server(root / "data", allowed, root / "server.log", ("--queue-capacity", "100", "--queue-timeout", "60"))
+    s = Server(root / "data", allowed, root / "server.log",
+               ("--queue-capacity", "100", "--queue-timeout", "60", "--exact-moves"))
     s.start()
     yield s
     s.stop()
@@ -39,10 +46,12 @@ def reference(demo_gguf):
     import openvino as ov
     import openvino_genai as ov_genai
 
+    from mesh.engines.openvino_engine import EXACT_RECOMPUTE
+
     config = ov_genai.SchedulerConfig()
     config.cache_size = 0
     config.num_kv_blocks = 0
-    pipe = ov_genai.ContinuousBatchingPipeline(str(demo_gguf), config, "CPU")
+    pipe = ov_genai.ContinuousBatchingPipeline(str(demo_gguf), config, "CPU", dict(EXACT_RECOMPUTE))
 
     def run(ids: list[int], max_tokens: int, **fields) -> tuple[list[int], float, str]:
         gen = ov_genai.GenerationConfig()

@@ -1,7 +1,9 @@
 """LoRA adapters on the real OpenVINO engine (mesh.engines.openvino_adapters), with adapters the
 tests make from the demo model (conftest.demo_adapters): the zero adapter reproduces the base,
 a random one changes the output the same way every time, and requests of several adapters
-added at once each get what they get alone (the adapters take turns in the pipeline)."""
+added at once each get what they get alone (the adapters take turns in the pipeline). The
+engine computes as `--exact-moves` instances do (EXACT_RECOMPUTE), so alone and batched agree
+on any CPU (with the defaults, bf16 on a CPU that has it may turn a near-tie in a batch)."""
 from __future__ import annotations
 
 import asyncio
@@ -39,9 +41,9 @@ def _run(engine, requests: list[EngineRequest]) -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def ir_engine(demo_ir):
-    from mesh.engines.openvino_engine import OpenVINOEngine
+    from mesh.engines.openvino_engine import EXACT_RECOMPUTE, OpenVINOEngine
 
-    e = OpenVINOEngine(demo_ir, context_window=512, max_num_seqs=8)
+    e = OpenVINOEngine(demo_ir, context_window=512, max_num_seqs=8, properties=EXACT_RECOMPUTE)
     asyncio.run(e.load())
     yield e
     asyncio.run(e.unload())
