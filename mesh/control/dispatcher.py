@@ -299,7 +299,8 @@ class Dispatcher:
             self.all_done.set()
 
     def reschedule(self, req: ServedRequest) -> None:
-        """Place again a request taken off a node (progress kept), or let it wait."""
+        """Place again a request taken off a node (evicted, lost, preempted), or let it wait."""
+        req.handed_back_s = self.now()
         if req.outcome is None:
             self._spawn(self._reschedule(req))
 
@@ -320,7 +321,6 @@ class Dispatcher:
         in `req.lost`), its progress kept; called inside the node's loop, so deferred. An
         evicted request avoids that node; a lost one may go back to it (a restarted agent,
         the node of a single-node service)."""
-        req.handed_back_s = self.now()
         if not (req.lost and req.fault) or req.lost == ENGINE_HUNG:
             self._avoid[req.request_id] = self._avoid.get(req.request_id, frozenset()) | {node.node_id}
         if req.fault and req.lost:

@@ -74,6 +74,7 @@ from mesh.node.tokenizers import TokenizerProcess
 from mesh.perf.speed import MachineSpeed
 from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import DeadlineRule
+from mesh.tasks import cancel_all, close_pipes
 from mesh.weights.peer import token_from_env
 from mesh.weights.receiver import NodeWeightsReceiver, parse_listen
 from mesh.wire.agent_protocol import (
@@ -215,8 +216,7 @@ class AgentServer:
 
     async def close(self) -> None:
         self._server.close()
-        if self._speed_probe is not None:
-            self._speed_probe.cancel()
+        await cancel_all([self._speed_probe])  # its process is killed and its pipe closed before the loop ends
         if self.weights is not None:
             await self.weights.close()
         # its requests end at once, before the workers do
@@ -254,9 +254,11 @@ class AgentServer:
         except Exception as exc:  # noqa: BLE001 - the probe only sets a starting point
             log.warning("the speed probe failed (instances start from the prior): %s", exc)
         finally:
-            if proc is not None and proc.returncode is None:
-                proc.kill()
-                await proc.wait()
+            if proc is not None:
+                if proc.returncode is None:
+                    proc.kill()
+                    await proc.wait()
+                await close_pipes(proc, 1.0)
 
     # ---- the node's own requests -----------------------------------------------------------
     def _hello(self, m: Hello) -> HelloReply:
