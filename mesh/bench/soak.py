@@ -129,7 +129,7 @@ class Tally:
     kills: list[str] = field(default_factory=list)
     kill_times: list[float] = field(default_factory=list)  # when each kill was sent (loop time)
     # the demo tenant's streams that ended ok: (start, end, TTFT, TPOT) in loop time and seconds
-    timings: list[tuple[float, float, float, float]] = field(default_factory=list)
+    timings: list[tuple[float, float, float, float, float]] = field(default_factory=list)
     started: int = 0  # cycles begun
     # the service's lost/resumed/lost_failed by cause (numbers the models, picks those that serve)
     resumed: dict[str, dict[str, int]] = field(default_factory=dict)
@@ -383,7 +383,8 @@ async def soak(url: str, key: str, token: str, server_pid: int, args: argparse.N
                 tally.add(outcome, detail)
                 if outcome == "ok" and len(times) >= 3:
                     tally.timings.append((times[0], times[-1], times[1] - times[0],
-                                          (times[-1] - times[1]) / (len(times) - 2)))
+                                          (times[-1] - times[1]) / (len(times) - 2),
+                                          max(b - a for a, b in zip(times[1:], times[2:]))))
                 if outcome != "ok":
                     await asyncio.sleep(0.5)
 
@@ -533,9 +534,12 @@ def _seconds(values: list[float]) -> dict[str, float]:
                                                                                  int(0.95 * len(ordered)))], 3)}
 
 
-def _timing(streams: list[tuple[float, float, float, float]]) -> dict[str, Any]:
-    """Count, TTFT and TPOT (mean, p50, p95) of streams given as (start, end, TTFT, TPOT)."""
-    return {"n": len(streams), "ttft_s": _seconds([t[2] for t in streams]), "tpot_s": _seconds([t[3] for t in streams])}
+def _timing(streams: list[tuple[float, float, float, float, float]]) -> dict[str, Any]:
+    """Count, TTFT, TPOT and the longest gap between two tokens (mean, p50, p95) of streams
+    given as (start, end, TTFT, TPOT, longest gap). A stream resumed after a kill after its
+    first token has the resume's stall in that gap, and its TPOT (the mean gap) with it."""
+    return {"n": len(streams), "ttft_s": _seconds([t[2] for t in streams]), "tpot_s": _seconds([t[3] for t in streams]),
+            "longest_gap_s": _seconds([t[4] for t in streams])}
 
 
 def _cycle_s(c: Cycle) -> float:
@@ -618,8 +622,10 @@ def markdown(args: argparse.Namespace, f: dict[str, Any], procs: list[dict[str, 
                f"{sum(f['service_lost_failed'].values())} failed (the service's counts) |")
     out.append(f"| streams across a kill (ok) | {across['n']}: TTFT mean {across['ttft_s']['mean']:.2f} s "
                f"(p95 {across['ttft_s']['p95']:.2f}), TPOT mean {across['tpot_s']['mean']:.3f} s (p95 "
-               f"{across['tpot_s']['p95']:.3f}); all ok streams: {every['n']}, TTFT mean {every['ttft_s']['mean']:.2f} "
-               f"s, TPOT mean {every['tpot_s']['mean']:.3f} s |")
+               f"{across['tpot_s']['p95']:.3f}), longest gap between tokens mean "
+               f"{across['longest_gap_s']['mean']:.2f} s (p95 {across['longest_gap_s']['p95']:.2f}); all ok streams: "
+               f"{every['n']}, TTFT mean {every['ttft_s']['mean']:.2f} s, TPOT mean {every['tpot_s']['mean']:.3f} s, "
+               f"longest gap mean {every['longest_gap_s']['mean']:.2f} s |")
     cs, ph = f["cycle_s"], {k: f[f"phase_{k}_s"] for k in ("register", "ready", "serve", "delete", "clean")}
     kinds = ", ".join(f"{n} {k}" for k, n in f["cycles_by_kind"].items())
     out.append(f"| register/delete cycles | {f['register_delete_cycles']:,} in {args.minutes:g} min "
