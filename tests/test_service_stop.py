@@ -297,6 +297,20 @@ def test_a_second_signal_ends_the_drain(tmp_path, mark, demo_gguf):
 
 
 @pytest.mark.slow  # a real service (or several)
+def test_a_sigterm_the_moment_it_is_ready_stops_it_in_order(tmp_path, mark):
+    """SIGTERM as soon as the ready line is read: the service's handlers are in before it
+    prints that line, so it stops in order and exits 0. (Printed before them, a SIGTERM in
+    between ended it at once, agents orphaned: a CI run's killed bench did that.)"""
+    service = serve(tmp_path)
+    try:
+        service.proc.send_signal(signal.SIGTERM)
+        assert_exits_0(service, STOP_S + SLACK_S)
+        assert "mesh serve: stopped" in log_of(service)
+    finally:
+        stop_service(service, grace_s=5)
+
+
+@pytest.mark.slow  # a real service (or several)
 def test_a_bench_killed_takes_its_service_along(tmp_path, mark):
     """A bench-like parent starts `mesh serve` through mesh.bench.serve_process and is
     killed with SIGKILL: the service gets SIGTERM from the kernel, stops and exits, and its
