@@ -312,6 +312,30 @@ def test_a_handed_back_request_waits_for_a_node_whatever_its_models_admission():
     assert b1.node_id == "gpu1" and b1.best_effort and b1.finish_s > hog.finish_s
 
 
+def test_an_instance_its_node_lost_is_not_one_of_its_models_before_the_news_arrives():
+    """A node agent killed mid-decision: the node has lost the instance, the cluster's books
+    not yet (instance_gone is on its way). The model's instances leave it out, so a placement
+    (its warm-up count, the cold start left) does not fail on it: the soak's KeyError, a 503."""
+
+    async def main():
+        cluster, d = await build("mesh", {"m": "llama-2-7b"}, config(cpu=1, gpu=0))
+        node = cluster.node("cpu0")
+        ref = await cluster.start_instance(cluster.plan("m", node), node)
+        held = [r.instance_id for r in cluster.instances_of("m")]
+        node.runtime.instances.pop(ref.instance_id)  # lost by the node, not yet by the books
+        after = cluster.instances_of("m"), cluster.cold_start_left_s("m")
+        req = request("r", "m")
+        d.submit(req)
+        d.close()
+        await d.all_done.wait()
+        await cluster.stop()
+        return ref.instance_id, held, after, req
+
+    iid, held, (after, left), req = run_virtual(main())
+    assert held == [iid] and after == [] and left is None
+    assert req.outcome is Outcome.COMPLETED and req.instance_id != iid, req.detail
+
+
 def test_queue_timeout_rejects_after_waiting():
     async def main():
         cluster, d = await build("sllm", {"a": "llama-2-7b", "b": "llama-2-7b"}, config(cpu=0, gpu=1),

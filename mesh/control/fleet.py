@@ -351,8 +351,8 @@ class Fleet:
         return asyncio.get_running_loop().time()
 
     # -- views -----------------------------------------------------------------------
-    def instances_of(self, model: str) -> list[InstanceRef]:
-        return self._by_model.get(model, [])
+    def instances_of(self, model: str) -> list[InstanceRef]:  # not one its node lost, instance_gone on its way
+        return [r for r in self._by_model.get(model, []) if r.instance_id in r.node.instances]
 
     def all_instances(self) -> list[InstanceRef]:
         return list(self._by_id.values())
@@ -572,8 +572,8 @@ class Fleet:
         ref.recycle = None
         if self._by_id.get(ref.instance_id) is not ref:
             return
-        inst = ref.inst
-        if inst.requests or not inst.loaded:
+        inst = ref.node.instances.get(ref.instance_id)
+        if inst is None or inst.requests or not inst.loaded:  # None: its node lost it (instance_gone follows)
             return
         now = self._now()
         if not keep_alive_expired(inst.idle_since, now, self.config.keep_alive_s):

@@ -459,8 +459,7 @@ async def run_service(config: ServeConfig, ready: Any = print) -> int:
     if demo_model is not None:  # ready means the demo answers at once (its cold start is behind us)
         await control.preload(demo_model, wait=True)
     scheme = "https" if tls is not None else "http"
-    # the handlers first: whoever reads the ready line may send SIGTERM at once, and it must stop
-    # the service in order (a CI run's killed bench did so before they were in: no "stopped")
+    # handlers before the ready line: whoever reads it may send SIGTERM at once (a CI run's bench did)
     signals = _Signals(service, control.kill_agents)
     ready(ready_line(f"{scheme}://{host}:{port}", demo_key, demo_model.name if demo_model else None))
     sys.stdout.flush()
