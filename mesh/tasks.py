@@ -16,6 +16,7 @@ import contextlib
 from typing import Iterable
 
 RECANCEL_S = 0.5
+PIPE_EOF_S = 5.0  # how long an exited child's pipe may take to reach EOF (its own children exit after it)
 
 
 async def cancel_all(tasks: Iterable[asyncio.Future | None]) -> None:
@@ -28,7 +29,7 @@ async def cancel_all(tasks: Iterable[asyncio.Future | None]) -> None:
         await asyncio.wait(pending, timeout=RECANCEL_S)
 
 
-async def close_pipes(process: asyncio.subprocess.Process, timeout_s: float = 5.0) -> None:
+async def close_pipes(process: asyncio.subprocess.Process, timeout_s: float = PIPE_EOF_S) -> None:
     """After `process` has exited: close our end of its stdin and read its stdout to EOF, within
     `timeout_s` (its own children, which inherited the pipe, may hold it a moment longer)."""
     if process.stdin is not None:

@@ -128,7 +128,8 @@ class Tally:
     churn_refused: dict[str, int] = field(default_factory=dict)  # status -> count (a 429 past the rate, ...)
     kills: list[str] = field(default_factory=list)
     kill_times: list[float] = field(default_factory=list)  # when each kill was sent (loop time)
-    # the demo tenant's streams that ended ok: (start, end, TTFT, TPOT) in loop time and seconds
+    # the demo tenant's streams that ended ok: (start, end, TTFT, TPOT, longest gap between two
+    # tokens) in loop time and seconds
     timings: list[tuple[float, float, float, float, float]] = field(default_factory=list)
     started: int = 0  # cycles begun
     # the service's lost/resumed/lost_failed by cause (numbers the models, picks those that serve)

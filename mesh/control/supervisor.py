@@ -25,7 +25,7 @@ from typing import Any, Callable
 from mesh.control.agent_client import AgentClient, AgentDown
 from mesh.policy.node_spec import NodeSpec
 from mesh.policy.slo import DeadlineRule
-from mesh.tasks import cancel_all
+from mesh.tasks import PIPE_EOF_S, cancel_all
 from mesh.wire.agent_protocol import READY_PREFIX, Shutdown
 
 log = logging.getLogger(__name__)
@@ -147,7 +147,6 @@ class AgentSettings:
 
 EXIT_SETTLE_S = 0.2  # a lost connection: how long to wait for its process's exit to be seen (`_settle_exit`)
 ABANDONED_START_S = 2.0  # an agent stopped while it starts: its wait for EOF on stdin before SIGTERM
-PIPE_EOF_S = 5.0  # a stopped agent: how long its stdout may take to reach EOF (its workers exit after it)
 
 
 class AgentHandle:

@@ -212,16 +212,16 @@ ADMISSIONS = (ADMIT_REJECT, ADMIT_QUEUE, ADMIT_LATE)
 LOST_WAIT_LIMIT = 4.0
 
 
-def lost_wait_until(now: float, lost_s: float, timeout_s: float | None, recovery_left_s: float | None,
+def lost_wait_until(now: float, handed_back_s: float, timeout_s: float | None, recovery_left_s: float | None,
                     recovering_s: float) -> float | None:
-    """When a lost request past its queue timeout is looked at again (it waits on), or None:
-    it fails now. `lost_s`: when its node lost it (or handed it back); `recovery_left_s`: the predicted time left
-    of a recovery under way now (its model's load: 0 once overdue, or for a node not back
-    yet), None if none is; `recovering_s`: when a recovery was last seen under way (`lost_s`
-    if never)."""
+    """When a lost (or otherwise handed-back) request past its queue timeout is looked at
+    again (it waits on), or None: it fails now. `handed_back_s`: when its node lost it or
+    handed it back; `recovery_left_s`: the predicted time left of a recovery under way now
+    (its model's load: 0 once overdue, or for a node not back yet), None if none is;
+    `recovering_s`: when a recovery was last seen under way (`handed_back_s` if never)."""
     if timeout_s is None:
         return None
-    limit = lost_s + LOST_WAIT_LIMIT * timeout_s
+    limit = handed_back_s + LOST_WAIT_LIMIT * timeout_s
     if recovery_left_s is not None:
         until = now + max(recovery_left_s, 1.0)  # overdue, or unknown: looked at each second
     else:
