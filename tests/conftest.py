@@ -17,12 +17,24 @@
   collection, which may run inside pytest's own parse of a failing test's source; on
   Python 3.11 that nested `ast.parse` broke the outer one ("AST constructor recursion depth
   mismatch") and ended a CI run with an INTERNALERROR that hid which tests had failed.
+- `ast.parse` runs with the garbage collector held off. On Python 3.11 the AST builder's
+  depth count is shared by the whole interpreter (CPython gh-106905): a finalizer that the
+  collector runs in the middle of a parse, or another thread that gets the GIL from it, and
+  that formats a traceback (3.11's `traceback` parses source to place its carets) or parses
+  anything else, breaks the outer parse. Without collections nothing else runs inside one.
+- The report's header says how much disk is free where the tests write: the real-engine
+  tests copy and convert models (pyproject.toml's tmp_path note), and a full disk fails
+  tests far from its cause.
 """
 from __future__ import annotations
 
+import ast
+import gc
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 import traceback
 import uuid
@@ -46,7 +58,34 @@ def _keep_unraisable(args: "sys.UnraisableHookArgs") -> None:
     _unraisable.append((where, args.exc_value))
 
 
+_parse = ast.parse
+LOW_DISK_GB = 15.0  # about what a full run writes at its peak, set-up's environments aside
+
+
+def _parse_without_collections(*args, **kwargs):
+    """ast.parse, with no finalizer or other thread running inside it (module docstring)."""
+    was_on = gc.isenabled()
+    gc.disable()
+    try:
+        return _parse(*args, **kwargs)
+    finally:
+        if was_on:
+            gc.enable()
+
+
+def pytest_report_header(config: pytest.Config) -> list[str]:
+    lines = []
+    places = {os.stat(where).st_dev: where for where in (str(config.rootpath), tempfile.gettempdir())}
+    for where in places.values():  # one line per file system
+        free = shutil.disk_usage(where).free / 2**30
+        low = f" (under {LOW_DISK_GB:g} GiB: tests that copy models may fail for want of space)" \
+            if free < LOW_DISK_GB else ""
+        lines.append(f"disk free under {where}: {free:.1f} GiB{low}")
+    return lines
+
+
 def pytest_configure(config: pytest.Config) -> None:
+    ast.parse = _parse_without_collections
     os.environ[RUN_MARK] = f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
     _handlers.update({sig: signal.getsignal(sig) for sig in _SIGNALS})
     sys.unraisablehook = _keep_unraisable

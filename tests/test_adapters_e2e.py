@@ -95,6 +95,7 @@ def served(tmp_path_factory, demo_ir):
         yield server, keys, allowed
     finally:
         assert server.stop() == 0
+        shutil.rmtree(root, ignore_errors=True)  # a GB of adapters and caches (pyproject's tmp_path note)
 
 
 def test_the_zero_adapter_reproduces_the_base_and_a_random_one_changes_it_the_same_way(served):
