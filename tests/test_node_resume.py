@@ -239,6 +239,18 @@ def test_shadow_refuses_to_push_an_already_late_request_further_behind():
     v = shadow_validate(c, "i", "r5", 10, start_s=0.0, now=0.0)
     f = v.failed(FailureCase.EXISTING_REQUEST_LATE)
     assert f is not None and f.request_id == "r1" and f.by_s == pytest.approx(0.011 + 0.22 + 0.3)
+    # The same request handed back by a node that died (load taken on already, not new) is
+    # not refused for r1, late anyway: refusing it would only fail it (the soak's failure).
+    back = shadow_validate(c, "i", "r5", 10, start_s=0.0, now=0.0, resumed=True, handed_back=True)
+    assert back.ok, back.reason()
+    # ... but it still may not make late a request on time without it.
+    c = ComputeSubsystem()
+    c.add_instance("i", LinearTimes(prefill_per_token=0.0, prefill_base=0.01, decode_base=0.2), SLO(), 4096)
+    c.add_request("i", "r2", 10, -2.025)
+    c.complete_iteration("i", IterationKind.PREFILL, ["r2"])  # next token due at 0.225: alone it decodes by 0.22
+    on_time = shadow_validate(c, "i", "r5", 10, start_s=0.0, now=0.0, resumed=True, handed_back=True)
+    f = on_time.failed(FailureCase.EXISTING_REQUEST_LATE)
+    assert f is not None and f.request_id == "r2", on_time.reason()
 
 
 class HangingEngine(SimulatedEngine):

@@ -84,7 +84,8 @@ class ShadowAdmission:
         if quick is not None:
             return Admission(False, Verdict((quick,)), plan)
         verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin, exclude,
-                                  resumed=done > 0, own_late_ok=req.best_effort)
+                                  resumed=done > 0, own_late_ok=req.best_effort,
+                                  handed_back=req.handed_back_s is not None)
         return Admission(verdict.ok, verdict, plan)
 
     def validate_group(self, instance_id: str, reqs: Sequence[ServedRequest], done: Sequence[int]) -> Admission:
@@ -150,7 +151,8 @@ class ShadowAdmission:
                     verdict = Verdict((quick,))
                     break
                 verdict = shadow_validate(self.compute, instance_id, req.request_id, prompt, start, now, self.margin,
-                                          resumed=d > 0, own_late_ok=req.best_effort)
+                                          resumed=d > 0, own_late_ok=req.best_effort,
+                                          handed_back=req.handed_back_s is not None)
                 if not verdict.ok:
                     break
                 self.compute.add_request(instance_id, req.request_id, prompt, start, resumed=d > 0)

@@ -6,7 +6,8 @@ fluctuation and growing contexts). The candidate is rejected if
 
 1. its own prefill ends after its TTFT deadline (OWN_PREFILL_LATE),
 2. a request already on the node, on time without the candidate, turns late with it, or
-   one late anyway is pushed later still and over one TPOT late (EXISTING_REQUEST_LATE), or
+   one late anyway is pushed later still and over one TPOT late (EXISTING_REQUEST_LATE;
+   the second clause is not applied to a handed-back candidate, `shadow_validate`), or
 3. one round of decode iterations across the node's instances, with the candidate in its
    instance, takes longer than the TPOT SLO (DECODE_ROUND_OVER_TPOT).
 
@@ -337,6 +338,7 @@ def shadow_validate(
     exclude: Collection[str] = (),
     resumed: bool = False,
     own_late_ok: bool = False,
+    handed_back: bool = False,
 ) -> Verdict:
     """Would adding this request to `instance_id` keep every SLO on the node? (5.3)
 
@@ -344,7 +346,11 @@ def shadow_validate(
     defragmentation, 7.1); their requests count neither for nor against the candidate.
     `resumed`: the candidate produced tokens elsewhere (ComputeSubsystem.add_request).
     `own_late_ok`: the candidate is served late, best effort (ServedRequest.best_effort): its
-    own first token may be late (case 1 is not checked); everyone else's deadlines hold."""
+    own first token may be late (case 1 is not checked); everyone else's deadlines hold.
+    `handed_back`: the candidate is load the cluster took on and then lost (its node died or
+    gave it back: ServedRequest.handed_back_s), not new load. A request late anyway does not
+    refuse it: case 2's guard against cascades keeps new load off a node that is behind,
+    and refusing a handed-back request only fails it. One on time without it still does."""
     inst = compute.instances[instance_id]
     if instance_id in exclude:
         raise ValueError(f"instance {instance_id!r} cannot both take the request and be excluded")
@@ -374,7 +380,8 @@ def shadow_validate(
         newly_late = {
             rid: v for rid, v in with_cand.late.items()
             if rid not in base.late
-            or (v[0] > base.late[rid][0] + _LATER_EPS_S and v[0] > compute.instances[v[1]].tpot)
+            or (not handed_back and v[0] > base.late[rid][0] + _LATER_EPS_S
+                and v[0] > compute.instances[v[1]].tpot)
         }
         if newly_late:
             rid, (by_s, where) = max(newly_late.items(), key=lambda kv: kv[1][0])
