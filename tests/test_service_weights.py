@@ -310,3 +310,28 @@ def test_a_node_whose_agent_is_down_never_takes_a_first_host_copy(tmp_path, mode
         await p.stop()
 
     asyncio.run(main())
+
+
+def test_an_instance_whose_weights_never_arrive_leaves_the_books_and_its_model_can_go(tmp_path, model_file):
+    """A staged instance (its weights multicast first) whose transfer fails is gone from the
+    cluster's books, not only from its node's; else a deleted model waited for it for ever
+    (the 30-minute soak at 720d5b8: a transfer whose source agent was killed)."""
+    async def main():
+        p = await started(tmp_path, nodes=3)
+        m = record(model_file)
+        await p.weights.register(m)
+        p.agents["cpu-2"].server.weights.token = "another"  # cpu-2's weights port refuses this service
+        results = {r["node"]: r for r in (await p.scale_out(m, ["cpu-1", "cpu-2"]))["results"]}
+        assert results["cpu-1"]["ok"] and not results["cpu-2"]["ok"], results
+        for _ in range(100):  # the staged start's clean-up runs in the background
+            if not any(r.node.node_id == "cpu-2" for r in p.cluster.all_instances()):
+                break
+            await asyncio.sleep(0.02)
+        assert [r.node.node_id for r in p.cluster.all_instances()].count("cpu-2") == 0
+        gone = asyncio.Event()
+        await p.forget_model(m.uid, gone.set)
+        await asyncio.wait_for(gone.wait(), 10)
+        assert m.uid not in p.cluster.models
+        await p.stop()
+
+    asyncio.run(main())

@@ -321,10 +321,16 @@ class AgentNode(ClusterNode):
             self._staging.add(task)
             task.add_done_callback(self._staging.discard)
             return True
-        return await self._issue(plan, inst)
+        if await self._issue(plan, inst):
+            return True
+        if self._instances.get(plan.instance_id) is inst:
+            self._instances.pop(plan.instance_id, None)
+        return False
 
     async def _issue(self, plan: InstancePlan, inst: AgentInstance) -> bool:
-        """The load: its spec (the weights placed here first), then the agent's `load`."""
+        """The load: its spec (the weights placed here first), then the agent's `load`.
+        False if it was not issued; the instance stays in `_instances` for the caller to
+        clean up (a staged one's books go with it: `_start_staged`)."""
         try:
             spec = dataclasses.replace(await self._load_spec(plan, self), slo=slo_to_dict(plan.slo),
                                        expected_load_s=plan.expected_load_s,
@@ -334,8 +340,6 @@ class AgentNode(ClusterNode):
                 return False
             await self._client.call(spec, CALL_TIMEOUT_S)
         except Exception as exc:  # noqa: BLE001 - weights not placed, memory, engine: not started
-            if self._instances.get(plan.instance_id) is inst:
-                self._instances.pop(plan.instance_id, None)
             log.warning("starting %s on %s failed: %s", plan.instance_id, self.node_id, exc)
             self.last_start_error = str(exc)  # the operator's detail (`LoadSpecFor`)
             return False
